@@ -1,0 +1,3 @@
+from moetrain.cli import main
+
+raise SystemExit(main())

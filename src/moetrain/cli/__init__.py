@@ -1,0 +1,58 @@
+"""The ``moetrain`` command line.
+
+Each subcommand lives in its own module of this package with three names: ``HELP`` (one line),
+``add_arguments(parser)`` and ``run(args) -> int``. Command modules import torch (and anything
+heavy) inside ``run`` only, so ``moetrain plan`` starts in milliseconds on a machine without torch.
+Bad input raises ``UserError`` (or ``ValueError`` from a config); ``main`` prints it as one line and
+returns exit code 2, with no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from moetrain.errors import UserError
+
+# name on the command line → module under moetrain.cli
+COMMANDS: dict[str, str] = {
+    "train": "train",
+    "model-info": "model_info",
+    "simulate": "simulate",
+    "plan": "plan",
+    "validate": "validate",
+    "profile": "profile",
+    "memory": "memory",
+    "balance": "balance",
+    "convert": "convert",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moetrain", description="Train large mixture-of-experts models.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, module_name in COMMANDS.items():
+        try:
+            module = importlib.import_module(f"moetrain.cli.{module_name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"moetrain.cli.{module_name}":
+                raise
+            continue
+        command = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        module.add_arguments(command)
+        command.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except UserError as exc:
+        print(f"moetrain {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"moetrain {args.command}: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,41 @@
+"""Arguments shared by several commands, so each flag means the same thing everywhere."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_model_arg(parser: argparse.ArgumentParser, default: str | None = None) -> None:
+    parser.add_argument(
+        "--model",
+        default=default,
+        required=default is None,
+        help="model preset name (see `moetrain model-info --list`) or a YAML file",
+    )
+
+
+def add_cluster_arg(parser: argparse.ArgumentParser, default: str | None = None) -> None:
+    parser.add_argument(
+        "--cluster",
+        default=default,
+        required=default is None,
+        help="cluster preset name (atlas-800t-a2, h100-sxm-80gb, ..., cpu) or a YAML file",
+    )
+
+
+def add_strategy_args(parser: argparse.ArgumentParser) -> None:
+    """The parallel-strategy flags common to simulate, plan (as fixed values) and train."""
+    g = parser.add_argument_group("parallel strategy")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    g.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None,
+                   help="sequence parallel (default: on when tp > 1)")
+    g.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages")
+    g.add_argument("--vpp", type=int, default=1, help="virtual stages per pipeline rank (interleaved 1F1B)")
+    g.add_argument("--ep", type=int, default=1, help="expert-parallel size")
+    g.add_argument("--etp", type=int, default=1, help="expert tensor-parallel size")
+    g.add_argument("--cp", type=int, default=1, help="context-parallel size")
+    g.add_argument("--zero", type=int, default=1, choices=[0, 1, 2, 3], help="ZeRO stage over data parallel")
+    g.add_argument("--recompute", default="none", help="none | selective | full (or a memory policy)")
+    g.add_argument("--a2a", choices=["flat", "hierarchical"], default="flat", help="expert all-to-all kind")
+    g.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=False,
+                   help="pair forward and backward of two micro-batches to hide all-to-all")

@@ -1,0 +1,39 @@
+"""Cluster (hardware) config: per-device peaks, memory and the two link tiers.
+
+Figures for the presets come from ``shared/validation/README.md`` (hardware table). Bandwidths are
+one direction, per device, in GB/s (10^9 bytes/s); HBM in GB (10^9 bytes) as vendors quote it.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ClusterConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    device: str
+    """Accelerator id, as in the validation schema's ``hardware`` column."""
+    peak_tflops_bf16: float = Field(gt=0)
+    peak_tflops_fp8: float | None = Field(default=None, gt=0)
+    hbm_gb: float = Field(gt=0)
+    hbm_bandwidth_tbps: float = Field(gt=0)
+    devices_per_node: int = Field(gt=0)
+    intra_node_gbps: float = Field(gt=0)
+    """Per-device, one-way bandwidth over the in-node fabric (NVLink, HCCS)."""
+    inter_node_gbps: float = Field(gt=0)
+    """Per-device, one-way network bandwidth between nodes (InfiniBand, RoCE)."""
+    intra_node_latency_us: float = Field(default=3.0, ge=0)
+    inter_node_latency_us: float = Field(default=10.0, ge=0)
+    notes: str = ""
+
+    @property
+    def hbm_bytes(self) -> float:
+        return self.hbm_gb * 1e9
+
+    def peak_flops(self, precision: str = "bf16") -> float:
+        """Peak dense FLOP/s per device for ``precision`` (fp8 falls back to bf16 where absent)."""
+        if precision == "fp8" and self.peak_tflops_fp8:
+            return self.peak_tflops_fp8 * 1e12
+        return self.peak_tflops_bf16 * 1e12

@@ -1,0 +1,168 @@
+"""Attention: MLA (DeepSeek-V2/V3, Pangu) and GQA (Qwen3, Mixtral), causal with document masking.
+
+Legend: B batch, S sequence, H query heads, G kv heads, D head dim, N/R non-rotary/rotary QK dims,
+V value head dim, C kv latent rank, Q q latent rank.
+
+MLA keeps QK head dim (N+R, 192 for Pangu) and V head dim (128) as they are: V is never padded.
+Two backends compute the same function:
+- ``eager`` adds the rotary and non-rotary score parts, ``q_N·k_N + q_R·k_R``, without concatenating q
+  or k, and shares the single rotary key across heads by broadcasting (no copy per head);
+- ``sdpa`` hands torch's fused ``scaled_dot_product_attention`` one concatenated q and k (it takes one
+  QK tensor) and V with its own head dim; memory-efficient kernels avoid the S×S score matrix.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moetrain.config.model import GQAConfig, MLAConfig
+from moetrain.models.norm import RMSNorm
+from moetrain.models.rope import apply_rope, rope_cos_sin
+
+AttentionBackend = Literal["sdpa", "eager"]
+
+
+@dataclass(frozen=True)
+class AttentionContext:
+    """Per-batch inputs every attention layer shares; built once per forward."""
+
+    positions_BS: torch.Tensor
+    mask_B1SS: torch.Tensor | None
+    """Boolean (True = may attend) for packed documents; None means plain causal."""
+
+
+def build_attention_context(
+    input_ids_BS: torch.Tensor, document_ids_BS: torch.Tensor | None
+) -> AttentionContext:
+    from moetrain.models.rope import positions_from_documents
+
+    batch, seq = input_ids_BS.shape
+    if document_ids_BS is None:
+        positions = torch.arange(seq, device=input_ids_BS.device).expand(batch, seq)
+        return AttentionContext(positions, None)
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=input_ids_BS.device).tril()
+    same_doc = document_ids_BS.unsqueeze(2) == document_ids_BS.unsqueeze(1)
+    return AttentionContext(positions_from_documents(document_ids_BS), (same_doc & causal).unsqueeze(1))
+
+
+def _masked_softmax_scores(scores_BHSS: torch.Tensor, mask_B1SS: torch.Tensor | None) -> torch.Tensor:
+    seq = scores_BHSS.shape[-1]
+    if mask_B1SS is None:
+        mask_B1SS = torch.ones(seq, seq, dtype=torch.bool, device=scores_BHSS.device).tril()
+    scores_BHSS = scores_BHSS.float().masked_fill(~mask_B1SS, float("-inf"))
+    return scores_BHSS.softmax(dim=-1)
+
+
+def core_attention(
+    q_BHSD: torch.Tensor,
+    k_BGSD: torch.Tensor,
+    v_BGSV: torch.Tensor,
+    ctx: AttentionContext,
+    scale: float,
+    backend: AttentionBackend,
+) -> torch.Tensor:
+    """softmax(q·kᵀ·scale + mask)·v with GQA broadcasting (G divides H); returns [B, H, S, V]."""
+    heads, groups = q_BHSD.shape[1], k_BGSD.shape[1]
+    if backend == "sdpa":
+        return F.scaled_dot_product_attention(
+            q_BHSD, k_BGSD, v_BGSV,
+            attn_mask=ctx.mask_B1SS, is_causal=ctx.mask_B1SS is None, scale=scale, enable_gqa=groups != heads,
+        )
+    if groups != heads:
+        k_BGSD = k_BGSD.repeat_interleave(heads // groups, dim=1)
+        v_BGSV = v_BGSV.repeat_interleave(heads // groups, dim=1)
+    probs = _masked_softmax_scores(q_BHSD @ k_BGSD.transpose(-1, -2) * scale, ctx.mask_B1SS)
+    return probs.to(v_BGSV.dtype) @ v_BGSV
+
+
+class MLA(nn.Module):
+    def __init__(self, hidden: int, cfg: MLAConfig, eps: float, rope_theta: float, backend: AttentionBackend,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.cfg, self.rope_theta, self.backend = cfg, rope_theta, backend
+        heads = cfg.num_heads
+        if cfg.q_lora_rank:
+            self.q_down = nn.Linear(hidden, cfg.q_lora_rank, bias=False, device=device)
+            self.q_norm = RMSNorm(cfg.q_lora_rank, eps, device=device)
+            self.q_up = nn.Linear(cfg.q_lora_rank, heads * cfg.qk_head_dim, bias=False, device=device)
+        else:
+            self.q_proj = nn.Linear(hidden, heads * cfg.qk_head_dim, bias=False, device=device)
+        self.kv_down = nn.Linear(hidden, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False, device=device)
+        self.kv_norm = RMSNorm(cfg.kv_lora_rank, eps, device=device)
+        self.kv_up = nn.Linear(
+            cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False, device=device
+        )
+        self.o_proj = nn.Linear(heads * cfg.v_head_dim, hidden, bias=False, device=device)
+        self.scale = cfg.qk_head_dim**-0.5
+
+    def project_q(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        if self.cfg.q_lora_rank:
+            return self.q_up(self.q_norm(self.q_down(x_BSD)))
+        return self.q_proj(x_BSD)
+
+    def forward(self, x_BSD: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        cfg = self.cfg
+        batch, seq, _ = x_BSD.shape
+        nope, rope, v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        q_BSHK = self.project_q(x_BSD).view(batch, seq, cfg.num_heads, nope + rope)
+        q_nope_BSHN, q_rope_BSHR = q_BSHK.split([nope, rope], dim=-1)
+        latent_BSC, k_rope_BSR = self.kv_down(x_BSD).split([cfg.kv_lora_rank, rope], dim=-1)
+        kv_BSHK = self.kv_up(self.kv_norm(latent_BSC)).view(batch, seq, cfg.num_heads, nope + v_dim)
+        k_nope_BSHN, v_BSHV = kv_BSHK.split([nope, v_dim], dim=-1)
+
+        cos, sin = rope_cos_sin(ctx.positions_BS, rope, self.rope_theta)
+        q_rope_BSHR = apply_rope(q_rope_BSHR, cos, sin)
+        k_rope_BS1R = apply_rope(k_rope_BSR.unsqueeze(2), cos, sin)  # one rotary key shared by all heads
+
+        q_nope, q_rope = q_nope_BSHN.transpose(1, 2), q_rope_BSHR.transpose(1, 2)
+        k_nope, k_rope = k_nope_BSHN.transpose(1, 2), k_rope_BS1R.transpose(1, 2)
+        v = v_BSHV.transpose(1, 2)
+        if self.backend == "eager":
+            scores = (q_nope @ k_nope.transpose(-1, -2) + q_rope @ k_rope.transpose(-1, -2)) * self.scale
+            out_BHSV = _masked_softmax_scores(scores, ctx.mask_B1SS).to(v.dtype) @ v
+        else:
+            q = torch.cat([q_nope, q_rope], dim=-1)
+            k = torch.cat([k_nope, k_rope.expand(-1, cfg.num_heads, -1, -1)], dim=-1)
+            out_BHSV = core_attention(q, k, v, ctx, self.scale, "sdpa")
+        return self.o_proj(out_BHSV.transpose(1, 2).reshape(batch, seq, cfg.num_heads * v_dim))
+
+
+class GQA(nn.Module):
+    def __init__(self, hidden: int, cfg: GQAConfig, eps: float, rope_theta: float, backend: AttentionBackend,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.cfg, self.rope_theta, self.backend = cfg, rope_theta, backend
+        self.q_proj = nn.Linear(hidden, cfg.num_heads * cfg.head_dim, bias=False, device=device)
+        self.k_proj = nn.Linear(hidden, cfg.num_kv_heads * cfg.head_dim, bias=False, device=device)
+        self.v_proj = nn.Linear(hidden, cfg.num_kv_heads * cfg.head_dim, bias=False, device=device)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, hidden, bias=False, device=device)
+        if cfg.qk_norm:  # Qwen3: RMSNorm over each head's q and k before rotary
+            self.q_norm = RMSNorm(cfg.head_dim, eps, device=device)
+            self.k_norm = RMSNorm(cfg.head_dim, eps, device=device)
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+
+    def forward(self, x_BSD: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        cfg = self.cfg
+        batch, seq, _ = x_BSD.shape
+        q = self.q_proj(x_BSD).view(batch, seq, cfg.num_heads, cfg.head_dim)
+        k = self.k_proj(x_BSD).view(batch, seq, cfg.num_kv_heads, cfg.head_dim)
+        v = self.v_proj(x_BSD).view(batch, seq, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope_cos_sin(ctx.positions_BS, cfg.head_dim, self.rope_theta)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = core_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), ctx, self.scale, self.backend)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, cfg.num_heads * cfg.head_dim))
+
+
+def build_attention(hidden: int, cfg: MLAConfig | GQAConfig, eps: float, rope_theta: float,
+                    backend: AttentionBackend, device: torch.device | str | None = None) -> nn.Module:
+    if isinstance(cfg, MLAConfig):
+        return MLA(hidden, cfg, eps, rope_theta, backend, device)
+    return GQA(hidden, cfg, eps, rope_theta, backend, device)
