@@ -17,7 +17,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetrain.config.model import ModelConfig
-from moetrain.models.attention import AttentionBackend, AttentionContext, build_attention, build_attention_context
+from moetrain.models.attention import (
+    AttentionBackend,
+    AttentionContext,
+    build_attention,
+    build_attention_context,
+)
 from moetrain.models.experts import SwiGLU
 from moetrain.models.moe import MoE
 from moetrain.models.norm import RMSNorm

@@ -1,0 +1,77 @@
+import pytest
+
+from moetrain.config import (
+    ParallelConfig,
+    cluster_presets,
+    load_cluster_config,
+    load_model_config,
+    model_presets,
+)
+from moetrain.errors import UserError
+
+REQUIRED_MODELS = {"pangu-ultra-moe-718b", "deepseek-v3-671b", "qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b",
+                   "tiny-pangu", "tiny-qwen3", "tiny-mixtral"}
+REQUIRED_CLUSTERS = {"atlas-800t-a2", "a100-sxm-80gb", "h100-sxm-80gb", "h800-sxm-80gb", "h200-sxm-141gb", "b200",
+                     "gb200", "cpu"}
+
+
+def test_every_required_preset_ships_and_validates():
+    assert set(model_presets()) >= REQUIRED_MODELS
+    assert set(cluster_presets()) >= REQUIRED_CLUSTERS
+    for name in model_presets():
+        assert load_model_config(name).name == name
+    for name in cluster_presets():
+        assert load_cluster_config(name).peak_tflops_bf16 > 0
+
+
+@pytest.mark.parametrize("name", ["tiny-pangu", "tiny-qwen3", "tiny-mixtral"])
+def test_tiny_presets_split_by_two_and_four(name):
+    cfg = load_model_config(name)
+    assert cfg.num_layers == 8 and 8 <= cfg.moe.num_experts <= 16
+    assert cfg.num_layers % 4 == 0 and cfg.moe.num_experts % 4 == 0
+
+
+def test_unknown_preset_is_one_line_error_naming_the_choices():
+    with pytest.raises(UserError, match=r"unknown model preset 'tiny-gpt'; choose one of: .*tiny-pangu"):
+        load_model_config("tiny-gpt")
+
+
+def test_user_yaml_with_inconsistent_dims_names_the_field(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text(
+        "vocab_size: 100\nhidden_size: 32\nnum_layers: 2\n"
+        "attention: {kind: gqa, num_heads: 4, num_kv_heads: 3, head_dim: 8}\n"
+        "moe: {num_experts: 4, expert_ffn_hidden: 8, router: {top_k: 2}}\n"
+    )
+    with pytest.raises(UserError) as err:
+        load_model_config(str(path))
+    message = str(err.value)
+    assert "\n" not in message
+    assert "num_heads=4 is not a multiple of num_kv_heads=3" in message
+
+
+def test_user_yaml_loads(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text(
+        "vocab_size: 100\nhidden_size: 32\nnum_layers: 2\n"
+        "attention: {kind: gqa, num_heads: 4, num_kv_heads: 2, head_dim: 8}\n"
+        "moe: {num_experts: 4, expert_ffn_hidden: 8, router: {top_k: 5}}\n"
+    )
+    with pytest.raises(UserError, match="top_k=5 exceeds moe.num_experts=4"):
+        load_model_config(str(path))
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        load_model_config(str(tmp_path / "nope.yaml"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("a: [1, 2\n")
+    with pytest.raises(UserError, match="not valid YAML"):
+        load_model_config(str(bad))
+
+
+def test_parallel_config_rejects_layouts_that_do_not_divide():
+    with pytest.raises(ValueError, match="ep·etp=3 must divide tp·cp·dp=4"):
+        ParallelConfig(tp=2, dp=2, ep=3)
+    assert ParallelConfig(tp=2, dp=4, ep=8, pp=2).edp == 1
+    assert ParallelConfig(tp=2, dp=4, pp=2).world_size == 16

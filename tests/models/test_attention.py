@@ -1,0 +1,70 @@
+import torch
+
+from moetrain.config import GQAConfig, MLAConfig
+from moetrain.models.attention import GQA, MLA, build_attention_context
+
+
+def _mla(backend: str) -> MLA:
+    cfg = MLAConfig(num_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8,
+                    v_head_dim=10)
+    torch.manual_seed(0)
+    m = MLA(32, cfg, 1e-5, 10000.0, backend)
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    return m
+
+
+def _reference_padded_mla(m: MLA, x: torch.Tensor, ctx) -> torch.Tensor:
+    """Straightforward MLA: concatenate q and k, pad V to the QK head dim, plain attention, slice."""
+    cfg = m.cfg
+    b, s, _ = x.shape
+    from moetrain.models.rope import apply_rope, rope_cos_sin
+
+    q = m.project_q(x).view(b, s, cfg.num_heads, cfg.qk_head_dim)
+    latent, k_rope = m.kv_down(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], -1)
+    kv = m.kv_up(m.kv_norm(latent)).view(b, s, cfg.num_heads, -1)
+    k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], -1)
+    cos, sin = rope_cos_sin(ctx.positions_BS, cfg.qk_rope_head_dim, m.rope_theta)
+    q = torch.cat([q[..., : cfg.qk_nope_head_dim], apply_rope(q[..., cfg.qk_nope_head_dim:], cos, sin)], -1)
+    k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin).expand(-1, -1, cfg.num_heads, -1)
+    k = torch.cat([k_nope, k_rope], -1)
+    v_padded = torch.nn.functional.pad(v, (0, cfg.qk_head_dim - cfg.v_head_dim))
+    scores = torch.einsum("bshd,bthd->bhst", q, k) * cfg.qk_head_dim**-0.5
+    mask = ctx.mask_B1SS if ctx.mask_B1SS is not None else torch.ones(s, s, dtype=torch.bool).tril()
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    out = torch.einsum("bhst,bthd->bshd", probs, v_padded)[..., : cfg.v_head_dim]
+    return m.o_proj(out.reshape(b, s, -1))
+
+
+def test_mla_without_padding_equals_padded_reference_both_backends():
+    x = torch.randn(2, 9, 32)
+    docs = torch.tensor([[0] * 4 + [1] * 5, [0] * 9])
+    for document_ids in (None, docs):
+        ctx = build_attention_context(torch.zeros(2, 9, dtype=torch.long), document_ids)
+        for backend in ("eager", "sdpa"):
+            m = _mla(backend)
+            assert torch.allclose(m(x, ctx), _reference_padded_mla(m, x, ctx), atol=1e-5), (backend, document_ids)
+
+
+def test_packed_documents_equal_separate_sequences():
+    cfg = GQAConfig(num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True)
+    m = GQA(32, cfg, 1e-6, 10000.0, "sdpa")
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    a, b = torch.randn(1, 5, 32), torch.randn(1, 7, 32)
+    packed = torch.cat([a, b], 1)
+    docs = torch.tensor([[0] * 5 + [1] * 7])
+    ids = torch.zeros(1, 12, dtype=torch.long)
+    out = m(packed, build_attention_context(ids, docs))
+    out_a = m(a, build_attention_context(ids[:, :5], None))
+    out_b = m(b, build_attention_context(ids[:, :7], None))
+    assert torch.allclose(out, torch.cat([out_a, out_b], 1), atol=1e-5)
+
+
+def test_gqa_eager_equals_sdpa():
+    cfg = GQAConfig(num_heads=4, num_kv_heads=2, head_dim=8)
+    eager, sdpa = GQA(32, cfg, 1e-6, 1e4, "eager"), GQA(32, cfg, 1e-6, 1e4, "sdpa")
+    sdpa.load_state_dict(eager.state_dict())
+    x = torch.randn(2, 6, 32)
+    ctx = build_attention_context(torch.zeros(2, 6, dtype=torch.long), None)
+    assert torch.allclose(eager(x, ctx), sdpa(x, ctx), atol=1e-5)
