@@ -47,7 +47,8 @@ def grouped_mm(x_PK: torch.Tensor, w_EKN: torch.Tensor, tokens_per_expert_E: tor
         offsets = torch.cumsum(tokens_per_expert_E, dim=0).to(torch.int32)
         return F.grouped_mm(x_PK, w_EKN, offs=offsets)
     blocks = torch.split(x_PK, tokens_per_expert_E.tolist())
-    outs = [block @ w_EKN[e] for e, block in enumerate(blocks)]
+    # unbind, not w[e]: the backward of E separate selects would add E full-size zero gradients
+    outs = [block @ w_KN for block, w_KN in zip(blocks, w_EKN.unbind(0))]
     return torch.cat(outs) if outs else x_PK.new_zeros(0, w_EKN.shape[-1])
 
 
