@@ -1,0 +1,266 @@
+"""Expert parallelism: dropless token dispatch across ranks, flat or hierarchical.
+
+Legend: T tokens on this rank, K top-k, D hidden, E logical experts, R EP ranks, S expert slots per
+rank, P = R·S physical slots, N nodes in the EP group, n EP ranks per node.
+
+Where an expert lives is a table, not arithmetic: ``ExpertTable.slot_of_expert[e]`` is the physical
+slot ``rank·S + local_slot`` of logical expert e, built from ``moetrain.balance.ExpertPlacement``.
+The dispatcher reads the table on every call, so a later step can move experts (and their weights)
+and swap the table between steps.
+
+One host read per MoE layer. Right after routing, each rank counts its assignments per physical slot
+(and, for the hierarchical path, per destination node) on the device and starts an asynchronous
+all-gather of these counts over the EP group. While that runs, the rows are permuted into
+destination order. Then the [R, P(+N)] count matrix is read to the host once; every split size of
+every exchange of the layer (forward and backward, both hops) is derived from it on the host.
+
+Both paths deliver, on each rank, its tokens in one canonical order: by local slot, then by source
+rank, then by token order at the source. So flat and hierarchical dispatch give identical results,
+which ``tests/distributed/test_dispatch.py`` checks directly.
+
+Hierarchical (Pangu "Adaptive Pipe", MindSpeed ``--moe-hierarchical-alltoallv``, Tutel 2DH): hop 1
+sends each token once per destination node (not once per expert) to the peer with the same position
+in that node, with its expert ids and gating weights; hop 2 is an all-to-all inside the node that
+expands each token to its experts there. Combine runs the hops backwards and sums each token's
+experts of one node at the peer, so the inter-node return traffic is one row per (token, node) too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from moetrain.balance.placement import ExpertPlacement
+from moetrain.distributed.comm import all_to_all
+from moetrain.distributed.trace import record_async, span
+from moetrain.errors import UserError
+from moetrain.models.dispatch import PermuteMeta, unpermute
+from moetrain.models.experts import GroupedExperts
+from moetrain.models.router import Routing, count_tokens_per_expert
+
+
+@dataclass(frozen=True)
+class ExpertTable:
+    """Logical expert → physical slot, on the device the dispatcher runs on."""
+
+    slot_of_expert: torch.Tensor
+    """int64 [E]."""
+    num_ranks: int
+    slots_per_rank: int
+    experts_by_rank: tuple[tuple[int, ...], ...]
+    """Logical expert held in each local slot of each rank (-1 for an empty slot)."""
+
+    @classmethod
+    def from_placement(cls, placement: ExpertPlacement, device: torch.device | str = "cpu") -> ExpertTable:
+        if int(placement.num_replicas().max()) > 1:
+            raise UserError("replicated experts are not dispatched by this runtime yet; use one replica each")
+        slots = torch.as_tensor(placement.slot_of_logical(), dtype=torch.int64, device=device)
+        by_rank = tuple(tuple(int(e) for e in placement.experts_on_rank(r)) for r in range(placement.num_ranks))
+        return cls(slots, placement.num_ranks, placement.slots_per_rank, by_rank)
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_ranks * self.slots_per_rank
+
+
+def regroup_index(lengths: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
+    """Rows stored as consecutive blocks in C order of ``lengths`` (one block per cell); the row index
+    that lists them block by block in the C order of ``lengths.transpose(axes)`` (each block's rows
+    keep their order)."""
+    flat = lengths.reshape(-1)
+    starts = (np.cumsum(flat) - flat).reshape(lengths.shape)
+    block_starts = starts.transpose(axes).reshape(-1)
+    block_lengths = lengths.transpose(axes).reshape(-1)
+    new_starts = np.cumsum(block_lengths) - block_lengths
+    return np.arange(int(block_lengths.sum()), dtype=np.int64) + np.repeat(block_starts - new_starts, block_lengths)
+
+
+def _inverse(index: np.ndarray) -> np.ndarray:
+    inverse = np.empty_like(index)
+    inverse[index] = np.arange(index.size, dtype=index.dtype)
+    return inverse
+
+
+def _start_count_exchange(counts: torch.Tensor, group: dist.ProcessGroup) -> tuple[list[torch.Tensor], dist.Work]:
+    parts = [torch.empty_like(counts) for _ in range(dist.get_world_size(group))]
+    work = dist.all_gather(parts, counts, group=group, async_op=True)
+    record_async("counts_allgather", work)
+    return parts, work
+
+
+def _read_counts(parts: list[torch.Tensor], work: dist.Work) -> np.ndarray:
+    """Wait for the count exchange and read it to the host: the layer's one device→host read."""
+    work.wait()
+    with span("counts_d2h", "comm"):
+        return torch.stack(parts).cpu().numpy()
+
+
+def _to_device(index: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(index).to(device, non_blocking=True)
+
+
+@dataclass(frozen=True)
+class FlatDispatchMeta:
+    permute: PermuteMeta
+    in_splits: list[int]
+    out_splits: list[int]
+    to_canonical: torch.Tensor
+    from_canonical: torch.Tensor
+
+
+class AllToAllDispatcher:
+    """Flat dropless dispatch: one uneven all-to-all over the EP group each way."""
+
+    def __init__(self, group: dist.ProcessGroup, table: ExpertTable) -> None:
+        self.group, self.table = group, table
+        self.ep_rank = dist.get_rank(group)
+
+    def dispatch(self, x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, FlatDispatchMeta]:
+        table, rank = self.table, self.ep_rank
+        num_ranks, slots = table.num_ranks, table.slots_per_rank
+        top_k = routing.expert_ids_TK.shape[1]
+        phys_TK = table.slot_of_expert[routing.expert_ids_TK]
+        parts, work = _start_count_exchange(count_tokens_per_expert(phys_TK, table.num_slots), self.group)
+        with span("permute"):
+            order_P = torch.argsort(phys_TK.reshape(-1), stable=True)
+            token_index_P = order_P // top_k
+            rows_PD = x_TD[token_index_P]
+        slot_counts = _read_counts(parts, work).reshape(num_ranks, num_ranks, slots)  # [src, dst, slot]
+        in_splits = slot_counts[rank].sum(-1).tolist()
+        out_splits = slot_counts[:, rank].sum(-1).tolist()
+        received = all_to_all(rows_PD, out_splits, in_splits, self.group, "a2a_dispatch")
+        to_canonical = regroup_index(slot_counts[:, rank], (1, 0))  # (src, slot) blocks → (slot, src)
+        to_canonical_t = _to_device(to_canonical, x_TD.device)
+        from_canonical_t = _to_device(_inverse(to_canonical), x_TD.device)
+        tokens_PD = received[to_canonical_t]
+        tokens_per_local = torch.from_numpy(slot_counts[:, rank].sum(0)).to(x_TD.device)
+        meta = FlatDispatchMeta(
+            PermuteMeta(token_index_P, routing.weights_TK.reshape(-1)[order_P], x_TD.shape[0]),
+            in_splits, out_splits, to_canonical_t, from_canonical_t,
+        )
+        return tokens_PD, tokens_per_local, meta
+
+    def combine(self, y_PD: torch.Tensor, meta: FlatDispatchMeta) -> torch.Tensor:
+        returned = all_to_all(y_PD[meta.from_canonical], meta.in_splits, meta.out_splits, self.group, "a2a_combine")
+        with span("unpermute"):
+            return unpermute(returned, meta.permute)
+
+
+@dataclass(frozen=True)
+class HierarchicalDispatchMeta:
+    token_index: torch.Tensor
+    """Source token of each hop-1 row sent (one per token and destination node)."""
+    num_tokens: int
+    inter_in: list[int]
+    inter_out: list[int]
+    expand_row: torch.Tensor
+    """At the peer: the hop-1 row each expanded (token, expert) row came from."""
+    expand_weights: torch.Tensor
+    num_hop1_rows: int
+    intra_in: list[int]
+    intra_out: list[int]
+    to_canonical: torch.Tensor
+    from_canonical: torch.Tensor
+
+
+class HierarchicalDispatcher:
+    """Two-hop dispatch: across nodes once per (token, node), then inside the node."""
+
+    def __init__(self, ep_group: dist.ProcessGroup, intra_group: dist.ProcessGroup,
+                 inter_group: dist.ProcessGroup, table: ExpertTable) -> None:
+        self.ep_group, self.intra_group, self.inter_group, self.table = ep_group, intra_group, inter_group, table
+        self.ep_rank = dist.get_rank(ep_group)
+        self.ranks_per_node = dist.get_world_size(intra_group)
+        self.num_nodes = dist.get_world_size(inter_group)
+        assert self.ranks_per_node * self.num_nodes == table.num_ranks, "EP group must be nodes × ranks per node"
+        assert dist.get_rank(intra_group) == self.ep_rank % self.ranks_per_node
+        assert dist.get_rank(inter_group) == self.ep_rank // self.ranks_per_node
+
+    def dispatch(self, x_TD: torch.Tensor,
+                 routing: Routing) -> tuple[torch.Tensor, torch.Tensor, HierarchicalDispatchMeta]:
+        table, rank = self.table, self.ep_rank
+        n, num_nodes, slots = self.ranks_per_node, self.num_nodes, table.slots_per_rank
+        node, local = divmod(rank, n)
+        num_tokens, top_k = routing.expert_ids_TK.shape
+        phys_TK = table.slot_of_expert[routing.expert_ids_TK]
+        node_TK = phys_TK // (n * slots)
+        goes_to_node_NT = torch.zeros(num_nodes, num_tokens, dtype=torch.bool, device=x_TD.device)
+        goes_to_node_NT.scatter_(0, node_TK.t(), True)
+        counts = torch.cat([count_tokens_per_expert(phys_TK, table.num_slots), goes_to_node_NT.sum(1)])
+        parts, work = _start_count_exchange(counts, self.ep_group)
+        with span("permute"):
+            # (node, token) pairs, node-major then token order, without knowing their number yet.
+            pair_order = torch.argsort((~goes_to_node_NT).reshape(-1).to(torch.int8), stable=True)
+        all_counts = _read_counts(parts, work)
+        slot_counts = all_counts[:, : table.num_slots].reshape(table.num_ranks, table.num_ranks, slots)
+        node_counts = all_counts[:, table.num_slots:]  # [src, node]
+
+        # Hop 1: to the peer with my position in each node, one row per (token, node).
+        inter_in = node_counts[rank].tolist()
+        inter_out = [int(node_counts[src_node * n + local, node]) for src_node in range(num_nodes)]
+        with span("permute"):
+            pairs = pair_order[: sum(inter_in)]
+            token_index, dest_node = pairs % num_tokens, pairs // num_tokens
+            in_node = node_TK[token_index] == dest_node.unsqueeze(1)
+            rows = x_TD[token_index]
+            ids = torch.where(in_node, phys_TK[token_index], -1)
+            weights = torch.where(in_node, routing.weights_TK[token_index], 0.0)
+        rows = all_to_all(rows, inter_out, inter_in, self.inter_group, "a2a_dispatch_inter")
+        ids = all_to_all(ids, inter_out, inter_in, self.inter_group, "a2a_dispatch_inter_ids")
+        weights = all_to_all(weights, inter_out, inter_in, self.inter_group, "a2a_dispatch_inter_weights")
+
+        # Hop 2: expand each row to its experts in this node, ordered by (dest rank, slot), then
+        # (source node, token) as received.
+        node_slot_lo = node * n * slots
+        from_my_position = slot_counts[local::n]  # [src node, dst, slot] for sources at my position
+        num_expanded = int(from_my_position[:, node * n:(node + 1) * n].sum())
+        with span("permute"):
+            key = torch.where(ids >= 0, ids - node_slot_lo, n * slots).reshape(-1)
+            expand_order = torch.argsort(key, stable=True)[:num_expanded]
+            expand_row = expand_order // top_k
+            expanded = rows[expand_row]
+            expand_weights = weights.reshape(-1)[expand_order]
+        intra_in = from_my_position[:, node * n:(node + 1) * n].sum(axis=(0, 2)).tolist()
+        to_me = slot_counts[:, rank]  # [src, slot], src = source node · n + position
+        intra_out = to_me.reshape(num_nodes, n, slots).sum(axis=(0, 2)).tolist()
+        received = all_to_all(expanded, intra_out, intra_in, self.intra_group, "a2a_dispatch_intra")
+        # Received blocks are (peer position, slot, source node); canonical is (slot, source node, position).
+        blocks = to_me.reshape(num_nodes, n, slots).transpose(1, 2, 0)
+        to_canonical = regroup_index(blocks, (1, 2, 0))
+        to_canonical_t = _to_device(to_canonical, x_TD.device)
+        tokens_PD = received[to_canonical_t]
+        tokens_per_local = torch.from_numpy(to_me.sum(0)).to(x_TD.device)
+        meta = HierarchicalDispatchMeta(
+            token_index, num_tokens, inter_in, inter_out, expand_row, expand_weights, rows.shape[0],
+            intra_in, intra_out, to_canonical_t, _to_device(_inverse(to_canonical), x_TD.device),
+        )
+        return tokens_PD, tokens_per_local, meta
+
+    def combine(self, y_PD: torch.Tensor, meta: HierarchicalDispatchMeta) -> torch.Tensor:
+        back = all_to_all(y_PD[meta.from_canonical], meta.intra_in, meta.intra_out, self.intra_group,
+                          "a2a_combine_intra")
+        with span("unpermute"):
+            weighted = (back.float() * meta.expand_weights.unsqueeze(-1)).to(back.dtype)
+            per_node = back.new_zeros(meta.num_hop1_rows, back.shape[1]).index_add_(0, meta.expand_row, weighted)
+        home = all_to_all(per_node, meta.inter_in, meta.inter_out, self.inter_group, "a2a_combine_inter")
+        with span("unpermute"):
+            return home.new_zeros(meta.num_tokens, home.shape[1]).index_add_(0, meta.token_index, home)
+
+
+def shard_experts(experts: GroupedExperts, table: ExpertTable, ep_rank: int) -> GroupedExperts:
+    """This rank's slots of the full expert stack (weights copied; ``-1`` slots start at zero)."""
+    held = list(table.experts_by_rank[ep_rank])
+    full = experts
+    local = GroupedExperts(len(held), full.w_gate_EDF.shape[1], full.w_gate_EDF.shape[2],
+                           device=full.w_gate_EDF.device)
+    with torch.no_grad():
+        for name in ("w_gate_EDF", "w_up_EDF", "w_down_EFD"):
+            src, dst = getattr(full, name), getattr(local, name)
+            dst.zero_()
+            for slot, expert in enumerate(held):
+                if expert >= 0:
+                    dst[slot].copy_(src[expert])
+    return local

@@ -1,0 +1,136 @@
+"""Start a one-node distributed run under torchrun, and turn a failure into one line.
+
+``launch`` validates the layout first (nothing starts for a layout that does not divide the model or
+the world), then runs ``torchrun --standalone --nproc-per-node N --max-restarts 0`` on
+``moetrain.distributed.worker``. With no restarts, torchrun's agent stops every rank as soon as one
+exits non-zero or dies from a signal; collectives also time out (60 s by default) so no rank waits
+for ever on a dead peer. The launcher then prints the failing rank's own line (``rank R failed:
+cause``), or, for a rank killed by a signal, the rank and the signal from torchrun's report; the full
+torchrun log is kept on disk.
+
+Multi-node runs call torchrun directly with its usual flags (``--nnodes``, ``--node-rank``,
+``--rdzv-endpoint``), ``-m moetrain.distributed.worker`` and the same worker flags (docs/distributed.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from moetrain.config import ParallelConfig, load_model_config
+from moetrain.distributed.layout import validate_layout
+from moetrain.errors import UserError, describe_validation_error
+
+
+def parallel_config(args: argparse.Namespace, nproc: int) -> ParallelConfig:
+    base = args.tp * args.pp
+    if nproc % base:
+        raise UserError(f"--nproc {nproc} is not a multiple of tp·pp = {base}; pick --nproc = tp·pp·dp")
+    try:
+        return ParallelConfig(tp=args.tp, sp=args.tp > 1, pp=args.pp, vpp=args.vpp, ep=args.ep,
+                              dp=nproc // base, a2a="hierarchical" if args.hierarchical_a2a else "flat",
+                              overlap=args.overlap)
+    except ValidationError as exc:
+        raise UserError(describe_validation_error(f"layout tp={args.tp} pp={args.pp} ep={args.ep} on {nproc} ranks",
+                                                  exc)) from exc
+
+
+def worker_args(args: argparse.Namespace, parallel: ParallelConfig) -> list[str]:
+    out = ["--model", args.model, "--tp", str(parallel.tp), "--pp", str(parallel.pp), "--vpp", str(parallel.vpp),
+           "--ep", str(parallel.ep), "--dp", str(parallel.dp), "--a2a", parallel.a2a,
+           "--steps", str(args.steps), "--global-batch", str(args.global_batch),
+           "--micro-batch", str(args.micro_batch), "--seq-len", str(args.seq_len)]
+    if args.ranks_per_node:
+        out += ["--ranks-per-node", str(args.ranks_per_node)]
+    if args.trace_dir:
+        out += ["--trace-dir", args.trace_dir]
+    if args.metrics_out:
+        out += ["--metrics-out", args.metrics_out]
+    return out
+
+
+_PEER_LOST = re.compile(r"Connection (reset|closed) by peer|Socket Timeout|timed out", re.I)
+
+
+def _failure_line(error_dir: Path, torchrun_log: str) -> str:
+    """The root cause: a rank killed by a signal (torchrun's SIGTERM of the survivors aside), else the
+    first rank's own report that is not merely the loss of a peer."""
+    for rank, code in re.findall(r"^\s*rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)",
+                                  torchrun_log, re.M):
+        if int(code) < 0 and int(code) != -signal.SIGTERM:
+            return f"rank {rank} failed: killed by signal {signal.Signals(-int(code)).name}"
+    reports = sorted(error_dir.glob("rank*.txt"), key=lambda p: p.stat().st_mtime)
+    lines = [p.read_text().strip() for p in reports]
+    causes = [line for line in lines if not _PEER_LOST.search(line)]
+    if causes or lines:
+        return (causes or lines)[0]
+    return "a rank failed before reporting (see the torchrun log)"
+
+
+def launch(nproc: int, args: argparse.Namespace, log_dir: Path | None = None) -> int:
+    model_cfg = load_model_config(args.model)
+    parallel = parallel_config(args, nproc)
+    validate_layout(parallel, model_cfg, nproc, args.global_batch, args.micro_batch, args.ranks_per_node)
+    if parallel.tp > 1 and args.seq_len % parallel.tp:
+        raise UserError(f"--seq-len {args.seq_len} does not split over tp={parallel.tp} sequence shards")
+    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="moetrain-run-"))
+    error_dir = log_dir / "errors"
+    error_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, MOETRAIN_ERROR_DIR=str(error_dir), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "--max-restarts=0", "--monitor-interval=0.5", "-m", "moetrain.distributed.worker",
+           *worker_args(args, parallel)]
+    log_path = log_dir / "torchrun.log"
+    start = time.monotonic()
+    with open(log_path, "w") as log:
+        code = subprocess.call(cmd, env=env, stderr=log)
+    if code == 0:
+        return 0
+    line = _failure_line(error_dir, log_path.read_text())
+    print(f"moetrain train: {line} (all ranks stopped after {time.monotonic() - start:.1f} s; "
+          f"log: {log_path})", file=sys.stderr)
+    return 1
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nproc", type=int, required=True, help="processes on this node (= tp·pp·dp)")
+    parser.add_argument("--model", default="tiny-pangu")
+    for axis, text in (("tp", "tensor parallel (with sequence parallel)"), ("pp", "pipeline stages"),
+                       ("vpp", "virtual stages per pipeline rank"), ("ep", "expert parallel (inside dp)")):
+        parser.add_argument(f"--{axis}", type=int, default=1, help=text)
+    parser.add_argument("--hierarchical-a2a", action="store_true", help="two-hop expert all-to-all")
+    parser.add_argument("--ranks-per-node", type=int, help="node size for the hierarchical all-to-all")
+    parser.add_argument("--overlap", action="store_true", help="overlapped F/B schedule (not implemented yet)")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--global-batch", type=int, default=8)
+    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--trace-dir")
+    parser.add_argument("--metrics-out")
+    parser.add_argument("--log-dir")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m moetrain.distributed.launch")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        if args.overlap:
+            raise UserError("--overlap (the paired F/B schedule) is not implemented yet; run without it")
+        return launch(args.nproc, args, Path(args.log_dir) if args.log_dir else None)
+    except UserError as exc:
+        print(f"moetrain train: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

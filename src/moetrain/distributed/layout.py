@@ -1,0 +1,185 @@
+"""The parallel layout: validated degrees, one rank grid, named process groups passed explicitly.
+
+Two views of the same ranks (Megatron "MoE parallel folding", Liu et al. 2025, arXiv 2504.14960):
+- the attention grid ``[pp, dp, cp, tp]`` (tp fastest, so a TP group sits on neighbouring ranks,
+  i.e. inside one node) used by attention, dense FFNs, norms and embeddings;
+- the expert grid: the ``dp·cp·tp`` ranks of one pipeline stage regrouped as ``[edp, ep, etp]``
+  used by the routed experts.
+Groups are built from these grids with numpy reshapes (nanotron's ``ParallelContext`` idea), so the
+whole topology is a few lines to read and is tested without any process group (``rank_groups``).
+
+Nothing here is global: a ``ParallelDims`` is built once per process and handed to every function
+that needs a group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from moetrain.config.model import ModelConfig
+from moetrain.config.parallel import ParallelConfig
+from moetrain.errors import UserError
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+AXES = ("world", "stage", "pp", "dp", "cp", "tp", "ep", "etp", "edp", "dp_cp", "embed", "ep_intra", "ep_inter")
+"""Named groups: attention axes, expert axes, the replicas of a dense parameter (``dp_cp``), and the
+first/last stage pair that share the embedding when multi-token prediction needs it on the last stage."""
+
+
+def validate_layout(parallel: ParallelConfig, model: ModelConfig, world_size: int,
+                    global_batch: int | None = None, micro_batch: int | None = None,
+                    ranks_per_node: int | None = None) -> None:
+    """Refuse a layout that does not divide the model or the world, before any process starts."""
+    if parallel.world_size != world_size:
+        raise UserError(
+            f"tp·cp·pp·dp = {parallel.tp}·{parallel.cp}·{parallel.pp}·{parallel.dp} = {parallel.world_size} "
+            f"but the world has {world_size} processes; make --nproc equal their product"
+        )
+    chunks = parallel.pp * parallel.vpp
+    if model.num_layers % chunks:
+        raise UserError(
+            f"{model.num_layers} layers do not split into pp·vpp = {chunks} equal pipeline chunks; "
+            "pick pp·vpp dividing the layer count"
+        )
+    if parallel.cp > 1:
+        raise UserError("context parallel is not implemented by this runtime; use --cp 1")
+    if parallel.etp > 1:
+        raise UserError("expert tensor parallel is not implemented by this runtime; use --etp 1")
+    if parallel.tp > 1:
+        heads = model.attention.num_heads
+        if heads % parallel.tp:
+            raise UserError(f"{heads} attention heads do not divide by tp={parallel.tp}; pick tp dividing them")
+        kv_heads = getattr(model.attention, "num_kv_heads", heads)
+        if kv_heads % parallel.tp:
+            raise UserError(f"{kv_heads} kv heads do not divide by tp={parallel.tp}; pick tp dividing them")
+    if parallel.ep > 1:
+        if model.moe is None:
+            raise UserError(f"ep={parallel.ep} needs a model with MoE layers; {model.name} is dense")
+        if model.moe.num_experts % parallel.ep:
+            raise UserError(
+                f"{model.moe.num_experts} experts do not divide by ep={parallel.ep}; pick ep dividing them"
+            )
+    if parallel.a2a == "hierarchical" and parallel.ep > 1:
+        if ranks_per_node is None:
+            raise UserError("hierarchical all-to-all needs the node size (--ranks-per-node or the cluster preset)")
+        # An EP group is ep consecutive stage ranks (etp = 1, tp innermost in the attention grid).
+        if parallel.ep % ranks_per_node and ranks_per_node % parallel.ep:
+            raise UserError(
+                f"ep={parallel.ep} and ranks_per_node={ranks_per_node}: an EP group must fill whole nodes "
+                "(ep a multiple of the node size) or sit inside one"
+            )
+    if global_batch is not None and micro_batch is not None:
+        per_replica = parallel.dp * parallel.cp * micro_batch
+        if global_batch % (parallel.dp * micro_batch):
+            raise UserError(
+                f"global batch {global_batch} does not split into dp={parallel.dp} replicas of micro-batches "
+                f"of {micro_batch}; make it a multiple of dp·micro_batch = {per_replica}"
+            )
+        num_micro = global_batch // (parallel.dp * micro_batch)
+        if parallel.pp > 1 and parallel.vpp > 1 and num_micro % parallel.pp:
+            raise UserError(
+                f"interleaved 1F1B needs the micro-batches per replica ({num_micro}) to be a multiple of "
+                f"pp={parallel.pp}"
+            )
+
+
+def rank_groups(parallel: ParallelConfig, ranks_per_node: int | None = None,
+                rank_offset: int = 0) -> dict[str, list[list[int]]]:
+    """Every group of every named axis, as lists of global ranks (no torch needed).
+
+    With ``ranks_per_node`` each EP group is also cut into ``ep_intra`` groups (its ranks on one node)
+    and ``ep_inter`` groups (one rank per node, same position in the node): the two hops of the
+    hierarchical all-to-all. ``rank_offset`` places the layout on ranks ``offset..offset+world-1`` of a
+    larger process group (tests run several small layouts side by side in one world)."""
+    pp, dp, cp, tp = parallel.pp, parallel.dp, parallel.cp, parallel.tp
+    grid = rank_offset + np.arange(parallel.world_size).reshape(pp, dp, cp, tp)
+
+    def along(axis_positions: tuple[int, ...], array: np.ndarray) -> list[list[int]]:
+        # Move the group axes last, flatten them, every remaining index is one group.
+        others = [a for a in range(array.ndim) if a not in axis_positions]
+        moved = array.transpose(*others, *axis_positions)
+        size = int(np.prod([array.shape[a] for a in axis_positions]))
+        return [row.tolist() for row in moved.reshape(-1, size)]
+
+    groups = {
+        "world": [grid.reshape(-1).tolist()],
+        "pp": along((0,), grid),
+        "dp": along((1,), grid),
+        "cp": along((2,), grid),
+        "tp": along((3,), grid),
+        "dp_cp": along((1, 2), grid),
+        "stage": along((1, 2, 3), grid),
+    }
+    # Expert grid: one stage's dp·cp·tp ranks regrouped [edp, ep, etp].
+    expert = grid.reshape(pp, parallel.edp, parallel.ep, parallel.etp)
+    groups["ep"] = along((2,), expert)
+    groups["etp"] = along((3,), expert)
+    groups["edp"] = along((1,), expert)
+    # The first and last pipeline stage ranks with the same in-stage position share the embedding.
+    groups["embed"] = [sorted({int(a), int(b)}) for a, b in zip(grid[0].reshape(-1), grid[-1].reshape(-1))]
+    if ranks_per_node is not None:
+        local = min(ranks_per_node, parallel.ep)
+        ep_grid = np.array(groups["ep"]).reshape(-1, parallel.ep // local, local)  # [group, node, local]
+        groups["ep_intra"] = along((2,), ep_grid)
+        groups["ep_inter"] = along((1,), ep_grid)
+    return groups
+
+
+@dataclass
+class ParallelDims:
+    """This process's place in the layout and its process groups (built once, passed explicitly)."""
+
+    parallel: ParallelConfig
+    rank: int
+    ranks_per_node: int | None = None
+    groups: dict[str, dist.ProcessGroup] = field(default_factory=dict, repr=False)
+    group_ranks: dict[str, list[int]] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, parallel: ParallelConfig, rank: int, ranks_per_node: int | None = None,
+              rank_offset: int = 0) -> ParallelDims:
+        """Create every group of every axis. Every process of the default group must call this, in the
+        same order, members of the layout or not (``torch.distributed.new_group``'s contract)."""
+        import torch.distributed as dist
+
+        dims = cls(parallel, rank, ranks_per_node)
+        for axis, all_groups in rank_groups(parallel, ranks_per_node, rank_offset).items():
+            for ranks in all_groups:
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    dims.groups[axis] = group
+                    dims.group_ranks[axis] = ranks
+        return dims
+
+    @property
+    def is_member(self) -> bool:
+        return "world" in self.groups
+
+    def get_group(self, axis: str) -> dist.ProcessGroup:
+        if axis not in self.groups:
+            raise KeyError(f"no process group for axis {axis!r}; known: {sorted(self.groups)}")
+        return self.groups[axis]
+
+    def local_rank(self, axis: str) -> int:
+        """Position of this rank inside its group of ``axis``."""
+        return self.group_ranks[axis].index(self.rank)
+
+    def size(self, axis: str) -> int:
+        return len(self.group_ranks[axis])
+
+    @property
+    def pp_rank(self) -> int:
+        return self.local_rank("pp")
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.parallel.pp - 1

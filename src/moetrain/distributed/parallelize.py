@@ -1,0 +1,106 @@
+"""Apply a parallel layout to a full model: ``parallelize(model, dims) -> StageModel``.
+
+Every rank builds the same full model from the same seed, then keeps and shards its part, so every
+layout starts from identical weights. Order (fixed): pipeline split, tensor (+ sequence)
+parallelism, expert parallelism.
+
+Parameter names stay those of the full model (``layers.5.moe.experts.w_up_EDF``), so checkpoints of
+different layouts name the same tensors; ``layers`` becomes a ``ModuleDict`` keyed by the global layer
+index (its keys print exactly as the ``ModuleList`` indices did).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from moetrain.balance.placement import ExpertPlacement
+from moetrain.distributed.ep import AllToAllDispatcher, ExpertTable, HierarchicalDispatcher, shard_experts
+from moetrain.distributed.layout import ParallelDims
+from moetrain.distributed.tp import ParamKind, apply_tensor_parallel
+from moetrain.models.transformer import MoETransformer
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One pipeline model chunk held by this rank."""
+
+    index: int
+    """Global chunk index (0..pp·vpp-1)."""
+    layers: tuple[int, ...]
+    is_first: bool
+    is_last: bool
+
+
+@dataclass
+class StageModel:
+    model: MoETransformer
+    """The full model with only this rank's parts left in it."""
+    chunks: list[Chunk]
+    dims: ParallelDims
+    expert_table: ExpertTable | None = None
+    tp_kinds: dict[str, ParamKind] | None = None
+    """Gradient kind of each parameter under tensor parallelism (None when tp = 1)."""
+
+
+def chunk_layers(num_layers: int, pp: int, vpp: int, pp_rank: int) -> list[Chunk]:
+    """Rank r holds global chunks r, r+pp, ... (interleaved placement), each of L/(pp·vpp) layers."""
+    num_chunks = pp * vpp
+    per_chunk = num_layers // num_chunks
+    chunks = []
+    for local in range(vpp):
+        index = local * pp + pp_rank
+        layers = tuple(range(index * per_chunk, (index + 1) * per_chunk))
+        chunks.append(Chunk(index, layers, index == 0, index == num_chunks - 1))
+    return chunks
+
+
+def apply_pipeline_split(model: MoETransformer, chunks: list[Chunk]) -> None:
+    """Drop what this rank does not compute. The last stage keeps a copy of the embedding when the
+    model predicts extra tokens (MTP looks up the embedding of future tokens); its gradient is summed
+    with the first stage's over the ``embed`` group, as Megatron does for tied embeddings."""
+    kept = {i for chunk in chunks for i in chunk.layers}
+    model.layers = nn.ModuleDict({str(i): layer for i, layer in enumerate(model.layers) if i in kept})
+    has_first = any(c.is_first for c in chunks)
+    has_last = any(c.is_last for c in chunks)
+    if not has_first and not (has_last and (len(model.mtp) or model.cfg.tie_embeddings)):
+        del model.embed
+    if not has_last:
+        del model.final_norm
+        if hasattr(model, "head"):
+            del model.head
+        model.mtp = nn.ModuleList()
+
+
+def apply_expert_parallel(model: MoETransformer, dims: ParallelDims,
+                          placement: ExpertPlacement | None = None) -> ExpertTable:
+    """Keep this rank's expert slots and install the all-to-all dispatcher in every MoE block."""
+    parallel = dims.parallel
+    assert model.cfg.moe is not None
+    placement = placement or ExpertPlacement.contiguous(model.cfg.moe.num_experts, parallel.ep)
+    table = ExpertTable.from_placement(placement)
+    ep_rank = dims.local_rank("ep")
+    for block in model_moe_blocks(model):
+        block.experts = shard_experts(block.experts, table, ep_rank)
+        if parallel.a2a == "hierarchical":
+            block.dispatcher = HierarchicalDispatcher(dims.get_group("ep"), dims.get_group("ep_intra"),
+                                                      dims.get_group("ep_inter"), table)
+        else:
+            block.dispatcher = AllToAllDispatcher(dims.get_group("ep"), table)
+    return table
+
+
+def model_moe_blocks(model: MoETransformer) -> list[nn.Module]:
+    layers = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
+    blocks = [layer.moe for layer in layers if layer.is_moe]
+    return blocks + [m.layer.moe for m in model.mtp if m.layer.is_moe]
+
+
+def parallelize(model: MoETransformer, dims: ParallelDims, placement: ExpertPlacement | None = None) -> StageModel:
+    parallel = dims.parallel
+    chunks = chunk_layers(model.cfg.num_layers, parallel.pp, parallel.vpp, dims.pp_rank)
+    apply_pipeline_split(model, chunks)
+    tp_kinds = apply_tensor_parallel(model, dims.get_group("tp")) if parallel.tp > 1 else None
+    table = apply_expert_parallel(model, dims, placement) if parallel.ep > 1 else None
+    return StageModel(model, chunks, dims, table, tp_kinds)

@@ -1,0 +1,160 @@
+"""The step executor: runs one rank's schedule (a list of F/B actions) over its model chunks.
+
+A chunk's forward is the slice of ``MoETransformer.forward`` it owns: the embedding on the first
+chunk, its decoder layers, and on the last chunk the head, the multi-token-prediction modules and the
+loss. Every chunk also returns the sum of its MoE layers' balance losses (scaled), which joins the
+backward of that chunk, so each layer's auxiliary gradient is produced where the layer lives.
+
+Activations move between pipeline ranks by point-to-point messages: sends are non-blocking (their
+handles are waited at the end of the step), receives block when the action needs the tensor. Tags
+name (micro-batch, chunk, direction), so messages cannot be confused. The schedules of
+``moetrain.distributed.schedules`` are deadlock-free under this rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from moetrain.distributed.parallelize import Chunk, StageModel
+from moetrain.distributed.schedules import Action
+from moetrain.distributed.tp import gather_sequence, split_sequence
+from moetrain.distributed.trace import span
+from moetrain.models.attention import AttentionContext, build_attention_context
+from moetrain.models.transformer import IGNORE_INDEX, MoETransformer, shift_left, token_loss_sum
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+
+
+@dataclass
+class StepContext:
+    """What every chunk of one step shares."""
+
+    loss_normalizer: torch.Tensor
+    aux_loss_scale: float
+    micro_batches: list[MicroBatch]
+    hidden_shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    loss_sum: torch.Tensor
+    """This rank's share of the reported step loss (summed over ranks afterwards)."""
+    tp_group: dist.ProcessGroup | None = None
+    """Set under tensor parallelism: the residual stream is split along the sequence over it."""
+    saved: dict[tuple[int, int], tuple] = field(default_factory=dict)
+    pending_sends: list = field(default_factory=list)
+
+
+def chunk_forward(model: MoETransformer, chunk: Chunk, x: torch.Tensor | None, mb: MicroBatch,
+                  attn_ctx: AttentionContext, step: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, scaled aux loss): the output is the hidden state (this rank's sequence shard under
+    tensor parallelism), or on the last chunk the loss."""
+    tp_group = step.tp_group
+    if chunk.is_first:
+        x = model.embed(mb.input_ids)
+        if tp_group is not None:
+            x = split_sequence(x, tp_group)
+    assert x is not None
+    aux_terms = []
+    for index in chunk.layers:
+        x, aux, _ = model.layers[str(index)](x, attn_ctx)
+        if aux is not None:
+            aux_terms.append(aux)
+    if not chunk.is_last:
+        aux = torch.stack(aux_terms).sum() if aux_terms else x.new_zeros((), dtype=torch.float32)
+        return x, aux * step.aux_loss_scale
+    # The loss exactly as MoETransformer.forward computes it.
+    normalizer = step.loss_normalizer
+    full = lambda h: gather_sequence(h, tp_group) if tp_group is not None else h
+    logits = model.output_head(model.final_norm(full(x)))
+    lm_loss = token_loss_sum(logits, mb.labels) / normalizer
+    mtp_loss = logits.new_zeros((), dtype=torch.float32)
+    hidden, next_ids, next_labels = x, mb.input_ids, mb.labels
+    for module in model.mtp:
+        next_ids = shift_left(next_ids, 0)
+        next_labels = shift_left(next_labels, IGNORE_INDEX)
+        next_embed = model.embed(next_ids)
+        if tp_group is not None:
+            next_embed = split_sequence(next_embed, tp_group)
+        hidden, aux, _ = module(hidden, next_embed, attn_ctx)
+        if aux is not None:
+            aux_terms.append(aux)
+        mtp_logits = model.output_head(module.final_norm(full(hidden)))
+        mtp_loss = mtp_loss + token_loss_sum(mtp_logits, next_labels) / normalizer
+    if len(model.mtp):
+        mtp_loss = mtp_loss / len(model.mtp)
+    aux = torch.stack(aux_terms).sum() if aux_terms else lm_loss.new_zeros(())
+    loss = lm_loss + model.cfg.mtp_loss_weight * mtp_loss
+    return loss, aux * step.aux_loss_scale
+
+
+class Executor:
+    """Runs a list of actions for one rank of one layout."""
+
+    def __init__(self, stage: StageModel) -> None:
+        self.stage = stage
+        dims = stage.dims
+        self.pp = dims.parallel.pp
+        self.num_chunks = dims.parallel.pp * dims.parallel.vpp
+        pp_ranks = dims.group_ranks["pp"]
+        self.next_rank = pp_ranks[(dims.pp_rank + 1) % self.pp]
+        self.prev_rank = pp_ranks[(dims.pp_rank - 1) % self.pp]
+
+    def _tag(self, micro_batch: int, chunk_index: int, backward: bool) -> int:
+        return (micro_batch * self.num_chunks + chunk_index) * 2 + int(backward)
+
+    def _recv(self, step: StepContext, src: int, tag: int) -> torch.Tensor:
+        buffer = torch.empty(step.hidden_shape, dtype=step.dtype, device=step.device)
+        with span("pp_recv", "comm"):
+            dist.recv(buffer, src=src, tag=tag)
+        return buffer
+
+    def _send(self, step: StepContext, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        tensor = tensor.detach().contiguous()
+        step.pending_sends.append((dist.isend(tensor, dst=dst, tag=tag), tensor))
+
+    def forward(self, action: Action, step: StepContext) -> None:
+        chunk = self.stage.chunks[action.chunk]
+        mb = step.micro_batches[action.micro_batch]
+        x = None
+        if not chunk.is_first:
+            x = self._recv(step, self.prev_rank, self._tag(action.micro_batch, chunk.index - 1, False))
+            x.requires_grad_(True)
+        attn_ctx = build_attention_context(mb.input_ids, None)
+        with span(f"F{chunk.index}", "compute"):
+            out, aux = chunk_forward(self.stage.model, chunk, x, mb, attn_ctx, step)
+        if chunk.is_last:
+            step.loss_sum += (out + aux).detach()
+        else:
+            step.loss_sum += aux.detach()
+            self._send(step, out, self.next_rank, self._tag(action.micro_batch, chunk.index, False))
+        step.saved[(action.chunk, action.micro_batch)] = (x, out, aux)
+
+    def backward(self, action: Action, step: StepContext) -> None:
+        chunk = self.stage.chunks[action.chunk]
+        x, out, aux = step.saved.pop((action.chunk, action.micro_batch))
+        with span(f"B{chunk.index}", "compute"):
+            if chunk.is_last:
+                (out + aux).backward()
+            else:
+                grad = self._recv(step, self.next_rank, self._tag(action.micro_batch, chunk.index, True))
+                if aux.requires_grad:
+                    torch.autograd.backward([out, aux], [grad, torch.ones_like(aux)])
+                else:  # a chunk of dense layers only
+                    out.backward(grad)
+        if not chunk.is_first:
+            assert x is not None and x.grad is not None
+            self._send(step, x.grad, self.prev_rank, self._tag(action.micro_batch, chunk.index - 1, True))
+
+    def run(self, actions: list[Action], step: StepContext) -> None:
+        for action in actions:
+            (self.forward if action.kind == "F" else self.backward)(action, step)
+        for work, _ in step.pending_sends:
+            work.wait()
+        step.pending_sends.clear()
+        assert not step.saved, "schedule left forward activations without a backward"

@@ -1,0 +1,73 @@
+"""Process-group start-up and a small in-process launcher for tests and benchmarks.
+
+``init_world`` reads torchrun's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...) and picks
+gloo on CPU, NCCL on GPU. ``spawn`` starts ``world_size`` processes running ``fn(rank, world_size,
+*args)`` on one machine with a free port, sets one thread per rank (several ranks share few cores),
+and returns each rank's return value; a rank that raises makes ``spawn`` raise with that rank's
+message (torch.multiprocessing ends the others).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+DEFAULT_TIMEOUT_S = 60.0
+"""Collective timeout: a rank stuck waiting for a dead peer gives up after this long."""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_world(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int, torch.device]:
+    """Join the process group torchrun (or ``spawn``) described in the environment."""
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=device if backend == "nccl" else None)
+    return rank, world_size, device
+
+
+def _entry(rank: int, world_size: int, port: int, result_dir: str, fn: Callable[..., Any], args: tuple) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    init_world("gloo")
+    try:
+        result = fn(rank, world_size, *args)
+        torch.save(result, Path(result_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; their return values."""
+    with tempfile.TemporaryDirectory() as result_dir:
+        # fork: the children inherit the imported torch (seconds saved per rank on a slow disk); they
+        # run single-threaded, so no OpenMP pool of the parent is touched after the fork.
+        method = "fork" if sys.platform == "linux" else "spawn"
+        mp.start_processes(_entry, args=(world_size, free_port(), result_dir, fn, args), nprocs=world_size,
+                           join=True, start_method=method)
+        return [torch.load(Path(result_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]

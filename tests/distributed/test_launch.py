@@ -1,0 +1,57 @@
+"""The launcher: a bad layout is refused before any process starts; a killed rank ends the job
+with one line naming it, in well under a minute, with no process left behind."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+LAUNCH = [sys.executable, "-m", "moetrain.distributed.launch"]
+
+
+def _processes_with(marker: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker.encode() in (entry / "environ").read_bytes():
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+def test_bad_layout_refused_before_start(tmp_path: Path) -> None:
+    proc = subprocess.run([*LAUNCH, "--nproc", "4", "--ep", "3", "--log-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "moetrain train: error: layout tp=1 pp=1 ep=3 on 4 ranks: ep·etp=3 must divide tp·cp·dp=4 "
+        "(experts regroup the ranks of one pipeline stage)"
+    ]
+    assert not (tmp_path / "torchrun.log").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc to find leftover processes")
+@pytest.mark.parametrize(("fault", "expected"), [
+    ("1:1:kill", "rank 1 failed: killed by signal SIGKILL"),
+    ("0:1:raise", "rank 0 failed: RuntimeError: injected fault at step 1"),
+])
+def test_failed_rank_stops_the_job(tmp_path: Path, fault: str, expected: str) -> None:
+    env = dict(os.environ, MOETRAIN_FAULT=fault, OMP_NUM_THREADS="1")
+    start = time.monotonic()
+    proc = subprocess.run([*LAUNCH, "--nproc", "2", "--ep", "2", "--steps", "4", "--log-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, env=env)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"moetrain train: {expected} (all ranks stopped after"), last
+    assert elapsed < 60
+    assert _processes_with(f"MOETRAIN_ERROR_DIR={tmp_path / 'errors'}") == []

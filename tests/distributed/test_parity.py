@@ -1,0 +1,84 @@
+"""Per-step loss of every layout == the single-process loss (tiny-pangu, fp32, gloo, 10 steps).
+
+Several small layouts run side by side on disjoint ranks of one 8-process world (one start-up for
+all of them); each process runs single-threaded.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moetrain.config import ParallelConfig, TrainingConfig, load_model_config
+from moetrain.distributed.layout import ParallelDims
+from moetrain.distributed.step import build_layout, reference_losses, train_step
+from moetrain.distributed.world import spawn
+
+STEPS = 10
+TRAINING = TrainingConfig(steps=STEPS, global_batch=8, micro_batch=2, seq_len=32, warmup_steps=2)
+RANKS_PER_NODE = 2
+ROUNDS: list[dict[str, ParallelConfig]] = [
+    {
+        "dp2": ParallelConfig(dp=2),
+        "ep2": ParallelConfig(dp=2, ep=2),
+        "pp2": ParallelConfig(pp=2),
+        "pp2_vpp2": ParallelConfig(pp=2, vpp=2),
+    },
+    {
+        "ep4_hierarchical": ParallelConfig(dp=4, ep=4, a2a="hierarchical"),
+        "tp2_sp": ParallelConfig(tp=2, sp=True),
+        "tp2_sp_ep2": ParallelConfig(tp=2, sp=True, ep=2),
+    },
+    {
+        "tp2_pp2_ep2": ParallelConfig(tp=2, sp=True, pp=2, dp=2, ep=2),
+    },
+]
+
+
+def _worker(rank: int, world_size: int) -> dict[str, list[float]]:
+    model_cfg = load_model_config("tiny-pangu")
+    losses: dict[str, list[float]] = {}
+    for layouts in ROUNDS:
+        offset, members = 0, []
+        for name, parallel in layouts.items():
+            members.append((name, ParallelDims.build(parallel, rank, RANKS_PER_NODE, rank_offset=offset)))
+            offset += parallel.world_size
+        for name, dims in members:
+            if dims.is_member:
+                run = build_layout(dims, model_cfg, TRAINING, torch.device("cpu"))
+                losses[name] = [train_step(run, step, TRAINING, torch.device("cpu")) for step in range(STEPS)]
+    return losses
+
+
+@pytest.fixture(scope="module")
+def layout_losses() -> dict[str, list[list[float]]]:
+    by_layout: dict[str, list[list[float]]] = {}
+    for rank_losses in spawn(_worker, 8):
+        for name, losses in rank_losses.items():
+            by_layout.setdefault(name, []).append(losses)
+    return by_layout
+
+
+@pytest.fixture(scope="module")
+def single_process_losses() -> list[float]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return reference_losses(load_model_config("tiny-pangu"), TRAINING, STEPS)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.parametrize("layout", [name for layouts in ROUNDS for name in layouts])
+def test_layout_matches_single_process(layout: str, layout_losses: dict, single_process_losses: list[float]) -> None:
+    per_rank = layout_losses[layout]
+    expected_ranks = next(p.world_size for layouts in ROUNDS for n, p in layouts.items() if n == layout)
+    assert len(per_rank) == expected_ranks
+    for losses in per_rank:
+        assert losses == per_rank[0], "ranks of one layout disagree on the step loss"
+        for step, (got, want) in enumerate(zip(losses, single_process_losses)):
+            assert abs(got - want) <= 1e-4 * abs(want), f"{layout} step {step}: {got} vs {want}"
+    # The run trains: the loss moves (a frozen model would also "match" a frozen reference).
+    assert single_process_losses[-1] < single_process_losses[0]
