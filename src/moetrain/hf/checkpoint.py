@@ -1,0 +1,102 @@
+"""moetrain training checkpoints for converted weights (``moetrain convert``).
+
+``write_converted_checkpoint`` writes what ``moetrain train --resume`` starts from: ``model.yaml``
+(the model config, for ``--model``) and ``step-000000/`` in the trainer's layout (DCP files keyed by
+parameter name under ``model``, then a ``COMPLETE`` marker, folder renamed into place last). The
+marker says ``model_only``: there is no optimizer, scheduler or data position to restore, so the
+trainer loads the weights and starts at step 0 with a fresh optimizer; DCP reshards the weights
+into whatever parallel layout the run uses.
+
+``read_checkpoint_model`` is the inverse for ``convert --to-hf``: the model part of the newest
+complete checkpoint (converted or written by the trainer).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import torch.distributed.checkpoint as dcp
+import yaml
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+from moetrain.config import load_model_config
+from moetrain.config.model import ModelConfig
+from moetrain.errors import UserError
+from moetrain.models.transformer import MoETransformer
+from moetrain.train.checkpoint import COMPLETE_MARKER, checkpoint_dir, latest_checkpoint
+
+MODEL_YAML = "model.yaml"
+MODEL_ONLY_HASH = "model-only"
+
+
+def write_model_yaml(cfg: ModelConfig, path: Path) -> Path:
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    return path
+
+
+def write_converted_checkpoint(model: MoETransformer, cfg: ModelConfig, save_dir: str | Path) -> Path:
+    """Write ``save_dir/model.yaml`` and ``save_dir/step-000000``; returns the step folder."""
+    save_dir = Path(save_dir)
+    final = checkpoint_dir(save_dir, 0)
+    if save_dir.is_dir() and any(p.name.startswith("step-") for p in save_dir.iterdir()):
+        raise UserError(f"{save_dir} already holds checkpoints; convert into an empty folder")
+    save_dir.mkdir(parents=True, exist_ok=True)
+    staging = final.with_name(final.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    with warnings.catch_warnings():  # DCP warns that it runs in one process: that is the intent here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=staging, no_dist=True)
+    marker = {"step": 0, "config_hash": MODEL_ONLY_HASH, "model_only": True}
+    (staging / COMPLETE_MARKER).write_text(json.dumps(marker))
+    staging.rename(final)
+    write_model_yaml(cfg, save_dir / MODEL_YAML)
+    return final
+
+
+def _step_folder(path: Path) -> Path:
+    if (path / COMPLETE_MARKER).is_file():
+        return path
+    newest = latest_checkpoint(path)
+    if newest is None:
+        raise UserError(f"{path} holds no complete checkpoint (step-NNNNNN/ with a {COMPLETE_MARKER} marker)")
+    return newest
+
+
+def _model_yaml_near(step_folder: Path) -> Path | None:
+    for folder in (step_folder, step_folder.parent):
+        if (folder / MODEL_YAML).is_file():
+            return folder / MODEL_YAML
+    return None
+
+
+def read_checkpoint_model(path: str | Path, model: str | None = None) -> tuple[MoETransformer, ModelConfig]:
+    """The model of the newest complete checkpoint under ``path`` (a save dir or one step folder).
+
+    ``model`` is a preset name or YAML; by default the ``model.yaml`` beside the checkpoint.
+    """
+    step_folder = _step_folder(Path(path))
+    if model is None:
+        found = _model_yaml_near(step_folder)
+        if found is None:
+            raise UserError(f"no {MODEL_YAML} beside {step_folder}; pass --model with the preset or YAML "
+                            "the run was trained with")
+        model = str(found)
+    cfg = load_model_config(model)
+    net = MoETransformer(cfg, device="meta").to_empty(device="cpu")
+    for module in net.modules():
+        if hasattr(module, "score_bias"):
+            module.score_bias.zero_()
+    state = {"model": get_model_state_dict(net)}
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=step_folder, no_dist=True)
+    except Exception as exc:  # DCP raises many types; the first line names the key or file
+        reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"cannot read the model of {step_folder} with config {model} ({reason})") from None
+    net.load_state_dict(state["model"])
+    return net, cfg
+
