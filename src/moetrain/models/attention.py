@@ -106,13 +106,26 @@ class MLA(nn.Module):
             return self.q_up(self.q_norm(self.q_down(x_BSD)))
         return self.q_proj(x_BSD)
 
-    def forward(self, x_BSD: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+    def project_down(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The projections of x: (q latent, or the full q without a q latent; kv latent; rotary key).
+
+        Kept apart from ``project_up`` so the memory policy can recompute the up-projections from the
+        small latents (``moetrain.memory``) without touching this code."""
         cfg = self.cfg
-        batch, seq, _ = x_BSD.shape
+        q_source = self.q_down(x_BSD) if cfg.q_lora_rank else self.q_proj(x_BSD)
+        latent_BSC, k_rope_BSR = self.kv_down(x_BSD).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        return q_source, latent_BSC, k_rope_BSR
+
+    def project_up(self, q_source: torch.Tensor, latent_BSC: torch.Tensor, k_rope_BSR: torch.Tensor,
+                   ctx: AttentionContext) -> tuple[torch.Tensor, ...]:
+        """Latents to the core attention's inputs, rotary applied: (q, k, v) [B, H, S, ·] for sdpa,
+        (q_nope, q_rope, k_nope, k_rope, v) for eager (k_rope has one head, shared by all)."""
+        cfg = self.cfg
+        batch, seq = latent_BSC.shape[:2]
         nope, rope, v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-        q_BSHK = self.project_q(x_BSD).view(batch, seq, cfg.num_heads, nope + rope)
+        q_flat = self.q_up(self.q_norm(q_source)) if cfg.q_lora_rank else q_source
+        q_BSHK = q_flat.view(batch, seq, cfg.num_heads, nope + rope)
         q_nope_BSHN, q_rope_BSHR = q_BSHK.split([nope, rope], dim=-1)
-        latent_BSC, k_rope_BSR = self.kv_down(x_BSD).split([cfg.kv_lora_rank, rope], dim=-1)
         kv_BSHK = self.kv_up(self.kv_norm(latent_BSC)).view(batch, seq, cfg.num_heads, nope + v_dim)
         k_nope_BSHN, v_BSHV = kv_BSHK.split([nope, v_dim], dim=-1)
 
@@ -124,13 +137,27 @@ class MLA(nn.Module):
         k_nope, k_rope = k_nope_BSHN.transpose(1, 2), k_rope_BS1R.transpose(1, 2)
         v = v_BSHV.transpose(1, 2)
         if self.backend == "eager":
+            return q_nope, q_rope, k_nope, k_rope, v
+        q = torch.cat([q_nope, q_rope], dim=-1)
+        k = torch.cat([k_nope, k_rope.expand(-1, cfg.num_heads, -1, -1)], dim=-1)
+        return q, k, v
+
+    def attend(self, qkv: tuple[torch.Tensor, ...], ctx: AttentionContext) -> torch.Tensor:
+        """Core attention over ``project_up``'s output; returns [B, S, H·V], the o_proj input."""
+        cfg = self.cfg
+        if self.backend == "eager":
+            q_nope, q_rope, k_nope, k_rope, v = qkv
             scores = (q_nope @ k_nope.transpose(-1, -2) + q_rope @ k_rope.transpose(-1, -2)) * self.scale
             out_BHSV = _masked_softmax_scores(scores, ctx.mask_B1SS).to(v.dtype) @ v
         else:
-            q = torch.cat([q_nope, q_rope], dim=-1)
-            k = torch.cat([k_nope, k_rope.expand(-1, cfg.num_heads, -1, -1)], dim=-1)
+            q, k, v = qkv
             out_BHSV = core_attention(q, k, v, ctx, self.scale, "sdpa")
-        return self.o_proj(out_BHSV.transpose(1, 2).reshape(batch, seq, cfg.num_heads * v_dim))
+        batch, seq = out_BHSV.shape[0], out_BHSV.shape[2]
+        return out_BHSV.transpose(1, 2).reshape(batch, seq, cfg.num_heads * cfg.v_head_dim)
+
+    def forward(self, x_BSD: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        qkv = self.project_up(*self.project_down(x_BSD), ctx)
+        return self.o_proj(self.attend(qkv, ctx))
 
 
 class GQA(nn.Module):

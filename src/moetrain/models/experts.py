@@ -14,6 +14,14 @@ import torch.nn.functional as F
 from torch import nn
 
 
+class GatedSiLU(nn.Module):
+    """silu(gate) · up: the SwiGLU activation, a module of its own so the memory policy can recompute
+    its output instead of saving it (``moetrain.memory``)."""
+
+    def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate) * up
+
+
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) · up(x)) (Shazeer 2020)."""
 
@@ -22,9 +30,10 @@ class SwiGLU(nn.Module):
         self.gate = nn.Linear(hidden, ffn_hidden, bias=False, device=device)
         self.up = nn.Linear(hidden, ffn_hidden, bias=False, device=device)
         self.down = nn.Linear(ffn_hidden, hidden, bias=False, device=device)
+        self.act = GatedSiLU()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        return self.down(self.act(self.gate(x), self.up(x)))
 
 
 def _native_grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -60,8 +69,9 @@ class GroupedExperts(nn.Module):
         self.w_gate_EDF = nn.Parameter(torch.empty(num_experts, hidden, ffn_hidden, device=device))
         self.w_up_EDF = nn.Parameter(torch.empty(num_experts, hidden, ffn_hidden, device=device))
         self.w_down_EFD = nn.Parameter(torch.empty(num_experts, ffn_hidden, hidden, device=device))
+        self.act = GatedSiLU()
 
     def forward(self, tokens_PD: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         gate = grouped_mm(tokens_PD, self.w_gate_EDF, tokens_per_expert_E)
         up = grouped_mm(tokens_PD, self.w_up_EDF, tokens_per_expert_E)
-        return grouped_mm(F.silu(gate) * up, self.w_down_EFD, tokens_per_expert_E)
+        return grouped_mm(self.act(gate, up), self.w_down_EFD, tokens_per_expert_E)

@@ -1,0 +1,128 @@
+"""Activation memory and step time of the memory policies, measured.
+
+CUDA (bf16, Pangu-shaped layers scaled to one GPU): peak allocated memory above the weights during
+forward+backward, and step time, for none / full (budget-reaching) / auto at a budget fraction.
+CPU (fp32, tiny-pangu, a smoke run): bytes kept for backward (``ActivationMeter``) and step time.
+
+    python benchmarks/memory_policy.py --device cpu --model tiny-pangu --seq-len 256 --budget-fraction 0.3
+    python benchmarks/memory_policy.py --device cuda --budget-fraction 0.3     # writes memory_gpu.json
+
+Writes ``benchmarks/results/memory_<device>.json`` with the command, commit and machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from moetrain.config import load_model_config
+from moetrain.config.model import ModelConfig
+from moetrain.costs.flops import training_flops_per_token
+from moetrain.memory.args import uses_flash_attention
+from moetrain.memory.measure import measure_activations, time_steps
+from moetrain.memory.policy import DeviceSpeed, choose_memory_plan
+from moetrain.memory.runtime import apply_memory_policy
+from moetrain.models import build_model
+
+
+def gpu_model() -> ModelConfig:
+    """Pangu Ultra MoE's layer shapes (hidden 7680, MLA 192/128 heads, 2048-wide experts, top-8)
+    with fewer heads/experts and 4 layers, so one GPU holds it."""
+    base = load_model_config("pangu-ultra-moe-718b")
+    data = base.model_dump()
+    data.update(name="pangu-shaped-1gpu", num_layers=4, num_dense_layers=1, num_mtp_layers=0, vocab_size=32768,
+                hidden_size=4096, dense_ffn_hidden=8192)
+    data["attention"].update(num_heads=32)
+    data["moe"].update(num_experts=32)
+    data["moe"]["router"].update(num_groups=1, num_top_groups=1, num_device_groups=1)
+    return ModelConfig.model_validate(data)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--model", default=None, help="preset (default: tiny-pangu on CPU, Pangu-shaped on CUDA)")
+    parser.add_argument("--seq-len", type=int, default=None)
+    parser.add_argument("--micro-batch", type=int, default=None)
+    parser.add_argument("--budget-fraction", type=float, default=0.3)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    cuda = args.device == "cuda"
+    cfg = load_model_config(args.model) if args.model else (gpu_model() if cuda else load_model_config("tiny-pangu"))
+    seq = args.seq_len or (4096 if cuda else 256)
+    batch = args.micro_batch or (1 if cuda else 2)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    device = torch.device(args.device)
+    if not cuda:
+        torch.set_num_threads(1)
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0)).to(device)
+
+    def build():
+        model = build_model(cfg, device=device, seed=0)
+        return model.to(dtype)
+
+    def measure(plan) -> dict:
+        model = build()
+        if plan is not None:
+            apply_memory_policy(model, plan)
+
+        def step() -> None:
+            model.zero_grad(set_to_none=True)
+            model(ids, labels=ids).loss.backward()
+
+        seconds = time_steps(step, args.repeats, device=device)
+        if cuda:
+            model.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            start = torch.cuda.memory_allocated()
+            step()
+            torch.cuda.synchronize()
+            nbytes = torch.cuda.max_memory_allocated() - start
+        else:
+            nbytes = measure_activations(model, ids, ids).total_bytes
+        return {"activation_bytes": nbytes, "step_time_s": seconds}
+
+    baseline = measure(None)
+    flops = training_flops_per_token(cfg, seq) * seq * batch
+    speed = DeviceSpeed(flops / baseline["step_time_s"], 2e12 if cuda else 1e10, 2.5e10 if cuda else None)
+    dtype_bytes = 2.0 if cuda else 4.0
+    flash = uses_flash_attention(cfg, args.device)
+    budget = args.budget_fraction * choose_memory_plan(cfg, seq, batch, "none", None, speed, dtype_bytes,
+                                                       flash).baseline_bytes
+    runs = {"none": baseline}
+    for policy in ("full", "auto"):
+        result = choose_memory_plan(cfg, seq, batch, policy, budget, speed, dtype_bytes, flash)
+        runs[policy] = {**measure(result.plan), "options": result.options,
+                        "predicted_activation_bytes": result.activation_bytes}
+    for run in runs.values():
+        run["activation_ratio"] = run["activation_bytes"] / baseline["activation_bytes"]
+        run["step_time_ratio"] = run["step_time_s"] / baseline["step_time_s"]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    record = {
+        "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+        "commit": commit,
+        "machine": torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine(),
+        "torch": torch.__version__, "model": cfg.name, "seq_len": seq, "micro_batch": batch,
+        "dtype": str(dtype).removeprefix("torch."), "budget_fraction": args.budget_fraction,
+        "measure": "peak allocated above weights" if cuda else "bytes kept for backward (ActivationMeter)",
+        "runs": runs,
+    }
+    out = Path(args.out or f"benchmarks/results/memory_{'gpu' if cuda else 'cpu'}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    for name, run in runs.items():
+        print(f"{name:5} activation {run['activation_ratio']:.3f}  step time {run['step_time_ratio']:.3f}  "
+              f"{run.get('options', '')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,437 @@
+"""Activation bytes one decoder layer keeps for backward, per micro-batch and device, by layer part.
+
+Per-tensor accounting in the spirit of Korthikanti et al. 2022 ("Reducing Activation Recomputation
+in Large Transformer Models", §4): every tensor that autograd keeps for backward is listed with its
+shape, dtype and the part that allocates it, then split by the parallel layout. It follows
+``moetrain.models`` operator by operator (which operator saves what: see ``docs/memory.md``) and
+is checked against the exact count of ``moetrain.memory.measure`` (tests/memory).
+
+Facts of the implementation the formulas encode:
+
+- RMSNorm computes in fp32: it keeps its input in fp32 (the input itself when the compute dtype is
+  fp32, else an fp32 copy), ``rsqrt`` per row and the normalised ``y`` in the compute dtype; a
+  pre-norm's output is kept again by the projections that read it, a post-norm's is not (it only
+  enters the residual add).
+- The router keeps fp32 copies of its input and weight (bf16 runs), scores, top-k ids, gathered
+  weights and what the balance and z losses need; the combine keeps the expert output in fp32 and
+  the weighted rows.
+- Core attention: fused kernels (``flash``) keep q, k, v, the output and one fp32 log-sum-exp per
+  row; torch's math fallback (used on CPU when the QK and V head dims differ) keeps scaled q and k,
+  the fp32 probabilities (S² per head) and a contiguous v, all fp32.
+
+Layout rules: tokens per device ``t = seq_len·micro_batch/cp``; with sequence parallelism, tensors of
+width ``hidden`` (norm inputs and outputs, residuals) are split over ``tp`` too; head and FFN widths
+are split over ``tp``, expert FFN width over ``etp``; MoE layers see ``t/tp`` tokens per device
+(Megatron requires SP with MoE and TP) and receive ``top_k·imbalance`` rows per token on average.
+
+Memory options (``moetrain.memory``): ``norm``, ``mla_up``, ``activation``, ``permute``, ``router``
+recompute one layer part each; ``attention`` and ``layer`` recompute a whole block; ``swap_attention``
+and ``swap_moe`` move what attention / the MoE block saves to host memory (reported apart as
+``swapped``). The planner's recompute levels map onto them: ``selective`` = the five fine-grained
+recompute options, ``full`` = ``layer``.
+
+All arguments that are sizes may be numpy arrays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from moetrain.config.model import MLAConfig, ModelConfig
+
+RECOMPUTE_CODES: dict[str, int] = {"none": 0, "selective": 1, "full": 2}
+
+FP32_BYTES = 4.0
+INDEX_BYTES = 8.0
+
+RECOMPUTE_OPTIONS: tuple[str, ...] = ("norm", "mla_up", "activation", "permute", "router", "attention", "layer")
+SWAP_OPTIONS: tuple[str, ...] = ("swap_attention", "swap_moe")
+ALL_OPTIONS: tuple[str, ...] = RECOMPUTE_OPTIONS + SWAP_OPTIONS
+SELECTIVE_OPTIONS: frozenset[str] = frozenset({"norm", "mla_up", "activation", "permute", "router"})
+
+LAYER_PARTS: tuple[str, ...] = (
+    "residual", "attn_norm", "attention", "attn_post_norm", "ffn_norm", "router", "dispatch", "experts",
+    "shared_expert", "ffn", "ffn_post_norm",
+)
+
+
+def recompute_code(recompute):
+    """0/1/2 from a level name or an array of codes."""
+    if isinstance(recompute, str):
+        if recompute not in RECOMPUTE_CODES:
+            raise ValueError(f"recompute={recompute!r}; choose one of {sorted(RECOMPUTE_CODES)}")
+        return RECOMPUTE_CODES[recompute]
+    return np.asarray(recompute)
+
+
+def options_of(recompute) -> frozenset[str]:
+    """The option set a recompute argument names: a level (none/selective/full), a comma-separated
+    list of options, or an iterable of options."""
+    if isinstance(recompute, str):
+        if recompute in RECOMPUTE_CODES:
+            return {"none": frozenset(), "selective": SELECTIVE_OPTIONS, "full": frozenset({"layer"})}[recompute]
+        names = [name.strip() for name in recompute.split(",") if name.strip()]
+    else:
+        names = list(recompute)
+    unknown = sorted(set(names) - set(ALL_OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown memory option(s) {unknown}; choose from {list(ALL_OPTIONS)}")
+    return frozenset(names)
+
+
+@dataclass(frozen=True)
+class LayerActivations:
+    """Bytes saved for backward by one decoder layer, per micro-batch and device."""
+
+    norms: object = 0.0
+    attention_proj: object = 0.0
+    core_attention: object = 0.0
+    dense_ffn: object = 0.0
+    router: object = 0.0
+    dispatch: object = 0.0
+    experts: object = 0.0
+    shared_experts: object = 0.0
+
+    @property
+    def total(self):
+        return sum(getattr(self, f.name) for f in fields(self))
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class _Parts:
+    """Accumulates bytes per part, on device or swapped to host."""
+
+    def __init__(self) -> None:
+        self.device: dict[str, object] = {p: 0.0 for p in LAYER_PARTS}
+        self.swapped: dict[str, object] = {p: 0.0 for p in LAYER_PARTS}
+        self.core_attention: object = 0.0
+        """Of ``device["attention"]``: the core attention's share (the coarse planner view splits it)."""
+
+    def add(self, part: str, nbytes, swap: bool = False) -> None:
+        target = self.swapped if swap else self.device
+        target[part] = target[part] + nbytes
+
+
+def _norm(parts: _Parts, part: str, rows, width, storage_width, d, pre: bool, recompute: bool,
+          input_kept_elsewhere: bool, swap: bool = False, out_swap: bool = False) -> None:
+    """One RMSNorm: fp32 input, rsqrt, y, and (pre-norm) the output kept by its consumers.
+
+    ``storage_width``: width of the storage the input is a view of (the MLA kv latent is a view of
+    latent ⊕ rotary key). ``input_kept_elsewhere``: the input storage is counted by another part.
+    ``out_swap``: the output is saved inside a swapped region (its consumers are)."""
+    if recompute:
+        # checkpoint keeps the input as it is (compute dtype); output and internals are rebuilt
+        if not input_kept_elsewhere and (d < FP32_BYTES or storage_width != width):
+            parts.add(part, rows * storage_width * d, swap)
+        elif not input_kept_elsewhere:
+            parts.add(part, rows * width * d, swap)
+        return
+    if d < FP32_BYTES or not input_kept_elsewhere:
+        parts.add(part, rows * (width if d < FP32_BYTES else storage_width) * FP32_BYTES, swap)
+    parts.add(part, rows * FP32_BYTES + rows * width * d, swap)
+    if pre:
+        parts.add(part, rows * width * d, swap or out_swap)
+
+
+def _swiglu(parts: _Parts, part: str, rows, width, d, act_recompute: bool, swap: bool) -> None:
+    """gate and up outputs; silu(gate) and the product unless the activation is recomputed."""
+    parts.add(part, rows * width * (2 if act_recompute else 4) * d, swap)
+
+
+def activation_bytes_per_layer(
+    model: ModelConfig,
+    seq_len,
+    micro_batch,
+    tp=1,
+    sp=False,
+    cp=1,
+    ep=1,
+    etp=1,
+    dtype_bytes: float = 2.0,
+    moe_layer: bool = True,
+    recompute="none",
+    flash: bool = True,
+    imbalance=1.0,
+    include_swapped: bool = False,
+) -> dict[str, object]:
+    """Bytes one decoder layer keeps on the device for backward, per part (``LAYER_PARTS``), for one
+    micro-batch. ``recompute``: a level, option names (see ``options_of``). With ``include_swapped``
+    the result also has ``swapped``: the bytes moved to host by the swap options."""
+    del ep  # expert placement changes which tokens arrive, not how many on average
+    opts = options_of(recompute)
+    d = float(dtype_bytes)
+    h = model.hidden_size
+    tp = np.asarray(tp, dtype=float)
+    t = np.asarray(seq_len, dtype=float) * np.asarray(micro_batch, dtype=float) / np.asarray(cp, dtype=float)
+    t_split = np.where(np.asarray(sp, dtype=bool), t / tp, t)
+    batch_rows = np.asarray(micro_batch, dtype=float)
+    seq_local = np.asarray(seq_len, dtype=float) / np.asarray(cp, dtype=float)
+    sandwich = model.norm_style == "sandwich"
+    parts = _Parts()
+    is_moe = moe_layer and model.moe is not None
+
+    if "layer" in opts:
+        # Only the layer input survives (the previous layer's output in fp32 runs, counted there as
+        # its residual; in lower precision the input tensor itself, as norms keep only fp32 copies).
+        parts.add("residual", t_split * h * d)
+        return _result(parts, include_swapped)
+
+    fp32 = d >= FP32_BYTES
+    norm = "norm" in opts
+    # The two residual-stream tensors: the ffn_norm input and the layer output; kept as themselves
+    # only in fp32 runs (the norms keep fp32 copies otherwise).
+    if fp32 or norm:
+        parts.add("residual", 2 * t_split * h * d)
+
+    # --- attention block ---
+    whole_attention = "attention" in opts
+    swap_attn = "swap_attention" in opts and not whole_attention
+    _norm(parts, "attn_norm", t_split, h, h, d, pre=True, recompute=norm, input_kept_elsewhere=True,
+          out_swap=swap_attn)
+    attn_out_kept = sandwich and fp32 and not norm  # o_proj output is the post-norm's fp32 input
+    if whole_attention:
+        if attn_out_kept:
+            parts.add("attention", t_split * h * d)  # o_proj output = the post-norm's fp32 input
+    else:
+        _attention(parts, model, t, t_split, tp, d, opts, flash, batch_rows, seq_local, swap_attn, attn_out_kept)
+    if sandwich:
+        _norm(parts, "attn_post_norm", t_split, h, h, d, pre=False, recompute=norm,
+              input_kept_elsewhere=attn_out_kept)
+
+    # --- feed-forward block ---
+    _norm(parts, "ffn_norm", t_split, h, h, d, pre=True, recompute=norm, input_kept_elsewhere=True)
+    act = "activation" in opts
+    ffn_out_kept = sandwich and fp32 and not norm
+    if not is_moe:
+        _swiglu(parts, "ffn", t, model.dense_ffn_hidden / tp, d, act, swap=False)
+        if ffn_out_kept:
+            parts.add("ffn", t_split * h * d)
+    else:
+        _moe(parts, model, t_split, tp, etp, d, opts, imbalance, ffn_out_kept)
+    if sandwich:
+        _norm(parts, "ffn_post_norm", t_split, h, h, d, pre=False, recompute=norm,
+              input_kept_elsewhere=ffn_out_kept)
+
+    return _result(parts, include_swapped)
+
+
+def _result(parts: _Parts, include_swapped: bool) -> dict[str, object]:
+    result = dict(parts.device)
+    if include_swapped:
+        result["swapped"] = sum(parts.swapped.values())
+        result["core_attention"] = parts.core_attention
+    return result
+
+
+def _attention(parts: _Parts, model: ModelConfig, t, t_split, tp, d, opts, flash: bool, batch_rows, seq_local,
+               swap: bool, out_kept: bool) -> None:
+    attn = model.attention
+    h = model.hidden_size
+    norm = "norm" in opts
+    heads = attn.num_heads / tp
+    add = lambda nbytes: parts.add("attention", nbytes, swap)  # noqa: E731
+    if isinstance(attn, MLAConfig):
+        rope, nope, v_dim = attn.qk_rope_head_dim, attn.qk_nope_head_dim, attn.v_head_dim
+        q_src = attn.q_lora_rank or heads * attn.qk_head_dim
+        kv_width = attn.kv_lora_rank + rope
+        if "mla_up" in opts:
+            add(t * (q_src + kv_width) * d)  # the latents, inputs of the recomputed up-projections
+        else:
+            if attn.q_lora_rank:
+                _norm(parts, "attention", t, attn.q_lora_rank, attn.q_lora_rank, d, pre=True, recompute=norm,
+                      swap=swap, input_kept_elsewhere=False)
+            else:
+                add(t * q_src * d)  # the q projection's output, read by nothing that keeps it but rotary
+            # kv latent norm: its input is a view of the latent ⊕ rotary-key storage
+            _norm(parts, "attention", t, attn.kv_lora_rank, kv_width, d, pre=True, recompute=norm,
+                  swap=swap, input_kept_elsewhere=False)
+            add(2 * t * rope * FP32_BYTES)  # rotary cos and sin tables, shared by q and k
+        qk = heads * attn.qk_head_dim
+        if flash:
+            if "mla_up" not in opts:
+                add(t * (2 * qk + heads * (nope + v_dim)) * d)  # q, k and the kv_up storage v views
+            core = t * heads * v_dim * d + batch_rows * heads * seq_local * FP32_BYTES  # output (o_proj input), lse
+        else:
+            core = FP32_BYTES * (2 * t * qk + batch_rows * heads * seq_local * seq_local + t * heads * v_dim)
+            core = core + t * heads * v_dim * d  # contiguous o_proj input
+        add(core)
+        if not swap:
+            parts.core_attention = parts.core_attention + core
+    else:
+        groups = attn.num_kv_heads / tp
+        q_w, kv_w = heads * attn.head_dim, groups * attn.head_dim
+        if attn.qk_norm:
+            # fp32 inputs (the projections themselves in fp32 runs), rsqrt per head, y; the output is
+            # read by rotary embedding, which keeps only the cos/sin tables
+            for width, rows_per_token in ((q_w, heads), (kv_w, groups)):
+                if norm:
+                    add(t * width * d)
+                else:
+                    add(t * width * FP32_BYTES + t * rows_per_token * FP32_BYTES + t * width * d)
+        add(2 * t * attn.head_dim * FP32_BYTES)  # cos, sin
+        add(t * (q_w + kv_w) * d)  # q and k after rotary, kept by the core attention
+        add(t * kv_w * d)  # v (the v projection's output)
+        core = t * q_w * d + batch_rows * heads * seq_local * FP32_BYTES  # output (o_proj input), lse
+        if not flash:
+            core = core + t * q_w * d
+        add(core)
+        if not swap:
+            parts.core_attention = parts.core_attention + core
+    if out_kept:
+        parts.add("attention", t_split * h * d)  # o_proj output = the post-norm's fp32 input
+
+
+def _moe(parts: _Parts, model: ModelConfig, t_moe, tp, etp, d, opts, imbalance, out_kept: bool) -> None:
+    moe = model.moe
+    assert moe is not None
+    h, k, experts = model.hidden_size, moe.router.top_k, moe.num_experts
+    r = moe.router
+    fp32 = d >= FP32_BYTES
+    routed = t_moe * k * np.asarray(imbalance, dtype=float)
+    swap = "swap_moe" in opts
+    # router
+    if "router" in opts:
+        parts.add("router", t_moe * k * INDEX_BYTES)  # the top-k ids, saved so recompute routes alike
+    else:
+        router = t_moe * k * INDEX_BYTES + t_moe * k * FP32_BYTES + t_moe * experts * FP32_BYTES
+        if not fp32:
+            router = router + t_moe * h * FP32_BYTES + experts * h * FP32_BYTES  # fp32 copies of x and W
+        if r.z_loss_coef:
+            router = router + t_moe * experts * FP32_BYTES + t_moe * FP32_BYTES  # logits, logsumexp
+        if r.normalize_top_k:
+            router = router + t_moe * FP32_BYTES
+        if r.expert_balance_coef or r.device_balance_coef:
+            router = router + t_moe * FP32_BYTES
+        if r.expert_balance_coef:
+            router = router + experts * FP32_BYTES
+        if r.device_balance_coef:
+            router = router + r.num_device_groups * FP32_BYTES
+        parts.add("router", router)
+    # dispatch: sort order and token index (int64), permuted gating weights, permuted tokens;
+    # combine: the expert output in fp32 (a copy unless fp32) and the weighted rows
+    parts.add("dispatch", routed * (2 * INDEX_BYTES + FP32_BYTES), swap)
+    if "permute" not in opts:
+        parts.add("dispatch", routed * h * d, swap)
+    if not fp32:
+        parts.add("dispatch", routed * h * FP32_BYTES, swap)
+    parts.add("dispatch", routed * h * d, swap)
+    if not fp32 and moe.num_shared_experts == 0 and "norm" not in opts and (
+            "permute" in opts or "router" in opts):
+        parts.add("dispatch", t_moe * h * d)  # the MoE input, otherwise kept only as fp32 copies
+    _swiglu(parts, "experts", routed, moe.expert_ffn_hidden / np.asarray(etp, dtype=float), d,
+            "activation" in opts, swap)
+    if fp32:
+        parts.add("experts", routed * h * d, swap)  # expert output, kept by the combine's fp32 product
+    if moe.num_shared_experts:
+        _swiglu(parts, "shared_expert", t_moe, moe.shared_ffn_hidden / tp, d, "activation" in opts, swap)
+    if out_kept:
+        parts.add("dispatch", t_moe * h * d)  # MoE output = the post-norm's fp32 input
+
+
+def layer_activation_bytes(
+    model: ModelConfig,
+    seq_len,
+    micro_batch,
+    moe_layer: bool,
+    tp=1,
+    sp=False,
+    cp=1,
+    ep=1,
+    etp=1,
+    dtype_bytes: float = 2.0,
+    recompute="none",
+    flash: bool = True,
+    imbalance=1.0,
+) -> LayerActivations:
+    """Activation bytes of one decoder layer for one micro-batch on one device, by coarse part.
+
+    ``recompute``: level codes 0/1/2 (numpy-broadcastable), a level name or memory options."""
+    def coarse(options) -> LayerActivations:
+        p = activation_bytes_per_layer(model, seq_len, micro_batch, tp, sp, cp, ep, etp, dtype_bytes, moe_layer,
+                                       options, flash, imbalance, include_swapped=True)
+        return LayerActivations(
+            norms=p["residual"] + p["attn_norm"] + p["attn_post_norm"] + p["ffn_norm"] + p["ffn_post_norm"],
+            attention_proj=p["attention"] - p["core_attention"],
+            core_attention=p["core_attention"],
+            dense_ffn=p["ffn"],
+            router=p["router"],
+            dispatch=p["dispatch"],
+            experts=p["experts"],
+            shared_experts=p["shared_expert"],
+        )
+
+    if isinstance(recompute, str) and recompute not in RECOMPUTE_CODES:
+        return coarse(recompute)
+    if not isinstance(recompute, str) and not isinstance(recompute, np.ndarray | int | float | np.integer):
+        return coarse(recompute)
+    level = recompute_code(recompute)
+    by_level = [coarse(name) for name in ("none", "selective", "full")]
+    return LayerActivations(**{
+        f.name: np.select([level == 2, level == 1], [getattr(by_level[2], f.name), getattr(by_level[1], f.name)],
+                          getattr(by_level[0], f.name))
+        for f in fields(LayerActivations)
+    })
+
+
+def embedding_activation_bytes(model: ModelConfig, seq_len, micro_batch, tp=1, sp=False, cp=1,
+                               dtype_bytes: float = 2.0):
+    """Output-side tensors of the last stage: the final norm (fp32 input, rsqrt, y, output kept by the
+    head) and the fp32 log-probabilities kept by the loss (split over tp by the vocabulary-parallel
+    head); plus the embedding output the first layer reads."""
+    tp = np.asarray(tp, dtype=float)
+    t = np.asarray(seq_len, dtype=float) * np.asarray(micro_batch, dtype=float) / np.asarray(cp, dtype=float)
+    t_split = np.where(np.asarray(sp, dtype=bool), t / tp, t)
+    h = model.hidden_size
+    final_norm = t_split * (h * FP32_BYTES + FP32_BYTES + 2 * h * dtype_bytes)
+    if dtype_bytes >= FP32_BYTES:
+        final_norm = final_norm - t_split * h * FP32_BYTES  # the fp32 input is the last layer's output
+    embedding = t_split * h * dtype_bytes if dtype_bytes >= FP32_BYTES else 0.0
+    return embedding + final_norm + t * model.vocab_size / tp * FP32_BYTES
+
+
+def mtp_extra_activation_bytes(model: ModelConfig, seq_len, micro_batch, tp=1, sp=False, cp=1,
+                               dtype_bytes: float = 2.0):
+    """Per MTP module, what it keeps besides its decoder layer: two input norms, the concatenation
+    read by the projection, the projection output, the next-token embedding and another head + loss."""
+    tp = np.asarray(tp, dtype=float)
+    t = np.asarray(seq_len, dtype=float) * np.asarray(micro_batch, dtype=float) / np.asarray(cp, dtype=float)
+    t_split = np.where(np.asarray(sp, dtype=bool), t / tp, t)
+    h, d = model.hidden_size, dtype_bytes
+    fp32 = d >= FP32_BYTES
+    norms = 2 * t_split * (FP32_BYTES + h * d) + (0.0 if fp32 else 2 * t_split * h * FP32_BYTES)
+    embed = t_split * h * d if fp32 else 0.0
+    concat_and_proj = t_split * 2 * h * d + (t_split * h * d if fp32 else 0.0)
+    ids = 2 * t * INDEX_BYTES
+    return norms + embed + concat_and_proj + ids + embedding_activation_bytes(model, seq_len, micro_batch, tp, sp,
+                                                                               cp, d) - (
+        t_split * h * d if fp32 else 0.0)
+
+
+def model_activation_bytes(model: ModelConfig, seq_len, micro_batch, layer_options: Iterable | None = None,
+                           dtype_bytes: float = 2.0, flash: bool = True, tp=1, sp=False, cp=1, etp=1,
+                           include_mtp: bool = True) -> dict[str, object]:
+    """Whole model on one device (no pipeline split): ``layers`` (summed), ``head`` (embedding, final
+    norm, loss, MTP extras), ``total`` and ``swapped``. ``layer_options``: one option set per layer
+    (decoder layers, then MTP layers); None = no option anywhere."""
+    num_blocks = model.num_layers + (model.num_mtp_layers if include_mtp else 0)
+    per_layer = list(layer_options) if layer_options is not None else [frozenset()] * num_blocks
+    layers = 0.0
+    swapped = 0.0
+    for index in range(num_blocks):
+        moe_layer = model.is_moe_layer(index) if index < model.num_layers else model.moe is not None
+        parts = activation_bytes_per_layer(model, seq_len, micro_batch, tp, sp, cp, 1, etp, dtype_bytes, moe_layer,
+                                           per_layer[index] if index < len(per_layer) else frozenset(), flash,
+                                           include_swapped=True)
+        swapped = swapped + parts.pop("swapped")
+        parts.pop("core_attention")
+        layers = layers + sum(parts.values())
+    head = embedding_activation_bytes(model, seq_len, micro_batch, tp, sp, cp, dtype_bytes)
+    if include_mtp:
+        head = head + model.num_mtp_layers * mtp_extra_activation_bytes(model, seq_len, micro_batch, tp, sp, cp,
+                                                                        dtype_bytes)
+    return {"layers": layers, "head": head, "total": layers + head, "swapped": swapped}

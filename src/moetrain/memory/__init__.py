@@ -1,0 +1,33 @@
+"""Selective recompute and swap under a memory budget.
+
+Torch-free names (importable by the planner): ``MemoryPlan``, ``DeviceSpeed``, ``choose_memory_plan``,
+``add_memory_policy_args``. Torch-side names load on first use: ``apply_memory_policy``,
+``apply_memory_policy_from_args``, ``measure_activations``.
+"""
+
+from __future__ import annotations
+
+from moetrain.memory.args import add_memory_policy_args
+from moetrain.memory.policy import POLICIES, DeviceSpeed, MemoryPlan, PolicyResult, choose_memory_plan
+
+_LAZY = {
+    "apply_memory_policy": "moetrain.memory.runtime",
+    "AppliedPolicy": "moetrain.memory.runtime",
+    "apply_memory_policy_from_args": "moetrain.memory.args",
+    "measure_activations": "moetrain.memory.measure",
+    "ActivationMeter": "moetrain.memory.measure",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'moetrain.memory' has no attribute {name!r}")
+
+
+__all__ = [
+    "POLICIES", "DeviceSpeed", "MemoryPlan", "PolicyResult", "add_memory_policy_args", "choose_memory_plan",
+    *_LAZY,
+]

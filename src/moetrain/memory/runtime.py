@@ -1,0 +1,382 @@
+"""Applying memory options to a built model, from outside: recompute and swap on saved-tensor hooks.
+
+Three mechanisms, all on public autograd APIs (no forked autograd, no flags inside the model):
+
+- **Block recompute** (``attention``, ``layer``, and the internals of every fine-grained producer):
+  ``torch.utils.checkpoint`` (non-reentrant) with a selective policy
+  (``create_selective_checkpoint_contexts``) that always saves ``topk``, so a recomputed router
+  picks the same experts, and collective outputs, so recompute does not communicate again.
+- **Output-discarding recompute** (``norm``, ``mla_up``, ``activation``, ``permute``): the producer
+  runs under checkpoint, so its internals are not kept, and its output is registered with the
+  ``SavedTensorManager``. When a consumer saves that output (or a view of it), the pack hook stores
+  a slot instead of the tensor; the first unpack in backward reruns the producer from its (packed)
+  inputs under ``no_grad`` and returns the same view. This is MindSpeed's / Megatron's
+  "checkpoint without output", built on ``torch.autograd.graph.saved_tensors_hooks``.
+- **Swap** (``swap_attention``, ``swap_moe``): tensors saved while the attention / MoE block runs are
+  copied to pinned host memory on a side stream during forward and prefetched back one layer ahead
+  during backward (the first unpack of layer i's tensors starts the copy of layer i-1's).
+  On CPU the copy still happens (to a separate buffer), which tests the plumbing, not the savings.
+
+Recomputation is deterministic given bit-identical inputs, so gradients equal the plain model's
+bit for bit wherever the kernels are deterministic (``torch.use_deterministic_algorithms``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from moetrain.costs.activations import ALL_OPTIONS
+from moetrain.memory.policy import MemoryPlan
+
+# Operators whose outputs a recomputing checkpoint keeps: routing decisions and communication.
+_ALWAYS_SAVE_OPS = {torch.ops.aten.topk.default}
+for _name in ("all_to_all_single", "all_gather_into_tensor", "reduce_scatter_tensor"):
+    _op = getattr(getattr(torch.ops, "_c10d_functional", None), _name, None)
+    if _op is not None:
+        _ALWAYS_SAVE_OPS.add(_op.default)
+
+
+def _save_routing_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if func in _ALWAYS_SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def recompute(fn: Callable, *args, **kwargs):
+    """Run ``fn`` so that backward recomputes it (selective checkpoint keeping top-k and collectives)."""
+    return checkpoint(fn, *args, use_reentrant=False,
+                      context_fn=functools.partial(create_selective_checkpoint_contexts, _save_routing_policy),
+                      **kwargs)
+
+
+def _tensors(out) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, tuple | list):
+        return [t for item in out for t in _tensors(item)]
+    return []
+
+
+class _Producer:
+    """A discarded output: how to rebuild it, and a cache shared by every slot that needs it."""
+
+    def __init__(self, manager: SavedTensorManager, fn: Callable, packed_args: list, outputs: list[torch.Tensor]):
+        self.manager, self.fn, self.packed_args = manager, fn, packed_args
+        self.offsets = [out.storage_offset() for out in outputs]
+        self.pending = 0
+        self.cache: list[torch.Tensor] | None = None
+
+    def materialize(self, index: int) -> torch.Tensor:
+        if self.cache is None:
+            args = [self.manager.unpack(a) if isinstance(a, _Slot) else a for a in self.packed_args]
+            with torch.no_grad():
+                self.cache = _tensors(self.fn(*args))
+        return self.cache[index]
+
+
+@dataclass
+class _Slot:
+    """What a saved tensor became: a recompute reference or a swapped copy, with the view to rebuild."""
+
+    producer: _Producer | None
+    output_index: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int
+    swap: _SwapRecord | None = None
+
+
+@dataclass
+class _SwapRecord:
+    host: torch.Tensor
+    """The saved storage's span (from its first to last element used), in host memory."""
+    base_offset: int
+    device: torch.device
+    group: int
+    event: object = None
+    on_device: torch.Tensor | None = None
+    pending: int = 0
+
+
+@dataclass
+class _ForwardState:
+    producers: dict[int, tuple[StorageWeakRef, _Producer, int]] = field(default_factory=dict)
+    swapped: dict[int, tuple[StorageWeakRef, _SwapRecord]] = field(default_factory=dict)
+    swap_region: list[bool] = field(default_factory=lambda: [False])
+    group: int = 0
+
+
+class SavedTensorManager:
+    """The pack/unpack hooks shared by every decoder layer of one model."""
+
+    def __init__(self, min_swap_numel: int = 0) -> None:
+        self.min_swap_numel = min_swap_numel
+        self.state = _ForwardState()
+        self.groups: dict[int, list[_SwapRecord]] = {}
+        self._stream = None
+
+    # -- forward side --
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def register_producer(self, fn: Callable, args: Sequence, outputs) -> None:
+        tensors = [t for t in _tensors(outputs) if t.numel() > 0]
+        if not tensors or not torch.is_grad_enabled():
+            return
+        packed = [self.pack(a) if isinstance(a, torch.Tensor) else a for a in args]
+        producer = _Producer(self, fn, packed, tensors)
+        for index, tensor in enumerate(tensors):
+            ref = StorageWeakRef(tensor.untyped_storage())
+            self.state.producers[ref.cdata] = (ref, producer, index)
+
+    def pack(self, tensor: torch.Tensor):
+        if tensor.numel() == 0 or tensor.device.type == "meta":
+            return tensor
+        cdata = StorageWeakRef(tensor.untyped_storage()).cdata
+        entry = self.state.producers.get(cdata)
+        if entry is not None and not entry[0].expired():
+            _, producer, index = entry
+            producer.pending += 1
+            return _Slot(producer, index, tuple(tensor.size()), tuple(tensor.stride()),
+                         tensor.storage_offset() - producer.offsets[index])
+        if self.state.swap_region[-1] and tensor.numel() >= self.min_swap_numel and tensor.is_floating_point():
+            return self._offload(tensor, cdata)
+        return tensor
+
+    def _offload(self, tensor: torch.Tensor, cdata: int) -> _Slot:
+        entry = self.state.swapped.get(cdata)
+        if entry is not None and not entry[0].expired():
+            record = entry[1]
+        else:
+            record = self._copy_out(tensor)
+            self.state.swapped[cdata] = (StorageWeakRef(tensor.untyped_storage()), record)
+            self.groups.setdefault(record.group, []).append(record)
+        record.pending += 1
+        return _Slot(None, 0, tuple(tensor.size()), tuple(tensor.stride()),
+                     tensor.storage_offset() - record.base_offset, swap=record)
+
+    def _copy_out(self, tensor: torch.Tensor) -> _SwapRecord:
+        # Copy the whole storage, so that every view of it saved in this layer (the CPU grouped GEMM
+        # saves one block per expert) unpacks with its own strides and offset.
+        flat = tensor.as_strided((tensor.untyped_storage().nbytes() // tensor.element_size(),), (1,), 0)
+        low = 0
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():  # host copies are not device activations (ActivationMeter)
+            if tensor.is_cuda:
+                stream = self._side_stream(tensor.device)
+                host = torch.empty(flat.shape, dtype=tensor.dtype, pin_memory=True)
+                stream.wait_stream(torch.cuda.current_stream(tensor.device))
+                with torch.cuda.stream(stream):
+                    host.copy_(flat, non_blocking=True)
+                # the device memory may be reused only once the side stream has read it
+                tensor.record_stream(stream)
+            else:
+                host = flat.clone()
+        return _SwapRecord(host, low, tensor.device, self.state.group)
+
+    def _side_stream(self, device: torch.device):
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        return self._stream
+
+    # -- backward side --
+    def _prefetch(self, group: int) -> None:
+        for record in self.groups.get(group, []):
+            if record.on_device is not None or record.pending == 0:
+                continue
+            if record.device.type == "cuda":
+                stream = self._side_stream(record.device)
+                stream.wait_stream(torch.cuda.current_stream(record.device))
+                with torch.cuda.stream(stream):
+                    record.on_device = record.host.to(record.device, non_blocking=True)
+                    record.event = torch.cuda.Event()
+                    record.event.record(stream)
+            else:
+                record.on_device = record.host.clone()
+
+    def unpack(self, packed):
+        if not isinstance(packed, _Slot):
+            return packed
+        if packed.swap is not None:
+            record = packed.swap
+            if record.on_device is None:
+                self._prefetch(record.group)
+                self._prefetch(record.group - 1)  # one layer ahead: overlaps this layer's backward
+            if record.event is not None:
+                torch.cuda.current_stream(record.device).wait_event(record.event)
+                record.on_device.record_stream(torch.cuda.current_stream(record.device))
+                record.event = None
+            base = record.on_device
+            record.pending -= 1
+            if record.pending == 0:
+                record.on_device = None
+        else:
+            producer = packed.producer
+            base = producer.materialize(packed.output_index)
+            producer.pending -= 1
+            if producer.pending == 0:
+                producer.cache = None
+        return base.as_strided(packed.size, packed.stride, base.storage_offset() + packed.storage_offset)
+
+    # -- regions --
+    def enter_layer(self, group: int) -> None:
+        self.state.group = group
+
+    def end_layer(self) -> None:
+        # producers and swap records stay reachable from their slots; the lookup tables need not
+        self.state.producers.clear()
+        self.state.swapped.clear()
+
+
+def _override(obj, name: str, wrapper: Callable, installed: list) -> None:
+    original = getattr(obj, name)
+    setattr(obj, name, wrapper(original))
+    installed.append((obj, name))
+
+
+def _producer_wrapper(manager: SavedTensorManager, internals_checkpoint: bool = True):
+    def wrap(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def forward(*args):
+            if not torch.is_grad_enabled():
+                return original(*args)
+            out = recompute(original, *args) if internals_checkpoint else original(*args)
+            manager.register_producer(original, args, out)
+            return out
+        return forward
+    return wrap
+
+
+def _recompute_wrapper(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def forward(*args):
+        return recompute(original, *args) if torch.is_grad_enabled() else original(*args)
+    return forward
+
+
+@dataclass
+class AppliedPolicy:
+    """Handle returned by ``apply_memory_policy``: what was installed, and how to remove it."""
+
+    plan: MemoryPlan
+    manager: SavedTensorManager
+    overrides: list = field(default_factory=list)
+    handles: list = field(default_factory=list)
+
+    def remove(self) -> None:
+        for obj, name in reversed(self.overrides):
+            delattr(obj, name)
+        for handle in self.handles:
+            handle.remove()
+        self.overrides.clear()
+        self.handles.clear()
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """Decoder layers in plan order: ``model.layers`` then each MTP module's layer."""
+    layers = list(getattr(model, "layers", []))
+    layers += [m.layer for m in getattr(model, "mtp", [])]
+    return layers
+
+
+def apply_memory_policy(model: nn.Module, plan: MemoryPlan, min_swap_numel: int | None = None) -> AppliedPolicy:
+    """Install the plan's options on each decoder layer of ``model`` (a ``MoETransformer``).
+
+    Call after the expert-parallel dispatcher is installed (``permute`` wraps whichever dispatcher
+    the MoE block has). ``min_swap_numel``: smaller saved tensors stay on the device (default 2**16
+    elements on CUDA, 0 on CPU). Returns a handle whose ``remove()`` restores the plain model."""
+    layers = decoder_layers(model)
+    if len(plan.layer_options) != len(layers):
+        raise ValueError(f"the plan has {len(plan.layer_options)} layers, the model {len(layers)}")
+    device = next(model.parameters()).device
+    if min_swap_numel is None:
+        min_swap_numel = 2**16 if device.type == "cuda" else 0
+    manager = SavedTensorManager(min_swap_numel)
+    applied = AppliedPolicy(plan, manager)
+    for index, (layer, options) in enumerate(zip(layers, plan.layer_options)):
+        unknown = set(options) - set(ALL_OPTIONS)
+        assert not unknown, unknown
+        _apply_to_layer(layer, index, frozenset(options), manager, applied)
+    return applied
+
+
+def _apply_to_layer(layer: nn.Module, index: int, options: frozenset[str], manager: SavedTensorManager,
+                    applied: AppliedPolicy) -> None:
+    if not options:
+        return
+    if "layer" in options:
+        _override(layer, "forward", _recompute_wrapper, applied.overrides)
+        return
+    hooks: list = []
+
+    def enter(module, args) -> None:
+        manager.enter_layer(index)
+        context = manager.hooks()
+        context.__enter__()
+        hooks.append(context)
+
+    def leave(module, args, output) -> None:
+        hooks.pop().__exit__(None, None, None)
+        manager.end_layer()
+
+    applied.handles.append(layer.register_forward_pre_hook(enter))
+    applied.handles.append(layer.register_forward_hook(leave, always_call=True))
+
+    def region(module: nn.Module, swap: bool) -> None:
+        def push(mod, args) -> None:
+            manager.state.swap_region.append(swap)
+
+        def pop(mod, args, output) -> None:
+            manager.state.swap_region.pop()
+
+        applied.handles.append(module.register_forward_pre_hook(push))
+        applied.handles.append(module.register_forward_hook(pop, always_call=True))
+
+    attention = layer.attention
+    producer = _producer_wrapper(manager)
+    if "attention" in options:
+        _override(attention, "forward", _recompute_wrapper, applied.overrides)
+    else:
+        if "swap_attention" in options:
+            region(attention, True)
+        if "mla_up" in options and hasattr(attention, "project_up"):
+            _override(attention, "project_up", producer, applied.overrides)
+        if "norm" in options:
+            for name in ("q_norm", "kv_norm", "k_norm"):
+                if hasattr(attention, name) and not ("mla_up" in options and hasattr(attention, "project_up")):
+                    _override(getattr(attention, name), "forward", producer, applied.overrides)
+    if "norm" in options:
+        for name in ("attn_norm", "attn_post_norm", "ffn_norm", "ffn_post_norm"):
+            if hasattr(layer, name):
+                _override(getattr(layer, name), "forward", producer, applied.overrides)
+    moe = getattr(layer, "moe", None)
+    mlps = [layer.ffn] if hasattr(layer, "ffn") else []
+    if moe is not None:
+        mlps = [moe.experts] + ([moe.shared_expert] if moe.shared_expert is not None else [])
+        if "swap_moe" in options:
+            region(moe, True)
+            region(moe.router, False)
+        if "router" in options:
+            _override(moe.router, "forward", _recompute_wrapper, applied.overrides)
+        if "permute" in options:
+            dispatcher = moe.dispatcher
+
+            def dispatch_wrapper(original: Callable) -> Callable:
+                def dispatch(x_TD, routing):
+                    out = original(x_TD, routing)
+                    if torch.is_grad_enabled():
+                        manager.register_producer(lambda x, r: original(x, r)[0], (x_TD, routing), out[0])
+                    return out
+                return dispatch
+
+            _override(dispatcher, "dispatch", dispatch_wrapper, applied.overrides)
+    if "activation" in options:
+        for mlp in mlps:
+            _override(mlp.act, "forward", producer, applied.overrides)
+
