@@ -1,0 +1,45 @@
+"""AdamW and the warm-up + cosine learning-rate schedule.
+
+Weight decay applies to matrices only (projections, experts, embeddings); gains of norms, biases and
+other 1-D parameters are not decayed, the usual practice since GPT-2 / nanoGPT.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from moetrain.config import TrainingConfig
+
+
+def build_optimizer(model: nn.Module, cfg: TrainingConfig) -> torch.optim.AdamW:
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (decay if param.ndim >= 2 else no_decay).append(param)
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    # foreach: one fused kernel launch per group on GPU; the CPU path is the same math.
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)
+
+
+def lr_multiplier(step: int, cfg: TrainingConfig) -> float:
+    """Learning rate of optimizer step ``step`` (0-based) over the peak ``cfg.lr``.
+
+    Linear warm-up from lr/warmup to lr over ``warmup_steps`` steps, then cosine decay to
+    ``min_lr_ratio·lr`` at the last step (Loshchilov & Hutter 2017, SGDR, without restarts).
+    """
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    decay_steps = max(1, cfg.steps - 1 - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainingConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))

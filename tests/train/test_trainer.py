@@ -1,0 +1,92 @@
+import io
+import json
+import random
+
+import pytest
+import torch
+from rich.console import Console
+
+from moetrain.config import ModelConfig, ParallelConfig, TrainingConfig, load_cluster_config, load_model_config
+from moetrain.errors import UserError
+from moetrain.train import RunOptions, Trainer
+
+WORDS = ["the", "king", "and", "queen", "of", "denmark", "speak", "love", "death", "honour", "night",
+         "crown", "ghost", "sword", "my", "lord", "good", "sir", "what", "say", "you", "now", "mark", "me"]
+LOSS_FIELDS = ("loss", "lm_loss", "mtp_loss", "aux_loss", "lr", "grad_norm", "expert_load_max_over_mean")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A small JSONL corpus of word-salad documents of varied length (so packing crosses boundaries)."""
+    rng = random.Random(0)
+    path = tmp_path_factory.mktemp("corpus") / "docs.jsonl"
+    rows = [{"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 200))) + "."} for _ in range(120)]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return str(path)
+
+
+@pytest.fixture(autouse=True)
+def _cache_and_one_thread(tmp_path_factory, monkeypatch):
+    """A private cache; one torch thread, because a busy 2-core CI machine makes 2 threads crawl."""
+    monkeypatch.setenv("MOETRAIN_CACHE", str(tmp_path_factory.getbasetemp() / "moetrain-cache"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _trainer(corpus: str, micro_batch: int = 2, model_cfg: ModelConfig | None = None, **run) -> Trainer:
+    cfg = TrainingConfig(steps=6, global_batch=4, micro_batch=micro_batch, seq_len=32, lr=3e-3, warmup_steps=2)
+    options = RunOptions(device="cpu", cluster=load_cluster_config("cpu"), data=corpus, show_progress=False, **run)
+    return Trainer(model_cfg or load_model_config("tiny-pangu"), cfg, options, console=Console(file=io.StringIO()))
+
+
+@pytest.mark.slow
+def test_resume_replays_the_uninterrupted_run_bit_for_bit(corpus, tmp_path):
+    straight = _trainer(corpus, metrics_out=tmp_path / "straight.jsonl").train()
+    save = {"save_dir": tmp_path / "ckpt", "metrics_out": tmp_path / "resumed.jsonl"}
+    first = _trainer(corpus, stop_at=3, **save).train()
+    second = _trainer(corpus, resume=True, **save).train()
+    assert [r["step"] for r in first] == [1, 2, 3] and [r["step"] for r in second] == [4, 5, 6]
+    for expected, got in zip(straight, first + second, strict=True):
+        assert {k: got[k] for k in LOSS_FIELDS} == {k: expected[k] for k in LOSS_FIELDS}
+    # the resumed run appended to the interrupted run's metrics file: one curve of six rows
+    rows = [json.loads(line) for line in (tmp_path / "resumed.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-000003", "step-000006"]
+
+
+@pytest.mark.slow
+def test_gradient_accumulation_trains_on_the_same_math(corpus):
+    """One micro-batch of 4 or two of 2: token losses are normalised by the global label count either
+    way. Router balance losses are per-micro-batch statistics, so they are switched off here."""
+    preset = load_model_config("tiny-pangu")
+    router = preset.moe.router.model_copy(update={"device_balance_coef": 0.0, "z_loss_coef": 0.0})
+    model_cfg = preset.model_copy(update={"moe": preset.moe.model_copy(update={"router": router})})
+    rows_whole = _trainer(corpus, micro_batch=4, model_cfg=model_cfg, save_dir=None, stop_at=3).train()
+    rows_split = _trainer(corpus, micro_batch=2, model_cfg=model_cfg, save_dir=None, stop_at=3).train()
+    for a, b in zip(rows_whole, rows_split, strict=True):
+        assert a["aux_loss"] == b["aux_loss"] == 0.0
+        assert b["lm_loss"] == pytest.approx(a["lm_loss"], rel=1e-5)
+        assert b["mtp_loss"] == pytest.approx(a["mtp_loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_metrics_rows_carry_the_documented_fields(corpus):
+    trainer = _trainer(corpus, stop_at=2)
+    row = trainer.train()[-1]
+    num_moe_rows = 6 + 1  # 6 MoE decoder layers + the MTP module's MoE layer
+    assert len(row["expert_load_max_over_mean"]) == num_moe_rows
+    assert all(1.0 <= v <= 16 / 4 for v in row["expert_load_max_over_mean"])
+    assert row["tokens"] == 4 * 32 and row["tokens_per_s"] == pytest.approx(row["tokens"] / row["step_time_s"])
+    expected_mfu = row["tokens_per_s"] * trainer.flops_per_token / 0.1e12
+    assert row["mfu"] == pytest.approx(expected_mfu)
+    assert row["layout"]["dp"] == 1 and row["layout"]["global_batch"] == 4
+    assert row["loss"] == pytest.approx(row["lm_loss"] + 0.3 * row["mtp_loss"] + row["aux_loss"], rel=1e-5)
+
+
+def test_multi_rank_layout_is_refused_in_one_process(corpus):
+    cfg = TrainingConfig(steps=2, global_batch=4, micro_batch=2, seq_len=32)
+    with pytest.raises(UserError, match="the plan needs 4 ranks"):
+        Trainer(load_model_config("tiny-pangu"), cfg, RunOptions(data=corpus), parallel=ParallelConfig(dp=2, tp=2))
