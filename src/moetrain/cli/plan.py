@@ -1,0 +1,144 @@
+"""``moetrain plan``: search the parallel layout (or, with --search-model, the model shape)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+HELP = "search TP/SP/PP/VPP/EP/ETP/CP/DP, ZeRO, micro-batch, recompute, all-to-all and overlap; write a plan"
+
+# Dimensions whose values the runtime (moetrain.distributed) does not execute yet; the plan file says so.
+# The interleaved and overlapped schedules are the runtime's own action lists (tests/planner checks it).
+RUNTIME_NOTES = {
+    "cp": "context parallelism (cp > 1): not implemented by the runtime yet (it refuses cp > 1)",
+    "etp": "expert tensor parallelism (etp > 1): not implemented by the runtime yet (it refuses etp > 1)",
+    "chunks": "the runtime needs pp·vpp to divide the layer count into equal chunks; this layout does not",
+    "a2a": "hierarchical all-to-all: the runtime needs each EP group to fill whole nodes or sit inside one",
+    "zero": "ZeRO stages 2-3: the runtime shards optimizer states only (stage 1); run with zero=1",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from moetrain.planner.cli_support import add_workload_args
+
+    add_workload_args(parser)
+    parser.add_argument("--top", type=int, default=5, help="how many layouts to print")
+    parser.add_argument("--out", default="plan.yaml", help="where to write the winner's plan file")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--search-model", action="store_true",
+                        help="compare model shapes (experts, hidden, depth) near --param-budget by throughput")
+    parser.add_argument("--param-budget", type=float,
+                        help="total parameters in billions for --search-model (default: the model's own)")
+
+
+def _runtime_support(parallel, num_layers: int) -> list[str]:
+    notes = []
+    if num_layers % (parallel.pp * parallel.vpp):
+        notes.append(RUNTIME_NOTES["chunks"])
+    if parallel.cp > 1:
+        notes.append(RUNTIME_NOTES["cp"])
+    if parallel.etp > 1:
+        notes.append(RUNTIME_NOTES["etp"])
+    if parallel.a2a == "hierarchical":
+        notes.append(RUNTIME_NOTES["a2a"])
+    if parallel.zero >= 2:
+        notes.append(RUNTIME_NOTES["zero"])
+    return notes
+
+
+def plan_layouts(args: argparse.Namespace) -> tuple[dict, dict]:
+    """(the --json mapping, the plan file mapping)."""
+    from moetrain.errors import UserError
+    from moetrain.planner.cli_support import build_workload
+    from moetrain.planner.search import search
+
+    workload, eff = build_workload(args)
+    result = search(workload, args.devices, eff, top_k=max(args.top, 1))
+    if len(result.top) == 0:
+        raise UserError(f"no layout of {workload.model.name} fits {args.devices} × {workload.cluster.name} "
+                        f"at seq {workload.seq_len}, batch {workload.global_batch}; add devices or memory")
+    tokens = workload.global_batch * workload.seq_len
+    rows = []
+    for i in range(len(result.top)):
+        parallel = result.top.to_parallel(i)
+        step = float(result.timeline_step_s[i])
+        analytic = float(result.top_costs["step_time_s"][i])
+        rows.append({
+            "parallel": parallel.model_dump(),
+            "step_time_s": step,
+            "tokens_per_s": tokens / step,
+            "mfu": float(result.top_costs["mfu"][i]) * analytic / step,
+            "memory_gib": float(result.top_costs["memory_bytes"][i]) / 2**30,
+        })
+    winner = rows[0]
+    parallel = result.top.to_parallel(0)
+    plan = {
+        "model": args.model,
+        "cluster": args.cluster,
+        "devices": args.devices,
+        "seq_len": args.seq_len,
+        "global_batch": args.global_batch,
+        "parallel": winner["parallel"],
+        "predicted": {k: winner[k] for k in ("step_time_s", "mfu", "tokens_per_s", "memory_gib")},
+        "runtime_support": _runtime_support(parallel, workload.model.num_layers)
+        or ["every dimension of this layout is executed by the runtime"],
+    }
+    summary = {
+        "candidates_evaluated": result.candidates_evaluated,
+        "feasible": result.feasible,
+        "seconds": result.seconds,
+        "candidates_per_minute": result.candidates_evaluated / result.seconds * 60 if result.seconds else None,
+        "top": rows,
+        "why": result.explanation,
+        "plan_file": args.out,
+    }
+    return summary, plan
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.search_model:
+        return _run_model_search(args)
+    import yaml
+
+    summary, plan = plan_layouts(args)
+    with open(args.out, "w") as f:
+        yaml.safe_dump(plan, f, sort_keys=False)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    print(f"evaluated {summary['candidates_evaluated']:,} layouts in {summary['seconds']:.2f} s "
+          f"({summary['feasible']:,} fit memory)")
+    print(f"{'#':>2} {'tp':>3} {'sp':>3} {'pp':>3} {'vpp':>3} {'ep':>4} {'etp':>3} {'cp':>3} {'dp':>5} {'zero':>4} "
+          f"{'mb':>3} {'recompute':>9} {'a2a':>12} {'ovl':>4} {'step s':>9} {'MFU':>6} {'GiB':>6}")
+    for i, row in enumerate(summary["top"], 1):
+        p = row["parallel"]
+        print(f"{i:>2} {p['tp']:>3} {int(p['sp']):>3} {p['pp']:>3} {p['vpp']:>3} {p['ep']:>4} {p['etp']:>3} "
+              f"{p['cp']:>3} {p['dp']:>5} {p['zero']:>4} {p['micro_batch']:>3} {p['recompute']:>9} {p['a2a']:>12} "
+              f"{int(p['overlap']):>4} {row['step_time_s']:>9.4g} {row['mfu']:>6.1%} {row['memory_gib']:>6.1f}")
+    print("\nwhy the winner wins:")
+    for line in summary["why"]:
+        print(f"  {line}")
+    print(f"\nplan written to {args.out}")
+    for note in plan["runtime_support"]:
+        print(f"  runtime: {note}")
+    return 0
+
+
+def _run_model_search(args: argparse.Namespace) -> int:
+    from moetrain.planner.model_search import search_model_shapes
+
+    result = search_model_shapes(args)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"compared {len(result['shapes'])} shapes with {result['budget_params_b']:.0f}B ±"
+          f"{result['tolerance']:.0%} parameters in {result['seconds']:.1f} s "
+          f"({result['candidates_evaluated']:,} layouts scored)")
+    print(f"{'experts':>7} {'hidden':>6} {'layers':>6} {'total B':>8} {'active B':>8} {'tokens/s':>10} "
+          f"{'MFU':>6}  layout")
+    for s in result["shapes"]:
+        p = s["parallel"]
+        layout = f"tp{p['tp']} pp{p['pp']} vpp{p['vpp']} ep{p['ep']} cp{p['cp']} mb{p['micro_batch']} {p['recompute']}"
+        print(f"{s['experts']:>7} {s['hidden']:>6} {s['layers']:>6} {s['total_params_b']:>8.1f} "
+              f"{s['active_params_b']:>8.1f} {s['tokens_per_s']:>10.4g} {s['mfu']:>6.1%}  {layout}")
+    return 0

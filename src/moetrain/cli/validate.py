@@ -1,0 +1,74 @@
+"""``moetrain validate``: predict published runs and score the simulator against them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+HELP = "predict each row of a validation CSV (shared/validation schema) and report the errors"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("file", metavar="FILE.csv", help="rows in the schema of shared/validation/README.md")
+    parser.add_argument("--calibration", help="efficiency file to predict with (default: the shipped fit)")
+    parser.add_argument("--cv", action="store_true",
+                        help="leave-one-family-out: predict each family with parameters fitted on the others")
+    parser.add_argument("--fit", metavar="OUT.yaml", help="fit the efficiencies on all rows and write them here")
+    parser.add_argument("--json", action="store_true", help="print one JSON object with rows and summary")
+
+
+def validate(args: argparse.Namespace) -> dict:
+    from moetrain.planner.calibration import load_calibration
+    from moetrain.planner.fit import fit_calibration, leave_one_family_out, predict_rows
+    from moetrain.planner.validation import abs_pct_errors, prepare_all, read_rows, summarize
+
+    rows = read_rows(args.file)
+    prepared, skipped = prepare_all(rows)
+    result: dict = {}
+    if args.fit:
+        calibration = fit_calibration(prepared, note=f"moetrain validate {args.file} --fit {args.fit}")
+        calibration.save(args.fit)
+        result["fitted"] = calibration.to_dict()
+    else:
+        calibration = load_calibration(args.calibration)
+    predicted = leave_one_family_out(prepared) if args.cv else predict_rows(prepared, calibration)
+    measured = [r.measured for r in prepared]
+    errors = abs_pct_errors(predicted, measured) if prepared else []
+    result["mode"] = "leave-one-family-out" if args.cv else "calibrated"
+    result["free_parameters"] = calibration.free_parameter_count
+    result["rows"] = [
+        {"id": r.row_id, "family": r.family, "metric": r.metric, "measured": r.measured,
+         "predicted": float(p), "abs_pct_error": float(e)}
+        for r, p, e in zip(prepared, predicted, errors)
+    ]
+    result["unsimulated"] = [{"id": s.row_id, "family": s.family, "reason": s.reason} for s in skipped]
+    result["summary"] = summarize(list(errors))
+    families: dict[str, list[float]] = {}
+    for row in result["rows"]:
+        families.setdefault(row["family"], []).append(row["abs_pct_error"])
+    result["families"] = {f: summarize(v) for f, v in sorted(families.items())}
+    return result
+
+
+def run(args: argparse.Namespace) -> int:
+    result = validate(args)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"{'id':16s} {'metric':24s} {'measured':>11s} {'predicted':>11s} {'error':>8s}")
+    for row in result["rows"]:
+        err = (row["predicted"] - row["measured"]) / row["measured"] * 100
+        print(f"{row['id']:16s} {row['metric']:24s} {row['measured']:11.4g} {row['predicted']:11.4g} {err:+7.1f}%")
+    if result["unsimulated"]:
+        print("\nnot simulated:")
+        for row in result["unsimulated"]:
+            print(f"  {row['id']:16s} {row['reason']}")
+    print("\nper family (median / 90th percentile absolute % error, rows):")
+    for family, s in result["families"].items():
+        print(f"  {family:12s} {s['median_abs_pct_error']:6.1f} {s['p90_abs_pct_error']:6.1f}  {s['n']}")
+    s = result["summary"]
+    print(f"\n{result['mode']}: median |error| {s['median_abs_pct_error']:.1f}%, 90th percentile "
+          f"{s['p90_abs_pct_error']:.1f}%, n={s['n']} ({result['free_parameters']} free parameters)")
+    if "fitted" in result:
+        print(f"fitted efficiencies written to {args.fit}")
+    return 0

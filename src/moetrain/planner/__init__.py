@@ -1,0 +1,1 @@
+"""Planner: a validated training simulator and parallel-strategy search (numpy only, torch-free)."""

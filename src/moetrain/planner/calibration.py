@@ -1,0 +1,149 @@
+"""Efficiency parameters of the cost model: few, global per operation class, optionally per hardware.
+
+The simulator predicts time as work / (hardware peak × efficiency). The efficiencies are the model's
+only free parameters; they are fitted once on published runs (``moetrain validate --fit``) or
+measured on the local device (``moetrain profile``), never per row. A parameter may be overridden per
+hardware *architecture* (ampere, hopper, ...) when runs of that architecture are available; an
+architecture with no data falls back to the global value.
+
+File format (YAML or JSON)::
+
+    global: {gemm_max: 0.7, ...}
+    per_arch: {ampere: {gemm_max: 0.75}}
+    fitted_on: ...        # free text: what produced the file
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields, replace
+from importlib import resources
+from pathlib import Path
+
+import yaml
+
+from moetrain.errors import UserError
+
+# Accelerator id (validation schema's ``hardware`` column, ClusterConfig.device) → architecture.
+_ARCH_OF_DEVICE: dict[str, str] = {
+    "a100-sxm-80gb": "ampere",
+    "a100-sxm-40gb": "ampere",
+    "a800-sxm-80gb": "ampere",
+    "h100-sxm-80gb": "hopper",
+    "h100-sxm-96gb": "hopper",
+    "h800-sxm-80gb": "hopper",
+    "h200-sxm-141gb": "hopper",
+    "b200": "blackwell",
+    "gb200": "blackwell",
+    "ascend-910b": "ascend",
+    "cpu": "cpu",
+}
+
+# Parameters that may take a per-architecture value; the others are global by construction.
+PER_ARCH_PARAMS: tuple[str, ...] = ("gemm_max", "attention")
+
+
+def arch_of(device: str) -> str:
+    """Architecture class of an accelerator id; unknown devices form their own class."""
+    return _ARCH_OF_DEVICE.get(device, device)
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Efficiency factors for one device (global values with that device's overrides applied)."""
+
+    gemm_max: float = 0.75
+    """Fraction of the dense peak a large GEMM reaches."""
+    gemm_overhead_us: float = 8.0
+    """Fixed cost per kernel call (launch, tail wave; GEMMs and element-wise kernels alike): why a small
+    GEMM is slower per FLOP and why small models are launch-bound."""
+    moe_overhead_us: float = 100.0
+    """Fixed cost per MoE layer pass (router top-k, token-count sync, permute/unpermute kernel chains)."""
+    attention: float = 0.55
+    """Fraction of the dense peak fused (flash) attention reaches on QKᵀ and PV."""
+    memory: float = 0.7
+    """Fraction of HBM bandwidth that element-wise kernels (norms, activations, permutes) reach."""
+    fp8_gain: float = 1.5
+    """Speed-up of an FP8 GEMM over the same BF16 GEMM, casts included (≤ the peak ratio 2)."""
+    bus_intra: float = 0.8
+    """Fraction of the in-node link bandwidth a collective reaches (NCCL/HCCL bus efficiency)."""
+    bus_inter: float = 0.8
+    """Fraction of the per-device network bandwidth a collective reaches."""
+    grad_overlap: float = 0.5
+    """Fraction of the data-parallel gradient/parameter traffic hidden under backward compute."""
+    tp_overlap: float = 0.0
+    """Fraction of tensor-parallel collectives hidden under GEMMs (TE comm overlap, AsyncTP)."""
+    step_overhead_ms: float = 0.0
+    """Fixed host/launch cost per optimizer step that no other term captures."""
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Global efficiencies plus per-architecture overrides; ``for_device`` resolves one device."""
+
+    global_params: Efficiency
+    per_arch: dict[str, dict[str, float]]
+    fitted_on: str = ""
+
+    def for_device(self, device: str) -> Efficiency:
+        overrides = self.per_arch.get(arch_of(device), {})
+        return replace(self.global_params, **overrides) if overrides else self.global_params
+
+    @property
+    def free_parameter_count(self) -> int:
+        """Global values plus per-architecture values; a global value that is the mean of per-architecture
+        ones (what ``fit`` does) is not free."""
+        derived = {p for overrides in self.per_arch.values() for p in overrides}
+        return len(fields(Efficiency)) - len(derived) + sum(len(v) for v in self.per_arch.values())
+
+    def to_dict(self) -> dict:
+        return {
+            "fitted_on": self.fitted_on,
+            "free_parameters": self.free_parameter_count,
+            "global": self.global_params.as_dict(),
+            "per_arch": {k: dict(v) for k, v in sorted(self.per_arch.items())},
+        }
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        data = self.to_dict()
+        path.write_text(json.dumps(data, indent=2) if path.suffix == ".json" else yaml.safe_dump(data, sort_keys=False))
+
+
+def calibration_from_dict(data: dict, source: str) -> Calibration:
+    known = {f.name for f in fields(Efficiency)}
+    glob = data.get("global", {}) or {}
+    unknown = set(glob) - known
+    for overrides in (data.get("per_arch", {}) or {}).values():
+        unknown |= set(overrides) - known
+    if unknown:
+        raise UserError(f"{source}: unknown calibration parameter(s) {sorted(unknown)}; known: {sorted(known)}")
+    per_arch = {str(k): {p: float(x) for p, x in v.items()} for k, v in (data.get("per_arch", {}) or {}).items()}
+    return Calibration(
+        Efficiency(**{k: float(v) for k, v in glob.items()}), per_arch, str(data.get("fitted_on", ""))
+    )
+
+
+def load_calibration(path: str | Path | None = None) -> Calibration:
+    """The shipped default (fitted on shared/validation/calibration.csv) or a user's file."""
+    if path is None:
+        text = (resources.files("moetrain.planner") / "calibration_default.yaml").read_text()
+        return calibration_from_dict(yaml.safe_load(text) or {}, "calibration_default.yaml")
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"calibration file {str(path)!r} does not exist; write one with `moetrain profile --out FILE`")
+    try:
+        data = json.loads(p.read_text()) if p.suffix == ".json" else yaml.safe_load(p.read_text())
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise UserError(f"{path}: not a valid calibration file ({str(exc).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: expected a mapping with 'global' and 'per_arch' sections")
+    return calibration_from_dict(data, str(path))
+
+
+def default_calibration() -> Calibration:
+    """Physics priors only (no fit): used when the shipped file is missing and as the fit's start."""
+    return Calibration(Efficiency(), {}, "priors")

@@ -1,0 +1,72 @@
+"""Flags and input checks shared by ``moetrain simulate`` and ``moetrain plan`` (torch-free)."""
+
+from __future__ import annotations
+
+import argparse
+
+from moetrain.config import ParallelConfig, load_cluster_config, load_model_config
+from moetrain.errors import UserError
+from moetrain.planner.calibration import Efficiency, load_calibration
+from moetrain.planner.costmodel import Workload
+
+PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
+
+
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    from moetrain.cli.common import add_cluster_arg, add_model_arg
+
+    add_model_arg(parser)
+    add_cluster_arg(parser)
+    g = parser.add_argument_group("workload")
+    g.add_argument("--devices", type=int, required=True, help="number of accelerators in the job")
+    g.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
+    g.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    g.add_argument("--precision", choices=PRECISIONS, default="bf16", help="GEMM precision (fp8: linear layers)")
+    g.add_argument("--imbalance", type=float, default=1.0,
+                   help="routed-token load of the hottest EP rank over the mean (1.0 = balanced)")
+    g.add_argument("--calibration", help="efficiency file from `moetrain profile` or `moetrain validate --fit` "
+                   "(default: the shipped fit on published runs)")
+
+
+def build_workload(args: argparse.Namespace) -> tuple[Workload, Efficiency]:
+    for name in ("devices", "seq_len", "global_batch"):
+        if getattr(args, name) <= 0:
+            raise UserError(f"--{name.replace('_', '-')} must be positive (got {getattr(args, name)})")
+    if args.imbalance < 1.0:
+        raise UserError(f"--imbalance is max/mean load and cannot be below 1.0 (got {args.imbalance})")
+    model = load_model_config(args.model)
+    cluster = load_cluster_config(args.cluster)
+    calibration = load_calibration(args.calibration)
+    workload = Workload(model, cluster, args.seq_len, args.global_batch, args.precision, args.imbalance,
+                        grad_bytes=2.0 if args.precision == "fp16" else 4.0)
+    return workload, calibration.for_device(cluster.device)
+
+
+def parallel_from_args(args: argparse.Namespace, workload: Workload, devices: int) -> ParallelConfig:
+    """The strategy flags as a validated ``ParallelConfig``; dp is what remains of the devices."""
+    tp, pp, cp = args.tp, args.pp, args.cp
+    if min(tp, pp, cp, args.vpp, args.ep, args.etp, args.micro_batch) <= 0:
+        raise UserError("parallel sizes and --micro-batch must be positive")
+    if devices % (tp * pp * cp):
+        raise UserError(f"--devices {devices} is not divisible by tp·pp·cp = {tp * pp * cp}; "
+                        "pick sizes whose product divides the device count")
+    dp = devices // (tp * pp * cp)
+    if workload.global_batch % (dp * args.micro_batch):
+        raise UserError(f"--global-batch {workload.global_batch} is not a multiple of dp·micro-batch = "
+                        f"{dp}·{args.micro_batch}; change the batch or the layout")
+    if args.recompute not in ("none", "selective", "full"):
+        raise UserError(f"--recompute {args.recompute!r}: the simulator knows none, selective and full")
+    moe = workload.model.moe
+    if moe is not None and moe.num_experts % args.ep:
+        raise UserError(f"--ep {args.ep} does not divide the {moe.num_experts} experts")
+    if workload.model.num_layers < pp * args.vpp:
+        raise UserError(f"pp·vpp = {pp * args.vpp} exceeds the model's {workload.model.num_layers} layers")
+    if workload.seq_len % cp:
+        raise UserError(f"--seq-len {workload.seq_len} is not divisible by --cp {cp}")
+    sp = args.sp if args.sp is not None else tp > 1
+    try:
+        return ParallelConfig(tp=tp, sp=sp, pp=pp, vpp=args.vpp, ep=args.ep, etp=args.etp, cp=cp, dp=dp,
+                              zero=args.zero, micro_batch=args.micro_batch, recompute=args.recompute,
+                              a2a=args.a2a, overlap=args.overlap)
+    except ValueError as exc:
+        raise UserError(str(exc).splitlines()[-1].removeprefix("  Value error, ")) from None

@@ -1,0 +1,151 @@
+"""Collective-communication times, each on the link it really crosses.
+
+Every function is numpy-broadcastable over its size and group arguments, so the planner prices many
+layouts in one call. Time = latency + bytes / (link bandwidth × bus efficiency), where the bus
+efficiency comes from the calibration (``Efficiency.bus_intra`` / ``bus_inter``).
+
+Placement convention (Megatron order, innermost first): tp, cp, then the data-parallel ranks (on
+which the expert grid etp × ep × edp is folded), then pp. A group of ``group`` ranks laid out with
+``stride`` between consecutive members has ``ranks_per_node`` of its members in each node.
+
+Rings (all-gather, reduce-scatter, all-reduce) run at the slowest link they cross; the all-to-all
+splits its bytes over both link kinds.
+The expert-balancing code also imports ``alltoall_time`` and ``expert_compute_time`` from here.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+
+from moetrain.config.cluster import ClusterConfig
+from moetrain.planner.calibration import Efficiency, load_calibration
+
+# Re-exported (see __all__): one import site for communication and expert compute times.
+from moetrain.planner.compute import expert_compute_time, gemm_time
+
+__all__ = [
+    "allgather_time",
+    "allreduce_time",
+    "alltoall_time",
+    "alltoall_volume",
+    "efficiency_for",
+    "expert_compute_time",
+    "gemm_time",
+    "p2p_time",
+    "ranks_per_node",
+    "reduce_scatter_time",
+]
+
+
+@lru_cache(maxsize=64)
+def _default_efficiency(device: str) -> Efficiency:
+    return load_calibration().for_device(device)
+
+
+def efficiency_for(cluster: ClusterConfig, efficiency: Efficiency | None = None) -> Efficiency:
+    """The given efficiencies, or the shipped calibration's values for this cluster's device."""
+    return efficiency if efficiency is not None else _default_efficiency(cluster.device)
+
+
+def ranks_per_node(group, stride, devices_per_node):
+    """Members of a group (``group`` ranks, ``stride`` apart) that share one node."""
+    group = np.asarray(group)
+    per_node = np.maximum(devices_per_node // np.maximum(np.asarray(stride), 1), 1)
+    return np.minimum(group, per_node)
+
+
+def _links(cluster: ClusterConfig, eff: Efficiency) -> tuple[float, float, float, float]:
+    intra = cluster.intra_node_gbps * 1e9 * eff.bus_intra
+    inter = cluster.inter_node_gbps * 1e9 * eff.bus_inter
+    return intra, inter, cluster.intra_node_latency_us * 1e-6, cluster.inter_node_latency_us * 1e-6
+
+
+def allgather_time(total_bytes, group, in_node, cluster: ClusterConfig, efficiency: Efficiency | None = None):
+    """Ring all-gather whose gathered output is ``total_bytes`` on every rank (same cost: reduce-scatter
+    of an input of that size). ``in_node`` = members per node (see ``ranks_per_node``).
+
+    Each rank sends (group−1)/group of the buffer (Thakur et al. 2005, ring cost). A ring that leaves
+    the node runs one channel per member of the node, each over its own NIC, so the node boundary
+    carries the ``in_node`` members' network bandwidth together, capped by the in-node link: a group of
+    8 per node crossing nodes over 8 × 25 GB/s NICs sees ~200 GB/s bus bandwidth (what NCCL tests
+    report on DGX A100), a group with one member per node sees one NIC."""
+    eff = efficiency_for(cluster, efficiency)
+    intra, inter, lat_intra, lat_inter = _links(cluster, eff)
+    group = np.maximum(np.asarray(group, dtype=float), 1.0)
+    q = np.minimum(np.asarray(in_node, dtype=float), group)
+    crosses = q < group
+    bandwidth = np.where(crosses, np.minimum(intra, inter * q), intra)
+    latency = np.where(crosses, lat_inter, lat_intra)
+    t = (group - 1) / group * np.asarray(total_bytes, dtype=float) / bandwidth + (group - 1) * latency
+    return np.where(group > 1, t, 0.0)
+
+
+reduce_scatter_time = allgather_time
+
+
+def allreduce_time(total_bytes, group, in_node, cluster: ClusterConfig, efficiency: Efficiency | None = None):
+    """Ring all-reduce = reduce-scatter + all-gather of the same buffer."""
+    return 2.0 * allgather_time(total_bytes, group, in_node, cluster, efficiency)
+
+
+def alltoall_volume(tokens, hidden: int, top_k: int, dtype_bytes: float = 2.0):
+    """Bytes one rank sends in one MoE dispatch (and again in the combine): every token goes to each of
+    its ``top_k`` experts, so tokens·top_k·hidden·dtype_bytes, whatever the expert placement (the part
+    that stays on the rank is subtracted by ``alltoall_time``)."""
+    return np.asarray(tokens, dtype=float) * top_k * hidden * dtype_bytes
+
+
+def alltoall_time(
+    bytes_per_rank,
+    ep,
+    devices_per_node,
+    cluster: ClusterConfig,
+    hierarchical: bool | np.ndarray = False,
+    top_k: int = 1,
+    stride=1,
+    efficiency: Efficiency | None = None,
+):
+    """Time of one expert-parallel all-to-all (dispatch or combine) in seconds.
+
+    Args:
+        bytes_per_rank: bytes one rank sends, all destinations together (``alltoall_volume``), with
+            destinations spread evenly over the ``ep`` ranks (imbalance is priced by the caller).
+        ep: expert-parallel group size.
+        devices_per_node: devices per node of the cluster.
+        hierarchical: False: flat all-to-all, every (token, expert) copy bound for another node crosses
+            the network. True: the SPEC §2 hierarchical scheme: each token crosses the network once per
+            destination node (not once per expert), then an all-to-all inside the node over the fast
+            links delivers it to the experts there.
+        top_k: experts per token, used to turn the routed bytes into token bytes for the hierarchical
+            all-gather.
+        stride: distance between consecutive EP ranks (the expert tensor-parallel size).
+    """
+    eff = efficiency_for(cluster, efficiency)
+    intra, inter, lat_intra, lat_inter = _links(cluster, eff)
+    ep = np.maximum(np.asarray(ep, dtype=float), 1.0)
+    q = np.asarray(ranks_per_node(ep, stride, devices_per_node), dtype=float)
+    nodes = ep / q
+    send = np.asarray(bytes_per_rank, dtype=float)
+    # Flat: 1/ep of the copies stay, (q-1)/ep go over in-node links, (ep-q)/ep over the network; the two
+    # link kinds run concurrently, the slower one decides.
+    flat = np.maximum((q - 1) / ep * send / intra, (ep - q) / ep * send / inter)
+    flat = flat + np.where(nodes > 1, lat_inter, 0.0) + (q > 1) * lat_intra
+    # Hierarchical: each token crosses the network once per remote node that hosts one of its experts
+    # (with uniform routing a given node is hit with probability 1 − (1 − 1/nodes)^top_k), then an
+    # in-node all-to-all delivers the copies to this node's experts.
+    token_bytes = send / max(top_k, 1)
+    nodes_hit = (nodes - 1) * (1.0 - (1.0 - 1.0 / nodes) ** top_k)
+    gather = nodes_hit * token_bytes / inter + lat_inter
+    local = (q - 1) / q * send / intra + (q > 1) * lat_intra
+    hier = gather + local
+    return np.where(ep > 1, np.where(hierarchical, np.where(nodes > 1, hier, flat), flat), 0.0)
+
+
+def p2p_time(num_bytes, cross_node, cluster: ClusterConfig, efficiency: Efficiency | None = None):
+    """Pipeline send/recv of ``num_bytes`` between neighbouring stages (in-node or across nodes)."""
+    eff = efficiency_for(cluster, efficiency)
+    intra, inter, lat_intra, lat_inter = _links(cluster, eff)
+    num_bytes = np.asarray(num_bytes, dtype=float)
+    return np.where(cross_node, num_bytes / inter + lat_inter, num_bytes / intra + lat_intra)

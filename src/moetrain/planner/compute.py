@@ -1,0 +1,97 @@
+"""Achieved compute speed: hardware peaks times efficiency curves that depend on the operation's shape.
+
+Three operation classes (Calculon, Isaev et al. SC23, uses the same split):
+
+- GEMMs: ``flops / (peak × gemm_max)`` plus a fixed ``gemm_overhead_us`` per call, so a small GEMM
+  reaches a lower fraction of the peak than a large one (efficiency = W / (W + peak·gemm_max·t0)).
+  FP8 GEMMs run ``fp8_gain`` times faster than BF16 on hardware with an FP8 peak.
+- Fused attention (QKᵀ, softmax, PV): ``flops / (peak × attention)``; always BF16.
+- Element-wise kernels (norms, activation functions, permutes, optimizer update): memory-bound,
+  ``bytes / (HBM bandwidth × memory)``.
+
+All functions broadcast over numpy arrays.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+
+from moetrain.config.cluster import ClusterConfig
+from moetrain.config.model import ModelConfig
+from moetrain.costs.params import mlp_params
+from moetrain.planner.calibration import Efficiency, load_calibration
+
+# Grouped GEMMs pad each expert's rows to the kernel's tile; on average half a tile is wasted per expert.
+GROUPED_GEMM_TILE_ROWS = 128
+
+
+@lru_cache(maxsize=64)
+def _default_efficiency(device: str) -> Efficiency:
+    return load_calibration().for_device(device)
+
+
+def _eff(cluster: ClusterConfig, efficiency: Efficiency | None) -> Efficiency:
+    return efficiency if efficiency is not None else _default_efficiency(cluster.device)
+
+
+def gemm_rate(cluster: ClusterConfig, eff: Efficiency, precision: str = "bf16") -> float:
+    """Achieved FLOP/s of a large GEMM in ``precision``."""
+    gain = eff.fp8_gain if (precision == "fp8" and cluster.peak_tflops_fp8) else 1.0
+    return cluster.peak_flops("bf16") * eff.gemm_max * gain
+
+
+def gemm_time(flops, num_calls, cluster: ClusterConfig, efficiency: Efficiency | None = None,
+              precision: str = "bf16"):
+    """Seconds for ``num_calls`` GEMMs totalling ``flops``."""
+    eff = _eff(cluster, efficiency)
+    return np.asarray(flops, dtype=float) / gemm_rate(cluster, eff, precision) + (
+        np.asarray(num_calls, dtype=float) * eff.gemm_overhead_us * 1e-6
+    )
+
+
+def attention_time(flops, cluster: ClusterConfig, efficiency: Efficiency | None = None):
+    """Seconds of fused attention (QKᵀ and PV) totalling ``flops``."""
+    eff = _eff(cluster, efficiency)
+    return np.asarray(flops, dtype=float) / (cluster.peak_flops("bf16") * eff.attention)
+
+
+def memory_time(num_bytes, cluster: ClusterConfig, efficiency: Efficiency | None = None):
+    """Seconds of memory-bound kernels moving ``num_bytes`` through HBM."""
+    eff = _eff(cluster, efficiency)
+    return np.asarray(num_bytes, dtype=float) / (cluster.hbm_bandwidth_tbps * 1e12 * eff.memory)
+
+
+def mlp_matrix_count(model: ModelConfig) -> int:
+    """Weight matrices (GEMM calls) per MLP: gate, up, down for swiglu; up, down otherwise."""
+    return 3 if model.ffn_act == "swiglu" else 2
+
+
+def expert_compute_time(
+    tokens,
+    model: ModelConfig,
+    cluster: ClusterConfig,
+    efficiency: Efficiency | None = None,
+    num_local_experts=1,
+    etp=1,
+    precision: str = "bf16",
+):
+    """Forward seconds of the routed experts on one device in one MoE layer (grouped GEMM).
+
+    Args:
+        tokens: (token, expert) pairs the device processes: its local experts' loads summed. Pass the
+            hottest device's load to price imbalance (the all-to-all waits for it).
+        num_local_experts: experts resident on the device; each adds half a tile of padded rows, which
+            is why many small experts run slower per FLOP than few large ones.
+        etp: expert tensor-parallel size (each expert's FFN width split over ``etp`` devices).
+
+    Backward costs twice this (input and weight gradients).
+    """
+    assert model.moe is not None, "expert_compute_time needs a MoE model"
+    eff = _eff(cluster, efficiency)
+    per_token = 2.0 * mlp_params(model, model.moe.expert_ffn_hidden) / np.asarray(etp, dtype=float)
+    padded_rows = np.asarray(tokens, dtype=float) + np.asarray(num_local_experts) * GROUPED_GEMM_TILE_ROWS / 2
+    flops = per_token * padded_rows
+    act_bytes = np.asarray(tokens, dtype=float) * model.moe.expert_ffn_hidden / np.asarray(etp) * 2.0 * 3
+    return gemm_time(flops, mlp_matrix_count(model), cluster, eff, precision) + memory_time(act_bytes, cluster, eff)

@@ -1,0 +1,133 @@
+"""Fitting the efficiency parameters on published runs, and leave-one-family-out cross-validation.
+
+The fit minimises the squared log-ratio of predicted to measured metric over all rows that measure
+speed (memory rows do not depend on efficiencies), plus a weak pull of each parameter towards its
+physical prior so that parameters the training rows cannot identify stay at their prior instead of
+drifting. Per-architecture values (``PER_ARCH_PARAMS``) are fitted only for architectures with at
+least ``MIN_ROWS_PER_ARCH`` speed rows in the training set; others use the global value.
+
+Regenerate the shipped file with::
+
+    moetrain validate shared/validation/calibration.csv --fit src/moetrain/planner/calibration_default.yaml
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import fields, replace
+
+import numpy as np
+
+from moetrain.costs.flops import training_flops_per_token
+from moetrain.errors import UserError
+from moetrain.planner.calibration import PER_ARCH_PARAMS, Calibration, Efficiency, arch_of, default_calibration
+from moetrain.planner.costmodel import evaluate
+from moetrain.planner.strategy import Strategies
+from moetrain.planner.validation import PreparedRow
+
+MIN_ROWS_PER_ARCH = 4
+PRIOR_WEIGHT = 0.05
+BOUNDS: dict[str, tuple[float, float]] = {
+    "gemm_max": (0.2, 0.95),
+    "gemm_overhead_us": (0.0, 300.0),
+    "moe_overhead_us": (0.0, 5000.0),
+    "attention": (0.05, 0.9),
+    "memory": (0.1, 1.0),
+    "fp8_gain": (1.0, 2.0),
+    "bus_intra": (0.1, 1.0),
+    "bus_inter": (0.1, 1.0),
+    "grad_overlap": (0.0, 1.0),
+    "tp_overlap": (0.0, 0.95),
+    "step_overhead_ms": (0.0, 3000.0),
+}
+
+
+def _concat(strategies: list[Strategies]) -> Strategies:
+    return Strategies(**{f.name: np.concatenate([getattr(s, f.name) for s in strategies]) for f in fields(Strategies)})
+
+
+def predict_rows(rows: list[PreparedRow], calibration: Calibration) -> np.ndarray:
+    """Each row's metric as predicted; rows sharing a workload are scored in one vectorised call."""
+    groups: dict[object, list[int]] = defaultdict(list)
+    for i, row in enumerate(rows):
+        groups[row.workload].append(i)
+    predicted = np.empty(len(rows))
+    for workload, index in groups.items():
+        strategies = _concat([rows[i].strategy for i in index])
+        out = evaluate(workload, strategies, calibration.for_device(workload.cluster.device))
+        tokens = workload.global_batch * workload.seq_len
+        model_flops = training_flops_per_token(workload.model, workload.seq_len) * tokens
+        for j, i in enumerate(index):
+            row = rows[i]
+            step = out["step_time_s"][j]
+            flops = model_flops * (out["hardware_flops_factor"][j] if row.flops_convention == "hardware" else 1.0)
+            predicted[i] = {
+                "step_time_s": step,
+                "tokens_per_s_per_device": tokens / step / row.num_devices,
+                "tflops_per_device": flops / step / row.num_devices / 1e12,
+                "mfu": flops / step / row.num_devices / workload.cluster.peak_flops("bf16"),
+                "peak_memory_gib": out["memory_bytes"][j] / 2**30,
+            }[row.metric]
+    return predicted
+
+
+def _layout(rows: list[PreparedRow]) -> tuple[list[str], list[tuple[str, str]]]:
+    counts = Counter(arch_of(r.workload.cluster.device) for r in rows if r.metric != "peak_memory_gib")
+    per_arch = [(arch, p) for arch, n in sorted(counts.items()) if n >= MIN_ROWS_PER_ARCH for p in PER_ARCH_PARAMS]
+    # A parameter fitted per architecture is not fitted again globally: its global value (what an
+    # architecture without data uses) is the geometric mean over the fitted architectures.
+    derived = {p for _, p in per_arch}
+    glob = [p for p in BOUNDS if p not in derived]
+    return glob, per_arch
+
+
+def _unpack(x: np.ndarray, glob: list[str], per_arch: list[tuple[str, str]], note: str) -> Calibration:
+    values = {k: float(v) for k, v in zip(glob, x[: len(glob)])}
+    arch: dict[str, dict[str, float]] = defaultdict(dict)
+    for (name, param), value in zip(per_arch, x[len(glob):]):
+        arch[name][param] = float(value)
+    for param in {p for _, p in per_arch}:
+        fitted = [v[param] for v in arch.values() if param in v]
+        values[param] = float(np.exp(np.mean(np.log(fitted))))
+    return Calibration(replace(Efficiency(), **values), dict(arch), note)
+
+
+def fit_calibration(rows: list[PreparedRow], note: str = "") -> Calibration:
+    """Least-squares fit of the efficiency parameters on ``rows`` (speed rows only)."""
+    try:
+        from scipy.optimize import least_squares
+    except ImportError as exc:  # scipy is needed only to refit, not to simulate
+        raise UserError("fitting needs scipy; install it with `pip install scipy`") from exc
+    speed_rows = [r for r in rows if r.metric != "peak_memory_gib"]
+    if not speed_rows:
+        raise UserError("no speed rows to fit on (memory rows do not constrain efficiencies)")
+    glob, per_arch = _layout(speed_rows)
+    prior = default_calibration().global_params
+    x0 = np.array([getattr(prior, p) for p in glob] + [getattr(prior, p) for _, p in per_arch])
+    lower = np.array([BOUNDS[p][0] for p in glob] + [BOUNDS[p][0] for _, p in per_arch])
+    upper = np.array([BOUNDS[p][1] for p in glob] + [BOUNDS[p][1] for _, p in per_arch])
+    scale = np.maximum(np.abs(x0), upper * 0.05)
+    measured = np.array([r.measured for r in speed_rows])
+
+    def residuals(x: np.ndarray) -> np.ndarray:
+        predicted = predict_rows(speed_rows, _unpack(x, glob, per_arch, ""))
+        fit_term = np.log(np.maximum(predicted, 1e-12) / measured)
+        return np.concatenate([fit_term, PRIOR_WEIGHT * (x - x0) / scale])
+
+    result = least_squares(residuals, np.clip(x0, lower, upper), bounds=(lower, upper), x_scale=scale,
+                           diff_step=1e-3, max_nfev=400)
+    return _unpack(result.x, glob, per_arch, note)
+
+
+def leave_one_family_out(rows: list[PreparedRow]) -> np.ndarray:
+    """Predict each row with parameters fitted on every *other* family (memory rows need no fit)."""
+    predicted = np.empty(len(rows))
+    families = sorted({r.family for r in rows})
+    for family in families:
+        held = [i for i, r in enumerate(rows) if r.family == family]
+        train = [r for r in rows if r.family != family]
+        calibration = fit_calibration(train) if any(r.metric != "peak_memory_gib" for r in train) else (
+            default_calibration())
+        values = predict_rows([rows[i] for i in held], calibration)
+        predicted[held] = values
+    return predicted

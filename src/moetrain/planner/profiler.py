@@ -1,0 +1,113 @@
+"""Micro-benchmarks behind ``moetrain profile``: the efficiencies of ``calibration.Efficiency``
+measured on the local device instead of fitted on published runs. Imports torch (runtime side)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from moetrain.config.cluster import ClusterConfig
+from moetrain.config.model import ModelConfig
+
+GEMM_SHAPES = [(64, 64, 64), (128, 256, 128), (256, 256, 256), (512, 512, 512), (1024, 1024, 512),
+               (1024, 1024, 1024), (2048, 1024, 1024)]
+
+
+def _timed(fn, repeats: int, device: str) -> float:
+    fn()  # warm-up (allocations, kernel selection)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def profile_device(cluster: ClusterConfig, model: ModelConfig, device: str, repeats: int) -> tuple[dict, dict]:
+    """(raw measurements, fitted efficiencies) for ``cluster``'s peaks on ``device``."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    peak = cluster.peak_flops("bf16")
+    measured: dict = {"device": device, "dtype": str(dtype).removeprefix("torch."), "gemm": [], "attention": []}
+
+    # GEMMs: time = flops / (peak·gemm_max) + overhead, a line in flops: fit slope and intercept.
+    flops, seconds = [], []
+    for m, n, k in GEMM_SHAPES:
+        a = torch.randn(m, k, device=device, dtype=dtype)
+        b = torch.randn(k, n, device=device, dtype=dtype)
+        t = _timed(lambda a=a, b=b: a @ b, repeats, device)
+        flops.append(2.0 * m * n * k)
+        seconds.append(t)
+        measured["gemm"].append({"m": m, "n": n, "k": k, "seconds": t})
+    flops_arr, seconds_arr = np.array(flops), np.array(seconds)
+    # Slope from the large GEMMs (rate-bound), the fixed cost from the small ones (overhead-bound): a
+    # single line fit lets noise on the large shapes swamp the microseconds of the small ones.
+    slope = float(np.median(seconds_arr[-3:] / flops_arr[-3:]))
+    intercept = float(max(np.min(seconds_arr[:2] - flops_arr[:2] * slope), 0.0))
+    gemm_max = 1.0 / (slope * peak)
+    gemm_overhead_us = intercept * 1e6
+
+    # Attention (SDPA, causal): the causal half of 4·b·h·s²·d.
+    attn_eff = []
+    for seq in (128, 256, 512):
+        q = torch.randn(4, 4, seq, 64, device=device, dtype=dtype)
+        t = _timed(lambda q=q: F.scaled_dot_product_attention(q, q, q, is_causal=True), repeats, device)
+        f = 4.0 * 4 * 4 * seq * seq * 64 / 2
+        attn_eff.append(f / t / peak)
+        measured["attention"].append({"seq": seq, "seconds": t})
+
+    # Memory bandwidth: an element-wise add reads two tensors and writes one.
+    x = torch.randn(8 * 1024 * 1024, device=device, dtype=dtype)
+    y = torch.randn_like(x)
+    t = _timed(lambda: torch.add(x, y), repeats, device)
+    memory = 3 * x.numel() * x.element_size() / t / (cluster.hbm_bandwidth_tbps * 1e12)
+    measured["elementwise_add_seconds"] = t
+
+    # Grouped GEMM over the model's experts: one fused call on CUDA, a per-expert loop on CPU. The
+    # time beyond the same FLOPs as one GEMM is the MoE layer's fixed overhead per pass.
+    moe_overhead_us = 0.0
+    if model.moe is not None:
+        experts, width, hidden = model.moe.num_experts, model.moe.expert_ffn_hidden, model.hidden_size
+        tokens_per_expert = 64
+        xs = torch.randn(experts * tokens_per_expert, hidden, device=device, dtype=dtype)
+        w = torch.randn(experts, hidden, width, device=device, dtype=dtype)
+        offsets = torch.arange(1, experts + 1, device=device, dtype=torch.int32) * tokens_per_expert
+        grouped_mm = getattr(F, "grouped_mm", None)
+        if device.startswith("cuda") and grouped_mm is not None:
+            fn = lambda: grouped_mm(xs, w, offs=offsets)  # noqa: E731
+        else:
+            chunks = xs.split(tokens_per_expert)
+            fn = lambda: [c @ w[i] for i, c in enumerate(chunks)]  # noqa: E731
+        t = _timed(fn, repeats, device)
+        gflops = 2.0 * xs.shape[0] * hidden * width
+        ideal = gflops * slope + intercept
+        # The three expert matrices each pay it: per MoE pass ≈ 3 × the excess of one grouped call.
+        moe_overhead_us = max(t - ideal, 0.0) * 3 * 1e6
+        measured["grouped_gemm"] = {"experts": experts, "tokens_per_expert": tokens_per_expert, "seconds": t}
+
+    # Collectives, when launched under torchrun with more than one rank.
+    bus = {}
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        world = torch.distributed.get_world_size()
+        buf = torch.randn(16 * 1024 * 1024 // 4, device=device)
+        t = _timed(lambda: torch.distributed.all_reduce(buf), repeats, device)
+        bus_bw = 2 * (world - 1) / world * buf.numel() * 4 / t
+        bus["bus_intra"] = bus_bw / (cluster.intra_node_gbps * 1e9)
+        measured["all_reduce_seconds"] = t
+
+    efficiencies = {
+        "gemm_max": float(gemm_max),
+        "gemm_overhead_us": float(gemm_overhead_us),
+        "attention": float(np.median(attn_eff)),
+        "memory": float(memory),
+        "moe_overhead_us": float(moe_overhead_us),
+        **{k: float(v) for k, v in bus.items()},
+    }
+    return measured, efficiencies

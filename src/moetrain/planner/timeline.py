@@ -1,0 +1,213 @@
+"""Event-driven replay of a pipeline schedule: every rank runs its action list (``schedules``) in
+order; an action starts when its rank is free and its inputs have arrived (the previous stage's
+forward, the next stage's backward, plus the send/recv time). All-to-all spans are placed on their
+own lane, split into the part hidden under compute and the part that stalls the rank.
+
+Per action the durations are:
+
+- ``F`` alone: f + a_f − hidden_alone_f (only the shared expert can hide a dispatch when overlap is on)
+- ``B`` alone: b + a_b − hidden_alone_b
+- ``FB`` pair (overlap on): f + b + max(0, a_f + a_b − (f + b)): each all-to-all runs under the other
+  micro-batch's compute.
+
+A step's outputs (activation forward, gradient backward) leave when the whole step is done, as the
+runtime's executor posts its sends (``moetrain.distributed.schedules``). With a pipeline this puts a
+fused step's forward output behind its backward half, so pairing lengthens the critical path; it pays
+off when the hidden all-to-all outweighs that (the timeline, not the analytic screen, decides).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from moetrain.planner.schedules import Action, build_schedule
+
+
+@dataclass
+class StageCosts:
+    """Per global stage (chunk·pp + rank), per micro-batch: compute and all-to-all seconds."""
+
+    forward: np.ndarray
+    backward: np.ndarray
+    a2a_forward: np.ndarray
+    a2a_backward: np.ndarray
+    hide_alone_forward: np.ndarray
+    hide_alone_backward: np.ndarray
+    p2p: float = 0.0
+
+
+@dataclass
+class Span:
+    rank: int
+    start: float
+    end: float
+    label: str
+    lane: str
+    """"compute", "a2a-hidden" or "a2a-exposed"."""
+
+
+@dataclass
+class TimelineResult:
+    step_time_s: float
+    busy_s: list[float]
+    bubble_fraction: list[float]
+    a2a_total_s: float
+    a2a_exposed_s: float
+    spans: list[Span] = field(default_factory=list)
+
+    @property
+    def a2a_hidden_s(self) -> float:
+        return self.a2a_total_s - self.a2a_exposed_s
+
+
+def uniform_costs(pp: int, vpp: int, forward: float, backward: float, a2a: float = 0.0,
+                  hide_alone: float = 0.0, p2p: float = 0.0) -> StageCosts:
+    n = pp * vpp
+    full = lambda x: np.full(n, float(x))  # noqa: E731
+    return StageCosts(full(forward), full(backward), full(a2a / 2), full(a2a / 2), full(hide_alone / 2),
+                      full(hide_alone / 2), p2p)
+
+
+def simulate_timeline(pp: int, vpp: int, num_micro: int, costs: StageCosts, overlap: bool = False,
+                      record_spans: bool = False) -> TimelineResult:
+    schedule = build_schedule(pp, vpp, num_micro, overlap)
+    last_stage = pp * vpp - 1
+    f_end: dict[tuple[int, int], float] = {}
+    b_end: dict[tuple[int, int], float] = {}
+    rank_free = [0.0] * pp
+    busy = [0.0] * pp
+    pointer = [0] * pp
+    spans: list[Span] = []
+    a2a_total = 0.0
+    a2a_exposed = 0.0
+
+    def f_ready(micro: int, stage: int) -> float | None:
+        if stage == 0:
+            return 0.0
+        end = f_end.get((micro, stage - 1))
+        return None if end is None else end + costs.p2p
+
+    def b_ready(micro: int, stage: int) -> float | None:
+        if stage == last_stage:
+            return f_end.get((micro, stage))
+        end = b_end.get((micro, stage + 1))
+        return None if end is None else end + costs.p2p
+
+    remaining = sum(len(a) for a in schedule)
+    while remaining:
+        progressed = False
+        for rank in range(pp):
+            while pointer[rank] < len(schedule[rank]):
+                action: Action = schedule[rank][pointer[rank]]
+                f_stage = action.chunk * pp + rank
+                if action.kind == "F":
+                    ready = f_ready(action.micro_batch, f_stage)
+                elif action.kind == "B":
+                    ready = b_ready(action.micro_batch, f_stage)
+                else:
+                    b_stage = action.bwd_chunk * pp + rank
+                    r1 = f_ready(action.micro_batch, f_stage)
+                    r2 = b_ready(action.bwd_micro_batch, b_stage)
+                    ready = None if r1 is None or r2 is None else max(r1, r2)
+                if ready is None:
+                    break
+                start = max(rank_free[rank], ready)
+                if action.kind == "F":
+                    compute = costs.forward[f_stage]
+                    comm = costs.a2a_forward[f_stage]
+                    hidden = min(comm, costs.hide_alone_forward[f_stage]) if overlap else 0.0
+                elif action.kind == "B":
+                    compute = costs.backward[f_stage]
+                    comm = costs.a2a_backward[f_stage]
+                    hidden = min(comm, costs.hide_alone_backward[f_stage]) if overlap else 0.0
+                else:
+                    compute = costs.forward[f_stage] + costs.backward[b_stage]
+                    comm = costs.a2a_forward[f_stage] + costs.a2a_backward[b_stage]
+                    hidden = min(comm, compute)
+                exposed = comm - hidden
+                end = start + compute + exposed
+                if action.kind == "F":
+                    f_end[(action.micro_batch, f_stage)] = end
+                if action.kind == "FB":
+                    # The executor posts a fused step's sends when the whole step is done.
+                    f_end[(action.micro_batch, f_stage)] = end
+                if action.kind == "B":
+                    b_end[(action.micro_batch, f_stage)] = end
+                if action.kind == "FB":
+                    b_end[(action.bwd_micro_batch, action.bwd_chunk * pp + rank)] = end
+                rank_free[rank] = end
+                busy[rank] += compute + exposed
+                a2a_total += comm
+                a2a_exposed += exposed
+                if record_spans:
+                    spans.append(Span(rank, start, start + compute, str(action), "compute"))
+                    if comm > 0:
+                        spans.append(Span(rank, start, start + hidden, str(action), "a2a-hidden"))
+                        spans.append(Span(rank, start + compute, end, str(action), "a2a-exposed"))
+                pointer[rank] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:  # a schedule whose dependencies cannot be met: a bug in the schedule builder
+            raise RuntimeError("pipeline schedule deadlocked")
+    step = max(rank_free)
+    return TimelineResult(
+        step_time_s=step,
+        busy_s=busy,
+        bubble_fraction=[1.0 - b / step if step > 0 else 0.0 for b in busy],
+        a2a_total_s=a2a_total / pp,
+        a2a_exposed_s=a2a_exposed / pp,
+        spans=spans,
+    )
+
+
+def stage_costs_from_model(out: dict[str, np.ndarray], index: int, pp: int, vpp: int) -> StageCosts:
+    """Per-stage costs of strategy ``index`` from ``costmodel.evaluate``'s timeline inputs: every chunk
+    carries 1/vpp of a middle stage; the first and last stages add their embedding / head extras."""
+    get = lambda key: float(out[key][index])  # noqa: E731
+    n = pp * vpp
+    middle = get("middle_compute_s") / vpp
+    total = np.full(n, middle)
+    a2a = np.full(n, get("other_a2a_s") / vpp)
+    hide = np.full(n, get("other_a2a_alone_hidden_s") / vpp)
+    if n == 1:
+        total[0] = get("first_compute_s")
+    else:
+        total[0] += get("first_compute_s") - get("middle_compute_s")
+        total[-1] += get("last_compute_s") - get("middle_compute_s")
+    a2a[0] += (get("first_a2a_s") - get("other_a2a_s")) / vpp
+    hide[0] += (get("first_a2a_alone_hidden_s") - get("other_a2a_alone_hidden_s")) / vpp
+    share = get("forward_fraction")
+    return StageCosts(share * total, (1 - share) * total, a2a / 2, a2a / 2, hide / 2, hide / 2, 0.0)
+
+
+def gantt_png(result: TimelineResult, path: str, title: str = "") -> None:
+    """Gantt chart: per rank a compute lane (F blue, B green, FB purple) and an all-to-all lane."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    num_ranks = max((s.rank for s in result.spans), default=0) + 1
+    fig, ax = plt.subplots(figsize=(12, 1.0 + 0.6 * num_ranks))
+    colours = {"F": "#4C72B0", "B": "#55A868", "FB": "#8172B2"}
+    for span in result.spans:
+        width = span.end - span.start
+        if width <= 0:
+            continue
+        y = (num_ranks - 1 - span.rank) * 2
+        if span.lane == "compute":
+            kind = "FB" if "|" in span.label else span.label[0]
+            ax.broken_barh([(span.start, width)], (y + 0.55, 0.9), facecolors=colours[kind], edgecolor="white",
+                           linewidth=0.3)
+        else:
+            colour = "#DD8452" if span.lane == "a2a-exposed" else "#CCCCCC"
+            ax.broken_barh([(span.start, width)], (y + 0.1, 0.4), facecolors=colour)
+    ax.set_yticks([(num_ranks - 1 - r) * 2 + 1 for r in range(num_ranks)])
+    ax.set_yticklabels([f"rank {r}" for r in range(num_ranks)])
+    ax.set_xlabel("seconds (compute lane above; all-to-all lane below: grey hidden, orange exposed)")
+    ax.set_title(title or f"pipeline timeline, step {result.step_time_s:.3f} s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

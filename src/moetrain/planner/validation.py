@@ -1,0 +1,272 @@
+"""Published training runs as simulator inputs: read rows in the schema of shared/validation/README.md,
+predict each row's metric, and score the predictions.
+
+A row becomes a ``ModelConfig`` (the architecture columns), a ``ClusterConfig`` (the hardware table),
+one strategy (the layout columns) and a ``Workload``. Unknown layout cells take the README's reading:
+an empty vpp/ep/etp/cp is 1, an empty micro-batch 1, an empty ZeRO stage 1, an empty recompute
+"none", an empty sp "on when tp > 1". Rows that lack what a prediction needs (device count, sequence
+length, batch, TP/PP, a published peak) are returned as *unsimulable* with the reason.
+
+A row's ``source`` may describe the cluster's network more precisely than the hardware table (vTrain's
+rows state "800 Gb/s inter-node per node", which the README's hardware table also gives for vTrain's
+A100 cluster); ``_cluster_overrides`` reads that per-node network figure. The in-node figure those
+rows quote ("150 GB/s intra-node") is vTrain's own modelling choice, not a property of the A100 SXM
+part (NVLink 3: 300 GB/s per direction in the hardware table), so the hardware table's value stays.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from moetrain.config.cluster import ClusterConfig
+from moetrain.config.model import GQAConfig, MLAConfig, ModelConfig, MoEConfig, RouterConfig
+from moetrain.config.presets import load_cluster_config
+from moetrain.costs.flops import training_flops_per_token
+from moetrain.errors import UserError
+from moetrain.planner.calibration import Calibration
+from moetrain.planner.costmodel import Workload, evaluate
+from moetrain.planner.strategy import A2A_NAMES, RECOMPUTE_NAMES, Strategies
+
+METRICS = ("step_time_s", "tflops_per_device", "tokens_per_s_per_device", "mfu", "peak_memory_gib")
+REQUIRED_COLUMNS = ("id", "attention", "ffn_act", "layers", "hidden", "heads", "vocab", "hardware", "metric", "value")
+
+# Hardware ids with a cluster preset of their own.
+_PRESET_OF_HARDWARE = {
+    "a100-sxm-80gb": "a100-sxm-80gb",
+    "h100-sxm-80gb": "h100-sxm-80gb",
+    "h800-sxm-80gb": "h800-sxm-80gb",
+    "h200-sxm-141gb": "h200-sxm-141gb",
+    "b200": "b200",
+    "gb200": "gb200",
+    "ascend-910b": "atlas-800t-a2",
+}
+# Hardware-table rows (shared/validation/README.md) without a preset.
+_EXTRA_HARDWARE = {
+    "a100-sxm-40gb": dict(peak_tflops_bf16=312, hbm_gb=40, hbm_bandwidth_tbps=1.555, devices_per_node=8,
+                          intra_node_gbps=300, inter_node_gbps=25),
+    "a800-sxm-80gb": dict(peak_tflops_bf16=312, hbm_gb=80, hbm_bandwidth_tbps=2.039, devices_per_node=8,
+                          intra_node_gbps=200, inter_node_gbps=12.5),
+}
+# Published memory and links but no published peak: only memory rows can be simulated.
+_MEMORY_ONLY_HARDWARE = {
+    "h100-sxm-96gb": dict(peak_tflops_bf16=989.4, hbm_gb=96, hbm_bandwidth_tbps=2.4, devices_per_node=8,
+                          intra_node_gbps=450, inter_node_gbps=50),
+}
+
+
+@dataclass
+class PreparedRow:
+    """A row ready to simulate."""
+
+    row_id: str
+    family: str
+    metric: str
+    measured: float
+    workload: Workload
+    strategy: Strategies
+    num_devices: int
+    flops_convention: str
+
+
+@dataclass
+class Unsimulable:
+    row_id: str
+    family: str
+    reason: str
+
+
+def family_of(row_id: str) -> str:
+    """Source family: the id without its last dash-separated part (NAR21-03 → NAR21, VTRAIN-M-002 → VTRAIN-M)."""
+    return row_id.rsplit("-", 1)[0] if "-" in row_id else row_id
+
+
+def _int(row: dict, key: str, default: int | None = None) -> int | None:
+    text = (row.get(key) or "").strip()
+    if not text:
+        return default
+    return int(float(text))
+
+
+def _cluster_overrides(source: str, devices_per_node: int) -> dict[str, float]:
+    overrides: dict[str, float] = {}
+    inter = re.search(r"(\d+(?:\.\d+)?)\s*Gb/s inter-node per node", source)
+    if inter:
+        overrides["inter_node_gbps"] = float(inter.group(1)) / 8.0 / devices_per_node
+    return overrides
+
+
+def row_cluster(row: dict) -> ClusterConfig:
+    hardware = row["hardware"].strip()
+    if hardware in _MEMORY_ONLY_HARDWARE and row["metric"].strip() != "peak_memory_gib":
+        raise UserError(f"hardware {hardware}: no published peak FLOP/s, so only its memory rows are simulated")
+    devices_per_node = _int(row, "devices_per_node")
+    if hardware in _PRESET_OF_HARDWARE:
+        base = load_cluster_config(_PRESET_OF_HARDWARE[hardware]).model_dump()
+    elif hardware in _EXTRA_HARDWARE or hardware in _MEMORY_ONLY_HARDWARE:
+        base = dict(name=hardware, device=hardware, **{**_EXTRA_HARDWARE, **_MEMORY_ONLY_HARDWARE}[hardware])
+    else:
+        raise UserError(f"hardware {hardware!r} is not in the hardware table")
+    if devices_per_node:
+        base["devices_per_node"] = devices_per_node
+    base.update(_cluster_overrides(row.get("source", ""), base["devices_per_node"]))
+    return ClusterConfig.model_validate(base)
+
+
+def row_model(row: dict) -> ModelConfig:
+    layers = _int(row, "layers")
+    hidden = _int(row, "hidden")
+    heads = _int(row, "heads")
+    if row["attention"] == "mla":
+        attention = MLAConfig(
+            num_heads=heads,
+            q_lora_rank=_int(row, "q_lora_rank", 0),
+            kv_lora_rank=_int(row, "kv_lora_rank"),
+            qk_nope_head_dim=_int(row, "qk_nope_dim"),
+            qk_rope_head_dim=_int(row, "qk_rope_dim"),
+            v_head_dim=_int(row, "v_head_dim"),
+        )
+    else:
+        head_dim = _int(row, "head_dim") or hidden // heads
+        attention = GQAConfig(num_heads=heads, num_kv_heads=_int(row, "kv_heads", heads), head_dim=head_dim)
+    moe = None
+    num_dense = layers
+    if _int(row, "num_experts"):
+        moe = MoEConfig(
+            num_experts=_int(row, "num_experts"),
+            expert_ffn_hidden=_int(row, "moe_ffn_hidden"),
+            num_shared_experts=_int(row, "shared_experts", 0),
+            router=RouterConfig(top_k=_int(row, "topk")),
+        )
+        num_dense = _int(row, "dense_layers", 0)
+    source = row.get("source", "")
+    mtp = 1 if ("MTP" in source and "w/o MTP" not in source) else 0
+    return ModelConfig(
+        name=row.get("model") or row["id"],
+        vocab_size=_int(row, "vocab"),
+        hidden_size=hidden,
+        num_layers=layers,
+        num_dense_layers=num_dense if moe is not None else 0,
+        dense_ffn_hidden=_int(row, "ffn_hidden", 0),
+        ffn_act=row["ffn_act"],
+        attention=attention,
+        moe=moe,
+        num_mtp_layers=mtp,
+    )
+
+
+def prepare_row(row: dict) -> PreparedRow | Unsimulable:
+    """Turn one CSV row into simulator inputs, or say why it cannot be simulated."""
+    row_id = row["id"]
+    family = family_of(row_id)
+    metric = row["metric"].strip()
+    if metric not in METRICS:
+        return Unsimulable(row_id, family, f"metric {metric!r} is not one of {', '.join(METRICS)}")
+    needed = ("num_devices", "seq_len", "global_batch_seqs", "tp", "pp", "vocab", "layers", "hidden", "heads")
+    missing = [k for k in needed if not (row.get(k) or "").strip()]
+    if missing:
+        return Unsimulable(row_id, family, f"no {', '.join(missing)} in the row")
+    if metric in ("mfu", "tflops_per_device") and not row.get("flops_convention", "").strip():
+        return Unsimulable(row_id, family, "FLOP convention not stated")
+    try:
+        cluster = row_cluster(row)
+        model = row_model(row)
+    except (UserError, ValueError, TypeError) as exc:
+        return Unsimulable(row_id, family, str(exc).splitlines()[0])
+    tp, pp = _int(row, "tp"), _int(row, "pp")
+    cp = _int(row, "cp", 1)
+    num_devices = _int(row, "num_devices")
+    dp = _int(row, "dp") or num_devices // (tp * pp * cp)
+    ep, etp = _int(row, "ep", 1), _int(row, "etp", 1)
+    sp_text = (row.get("sp") or "").strip()
+    sp = bool(int(sp_text)) if sp_text else tp > 1
+    recompute = (row.get("recompute") or "").strip() or "none"
+    precision = (row.get("precision") or "").strip() or "bf16"
+    zero = _int(row, "zero", 1)
+    source = row.get("source", "")
+    # Schedules that pair one micro-batch's forward with another's backward to hide the all-to-all.
+    overlap = bool(re.search(r"DualPipe|fb-overlap|EP overlap", source))
+    strategy = Strategies(
+        tp=np.array([tp]), sp=np.array([sp and tp > 1]), pp=np.array([pp]), vpp=np.array([_int(row, "vpp", 1)]),
+        ep=np.array([ep]), etp=np.array([etp]), cp=np.array([cp]), dp=np.array([dp]), zero=np.array([zero]),
+        micro_batch=np.array([_int(row, "micro_batch", 1)]),
+        recompute=np.array([RECOMPUTE_NAMES.index(recompute)]), a2a=np.array([A2A_NAMES.index("flat")]),
+        overlap=np.array([overlap]),
+    )
+    workload = Workload(
+        model=model,
+        cluster=cluster,
+        seq_len=_int(row, "seq_len"),
+        global_batch=_int(row, "global_batch_seqs"),
+        precision=precision,
+        grad_bytes=2.0 if precision == "fp16" else 4.0,
+        # fp16 marks the pre-2022 stacks (Megatron 2021, Megatron-DeepSpeed, OPT) that materialised the
+        # attention scores and reduced gradients after the backward; later stacks fuse attention (flash)
+        # and overlap the data-parallel traffic with compute.
+        flash_attention=precision != "fp16",
+        overlap_grad_comm=precision != "fp16",
+    )
+    return PreparedRow(row_id, family, metric, float(row["value"]), workload, strategy, num_devices,
+                       (row.get("flops_convention") or "").strip())
+
+
+def read_rows(path: str | Path) -> list[dict]:
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"validation file {str(path)!r} does not exist; give a CSV in the schema of "
+                        "shared/validation/README.md")
+    with p.open(newline="") as f:
+        reader = csv.DictReader(f)
+        missing = [c for c in REQUIRED_COLUMNS if c not in (reader.fieldnames or [])]
+        if missing:
+            raise UserError(f"{path}: missing column(s) {', '.join(missing)}; see shared/validation/README.md")
+        return list(reader)
+
+
+def predict(row: PreparedRow, calibration: Calibration) -> tuple[float, dict[str, float]]:
+    """The row's metric as the simulator predicts it, plus the raw simulation outputs."""
+    w = row.workload
+    out = evaluate(w, row.strategy, calibration.for_device(w.cluster.device))
+    step = float(out["step_time_s"][0])
+    tokens = w.global_batch * w.seq_len
+    devices = row.num_devices
+    model_flops = training_flops_per_token(w.model, w.seq_len) * tokens
+    flops = model_flops * (float(out["hardware_flops_factor"][0]) if row.flops_convention == "hardware" else 1.0)
+    value = {
+        "step_time_s": step,
+        "tokens_per_s_per_device": tokens / step / devices,
+        "tflops_per_device": flops / step / devices / 1e12,
+        "mfu": flops / step / devices / w.cluster.peak_flops("bf16"),
+        "peak_memory_gib": float(out["memory_bytes"][0]) / 2**30,
+    }[row.metric]
+    return value, {k: float(v[0]) for k, v in out.items()}
+
+
+def abs_pct_errors(predicted, measured) -> np.ndarray:
+    predicted, measured = np.asarray(predicted, dtype=float), np.asarray(measured, dtype=float)
+    return np.abs(predicted - measured) / np.abs(measured) * 100.0
+
+
+def summarize(errors: list[float]) -> dict[str, float]:
+    if not errors:
+        return {"median_abs_pct_error": math.nan, "p90_abs_pct_error": math.nan, "n": 0}
+    arr = np.asarray(errors, dtype=float)
+    return {
+        "median_abs_pct_error": float(np.median(arr)),
+        "p90_abs_pct_error": float(np.percentile(arr, 90)),
+        "n": int(arr.size),
+    }
+
+
+def prepare_all(rows: list[dict]) -> tuple[list[PreparedRow], list[Unsimulable]]:
+    prepared: list[PreparedRow] = []
+    skipped: list[Unsimulable] = []
+    for row in rows:
+        item = prepare_row(row)
+        (prepared if isinstance(item, PreparedRow) else skipped).append(item)
+    return prepared, skipped

@@ -1,0 +1,91 @@
+"""The planner's commands: outputs, plan-file round trip and one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from moetrain.cli import main
+from moetrain.config import load_plan_file
+
+TINY = ["--model", "tiny-pangu", "--cluster", "cpu", "--seq-len", "128", "--global-batch", "16"]
+
+
+def _one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str], expected: str) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err
+    assert expected in err
+
+
+def test_simulate_json_reports_breakdown(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", *TINY, "--devices", "4", "--pp", "2", "--ep", "2", "--micro-batch", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["parallel"]["dp"] == 2 and out["micro_batches_per_pipeline"] == 4
+    assert out["step_time_s"] > 0 and 0 < out["mfu"] < 1
+    assert out["tokens_per_s"] == pytest.approx(16 * 128 / out["step_time_s"])
+    assert {"tensor_parallel", "all_to_all", "data_parallel", "pipeline_p2p"} <= set(out["communication_s"])
+    assert out["memory_gib"]["total"] == pytest.approx(sum(v for k, v in out["memory_gib"].items() if k != "total"))
+    assert 0 < out["bubble_s"] < out["step_time_s"]
+
+
+def test_simulate_writes_timeline_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    png = tmp_path / "t.png"
+    assert main(["simulate", *TINY, "--devices", "2", "--pp", "2", "--overlap", "--timeline", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "extra,expected",
+    [
+        (["--devices", "3", "--tp", "2"], "--devices 3 is not divisible by tp·pp·cp = 2"),
+        (["--devices", "2", "--ep", "3"], "--ep 3 does not divide the 16 experts"),
+        (["--devices", "4", "--micro-batch", "3"], "is not a multiple of dp·micro-batch"),
+        (["--devices", "0"], "--devices must be positive"),
+        (["--devices", "2", "--recompute", "most"], "the simulator knows none, selective and full"),
+    ],
+)
+def test_simulate_errors(capsys: pytest.CaptureFixture[str], extra: list[str], expected: str) -> None:
+    _one_line_error(capsys, ["simulate", *TINY, *extra], expected)
+
+
+def test_plan_writes_a_plan_the_runtime_reads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plan_path = tmp_path / "plan.yaml"
+    assert main(["plan", *TINY, "--devices", "8", "--out", str(plan_path), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["candidates_evaluated"] > 1000 and summary["seconds"] > 0
+    steps = [row["step_time_s"] for row in summary["top"]]
+    assert steps == sorted(steps)
+    plan = load_plan_file(str(plan_path))
+    assert plan["parallel"].model_dump() == summary["top"][0]["parallel"]
+    assert plan["parallel"].world_size == 8
+    assert set(plan["predicted"]) == {"step_time_s", "mfu", "tokens_per_s", "memory_gib"}
+    assert plan["runtime_support"]
+
+
+def test_plan_error_when_nothing_fits(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    _one_line_error(capsys, ["plan", "--model", "pangu-ultra-moe-718b", "--cluster", "h100-sxm-80gb", "--devices",
+                             "8", "--seq-len", "4096", "--global-batch", "8", "--out", str(tmp_path / "p.yaml")],
+                    "no layout of pangu-ultra-moe-718b fits")
+
+
+def test_validate_json_keys_and_unsimulable_rows(small_csv: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", str(small_csv), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["summary"]) == {"median_abs_pct_error", "p90_abs_pct_error", "n"}
+    assert out["summary"]["n"] == 3 == len(out["rows"])
+    assert {r["id"] for r in out["rows"]} == {"NAR21-01", "VTRAIN-M-002", "MBR-1"}
+    assert out["unsimulated"] == [{"id": "DSV2-1", "family": "DSV2", "reason": "no num_devices, tp in the row"}]
+    for row in out["rows"]:
+        assert row["abs_pct_error"] == pytest.approx(abs(row["predicted"] - row["measured"]) / row["measured"] * 100)
+
+
+def test_validate_errors(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    _one_line_error(capsys, ["validate", str(tmp_path / "missing.csv")], "does not exist")
+    bad = tmp_path / "bad.csv"
+    bad.write_text("id,value\nX-1,3\n")
+    _one_line_error(capsys, ["validate", str(bad)], "missing column(s)")
+    _one_line_error(capsys, ["simulate", *TINY, "--devices", "2", "--calibration", str(tmp_path / "no.yaml")],
+                    "calibration file")

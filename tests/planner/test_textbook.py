@@ -1,0 +1,120 @@
+"""Textbook cases the simulator must reproduce exactly."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moetrain.config import load_cluster_config, load_model_config
+from moetrain.costs.activations import layer_activation_bytes
+from moetrain.planner.calibration import Efficiency
+from moetrain.planner.comm import alltoall_time, alltoall_volume
+from moetrain.planner.costmodel import model_state_bytes
+from moetrain.planner.schedules import build_schedule, interleaved_one_f_one_b, one_f_one_b
+from moetrain.planner.timeline import simulate_timeline, uniform_costs
+
+
+@pytest.mark.parametrize("pp,num_micro", [(2, 1), (4, 8), (8, 8), (8, 64), (16, 3)])
+def test_1f1b_bubble_is_megatron_formula(pp: int, num_micro: int) -> None:
+    result = simulate_timeline(pp, 1, num_micro, uniform_costs(pp, 1, forward=1.0, backward=2.0))
+    # (p − 1)/(m + p − 1) idle on every rank, step (m + p − 1)(f + b) (Narayanan et al. SC21 §2.2).
+    assert result.step_time_s == pytest.approx((num_micro + pp - 1) * 3.0)
+    for fraction in result.bubble_fraction:
+        assert fraction == pytest.approx((pp - 1) / (num_micro + pp - 1))
+
+
+@pytest.mark.parametrize("pp,vpp,num_micro", [(4, 2, 8), (4, 4, 16), (2, 3, 4)])
+def test_interleaved_bubble_shrinks_by_vpp(pp: int, vpp: int, num_micro: int) -> None:
+    result = simulate_timeline(pp, vpp, num_micro, uniform_costs(pp, vpp, 1.0 / vpp, 2.0 / vpp))
+    # Interleaved 1F1B: bubble (p − 1)/v stage times (Narayanan et al. SC21 §2.2.2).
+    assert result.step_time_s == pytest.approx(num_micro * 3.0 + (pp - 1) * 3.0 / vpp)
+
+
+def test_schedules_run_every_pass_once() -> None:
+    for ranks in (one_f_one_b(4, 6), interleaved_one_f_one_b(4, 2, 8), build_schedule(4, 1, 6, overlap=True)):
+        for actions in ranks:
+            forwards = [(a.micro_batch, a.chunk) for a in actions if a.kind in ("F", "FB")]
+            backwards = [(a.micro_batch, a.chunk) for a in actions if a.kind == "B"] + [
+                (a.bwd_micro_batch, a.bwd_chunk) for a in actions if a.kind == "FB"]
+            assert sorted(forwards) == sorted(backwards)
+            assert len(set(forwards)) == len(forwards)
+
+
+def test_overlap_hides_all_to_all_in_steady_state() -> None:
+    costs = uniform_costs(4, 1, 1.0, 2.0, a2a=1.0)
+    plain = simulate_timeline(4, 1, 16, costs, overlap=False)
+    paired = simulate_timeline(4, 1, 16, costs, overlap=True)
+    assert plain.a2a_exposed_s == pytest.approx(plain.a2a_total_s)
+    # Only rank r's p − r warm-up forwards and as many cool-down backwards run alone (0.5 s of a2a each);
+    # the result is averaged over ranks.
+    assert paired.a2a_exposed_s == pytest.approx(sum((4 - r) * 2 * 0.5 for r in range(4)) / 4)
+    assert paired.a2a_exposed_s < 0.25 * paired.a2a_total_s
+    # Without a pipeline the pairing is a pure gain: m·(f + b) plus the unpaired first F and last B's a2a.
+    single_plain = simulate_timeline(1, 1, 8, uniform_costs(1, 1, 1.0, 2.0, a2a=1.0), overlap=False)
+    single_paired = simulate_timeline(1, 1, 8, uniform_costs(1, 1, 1.0, 2.0, a2a=1.0), overlap=True)
+    assert single_plain.step_time_s == pytest.approx(8 * 4.0)
+    assert single_paired.step_time_s == pytest.approx(8 * 3.0 + 1.0)
+
+
+def test_zero_memory_matches_zero_paper() -> None:
+    # Rajbhandari et al. 2020, Figure 1: Ψ = 7.5B, N_d = 64, K = 12 → 120, 31.4, 16.6, 1.9 GB.
+    psi = 7.5e9
+    expected = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}
+    for stage, gigabytes in expected.items():
+        assert model_state_bytes(psi, 64, stage) / 1e9 == pytest.approx(gigabytes, abs=0.05)
+    assert model_state_bytes(psi, 64, 0) == 16 * psi
+
+
+def test_all_to_all_volume_for_top_k() -> None:
+    # Each token is sent to each of its k experts: tokens·k·hidden·bytes.
+    assert alltoall_volume(4096, 7168, 8, 2.0) == 4096 * 8 * 7168 * 2
+    cluster = load_cluster_config("h100-sxm-80gb")
+    eff = Efficiency(bus_intra=1.0, bus_inter=1.0)
+    send = float(alltoall_volume(4096, 7168, 8))
+    # Inside one node: (ep − 1)/ep of the copies leave the rank, over NVLink.
+    t = float(alltoall_time(send, 8, 8, cluster, False, 8, efficiency=eff))
+    expected = 7 / 8 * send / (cluster.intra_node_gbps * 1e9) + cluster.intra_node_latency_us * 1e-6
+    assert t == pytest.approx(expected)
+    # Across 4 nodes the hierarchical scheme sends each token once per remote node, not once per expert.
+    flat = float(alltoall_time(send, 32, 8, cluster, False, 8, efficiency=eff))
+    hier = float(alltoall_time(send, 32, 8, cluster, True, 8, efficiency=eff))
+    assert hier < flat / 1.5
+
+
+def test_activations_broadcast_over_layouts() -> None:
+    model = load_model_config("pangu-ultra-moe-718b")
+    tp = np.array([1, 2, 4, 8])
+    parts = layer_activation_bytes(model, 8192, 1, True, tp=tp, sp=tp > 1)
+    assert np.asarray(parts.total).shape == (4,)
+    assert np.all(np.diff(parts.total) < 0)
+
+
+def test_no_schedule_deadlocks() -> None:
+    for pp in (1, 2, 3, 4, 8):
+        for vpp in (1, 2, 3):
+            if vpp > 1 and pp == 1:
+                continue
+            for num_micro in range(1, 2 * pp + 3):
+                if vpp > 1 and num_micro % pp:
+                    continue
+                for overlap in (False, True):
+                    result = simulate_timeline(pp, vpp, num_micro, uniform_costs(pp, vpp, 1, 2, a2a=1), overlap)
+                    assert result.step_time_s >= num_micro * 3
+
+
+def test_schedules_equal_the_runtime_lists() -> None:
+    """The planner simulates exactly the action lists the runtime executes."""
+    from moetrain.distributed import schedules as runtime
+
+    def as_tuple(step) -> tuple:
+        if isinstance(step, runtime.Overlapped):
+            f, b = step.forward, step.backward
+            return ("FB", f.micro_batch, f.chunk, b.micro_batch, b.chunk)
+        return (step.kind, step.micro_batch, step.chunk, -1, -1)
+
+    for pp, vpp, num_micro in [(1, 1, 4), (2, 1, 1), (4, 1, 3), (4, 1, 8), (4, 2, 8), (3, 3, 6), (8, 2, 16)]:
+        for overlap in (False, True):
+            ours = [[(a.kind, a.micro_batch, a.chunk, a.bwd_micro_batch, a.bwd_chunk) for a in rank]
+                    for rank in build_schedule(pp, vpp, num_micro, overlap)]
+            theirs = [[as_tuple(s) for s in rank] for rank in runtime.build_schedule(pp, vpp, num_micro, overlap)]
+            assert ours == theirs
