@@ -1,7 +1,10 @@
-"""Per-step loss of every layout == the single-process loss (tiny-pangu, fp32, gloo, 10 steps).
+"""Per-step loss of every layout == the single-process loss (tiny-pangu, fp32, gloo, 10 steps), with
+and without the overlapped schedule.
 
 Several small layouts run side by side on disjoint ranks of one 8-process world (one start-up for
-all of them); each process runs single-threaded.
+all of them); each process runs single-threaded. With one micro-batch per replica the overlapped
+schedule would have nothing to pair, so the hierarchical EP4 layout runs its overlapped variant on
+micro-batches of one sequence (two per replica), against its own single-process reference.
 """
 
 from __future__ import annotations
@@ -16,8 +19,11 @@ from moetrain.distributed.world import spawn
 
 STEPS = 10
 TRAINING = TrainingConfig(steps=STEPS, global_batch=8, micro_batch=2, seq_len=32, warmup_steps=2)
+TRAINING_MICRO_1 = TRAINING.model_copy(update={"micro_batch": 1})
+MICRO_1 = {"ep4_hierarchical_overlap"}
+"""Layouts trained on micro-batches of one sequence."""
 RANKS_PER_NODE = 2
-ROUNDS: list[dict[str, ParallelConfig]] = [
+BASE_ROUNDS: list[dict[str, ParallelConfig]] = [
     {
         "dp2": ParallelConfig(dp=2),
         "ep2": ParallelConfig(dp=2, ep=2),
@@ -33,6 +39,14 @@ ROUNDS: list[dict[str, ParallelConfig]] = [
         "tp2_pp2_ep2": ParallelConfig(tp=2, sp=True, pp=2, dp=2, ep=2),
     },
 ]
+ROUNDS = BASE_ROUNDS + [
+    {f"{name}_overlap": parallel.model_copy(update={"overlap": True}) for name, parallel in layouts.items()}
+    for layouts in BASE_ROUNDS
+]
+
+
+def _training(layout: str) -> TrainingConfig:
+    return TRAINING_MICRO_1 if layout in MICRO_1 else TRAINING
 
 
 def _worker(rank: int, world_size: int) -> dict[str, list[float]]:
@@ -45,8 +59,9 @@ def _worker(rank: int, world_size: int) -> dict[str, list[float]]:
             offset += parallel.world_size
         for name, dims in members:
             if dims.is_member:
-                run = build_layout(dims, model_cfg, TRAINING, torch.device("cpu"))
-                losses[name] = [train_step(run, step, TRAINING, torch.device("cpu")) for step in range(STEPS)]
+                cfg = _training(name)
+                run = build_layout(dims, model_cfg, cfg, torch.device("cpu"))
+                losses[name] = [train_step(run, step, cfg, torch.device("cpu")) for step in range(STEPS)]
     return losses
 
 
@@ -60,11 +75,13 @@ def layout_losses() -> dict[str, list[list[float]]]:
 
 
 @pytest.fixture(scope="module")
-def single_process_losses() -> list[float]:
+def single_process_losses() -> dict[int, list[float]]:
+    """Reference losses by micro-batch size."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return reference_losses(load_model_config("tiny-pangu"), TRAINING, STEPS)
+        return {cfg.micro_batch: reference_losses(load_model_config("tiny-pangu"), cfg, STEPS)
+                for cfg in (TRAINING, TRAINING_MICRO_1)}
     finally:
         torch.set_num_threads(threads)
 
@@ -72,13 +89,16 @@ def single_process_losses() -> list[float]:
 @pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.parametrize("layout", [name for layouts in ROUNDS for name in layouts])
-def test_layout_matches_single_process(layout: str, layout_losses: dict, single_process_losses: list[float]) -> None:
+def test_layout_matches_single_process(layout: str, layout_losses: dict,
+                                       single_process_losses: dict[int, list[float]]) -> None:
+    reference = single_process_losses[_training(layout).micro_batch]
     per_rank = layout_losses[layout]
     expected_ranks = next(p.world_size for layouts in ROUNDS for n, p in layouts.items() if n == layout)
     assert len(per_rank) == expected_ranks
     for losses in per_rank:
         assert losses == per_rank[0], "ranks of one layout disagree on the step loss"
-        for step, (got, want) in enumerate(zip(losses, single_process_losses)):
+        assert len(losses) == STEPS
+        for step, (got, want) in enumerate(zip(losses, reference)):
             assert abs(got - want) <= 1e-4 * abs(want), f"{layout} step {step}: {got} vs {want}"
     # The run trains: the loss moves (a frozen model would also "match" a frozen reference).
-    assert single_process_losses[-1] < single_process_losses[0]
+    assert reference[-1] < reference[0]

@@ -4,9 +4,12 @@
   ``validate_layout`` (refuses a layout before any process starts);
 - ``parallelize``: applies pipeline split, tensor + sequence parallelism (``tp``) and expert
   parallelism (``ep``: flat or hierarchical all-to-all, expert placement table) to a built model;
-- ``schedules`` (torch-free) and ``pipeline``: 1F1B / interleaved 1F1B as per-rank action lists and
-  the executor that runs them;
+- ``schedules`` (torch-free) and ``pipeline``: 1F1B / interleaved 1F1B / overlapped as per-rank step
+  lists and the executor that runs them; ``overlap``: two micro-batches taking turns at every
+  exchange, expert weight gradients computed apart;
 - ``zero``: ZeRO-1 AdamW over the data-parallel and expert-data-parallel groups;
 - ``step``: the training step of a layout and the single-process reference;
+- ``checkpoint``: DCP save/load under the single-process names and global shapes (loads under any
+  layout);
 - ``launch`` / ``worker``: torchrun start-up and failure reporting; ``trace``: per-rank timelines.
 """

@@ -1,7 +1,8 @@
 """Differentiable collectives with host-known split sizes.
 
 ``all_to_all`` sends ``in_splits[r]`` rows to rank r of ``group`` and receives ``out_splits[r]`` from
-it; its backward is the same exchange with the splits swapped. Split sizes are Python ints: the
+it; its backward is the same exchange with the splits swapped. Exchanges are asynchronous (work
+handles): ``all_to_all_start`` issues one and returns a ``PendingExchange`` to wait on. Split sizes are Python ints: the
 dispatcher reads them from the device once per MoE layer (see ``moetrain.distributed.ep``).
 Every exchange is recorded on the ``Tracer`` when one is active, so the trace shows where
 communication time goes.
@@ -12,36 +13,69 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from moetrain.distributed.trace import span
+from moetrain.distributed.overlap import flush_weight_grads, wait_comm
+from moetrain.distributed.trace import record_async, span
 
 
-def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup,
-              name: str) -> torch.Tensor:
+class PendingExchange:
+    """An all-to-all in flight: ``wait()`` returns its output (letting the other task of an overlapped
+    pair compute first, see ``moetrain.distributed.overlap``)."""
+
+    def __init__(self, out: torch.Tensor, work: dist.Work, name: str, source: torch.Tensor) -> None:
+        self.out, self.work, self.name = out, work, name
+        self.source = source
+        """The sent tensor, kept alive until the exchange is done."""
+
+    def wait(self) -> torch.Tensor:
+        wait_comm(self.work, self.name)
+        return self.out
+
+
+def _start_exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup,
+                    name: str) -> PendingExchange:
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    with span(name, "comm"):
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-    return out
+    source = x.contiguous()
+    work = dist.all_to_all_single(out, source, out_splits, in_splits, group=group, async_op=True)
+    record_async(name, work)
+    return PendingExchange(out, work, name, source)
 
 
 class _AllToAll(torch.autograd.Function):
+    """Forward issues the exchange and returns its (not yet filled) output buffer; the caller waits on
+    the ``PendingExchange`` before reading it. Backward is the reverse exchange, during which queued
+    expert weight gradients are computed."""
+
     @staticmethod
     def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int],  # type: ignore[override]
-                group: dist.ProcessGroup, name: str) -> torch.Tensor:
+                group: dist.ProcessGroup, name: str, handle: list) -> torch.Tensor:
         ctx.splits, ctx.group, ctx.name = (out_splits, in_splits), group, name
-        return _exchange(x, out_splits, in_splits, group, name)
+        pending = _start_exchange(x, out_splits, in_splits, group, name)
+        handle.append(pending)
+        return pending.out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         out_splits, in_splits = ctx.splits
-        return _exchange(grad, in_splits, out_splits, ctx.group, ctx.name + "_bwd"), None, None, None, None
+        pending = _start_exchange(grad, in_splits, out_splits, ctx.group, ctx.name + "_bwd")
+        flush_weight_grads()
+        return pending.wait(), None, None, None, None, None
+
+
+def all_to_all_start(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup,
+                     name: str = "a2a") -> PendingExchange:
+    """Issue an uneven all-to-all along dim 0 (differentiable when ``x`` requires grad); wait on the
+    returned exchange before using its output."""
+    if not x.requires_grad:
+        return _start_exchange(x, out_splits, in_splits, group, name)
+    handle: list[PendingExchange] = []
+    out = _AllToAll.apply(x, out_splits, in_splits, group, name, handle)
+    return PendingExchange(out, handle[0].work, name, handle[0].source)
 
 
 def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup,
                name: str = "a2a") -> torch.Tensor:
     """Uneven all-to-all along dim 0; differentiable when ``x`` requires grad."""
-    if x.requires_grad:
-        return _AllToAll.apply(x, out_splits, in_splits, group, name)
-    return _exchange(x, out_splits, in_splits, group, name)
+    return all_to_all_start(x, out_splits, in_splits, group, name).wait()
 
 
 class _CopyToGroup(torch.autograd.Function):

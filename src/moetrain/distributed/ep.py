@@ -27,6 +27,7 @@ experts of one node at the peer, so the inter-node return traffic is one row per
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,11 +35,13 @@ import torch
 import torch.distributed as dist
 
 from moetrain.balance.placement import ExpertPlacement
-from moetrain.distributed.comm import all_to_all
+from moetrain.distributed.comm import PendingExchange, all_to_all, all_to_all_start
+from moetrain.distributed.overlap import wait_comm
 from moetrain.distributed.trace import record_async, span
 from moetrain.errors import UserError
 from moetrain.models.dispatch import PermuteMeta, unpermute
 from moetrain.models.experts import GroupedExperts
+from moetrain.models.moe import MoE, MoEOutput
 from moetrain.models.router import Routing, count_tokens_per_expert
 
 
@@ -93,13 +96,47 @@ def _start_count_exchange(counts: torch.Tensor, group: dist.ProcessGroup) -> tup
 
 def _read_counts(parts: list[torch.Tensor], work: dist.Work) -> np.ndarray:
     """Wait for the count exchange and read it to the host: the layer's one device→host read."""
-    work.wait()
+    # A few bytes, started before the permutation: no turn for the other micro-batch here.
+    wait_comm(work, "counts_allgather", hand_over=False)
     with span("counts_d2h", "comm"):
         return torch.stack(parts).cpu().numpy()
 
 
 def _to_device(index: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(index).to(device, non_blocking=True)
+
+
+@dataclass(frozen=True)
+class PendingDispatch:
+    """A dispatch whose last exchange is in flight; ``finish()`` waits for it and returns what
+    ``dispatch`` returns (tokens for the local experts, tokens per local slot, metadata for ``combine``)."""
+
+    exchange: PendingExchange
+    reorder: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, object]]
+
+    def finish(self) -> tuple[torch.Tensor, torch.Tensor, object]:
+        return self.reorder(self.exchange.wait())
+
+
+class ExpertParallelMoE(MoE):
+    """``MoE`` whose shared expert runs while the dispatch exchange flies (same modules, same math as
+    ``MoE.forward``: routed output + shared output)."""
+
+    @classmethod
+    def adopt(cls, block: MoE) -> ExpertParallelMoE:
+        block.__class__ = cls  # same state, parameters and hooks; only the forward's order changes
+        return block  # type: ignore[return-value]
+
+    def forward(self, x_BSD: torch.Tensor) -> MoEOutput:
+        x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
+        routing = self.router(x_TD)
+        pending = self.dispatcher.start_dispatch(x_TD, routing)
+        shared_TD = self.shared_expert(x_TD) if self.shared_expert is not None else None
+        tokens_PD, tokens_per_local_expert, meta = pending.finish()
+        out_TD = self.dispatcher.combine(self.experts(tokens_PD, tokens_per_local_expert), meta)
+        if shared_TD is not None:
+            out_TD = out_TD + shared_TD
+        return MoEOutput(out_TD.view_as(x_BSD), routing.aux_loss, routing.tokens_per_expert_E)
 
 
 @dataclass(frozen=True)
@@ -119,6 +156,9 @@ class AllToAllDispatcher:
         self.ep_rank = dist.get_rank(group)
 
     def dispatch(self, x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, FlatDispatchMeta]:
+        return self.start_dispatch(x_TD, routing).finish()
+
+    def start_dispatch(self, x_TD: torch.Tensor, routing: Routing) -> PendingDispatch:
         table, rank = self.table, self.ep_rank
         num_ranks, slots = table.num_ranks, table.slots_per_rank
         top_k = routing.expert_ids_TK.shape[1]
@@ -131,17 +171,16 @@ class AllToAllDispatcher:
         slot_counts = _read_counts(parts, work).reshape(num_ranks, num_ranks, slots)  # [src, dst, slot]
         in_splits = slot_counts[rank].sum(-1).tolist()
         out_splits = slot_counts[:, rank].sum(-1).tolist()
-        received = all_to_all(rows_PD, out_splits, in_splits, self.group, "a2a_dispatch")
+        exchange = all_to_all_start(rows_PD, out_splits, in_splits, self.group, "a2a_dispatch")
         to_canonical = regroup_index(slot_counts[:, rank], (1, 0))  # (src, slot) blocks → (slot, src)
         to_canonical_t = _to_device(to_canonical, x_TD.device)
         from_canonical_t = _to_device(_inverse(to_canonical), x_TD.device)
-        tokens_PD = received[to_canonical_t]
         tokens_per_local = torch.from_numpy(slot_counts[:, rank].sum(0)).to(x_TD.device)
         meta = FlatDispatchMeta(
             PermuteMeta(token_index_P, routing.weights_TK.reshape(-1)[order_P], x_TD.shape[0]),
             in_splits, out_splits, to_canonical_t, from_canonical_t,
         )
-        return tokens_PD, tokens_per_local, meta
+        return PendingDispatch(exchange, lambda received: (received[to_canonical_t], tokens_per_local, meta))
 
     def combine(self, y_PD: torch.Tensor, meta: FlatDispatchMeta) -> torch.Tensor:
         returned = all_to_all(y_PD[meta.from_canonical], meta.in_splits, meta.out_splits, self.group, "a2a_combine")
@@ -181,6 +220,10 @@ class HierarchicalDispatcher:
 
     def dispatch(self, x_TD: torch.Tensor,
                  routing: Routing) -> tuple[torch.Tensor, torch.Tensor, HierarchicalDispatchMeta]:
+        return self.start_dispatch(x_TD, routing).finish()
+
+    def start_dispatch(self, x_TD: torch.Tensor, routing: Routing) -> PendingDispatch:
+        """Runs hop 1 and issues hop 2 (what can overlap the caller's next work)."""
         table, rank = self.table, self.ep_rank
         n, num_nodes, slots = self.ranks_per_node, self.num_nodes, table.slots_per_rank
         node, local = divmod(rank, n)
@@ -208,9 +251,10 @@ class HierarchicalDispatcher:
             rows = x_TD[token_index]
             ids = torch.where(in_node, phys_TK[token_index], -1)
             weights = torch.where(in_node, routing.weights_TK[token_index], 0.0)
-        rows = all_to_all(rows, inter_out, inter_in, self.inter_group, "a2a_dispatch_inter")
-        ids = all_to_all(ids, inter_out, inter_in, self.inter_group, "a2a_dispatch_inter_ids")
-        weights = all_to_all(weights, inter_out, inter_in, self.inter_group, "a2a_dispatch_inter_weights")
+        hop1 = [all_to_all_start(rows, inter_out, inter_in, self.inter_group, "a2a_dispatch_inter"),
+                all_to_all_start(ids, inter_out, inter_in, self.inter_group, "a2a_dispatch_inter_ids"),
+                all_to_all_start(weights, inter_out, inter_in, self.inter_group, "a2a_dispatch_inter_weights")]
+        rows, ids, weights = (exchange.wait() for exchange in hop1)
 
         # Hop 2: expand each row to its experts in this node, ordered by (dest rank, slot), then
         # (source node, token) as received.
@@ -226,18 +270,17 @@ class HierarchicalDispatcher:
         intra_in = from_my_position[:, node * n:(node + 1) * n].sum(axis=(0, 2)).tolist()
         to_me = slot_counts[:, rank]  # [src, slot], src = source node · n + position
         intra_out = to_me.reshape(num_nodes, n, slots).sum(axis=(0, 2)).tolist()
-        received = all_to_all(expanded, intra_out, intra_in, self.intra_group, "a2a_dispatch_intra")
+        exchange = all_to_all_start(expanded, intra_out, intra_in, self.intra_group, "a2a_dispatch_intra")
         # Received blocks are (peer position, slot, source node); canonical is (slot, source node, position).
         blocks = to_me.reshape(num_nodes, n, slots).transpose(1, 2, 0)
         to_canonical = regroup_index(blocks, (1, 2, 0))
         to_canonical_t = _to_device(to_canonical, x_TD.device)
-        tokens_PD = received[to_canonical_t]
         tokens_per_local = torch.from_numpy(to_me.sum(0)).to(x_TD.device)
         meta = HierarchicalDispatchMeta(
             token_index, num_tokens, inter_in, inter_out, expand_row, expand_weights, rows.shape[0],
             intra_in, intra_out, to_canonical_t, _to_device(_inverse(to_canonical), x_TD.device),
         )
-        return tokens_PD, tokens_per_local, meta
+        return PendingDispatch(exchange, lambda received: (received[to_canonical_t], tokens_per_local, meta))
 
     def combine(self, y_PD: torch.Tensor, meta: HierarchicalDispatchMeta) -> torch.Tensor:
         back = all_to_all(y_PD[meta.from_canonical], meta.intra_in, meta.intra_out, self.intra_group,

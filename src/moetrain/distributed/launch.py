@@ -51,6 +51,8 @@ def worker_args(args: argparse.Namespace, parallel: ParallelConfig) -> list[str]
            "--micro-batch", str(args.micro_batch), "--seq-len", str(args.seq_len)]
     if args.ranks_per_node:
         out += ["--ranks-per-node", str(args.ranks_per_node)]
+    if parallel.overlap:
+        out += ["--overlap"]
     if args.trace_dir:
         out += ["--trace-dir", args.trace_dir]
     if args.metrics_out:
@@ -109,7 +111,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(f"--{axis}", type=int, default=1, help=text)
     parser.add_argument("--hierarchical-a2a", action="store_true", help="two-hop expert all-to-all")
     parser.add_argument("--ranks-per-node", type=int, help="node size for the hierarchical all-to-all")
-    parser.add_argument("--overlap", action="store_true", help="overlapped F/B schedule (not implemented yet)")
+    parser.add_argument("--overlap", action="store_true",
+                        help="overlapped schedule: one micro-batch's forward paired with another's backward")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--micro-batch", type=int, default=2)
@@ -124,8 +127,6 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     args = parser.parse_args(argv)
     try:
-        if args.overlap:
-            raise UserError("--overlap (the paired F/B schedule) is not implemented yet; run without it")
         return launch(args.nproc, args, Path(args.log_dir) if args.log_dir else None)
     except UserError as exc:
         print(f"moetrain train: error: {exc}", file=sys.stderr)

@@ -2,7 +2,8 @@
 
 Every rank builds the same full model from the same seed, then keeps and shards its part, so every
 layout starts from identical weights. Order (fixed): pipeline split, tensor (+ sequence)
-parallelism, expert parallelism.
+parallelism, expert parallelism (the MoE blocks then run their shared expert under the dispatch),
+and for the overlapped schedule experts whose weight gradient is computed apart.
 
 Parameter names stay those of the full model (``layers.5.moe.experts.w_up_EDF``), so checkpoints of
 different layouts name the same tensors; ``layers`` becomes a ``ModuleDict`` keyed by the global layer
@@ -16,8 +17,15 @@ from dataclasses import dataclass
 from torch import nn
 
 from moetrain.balance.placement import ExpertPlacement
-from moetrain.distributed.ep import AllToAllDispatcher, ExpertTable, HierarchicalDispatcher, shard_experts
+from moetrain.distributed.ep import (
+    AllToAllDispatcher,
+    ExpertParallelMoE,
+    ExpertTable,
+    HierarchicalDispatcher,
+    shard_experts,
+)
 from moetrain.distributed.layout import ParallelDims
+from moetrain.distributed.overlap import SplitGradExperts
 from moetrain.distributed.tp import ParamKind, apply_tensor_parallel
 from moetrain.models.transformer import MoETransformer
 
@@ -79,9 +87,10 @@ def apply_expert_parallel(model: MoETransformer, dims: ParallelDims,
     parallel = dims.parallel
     assert model.cfg.moe is not None
     placement = placement or ExpertPlacement.contiguous(model.cfg.moe.num_experts, parallel.ep)
-    table = ExpertTable.from_placement(placement)
+    table = ExpertTable.from_placement(placement, device=next(model.parameters()).device)
     ep_rank = dims.local_rank("ep")
     for block in model_moe_blocks(model):
+        ExpertParallelMoE.adopt(block)
         block.experts = shard_experts(block.experts, table, ep_rank)
         if parallel.a2a == "hierarchical":
             block.dispatcher = HierarchicalDispatcher(dims.get_group("ep"), dims.get_group("ep_intra"),
@@ -103,4 +112,7 @@ def parallelize(model: MoETransformer, dims: ParallelDims, placement: ExpertPlac
     apply_pipeline_split(model, chunks)
     tp_kinds = apply_tensor_parallel(model, dims.get_group("tp")) if parallel.tp > 1 else None
     table = apply_expert_parallel(model, dims, placement) if parallel.ep > 1 else None
+    if parallel.overlap:
+        for block in model_moe_blocks(model):
+            SplitGradExperts.adopt(block.experts)
     return StageModel(model, chunks, dims, table, tp_kinds)

@@ -8,7 +8,9 @@ backward of that chunk, so each layer's auxiliary gradient is produced where the
 Activations move between pipeline ranks by point-to-point messages: sends are non-blocking (their
 handles are waited at the end of the step), receives block when the action needs the tensor. Tags
 name (micro-batch, chunk, direction), so messages cannot be confused. The schedules of
-``moetrain.distributed.schedules`` are deadlock-free under this rule.
+``moetrain.distributed.schedules`` are deadlock-free under this rule. An ``Overlapped`` step receives
+both of its inputs first, then runs its forward and backward taking turns at every exchange
+(``moetrain.distributed.overlap``).
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from moetrain.distributed.overlap import flush_weight_grads, run_pair, set_split_grads
 from moetrain.distributed.parallelize import Chunk, StageModel
-from moetrain.distributed.schedules import Action
+from moetrain.distributed.schedules import Action, Overlapped, Step
 from moetrain.distributed.tp import gather_sequence, split_sequence
 from moetrain.distributed.trace import span
 from moetrain.models.attention import AttentionContext, build_attention_context
@@ -118,13 +121,24 @@ class Executor:
         tensor = tensor.detach().contiguous()
         step.pending_sends.append((dist.isend(tensor, dst=dst, tag=tag), tensor))
 
-    def forward(self, action: Action, step: StepContext) -> None:
+    def receive_input(self, action: Action, step: StepContext) -> torch.Tensor | None:
+        """The forward's input activation (None on the first chunk)."""
+        chunk = self.stage.chunks[action.chunk]
+        if chunk.is_first:
+            return None
+        x = self._recv(step, self.prev_rank, self._tag(action.micro_batch, chunk.index - 1, False))
+        return x.requires_grad_(True)
+
+    def receive_grad(self, action: Action, step: StepContext) -> torch.Tensor | None:
+        """The backward's output gradient (None on the last chunk, which starts from the loss)."""
+        chunk = self.stage.chunks[action.chunk]
+        if chunk.is_last:
+            return None
+        return self._recv(step, self.next_rank, self._tag(action.micro_batch, chunk.index, True))
+
+    def forward(self, action: Action, step: StepContext, x: torch.Tensor | None) -> None:
         chunk = self.stage.chunks[action.chunk]
         mb = step.micro_batches[action.micro_batch]
-        x = None
-        if not chunk.is_first:
-            x = self._recv(step, self.prev_rank, self._tag(action.micro_batch, chunk.index - 1, False))
-            x.requires_grad_(True)
         attn_ctx = build_attention_context(mb.input_ids, None)
         with span(f"F{chunk.index}", "compute"):
             out, aux = chunk_forward(self.stage.model, chunk, x, mb, attn_ctx, step)
@@ -135,25 +149,37 @@ class Executor:
             self._send(step, out, self.next_rank, self._tag(action.micro_batch, chunk.index, False))
         step.saved[(action.chunk, action.micro_batch)] = (x, out, aux)
 
-    def backward(self, action: Action, step: StepContext) -> None:
+    def backward(self, action: Action, step: StepContext, grad: torch.Tensor | None) -> None:
         chunk = self.stage.chunks[action.chunk]
         x, out, aux = step.saved.pop((action.chunk, action.micro_batch))
         with span(f"B{chunk.index}", "compute"):
             if chunk.is_last:
                 (out + aux).backward()
-            else:
-                grad = self._recv(step, self.next_rank, self._tag(action.micro_batch, chunk.index, True))
-                if aux.requires_grad:
-                    torch.autograd.backward([out, aux], [grad, torch.ones_like(aux)])
-                else:  # a chunk of dense layers only
-                    out.backward(grad)
+            elif aux.requires_grad:
+                torch.autograd.backward([out, aux], [grad, torch.ones_like(aux)])
+            else:  # a chunk of dense layers only
+                out.backward(grad)
+            flush_weight_grads()
         if not chunk.is_first:
             assert x is not None and x.grad is not None
             self._send(step, x.grad, self.prev_rank, self._tag(action.micro_batch, chunk.index - 1, True))
 
-    def run(self, actions: list[Action], step: StepContext) -> None:
-        for action in actions:
-            (self.forward if action.kind == "F" else self.backward)(action, step)
+    def overlapped(self, pair: Overlapped, step: StepContext) -> None:
+        """Both inputs first (the schedule guarantees they can arrive), then the two micro-batches
+        taking turns at every exchange (``moetrain.distributed.overlap``)."""
+        x = self.receive_input(pair.forward, step)
+        grad = self.receive_grad(pair.backward, step)
+        run_pair(lambda: self.forward(pair.forward, step, x), lambda: self.backward(pair.backward, step, grad))
+
+    def run(self, steps: list[Step], step: StepContext) -> None:
+        set_split_grads(self.stage.dims.parallel.overlap)
+        for item in steps:
+            if isinstance(item, Overlapped):
+                self.overlapped(item, step)
+            elif item.kind == "F":
+                self.forward(item, step, self.receive_input(item, step))
+            else:
+                self.backward(item, step, self.receive_grad(item, step))
         for work, _ in step.pending_sends:
             work.wait()
         step.pending_sends.clear()

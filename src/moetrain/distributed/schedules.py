@@ -12,6 +12,14 @@ first between chunks.
 - ``interleaved_1f1b`` (Narayanan et al. 2021 §2.2): the same on ``vpp`` chunks per rank, forward
   units ordered in groups of ``pp`` micro-batches per chunk; warm-up ``2·(pp - r - 1) + (vpp - 1)·pp``.
   The bubble shrinks by ``vpp``. Needs the micro-batch count to be a multiple of ``pp``.
+- ``overlapped``: the same order with one more warm-up forward per rank, and each steady-state forward
+  fused with the next backward into one ``Overlapped`` step (Pangu "Adaptive Pipe", DeepSeek DualPipe,
+  Megatron "combined 1F1B"): the executor runs the two micro-batches interleaved, handing over at
+  every expert all-to-all, so each exchange of one runs under the other's compute. The extra warm-up
+  forward keeps the forward and backward of a step on different micro-batches on every rank (on
+  the last stage 1F1B would otherwise pair a micro-batch with itself) and lets the step receive both
+  of its inputs before it starts: step k of rank r needs step k-1 of rank r-1 and step k of rank r+1,
+  an acyclic order (``simulate`` checks it). Cost: one more micro-batch of activations per rank.
 """
 
 from __future__ import annotations
@@ -25,6 +33,17 @@ class Action(NamedTuple):
     micro_batch: int
 
 
+class Overlapped(NamedTuple):
+    """A forward and a backward of different micro-batches run together (each one's communication under
+    the other's compute)."""
+
+    forward: Action
+    backward: Action
+
+
+Step = Action | Overlapped
+
+
 def _unit(k: int, pp: int, vpp: int, forward: bool) -> tuple[int, int]:
     """(local chunk, micro-batch) of the k-th forward (or backward) unit of a rank."""
     group, within = divmod(k, pp * vpp)
@@ -34,14 +53,16 @@ def _unit(k: int, pp: int, vpp: int, forward: bool) -> tuple[int, int]:
     return chunk, group * pp + within % pp
 
 
+def _warmup(pp: int, vpp: int, total: int, rank: int, extra: int) -> int:
+    base = pp - rank - 1 if vpp == 1 else 2 * (pp - rank - 1) + (vpp - 1) * pp
+    return min(base + extra, total)
+
+
 def interleaved_1f1b(pp: int, vpp: int, num_micro_batches: int, rank: int) -> list[Action]:
     if vpp > 1 and num_micro_batches % pp:
         raise ValueError(f"interleaved 1F1B needs micro-batches ({num_micro_batches}) divisible by pp={pp}")
     total = num_micro_batches * vpp
-    if vpp == 1:
-        warmup = min(pp - rank - 1, total)
-    else:
-        warmup = min(2 * (pp - rank - 1) + (vpp - 1) * pp, total)
+    warmup = _warmup(pp, vpp, total, rank, 0)
     actions: list[Action] = []
     forwards = backwards = 0
     for _ in range(warmup):
@@ -58,10 +79,78 @@ def interleaved_1f1b(pp: int, vpp: int, num_micro_batches: int, rank: int) -> li
     return actions
 
 
+def overlapped(pp: int, vpp: int, num_micro_batches: int, rank: int) -> list[Step]:
+    """Interleaved 1F1B (1F1B when ``vpp`` = 1, gradient accumulation when ``pp`` = 1) with one more
+    warm-up forward and each steady-state (forward, backward) fused into one ``Overlapped`` step."""
+    if vpp > 1 and num_micro_batches % pp:
+        raise ValueError(f"interleaved 1F1B needs micro-batches ({num_micro_batches}) divisible by pp={pp}")
+    total = num_micro_batches * vpp
+    warmup = _warmup(pp, vpp, total, rank, 1)
+    steps: list[Step] = [Action("F", *_unit(k, pp, vpp, True)) for k in range(warmup)]
+    backwards = 0
+    for forwards in range(warmup, total):
+        steps.append(Overlapped(Action("F", *_unit(forwards, pp, vpp, True)),
+                                Action("B", *_unit(backwards, pp, vpp, False))))
+        backwards += 1
+    steps.extend(Action("B", *_unit(k, pp, vpp, False)) for k in range(backwards, total))
+    return steps
+
+
+def simulate(schedules: list[list[Step]], pp: int, vpp: int) -> None:
+    """Run every rank's steps on message availability alone and raise ``ValueError`` on a deadlock or
+    a dependency broken inside a rank.
+
+    The executor's rules: a step first receives all it needs (the forward's input activation, the
+    backward's output gradient), then computes, then posts its sends; sends never block. A backward
+    needs the forward of the same (chunk, micro-batch) done by an earlier step of the rank."""
+    num_chunks = pp * vpp
+    sent: set[tuple[str, int, int]] = set()  # ("act" | "grad", global chunk, micro-batch)
+    done: set[tuple[int, int]] = set()  # (global chunk, micro-batch) forwards done
+    position = [0] * pp
+
+    def actions(step: Step) -> tuple[Action, ...]:
+        return (step.forward, step.backward) if isinstance(step, Overlapped) else (step,)
+
+    def needs(action: Action, rank: int) -> list[tuple[str, int, int]]:
+        chunk = action.chunk * pp + rank
+        if action.kind == "F":
+            return [("act", chunk - 1, action.micro_batch)] if chunk > 0 else []
+        return [("grad", chunk + 1, action.micro_batch)] if chunk < num_chunks - 1 else []
+
+    progress = True
+    while progress:
+        progress = False
+        for rank in range(pp):
+            if position[rank] == len(schedules[rank]):
+                continue
+            step = schedules[rank][position[rank]]
+            if not all(need in sent for a in actions(step) for need in needs(a, rank)):
+                continue
+            for action in actions(step):
+                chunk = action.chunk * pp + rank
+                if action.kind == "B" and (chunk, action.micro_batch) not in done:
+                    raise ValueError(f"rank {rank}: backward of chunk {chunk} micro-batch {action.micro_batch} "
+                                     "runs before its forward has finished")
+            for action in actions(step):
+                chunk = action.chunk * pp + rank
+                if action.kind == "F":
+                    done.add((chunk, action.micro_batch))
+                    if chunk < num_chunks - 1:
+                        sent.add(("act", chunk, action.micro_batch))
+                elif chunk > 0:
+                    sent.add(("grad", chunk, action.micro_batch))
+            position[rank] += 1
+            progress = True
+    stuck = [rank for rank in range(pp) if position[rank] < len(schedules[rank])]
+    if stuck:
+        raise ValueError(f"deadlock: ranks {stuck} wait at steps {[schedules[r][position[r]] for r in stuck]}")
+
+
 def one_f_one_b(pp: int, num_micro_batches: int, rank: int) -> list[Action]:
     return interleaved_1f1b(pp, 1, num_micro_batches, rank)
 
 
-def build_schedule(pp: int, vpp: int, num_micro_batches: int) -> list[list[Action]]:
-    """Every rank's action list."""
-    return [interleaved_1f1b(pp, vpp, num_micro_batches, rank) for rank in range(pp)]
+def build_schedule(pp: int, vpp: int, num_micro_batches: int, overlap: bool = False) -> list[list[Step]]:
+    """Every rank's step list."""
+    make = overlapped if overlap else interleaved_1f1b
+    return [list(make(pp, vpp, num_micro_batches, rank)) for rank in range(pp)]

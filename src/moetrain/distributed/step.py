@@ -9,16 +9,18 @@ micro-batch count, so the summed gradient is that of the whole batch whatever th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from moetrain.config import ModelConfig, TrainingConfig
 from moetrain.distributed.layout import ParallelDims
 from moetrain.distributed.parallelize import StageModel, parallelize
 from moetrain.distributed.pipeline import Executor, MicroBatch, StepContext
-from moetrain.distributed.schedules import interleaved_1f1b
+from moetrain.distributed.schedules import interleaved_1f1b, overlapped
 from moetrain.distributed.trace import Tracer, span
 from moetrain.distributed.zero import ZeroAdamW
 from moetrain.models.attention import AttentionBackend
@@ -40,8 +42,10 @@ def synthetic_batch(step: int, cfg: TrainingConfig, vocab_size: int) -> tuple[to
 
 
 def reference_losses(model_cfg: ModelConfig, cfg: TrainingConfig, steps: int,
-                     backend: AttentionBackend = "eager") -> list[float]:
-    """One process, the whole model: the losses every layout must reproduce."""
+                     backend: AttentionBackend = "eager",
+                     after_step: Callable[[int, nn.Module, torch.optim.Optimizer], None] | None = None) -> list[float]:
+    """One process, the whole model: the losses every layout must reproduce. ``after_step(completed
+    steps, model, optimizer)`` runs after each optimizer step (tests save checkpoints there)."""
     model = build_model(model_cfg, "cpu", backend=backend, seed=cfg.seed)
     optimizer = build_optimizer(model, cfg)
     num_micro = cfg.global_batch // cfg.micro_batch
@@ -62,6 +66,8 @@ def reference_losses(model_cfg: ModelConfig, cfg: TrainingConfig, steps: int,
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(total))
+        if after_step is not None:
+            after_step(step + 1, model, optimizer)
     return losses
 
 
@@ -104,7 +110,8 @@ def train_step(run: LayoutRun, step: int, cfg: TrainingConfig, device: torch.dev
         loss_sum=torch.zeros((), device=device),
         tp_group=dims.get_group("tp") if parallel.tp > 1 else None,
     )
-    actions = interleaved_1f1b(parallel.pp, parallel.vpp, num_micro, dims.pp_rank)
+    schedule = overlapped if parallel.overlap else interleaved_1f1b
+    actions = schedule(parallel.pp, parallel.vpp, num_micro, dims.pp_rank)
     run.optimizer.zero_grad()
     run.executor.run(actions, ctx)
     with span("optimizer", "compute"):

@@ -3,9 +3,12 @@
 A ``Tracer`` is activated for a block (``with tracer.active():``); ``span(name, kind)`` records into the
 active tracer and costs nothing when none is active. Asynchronous communication records its real
 interval: from the moment it is issued to the moment its completion callback fires (``record_async``),
-so an exchange that runs while the main thread computes shows up under the compute span.
+so an exchange that runs while the main thread computes shows up under the compute span. Waiting on
+an exchange is a ``wait:<name>`` comm span on the waiting thread's lane: the host is blocked there.
+Spans are laid out by host thread: ``main``, and under the overlapped schedule the backward task's
+thread (``moetrain.distributed.overlap``); exchanges in flight are on lane ``async``.
 
-``a2a_hidden_fraction`` = (all-to-all time during which the main thread computed) / (all-to-all time).
+``a2a_hidden_fraction`` = (all-to-all time during which the host computed) / (all-to-all time).
 """
 
 from __future__ import annotations
@@ -89,19 +92,21 @@ def _subtract(base: list[tuple[float, float]], cut: list[tuple[float, float]]) -
 
 
 def hidden_fraction(spans: list[Span], comm_prefix: str = "a2a") -> float:
-    """Share of all-to-all time during which the main thread computed.
+    """Share of all-to-all time during which the host computed.
 
-    The main thread computes inside compute spans except while it is blocked in a synchronous
-    collective (a comm span on the main lane); so a synchronous all-to-all is never hidden, and an
-    asynchronous one is hidden for the part of its flight that the main thread spent computing."""
-    blocked = _union([(s.start_s, s.end_s) for s in spans if s.kind == "comm" and s.lane == "main"])
+    The host computes inside compute spans except while it is blocked in a synchronous collective or
+    a wait (a comm span on a host lane, i.e. not ``async``); so a synchronous all-to-all is never
+    hidden, and an asynchronous one is hidden for the part of its flight that the host spent
+    computing. (Under the overlapped schedule only one of its two threads runs at a time, so their
+    compute spans never count twice.)"""
+    blocked = _union([(s.start_s, s.end_s) for s in spans if s.kind == "comm" and s.lane != "async"])
     busy = _subtract(_union([(s.start_s, s.end_s) for s in spans if s.kind == "compute"]), blocked)
     total = hidden = 0.0
     for s in spans:
         if s.kind != "comm" or not s.name.startswith(comm_prefix):
             continue
         total += s.end_s - s.start_s
-        if s.lane == "main":
+        if s.lane != "async":
             continue
         for start, end in busy:
             hidden += max(0.0, min(end, s.end_s) - max(start, s.start_s))
@@ -115,10 +120,12 @@ def span(name: str, kind: str = "compute") -> Iterator[None]:
         yield
         return
     start = time.perf_counter()
+    thread = threading.current_thread()
+    lane = "main" if thread is threading.main_thread() else thread.name
     try:
         yield
     finally:
-        tracer.add(Span(name, kind, start, time.perf_counter()))
+        tracer.add(Span(name, kind, start, time.perf_counter(), lane))
 
 
 def record_async(name: str, work: dist.Work) -> None:

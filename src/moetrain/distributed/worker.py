@@ -26,6 +26,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for axis in ("tp", "pp", "vpp", "ep", "dp"):
         parser.add_argument(f"--{axis}", type=int, default=1)
     parser.add_argument("--sp", action="store_true")
+    parser.add_argument("--overlap", action="store_true")
     parser.add_argument("--a2a", choices=["flat", "hierarchical"], default="flat")
     parser.add_argument("--ranks-per-node", type=int)
     parser.add_argument("--steps", type=int, default=10)
@@ -57,7 +58,7 @@ def _train(args: argparse.Namespace, rank: int, device: torch.device) -> None:
     from moetrain.distributed.trace import Tracer
 
     parallel = ParallelConfig(tp=args.tp, sp=args.sp or args.tp > 1, pp=args.pp, vpp=args.vpp, ep=args.ep,
-                              dp=args.dp, a2a=args.a2a)
+                              dp=args.dp, a2a=args.a2a, overlap=args.overlap)
     cfg = TrainingConfig(steps=args.steps, global_batch=args.global_batch, micro_batch=args.micro_batch,
                          seq_len=args.seq_len, seed=args.seed, warmup_steps=min(20, args.steps // 5))
     dims = ParallelDims.build(parallel, rank, args.ranks_per_node)
@@ -73,6 +74,8 @@ def _train(args: argparse.Namespace, rank: int, device: torch.device) -> None:
             print(f"step {step} loss {loss:.6f}", flush=True)
     if args.trace_dir:
         tracer.save(Path(args.trace_dir) / f"rank{rank}.json")
+        if rank == 0:
+            print(f"a2a_hidden_fraction {tracer.a2a_hidden_fraction():.3f} (rank 0, all steps)", flush=True)
     if args.metrics_out and rank == 0:
         Path(args.metrics_out).write_text("\n".join(json.dumps(r) for r in rows) + "\n")
 

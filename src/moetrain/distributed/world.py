@@ -50,11 +50,12 @@ def init_world(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S)
     return rank, world_size, device
 
 
-def _entry(rank: int, world_size: int, port: int, result_dir: str, fn: Callable[..., Any], args: tuple) -> None:
+def _entry(rank: int, world_size: int, port: int, result_dir: str, fn: Callable[..., Any], args: tuple,
+           backend: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    init_world("gloo")
+    init_world(backend)
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, Path(result_dir) / f"rank{rank}.pt")
@@ -62,12 +63,14 @@ def _entry(rank: int, world_size: int, port: int, result_dir: str, fn: Callable[
         dist.destroy_process_group()
 
 
-def spawn(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; their return values."""
+def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo") -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes (gloo, or NCCL with one GPU per
+    rank); their return values."""
     with tempfile.TemporaryDirectory() as result_dir:
         # fork: the children inherit the imported torch (seconds saved per rank on a slow disk); they
         # run single-threaded, so no OpenMP pool of the parent is touched after the fork.
-        method = "fork" if sys.platform == "linux" else "spawn"
-        mp.start_processes(_entry, args=(world_size, free_port(), result_dir, fn, args), nprocs=world_size,
+        # CUDA cannot be used in a forked child, hence spawn for NCCL.
+        method = "fork" if sys.platform == "linux" and backend == "gloo" else "spawn"
+        mp.start_processes(_entry, args=(world_size, free_port(), result_dir, fn, args, backend), nprocs=world_size,
                            join=True, start_method=method)
         return [torch.load(Path(result_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]

@@ -34,6 +34,7 @@ from moetrain.distributed.trace import span
 
 @dataclass
 class _Bucket:
+    names: list[str]
     params: list[nn.Parameter]
     group: dist.ProcessGroup
     pre_reduce: dist.ProcessGroup | None
@@ -65,7 +66,7 @@ class ZeroAdamW:
             "complete": ("dp_cp", None, tp),
             "sharded": ("dp_cp", None, 1),
         }
-        kinds: dict[tuple[str, bool], list[nn.Parameter]] = {}
+        kinds: dict[tuple[str, bool], list[tuple[str, nn.Parameter]]] = {}
         for name, param in model.named_parameters():
             if ".moe.experts." in f".{name}":
                 kind = "expert"
@@ -73,10 +74,11 @@ class ZeroAdamW:
                 kind = "embed"
             else:
                 kind = (tp_kinds or {}).get(name, "partial")
-            kinds.setdefault((kind, param.ndim >= 2), []).append(param)
+            kinds.setdefault((kind, param.ndim >= 2), []).append((name, param))
         self.buckets: list[_Bucket] = []
         groups = []
-        for (kind, decay), params in sorted(kinds.items()):
+        for (kind, decay), named in sorted(kinds.items()):
+            names, params = [n for n, _ in named], [p for _, p in named]
             axis, pre_axis, copies = rules[kind]
             group = dims.get_group(axis)
             size, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -86,7 +88,7 @@ class ZeroAdamW:
                 flat = _flat([p.detach() for p in params], shard_size * size)
                 shard = nn.Parameter(flat[rank * shard_size:(rank + 1) * shard_size].clone())
             self.buckets.append(_Bucket(
-                params, group, dims.get_group(pre_axis) if pre_axis else None, 1.0 / copies,
+                names, params, group, dims.get_group(pre_axis) if pre_axis else None, 1.0 / copies,
                 shard, numel, shard_size, rank, size,
             ))
             groups.append({"params": [shard], "weight_decay": cfg.weight_decay if decay else 0.0})
@@ -135,3 +137,37 @@ class ZeroAdamW:
                 p.copy_(flat[offset:offset + p.numel()].view_as(p))
                 offset += p.numel()
         return grad_norm
+
+    @torch.no_grad()
+    def moments_by_name(self) -> tuple[dict[str, dict[str, torch.Tensor]], torch.Tensor]:
+        """The AdamW moments of every local parameter, in its local shape (gathered from the bucket
+        shards over each bucket's group), and the step count: what a checkpoint saves."""
+        moments: dict[str, dict[str, torch.Tensor]] = {}
+        step = torch.zeros(())
+        for bucket in self.buckets:
+            state = self.optimizer.state.get(bucket.shard, {})
+            if "step" in state:
+                step = state["step"].detach().cpu().float()
+            for key in ("exp_avg", "exp_avg_sq"):
+                shard = state.get(key, torch.zeros_like(bucket.shard)).detach()
+                parts = [torch.empty_like(shard) for _ in range(bucket.group_size)]
+                dist.all_gather(parts, shard.contiguous(), group=bucket.group)
+                flat = torch.cat(parts)
+                offset = 0
+                for name, p in zip(bucket.names, bucket.params):
+                    moments.setdefault(name, {})[key] = flat[offset:offset + p.numel()].view_as(p).clone()
+                    offset += p.numel()
+        return moments, step
+
+    @torch.no_grad()
+    def load_moments(self, moments: dict[str, dict[str, torch.Tensor]], step: float) -> None:
+        """Rebuild this rank's shards (parameters and AdamW state) from the parameters just loaded and
+        the moments of every local parameter."""
+        for bucket in self.buckets:
+            size = bucket.shard_size * bucket.group_size
+            lo, hi = bucket.rank_in_group * bucket.shard_size, (bucket.rank_in_group + 1) * bucket.shard_size
+            bucket.shard.copy_(_flat([p.detach() for p in bucket.params], size)[lo:hi])
+            state = {"step": torch.tensor(float(step))}
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[key] = _flat([moments[name][key] for name in bucket.names], size)[lo:hi].clone()
+            self.optimizer.state[bucket.shard] = state

@@ -1,0 +1,235 @@
+"""Distributed checkpoints with ``torch.distributed.checkpoint`` (DCP) that load under any layout.
+
+Every tensor is saved under its single-process name with its global shape, each rank writing the
+pieces it holds at their global offsets: a tensor-parallel shard is a slice along its split
+dimension, an expert-parallel rank writes one ``[1, …]`` piece per expert it holds (so a permuted
+expert placement reshards too), a replicated tensor is written once (DCP drops the duplicates). The
+ZeRO-1 AdamW moments, kept as flat slices of buckets, are first gathered back to each rank's
+parameters (``ZeroAdamW.moments_by_name``) and saved the same way. Loading asks each rank for the
+pieces its own layout holds; DCP reads them from whatever pieces were written. So a checkpoint saved
+under TP2×EP2 loads under PP2×EP2, and a single-process checkpoint loads under a parallel layout.
+
+The folder and its keys are those of the single-process trainer (``moetrain.train.checkpoint``):
+``step-000123/`` written as ``step-000123.tmp/`` and renamed after the ``COMPLETE`` marker is on disk;
+keys ``model.<name>``, ``optim.state.<name>.{step,exp_avg,exp_avg_sq}``, ``optim.param_groups``,
+``rng.torch`` and ``trainer`` (JSON: step and learning-rate scheduler state), so the single-process
+trainer can also read a checkpoint written here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from moetrain.config import ModelConfig, TrainingConfig
+from moetrain.distributed.step import LayoutRun
+from moetrain.errors import UserError
+from moetrain.models.transformer import build_model
+from moetrain.train.checkpoint import COMPLETE_MARKER, checkpoint_dir, read_marker
+from moetrain.train.optim import build_lr_scheduler, build_optimizer
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass
+class GlobalPieces:
+    """This rank's pieces of one tensor of global shape ``global_shape``: (offsets, local tensor).
+
+    Implements the hooks DCP's planners call on a checkpointable tensor (as ``DTensor`` does), so
+    each piece is written and read as a chunk of the global tensor."""
+
+    global_shape: torch.Size
+    pieces: list[tuple[torch.Size, torch.Tensor]]
+
+    def size(self) -> torch.Size:
+        return self.global_shape
+
+    def __create_write_items__(self, fqn: str, _obj: object) -> list[WriteItem]:
+        return [
+            WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
+                      tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets, piece.shape),
+                                                  properties=TensorProperties.create_from_tensor(piece),
+                                                  size=self.global_shape))
+            for offsets, piece in self.pieces
+        ]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets, piece.shape) for offsets, piece in self.pieces]
+
+    def piece_at(self, offsets: torch.Size) -> torch.Tensor:
+        for at, piece in self.pieces:
+            if at == offsets:
+                return piece
+        raise KeyError(f"no piece at offsets {tuple(offsets)}")
+
+
+class _SavePlanner(DefaultSavePlanner):
+    def lookup_object(self, index: MetadataIndex):
+        obj = self.state_dict[index.fqn]
+        if isinstance(obj, GlobalPieces):
+            return obj.piece_at(index.offset)
+        return super().lookup_object(index)
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    """Takes a flat state dict. The default set-up rewrites every value it does not know as a tensor
+    type to None; the pieces are put back after it."""
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:  # type: ignore[override]
+        pieces = {k: v for k, v in state_dict.items() if isinstance(v, GlobalPieces)}
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        state_dict.update(pieces)
+        self.state_dict.update(pieces)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        obj = self.state_dict[index.fqn]
+        if isinstance(obj, GlobalPieces):
+            return obj.piece_at(index.offset)
+        return super().lookup_tensor(index)
+
+
+def _full_model(model_cfg: ModelConfig) -> nn.Module:
+    """The single-process model on the meta device: global shapes and the trainer's optimizer groups."""
+    return build_model(model_cfg, "meta")
+
+
+def _placements(run: LayoutRun, global_shapes: dict[str, torch.Size]):
+    """For each local tensor name: how to turn its local value into global pieces."""
+    stage, dims = run.stage, run.stage.dims
+    tp_rank = dims.local_rank("tp") if dims.parallel.tp > 1 else 0
+    held = stage.expert_table.experts_by_rank[dims.local_rank("ep")] if stage.expert_table is not None else None
+
+    def to_global(name: str, local: torch.Tensor) -> GlobalPieces | torch.Tensor:
+        shape = global_shapes[name]
+        if held is not None and ".moe.experts." in f".{name}":
+            zeros = (0,) * (local.ndim - 1)
+            return GlobalPieces(shape, [(torch.Size((expert, *zeros)), local[slot:slot + 1])
+                                        for slot, expert in enumerate(held) if expert >= 0])
+        if local.shape == shape:
+            return local
+        split = [d for d in range(local.ndim) if local.shape[d] != shape[d]]
+        assert len(split) == 1 and (stage.tp_kinds or {}).get(name) == "sharded", f"{name}: {local.shape} vs {shape}"
+        offsets = [0] * local.ndim
+        offsets[split[0]] = tp_rank * local.shape[split[0]]
+        return GlobalPieces(shape, [(torch.Size(offsets), local)])
+
+    return to_global
+
+
+def _model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: value.detach() for name, value in model.state_dict(keep_vars=True).items()}
+
+
+def _trainer_extras(model_cfg: ModelConfig, cfg: TrainingConfig, step: int) -> tuple[list[dict], dict]:
+    """The single-process trainer's optimizer groups (parameter names, learning rate after ``step``
+    steps) and its scheduler state, built on a meta-device model so the keys match exactly."""
+    full = _full_model(model_cfg)
+    optimizer = build_optimizer(full, cfg)
+    scheduler = build_lr_scheduler(optimizer, cfg)
+    with warnings.catch_warnings():  # no optimizer step ran on this stand-in: the scheduler would warn
+        warnings.simplefilter("ignore", UserWarning)
+        for _ in range(step):
+            scheduler.step()
+    names = {id(p): n for n, p in full.named_parameters()}
+    groups = []
+    for group in optimizer.param_groups:
+        entry = {k: v for k, v in group.items() if k != "params"}
+        entry["params"] = [names[id(p)] for p in group["params"]]
+        groups.append(entry)
+    scheduler_state = {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
+    return groups, scheduler_state
+
+
+def _state(run: LayoutRun, model_cfg: ModelConfig, moments: dict[str, dict[str, torch.Tensor]],
+           step_count: torch.Tensor) -> dict:
+    global_shapes = {n: p.shape for n, p in _full_model(model_cfg).state_dict(keep_vars=True).items()}
+    to_global = _placements(run, global_shapes)
+    model_state = {name: to_global(name, value) for name, value in _model_tensors(run.stage.model).items()}
+    optim_state = {
+        name: {"step": step_count.clone(), **{k: to_global(name, by_kind[k]) for k in MOMENTS}}
+        for name, by_kind in moments.items()
+    }
+    return {"model": model_state, "optim": {"state": optim_state}}
+
+
+def _flatten(state: dict, prefix: str = "") -> dict:
+    """Nested dicts to DCP's flat keys (``optim.state.<name>.exp_avg``)."""
+    flat = {}
+    for key, value in state.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _fsync_folder(root: Path) -> None:
+    for path in [*sorted(p for p in root.rglob("*") if p.is_file()), root]:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def save_checkpoint(save_dir: Path, step: int, run: LayoutRun, model_cfg: ModelConfig, cfg: TrainingConfig,
+                    config_hash: str = "") -> Path:
+    """Every rank of the layout calls this after ``step`` completed steps; returns the folder."""
+    world = run.stage.dims.get_group("world")
+    final = checkpoint_dir(save_dir, step)
+    staging = final.with_name(final.name + ".tmp")
+    coordinator = dist.get_rank(world) == 0
+    if coordinator:
+        save_dir.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)
+    moments, step_count = run.optimizer.moments_by_name()
+    state = _state(run, model_cfg, moments, step_count)
+    groups, scheduler_state = _trainer_extras(model_cfg, cfg, step)
+    state["optim"]["param_groups"] = groups
+    state["rng"] = {"torch": torch.get_rng_state()}
+    state["trainer"] = json.dumps({"step": step, "lr_scheduler": scheduler_state}, sort_keys=True)
+    dist.barrier(group=world)
+    dcp.save(state, checkpoint_id=staging, planner=_SavePlanner(), process_group=world)
+    dist.barrier(group=world)
+    if coordinator:
+        # Same sealing as the single-process trainer: marker last, then the rename.
+        _fsync_folder(staging)
+        (staging / COMPLETE_MARKER).write_text(json.dumps({"step": step, "config_hash": config_hash}))
+        _fsync_folder(staging)
+        shutil.rmtree(final, ignore_errors=True)
+        staging.rename(final)
+    dist.barrier(group=world)
+    return final
+
+
+def load_checkpoint(path: Path, run: LayoutRun, model_cfg: ModelConfig) -> int:
+    """Load model and optimizer state saved under any layout (or by the single-process trainer) into
+    this layout; returns the number of completed steps to resume after."""
+    if not (path / COMPLETE_MARKER).is_file():
+        raise UserError(f"{path} is not a complete checkpoint (no {COMPLETE_MARKER} marker); pick a step-* folder")
+    marker_step = read_marker(path)["step"]
+    world = run.stage.dims.get_group("world")
+    model = run.stage.model
+    moments = {name: {k: torch.zeros_like(p) for k in MOMENTS} for name, p in model.named_parameters()}
+    step_count = torch.zeros(())
+    flat = _flatten(_state(run, model_cfg, moments, step_count))
+    flat["trainer"] = ""
+    dcp.load(flat, checkpoint_id=path, planner=_LoadPlanner(), process_group=world)
+    trainer = json.loads(flat["trainer"])
+    steps = {float(value) for key, value in flat.items() if key.startswith("optim.state.") and key.endswith(".step")}
+    assert len(steps) == 1, f"optimizer step counts differ across parameters: {sorted(steps)}"
+    run.optimizer.load_moments(moments, steps.pop())
+    assert int(trainer["step"]) == marker_step
+    return marker_step
