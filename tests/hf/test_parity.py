@@ -17,7 +17,13 @@ VARIANTS = {
     # no q latent, rotate-half rotary layout, a single expert group, unnormalised top-k
     "deepseek_v3-plain": {"q_lora_rank": None, "rope_interleave": False, "n_group": 1, "topk_group": 1,
                           "norm_topk_prob": False, "routed_scaling_factor": 1.5},
+    # YaRN long-context rotary, as in the published DeepSeek-V3 config (factor 40 from 4096)
+    "deepseek_v3-yarn": {"max_position_embeddings": 64, "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 16,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}},
     "qwen3_moe": {},
+    "qwen3_moe-yarn": {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                                           "original_max_position_embeddings": 8}},
     "qwen3_moe-dense-first": {"mlp_only_layers": [0], "norm_topk_prob": True},
     "mixtral": {},
     "mixtral-tied": {"tie_word_embeddings": True},

@@ -137,6 +137,24 @@ class MoEConfig(_Strict):
         return self
 
 
+class YarnRopeConfig(_Strict):
+    """YaRN context extension of the rotary embedding (Peng et al. 2023; DeepSeek-V3's long context).
+
+    Frequencies blend interpolation (divided by ``factor``) and extrapolation with a linear ramp
+    between the dims that rotate ``beta_fast`` and ``beta_slow`` times over ``original_max_seq_len``;
+    cos/sin are scaled by mscale(factor, mscale)/mscale(factor, mscale_all_dim), and with
+    ``mscale_all_dim`` the softmax scale by mscale(factor, mscale_all_dim)².
+    """
+
+    kind: Literal["yarn"] = "yarn"
+    factor: float = Field(gt=0)
+    original_max_seq_len: int = Field(gt=0)
+    beta_fast: float = Field(default=32.0, gt=0)
+    beta_slow: float = Field(default=1.0, gt=0)
+    mscale: float = Field(default=1.0, ge=0)
+    mscale_all_dim: float = Field(default=0.0, ge=0)
+
+
 class ModelConfig(_Strict):
     name: str
     vocab_size: int = Field(gt=0)
@@ -159,6 +177,7 @@ class ModelConfig(_Strict):
     """tinyinit: weight std sqrt(1/(2·hidden·layers)) (Pangu Ultra); normal: std ``init_std``."""
     init_std: float = Field(default=0.02, gt=0)
     rope_theta: float = Field(default=10000.0, gt=0)
+    rope_scaling: YarnRopeConfig | None = None
     max_seq_len: int = Field(default=4096, gt=0)
     num_mtp_layers: int = Field(default=0, ge=0)
     """Multi-token-prediction depth (DeepSeek-V3 style sequential MTP modules)."""

@@ -34,14 +34,34 @@ def _refuse(family: str, field: str, value: Any, why: str) -> UserError:
     return UserError(f"{family} config field {field}={value!r} is not supported: {why}")
 
 
+def _rope_params(hf: dict[str, Any]) -> dict[str, Any]:
+    """transformers-5 ``rope_parameters`` merged over the older ``rope_scaling`` keys."""
+    return {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+
+
+def _rope_scaling(hf: dict[str, Any], family: str) -> dict[str, Any] | None:
+    """Plain RoPE (None) or YaRN (DeepSeek-V3's long-context config); refuses other scalings."""
+    params = _rope_params(hf)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return None
+    if rope_type != "yarn" or params.get("attention_factor") is not None or params.get("truncate") is False:
+        field = "rope_parameters.rope_type" if hf.get("rope_parameters") else "rope_scaling.type"
+        raise _refuse(family, field, rope_type, "only plain RoPE and YaRN are implemented")
+    factor = params.get("factor")
+    original = params.get("original_max_position_embeddings")
+    if factor is None or original is None:
+        raise UserError(f"{family} config: YaRN needs rope 'factor' and 'original_max_position_embeddings'")
+    return {
+        "factor": factor, "original_max_seq_len": original,
+        "beta_fast": params.get("beta_fast") or 32.0, "beta_slow": params.get("beta_slow") or 1.0,
+        "mscale": params.get("mscale") or 0.0, "mscale_all_dim": params.get("mscale_all_dim") or 0.0,
+    }
+
+
 def _rope_theta(hf: dict[str, Any], family: str) -> float:
-    """rope_theta from transformers-5 ``rope_parameters`` or the older top-level keys; only plain RoPE."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    rope_type = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-    if rope_type != "default":
-        field = "rope_parameters.rope_type" if params else "rope_scaling.type"
-        raise _refuse(family, field, rope_type, "only plain RoPE is implemented (no YaRN/linear/dynamic scaling)")
+    """rope_theta from transformers-5 ``rope_parameters`` or the older top-level keys."""
+    params = _rope_params(hf)
     theta = params.get("rope_theta", hf.get("rope_theta"))
     if theta is None:
         raise UserError(f"{family} config has no rope_theta (neither in rope_parameters nor at the top level)")
@@ -68,6 +88,7 @@ def _common_fields(hf: dict[str, Any], family: str, name: str) -> dict[str, Any]
         "num_layers": hf["num_hidden_layers"],
         "norm_eps": hf.get("rms_norm_eps", 1e-6),
         "rope_theta": _rope_theta(hf, family),
+        "rope_scaling": _rope_scaling(hf, family),
         "max_seq_len": hf.get("max_position_embeddings", 4096),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
     }
@@ -245,6 +266,17 @@ def hf_family_for(cfg: ModelConfig) -> str:
     return family
 
 
+def _rope_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    if cfg.rope_scaling is None:
+        return {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    yarn = cfg.rope_scaling
+    return {
+        "rope_type": "yarn", "rope_theta": cfg.rope_theta, "factor": yarn.factor,
+        "original_max_position_embeddings": yarn.original_max_seq_len, "beta_fast": yarn.beta_fast,
+        "beta_slow": yarn.beta_slow, "mscale": yarn.mscale, "mscale_all_dim": yarn.mscale_all_dim,
+    }
+
+
 def _common_to_hf(cfg: ModelConfig, family: str) -> dict[str, Any]:
     return {
         "architectures": [ARCHITECTURES[family]],
@@ -256,7 +288,7 @@ def _common_to_hf(cfg: ModelConfig, family: str) -> dict[str, Any]:
         "rms_norm_eps": cfg.norm_eps,
         "max_position_embeddings": cfg.max_seq_len,
         "tie_word_embeddings": cfg.tie_embeddings,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_parameters": _rope_to_hf(cfg),
         "rope_theta": cfg.rope_theta,  # read by transformers 4.x
         "attention_bias": False,
         "attention_dropout": 0.0,

@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetrain.config.model import GQAConfig, MLAConfig
+from moetrain.config.model import GQAConfig, MLAConfig, YarnRopeConfig
 from moetrain.models.norm import RMSNorm
-from moetrain.models.rope import apply_rope, rope_cos_sin
+from moetrain.models.rope import apply_rope, rope_cos_sin, yarn_softmax_scale_factor
 
 AttentionBackend = Literal["sdpa", "eager"]
 
@@ -83,9 +83,10 @@ def core_attention(
 
 class MLA(nn.Module):
     def __init__(self, hidden: int, cfg: MLAConfig, eps: float, rope_theta: float, backend: AttentionBackend,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, rope_scaling: YarnRopeConfig | None = None) -> None:
         super().__init__()
         self.cfg, self.rope_theta, self.backend = cfg, rope_theta, backend
+        self.rope_scaling = rope_scaling
         heads = cfg.num_heads
         if cfg.q_lora_rank:
             self.q_down = nn.Linear(hidden, cfg.q_lora_rank, bias=False, device=device)
@@ -99,7 +100,8 @@ class MLA(nn.Module):
             cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False, device=device
         )
         self.o_proj = nn.Linear(heads * cfg.v_head_dim, hidden, bias=False, device=device)
-        self.scale = cfg.qk_head_dim**-0.5
+        # DeepSeek-V3 convention: YaRN also sharpens the softmax by mscale(factor, mscale_all_dim)²
+        self.scale = cfg.qk_head_dim**-0.5 * yarn_softmax_scale_factor(rope_scaling)
 
     def project_q(self, x_BSD: torch.Tensor) -> torch.Tensor:
         if self.cfg.q_lora_rank:
@@ -129,7 +131,7 @@ class MLA(nn.Module):
         kv_BSHK = self.kv_up(self.kv_norm(latent_BSC)).view(batch, seq, cfg.num_heads, nope + v_dim)
         k_nope_BSHN, v_BSHV = kv_BSHK.split([nope, v_dim], dim=-1)
 
-        cos, sin = rope_cos_sin(ctx.positions_BS, rope, self.rope_theta)
+        cos, sin = rope_cos_sin(ctx.positions_BS, rope, self.rope_theta, self.rope_scaling)
         q_rope_BSHR = apply_rope(q_rope_BSHR, cos, sin)
         k_rope_BS1R = apply_rope(k_rope_BSR.unsqueeze(2), cos, sin)  # one rotary key shared by all heads
 
@@ -162,9 +164,10 @@ class MLA(nn.Module):
 
 class GQA(nn.Module):
     def __init__(self, hidden: int, cfg: GQAConfig, eps: float, rope_theta: float, backend: AttentionBackend,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, rope_scaling: YarnRopeConfig | None = None) -> None:
         super().__init__()
         self.cfg, self.rope_theta, self.backend = cfg, rope_theta, backend
+        self.rope_scaling = rope_scaling
         self.q_proj = nn.Linear(hidden, cfg.num_heads * cfg.head_dim, bias=False, device=device)
         self.k_proj = nn.Linear(hidden, cfg.num_kv_heads * cfg.head_dim, bias=False, device=device)
         self.v_proj = nn.Linear(hidden, cfg.num_kv_heads * cfg.head_dim, bias=False, device=device)
@@ -172,7 +175,7 @@ class GQA(nn.Module):
         if cfg.qk_norm:  # Qwen3: RMSNorm over each head's q and k before rotary
             self.q_norm = RMSNorm(cfg.head_dim, eps, device=device)
             self.k_norm = RMSNorm(cfg.head_dim, eps, device=device)
-        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)  # YaRN scales only cos/sin here (Qwen3 convention)
 
     def forward(self, x_BSD: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         cfg = self.cfg
@@ -182,14 +185,15 @@ class GQA(nn.Module):
         v = self.v_proj(x_BSD).view(batch, seq, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rope_cos_sin(ctx.positions_BS, cfg.head_dim, self.rope_theta)
+        cos, sin = rope_cos_sin(ctx.positions_BS, cfg.head_dim, self.rope_theta, self.rope_scaling)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = core_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), ctx, self.scale, self.backend)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, cfg.num_heads * cfg.head_dim))
 
 
 def build_attention(hidden: int, cfg: MLAConfig | GQAConfig, eps: float, rope_theta: float,
-                    backend: AttentionBackend, device: torch.device | str | None = None) -> nn.Module:
+                    backend: AttentionBackend, device: torch.device | str | None = None,
+                    rope_scaling: YarnRopeConfig | None = None) -> nn.Module:
     if isinstance(cfg, MLAConfig):
-        return MLA(hidden, cfg, eps, rope_theta, backend, device)
-    return GQA(hidden, cfg, eps, rope_theta, backend, device)
+        return MLA(hidden, cfg, eps, rope_theta, backend, device, rope_scaling)
+    return GQA(hidden, cfg, eps, rope_theta, backend, device, rope_scaling)

@@ -6,15 +6,58 @@ Shapes: ``x_BSND`` = [batch, seq, heads, rotary dims]; ``positions_BS`` = [batch
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from moetrain.config.model import YarnRopeConfig
 
-def rope_cos_sin(positions_BS: torch.Tensor, dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_softmax_scale_factor(scaling: YarnRopeConfig | None) -> float:
+    """Extra factor on the softmax scale under YaRN (1 without it)."""
+    if scaling is None or not scaling.mscale_all_dim:
+        return 1.0
+    return yarn_mscale(scaling.factor, scaling.mscale_all_dim) ** 2
+
+
+def rope_inv_freq(dim: int, theta: float, scaling: YarnRopeConfig | None, device: torch.device) -> tuple[
+        torch.Tensor, float]:
+    """Inverse frequencies [dim/2] and the factor on cos/sin (YaRN's attention temperature)."""
+    exponents = torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim
+    inv_freq = 1.0 / (theta**exponents)
+    if scaling is None:
+        return inv_freq, 1.0
+
+    def correction_dim(rotations: float) -> float:
+        # the dim whose wavelength fits ``rotations`` times into the original context
+        return dim * math.log(scaling.original_max_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(correction_dim(scaling.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(scaling.beta_slow)), dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = ((torch.arange(dim // 2, device=device, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolate = 1 - ramp  # 1 on fast-rotating dims (kept), 0 on slow ones (interpolated)
+    inv_freq = inv_freq / scaling.factor * (1 - extrapolate) + inv_freq * extrapolate
+    if scaling.mscale and scaling.mscale_all_dim:
+        factor = yarn_mscale(scaling.factor, scaling.mscale) / yarn_mscale(scaling.factor, scaling.mscale_all_dim)
+    else:
+        factor = yarn_mscale(scaling.factor)
+    return inv_freq, factor
+
+
+def rope_cos_sin(positions_BS: torch.Tensor, dim: int, theta: float,
+                 scaling: YarnRopeConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables of shape [batch, seq, 1, dim] in fp32."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, device=positions_BS.device, dtype=torch.float32) / dim))
+    inv_freq, factor = rope_inv_freq(dim, theta, scaling, positions_BS.device)
     angles = positions_BS.float().unsqueeze(-1) * inv_freq  # [B, S, dim/2]
     angles = torch.cat([angles, angles], dim=-1).unsqueeze(2)
-    return angles.cos(), angles.sin()
+    if factor == 1.0:
+        return angles.cos(), angles.sin()
+    return angles.cos() * factor, angles.sin() * factor
 
 
 def apply_rope(x_BSND: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
