@@ -1,0 +1,121 @@
+"""Measured expert compute per EP rank, static vs balanced placement, and the planner's solve time.
+
+    python benchmarks/balance_expert_gemm.py                  # GPU if present, else CPU (small sizes)
+    python benchmarks/balance_expert_gemm.py --device cuda --model pangu-ultra-moe-718b --tokens-per-rank 8192
+
+One device plays each EP rank in turn: for a skewed (Zipf) load, it runs the SwiGLU experts of that
+rank's slots on the tokens the placement sends there (forward + backward, one GEMM group per slot)
+and times it. Running ranks one after another on one device is not an EP run (no all-to-all, no
+concurrency); it measures the compute part the planner balances: the slowest rank's expert time.
+Writes benchmarks/results/balance_expert_gemm_<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+
+from moetrain.balance.placement import EMPTY_SLOT, ExpertPlacement
+from moetrain.balance.solver import plan_placement
+from moetrain.balance.traces import zipf_trace
+from moetrain.config import load_model_config
+
+
+def rank_expert_seconds(torch, placement: ExpertPlacement, loads: np.ndarray, hidden: int, ffn: int,
+                        device: str, dtype, repeats: int) -> list[float]:
+    """Per rank: fastest of ``repeats`` runs of forward + backward through its slots' experts."""
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    w_gate = (torch.randn(placement.slots_per_rank, hidden, ffn, generator=generator) * 0.02).to(device, dtype)
+    w_up = (torch.randn(placement.slots_per_rank, hidden, ffn, generator=generator) * 0.02).to(device, dtype)
+    w_down = (torch.randn(placement.slots_per_rank, ffn, hidden, generator=generator) * 0.02).to(device, dtype)
+    for w in (w_gate, w_up, w_down):
+        w.requires_grad_(True)
+    per_slot = np.rint(placement.tokens_per_slot(loads)).astype(int).reshape(placement.num_ranks, -1)
+    out = []
+    for rank in range(placement.num_ranks):
+        experts = placement.experts_on_rank(rank)
+        counts = [int(c) for c, e in zip(per_slot[rank], experts) if e != EMPTY_SLOT]
+        x = torch.randn(max(sum(counts), 1), hidden, generator=generator).to(device, dtype)
+        times = []
+        for _ in range(repeats + 1):
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            pieces = torch.split(x[: sum(counts)], counts)
+            total = 0.0
+            for slot, piece in enumerate(pieces):
+                if piece.shape[0]:
+                    h = torch.nn.functional.silu(piece @ w_gate[slot]) * (piece @ w_up[slot])
+                    total = total + (h @ w_down[slot]).float().square().mean()
+            if isinstance(total, torch.Tensor):
+                total.backward()
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        out.append(float(np.min(times[1:])))  # min: the least disturbed run on a shared host
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny-pangu")
+    parser.add_argument("--ep", type=int, default=4)
+    parser.add_argument("--tokens-per-rank", type=int, default=4096)
+    parser.add_argument("--zipf", type=float, default=1.0)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads (1: steadier timings on a shared host)")
+    args = parser.parse_args()
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    model = load_model_config(args.model)
+    assert model.moe is not None
+    experts, top_k = model.moe.num_experts, model.moe.router.top_k
+    loads = zipf_trace(1, 1, experts, args.tokens_per_rank * args.ep, top_k, args.zipf).tokens_per_expert[0, 0]
+    loads = loads.astype(float)
+    slots = experts // args.ep + 1
+    static = ExpertPlacement.contiguous(experts, args.ep, slots)
+    solve = {}
+    for solver in ("greedy", "local"):
+        plan_placement(loads, args.ep, slots, solver)  # warm caches
+        start = time.perf_counter()
+        balanced = plan_placement(loads, args.ep, slots, solver)
+        solve[solver] = 1e3 * (time.perf_counter() - start)
+    rows = {}
+    for name, placement in (("static", static), ("balanced", balanced)):
+        seconds = rank_expert_seconds(torch, placement, loads, model.hidden_size, model.moe.expert_ffn_hidden,
+                                      device, dtype, args.repeats)
+        rows[name] = {"imbalance": float(placement.imbalance(loads)), "rank_seconds": seconds,
+                      "max_over_mean_seconds": max(seconds) / float(np.mean(seconds))}
+        print(f"{name:9s} token imbalance {rows[name]['imbalance']:.3f}; expert fwd+bwd per rank (ms): "
+              + " ".join(f"{1e3 * s:.2f}" for s in seconds)
+              + f"; slowest/mean {rows[name]['max_over_mean_seconds']:.3f}")
+    speedup = max(rows["static"]["rank_seconds"]) / max(rows["balanced"]["rank_seconds"]) - 1
+    print(f"slowest rank: {speedup:+.1%} faster balanced; planner solve (this machine's CPU): "
+          + ", ".join(f"{k} {v:.1f} ms" for k, v in solve.items()))
+    out = Path(__file__).parent / "results" / f"balance_expert_gemm_{device.split(':')[0]}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "command": "python benchmarks/balance_expert_gemm.py " + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
+        "machine": {"platform": platform.platform(), "device": device, "load_average": list(os.getloadavg()),
+                    "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None},
+        "model": args.model, "ep": args.ep, "slots_per_rank": slots, "tokens_per_rank": args.tokens_per_rank,
+        "zipf": args.zipf, "solve_ms": solve, "placements": rows, "slowest_rank_speedup": speedup,
+    }, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

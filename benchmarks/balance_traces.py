@@ -1,0 +1,202 @@
+"""Expert balancing on routing traces: imbalance and predicted step time before/after, per step;
+predictor errors; placement solvers' quality and solve time.
+
+    python benchmarks/balance_traces.py                       # synthetic traces, Pangu 718B on Atlas
+    python benchmarks/balance_traces.py --trace run.jsonl --trace-model tiny-pangu --trace-ep 4
+
+Writes benchmarks/results/balance_traces.json. Synthetic traces: 256 experts, top-8, EP32 with 9 slots
+per rank (one spare), ``--tokens-per-rank`` tokens per rank and step; each layer independent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from moetrain.balance.costs import BalanceCostModel
+from moetrain.balance.predict import DEFAULT_CANDIDATES, forecast_error, select_predictor
+from moetrain.balance.replay import replay
+from moetrain.balance.solver import plan_placement, replica_counts, solve_fixed_replicas, solve_milp
+from moetrain.balance.traces import RoutingTrace, drifting_trace, read_trace, zipf_trace
+from moetrain.config import load_cluster_config, load_model_config
+
+RESULTS = Path(__file__).parent / "results" / "balance_traces.json"
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except (subprocess.CalledProcessError, FileNotFoundError):
+        return "unknown"
+
+
+def evaluate_trace(trace: RoutingTrace, costs: BalanceCostModel, interval: int, horizon: int) -> dict:
+    loads = trace.tokens_per_expert
+    forecast_horizon = min(interval, horizon)
+    select_steps = max(loads.shape[0] // 4, forecast_horizon + 6)
+    predictor, _ = select_predictor(loads[:select_steps], horizon=forecast_horizon)
+    errors = {p.name: forecast_error(p, loads, forecast_horizon) for p in DEFAULT_CANDIDATES}
+    start = time.perf_counter()
+    result = replay(trace, costs, predictor, interval=interval, horizon=horizon)
+    summary = result.summary()
+    # steady state: from the step after the first trigger check on (the static layout before it is
+    # what any run starts from, whatever the balancer)
+    steady = slice(1, None)
+    summary.update({
+        "predictor": predictor.name,
+        "forecast_error": errors,
+        "replay_seconds": time.perf_counter() - start,
+        "steady_predicted_gain": float(result.seconds_before[steady].sum() / result.seconds_after[steady].sum() - 1),
+        "steady_gap_to_ideal": float(result.seconds_after[steady].sum() / result.seconds_ideal[steady].sum() - 1),
+        "steady_imbalance_after": float(result.imbalance_after[steady].mean()),
+        "per_step": result.per_step(),
+    })
+    return summary
+
+
+def compare_solvers(loads: np.ndarray, ep: int, slots: int, costs: BalanceCostModel | None, repeats: int = 5) -> dict:
+    """Busiest-rank load over the even share (1.0 = perfect), predicted layer time and solve time."""
+    out = {}
+    even = loads.sum() / ep
+    spare = ep * slots - loads.size
+    for name in ("greedy", "local"):
+        counts = replica_counts(loads, ep, spare)
+        times, plan = [], None
+        for _ in range(repeats):
+            start = time.perf_counter()
+            plan = solve_fixed_replicas(loads, ep, slots, counts, name)
+            times.append(time.perf_counter() - start)
+        assert plan is not None
+        out[f"{name}_single"] = {
+            "max_over_even": float(plan.apply_to_tokens_per_expert(loads).max() / even),
+            "solve_ms": 1e3 * float(np.median(times)),
+        }
+        score = (lambda p: float(costs.layer_seconds(p, loads))) if costs is not None else None
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            plan = plan_placement(loads, ep, slots, name, score=score)
+            times.append(time.perf_counter() - start)
+        entry = {"max_over_even": float(plan.apply_to_tokens_per_expert(loads).max() / even),
+                 "replicas": int(plan.num_replicas().sum() - loads.size),
+                 "solve_ms": 1e3 * float(np.median(times))}
+        if costs is not None:
+            entry["layer_seconds"] = float(costs.layer_seconds(plan, loads))
+            entry["ideal_layer_seconds"] = float(costs.ideal_layer_seconds(loads))
+        out[f"{name}_cost_model"] = entry
+    return out
+
+
+def milp_comparison(seed: int) -> list[dict]:
+    """Small instances where the exact MILP finishes: how far greedy and local search are from optimal."""
+    rows = []
+    for experts, ep, exponent in ((16, 4, 1.0), (16, 4, 1.5), (32, 8, 1.0), (64, 8, 1.2)):
+        loads = zipf_trace(1, 1, experts, 512 * ep, 4, exponent, seed=seed).tokens_per_expert[0, 0].astype(float)
+        slots = experts // ep + 1
+        spare = ep * slots - experts
+        even = loads.sum() / ep
+        row = {"experts": experts, "ep": ep, "zipf": exponent}
+        for name in ("greedy", "local"):
+            start = time.perf_counter()
+            plan = solve_fixed_replicas(loads, ep, slots, replica_counts(loads, ep, spare, stop_at_even=False), name)
+            row[name] = {"max_over_even": float(plan.apply_to_tokens_per_expert(loads).max() / even),
+                         "solve_ms": 1e3 * (time.perf_counter() - start)}
+        start = time.perf_counter()
+        plan = solve_milp(loads, ep, slots, time_limit=20.0)
+        row["milp"] = {"max_over_even": float(plan.apply_to_tokens_per_expert(loads).max() / even),
+                       "solve_ms": 1e3 * (time.perf_counter() - start)}
+        rows.append(row)
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--tokens-per-rank", type=int, default=16384, help="tokens per EP rank and step")
+    parser.add_argument("--model", default="pangu-ultra-moe-718b")
+    parser.add_argument("--cluster", default="atlas-800t-a2")
+    parser.add_argument("--ep", type=int, default=32)
+    parser.add_argument("--interval", type=int, default=10)
+    parser.add_argument("--horizon", type=int, default=50)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--trace", action="append", default=[], help="recorded trace(s) to add")
+    parser.add_argument("--trace-model", default="tiny-pangu")
+    parser.add_argument("--trace-cluster", default="atlas-800t-a2")
+    parser.add_argument("--trace-ep", type=int, default=4)
+    parser.add_argument("--out", default=str(RESULTS))
+    args = parser.parse_args()
+
+    model = load_model_config(args.model)
+    cluster = load_cluster_config(args.cluster)
+    assert model.moe is not None
+    experts, top_k = model.moe.num_experts, model.moe.router.top_k
+    tokens = args.tokens_per_rank * args.ep
+    costs = BalanceCostModel(model, cluster, args.ep)
+    synthetic = [
+        zipf_trace(args.steps, args.layers, experts, tokens, top_k, 0.6, seed=args.seed),
+        zipf_trace(args.steps, args.layers, experts, tokens, top_k, 1.0, seed=args.seed),
+        drifting_trace(args.steps, args.layers, experts, tokens, top_k, num_hot=16, hot_weight=6.0,
+                       period=50, seed=args.seed),
+        drifting_trace(args.steps, args.layers, experts, tokens, top_k, num_hot=16, hot_weight=6.0,
+                       period=20, seed=args.seed),
+    ]
+    names = ["zipf-s0.6", "zipf-s1.0", "drift-h16-p50", "drift-h16-p20"]
+    report: dict = {
+        "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+        "commit": _commit(),
+        "machine": {"platform": platform.platform(), "processor": platform.processor(),
+                    "python": platform.python_version()},
+        "setup": {"model": args.model, "cluster": args.cluster, "ep": args.ep, "slots_per_rank": experts // args.ep + 1,
+                  "tokens_per_rank": args.tokens_per_rank, "steps": args.steps, "layers": args.layers,
+                  "interval": args.interval, "horizon": args.horizon},
+        "traces": {},
+    }
+    for name, trace in zip(names, synthetic):
+        row = evaluate_trace(trace, costs, args.interval, args.horizon)
+        snapshot = trace.tokens_per_expert[: args.interval, 0].mean(axis=0)
+        row["solvers"] = compare_solvers(snapshot, args.ep, experts // args.ep + 1, costs)
+        report["traces"][name] = row
+    for path in args.trace:
+        trace = read_trace(path)
+        trace_model = load_model_config(args.trace_model)
+        trace_costs = BalanceCostModel(trace_model, load_cluster_config(args.trace_cluster), args.trace_ep)
+        row = evaluate_trace(trace, trace_costs, args.interval, args.horizon)
+        row["setup"] = {"model": args.trace_model, "cluster": args.trace_cluster, "ep": args.trace_ep}
+        report["traces"][f"recorded:{Path(path).name}"] = row
+    report["milp_comparison"] = milp_comparison(args.seed)
+
+    print(f"{'trace':22s} {'imb before':>10s} {'imb after':>9s} {'gain':>7s} {'ideal':>7s} {'gap':>6s} "
+          f"{'steady gain':>11s} {'steady gap':>10s} {'migr':>5s} {'solve ms':>8s}  predictor")
+    for name, row in report["traces"].items():
+        print(f"{name:22s} {row['imbalance_before']:10.3f} {row['imbalance_after']:9.3f} {row['predicted_gain']:7.1%} "
+              f"{row['ideal_gain']:7.1%} {row['gap_to_ideal']:6.1%} {row['steady_predicted_gain']:11.1%} "
+              f"{row['steady_gap_to_ideal']:10.1%} {row['migrations']:5d} {row['solve_ms_mean']:8.1f}  "
+              f"{row['predictor']}")
+    print("\nsolvers on each trace's first-interval mean load (busiest rank / even share; solve ms):")
+    for name, row in report["traces"].items():
+        if "solvers" in row:
+            cells = "  ".join(f"{k}: {v['max_over_even']:.4f} ({v['solve_ms']:.1f} ms)"
+                              for k, v in row["solvers"].items())
+            print(f"  {name:16s} {cells}")
+    print("\nexact MILP vs fast solvers (busiest rank / even share; solve ms):")
+    for row in report["milp_comparison"]:
+        cells = "  ".join(f"{k}: {row[k]['max_over_even']:.4f} ({row[k]['solve_ms']:.1f} ms)"
+                          for k in ("greedy", "local", "milp"))
+        print(f"  E={row['experts']:3d} ep={row['ep']} zipf {row['zipf']}: {cells}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

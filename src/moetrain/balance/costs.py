@@ -1,0 +1,171 @@
+"""The planner's cost model, seen from expert balancing: what a placement costs per step, and what
+moving experts costs.
+
+All times come from ``moetrain.planner.comm`` (communication, expert GEMMs) and all FLOPs and
+parameter counts from ``moetrain.costs``: this module only decides *which* tokens and bytes go where
+for a given placement, never how fast a link or a GEMM is.
+
+Per MoE layer and step, on EP rank r holding ``n_r`` token-expert copies (replicas' shares included):
+
+* expert compute: the slowest rank, ``max_r expert_compute_time(n_r)`` (forward + backward);
+* all-to-all: dispatch and combine, forward and backward (4 calls). Every rank sends the same volume
+  (its tokens, top_k copies each) but rank r receives ``n_r`` copies, so the busiest rank decides:
+  the planner's even-spread all-to-all is priced at ``max(mean, max_r n_r)`` copies per rank;
+* replicas: a replicated expert's gradient is all-reduced among its replicas once per step;
+* the rest of the layer (attention, router, shared expert) does not depend on the placement; it is
+  priced as GEMM work of the same efficiency so that gains are relative to the whole layer.
+
+Migration: each moved expert carries its weights and optimizer state (``bytes_per_param``: bf16
+weight 2 + fp32 master 4 + Adam m and v 8 = 14 bytes); ranks send and receive in parallel, in-node
+and network links concurrently, so the busiest rank's busiest link decides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from moetrain.balance.placement import EMPTY_SLOT, ExpertPlacement, Move
+from moetrain.config.cluster import ClusterConfig
+from moetrain.config.model import ModelConfig
+from moetrain.costs.flops import layer_forward_flops
+from moetrain.costs.params import moe_block_params
+from moetrain.errors import UserError
+from moetrain.planner import comm, compute
+from moetrain.planner.calibration import Efficiency
+
+# Passes of the MoE all-to-all per layer and step: dispatch and combine, forward and backward.
+ALLTOALL_CALLS_PER_LAYER = 4
+
+
+@dataclass(frozen=True)
+class BalanceCostModel:
+    model: ModelConfig
+    cluster: ClusterConfig
+    ep: int
+    hierarchical_a2a: bool = False
+    activation_bytes: float = 2.0
+    """Bytes per hidden element sent by the all-to-all (bf16)."""
+    bytes_per_param: float = 14.0
+    """Bytes moved per expert parameter in a migration: weight, fp32 master, Adam moments."""
+    grad_bytes_per_param: float = 4.0
+    """Bytes per parameter in the replicas' gradient all-reduce (fp32 gradients)."""
+    seq_len: int = 4096
+    """Sequence length for the attention part of the placement-independent layer time."""
+    efficiency: Efficiency | None = None
+    """The planner's efficiency factors; None: the shipped calibration for the cluster's device."""
+
+    def __post_init__(self) -> None:
+        if self.model.moe is None:
+            raise UserError(f"model {self.model.name!r} has no MoE layers; expert balancing needs an MoE model")
+        if self.ep < 1:
+            raise UserError(f"ep={self.ep} must be >= 1")
+
+    @property
+    def top_k(self) -> int:
+        assert self.model.moe is not None
+        return self.model.moe.router.top_k
+
+    @cached_property
+    def params_per_expert(self) -> int:
+        assert self.model.moe is not None
+        return moe_block_params(self.model)[1] // self.model.moe.num_experts
+
+    @cached_property
+    def _layer_flops(self):
+        return layer_forward_flops(self.model, self.seq_len, moe_layer=True)
+
+    def _same_node(self, rank_a: int, rank_b: int) -> bool:
+        node = self.cluster.devices_per_node
+        return rank_a // node == rank_b // node
+
+    # ---- per-layer step time of a placement -------------------------------------------------
+
+    def expert_seconds(self, copies_per_rank: np.ndarray, num_local_experts=1) -> np.ndarray:
+        """Forward + backward (3× forward) expert GEMMs for ``copies_per_rank`` token-expert copies
+        on a rank holding ``num_local_experts`` experts (each pads the grouped GEMM)."""
+        forward = comm.expert_compute_time(
+            np.asarray(copies_per_rank, float), self.model, self.cluster, self.efficiency,
+            num_local_experts=num_local_experts,
+        )
+        return 3.0 * np.asarray(forward)
+
+    def alltoall_seconds(self, copies_per_rank: np.ndarray) -> np.ndarray:
+        """All-to-all time per layer and step for loads [..., R] (copies received per rank)."""
+        copies = np.asarray(copies_per_rank, dtype=float)
+        busiest = np.maximum(copies.max(axis=-1), copies.mean(axis=-1))
+        send_bytes = busiest * self.model.hidden_size * self.activation_bytes
+        one = comm.alltoall_time(
+            send_bytes, self.ep, self.cluster.devices_per_node, self.cluster,
+            hierarchical=self.hierarchical_a2a, top_k=self.top_k, efficiency=self.efficiency,
+        )
+        return ALLTOALL_CALLS_PER_LAYER * np.asarray(one)
+
+    def other_seconds(self, copies_per_rank: np.ndarray) -> np.ndarray:
+        """Placement-independent rest of the layer on one rank: its tokens' attention, router, shared."""
+        # a rank's own tokens: the mean copies over ranks / top_k (data parallel makes them equal)
+        tokens = np.asarray(copies_per_rank, dtype=float).mean(axis=-1) / self.top_k
+        flops = self._layer_flops
+        gemm = tokens * (flops.attention_proj + flops.router + flops.shared_experts)
+        # GEMM call overheads are left out: this part is the same for every placement
+        forward = compute.gemm_time(gemm, 0, self.cluster, self.efficiency) + compute.attention_time(
+            tokens * flops.attention_core, self.cluster, self.efficiency
+        )
+        return 3.0 * np.asarray(forward)
+
+    def replica_sync_seconds(self, placement: ExpertPlacement) -> float:
+        """Once per step: the replicas of each replicated expert all-reduce its gradient. Ranks work in
+        parallel; a rank holding several replicated experts does their all-reduces one after another."""
+        grad_bytes = self.params_per_expert * self.grad_bytes_per_param
+        per_rank = np.zeros(placement.num_ranks)
+        for expert in np.flatnonzero(placement.num_replicas() > 1):
+            ranks = [rank for rank, _ in placement.replicas(int(expert))]
+            nodes = {rank // self.cluster.devices_per_node for rank in ranks}
+            in_node = max(1, len(ranks) // len(nodes))
+            seconds = float(comm.allreduce_time(grad_bytes, len(ranks), in_node, self.cluster, self.efficiency))
+            per_rank[ranks] += seconds
+        return float(per_rank.max())
+
+    def layer_seconds(self, placement: ExpertPlacement, tokens_per_expert: np.ndarray) -> np.ndarray:
+        """Predicted time of one MoE layer per step, for loads [..., E] under ``placement``."""
+        copies = placement.apply_to_tokens_per_expert(tokens_per_expert)
+        experts_per_rank = (placement.slot_expert != EMPTY_SLOT).reshape(placement.num_ranks, -1).sum(axis=1)
+        return (
+            self.expert_seconds(copies, experts_per_rank).max(axis=-1)
+            + self.alltoall_seconds(copies)
+            + self.other_seconds(copies)
+            + self.replica_sync_seconds(placement)
+        )
+
+    def ideal_layer_seconds(self, tokens_per_expert: np.ndarray) -> np.ndarray:
+        """The same layer with perfectly even ranks and no replicas: the bound no placement beats."""
+        loads = np.asarray(tokens_per_expert, dtype=float)
+        even = np.repeat((loads.sum(axis=-1) / self.ep)[..., None], self.ep, axis=-1)
+        per_rank = -(-self.model.moe.num_experts // self.ep)  # type: ignore[union-attr]
+        return (
+            self.expert_seconds(even[..., 0], per_rank) + self.alltoall_seconds(even) + self.other_seconds(even)
+        )
+
+    # ---- migration ----------------------------------------------------------------------------
+
+    def migration_seconds(self, moves: list[Move]) -> float:
+        """Time to copy the moved experts' weights and optimizer state (one layer's moves)."""
+        if not moves:
+            return 0.0
+        expert_bytes = self.params_per_expert * self.bytes_per_param
+        # [rank, link]: link 0 in-node, 1 network; sends and receives use separate directions.
+        sent = np.zeros((self.ep, 2))
+        received = np.zeros((self.ep, 2))
+        for move in moves:
+            if not move.crosses_ranks:
+                continue  # a copy inside one rank's memory: negligible next to the links
+            link = 0 if self._same_node(move.src[0], move.dst[0]) else 1
+            sent[move.src[0], link] += expert_bytes
+            received[move.dst[0], link] += expert_bytes
+        busiest = np.maximum(sent, received).max(axis=0)
+        intra = float(comm.p2p_time(busiest[0], False, self.cluster, self.efficiency)) if busiest[0] else 0.0
+        inter = float(comm.p2p_time(busiest[1], True, self.cluster, self.efficiency)) if busiest[1] else 0.0
+        return max(intra, inter)
+

@@ -1,0 +1,190 @@
+"""Replay a routing trace through predictor, planner and trigger, as the runtime would run them.
+
+Per MoE layer, independently (each layer has its own experts and placement):
+
+1. step t runs with the current placement; its loads are only known afterwards (no lookahead);
+2. the predictor absorbs step t's loads;
+3. every ``interval`` steps the planner places experts for the forecast mean load until the next
+   check, and the trigger migrates only if the predicted saving over the next ``horizon`` steps
+   beats the predicted migration time (weights and optimizer state over the links); a new plan that
+   only changes replicas' token shares moves no weights and is applied whenever it saves time;
+4. a migration decided after step t is paid in step t+1.
+
+"Before" is the static contiguous layout; "after" is the balanced run, migration time included;
+"ideal" is every rank at the mean load (no placement beats it). All times come from the cost model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from moetrain.balance.costs import BalanceCostModel
+from moetrain.balance.placement import ExpertPlacement, diff
+from moetrain.balance.predict import Predictor
+from moetrain.balance.solver import timed_plan
+from moetrain.balance.traces import RoutingTrace
+from moetrain.errors import UserError
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One trigger evaluation for one layer."""
+
+    step: int
+    layer: int
+    migrate: bool
+    predicted_saving_s: float
+    """Forecast step-time saving of the candidate placement, over the horizon."""
+    migration_s: float
+    """Predicted time to move the experts' weights and optimizer state."""
+    num_moves: int
+    imbalance_current: float
+    """Forecast max/mean rank load with the current placement."""
+    imbalance_candidate: float
+    solve_ms: float
+    reshare: bool = False
+    """Only replicas' token shares change (no weights move): applied for free."""
+
+    def as_dict(self) -> dict:
+        return {
+            "step": self.step, "layer": self.layer, "migrate": self.migrate,
+            "predicted_saving_s": self.predicted_saving_s, "migration_s": self.migration_s,
+            "num_moves": self.num_moves, "imbalance_current": round(self.imbalance_current, 4),
+            "imbalance_candidate": round(self.imbalance_candidate, 4), "solve_ms": round(self.solve_ms, 3),
+            "reshare": self.reshare,
+        }
+
+
+@dataclass
+class ReplayResult:
+    steps: np.ndarray
+    imbalance_before: np.ndarray
+    """[T, L] max/mean EP-rank load, static contiguous placement."""
+    imbalance_after: np.ndarray
+    """[T, L] the same with balancing."""
+    seconds_before: np.ndarray
+    """[T] predicted MoE-layer time per step (sum over layers), static placement."""
+    seconds_after: np.ndarray
+    """[T] the same with balancing, migration time included."""
+    seconds_ideal: np.ndarray
+    """[T] every rank at the mean load."""
+    decisions: list[Decision] = field(default_factory=list)
+    final_placements: list[ExpertPlacement] = field(default_factory=list)
+
+    @property
+    def predicted_gain(self) -> float:
+        """Step-time ratio without / with balancing, minus 1 (throughput gain)."""
+        return float(self.seconds_before.sum() / self.seconds_after.sum() - 1.0)
+
+    @property
+    def ideal_gain(self) -> float:
+        return float(self.seconds_before.sum() / self.seconds_ideal.sum() - 1.0)
+
+    @property
+    def gap_to_ideal(self) -> float:
+        """How much slower than the perfectly balanced ideal the balanced run is (0.05 = 5%)."""
+        return float(self.seconds_after.sum() / self.seconds_ideal.sum() - 1.0)
+
+    def summary(self) -> dict:
+        solve = [d.solve_ms for d in self.decisions]
+        return {
+            "steps": int(self.steps.size),
+            "imbalance_before": float(self.imbalance_before.mean()),
+            "imbalance_after": float(self.imbalance_after.mean()),
+            "step_seconds_before": float(self.seconds_before.mean()),
+            "step_seconds_after": float(self.seconds_after.mean()),
+            "step_seconds_ideal": float(self.seconds_ideal.mean()),
+            "predicted_gain": self.predicted_gain,
+            "ideal_gain": self.ideal_gain,
+            "gap_to_ideal": self.gap_to_ideal,
+            "migrations": int(sum(d.migrate for d in self.decisions)),
+            "migration_seconds_total": float(sum(d.migration_s for d in self.decisions if d.migrate)),
+            "reshares": int(sum(d.reshare for d in self.decisions)),
+            "decisions": len(self.decisions),
+            "solve_ms_mean": float(np.mean(solve)) if solve else 0.0,
+            "solve_ms_max": float(np.max(solve)) if solve else 0.0,
+        }
+
+    def per_step(self) -> list[dict]:
+        return [
+            {
+                "step": int(step),
+                "imbalance_before": round(float(self.imbalance_before[t].mean()), 4),
+                "imbalance_after": round(float(self.imbalance_after[t].mean()), 4),
+                "seconds_before": float(self.seconds_before[t]),
+                "seconds_after": float(self.seconds_after[t]),
+                "seconds_ideal": float(self.seconds_ideal[t]),
+            }
+            for t, step in enumerate(self.steps)
+        ]
+
+
+def replay(
+    trace: RoutingTrace,
+    costs: BalanceCostModel,
+    predictor: Predictor,
+    slots_per_rank: int | None = None,
+    solver: str = "local",
+    interval: int = 10,
+    horizon: int = 50,
+) -> ReplayResult:
+    ep = costs.ep
+    num_experts = trace.num_experts
+    if num_experts % ep:
+        raise UserError(f"trace has {num_experts} experts, not divisible by ep={ep}; pick ep dividing it")
+    slots = num_experts // ep + 1 if slots_per_rank is None else slots_per_rank
+    if interval < 1 or horizon < 1:
+        raise UserError(f"interval={interval} and horizon={horizon} must be >= 1")
+    static = ExpertPlacement.contiguous(num_experts, ep, slots)
+    loads = trace.tokens_per_expert.astype(float)  # [T, L, E]
+    num_steps, num_layers = loads.shape[:2]
+
+    imbalance_before = static.imbalance(loads)
+    seconds_before = np.asarray(costs.layer_seconds(static, loads)).sum(axis=1)
+    seconds_ideal = np.asarray(costs.ideal_layer_seconds(loads)).sum(axis=1)
+    imbalance_after = np.empty((num_steps, num_layers))
+    seconds_after = np.zeros(num_steps)
+    decisions: list[Decision] = []
+    finals: list[ExpertPlacement] = []
+
+    for layer in range(num_layers):
+        current = static
+        state = predictor.init_state(loads[0, layer])
+        for t in range(num_steps):
+            actual = loads[t, layer]
+            imbalance_after[t, layer] = float(current.imbalance(actual))
+            seconds_after[t] += float(costs.layer_seconds(current, actual))
+            if t:
+                predictor.update(state, actual)
+            if t % interval or t + 1 >= num_steps:
+                continue
+            # the forecast covers the steps until the next check, when the plan is revisited
+            forecast = predictor.forecast(state, min(interval, horizon))
+            candidate, solve_s = timed_plan(
+                forecast, ep, slots, solver,
+                score=lambda p, f=forecast, c=current: float(costs.layer_seconds(p, f))
+                + costs.migration_seconds(diff(c, p)) / horizon,
+                current=current,
+            )
+            moves = diff(current, candidate)
+            saving = horizon * float(costs.layer_seconds(current, forecast) - costs.layer_seconds(candidate, forecast))
+            migration = costs.migration_seconds(moves)
+            migrate = bool(moves) and saving > migration
+            reshare = not moves and saving > 0.0
+            decisions.append(Decision(
+                step=int(trace.steps[t]), layer=int(trace.layers[layer]), migrate=migrate,
+                predicted_saving_s=saving, migration_s=migration, num_moves=len(moves),
+                imbalance_current=float(current.imbalance(forecast)),
+                imbalance_candidate=float(candidate.imbalance(forecast)), solve_ms=solve_s * 1e3,
+                reshare=reshare,
+            ))
+            if migrate or reshare:
+                current = candidate
+                seconds_after[t + 1] += migration
+        finals.append(current)
+    return ReplayResult(
+        trace.steps.copy(), imbalance_before, imbalance_after, seconds_before, seconds_after, seconds_ideal,
+        decisions, finals,
+    )

@@ -1,0 +1,353 @@
+"""Placement solvers: given predicted per-expert loads, place experts and replicas of hot experts on
+EP ranks so that the busiest rank is as light as possible.
+
+Objective. In the cost model (``balance.costs``) both the expert GEMMs and the all-to-all of a layer
+grow with the busiest rank's token copies, so the solvers minimise ``max_r load_r``; the replica
+count, which trades balance against the replicas' gradient all-reduce, is chosen by pricing a few
+candidate placements with the full cost model (``plan_placement``).
+
+Solvers:
+
+* ``greedy``: replicate the hottest experts until no single replica exceeds the even share (the
+  "redundant experts" step of DeepSeek's EPLB), then longest-processing-time-first packing (Graham
+  1969): heaviest replica to the lightest rank with a free slot that does not already hold it;
+* ``local``: greedy, then moves and swaps out of the busiest rank while they lower the maximum;
+* both finish with the exact token shares among an expert's replicas (a small LP, HiGHS);
+* ``milp``: the exact mixed-integer program (which expert on which rank, with shares), for small
+  instances, to measure how far the fast solvers are from optimal.
+
+Finally ranks are relabelled (an assignment problem) so that as many experts as possible stay where
+they are, which is what migration pays for.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, linear_sum_assignment, linprog, milp
+from scipy.sparse import coo_matrix
+
+from moetrain.balance.placement import EMPTY_SLOT, ExpertPlacement
+from moetrain.errors import UserError
+
+SOLVERS = ("greedy", "local", "milp")
+
+
+def _check_sizes(num_experts: int, num_ranks: int, slots_per_rank: int) -> None:
+    if num_ranks * slots_per_rank < num_experts:
+        raise UserError(
+            f"{num_ranks} ranks × {slots_per_rank} slots cannot hold {num_experts} experts; "
+            f"use --slots-per-rank >= {-(-num_experts // num_ranks)}"
+        )
+
+
+def replica_counts(loads: np.ndarray, num_ranks: int, budget: int, stop_at_even: bool = True) -> np.ndarray:
+    """[E] replicas per expert: one each, then up to ``budget`` extra replicas, each for the expert
+    whose per-replica load is largest (no expert on more than ``num_ranks`` ranks). With
+    ``stop_at_even`` it stops once no replica carries more than the even per-rank share; beyond that
+    point replicas still help by making the packing finer, at the price of gradient all-reduces."""
+    loads = np.asarray(loads, dtype=float)
+    counts = np.ones(loads.size, dtype=np.int64)
+    even = loads.sum() / num_ranks
+    for _ in range(budget):
+        per_replica = np.where(counts < num_ranks, loads / counts, -1.0)
+        hottest = int(np.argmax(per_replica))
+        if per_replica[hottest] < 0 or (stop_at_even and per_replica[hottest] <= even):
+            break
+        counts[hottest] += 1
+    return counts
+
+
+def _pack_lpt(loads: np.ndarray, counts: np.ndarray, num_ranks: int, slots_per_rank: int) -> np.ndarray:
+    """[R, S] slot table: replicas, heaviest first, onto the lightest rank with room and without
+    that expert. Ties break on the lowest rank so the result is deterministic."""
+    experts = np.repeat(np.arange(loads.size), counts)
+    sizes = loads[experts] / counts[experts]
+    order = np.lexsort((experts, -sizes))
+    table = np.full((num_ranks, slots_per_rank), EMPTY_SLOT, dtype=np.int64)
+    used = np.zeros(num_ranks, dtype=np.int64)
+    rank_load = np.zeros(num_ranks)
+    holds = np.zeros((loads.size, num_ranks), dtype=bool)
+    for item in order:
+        expert = experts[item]
+        open_ranks = (used < slots_per_rank) & ~holds[expert]
+        if not open_ranks.any():  # cannot happen while counts <= ranks and slots suffice
+            raise AssertionError("no rank with a free slot for a replica")
+        rank = int(np.argmin(np.where(open_ranks, rank_load, np.inf)))
+        table[rank, used[rank]] = expert
+        used[rank] += 1
+        rank_load[rank] += sizes[item]
+        holds[expert, rank] = True
+    return table
+
+
+def optimal_shares(table: np.ndarray, loads: np.ndarray) -> np.ndarray:
+    """[R·S] token shares among replicas that minimise the busiest rank for a fixed slot table (an LP
+    over the replicated experts' shares; single-replica experts keep share 1)."""
+    num_experts = loads.size
+    flat = table.reshape(-1)
+    slots_per_rank = table.shape[1]
+    used = flat != EMPTY_SLOT
+    counts = np.bincount(flat[used], minlength=num_experts)
+    share = np.zeros(flat.size)
+    share[used] = 1.0 / counts[flat[used]]
+    replicated = used & (counts[np.where(used, flat, 0)] > 1)
+    var_slots = np.flatnonzero(replicated)
+    if var_slots.size == 0:
+        return share
+    ranks = var_slots // slots_per_rank
+    fixed = np.bincount(
+        np.flatnonzero(used & ~replicated) // slots_per_rank,
+        weights=loads[flat[used & ~replicated]],
+        minlength=table.shape[0],
+    )
+    n = var_slots.size
+    scale = max(float(loads.max()), 1e-12)  # keep the LP well scaled
+    # variables: shares of the replicated slots, then t (the busiest rank's load / scale)
+    cost = np.zeros(n + 1)
+    cost[-1] = 1.0
+    rows = np.concatenate([ranks, np.arange(table.shape[0])])
+    cols = np.concatenate([np.arange(n), np.full(table.shape[0], n)])
+    vals = np.concatenate([loads[flat[var_slots]] / scale, -np.ones(table.shape[0])])
+    a_ub = coo_matrix((vals, (rows, cols)), shape=(table.shape[0], n + 1)).tocsr()
+    b_ub = -fixed / scale
+    experts = flat[var_slots]
+    uniq, expert_row = np.unique(experts, return_inverse=True)
+    a_eq = coo_matrix((np.ones(n), (expert_row, np.arange(n))), shape=(uniq.size, n + 1)).tocsr()
+    result = linprog(cost, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=np.ones(uniq.size),
+                     bounds=[(0.0, 1.0)] * n + [(0.0, None)], method="highs")
+    if result.status != 0:
+        return share  # equal shares are always feasible
+    x = np.clip(result.x[:n], 0.0, 1.0)
+    # renormalise per expert (removes LP round-off) so the placement validates exactly
+    totals = np.bincount(expert_row, weights=x, minlength=uniq.size)
+    share[var_slots] = x / totals[expert_row]
+    return share
+
+
+def _rank_loads(table: np.ndarray, slot_load: np.ndarray) -> np.ndarray:
+    return slot_load.reshape(table.shape).sum(axis=1)
+
+
+def _local_search(
+    table: np.ndarray, slot_load: np.ndarray, max_rounds: int = 200, snapshots: tuple[int, ...] = ()
+) -> list[np.ndarray]:
+    """Moves (into an empty slot) and swaps between the busiest rank and any other, best first,
+    while the pair's larger load drops below the current maximum. Replicas move with their share.
+    Each round prices every (other rank, hot slot, other slot) exchange at once: [R, S, S].
+    Returns the table after each round count in ``snapshots`` that was reached, then the final one
+    (each exchange is at most two moves, so early snapshots are cheap-to-reach placements)."""
+    table = table.copy()
+    taken: list[np.ndarray] = []
+    slot_load = slot_load.reshape(table.shape).copy()
+    for round_index in range(max_rounds):
+        if round_index in snapshots:
+            taken.append(table.copy())
+        loads = slot_load.sum(axis=1)
+        hot = int(np.argmax(loads))
+        peak = loads[hot]
+        hot_experts = table[hot]
+        # delta[o, i, j]: load leaving hot (its slot i) minus load arriving (slot j of rank o)
+        delta = slot_load[hot][None, :, None] - slot_load[:, None, :]
+        worst = np.maximum(peak - delta, loads[:, None, None] + delta)
+        same = hot_experts[None, :, None] == table[:, None, :]
+        hot_on_other = (same.any(axis=2) & (hot_experts != EMPTY_SLOT)[None, :])[:, :, None]
+        other_on_hot = (same.any(axis=1) & (table != EMPTY_SLOT))[:, None, :]
+        # an expert may not end up twice on one rank; two empty slots or no gain are no move
+        clash = (hot_on_other | other_on_hot) & ~same
+        both_empty = (hot_experts == EMPTY_SLOT)[None, :, None] & (table == EMPTY_SLOT)[:, None, :]
+        worst = np.where(clash | both_empty | (delta <= 0), np.inf, worst)
+        worst[hot] = np.inf
+        other, i, j = np.unravel_index(int(np.argmin(worst)), worst.shape)
+        if not peak - worst[other, i, j] > 1e-9 * max(peak, 1.0):
+            break
+        table[hot, i], table[other, j] = table[other, j], table[hot, i]
+        slot_load[hot, i], slot_load[other, j] = slot_load[other, j], slot_load[hot, i]
+    return [*taken, table]
+
+
+def _slot_loads(table: np.ndarray, share: np.ndarray, loads: np.ndarray) -> np.ndarray:
+    flat = table.reshape(-1)
+    return np.where(flat == EMPTY_SLOT, 0.0, loads[np.maximum(flat, 0)] * share.reshape(-1))
+
+
+def _equal_shares(table: np.ndarray, num_experts: int) -> np.ndarray:
+    flat = table.reshape(-1)
+    used = flat != EMPTY_SLOT
+    counts = np.bincount(flat[used], minlength=num_experts)
+    return np.where(used, 1.0 / np.maximum(counts[np.maximum(flat, 0)], 1), 0.0)
+
+
+def improve(table: np.ndarray, share: np.ndarray, loads: np.ndarray) -> ExpertPlacement:
+    """Local search from a slot table (replicas keep ``share``), then the exact shares."""
+    table = _local_search(table, _slot_loads(table, share, loads))[-1]
+    return ExpertPlacement.from_slot_experts(loads.size, table, optimal_shares(table, loads))
+
+
+# Exchange counts at which a warm-started search offers its placement as a candidate: a few moves
+# may already take most of the gain, and the caller's score (migration included) decides.
+WARM_SNAPSHOTS = (1, 2, 4, 8, 16)
+
+
+def improve_stepwise(current: ExpertPlacement, loads: np.ndarray) -> list[ExpertPlacement]:
+    """Placements along a local search started from ``current``: after 1, 2, 4, ... exchanges and at
+    the end, each with exact shares (plus ``current`` with re-optimised shares: no move at all)."""
+    table = current.slot_expert.reshape(current.num_ranks, current.slots_per_rank)
+    tables = [table, *_local_search(table, _slot_loads(table, current.slot_share, loads), snapshots=WARM_SNAPSHOTS)]
+    unique = [t for i, t in enumerate(tables) if not any(np.array_equal(t, u) for u in tables[:i])]
+    return [ExpertPlacement.from_slot_experts(loads.size, t, optimal_shares(t, loads)) for t in unique]
+
+
+def solve_fixed_replicas(
+    loads: np.ndarray, num_ranks: int, slots_per_rank: int, counts: np.ndarray, solver: str
+) -> ExpertPlacement:
+    """Placement with the given replica counts by ``greedy`` or ``local``, shares from the LP."""
+    loads = np.asarray(loads, dtype=float)
+    table = _pack_lpt(loads, counts, num_ranks, slots_per_rank)
+    if solver == "local":
+        return improve(table, _equal_shares(table, loads.size), loads)
+    return ExpertPlacement.from_slot_experts(loads.size, table, optimal_shares(table, loads))
+
+
+def solve_milp(
+    loads: np.ndarray, num_ranks: int, slots_per_rank: int, max_replicas: int | None = None,
+    time_limit: float = 10.0,
+) -> ExpertPlacement:
+    """Exact: minimise the busiest rank's load over which ranks hold each expert (binary) and the
+    share each holder serves (continuous), with at most ``slots_per_rank`` experts per rank and at
+    most ``max_replicas`` replicas in all (default: every slot may be used)."""
+    loads = np.asarray(loads, dtype=float)
+    e, r = loads.size, num_ranks
+    _check_sizes(e, r, slots_per_rank)
+    scale = max(float(loads.max()), 1e-12)
+    nx = e * r  # x[e, r] binary, then y[e, r] share, then t
+    n = 2 * nx + 1
+    cost = np.zeros(n)
+    cost[-1] = 1.0
+    cost[:nx] = 1e-6  # among optimal placements prefer fewer replicas
+    rows: list[np.ndarray] = []
+    cols: list[np.ndarray] = []
+    vals: list[np.ndarray] = []
+    lower: list[np.ndarray] = []
+    upper: list[np.ndarray] = []
+    row = 0
+
+    def add(block_rows, block_cols, block_vals, lo, hi, count):
+        nonlocal row
+        rows.append(np.asarray(block_rows) + row)
+        cols.append(np.asarray(block_cols))
+        vals.append(np.asarray(block_vals, dtype=float))
+        lower.append(np.full(count, lo, dtype=float))
+        upper.append(np.full(count, hi, dtype=float))
+        row += count
+
+    ex, rk = np.meshgrid(np.arange(e), np.arange(r), indexing="ij")
+    idx = (ex * r + rk).reshape(-1)
+    # shares of each expert sum to 1
+    add(np.repeat(np.arange(e), r), nx + idx, np.ones(nx), 1.0, 1.0, e)
+    # y <= x
+    add(np.concatenate([np.arange(nx), np.arange(nx)]), np.concatenate([nx + idx, idx]),
+        np.concatenate([np.ones(nx), -np.ones(nx)]), -np.inf, 0.0, nx)
+    # slots per rank
+    add(rk.reshape(-1), idx, np.ones(nx), -np.inf, float(slots_per_rank), r)
+    # rank load <= t
+    add(np.concatenate([rk.reshape(-1), np.arange(r)]), np.concatenate([nx + idx, np.full(r, n - 1)]),
+        np.concatenate([loads[ex.reshape(-1)] / scale, -np.ones(r)]), -np.inf, 0.0, r)
+    if max_replicas is not None:
+        add(np.zeros(nx, dtype=np.int64), idx, np.ones(nx), -np.inf, float(max_replicas), 1)
+    matrix = coo_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(row, n))
+    constraints = LinearConstraint(matrix.tocsr(), np.concatenate(lower), np.concatenate(upper))
+    integrality = np.concatenate([np.ones(nx), np.zeros(nx + 1)])
+    bounds = Bounds(np.zeros(n), np.concatenate([np.ones(2 * nx), [np.inf]]))
+    result = milp(cost, constraints=constraints, integrality=integrality, bounds=bounds,
+                  options={"time_limit": time_limit})
+    if result.x is None:
+        raise UserError(f"MILP found no placement within {time_limit}s; use the greedy or local solver")
+    holds = result.x[:nx].reshape(e, r) > 0.5
+    table = np.full((r, slots_per_rank), EMPTY_SLOT, dtype=np.int64)
+    share = np.zeros((r, slots_per_rank))
+    for rank in range(r):
+        experts = np.flatnonzero(holds[:, rank])
+        table[rank, : experts.size] = experts
+    placement_share = optimal_shares(table, loads)
+    share = placement_share.reshape(r, slots_per_rank)
+    return ExpertPlacement.from_slot_experts(e, table, share)
+
+
+def align_to(placement: ExpertPlacement, current: ExpertPlacement) -> ExpertPlacement:
+    """The same placement with ranks relabelled, and experts reordered inside each rank, so that the
+    most experts stay in the slot they occupy in ``current`` (ranks are interchangeable for the
+    objective; migration is not)."""
+    r, s = placement.num_ranks, placement.slots_per_rank
+    new_table = placement.slot_expert.reshape(r, s)
+    new_share = placement.slot_share.reshape(r, s)
+    old_table = current.slot_expert.reshape(r, s)
+    overlap = np.zeros((r, r))
+    for a in range(r):
+        experts = new_table[a][new_table[a] != EMPTY_SLOT]
+        overlap[a] = np.isin(old_table, experts).sum(axis=1)
+    rows, cols = linear_sum_assignment(-overlap)
+    table = np.full((r, s), EMPTY_SLOT, dtype=np.int64)
+    share = np.zeros((r, s))
+    for a, rank in zip(rows, cols):
+        keep = {int(x): i for i, x in enumerate(old_table[rank]) if x != EMPTY_SLOT}
+        free = [i for i in range(s)]
+        placed: list[tuple[int, int]] = []
+        for j, expert in enumerate(new_table[a]):
+            if expert != EMPTY_SLOT and int(expert) in keep:
+                placed.append((keep[int(expert)], j))
+                free.remove(keep[int(expert)])
+        for j, expert in enumerate(new_table[a]):
+            if expert != EMPTY_SLOT and int(expert) not in keep:
+                placed.append((free.pop(0), j))
+        for slot, j in placed:
+            table[rank, slot] = new_table[a, j]
+            share[rank, slot] = new_share[a, j]
+    return ExpertPlacement.from_slot_experts(placement.num_experts, table, share)
+
+
+def plan_placement(
+    loads: np.ndarray,
+    num_ranks: int,
+    slots_per_rank: int,
+    solver: str = "local",
+    score: Callable[[ExpertPlacement], float] | None = None,
+    current: ExpertPlacement | None = None,
+) -> ExpertPlacement:
+    """Best placement for predicted ``loads`` [E] among a few candidates, by ``score`` (the caller's
+    predicted step time, migration included; default: the busiest rank's load).
+
+    Candidates: the solver's placement for several replica budgets (none, just enough that no replica
+    exceeds the even share, half and all of the spare slots) and, for ``local`` with a ``current``
+    placement, the steps of a local search started from it (few moves each). Every candidate is aligned to ``current``
+    before it is scored, so that its migration cost is the smallest its layout allows."""
+    if solver not in SOLVERS:
+        raise UserError(f"unknown solver {solver!r}; choose one of: {', '.join(SOLVERS)}")
+    loads = np.maximum(np.asarray(loads, dtype=float), 0.0)
+    num_experts = loads.size
+    _check_sizes(num_experts, num_ranks, slots_per_rank)
+    spare = num_ranks * slots_per_rank - num_experts
+    if solver == "milp":
+        candidates = [solve_milp(loads, num_ranks, slots_per_rank)]
+    else:
+        needed = int(replica_counts(loads, num_ranks, spare).sum()) - num_experts
+        candidates = [
+            solve_fixed_replicas(loads, num_ranks, slots_per_rank,
+                                 replica_counts(loads, num_ranks, budget, stop_at_even=budget <= needed), solver)
+            for budget in sorted({0, needed, max(needed, spare // 2), spare})
+        ]
+    if current is not None:
+        if solver == "local":
+            candidates.extend(improve_stepwise(current, loads))
+        candidates = [align_to(c, current) for c in candidates]
+    if score is None:
+        score = lambda p: float(p.apply_to_tokens_per_expert(loads).max())
+    return min(candidates, key=score)
+
+
+def timed_plan(*args, **kwargs) -> tuple[ExpertPlacement, float]:
+    start = time.perf_counter()
+    placement = plan_placement(*args, **kwargs)
+    return placement, time.perf_counter() - start

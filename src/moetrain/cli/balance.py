@@ -1,0 +1,119 @@
+"""``moetrain balance``: replay a routing trace through the expert-load predictor, the placement planner
+and the migration trigger; print every decision and the predicted gain."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from moetrain.errors import UserError
+
+HELP = "replay a routing trace through expert-load prediction, placement and migration; predicted gain"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trace", required=True, help="routing trace JSONL (moetrain train --trace-routing F)")
+    parser.add_argument("--ep", type=int, required=True, help="expert-parallel size (ranks sharing the experts)")
+    parser.add_argument("--slots-per-rank", type=int,
+                        help="expert slots per rank (default experts/ep + 1: one spare for a hot expert's replica)")
+    parser.add_argument("--model", help="model preset or YAML for the cost model (default: the first preset "
+                                        "with the trace's expert count)")
+    parser.add_argument("--cluster", default="atlas-800t-a2", help="cluster preset or YAML for the cost model")
+    parser.add_argument("--solver", choices=["greedy", "local", "milp"], default="local",
+                        help="placement solver (milp: exact, small instances only)")
+    parser.add_argument("--predictor", default="auto",
+                        help="auto (lowest forecast error on the trace's first quarter), ema:THETA or "
+                             "holt:ALPHA,BETA")
+    parser.add_argument("--interval", type=int, default=10, help="steps between trigger checks")
+    parser.add_argument("--horizon", type=int, default=50,
+                        help="steps over which a migration's predicted saving must repay its cost")
+    parser.add_argument("--seq-len", type=int, default=4096, help="sequence length for the attention cost")
+    parser.add_argument("--a2a", choices=["flat", "hierarchical"], default="flat", help="expert all-to-all kind")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def _parse_predictor(text: str):
+    from moetrain.balance.predict import EMAPredictor, HoltPredictor
+
+    kind, _, values = text.partition(":")
+    try:
+        if kind == "ema" and values:
+            return EMAPredictor(float(values))
+        if kind == "holt" and values:
+            alpha, beta = (float(x) for x in values.split(","))
+            return HoltPredictor(alpha, beta)
+    except ValueError:
+        pass
+    raise UserError(f"--predictor {text!r}: expected auto, ema:THETA (e.g. ema:0.9) or holt:ALPHA,BETA")
+
+
+def _default_model(num_experts: int) -> str:
+    from moetrain.config import load_model_config, model_presets
+
+    for name in model_presets():
+        moe = load_model_config(name).moe
+        if moe is not None and moe.num_experts == num_experts:
+            return name
+    raise UserError(f"no model preset has {num_experts} experts; pass --model with a YAML of the traced model")
+
+
+def run(args: argparse.Namespace) -> int:
+    from moetrain.balance.costs import BalanceCostModel
+    from moetrain.balance.predict import DEFAULT_CANDIDATES, forecast_error, select_predictor
+    from moetrain.balance.replay import replay
+    from moetrain.balance.traces import read_trace
+    from moetrain.config import load_cluster_config, load_model_config
+
+    trace = read_trace(args.trace)
+    model = load_model_config(args.model or _default_model(trace.num_experts))
+    if model.moe is None or model.moe.num_experts != trace.num_experts:
+        have = model.moe.num_experts if model.moe else 0
+        raise UserError(f"model {model.name!r} has {have} experts, the trace {trace.num_experts}; "
+                        "pass the --model the trace was recorded with")
+    if args.ep < 1 or trace.num_experts % args.ep:
+        raise UserError(f"--ep {args.ep} must divide the trace's {trace.num_experts} experts")
+    cluster = load_cluster_config(args.cluster)
+    costs = BalanceCostModel(model, cluster, args.ep, hierarchical_a2a=args.a2a == "hierarchical",
+                             seq_len=args.seq_len)
+    forecast_horizon = min(args.interval, args.horizon)
+    loads = trace.tokens_per_expert
+    errors = {}
+    if args.predictor == "auto":
+        select_steps = max(loads.shape[0] // 4, 5 + forecast_horizon + 1)
+        if loads.shape[0] <= 5 + forecast_horizon:
+            raise UserError(f"trace has {loads.shape[0]} steps; auto predictor needs more than "
+                            f"{5 + forecast_horizon}; pass --predictor ema:0.9 or a longer trace")
+        predictor, _ = select_predictor(loads[:select_steps], horizon=forecast_horizon)
+        errors = {p.name: forecast_error(p, loads, forecast_horizon) for p in DEFAULT_CANDIDATES}
+    else:
+        predictor = _parse_predictor(args.predictor)
+    result = replay(trace, costs, predictor, args.slots_per_rank, args.solver, args.interval, args.horizon)
+    summary = result.summary()
+    slots = args.slots_per_rank or trace.num_experts // args.ep + 1
+    migrations = [d.as_dict() for d in result.decisions if d.migrate]
+    if args.json:
+        print(json.dumps({
+            "trace": args.trace, "model": model.name, "cluster": cluster.name, "ep": args.ep,
+            "slots_per_rank": slots, "solver": args.solver, "predictor": predictor.name,
+            "forecast_error": errors, **summary, "migrations": migrations,
+            "decisions": [d.as_dict() for d in result.decisions],
+        }, indent=2))
+        return 0
+    print(f"trace {args.trace}: {trace.num_steps} steps × {trace.num_layers} MoE layers × {trace.num_experts} experts;"
+          f" ep={args.ep}, {slots} slots/rank; cost model {model.name} on {cluster.name}")
+    print(f"predictor: {predictor.name}" + (" (lowest forecast error on the first quarter)" if errors else ""))
+    for name, err in errors.items():
+        print(f"  forecast error {name:28s} {err:.4f}  (|forecast − actual| / actual, {forecast_horizon}-step mean)")
+    print("decisions (step, layer): forecast imbalance now → candidate, saving over horizon vs migration cost")
+    for d in result.decisions:
+        verdict = f"MIGRATE {d.num_moves} moves" if d.migrate else "keep"
+        print(f"  step {d.step:5d} layer {d.layer:3d}: {d.imbalance_current:6.3f} → {d.imbalance_candidate:6.3f}, "
+              f"saving {d.predicted_saving_s:9.4f}s vs cost {d.migration_s:8.4f}s: {verdict}  "
+              f"(solve {d.solve_ms:.1f} ms)")
+    print(f"imbalance (mean max/mean EP-rank load): {summary['imbalance_before']:.3f} → "
+          f"{summary['imbalance_after']:.3f}")
+    print(f"predicted MoE-layer time per step: {summary['step_seconds_before']:.4g}s → "
+          f"{summary['step_seconds_after']:.4g}s (ideal {summary['step_seconds_ideal']:.4g}s)")
+    print(f"predicted gain {summary['predicted_gain']:+.1%} (ideal {summary['ideal_gain']:+.1%}; "
+          f"{summary['gap_to_ideal']:.1%} slower than ideal); {summary['migrations']} migrations")
+    return 0

@@ -1,0 +1,65 @@
+import numpy as np
+import pytest
+
+from moetrain.balance.costs import BalanceCostModel
+from moetrain.balance.placement import ExpertPlacement, Move
+from moetrain.config import load_cluster_config, load_model_config
+from moetrain.costs.params import moe_block_params
+from moetrain.errors import UserError
+from moetrain.planner import comm
+
+
+@pytest.fixture(scope="module")
+def costs() -> BalanceCostModel:
+    return BalanceCostModel(load_model_config("pangu-ultra-moe-718b"), load_cluster_config("atlas-800t-a2"), 32)
+
+
+def test_imbalance_costs_time_and_ideal_is_a_bound(costs):
+    even = np.full(256, 1000.0)
+    skewed = even.copy()
+    skewed[:8] = 9000.0  # all on rank 0 in the contiguous layout
+    contiguous = ExpertPlacement.contiguous(256, 32, 9)
+    assert costs.layer_seconds(contiguous, even) == pytest.approx(costs.ideal_layer_seconds(even), rel=1e-9)
+    assert costs.layer_seconds(contiguous, skewed) > 1.5 * costs.ideal_layer_seconds(skewed)
+
+
+def test_alltoall_priced_at_the_busiest_rank(costs):
+    copies = np.array([[100.0] * 31 + [400.0]])
+    expected = 4 * comm.alltoall_time(400.0 * 7680 * 2, 32, 8, costs.cluster)
+    assert costs.alltoall_seconds(copies)[0] == pytest.approx(float(expected))
+
+
+def test_migration_cost_uses_weights_master_and_adam_over_the_right_link(costs):
+    expert_bytes = moe_block_params(costs.model)[1] / 256 * 14
+    assert costs.migration_seconds([]) == 0.0
+    in_node = costs.migration_seconds([Move(3, (0, 0), (1, 8))])
+    across = costs.migration_seconds([Move(3, (0, 0), (8, 8))])
+    assert in_node == pytest.approx(float(comm.p2p_time(expert_bytes, False, costs.cluster)))
+    assert across == pytest.approx(float(comm.p2p_time(expert_bytes, True, costs.cluster)))
+    assert across > in_node
+    # two experts leaving one rank take twice as long as two ranks sending one each
+    same_sender = costs.migration_seconds([Move(1, (0, 0), (8, 8)), Move(2, (0, 1), (9, 8))])
+    two_senders = costs.migration_seconds([Move(1, (0, 0), (8, 8)), Move(9, (1, 1), (9, 8))])
+    assert same_sender > 1.9 * two_senders
+    assert costs.migration_seconds([Move(1, (0, 0), (0, 8))]) == 0.0  # a local copy
+
+
+def test_replicas_pay_a_gradient_all_reduce(costs):
+    plain = ExpertPlacement.contiguous(256, 32, 9)
+    table = plain.slot_expert.reshape(32, 9).copy()
+    table[1, 8] = 0  # a replica of expert 0 on rank 1 (same node)
+    table[9, 8] = 1  # a replica of expert 1 on rank 9 (another node)
+    replicated = ExpertPlacement.from_slot_experts(256, table)
+    assert costs.replica_sync_seconds(plain) == 0.0
+    grad_bytes = moe_block_params(costs.model)[1] / 256 * 4
+    in_node = float(comm.allreduce_time(grad_bytes, 2, 2, costs.cluster))
+    across = float(comm.allreduce_time(grad_bytes, 2, 1, costs.cluster))
+    assert in_node < across
+    # rank 0 holds both experts, so it runs both all-reduces one after the other
+    assert costs.replica_sync_seconds(replicated) == pytest.approx(in_node + across)
+
+
+def test_dense_model_is_refused():
+    dense = load_model_config("tiny-pangu").model_copy(update={"moe": None, "num_dense_layers": 0})
+    with pytest.raises(UserError, match="has no MoE layers"):
+        BalanceCostModel(dense, load_cluster_config("cpu"), 4)
