@@ -59,6 +59,9 @@ def test_stop_at_then_resume_continues_the_same_loss_curve(corpus, tmp_path, cap
         (["--global-batch", "3"], "global_batch=3 is not a multiple of micro_batch=2"),
         (["--resume"], "--resume needs --save-dir"),
         (["--plan", "/no/plan.yaml"], "plan file '/no/plan.yaml' does not exist"),
+        (["--policy", "bogus"], "--policy 'bogus' is not a memory policy; choose one of none, full, selective, auto"),
+        (["--policy", "auto"], "--policy auto needs a budget: add --budget-fraction F or --budget-gib G"),
+        (["--policy", "auto", "--budget-fraction", "1.5"], "--budget-fraction 1.5 must be in (0, 1]"),
         (["--model", "pangu-ultra-moe-718b"],
          "model pangu-ultra-moe-718b needs about 11,705 GB for weights, gradients and optimizer state"),
     ],
@@ -70,11 +73,108 @@ def test_bad_input_is_one_line_on_stderr_and_exit_code_2(corpus, args, message, 
     assert message in err
 
 
-def test_a_multi_rank_plan_is_refused(corpus, tmp_path, capsys):
+@pytest.fixture
+def no_process_starts(monkeypatch):
+    """Any attempt to start the ranks fails the test: refusals must come before torchrun."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a process was started")
+    monkeypatch.setattr("moetrain.distributed.launch.subprocess.call", refuse)
+
+
+@pytest.mark.parametrize(
+    ("plan_text", "extra", "message"),
+    [
+        ("parallel: {cp: 2, micro_batch: 2}", [], "context parallel is not implemented by this runtime"),
+        ("parallel: {dp: 2, zero: 3, micro_batch: 2}", [], "the plan asks for ZeRO stage 3"),
+        ("parallel: {dp: 2, micro_batch: 2}", ["--nproc", "4"], "--nproc 4 but the plan's tp·cp·pp·dp is 2"),
+        ("parallel: {dp: 2, micro_batch: 2}", ["--ep", "2"], "--plan already sets the layout; drop --ep"),
+        ("parallel: {dp: 2, micro_batch: 2}", ["--dtype", "bf16"],
+         "--dtype is not supported by the distributed runtime yet"),
+    ],
+)
+def test_a_multi_rank_plan_is_checked_before_any_process_starts(plan_text, extra, message, tmp_path, capsys,
+                                                                 no_process_starts):
     plan = tmp_path / "plan.yaml"
-    plan.write_text("parallel: {dp: 2, micro_batch: 2}\n")
-    assert _train(corpus, "--plan", str(plan)) == 2
-    assert "the plan needs 2 ranks" in capsys.readouterr().err
+    plan.write_text(plan_text + "\n")
+    assert main(["train", "--plan", str(plan), "--steps", "2", "--global-batch", "4", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--nproc", "3", "--ep", "2"], "ep·etp=2 must divide tp·cp·dp=3"),
+        (["--ep", "2"], "--ep 2 needs several ranks: give --nproc N"),
+        (["--overlap"], "--overlap shapes a multi-rank run"),
+        (["--nproc", "2", "--ep", "2", "--policy", "full"], "--policy is not supported by the distributed runtime"),
+        (["--nproc", "2", "--ep", "2", "--threads", "2"], "--threads is not supported by the distributed runtime"),
+        (["--nproc", "2", "--ep", "2", "--device", "cpu"], "--device is not supported by the distributed runtime"),
+        (["--nproc", "2", "--ep", "2", "--stop-at", "1"], "--stop-at saves a checkpoint to resume from"),
+    ],
+)
+def test_a_bad_multi_rank_run_is_one_line_before_any_process_starts(args, message, capsys, no_process_starts):
+    assert main(["train", "--steps", "2", "--seq-len", "16", "--global-batch", "4", "--micro-batch", "2",
+                 *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert captured.err.startswith("moetrain train: error: ") and message in captured.err
+
+
+@pytest.mark.slow
+def test_nproc_2_ep_2_runs_the_distributed_worker_with_metrics_and_routing_trace(corpus, tmp_path):
+    from moetrain.balance.traces import read_trace
+    from moetrain.config import load_model_config
+
+    metrics, trace_path = tmp_path / "metrics.jsonl", tmp_path / "routing.jsonl"
+    assert main(["train", "--nproc", "2", "--ep", "2", "--steps", "2", "--seq-len", "16", "--global-batch", "4",
+                 "--micro-batch", "2", "--data", corpus, "--metrics-out", str(metrics),
+                 "--trace-routing", str(trace_path)]) == 0
+    rows = _rows(metrics)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(0 < r["loss"] < 20 for r in rows)
+    assert rows[0]["layout"]["ep"] == 2 and rows[0]["layout"]["dp"] == 2
+    model = load_model_config("tiny-pangu")
+    trace = read_trace(trace_path)  # global counts (both ranks' tokens), the single-process trainer's format
+    assert trace.steps.tolist() == [1, 2]
+    assert (trace.tokens_per_expert.sum(-1) == 4 * 16 * model.moe.router.top_k).all()
+
+
+@pytest.mark.slow
+def test_selective_recompute_gives_the_losses_of_no_recompute(corpus, tmp_path, capsys):
+    for policy in ("none", "selective"):
+        assert _train(corpus, "--steps", "2", "--dtype", "fp32", "--device", "cpu", "--policy", policy,
+                      "--metrics-out", str(tmp_path / f"{policy}.jsonl")) == 0
+    assert "memory policy selective:" in capsys.readouterr().out
+    plain, recomputed = _rows(tmp_path / "none.jsonl"), _rows(tmp_path / "selective.jsonl")
+    assert len(plain) == len(recomputed) == 2
+    for row_plain, row_recomputed in zip(plain, recomputed):
+        for key in ("loss", "lm_loss", "mtp_loss", "aux_loss", "grad_norm"):
+            assert row_recomputed[key] == pytest.approx(row_plain[key], rel=1e-6, abs=0), key
+        assert row_recomputed["expert_load_max_over_mean"] == pytest.approx(row_plain["expert_load_max_over_mean"],
+                                                                             rel=1e-6)
+
+
+@pytest.mark.slow
+def test_a_routing_trace_is_read_back_by_the_balance_reader(corpus, tmp_path):
+    from moetrain.balance.traces import read_trace
+    from moetrain.config import load_model_config
+
+    trace_path, metrics_path = tmp_path / "routing.jsonl", tmp_path / "metrics.jsonl"
+    assert _train(corpus, "--steps", "2", "--trace-routing", str(trace_path), "--metrics-out", str(metrics_path)) == 0
+    model = load_model_config("tiny-pangu")
+    moe_layers = [i for i in range(model.num_layers) if model.is_moe_layer(i)]
+    moe_layers += [model.num_layers + j for j in range(model.num_mtp_layers)]
+    trace = read_trace(trace_path)
+    assert len(trace_path.read_text().splitlines()) == 2 * len(moe_layers)
+    assert trace.steps.tolist() == [1, 2] and trace.layers.tolist() == moe_layers
+    assert trace.num_experts == model.moe.num_experts
+    tokens_per_step = 4 * 32  # --global-batch 4, --seq-len 32
+    assert (trace.tokens_per_expert.sum(-1) == tokens_per_step * model.moe.router.top_k).all()
+    # the trace and the metrics come from the same counts: max/mean of each row is the logged load
+    loads = trace.tokens_per_expert.max(-1) / trace.tokens_per_expert.mean(-1)
+    logged = [row["expert_load_max_over_mean"] for row in _rows(metrics_path)]
+    assert loads.flatten().tolist() == pytest.approx([load for step in logged for load in step], rel=1e-6)
 
 
 @pytest.mark.slow

@@ -90,3 +90,38 @@ def test_multi_rank_layout_is_refused_in_one_process(corpus):
     cfg = TrainingConfig(steps=2, global_batch=4, micro_batch=2, seq_len=32)
     with pytest.raises(UserError, match="the plan needs 4 ranks"):
         Trainer(load_model_config("tiny-pangu"), cfg, RunOptions(data=corpus), parallel=ParallelConfig(dp=2, tp=2))
+
+
+@pytest.mark.slow
+def test_routing_trace_rides_in_the_steps_single_read_and_leaves_the_metrics_unchanged(corpus, tmp_path, monkeypatch):
+    reads = {"count": 0}
+    for name in ("tolist", "item"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, **kwargs):
+            reads["count"] += 1
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    runs = {}
+    for trace in (None, tmp_path / "routing.jsonl"):
+        reads["count"] = 0
+        rows = _trainer(corpus, stop_at=2, trace_routing=trace).train()
+        runs[trace is not None] = (rows, reads["count"])
+    (plain_rows, plain_reads), (traced_rows, traced_reads) = runs[False], runs[True]
+    assert traced_reads == plain_reads  # no host read added for the trace
+    for plain, traced in zip(plain_rows, traced_rows, strict=True):
+        assert {k: traced[k] for k in LOSS_FIELDS} == {k: plain[k] for k in LOSS_FIELDS}
+        assert "tokens_per_expert" not in traced
+    trace_rows = [json.loads(line) for line in (tmp_path / "routing.jsonl").read_text().splitlines()]
+    model = load_model_config("tiny-pangu")
+    num_moe_blocks = sum(model.is_moe_layer(i) for i in range(model.num_layers)) + model.num_mtp_layers
+    assert [(r["step"], r["layer"]) for r in trace_rows][:num_moe_blocks + 1] == [
+        *[(1, layer) for layer in range(model.num_layers) if model.is_moe_layer(layer)],
+        *[(1, model.num_layers + j) for j in range(model.num_mtp_layers)], (2, trace_rows[0]["layer"])]
+    assert len(trace_rows) == 2 * num_moe_blocks
+
+
+def test_routing_trace_of_a_dense_model_is_refused(corpus, tmp_path):
+    dense = load_model_config("tiny-pangu").model_copy(update={"moe": None})
+    with pytest.raises(UserError, match="--trace-routing needs an MoE model"):
+        _trainer(corpus, model_cfg=dense, trace_routing=tmp_path / "t.jsonl")

@@ -45,6 +45,36 @@ class MetricsLogger:
             self._file = None
 
 
+@dataclass
+class RoutingTraceWriter:
+    """Writes the routing trace read by ``moetrain.balance.traces.read_trace``: JSONL, one row per step and
+    MoE layer, ``{"step", "layer", "tokens_per_expert"}`` (token-expert assignments summed over the step's
+    micro-batches; a token routed to k experts counts k times)."""
+
+    path: Path
+    layers: list[int]
+    """Index of each MoE block, in the order of ``ModelOutput.tokens_per_expert`` rows."""
+    resume: bool = False
+    _file: TextIO | None = None
+
+    def __post_init__(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # Like the metrics file, a resumed run appends, so the trace covers the whole run once.
+        self._file = self.path.open("a" if self.resume else "w", encoding="utf-8")
+
+    def write(self, step: int, tokens_per_expert: list[list[int]]) -> None:
+        assert self._file is not None and len(tokens_per_expert) == len(self.layers)
+        for layer, counts in zip(self.layers, tokens_per_expert):
+            self._file.write(json.dumps({"step": step, "layer": layer, "tokens_per_expert": counts},
+                                        separators=(",", ":")) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
 def progress_bar(console: Console) -> Progress:
     return Progress(
         TextColumn("[bold]train"),

@@ -34,7 +34,7 @@ from moetrain.data import MicroBatch, PreparedData, StepBatch, prepare_data
 from moetrain.errors import UserError
 from moetrain.models import ModelOutput, build_model
 from moetrain.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from moetrain.train.metrics import MetricsLogger, progress_bar, summary_table
+from moetrain.train.metrics import MetricsLogger, RoutingTraceWriter, progress_bar, summary_table
 from moetrain.train.optim import build_lr_scheduler, build_optimizer
 
 
@@ -48,6 +48,8 @@ class RunOptions:
     data: str | None = None
     """The user's .txt/.jsonl file or folder; None uses the embedded Shakespeare corpus."""
     metrics_out: Path | None = None
+    trace_routing: Path | None = None
+    """Write the tokens routed to each expert, per step and MoE layer, to this JSONL file."""
     save_dir: Path | None = None
     save_every: int = 0
     """Save a checkpoint every this many steps (0: only at the end and at --stop-at)."""
@@ -81,6 +83,9 @@ class Trainer:
         self.flops_per_token = float(training_flops_per_token(model_cfg, cfg.seq_len))
         self.peak_flops = run.cluster.peak_flops("bf16") if run.cluster else 0.0
         self.metrics = MetricsLogger(run.metrics_out, resume=run.resume)
+        self.routing_trace = self.build_routing_trace()
+        self.memory_policy: Any = None
+        """The installed recompute/swap handle (``moetrain.memory.AppliedPolicy``), if any; ``remove()`` undoes it."""
 
     # ----- building: separable so a distributed subclass can shard each piece -----
     def check_layout(self) -> None:
@@ -123,6 +128,25 @@ class Trainer:
 
     def build_optimizer(self) -> torch.optim.Optimizer:
         return build_optimizer(self.model, self.cfg)
+
+    def moe_layer_indices(self) -> list[int]:
+        """Layer index of each MoE block, in the order of ``ModelOutput.tokens_per_expert`` rows: decoder
+        layers by their position, then the MTP modules' blocks as ``num_layers + j``."""
+        cfg = self.model_cfg
+        if cfg.moe is None:
+            return []
+        decoder = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
+        return decoder + [cfg.num_layers + j for j in range(cfg.num_mtp_layers)]
+
+    def build_routing_trace(self) -> RoutingTraceWriter | None:
+        if self.run.trace_routing is None:
+            return None
+        layers = self.moe_layer_indices()
+        if not layers:
+            raise UserError(f"--trace-routing needs an MoE model; {self.model_cfg.name} has no MoE layers")
+        blocks = getattr(self.model, "moe_blocks", None)
+        assert blocks is None or len(blocks()) == len(layers), "MoE block count differs from the config's"
+        return RoutingTraceWriter(self.run.trace_routing, layers, resume=self.run.resume)
 
     def config_hash(self) -> str:
         """Identifies what a checkpoint may be resumed into: model, training config and corpus."""
@@ -189,13 +213,27 @@ class Trainer:
         if tokens_per_expert is not None:
             load_f = tokens_per_expert.float()
             load = load_f.amax(-1) / load_f.mean(-1).clamp(min=1e-9)
-        values = torch.cat([sums, grad_norm.float().reshape(1).to(sums.device), load]).tolist()  # the one sync
+        parts = [sums, grad_norm.float().reshape(1).to(sums.device), load]
+        trace = self.routing_trace is not None and tokens_per_expert is not None
+        if trace:
+            # the counts ride in the same read; float64 holds every count exactly (and the fp32 values too)
+            parts = [part.double() for part in parts] + [tokens_per_expert.double().flatten()]
+        values = torch.cat(parts).tolist()  # the one sync
         loss, lm_loss, mtp_loss, aux_loss, norm = values[:5]
-        return {"loss": loss, "lm_loss": lm_loss, "mtp_loss": mtp_loss, "aux_loss": aux_loss, "lr": lr,
-                "grad_norm": norm, "expert_load_max_over_mean": values[5:]}
+        num_layers = load.numel()
+        stats = {"loss": loss, "lm_loss": lm_loss, "mtp_loss": mtp_loss, "aux_loss": aux_loss, "lr": lr,
+                 "grad_norm": norm, "expert_load_max_over_mean": values[5:5 + num_layers]}
+        if trace:
+            counts = [int(v) for v in values[5 + num_layers:]]
+            num_experts = len(counts) // num_layers
+            stats["tokens_per_expert"] = [counts[i * num_experts:(i + 1) * num_experts] for i in range(num_layers)]
+        return stats
 
     # ----- around the steps -----
     def log(self, stats: dict[str, Any], tokens: int, step_time_s: float) -> dict[str, Any]:
+        tokens_per_expert = stats.pop("tokens_per_expert", None)
+        if self.routing_trace is not None and tokens_per_expert is not None:
+            self.routing_trace.write(self.step, tokens_per_expert)
         tokens_per_s = tokens / step_time_s if step_time_s > 0 else 0.0
         mfu = tokens_per_s * self.flops_per_token / self.peak_flops if self.peak_flops else 0.0
         row = {"step": self.step, **stats, "tokens": tokens, "step_time_s": step_time_s,
@@ -258,6 +296,8 @@ class Trainer:
                         self.save()
         finally:
             self.metrics.close()
+            if self.routing_trace is not None:
+                self.routing_trace.close()
         return self.metrics.rows
 
     def describe(self) -> str:
