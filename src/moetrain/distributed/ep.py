@@ -5,8 +5,10 @@ rank, P = R·S physical slots, N nodes in the EP group, n EP ranks per node.
 
 Where an expert lives is a table, not arithmetic: ``ExpertTable.slot_of_expert[e]`` is the physical
 slot ``rank·S + local_slot`` of logical expert e, built from ``moetrain.balance.ExpertPlacement``.
+A hot expert may have replicas on other ranks; ``ExpertTable.physical_slots`` then sends each of its
+assignments to one replica by the token's position and the replicas' shares (on the device).
 The dispatcher reads the table on every call, so a later step can move experts (and their weights)
-and swap the table between steps.
+and swap the table between steps (``moetrain.distributed.balancing``).
 
 One host read per MoE layer. Right after routing, each rank counts its assignments per physical slot
 (and, for the hierarchical path, per destination node) on the device and starts an asynchronous
@@ -38,35 +40,66 @@ from moetrain.balance.placement import ExpertPlacement
 from moetrain.distributed.comm import PendingExchange, all_to_all, all_to_all_start
 from moetrain.distributed.overlap import wait_comm
 from moetrain.distributed.trace import record_async, span
-from moetrain.errors import UserError
 from moetrain.models.dispatch import PermuteMeta, unpermute
 from moetrain.models.experts import GroupedExperts
 from moetrain.models.moe import MoE, MoEOutput
 from moetrain.models.router import Routing, count_tokens_per_expert
 
+# Fractional part of t·(√5−1)/2: a low-discrepancy sequence, so any subset of a rank's tokens (those
+# routed to one hot expert) splits among the expert's replicas close to their shares.
+_GOLDEN_FRACTION = 0.6180339887498949
+
 
 @dataclass(frozen=True)
 class ExpertTable:
-    """Logical expert → physical slot, on the device the dispatcher runs on."""
+    """Logical expert → physical slot(s), on the device the dispatcher runs on.
+
+    A hot expert may have several replicas (on distinct ranks). Each of its assignments goes to one
+    replica, chosen by the token's position on its rank: ``u_t = frac(t·0.618…)`` against the
+    replicas' cumulative shares, so the split is deterministic and needs no communication; which
+    replica computes a token does not change the math as long as replicas hold equal weights (their
+    gradients are summed before the optimizer step, ``moetrain.balance.executor.sum_replica_gradients``).
+    """
 
     slot_of_expert: torch.Tensor
-    """int64 [E]."""
+    """int64 [E]: first replica's slot (the whole table when nothing is replicated)."""
     num_ranks: int
     slots_per_rank: int
     experts_by_rank: tuple[tuple[int, ...], ...]
     """Logical expert held in each local slot of each rank (-1 for an empty slot)."""
+    replica_slots: torch.Tensor | None = None
+    """int64 [E, W] every replica's slot (padded with the last one); None when nothing is replicated."""
+    replica_cum_share: torch.Tensor | None = None
+    """float64 [E, W] cumulative token shares of the replicas (padded with 1.0)."""
 
     @classmethod
     def from_placement(cls, placement: ExpertPlacement, device: torch.device | str = "cpu") -> ExpertTable:
-        if int(placement.num_replicas().max()) > 1:
-            raise UserError("replicated experts are not dispatched by this runtime yet; use one replica each")
         slots = torch.as_tensor(placement.slot_of_logical(), dtype=torch.int64, device=device)
         by_rank = tuple(tuple(int(e) for e in placement.experts_on_rank(r)) for r in range(placement.num_ranks))
-        return cls(slots, placement.num_ranks, placement.slots_per_rank, by_rank)
+        if int(placement.num_replicas().max()) == 1:
+            return cls(slots, placement.num_ranks, placement.slots_per_rank, by_rank)
+        replica_slots, counts, cum_share = placement.logical_to_physical()
+        # pad with the last replica so that a gather never reads -1, even at u rounding to 1.0
+        last = replica_slots[np.arange(placement.num_experts), counts - 1]
+        replica_slots = np.where(replica_slots < 0, last[:, None], replica_slots)
+        return cls(slots, placement.num_ranks, placement.slots_per_rank, by_rank,
+                   torch.as_tensor(replica_slots, dtype=torch.int64, device=device),
+                   torch.as_tensor(cum_share, dtype=torch.float64, device=device))
 
     @property
     def num_slots(self) -> int:
         return self.num_ranks * self.slots_per_rank
+
+    def physical_slots(self, expert_ids_TK: torch.Tensor) -> torch.Tensor:
+        """[T, K] physical slot of each assignment (on the device, no host read)."""
+        if self.replica_slots is None or self.replica_cum_share is None:
+            return self.slot_of_expert[expert_ids_TK]
+        num_tokens = expert_ids_TK.shape[0]
+        u_T = torch.frac(torch.arange(num_tokens, device=expert_ids_TK.device, dtype=torch.float64)
+                         * _GOLDEN_FRACTION)
+        cum_TKW = self.replica_cum_share[expert_ids_TK]
+        replica_TK = (u_T.view(-1, 1, 1) >= cum_TKW).sum(-1).clamp_(max=cum_TKW.shape[-1] - 1)
+        return self.replica_slots[expert_ids_TK, replica_TK]
 
 
 def regroup_index(lengths: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
@@ -162,7 +195,7 @@ class AllToAllDispatcher:
         table, rank = self.table, self.ep_rank
         num_ranks, slots = table.num_ranks, table.slots_per_rank
         top_k = routing.expert_ids_TK.shape[1]
-        phys_TK = table.slot_of_expert[routing.expert_ids_TK]
+        phys_TK = table.physical_slots(routing.expert_ids_TK)
         parts, work = _start_count_exchange(count_tokens_per_expert(phys_TK, table.num_slots), self.group)
         with span("permute"):
             order_P = torch.argsort(phys_TK.reshape(-1), stable=True)
@@ -228,7 +261,7 @@ class HierarchicalDispatcher:
         n, num_nodes, slots = self.ranks_per_node, self.num_nodes, table.slots_per_rank
         node, local = divmod(rank, n)
         num_tokens, top_k = routing.expert_ids_TK.shape
-        phys_TK = table.slot_of_expert[routing.expert_ids_TK]
+        phys_TK = table.physical_slots(routing.expert_ids_TK)
         node_TK = phys_TK // (n * slots)
         goes_to_node_NT = torch.zeros(num_nodes, num_tokens, dtype=torch.bool, device=x_TD.device)
         goes_to_node_NT.scatter_(0, node_TK.t(), True)

@@ -101,9 +101,11 @@ class ZeroAdamW:
                 p.grad = None
 
     @torch.no_grad()
-    def step(self, lr: float) -> torch.Tensor:
+    def step(self, lr: float, norm_sq_correction: torch.Tensor | None = None) -> torch.Tensor:
         """Reduce gradients, clip by the global norm, update this rank's shards, gather the parameters.
-        Returns the global gradient norm (on device)."""
+        Returns the global gradient norm (on device). ``norm_sq_correction`` (this rank's share, float64)
+        is added to the squared norm before it is summed over ranks: expert replicas hold the same
+        summed gradient, so all but one are taken back out (``moetrain.distributed.balancing``)."""
         squares = []
         for bucket in self.buckets:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
@@ -117,6 +119,8 @@ class ZeroAdamW:
             bucket.shard.grad = flat[lo:lo + bucket.shard_size].clone()
             squares.append(bucket.shard.grad.double().pow(2).sum() * bucket.norm_share)
         total_sq = torch.stack(squares).sum()
+        if norm_sq_correction is not None:
+            total_sq = total_sq + norm_sq_correction
         dist.all_reduce(total_sq, group=self.dims.get_group("world"))
         grad_norm = total_sq.sqrt().float()
         if self.cfg.grad_clip > 0:

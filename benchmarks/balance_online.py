@@ -1,0 +1,163 @@
+"""Online expert balancing in the EP runtime: per-rank load and expert compute time, with and without.
+
+tiny-pangu on ``--nproc`` gloo ranks (EP over all of them, one spare expert slot per rank), the router
+skewed at init (a score bias sends most tokens to experts 0-3, all on EP rank 0 in the contiguous
+layout; the bias does not move). Two runs from the same weights and batches:
+
+* ``static``: the balancer only observes (trigger margin ∞);
+* ``balanced``: every ``--interval`` steps the balancer forecasts, plans and migrates when the
+  predicted saving over ``--horizon`` steps beats the cost model's migration time (margin 1).
+
+Per step it reports the max/mean EP-rank load (token-expert rows the ranks' experts computed,
+measured from tensor shapes, summed over MoE layers) and the max/mean of the per-rank expert forward
+time (host clock around the grouped expert GEMMs, summed over layers), and checks that both runs'
+losses agree.
+
+    python benchmarks/balance_online.py --out benchmarks/results/balance_online_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from _record import write_result
+from moetrain.balance.costs import BalanceCostModel
+from moetrain.balance.placement import ExpertPlacement
+from moetrain.config import ModelConfig, ParallelConfig, TrainingConfig, load_cluster_config, load_model_config
+from moetrain.distributed.balancing import OnlineExpertBalancer, moe_layers
+from moetrain.distributed.layout import ParallelDims
+from moetrain.distributed.parallelize import parallelize
+from moetrain.distributed.pipeline import Executor
+from moetrain.distributed.step import LayoutRun, train_step
+from moetrain.distributed.world import spawn
+from moetrain.distributed.zero import ZeroAdamW
+from moetrain.models.transformer import build_model
+
+HOT_BIAS = {0: 0.5, 1: 0.4, 2: 0.3, 3: 0.2}
+
+
+def _model_config() -> ModelConfig:
+    cfg = load_model_config("tiny-pangu")
+    router = cfg.moe.router.model_copy(update={"score_bias": True, "bias_update_rate": 0.0})
+    return cfg.model_copy(update={"moe": cfg.moe.model_copy(update={"router": router})})
+
+
+def _run(dims: ParallelDims, args: argparse.Namespace, balance: bool) -> dict:
+    model_cfg = _model_config()
+    training = TrainingConfig(steps=args.steps, global_batch=args.global_batch, micro_batch=args.micro_batch,
+                              seq_len=args.seq_len, warmup_steps=2)
+    model = build_model(model_cfg, "cpu", seed=training.seed)
+    for _, block in moe_layers(model):
+        for expert, bias in HOT_BIAS.items():
+            block.router.score_bias[expert] = bias
+    num_experts, ep = model_cfg.moe.num_experts, args.nproc
+    stage = parallelize(model, dims, ExpertPlacement.contiguous(num_experts, ep, num_experts // ep + 1))
+    optimizer = ZeroAdamW(stage.model, dims, training, stage.tp_kinds)
+    balancer = OnlineExpertBalancer(
+        stage, optimizer, BalanceCostModel(model_cfg, load_cluster_config("cpu"), ep),
+        interval=args.interval, horizon=args.horizon, trigger_margin=1.0 if balance else float("inf"),
+        time_experts=True,
+    )
+    run = LayoutRun(stage, balancer.wrap(optimizer), Executor(stage))
+    losses, step_seconds, balance_seconds = [], [], []
+    for step in range(args.steps):
+        start = time.perf_counter()
+        losses.append(train_step(run, step, training, torch.device("cpu")))
+        middle = time.perf_counter()
+        balancer.after_step(step)
+        step_seconds.append(middle - start)
+        balance_seconds.append(time.perf_counter() - middle)
+    local = torch.tensor([[sum(h.local_rows), sum(h.local_expert_seconds)] for h in balancer.history],
+                         dtype=torch.float64)
+    parts = [torch.empty_like(local) for _ in range(ep)]
+    dist.all_gather(parts, local, group=dims.get_group("ep"))
+    per_rank = torch.stack(parts, dim=1).numpy()  # [step, rank, (rows, seconds)]
+    return {
+        "losses": losses,
+        "rows": per_rank[..., 0],
+        "expert_seconds": per_rank[..., 1],
+        "predicted_imbalance": [float(h.imbalance().mean()) for h in balancer.history],
+        "step_seconds": step_seconds,
+        "balance_seconds": balance_seconds,
+        "decisions": [d.as_dict() for d in balancer.decisions],
+        "migrations": balancer.migrations,
+    }
+
+
+def _bench(rank: int, world_size: int, args: argparse.Namespace) -> dict:
+    dims = ParallelDims.build(ParallelConfig(dp=world_size, ep=world_size), rank, world_size)
+    return {"static": _run(dims, args, balance=False), "balanced": _run(dims, args, balance=True)}
+
+
+def _ratio(values: np.ndarray) -> np.ndarray:
+    return values.max(axis=-1) / values.mean(axis=-1)
+
+
+def _summarise(run: dict, first_migration: int | None) -> dict:
+    rows, seconds = np.asarray(run["rows"]), np.asarray(run["expert_seconds"])
+    # steps after the first migration (decided after step s, in effect from step s+1)
+    after = slice(first_migration + 1 if first_migration is not None else 0, None)
+    return {
+        "losses": run["losses"],
+        "migrations": run["migrations"],
+        "per_step": [
+            {"step": step, "rows_max_over_mean": round(float(_ratio(rows[step])), 4),
+             "expert_seconds_max_over_mean": round(float(_ratio(seconds[step])), 4),
+             "expert_seconds_per_rank": [round(float(s), 5) for s in seconds[step]],
+             "rows_per_rank": [int(r) for r in rows[step]],
+             "predicted_imbalance": round(run["predicted_imbalance"][step], 4),
+             "step_seconds": round(run["step_seconds"][step], 4),
+             "balance_seconds": round(run["balance_seconds"][step], 4)}
+            for step in range(rows.shape[0])
+        ],
+        "rows_max_over_mean_after": float(_ratio(rows[after]).mean()),
+        "expert_seconds_max_over_mean_after": float(_ratio(seconds[after]).mean()),
+        "busiest_rank_expert_seconds_after": float(seconds[after].max(axis=-1).mean()),
+        "step_seconds_after": float(np.mean(run["step_seconds"][after])),
+        "decisions": run["decisions"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--interval", type=int, default=3)
+    parser.add_argument("--horizon", type=int, default=50)
+    parser.add_argument("--global-batch", type=int, default=16)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    results = spawn(_bench, args.nproc, args)[0]
+    static, balanced = results["static"], results["balanced"]
+    first = next((d["step"] for d in balanced["decisions"] if d["migrate"]), None)
+    relative = max(abs(a - b) / abs(b) for a, b in zip(balanced["losses"], static["losses"]))
+    summary = {
+        "model": "tiny-pangu (router score bias on experts 0-3)",
+        "nproc": args.nproc, "ep": args.nproc, "steps": args.steps, "interval": args.interval,
+        "horizon": args.horizon, "global_batch": args.global_batch, "micro_batch": args.micro_batch,
+        "seq_len": args.seq_len, "cpu_count": os.cpu_count(),
+        "first_migration_after_step": first,
+        "max_relative_loss_difference": relative,
+        "static": _summarise(static, first),
+        "balanced": _summarise(balanced, first),
+    }
+    for name in ("static", "balanced"):
+        s = summary[name]
+        print(f"{name:9s} after step {first}: rows max/mean {s['rows_max_over_mean_after']:.3f}, expert time "
+              f"max/mean {s['expert_seconds_max_over_mean_after']:.3f}, busiest rank expert fwd "
+              f"{s['busiest_rank_expert_seconds_after'] * 1e3:.2f} ms, step {s['step_seconds_after']:.3f} s")
+    print(f"max relative loss difference: {relative:.2e}")
+    if args.out:
+        write_result(args.out, summary)
+
+
+if __name__ == "__main__":
+    main()
