@@ -39,8 +39,11 @@ _ARCH_OF_DEVICE: dict[str, str] = {
     "cpu": "cpu",
 }
 
-# Parameters that may take a per-architecture value; the others are global by construction.
-PER_ARCH_PARAMS: tuple[str, ...] = ("gemm_max", "attention")
+# Parameters that may take a per-architecture value; the others are global by construction. Only the GEMM
+# efficiency is fitted per architecture: fused attention is fitted once (relative to each part's dense
+# peak), because a per-architecture attention value is identified by one or two source families only
+# and did not predict held-out families better (docs/planner.md, cross-validation).
+PER_ARCH_PARAMS: tuple[str, ...] = ("gemm_max",)
 
 
 def arch_of(device: str) -> str:

@@ -51,10 +51,29 @@ def gemm_time(flops, num_calls, cluster: ClusterConfig, efficiency: Efficiency |
     )
 
 
-def attention_time(flops, cluster: ClusterConfig, efficiency: Efficiency | None = None):
-    """Seconds of fused attention (QKᵀ and PV) totalling ``flops``."""
+# Fused attention spends per score element a fixed amount of non-matmul work (scale, running max, exp,
+# row sums) against 2·head_dim multiply-adds, so its speed per FLOP grows with the head dimension as
+# d / (d + d0). d0 ≈ 50 reproduces the head-dim ratios of the FlashAttention-3 H100 benchmarks (Shah et
+# al. 2024, §4.1: head dim 64 runs at about 0.77× the FLOP rate of head dim 128, 256 at about 1.15×;
+# read off their figures, approximate). ``Efficiency.attention`` is the value at head dim 128.
+ATTENTION_HEAD_DIM_HALF_SPEED = 50.0
+REFERENCE_HEAD_DIM = 128.0
+
+
+def attention_head_dim_factor(head_dim) -> np.ndarray:
+    """Attention speed at ``head_dim`` relative to head dim 128 (1.0 there)."""
+    d = np.asarray(head_dim, dtype=float)
+    d0, ref = ATTENTION_HEAD_DIM_HALF_SPEED, REFERENCE_HEAD_DIM
+    return (d / (d + d0)) / (ref / (ref + d0))
+
+
+def attention_time(flops, cluster: ClusterConfig, efficiency: Efficiency | None = None,
+                   head_dim: float = REFERENCE_HEAD_DIM):
+    """Seconds of fused attention (QKᵀ and PV) totalling ``flops`` with heads of ``head_dim`` (for MLA,
+    the mean of the query-key and value dimensions)."""
     eff = _eff(cluster, efficiency)
-    return np.asarray(flops, dtype=float) / (cluster.peak_flops("bf16") * eff.attention)
+    rate = cluster.peak_flops("bf16") * eff.attention * attention_head_dim_factor(head_dim)
+    return np.asarray(flops, dtype=float) / rate
 
 
 def memory_time(num_bytes, cluster: ClusterConfig, efficiency: Efficiency | None = None):

@@ -30,7 +30,12 @@ from moetrain.costs.activations import (
     layer_activation_bytes,
     mtp_extra_activation_bytes,
 )
-from moetrain.costs.flops import attention_core_flops, attention_projection_flops, training_flops_per_token
+from moetrain.costs.flops import (
+    attention_core_flops,
+    attention_projection_flops,
+    model_forward_flops,
+    training_flops_per_token,
+)
 from moetrain.costs.params import count_params, mlp_params, moe_block_params, mtp_module_params
 from moetrain.planner.calibration import Efficiency
 from moetrain.planner.comm import allgather_time, alltoall_time, alltoall_volume, p2p_time, ranks_per_node
@@ -87,6 +92,10 @@ class Workload:
     """The framework overlaps data-parallel gradient/parameter traffic with compute (bucketed reduction
     during backward, parameter prefetch): Megatron-Core, FSDP, DeepSpeed ZeRO-3. False for stacks that
     reduce after the backward (Megatron-LM 2021)."""
+    overlap_tp_comm: bool = True
+    """The framework can hide tensor-parallel collectives under GEMMs (Transformer Engine userbuffers,
+    torch AsyncTP); ``Efficiency.tp_overlap`` says how much it hides. False for stacks whose TP
+    all-reduces are synchronous (Megatron-LM 2021, Megatron-DeepSpeed)."""
 
     @property
     def activation_bytes(self) -> float:
@@ -127,7 +136,10 @@ def _layer_costs(w: Workload, s: Strategies, eff: Efficiency, moe_layer: bool, n
 
     proj = gemm_time(attention_projection_flops(model) * t_att / tp, 5 if is_mla else 2, cluster, eff, prec)
     if w.flash_attention:
-        core = attention_time(attention_core_flops(model, w.seq_len, causal=True) * t_att / tp, cluster, eff)
+        attn_cfg = model.attention
+        head_dim = (attn_cfg.qk_head_dim + attn_cfg.v_head_dim) / 2 if is_mla else attn_cfg.head_dim
+        core = attention_time(attention_core_flops(model, w.seq_len, causal=True) * t_att / tp, cluster, eff,
+                              head_dim)
         # Fused attention backward ≈ 2.5× forward (five matmuls against two, FlashAttention-2 §3.2).
         core_bwd = 2.5 * core
     else:
@@ -256,8 +268,10 @@ def evaluate(w: Workload, s: Strategies, eff: Efficiency) -> dict[str, np.ndarra
     body = moe if moe is not None else dense
     assert body is not None
 
+    tp_hidden_share = eff.tp_overlap if w.overlap_tp_comm else 0.0
+
     def layer_time(layer: _Layer):
-        exposed_tp = (1.0 - eff.tp_overlap) * layer.tp_comm
+        exposed_tp = (1.0 - tp_hidden_share) * layer.tp_comm
         return layer.fwd + layer.bwd + layer.recompute + exposed_tp + layer.cp_exposed + layer.a2a_exposed
 
     t_dense = layer_time(dense) if dense is not None else 0.0
@@ -338,15 +352,33 @@ def evaluate(w: Workload, s: Strategies, eff: Efficiency) -> dict[str, np.ndarra
     # all-gather the updated bf16 weights; 3: weights gathered for forward and backward of every
     # micro-batch and gradients reduce-scattered every micro-batch (FSDP with accumulation).
     per_step_comm = np.where(s.zero == 0, 2.0 * grad_sync, grad_sync + param_gather)
-    # Overlap window: gradient reduction under the last micro-batch's backward, the weight all-gather under
-    # the next step's first forward, i.e. one micro-batch of the stage (ZeRO-3: every micro-batch).
-    stage_fwd_bwd = t_max
+    # ZeRO-3 under a pipeline keeps each stage's weights gathered and its gradients unsharded across the
+    # micro-batches (FSDP2 with PP: no reshard after forward, gradient sync on the last micro-batch only,
+    # as torchtitan composes them), so its traffic is once per step and its memory that of ZeRO-1.
+    z3_every_micro = (s.zero >= 3) & (s.pp == 1)
+    # What hides it, and under which compute (each collective can only run under the pass that produces
+    # or consumes its buckets):
+    # - ZeRO 0-2 with bucketed overlap (Megatron-Core overlap_grad_reduce / overlap_param_gather,
+    #   DeepSpeed): the gradient reduction runs under the backward of the step's last micro-batch, the
+    #   weight all-gather under the forward of the next step's first micro-batch.
+    # - ZeRO-3 / FSDP: every micro-batch prefetches the next layer's weights during the forward, and
+    #   during the backward gathers them again and reduce-scatters the previous layer's gradients, so
+    #   forward gathers hide under the forward, backward gathers + reduce-scatters under the backward
+    #   (Zhao et al. 2023, PyTorch FSDP, §3.3-3.4).
+    # ``grad_overlap`` is the share of that window the collectives can use (the first and last buckets,
+    # and compute slowed by the concurrent traffic, keep it below 1).
     hide = eff.grad_overlap if w.overlap_grad_comm else 0.0
-    dp_exposed_step = np.maximum(per_step_comm - hide * stage_fwd_bwd, 0.0)
+    forward_share = body.fwd / (body.fwd + body.bwd + body.recompute)
+    window_fwd = hide * forward_share * t_max
+    window_bwd = hide * (1.0 - forward_share) * t_max
+    grad_reduce = np.where(s.zero == 0, 2.0 * grad_sync, grad_sync)
+    dp_exposed_step = (np.maximum(grad_reduce - window_bwd, 0.0)
+                       + np.where(s.zero >= 1, np.maximum(param_gather - window_fwd, 0.0), 0.0))
     per_micro_z3 = grad_sync + 2.0 * param_gather
-    dp_exposed_z3 = num_micro * np.maximum(per_micro_z3 - hide * stage_fwd_bwd, 0.0)
-    dp_total = np.where(s.zero == 3, num_micro * per_micro_z3, per_step_comm)
-    dp_exposed = np.where(s.zero == 3, dp_exposed_z3, dp_exposed_step)
+    dp_exposed_z3 = num_micro * (np.maximum(param_gather - window_fwd, 0.0)
+                                 + np.maximum(param_gather + grad_sync - window_bwd, 0.0))
+    dp_total = np.where(z3_every_micro, num_micro * per_micro_z3, per_step_comm)
+    dp_exposed = np.where(z3_every_micro, dp_exposed_z3, dp_exposed_step)
     dp_exposed = np.where((dp_dense > 1) | (edp > 1), dp_exposed, 0.0)
 
     opt_shard_dense = np.where(s.zero >= 1, dp_dense, 1)
@@ -361,10 +393,10 @@ def evaluate(w: Workload, s: Strategies, eff: Efficiency) -> dict[str, np.ndarra
     mfu = model_flops / (step * world * cluster.peak_flops("bf16"))
 
     # --- memory per device (most loaded of first and last stage) ---
-    z3_dense = np.where(s.zero >= 3, dp_dense, 1)
-    z3_exp = np.where(s.zero >= 3, edp, 1)
-    z2_dense = np.where(s.zero >= 2, dp_dense, 1)
-    z2_exp = np.where(s.zero >= 2, edp, 1)
+    z3_dense = np.where(z3_every_micro, dp_dense, 1)
+    z3_exp = np.where(z3_every_micro, edp, 1)
+    z2_dense = np.where((s.zero >= 2) & ~((s.zero >= 3) & (s.pp > 1)), dp_dense, 1)
+    z2_exp = np.where((s.zero >= 2) & ~((s.zero >= 3) & (s.pp > 1)), edp, 1)
     weight_bytes = 4.0 if w.precision == "fp32" else BF16 + (1.0 if w.precision == "fp8" else 0.0)
     weights = weight_bytes * (dense_local / z3_dense + expert_local / z3_exp)
     grads = w.grad_bytes * (dense_local / z2_dense + expert_local / z2_exp)
@@ -400,11 +432,18 @@ def evaluate(w: Workload, s: Strategies, eff: Efficiency) -> dict[str, np.ndarra
         buffers = buffers + 2.0 * alltoall_volume(t_att / tp, h, model.moe.router.top_k, BF16) * w.imbalance
     largest_layer = (split["body_dense"] / model.num_layers + split["body_experts"] / max(model.num_moe_layers, 1)
                      / (s.ep * s.etp)) / tp
-    buffers = buffers + np.where(s.zero >= 3, 2.0 * BF16 * largest_layer, 0.0)
+    buffers = buffers + np.where(z3_every_micro, 2.0 * BF16 * largest_layer, 0.0)
     fragmentation = FRAGMENTATION * (activations + buffers)
     memory = weights + grads + optim + activations + buffers + fragmentation
 
-    hardware_extra = np.select([s.recompute == 2, s.recompute == 1], [1.0 / 3.0, 0.0], 0.0)
+    # Hardware FLOPs (HFU-style sources) add what recomputation runs again: full recompute repeats every
+    # layer's forward but not the output head (Narayanan et al. SC21 eq. 3: 96·B·s·l·h²·(1 + s/6h + V/16lh),
+    # the logits counted three times, not four); selective recompute repeats the core attention forward
+    # (Korthikanti et al. 2022 §5).
+    forward_parts = model_forward_flops(model, w.seq_len)
+    full_extra = (forward_parts.forward - forward_parts.head) / forward_parts.training
+    selective_extra = forward_parts.attention_core / forward_parts.training
+    hardware_extra = np.select([s.recompute == 2, s.recompute == 1], [full_extra, selective_extra], 0.0)
     out = {
         "step_time_s": step,
         "tokens_per_s": tokens / step,
@@ -417,7 +456,7 @@ def evaluate(w: Workload, s: Strategies, eff: Efficiency) -> dict[str, np.ndarra
         "dp_exposed_s": dp_exposed,
         "optimizer_s": optimizer,
         "tp_comm_s": num_micro * layers_per_stage * body.tp_comm,
-        "tp_exposed_s": num_micro * layers_per_stage * body.tp_comm * (1 - eff.tp_overlap),
+        "tp_exposed_s": num_micro * layers_per_stage * body.tp_comm * (1 - tp_hidden_share),
         "a2a_s": num_micro * layers_per_stage * body.a2a,
         "a2a_exposed_s": num_micro * layers_per_stage * body.a2a_exposed,
         "cp_exposed_s": num_micro * layers_per_stage * body.cp_exposed,

@@ -207,9 +207,10 @@ def prepare_row(row: dict) -> PreparedRow | Unsimulable:
         grad_bytes=2.0 if precision == "fp16" else 4.0,
         # fp16 marks the pre-2022 stacks (Megatron 2021, Megatron-DeepSpeed, OPT) that materialised the
         # attention scores and reduced gradients after the backward; later stacks fuse attention (flash)
-        # and overlap the data-parallel traffic with compute.
+        # and overlap the data-parallel and tensor-parallel traffic with compute.
         flash_attention=precision != "fp16",
         overlap_grad_comm=precision != "fp16",
+        overlap_tp_comm=precision != "fp16",
     )
     return PreparedRow(row_id, family, metric, float(row["value"]), workload, strategy, num_devices,
                        (row.get("flops_convention") or "").strip())
