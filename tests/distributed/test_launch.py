@@ -47,7 +47,8 @@ def test_bad_layout_refused_before_start(tmp_path: Path) -> None:
 def test_failed_rank_stops_the_job(tmp_path: Path, fault: str, expected: str) -> None:
     env = dict(os.environ, MOETRAIN_FAULT=fault, OMP_NUM_THREADS="1")
     start = time.monotonic()
-    proc = subprocess.run([*LAUNCH, "--nproc", "2", "--ep", "2", "--steps", "4", "--log-dir", str(tmp_path)],
+    proc = subprocess.run([*LAUNCH, "--nproc", "2", "--ep", "2", "--steps", "4", "--synthetic-data",
+                           "--log-dir", str(tmp_path)],
                           capture_output=True, text=True, timeout=120, env=env)
     elapsed = time.monotonic() - start
     assert proc.returncode == 1

@@ -214,12 +214,20 @@ def save_checkpoint(save_dir: Path, step: int, run: LayoutRun, model_cfg: ModelC
     return final
 
 
-def load_checkpoint(path: Path, run: LayoutRun, model_cfg: ModelConfig) -> int:
+def load_checkpoint(path: Path, run: LayoutRun, model_cfg: ModelConfig, config_hash: str | None = None) -> int:
     """Load model and optimizer state saved under any layout (or by the single-process trainer) into
-    this layout; returns the number of completed steps to resume after."""
+    this layout; returns the number of completed steps to resume after. With ``config_hash`` (the
+    single-process trainer's ``config_hash()``), a checkpoint of another model, data or training
+    config is refused as the trainer refuses it."""
     if not (path / COMPLETE_MARKER).is_file():
         raise UserError(f"{path} is not a complete checkpoint (no {COMPLETE_MARKER} marker); pick a step-* folder")
-    marker_step = read_marker(path)["step"]
+    marker = read_marker(path)
+    marker_step = marker["step"]
+    if config_hash is not None and marker["config_hash"] != config_hash:
+        raise UserError(
+            f"checkpoint {path} was written by a run with another model, data or training config "
+            f"(hash {marker['config_hash']} ≠ {config_hash}); resume with the same flags or another --save-dir"
+        )
     world = run.stage.dims.get_group("world")
     model = run.stage.model
     moments = {name: {k: torch.zeros_like(p) for k in MOMENTS} for name, p in model.named_parameters()}

@@ -56,8 +56,27 @@ def worker_args(args: argparse.Namespace, parallel: ParallelConfig) -> list[str]
     if args.trace_dir:
         out += ["--trace-dir", args.trace_dir]
     if args.metrics_out:
-        out += ["--metrics-out", args.metrics_out]
+        out += ["--metrics-out", _absolute(args.metrics_out)]
+    # Flags added with the real-data loop; read with defaults so a namespace built without them still works.
+    for flag, value in (("--seed", getattr(args, "seed", None)), ("--lr", getattr(args, "lr", None)),
+                        ("--warmup", getattr(args, "warmup", None)), ("--save-every", getattr(args, "save_every", 0)),
+                        ("--stop-at", getattr(args, "stop_at", None)), ("--cluster", getattr(args, "cluster", None))):
+        if value:
+            out += [flag, str(value)]
+    for flag, path in (("--data", getattr(args, "data", None)),
+                       ("--trace-routing", getattr(args, "trace_routing", None)),
+                       ("--save-dir", getattr(args, "save_dir", None))):
+        if path:
+            out += [flag, _absolute(path)]
+    if getattr(args, "synthetic_data", False):
+        out += ["--synthetic-data"]
+    if getattr(args, "resume", False):
+        out += ["--resume"]
     return out
+
+
+def _absolute(path: str) -> str:
+    return str(Path(path).resolve())
 
 
 _PEER_LOST = re.compile(r"Connection (reset|closed) by peer|Socket Timeout|timed out", re.I)
@@ -78,12 +97,26 @@ def _failure_line(error_dir: Path, torchrun_log: str) -> str:
     return "a rank failed before reporting (see the torchrun log)"
 
 
+def _check_run_flags(args: argparse.Namespace) -> None:
+    """The single-process trainer's checks of the checkpoint flags, before any process starts."""
+    stop_at, save_dir = getattr(args, "stop_at", None), getattr(args, "save_dir", None)
+    if stop_at is not None and not 0 < stop_at <= args.steps:
+        raise UserError(f"--stop-at {stop_at} must lie in 1..--steps ({args.steps})")
+    if (stop_at is not None or getattr(args, "resume", False)) and not save_dir:
+        raise UserError("--stop-at and --resume need --save-dir (the folder holding the checkpoints)")
+    if getattr(args, "save_every", 0) < 0:
+        raise UserError(f"--save-every {args.save_every} must be ≥ 0")
+    if getattr(args, "synthetic_data", False) and getattr(args, "data", None):
+        raise UserError("--synthetic-data and --data exclude each other; drop one")
+
+
 def launch(nproc: int, args: argparse.Namespace, log_dir: Path | None = None) -> int:
     model_cfg = load_model_config(args.model)
     parallel = parallel_config(args, nproc)
     validate_layout(parallel, model_cfg, nproc, args.global_batch, args.micro_batch, args.ranks_per_node)
     if parallel.tp > 1 and args.seq_len % parallel.tp:
         raise UserError(f"--seq-len {args.seq_len} does not split over tp={parallel.tp} sequence shards")
+    _check_run_flags(args)
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="moetrain-run-"))
     error_dir = log_dir / "errors"
     error_dir.mkdir(parents=True, exist_ok=True)
@@ -118,8 +151,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--trace-dir")
-    parser.add_argument("--metrics-out")
+    parser.add_argument("--metrics-out", help="rank 0 writes one JSON row per step (the trainer's format)")
     parser.add_argument("--log-dir")
+    parser.add_argument("--seed", type=int, help="seed of the weights and the data order (default: TrainingConfig's)")
+    parser.add_argument("--lr", type=float, help="peak learning rate (default: TrainingConfig's)")
+    parser.add_argument("--warmup", type=int, help="linear warm-up steps (default: TrainingConfig's)")
+    parser.add_argument("--data", help="your own .txt / .jsonl file or folder; default: the embedded corpus")
+    parser.add_argument("--synthetic-data", action="store_true",
+                        help="train on counting sequences instead of a corpus (parity tests, benchmarks)")
+    parser.add_argument("--trace-routing", help="write per step and MoE layer the global tokens per expert (JSONL)")
+    parser.add_argument("--save-dir", help="checkpoint folder (step-NNNNNN/), as the single-process trainer's")
+    parser.add_argument("--save-every", type=int, default=0, help="save every K steps (0: only at the end)")
+    parser.add_argument("--stop-at", type=int, help="end after step K as if interrupted, saving a checkpoint")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --save-dir")
+    parser.add_argument("--cluster", help="cluster preset for MFU (default: cpu on CPU, h100-sxm-80gb on GPU)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,6 +33,8 @@ from moetrain.models.transformer import IGNORE_INDEX, MoETransformer, shift_left
 class MicroBatch:
     input_ids: torch.Tensor
     labels: torch.Tensor
+    document_ids: torch.Tensor | None = None
+    """Document of each token (packed corpus data): attention is masked across documents."""
 
 
 @dataclass
@@ -51,6 +53,19 @@ class StepContext:
     """Set under tensor parallelism: the residual stream is split along the sequence over it."""
     saved: dict[tuple[int, int], tuple] = field(default_factory=dict)
     pending_sends: list = field(default_factory=list)
+    loss_parts: torch.Tensor | None = None
+    """When set ([3] zeros): this rank's summed (lm loss, MTP loss, scaled aux loss), for metrics."""
+    tokens_per_expert: dict[int, torch.Tensor] | None = None
+    """When set ({}): tokens this rank routed to each expert, summed over micro-batches, keyed by MoE
+    layer index (MTP module j as ``num_layers + j``)."""
+
+
+def _record_counts(step: StepContext, layer: int, counts: torch.Tensor | None) -> None:
+    if step.tokens_per_expert is None or counts is None:
+        return
+    counts = counts.detach()
+    previous = step.tokens_per_expert.get(layer)
+    step.tokens_per_expert[layer] = counts if previous is None else previous + counts
 
 
 def chunk_forward(model: MoETransformer, chunk: Chunk, x: torch.Tensor | None, mb: MicroBatch,
@@ -65,11 +80,14 @@ def chunk_forward(model: MoETransformer, chunk: Chunk, x: torch.Tensor | None, m
     assert x is not None
     aux_terms = []
     for index in chunk.layers:
-        x, aux, _ = model.layers[str(index)](x, attn_ctx)
+        x, aux, counts = model.layers[str(index)](x, attn_ctx)
+        _record_counts(step, index, counts)
         if aux is not None:
             aux_terms.append(aux)
     if not chunk.is_last:
         aux = torch.stack(aux_terms).sum() if aux_terms else x.new_zeros((), dtype=torch.float32)
+        if step.loss_parts is not None:
+            step.loss_parts[2] += (aux * step.aux_loss_scale).detach()
         return x, aux * step.aux_loss_scale
     # The loss exactly as MoETransformer.forward computes it.
     normalizer = step.loss_normalizer
@@ -78,13 +96,14 @@ def chunk_forward(model: MoETransformer, chunk: Chunk, x: torch.Tensor | None, m
     lm_loss = token_loss_sum(logits, mb.labels) / normalizer
     mtp_loss = logits.new_zeros((), dtype=torch.float32)
     hidden, next_ids, next_labels = x, mb.input_ids, mb.labels
-    for module in model.mtp:
+    for mtp_index, module in enumerate(model.mtp):
         next_ids = shift_left(next_ids, 0)
         next_labels = shift_left(next_labels, IGNORE_INDEX)
         next_embed = model.embed(next_ids)
         if tp_group is not None:
             next_embed = split_sequence(next_embed, tp_group)
-        hidden, aux, _ = module(hidden, next_embed, attn_ctx)
+        hidden, aux, counts = module(hidden, next_embed, attn_ctx)
+        _record_counts(step, model.cfg.num_layers + mtp_index, counts)
         if aux is not None:
             aux_terms.append(aux)
         mtp_logits = model.output_head(module.final_norm(full(hidden)))
@@ -93,6 +112,8 @@ def chunk_forward(model: MoETransformer, chunk: Chunk, x: torch.Tensor | None, m
         mtp_loss = mtp_loss / len(model.mtp)
     aux = torch.stack(aux_terms).sum() if aux_terms else lm_loss.new_zeros(())
     loss = lm_loss + model.cfg.mtp_loss_weight * mtp_loss
+    if step.loss_parts is not None:
+        step.loss_parts += torch.stack([lm_loss, mtp_loss, aux * step.aux_loss_scale]).detach().float()
     return loss, aux * step.aux_loss_scale
 
 
@@ -139,7 +160,7 @@ class Executor:
     def forward(self, action: Action, step: StepContext, x: torch.Tensor | None) -> None:
         chunk = self.stage.chunks[action.chunk]
         mb = step.micro_batches[action.micro_batch]
-        attn_ctx = build_attention_context(mb.input_ids, None)
+        attn_ctx = build_attention_context(mb.input_ids, mb.document_ids)
         with span(f"F{chunk.index}", "compute"):
             out, aux = chunk_forward(self.stage.model, chunk, x, mb, attn_ctx, step)
         if chunk.is_last:
