@@ -5,12 +5,13 @@ from pathlib import Path
 
 import pytest
 
-CALIBRATION_CSV = Path("/work/shared/validation/calibration.csv")
-REPO_CSV = Path(__file__).resolve().parents[2] / "shared" / "validation" / "calibration.csv"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+# shared/ lies beside the checkout (as in CI), or inside it
+CANDIDATES = [root / "shared" / "validation" / "calibration.csv" for root in (REPO_ROOT.parent, REPO_ROOT)]
 
 
 def _calibration_csv() -> Path | None:
-    for path in (REPO_CSV, CALIBRATION_CSV):
+    for path in CANDIDATES:
         if path.is_file():
             return path
     return None
