@@ -110,6 +110,13 @@ class _ReduceFromGroup(torch.autograd.Function):
         return grad, None
 
 
+def _all_gather_cat(x: torch.Tensor, group: dist.ProcessGroup, dim: int, name: str) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    with span(name, "comm"):
+        dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
 class _GatherFromGroup(torch.autograd.Function):
     """All-gather along ``dim`` forward, keep this rank's slice backward (the gradient of a gathered
     value that every rank then uses identically is already complete on each rank)."""
@@ -117,10 +124,7 @@ class _GatherFromGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:  # type: ignore[override]
         ctx.group, ctx.dim = group, dim
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        with span("allgather", "comm"):
-            dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=dim)
+        return _all_gather_cat(x, group, dim, "allgather")
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
@@ -135,10 +139,7 @@ class _GatherReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:  # type: ignore[override]
         ctx.group, ctx.dim = group, dim
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        with span("sp_allgather", "comm"):
-            dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=dim)
+        return _all_gather_cat(x, group, dim, "sp_allgather")
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]

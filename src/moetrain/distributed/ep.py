@@ -42,7 +42,6 @@ from moetrain.distributed.overlap import wait_comm
 from moetrain.distributed.trace import record_async, span
 from moetrain.models.dispatch import PermuteMeta, unpermute
 from moetrain.models.experts import GroupedExperts
-from moetrain.models.moe import MoE, MoEOutput
 from moetrain.models.router import Routing, count_tokens_per_expert
 
 # Fractional part of t·(√5−1)/2: a low-discrepancy sequence, so any subset of a rank's tokens (those
@@ -149,27 +148,6 @@ class PendingDispatch:
 
     def finish(self) -> tuple[torch.Tensor, torch.Tensor, object]:
         return self.reorder(self.exchange.wait())
-
-
-class ExpertParallelMoE(MoE):
-    """``MoE`` whose shared expert runs while the dispatch exchange flies (same modules, same math as
-    ``MoE.forward``: routed output + shared output)."""
-
-    @classmethod
-    def adopt(cls, block: MoE) -> ExpertParallelMoE:
-        block.__class__ = cls  # same state, parameters and hooks; only the forward's order changes
-        return block  # type: ignore[return-value]
-
-    def forward(self, x_BSD: torch.Tensor) -> MoEOutput:
-        x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
-        routing = self.router(x_TD)
-        pending = self.dispatcher.start_dispatch(x_TD, routing)
-        shared_TD = self.shared_expert(x_TD) if self.shared_expert is not None else None
-        tokens_PD, tokens_per_local_expert, meta = pending.finish()
-        out_TD = self.dispatcher.combine(self.experts(tokens_PD, tokens_per_local_expert), meta)
-        if shared_TD is not None:
-            out_TD = out_TD + shared_TD
-        return MoEOutput(out_TD.view_as(x_BSD), routing.aux_loss, routing.tokens_per_expert_E)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,6 @@ from torch import nn
 from moetrain.balance.placement import ExpertPlacement
 from moetrain.distributed.ep import (
     AllToAllDispatcher,
-    ExpertParallelMoE,
     ExpertTable,
     HierarchicalDispatcher,
     shard_experts,
@@ -90,7 +89,6 @@ def apply_expert_parallel(model: MoETransformer, dims: ParallelDims,
     table = ExpertTable.from_placement(placement, device=next(model.parameters()).device)
     ep_rank = dims.local_rank("ep")
     for block in model_moe_blocks(model):
-        ExpertParallelMoE.adopt(block)
         block.experts = shard_experts(block.experts, table, ep_rank)
         if parallel.a2a == "hierarchical":
             block.dispatcher = HierarchicalDispatcher(dims.get_group("ep"), dims.get_group("ep_intra"),

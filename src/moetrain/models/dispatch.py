@@ -5,7 +5,9 @@ expert's tokens sit in one contiguous block, in token order; ``unpermute`` multi
 output row by its gating weight and scatter-adds it back to its token. No host sync: block sizes
 stay on the device (``tokens_per_expert``) for the grouped GEMM.
 
-A dispatcher turns a ``Routing`` into the tokens the local experts compute and back. ``LocalDispatcher``
+A dispatcher turns a ``Routing`` into the tokens the local experts compute and back, in stages:
+``start_dispatch`` issues the exchange and returns a pending object whose ``finish()`` waits for it,
+so the MoE block computes the shared expert while tokens are in flight. ``LocalDispatcher``
 serves one process (all experts local); the expert-parallel dispatchers in ``moetrain.distributed``
 have the same two methods. ``dispatch`` returns frozen metadata that ``combine`` consumes, so one
 dispatcher can have several micro-batches in flight (no per-call state on ``self``).
@@ -51,8 +53,21 @@ class LocalDispatchMeta:
     tokens_per_expert: torch.Tensor
 
 
+@dataclass(frozen=True)
+class ReadyDispatch:
+    """A dispatch with nothing in flight: ``finish()`` returns ``dispatch``'s result at once."""
+
+    result: tuple[torch.Tensor, torch.Tensor, object]
+
+    def finish(self) -> tuple[torch.Tensor, torch.Tensor, object]:
+        return self.result
+
+
 class LocalDispatcher:
     """All experts live in this process: dispatch is a permutation, combine its weighted inverse."""
+
+    def start_dispatch(self, x_TD: torch.Tensor, routing: Routing) -> ReadyDispatch:
+        return ReadyDispatch(self.dispatch(x_TD, routing))
 
     def dispatch(self, x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, LocalDispatchMeta]:
         """Returns (permuted tokens, tokens per local expert, metadata for ``combine``)."""

@@ -19,7 +19,13 @@ from moetrain.models.experts import GroupedExperts, SwiGLU
 from moetrain.models.router import Router, Routing
 
 
+class PendingDispatch(Protocol):
+    def finish(self) -> tuple[torch.Tensor, torch.Tensor, object]: ...
+
+
 class Dispatcher(Protocol):
+    def start_dispatch(self, x_TD: torch.Tensor, routing: Routing) -> PendingDispatch: ...
+
     def dispatch(self, x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, object]: ...
 
     def combine(self, y_PD: torch.Tensor, meta: object) -> torch.Tensor: ...
@@ -44,10 +50,11 @@ class MoE(nn.Module):
     def forward(self, x_BSD: torch.Tensor) -> MoEOutput:
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
         routing = self.router(x_TD)
-        tokens_PD, tokens_per_local_expert, meta = self.dispatcher.dispatch(x_TD, routing)
-        # The shared expert needs no dispatch: computed here it overlaps the dispatch communication
-        # when the dispatcher is asynchronous.
+        pending = self.dispatcher.start_dispatch(x_TD, routing)
+        # The shared expert needs no dispatch: computed here, it runs while an expert-parallel
+        # dispatcher's exchange is in flight.
         shared_TD = self.shared_expert(x_TD) if self.shared_expert is not None else None
+        tokens_PD, tokens_per_local_expert, meta = pending.finish()
         expert_out_PD = self.experts(tokens_PD, tokens_per_local_expert)
         out_TD = self.dispatcher.combine(expert_out_PD, meta)
         if shared_TD is not None:
