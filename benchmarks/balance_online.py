@@ -25,8 +25,8 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
-
 from _record import write_result
+
 from moetrain.balance.costs import BalanceCostModel
 from moetrain.balance.placement import ExpertPlacement
 from moetrain.config import ModelConfig, ParallelConfig, TrainingConfig, load_cluster_config, load_model_config

@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 import torch
-
 from _record import write_result
+
 from moetrain.config import ParallelConfig, TrainingConfig, load_model_config
 from moetrain.distributed.layout import ParallelDims
 from moetrain.distributed.step import build_layout, train_step

@@ -17,8 +17,8 @@ import time
 
 import torch
 import torch.nn.functional as F
-
 from _record import write_result
+
 from moetrain.config import MoEConfig, RouterConfig
 from moetrain.models import MoE
 
