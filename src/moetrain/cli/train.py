@@ -24,14 +24,14 @@ _TRAINING_FLAGS = {
     "steps": "steps", "global_batch": "global_batch", "micro_batch": "micro_batch", "seq_len": "seq_len",
     "lr": "lr", "warmup": "warmup_steps", "seed": "seed", "dtype": "dtype",
 }
-_LAYOUT_AXES = ("tp", "pp", "vpp", "ep")
+_LAYOUT_AXES = ("tp", "pp", "vpp", "ep", "etp", "cp")
 
 # Flags of the single-process trainer with the value that means "not given". A multi-rank run passes
 # each given one on to the launcher when the launcher takes it, and otherwise refuses it by name.
 _RUN_FLAGS_UNSET = {
     "lr": None, "warmup": None, "seed": None, "dtype": None, "data": None, "device": "auto", "threads": None,
     "cluster": "auto", "save_dir": None, "save_every": 0, "stop_at": None, "resume": False, "trace_routing": None,
-    "policy": "none", "budget_fraction": None, "budget_gib": None,
+    "policy": "none", "budget_fraction": None, "budget_gib": None, "online_balance": False,
 }
 
 
@@ -60,14 +60,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --save-dir")
     r.add_argument("--quiet", action="store_true", help="no progress bar")
     d = parser.add_argument_group("multi-rank layout (one node, under torchrun; see docs/distributed.md)")
-    d.add_argument("--nproc", type=int, help="processes on this node (= tp·pp·dp); above 1 runs the distributed worker")
+    d.add_argument("--nproc", type=int,
+                   help="processes on this node (= tp·cp·pp·dp); above 1 runs the distributed worker")
     for axis, text in (("tp", "tensor parallel (with sequence parallel)"), ("pp", "pipeline stages"),
-                       ("vpp", "virtual stages per pipeline rank"), ("ep", "expert parallel (inside dp)")):
+                       ("vpp", "virtual stages per pipeline rank"), ("ep", "expert parallel (inside dp)"),
+                       ("etp", "expert tensor parallel (splits each expert's FFN)"),
+                       ("cp", "context parallel (splits each sequence)")):
         d.add_argument(f"--{axis}", type=int, help=f"{text} (default 1)")
     d.add_argument("--hierarchical-a2a", action="store_true", help="two-hop expert all-to-all (inter-node, intra-node)")
     d.add_argument("--ranks-per-node", type=int, help="node size for the hierarchical all-to-all")
     d.add_argument("--overlap", action="store_true",
                    help="overlapped schedule: one micro-batch's forward paired with another's backward")
+    d.add_argument("--online-balance", action="store_true",
+                   help="migrate and replicate hot experts across EP ranks while training (needs --ep > 1)")
     add_memory_policy_args(parser)
     # A bad --policy is a UserError (one line, exit 2) like every other bad value, not an argparse usage dump.
     policy = parser._option_string_actions["--policy"]
@@ -117,7 +122,7 @@ def _layout_args(args: argparse.Namespace, plan_parallel) -> tuple[int, argparse
         nproc = args.nproc if args.nproc is not None else 1
         if nproc == 1 and any(getattr(layout, axis) > 1 for axis in _LAYOUT_AXES):
             raise UserError(f"{' '.join(f'--{a} {getattr(layout, a)}' for a in given_axes)} needs several ranks: "
-                            "give --nproc N (= tp·pp·dp)")
+                            "give --nproc N (= tp·cp·pp·dp)")
         return nproc, layout
     if given_axes:
         raise UserError(f"--plan already sets the layout; drop {', '.join('--' + a for a in given_axes)} "
@@ -132,6 +137,7 @@ def _layout_args(args: argparse.Namespace, plan_parallel) -> tuple[int, argparse
     if args.nproc is not None and args.nproc != nproc:
         raise UserError(f"--nproc {args.nproc} but the plan's tp·cp·pp·dp is {nproc}; drop --nproc or make them equal")
     layout = argparse.Namespace(tp=plan_parallel.tp, pp=plan_parallel.pp, vpp=plan_parallel.vpp, ep=plan_parallel.ep,
+                                etp=plan_parallel.etp, cp=plan_parallel.cp,
                                 hierarchical_a2a=args.hierarchical_a2a or plan_parallel.a2a == "hierarchical",
                                 overlap=args.overlap or plan_parallel.overlap)
     return nproc, layout
@@ -196,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
     nproc, layout = _layout_args(args, plan_parallel)
     if nproc > 1:
         return _run_distributed(args, cfg, nproc, layout, plan_parallel)
-    for dest in ("hierarchical_a2a", "overlap", "ranks_per_node"):
+    for dest in ("hierarchical_a2a", "overlap", "ranks_per_node", "online_balance"):
         if getattr(args, dest) not in (None, False):
             raise UserError(f"{_flag(dest)} shapes a multi-rank run; give --nproc N and a layout, or drop it")
     return _run_single_process(args, cfg, plan_parallel)

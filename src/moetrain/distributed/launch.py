@@ -32,11 +32,12 @@ from moetrain.errors import UserError, describe_validation_error
 
 
 def parallel_config(args: argparse.Namespace, nproc: int) -> ParallelConfig:
-    base = args.tp * args.pp
+    etp, cp = getattr(args, "etp", 1), getattr(args, "cp", 1)
+    base = args.tp * cp * args.pp
     if nproc % base:
-        raise UserError(f"--nproc {nproc} is not a multiple of tp·pp = {base}; pick --nproc = tp·pp·dp")
+        raise UserError(f"--nproc {nproc} is not a multiple of tp·cp·pp = {base}; pick --nproc = tp·cp·pp·dp")
     try:
-        return ParallelConfig(tp=args.tp, sp=args.tp > 1, pp=args.pp, vpp=args.vpp, ep=args.ep,
+        return ParallelConfig(tp=args.tp, sp=args.tp > 1, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=etp, cp=cp,
                               dp=nproc // base, a2a="hierarchical" if args.hierarchical_a2a else "flat",
                               overlap=args.overlap)
     except ValidationError as exc:
@@ -46,7 +47,8 @@ def parallel_config(args: argparse.Namespace, nproc: int) -> ParallelConfig:
 
 def worker_args(args: argparse.Namespace, parallel: ParallelConfig) -> list[str]:
     out = ["--model", args.model, "--tp", str(parallel.tp), "--pp", str(parallel.pp), "--vpp", str(parallel.vpp),
-           "--ep", str(parallel.ep), "--dp", str(parallel.dp), "--a2a", parallel.a2a,
+           "--ep", str(parallel.ep), "--etp", str(parallel.etp), "--cp", str(parallel.cp), "--dp", str(parallel.dp),
+           "--a2a", parallel.a2a,
            "--steps", str(args.steps), "--global-batch", str(args.global_batch),
            "--micro-batch", str(args.micro_batch), "--seq-len", str(args.seq_len)]
     if args.ranks_per_node:
@@ -72,6 +74,8 @@ def worker_args(args: argparse.Namespace, parallel: ParallelConfig) -> list[str]
         out += ["--synthetic-data"]
     if getattr(args, "resume", False):
         out += ["--resume"]
+    if getattr(args, "online_balance", False):
+        out += ["--online-balance"]
     return out
 
 
@@ -137,10 +141,12 @@ def launch(nproc: int, args: argparse.Namespace, log_dir: Path | None = None) ->
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nproc", type=int, required=True, help="processes on this node (= tp·pp·dp)")
+    parser.add_argument("--nproc", type=int, required=True, help="processes on this node (= tp·cp·pp·dp)")
     parser.add_argument("--model", default="tiny-pangu")
     for axis, text in (("tp", "tensor parallel (with sequence parallel)"), ("pp", "pipeline stages"),
-                       ("vpp", "virtual stages per pipeline rank"), ("ep", "expert parallel (inside dp)")):
+                       ("vpp", "virtual stages per pipeline rank"), ("ep", "expert parallel (inside dp)"),
+                       ("etp", "expert tensor parallel (splits each expert's FFN)"),
+                       ("cp", "context parallel (splits each sequence)")):
         parser.add_argument(f"--{axis}", type=int, default=1, help=text)
     parser.add_argument("--hierarchical-a2a", action="store_true", help="two-hop expert all-to-all")
     parser.add_argument("--ranks-per-node", type=int, help="node size for the hierarchical all-to-all")
@@ -165,6 +171,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop-at", type=int, help="end after step K as if interrupted, saving a checkpoint")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --save-dir")
     parser.add_argument("--cluster", help="cluster preset for MFU (default: cpu on CPU, h100-sxm-80gb on GPU)")
+    parser.add_argument("--online-balance", action="store_true",
+                        help="migrate and replicate experts while training (needs --ep > 1; docs/balance.md)")
 
 
 def main(argv: list[str] | None = None) -> int:

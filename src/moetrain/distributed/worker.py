@@ -26,7 +26,7 @@ import torch
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="moetrain.distributed.worker")
     parser.add_argument("--model", default="tiny-pangu")
-    for axis in ("tp", "pp", "vpp", "ep", "dp"):
+    for axis in ("tp", "pp", "vpp", "ep", "etp", "cp", "dp"):
         parser.add_argument(f"--{axis}", type=int, default=1)
     parser.add_argument("--sp", action="store_true")
     parser.add_argument("--overlap", action="store_true")
@@ -51,6 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cluster", help="cluster preset for MFU (default: cpu on CPU, h100-sxm-80gb on GPU)")
     parser.add_argument("--trace-dir")
     parser.add_argument("--timeout-s", type=float, default=60.0)
+    parser.add_argument("--online-balance", action="store_true", help="migrate and replicate experts while training")
     return parser.parse_args(argv)
 
 
@@ -107,7 +108,7 @@ def _train(args: argparse.Namespace, rank: int, device: torch.device) -> None:
 
     cfg = training_config(args)
     parallel = ParallelConfig(tp=args.tp, sp=args.sp or args.tp > 1, pp=args.pp, vpp=args.vpp, ep=args.ep,
-                              dp=args.dp, a2a=args.a2a, overlap=args.overlap, micro_batch=cfg.micro_batch)
+                              etp=args.etp, cp=args.cp, dp=args.dp, a2a=args.a2a, overlap=args.overlap, micro_batch=cfg.micro_batch)
     model_cfg = load_model_config(args.model)
     save_dir = training.resolve_path(args.save_dir)
     if (args.resume or args.stop_at is not None) and save_dir is None:
