@@ -108,7 +108,8 @@ def _train(args: argparse.Namespace, rank: int, device: torch.device) -> None:
 
     cfg = training_config(args)
     parallel = ParallelConfig(tp=args.tp, sp=args.sp or args.tp > 1, pp=args.pp, vpp=args.vpp, ep=args.ep,
-                              etp=args.etp, cp=args.cp, dp=args.dp, a2a=args.a2a, overlap=args.overlap, micro_batch=cfg.micro_batch)
+                              etp=args.etp, cp=args.cp, dp=args.dp, a2a=args.a2a, overlap=args.overlap,
+                              micro_batch=cfg.micro_batch)
     model_cfg = load_model_config(args.model)
     save_dir = training.resolve_path(args.save_dir)
     if (args.resume or args.stop_at is not None) and save_dir is None:
