@@ -5,13 +5,15 @@ skewed at init (a score bias sends most tokens to experts 0-3, all on EP rank 0 
 layout; the bias does not move). Two runs from the same weights and batches:
 
 * ``static``: the balancer only observes (trigger margin ∞);
-* ``balanced``: every ``--interval`` steps the balancer forecasts, plans and migrates when the
+* ``balanced``: after every step the balancer runs the re-plan rule of ``moetrain.balance.schedule``
+  (a cheap cost-model check; an incremental solve when the drift since the last plan could pay a
+  move; a full re-plan every ``--interval`` steps, the first after step 0) and migrates when the
   predicted saving over ``--horizon`` steps beats the cost model's migration time (margin 1).
 
 Per step it reports the max/mean EP-rank load (token-expert rows the ranks' experts computed,
 measured from tensor shapes, summed over MoE layers) and the max/mean of the per-rank expert forward
 time (host clock around the grouped expert GEMMs, summed over layers), and checks that both runs'
-losses agree.
+losses agree. Each gloo rank runs one torch thread (``distributed.world.spawn``).
 
     python benchmarks/balance_online.py --out benchmarks/results/balance_online_cpu.json
 """
@@ -27,16 +29,11 @@ import torch
 import torch.distributed as dist
 from _record import write_result
 
-from moetrain.balance.costs import BalanceCostModel
-from moetrain.balance.placement import ExpertPlacement
 from moetrain.config import ModelConfig, ParallelConfig, TrainingConfig, load_cluster_config, load_model_config
-from moetrain.distributed.balancing import OnlineExpertBalancer, moe_layers
+from moetrain.distributed.balancing import build_balanced_run, moe_layers
 from moetrain.distributed.layout import ParallelDims
-from moetrain.distributed.parallelize import parallelize
-from moetrain.distributed.pipeline import Executor
-from moetrain.distributed.step import LayoutRun, train_step
+from moetrain.distributed.step import train_step
 from moetrain.distributed.world import spawn
-from moetrain.distributed.zero import ZeroAdamW
 from moetrain.models.transformer import build_model
 
 HOT_BIAS = {0: 0.5, 1: 0.4, 2: 0.3, 3: 0.2}
@@ -56,15 +53,13 @@ def _run(dims: ParallelDims, args: argparse.Namespace, balance: bool) -> dict:
     for _, block in moe_layers(model):
         for expert, bias in HOT_BIAS.items():
             block.router.score_bias[expert] = bias
-    num_experts, ep = model_cfg.moe.num_experts, args.nproc
-    stage = parallelize(model, dims, ExpertPlacement.contiguous(num_experts, ep, num_experts // ep + 1))
-    optimizer = ZeroAdamW(stage.model, dims, training, stage.tp_kinds)
-    balancer = OnlineExpertBalancer(
-        stage, optimizer, BalanceCostModel(model_cfg, load_cluster_config("cpu"), ep),
+    ep = args.nproc
+    # the construction of ``moetrain train --online-balance``: experts/ep + 1 slots per rank
+    run, balancer = build_balanced_run(
+        dims, model_cfg, training, "cpu", load_cluster_config("cpu"), model=model,
         interval=args.interval, horizon=args.horizon, trigger_margin=1.0 if balance else float("inf"),
         time_experts=True,
     )
-    run = LayoutRun(stage, balancer.wrap(optimizer), Executor(stage))
     losses, step_seconds, balance_seconds = [], [], []
     for step in range(args.steps):
         start = time.perf_counter()

@@ -37,14 +37,15 @@ def _commit() -> str:
         return "unknown"
 
 
-def evaluate_trace(trace: RoutingTrace, costs: BalanceCostModel, interval: int, horizon: int) -> dict:
+def evaluate_trace(trace: RoutingTrace, costs: BalanceCostModel, interval: int, horizon: int,
+                   adaptive: bool = True) -> dict:
     loads = trace.tokens_per_expert
     forecast_horizon = min(interval, horizon)
     select_steps = max(loads.shape[0] // 4, forecast_horizon + 6)
     predictor, _ = select_predictor(loads[:select_steps], horizon=forecast_horizon)
     errors = {p.name: forecast_error(p, loads, forecast_horizon) for p in DEFAULT_CANDIDATES}
     start = time.perf_counter()
-    result = replay(trace, costs, predictor, interval=interval, horizon=horizon)
+    result = replay(trace, costs, predictor, interval=interval, horizon=horizon, adaptive=adaptive)
     summary = result.summary()
     # steady state: from the step after the first trigger check on (the static layout before it is
     # what any run starts from, whatever the balancer)
@@ -126,6 +127,8 @@ def main() -> int:
     parser.add_argument("--ep", type=int, default=32)
     parser.add_argument("--interval", type=int, default=10)
     parser.add_argument("--horizon", type=int, default=50)
+    parser.add_argument("--fixed-interval", action="store_true",
+                        help="solve every --interval steps only (no per-step check), as before adaptive re-plans")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trace", action="append", default=[], help="recorded trace(s) to add")
     parser.add_argument("--trace-model", default="tiny-pangu")
@@ -156,11 +159,11 @@ def main() -> int:
                     "python": platform.python_version()},
         "setup": {"model": args.model, "cluster": args.cluster, "ep": args.ep, "slots_per_rank": experts // args.ep + 1,
                   "tokens_per_rank": args.tokens_per_rank, "steps": args.steps, "layers": args.layers,
-                  "interval": args.interval, "horizon": args.horizon},
+                  "interval": args.interval, "horizon": args.horizon, "adaptive": not args.fixed_interval},
         "traces": {},
     }
     for name, trace in zip(names, synthetic):
-        row = evaluate_trace(trace, costs, args.interval, args.horizon)
+        row = evaluate_trace(trace, costs, args.interval, args.horizon, not args.fixed_interval)
         snapshot = trace.tokens_per_expert[: args.interval, 0].mean(axis=0)
         row["solvers"] = compare_solvers(snapshot, args.ep, experts // args.ep + 1, costs)
         report["traces"][name] = row
@@ -168,7 +171,7 @@ def main() -> int:
         trace = read_trace(path)
         trace_model = load_model_config(args.trace_model)
         trace_costs = BalanceCostModel(trace_model, load_cluster_config(args.trace_cluster), args.trace_ep)
-        row = evaluate_trace(trace, trace_costs, args.interval, args.horizon)
+        row = evaluate_trace(trace, trace_costs, args.interval, args.horizon, not args.fixed_interval)
         row["setup"] = {"model": args.trace_model, "cluster": args.trace_cluster, "ep": args.trace_ep}
         report["traces"][f"recorded:{Path(path).name}"] = row
     report["milp_comparison"] = milp_comparison(args.seed)

@@ -84,7 +84,8 @@ def no_process_starts(monkeypatch):
 @pytest.mark.parametrize(
     ("plan_text", "extra", "message"),
     [
-        ("parallel: {cp: 2, micro_batch: 2}", [], "context parallel is not implemented by this runtime"),
+        ("parallel: {cp: 2, micro_batch: 2}", ["--seq-len", "30"],
+         "--seq-len 30 does not split into 2·cp = 4 context-parallel chunks"),
         ("parallel: {dp: 2, zero: 3, micro_batch: 2}", [], "the plan asks for ZeRO stage 3"),
         ("parallel: {dp: 2, micro_batch: 2}", ["--nproc", "4"], "--nproc 4 but the plan's tp·cp·pp·dp is 2"),
         ("parallel: {dp: 2, micro_batch: 2}", ["--ep", "2"], "--plan already sets the layout; drop --ep"),

@@ -1,31 +1,32 @@
 """Online expert balancing on 4 gloo ranks (tiny-pangu, EP4, skewed router): a forced migration after
-step 2 of 5 changes the placement, evens the per-rank load, and leaves the losses those of the run
+the first of 5 steps changes the placement, evens the per-rank load, and leaves the losses those of the run
 without migration. Also replicated experts in the dispatcher: same result as one replica each."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
-from moetrain.balance.costs import BalanceCostModel
 from moetrain.balance.placement import ExpertPlacement
 from moetrain.config import ModelConfig, ParallelConfig, TrainingConfig, load_cluster_config, load_model_config
-from moetrain.distributed.balancing import OnlineExpertBalancer, moe_layers
+from moetrain.distributed.balancing import build_balanced_run, moe_layers
+from moetrain.distributed.checkpoint import load_checkpoint, read_expert_placement, save_checkpoint
 from moetrain.distributed.ep import AllToAllDispatcher, ExpertTable, HierarchicalDispatcher, shard_experts
 from moetrain.distributed.layout import ParallelDims
-from moetrain.distributed.parallelize import parallelize
-from moetrain.distributed.pipeline import Executor
-from moetrain.distributed.step import LayoutRun, train_step
+from moetrain.distributed.step import build_layout, train_step
 from moetrain.distributed.world import spawn
-from moetrain.distributed.zero import ZeroAdamW
 from moetrain.models.experts import GroupedExperts
 from moetrain.models.router import Routing, count_tokens_per_expert
 from moetrain.models.transformer import build_model
 
 STEPS = 5
 EP = 4
+SAVE_AT = 3
+"""The balanced run saves after 3 steps: past its first migration (after step 0, its first check)."""
 TRAINING = TrainingConfig(steps=STEPS, global_batch=8, micro_batch=2, seq_len=32, warmup_steps=2)
 HOT_BIAS = {0: 0.5, 1: 0.4, 2: 0.3, 3: 0.2}
 """Router score bias: experts 0-3 (all on EP rank 0 in the contiguous layout) take most tokens."""
@@ -44,25 +45,31 @@ def replicated_start() -> ExpertPlacement:
     return ExpertPlacement.from_slot_experts(16, table)
 
 
-def _run(dims: ParallelDims, balance: bool, placement: ExpertPlacement | None = None) -> dict:
-    model_cfg = skewed_model_config()
-    model = build_model(model_cfg, "cpu", seed=TRAINING.seed)
+def skewed_model() -> torch.nn.Module:
+    model = build_model(skewed_model_config(), "cpu", seed=TRAINING.seed)
     for _, block in moe_layers(model):
         for expert, bias in HOT_BIAS.items():
             block.router.score_bias[expert] = bias
-    # one spare slot per rank, so that the solver may replicate hot experts
-    placement = placement or ExpertPlacement.contiguous(model_cfg.moe.num_experts, EP, 5)
-    stage = parallelize(model, dims, placement)
-    optimizer = ZeroAdamW(stage.model, dims, TRAINING, stage.tp_kinds)
-    balancer = OnlineExpertBalancer(
-        stage, optimizer, BalanceCostModel(model_cfg, load_cluster_config("cpu"), EP),
-        interval=2, horizon=10, trigger_margin=0.0 if balance else float("inf"),
-    )
-    run = LayoutRun(stage, balancer.wrap(optimizer), Executor(stage))
+    return model
+
+
+def _balanced_run(dims: ParallelDims, balance: bool, placement: ExpertPlacement | None = None):
+    # one spare slot per rank by default, so that the solver may replicate hot experts
+    return build_balanced_run(dims, skewed_model_config(), TRAINING, "cpu", load_cluster_config("cpu"),
+                              model=skewed_model(), placement=placement, interval=2, horizon=10,
+                              trigger_margin=0.0 if balance else float("inf"))
+
+
+def _run(dims: ParallelDims, balance: bool, placement: ExpertPlacement | None = None,
+         save_dir: Path | None = None) -> dict:
+    run, balancer = _balanced_run(dims, balance, placement)
     losses = []
     for step in range(STEPS):
         losses.append(train_step(run, step, TRAINING, torch.device("cpu")))
         balancer.after_step(step)
+        if save_dir is not None and step + 1 == SAVE_AT:
+            save_checkpoint(save_dir, SAVE_AT, run, skewed_model_config(), TRAINING,
+                            expert_placement=balancer.state_dict())
     rows = torch.tensor([sum(h.local_rows) for h in balancer.history], dtype=torch.float64)
     per_rank_rows = [torch.empty_like(rows) for _ in range(EP)]
     dist.all_gather(per_rank_rows, rows, group=dims.get_group("ep"))
@@ -76,15 +83,41 @@ def _run(dims: ParallelDims, balance: bool, placement: ExpertPlacement | None = 
     }
 
 
-def _worker(rank: int, world_size: int) -> dict:
+def _resume(dims: ParallelDims, path: Path) -> dict:
+    """Resume the balanced run from its checkpoint, with its saved placement, to the end."""
+    run, balancer = _balanced_run(dims, balance=True)
+    restored = balancer.load_state_dict(read_expert_placement(path))
+    restored_placements = [p.slot_expert.tolist() for p in balancer.placements]
+    start = load_checkpoint(path, run, skewed_model_config())
+    losses = []
+    for step in range(start, STEPS):
+        losses.append(train_step(run, step, TRAINING, torch.device("cpu")))
+        balancer.after_step(step)
+    return {"restored": restored, "restored_placements": restored_placements, "losses": losses,
+            "placements": [p.slot_expert.tolist() for p in balancer.placements]}
+
+
+def _load_without_balancing(rank: int, path: Path) -> float:
+    """The same checkpoint under EP2 with the contiguous layout and no balancer: the next step's loss."""
+    dims = ParallelDims.build(ParallelConfig(dp=EP, ep=2), rank, EP)
+    run = build_layout(dims, skewed_model_config(), TRAINING, torch.device("cpu"))
+    step = load_checkpoint(path, run, skewed_model_config())
+    return train_step(run, step, TRAINING, torch.device("cpu"))
+
+
+def _worker(rank: int, world_size: int, save_dir: Path) -> dict:
     dims = ParallelDims.build(ParallelConfig(dp=EP, ep=EP), rank, EP)
-    return {"plain": _run(dims, balance=False), "balanced": _run(dims, balance=True),
-            "replicated": _run(dims, balance=True, placement=replicated_start())}
+    out = {"plain": _run(dims, balance=False), "balanced": _run(dims, balance=True, save_dir=save_dir),
+           "replicated": _run(dims, balance=True, placement=replicated_start())}
+    path = save_dir / f"step-{SAVE_AT:06d}"
+    out["resumed"] = _resume(dims, path)
+    out["ep2_next_loss"] = _load_without_balancing(rank, path)
+    return out
 
 
 @pytest.fixture(scope="module")
-def runs() -> list[dict]:
-    return spawn(_worker, EP)
+def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return spawn(_worker, EP, tmp_path_factory.mktemp("balanced_checkpoints"))
 
 
 @pytest.mark.slow
@@ -97,16 +130,16 @@ def test_migration_keeps_losses_and_evens_load(runs: list[dict]) -> None:
     for step, (got, want) in enumerate(zip(balanced["losses"], plain["losses"])):
         assert abs(got - want) <= 1e-6 * abs(want), f"step {step}: {got} vs {want}"
     assert plain["losses"][-1] < plain["losses"][0]
-    # the placement changed after step 2, not in the observe-only run
+    # the placement changed after step 0 (the first check plans in full), not in the observe-only run
     assert balanced["migrations"] >= 1 and plain["migrations"] == 0
-    assert any(d["migrate"] for d in balanced["decisions"] if d["step"] == 1)
+    assert any(d["migrate"] and not d["early"] for d in balanced["decisions"] if d["step"] == 0)
     start = ExpertPlacement.contiguous(16, EP, 5).slot_expert.tolist()
     assert all(p == start for p in plain["placements"])
     assert any(p != start for p in balanced["placements"])
     # measured rows per EP rank: skewed before, more even after the first migration
     def imbalance(rows: np.ndarray) -> np.ndarray:
         return rows.max(axis=1) / rows.mean(axis=1)
-    before, after = imbalance(balanced["rows"][:2]), imbalance(balanced["rows"][2:])
+    before, after = imbalance(balanced["rows"][:1]), imbalance(balanced["rows"][1:])
     assert before.min() > 1.5, before
     assert after.max() < before.min() - 0.3, (before, after)
     assert imbalance(plain["rows"][2:]).min() > 1.5
@@ -124,6 +157,24 @@ def test_replicated_experts_train_like_single_replicas(runs: list[dict]) -> None
     # rank 0 computes fewer rows than in the plain run from the first step: replicas took a share
     assert replicated["rows"][0, 0] < plain["rows"][0, 0]
     assert replicated["rows"][0, 1:].min() > plain["rows"][0, 1:].max()
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_checkpoint_after_migration_resumes_and_loads_without_balancing(runs: list[dict]) -> None:
+    """Saved after a migration: resumed with its placement, the run goes on exactly as the
+    uninterrupted one; loaded under EP2 with the contiguous layout, the next loss is the same."""
+    balanced = runs[0]["balanced"]
+    start = ExpertPlacement.contiguous(16, EP, 5).slot_expert.tolist()
+    for rank_runs in runs:
+        resumed = rank_runs["resumed"]
+        assert resumed["restored"]
+        # the checkpoint holds a migrated placement, and the resumed run adopted it
+        assert any(p != start for p in resumed["restored_placements"])
+        assert resumed["losses"] == balanced["losses"][SAVE_AT:], (resumed["losses"], balanced["losses"])
+        assert resumed["placements"] == balanced["placements"]
+        got, want = rank_runs["ep2_next_loss"], balanced["losses"][SAVE_AT]
+        assert abs(got - want) <= 1e-6 * abs(want), (got, want)
 
 
 def _replica_worker(rank: int, world_size: int) -> dict:
@@ -189,3 +240,25 @@ def test_physical_slots_split_tokens_by_replica_share() -> None:
     plain = ExpertTable.from_placement(ExpertPlacement.contiguous(4, 2))
     assert plain.replica_slots is None
     assert plain.physical_slots(torch.tensor([[3, 0]])).tolist() == [[3, 0]]
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--nproc", "2", "--online-balance"],
+     "--online-balance moves experts between expert-parallel ranks; give --ep > 1"),
+    (["--nproc", "4", "--ep", "2", "--etp", "2", "--online-balance"],
+     "--online-balance does not support --etp > 1 yet (experts would move as FFN slices); drop one of them"),
+])
+def test_online_balance_flag_is_refused_where_it_cannot_run(argv: list[str], message: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    from moetrain.distributed import launch
+    from moetrain.errors import UserError
+
+    parser = argparse.ArgumentParser()
+    launch.add_arguments(parser)
+    args = parser.parse_args(argv)
+    monkeypatch.setattr("moetrain.distributed.launch.subprocess.call", lambda *a, **k: pytest.fail("started"))
+    with pytest.raises(UserError) as excinfo:
+        launch.launch(args.nproc, args)
+    assert str(excinfo.value) == message

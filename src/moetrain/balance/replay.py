@@ -4,10 +4,11 @@ Per MoE layer, independently (each layer has its own experts and placement):
 
 1. step t runs with the current placement; its loads are only known afterwards (no lookahead);
 2. the predictor absorbs step t's loads;
-3. every ``interval`` steps the planner places experts for the forecast mean load until the next
-   check, and the trigger migrates only if the predicted saving over the next ``horizon`` steps
-   beats the predicted migration time (weights and optimizer state over the links); a new plan that
-   only changes replicas' token shares moves no weights and is applied whenever it saves time;
+3. the re-plan rule of ``balance.schedule`` (the one the runtime uses) checks the forecast cheaply,
+   solves when the drift since the last plan could pay a move or ``interval`` steps have passed, and
+   migrates only if the predicted saving over the next ``horizon`` steps beats the predicted
+   migration time (weights and optimizer state over the links); a new plan that only changes
+   replicas' token shares moves no weights and is applied whenever it saves time;
 4. a migration decided after step t is paid in step t+1.
 
 "Before" is the static contiguous layout; "after" is the balanced run, migration time included;
@@ -21,40 +22,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moetrain.balance.costs import BalanceCostModel
-from moetrain.balance.placement import ExpertPlacement, diff
+from moetrain.balance.placement import ExpertPlacement
 from moetrain.balance.predict import Predictor
-from moetrain.balance.solver import timed_plan
+from moetrain.balance.schedule import Decision, LayerSchedule, ReplanRule
 from moetrain.balance.traces import RoutingTrace
 from moetrain.errors import UserError
 
-
-@dataclass(frozen=True)
-class Decision:
-    """One trigger evaluation for one layer."""
-
-    step: int
-    layer: int
-    migrate: bool
-    predicted_saving_s: float
-    """Forecast step-time saving of the candidate placement, over the horizon."""
-    migration_s: float
-    """Predicted time to move the experts' weights and optimizer state."""
-    num_moves: int
-    imbalance_current: float
-    """Forecast max/mean rank load with the current placement."""
-    imbalance_candidate: float
-    solve_ms: float
-    reshare: bool = False
-    """Only replicas' token shares change (no weights move): applied for free."""
-
-    def as_dict(self) -> dict:
-        return {
-            "step": self.step, "layer": self.layer, "migrate": self.migrate,
-            "predicted_saving_s": self.predicted_saving_s, "migration_s": self.migration_s,
-            "num_moves": self.num_moves, "imbalance_current": round(self.imbalance_current, 4),
-            "imbalance_candidate": round(self.imbalance_candidate, 4), "solve_ms": round(self.solve_ms, 3),
-            "reshare": self.reshare,
-        }
+__all__ = ["Decision", "ReplayResult", "replay"]
 
 
 @dataclass
@@ -102,6 +76,7 @@ class ReplayResult:
             "migrations": int(sum(d.migrate for d in self.decisions)),
             "migration_seconds_total": float(sum(d.migration_s for d in self.decisions if d.migrate)),
             "reshares": int(sum(d.reshare for d in self.decisions)),
+            "early_solves": int(sum(d.early for d in self.decisions)),
             "decisions": len(self.decisions),
             "solve_ms_mean": float(np.mean(solve)) if solve else 0.0,
             "solve_ms_max": float(np.max(solve)) if solve else 0.0,
@@ -129,6 +104,7 @@ def replay(
     solver: str = "local",
     interval: int = 10,
     horizon: int = 50,
+    adaptive: bool = True,
 ) -> ReplayResult:
     ep = costs.ep
     num_experts = trace.num_experts
@@ -138,6 +114,7 @@ def replay(
     if interval < 1 or horizon < 1:
         raise UserError(f"interval={interval} and horizon={horizon} must be >= 1")
     static = ExpertPlacement.contiguous(num_experts, ep, slots)
+    rule = ReplanRule(costs, interval, horizon, solver, adaptive=adaptive)
     loads = trace.tokens_per_expert.astype(float)  # [T, L, E]
     num_steps, num_layers = loads.shape[:2]
 
@@ -152,37 +129,23 @@ def replay(
     for layer in range(num_layers):
         current = static
         state = predictor.init_state(loads[0, layer])
+        schedule = LayerSchedule()
         for t in range(num_steps):
             actual = loads[t, layer]
             imbalance_after[t, layer] = float(current.imbalance(actual))
             seconds_after[t] += float(costs.layer_seconds(current, actual))
             if t:
                 predictor.update(state, actual)
-            if t % interval or t + 1 >= num_steps:
+            if t + 1 >= num_steps:
                 continue
-            # the forecast covers the steps until the next check, when the plan is revisited
-            forecast = predictor.forecast(state, min(interval, horizon))
-            candidate, solve_s = timed_plan(
-                forecast, ep, slots, solver,
-                score=lambda p, f=forecast, c=current: float(costs.layer_seconds(p, f))
-                + costs.migration_seconds(diff(c, p)) / horizon,
-                current=current,
-            )
-            moves = diff(current, candidate)
-            saving = horizon * float(costs.layer_seconds(current, forecast) - costs.layer_seconds(candidate, forecast))
-            migration = costs.migration_seconds(moves)
-            migrate = bool(moves) and saving > migration
-            reshare = not moves and saving > 0.0
-            decisions.append(Decision(
-                step=int(trace.steps[t]), layer=int(trace.layers[layer]), migrate=migrate,
-                predicted_saving_s=saving, migration_s=migration, num_moves=len(moves),
-                imbalance_current=float(current.imbalance(forecast)),
-                imbalance_candidate=float(candidate.imbalance(forecast)), solve_ms=solve_s * 1e3,
-                reshare=reshare,
-            ))
-            if migrate or reshare:
-                current = candidate
-                seconds_after[t + 1] += migration
+            decision, adopted = rule.step(int(trace.steps[t]), int(trace.layers[layer]), schedule, current,
+                                          predictor, state, actual)
+            if decision is None:
+                continue
+            decisions.append(decision)
+            if adopted is not current:
+                current = adopted
+                seconds_after[t + 1] += decision.migration_s if decision.migrate else 0.0
         finals.append(current)
     return ReplayResult(
         trace.steps.copy(), imbalance_before, imbalance_after, seconds_before, seconds_after, seconds_ideal,

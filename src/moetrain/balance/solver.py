@@ -200,6 +200,58 @@ def improve_stepwise(current: ExpertPlacement, loads: np.ndarray) -> list[Expert
     return [ExpertPlacement.from_slot_experts(loads.size, t, optimal_shares(t, loads)) for t in unique]
 
 
+def bridge_replicas(placement: ExpertPlacement, loads: np.ndarray) -> ExpertPlacement:
+    """The placement plus replicas that pair each rank above the mean load with one below it.
+
+    Whole experts are coarse: with ``E/R`` experts per rank, packing alone leaves the busiest rank
+    about one expert's load above the mean, and replicas made only for hot experts link few ranks.
+    Here the heaviest rank over the mean gets its largest expert (one it can give away, not already
+    on the partner) replicated onto the lightest rank with a free slot, the second heaviest onto the
+    second lightest, and so on; the LP then splits each bridged expert so that the pair meets in the
+    middle. One extra replica per pair: a move and a gradient all-reduce, which the caller's score
+    weighs against the time saved."""
+    loads = np.asarray(loads, dtype=float)
+    num_ranks, slots = placement.num_ranks, placement.slots_per_rank
+    table = placement.slot_expert.reshape(num_ranks, slots).copy()
+    slot_load = _slot_loads(table, placement.slot_share, loads).reshape(num_ranks, slots)
+    rank_load = slot_load.sum(axis=1)
+    mean = rank_load.mean()
+    free = (table == EMPTY_SLOT).sum(axis=1)
+    heavy = [int(r) for r in np.argsort(-rank_load, kind="stable") if rank_load[r] > mean]
+    light = [int(r) for r in np.argsort(rank_load, kind="stable") if rank_load[r] < mean]
+    changed = False
+    for high, low in zip(heavy, light):
+        gap = rank_load[high] - rank_load[low]
+        if free[low] == 0:
+            # A light rank full of small experts: hand its smallest one (that the busy rank lacks)
+            # to a free slot of the busy rank first, which frees the slot for the bridge.
+            held_high = set(table[high].tolist())
+            movable = [(slot_load[low, s], s) for s in range(slots)
+                       if table[low, s] != EMPTY_SLOT and int(table[low, s]) not in held_high]
+            if free[high] == 0 or not movable:
+                continue
+            small, slot_low = min(movable)
+            table[high, int(np.flatnonzero(table[high] == EMPTY_SLOT)[0])] = table[low, slot_low]
+            slot_load[high, int(np.flatnonzero(table[high] == table[low, slot_low])[0])] = small
+            table[low, slot_low] = EMPTY_SLOT
+            free[high] -= 1
+            free[low] += 1
+        held_low = set(table[low].tolist())
+        # the largest expert on the busy rank the light rank lacks; half the gap must fit in it
+        options = [(slot_load[high, s], s) for s in range(slots)
+                   if table[high, s] != EMPTY_SLOT and int(table[high, s]) not in held_low]
+        if not options:
+            continue
+        load, slot = max(options)
+        if load <= 0.0 or gap <= 0.0:
+            continue
+        table[low, int(np.flatnonzero(table[low] == EMPTY_SLOT)[0])] = table[high, slot]
+        changed = True
+    if not changed:
+        return placement
+    return ExpertPlacement.from_slot_experts(loads.size, table, optimal_shares(table, loads))
+
+
 def solve_fixed_replicas(
     loads: np.ndarray, num_ranks: int, slots_per_rank: int, counts: np.ndarray, solver: str
 ) -> ExpertPlacement:
@@ -315,9 +367,14 @@ def plan_placement(
     solver: str = "local",
     score: Callable[[ExpertPlacement], float] | None = None,
     current: ExpertPlacement | None = None,
+    candidates: str = "all",
 ) -> ExpertPlacement:
     """Best placement for predicted ``loads`` [E] among a few candidates, by ``score`` (the caller's
     predicted step time, migration included; default: the busiest rank's load).
+
+    ``candidates``: ``"all"``; ``"incremental"`` (needs ``current``): only the warm-started local
+    search's steps and their bridging replicas, few moves each and a fraction of the solve time; or
+    ``"scratch"``: only the placements built from scratch (and their bridging replicas).
 
     Candidates: the solver's placement for several replica budgets (none, just enough that no replica
     exceeds the even share, half and all of the spare slots) and, for ``local`` with a ``current``
@@ -329,22 +386,33 @@ def plan_placement(
     num_experts = loads.size
     _check_sizes(num_experts, num_ranks, slots_per_rank)
     spare = num_ranks * slots_per_rank - num_experts
-    if solver == "milp":
-        candidates = [solve_milp(loads, num_ranks, slots_per_rank)]
+    if candidates not in ("all", "incremental", "scratch"):
+        raise UserError(f"unknown candidate set {candidates!r}; choose all, incremental or scratch")
+    incremental = candidates == "incremental"
+    if incremental and (current is None or solver == "milp"):
+        raise UserError("an incremental plan needs the current placement and the greedy or local solver")
+    warm = current is not None and candidates != "scratch" and (solver == "local" or incremental)
+    if incremental:
+        pool: list[ExpertPlacement] = []
+    elif solver == "milp":
+        pool = [solve_milp(loads, num_ranks, slots_per_rank)]
     else:
         needed = int(replica_counts(loads, num_ranks, spare).sum()) - num_experts
-        candidates = [
+        pool = [
             solve_fixed_replicas(loads, num_ranks, slots_per_rank,
                                  replica_counts(loads, num_ranks, budget, stop_at_even=budget <= needed), solver)
             for budget in sorted({0, needed, max(needed, spare // 2), spare})
         ]
+    if warm:
+        assert current is not None
+        pool.extend(improve_stepwise(current, loads))
+    if solver != "milp":
+        pool.extend([bridged for c in pool if (bridged := bridge_replicas(c, loads)) is not c])
     if current is not None:
-        if solver == "local":
-            candidates.extend(improve_stepwise(current, loads))
-        candidates = [align_to(c, current) for c in candidates]
+        pool = [align_to(c, current) for c in pool]
     if score is None:
         score = lambda p: float(p.apply_to_tokens_per_expert(loads).max())
-    return min(candidates, key=score)
+    return min(pool, key=score)
 
 
 def timed_plan(*args, **kwargs) -> tuple[ExpertPlacement, float]:

@@ -10,8 +10,7 @@ HELP = "search TP/SP/PP/VPP/EP/ETP/CP/DP, ZeRO, micro-batch, recompute, all-to-a
 # Dimensions whose values the runtime (moetrain.distributed) does not execute yet; the plan file says so.
 # The interleaved and overlapped schedules are the runtime's own action lists (tests/planner checks it).
 RUNTIME_NOTES = {
-    "cp": "context parallelism (cp > 1): not implemented by the runtime yet (it refuses cp > 1)",
-    "etp": "expert tensor parallelism (etp > 1): not implemented by the runtime yet (it refuses etp > 1)",
+    "etp": "expert tensor parallelism (etp > 1): the runtime runs it with the flat all-to-all only",
     "chunks": "the runtime needs pp·vpp to divide the layer count into equal chunks; this layout does not",
     "a2a": "hierarchical all-to-all: the runtime needs each EP group to fill whole nodes or sit inside one",
     "zero": "ZeRO stages 2-3: the runtime shards optimizer states only (stage 1); run with zero=1",
@@ -35,9 +34,7 @@ def _runtime_support(parallel, num_layers: int) -> list[str]:
     notes = []
     if num_layers % (parallel.pp * parallel.vpp):
         notes.append(RUNTIME_NOTES["chunks"])
-    if parallel.cp > 1:
-        notes.append(RUNTIME_NOTES["cp"])
-    if parallel.etp > 1:
+    if parallel.etp > 1 and parallel.ep > 1 and parallel.a2a == "hierarchical":
         notes.append(RUNTIME_NOTES["etp"])
     if parallel.a2a == "hierarchical":
         notes.append(RUNTIME_NOTES["a2a"])

@@ -6,14 +6,15 @@ over micro-batches by forward hooks, no host read) and the rows each rank's loca
 counts over the stage's ranks with one all-reduce and reads them to the host once: the only read it
 adds, taken where the step already synchronises to report its loss.
 
-Every ``interval`` steps, per MoE layer, the balancer does what ``moetrain.balance.replay`` models:
-the predictor forecasts the load, the placement solver proposes a placement (aligned to the current
-one), and the trigger compares the predicted saving over the next ``horizon`` steps with the cost
-model's time to move the experts' weights and optimizer state; each evaluation is reported as a
-``Decision``. When it fires, ``migrate_experts`` copies the moved slots' weights and AdamW moments
-between EP ranks (the ZeRO shards of the expert bucket are gathered, moved with the weights and
-re-sliced), and the layer's dispatcher switches to the new table. Every rank of the stage sees the
-same loads and runs the same deterministic solver, so all take the same decisions.
+After every step, per MoE layer, the balancer runs the re-plan rule of ``moetrain.balance.schedule``,
+the one ``moetrain.balance.replay`` models: a cheap cost-model check of the forecast load; a solve
+(incremental, warm-started from the current placement) when the drift since the last plan could pay a
+move, and a full re-plan every ``interval`` steps; the trigger compares the predicted saving over the
+next ``horizon`` steps with the cost model's time to move the experts' weights and optimizer state.
+Each solve is reported as a ``Decision``. When the trigger fires, ``migrate_experts`` copies the moved
+slots' weights and AdamW moments between EP ranks (the ZeRO shards of the expert bucket are gathered,
+moved with the weights and re-sliced), and the layer's dispatcher switches to the new table. Every
+rank of the stage sees the same loads and runs the same deterministic solver, so all take the same decisions.
 
 Replicas: ``ReplicaSyncedOptimizer`` sums each replicated expert's gradient over its replicas before
 the ZeRO step (so replicas receive identical updates and stay bit-identical), and takes the extra
@@ -33,15 +34,22 @@ from torch import nn
 
 from moetrain.balance.costs import BalanceCostModel
 from moetrain.balance.executor import migrate_experts, sum_replica_gradients
+from moetrain.balance.online import check_online_balance, default_slots_per_rank
 from moetrain.balance.placement import EMPTY_SLOT, ExpertPlacement, Move, diff
 from moetrain.balance.predict import EMAPredictor, Predictor
-from moetrain.balance.replay import Decision
-from moetrain.balance.solver import SOLVERS, timed_plan
+from moetrain.balance.schedule import Decision, LayerSchedule, ReplanRule
+from moetrain.balance.solver import SOLVERS
+from moetrain.config import ClusterConfig, ModelConfig, TrainingConfig
 from moetrain.distributed.ep import ExpertTable
-from moetrain.distributed.parallelize import StageModel
+from moetrain.distributed.layout import ParallelDims
+from moetrain.distributed.parallelize import StageModel, parallelize
+from moetrain.distributed.pipeline import Executor
+from moetrain.distributed.step import LayoutRun
 from moetrain.distributed.trace import span
 from moetrain.distributed.zero import ZeroAdamW, _flat
 from moetrain.errors import UserError
+from moetrain.models.attention import AttentionBackend
+from moetrain.models.transformer import MoETransformer, build_model
 
 EXPERT_WEIGHTS = ("w_gate_EDF", "w_up_EDF", "w_down_EFD")
 
@@ -149,7 +157,9 @@ class OnlineExpertBalancer:
 
     ``trigger_margin``: migrate when the predicted saving over ``horizon`` steps exceeds
     ``trigger_margin`` × the predicted migration time (1 is break-even; 0 migrates whenever the
-    candidate is predicted faster; ``inf`` only observes).
+    candidate is predicted faster; ``inf`` only observes). ``interval``: steps between full re-plans;
+    ``adaptive``: also check after every step and re-plan incrementally when the drift pays a move
+    (``balance.schedule``); False solves every ``interval`` steps only.
     """
 
     stage: StageModel
@@ -160,6 +170,7 @@ class OnlineExpertBalancer:
     predictor: Predictor = field(default_factory=lambda: EMAPredictor(0.8))
     solver: str = "local"
     trigger_margin: float = 1.0
+    adaptive: bool = True
     time_experts: bool = False
     decisions: list[Decision] = field(default_factory=list)
     history: list[StepLoads] = field(default_factory=list)
@@ -182,6 +193,9 @@ class OnlineExpertBalancer:
         initial = ExpertPlacement.from_slot_experts(model.cfg.moe.num_experts, np.array(table.experts_by_rank))
         self.placements = [initial for _ in self.telemetry.layers]
         self._predictor_states: list[dict[str, np.ndarray]] | None = None
+        self.rule = ReplanRule(self.costs, self.interval, self.horizon, self.solver, self.trigger_margin,
+                               adaptive=self.adaptive)
+        self.schedules = [LayerSchedule() for _ in self.telemetry.layers]
         self.migrations = 0
 
     @property
@@ -243,34 +257,17 @@ class OnlineExpertBalancer:
         else:
             for state, row in zip(self._predictor_states, loads.tokens_per_expert):
                 self.predictor.update(state, row)
-        if (step + 1) % self.interval:
-            return []
         decisions: list[Decision] = []
         moves_by_layer: list[list[Move]] = []
         candidates: list[ExpertPlacement] = []
         for index, (layer, _) in enumerate(self.telemetry.layers):
             current = self.placements[index]
-            forecast = self.predictor.forecast(self._predictor_states[index], min(self.interval, self.horizon))
-            candidate, solve_s = timed_plan(
-                forecast, current.num_ranks, current.slots_per_rank, self.solver,
-                score=lambda p, f=forecast, c=current: float(self.costs.layer_seconds(p, f))
-                + self.costs.migration_seconds(diff(c, p)) / self.horizon,
-                current=current,
-            )
-            moves = diff(current, candidate)
-            saving = self.horizon * float(self.costs.layer_seconds(current, forecast)
-                                          - self.costs.layer_seconds(candidate, forecast))
-            migration = self.costs.migration_seconds(moves)
-            migrate = bool(moves) and saving > 0.0 and saving > self.trigger_margin * migration
-            reshare = not moves and saving > 0.0 and candidate != current
-            decisions.append(Decision(
-                step=step, layer=layer, migrate=migrate, predicted_saving_s=saving, migration_s=migration,
-                num_moves=len(moves), imbalance_current=float(current.imbalance(forecast)),
-                imbalance_candidate=float(candidate.imbalance(forecast)), solve_ms=solve_s * 1e3,
-                reshare=reshare,
-            ))
-            moves_by_layer.append(moves if migrate else [])
-            candidates.append(candidate if (migrate or reshare) else current)
+            decision, adopted = self.rule.step(step, layer, self.schedules[index], current, self.predictor,
+                                               self._predictor_states[index], loads.tokens_per_expert[index])
+            if decision is not None:
+                decisions.append(decision)
+            moves_by_layer.append(diff(current, adopted) if decision is not None and decision.migrate else [])
+            candidates.append(adopted)
         if any(moves_by_layer):
             self.migrate(moves_by_layer)
             self.migrations += 1
@@ -280,6 +277,77 @@ class OnlineExpertBalancer:
                 block.dispatcher.table = ExpertTable.from_placement(candidates[index], self.device)
         self.decisions.extend(decisions)
         return decisions
+
+    # ---- reporting -----------------------------------------------------------------------------
+
+    def step_metrics(self, decisions: list[Decision]) -> dict:
+        """Metrics-row fields of the step just absorbed: its max/mean EP-rank load (mean over the
+        local MoE layers, under the placement it ran with) and the expert slots moved after it."""
+        loads = self.history[-1]
+        return {"imbalance": float(loads.imbalance().mean()),
+                "migrated": sum(d.num_moves for d in decisions if d.migrate)}
+
+    def describe(self, decisions: list[Decision]) -> list[str]:
+        """One line per migrating (or re-sharing) decision, for the run's log."""
+        lines = []
+        for d in decisions:
+            if not (d.migrate or d.reshare):
+                continue
+            what = f"migrate {d.num_moves} expert slots" if d.migrate else "re-share replicas (no move)"
+            lines.append(
+                f"balance after step {d.step} layer {d.layer}: {what}; forecast max/mean {d.imbalance_current:.3f}"
+                f" -> {d.imbalance_candidate:.3f}; predicted saving {d.predicted_saving_s * 1e3:.3g} ms over "
+                f"{self.horizon} steps vs migration {d.migration_s * 1e3:.3g} ms"
+            )
+        return lines
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """The placement of every local MoE layer and the predictor's state, as JSON-ready values
+        (the checkpoint's ``expert_placement.json``; tensors are saved by logical expert anyway)."""
+        return {
+            "num_ranks": self.placements[0].num_ranks,
+            "slots_per_rank": self.placements[0].slots_per_rank,
+            "predictor": self.predictor.name,
+            "layers": {
+                str(layer): {
+                    "slot_expert": placement.slot_expert.tolist(),
+                    "slot_share": placement.slot_share.tolist(),
+                    "predictor_state": None if self._predictor_states is None else
+                    {k: v.tolist() for k, v in self._predictor_states[index].items()},
+                    "schedule": self.schedules[index].state_dict(),
+                }
+                for index, ((layer, _), placement) in enumerate(zip(self.telemetry.layers, self.placements))
+            },
+        }
+
+    def load_state_dict(self, state: dict) -> bool:
+        """Adopt a saved placement (before the checkpoint's tensors are loaded: the slots then read
+        their new logical experts). Returns False, changing nothing, when the saved EP size, slot
+        count or layers differ from this run's (the checkpoint still loads, by logical expert)."""
+        layers = state.get("layers", {})
+        current = self.placements[0]
+        if (state.get("num_ranks") != current.num_ranks or state.get("slots_per_rank") != current.slots_per_rank
+                or any(str(layer) not in layers for layer, _ in self.telemetry.layers)):
+            return False
+        num_experts = current.num_experts
+        placements = [
+            ExpertPlacement(num_experts, current.num_ranks, current.slots_per_rank,
+                            np.array(layers[str(layer)]["slot_expert"], dtype=np.int64),
+                            np.array(layers[str(layer)]["slot_share"], dtype=np.float64))
+            for layer, _ in self.telemetry.layers
+        ]
+        for (_, block), placement in zip(self.telemetry.layers, placements):
+            block.dispatcher.table = ExpertTable.from_placement(placement, self.device)
+        self.placements = placements
+        saved_states = [layers[str(layer)].get("predictor_state") for layer, _ in self.telemetry.layers]
+        if state.get("predictor") == self.predictor.name and all(s is not None for s in saved_states):
+            self._predictor_states = [{k: np.array(v, dtype=np.float64) for k, v in s.items()} for s in saved_states]
+        saved_schedules = [layers[str(layer)].get("schedule") for layer, _ in self.telemetry.layers]
+        if all(s is not None for s in saved_schedules):
+            self.schedules = [LayerSchedule.from_state_dict(s) for s in saved_schedules]
+        return True
 
     # ---- executor ------------------------------------------------------------------------------
 
@@ -320,3 +388,33 @@ class OnlineExpertBalancer:
                 state = self.optimizer.optimizer.state.get(bucket.shard)
                 for key, flat in flats.items():
                     state[key] = flat[lo:hi].clone()
+
+
+def build_balanced_run(dims: ParallelDims, model_cfg: ModelConfig, cfg: TrainingConfig, device: torch.device | str,
+                       cluster: ClusterConfig, *, model: MoETransformer | None = None,
+                       slots_per_rank: int | None = None, placement: ExpertPlacement | None = None,
+                       backend: AttentionBackend = "eager",
+                       **balancer_options) -> tuple[LayoutRun, OnlineExpertBalancer]:
+    """A layout whose EP ranks have spare expert slots, with its balancer: what ``moetrain train
+    --online-balance``, the tests and the benchmark all train with.
+
+    ``model``: a full model built by the caller (e.g. with a skewed router); default: ``build_model``
+    with the run's seed. ``placement``: the starting table; default: the contiguous layout with
+    ``slots_per_rank`` slots (default ``experts/ep + 1``, as ``moetrain balance``). The returned run's
+    optimizer sums replicated experts' gradients; call ``balancer.after_step(step)`` after each step.
+    """
+    check_online_balance(dims.parallel, model_cfg)
+    assert model_cfg.moe is not None
+    num_experts, ep = model_cfg.moe.num_experts, dims.parallel.ep
+    if model is None:
+        model = build_model(model_cfg, device, backend=backend, seed=cfg.seed)
+    if placement is None:
+        slots = slots_per_rank or default_slots_per_rank(num_experts, ep)
+        placement = ExpertPlacement.contiguous(num_experts, ep, slots)
+    stage = parallelize(model, dims, placement)
+    optimizer = ZeroAdamW(stage.model, dims, cfg, stage.tp_kinds)
+    costs = BalanceCostModel(model_cfg, cluster, ep, hierarchical_a2a=dims.parallel.a2a == "hierarchical",
+                             seq_len=cfg.seq_len)
+    balancer = OnlineExpertBalancer(stage, optimizer, costs, **balancer_options)
+    return LayoutRun(stage, balancer.wrap(optimizer), Executor(stage)), balancer
+

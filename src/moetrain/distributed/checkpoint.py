@@ -41,6 +41,9 @@ from moetrain.train.checkpoint import COMPLETE_MARKER, checkpoint_dir, read_mark
 from moetrain.train.optim import build_lr_scheduler, build_optimizer
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+EXPERT_PLACEMENT_FILE = "expert_placement.json"
+"""Written beside the tensors by a run with online expert balancing: the placement of every MoE layer
+(``OnlineExpertBalancer.state_dict``). Only a resume with balancing reads it; tensors are by expert."""
 
 
 @dataclass
@@ -109,13 +112,21 @@ def _placements(run: LayoutRun, global_shapes: dict[str, torch.Size]):
     """For each local tensor name: how to turn its local value into global pieces."""
     stage, dims = run.stage, run.stage.dims
     tp_rank = dims.local_rank("tp") if dims.parallel.tp > 1 else 0
-    held = stage.expert_table.experts_by_rank[dims.local_rank("ep")] if stage.expert_table is not None else None
+    ep_rank = dims.local_rank("ep") if stage.expert_table is not None else 0
+    etp_rank = dims.local_rank("etp") if stage.expert_table is not None else 0
 
     def to_global(name: str, local: torch.Tensor) -> GlobalPieces | torch.Tensor:
         shape = global_shapes[name]
-        if held is not None and ".moe.experts." in f".{name}":
-            zeros = (0,) * (local.ndim - 1)
-            return GlobalPieces(shape, [(torch.Size((expert, *zeros)), local[slot:slot + 1])
+        if stage.expert_table is not None and ".moe.experts." in f".{name}":
+            # Each slot is written as its logical expert's piece, by the table its MoE block's
+            # dispatcher uses now: after online balancing moved experts (or replicated them: DCP keeps
+            # one of identical pieces) the checkpoint is still by logical expert, loadable anywhere.
+            block = stage.model.get_submodule(name.rsplit(".experts.", 1)[0])
+            held = block.dispatcher.table.experts_by_rank[ep_rank]
+            # Under expert tensor parallelism a slot holds this rank's slice of the FFN dimension
+            # (the one dimension narrower than the global tensor's): a piece at etp_rank · width.
+            inner = tuple(etp_rank * local.shape[d] if local.shape[d] != shape[d] else 0 for d in range(1, local.ndim))
+            return GlobalPieces(shape, [(torch.Size((expert, *inner)), local[slot:slot + 1])
                                         for slot, expert in enumerate(held) if expert >= 0])
         if local.shape == shape:
             return local
@@ -185,8 +196,9 @@ def _fsync_folder(root: Path) -> None:
 
 
 def save_checkpoint(save_dir: Path, step: int, run: LayoutRun, model_cfg: ModelConfig, cfg: TrainingConfig,
-                    config_hash: str = "") -> Path:
-    """Every rank of the layout calls this after ``step`` completed steps; returns the folder."""
+                    config_hash: str = "", expert_placement: dict | None = None) -> Path:
+    """Every rank of the layout calls this after ``step`` completed steps; returns the folder.
+    ``expert_placement``: the balancer's state (the same on every rank), saved for a resume."""
     world = run.stage.dims.get_group("world")
     final = checkpoint_dir(save_dir, step)
     staging = final.with_name(final.name + ".tmp")
@@ -205,6 +217,8 @@ def save_checkpoint(save_dir: Path, step: int, run: LayoutRun, model_cfg: ModelC
     dist.barrier(group=world)
     if coordinator:
         # Same sealing as the single-process trainer: marker last, then the rename.
+        if expert_placement is not None:
+            (staging / EXPERT_PLACEMENT_FILE).write_text(json.dumps(expert_placement))
         _fsync_folder(staging)
         (staging / COMPLETE_MARKER).write_text(json.dumps({"step": step, "config_hash": config_hash}))
         _fsync_folder(staging)
@@ -241,3 +255,9 @@ def load_checkpoint(path: Path, run: LayoutRun, model_cfg: ModelConfig, config_h
     run.optimizer.load_moments(moments, steps.pop())
     assert int(trainer["step"]) == marker_step
     return marker_step
+
+
+def read_expert_placement(path: Path) -> dict | None:
+    """The expert placement saved with a checkpoint by a balancing run, or None."""
+    file = path / EXPERT_PLACEMENT_FILE
+    return json.loads(file.read_text()) if file.is_file() else None

@@ -113,7 +113,7 @@ def regroup_index(lengths: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
     return np.arange(int(block_lengths.sum()), dtype=np.int64) + np.repeat(block_starts - new_starts, block_lengths)
 
 
-def _inverse(index: np.ndarray) -> np.ndarray:
+def inverse_permutation(index: np.ndarray) -> np.ndarray:
     inverse = np.empty_like(index)
     inverse[index] = np.arange(index.size, dtype=index.dtype)
     return inverse
@@ -145,6 +145,9 @@ class PendingDispatch:
 
     exchange: PendingExchange
     reorder: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, object]]
+    tokens_per_local: torch.Tensor | None = None
+    """Tokens per local slot, known before the exchange completes (expert tensor parallelism starts
+    exchanging them over its group at once, ``moetrain.distributed.etp``)."""
 
     def finish(self) -> tuple[torch.Tensor, torch.Tensor, object]:
         return self.reorder(self.exchange.wait())
@@ -185,13 +188,14 @@ class AllToAllDispatcher:
         exchange = all_to_all_start(rows_PD, out_splits, in_splits, self.group, "a2a_dispatch")
         to_canonical = regroup_index(slot_counts[:, rank], (1, 0))  # (src, slot) blocks → (slot, src)
         to_canonical_t = _to_device(to_canonical, x_TD.device)
-        from_canonical_t = _to_device(_inverse(to_canonical), x_TD.device)
+        from_canonical_t = _to_device(inverse_permutation(to_canonical), x_TD.device)
         tokens_per_local = torch.from_numpy(slot_counts[:, rank].sum(0)).to(x_TD.device)
         meta = FlatDispatchMeta(
             PermuteMeta(token_index_P, routing.weights_TK.reshape(-1)[order_P], x_TD.shape[0]),
             in_splits, out_splits, to_canonical_t, from_canonical_t,
         )
-        return PendingDispatch(exchange, lambda received: (received[to_canonical_t], tokens_per_local, meta))
+        return PendingDispatch(exchange, lambda received: (received[to_canonical_t], tokens_per_local, meta),
+                               tokens_per_local)
 
     def combine(self, y_PD: torch.Tensor, meta: FlatDispatchMeta) -> torch.Tensor:
         returned = all_to_all(y_PD[meta.from_canonical], meta.in_splits, meta.out_splits, self.group, "a2a_combine")
@@ -289,9 +293,10 @@ class HierarchicalDispatcher:
         tokens_per_local = torch.from_numpy(to_me.sum(0)).to(x_TD.device)
         meta = HierarchicalDispatchMeta(
             token_index, num_tokens, inter_in, inter_out, expand_row, expand_weights, rows.shape[0],
-            intra_in, intra_out, to_canonical_t, _to_device(_inverse(to_canonical), x_TD.device),
+            intra_in, intra_out, to_canonical_t, _to_device(inverse_permutation(to_canonical), x_TD.device),
         )
-        return PendingDispatch(exchange, lambda received: (received[to_canonical_t], tokens_per_local, meta))
+        return PendingDispatch(exchange, lambda received: (received[to_canonical_t], tokens_per_local, meta),
+                               tokens_per_local)
 
     def combine(self, y_PD: torch.Tensor, meta: HierarchicalDispatchMeta) -> torch.Tensor:
         back = all_to_all(y_PD[meta.from_canonical], meta.intra_in, meta.intra_out, self.intra_group,
@@ -304,15 +309,23 @@ class HierarchicalDispatcher:
             return home.new_zeros(meta.num_tokens, home.shape[1]).index_add_(0, meta.token_index, home)
 
 
-def shard_experts(experts: GroupedExperts, table: ExpertTable, ep_rank: int) -> GroupedExperts:
-    """This rank's slots of the full expert stack (weights copied; ``-1`` slots start at zero)."""
+def shard_experts(experts: GroupedExperts, table: ExpertTable, ep_rank: int, etp_rank: int = 0,
+                  etp: int = 1) -> GroupedExperts:
+    """This rank's slots of the full expert stack (weights copied; ``-1`` slots start at zero). With
+    expert tensor parallelism (``etp`` > 1) each slot keeps FFN columns ``[etp_rank·F/etp, (etp_rank+1)·F/etp)``
+    of its gate and up projections and the same rows of its down projection (``moetrain.distributed.etp``)."""
     held = list(table.experts_by_rank[ep_rank])
     full = experts
-    local = GroupedExperts(len(held), full.w_gate_EDF.shape[1], full.w_gate_EDF.shape[2],
-                           device=full.w_gate_EDF.device)
+    ffn_hidden = full.w_gate_EDF.shape[2]
+    assert ffn_hidden % etp == 0, f"expert FFN width {ffn_hidden} does not split over etp={etp}"
+    width = ffn_hidden // etp
+    columns = slice(etp_rank * width, (etp_rank + 1) * width)
+    local = GroupedExperts(len(held), full.w_gate_EDF.shape[1], width, device=full.w_gate_EDF.device)
     with torch.no_grad():
         for name in ("w_gate_EDF", "w_up_EDF", "w_down_EFD"):
             src, dst = getattr(full, name), getattr(local, name)
+            # the FFN dimension: last of gate/up [E, D, F], middle of down [E, F, D]
+            src = src[:, :, columns] if name != "w_down_EFD" else src[:, columns, :]
             dst.zero_()
             for slot, expert in enumerate(held):
                 if expert >= 0:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from moetrain.balance.online import check_online_balance
 from moetrain.config import ParallelConfig, load_model_config
 from moetrain.distributed.layout import validate_layout
 from moetrain.errors import UserError, describe_validation_error
@@ -114,13 +115,25 @@ def _check_run_flags(args: argparse.Namespace) -> None:
         raise UserError("--synthetic-data and --data exclude each other; drop one")
 
 
+def check_seq_len(seq_len: int, parallel: ParallelConfig) -> None:
+    """Context parallelism cuts each sequence into 2·cp load-balanced chunks; sequence parallelism
+    then splits each rank's share over the tp ranks."""
+    if parallel.cp > 1 and seq_len % (2 * parallel.cp):
+        raise UserError(f"--seq-len {seq_len} does not split into 2·cp = {2 * parallel.cp} context-parallel "
+                        f"chunks; make it a multiple of {2 * parallel.cp}")
+    if parallel.tp > 1 and (seq_len // parallel.cp) % parallel.tp:
+        share = "" if parallel.cp == 1 else f" of each cp={parallel.cp} share ({seq_len // parallel.cp} tokens)"
+        raise UserError(f"--seq-len {seq_len} does not split over tp={parallel.tp} sequence shards{share}")
+
+
 def launch(nproc: int, args: argparse.Namespace, log_dir: Path | None = None) -> int:
     model_cfg = load_model_config(args.model)
     parallel = parallel_config(args, nproc)
     validate_layout(parallel, model_cfg, nproc, args.global_batch, args.micro_batch, args.ranks_per_node)
-    if parallel.tp > 1 and args.seq_len % parallel.tp:
-        raise UserError(f"--seq-len {args.seq_len} does not split over tp={parallel.tp} sequence shards")
+    check_seq_len(args.seq_len, parallel)
     _check_run_flags(args)
+    if getattr(args, "online_balance", False):
+        check_online_balance(parallel, model_cfg)
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="moetrain-run-"))
     error_dir = log_dir / "errors"
     error_dir.mkdir(parents=True, exist_ok=True)

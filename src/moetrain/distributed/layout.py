@@ -46,10 +46,17 @@ def validate_layout(parallel: ParallelConfig, model: ModelConfig, world_size: in
             f"{model.num_layers} layers do not split into pp·vpp = {chunks} equal pipeline chunks; "
             "pick pp·vpp dividing the layer count"
         )
-    if parallel.cp > 1:
-        raise UserError("context parallel is not implemented by this runtime; use --cp 1")
     if parallel.etp > 1:
-        raise UserError("expert tensor parallel is not implemented by this runtime; use --etp 1")
+        if model.moe is None:
+            raise UserError(f"etp={parallel.etp} needs a model with MoE layers; {model.name} is dense")
+        if model.moe.expert_ffn_hidden % parallel.etp:
+            raise UserError(
+                f"expert FFN width {model.moe.expert_ffn_hidden} does not divide by etp={parallel.etp}; "
+                "pick etp dividing it"
+            )
+        if parallel.a2a == "hierarchical" and parallel.ep > 1:
+            raise UserError("hierarchical all-to-all does not run with expert tensor parallelism (etp > 1); "
+                            "use the flat all-to-all or --etp 1")
     if parallel.tp > 1:
         heads = model.attention.num_heads
         if heads % parallel.tp:
@@ -74,7 +81,7 @@ def validate_layout(parallel: ParallelConfig, model: ModelConfig, world_size: in
                 "(ep a multiple of the node size) or sit inside one"
             )
     if global_batch is not None and micro_batch is not None:
-        per_replica = parallel.dp * parallel.cp * micro_batch
+        per_replica = parallel.dp * micro_batch  # the cp ranks of a replica share its sequences
         if global_batch % (parallel.dp * micro_batch):
             raise UserError(
                 f"global batch {global_batch} does not split into dp={parallel.dp} replicas of micro-batches "

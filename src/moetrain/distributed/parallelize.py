@@ -17,12 +17,14 @@ from dataclasses import dataclass
 from torch import nn
 
 from moetrain.balance.placement import ExpertPlacement
+from moetrain.distributed.cp import ContextParallel, apply_context_parallel
 from moetrain.distributed.ep import (
     AllToAllDispatcher,
     ExpertTable,
     HierarchicalDispatcher,
     shard_experts,
 )
+from moetrain.distributed.etp import ExpertTensorParallelDispatcher
 from moetrain.distributed.layout import ParallelDims
 from moetrain.distributed.overlap import SplitGradExperts
 from moetrain.distributed.tp import ParamKind, apply_tensor_parallel
@@ -49,6 +51,8 @@ class StageModel:
     expert_table: ExpertTable | None = None
     tp_kinds: dict[str, ParamKind] | None = None
     """Gradient kind of each parameter under tensor parallelism (None when tp = 1)."""
+    cp: ContextParallel | None = None
+    """How this rank splits and gathers the sequence under context parallelism (None when cp = 1)."""
 
 
 def chunk_layers(num_layers: int, pp: int, vpp: int, pp_rank: int) -> list[Chunk]:
@@ -82,19 +86,25 @@ def apply_pipeline_split(model: MoETransformer, chunks: list[Chunk]) -> None:
 
 def apply_expert_parallel(model: MoETransformer, dims: ParallelDims,
                           placement: ExpertPlacement | None = None) -> ExpertTable:
-    """Keep this rank's expert slots and install the all-to-all dispatcher in every MoE block."""
+    """Keep this rank's expert slots and install the all-to-all dispatcher in every MoE block. With
+    expert tensor parallelism each slot keeps this rank's slice of the expert FFN and the dispatcher
+    gathers the ETP group's tokens after the all-to-all (``moetrain.distributed.etp``); with ep = 1 the
+    model's local dispatcher stays inside that wrapper."""
     parallel = dims.parallel
     assert model.cfg.moe is not None
     placement = placement or ExpertPlacement.contiguous(model.cfg.moe.num_experts, parallel.ep)
     table = ExpertTable.from_placement(placement, device=next(model.parameters()).device)
     ep_rank = dims.local_rank("ep")
+    etp_rank = dims.local_rank("etp")
     for block in model_moe_blocks(model):
-        block.experts = shard_experts(block.experts, table, ep_rank)
-        if parallel.a2a == "hierarchical":
+        block.experts = shard_experts(block.experts, table, ep_rank, etp_rank, parallel.etp)
+        if parallel.ep > 1 and parallel.a2a == "hierarchical":
             block.dispatcher = HierarchicalDispatcher(dims.get_group("ep"), dims.get_group("ep_intra"),
                                                       dims.get_group("ep_inter"), table)
-        else:
+        elif parallel.ep > 1:
             block.dispatcher = AllToAllDispatcher(dims.get_group("ep"), table)
+        if parallel.etp > 1:
+            block.dispatcher = ExpertTensorParallelDispatcher(block.dispatcher, dims.get_group("etp"), table)
     return table
 
 
@@ -109,8 +119,9 @@ def parallelize(model: MoETransformer, dims: ParallelDims, placement: ExpertPlac
     chunks = chunk_layers(model.cfg.num_layers, parallel.pp, parallel.vpp, dims.pp_rank)
     apply_pipeline_split(model, chunks)
     tp_kinds = apply_tensor_parallel(model, dims.get_group("tp")) if parallel.tp > 1 else None
-    table = apply_expert_parallel(model, dims, placement) if parallel.ep > 1 else None
+    cp = apply_context_parallel(model, dims)
+    table = apply_expert_parallel(model, dims, placement) if parallel.ep * parallel.etp > 1 else None
     if parallel.overlap:
         for block in model_moe_blocks(model):
             SplitGradExperts.adopt(block.experts)
-    return StageModel(model, chunks, dims, table, tp_kinds)
+    return StageModel(model, chunks, dims, table, tp_kinds, cp)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from moetrain.distributed.cp import ContextParallel
 from moetrain.distributed.overlap import flush_weight_grads, run_pair, set_split_grads
 from moetrain.distributed.parallelize import Chunk, StageModel
 from moetrain.distributed.schedules import Action, Overlapped, Step
@@ -69,12 +70,15 @@ def _record_counts(step: StepContext, layer: int, counts: torch.Tensor | None) -
 
 
 def chunk_forward(model: MoETransformer, chunk: Chunk, x: torch.Tensor | None, mb: MicroBatch,
-                  attn_ctx: AttentionContext, step: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+                  attn_ctx: AttentionContext, step: StepContext,
+                  cp: ContextParallel | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(output, scaled aux loss): the output is the hidden state (this rank's sequence shard under
-    tensor parallelism), or on the last chunk the loss."""
+    tensor and context parallelism), or on the last chunk the loss. ``mb`` holds full sequences; under
+    context parallelism the rank takes its tokens of them (after the MTP shifts)."""
     tp_group = step.tp_group
+    local = cp.local_tokens if cp is not None else (lambda t: t)
     if chunk.is_first:
-        x = model.embed(mb.input_ids)
+        x = model.embed(local(mb.input_ids))
         if tp_group is not None:
             x = split_sequence(x, tp_group)
     assert x is not None
@@ -93,13 +97,13 @@ def chunk_forward(model: MoETransformer, chunk: Chunk, x: torch.Tensor | None, m
     normalizer = step.loss_normalizer
     full = lambda h: gather_sequence(h, tp_group) if tp_group is not None else h
     logits = model.output_head(model.final_norm(full(x)))
-    lm_loss = token_loss_sum(logits, mb.labels) / normalizer
+    lm_loss = token_loss_sum(logits, local(mb.labels)) / normalizer
     mtp_loss = logits.new_zeros((), dtype=torch.float32)
     hidden, next_ids, next_labels = x, mb.input_ids, mb.labels
     for mtp_index, module in enumerate(model.mtp):
         next_ids = shift_left(next_ids, 0)
         next_labels = shift_left(next_labels, IGNORE_INDEX)
-        next_embed = model.embed(next_ids)
+        next_embed = model.embed(local(next_ids))
         if tp_group is not None:
             next_embed = split_sequence(next_embed, tp_group)
         hidden, aux, counts = module(hidden, next_embed, attn_ctx)
@@ -107,7 +111,7 @@ def chunk_forward(model: MoETransformer, chunk: Chunk, x: torch.Tensor | None, m
         if aux is not None:
             aux_terms.append(aux)
         mtp_logits = model.output_head(module.final_norm(full(hidden)))
-        mtp_loss = mtp_loss + token_loss_sum(mtp_logits, next_labels) / normalizer
+        mtp_loss = mtp_loss + token_loss_sum(mtp_logits, local(next_labels)) / normalizer
     if len(model.mtp):
         mtp_loss = mtp_loss / len(model.mtp)
     aux = torch.stack(aux_terms).sum() if aux_terms else lm_loss.new_zeros(())
@@ -160,9 +164,13 @@ class Executor:
     def forward(self, action: Action, step: StepContext, x: torch.Tensor | None) -> None:
         chunk = self.stage.chunks[action.chunk]
         mb = step.micro_batches[action.micro_batch]
-        attn_ctx = build_attention_context(mb.input_ids, mb.document_ids)
+        cp = self.stage.cp
+        if cp is not None:
+            attn_ctx = cp.attention_context(mb.input_ids, mb.document_ids)
+        else:
+            attn_ctx = build_attention_context(mb.input_ids, mb.document_ids)
         with span(f"F{chunk.index}", "compute"):
-            out, aux = chunk_forward(self.stage.model, chunk, x, mb, attn_ctx, step)
+            out, aux = chunk_forward(self.stage.model, chunk, x, mb, attn_ctx, step, cp)
         if chunk.is_last:
             step.loss_sum += (out + aux).detach()
         else:

@@ -105,7 +105,7 @@ def train_step(run: LayoutRun, step: int, cfg: TrainingConfig, device: torch.dev
     ]
     ctx = StepContext(
         loss_normalizer=normalizer, aux_loss_scale=1.0 / (num_micro * parallel.dp), micro_batches=micro_batches,
-        hidden_shape=(cfg.micro_batch, cfg.seq_len // parallel.tp, model_cfg.hidden_size),
+        hidden_shape=(cfg.micro_batch, cfg.seq_len // (parallel.tp * parallel.cp), model_cfg.hidden_size),
         dtype=torch.float32, device=device,
         loss_sum=torch.zeros((), device=device),
         tp_group=dims.get_group("tp") if parallel.tp > 1 else None,

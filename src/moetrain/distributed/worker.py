@@ -98,7 +98,7 @@ def _train(args: argparse.Namespace, rank: int, device: torch.device) -> None:
     from moetrain.config import ParallelConfig, load_cluster_config, load_model_config
     from moetrain.costs.flops import training_flops_per_token
     from moetrain.distributed import training
-    from moetrain.distributed.checkpoint import load_checkpoint, save_checkpoint
+    from moetrain.distributed.checkpoint import load_checkpoint, read_expert_placement, save_checkpoint
     from moetrain.distributed.layout import ParallelDims
     from moetrain.distributed.step import build_layout
     from moetrain.distributed.trace import Tracer
@@ -124,11 +124,25 @@ def _train(args: argparse.Namespace, rank: int, device: torch.device) -> None:
         data = _prepare_data(args, rank, model_cfg.vocab_size, cfg.seq_len, cfg.seed)
         config_hash = training.trainer_config_hash(model_cfg, cfg, data)
         next_batch = lambda step: data.dataset.step_batch(step, cfg.global_batch, cfg.micro_batch, dp_rank, dp_size)
-    run = build_layout(dims, model_cfg, cfg, device)
+    cluster = load_cluster_config(args.cluster or ("h100-sxm-80gb" if device.type == "cuda" else "cpu"))
+    balancer = None
+    if args.online_balance:  # spare slots, replica-summing optimizer, trigger after every step
+        from moetrain.distributed.balancing import build_balanced_run
+
+        run, balancer = build_balanced_run(dims, model_cfg, cfg, device, cluster)
+    else:
+        run = build_layout(dims, model_cfg, cfg, device)
     step = 0
     if args.resume:
         path = latest_checkpoint(save_dir)
         if path is not None:
+            if balancer is not None:  # adopt the saved placement first: slots then load their experts
+                saved = read_expert_placement(path)
+                restored = saved is not None and balancer.load_state_dict(saved)
+                if rank == 0:
+                    print("restored the saved expert placement" if restored else
+                          "no expert placement of this EP size in the checkpoint; starting from the contiguous one",
+                          flush=True)
             step = load_checkpoint(path, run, model_cfg, config_hash=config_hash)
             if rank == 0:
                 print(f"resumed from {path} (step {step})", flush=True)
@@ -137,7 +151,6 @@ def _train(args: argparse.Namespace, rank: int, device: torch.device) -> None:
     layers = training.moe_layer_indices(model_cfg)
     if args.trace_routing and not layers:
         raise UserError(f"--trace-routing needs an MoE model; {model_cfg.name} has no MoE layers")
-    cluster = load_cluster_config(args.cluster or ("h100-sxm-80gb" if device.type == "cuda" else "cpu"))
     peak_flops_total = cluster.peak_flops("bf16") * parallel.world_size
     flops_per_token = float(training_flops_per_token(model_cfg, cfg.seq_len))
     metrics = MetricsLogger(training.resolve_path(args.metrics_out) if rank == 0 else None, resume=args.resume)
@@ -153,8 +166,14 @@ def _train(args: argparse.Namespace, rank: int, device: torch.device) -> None:
             with tracer.active():
                 result = training.data_train_step(run, step, batch, cfg, device, layers)
             step += 1
+            decisions = balancer.after_step(step - 1) if balancer is not None else []
             row = training.metrics_row(step, result, batch.global_tokens, time.perf_counter() - start,
                                        flops_per_token, peak_flops_total, parallel, cfg.global_batch)
+            if balancer is not None:
+                row.update(balancer.step_metrics(decisions))
+                if rank == 0:
+                    for line in balancer.describe(decisions):
+                        print(line, flush=True)
             metrics.log(row)
             if routing is not None:
                 routing.write(step, result.tokens_per_expert)
@@ -162,7 +181,8 @@ def _train(args: argparse.Namespace, rank: int, device: torch.device) -> None:
                 print(f"step {step - 1} loss {row['loss']:.6f}", flush=True)
             training.check_finite(row["loss"], step)
             if save_dir is not None and training.should_save(step, last_step, args.save_every):
-                save_checkpoint(save_dir, step, run, model_cfg, cfg, config_hash=config_hash)
+                save_checkpoint(save_dir, step, run, model_cfg, cfg, config_hash=config_hash,
+                                expert_placement=balancer.state_dict() if balancer is not None else None)
     finally:
         metrics.close()
         if routing is not None:

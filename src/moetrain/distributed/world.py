@@ -59,6 +59,8 @@ def _entry(rank: int, world_size: int, port: int, result_dir: str, fn: Callable[
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, Path(result_dir) / f"rank{rank}.pt")
+        # Rank 0 hosts the store every group was built from: no rank leaves before the slowest is done.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

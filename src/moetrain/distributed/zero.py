@@ -6,8 +6,9 @@ replica of them:
   ranks), as under sequence parallelism each TP rank holds the gradient of its own tokens;
 - tensor-parallel shards, and replicated parameters computed identically by every TP rank (head):
   the ``dp_cp`` group;
-- routed-expert parameters: the ``edp`` group (the ranks holding the same expert slots), so expert
-  gradients are never reduced across different experts;
+- routed-expert parameters: the ``edp`` group (the ranks holding the same expert slots, and under
+  expert tensor parallelism the same FFN slice of them), so expert gradients are never reduced across
+  different experts or slices;
 - the embedding, when the first and last pipeline stage both hold it: first summed over ``embed``.
 Each rank of a bucket's group owns ``1/size`` of the flat bucket: it keeps the AdamW moments of that
 shard only, updates it, and the updated shards are all-gathered back into the parameters.

@@ -260,6 +260,35 @@ def _recompute_wrapper(original: Callable) -> Callable:
     return forward
 
 
+@dataclass(frozen=True)
+class _DiscardedDispatch:
+    """A pending dispatch whose tokens, once finished, are registered as a recomputable output."""
+
+    pending: object
+    manager: SavedTensorManager
+    rebuild: Callable
+    args: tuple
+
+    def finish(self):
+        out = self.pending.finish()
+        if torch.is_grad_enabled():
+            self.manager.register_producer(self.rebuild, self.args, out[0])
+        return out
+
+
+def _recomputed_dispatch(manager: SavedTensorManager, original: Callable) -> Callable:
+    def rebuild(x_TD: torch.Tensor, routing) -> torch.Tensor:
+        return original(x_TD, routing).finish()[0]
+
+    @functools.wraps(original)
+    def start_dispatch(x_TD, routing):
+        pending = original(x_TD, routing)
+        if not torch.is_grad_enabled():
+            return pending
+        return _DiscardedDispatch(pending, manager, rebuild, (x_TD, routing))
+    return start_dispatch
+
+
 @dataclass
 class AppliedPolicy:
     """Handle returned by ``apply_memory_policy``: what was installed, and how to remove it."""
@@ -280,7 +309,9 @@ class AppliedPolicy:
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """Decoder layers in plan order: ``model.layers`` then each MTP module's layer."""
-    layers = list(getattr(model, "layers", []))
+    layers = getattr(model, "layers", [])
+    # a parallelized model keys its layers by global index (``ModuleDict``)
+    layers = list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)
     layers += [m.layer for m in getattr(model, "mtp", [])]
     return layers
 
@@ -365,17 +396,13 @@ def _apply_to_layer(layer: nn.Module, index: int, options: frozenset[str], manag
         if "router" in options:
             _override(moe.router, "forward", _recompute_wrapper, applied.overrides)
         if "permute" in options:
-            dispatcher = moe.dispatcher
-
-            def dispatch_wrapper(original: Callable) -> Callable:
-                def dispatch(x_TD, routing):
-                    out = original(x_TD, routing)
-                    if torch.is_grad_enabled():
-                        manager.register_producer(lambda x, r: original(x, r)[0], (x_TD, routing), out[0])
-                    return out
-                return dispatch
-
-            _override(dispatcher, "dispatch", dispatch_wrapper, applied.overrides)
+            # The MoE block issues ``start_dispatch`` and later ``finish``es it (local and
+            # expert-parallel dispatchers alike), so the wrapper sits there: the dispatched tokens
+            # are discarded and rebuilt in backward by dispatching again. Under expert parallelism
+            # that rebuild exchanges the tokens again (counts and one all-to-all, at the same point
+            # of backward on every EP rank): memory traded for communication, as the cost model says.
+            _override(moe.dispatcher, "start_dispatch", functools.partial(_recomputed_dispatch, manager),
+                      applied.overrides)
     if "activation" in options:
         for mlp in mlps:
             _override(mlp.act, "forward", producer, applied.overrides)

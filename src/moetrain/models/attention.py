@@ -9,11 +9,16 @@ Two backends compute the same function:
   or k, and shares the single rotary key across heads by broadcasting (no copy per head);
 - ``sdpa`` hands torch's fused ``scaled_dot_product_attention`` one concatenated q and k (it takes one
   QK tensor) and V with its own head dim; memory-efficient kernels avoid the S×S score matrix.
+
+Under context parallelism (``moetrain.distributed.cp``) a layer computes the queries of its share of
+the sequence only; ``AttentionContext.gather_kv`` brings the keys' sources of the whole sequence, and
+the mask and positions come from the full sequence (``build_attention_context`` with token indices).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -33,22 +38,47 @@ class AttentionContext:
     """Per-batch inputs every attention layer shares; built once per forward."""
 
     positions_BS: torch.Tensor
+    """RoPE position of each query token."""
     mask_B1SS: torch.Tensor | None
-    """Boolean (True = may attend) for packed documents; None means plain causal."""
+    """Boolean [B|1, 1, queries, keys] (True = may attend); None means plain causal over one sequence."""
+    key_positions_BS: torch.Tensor | None = None
+    """RoPE position of each key token when the keys are not the queries (context parallelism: keys
+    gathered from every rank); None means the queries' positions."""
+    gather_kv: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """Context parallelism: gathers a per-token key/value tensor [B, S_local, X] into the keys' order
+    [B, S_keys, X] (its backward returns each rank the summed gradient of its own tokens)."""
 
 
 def build_attention_context(
-    input_ids_BS: torch.Tensor, document_ids_BS: torch.Tensor | None
+    input_ids_BS: torch.Tensor, document_ids_BS: torch.Tensor | None,
+    query_index_S: torch.Tensor | None = None, key_index_S: torch.Tensor | None = None,
+    gather_kv: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> AttentionContext:
+    """The context of full sequences ``input_ids_BS`` (and their documents). With ``query_index_S``
+    the layer computes only the queries at those sequence indices, against keys at ``key_index_S``
+    (in the order ``gather_kv`` delivers them): positions and the causal + document mask are taken
+    from the full sequence, so each token keeps its true position (context parallelism)."""
     from moetrain.models.rope import positions_from_documents
 
     batch, seq = input_ids_BS.shape
+    device = input_ids_BS.device
+    if query_index_S is None:
+        if document_ids_BS is None:
+            positions = torch.arange(seq, device=device).expand(batch, seq)
+            return AttentionContext(positions, None)
+        causal = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
+        same_doc = document_ids_BS.unsqueeze(2) == document_ids_BS.unsqueeze(1)
+        return AttentionContext(positions_from_documents(document_ids_BS), (same_doc & causal).unsqueeze(1))
+    assert key_index_S is not None, "a query subset needs the keys' sequence indices"
     if document_ids_BS is None:
-        positions = torch.arange(seq, device=input_ids_BS.device).expand(batch, seq)
-        return AttentionContext(positions, None)
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=input_ids_BS.device).tril()
-    same_doc = document_ids_BS.unsqueeze(2) == document_ids_BS.unsqueeze(1)
-    return AttentionContext(positions_from_documents(document_ids_BS), (same_doc & causal).unsqueeze(1))
+        positions = torch.arange(seq, device=device).expand(batch, seq)
+    else:
+        positions = positions_from_documents(document_ids_BS)
+    mask_1SS = (key_index_S.unsqueeze(0) <= query_index_S.unsqueeze(1)).unsqueeze(0)  # causal on true indices
+    if document_ids_BS is not None:
+        same_doc = document_ids_BS[:, query_index_S].unsqueeze(2) == document_ids_BS[:, key_index_S].unsqueeze(1)
+        mask_1SS = mask_1SS & same_doc
+    return AttentionContext(positions[:, query_index_S], mask_1SS.unsqueeze(1), positions[:, key_index_S], gather_kv)
 
 
 def _masked_softmax_scores(scores_BHSS: torch.Tensor, mask_B1SS: torch.Tensor | None) -> torch.Tensor:
@@ -123,17 +153,22 @@ class MLA(nn.Module):
         """Latents to the core attention's inputs, rotary applied: (q, k, v) [B, H, S, ·] for sdpa,
         (q_nope, q_rope, k_nope, k_rope, v) for eager (k_rope has one head, shared by all)."""
         cfg = self.cfg
-        batch, seq = latent_BSC.shape[:2]
+        batch, q_seq = q_source.shape[:2]
+        kv_seq = latent_BSC.shape[1]  # the whole sequence's keys under context parallelism, else q_seq
         nope, rope, v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         q_flat = self.q_up(self.q_norm(q_source)) if cfg.q_lora_rank else q_source
-        q_BSHK = q_flat.view(batch, seq, cfg.num_heads, nope + rope)
+        q_BSHK = q_flat.view(batch, q_seq, cfg.num_heads, nope + rope)
         q_nope_BSHN, q_rope_BSHR = q_BSHK.split([nope, rope], dim=-1)
-        kv_BSHK = self.kv_up(self.kv_norm(latent_BSC)).view(batch, seq, cfg.num_heads, nope + v_dim)
+        kv_BSHK = self.kv_up(self.kv_norm(latent_BSC)).view(batch, kv_seq, cfg.num_heads, nope + v_dim)
         k_nope_BSHN, v_BSHV = kv_BSHK.split([nope, v_dim], dim=-1)
 
         cos, sin = rope_cos_sin(ctx.positions_BS, rope, self.rope_theta, self.rope_scaling)
+        if ctx.key_positions_BS is not None:
+            k_cos, k_sin = rope_cos_sin(ctx.key_positions_BS, rope, self.rope_theta, self.rope_scaling)
+        else:
+            k_cos, k_sin = cos, sin
         q_rope_BSHR = apply_rope(q_rope_BSHR, cos, sin)
-        k_rope_BS1R = apply_rope(k_rope_BSR.unsqueeze(2), cos, sin)  # one rotary key shared by all heads
+        k_rope_BS1R = apply_rope(k_rope_BSR.unsqueeze(2), k_cos, k_sin)  # one rotary key shared by all heads
 
         q_nope, q_rope = q_nope_BSHN.transpose(1, 2), q_rope_BSHR.transpose(1, 2)
         k_nope, k_rope = k_nope_BSHN.transpose(1, 2), k_rope_BS1R.transpose(1, 2)
@@ -158,7 +193,17 @@ class MLA(nn.Module):
         return out_BHSV.transpose(1, 2).reshape(batch, seq, cfg.num_heads * cfg.v_head_dim)
 
     def forward(self, x_BSD: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        qkv = self.project_up(*self.project_down(x_BSD), ctx)
+        q_source, latent_BSC, k_rope_BSR = self.project_down(x_BSD)
+        if ctx.gather_kv is not None:
+            # Context parallelism: gather the keys' sources over the CP ranks *before* the up-projection.
+            # MLA's advantage: a token's keys and values are rebuilt from its compressed latent c_kv (C)
+            # and one rotary key shared by all heads (R), so C + R numbers per token travel instead of
+            # the H·(N + V) of the expanded keys and values (DeepSeek-V2 §2.1, here applied to CP's
+            # all-gather); queries stay local. RoPE is applied after the gather at the keys' own positions.
+            cfg = self.cfg
+            gathered = ctx.gather_kv(torch.cat([latent_BSC, k_rope_BSR], dim=-1))
+            latent_BSC, k_rope_BSR = gathered.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        qkv = self.project_up(q_source, latent_BSC, k_rope_BSR, ctx)
         return self.o_proj(self.attend(qkv, ctx))
 
 
@@ -185,8 +230,15 @@ class GQA(nn.Module):
         v = self.v_proj(x_BSD).view(batch, seq, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        if ctx.gather_kv is not None:
+            # Context parallelism: all-gather this rank's keys and values (one exchange) over the CP
+            # ranks; RoPE is applied after the gather at the keys' own positions.
+            kv = ctx.gather_kv(torch.cat([k, v], dim=-1).flatten(2))
+            k, v = kv.view(batch, kv.shape[1], cfg.num_kv_heads, 2 * cfg.head_dim).split(cfg.head_dim, dim=-1)
         cos, sin = rope_cos_sin(ctx.positions_BS, cfg.head_dim, self.rope_theta, self.rope_scaling)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_cos, k_sin = (cos, sin) if ctx.key_positions_BS is None else rope_cos_sin(
+            ctx.key_positions_BS, cfg.head_dim, self.rope_theta, self.rope_scaling)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, k_cos, k_sin)
         out = core_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), ctx, self.scale, self.backend)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, cfg.num_heads * cfg.head_dim))
 

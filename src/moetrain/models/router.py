@@ -99,6 +99,10 @@ class Router(nn.Module):
         if cfg.expert_balance_coef:
             aux = aux + cfg.expert_balance_coef * self.num_experts * (fraction_E * probs_E).sum()
         if cfg.device_balance_coef:
+            # Groups are contiguous LOGICAL experts, whatever the runtime's placement: the loss is
+            # part of the model's objective, so online expert balancing (which moves and replicates
+            # experts) must not change it; a migrated run then trains exactly as an unmigrated one.
+            # The placement absorbs the imbalance instead (docs/balance.md, "device-level loss").
             groups = cfg.num_device_groups
             fraction_D = fraction_E.view(groups, -1).sum(-1)
             probs_D = probs_E.view(groups, -1).sum(-1)

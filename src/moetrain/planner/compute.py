@@ -109,8 +109,18 @@ def expert_compute_time(
     """
     assert model.moe is not None, "expert_compute_time needs a MoE model"
     eff = _eff(cluster, efficiency)
-    per_token = 2.0 * mlp_params(model, model.moe.expert_ffn_hidden) / np.asarray(etp, dtype=float)
+    params_per_expert = mlp_params(model, model.moe.expert_ffn_hidden) / np.asarray(etp, dtype=float)
+    per_token = 2.0 * params_per_expert
     padded_rows = np.asarray(tokens, dtype=float) + np.asarray(num_local_experts) * GROUPED_GEMM_TILE_ROWS / 2
     flops = per_token * padded_rows
     act_bytes = np.asarray(tokens, dtype=float) * model.moe.expert_ffn_hidden / np.asarray(etp) * 2.0 * 3
-    return gemm_time(flops, mlp_matrix_count(model), cluster, eff, precision) + memory_time(act_bytes, cluster, eff)
+    # Roofline: a grouped GEMM reads every local expert's weights once per pass, plus the tokens' inputs
+    # and outputs; with few tokens per expert (fine-grained experts, many experts per device) that
+    # traffic, not the math, sets the time (Williams et al. 2009). Weights in the GEMM precision.
+    weight_bytes = np.asarray(num_local_experts, dtype=float) * params_per_expert * (
+        1.0 if precision == "fp8" else 2.0)
+    io_bytes = np.asarray(tokens, dtype=float) * (2 * model.hidden_size + 3 * model.moe.expert_ffn_hidden
+                                                  / np.asarray(etp, dtype=float)) * 2.0
+    math = gemm_time(flops, mlp_matrix_count(model), cluster, eff, precision)
+    traffic = memory_time(weight_bytes + io_bytes, cluster, eff)
+    return np.maximum(math, traffic) + memory_time(act_bytes, cluster, eff)

@@ -96,6 +96,23 @@ class Workload:
     """The framework can hide tensor-parallel collectives under GEMMs (Transformer Engine userbuffers,
     torch AsyncTP); ``Efficiency.tp_overlap`` says how much it hides. False for stacks whose TP
     all-reduces are synchronous (Megatron-LM 2021, Megatron-DeepSpeed)."""
+    comm_overlap_stated: tuple[str, ...] = ()
+    """Traffic the run's source says is overlapped with compute ("DP", "TP", "PP"): such traffic uses its
+    whole physical overlap window (DP: the passes that produce or consume it; TP: the layer's compute)
+    instead of the fitted shares ``grad_overlap`` / ``tp_overlap``, which price stacks that do not say."""
+    attention_window: int = 0
+    """Sliding-window length in tokens of the windowed attention layers (0: every layer attends to the
+    whole causal context)."""
+    window_layer_share: float = 0.0
+    """Share of the layers whose attention is windowed (GPT-OSS alternates windowed and full layers: 0.5)."""
+    rotary_embeddings: bool = True
+    """Rotary position embeddings rotate q and k in every layer (the project's models, Llama, DeepSeek,
+    GPT-OSS). False for learned absolute positions (GPT-3-style models) or ALiBi (MPT), which add no
+    per-layer pass."""
+    fp8_stored_activations: bool = False
+    """FP8 runs keep the quantised copy of each linear layer's input for the weight gradient, at 1 byte
+    instead of 2 (Transformer Engine; DeepSeek-V3 §3.3.2 caches them in FP8). False for torchao's Float8
+    linears, which save the high-precision input and quantise it again in the backward."""
 
     @property
     def activation_bytes(self) -> float:
@@ -105,6 +122,49 @@ class Workload:
 
 def _ceil_div(a, b):
     return -(-a // b)
+
+
+def fp8_stored_elements(w: Workload, s: Strategies, moe_layer: bool, level) -> np.ndarray:
+    """Elements, per layer and micro-batch on one device, of the linear-layer inputs that the activation
+    accounting (``moetrain.costs.activations``) keeps for backward at recompute ``level`` (0/1/2): with
+    FP8 linears these are stored quantised. No recompute: the pre-norm outputs (inputs of the QKV and
+    FFN projections; MLA's latent-norm outputs), the output projection's input, the second FFN matrix's
+    input, the permuted tokens the experts read. Selective recompute rebuilds norms, activation
+    functions and permutes, so the output projection's input remains (and MLA's latents, the inputs of
+    its recomputed up-projections); full recompute keeps only the layer input."""
+    model = w.model
+    attn = model.attention
+    tp = s.tp.astype(float)
+    t = s.micro_batch * w.seq_len / s.cp
+    t_split = np.where(s.sp, t / tp, t)
+    is_mla = isinstance(attn, MLAConfig)
+    o_proj_in = t * attn.num_heads * (attn.v_head_dim if is_mla else attn.head_dim) / tp
+    latents = t * (attn.q_lora_rank + attn.kv_lora_rank) if is_mla else 0.0 * t
+    none = 2.0 * t_split * model.hidden_size + o_proj_in + latents
+    if moe_layer and model.moe is not None:
+        moe = model.moe
+        routed = t_split * moe.router.top_k * w.imbalance
+        none = none + routed * (model.hidden_size + moe.expert_ffn_hidden / s.etp)
+        if moe.num_shared_experts:
+            none = none + t_split * moe.shared_ffn_hidden / tp
+    else:
+        none = none + t * model.dense_ffn_hidden / tp
+    selective = o_proj_in + latents
+    share_full = _full_recompute_share(level)
+    level = np.asarray(level, dtype=float)
+    return np.where(level < 1, none, (1.0 - share_full) * selective)
+
+
+def attention_time_share(seq_len: int, window: int, window_layer_share: float) -> float:
+    """Mean causal attention work per layer relative to full causal attention, when ``window_layer_share``
+    of the layers attend to the last ``window`` tokens only (sliding window: query i sees min(i, W) keys,
+    a mean of W − W(W−1)/(2s) over s positions, against (s+1)/2 for full causal attention; fused kernels
+    skip the blocks outside the window)."""
+    if window <= 0 or window >= seq_len or window_layer_share <= 0:
+        return 1.0
+    windowed = window - window * (window - 1) / (2.0 * seq_len)
+    full = (seq_len + 1) / 2.0
+    return 1.0 - window_layer_share + window_layer_share * windowed / full
 
 
 class _Layer:
@@ -139,7 +199,7 @@ def _layer_costs(w: Workload, s: Strategies, eff: Efficiency, moe_layer: bool, n
         attn_cfg = model.attention
         head_dim = (attn_cfg.qk_head_dim + attn_cfg.v_head_dim) / 2 if is_mla else attn_cfg.head_dim
         core = attention_time(attention_core_flops(model, w.seq_len, causal=True) * t_att / tp, cluster, eff,
-                              head_dim)
+                              head_dim) * attention_time_share(w.seq_len, w.attention_window, w.window_layer_share)
         # Fused attention backward ≈ 2.5× forward (five matmuls against two, FlashAttention-2 §3.2).
         core_bwd = 2.5 * core
     else:
@@ -147,11 +207,19 @@ def _layer_costs(w: Workload, s: Strategies, eff: Efficiency, moe_layer: bool, n
         # the score tensor written and read ~6 times (QKᵀ out, scale/mask/softmax in/out, dropout, PV in)
         # at 2 bytes, twice that in backward (Korthikanti et al. 2022, §4.1, count the same tensors).
         scores = model.attention.num_heads / tp * t_att * w.seq_len
-        core = gemm_time(attention_core_flops(model, w.seq_len) * t_att / tp, 2, cluster, eff, "bf16") + (
-            memory_time(6 * act * scores, cluster, eff))
+        core = (gemm_time(attention_core_flops(model, w.seq_len) * t_att / tp, 2, cluster, eff, "bf16") + (
+            memory_time(6 * act * scores, cluster, eff))) * attention_time_share(w.seq_len, w.attention_window,
+                                                                                w.window_layer_share)
         core_bwd = 2.0 * core
     num_norms = 4 if model.norm_style == "sandwich" else 2
     norm_bytes = (num_norms * 2 + 2 * 3) * h * t_split * act  # norm read+write, two residual adds
+    # Rotary embedding: read and write the rotary part of q and k (Su et al. 2021); wider than the
+    # residual stream when heads·head_dim exceeds the hidden size (GPT-OSS: 64·64 against 2,880).
+    attn_cfg = model.attention
+    rotary_width = (attn_cfg.num_heads * attn_cfg.qk_rope_head_dim / tp + attn_cfg.qk_rope_head_dim if is_mla
+                    else (attn_cfg.num_heads + attn_cfg.num_kv_heads) * attn_cfg.head_dim / tp)
+    if w.rotary_embeddings:
+        norm_bytes = norm_bytes + 2.0 * rotary_width * t_att * act
     parts: dict[str, np.ndarray] = {"attention": proj + core}
     elementwise = norm_bytes
     mla_up = 0.0
@@ -203,12 +271,11 @@ def _layer_costs(w: Workload, s: Strategies, eff: Efficiency, moe_layer: bool, n
     fwd = proj + core + ffn + elem
     # Backward: input and weight gradients (2× the GEMMs), attention as above, element-wise twice.
     bwd = 2.0 * (proj + ffn + elem) + core_bwd
-    recompute = np.select(
-        [s.recompute == 2, s.recompute == 1],
-        [fwd, core + mla_up + 0.5 * elem],
-        0.0,
-    )
-    layer.tp_comm = num_tp_collectives * one_tp * (2.0 + (s.recompute == 2))
+    # Recompute code: 0 none, 1 selective, 2 full; a value between 1 and 2 is selective recompute with
+    # that share (code − 1) of the layers recomputed whole (Megatron's --recompute-num-layers).
+    full_share = _full_recompute_share(s.recompute)
+    recompute = full_share * fwd + (1.0 - full_share) * np.where(s.recompute >= 1, core + mla_up + 0.5 * elem, 0.0)
+    layer.tp_comm = num_tp_collectives * one_tp * (2.0 + full_share)
     # Context parallelism: ring exchange of K and V (and their gradients) under the attention kernels.
     attn = model.attention
     kv_dim = attn.num_heads * (attn.qk_head_dim + attn.v_head_dim) if is_mla else 2 * attn.num_kv_heads * attn.head_dim
@@ -219,7 +286,7 @@ def _layer_costs(w: Workload, s: Strategies, eff: Efficiency, moe_layer: bool, n
 
     layer.fwd, layer.bwd, layer.recompute = fwd, bwd, recompute
     if moe_layer and model.moe is not None:
-        total_a2a = layer.a2a * (2.0 + (s.recompute == 2))
+        total_a2a = layer.a2a * (2.0 + full_share)
         compute_pair = fwd + bwd + recompute
         # Overlapped F&B pairing (SPEC §2): in the steady state each all-to-all runs under the other
         # micro-batch's compute; in warm-up/cool-down only the shared expert hides the dispatch.
@@ -233,6 +300,36 @@ def _layer_costs(w: Workload, s: Strategies, eff: Efficiency, moe_layer: bool, n
         layer.a2a_alone_hidden = hidden_alone
     layer.parts = parts
     return layer
+
+
+def _full_recompute_share(recompute) -> np.ndarray:
+    """Share of the layers recomputed whole: 1 for code 2 (full), code − 1 between selective and full."""
+    return np.clip(np.asarray(recompute, dtype=float) - 1.0, 0.0, 1.0)
+
+
+def _balanced_stage_time(num_layers: int, pp, layer_time, first_extra, last_extra):
+    """Slowest rank's time per micro-batch when ``num_layers`` layers of ``layer_time`` each are split
+    over ``pp`` ranks in whole layers, the first rank also doing ``first_extra`` and the last
+    ``last_extra``, and the split minimises the slowest rank. A target T is feasible when the ranks can
+    hold all layers: ⌊(T−e)/c⌋ + ⌊(T−h)/c⌋ + (p−2)⌊T/c⌋ ≥ L; the optimum lies in [T0, T0 + c] with
+    T0 = max(total/p, e, h), on a breakpoint x + k·c (x ∈ {0, e, h}), so four candidates suffice."""
+    pp = np.asarray(pp, dtype=float)
+    c = np.maximum(np.asarray(layer_time, dtype=float), 1e-30)
+    e = np.asarray(first_extra, dtype=float)
+    h = np.asarray(last_extra, dtype=float)
+    lower = np.maximum(np.maximum((num_layers * c + e + h) / np.maximum(pp, 1.0), e), h)
+    tol = 1e-9
+
+    def feasible(t):
+        held = (np.floor((t - e) / c + tol) + np.floor((t - h) / c + tol)
+                + np.maximum(pp - 2, 0) * np.floor(t / c + tol))
+        return held >= num_layers
+
+    best = lower + c
+    for offset in (0.0, e, h):
+        t = offset + c * np.ceil((lower - offset) / c - tol)
+        best = np.where(feasible(t) & (t < best), t, best)
+    return best
 
 
 def _param_split(model: ModelConfig) -> dict[str, float]:
@@ -270,8 +367,15 @@ def evaluate(w: Workload, s: Strategies, eff: Efficiency) -> dict[str, np.ndarra
 
     tp_hidden_share = eff.tp_overlap if w.overlap_tp_comm else 0.0
 
+    def exposed_tp_of(layer: _Layer):
+        if "TP" in w.comm_overlap_stated:
+            # Stated TP overlap (Transformer Engine userbuffers, AsyncTP): the collectives run under the
+            # layer's GEMMs; only what exceeds the layer's compute shows.
+            return np.maximum(layer.tp_comm - (layer.fwd + layer.bwd + layer.recompute), 0.0)
+        return (1.0 - tp_hidden_share) * layer.tp_comm
+
     def layer_time(layer: _Layer):
-        exposed_tp = (1.0 - tp_hidden_share) * layer.tp_comm
+        exposed_tp = exposed_tp_of(layer)
         return layer.fwd + layer.bwd + layer.recompute + exposed_tp + layer.cp_exposed + layer.a2a_exposed
 
     t_dense = layer_time(dense) if dense is not None else 0.0
@@ -298,6 +402,17 @@ def evaluate(w: Workload, s: Strategies, eff: Efficiency) -> dict[str, np.ndarra
     single = np.where(pp == 1, first + t_head + t_mtp, 0.0)
     t_max = np.where(pp == 1, single, np.maximum(np.maximum(first, last), np.where(pp > 2, middle, 0.0)))
     t_mean = np.where(pp == 1, single, (first + last + (pp - 2) * middle) / pp)
+    # Layer counts that pp·vpp does not divide need an uneven split, which the user states layer by
+    # layer (Megatron-Core pipeline layouts, DeepSeek's DualPipe placement): take the split that evens
+    # out the ranks' work at whole-layer granularity, the embedding and the dense layers on the first
+    # rank, head and MTP on the last. Even counts keep the uniform split (Megatron's default).
+    embed_extra = t_embed + num_dense * (t_dense - t_body)
+    head_extra = t_head + t_mtp
+    balanced = _balanced_stage_time(model.num_layers, pp, t_body, embed_extra, head_extra)
+    uneven = (pp > 1) & (model.num_layers % (s.pp * s.vpp) != 0)
+    mean_balanced = (model.num_layers * t_body + embed_extra + head_extra) / pp
+    t_max = np.where(uneven, balanced, t_max)
+    t_mean = np.where(uneven, mean_balanced, t_mean)
     # Pipeline send/recv of the boundary activation, forward and backward, per chunk boundary. Each TP
     # rank sends its 1/tp slice (Megatron's scatter/gather of pipeline tensors; sequence parallelism
     # splits it anyway) over its own link, and the next stage re-gathers it inside the TP group.
@@ -310,12 +425,19 @@ def evaluate(w: Workload, s: Strategies, eff: Efficiency) -> dict[str, np.ndarra
     compute_steady = num_micro * t_max
     moe_first = layers_per_stage - dense_first if model.moe is not None else 0.0
     moe_other = layers_per_stage if model.moe is not None else 0.0
+    # Balanced uneven splits: every rank carries the balanced stage time (the timeline sees uniform stages).
+    c_balanced = balanced * (model.num_layers * c_body + embed_extra + head_extra) / (pp * np.maximum(
+        mean_balanced, 1e-30)) + p2p
     timeline_inputs = {
         "first_compute_s": np.where(pp == 1, dense_first * c_dense + (layers_per_stage - dense_first) * c_body
                                     + t_embed + t_head + t_mtp, dense_first * c_dense
                                     + (layers_per_stage - dense_first) * c_body + t_embed) + p2p,
         "middle_compute_s": layers_per_stage * c_body + p2p,
         "last_compute_s": layers_per_stage * c_body + t_head + t_mtp + p2p,
+    }
+    for key in ("first_compute_s", "middle_compute_s", "last_compute_s"):
+        timeline_inputs[key] = np.where(uneven, c_balanced, timeline_inputs[key])
+    timeline_inputs |= {
         "first_a2a_s": moe_first * body.a2a,
         "other_a2a_s": moe_other * body.a2a,
         "first_a2a_alone_hidden_s": moe_first * body.a2a_alone_hidden,
@@ -367,7 +489,7 @@ def evaluate(w: Workload, s: Strategies, eff: Efficiency) -> dict[str, np.ndarra
     #   (Zhao et al. 2023, PyTorch FSDP, §3.3-3.4).
     # ``grad_overlap`` is the share of that window the collectives can use (the first and last buckets,
     # and compute slowed by the concurrent traffic, keep it below 1).
-    hide = eff.grad_overlap if w.overlap_grad_comm else 0.0
+    hide = (1.0 if "DP" in w.comm_overlap_stated else eff.grad_overlap) if w.overlap_grad_comm else 0.0
     forward_share = body.fwd / (body.fwd + body.bwd + body.recompute)
     window_fwd = hide * forward_share * t_max
     window_bwd = hide * (1.0 - forward_share) * t_max
@@ -403,11 +525,26 @@ def evaluate(w: Workload, s: Strategies, eff: Efficiency) -> dict[str, np.ndarra
     optim = 12.0 * (dense_local / opt_shard_dense + expert_local / opt_shard_exp)
 
     def act(moe_layer: bool, level):
-        return layer_activation_bytes(model, w.seq_len, s.micro_batch, moe_layer, s.tp, s.sp, s.cp, s.ep, s.etp,
+        kept = layer_activation_bytes(model, w.seq_len, s.micro_batch, moe_layer, s.tp, s.sp, s.cp, s.ep, s.etp,
                                       w.activation_bytes, level, w.flash_attention, w.imbalance).total
+        if w.fp8_stored_activations and w.precision == "fp8":
+            kept = kept - (w.activation_bytes - 1.0) * fp8_stored_elements(w, s, moe_layer, level)
+        return kept
 
-    act_body = act(model.moe is not None, s.recompute)
-    act_dense = act(False, s.recompute) if dense is not None else act_body
+    full_share = _full_recompute_share(s.recompute)
+    if np.any(np.asarray(s.recompute) % 1):
+        # Partial full recompute: the recomputed layers keep their input only, the others what selective keeps.
+        def act_at(moe_layer: bool):
+            level = np.asarray(s.recompute)
+            whole = act(moe_layer, np.floor(level).astype(np.int64))
+            mixed = (1.0 - full_share) * act(moe_layer, np.ones_like(level, dtype=np.int64)) + full_share * act(
+                moe_layer, np.full_like(level, 2, dtype=np.int64))
+            return np.where(level % 1 > 0, mixed, whole)
+    else:
+        def act_at(moe_layer: bool):
+            return act(moe_layer, s.recompute)
+    act_body = act_at(model.moe is not None)
+    act_dense = act_at(False) if dense is not None else act_body
     act_first_layers = dense_first * act_dense + (layers_per_stage - dense_first) * act_body
     # Micro-batches in flight on the first stage: 1F1B holds min(p, m); the interleaved schedule holds
     # p·v + p − 1 chunks of L/(p·v) layers (Megatron warm-up), i.e. ×(1 + (p−1)/(p·v)) (Korthikanti §4.2.3);
@@ -417,7 +554,7 @@ def evaluate(w: Workload, s: Strategies, eff: Efficiency) -> dict[str, np.ndarra
         np.minimum(pp * vpp + pp - 1, num_micro * vpp) / vpp,
         np.minimum(pp, num_micro),
     ) + np.where(s.overlap, 1.0 / vpp, 0.0)
-    full_working = np.where(s.recompute == 2, act(model.moe is not None, 0), 0.0)
+    full_working = np.where(full_share > 0, act(model.moe is not None, 0), 0.0)
     act_first = chunks_in_flight * act_first_layers + full_working
     head_act = embedding_activation_bytes(model, w.seq_len, s.micro_batch, s.tp, s.sp, s.cp, w.activation_bytes)
     # MTP modules (last stage): their decoder layer plus norms, projection, embedding and a second head.
@@ -443,7 +580,7 @@ def evaluate(w: Workload, s: Strategies, eff: Efficiency) -> dict[str, np.ndarra
     forward_parts = model_forward_flops(model, w.seq_len)
     full_extra = (forward_parts.forward - forward_parts.head) / forward_parts.training
     selective_extra = forward_parts.attention_core / forward_parts.training
-    hardware_extra = np.select([s.recompute == 2, s.recompute == 1], [full_extra, selective_extra], 0.0)
+    hardware_extra = full_share * full_extra + (1.0 - full_share) * np.where(s.recompute >= 1, selective_extra, 0.0)
     out = {
         "step_time_s": step,
         "tokens_per_s": tokens / step,
@@ -456,7 +593,7 @@ def evaluate(w: Workload, s: Strategies, eff: Efficiency) -> dict[str, np.ndarra
         "dp_exposed_s": dp_exposed,
         "optimizer_s": optimizer,
         "tp_comm_s": num_micro * layers_per_stage * body.tp_comm,
-        "tp_exposed_s": num_micro * layers_per_stage * body.tp_comm * (1 - tp_hidden_share),
+        "tp_exposed_s": num_micro * layers_per_stage * exposed_tp_of(body),
         "a2a_s": num_micro * layers_per_stage * body.a2a,
         "a2a_exposed_s": num_micro * layers_per_stage * body.a2a_exposed,
         "cp_exposed_s": num_micro * layers_per_stage * body.cp_exposed,

@@ -12,6 +12,13 @@ rows state "800 Gb/s inter-node per node", which the README's hardware table als
 A100 cluster); ``_cluster_overrides`` reads that per-node network figure. The in-node figure those
 rows quote ("150 GB/s intra-node") is vTrain's own modelling choice, not a property of the A100 SXM
 part (NVLink 3: 300 GB/s per direction in the hardware table), so the hardware table's value stays.
+
+The ``source`` also states mechanisms the model prices: a DualPipe / F&B-overlap schedule, which traffic
+the stack overlaps ("with DP/TP/PP comm overlap", "AsyncTP"), and GPT-OSS's alternating sliding-window
+layers. A row without a recompute cell gets the least recomputation that fits its device's memory
+(``_lightest_recompute_that_fits``): the run ran, so it fit. FP8 rows store their linear layers' inputs
+in FP8 unless the source names torchao; GPT-3-style models (learned absolute positions) and rows naming
+ALiBi have no rotary pass.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from __future__ import annotations
 import csv
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +36,7 @@ from moetrain.config.model import GQAConfig, MLAConfig, ModelConfig, MoEConfig, 
 from moetrain.config.presets import load_cluster_config
 from moetrain.costs.flops import training_flops_per_token
 from moetrain.errors import UserError
-from moetrain.planner.calibration import Calibration
+from moetrain.planner.calibration import Calibration, Efficiency
 from moetrain.planner.costmodel import Workload, evaluate
 from moetrain.planner.strategy import A2A_NAMES, RECOMPUTE_NAMES, Strategies
 
@@ -198,6 +205,14 @@ def prepare_row(row: dict) -> PreparedRow | Unsimulable:
         recompute=np.array([RECOMPUTE_NAMES.index(recompute)]), a2a=np.array([A2A_NAMES.index("flat")]),
         overlap=np.array([overlap]),
     )
+    # Sliding-window attention named in the source ("alternates 128-token sliding-window and full
+    # attention layers", GPT-OSS): half the layers attend to the window only.
+    window = re.search(r"alternates (\d+)-token sliding-window and full attention layers", source)
+    # Overlap the source states ("with DP/TP/PP comm overlap", "AsyncTP"; "no AsyncTP" states its absence).
+    stated = re.search(r"\b([A-Z]{2}(?:/[A-Z]{2})*)[- ]comm overlap", source)
+    overlap_stated = set(stated.group(1).split("/")) if stated else set()
+    if re.search(r"(?<!no )AsyncTP", source):
+        overlap_stated.add("TP")
     workload = Workload(
         model=model,
         cluster=cluster,
@@ -211,9 +226,36 @@ def prepare_row(row: dict) -> PreparedRow | Unsimulable:
         flash_attention=precision != "fp16",
         overlap_grad_comm=precision != "fp16",
         overlap_tp_comm=precision != "fp16",
+        comm_overlap_stated=tuple(sorted(overlap_stated)),
+        attention_window=int(window.group(1)) if window else 0,
+        window_layer_share=0.5 if window else 0.0,
+        # GPT-3-style models (Megatron's and vTrain's GPT) learn absolute positions, MPT uses ALiBi; the
+        # others rotate q and k.
+        rotary_embeddings=not (re.match(r"GPT-(?!OSS)", row.get("model") or "") or "ALiBi" in source),
+        # FP8 linears: Transformer Engine and DeepSeek keep the quantised inputs for backward, torchao's
+        # Float8 linears the BF16 ones.
+        fp8_stored_activations=precision == "fp8" and "torchao" not in source,
     )
+    if not (row.get("recompute") or "").strip():
+        strategy = _lightest_recompute_that_fits(workload, strategy)
     return PreparedRow(row_id, family, metric, float(row["value"]), workload, strategy, num_devices,
                        (row.get("flops_convention") or "").strip())
+
+
+def _lightest_recompute_that_fits(workload: Workload, strategy: Strategies) -> Strategies:
+    """A row that does not state its recomputation ran, so it fit in device memory: take the least
+    recomputation whose predicted peak memory fits the device: none, selective, or selective with the
+    smallest share of layers recomputed whole (in steps of 1/20; Megatron's --recompute-num-layers),
+    full if nothing fits. Memory does not depend on the fitted efficiencies, so the choice is made once,
+    before any fit."""
+    levels = np.concatenate([[0.0, 1.0], 1.0 + np.arange(1, 21) / 20.0])
+    candidates = Strategies(**{f.name: np.repeat(getattr(strategy, f.name), levels.size)
+                               for f in fields(Strategies)})
+    candidates.recompute = levels
+    memory = evaluate(workload, candidates, Efficiency())["memory_bytes"]
+    fits = np.nonzero(memory <= workload.cluster.hbm_bytes)[0]
+    chosen = int(fits[0]) if fits.size else levels.size - 1
+    return candidates.take(np.array([chosen]))
 
 
 def read_rows(path: str | Path) -> list[dict]:

@@ -1,0 +1,54 @@
+"""How much of the MoE rows' step the fitted per-MoE-layer overhead carries.
+
+Predicts the MoE rows of shared/validation/calibration.csv (DeepSeek-V3 and GPT-OSS) with the shipped
+calibration, once as fitted and once with ``moe_overhead_us`` = 0, and writes the signed errors and the
+step breakdown to benchmarks/results/planner_moe_probe.json. With the overhead removed, what is left of
+each row's error is what the rest of the model misses on that row.
+
+    python benchmarks/planner_moe_probe.py [--csv ../shared/validation/calibration.csv]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from moetrain.planner.calibration import Calibration, load_calibration
+from moetrain.planner.validation import predict, prepare_all, read_rows
+
+ROOT = Path(__file__).resolve().parents[1]
+KEYS = ("step_time_s", "dp_exposed_s", "a2a_exposed_s", "bubble_s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    default_csv = next((p for p in (ROOT.parent / "shared/validation/calibration.csv",
+                                    ROOT / "shared/validation/calibration.csv") if p.is_file()), None)
+    parser.add_argument("--csv", type=Path, default=default_csv)
+    args = parser.parse_args()
+    shipped = load_calibration()
+    without = Calibration(replace(shipped.global_params, moe_overhead_us=0.0), shipped.per_arch, "no MoE overhead")
+    rows, _ = prepare_all(read_rows(args.csv))
+    result = []
+    for row in rows:
+        if row.workload.model.moe is None:
+            continue
+        entry: dict[str, object] = {"id": row.row_id, "measured": row.measured,
+                                    "recompute": float(row.strategy.recompute[0])}
+        for name, calibration in (("fitted", shipped), ("no_moe_overhead", without)):
+            value, out = predict(row, calibration)
+            entry[name] = {"signed_error_pct": round((value / row.measured - 1) * 100, 1),
+                           **{k: round(out[k], 3) for k in KEYS}}
+        result.append(entry)
+        print(f"{row.row_id:8s} fitted {entry['fitted']['signed_error_pct']:+6.1f} %   "
+              f"without MoE overhead {entry['no_moe_overhead']['signed_error_pct']:+6.1f} %")
+    out_path = ROOT / "benchmarks/results/planner_moe_probe.json"
+    out_path.write_text(json.dumps({"moe_overhead_us": shipped.global_params.moe_overhead_us, "rows": result},
+                                   indent=2) + "\n")
+    print(f"wrote {out_path}")
+
+
+if __name__ == "__main__":
+    main()

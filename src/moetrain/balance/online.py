@@ -1,0 +1,29 @@
+"""What online expert balancing needs from a run's layout, checked before any process starts.
+
+Torch-free, so that the launcher can refuse a bad combination of flags up front; the runtime half is
+``moetrain.distributed.balancing``.
+"""
+
+from __future__ import annotations
+
+from moetrain.config import ModelConfig, ParallelConfig
+from moetrain.errors import UserError
+
+
+def default_slots_per_rank(num_experts: int, ep: int) -> int:
+    """``experts/ep + 1``: one spare slot per EP rank, so that the solver may replicate a hot expert
+    (the default of ``moetrain balance``)."""
+    return num_experts // ep + 1
+
+
+def check_online_balance(parallel: ParallelConfig, model_cfg: ModelConfig) -> None:
+    """Refuse ``--online-balance`` where it cannot run (one line each)."""
+    if model_cfg.moe is None:
+        raise UserError(f"--online-balance needs an MoE model; {model_cfg.name} has no MoE layers")
+    if parallel.ep <= 1:
+        raise UserError("--online-balance moves experts between expert-parallel ranks; give --ep > 1")
+    if parallel.etp > 1:
+        # Migration moves whole expert slots; with expert tensor parallelism each rank holds a slice of
+        # an expert's FFN, and moving slices between EP ranks is not implemented.
+        raise UserError("--online-balance does not support --etp > 1 yet (experts would move as FFN slices); "
+                        "drop one of them")

@@ -1,0 +1,210 @@
+"""When to re-plan a layer's expert placement, and the plan-and-trigger step itself.
+
+One rule, shared by the trace replay (``balance.replay``) and the runtime
+(``distributed.balancing.OnlineExpertBalancer``), for every layer and every trace:
+
+1. **A cheap check after every step.** The predictor's forecast of the load over the plan's expected
+   life is priced twice by the cost model: under the current placement and under the perfectly even
+   ideal. Their difference is the current placement's *excess*, per step. It costs two cost-model
+   evaluations (about a millisecond), no solve.
+2. **Solve when it can pay.** A re-plan can at best bring the excess back to the level the solver
+   reached at the last plan (the *reference*: the adopted plan's excess on its forecast, or the
+   current placement's when the trigger kept it). Part of any forecast excess is noise: after each
+   step the check prices the placement that ran on the step's actual load and keeps a running mean
+   of |realized − predicted excess| (the *forecast noise*, in seconds per step). The check asks the
+   solver for an incremental plan when the recoverable time beyond that noise, over ``horizon``
+   steps, exceeds the cheapest migration there is (one expert moved between two ranks of one node);
+   a full re-plan runs every ``interval`` steps regardless (it also catches changes the reference
+   cannot see). Stationary loads keep the excess at its reference, so they are solved every
+   ``interval`` steps as before; a load that drifts is re-planned as soon as the drift has cost
+   more than a move.
+3. **Forecast at the middle of the plan's life.** An incremental plan serves the steps until the next
+   solve: its expected life is the spacing of the last two solves (at most ``interval``), and the
+   forecast is the predicted mean over that life (for Holt's trend, the value at its midpoint), not
+   the load now. A full re-plan forecasts the ``interval`` steps until the next full one.
+4. **Trigger.** The planner's candidates include incremental moves (a local search warm-started from
+   the current placement, after 1, 2, 4, ... exchanges) beside full re-plans; each is scored by the
+   cost model with its migration time spread over ``horizon``. Early (drift-triggered) solves offer
+   only the incremental candidates; full re-plans offer all. The chosen plan migrates when its
+   saving over ``horizon`` steps, less ``horizon`` × the forecast noise, exceeds ``trigger_margin`` ×
+   its migration time; a plan that only changes replicas' token shares moves no weights and is
+   applied whenever it saves time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from moetrain.balance.costs import BalanceCostModel
+from moetrain.balance.placement import ExpertPlacement, Move, diff
+from moetrain.balance.predict import Predictor
+from moetrain.balance.solver import timed_plan
+from moetrain.errors import UserError
+
+NOISE_SMOOTHING = 0.2
+"""Weight of the newest step in ``LayerSchedule.forecast_noise`` (a running mean over about 5 steps)."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One solve (a trigger evaluation) for one layer."""
+
+    step: int
+    layer: int
+    migrate: bool
+    predicted_saving_s: float
+    """Forecast step-time saving of the candidate placement, over the horizon."""
+    migration_s: float
+    """Predicted time to move the experts' weights and optimizer state."""
+    num_moves: int
+    imbalance_current: float
+    """Forecast max/mean rank load with the current placement."""
+    imbalance_candidate: float
+    solve_ms: float
+    reshare: bool = False
+    """Only replicas' token shares change (no weights move): applied for free."""
+    early: bool = False
+    """Solved before ``interval`` steps had passed, because the drift since the last plan could pay a move."""
+    forecast_steps: int = 0
+    """Steps the forecast averages over (the plan's expected life)."""
+
+    def as_dict(self) -> dict:
+        return {
+            "step": self.step, "layer": self.layer, "migrate": self.migrate,
+            "predicted_saving_s": self.predicted_saving_s, "migration_s": self.migration_s,
+            "num_moves": self.num_moves, "imbalance_current": round(self.imbalance_current, 4),
+            "imbalance_candidate": round(self.imbalance_candidate, 4), "solve_ms": round(self.solve_ms, 3),
+            "reshare": self.reshare, "early": self.early, "forecast_steps": self.forecast_steps,
+        }
+
+
+@dataclass
+class LayerSchedule:
+    """Per-layer state of the re-plan rule."""
+
+    last_solve: int | None = None
+    """Step after which the last solve ran."""
+    last_full: int | None = None
+    """Step after which the last full re-plan (placements from scratch too) ran."""
+    life: int = 0
+    """Expected life of the next plan, in steps (the spacing of the last two solves, at most ``interval``)."""
+    reference_excess: float = 0.0
+    """Excess over the ideal, per step, that the last solve left (see the module docstring)."""
+    checks: int = 0
+    predicted_excess: float | None = None
+    """The excess the last check forecast for the placement that runs the next step."""
+    forecast_noise: float = 0.0
+    """Running mean of |realized − predicted excess| per step: how much of a forecast's excess is noise."""
+
+    def state_dict(self) -> dict:
+        return {"last_solve": self.last_solve, "last_full": self.last_full, "life": self.life,
+                "reference_excess": self.reference_excess, "checks": self.checks,
+                "predicted_excess": self.predicted_excess, "forecast_noise": self.forecast_noise}
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> LayerSchedule:
+        return cls(state["last_solve"], state["last_full"], int(state["life"]), float(state["reference_excess"]),
+                   int(state["checks"]), state["predicted_excess"], float(state["forecast_noise"]))
+
+
+@dataclass
+class ReplanRule:
+    """The check, solve and trigger of the module docstring, for one cost model."""
+
+    costs: BalanceCostModel
+    interval: int = 10
+    horizon: int = 50
+    solver: str = "local"
+    trigger_margin: float = 1.0
+    adaptive: bool = True
+    """False: solve every ``interval`` steps only, forecasting ``interval`` steps (the fixed schedule)."""
+    _cheapest_move_s: float | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.interval < 1 or self.horizon < 1:
+            raise UserError(f"interval={self.interval} and horizon={self.horizon} must be >= 1")
+
+    @property
+    def cheapest_move_seconds(self) -> float:
+        """One expert copied between two ranks of one node: the least any weight-moving plan pays."""
+        if self._cheapest_move_s is None:
+            same_node = 1 if self.costs.ep > 1 and self.costs.cluster.devices_per_node > 1 else 0
+            dst_rank = 1 if same_node else min(1, self.costs.ep - 1)
+            self._cheapest_move_s = self.costs.migration_seconds([Move(0, (0, 0), (dst_rank, 0))])
+        return self._cheapest_move_s
+
+    def forecast_steps(self, schedule: LayerSchedule) -> int:
+        """The next plan's expected life: the forecast window."""
+        if not self.adaptive or schedule.life <= 0:
+            return min(self.interval, self.horizon)
+        return min(schedule.life, self.interval, self.horizon)
+
+    def excess_seconds(self, placement: ExpertPlacement, forecast: np.ndarray) -> float:
+        return float(self.costs.layer_seconds(placement, forecast) - self.costs.ideal_layer_seconds(forecast))
+
+    def step(
+        self, step: int, layer: int, schedule: LayerSchedule, current: ExpertPlacement,
+        predictor: Predictor, predictor_state: dict[str, np.ndarray], actual: np.ndarray,
+    ) -> tuple[Decision | None, ExpertPlacement]:
+        """After ``step`` (loads ``actual`` [E], run on ``current``) has been absorbed by the predictor:
+        check, and maybe solve. Returns the decision (None when no solve ran) and the placement for the
+        next step (``current`` unless the trigger fired or the shares changed)."""
+        schedule.checks += 1
+        if self.adaptive and schedule.predicted_excess is not None:
+            realized = self.excess_seconds(current, np.asarray(actual, dtype=float))
+            error = abs(realized - schedule.predicted_excess)
+            schedule.forecast_noise += NOISE_SMOOTHING * (error - schedule.forecast_noise)
+        due = schedule.last_full is None or step - schedule.last_full >= self.interval
+        early = False
+        if not due:
+            if not self.adaptive:
+                return None, current
+            forecast = predictor.forecast(predictor_state, self.forecast_steps(schedule))
+            excess = self.excess_seconds(current, forecast)
+            # what a re-plan could win back beyond the forecast's own noise, over the horizon
+            recoverable = self.horizon * (excess - schedule.reference_excess - schedule.forecast_noise)
+            if not recoverable > self.cheapest_move_seconds:
+                schedule.predicted_excess = excess
+                return None, current
+            early = True
+        if schedule.last_solve is not None and self.adaptive:
+            schedule.life = min(step - schedule.last_solve, self.interval)
+        # a full re-plan serves until the next one (``interval`` steps); an incremental one until the next check
+        window = self.forecast_steps(schedule) if early else min(self.interval, self.horizon)
+        forecast = predictor.forecast(predictor_state, window)
+        seconds_current = float(self.costs.layer_seconds(current, forecast))
+
+        def plan(candidates: str) -> tuple[ExpertPlacement, float]:
+            return timed_plan(
+                forecast, current.num_ranks, current.slots_per_rank, self.solver,
+                score=lambda p: float(self.costs.layer_seconds(p, forecast))
+                + self.costs.migration_seconds(diff(current, p)) / self.horizon,
+                current=current, candidates=candidates,
+            )
+
+        # early (drift-triggered) solves offer only moves that build on the current placement
+        candidate, solve_s = plan("incremental" if early else "all")
+        moves = diff(current, candidate)
+        seconds_candidate = float(self.costs.layer_seconds(candidate, forecast))
+        saving = self.horizon * (seconds_current - seconds_candidate)
+        migration = self.costs.migration_seconds(moves)
+        # only the saving beyond the forecast's measured noise is counted on to last
+        sure_saving = saving - self.horizon * schedule.forecast_noise
+        migrate = bool(moves) and sure_saving > 0.0 and sure_saving > self.trigger_margin * migration
+        reshare = not moves and saving > 0.0 and candidate != current
+        adopted = candidate if (migrate or reshare) else current
+        ideal = float(self.costs.ideal_layer_seconds(forecast))
+        schedule.reference_excess = (seconds_candidate if adopted is candidate else seconds_current) - ideal
+        schedule.predicted_excess = schedule.reference_excess
+        schedule.last_solve = step
+        if not early:
+            schedule.last_full = step
+        decision = Decision(
+            step=step, layer=layer, migrate=migrate, predicted_saving_s=saving, migration_s=migration,
+            num_moves=len(moves), imbalance_current=float(current.imbalance(forecast)),
+            imbalance_candidate=float(candidate.imbalance(forecast)), solve_ms=solve_s * 1e3,
+            reshare=reshare, early=early, forecast_steps=window,
+        )
+        return decision, adopted
