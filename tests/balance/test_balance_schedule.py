@@ -36,15 +36,18 @@ def test_check_solves_only_when_the_drift_pays_a_move(costs):
     even = np.full(256, 512.0)
     state = predictor.init_state(even)
     schedule = LayerSchedule()
-    decision, adopted = rule.step(0, 0, schedule, placement, predictor, state)
+    decision, adopted = rule.step(0, 0, schedule, placement, predictor, state, even)
     assert decision is not None and not decision.early and not decision.migrate and adopted is placement
     # an even load again: nothing drifted, so no solve until the interval has passed
-    assert rule.step(1, 0, schedule, placement, predictor, state) == (None, placement)
+    assert rule.step(1, 0, schedule, placement, predictor, state, even) == (None, placement)
+    assert schedule.forecast_noise == 0.0  # the even load was forecast exactly
     # one expert takes a rank's worth of extra load: worth more than the cheapest move over the horizon
     skewed = even.copy()
     skewed[0] += 256 * 512 / 16
     predictor.update(state, skewed)
-    decision, adopted = rule.step(2, 0, schedule, placement, predictor, state)
+    decision, adopted = rule.step(2, 0, schedule, placement, predictor, state, skewed)
+    # the jump was not forecast: a fifth of the miss enters the running noise
+    assert schedule.forecast_noise == pytest.approx(0.2 * rule.excess_seconds(placement, skewed))
     assert decision is not None and decision.early and decision.forecast_steps == 2
     assert decision.migrate and adopted is not placement
     # rank 0 holds experts 0-15 (the first 16 slots of 17)

@@ -5,6 +5,7 @@
 - ``predict``: per-expert load forecasts (EMA, Holt trend) and their measured error;
 - ``solver``: placement of experts and replicas (greedy, local search, exact MILP);
 - ``costs``: a placement's step time and a migration's cost, from the planner's cost model;
+- ``schedule``: when to re-plan (a per-step cost-model check, incremental and full solves) and the trigger;
 - ``replay``: predictor → planner → trigger over a trace, as the runtime runs them;
 - ``data``: balanced order of samples over data-parallel ranks and micro-batches;
 - ``pipeline``: stage boundaries that even out per-stage time.

@@ -24,7 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--predictor", default="auto",
                         help="auto (lowest forecast error on the trace's first quarter), ema:THETA or "
                              "holt:ALPHA,BETA")
-    parser.add_argument("--interval", type=int, default=10, help="steps between trigger checks")
+    parser.add_argument("--interval", type=int, default=10,
+                        help="steps between full re-plans (cheap drift checks run every step)")
     parser.add_argument("--horizon", type=int, default=50,
                         help="steps over which a migration's predicted saving must repay its cost")
     parser.add_argument("--seq-len", type=int, default=4096, help="sequence length for the attention cost")
