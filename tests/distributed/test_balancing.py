@@ -247,6 +247,13 @@ def test_physical_slots_split_tokens_by_replica_share() -> None:
      "--online-balance moves experts between expert-parallel ranks; give --ep > 1"),
     (["--nproc", "4", "--ep", "2", "--etp", "2", "--online-balance"],
      "--online-balance does not support --etp > 1 yet (experts would move as FFN slices); drop one of them"),
+    (["--nproc", "4", "--ep", "4", "--online-balance", "--slots-per-rank", "3"],
+     "--slots-per-rank 3 cannot hold 16 experts on 4 ranks; give at least 4 (default 5: one spare slot for replicas)"),
+    (["--nproc", "4", "--ep", "4", "--online-balance", "--balance-interval", "0"],
+     "--balance-interval 0 and --balance-horizon 50 must be >= 1"),
+    (["--nproc", "4", "--ep", "4", "--slots-per-rank", "5"],
+     "--slots-per-rank, --balance-interval and --balance-horizon tune --online-balance; "
+     "add --online-balance or drop them"),
 ])
 def test_online_balance_flag_is_refused_where_it_cannot_run(argv: list[str], message: str,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:

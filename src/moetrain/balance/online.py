@@ -16,8 +16,11 @@ def default_slots_per_rank(num_experts: int, ep: int) -> int:
     return num_experts // ep + 1
 
 
-def check_online_balance(parallel: ParallelConfig, model_cfg: ModelConfig) -> None:
-    """Refuse ``--online-balance`` where it cannot run (one line each)."""
+def check_online_balance(parallel: ParallelConfig, model_cfg: ModelConfig, interval: int = 10, horizon: int = 50,
+                         slots_per_rank: int | None = None) -> None:
+    """Refuse ``--online-balance`` (and its tuning flags) where it cannot run (one line each)."""
+    if interval < 1 or horizon < 1:
+        raise UserError(f"--balance-interval {interval} and --balance-horizon {horizon} must be >= 1")
     if model_cfg.moe is None:
         raise UserError(f"--online-balance needs an MoE model; {model_cfg.name} has no MoE layers")
     if parallel.ep <= 1:
@@ -27,3 +30,9 @@ def check_online_balance(parallel: ParallelConfig, model_cfg: ModelConfig) -> No
         # an expert's FFN, and moving slices between EP ranks is not implemented.
         raise UserError("--online-balance does not support --etp > 1 yet (experts would move as FFN slices); "
                         "drop one of them")
+    if slots_per_rank is not None:
+        needed = -(-model_cfg.moe.num_experts // parallel.ep)
+        if slots_per_rank < needed:
+            raise UserError(f"--slots-per-rank {slots_per_rank} cannot hold {model_cfg.moe.num_experts} experts on "
+                            f"{parallel.ep} ranks; give at least {needed} "
+                            f"(default {needed + 1}: one spare slot for replicas)")

@@ -32,6 +32,7 @@ _RUN_FLAGS_UNSET = {
     "lr": None, "warmup": None, "seed": None, "dtype": None, "data": None, "device": "auto", "threads": None,
     "cluster": "auto", "save_dir": None, "save_every": 0, "stop_at": None, "resume": False, "trace_routing": None,
     "policy": "none", "budget_fraction": None, "budget_gib": None, "online_balance": False,
+    "balance_interval": None, "balance_horizon": None, "slots_per_rank": None,
 }
 
 
@@ -73,6 +74,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="overlapped schedule: one micro-batch's forward paired with another's backward")
     d.add_argument("--online-balance", action="store_true",
                    help="migrate and replicate hot experts across EP ranks while training (needs --ep > 1)")
+    d.add_argument("--balance-interval", type=int, help="with --online-balance: steps between full re-plans (10)")
+    d.add_argument("--balance-horizon", type=int,
+                   help="with --online-balance: steps over which a migration must repay its cost (50)")
+    d.add_argument("--slots-per-rank", type=int,
+                   help="with --online-balance: expert slots per EP rank (experts/ep + 1)")
     add_memory_policy_args(parser)
     # A bad --policy is a UserError (one line, exit 2) like every other bad value, not an argparse usage dump.
     policy = parser._option_string_actions["--policy"]
@@ -202,7 +208,8 @@ def run(args: argparse.Namespace) -> int:
     nproc, layout = _layout_args(args, plan_parallel)
     if nproc > 1:
         return _run_distributed(args, cfg, nproc, layout, plan_parallel)
-    for dest in ("hierarchical_a2a", "overlap", "ranks_per_node", "online_balance"):
+    for dest in ("hierarchical_a2a", "overlap", "ranks_per_node", "online_balance", "balance_interval",
+                 "balance_horizon", "slots_per_rank"):
         if getattr(args, dest) not in (None, False):
             raise UserError(f"{_flag(dest)} shapes a multi-rank run; give --nproc N and a layout, or drop it")
     return _run_single_process(args, cfg, plan_parallel)

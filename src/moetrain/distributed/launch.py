@@ -76,7 +76,10 @@ def worker_args(args: argparse.Namespace, parallel: ParallelConfig) -> list[str]
     if getattr(args, "resume", False):
         out += ["--resume"]
     if getattr(args, "online_balance", False):
-        out += ["--online-balance"]
+        out += ["--online-balance", "--balance-interval", str(args.balance_interval),
+                "--balance-horizon", str(args.balance_horizon)]
+        if args.slots_per_rank is not None:
+            out += ["--slots-per-rank", str(args.slots_per_rank)]
     return out
 
 
@@ -133,7 +136,10 @@ def launch(nproc: int, args: argparse.Namespace, log_dir: Path | None = None) ->
     check_seq_len(args.seq_len, parallel)
     _check_run_flags(args)
     if getattr(args, "online_balance", False):
-        check_online_balance(parallel, model_cfg)
+        check_online_balance(parallel, model_cfg, args.balance_interval, args.balance_horizon, args.slots_per_rank)
+    elif args.slots_per_rank is not None or (args.balance_interval, args.balance_horizon) != (10, 50):
+        raise UserError("--slots-per-rank, --balance-interval and --balance-horizon tune --online-balance; "
+                        "add --online-balance or drop them")
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="moetrain-run-"))
     error_dir = log_dir / "errors"
     error_dir.mkdir(parents=True, exist_ok=True)
@@ -186,6 +192,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cluster", help="cluster preset for MFU (default: cpu on CPU, h100-sxm-80gb on GPU)")
     parser.add_argument("--online-balance", action="store_true",
                         help="migrate and replicate experts while training (needs --ep > 1; docs/balance.md)")
+    parser.add_argument("--balance-interval", type=int, default=10,
+                        help="steps between full expert re-plans (cheap drift checks run every step)")
+    parser.add_argument("--balance-horizon", type=int, default=50,
+                        help="steps over which a migration's predicted saving must repay its cost")
+    parser.add_argument("--slots-per-rank", type=int,
+                        help="expert slots per EP rank (default experts/ep + 1: one spare for a replica)")
 
 
 def main(argv: list[str] | None = None) -> int:
