@@ -109,6 +109,11 @@ class Workload:
     """Rotary position embeddings rotate q and k in every layer (the project's models, Llama, DeepSeek,
     GPT-OSS). False for learned absolute positions (GPT-3-style models) or ALiBi (MPT), which add no
     per-layer pass."""
+    cp_gathers_mla_latent: bool = True
+    """Context parallelism gathers MLA's compressed latent and shared rotary key (kv_lora_rank +
+    qk_rope_head_dim per token) before the up-projection, as this project's runtime does
+    (``moetrain.distributed.cp``). False for stacks that exchange the up-projected keys and values
+    (Megatron-Core's ring CP), which the published rows ran."""
     fp8_stored_activations: bool = False
     """FP8 runs keep the quantised copy of each linear layer's input for the weight gradient, at 1 byte
     instead of 2 (Transformer Engine; DeepSeek-V3 §3.3.2 caches them in FP8). False for torchao's Float8
@@ -282,6 +287,11 @@ def _layer_costs(w: Workload, s: Strategies, eff: Efficiency, moe_layer: bool, n
     cp_bytes = (cp - 1) * t_att * kv_dim / tp * act
     cp_comm = p2p_time(cp_bytes, s.tp * s.cp > cluster.devices_per_node, cluster, eff)
     cp_exposed = np.maximum(cp_comm - core, 0) + np.maximum(2 * cp_comm - core_bwd, 0)
+    if is_mla and w.cp_gathers_mla_latent:
+        # The latent is the same on every TP rank (no /tp); it is gathered before the attention that
+        # needs it and its gradient reduce-scattered after, so nothing hides it: forward + backward.
+        latent_bytes = (cp - 1) * t_att * (attn.kv_lora_rank + attn.qk_rope_head_dim) * act
+        cp_exposed = 2.0 * p2p_time(latent_bytes, s.tp * s.cp > cluster.devices_per_node, cluster, eff)
     layer.cp_exposed = np.where(s.cp > 1, cp_exposed, 0.0)
 
     layer.fwd, layer.bwd, layer.recompute = fwd, bwd, recompute
