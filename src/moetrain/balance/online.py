@@ -9,6 +9,11 @@ from __future__ import annotations
 from moetrain.config import ModelConfig, ParallelConfig
 from moetrain.errors import UserError
 
+REPLAN_INTERVAL = 10
+"""Default steps between full re-plans (cheap drift checks run every step)."""
+PAYBACK_HORIZON = 50
+"""Default steps over which a migration's predicted saving must repay its cost."""
+
 
 def default_slots_per_rank(num_experts: int, ep: int) -> int:
     """``experts/ep + 1``: one spare slot per EP rank, so that the solver may replicate a hot expert
@@ -16,8 +21,8 @@ def default_slots_per_rank(num_experts: int, ep: int) -> int:
     return num_experts // ep + 1
 
 
-def check_online_balance(parallel: ParallelConfig, model_cfg: ModelConfig, interval: int = 10, horizon: int = 50,
-                         slots_per_rank: int | None = None) -> None:
+def check_online_balance(parallel: ParallelConfig, model_cfg: ModelConfig, interval: int = REPLAN_INTERVAL,
+                         horizon: int = PAYBACK_HORIZON, slots_per_rank: int | None = None) -> None:
     """Refuse ``--online-balance`` (and its tuning flags) where it cannot run (one line each)."""
     if interval < 1 or horizon < 1:
         raise UserError(f"--balance-interval {interval} and --balance-horizon {horizon} must be >= 1")

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moetrain.balance.costs import BalanceCostModel
+from moetrain.balance.online import PAYBACK_HORIZON, REPLAN_INTERVAL
 from moetrain.balance.placement import ExpertPlacement
 from moetrain.balance.predict import Predictor
 from moetrain.balance.schedule import Decision, LayerSchedule, ReplanRule
@@ -102,8 +103,8 @@ def replay(
     predictor: Predictor,
     slots_per_rank: int | None = None,
     solver: str = "local",
-    interval: int = 10,
-    horizon: int = 50,
+    interval: int = REPLAN_INTERVAL,
+    horizon: int = PAYBACK_HORIZON,
     adaptive: bool = True,
 ) -> ReplayResult:
     ep = costs.ep

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moetrain.balance.costs import BalanceCostModel
+from moetrain.balance.online import PAYBACK_HORIZON, REPLAN_INTERVAL
 from moetrain.balance.placement import ExpertPlacement, Move, diff
 from moetrain.balance.predict import Predictor
 from moetrain.balance.solver import timed_plan
@@ -114,8 +115,8 @@ class ReplanRule:
     """The check, solve and trigger of the module docstring, for one cost model."""
 
     costs: BalanceCostModel
-    interval: int = 10
-    horizon: int = 50
+    interval: int = REPLAN_INTERVAL
+    horizon: int = PAYBACK_HORIZON
     solver: str = "local"
     trigger_margin: float = 1.0
     adaptive: bool = True

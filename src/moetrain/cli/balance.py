@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from moetrain.balance.online import PAYBACK_HORIZON, REPLAN_INTERVAL
 from moetrain.errors import UserError
 
 HELP = "replay a routing trace through expert-load prediction, placement and migration; predicted gain"
@@ -24,9 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--predictor", default="auto",
                         help="auto (lowest forecast error on the trace's first quarter), ema:THETA or "
                              "holt:ALPHA,BETA")
-    parser.add_argument("--interval", type=int, default=10,
+    parser.add_argument("--interval", type=int, default=REPLAN_INTERVAL,
                         help="steps between full re-plans (cheap drift checks run every step)")
-    parser.add_argument("--horizon", type=int, default=50,
+    parser.add_argument("--horizon", type=int, default=PAYBACK_HORIZON,
                         help="steps over which a migration's predicted saving must repay its cost")
     parser.add_argument("--seq-len", type=int, default=4096, help="sequence length for the attention cost")
     parser.add_argument("--a2a", choices=["flat", "hierarchical"], default="flat", help="expert all-to-all kind")

@@ -34,7 +34,7 @@ from torch import nn
 
 from moetrain.balance.costs import BalanceCostModel
 from moetrain.balance.executor import migrate_experts, sum_replica_gradients
-from moetrain.balance.online import check_online_balance, default_slots_per_rank
+from moetrain.balance.online import PAYBACK_HORIZON, REPLAN_INTERVAL, check_online_balance, default_slots_per_rank
 from moetrain.balance.placement import EMPTY_SLOT, ExpertPlacement, Move, diff
 from moetrain.balance.predict import EMAPredictor, Predictor
 from moetrain.balance.schedule import Decision, LayerSchedule, ReplanRule
@@ -165,8 +165,8 @@ class OnlineExpertBalancer:
     stage: StageModel
     optimizer: ZeroAdamW
     costs: BalanceCostModel
-    interval: int = 10
-    horizon: int = 50
+    interval: int = REPLAN_INTERVAL
+    horizon: int = PAYBACK_HORIZON
     predictor: Predictor = field(default_factory=lambda: EMAPredictor(0.8))
     solver: str = "local"
     trigger_margin: float = 1.0

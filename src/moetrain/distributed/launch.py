@@ -26,7 +26,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from moetrain.balance.online import check_online_balance
+from moetrain.balance.online import PAYBACK_HORIZON, REPLAN_INTERVAL, check_online_balance
 from moetrain.config import ParallelConfig, load_model_config
 from moetrain.distributed.layout import validate_layout
 from moetrain.errors import UserError, describe_validation_error
@@ -76,10 +76,11 @@ def worker_args(args: argparse.Namespace, parallel: ParallelConfig) -> list[str]
     if getattr(args, "resume", False):
         out += ["--resume"]
     if getattr(args, "online_balance", False):
-        out += ["--online-balance", "--balance-interval", str(args.balance_interval),
-                "--balance-horizon", str(args.balance_horizon)]
-        if args.slots_per_rank is not None:
-            out += ["--slots-per-rank", str(args.slots_per_rank)]
+        out += ["--online-balance"]
+        for flag, value in (("--balance-interval", args.balance_interval), ("--balance-horizon", args.balance_horizon),
+                            ("--slots-per-rank", args.slots_per_rank)):
+            if value is not None:
+                out += [flag, str(value)]
     return out
 
 
@@ -135,9 +136,12 @@ def launch(nproc: int, args: argparse.Namespace, log_dir: Path | None = None) ->
     validate_layout(parallel, model_cfg, nproc, args.global_batch, args.micro_batch, args.ranks_per_node)
     check_seq_len(args.seq_len, parallel)
     _check_run_flags(args)
+    tuning = (args.balance_interval, args.balance_horizon, args.slots_per_rank)
     if getattr(args, "online_balance", False):
-        check_online_balance(parallel, model_cfg, args.balance_interval, args.balance_horizon, args.slots_per_rank)
-    elif args.slots_per_rank is not None or (args.balance_interval, args.balance_horizon) != (10, 50):
+        interval, horizon = (default if value is None else value for value, default in
+                             ((args.balance_interval, REPLAN_INTERVAL), (args.balance_horizon, PAYBACK_HORIZON)))
+        check_online_balance(parallel, model_cfg, interval, horizon, args.slots_per_rank)
+    elif any(value is not None for value in tuning):
         raise UserError("--slots-per-rank, --balance-interval and --balance-horizon tune --online-balance; "
                         "add --online-balance or drop them")
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="moetrain-run-"))
@@ -192,10 +196,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cluster", help="cluster preset for MFU (default: cpu on CPU, h100-sxm-80gb on GPU)")
     parser.add_argument("--online-balance", action="store_true",
                         help="migrate and replicate experts while training (needs --ep > 1; docs/balance.md)")
-    parser.add_argument("--balance-interval", type=int, default=10,
-                        help="steps between full expert re-plans (cheap drift checks run every step)")
-    parser.add_argument("--balance-horizon", type=int, default=50,
-                        help="steps over which a migration's predicted saving must repay its cost")
+    parser.add_argument("--balance-interval", type=int,
+                        help=f"steps between full expert re-plans (default {REPLAN_INTERVAL}; drift checks every step)")
+    parser.add_argument("--balance-horizon", type=int,
+                        help=f"steps over which a migration must repay its cost (default {PAYBACK_HORIZON})")
     parser.add_argument("--slots-per-rank", type=int,
                         help="expert slots per EP rank (default experts/ep + 1: one spare for a replica)")
 

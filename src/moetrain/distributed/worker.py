@@ -52,8 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--trace-dir")
     parser.add_argument("--timeout-s", type=float, default=60.0)
     parser.add_argument("--online-balance", action="store_true", help="migrate and replicate experts while training")
-    parser.add_argument("--balance-interval", type=int, default=10)
-    parser.add_argument("--balance-horizon", type=int, default=50)
+    parser.add_argument("--balance-interval", type=int)
+    parser.add_argument("--balance-horizon", type=int)
     parser.add_argument("--slots-per-rank", type=int)
     return parser.parse_args(argv)
 
@@ -132,8 +132,10 @@ def _train(args: argparse.Namespace, rank: int, device: torch.device) -> None:
     if args.online_balance:  # spare slots, replica-summing optimizer, trigger after every step
         from moetrain.distributed.balancing import build_balanced_run
 
+        tuning = {name: value for name, value in (("interval", args.balance_interval),
+                                                  ("horizon", args.balance_horizon)) if value is not None}
         run, balancer = build_balanced_run(dims, model_cfg, cfg, device, cluster, slots_per_rank=args.slots_per_rank,
-                                           interval=args.balance_interval, horizon=args.balance_horizon)
+                                           **tuning)
     else:
         run = build_layout(dims, model_cfg, cfg, device)
     step = 0
