@@ -30,18 +30,37 @@ def test_alltoall_priced_at_the_busiest_rank(costs):
 
 
 def test_migration_cost_uses_weights_master_and_adam_over_the_right_link(costs):
-    expert_bytes = moe_block_params(costs.model)[1] / 256 * 14
-    assert costs.migration_seconds([]) == 0.0
-    in_node = costs.migration_seconds([Move(3, (0, 0), (1, 8))])
-    across = costs.migration_seconds([Move(3, (0, 0), (8, 8))])
-    assert in_node == pytest.approx(float(comm.p2p_time(expert_bytes, False, costs.cluster)))
-    assert across == pytest.approx(float(comm.p2p_time(expert_bytes, True, costs.cluster)))
+    params = moe_block_params(costs.model)[1] / 256
+    stop_the_world = BalanceCostModel(costs.model, costs.cluster, 32, defer_optimizer_state=False)
+    assert stop_the_world.migration_seconds([]) == 0.0
+    in_node = stop_the_world.migration_seconds([Move(3, (0, 0), (1, 8))])
+    across = stop_the_world.migration_seconds([Move(3, (0, 0), (8, 8))])
+    assert in_node == pytest.approx(float(comm.p2p_time(params * 14, False, costs.cluster)))
+    assert across == pytest.approx(float(comm.p2p_time(params * 14, True, costs.cluster)))
     assert across > in_node
     # two experts leaving one rank take twice as long as two ranks sending one each
-    same_sender = costs.migration_seconds([Move(1, (0, 0), (8, 8)), Move(2, (0, 1), (9, 8))])
-    two_senders = costs.migration_seconds([Move(1, (0, 0), (8, 8)), Move(9, (1, 1), (9, 8))])
+    same_sender = stop_the_world.migration_seconds([Move(1, (0, 0), (8, 8)), Move(2, (0, 1), (9, 8))])
+    two_senders = stop_the_world.migration_seconds([Move(1, (0, 0), (8, 8)), Move(9, (1, 1), (9, 8))])
     assert same_sender > 1.9 * two_senders
-    assert costs.migration_seconds([Move(1, (0, 0), (0, 8))]) == 0.0  # a local copy
+    assert stop_the_world.migration_seconds([Move(1, (0, 0), (0, 8))]) == 0.0  # a local copy
+
+
+def test_optimizer_state_hides_under_the_next_steps_compute(costs):
+    move = [Move(3, (0, 0), (8, 8))]
+    params = moe_block_params(costs.model)[1] / 256
+    weights = float(comm.p2p_time(params * 2, True, costs.cluster))
+    state = float(comm.p2p_time(params * 12, True, costs.cluster))
+    # no compute to hide under: both copies show; enough compute: only the weights' copy does
+    assert costs.migration_seconds(move) == pytest.approx(weights + state)
+    assert costs.migration_seconds(move, overlap_window_s=10 * state) == pytest.approx(weights)
+    assert costs.migration_seconds(move, overlap_window_s=state / 4) == pytest.approx(weights + 0.75 * state)
+    # the window is the layer's compute: expert GEMMs of the slowest rank plus the rest of the layer
+    loads = np.full(256, 1000.0)
+    contiguous = ExpertPlacement.contiguous(256, 32, 9)
+    copies = contiguous.apply_to_tokens_per_expert(loads)
+    expected = costs.expert_seconds(copies, 8).max() + costs.other_seconds(copies)
+    assert costs.overlap_window_seconds(contiguous, loads) == pytest.approx(float(expected))
+    assert costs.ideal_overlap_window_seconds(loads) == pytest.approx(float(expected))
 
 
 def test_replicas_pay_a_gradient_all_reduce(costs):

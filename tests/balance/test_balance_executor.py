@@ -126,3 +126,70 @@ def test_migration_keeps_training_math():
     assert sum(before) == sum(after) == TOKENS
     assert max(after) < max(before)  # per-rank expert work evens out
     assert max(after) <= TOKENS / NUM_RANKS + 2
+
+
+def test_shard_segments_cut_at_both_sides_boundaries():
+    from moetrain.balance.executor import shard_segments
+
+    # 10 elements from offset 7 to offset 2, shards of 4: source cuts at 8, 12, 16; destination at 4, 8, 12
+    pieces = shard_segments(7, 2, 10, 4)
+    assert pieces == [(1, 3, 0, 2, 1), (2, 0, 0, 3, 1), (2, 1, 1, 0, 3), (3, 0, 1, 3, 1), (3, 1, 2, 0, 3),
+                      (4, 0, 2, 3, 1)]
+    assert sum(p[-1] for p in pieces) == 10
+    assert shard_segments(0, 8, 8, 8) == [(0, 0, 1, 0, 8)]  # aligned: one piece
+
+
+EP_SHARDED, EDP_SHARDED, SLOT_NUMELS = 2, 2, (6, 5)
+"""Sharded-state test: 2 EP × 2 EDP ranks, a bucket of two slot-major parameters (3 slots of 6 and of 5
+elements, 33 elements, shards of 17) so that slots straddle shard boundaries differently on each side."""
+
+
+def _bucket_values(ep_rank: int, state: int) -> torch.Tensor:
+    """The full flat bucket of one state tensor on one EP rank: values name (state, rank, element)."""
+    numel = 3 * sum(SLOT_NUMELS)
+    return torch.arange(numel, dtype=torch.float64) + 1000.0 * ep_rank + 1e5 * state
+
+
+def _sharded_worker(rank: int, init_file: str, results: dict) -> None:
+    from moetrain.balance.executor import ShardedSlots, post_sharded_moves
+    from moetrain.balance.placement import Move
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=4)
+    # global rank = edp * EP + ep (the layout's expert grid, [edp, ep])
+    edp, ep = divmod(rank, EP_SHARDED)
+    numel = 3 * sum(SLOT_NUMELS)
+    shard_size = -(-numel // EDP_SHARDED)
+    shards = [torch.nn.functional.pad(_bucket_values(ep, k), (0, shard_size * EDP_SHARDED - numel))
+              [edp * shard_size:(edp + 1) * shard_size].clone() for k in range(3)]
+    # slot 2 of EP rank 0 and slot 0 of EP rank 1 swap places; slot 1 of rank 1 moves to slot 2 of rank 1
+    moves = [Move(0, (0, 2), (1, 0)), Move(1, (1, 0), (0, 2)), Move(2, (1, 1), (1, 2))]
+    items = [ShardedSlots(moves, 0, SLOT_NUMELS[0], shards, shard_size),
+             ShardedSlots(moves, 3 * SLOT_NUMELS[0], SLOT_NUMELS[1], shards, shard_size)]
+    before = [s.clone() for s in shards]
+    pending = post_sharded_moves(items, ep, edp, lambda e, d: d * EP_SHARDED + e)
+    assert all(torch.equal(a, b) for a, b in zip(shards, before))  # nothing lands before finish
+    pending.finish()
+    results[rank] = [s.numpy().copy() for s in shards]
+    dist.destroy_process_group()
+
+
+def test_sharded_state_moves_piece_by_piece():
+    with tempfile.TemporaryDirectory() as folder:
+        manager = mp.Manager()
+        results = manager.dict()
+        mp.start_processes(_sharded_worker, args=(os.path.join(folder, "init"), results), nprocs=4, join=True,
+                           start_method="fork")
+        results = dict(results)
+    numel = 3 * sum(SLOT_NUMELS)
+    for ep in range(EP_SHARDED):
+        for k in range(3):
+            got = np.concatenate([results[edp * EP_SHARDED + ep][k] for edp in range(EDP_SHARDED)])[:numel]
+            want = np.concatenate([_bucket_values(ep, k).numpy()])
+            sources = {0: {2: (1, 0)}, 1: {0: (0, 2), 2: (1, 1)}}[ep]  # destination slot → (source rank, slot)
+            for dst_slot, (src_rank, src_slot) in sources.items():
+                offset = 0
+                for slot_numel in SLOT_NUMELS:
+                    src = _bucket_values(src_rank, k).numpy()[offset + src_slot * slot_numel:][:slot_numel]
+                    want[offset + dst_slot * slot_numel:offset + (dst_slot + 1) * slot_numel] = src
+                    offset += 3 * slot_numel
+            np.testing.assert_array_equal(got, want)

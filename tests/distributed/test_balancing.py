@@ -70,6 +70,7 @@ def _run(dims: ParallelDims, balance: bool, placement: ExpertPlacement | None = 
         if save_dir is not None and step + 1 == SAVE_AT:
             save_checkpoint(save_dir, SAVE_AT, run, skewed_model_config(), TRAINING,
                             expert_placement=balancer.state_dict())
+    balancer.finish_migration()
     rows = torch.tensor([sum(h.local_rows) for h in balancer.history], dtype=torch.float64)
     per_rank_rows = [torch.empty_like(rows) for _ in range(EP)]
     dist.all_gather(per_rank_rows, rows, group=dims.get_group("ep"))
@@ -93,6 +94,7 @@ def _resume(dims: ParallelDims, path: Path) -> dict:
     for step in range(start, STEPS):
         losses.append(train_step(run, step, TRAINING, torch.device("cpu")))
         balancer.after_step(step)
+    balancer.finish_migration()
     return {"restored": restored, "restored_placements": restored_placements, "losses": losses,
             "placements": [p.slot_expert.tolist() for p in balancer.placements]}
 
@@ -269,3 +271,31 @@ def test_online_balance_flag_is_refused_where_it_cannot_run(argv: list[str], mes
     with pytest.raises(UserError) as excinfo:
         launch.launch(args.nproc, args)
     assert str(excinfo.value) == message
+
+
+def _sharded_state_worker(rank: int, world_size: int) -> dict:
+    """EP2 × EDP2: the moved experts' optimizer state is ZeRO-sharded over two ranks and moves piece by
+    piece between shards, in flight during the next step."""
+    dims = ParallelDims.build(ParallelConfig(dp=4, ep=2), rank, 4)
+    out = {}
+    for name, balance in (("plain", False), ("balanced", True)):
+        run, balancer = _balanced_run(dims, balance)
+        losses = []
+        for step in range(STEPS):
+            losses.append(train_step(run, step, TRAINING, torch.device("cpu")))
+            balancer.after_step(step)
+        balancer.finish_migration()
+        out[name] = {"losses": losses, "migrations": balancer.migrations,
+                     "moved_slots": sum(d.num_moves for d in balancer.decisions if d.migrate)}
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_migration_with_sharded_optimizer_state_keeps_losses() -> None:
+    results = spawn(_sharded_state_worker, 4)
+    plain, balanced = results[0]["plain"], results[0]["balanced"]
+    assert all(r["balanced"]["losses"] == balanced["losses"] for r in results), "ranks disagree on the loss"
+    assert balanced["migrations"] >= 1 and balanced["moved_slots"] >= 1 and plain["migrations"] == 0
+    for step, (got, want) in enumerate(zip(balanced["losses"], plain["losses"])):
+        assert abs(got - want) <= 1e-6 * abs(want), f"step {step}: {got} vs {want}"

@@ -15,9 +15,16 @@ Per MoE layer and step, on EP rank r holding ``n_r`` token-expert copies (replic
 * the rest of the layer (attention, router, shared expert) does not depend on the placement; it is
   priced as GEMM work of the same efficiency so that gains are relative to the whole layer.
 
-Migration: each moved expert carries its weights and optimizer state (``bytes_per_param``: bf16
-weight 2 + fp32 master 4 + Adam m and v 8 = 14 bytes); ranks send and receive in parallel, in-node
-and network links concurrently, so the busiest rank's busiest link decides.
+Migration: each moved expert carries its weights and optimizer state; ranks send and receive in
+parallel, in-node and network links concurrently, so the busiest rank's busiest link decides. The two
+parts are needed at different times, and the runtime moves them so:
+
+* the bf16 weight (``weight_bytes_per_param`` = 2) before the next step's forward: exposed;
+* the fp32 master and Adam's two moments (``deferred_bytes_per_param`` = 12) only by the next step's
+  optimizer update: they are posted right after the decision and travel while the next step computes
+  (``distributed.balancing``), so only what exceeds the layer's compute time (``overlap_window_seconds``:
+  its expert GEMMs and the rest of the layer, the time its links carry none of the step's own
+  traffic) shows. ``defer_optimizer_state=False`` prices a stop-the-world move of all 14 bytes.
 """
 
 from __future__ import annotations
@@ -48,8 +55,12 @@ class BalanceCostModel:
     hierarchical_a2a: bool = False
     activation_bytes: float = 2.0
     """Bytes per hidden element sent by the all-to-all (bf16)."""
-    bytes_per_param: float = 14.0
-    """Bytes moved per expert parameter in a migration: weight, fp32 master, Adam moments."""
+    weight_bytes_per_param: float = 2.0
+    """Bytes per expert parameter that a migration must deliver before the next forward (bf16 weight)."""
+    deferred_bytes_per_param: float = 12.0
+    """Bytes per expert parameter needed only by the next optimizer update (fp32 master, Adam m and v)."""
+    defer_optimizer_state: bool = True
+    """The optimizer state travels under the next step's compute (False: everything before the step)."""
     grad_bytes_per_param: float = 4.0
     """Bytes per parameter in the replicas' gradient all-reduce (fp32 gradients)."""
     seq_len: int = 4096
@@ -150,11 +161,28 @@ class BalanceCostModel:
 
     # ---- migration ----------------------------------------------------------------------------
 
-    def migration_seconds(self, moves: list[Move]) -> float:
-        """Time to copy the moved experts' weights and optimizer state (one layer's moves)."""
-        if not moves:
-            return 0.0
-        expert_bytes = self.params_per_expert * self.bytes_per_param
+    @property
+    def bytes_per_param(self) -> float:
+        """Everything a moved expert carries, per parameter (14: weight, master, Adam moments)."""
+        return self.weight_bytes_per_param + self.deferred_bytes_per_param
+
+    def overlap_window_seconds(self, placement: ExpertPlacement, tokens_per_expert: np.ndarray) -> float:
+        """The layer's compute in one step (slowest rank's expert GEMMs plus the rest of the layer):
+        the time its links are free for optimizer state moving under the step."""
+        copies = placement.apply_to_tokens_per_expert(tokens_per_expert)
+        experts_per_rank = (placement.slot_expert != EMPTY_SLOT).reshape(placement.num_ranks, -1).sum(axis=1)
+        return float(self.expert_seconds(copies, experts_per_rank).max(axis=-1) + self.other_seconds(copies))
+
+    def ideal_overlap_window_seconds(self, tokens_per_expert: np.ndarray) -> float:
+        """The same for perfectly even ranks: the least compute any placement leaves the links."""
+        loads = np.asarray(tokens_per_expert, dtype=float)
+        even = np.repeat((loads.sum(axis=-1) / self.ep)[..., None], self.ep, axis=-1)
+        per_rank = -(-self.model.moe.num_experts // self.ep)  # type: ignore[union-attr]
+        return float(self.expert_seconds(even[..., 0], per_rank) + self.other_seconds(even))
+
+    def transfer_seconds(self, moves: list[Move], bytes_per_param: float) -> float:
+        """Time to copy ``bytes_per_param`` bytes of every moved expert's parameters (one layer's moves)."""
+        expert_bytes = self.params_per_expert * bytes_per_param
         # [rank, link]: link 0 in-node, 1 network; sends and receives use separate directions.
         sent = np.zeros((self.ep, 2))
         received = np.zeros((self.ep, 2))
@@ -169,3 +197,12 @@ class BalanceCostModel:
         inter = float(comm.p2p_time(busiest[1], True, self.cluster, self.efficiency)) if busiest[1] else 0.0
         return max(intra, inter)
 
+    def migration_seconds(self, moves: list[Move], overlap_window_s: float = 0.0) -> float:
+        """Step time a layer's moves add: the weights' copy, plus the optimizer state's copy beyond
+        ``overlap_window_s`` (the next step's compute it travels under; see the module docstring)."""
+        if not moves:
+            return 0.0
+        if not self.defer_optimizer_state:
+            return self.transfer_seconds(moves, self.bytes_per_param)
+        deferred = self.transfer_seconds(moves, self.deferred_bytes_per_param)
+        return self.transfer_seconds(moves, self.weight_bytes_per_param) + max(0.0, deferred - overlap_window_s)

@@ -13,12 +13,21 @@ The contract with the runtime (which owns the module and the optimizer):
   fixed order, so every replica gets the same bits) before the optimizer step.
 
 Ranks in ``Move`` are positions in the EP group; ``group`` maps them to global ranks.
+
+Optimizer state under ZeRO: the fp32 master and Adam's moments live in flat buckets sharded over the
+expert-data-parallel ranks, so one slot's state may straddle shard boundaries, on the sending and on
+the receiving EP rank differently. ``post_sharded_moves`` cuts each moved slot at every boundary of
+either side and sends each piece from the shard that holds it to the shard that will hold it: only
+the moved bytes travel. The copies are posted and left in flight (``PendingCopies``); the runtime
+lands them just before the next optimizer update, so they travel while the next step computes.
+
 Torch is imported here only; the planning half of ``moetrain.balance`` stays torch-free.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -138,3 +147,87 @@ def sum_replica_gradients(
                 grad[slot].copy_(buffer)
         else:
             item.wait()
+
+
+def shard_segments(src_start: int, dst_start: int, length: int,
+                   shard_size: int) -> list[tuple[int, int, int, int, int]]:
+    """A copy of ``length`` elements from flat offset ``src_start`` to ``dst_start`` of a bucket cut into
+    shards of ``shard_size``, split at every shard boundary of either side: a list of
+    (source shard, offset in it, destination shard, offset in it, elements)."""
+    pieces = []
+    done = 0
+    while done < length:
+        src, dst = src_start + done, dst_start + done
+        count = min(length - done, shard_size - src % shard_size, shard_size - dst % shard_size)
+        pieces.append((src // shard_size, src % shard_size, dst // shard_size, dst % shard_size, count))
+        done += count
+    return pieces
+
+
+@dataclass(frozen=True)
+class ShardedSlots:
+    """One slot-major expert parameter inside a ZeRO bucket, and the moves of its slots."""
+
+    moves: Sequence[Move]
+    offset: int
+    """Element offset of the parameter in the flat bucket."""
+    slot_numel: int
+    shards: Sequence[torch.Tensor]
+    """This rank's shard of every per-element state tensor of the bucket (master, Adam m, v), each
+    ``[shard_size]``; the same list, in the same order, on every rank."""
+    shard_size: int
+
+
+@dataclass
+class PendingCopies:
+    """Point-to-point copies posted and not yet landed: ``finish`` waits for them and writes them."""
+
+    requests: list = field(default_factory=list)
+    landings: list[tuple[torch.Tensor, int, torch.Tensor]] = field(default_factory=list)
+    """(destination shard, offset, the piece)."""
+
+    def finish(self) -> None:
+        for request in self.requests:
+            request.wait()
+        with torch.no_grad():
+            for shard, offset, piece in self.landings:
+                shard[offset:offset + piece.numel()].copy_(piece)
+        self.requests, self.landings = [], []
+
+
+def post_sharded_moves(
+    items: Sequence[ShardedSlots], my_ep: int, my_edp: int, global_rank: Callable[[int, int], int],
+    group: dist.ProcessGroup | None = None,
+) -> PendingCopies:
+    """Post the sends and receives that carry the moved slots' sharded state; return them in flight.
+
+    ``global_rank(ep, edp)`` names the rank at that position of the expert grid, so pieces go straight
+    from the shard that holds them to the one that will. Sources are copied out now, so this rank's
+    shards may be overwritten by other pieces when the copies land. Every rank enumerates the same
+    pieces in the same order, which numbers the messages (tags) identically on both ends.
+    """
+    pending = PendingCopies()
+    tag = 0
+    for item in items:
+        width = len(item.shards)
+        for move in item.moves:
+            pieces = shard_segments(item.offset + move.src[1] * item.slot_numel,
+                                    item.offset + move.dst[1] * item.slot_numel, item.slot_numel, item.shard_size)
+            for src_shard, src_offset, dst_shard, dst_offset, count in pieces:
+                sender = (move.src[0], src_shard) == (my_ep, my_edp)
+                receiver = (move.dst[0], dst_shard) == (my_ep, my_edp)
+                for k, shard in enumerate(item.shards):
+                    if sender:
+                        piece = shard[src_offset:src_offset + count].detach().clone()
+                        if receiver:
+                            pending.landings.append((shard, dst_offset, piece))
+                        else:
+                            pending.requests.append(dist.isend(
+                                piece, dst=global_rank(move.dst[0], dst_shard), group=group, tag=tag + k))
+                    elif receiver:
+                        piece = torch.empty(count, dtype=shard.dtype, device=shard.device)
+                        pending.requests.append(dist.irecv(
+                            piece, src=global_rank(move.src[0], src_shard), group=group, tag=tag + k))
+                        pending.landings.append((shard, dst_offset, piece))
+                tag += width
+    return pending

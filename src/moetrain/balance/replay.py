@@ -9,7 +9,8 @@ Per MoE layer, independently (each layer has its own experts and placement):
    migrates only if the predicted saving over the next ``horizon`` steps beats the predicted
    migration time (weights and optimizer state over the links); a new plan that only changes
    replicas' token shares moves no weights and is applied whenever it saves time;
-4. a migration decided after step t is paid in step t+1.
+4. a migration decided after step t is paid in step t+1: the weights' copy before it, and the optimizer
+   state's copy where it outlasts step t+1's compute on that layer (``BalanceCostModel.migration_seconds``).
 
 "Before" is the static contiguous layout; "after" is the balanced run, migration time included;
 "ideal" is every rank at the mean load (no placement beats it). All times come from the cost model.
@@ -23,7 +24,7 @@ import numpy as np
 
 from moetrain.balance.costs import BalanceCostModel
 from moetrain.balance.online import PAYBACK_HORIZON, REPLAN_INTERVAL
-from moetrain.balance.placement import ExpertPlacement
+from moetrain.balance.placement import ExpertPlacement, diff
 from moetrain.balance.predict import Predictor
 from moetrain.balance.schedule import Decision, LayerSchedule, ReplanRule
 from moetrain.balance.traces import RoutingTrace
@@ -45,6 +46,8 @@ class ReplayResult:
     """[T] the same with balancing, migration time included."""
     seconds_ideal: np.ndarray
     """[T] every rank at the mean load."""
+    seconds_migration: np.ndarray
+    """[T] the part of ``seconds_after`` that migrations add (exposed copy time)."""
     decisions: list[Decision] = field(default_factory=list)
     final_placements: list[ExpertPlacement] = field(default_factory=list)
 
@@ -75,7 +78,7 @@ class ReplayResult:
             "ideal_gain": self.ideal_gain,
             "gap_to_ideal": self.gap_to_ideal,
             "migrations": int(sum(d.migrate for d in self.decisions)),
-            "migration_seconds_total": float(sum(d.migration_s for d in self.decisions if d.migrate)),
+            "migration_seconds_total": float(self.seconds_migration.sum()),
             "reshares": int(sum(d.reshare for d in self.decisions)),
             "early_solves": int(sum(d.early for d in self.decisions)),
             "decisions": len(self.decisions),
@@ -124,6 +127,7 @@ def replay(
     seconds_ideal = np.asarray(costs.ideal_layer_seconds(loads)).sum(axis=1)
     imbalance_after = np.empty((num_steps, num_layers))
     seconds_after = np.zeros(num_steps)
+    seconds_migration = np.zeros(num_steps)
     decisions: list[Decision] = []
     finals: list[ExpertPlacement] = []
 
@@ -145,10 +149,15 @@ def replay(
                 continue
             decisions.append(decision)
             if adopted is not current:
+                if decision.migrate:
+                    # paid in step t+1: the weights before it, the optimizer state beyond its compute
+                    window = costs.overlap_window_seconds(adopted, loads[t + 1, layer])
+                    exposed = costs.migration_seconds(diff(current, adopted), window)
+                    seconds_after[t + 1] += exposed
+                    seconds_migration[t + 1] += exposed
                 current = adopted
-                seconds_after[t + 1] += decision.migration_s if decision.migrate else 0.0
         finals.append(current)
     return ReplayResult(
         trace.steps.copy(), imbalance_before, imbalance_after, seconds_before, seconds_after, seconds_ideal,
-        decisions, finals,
+        seconds_migration, decisions, finals,
     )

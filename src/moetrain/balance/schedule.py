@@ -129,11 +129,13 @@ class ReplanRule:
 
     @property
     def cheapest_move_seconds(self) -> float:
-        """One expert copied between two ranks of one node: the least any weight-moving plan pays."""
+        """One expert copied between two ranks of one node, its optimizer state hidden under the next
+        step: the least any weight-moving plan pays."""
         if self._cheapest_move_s is None:
             same_node = 1 if self.costs.ep > 1 and self.costs.cluster.devices_per_node > 1 else 0
             dst_rank = 1 if same_node else min(1, self.costs.ep - 1)
-            self._cheapest_move_s = self.costs.migration_seconds([Move(0, (0, 0), (dst_rank, 0))])
+            self._cheapest_move_s = self.costs.migration_seconds([Move(0, (0, 0), (dst_rank, 0))],
+                                                                 overlap_window_s=float("inf"))
         return self._cheapest_move_s
 
     def forecast_steps(self, schedule: LayerSchedule) -> int:
@@ -176,12 +178,15 @@ class ReplanRule:
         window = self.forecast_steps(schedule) if early else min(self.interval, self.horizon)
         forecast = predictor.forecast(predictor_state, window)
         seconds_current = float(self.costs.layer_seconds(current, forecast))
+        # optimizer state moves under the next step's compute; the solver's score assumes the least
+        # compute any placement can have (the even one), the trigger the candidate's own
+        least_window = self.costs.ideal_overlap_window_seconds(forecast)
 
         def plan(candidates: str) -> tuple[ExpertPlacement, float]:
             return timed_plan(
                 forecast, current.num_ranks, current.slots_per_rank, self.solver,
                 score=lambda p: float(self.costs.layer_seconds(p, forecast))
-                + self.costs.migration_seconds(diff(current, p)) / self.horizon,
+                + self.costs.migration_seconds(diff(current, p), least_window) / self.horizon,
                 current=current, candidates=candidates,
             )
 
@@ -190,7 +195,7 @@ class ReplanRule:
         moves = diff(current, candidate)
         seconds_candidate = float(self.costs.layer_seconds(candidate, forecast))
         saving = self.horizon * (seconds_current - seconds_candidate)
-        migration = self.costs.migration_seconds(moves)
+        migration = self.costs.migration_seconds(moves, self.costs.overlap_window_seconds(candidate, forecast))
         # only the saving beyond the forecast's measured noise is counted on to last
         sure_saving = saving - self.horizon * schedule.forecast_noise
         migrate = bool(moves) and sure_saving > 0.0 and sure_saving > self.trigger_margin * migration

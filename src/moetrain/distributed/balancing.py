@@ -12,8 +12,9 @@ the one ``moetrain.balance.replay`` models: a cheap cost-model check of the fore
 move, and a full re-plan every ``interval`` steps; the trigger compares the predicted saving over the
 next ``horizon`` steps with the cost model's time to move the experts' weights and optimizer state.
 Each solve is reported as a ``Decision``. When the trigger fires, ``migrate_experts`` copies the moved
-slots' weights and AdamW moments between EP ranks (the ZeRO shards of the expert bucket are gathered,
-moved with the weights and re-sliced), and the layer's dispatcher switches to the new table. Every
+slots' weights between EP ranks, the layer's dispatcher switches to the new table, and the moved slots'
+fp32 master and AdamW moments follow as point-to-point pieces between the ZeRO shards that hold them
+(``post_sharded_moves``), in flight during the next step and landed before its optimizer update. Every
 rank of the stage sees the same loads and runs the same deterministic solver, so all take the same decisions.
 
 Replicas: ``ReplicaSyncedOptimizer`` sums each replicated expert's gradient over its replicas before
@@ -33,7 +34,13 @@ import torch.distributed as dist
 from torch import nn
 
 from moetrain.balance.costs import BalanceCostModel
-from moetrain.balance.executor import migrate_experts, sum_replica_gradients
+from moetrain.balance.executor import (
+    PendingCopies,
+    ShardedSlots,
+    migrate_experts,
+    post_sharded_moves,
+    sum_replica_gradients,
+)
 from moetrain.balance.online import PAYBACK_HORIZON, REPLAN_INTERVAL, check_online_balance, default_slots_per_rank
 from moetrain.balance.placement import EMPTY_SLOT, ExpertPlacement, Move, diff
 from moetrain.balance.predict import EMAPredictor, Predictor
@@ -46,7 +53,7 @@ from moetrain.distributed.parallelize import StageModel, parallelize
 from moetrain.distributed.pipeline import Executor
 from moetrain.distributed.step import LayoutRun
 from moetrain.distributed.trace import span
-from moetrain.distributed.zero import ZeroAdamW, _flat
+from moetrain.distributed.zero import ZeroAdamW
 from moetrain.errors import UserError
 from moetrain.models.attention import AttentionBackend
 from moetrain.models.transformer import MoETransformer, build_model
@@ -144,8 +151,13 @@ class ReplicaSyncedOptimizer:
         self.inner.zero_grad()
 
     def step(self, lr: float) -> torch.Tensor:
+        self.balancer.finish_migration()  # the moved experts' optimizer state, in flight since the last step
         correction = self.balancer.sum_replica_gradients()
         return self.inner.step(lr, norm_sq_correction=correction)
+
+    def moments_by_name(self) -> tuple[dict[str, dict[str, torch.Tensor]], torch.Tensor]:
+        self.balancer.finish_migration()
+        return self.inner.moments_by_name()
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
@@ -197,6 +209,7 @@ class OnlineExpertBalancer:
                                adaptive=self.adaptive)
         self.schedules = [LayerSchedule() for _ in self.telemetry.layers]
         self.migrations = 0
+        self._pending: PendingCopies | None = None
 
     @property
     def ep_rank(self) -> int:
@@ -351,43 +364,48 @@ class OnlineExpertBalancer:
 
     # ---- executor ------------------------------------------------------------------------------
 
+    def _expert_grid_rank(self, ep_position: int, edp_position: int) -> int:
+        """Global rank at (EP position, EDP position) of this rank's expert grid. The grid is linear in
+        global ranks (``layout.rank_groups``), so a step along EDP is the same offset at every EP position."""
+        ep_ranks, edp_ranks = self.stage.dims.group_ranks["ep"], self.stage.dims.group_ranks["edp"]
+        return ep_ranks[ep_position] + edp_ranks[edp_position] - self.stage.dims.rank
+
     @torch.no_grad()
     def migrate(self, moves_by_layer: list[list[Move]]) -> None:
-        """Move weights and AdamW moments of every moved slot (all layers), then rebuild the ZeRO
-        shards of the expert buckets from the moved tensors. Runs between steps (no live gradients)."""
+        """Move every moved slot (all layers): the weights now, before the next forward; the ZeRO shards
+        of their fp32 master and AdamW moments as point-to-point pieces left in flight, landed by
+        ``finish_migration`` just before the next optimizer update (``ReplicaSyncedOptimizer.step``),
+        so they travel while the next step computes (the cost model's deferred part)."""
+        self.finish_migration()
         with span("expert_migration", "comm"):
-            buckets = [b for b in self.optimizer.buckets if any(".moe.experts." in f".{n}" for n in b.names)]
-            full_moments: dict[int, dict[str, torch.Tensor]] = {}
-            gathered: list[dict[str, torch.Tensor]] = []
-            for bucket in buckets:
-                state = self.optimizer.optimizer.state.get(bucket.shard, {})
-                flats: dict[str, torch.Tensor] = {}
-                for key in ("exp_avg", "exp_avg_sq"):
-                    if key not in state:
-                        continue
-                    parts = [torch.empty_like(state[key]) for _ in range(bucket.group_size)]
-                    dist.all_gather(parts, state[key].contiguous(), group=bucket.group)
-                    flats[key] = torch.cat(parts)
-                    offset = 0
-                    for p in bucket.params:
-                        full_moments.setdefault(id(p), {})[key] = flats[key][offset:offset + p.numel()].view_as(p)
-                        offset += p.numel()
-                gathered.append(flats)
             for (_, block), moves in zip(self.telemetry.layers, moves_by_layer):
-                if not moves:
-                    continue
-                params = [getattr(block.experts, name) for name in EXPERT_WEIGHTS]
-                tensors = [p.data for p in params]
-                for key in ("exp_avg", "exp_avg_sq"):
-                    tensors += [full_moments[id(p)][key] for p in params if key in full_moments.get(id(p), {})]
-                migrate_experts(moves, tensors, self.ep_group)
-            for bucket, flats in zip(buckets, gathered):
-                size = bucket.shard_size * bucket.group_size
-                lo, hi = bucket.rank_in_group * bucket.shard_size, (bucket.rank_in_group + 1) * bucket.shard_size
-                bucket.shard.copy_(_flat([p.detach() for p in bucket.params], size)[lo:hi])
-                state = self.optimizer.optimizer.state.get(bucket.shard)
-                for key, flat in flats.items():
-                    state[key] = flat[lo:hi].clone()
+                if moves:
+                    migrate_experts(moves, [getattr(block.experts, name).data for name in EXPERT_WEIGHTS],
+                                    self.ep_group)
+            where = {}
+            for bucket in self.optimizer.buckets:
+                state = self.optimizer.optimizer.state.get(bucket.shard, {})
+                shards = [bucket.shard.data] + [state[key] for key in ("exp_avg", "exp_avg_sq") if key in state]
+                offset = 0
+                for p in bucket.params:
+                    where[id(p)] = (bucket, shards, offset)
+                    offset += p.numel()
+            items = []
+            for (_, block), moves in zip(self.telemetry.layers, moves_by_layer):
+                for name in EXPERT_WEIGHTS if moves else ():
+                    param = getattr(block.experts, name)
+                    bucket, shards, offset = where[id(param)]
+                    items.append(ShardedSlots(moves, offset, param[0].numel(), shards, bucket.shard_size))
+            self._pending = post_sharded_moves(items, self.ep_rank, self.stage.dims.local_rank("edp"),
+                                               self._expert_grid_rank, self.load_group)
+
+    @torch.no_grad()
+    def finish_migration(self) -> None:
+        """Land the optimizer-state pieces of the last migration (no-op when none is in flight)."""
+        if self._pending is not None:
+            with span("expert_migration_state", "comm"):
+                self._pending.finish()
+            self._pending = None
 
 
 def build_balanced_run(dims: ParallelDims, model_cfg: ModelConfig, cfg: TrainingConfig, device: torch.device | str,

@@ -189,6 +189,8 @@ def _train(args: argparse.Namespace, rank: int, device: torch.device) -> None:
             if save_dir is not None and training.should_save(step, last_step, args.save_every):
                 save_checkpoint(save_dir, step, run, model_cfg, cfg, config_hash=config_hash,
                                 expert_placement=balancer.state_dict() if balancer is not None else None)
+        if balancer is not None:
+            balancer.finish_migration()  # the last step's move, if any, lands before the ranks part
     finally:
         metrics.close()
         if routing is not None:
