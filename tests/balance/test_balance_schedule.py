@@ -54,4 +54,23 @@ def test_check_solves_only_when_the_drift_pays_a_move(costs):
     assert decision.imbalance_current == pytest.approx((16 * 512 + 8192) / ((256 * 512 + 8192) / 16))
     assert decision.imbalance_candidate < 1.01
     assert rule.cheapest_move_seconds == costs.migration_seconds([Move(0, (0, 0), (1, 0))], float("inf"))
-    assert LayerSchedule.from_state_dict(schedule.state_dict()) == schedule
+    restored = LayerSchedule.from_state_dict(schedule.state_dict())
+    assert restored == schedule
+    np.testing.assert_array_equal(restored.previous_deviation, skewed - skewed.mean())
+
+
+def test_savings_are_counted_on_for_as_long_as_the_skew_persists(costs):
+    rule = ReplanRule(costs, interval=10, horizon=50)
+    assert rule.lasting_steps(LayerSchedule()) == 50  # no evidence yet: the whole horizon
+    persistent, alternating = LayerSchedule(), LayerSchedule()
+    skew = np.where(np.arange(256) < 8, 2000.0, 500.0)
+    for step in range(6):
+        persistent.observe_deviation(skew)
+        alternating.observe_deviation(skew if step % 2 else skew[::-1])
+    assert persistent.persistence == pytest.approx(1.0)
+    assert rule.lasting_steps(persistent) == 50
+    # a hot set that flips every step keeps nothing of it: a saving lasts one step
+    assert alternating.persistence == 0.0 and rule.lasting_steps(alternating) == 1.0
+    half = LayerSchedule(lag_cross=1.0, lag_norm=2.0)
+    assert half.persistence == 0.5
+    assert rule.lasting_steps(half) == pytest.approx((1 - 0.5 ** 50) / 0.5)

@@ -29,6 +29,12 @@ One rule, shared by the trace replay (``balance.replay``) and the runtime
    saving over ``horizon`` steps, less ``horizon`` × the forecast noise, exceeds ``trigger_margin`` ×
    its migration time; a plan that only changes replicas' token shares moves no weights and is
    applied whenever it saves time.
+5. **A saving lasts as long as the skew does.** Every "over ``horizon`` steps" above counts
+   ``lasting_steps``, not ``horizon``: the sum over k < horizon of ρ^k, where ρ is the running lag-1
+   correlation of the experts' load deviations from their mean (``LayerSchedule.persistence``). A
+   stationary or slowly drifting skew has ρ near 1 and keeps the whole horizon; a hot set that
+   changes from step to step (routing noise, a router whose balance loss pulls load back) has a small ρ
+   and pays for few moves.
 """
 
 from __future__ import annotations
@@ -46,6 +52,8 @@ from moetrain.errors import UserError
 
 NOISE_SMOOTHING = 0.2
 """Weight of the newest step in ``LayerSchedule.forecast_noise`` (a running mean over about 5 steps)."""
+PERSISTENCE_SMOOTHING = 0.1
+"""Weight of the newest step in the running lag-1 statistics behind ``LayerSchedule.persistence``."""
 
 
 @dataclass(frozen=True)
@@ -98,16 +106,45 @@ class LayerSchedule:
     """The excess the last check forecast for the placement that runs the next step."""
     forecast_noise: float = 0.0
     """Running mean of |realized − predicted excess| per step: how much of a forecast's excess is noise."""
+    lag_cross: float = 0.0
+    """Running mean of the product of consecutive steps' load deviations (from the mean expert)."""
+    lag_norm: float = 0.0
+    """Running mean of the product of their norms."""
+    previous_deviation: np.ndarray | None = field(default=None, compare=False)
+    """The last step's deviation (compared by the state tests, not by ``==``)."""
+
+    def observe_deviation(self, tokens_per_expert: np.ndarray) -> None:
+        deviation = np.asarray(tokens_per_expert, dtype=float) - float(np.mean(tokens_per_expert))
+        if self.previous_deviation is not None:
+            cross = float(deviation @ self.previous_deviation)
+            norm = float(np.linalg.norm(deviation) * np.linalg.norm(self.previous_deviation))
+            first = self.lag_norm == 0.0
+            self.lag_cross += (1.0 if first else PERSISTENCE_SMOOTHING) * (cross - self.lag_cross)
+            self.lag_norm += (1.0 if first else PERSISTENCE_SMOOTHING) * (norm - self.lag_norm)
+        self.previous_deviation = deviation
+
+    @property
+    def persistence(self) -> float:
+        """Lag-1 correlation of the experts' load deviations, in [0, 1]: how much of a step's skew
+        the next step keeps (1 before there is evidence)."""
+        if self.lag_norm <= 0.0:
+            return 1.0
+        return min(max(self.lag_cross / self.lag_norm, 0.0), 1.0)
 
     def state_dict(self) -> dict:
         return {"last_solve": self.last_solve, "last_full": self.last_full, "life": self.life,
                 "reference_excess": self.reference_excess, "checks": self.checks,
-                "predicted_excess": self.predicted_excess, "forecast_noise": self.forecast_noise}
+                "predicted_excess": self.predicted_excess, "forecast_noise": self.forecast_noise,
+                "lag_cross": self.lag_cross, "lag_norm": self.lag_norm,
+                "previous_deviation": None if self.previous_deviation is None else self.previous_deviation.tolist()}
 
     @classmethod
     def from_state_dict(cls, state: dict) -> LayerSchedule:
+        previous = state.get("previous_deviation")
         return cls(state["last_solve"], state["last_full"], int(state["life"]), float(state["reference_excess"]),
-                   int(state["checks"]), state["predicted_excess"], float(state["forecast_noise"]))
+                   int(state["checks"]), state["predicted_excess"], float(state["forecast_noise"]),
+                   float(state.get("lag_cross", 0.0)), float(state.get("lag_norm", 0.0)),
+                   None if previous is None else np.array(previous, dtype=float))
 
 
 @dataclass
@@ -144,6 +181,14 @@ class ReplanRule:
             return min(self.interval, self.horizon)
         return min(schedule.life, self.interval, self.horizon)
 
+    def lasting_steps(self, schedule: LayerSchedule) -> float:
+        """Steps of the horizon a saving is counted on to last: sum over k < horizon of persistence^k
+        (a skew that decays like a first-order autoregression; ``horizon`` when it persists)."""
+        rho = schedule.persistence if self.adaptive else 1.0
+        if rho >= 1.0:
+            return float(self.horizon)
+        return (1.0 - rho ** self.horizon) / (1.0 - rho)
+
     def excess_seconds(self, placement: ExpertPlacement, forecast: np.ndarray) -> float:
         return float(self.costs.layer_seconds(placement, forecast) - self.costs.ideal_layer_seconds(forecast))
 
@@ -155,6 +200,9 @@ class ReplanRule:
         check, and maybe solve. Returns the decision (None when no solve ran) and the placement for the
         next step (``current`` unless the trigger fired or the shares changed)."""
         schedule.checks += 1
+        if self.adaptive:
+            schedule.observe_deviation(actual)
+        lasting = self.lasting_steps(schedule)
         if self.adaptive and schedule.predicted_excess is not None:
             realized = self.excess_seconds(current, np.asarray(actual, dtype=float))
             error = abs(realized - schedule.predicted_excess)
@@ -167,7 +215,7 @@ class ReplanRule:
             forecast = predictor.forecast(predictor_state, self.forecast_steps(schedule))
             excess = self.excess_seconds(current, forecast)
             # what a re-plan could win back beyond the forecast's own noise, over the horizon
-            recoverable = self.horizon * (excess - schedule.reference_excess - schedule.forecast_noise)
+            recoverable = lasting * (excess - schedule.reference_excess - schedule.forecast_noise)
             if not recoverable > self.cheapest_move_seconds:
                 schedule.predicted_excess = excess
                 return None, current
@@ -186,7 +234,7 @@ class ReplanRule:
             return timed_plan(
                 forecast, current.num_ranks, current.slots_per_rank, self.solver,
                 score=lambda p: float(self.costs.layer_seconds(p, forecast))
-                + self.costs.migration_seconds(diff(current, p), least_window) / self.horizon,
+                + self.costs.migration_seconds(diff(current, p), least_window) / lasting,
                 current=current, candidates=candidates,
             )
 
@@ -194,10 +242,10 @@ class ReplanRule:
         candidate, solve_s = plan("incremental" if early else "all")
         moves = diff(current, candidate)
         seconds_candidate = float(self.costs.layer_seconds(candidate, forecast))
-        saving = self.horizon * (seconds_current - seconds_candidate)
+        saving = lasting * (seconds_current - seconds_candidate)
         migration = self.costs.migration_seconds(moves, self.costs.overlap_window_seconds(candidate, forecast))
         # only the saving beyond the forecast's measured noise is counted on to last
-        sure_saving = saving - self.horizon * schedule.forecast_noise
+        sure_saving = saving - lasting * schedule.forecast_noise
         migrate = bool(moves) and sure_saving > 0.0 and sure_saving > self.trigger_margin * migration
         reshare = not moves and saving > 0.0 and candidate != current
         adopted = candidate if (migrate or reshare) else current
