@@ -8,7 +8,12 @@ layout; the bias does not move). Two runs from the same weights and batches:
 * ``balanced``: after every step the balancer runs the re-plan rule of ``moetrain.balance.schedule``
   (a cheap cost-model check; an incremental solve when the drift since the last plan could pay a
   move; a full re-plan every ``--interval`` steps, the first after step 0) and migrates when the
-  predicted saving over ``--horizon`` steps beats the cost model's migration time (margin 1).
+  predicted saving over ``--horizon`` steps beats the cost model's migration time (margin 1). Moved
+  experts' optimizer state travels during the next step and lands before its optimizer update;
+* ``stop_the_world``: the same, with the state landing before the next step begins.
+
+For each migration it reports the host time of the move itself (weights copied, state posted) and of
+the wait for the state to land: deferred, that wait is what the next step's compute did not hide.
 
 Per step it reports the max/mean EP-rank load (token-expert rows the ranks' experts computed,
 measured from tensor shapes, summed over MoE layers) and the max/mean of the per-rank expert forward
@@ -45,7 +50,7 @@ def _model_config() -> ModelConfig:
     return cfg.model_copy(update={"moe": cfg.moe.model_copy(update={"router": router})})
 
 
-def _run(dims: ParallelDims, args: argparse.Namespace, balance: bool) -> dict:
+def _run(dims: ParallelDims, args: argparse.Namespace, balance: bool, defer: bool = True) -> dict:
     model_cfg = _model_config()
     training = TrainingConfig(steps=args.steps, global_batch=args.global_batch, micro_batch=args.micro_batch,
                               seq_len=args.seq_len, warmup_steps=2)
@@ -58,7 +63,7 @@ def _run(dims: ParallelDims, args: argparse.Namespace, balance: bool) -> dict:
     run, balancer = build_balanced_run(
         dims, model_cfg, training, "cpu", load_cluster_config("cpu"), model=model,
         interval=args.interval, horizon=args.horizon, trigger_margin=1.0 if balance else float("inf"),
-        time_experts=True,
+        time_experts=True, defer_optimizer_state=defer,
     )
     losses, step_seconds, balance_seconds = [], [], []
     for step in range(args.steps):
@@ -68,6 +73,7 @@ def _run(dims: ParallelDims, args: argparse.Namespace, balance: bool) -> dict:
         balancer.after_step(step)
         step_seconds.append(middle - start)
         balance_seconds.append(time.perf_counter() - middle)
+    balancer.finish_migration()
     local = torch.tensor([[sum(h.local_rows), sum(h.local_expert_seconds)] for h in balancer.history],
                          dtype=torch.float64)
     parts = [torch.empty_like(local) for _ in range(ep)]
@@ -82,12 +88,14 @@ def _run(dims: ParallelDims, args: argparse.Namespace, balance: bool) -> dict:
         "balance_seconds": balance_seconds,
         "decisions": [d.as_dict() for d in balancer.decisions],
         "migrations": balancer.migrations,
+        "migration_timings": balancer.migration_timings,
     }
 
 
 def _bench(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     dims = ParallelDims.build(ParallelConfig(dp=world_size, ep=world_size), rank, world_size)
-    return {"static": _run(dims, args, balance=False), "balanced": _run(dims, args, balance=True)}
+    return {"static": _run(dims, args, balance=False), "balanced": _run(dims, args, balance=True),
+            "stop_the_world": _run(dims, args, balance=True, defer=False)}
 
 
 def _ratio(values: np.ndarray) -> np.ndarray:
@@ -116,6 +124,10 @@ def _summarise(run: dict, first_migration: int | None) -> dict:
         "busiest_rank_expert_seconds_after": float(seconds[after].max(axis=-1).mean()),
         "step_seconds_after": float(np.mean(run["step_seconds"][after])),
         "decisions": run["decisions"],
+        "migration_timings": run["migration_timings"],
+        "migration_moved_seconds_mean": float(np.mean([t["moved"] for t in run["migration_timings"]] or [0.0])),
+        "migration_landed_wait_seconds_mean": float(np.mean([t["landed"] for t in run["migration_timings"]]
+                                                            or [0.0])),
     }
 
 
@@ -130,10 +142,12 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    results = spawn(_bench, args.nproc, args)[0]
+    per_rank = spawn(_bench, args.nproc, args)
+    results = per_rank[0]
     static, balanced = results["static"], results["balanced"]
     first = next((d["step"] for d in balanced["decisions"] if d["migrate"]), None)
-    relative = max(abs(a - b) / abs(b) for a, b in zip(balanced["losses"], static["losses"]))
+    relative = max(abs(a - b) / abs(b) for run in ("balanced", "stop_the_world")
+                   for a, b in zip(results[run]["losses"], static["losses"]))
     summary = {
         "model": "tiny-pangu (router score bias on experts 0-3)",
         "nproc": args.nproc, "ep": args.nproc, "steps": args.steps, "interval": args.interval,
@@ -143,12 +157,22 @@ def main() -> None:
         "max_relative_loss_difference": relative,
         "static": _summarise(static, first),
         "balanced": _summarise(balanced, first),
+        "stop_the_world": _summarise(results["stop_the_world"], first),
+        # the slowest rank's host time per migration, mean over migrations (every rank waits for it)
+        "migration_seconds_slowest_rank": {
+            run: {part: float(np.mean([max(r[run]["migration_timings"][i][part] for r in per_rank)
+                                       for i in range(len(results[run]["migration_timings"]))] or [0.0]))
+                  for part in ("moved", "landed")}
+            for run in ("balanced", "stop_the_world")},
     }
-    for name in ("static", "balanced"):
+    for name in ("static", "balanced", "stop_the_world"):
         s = summary[name]
         print(f"{name:9s} after step {first}: rows max/mean {s['rows_max_over_mean_after']:.3f}, expert time "
               f"max/mean {s['expert_seconds_max_over_mean_after']:.3f}, busiest rank expert fwd "
               f"{s['busiest_rank_expert_seconds_after'] * 1e3:.2f} ms, step {s['step_seconds_after']:.3f} s")
+    for run, parts in summary["migration_seconds_slowest_rank"].items():
+        print(f"{run:14s} per migration (slowest rank): moved {parts['moved'] * 1e3:.2f} ms, state landing wait "
+              f"{parts['landed'] * 1e3:.2f} ms")
     print(f"max relative loss difference: {relative:.2e}")
     if args.out:
         write_result(args.out, summary)

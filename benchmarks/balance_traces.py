@@ -21,8 +21,10 @@ from pathlib import Path
 import numpy as np
 
 from moetrain.balance.costs import BalanceCostModel
+from moetrain.balance.placement import ExpertPlacement
 from moetrain.balance.predict import DEFAULT_CANDIDATES, forecast_error, select_predictor
 from moetrain.balance.replay import replay
+from moetrain.balance.schedule import LayerSchedule
 from moetrain.balance.solver import plan_placement, replica_counts, solve_fixed_replicas, solve_milp
 from moetrain.balance.traces import RoutingTrace, drifting_trace, read_trace, zipf_trace
 from moetrain.config import load_cluster_config, load_model_config
@@ -35,6 +37,30 @@ def _commit() -> str:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
     except (subprocess.CalledProcessError, FileNotFoundError):
         return "unknown"
+
+
+def load_persistence(loads: np.ndarray, skip: int = 5) -> dict:
+    """The re-plan rule's running lag-1 correlation of expert-load deviations (``LayerSchedule.persistence``)
+    after every step from ``skip`` on, over all layers: how long a saving is counted on to last."""
+    values = []
+    for layer in range(loads.shape[1]):
+        schedule = LayerSchedule()
+        for t, row in enumerate(loads[:, layer]):
+            schedule.observe_deviation(row)
+            if t >= skip:
+                values.append(schedule.persistence)
+    return {"min": float(np.min(values)), "mean": float(np.mean(values))} if values else {}
+
+
+def layer_parts(loads: np.ndarray, costs: BalanceCostModel, slots: int) -> dict:
+    """Mean seconds per MoE layer and step of the static contiguous layout, by part: what balancing
+    can act on (expert GEMMs, all-to-all) against what it cannot (the rest of the layer)."""
+    static = ExpertPlacement.contiguous(loads.shape[-1], costs.ep, slots)
+    copies = static.apply_to_tokens_per_expert(loads.astype(float))
+    per_rank = -(-loads.shape[-1] // costs.ep)
+    return {"expert_gemm_slowest_rank": float(costs.expert_seconds(copies, per_rank).max(axis=-1).mean()),
+            "alltoall": float(np.mean(costs.alltoall_seconds(copies))),
+            "rest_of_layer": float(np.mean(costs.other_seconds(copies)))}
 
 
 def evaluate_trace(trace: RoutingTrace, costs: BalanceCostModel, interval: int, horizon: int,
@@ -54,6 +80,8 @@ def evaluate_trace(trace: RoutingTrace, costs: BalanceCostModel, interval: int, 
         "predictor": predictor.name,
         "forecast_error": errors,
         "replay_seconds": time.perf_counter() - start,
+        "load_persistence": load_persistence(loads),
+        "layer_seconds_static": layer_parts(loads, costs, loads.shape[-1] // costs.ep + 1),
         "steady_predicted_gain": float(result.seconds_before[steady].sum() / result.seconds_after[steady].sum() - 1),
         "steady_gap_to_ideal": float(result.seconds_after[steady].sum() / result.seconds_ideal[steady].sum() - 1),
         "steady_imbalance_after": float(result.imbalance_after[steady].mean()),

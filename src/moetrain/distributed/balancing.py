@@ -210,6 +210,9 @@ class OnlineExpertBalancer:
         self.schedules = [LayerSchedule() for _ in self.telemetry.layers]
         self.migrations = 0
         self._pending: PendingCopies | None = None
+        self.migration_timings: list[dict[str, float]] = []
+        """Per migration, host seconds: ``moved`` (weights copied, state posted, before the next step)
+        and ``landed`` (the wait for the state before the next optimizer update)."""
 
     @property
     def ep_rank(self) -> int:
@@ -377,6 +380,7 @@ class OnlineExpertBalancer:
         ``finish_migration`` just before the next optimizer update (``ReplicaSyncedOptimizer.step``),
         so they travel while the next step computes (the cost model's deferred part)."""
         self.finish_migration()
+        start = time.perf_counter()
         with span("expert_migration", "comm"):
             for (_, block), moves in zip(self.telemetry.layers, moves_by_layer):
                 if moves:
@@ -398,20 +402,25 @@ class OnlineExpertBalancer:
                     items.append(ShardedSlots(moves, offset, param[0].numel(), shards, bucket.shard_size))
             self._pending = post_sharded_moves(items, self.ep_rank, self.stage.dims.local_rank("edp"),
                                                self._expert_grid_rank, self.load_group)
+        self.migration_timings.append({"moved": time.perf_counter() - start, "landed": 0.0})
+        if not self.costs.defer_optimizer_state:  # stop the world: the state lands before the next step
+            self.finish_migration()
 
     @torch.no_grad()
     def finish_migration(self) -> None:
         """Land the optimizer-state pieces of the last migration (no-op when none is in flight)."""
         if self._pending is not None:
+            start = time.perf_counter()
             with span("expert_migration_state", "comm"):
                 self._pending.finish()
             self._pending = None
+            self.migration_timings[-1]["landed"] = time.perf_counter() - start
 
 
 def build_balanced_run(dims: ParallelDims, model_cfg: ModelConfig, cfg: TrainingConfig, device: torch.device | str,
                        cluster: ClusterConfig, *, model: MoETransformer | None = None,
                        slots_per_rank: int | None = None, placement: ExpertPlacement | None = None,
-                       backend: AttentionBackend = "eager",
+                       backend: AttentionBackend = "eager", defer_optimizer_state: bool = True,
                        **balancer_options) -> tuple[LayoutRun, OnlineExpertBalancer]:
     """A layout whose EP ranks have spare expert slots, with its balancer: what ``moetrain train
     --online-balance``, the tests and the benchmark all train with.
@@ -432,7 +441,7 @@ def build_balanced_run(dims: ParallelDims, model_cfg: ModelConfig, cfg: Training
     stage = parallelize(model, dims, placement)
     optimizer = ZeroAdamW(stage.model, dims, cfg, stage.tp_kinds)
     costs = BalanceCostModel(model_cfg, cluster, ep, hierarchical_a2a=dims.parallel.a2a == "hierarchical",
-                             seq_len=cfg.seq_len)
+                             seq_len=cfg.seq_len, defer_optimizer_state=defer_optimizer_state)
     balancer = OnlineExpertBalancer(stage, optimizer, costs, **balancer_options)
     return LayoutRun(stage, balancer.wrap(optimizer), Executor(stage)), balancer
 
