@@ -45,6 +45,22 @@ def test_migration_cost_uses_weights_master_and_adam_over_the_right_link(costs):
     assert stop_the_world.migration_seconds([Move(1, (0, 0), (0, 8))]) == 0.0  # a local copy
 
 
+def test_expert_tensor_parallel_ranks_move_and_reduce_their_slice_only(costs):
+    sliced = BalanceCostModel(costs.model, costs.cluster, 32, etp=2)
+    params = moe_block_params(costs.model)[1] / 256
+    move = [Move(3, (0, 0), (8, 8))]
+    assert sliced.transfer_seconds(move, 14) == pytest.approx(float(comm.p2p_time(params * 7, True, costs.cluster)))
+    table = ExpertPlacement.contiguous(256, 32, 9).slot_expert.reshape(32, 9).copy()
+    table[9, 8] = 1  # a replica of expert 1 on another node
+    replicated = ExpertPlacement.from_slot_experts(256, table)
+    assert sliced.replica_sync_seconds(replicated) == pytest.approx(
+        float(comm.allreduce_time(params * 2, 2, 1, costs.cluster)))
+    # the expert GEMM work per rank is the same: 1/etp of each expert for etp ranks' tokens
+    loads = np.full(256, 1000.0)
+    assert sliced.layer_seconds(ExpertPlacement.contiguous(256, 32, 9), loads) == pytest.approx(
+        costs.layer_seconds(ExpertPlacement.contiguous(256, 32, 9), loads))
+
+
 def test_optimizer_state_hides_under_the_next_steps_compute(costs):
     move = [Move(3, (0, 0), (8, 8))]
     params = moe_block_params(costs.model)[1] / 256

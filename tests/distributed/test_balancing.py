@@ -247,8 +247,6 @@ def test_physical_slots_split_tokens_by_replica_share() -> None:
 @pytest.mark.parametrize(("argv", "message"), [
     (["--nproc", "2", "--online-balance"],
      "--online-balance moves experts between expert-parallel ranks; give --ep > 1"),
-    (["--nproc", "4", "--ep", "2", "--etp", "2", "--online-balance"],
-     "--online-balance does not support --etp > 1 yet (experts would move as FFN slices); drop one of them"),
     (["--nproc", "4", "--ep", "4", "--online-balance", "--slots-per-rank", "3"],
      "--slots-per-rank 3 cannot hold 16 experts on 4 ranks; give at least 4 (default 5: one spare slot for replicas)"),
     (["--nproc", "4", "--ep", "4", "--online-balance", "--balance-interval", "0"],
@@ -273,29 +271,52 @@ def test_online_balance_flag_is_refused_where_it_cannot_run(argv: list[str], mes
     assert str(excinfo.value) == message
 
 
-def _sharded_state_worker(rank: int, world_size: int) -> dict:
+def _sharded_state_worker(rank: int, world_size: int, save_dir: Path) -> dict:
     """EP2 × EDP2: the moved experts' optimizer state is ZeRO-sharded over two ranks and moves piece by
-    piece between shards, in flight during the next step."""
-    dims = ParallelDims.build(ParallelConfig(dp=4, ep=2), rank, 4)
+    piece between shards, in flight during the next step. EP2 × ETP2: each rank moves its FFN slice of
+    the moved experts; a checkpoint saved after the migration loads without ETP and without balancing."""
     out = {}
-    for name, balance in (("plain", False), ("balanced", True)):
-        run, balancer = _balanced_run(dims, balance)
-        losses = []
-        for step in range(STEPS):
-            losses.append(train_step(run, step, TRAINING, torch.device("cpu")))
-            balancer.after_step(step)
-        balancer.finish_migration()
-        out[name] = {"losses": losses, "migrations": balancer.migrations,
-                     "moved_slots": sum(d.num_moves for d in balancer.decisions if d.migrate)}
+    for layout, parallel in (("edp2", ParallelConfig(dp=4, ep=2)), ("etp2", ParallelConfig(dp=4, ep=2, etp=2))):
+        dims = ParallelDims.build(parallel, rank, 4)
+        for name, balance in (("plain", False), ("balanced", True)):
+            run, balancer = _balanced_run(dims, balance)
+            losses = []
+            for step in range(STEPS):
+                losses.append(train_step(run, step, TRAINING, torch.device("cpu")))
+                balancer.after_step(step)
+                if balance and layout == "etp2" and step + 1 == SAVE_AT:
+                    save_checkpoint(save_dir, SAVE_AT, run, skewed_model_config(), TRAINING,
+                                    expert_placement=balancer.state_dict())
+            balancer.finish_migration()
+            out[f"{layout}_{name}"] = {"losses": losses, "migrations": balancer.migrations,
+                                       "moved_slots": sum(d.num_moves for d in balancer.decisions if d.migrate)}
+    dims = ParallelDims.build(ParallelConfig(dp=4, ep=2), rank, 4)
+    run = build_layout(dims, skewed_model_config(), TRAINING, torch.device("cpu"))
+    step = load_checkpoint(save_dir / f"step-{SAVE_AT:06d}", run, skewed_model_config())
+    out["etp2_checkpoint_next_loss_without_etp"] = train_step(run, step, TRAINING, torch.device("cpu"))
     return out
+
+
+@pytest.fixture(scope="module")
+def sharded_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return spawn(_sharded_state_worker, 4, tmp_path_factory.mktemp("etp_balanced_checkpoints"))
 
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_migration_with_sharded_optimizer_state_keeps_losses() -> None:
-    results = spawn(_sharded_state_worker, 4)
-    plain, balanced = results[0]["plain"], results[0]["balanced"]
-    assert all(r["balanced"]["losses"] == balanced["losses"] for r in results), "ranks disagree on the loss"
+@pytest.mark.parametrize("layout", ["edp2", "etp2"])
+def test_migration_with_sharded_experts_or_state_keeps_losses(sharded_runs: list[dict], layout: str) -> None:
+    plain, balanced = sharded_runs[0][f"{layout}_plain"], sharded_runs[0][f"{layout}_balanced"]
+    assert all(r[f"{layout}_balanced"]["losses"] == balanced["losses"] for r in sharded_runs), "ranks disagree"
     assert balanced["migrations"] >= 1 and balanced["moved_slots"] >= 1 and plain["migrations"] == 0
     for step, (got, want) in enumerate(zip(balanced["losses"], plain["losses"])):
         assert abs(got - want) <= 1e-6 * abs(want), f"step {step}: {got} vs {want}"
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_checkpoint_after_migration_under_etp_loads_without_it(sharded_runs: list[dict]) -> None:
+    want = sharded_runs[0]["etp2_balanced"]["losses"][SAVE_AT]
+    for rank_runs in sharded_runs:
+        got = rank_runs["etp2_checkpoint_next_loss_without_etp"]
+        assert abs(got - want) <= 1e-6 * abs(want), (got, want)

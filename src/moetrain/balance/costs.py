@@ -5,9 +5,13 @@ All times come from ``moetrain.planner.comm`` (communication, expert GEMMs) and 
 parameter counts from ``moetrain.costs``: this module only decides *which* tokens and bytes go where
 for a given placement, never how fast a link or a GEMM is.
 
-Per MoE layer and step, on EP rank r holding ``n_r`` token-expert copies (replicas' shares included):
+Per MoE layer and step, on EP rank r holding ``n_r`` token-expert copies (replicas' shares included;
+loads are those of one EP group: with data or expert tensor parallelism beside EP, the runtime divides
+the stage's counts by the number of EP groups in it):
 
-* expert compute: the slowest rank, ``max_r expert_compute_time(n_r)`` (forward + backward);
+* expert compute: the slowest rank, ``max_r expert_compute_time(n_r)`` (forward + backward; under
+  expert tensor parallelism a rank computes ``1/etp`` of every expert for the ``etp`` members' tokens,
+  the same work);
 * all-to-all: dispatch and combine, forward and backward (4 calls). Every rank sends the same volume
   (its tokens, top_k copies each) but rank r receives ``n_r`` copies, so the busiest rank decides:
   the planner's even-spread all-to-all is priced at ``max(mean, max_r n_r)`` copies per rank;
@@ -53,6 +57,9 @@ class BalanceCostModel:
     cluster: ClusterConfig
     ep: int
     hierarchical_a2a: bool = False
+    etp: int = 1
+    """Expert tensor parallelism: each of an EP position's ``etp`` ranks holds a ``1/etp`` slice of its
+    experts, computes that slice for the group's tokens, and moves and all-reduces only that slice."""
     activation_bytes: float = 2.0
     """Bytes per hidden element sent by the all-to-all (bf16)."""
     weight_bytes_per_param: float = 2.0
@@ -71,8 +78,8 @@ class BalanceCostModel:
     def __post_init__(self) -> None:
         if self.model.moe is None:
             raise UserError(f"model {self.model.name!r} has no MoE layers; expert balancing needs an MoE model")
-        if self.ep < 1:
-            raise UserError(f"ep={self.ep} must be >= 1")
+        if self.ep < 1 or self.etp < 1:
+            raise UserError(f"ep={self.ep} and etp={self.etp} must be >= 1")
 
     @property
     def top_k(self) -> int:
@@ -83,6 +90,11 @@ class BalanceCostModel:
     def params_per_expert(self) -> int:
         assert self.model.moe is not None
         return moe_block_params(self.model)[1] // self.model.moe.num_experts
+
+    @property
+    def params_per_slice(self) -> float:
+        """Parameters of one expert on one rank: what a rank moves, and all-reduces, per expert slot."""
+        return self.params_per_expert / self.etp
 
     @cached_property
     def _layer_flops(self):
@@ -129,7 +141,7 @@ class BalanceCostModel:
     def replica_sync_seconds(self, placement: ExpertPlacement) -> float:
         """Once per step: the replicas of each replicated expert all-reduce its gradient. Ranks work in
         parallel; a rank holding several replicated experts does their all-reduces one after another."""
-        grad_bytes = self.params_per_expert * self.grad_bytes_per_param
+        grad_bytes = self.params_per_slice * self.grad_bytes_per_param
         per_rank = np.zeros(placement.num_ranks)
         for expert in np.flatnonzero(placement.num_replicas() > 1):
             ranks = [rank for rank, _ in placement.replicas(int(expert))]
@@ -182,7 +194,7 @@ class BalanceCostModel:
 
     def transfer_seconds(self, moves: list[Move], bytes_per_param: float) -> float:
         """Time to copy ``bytes_per_param`` bytes of every moved expert's parameters (one layer's moves)."""
-        expert_bytes = self.params_per_expert * bytes_per_param
+        expert_bytes = self.params_per_slice * bytes_per_param
         # [rank, link]: link 0 in-node, 1 network; sends and receives use separate directions.
         sent = np.zeros((self.ep, 2))
         received = np.zeros((self.ep, 2))

@@ -30,11 +30,6 @@ def check_online_balance(parallel: ParallelConfig, model_cfg: ModelConfig, inter
         raise UserError(f"--online-balance needs an MoE model; {model_cfg.name} has no MoE layers")
     if parallel.ep <= 1:
         raise UserError("--online-balance moves experts between expert-parallel ranks; give --ep > 1")
-    if parallel.etp > 1:
-        # Migration moves whole expert slots; with expert tensor parallelism each rank holds a slice of
-        # an expert's FFN, and moving slices between EP ranks is not implemented.
-        raise UserError("--online-balance does not support --etp > 1 yet (experts would move as FFN slices); "
-                        "drop one of them")
     if slots_per_rank is not None:
         needed = -(-model_cfg.moe.num_experts // parallel.ep)
         if slots_per_rank < needed:

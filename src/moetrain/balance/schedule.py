@@ -64,7 +64,7 @@ class Decision:
     layer: int
     migrate: bool
     predicted_saving_s: float
-    """Forecast step-time saving of the candidate placement, over the horizon."""
+    """Forecast step-time saving of the candidate placement, over ``lasting_steps``."""
     migration_s: float
     """Predicted time to move the experts' weights and optimizer state."""
     num_moves: int
@@ -78,6 +78,9 @@ class Decision:
     """Solved before ``interval`` steps had passed, because the drift since the last plan could pay a move."""
     forecast_steps: int = 0
     """Steps the forecast averages over (the plan's expected life)."""
+    lasting_steps: float = 0.0
+    """Steps the saving was counted over (``ReplanRule.lasting_steps``: the horizon, shortened when the
+    load skew does not persist)."""
 
     def as_dict(self) -> dict:
         return {
@@ -86,6 +89,7 @@ class Decision:
             "num_moves": self.num_moves, "imbalance_current": round(self.imbalance_current, 4),
             "imbalance_candidate": round(self.imbalance_candidate, 4), "solve_ms": round(self.solve_ms, 3),
             "reshare": self.reshare, "early": self.early, "forecast_steps": self.forecast_steps,
+            "lasting_steps": round(self.lasting_steps, 2),
         }
 
 
@@ -259,6 +263,6 @@ class ReplanRule:
             step=step, layer=layer, migrate=migrate, predicted_saving_s=saving, migration_s=migration,
             num_moves=len(moves), imbalance_current=float(current.imbalance(forecast)),
             imbalance_candidate=float(candidate.imbalance(forecast)), solve_ms=solve_s * 1e3,
-            reshare=reshare, early=early, forecast_steps=window,
+            reshare=reshare, early=early, forecast_steps=window, lasting_steps=lasting,
         )
         return decision, adopted

@@ -106,11 +106,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"predictor: {predictor.name}" + (" (lowest forecast error on the first quarter)" if errors else ""))
     for name, err in errors.items():
         print(f"  forecast error {name:28s} {err:.4f}  (|forecast − actual| / actual, {forecast_horizon}-step mean)")
-    print("decisions (step, layer): forecast imbalance now → candidate, saving over horizon vs migration cost")
+    print("decisions (step, layer): forecast imbalance now → candidate, saving over the steps it is counted to "
+          "last vs the migration time it exposes")
     for d in result.decisions:
         verdict = f"MIGRATE {d.num_moves} moves" if d.migrate else "keep"
         print(f"  step {d.step:5d} layer {d.layer:3d}: {d.imbalance_current:6.3f} → {d.imbalance_candidate:6.3f}, "
-              f"saving {d.predicted_saving_s:9.4f}s vs cost {d.migration_s:8.4f}s: {verdict}  "
+              f"saving {d.predicted_saving_s:9.4f}s over {d.lasting_steps:4.1f} steps vs cost {d.migration_s:8.4f}s: "
+              f"{verdict}  "
               f"(solve {d.solve_ms:.1f} ms)")
     print(f"imbalance (mean max/mean EP-rank load): {summary['imbalance_before']:.3f} → "
           f"{summary['imbalance_after']:.3f}")

@@ -199,6 +199,8 @@ class OnlineExpertBalancer:
         self.ep_group = dims.get_group("ep")
         self.load_group = dims.get_group("stage")
         self.edp_size = dims.size("edp")
+        self.ep_groups_per_stage = dims.size("stage") // dims.size("ep")
+        """EP groups whose tokens the stage-wide load counts add up (edp · etp of them)."""
         self.device = next(model.parameters()).device
         self.telemetry = LoadTelemetry(model, self.time_experts)
         table = self.stage.expert_table
@@ -268,10 +270,12 @@ class OnlineExpertBalancer:
         """Call after every optimizer step (``step`` counted from 0). Returns this call's decisions."""
         loads = self.read_loads(step)
         self.history.append(loads)
+        # the cost model prices one EP group; the stage's counts cover all of its EP groups
+        per_group = loads.tokens_per_expert / self.ep_groups_per_stage
         if self._predictor_states is None:
-            self._predictor_states = [self.predictor.init_state(row) for row in loads.tokens_per_expert]
+            self._predictor_states = [self.predictor.init_state(row) for row in per_group]
         else:
-            for state, row in zip(self._predictor_states, loads.tokens_per_expert):
+            for state, row in zip(self._predictor_states, per_group):
                 self.predictor.update(state, row)
         decisions: list[Decision] = []
         moves_by_layer: list[list[Move]] = []
@@ -279,7 +283,7 @@ class OnlineExpertBalancer:
         for index, (layer, _) in enumerate(self.telemetry.layers):
             current = self.placements[index]
             decision, adopted = self.rule.step(step, layer, self.schedules[index], current, self.predictor,
-                                               self._predictor_states[index], loads.tokens_per_expert[index])
+                                               self._predictor_states[index], per_group[index])
             if decision is not None:
                 decisions.append(decision)
             moves_by_layer.append(diff(current, adopted) if decision is not None and decision.migrate else [])
@@ -313,7 +317,7 @@ class OnlineExpertBalancer:
             lines.append(
                 f"balance after step {d.step} layer {d.layer}: {what}; forecast max/mean {d.imbalance_current:.3f}"
                 f" -> {d.imbalance_candidate:.3f}; predicted saving {d.predicted_saving_s * 1e3:.3g} ms over "
-                f"{self.horizon} steps vs migration {d.migration_s * 1e3:.3g} ms"
+                f"{d.lasting_steps:.3g} steps vs migration {d.migration_s * 1e3:.3g} ms"
             )
         return lines
 
@@ -441,7 +445,7 @@ def build_balanced_run(dims: ParallelDims, model_cfg: ModelConfig, cfg: Training
     stage = parallelize(model, dims, placement)
     optimizer = ZeroAdamW(stage.model, dims, cfg, stage.tp_kinds)
     costs = BalanceCostModel(model_cfg, cluster, ep, hierarchical_a2a=dims.parallel.a2a == "hierarchical",
-                             seq_len=cfg.seq_len, defer_optimizer_state=defer_optimizer_state)
+                             etp=dims.parallel.etp, seq_len=cfg.seq_len, defer_optimizer_state=defer_optimizer_state)
     balancer = OnlineExpertBalancer(stage, optimizer, costs, **balancer_options)
     return LayoutRun(stage, balancer.wrap(optimizer), Executor(stage)), balancer
 

@@ -143,6 +143,14 @@ class ExpertTensorParallelDispatcher:
         """The expert table of the EP dispatcher inside (with ep = 1: one rank holding every expert)."""
         return getattr(self.inner, "table", self._table)
 
+    @table.setter
+    def table(self, table: ExpertTable) -> None:
+        """A new placement (online balancing): the EP dispatcher inside routes by it; the ETP exchange
+        works on slots and needs nothing else."""
+        self._table = table
+        if hasattr(self.inner, "table"):
+            self.inner.table = table
+
     def start_dispatch(self, x_TD: torch.Tensor, routing: Routing) -> PendingExpertTensorParallelDispatch:
         pending = self.inner.start_dispatch(x_TD, routing)
         known = _counts_known_at_start(pending)
