@@ -234,3 +234,32 @@ def test_etp_layout_matches_single_process(layout: str, layout_losses: dict, sin
 @pytest.mark.parametrize("layout", LOAD_LAYOUTS)
 def test_etp_checkpoint_reshards(layout: str, layout_losses: dict, single_process_losses: list[float]) -> None:
     _assert_parity(layout, layout_losses[layout], single_process_losses[SAVED_AT:], LOAD_LAYOUTS[layout].world_size)
+
+
+# ---- one host read per MoE layer ---------------------------------------------------------------------
+
+
+def _host_reads_worker(rank: int, world_size: int) -> dict[str, int]:
+    from moetrain.distributed.balancing import moe_layers
+    from moetrain.distributed.trace import Tracer
+
+    dims = ParallelDims.build(ParallelConfig(dp=4, ep=2, etp=2), rank, 4)
+    run = build_layout(dims, TINY, TRAINING, torch.device("cpu"))
+    passes = [0]
+    for _, block in moe_layers(run.stage.model):
+        block.register_forward_hook(lambda *args: passes.__setitem__(0, passes[0] + 1))
+    tracer = Tracer(rank)
+    with tracer.active():
+        train_step(run, 0, TRAINING, torch.device("cpu"))
+    names = [s.name for s in tracer.spans]
+    return {"moe_passes": passes[0], "ep_reads": names.count("counts_d2h"), "etp_reads": names.count("etp_counts_d2h")}
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_etp_dispatch_reads_the_host_once_per_moe_layer() -> None:
+    """EP2×ETP2: one count exchange over the EP×ETP ranks gives both the all-to-all splits and the ETP
+    gather's member counts, so each MoE layer pass reads device values on the host once."""
+    for counts in spawn(_host_reads_worker, 4):
+        assert counts["moe_passes"] > 0
+        assert counts["ep_reads"] == counts["moe_passes"] and counts["etp_reads"] == 0, counts

@@ -148,6 +148,9 @@ class PendingDispatch:
     tokens_per_local: torch.Tensor | None = None
     """Tokens per local slot, known before the exchange completes (expert tensor parallelism starts
     exchanging them over its group at once, ``moetrain.distributed.etp``)."""
+    member_counts_GS: np.ndarray | None = None
+    """With a count exchange over the EP × ETP ranks: tokens per local slot received by each ETP member
+    (this rank's included), already on the host, so the ETP gather needs no exchange of its own."""
 
     def finish(self) -> tuple[torch.Tensor, torch.Tensor, object]:
         return self.reorder(self.exchange.wait())
@@ -165,9 +168,15 @@ class FlatDispatchMeta:
 class AllToAllDispatcher:
     """Flat dropless dispatch: one uneven all-to-all over the EP group each way."""
 
-    def __init__(self, group: dist.ProcessGroup, table: ExpertTable) -> None:
+    def __init__(self, group: dist.ProcessGroup, table: ExpertTable,
+                 count_group: dist.ProcessGroup | None = None, etp: int = 1) -> None:
+        """``count_group``: with expert tensor parallelism, the EP × ETP ranks of this rank's EDP position
+        (ETP fastest). The per-slot counts are then exchanged over it once, giving both this EP group's
+        splits and every ETP member's received counts: one host read per layer for both dispatches."""
         self.group, self.table = group, table
         self.ep_rank = dist.get_rank(group)
+        self.count_group, self.etp = count_group, etp
+        self.etp_rank = dist.get_rank(count_group) % etp if count_group is not None else 0
 
     def dispatch(self, x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, FlatDispatchMeta]:
         return self.start_dispatch(x_TD, routing).finish()
@@ -177,12 +186,20 @@ class AllToAllDispatcher:
         num_ranks, slots = table.num_ranks, table.slots_per_rank
         top_k = routing.expert_ids_TK.shape[1]
         phys_TK = table.physical_slots(routing.expert_ids_TK)
-        parts, work = _start_count_exchange(count_tokens_per_expert(phys_TK, table.num_slots), self.group)
+        counts = count_tokens_per_expert(phys_TK, table.num_slots)
+        parts, work = _start_count_exchange(counts, self.count_group or self.group)
         with span("permute"):
             order_P = torch.argsort(phys_TK.reshape(-1), stable=True)
             token_index_P = order_P // top_k
             rows_PD = x_TD[token_index_P]
-        slot_counts = _read_counts(parts, work).reshape(num_ranks, num_ranks, slots)  # [src, dst, slot]
+        member_counts_GS = None
+        if self.count_group is None:
+            slot_counts = _read_counts(parts, work).reshape(num_ranks, num_ranks, slots)  # [src, dst, slot]
+        else:
+            # [src EP rank, src ETP position, dst EP rank, slot]: our EP group is our ETP position's column
+            every = _read_counts(parts, work).reshape(num_ranks, self.etp, num_ranks, slots)
+            slot_counts = np.ascontiguousarray(every[:, self.etp_rank])
+            member_counts_GS = every[:, :, rank].sum(0)  # [ETP member, local slot], received by each
         in_splits = slot_counts[rank].sum(-1).tolist()
         out_splits = slot_counts[:, rank].sum(-1).tolist()
         exchange = all_to_all_start(rows_PD, out_splits, in_splits, self.group, "a2a_dispatch")
@@ -195,7 +212,7 @@ class AllToAllDispatcher:
             in_splits, out_splits, to_canonical_t, from_canonical_t,
         )
         return PendingDispatch(exchange, lambda received: (received[to_canonical_t], tokens_per_local, meta),
-                               tokens_per_local)
+                               tokens_per_local, member_counts_GS)
 
     def combine(self, y_PD: torch.Tensor, meta: FlatDispatchMeta) -> torch.Tensor:
         returned = all_to_all(y_PD[meta.from_canonical], meta.in_splits, meta.out_splits, self.group, "a2a_combine")

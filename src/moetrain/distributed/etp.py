@@ -116,9 +116,19 @@ class _PendingCounts:
 
 
 @dataclass(frozen=True)
+class _KnownCounts:
+    """Members' per-slot counts that the EP count exchange already brought to the host."""
+
+    counts_GS: np.ndarray
+
+    def read(self) -> np.ndarray:
+        return self.counts_GS
+
+
+@dataclass(frozen=True)
 class PendingExpertTensorParallelDispatch:
     inner: object
-    counts: _PendingCounts | None
+    counts: _PendingCounts | _KnownCounts | None
     group: dist.ProcessGroup
 
     def finish(self) -> tuple[torch.Tensor, torch.Tensor, ExpertTensorParallelMeta]:
@@ -153,6 +163,9 @@ class ExpertTensorParallelDispatcher:
 
     def start_dispatch(self, x_TD: torch.Tensor, routing: Routing) -> PendingExpertTensorParallelDispatch:
         pending = self.inner.start_dispatch(x_TD, routing)
+        members = getattr(pending, "member_counts_GS", None)
+        if members is not None:  # the EP count exchange already gave every member's counts
+            return PendingExpertTensorParallelDispatch(pending, _KnownCounts(members), self.group)
         known = _counts_known_at_start(pending)
         counts = _PendingCounts(known, self.group) if known is not None else None
         return PendingExpertTensorParallelDispatch(pending, counts, self.group)

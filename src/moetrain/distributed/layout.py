@@ -127,6 +127,9 @@ def rank_groups(parallel: ParallelConfig, ranks_per_node: int | None = None,
     groups["ep"] = along((2,), expert)
     groups["etp"] = along((3,), expert)
     groups["edp"] = along((1,), expert)
+    if parallel.etp > 1:
+        # EP × ETP ranks of one EDP position, ETP fastest: one count exchange serves both dispatches
+        groups["ep_etp"] = along((2, 3), expert)
     # The first and last pipeline stage ranks with the same in-stage position share the embedding.
     groups["embed"] = [sorted({int(a), int(b)}) for a, b in zip(grid[0].reshape(-1), grid[-1].reshape(-1))]
     if ranks_per_node is not None:

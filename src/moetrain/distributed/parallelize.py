@@ -102,7 +102,8 @@ def apply_expert_parallel(model: MoETransformer, dims: ParallelDims,
             block.dispatcher = HierarchicalDispatcher(dims.get_group("ep"), dims.get_group("ep_intra"),
                                                       dims.get_group("ep_inter"), table)
         elif parallel.ep > 1:
-            block.dispatcher = AllToAllDispatcher(dims.get_group("ep"), table)
+            count_group = dims.get_group("ep_etp") if parallel.etp > 1 else None
+            block.dispatcher = AllToAllDispatcher(dims.get_group("ep"), table, count_group, parallel.etp)
         if parallel.etp > 1:
             block.dispatcher = ExpertTensorParallelDispatcher(block.dispatcher, dims.get_group("etp"), table)
     return table
