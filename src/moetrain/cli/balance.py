@@ -111,7 +111,8 @@ def run(args: argparse.Namespace) -> int:
     for d in result.decisions:
         verdict = f"MIGRATE {d.num_moves} moves" if d.migrate else "keep"
         print(f"  step {d.step:5d} layer {d.layer:3d}: {d.imbalance_current:6.3f} → {d.imbalance_candidate:6.3f}, "
-              f"saving {d.predicted_saving_s:9.4f}s over {d.lasting_steps:4.1f} steps vs cost {d.migration_s:8.4f}s: "
+              f"saving {d.predicted_saving_s * 1e3:9.3g} ms over {d.lasting_steps:4.1f} steps vs cost "
+              f"{d.migration_s * 1e3:9.3g} ms: "
               f"{verdict}  "
               f"(solve {d.solve_ms:.1f} ms)")
     print(f"imbalance (mean max/mean EP-rank load): {summary['imbalance_before']:.3f} → "
