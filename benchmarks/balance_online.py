@@ -9,11 +9,13 @@ layout; the bias does not move). Two runs from the same weights and batches:
   (a cheap cost-model check; an incremental solve when the drift since the last plan could pay a
   move; a full re-plan every ``--interval`` steps, the first after step 0) and migrates when the
   predicted saving over ``--horizon`` steps beats the cost model's migration time (margin 1). Moved
-  experts' optimizer state travels during the next step and lands before its optimizer update;
-* ``stop_the_world``: the same, with the state landing before the next step begins.
+  experts' weights travel during the next step until their layer's experts run, their optimizer state
+  until the next optimizer update;
+* ``stop_the_world``: the same, with everything landing before the next step begins.
 
-For each migration it reports the host time of the move itself (weights copied, state posted) and of
-the wait for the state to land: deferred, that wait is what the next step's compute did not hide.
+For each migration it reports the host time of posting the copies, of the waits for the weights to
+land and of the wait for the state to land: deferred, the waits are what the next step's compute did
+not hide.
 
 Per step it reports the max/mean EP-rank load (token-expert rows the ranks' experts computed,
 measured from tensor shapes, summed over MoE layers) and the max/mean of the per-rank expert forward
@@ -63,7 +65,7 @@ def _run(dims: ParallelDims, args: argparse.Namespace, balance: bool, defer: boo
     run, balancer = build_balanced_run(
         dims, model_cfg, training, "cpu", load_cluster_config("cpu"), model=model,
         interval=args.interval, horizon=args.horizon, trigger_margin=1.0 if balance else float("inf"),
-        time_experts=True, defer_optimizer_state=defer,
+        time_experts=True, defer_weights=defer, defer_optimizer_state=defer,
     )
     losses, step_seconds, balance_seconds = [], [], []
     for step in range(args.steps):
@@ -128,6 +130,8 @@ def _summarise(run: dict, first_migration: int | None) -> dict:
         "migration_moved_seconds_mean": float(np.mean([t["moved"] for t in run["migration_timings"]] or [0.0])),
         "migration_landed_wait_seconds_mean": float(np.mean([t["landed"] for t in run["migration_timings"]]
                                                             or [0.0])),
+        "migration_weights_landed_wait_seconds_mean": float(np.mean(
+            [t["weights_landed"] for t in run["migration_timings"]] or [0.0])),
     }
 
 
@@ -162,7 +166,7 @@ def main() -> None:
         "migration_seconds_slowest_rank": {
             run: {part: float(np.mean([max(r[run]["migration_timings"][i][part] for r in per_rank)
                                        for i in range(len(results[run]["migration_timings"]))] or [0.0]))
-                  for part in ("moved", "landed")}
+                  for part in ("moved", "weights_landed", "landed")}
             for run in ("balanced", "stop_the_world")},
     }
     for name in ("static", "balanced", "stop_the_world"):
@@ -171,8 +175,8 @@ def main() -> None:
               f"max/mean {s['expert_seconds_max_over_mean_after']:.3f}, busiest rank expert fwd "
               f"{s['busiest_rank_expert_seconds_after'] * 1e3:.2f} ms, step {s['step_seconds_after']:.3f} s")
     for run, parts in summary["migration_seconds_slowest_rank"].items():
-        print(f"{run:14s} per migration (slowest rank): moved {parts['moved'] * 1e3:.2f} ms, state landing wait "
-              f"{parts['landed'] * 1e3:.2f} ms")
+        print(f"{run:14s} per migration (slowest rank): posted {parts['moved'] * 1e3:.2f} ms, weights landing "
+              f"wait {parts['weights_landed'] * 1e3:.2f} ms, state landing wait {parts['landed'] * 1e3:.2f} ms")
     print(f"max relative loss difference: {relative:.2e}")
     if args.out:
         write_result(args.out, summary)

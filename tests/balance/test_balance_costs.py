@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from moetrain.balance.costs import BalanceCostModel
+from moetrain.balance.costs import BalanceCostModel, OverlapWindow
 from moetrain.balance.placement import ExpertPlacement, Move
 from moetrain.config import load_cluster_config, load_model_config
 from moetrain.costs.params import moe_block_params
@@ -31,7 +31,8 @@ def test_alltoall_priced_at_the_busiest_rank(costs):
 
 def test_migration_cost_uses_weights_master_and_adam_over_the_right_link(costs):
     params = moe_block_params(costs.model)[1] / 256
-    stop_the_world = BalanceCostModel(costs.model, costs.cluster, 32, defer_optimizer_state=False)
+    stop_the_world = BalanceCostModel(costs.model, costs.cluster, 32, defer_weights=False,
+                                      defer_optimizer_state=False)
     assert stop_the_world.migration_seconds([]) == 0.0
     in_node = stop_the_world.migration_seconds([Move(3, (0, 0), (1, 8))])
     across = stop_the_world.migration_seconds([Move(3, (0, 0), (8, 8))])
@@ -61,40 +62,30 @@ def test_expert_tensor_parallel_ranks_move_and_reduce_their_slice_only(costs):
         costs.layer_seconds(ExpertPlacement.contiguous(256, 32, 9), loads))
 
 
-def test_optimizer_state_hides_under_the_next_steps_compute(costs):
+def test_copies_hide_under_the_next_steps_compute(costs):
     move = [Move(3, (0, 0), (8, 8))]
     params = moe_block_params(costs.model)[1] / 256
     weights = float(comm.p2p_time(params * 2, True, costs.cluster))
     state = float(comm.p2p_time(params * 12, True, costs.cluster))
-    # no compute to hide under: both copies show; enough compute: only the weights' copy does
+    # no compute to hide under: both copies show; enough compute: nothing does
     assert costs.migration_seconds(move) == pytest.approx(weights + state)
-    assert costs.migration_seconds(move, overlap_window_s=10 * state) == pytest.approx(weights)
-    assert costs.migration_seconds(move, overlap_window_s=state / 4) == pytest.approx(weights + 0.75 * state)
-    # the window is the layer's compute: expert GEMMs of the slowest rank plus the rest of the layer
+    assert costs.migration_seconds(move, OverlapWindow(10 * weights, 10 * state)) == 0.0
+    # the weights outlast the compute before the experts by half: the step waits that long, and the
+    # state, following on the link, outlasts the layer by what is left
+    window = OverlapWindow(weights / 2, state / 2)
+    assert costs.migration_seconds(move, window) == pytest.approx(weights / 2 + (weights + state - state / 2
+                                                                                 - weights / 2))
+    # weights landed before the step: the state alone travels under the layer
+    before = BalanceCostModel(costs.model, costs.cluster, 32, defer_weights=False)
+    assert before.migration_seconds(move, window) == pytest.approx(weights + state / 2)
+    with pytest.raises(UserError, match="defer both or neither"):
+        BalanceCostModel(costs.model, costs.cluster, 32, defer_optimizer_state=False)
+    # the window is the layer's compute: expert GEMMs of the slowest rank plus the rest of the layer;
+    # before the experts, the rest of the layer's forward (a third of its forward and backward)
     loads = np.full(256, 1000.0)
     contiguous = ExpertPlacement.contiguous(256, 32, 9)
     copies = contiguous.apply_to_tokens_per_expert(loads)
-    expected = costs.expert_seconds(copies, 8).max() + costs.other_seconds(copies)
-    assert costs.overlap_window_seconds(contiguous, loads) == pytest.approx(float(expected))
-    assert costs.ideal_overlap_window_seconds(loads) == pytest.approx(float(expected))
-
-
-def test_replicas_pay_a_gradient_all_reduce(costs):
-    plain = ExpertPlacement.contiguous(256, 32, 9)
-    table = plain.slot_expert.reshape(32, 9).copy()
-    table[1, 8] = 0  # a replica of expert 0 on rank 1 (same node)
-    table[9, 8] = 1  # a replica of expert 1 on rank 9 (another node)
-    replicated = ExpertPlacement.from_slot_experts(256, table)
-    assert costs.replica_sync_seconds(plain) == 0.0
-    grad_bytes = moe_block_params(costs.model)[1] / 256 * 4
-    in_node = float(comm.allreduce_time(grad_bytes, 2, 2, costs.cluster))
-    across = float(comm.allreduce_time(grad_bytes, 2, 1, costs.cluster))
-    assert in_node < across
-    # rank 0 holds both experts, so it runs both all-reduces one after the other
-    assert costs.replica_sync_seconds(replicated) == pytest.approx(in_node + across)
-
-
-def test_dense_model_is_refused():
-    dense = load_model_config("tiny-pangu").model_copy(update={"moe": None, "num_dense_layers": 0})
-    with pytest.raises(UserError, match="has no MoE layers"):
-        BalanceCostModel(dense, load_cluster_config("cpu"), 4)
+    rest = float(costs.other_seconds(copies))
+    expected = (rest / 3, float(costs.expert_seconds(copies, 8).max()) + rest)
+    for window in (costs.overlap_window_seconds(contiguous, loads), costs.ideal_overlap_window_seconds(loads)):
+        assert (window.before_experts, window.layer) == pytest.approx(expected)

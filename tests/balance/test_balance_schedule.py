@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from moetrain.balance.costs import BalanceCostModel
+from moetrain.balance.costs import BalanceCostModel, OverlapWindow
 from moetrain.balance.placement import ExpertPlacement, Move
 from moetrain.balance.predict import EMAPredictor, HoltPredictor
 from moetrain.balance.replay import replay
@@ -53,7 +53,8 @@ def test_check_solves_only_when_the_drift_pays_a_move(costs):
     # rank 0 holds experts 0-15 (the first 16 slots of 17)
     assert decision.imbalance_current == pytest.approx((16 * 512 + 8192) / ((256 * 512 + 8192) / 16))
     assert decision.imbalance_candidate < 1.01
-    assert rule.cheapest_move_seconds == costs.migration_seconds([Move(0, (0, 0), (1, 0))], float("inf"))
+    assert rule.cheapest_move_seconds == costs.migration_seconds([Move(0, (0, 0), (1, 0))],
+                                                                 OverlapWindow(float("inf"), float("inf")))
     restored = LayerSchedule.from_state_dict(schedule.state_dict())
     assert restored == schedule
     np.testing.assert_array_equal(restored.previous_deviation, skewed - skewed.mean())

@@ -20,15 +20,21 @@ the stage's counts by the number of EP groups in it):
   priced as GEMM work of the same efficiency so that gains are relative to the whole layer.
 
 Migration: each moved expert carries its weights and optimizer state; ranks send and receive in
-parallel, in-node and network links concurrently, so the busiest rank's busiest link decides. The two
-parts are needed at different times, and the runtime moves them so:
+parallel, in-node and network links concurrently, so the busiest rank's busiest link decides. The
+runtime posts both parts right after the decision and lands each where it is first needed
+(``distributed.balancing``), so the next step's compute hides them up to its length:
 
-* the bf16 weight (``weight_bytes_per_param`` = 2) before the next step's forward: exposed;
-* the fp32 master and Adam's two moments (``deferred_bytes_per_param`` = 12) only by the next step's
-  optimizer update: they are posted right after the decision and travel while the next step computes
-  (``distributed.balancing``), so only what exceeds the layer's compute time (``overlap_window_seconds``:
-  its expert GEMMs and the rest of the layer, the time its links carry none of the step's own
-  traffic) shows. ``defer_optimizer_state=False`` prices a stop-the-world move of all 14 bytes.
+* the bf16 weight (``weight_bytes_per_param`` = 2) is needed when the layer's experts first run in the
+  next step: it travels under the compute before them (``OverlapWindow.before_experts``: at least the
+  layer's own attention, router and shared expert forward);
+* the fp32 master and Adam's two moments (``deferred_bytes_per_param`` = 12) are needed by the next
+  optimizer update: they follow on the same links under the rest of the layer's compute
+  (``OverlapWindow.layer``: its expert GEMMs and the rest of the layer, forward and backward, the
+  time its links carry none of the step's own traffic).
+
+Only what outlasts those windows shows. ``defer_weights=False`` lands the weights before the step;
+``defer_optimizer_state=False`` (which needs ``defer_weights=False``) prices a stop-the-world move of
+all 14 bytes.
 """
 
 from __future__ import annotations
@@ -66,6 +72,8 @@ class BalanceCostModel:
     """Bytes per expert parameter that a migration must deliver before the next forward (bf16 weight)."""
     deferred_bytes_per_param: float = 12.0
     """Bytes per expert parameter needed only by the next optimizer update (fp32 master, Adam m and v)."""
+    defer_weights: bool = True
+    """The weights travel under the next step's compute before the layer's experts (False: before the step)."""
     defer_optimizer_state: bool = True
     """The optimizer state travels under the next step's compute (False: everything before the step)."""
     grad_bytes_per_param: float = 4.0
@@ -80,6 +88,9 @@ class BalanceCostModel:
             raise UserError(f"model {self.model.name!r} has no MoE layers; expert balancing needs an MoE model")
         if self.ep < 1 or self.etp < 1:
             raise UserError(f"ep={self.ep} and etp={self.etp} must be >= 1")
+        if self.defer_weights and not self.defer_optimizer_state:
+            raise UserError("defer_weights needs defer_optimizer_state: the state follows the weights on the "
+                            "links; defer both or neither")
 
     @property
     def top_k(self) -> int:
@@ -178,19 +189,23 @@ class BalanceCostModel:
         """Everything a moved expert carries, per parameter (14: weight, master, Adam moments)."""
         return self.weight_bytes_per_param + self.deferred_bytes_per_param
 
-    def overlap_window_seconds(self, placement: ExpertPlacement, tokens_per_expert: np.ndarray) -> float:
-        """The layer's compute in one step (slowest rank's expert GEMMs plus the rest of the layer):
-        the time its links are free for optimizer state moving under the step."""
+    def _window(self, copies: np.ndarray, experts_per_rank) -> OverlapWindow:
+        rest = float(self.other_seconds(copies))
+        experts = float(self.expert_seconds(copies, experts_per_rank).max(axis=-1))
+        return OverlapWindow(before_experts=rest / 3.0, layer=experts + rest)  # rest / 3: its forward
+
+    def overlap_window_seconds(self, placement: ExpertPlacement, tokens_per_expert: np.ndarray) -> OverlapWindow:
+        """The layer's compute in one step under ``placement``: what the moved experts' copies travel under."""
         copies = placement.apply_to_tokens_per_expert(tokens_per_expert)
         experts_per_rank = (placement.slot_expert != EMPTY_SLOT).reshape(placement.num_ranks, -1).sum(axis=1)
-        return float(self.expert_seconds(copies, experts_per_rank).max(axis=-1) + self.other_seconds(copies))
+        return self._window(copies, experts_per_rank)
 
-    def ideal_overlap_window_seconds(self, tokens_per_expert: np.ndarray) -> float:
+    def ideal_overlap_window_seconds(self, tokens_per_expert: np.ndarray) -> OverlapWindow:
         """The same for perfectly even ranks: the least compute any placement leaves the links."""
         loads = np.asarray(tokens_per_expert, dtype=float)
         even = np.repeat((loads.sum(axis=-1) / self.ep)[..., None], self.ep, axis=-1)
         per_rank = -(-self.model.moe.num_experts // self.ep)  # type: ignore[union-attr]
-        return float(self.expert_seconds(even[..., 0], per_rank) + self.other_seconds(even))
+        return self._window(even, per_rank)
 
     def transfer_seconds(self, moves: list[Move], bytes_per_param: float) -> float:
         """Time to copy ``bytes_per_param`` bytes of every moved expert's parameters (one layer's moves)."""
@@ -209,12 +224,27 @@ class BalanceCostModel:
         inter = float(comm.p2p_time(busiest[1], True, self.cluster, self.efficiency)) if busiest[1] else 0.0
         return max(intra, inter)
 
-    def migration_seconds(self, moves: list[Move], overlap_window_s: float = 0.0) -> float:
-        """Step time a layer's moves add: the weights' copy, plus the optimizer state's copy beyond
-        ``overlap_window_s`` (the next step's compute it travels under; see the module docstring)."""
+    def migration_seconds(self, moves: list[Move], window: OverlapWindow | None = None) -> float:
+        """Step time a layer's moves add: what the weights' and the optimizer state's copies outlast of
+        the next step's compute (``window``; None: no compute to hide under). See the module docstring."""
         if not moves:
             return 0.0
         if not self.defer_optimizer_state:
             return self.transfer_seconds(moves, self.bytes_per_param)
-        deferred = self.transfer_seconds(moves, self.deferred_bytes_per_param)
-        return self.transfer_seconds(moves, self.weight_bytes_per_param) + max(0.0, deferred - overlap_window_s)
+        window = window or OverlapWindow(0.0, 0.0)
+        weights = self.transfer_seconds(moves, self.weight_bytes_per_param)
+        state = self.transfer_seconds(moves, self.deferred_bytes_per_param)
+        # the weights first: the step waits for what they outlast of the compute before the experts
+        # (all of them when they land before the step); the state follows on the same links
+        waited = max(0.0, weights - window.before_experts) if self.defer_weights else weights
+        return waited + max(0.0, weights + state - window.layer - waited)
+
+
+@dataclass(frozen=True)
+class OverlapWindow:
+    """Compute of one MoE layer in a step that a migration's copies can travel under (seconds)."""
+
+    before_experts: float
+    """Before the layer's experts first run: at least its attention, router and shared expert forward."""
+    layer: float
+    """The layer's whole compute in the step, forward and backward."""

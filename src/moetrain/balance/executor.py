@@ -39,48 +39,65 @@ def _global(group: dist.ProcessGroup | None, group_rank: int) -> int:
     return group_rank if group is None else dist.get_global_rank(group, group_rank)
 
 
+@dataclass
+class PendingCopies:
+    """Point-to-point copies posted and not yet landed: ``finish`` waits for them and writes them."""
+
+    requests: list = field(default_factory=list)
+    landings: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    """(view of the destination, the piece that lands there)."""
+
+    def finish(self) -> None:
+        for request in self.requests:
+            request.wait()
+        with torch.no_grad():
+            for target, piece in self.landings:
+                target.copy_(piece)
+        self.requests, self.landings = [], []
+
+
+def post_expert_moves(
+    moves: Sequence[Move], slot_tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None,
+    tag_offset: int = 0,
+) -> PendingCopies:
+    """Post the copies that apply ``moves`` to ``slot_tensors`` (each ``[S, ...]``, same S) on this rank;
+    return them in flight (``finish`` writes them).
+
+    Sources are read (cloned) now, so a slot may both give away its expert and receive another in the
+    same round. Sends and receives are posted together (non-blocking), so no pair of ranks waits on
+    each other's order. Messages are numbered from ``tag_offset`` (several layers' moves may be in
+    flight in one group at once; give each its own range, ``len(moves) · len(slot_tensors)`` wide).
+    """
+    pending = PendingCopies()
+    if not moves:
+        return pending
+    me = dist.get_rank(group)
+    width = len(slot_tensors)
+    for index, move in enumerate(moves):
+        tag = tag_offset + index * width
+        if move.src[0] == me:
+            for k, tensor in enumerate(slot_tensors):
+                piece = tensor[move.src[1]].detach().clone()
+                if move.dst[0] == me:
+                    pending.landings.append((tensor[move.dst[1]], piece))
+                else:
+                    pending.requests.append(dist.isend(piece, dst=_global(group, move.dst[0]), group=group,
+                                                       tag=tag + k))
+        elif move.dst[0] == me:
+            for k, tensor in enumerate(slot_tensors):
+                piece = torch.empty_like(tensor[move.dst[1]])
+                pending.requests.append(dist.irecv(piece, src=_global(group, move.src[0]), group=group,
+                                                   tag=tag + k))
+                pending.landings.append((tensor[move.dst[1]], piece))
+    return pending
+
+
 def migrate_experts(
     moves: Sequence[Move], slot_tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None
 ) -> None:
-    """Apply ``moves`` in place to ``slot_tensors`` (each ``[S, ...]``, same S) on this rank.
-
-    All sources are read (cloned) before any destination is written, since a slot may both give away
-    its expert and receive another in the same round. Sends and receives are posted together
-    (non-blocking) so that no pair of ranks waits on each other's order.
-    """
-    if not moves:
-        return
-    me = dist.get_rank(group)
-    outgoing: list[tuple[int, list[torch.Tensor]]] = []
-    local: list[tuple[int, list[torch.Tensor]]] = []
-    for index, move in enumerate(moves):
-        if move.src[0] != me:
-            continue
-        snapshot = [t[move.src[1]].detach().clone() for t in slot_tensors]
-        (local if move.dst[0] == me else outgoing).append((index, snapshot))
-    requests = []
-    incoming: list[tuple[Move, list[torch.Tensor]]] = []
-    width = len(slot_tensors)
-    for index, snapshot in outgoing:
-        move = moves[index]
-        for k, tensor in enumerate(snapshot):
-            requests.append(dist.isend(tensor, dst=_global(group, move.dst[0]), group=group, tag=index * width + k))
-    for index, move in enumerate(moves):
-        if move.dst[0] != me or move.src[0] == me:
-            continue
-        buffers = [torch.empty_like(t[move.dst[1]]) for t in slot_tensors]
-        for k, buffer in enumerate(buffers):
-            requests.append(dist.irecv(buffer, src=_global(group, move.src[0]), group=group, tag=index * width + k))
-        incoming.append((move, buffers))
-    for request in requests:
-        request.wait()
-    with torch.no_grad():
-        for index, snapshot in local:
-            for tensor, value in zip(slot_tensors, snapshot):
-                tensor[moves[index].dst[1]].copy_(value)
-        for move, buffers in incoming:
-            for tensor, value in zip(slot_tensors, buffers):
-                tensor[move.dst[1]].copy_(value)
+    """Apply ``moves`` in place to ``slot_tensors`` now: afterwards each destination slot holds, bit for
+    bit, what its source slot held."""
+    post_expert_moves(moves, slot_tensors, group).finish()
 
 
 def sum_replica_gradients(
@@ -178,23 +195,6 @@ class ShardedSlots:
     shard_size: int
 
 
-@dataclass
-class PendingCopies:
-    """Point-to-point copies posted and not yet landed: ``finish`` waits for them and writes them."""
-
-    requests: list = field(default_factory=list)
-    landings: list[tuple[torch.Tensor, int, torch.Tensor]] = field(default_factory=list)
-    """(destination shard, offset, the piece)."""
-
-    def finish(self) -> None:
-        for request in self.requests:
-            request.wait()
-        with torch.no_grad():
-            for shard, offset, piece in self.landings:
-                shard[offset:offset + piece.numel()].copy_(piece)
-        self.requests, self.landings = [], []
-
-
 def post_sharded_moves(
     items: Sequence[ShardedSlots], my_ep: int, my_edp: int, global_rank: Callable[[int, int], int],
     group: dist.ProcessGroup | None = None,
@@ -220,7 +220,7 @@ def post_sharded_moves(
                     if sender:
                         piece = shard[src_offset:src_offset + count].detach().clone()
                         if receiver:
-                            pending.landings.append((shard, dst_offset, piece))
+                            pending.landings.append((shard[dst_offset:dst_offset + count], piece))
                         else:
                             pending.requests.append(dist.isend(
                                 piece, dst=global_rank(move.dst[0], dst_shard), group=group, tag=tag + k))
@@ -228,6 +228,6 @@ def post_sharded_moves(
                         piece = torch.empty(count, dtype=shard.dtype, device=shard.device)
                         pending.requests.append(dist.irecv(
                             piece, src=global_rank(move.src[0], src_shard), group=group, tag=tag + k))
-                        pending.landings.append((shard, dst_offset, piece))
+                        pending.landings.append((shard[dst_offset:dst_offset + count], piece))
                 tag += width
     return pending

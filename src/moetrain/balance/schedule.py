@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from moetrain.balance.costs import BalanceCostModel
+from moetrain.balance.costs import BalanceCostModel, OverlapWindow
 from moetrain.balance.online import PAYBACK_HORIZON, REPLAN_INTERVAL
 from moetrain.balance.placement import ExpertPlacement, Move, diff
 from moetrain.balance.predict import Predictor
@@ -170,13 +170,13 @@ class ReplanRule:
 
     @property
     def cheapest_move_seconds(self) -> float:
-        """One expert copied between two ranks of one node, its optimizer state hidden under the next
-        step: the least any weight-moving plan pays."""
+        """One expert copied between two ranks of one node, hidden under the next step: the least any
+        weight-moving plan pays (its latency-bound part only when copies overlap compute)."""
         if self._cheapest_move_s is None:
             same_node = 1 if self.costs.ep > 1 and self.costs.cluster.devices_per_node > 1 else 0
             dst_rank = 1 if same_node else min(1, self.costs.ep - 1)
             self._cheapest_move_s = self.costs.migration_seconds([Move(0, (0, 0), (dst_rank, 0))],
-                                                                 overlap_window_s=float("inf"))
+                                                                 OverlapWindow(float("inf"), float("inf")))
         return self._cheapest_move_s
 
     def forecast_steps(self, schedule: LayerSchedule) -> int:
@@ -230,8 +230,8 @@ class ReplanRule:
         window = self.forecast_steps(schedule) if early else min(self.interval, self.horizon)
         forecast = predictor.forecast(predictor_state, window)
         seconds_current = float(self.costs.layer_seconds(current, forecast))
-        # optimizer state moves under the next step's compute; the solver's score assumes the least
-        # compute any placement can have (the even one), the trigger the candidate's own
+        # the copies travel under the next step's compute; the solver's score assumes the least compute
+        # any placement can have (the even one), the trigger the candidate's own
         least_window = self.costs.ideal_overlap_window_seconds(forecast)
 
         def plan(candidates: str) -> tuple[ExpertPlacement, float]:

@@ -37,7 +37,7 @@ from moetrain.balance.costs import BalanceCostModel
 from moetrain.balance.executor import (
     PendingCopies,
     ShardedSlots,
-    migrate_experts,
+    post_expert_moves,
     post_sharded_moves,
     sum_replica_gradients,
 )
@@ -212,9 +212,12 @@ class OnlineExpertBalancer:
         self.schedules = [LayerSchedule() for _ in self.telemetry.layers]
         self.migrations = 0
         self._pending: PendingCopies | None = None
+        self._pending_weights: dict[int, tuple[PendingCopies, object]] = {}
+        """Per local MoE layer: its moved weights in flight, and the hook that lands them."""
         self.migration_timings: list[dict[str, float]] = []
-        """Per migration, host seconds: ``moved`` (weights copied, state posted, before the next step)
-        and ``landed`` (the wait for the state before the next optimizer update)."""
+        """Per migration, host seconds: ``moved`` (copies posted, before the next step), ``weights_landed``
+        (the waits for the weights where the layers' experts first run) and ``landed`` (the wait for the
+        optimizer state before the next optimizer update)."""
 
     @property
     def ep_rank(self) -> int:
@@ -379,17 +382,28 @@ class OnlineExpertBalancer:
 
     @torch.no_grad()
     def migrate(self, moves_by_layer: list[list[Move]]) -> None:
-        """Move every moved slot (all layers): the weights now, before the next forward; the ZeRO shards
-        of their fp32 master and AdamW moments as point-to-point pieces left in flight, landed by
-        ``finish_migration`` just before the next optimizer update (``ReplicaSyncedOptimizer.step``),
-        so they travel while the next step computes (the cost model's deferred part)."""
+        """Move every moved slot (all layers), all of it as point-to-point copies left in flight:
+
+        * the weights of a layer's moved slots land just before that layer's experts first run in the
+          next step (a forward pre-hook), so they travel under the earlier layers' forward and this
+          layer's attention;
+        * the ZeRO shards of their fp32 master and AdamW moments land just before the next optimizer
+          update (``ReplicaSyncedOptimizer.step``), so they travel while the next step computes.
+
+        ``finish_migration`` lands whatever is still in flight (a checkpoint, the end of a run). The
+        cost model's ``defer_weights`` / ``defer_optimizer_state`` False land each part at once."""
         self.finish_migration()
         start = time.perf_counter()
         with span("expert_migration", "comm"):
-            for (_, block), moves in zip(self.telemetry.layers, moves_by_layer):
-                if moves:
-                    migrate_experts(moves, [getattr(block.experts, name).data for name in EXPERT_WEIGHTS],
-                                    self.ep_group)
+            tag = 0
+            for index, ((_, block), moves) in enumerate(zip(self.telemetry.layers, moves_by_layer)):
+                if not moves:
+                    continue
+                weights = [getattr(block.experts, name).data for name in EXPERT_WEIGHTS]
+                pending = post_expert_moves(moves, weights, self.ep_group, tag_offset=tag)
+                tag += len(moves) * len(weights)
+                hook = block.experts.register_forward_pre_hook(lambda module, args, index=index: self._land(index))
+                self._pending_weights[index] = (pending, hook)
             where = {}
             for bucket in self.optimizer.buckets:
                 state = self.optimizer.optimizer.state.get(bucket.shard, {})
@@ -406,13 +420,27 @@ class OnlineExpertBalancer:
                     items.append(ShardedSlots(moves, offset, param[0].numel(), shards, bucket.shard_size))
             self._pending = post_sharded_moves(items, self.ep_rank, self.stage.dims.local_rank("edp"),
                                                self._expert_grid_rank, self.load_group)
-        self.migration_timings.append({"moved": time.perf_counter() - start, "landed": 0.0})
-        if not self.costs.defer_optimizer_state:  # stop the world: the state lands before the next step
-            self.finish_migration()
+        self.migration_timings.append({"moved": time.perf_counter() - start, "weights_landed": 0.0, "landed": 0.0})
+        if not self.costs.defer_weights:  # the weights land before the next step
+            for index in sorted(self._pending_weights):
+                self._land(index)
+        if not self.costs.defer_optimizer_state:  # so does the optimizer state
+            self._land_state()
 
     @torch.no_grad()
-    def finish_migration(self) -> None:
-        """Land the optimizer-state pieces of the last migration (no-op when none is in flight)."""
+    def _land(self, index: int) -> None:
+        """Land layer ``index``'s moved weights (its experts are about to run)."""
+        if index not in self._pending_weights:
+            return
+        pending, hook = self._pending_weights.pop(index)
+        hook.remove()
+        start = time.perf_counter()
+        with span("expert_migration_weights", "comm"):
+            pending.finish()
+        self.migration_timings[-1]["weights_landed"] += time.perf_counter() - start
+
+    @torch.no_grad()
+    def _land_state(self) -> None:
         if self._pending is not None:
             start = time.perf_counter()
             with span("expert_migration_state", "comm"):
@@ -420,11 +448,20 @@ class OnlineExpertBalancer:
             self._pending = None
             self.migration_timings[-1]["landed"] = time.perf_counter() - start
 
+    @torch.no_grad()
+    def finish_migration(self) -> None:
+        """Land everything of the last migration still in flight (no-op when nothing is): the weights of
+        layers whose experts have not run yet, then the optimizer state."""
+        for index in sorted(self._pending_weights):
+            self._land(index)
+        self._land_state()
+
 
 def build_balanced_run(dims: ParallelDims, model_cfg: ModelConfig, cfg: TrainingConfig, device: torch.device | str,
                        cluster: ClusterConfig, *, model: MoETransformer | None = None,
                        slots_per_rank: int | None = None, placement: ExpertPlacement | None = None,
-                       backend: AttentionBackend = "eager", defer_optimizer_state: bool = True,
+                       backend: AttentionBackend = "eager", defer_weights: bool = True,
+                       defer_optimizer_state: bool = True,
                        **balancer_options) -> tuple[LayoutRun, OnlineExpertBalancer]:
     """A layout whose EP ranks have spare expert slots, with its balancer: what ``moetrain train
     --online-balance``, the tests and the benchmark all train with.
@@ -445,7 +482,8 @@ def build_balanced_run(dims: ParallelDims, model_cfg: ModelConfig, cfg: Training
     stage = parallelize(model, dims, placement)
     optimizer = ZeroAdamW(stage.model, dims, cfg, stage.tp_kinds)
     costs = BalanceCostModel(model_cfg, cluster, ep, hierarchical_a2a=dims.parallel.a2a == "hierarchical",
-                             etp=dims.parallel.etp, seq_len=cfg.seq_len, defer_optimizer_state=defer_optimizer_state)
+                             etp=dims.parallel.etp, seq_len=cfg.seq_len, defer_weights=defer_weights,
+                             defer_optimizer_state=defer_optimizer_state)
     balancer = OnlineExpertBalancer(stage, optimizer, costs, **balancer_options)
     return LayoutRun(stage, balancer.wrap(optimizer), Executor(stage)), balancer
 
