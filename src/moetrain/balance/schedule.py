@@ -170,8 +170,9 @@ class ReplanRule:
 
     @property
     def cheapest_move_seconds(self) -> float:
-        """One expert copied between two ranks of one node, hidden under the next step: the least any
-        weight-moving plan pays (its latency-bound part only when copies overlap compute)."""
+        """One expert copied between two ranks of one node with unlimited compute to hide under: the
+        least any weight-moving plan pays (zero when the copies overlap compute; then any drift beyond
+        the forecast noise is worth a solve)."""
         if self._cheapest_move_s is None:
             same_node = 1 if self.costs.ep > 1 and self.costs.cluster.devices_per_node > 1 else 0
             dst_rank = 1 if same_node else min(1, self.costs.ep - 1)
