@@ -1,18 +1,15 @@
 """Executor on a 4-rank gloo world: moves copy every slot bit for bit, replicas' gradients are summed,
 and training across a migration gives the same losses as training without one."""
 
-import os
-import tempfile
-
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 from moetrain.balance.placement import EMPTY_SLOT, ExpertPlacement, diff  # noqa: E402
 from moetrain.balance.solver import plan_placement  # noqa: E402
+from moetrain.distributed.world import spawn  # noqa: E402
 
 NUM_EXPERTS, NUM_RANKS, SLOTS, HIDDEN, TOKENS = 8, 4, 3, 6, 96
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
@@ -80,10 +77,9 @@ def _train_step(placement, state, tokens, expert_of_token, rank, step) -> float:
     return float(loss)
 
 
-def _worker(rank: int, init_file: str, results: dict) -> None:
+def _worker(rank: int, world_size: int) -> dict:
     from moetrain.balance.executor import migrate_experts
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=NUM_RANKS)
     tokens, expert_of_token = _routing()
     old = ExpertPlacement.contiguous(NUM_EXPERTS, NUM_RANKS, SLOTS)
     loads = np.bincount(expert_of_token, minlength=NUM_EXPERTS).astype(float)
@@ -105,18 +101,11 @@ def _worker(rank: int, init_file: str, results: dict) -> None:
     migrated += [_train_step(new, migrated_state, tokens, expert_of_token, rank, s) for s in range(3, 6)]
     served_before = sum(ids.size for ids in _served_tokens(old, expert_of_token, rank).values())
     served_after = sum(ids.size for ids in _served_tokens(new, expert_of_token, rank).values())
-    results[rank] = {"reference": reference, "migrated": migrated, "before": served_before, "after": served_after}
-    dist.destroy_process_group()
+    return {"reference": reference, "migrated": migrated, "before": served_before, "after": served_after}
 
 
 def test_migration_keeps_training_math():
-    with tempfile.TemporaryDirectory() as folder:
-        manager = mp.Manager()
-        results = manager.dict()
-        # fork: the ranks inherit the imported modules (CPU only, no CUDA state to share)
-        mp.start_processes(_worker, args=(os.path.join(folder, "init"), results), nprocs=NUM_RANKS, join=True,
-                           start_method="fork")
-        results = dict(results)
+    results = spawn(_worker, NUM_RANKS)
     reference = np.array(results[0]["reference"])
     migrated = np.array(results[0]["migrated"])
     assert reference[-1] < reference[0]  # it trains
@@ -150,11 +139,10 @@ def _bucket_values(ep_rank: int, state: int) -> torch.Tensor:
     return torch.arange(numel, dtype=torch.float64) + 1000.0 * ep_rank + 1e5 * state
 
 
-def _sharded_worker(rank: int, init_file: str, results: dict) -> None:
+def _sharded_worker(rank: int, world_size: int) -> list[np.ndarray]:
     from moetrain.balance.executor import ShardedSlots, post_sharded_moves
     from moetrain.balance.placement import Move
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=4)
     # global rank = edp * EP + ep (the layout's expert grid, [edp, ep])
     edp, ep = divmod(rank, EP_SHARDED)
     numel = 3 * sum(SLOT_NUMELS)
@@ -169,22 +157,16 @@ def _sharded_worker(rank: int, init_file: str, results: dict) -> None:
     pending = post_sharded_moves(items, ep, edp, lambda e, d: d * EP_SHARDED + e)
     assert all(torch.equal(a, b) for a, b in zip(shards, before))  # nothing lands before finish
     pending.finish()
-    results[rank] = [s.numpy().copy() for s in shards]
-    dist.destroy_process_group()
+    return [s.numpy().copy() for s in shards]
 
 
 def test_sharded_state_moves_piece_by_piece():
-    with tempfile.TemporaryDirectory() as folder:
-        manager = mp.Manager()
-        results = manager.dict()
-        mp.start_processes(_sharded_worker, args=(os.path.join(folder, "init"), results), nprocs=4, join=True,
-                           start_method="fork")
-        results = dict(results)
+    results = spawn(_sharded_worker, 4)
     numel = 3 * sum(SLOT_NUMELS)
     for ep in range(EP_SHARDED):
         for k in range(3):
             got = np.concatenate([results[edp * EP_SHARDED + ep][k] for edp in range(EDP_SHARDED)])[:numel]
-            want = np.concatenate([_bucket_values(ep, k).numpy()])
+            want = _bucket_values(ep, k).numpy().copy()
             sources = {0: {2: (1, 0)}, 1: {0: (0, 2), 2: (1, 1)}}[ep]  # destination slot → (source rank, slot)
             for dst_slot, (src_rank, src_slot) in sources.items():
                 offset = 0

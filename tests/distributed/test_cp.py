@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from _parity import assert_parity, losses_by_layout, single_thread_reference
 
 from moetrain.cli import main
 from moetrain.config import GQAConfig, ParallelConfig, TrainingConfig, load_model_config
@@ -21,7 +22,7 @@ from moetrain.distributed.checkpoint import load_checkpoint, save_checkpoint
 from moetrain.distributed.cp import ContextParallel, load_balanced_index
 from moetrain.distributed.launch import check_seq_len, launch
 from moetrain.distributed.layout import ParallelDims
-from moetrain.distributed.step import build_layout, reference_losses, train_step
+from moetrain.distributed.step import build_layout, train_step
 from moetrain.distributed.world import spawn
 from moetrain.errors import UserError
 from moetrain.models.attention import GQA, MLA, build_attention_context
@@ -145,47 +146,27 @@ def _parity_worker(rank: int, world_size: int, root: str) -> dict[str, list[floa
 
 @pytest.fixture(scope="module")
 def layout_losses(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[list[float]]]:
-    root = tmp_path_factory.mktemp("cp_checkpoint")
-    by_layout: dict[str, list[list[float]]] = {}
-    for rank_losses in spawn(_parity_worker, 4, str(root)):
-        for name, losses in rank_losses.items():
-            by_layout.setdefault(name, []).append(losses)
-    return by_layout
+    return losses_by_layout(spawn(_parity_worker, 4, str(tmp_path_factory.mktemp("cp_checkpoint"))))
 
 
 @pytest.fixture(scope="module")
 def reference() -> list[float]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return reference_losses(load_model_config("tiny-pangu"), TRAINING, STEPS)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _assert_close(got: list[float], want: list[float], what: str) -> None:
-    assert len(got) == len(want)
-    for step, (a, b) in enumerate(zip(got, want)):
-        assert abs(a - b) <= 1e-4 * abs(b), f"{what} step {step}: {a} vs {b}"
+    return single_thread_reference(load_model_config("tiny-pangu"), TRAINING, STEPS)
 
 
 @pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.parametrize("layout", [name for layouts in ROUNDS for name in layouts])
 def test_cp_layout_matches_single_process(layout: str, layout_losses: dict, reference: list[float]) -> None:
-    per_rank = layout_losses[layout]
-    assert len(per_rank) == next(p.world_size for layouts in ROUNDS for n, p in layouts.items() if n == layout)
-    for losses in per_rank:
-        assert losses == per_rank[0], "ranks of one layout disagree on the step loss"
-        _assert_close(losses, reference, layout)
+    ranks = next(p.world_size for layouts in ROUNDS for n, p in layouts.items() if n == layout)
+    assert_parity(layout, layout_losses[layout], reference, ranks)
     assert reference[-1] < reference[0]
 
 
 @pytest.mark.slow
 @pytest.mark.dist
 def test_cp2_checkpoint_resumes_under_dp2(layout_losses: dict, reference: list[float]) -> None:
-    for losses in layout_losses["dp2_from_cp2"]:
-        _assert_close(losses, reference[SAVED_AT:], "dp2 resumed from cp2")
+    assert_parity("dp2 resumed from cp2", layout_losses["dp2_from_cp2"], reference[SAVED_AT:], RESUME_LAYOUT.world_size)
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from _parity import assert_parity, losses_by_layout, single_thread_reference
 
 from moetrain.balance.placement import ExpertPlacement
 from moetrain.config import ParallelConfig, TrainingConfig, load_model_config
@@ -22,7 +23,7 @@ from moetrain.distributed.ep import AllToAllDispatcher, ExpertTable, shard_exper
 from moetrain.distributed.etp import ExpertTensorParallelDispatcher
 from moetrain.distributed.layout import ParallelDims, validate_layout
 from moetrain.distributed.overlap import SplitGradExperts, flush_weight_grads, set_split_grads
-from moetrain.distributed.step import build_layout, reference_losses, train_step
+from moetrain.distributed.step import build_layout, train_step
 from moetrain.distributed.world import spawn
 from moetrain.errors import UserError
 from moetrain.models.dispatch import LocalDispatcher
@@ -194,30 +195,12 @@ def _worker(rank: int, world_size: int, root: str) -> dict[str, list[float]]:
 
 @pytest.fixture(scope="module")
 def layout_losses(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[list[float]]]:
-    by_layout: dict[str, list[list[float]]] = {}
-    for rank_losses in spawn(_worker, 8, str(tmp_path_factory.mktemp("etp_checkpoints"))):
-        for name, losses in rank_losses.items():
-            by_layout.setdefault(name, []).append(losses)
-    return by_layout
+    return losses_by_layout(spawn(_worker, 8, str(tmp_path_factory.mktemp("etp_checkpoints"))))
 
 
 @pytest.fixture(scope="module")
 def single_process_losses() -> list[float]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return reference_losses(TINY, TRAINING, STEPS)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _assert_parity(name: str, per_rank: list[list[float]], reference: list[float], ranks: int) -> None:
-    assert len(per_rank) == ranks
-    for losses in per_rank:
-        assert losses == per_rank[0], f"{name}: ranks of one layout disagree on the step loss"
-        assert len(losses) == len(reference)
-        for step, (got, want) in enumerate(zip(losses, reference)):
-            assert abs(got - want) <= 1e-4 * abs(want), f"{name} step {step}: {got} vs {want}"
+    return single_thread_reference(TINY, TRAINING, STEPS)
 
 
 @pytest.mark.slow
@@ -225,7 +208,7 @@ def _assert_parity(name: str, per_rank: list[list[float]], reference: list[float
 @pytest.mark.parametrize("layout", [name for layouts in ROUNDS for name in layouts])
 def test_etp_layout_matches_single_process(layout: str, layout_losses: dict, single_process_losses: list[float]):
     parallel = next(p for layouts in ROUNDS for n, p in layouts.items() if n == layout)
-    _assert_parity(layout, layout_losses[layout], single_process_losses, parallel.world_size)
+    assert_parity(layout, layout_losses[layout], single_process_losses, parallel.world_size)
     assert single_process_losses[-1] < single_process_losses[0]  # the run trains
 
 
@@ -233,7 +216,7 @@ def test_etp_layout_matches_single_process(layout: str, layout_losses: dict, sin
 @pytest.mark.dist
 @pytest.mark.parametrize("layout", LOAD_LAYOUTS)
 def test_etp_checkpoint_reshards(layout: str, layout_losses: dict, single_process_losses: list[float]) -> None:
-    _assert_parity(layout, layout_losses[layout], single_process_losses[SAVED_AT:], LOAD_LAYOUTS[layout].world_size)
+    assert_parity(layout, layout_losses[layout], single_process_losses[SAVED_AT:], LOAD_LAYOUTS[layout].world_size)
 
 
 # ---- one host read per MoE layer ---------------------------------------------------------------------

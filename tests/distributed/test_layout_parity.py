@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _parity import assert_parity, losses_by_layout, single_thread_reference
 
 from moetrain.config import ParallelConfig, TrainingConfig, load_model_config
 from moetrain.distributed.layout import ParallelDims
-from moetrain.distributed.step import build_layout, reference_losses, train_step
+from moetrain.distributed.step import build_layout, train_step
 from moetrain.distributed.world import spawn
 
 STEPS = 10
@@ -67,23 +68,14 @@ def _worker(rank: int, world_size: int) -> dict[str, list[float]]:
 
 @pytest.fixture(scope="module")
 def layout_losses() -> dict[str, list[list[float]]]:
-    by_layout: dict[str, list[list[float]]] = {}
-    for rank_losses in spawn(_worker, 8):
-        for name, losses in rank_losses.items():
-            by_layout.setdefault(name, []).append(losses)
-    return by_layout
+    return losses_by_layout(spawn(_worker, 8))
 
 
 @pytest.fixture(scope="module")
 def single_process_losses() -> dict[int, list[float]]:
     """Reference losses by micro-batch size."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return {cfg.micro_batch: reference_losses(load_model_config("tiny-pangu"), cfg, STEPS)
-                for cfg in (TRAINING, TRAINING_MICRO_1)}
-    finally:
-        torch.set_num_threads(threads)
+    return {cfg.micro_batch: single_thread_reference(load_model_config("tiny-pangu"), cfg, STEPS)
+            for cfg in (TRAINING, TRAINING_MICRO_1)}
 
 
 @pytest.mark.slow
@@ -92,13 +84,8 @@ def single_process_losses() -> dict[int, list[float]]:
 def test_layout_matches_single_process(layout: str, layout_losses: dict,
                                        single_process_losses: dict[int, list[float]]) -> None:
     reference = single_process_losses[_training(layout).micro_batch]
-    per_rank = layout_losses[layout]
     expected_ranks = next(p.world_size for layouts in ROUNDS for n, p in layouts.items() if n == layout)
-    assert len(per_rank) == expected_ranks
-    for losses in per_rank:
-        assert losses == per_rank[0], "ranks of one layout disagree on the step loss"
-        assert len(losses) == STEPS
-        for step, (got, want) in enumerate(zip(losses, reference)):
-            assert abs(got - want) <= 1e-4 * abs(want), f"{layout} step {step}: {got} vs {want}"
+    assert len(reference) == STEPS
+    assert_parity(layout, layout_losses[layout], reference, expected_ranks)
     # The run trains: the loss moves (a frozen model would also "match" a frozen reference).
     assert reference[-1] < reference[0]

@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from _parity import single_thread_reference
 
 from moetrain.config import ParallelConfig, TrainingConfig, load_model_config
 from moetrain.distributed.checkpoint import load_checkpoint, save_checkpoint
 from moetrain.distributed.layout import ParallelDims
-from moetrain.distributed.step import build_layout, reference_losses, train_step
+from moetrain.distributed.step import build_layout, train_step
 from moetrain.distributed.world import spawn
 from moetrain.models.transformer import build_model
 from moetrain.train import checkpoint as single
@@ -56,12 +57,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
             saved["optim"] = {name: {k: v.clone() for k, v in optimizer.state[p].items()}
                               for name, p in model.named_parameters()}
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        reference = reference_losses(load_model_config("tiny-pangu"), TRAINING, STEPS, after_step=after_step)
-    finally:
-        torch.set_num_threads(threads)
+    reference = single_thread_reference(load_model_config("tiny-pangu"), TRAINING, STEPS, after_step=after_step)
     return {"reference": reference, "saved": saved, "root": root, "ranks": spawn(_worker, 4, str(root))}
 
 

@@ -47,6 +47,21 @@ class PendingCopies:
     landings: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     """(view of the destination, the piece that lands there)."""
 
+    def post(self, source: torch.Tensor, target: torch.Tensor, sender: bool, receiver: bool, src: int, dst: int,
+             group: dist.ProcessGroup | None, tag: int) -> None:
+        """One copy of ``source`` (this rank's view, read now when it is the ``sender``) into ``target``
+        (written by ``finish`` when it is the ``receiver``); ``src`` and ``dst`` are global ranks."""
+        if sender:
+            piece = source.detach().clone()
+            if receiver:
+                self.landings.append((target, piece))
+            else:
+                self.requests.append(dist.isend(piece, dst=dst, group=group, tag=tag))
+        elif receiver:
+            piece = torch.empty_like(target)
+            self.requests.append(dist.irecv(piece, src=src, group=group, tag=tag))
+            self.landings.append((target, piece))
+
     def finish(self) -> None:
         for request in self.requests:
             request.wait()
@@ -69,26 +84,15 @@ def post_expert_moves(
     flight in one group at once; give each its own range, ``len(moves) · len(slot_tensors)`` wide).
     """
     pending = PendingCopies()
-    if not moves:
-        return pending
     me = dist.get_rank(group)
     width = len(slot_tensors)
     for index, move in enumerate(moves):
-        tag = tag_offset + index * width
-        if move.src[0] == me:
-            for k, tensor in enumerate(slot_tensors):
-                piece = tensor[move.src[1]].detach().clone()
-                if move.dst[0] == me:
-                    pending.landings.append((tensor[move.dst[1]], piece))
-                else:
-                    pending.requests.append(dist.isend(piece, dst=_global(group, move.dst[0]), group=group,
-                                                       tag=tag + k))
-        elif move.dst[0] == me:
-            for k, tensor in enumerate(slot_tensors):
-                piece = torch.empty_like(tensor[move.dst[1]])
-                pending.requests.append(dist.irecv(piece, src=_global(group, move.src[0]), group=group,
-                                                   tag=tag + k))
-                pending.landings.append((tensor[move.dst[1]], piece))
+        if me not in (move.src[0], move.dst[0]):
+            continue
+        src, dst = _global(group, move.src[0]), _global(group, move.dst[0])
+        for k, tensor in enumerate(slot_tensors):
+            pending.post(tensor[move.src[1]], tensor[move.dst[1]], move.src[0] == me, move.dst[0] == me, src, dst,
+                         group, tag_offset + index * width + k)
     return pending
 
 
@@ -216,18 +220,9 @@ def post_sharded_moves(
             for src_shard, src_offset, dst_shard, dst_offset, count in pieces:
                 sender = (move.src[0], src_shard) == (my_ep, my_edp)
                 receiver = (move.dst[0], dst_shard) == (my_ep, my_edp)
+                src, dst = global_rank(move.src[0], src_shard), global_rank(move.dst[0], dst_shard)
                 for k, shard in enumerate(item.shards):
-                    if sender:
-                        piece = shard[src_offset:src_offset + count].detach().clone()
-                        if receiver:
-                            pending.landings.append((shard[dst_offset:dst_offset + count], piece))
-                        else:
-                            pending.requests.append(dist.isend(
-                                piece, dst=global_rank(move.dst[0], dst_shard), group=group, tag=tag + k))
-                    elif receiver:
-                        piece = torch.empty(count, dtype=shard.dtype, device=shard.device)
-                        pending.requests.append(dist.irecv(
-                            piece, src=global_rank(move.src[0], src_shard), group=group, tag=tag + k))
-                        pending.landings.append((shard[dst_offset:dst_offset + count], piece))
+                    pending.post(shard[src_offset:src_offset + count], shard[dst_offset:dst_offset + count],
+                                 sender, receiver, src, dst, group, tag + k)
                 tag += width
     return pending

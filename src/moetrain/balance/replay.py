@@ -24,7 +24,7 @@ import numpy as np
 
 from moetrain.balance.costs import BalanceCostModel
 from moetrain.balance.online import PAYBACK_HORIZON, REPLAN_INTERVAL
-from moetrain.balance.placement import ExpertPlacement, diff
+from moetrain.balance.placement import ExpertPlacement
 from moetrain.balance.predict import Predictor
 from moetrain.balance.schedule import Decision, LayerSchedule, ReplanRule
 from moetrain.balance.traces import RoutingTrace
@@ -152,7 +152,7 @@ def replay(
                 if decision.migrate:
                     # paid in step t+1: the weights before it, the optimizer state beyond its compute
                     window = costs.overlap_window_seconds(adopted, loads[t + 1, layer])
-                    exposed = costs.migration_seconds(diff(current, adopted), window)
+                    exposed = costs.migration_seconds(list(decision.moves), window)
                     seconds_after[t + 1] += exposed
                     seconds_migration[t + 1] += exposed
                 current = adopted

@@ -39,7 +39,7 @@ One rule, shared by the trace replay (``balance.replay``) and the runtime
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -67,7 +67,8 @@ class Decision:
     """Forecast step-time saving of the candidate placement, over ``lasting_steps``."""
     migration_s: float
     """Predicted time to move the experts' weights and optimizer state."""
-    num_moves: int
+    moves: tuple[Move, ...]
+    """The candidate's copies (``placement.diff``; carried out only when ``migrate``)."""
     imbalance_current: float
     """Forecast max/mean rank load with the current placement."""
     imbalance_candidate: float
@@ -81,6 +82,10 @@ class Decision:
     lasting_steps: float = 0.0
     """Steps the saving was counted over (``ReplanRule.lasting_steps``: the horizon, shortened when the
     load skew does not persist)."""
+
+    @property
+    def num_moves(self) -> int:
+        return len(self.moves)
 
     def as_dict(self) -> dict:
         return {
@@ -122,9 +127,9 @@ class LayerSchedule:
         if self.previous_deviation is not None:
             cross = float(deviation @ self.previous_deviation)
             norm = float(np.linalg.norm(deviation) * np.linalg.norm(self.previous_deviation))
-            first = self.lag_norm == 0.0
-            self.lag_cross += (1.0 if first else PERSISTENCE_SMOOTHING) * (cross - self.lag_cross)
-            self.lag_norm += (1.0 if first else PERSISTENCE_SMOOTHING) * (norm - self.lag_norm)
+            weight = 1.0 if self.lag_norm == 0.0 else PERSISTENCE_SMOOTHING  # the first pair sets them
+            self.lag_cross += weight * (cross - self.lag_cross)
+            self.lag_norm += weight * (norm - self.lag_norm)
         self.previous_deviation = deviation
 
     @property
@@ -136,19 +141,19 @@ class LayerSchedule:
         return min(max(self.lag_cross / self.lag_norm, 0.0), 1.0)
 
     def state_dict(self) -> dict:
-        return {"last_solve": self.last_solve, "last_full": self.last_full, "life": self.life,
-                "reference_excess": self.reference_excess, "checks": self.checks,
-                "predicted_excess": self.predicted_excess, "forecast_noise": self.forecast_noise,
-                "lag_cross": self.lag_cross, "lag_norm": self.lag_norm,
-                "previous_deviation": None if self.previous_deviation is None else self.previous_deviation.tolist()}
+        """JSON-ready: every field by name."""
+        state = {f.name: getattr(self, f.name) for f in fields(self)}
+        if self.previous_deviation is not None:
+            state["previous_deviation"] = self.previous_deviation.tolist()
+        return state
 
     @classmethod
     def from_state_dict(cls, state: dict) -> LayerSchedule:
-        previous = state.get("previous_deviation")
-        return cls(state["last_solve"], state["last_full"], int(state["life"]), float(state["reference_excess"]),
-                   int(state["checks"]), state["predicted_excess"], float(state["forecast_noise"]),
-                   float(state.get("lag_cross", 0.0)), float(state.get("lag_norm", 0.0)),
-                   None if previous is None else np.array(previous, dtype=float))
+        """Fields missing from an older checkpoint keep their defaults."""
+        values = {f.name: state[f.name] for f in fields(cls) if f.name in state}
+        if values.get("previous_deviation") is not None:
+            values["previous_deviation"] = np.array(values["previous_deviation"], dtype=float)
+        return cls(**values)
 
 
 @dataclass
@@ -262,7 +267,7 @@ class ReplanRule:
             schedule.last_full = step
         decision = Decision(
             step=step, layer=layer, migrate=migrate, predicted_saving_s=saving, migration_s=migration,
-            num_moves=len(moves), imbalance_current=float(current.imbalance(forecast)),
+            moves=tuple(moves), imbalance_current=float(current.imbalance(forecast)),
             imbalance_candidate=float(candidate.imbalance(forecast)), solve_ms=solve_s * 1e3,
             reshare=reshare, early=early, forecast_steps=window, lasting_steps=lasting,
         )

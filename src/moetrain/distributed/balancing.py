@@ -42,7 +42,7 @@ from moetrain.balance.executor import (
     sum_replica_gradients,
 )
 from moetrain.balance.online import PAYBACK_HORIZON, REPLAN_INTERVAL, check_online_balance, default_slots_per_rank
-from moetrain.balance.placement import EMPTY_SLOT, ExpertPlacement, Move, diff
+from moetrain.balance.placement import EMPTY_SLOT, ExpertPlacement, Move
 from moetrain.balance.predict import EMAPredictor, Predictor
 from moetrain.balance.schedule import Decision, LayerSchedule, ReplanRule
 from moetrain.balance.solver import SOLVERS
@@ -289,7 +289,7 @@ class OnlineExpertBalancer:
                                                self._predictor_states[index], per_group[index])
             if decision is not None:
                 decisions.append(decision)
-            moves_by_layer.append(diff(current, adopted) if decision is not None and decision.migrate else [])
+            moves_by_layer.append(list(decision.moves) if decision is not None and decision.migrate else [])
             candidates.append(adopted)
         if any(moves_by_layer):
             self.migrate(moves_by_layer)
