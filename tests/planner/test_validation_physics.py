@@ -4,7 +4,10 @@ communication overlap, and the grouped-GEMM roofline."""
 
 from __future__ import annotations
 
+import csv
+import re
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +17,7 @@ from moetrain.planner.calibration import Efficiency
 from moetrain.planner.compute import expert_compute_time, gemm_time, memory_time
 from moetrain.planner.costmodel import Workload, _balanced_stage_time, attention_time_share, evaluate
 from moetrain.planner.strategy import Strategies
-from moetrain.planner.validation import prepare_row
+from moetrain.planner.validation import prepare_all, prepare_row, read_rows
 
 
 def _layout(tp: int = 1, pp: int = 1, vpp: int = 1, dp: int = 8, recompute: float = 0.0) -> Strategies:
@@ -108,3 +111,25 @@ def test_rows_read_window_overlap_and_memory(published_rows: list[dict]) -> None
     assert out["memory_bytes"][0] <= mbr5.workload.cluster.hbm_bytes
     # A stated recompute is kept as stated.
     assert float(prepare_row(rows["VTRAIN-M-002"]).strategy.recompute[0]) == 2.0
+
+
+def test_held_out_vtrain_rows_complement_the_calibration_file(published_rows: list[dict]) -> None:
+    """benchmarks/data/vtrain_heldout.csv holds the vTrain runs the calibration file leaves out: the odd data
+    rows, filled in like the VTRAIN-M rows (same model per size, same cluster), each value the stated time."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "vtrain_heldout.csv"
+    held = read_rows(path)
+    prepared, unsimulable = prepare_all(held)
+    assert unsimulable == [] and len(prepared) == 55
+    calibration = {r["id"]: r for r in published_rows if r["id"].startswith("VTRAIN-M-")}
+    data_rows = {int(r["id"].rsplit("-", 1)[1]) for r in held}
+    assert data_rows == set(range(1, 110, 2))
+    assert {int(i.rsplit("-", 1)[1]) for i in calibration} == set(range(2, 109, 2))
+    model_columns = ("layers", "hidden", "ffn_hidden", "heads", "vocab", "seq_len", "hardware", "precision",
+                     "recompute", "sp")
+    shapes = {r["model"]: tuple(r[c] for c in model_columns) for r in calibration.values()}
+    for row in held:
+        assert shapes[row["model"]] == tuple(row[c] for c in model_columns), row["id"]
+        stated_ms = float(re.search(r"iteration time (\d+(?:\.\d+)?) ms", row["source"]).group(1))
+        assert float(row["value"]) == pytest.approx(stated_ms / 1000, abs=5e-5)
+        assert int(row["num_devices"]) == int(row["tp"]) * int(row["pp"]) * int(row["dp"])
+    assert csv.DictReader(path.open()).fieldnames == list(published_rows[0])
