@@ -132,4 +132,5 @@ def test_held_out_vtrain_rows_complement_the_calibration_file(published_rows: li
         stated_ms = float(re.search(r"iteration time (\d+(?:\.\d+)?) ms", row["source"]).group(1))
         assert float(row["value"]) == pytest.approx(stated_ms / 1000, abs=5e-5)
         assert int(row["num_devices"]) == int(row["tp"]) * int(row["pp"]) * int(row["dp"])
-    assert csv.DictReader(path.open()).fieldnames == list(published_rows[0])
+    with path.open(newline="") as f:
+        assert csv.DictReader(f).fieldnames == list(published_rows[0])
