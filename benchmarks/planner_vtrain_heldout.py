@@ -32,7 +32,7 @@ from _record import write_result
 
 from moetrain.planner.calibration import load_calibration
 from moetrain.planner.fit import fit_calibration, predict_rows
-from moetrain.planner.validation import PreparedRow, prepare_all, read_rows
+from moetrain.planner.validation import PreparedRow, prepare_all, read_rows, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 HELD_OUT_CSV = ROOT / "benchmarks" / "data" / "vtrain_heldout.csv"
@@ -41,11 +41,10 @@ THRESHOLD_PCT = 12.0
 
 
 def _summary(signed_pct: np.ndarray) -> dict[str, float]:
+    """``moetrain validate``'s summary (median, 90th percentile, n) plus the mean, the median signed error
+    and the rows above 12 %."""
     errors = np.abs(signed_pct)
-    return {
-        "n": int(errors.size),
-        "median_abs_pct_error": float(np.median(errors)),
-        "p90_abs_pct_error": float(np.percentile(errors, 90)),
+    return summarize(list(errors)) | {
         "mean_abs_pct_error": float(np.mean(errors)),
         "median_signed_pct_error": float(np.median(signed_pct)),
         "rows_above_12_pct": int(np.sum(errors > THRESHOLD_PCT)),
@@ -81,13 +80,14 @@ def main() -> None:
     held_shipped = _signed(held_out, predict_rows(held_out, shipped))
     cv_family = _signed(in_file, predict_rows(in_file, family_fit))
 
+    # groups in the order they first appear (the file lists the models by size)
     by_group: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for row, error in sorted(zip(held_out, held_family), key=lambda pair: _layout(pair[0])["tp"]):
+        by_group["tp"][str(_layout(row)["tp"])].append(float(error))
     for row, error in zip(held_out, held_family):
-        layout = _layout(row)
-        by_group["tp"][str(layout["tp"])].append(float(error))
         by_group["model"][row.workload.model.name.split(" ")[0]].append(float(error))
     groups = {key: {value: {"rows": len(errs), "mean_signed_pct_error": float(np.mean(errs))}
-                    for value, errs in sorted(values.items(), key=lambda kv: float(kv[0].strip("GPT-B") or 0))}
+                    for value, errs in values.items()}
               for key, values in by_group.items()}
 
     rows = [{"id": r.row_id, "model": r.workload.model.name, **_layout(r), "measured_s": r.measured,

@@ -5,9 +5,10 @@ The contract with the runtime (which owns the module and the optimizer):
 * every rank holds its expert state as tensors with a leading slot dimension ``[S, ...]``: the grouped
   expert weights, their fp32 master copies, Adam's two moments; gradient buffers need not move when
   migration runs between steps (after ``zero_grad``), but may be passed too;
-* every rank calls ``migrate_experts`` with the same ``moves`` (from ``placement.diff``), in the same
-  order, at the same point; afterwards slot ``s`` of rank ``r`` holds exactly (bit for bit) what the
-  source slot held, so the math of training is unchanged;
+* every rank calls ``post_expert_moves`` (or ``migrate_experts``, which also lands the copies at once)
+  with the same ``moves`` (from ``placement.diff``), in the same order, at the same point; once the
+  copies have landed (``PendingCopies.finish``) slot ``s`` of rank ``r`` holds exactly (bit for bit)
+  what the source slot held, so the math of training is unchanged;
 * the dispatcher then switches to the new placement's ``logical_to_physical`` table;
 * replicas of one expert must stay identical: ``sum_replica_gradients`` adds their gradients (in a
   fixed order, so every replica gets the same bits) before the optimizer step.

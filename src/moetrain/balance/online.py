@@ -21,9 +21,12 @@ def default_slots_per_rank(num_experts: int, ep: int) -> int:
     return num_experts // ep + 1
 
 
-def check_online_balance(parallel: ParallelConfig, model_cfg: ModelConfig, interval: int = REPLAN_INTERVAL,
-                         horizon: int = PAYBACK_HORIZON, slots_per_rank: int | None = None) -> None:
-    """Refuse ``--online-balance`` (and its tuning flags) where it cannot run (one line each)."""
+def check_online_balance(parallel: ParallelConfig, model_cfg: ModelConfig, interval: int | None = None,
+                         horizon: int | None = None, slots_per_rank: int | None = None) -> None:
+    """Refuse ``--online-balance`` (and its tuning flags) where it cannot run (one line each). None: the
+    flag was not given (its default applies)."""
+    interval = REPLAN_INTERVAL if interval is None else interval
+    horizon = PAYBACK_HORIZON if horizon is None else horizon
     if interval < 1 or horizon < 1:
         raise UserError(f"--balance-interval {interval} and --balance-horizon {horizon} must be >= 1")
     if model_cfg.moe is None:

@@ -11,11 +11,12 @@ the one ``moetrain.balance.replay`` models: a cheap cost-model check of the fore
 (incremental, warm-started from the current placement) when the drift since the last plan could pay a
 move, and a full re-plan every ``interval`` steps; the trigger compares the predicted saving over the
 next ``horizon`` steps with the cost model's time to move the experts' weights and optimizer state.
-Each solve is reported as a ``Decision``. When the trigger fires, ``migrate_experts`` copies the moved
-slots' weights between EP ranks, the layer's dispatcher switches to the new table, and the moved slots'
-fp32 master and AdamW moments follow as point-to-point pieces between the ZeRO shards that hold them
-(``post_sharded_moves``), in flight during the next step and landed before its optimizer update. Every
-rank of the stage sees the same loads and runs the same deterministic solver, so all take the same decisions.
+Each solve is reported as a ``Decision``. When the trigger fires, ``post_expert_moves`` copies the
+moved slots' weights between EP ranks (landed where the layer's experts first run in the next step),
+the layer's dispatcher switches to the new table, and the moved slots' fp32 master and AdamW moments
+follow as point-to-point pieces between the ZeRO shards that hold them (``post_sharded_moves``), in
+flight during the next step and landed before its optimizer update. Every rank of the stage sees the
+same loads and runs the same deterministic solver, so all take the same decisions.
 
 Replicas: ``ReplicaSyncedOptimizer`` sums each replicated expert's gradient over its replicas before
 the ZeRO step (so replicas receive identical updates and stay bit-identical), and takes the extra

@@ -169,14 +169,16 @@ class AllToAllDispatcher:
     """Flat dropless dispatch: one uneven all-to-all over the EP group each way."""
 
     def __init__(self, group: dist.ProcessGroup, table: ExpertTable,
-                 count_group: dist.ProcessGroup | None = None, etp: int = 1) -> None:
+                 count_group: dist.ProcessGroup | None = None) -> None:
         """``count_group``: with expert tensor parallelism, the EP × ETP ranks of this rank's EDP position
         (ETP fastest). The per-slot counts are then exchanged over it once, giving both this EP group's
         splits and every ETP member's received counts: one host read per layer for both dispatches."""
         self.group, self.table = group, table
         self.ep_rank = dist.get_rank(group)
-        self.count_group, self.etp = count_group, etp
-        self.etp_rank = dist.get_rank(count_group) % etp if count_group is not None else 0
+        self.count_group = count_group
+        # the count group holds every ETP position's copy of this EP group
+        self.etp = dist.get_world_size(count_group) // dist.get_world_size(group) if count_group is not None else 1
+        self.etp_rank = dist.get_rank(count_group) % self.etp if count_group is not None else 0
 
     def dispatch(self, x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, FlatDispatchMeta]:
         return self.start_dispatch(x_TD, routing).finish()

@@ -138,9 +138,7 @@ def launch(nproc: int, args: argparse.Namespace, log_dir: Path | None = None) ->
     _check_run_flags(args)
     tuning = (args.balance_interval, args.balance_horizon, args.slots_per_rank)
     if getattr(args, "online_balance", False):
-        interval, horizon = (default if value is None else value for value, default in
-                             ((args.balance_interval, REPLAN_INTERVAL), (args.balance_horizon, PAYBACK_HORIZON)))
-        check_online_balance(parallel, model_cfg, interval, horizon, args.slots_per_rank)
+        check_online_balance(parallel, model_cfg, *tuning)
     elif any(value is not None for value in tuning):
         raise UserError("--slots-per-rank, --balance-interval and --balance-horizon tune --online-balance; "
                         "add --online-balance or drop them")

@@ -103,7 +103,7 @@ def apply_expert_parallel(model: MoETransformer, dims: ParallelDims,
                                                       dims.get_group("ep_inter"), table)
         elif parallel.ep > 1:
             count_group = dims.get_group("ep_etp") if parallel.etp > 1 else None
-            block.dispatcher = AllToAllDispatcher(dims.get_group("ep"), table, count_group, parallel.etp)
+            block.dispatcher = AllToAllDispatcher(dims.get_group("ep"), table, count_group)
         if parallel.etp > 1:
             block.dispatcher = ExpertTensorParallelDispatcher(block.dispatcher, dims.get_group("etp"), table)
     return table
