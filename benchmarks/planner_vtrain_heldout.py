@@ -28,32 +28,16 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
+from _heldout import THRESHOLD_PCT, print_summaries, signed_pct_errors, summary
 from _record import write_result
 
 from moetrain.planner.calibration import load_calibration
 from moetrain.planner.fit import fit_calibration, predict_rows
-from moetrain.planner.validation import PreparedRow, prepare_all, read_rows, summarize
+from moetrain.planner.validation import PreparedRow, prepare_all, read_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 HELD_OUT_CSV = ROOT / "benchmarks" / "data" / "vtrain_heldout.csv"
 CALIBRATION_FAMILY = "VTRAIN-M"
-THRESHOLD_PCT = 12.0
-
-
-def _summary(signed_pct: np.ndarray) -> dict[str, float]:
-    """``moetrain validate``'s summary (median, 90th percentile, n) plus the mean, the median signed error
-    and the rows above 12 %."""
-    errors = np.abs(signed_pct)
-    return summarize(list(errors)) | {
-        "mean_abs_pct_error": float(np.mean(errors)),
-        "median_signed_pct_error": float(np.median(signed_pct)),
-        "rows_above_12_pct": int(np.sum(errors > THRESHOLD_PCT)),
-    }
-
-
-def _signed(rows: list[PreparedRow], predicted: np.ndarray) -> np.ndarray:
-    measured = np.array([r.measured for r in rows])
-    return 100.0 * (predicted - measured) / measured
 
 
 def _layout(row: PreparedRow) -> dict[str, int]:
@@ -76,9 +60,9 @@ def main() -> None:
     family_fit = fit_calibration(others, note=f"calibration.csv without {CALIBRATION_FAMILY}")
     shipped = load_calibration()
 
-    held_family = _signed(held_out, predict_rows(held_out, family_fit))
-    held_shipped = _signed(held_out, predict_rows(held_out, shipped))
-    cv_family = _signed(in_file, predict_rows(in_file, family_fit))
+    held_family = signed_pct_errors(held_out, predict_rows(held_out, family_fit))
+    held_shipped = signed_pct_errors(held_out, predict_rows(held_out, shipped))
+    cv_family = signed_pct_errors(in_file, predict_rows(in_file, family_fit))
 
     # groups in the order they first appear (the file lists the models by size)
     by_group: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
@@ -97,10 +81,10 @@ def main() -> None:
         "held_out_file": str(HELD_OUT_CSV.relative_to(ROOT)),
         "family_held_out_fit": family_fit.global_params.as_dict() | {"per_arch": family_fit.per_arch},
         "summary": {
-            "unseen_rows_family_held_out": _summary(held_family),
-            "unseen_rows_shipped": _summary(held_shipped),
-            "calibration_rows_family_held_out": _summary(cv_family),
-            "all_109_vtrain_runs_family_held_out": _summary(np.concatenate([held_family, cv_family])),
+            "unseen_rows_family_held_out": summary(held_family),
+            "unseen_rows_shipped": summary(held_shipped),
+            "calibration_rows_family_held_out": summary(cv_family),
+            "all_109_vtrain_runs_family_held_out": summary(np.concatenate([held_family, cv_family])),
         },
         "unseen_rows_by_group_family_held_out": groups,
         "unseen_rows_above_12_pct_family_held_out": [row for row in rows
@@ -108,9 +92,7 @@ def main() -> None:
         "rows": rows,
     }
     write_result(args.out, result)
-    for name, summary in result["summary"].items():
-        print(f"{name:40s} median {summary['median_abs_pct_error']:5.1f} %  p90 {summary['p90_abs_pct_error']:5.1f} %  "
-              f"mean {summary['mean_abs_pct_error']:5.1f} %  above 12 %: {summary['rows_above_12_pct']}/{summary['n']}")
+    print_summaries(result["summary"])
 
 
 if __name__ == "__main__":

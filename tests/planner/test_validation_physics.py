@@ -134,3 +134,23 @@ def test_held_out_vtrain_rows_complement_the_calibration_file(published_rows: li
         assert int(row["num_devices"]) == int(row["tp"]) * int(row["pp"]) * int(row["dp"])
     with path.open(newline="") as f:
         assert csv.DictReader(f).fieldnames == list(published_rows[0])
+
+
+def test_dgxc_rows_are_the_stated_runs(published_rows: list[dict]) -> None:
+    """benchmarks/data/dgxc_heldout.csv: NVIDIA's DGX Cloud benchmark runs, none of them in the calibration file,
+    each value the step time its source quotes, each layout consistent with its stated gradient accumulation."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "dgxc_heldout.csv"
+    held = read_rows(path)
+    prepared, unsimulable = prepare_all(held)
+    assert unsimulable == [] and len(prepared) == 48
+    assert not {r["id"] for r in held} & {r["id"] for r in published_rows}
+    for row in held:
+        assert float(row["value"]) == float(re.search(r"training step time (\d+(?:\.\d+)?) s", row["source"]).group(1))
+        tp, pp, cp, dp = (int(row[k]) for k in ("tp", "pp", "cp", "dp"))
+        assert int(row["num_devices"]) == tp * pp * cp * dp, row["id"]
+        accumulation = int(re.search(r"GA[ =](\d+)", row["source"]).group(1))
+        assert int(row["global_batch_seqs"]) == accumulation * dp * int(row["micro_batch"]), row["id"]
+    moe = [p for p in prepared if p.workload.model.moe is not None]
+    assert len(moe) == 14 and all(int(p.strategy.ep[0]) == 8 for p in moe)
+    with path.open(newline="") as f:
+        assert csv.DictReader(f).fieldnames == list(published_rows[0])

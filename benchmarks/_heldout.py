@@ -1,0 +1,32 @@
+"""Summaries shared by the out-of-sample benchmarks (``planner_*_heldout.py``)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moetrain.planner.validation import PreparedRow, summarize
+
+THRESHOLD_PCT = 12.0
+
+
+def signed_pct_errors(rows: list[PreparedRow], predicted: np.ndarray) -> np.ndarray:
+    """100·(predicted − measured)/measured per row."""
+    measured = np.array([r.measured for r in rows])
+    return 100.0 * (predicted - measured) / measured
+
+
+def summary(signed_pct: np.ndarray) -> dict[str, float]:
+    """``moetrain validate``'s summary (median, 90th percentile, n) plus the mean, the median signed error
+    and the rows above 12 %."""
+    errors = np.abs(signed_pct)
+    return summarize(list(errors)) | {
+        "mean_abs_pct_error": float(np.mean(errors)),
+        "median_signed_pct_error": float(np.median(signed_pct)),
+        "rows_above_12_pct": int(np.sum(errors > THRESHOLD_PCT)),
+    }
+
+
+def print_summaries(summaries: dict[str, dict[str, float]]) -> None:
+    for name, s in summaries.items():
+        print(f"{name:40s} median {s['median_abs_pct_error']:5.1f} %  p90 {s['p90_abs_pct_error']:5.1f} %  "
+              f"mean {s['mean_abs_pct_error']:5.1f} %  above 12 %: {s['rows_above_12_pct']}/{s['n']}")

@@ -1,0 +1,146 @@
+"""Out-of-sample check on NVIDIA's published DGX Cloud training benchmarks (no fit has seen them).
+
+NVIDIA's DGX Cloud performance recipes (github NVIDIA/dgxc-benchmarking, commit 143b90dd) publish measured
+step times of NeMo training runs on 32 to 2,304 H100 GPUs, each with its full layout (TP, PP, VP, CP, EP,
+micro-batch, global batch). ``benchmarks/data/dgxc_heldout.csv`` holds 48 of them in the calibration schema:
+Nemotron-4 340B, Llama 3.1 70B and 405B (dense) and Grok-1 314B (MoE, 8 experts, top-2), each in BF16 and
+FP8. Each row's ``source`` names the README, its table and column, and what was filled in from the model's
+released configuration; the settings the READMEs leave out (recompute, optimizer sharding, communication
+overlap) are left empty, as ``shared/validation/README.md`` asks.
+
+The script predicts the rows with the shipped calibration, exactly as ``moetrain validate`` would, and
+reports two diagnostics that are not predictions of the model:
+
+- ``what_if_overlap_stated``: the same rows with "with DP/TP/PP comm overlap" added to their sources. The
+  READMEs do not say whether the NeMo recipes overlapped communication; this shows how much of the error
+  that unstated setting carries.
+- ``fp8_speedup``: the step-time ratio BF16/FP8 of each pair of runs that differ only in precision,
+  measured and predicted.
+
+With ``--cv-variant`` it also runs leave-one-family-out cross-validation on ``calibration.csv`` with the
+same statement added to the calibration rows whose source names NeMo or Megatron-Bridge (the MBR rows), to
+check whether pricing NVIDIA's stacks as overlapped by default would hold up on the calibration file
+(``cv_variant_nemo_overlap``; about a minute, needs scipy).
+
+Writes ``benchmarks/results/planner_dgxc_heldout.json``.
+
+    python benchmarks/planner_dgxc_heldout.py [--cv-variant] [--csv ../shared/validation/calibration.csv]
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+from _heldout import THRESHOLD_PCT, print_summaries, signed_pct_errors, summary
+from _record import write_result
+
+from moetrain.planner.calibration import load_calibration
+from moetrain.planner.fit import leave_one_family_out, predict_rows
+from moetrain.planner.validation import PreparedRow, abs_pct_errors, prepare_all, read_rows, summarize
+
+ROOT = Path(__file__).resolve().parents[1]
+HELD_OUT_CSV = ROOT / "benchmarks" / "data" / "dgxc_heldout.csv"
+OVERLAP_STATEMENT = "; with DP/TP/PP comm overlap"
+
+
+def _table(row: PreparedRow) -> str:
+    """The README table a row comes from: model and precision (DGXC-LLAMA70-FP8-512 → LLAMA70-FP8)."""
+    return row.row_id.split("-", 1)[1].rsplit("-", 1)[0]
+
+
+def _prepared(raw: list[dict]) -> list[PreparedRow]:
+    rows, unsimulable = prepare_all(raw)
+    assert not unsimulable, [u.reason for u in unsimulable]
+    return rows
+
+
+def _with_overlap_stated(raw: list[dict], source_pattern: str = "") -> list[dict]:
+    """The rows with ``OVERLAP_STATEMENT`` added to every source that ``source_pattern`` matches (all by
+    default)."""
+    return [r | {"source": r["source"] + OVERLAP_STATEMENT} if re.search(source_pattern, r["source"]) else r
+            for r in raw]
+
+
+def _cross_validated(rows: list[PreparedRow]) -> dict:
+    predicted = leave_one_family_out(rows)
+    errors = abs_pct_errors(predicted, [r.measured for r in rows])
+    return summarize(list(errors)) | {"rows_above_12_pct": int(np.sum(errors > THRESHOLD_PCT)),
+                                      "signed_pct_error": {r.row_id: float(100 * (p - r.measured) / r.measured)
+                                                           for r, p in zip(rows, predicted)}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cv-variant", action="store_true",
+                        help="also cross-validate calibration.csv with NeMo/Megatron-Bridge rows priced as overlapped")
+    parser.add_argument("--csv", default=str(ROOT.parent / "shared" / "validation" / "calibration.csv"))
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "planner_dgxc_heldout.json"))
+    args = parser.parse_args()
+
+    calibration = load_calibration()
+    raw = read_rows(HELD_OUT_CSV)
+    rows = _prepared(raw)
+    signed = signed_pct_errors(rows, predict_rows(rows, calibration))
+    stated = _prepared(_with_overlap_stated(raw))
+    signed_stated = signed_pct_errors(stated, predict_rows(stated, calibration))
+
+    moe = np.array([r.workload.model.moe is not None for r in rows])
+    by_table: dict[str, list[int]] = defaultdict(list)
+    for i, row in enumerate(rows):
+        by_table[_table(row)].append(i)
+    tables = {name: {"rows": len(index),
+                     "mean_signed_pct_error": float(np.mean(signed[index])),
+                     "what_if_overlap_stated_mean_signed_pct_error": float(np.mean(signed_stated[index]))}
+              for name, index in by_table.items()}
+
+    predicted = {r.row_id: r.measured * (1 + e / 100) for r, e in zip(rows, signed)}
+    measured = {r.row_id: r.measured for r in rows}
+    fp8_speedup = [{"bf16": row_id, "fp8": row_id.replace("-BF16-", "-FP8-"),
+                    "measured": measured[row_id] / measured[row_id.replace("-BF16-", "-FP8-")],
+                    "predicted": predicted[row_id] / predicted[row_id.replace("-BF16-", "-FP8-")]}
+                   for row_id in measured if "-BF16-" in row_id]
+
+    row_records = [{"id": r.row_id, "model": r.workload.model.name, "devices": r.num_devices,
+                    "tp": int(r.strategy.tp[0]), "pp": int(r.strategy.pp[0]), "vpp": int(r.strategy.vpp[0]),
+                    "cp": int(r.strategy.cp[0]), "ep": int(r.strategy.ep[0]), "dp": int(r.strategy.dp[0]),
+                    "recompute_inferred": float(r.strategy.recompute[0]), "measured_s": r.measured,
+                    "pct_error": float(e), "what_if_overlap_stated_pct_error": float(e2)}
+                   for r, e, e2 in zip(rows, signed, signed_stated)]
+    result = {
+        "held_out_file": str(HELD_OUT_CSV.relative_to(ROOT)),
+        "calibration": "shipped (src/moetrain/planner/calibration_default.yaml)",
+        "summary": {
+            "all_48_rows": summary(signed),
+            "dense_rows": summary(signed[~moe]),
+            "moe_rows": summary(signed[moe]),
+            "what_if_overlap_stated_all": summary(signed_stated),
+            "what_if_overlap_stated_dense": summary(signed_stated[~moe]),
+        },
+        "by_table": tables,
+        "fp8_speedup": fp8_speedup,
+        "rows_above_12_pct": [r["id"] for r in row_records if abs(r["pct_error"]) > THRESHOLD_PCT],
+        "rows": row_records,
+    }
+    if args.cv_variant:
+        published, _ = prepare_all(read_rows(args.csv))
+        variant, _ = prepare_all(_with_overlap_stated(read_rows(args.csv), r"NeMo|Megatron-Bridge"))
+        result["cv_as_modelled"] = _cross_validated(published)
+        result["cv_variant_nemo_overlap"] = _cross_validated(variant)
+    write_result(args.out, result)
+    print_summaries(result["summary"])
+    for name in ("cv_as_modelled", "cv_variant_nemo_overlap"):
+        if name in result:
+            cv = result[name]
+            print(f"{name:40s} median {cv['median_abs_pct_error']:5.1f} %  p90 {cv['p90_abs_pct_error']:5.1f} %  "
+                  f"above 12 %: {cv['rows_above_12_pct']}/{cv['n']}")
+    for name, table in tables.items():
+        print(f"{name:18s} rows {table['rows']:2d}  mean signed {table['mean_signed_pct_error']:+6.1f} %  "
+              f"(overlap stated: {table['what_if_overlap_stated_mean_signed_pct_error']:+6.1f} %)")
+
+
+if __name__ == "__main__":
+    main()
