@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from moetrain.planner.validation import PreparedRow, summarize
+from moetrain.planner.validation import PreparedRow, prepare_all, summarize
 
 THRESHOLD_PCT = 12.0
+
+
+def prepared_rows(raw: list[dict]) -> list[PreparedRow]:
+    """The rows ready to simulate; a held-out file has no row the simulator cannot take."""
+    rows, unsimulable = prepare_all(raw)
+    assert not unsimulable, [u.reason for u in unsimulable]
+    return rows
 
 
 def signed_pct_errors(rows: list[PreparedRow], predicted: np.ndarray) -> np.ndarray:

@@ -100,6 +100,11 @@ def _bench(rank: int, world_size: int, args: argparse.Namespace) -> dict:
             "stop_the_world": _run(dims, args, balance=True, defer=False)}
 
 
+def _mean_timing(run: dict, part: str) -> float:
+    """Mean over the run's migrations of one part of ``migration_timings`` (0 without migrations)."""
+    return float(np.mean([t[part] for t in run["migration_timings"]] or [0.0]))
+
+
 def _ratio(values: np.ndarray) -> np.ndarray:
     return values.max(axis=-1) / values.mean(axis=-1)
 
@@ -127,11 +132,9 @@ def _summarise(run: dict, first_migration: int | None) -> dict:
         "step_seconds_after": float(np.mean(run["step_seconds"][after])),
         "decisions": run["decisions"],
         "migration_timings": run["migration_timings"],
-        "migration_moved_seconds_mean": float(np.mean([t["moved"] for t in run["migration_timings"]] or [0.0])),
-        "migration_landed_wait_seconds_mean": float(np.mean([t["landed"] for t in run["migration_timings"]]
-                                                            or [0.0])),
-        "migration_weights_landed_wait_seconds_mean": float(np.mean(
-            [t["weights_landed"] for t in run["migration_timings"]] or [0.0])),
+        "migration_moved_seconds_mean": _mean_timing(run, "moved"),
+        "migration_landed_wait_seconds_mean": _mean_timing(run, "landed"),
+        "migration_weights_landed_wait_seconds_mean": _mean_timing(run, "weights_landed"),
     }
 
 

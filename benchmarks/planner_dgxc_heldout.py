@@ -35,7 +35,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
-from _heldout import THRESHOLD_PCT, print_summaries, signed_pct_errors, summary
+from _heldout import THRESHOLD_PCT, prepared_rows, print_summaries, signed_pct_errors, summary
 from _record import write_result
 
 from moetrain.planner.calibration import load_calibration
@@ -50,12 +50,6 @@ OVERLAP_STATEMENT = "; with DP/TP/PP comm overlap"
 def _table(row: PreparedRow) -> str:
     """The README table a row comes from: model and precision (DGXC-LLAMA70-FP8-512 → LLAMA70-FP8)."""
     return row.row_id.split("-", 1)[1].rsplit("-", 1)[0]
-
-
-def _prepared(raw: list[dict]) -> list[PreparedRow]:
-    rows, unsimulable = prepare_all(raw)
-    assert not unsimulable, [u.reason for u in unsimulable]
-    return rows
 
 
 def _with_overlap_stated(raw: list[dict], source_pattern: str = "") -> list[dict]:
@@ -80,10 +74,10 @@ def main() -> None:
 
     calibration = load_calibration()
     raw = read_rows(HELD_OUT_CSV)
-    rows = _prepared(raw)
+    rows = prepared_rows(raw)
     predicted = predict_rows(rows, calibration)
     signed = signed_pct_errors(rows, predicted)
-    stated = _prepared(_with_overlap_stated(raw))
+    stated = prepared_rows(_with_overlap_stated(raw))
     signed_stated = signed_pct_errors(stated, predict_rows(stated, calibration))
 
     moe = np.array([r.workload.model.moe is not None for r in rows])

@@ -89,3 +89,24 @@ def test_copies_hide_under_the_next_steps_compute(costs):
     expected = (rest / 3, float(costs.expert_seconds(copies, 8).max()) + rest)
     for window in (costs.overlap_window_seconds(contiguous, loads), costs.ideal_overlap_window_seconds(loads)):
         assert (window.before_experts, window.layer) == pytest.approx(expected)
+
+
+def test_replicas_pay_a_gradient_all_reduce(costs):
+    plain = ExpertPlacement.contiguous(256, 32, 9)
+    table = plain.slot_expert.reshape(32, 9).copy()
+    table[1, 8] = 0  # a replica of expert 0 on rank 1 (same node)
+    table[9, 8] = 1  # a replica of expert 1 on rank 9 (another node)
+    replicated = ExpertPlacement.from_slot_experts(256, table)
+    assert costs.replica_sync_seconds(plain) == 0.0
+    grad_bytes = moe_block_params(costs.model)[1] / 256 * 4
+    in_node = float(comm.allreduce_time(grad_bytes, 2, 2, costs.cluster))
+    across = float(comm.allreduce_time(grad_bytes, 2, 1, costs.cluster))
+    assert in_node < across
+    # rank 0 holds both experts, so it runs both all-reduces one after the other
+    assert costs.replica_sync_seconds(replicated) == pytest.approx(in_node + across)
+
+
+def test_dense_model_is_refused():
+    dense = load_model_config("tiny-pangu").model_copy(update={"moe": None, "num_dense_layers": 0})
+    with pytest.raises(UserError, match="has no MoE layers"):
+        BalanceCostModel(dense, load_cluster_config("cpu"), 4)

@@ -212,7 +212,8 @@ class OnlineExpertBalancer:
                                adaptive=self.adaptive)
         self.schedules = [LayerSchedule() for _ in self.telemetry.layers]
         self.migrations = 0
-        self._pending: PendingCopies | None = None
+        self._pending_state: PendingCopies | None = None
+        """The moved slots' optimizer-state pieces in flight (landed before the next optimizer update)."""
         self._pending_weights: dict[int, tuple[PendingCopies, object]] = {}
         """Per local MoE layer: its moved weights in flight, and the hook that lands them."""
         self.migration_timings: list[dict[str, float]] = []
@@ -419,7 +420,7 @@ class OnlineExpertBalancer:
                     param = getattr(block.experts, name)
                     bucket, shards, offset = where[id(param)]
                     items.append(ShardedSlots(moves, offset, param[0].numel(), shards, bucket.shard_size))
-            self._pending = post_sharded_moves(items, self.ep_rank, self.stage.dims.local_rank("edp"),
+            self._pending_state = post_sharded_moves(items, self.ep_rank, self.stage.dims.local_rank("edp"),
                                                self._expert_grid_rank, self.load_group)
         self.migration_timings.append({"moved": time.perf_counter() - start, "weights_landed": 0.0, "landed": 0.0})
         if not self.costs.defer_weights:  # the weights land before the next step
@@ -442,11 +443,11 @@ class OnlineExpertBalancer:
 
     @torch.no_grad()
     def _land_state(self) -> None:
-        if self._pending is not None:
+        if self._pending_state is not None:
             start = time.perf_counter()
             with span("expert_migration_state", "comm"):
-                self._pending.finish()
-            self._pending = None
+                self._pending_state.finish()
+            self._pending_state = None
             self.migration_timings[-1]["landed"] = time.perf_counter() - start
 
     @torch.no_grad()
