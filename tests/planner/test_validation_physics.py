@@ -113,6 +113,35 @@ def test_rows_read_window_overlap_and_memory(published_rows: list[dict]) -> None
     assert float(prepare_row(rows["VTRAIN-M-002"]).strategy.recompute[0]) == 2.0
 
 
+def test_torchtitan_pipeline_runs_take_torchtitan_defaults(published_rows: list[dict]) -> None:
+    rows = {r["id"]: r for r in published_rows}
+    # Interleaved 1F1B, micro-batch count unstated: two stages per rank, pp·2 = 16 micro-batches,
+    # so the local batch of 32 sequences is split into micro-batches of 2.
+    interleaved = prepare_row(rows["TT-4b"])
+    assert int(interleaved.strategy.vpp[0]) == 2 and int(interleaved.strategy.micro_batch[0]) == 2
+    # Plain 1F1B: pp = 8 micro-batches of 4.
+    # (TT-5 is a throughput row on a device without a published peak; its source states its memory.)
+    one_f_one_b = prepare_row({**rows["TT-5"], "metric": "peak_memory_gib", "value": "82.5"})
+    assert int(one_f_one_b.strategy.vpp[0]) == 1 and int(one_f_one_b.strategy.micro_batch[0]) == 4
+    # A stated micro-batch is kept, and other stacks' empty cells still read as 1.
+    assert int(prepare_row({**rows["TT-4b"], "micro_batch": "1"}).strategy.micro_batch[0]) == 1
+    assert int(prepare_row(rows["MEGH100-4"]).strategy.micro_batch[0]) == 1
+    # The 1F1B run holds its 8 micro-batches of 4 on the first stage: it needs more than the
+    # interleaved run, as measured (82.5 against 72.7 GiB).
+    memory = [evaluate(r.workload, r.strategy, Efficiency())["memory_bytes"][0] for r in (interleaved, one_f_one_b)]
+    assert memory[1] > memory[0]
+
+
+def test_stated_bf16_gradient_reduction_halves_gradient_bytes(published_rows: list[dict]) -> None:
+    row = {r["id"]: r for r in published_rows}["MEGH100-4"]
+    fp32 = prepare_row(row)
+    bf16 = prepare_row({**row, "source": row["source"] + "; gradients reduced in BF16"})
+    assert (fp32.workload.grad_bytes, bf16.workload.grad_bytes) == (4.0, 2.0)
+    out32, out16 = (evaluate(r.workload, r.strategy, Efficiency()) for r in (fp32, bf16))
+    assert out16["memory_grads"][0] == pytest.approx(out32["memory_grads"][0] / 2)
+    assert out16["dp_comm_s"][0] < out32["dp_comm_s"][0]
+
+
 def test_held_out_vtrain_rows_complement_the_calibration_file(published_rows: list[dict]) -> None:
     """benchmarks/data/vtrain_heldout.csv holds the vTrain runs the calibration file leaves out: the odd data
     rows, filled in like the VTRAIN-M rows (same model per size, same cluster), each value the stated time."""

@@ -138,9 +138,12 @@ def _norm(parts: _Parts, part: str, rows, width, storage_width, d, pre: bool, re
         parts.add(part, rows * width * d, swap or out_swap)
 
 
-def _swiglu(parts: _Parts, part: str, rows, width, d, act_recompute: bool, swap: bool) -> None:
-    """gate and up outputs; silu(gate) and the product unless the activation is recomputed."""
-    parts.add(part, rows * width * (2 if act_recompute else 4) * d, swap)
+def _mlp(parts: _Parts, part: str, rows, width, d, gated: bool, act_recompute: bool, swap: bool) -> None:
+    """Gated (SwiGLU): gate and up outputs; silu(gate) and the product unless the activation is
+    recomputed. Two-matrix MLPs (GELU, squared ReLU): the first matrix's output, which the activation
+    reads, and the activation's output, which the second matrix reads, unless recomputed."""
+    kept = (2 if act_recompute else 4) if gated else (1 if act_recompute else 2)
+    parts.add(part, rows * width * kept * d, swap)
 
 
 def activation_bytes_per_layer(
@@ -206,9 +209,10 @@ def activation_bytes_per_layer(
     # --- feed-forward block ---
     _norm(parts, "ffn_norm", t_split, h, h, d, pre=True, recompute=norm, input_kept_elsewhere=True)
     act = "activation" in opts
+    gated = model.ffn_act == "swiglu"
     ffn_out_kept = sandwich and fp32 and not norm
     if not is_moe:
-        _swiglu(parts, "ffn", t, model.dense_ffn_hidden / tp, d, act, swap=False)
+        _mlp(parts, "ffn", t, model.dense_ffn_hidden / tp, d, gated, act, swap=False)
         if ffn_out_kept:
             parts.add("ffn", t_split * h * d)
     else:
@@ -323,12 +327,13 @@ def _moe(parts: _Parts, model: ModelConfig, t_moe, tp, etp, d, opts, imbalance, 
     if not fp32 and moe.num_shared_experts == 0 and "norm" not in opts and (
             "permute" in opts or "router" in opts):
         parts.add("dispatch", t_moe * h * d)  # the MoE input, otherwise kept only as fp32 copies
-    _swiglu(parts, "experts", routed, moe.expert_ffn_hidden / np.asarray(etp, dtype=float), d,
-            "activation" in opts, swap)
+    gated = model.ffn_act == "swiglu"
+    _mlp(parts, "experts", routed, moe.expert_ffn_hidden / np.asarray(etp, dtype=float), d, gated,
+         "activation" in opts, swap)
     if fp32:
         parts.add("experts", routed * h * d, swap)  # expert output, kept by the combine's fp32 product
     if moe.num_shared_experts:
-        _swiglu(parts, "shared_expert", t_moe, moe.shared_ffn_hidden / tp, d, "activation" in opts, swap)
+        _mlp(parts, "shared_expert", t_moe, moe.shared_ffn_hidden / tp, d, gated, "activation" in opts, swap)
     if out_kept:
         parts.add("dispatch", t_moe * h * d)  # MoE output = the post-norm's fp32 input
 

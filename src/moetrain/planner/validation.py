@@ -198,10 +198,11 @@ def prepare_row(row: dict) -> PreparedRow | Unsimulable:
     source = row.get("source", "")
     # Schedules that pair one micro-batch's forward with another's backward to hide the all-to-all.
     overlap = bool(re.search(r"DualPipe|fb-overlap|EP overlap", source))
+    vpp, micro_batch = _pipeline_split(row, pp, dp, source)
     strategy = Strategies(
-        tp=np.array([tp]), sp=np.array([sp and tp > 1]), pp=np.array([pp]), vpp=np.array([_int(row, "vpp", 1)]),
+        tp=np.array([tp]), sp=np.array([sp and tp > 1]), pp=np.array([pp]), vpp=np.array([vpp]),
         ep=np.array([ep]), etp=np.array([etp]), cp=np.array([cp]), dp=np.array([dp]), zero=np.array([zero]),
-        micro_batch=np.array([_int(row, "micro_batch", 1)]),
+        micro_batch=np.array([micro_batch]),
         recompute=np.array([RECOMPUTE_NAMES.index(recompute)]), a2a=np.array([A2A_NAMES.index("flat")]),
         overlap=np.array([overlap]),
     )
@@ -219,7 +220,9 @@ def prepare_row(row: dict) -> PreparedRow | Unsimulable:
         seq_len=_int(row, "seq_len"),
         global_batch=_int(row, "global_batch_seqs"),
         precision=precision,
-        grad_bytes=2.0 if precision == "fp16" else 4.0,
+        # fp16 stacks reduce fp16 gradients; later ones accumulate and reduce them in fp32 unless the
+        # source says otherwise (NeMo's performance recipes set grad_reduce_in_fp32 = False).
+        grad_bytes=2.0 if precision == "fp16" or re.search(r"gradients reduced in BF16", source) else 4.0,
         # fp16 marks the pre-2022 stacks (Megatron 2021, Megatron-DeepSpeed, OPT) that materialised the
         # attention scores and reduced gradients after the backward; later stacks fuse attention (flash)
         # and overlap the data-parallel and tensor-parallel traffic with compute.
@@ -241,6 +244,25 @@ def prepare_row(row: dict) -> PreparedRow | Unsimulable:
         strategy = _lightest_recompute_that_fits(workload, strategy)
     return PreparedRow(row_id, family, metric, float(row["value"]), workload, strategy, num_devices,
                        (row.get("flops_convention") or "").strip())
+
+
+def _pipeline_split(row: dict, pp: int, dp: int, source: str) -> tuple[int, int]:
+    """Virtual stages per rank and micro-batch size, as the row states them (empty: 1 and 1), except for
+    torchtitan pipeline runs that leave them unstated, which ran with torchtitan's defaults: two stages
+    per rank for a multi-stage (interleaved) schedule, and as many micro-batches as pipeline stages in
+    all, pp·stages per rank (torchtitan ``build_pipeline_schedule`` and ``generate_split_points``, late
+    2024: "the default value will be the number of pipeline stages"). The local batch per data-parallel
+    rank is split into those micro-batches."""
+    vpp = _int(row, "vpp")
+    micro_batch = _int(row, "micro_batch")
+    if "torchtitan" in source and pp > 1:
+        if vpp is None and re.search(r"[Ii]nterleaved", source):
+            vpp = 2
+        local_batch = _int(row, "global_batch_seqs") // dp
+        num_micro = pp * (vpp or 1)
+        if micro_batch is None and local_batch % num_micro == 0:
+            micro_batch = local_batch // num_micro
+    return vpp or 1, micro_batch or 1
 
 
 def _lightest_recompute_that_fits(workload: Workload, strategy: Strategies) -> Strategies:
