@@ -18,7 +18,8 @@ the stack overlaps ("with DP/TP/PP comm overlap", "AsyncTP"), and GPT-OSS's alte
 layers. A row without a recompute cell gets the least recomputation that fits its device's memory
 (``_lightest_recompute_that_fits``): the run ran, so it fit. FP8 rows store their linear layers' inputs
 in FP8 unless the source names torchao; GPT-3-style models (learned absolute positions) and rows naming
-ALiBi have no rotary pass.
+ALiBi have no rotary pass. A source stating "gradients reduced in BF16" prices 2 B gradients. torchtitan
+pipeline rows that leave the micro-batches unstated take torchtitan's defaults (``_pipeline_split``).
 """
 
 from __future__ import annotations
