@@ -58,7 +58,7 @@ def _table(row: PreparedRow) -> str:
     return row.row_id.split("-", 1)[1].rsplit("-", 1)[0]
 
 
-def _with_overlap_stated(raw: list[dict], source_pattern: str = "", statement: str = OVERLAP_STATEMENT) -> list[dict]:
+def _with_statement(raw: list[dict], source_pattern: str = "", statement: str = OVERLAP_STATEMENT) -> list[dict]:
     """The rows with ``statement`` added to every source that ``source_pattern`` matches (all by default)."""
     return [r | {"source": r["source"] + statement} if re.search(source_pattern, r["source"]) else r for r in raw]
 
@@ -81,9 +81,9 @@ def main() -> None:
     rows = prepared_rows(raw)
     predicted = predict_rows(rows, calibration)
     signed = signed_pct_errors(rows, predicted)
-    stated = prepared_rows(_with_overlap_stated(raw))
+    stated = prepared_rows(_with_statement(raw))
     signed_stated = signed_pct_errors(stated, predict_rows(stated, calibration))
-    performance = prepared_rows(_with_overlap_stated(raw, statement=PERFORMANCE_MODE_STATEMENT))
+    performance = prepared_rows(_with_statement(raw, statement=PERFORMANCE_MODE_STATEMENT))
     signed_performance = signed_pct_errors(performance, predict_rows(performance, calibration))
 
     moe = np.array([r.workload.model.moe is not None for r in rows])
@@ -130,7 +130,7 @@ def main() -> None:
     }
     if args.cv_variant:
         published, _ = prepare_all(read_rows(args.csv))
-        variant, _ = prepare_all(_with_overlap_stated(read_rows(args.csv), r"NeMo|Megatron-Bridge"))
+        variant, _ = prepare_all(_with_statement(read_rows(args.csv), r"NeMo|Megatron-Bridge"))
         result["cv_as_modelled"] = _cross_validated(published)
         result["cv_variant_nemo_overlap"] = _cross_validated(variant)
     write_result(args.out, result)

@@ -185,6 +185,11 @@ class ModelConfig(_Strict):
     tie_embeddings: bool = False
 
     @property
+    def gated_ffn(self) -> bool:
+        """A gate matrix beside up and down (swiglu); gelu and relu2 have up and down only."""
+        return self.ffn_act == "swiglu"
+
+    @property
     def num_moe_layers(self) -> int:
         return 0 if self.moe is None else self.num_layers - self.num_dense_layers
 

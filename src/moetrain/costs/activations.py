@@ -209,10 +209,9 @@ def activation_bytes_per_layer(
     # --- feed-forward block ---
     _norm(parts, "ffn_norm", t_split, h, h, d, pre=True, recompute=norm, input_kept_elsewhere=True)
     act = "activation" in opts
-    gated = model.ffn_act == "swiglu"
     ffn_out_kept = sandwich and fp32 and not norm
     if not is_moe:
-        _mlp(parts, "ffn", t, model.dense_ffn_hidden / tp, d, gated, act, swap=False)
+        _mlp(parts, "ffn", t, model.dense_ffn_hidden / tp, d, model.gated_ffn, act, swap=False)
         if ffn_out_kept:
             parts.add("ffn", t_split * h * d)
     else:
@@ -327,13 +326,13 @@ def _moe(parts: _Parts, model: ModelConfig, t_moe, tp, etp, d, opts, imbalance, 
     if not fp32 and moe.num_shared_experts == 0 and "norm" not in opts and (
             "permute" in opts or "router" in opts):
         parts.add("dispatch", t_moe * h * d)  # the MoE input, otherwise kept only as fp32 copies
-    gated = model.ffn_act == "swiglu"
-    _mlp(parts, "experts", routed, moe.expert_ffn_hidden / np.asarray(etp, dtype=float), d, gated,
+    _mlp(parts, "experts", routed, moe.expert_ffn_hidden / np.asarray(etp, dtype=float), d, model.gated_ffn,
          "activation" in opts, swap)
     if fp32:
         parts.add("experts", routed * h * d, swap)  # expert output, kept by the combine's fp32 product
     if moe.num_shared_experts:
-        _mlp(parts, "shared_expert", t_moe, moe.shared_ffn_hidden / tp, d, gated, "activation" in opts, swap)
+        _mlp(parts, "shared_expert", t_moe, moe.shared_ffn_hidden / tp, d, model.gated_ffn, "activation" in opts,
+             swap)
     if out_kept:
         parts.add("dispatch", t_moe * h * d)  # MoE output = the post-norm's fp32 input
 

@@ -42,7 +42,7 @@ def swiglu_params(hidden: int, ffn_hidden: int) -> int:
 
 def mlp_params(model: ModelConfig, ffn_hidden: int) -> int:
     """One MLP of width ``ffn_hidden`` in the model's structure: 3 matrices for swiglu, 2 for gelu/relu2."""
-    if model.ffn_act == "swiglu":
+    if model.gated_ffn:
         return swiglu_params(model.hidden_size, ffn_hidden)
     return 2 * model.hidden_size * ffn_hidden
 

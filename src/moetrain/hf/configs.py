@@ -232,7 +232,7 @@ def hf_family_for(cfg: ModelConfig) -> str:
     if cfg.norm_style != "pre":
         raise UserError(f"model {cfg.name}: norm_style={cfg.norm_style!r} has no Hugging Face family here; "
                         "only pre-norm models can be exported")
-    if cfg.ffn_act != "swiglu":
+    if not cfg.gated_ffn:
         raise UserError(f"model {cfg.name}: ffn_act={cfg.ffn_act!r} cannot be exported; only swiglu")
     if cfg.moe is None:
         raise UserError(f"model {cfg.name}: dense models (no moe section) cannot be exported to an MoE family")

@@ -84,7 +84,7 @@ def memory_time(num_bytes, cluster: ClusterConfig, efficiency: Efficiency | None
 
 def mlp_matrix_count(model: ModelConfig) -> int:
     """Weight matrices (GEMM calls) per MLP: gate, up, down for swiglu; up, down otherwise."""
-    return 3 if model.ffn_act == "swiglu" else 2
+    return 3 if model.gated_ffn else 2
 
 
 def expert_compute_time(

@@ -265,7 +265,7 @@ def _layer_costs(w: Workload, s: Strategies, eff: Efficiency, moe_layer: bool, n
     else:
         ffn_width = model.dense_ffn_hidden
         ffn = gemm_time(2.0 * mlp_params(model, ffn_width) * t_att / tp, mlp_matrix_count(model), cluster, eff, prec)
-        elementwise = elementwise + (3 if model.ffn_act == "swiglu" else 2) * ffn_width * t_att / tp * act
+        elementwise = elementwise + (3 if model.gated_ffn else 2) * ffn_width * t_att / tp * act
         parts["dense_ffn"] = ffn
     # Non-GEMM kernels per layer pass (norms, residual adds, rope, activation, softmax; router top-k and
     # permutes in MoE layers): each pays the launch cost too, which dominates small models.

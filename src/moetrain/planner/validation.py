@@ -259,8 +259,7 @@ def _pipeline_split(row: dict, pp: int, dp: int, source: str) -> tuple[int, int]
     if "torchtitan" in source and pp > 1:
         if vpp is None and re.search(r"[Ii]nterleaved", source):
             vpp = 2
-        local_batch = _int(row, "global_batch_seqs") // dp
-        num_micro = pp * (vpp or 1)
+        local_batch, num_micro = _int(row, "global_batch_seqs") // dp, pp * (vpp or 1)
         if micro_batch is None and local_batch % num_micro == 0:
             micro_batch = local_batch // num_micro
     return vpp or 1, micro_batch or 1
