@@ -40,9 +40,11 @@ _ARCH_OF_DEVICE: dict[str, str] = {
 }
 
 # Parameters that may take a per-architecture value; the others are global by construction. Only the GEMM
-# efficiency is fitted per architecture: fused attention is fitted once (relative to each part's dense
-# peak), because a per-architecture attention value is identified by one or two source families only
-# and did not predict held-out families better (docs/planner.md, cross-validation).
+# efficiency is fitted per architecture. Fused attention and the element-wise memory efficiency are fitted
+# once (relative to each part's peak): per architecture they are identified by one or two source families
+# only, and on Blackwell the fit traded them against the GEMM efficiency (gemm_max at its bound, attention
+# or memory at 13-15 %) for at most 1.3 points of cross-validated 90th percentile (docs/planner.md, "Fit
+# variants"; benchmarks/planner_fit_variants.py).
 PER_ARCH_PARAMS: tuple[str, ...] = ("gemm_max",)
 
 # Parameters the fit on published runs leaves at their default (a profile or a user's file may still set

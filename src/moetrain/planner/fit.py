@@ -77,9 +77,9 @@ def predict_rows(rows: list[PreparedRow], calibration: Calibration) -> np.ndarra
     return predicted
 
 
-def _layout(rows: list[PreparedRow]) -> tuple[list[str], list[tuple[str, str]]]:
+def _layout(rows: list[PreparedRow], per_arch_params: tuple[str, ...]) -> tuple[list[str], list[tuple[str, str]]]:
     counts = Counter(arch_of(r.workload.cluster.device) for r in rows if r.metric != "peak_memory_gib")
-    per_arch = [(arch, p) for arch, n in sorted(counts.items()) if n >= MIN_ROWS_PER_ARCH for p in PER_ARCH_PARAMS]
+    per_arch = [(arch, p) for arch, n in sorted(counts.items()) if n >= MIN_ROWS_PER_ARCH for p in per_arch_params]
     # A parameter fitted per architecture is not fitted again globally: its global value (what an
     # architecture without data uses) is the geometric mean over the fitted architectures.
     derived = {p for _, p in per_arch}
@@ -98,8 +98,15 @@ def _unpack(x: np.ndarray, glob: list[str], per_arch: list[tuple[str, str]], not
     return Calibration(replace(Efficiency(), **values), dict(arch), note)
 
 
-def fit_calibration(rows: list[PreparedRow], note: str = "") -> Calibration:
-    """Least-squares fit of the efficiency parameters on ``rows`` (speed rows only)."""
+def fit_calibration(rows: list[PreparedRow], note: str = "", *, per_arch_params: tuple[str, ...] = PER_ARCH_PARAMS,
+                    family_weight_power: float = 0.0) -> Calibration:
+    """Least-squares fit of the efficiency parameters on ``rows`` (speed rows only).
+
+    The two options are variants the shipped fit does not use (docs/planner.md, "Fit variants"):
+    ``per_arch_params`` names the parameters fitted per architecture; ``family_weight_power`` p weighs
+    each row's squared log-ratio by n^−p, n being the number of speed rows of its family (0: every row
+    counts the same, as shipped; 1: every family counts the same).
+    """
     try:
         from scipy.optimize import least_squares
     except ImportError as exc:  # scipy is needed only to refit, not to simulate
@@ -107,17 +114,20 @@ def fit_calibration(rows: list[PreparedRow], note: str = "") -> Calibration:
     speed_rows = [r for r in rows if r.metric != "peak_memory_gib"]
     if not speed_rows:
         raise UserError("no speed rows to fit on (memory rows do not constrain efficiencies)")
-    glob, per_arch = _layout(speed_rows)
+    glob, per_arch = _layout(speed_rows, per_arch_params)
     prior = default_calibration().global_params
     x0 = np.array([getattr(prior, p) for p in glob] + [getattr(prior, p) for _, p in per_arch])
     lower = np.array([BOUNDS[p][0] for p in glob] + [BOUNDS[p][0] for _, p in per_arch])
     upper = np.array([BOUNDS[p][1] for p in glob] + [BOUNDS[p][1] for _, p in per_arch])
     scale = np.maximum(np.abs(x0), upper * 0.05)
     measured = np.array([r.measured for r in speed_rows])
+    family_rows = Counter(r.family for r in speed_rows)
+    weights = np.array([family_rows[r.family] ** (-family_weight_power / 2) for r in speed_rows])
+    weights = weights / np.sqrt(np.mean(weights**2))  # the prior keeps its pull relative to the data
 
     def residuals(x: np.ndarray) -> np.ndarray:
         predicted = predict_rows(speed_rows, _unpack(x, glob, per_arch, ""))
-        fit_term = np.log(np.maximum(predicted, 1e-12) / measured)
+        fit_term = weights * np.log(np.maximum(predicted, 1e-12) / measured)
         return np.concatenate([fit_term, PRIOR_WEIGHT * (x - x0) / scale])
 
     result = least_squares(residuals, np.clip(x0, lower, upper), bounds=(lower, upper), x_scale=scale,
@@ -125,14 +135,15 @@ def fit_calibration(rows: list[PreparedRow], note: str = "") -> Calibration:
     return _unpack(result.x, glob, per_arch, note)
 
 
-def leave_one_family_out(rows: list[PreparedRow]) -> np.ndarray:
-    """Predict each row with parameters fitted on every *other* family (memory rows need no fit)."""
+def leave_one_family_out(rows: list[PreparedRow], **fit_options) -> np.ndarray:
+    """Predict each row with parameters fitted on every *other* family (memory rows need no fit);
+    ``fit_options`` go to ``fit_calibration``."""
     predicted = np.empty(len(rows))
     families = sorted({r.family for r in rows})
     for family in families:
         held = [i for i, r in enumerate(rows) if r.family == family]
         train = [r for r in rows if r.family != family]
-        calibration = fit_calibration(train) if any(r.metric != "peak_memory_gib" for r in train) else (
+        calibration = fit_calibration(train, **fit_options) if any(r.metric != "peak_memory_gib" for r in train) else (
             default_calibration())
         values = predict_rows([rows[i] for i in held], calibration)
         predicted[held] = values

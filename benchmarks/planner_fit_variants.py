@@ -1,0 +1,83 @@
+"""Leave-one-family-out cross-validation of fit variants the shipped calibration does not use.
+
+Each variant refits the efficiencies (``moetrain.planner.fit.fit_calibration`` options) and is scored
+exactly as ``moetrain validate ../shared/validation/calibration.csv --cv`` scores the shipped model:
+
+- ``shipped``: one weight per row, ``gemm_max`` per architecture (what the shipped file uses);
+- ``family_weight_0.5``, ``family_weight_1``: each row's squared log-ratio weighed by n^-p, n the speed
+  rows of its family (p = 1: every family counts the same, so the 54 vTrain rows stop setting the level);
+- ``per_arch_memory``, ``per_arch_attention``, ``per_arch_memory_attention``: the element-wise
+  memory efficiency and/or the fused-attention efficiency fitted per architecture as well.
+
+It also fits each variant on all rows, to show the parameter values it settles on. Writes
+benchmarks/results/planner_fit_variants.json (about 5 minutes on 2 cores).
+
+    python benchmarks/planner_fit_variants.py [--csv ../shared/validation/calibration.csv] [--workers 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+from _record import write_result
+
+from moetrain.planner import fit
+from moetrain.planner.validation import abs_pct_errors, prepare_all, read_rows, summarize
+
+ROOT = Path(__file__).resolve().parents[1]
+VARIANTS: dict[str, dict] = {
+    "shipped": {},
+    "family_weight_0.5": {"family_weight_power": 0.5},
+    "family_weight_1": {"family_weight_power": 1.0},
+    "per_arch_memory": {"per_arch_params": ("gemm_max", "memory")},
+    "per_arch_attention": {"per_arch_params": ("gemm_max", "attention")},
+    "per_arch_memory_attention": {"per_arch_params": ("gemm_max", "memory", "attention")},
+}
+
+
+def score(csv: str, name: str) -> dict:
+    rows, _ = prepare_all(read_rows(csv))
+    options = VARIANTS[name]
+    measured = np.array([r.measured for r in rows])
+    predicted = fit.leave_one_family_out(rows, **options)
+    errors = abs_pct_errors(predicted, measured)
+    signed = (predicted / measured - 1.0) * 100.0
+    families = {}
+    for family in sorted({r.family for r in rows}):
+        index = [i for i, r in enumerate(rows) if r.family == family]
+        families[family] = {k: round(v, 1) for k, v in summarize(list(errors[index])).items()}
+    everything = fit.fit_calibration(rows, **options)
+    return {
+        "variant": name,
+        "options": {k: list(v) if isinstance(v, tuple) else v for k, v in options.items()},
+        "cross_validated": {**{k: round(v, 2) for k, v in summarize(list(errors)).items()},
+                            "rows_above_12_pct": int((errors > 12).sum())},
+        "families": families,
+        "worst_rows": [{"id": rows[i].row_id, "signed_pct_error": round(float(signed[i]), 1)}
+                       for i in np.argsort(-errors)[:12]],
+        "free_parameters": everything.free_parameter_count,
+        "fit_on_all_rows": everything.to_dict(),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    default_csv = next((p for p in (ROOT.parent / "shared/validation/calibration.csv",
+                                    ROOT / "shared/validation/calibration.csv") if p.is_file()), None)
+    parser.add_argument("--csv", type=Path, default=default_csv)
+    parser.add_argument("--workers", type=int, default=2)
+    args = parser.parse_args()
+    with ProcessPoolExecutor(max_workers=args.workers) as pool:
+        results = list(pool.map(score, [str(args.csv)] * len(VARIANTS), list(VARIANTS)))
+    for r in results:
+        cv = r["cross_validated"]
+        print(f"{r['variant']:28s} {r['free_parameters']:2d} parameters   median {cv['median_abs_pct_error']:5.2f} %"
+              f"   90th percentile {cv['p90_abs_pct_error']:5.2f} %   above 12 %: {cv['rows_above_12_pct']}")
+    write_result(ROOT / "benchmarks/results/planner_fit_variants.json", {"variants": results})
+
+
+if __name__ == "__main__":
+    main()

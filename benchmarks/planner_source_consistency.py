@@ -1,0 +1,136 @@
+"""Do two published sources agree on the same training run? A floor for any one set of efficiencies.
+
+Finds rows of different families in shared/validation/calibration.csv that describe the same workload
+(same hardware, model shape, sequence length, global batch, device count, TP, PP and CP; the vocabulary
+and micro-batch may differ) and puts each measurement on one scale: hardware TFLOP/s per device, with
+this project's FLOP count (``moetrain.costs.flops`` times the recompute factor the simulator uses for the
+row), so that a step-time row and a TFLOP/s row of the same run are compared directly. No efficiency
+enters: the hardware factor depends on the recompute level alone.
+
+When two sources measure the same workload 10 % apart, a model with one efficiency per hardware and
+operation class predicts at least one of them about 5 % off, and under leave-one-family-out
+cross-validation the held-out source inherits the whole gap.
+
+    python benchmarks/planner_source_consistency.py [--csv ../shared/validation/calibration.csv]
+        [--also benchmarks/data/vtrain_heldout.csv benchmarks/data/dgxc_heldout.csv]
+
+``--also`` adds rows of the same schema from other files (the held-out vTrain and DGX Cloud runs by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+from pathlib import Path
+
+from _record import write_result
+
+from moetrain.costs.flops import training_flops_per_token
+from moetrain.planner.calibration import load_calibration
+from moetrain.planner.validation import PreparedRow, predict, prepare_all, read_rows
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPE_COLUMNS = ("hardware", "precision", "layers", "hidden", "ffn_hidden", "heads", "num_experts", "topk",
+                 "seq_len", "global_batch_seqs", "num_devices", "tp", "pp", "cp")
+
+
+def source_of(family: str) -> str:
+    """The publication a family comes from: the calibration file's and the held-out vTrain rows are one."""
+    return "vTrain" if family.startswith("VTRAIN") else family
+
+
+def hardware_tflops_per_device(row: PreparedRow) -> float:
+    """The row's measurement as hardware TFLOP/s per device, on this project's FLOP count."""
+    _, out = predict(row, load_calibration())  # only the recompute factor is used: no efficiency enters
+    w = row.workload
+    tokens = w.global_batch * w.seq_len
+    model_flops = training_flops_per_token(w.model, w.seq_len) * tokens
+    hardware_flops = model_flops * out["hardware_flops_factor"]
+    if row.metric == "step_time_s":
+        return hardware_flops / row.measured / row.num_devices / 1e12
+    if row.metric == "tokens_per_s_per_device":
+        return hardware_flops / (tokens / row.measured / row.num_devices) / row.num_devices / 1e12
+    if row.metric == "tflops_per_device":
+        # A ``model`` row counts no recompute; a ``hardware`` row counts it as this project does.
+        return row.measured * (out["hardware_flops_factor"] if row.flops_convention == "model" else 1.0)
+    if row.metric == "mfu":
+        peak = w.cluster.peak_flops("bf16") / 1e12
+        return row.measured * peak * (out["hardware_flops_factor"] if row.flops_convention == "model" else 1.0)
+    raise ValueError(row.metric)
+
+
+def workload_without_pipeline(members: list[PreparedRow]) -> bool:
+    """Several micro-batches of one layout with PP 1: no bubble, so only the GEMM shapes change."""
+    return (len({int(r.strategy.micro_batch[0]) for r in members}) >= 3
+            and all(int(r.strategy.pp[0]) == 1 for r in members))
+
+
+def _micro_batch_spread(members: list[PreparedRow]) -> dict:
+    """Spread (max/min − 1) of the measured and of the predicted step times over the micro-batches."""
+    members = sorted(members, key=lambda r: int(r.strategy.micro_batch[0]))
+    measured = [hardware_tflops_per_device(r) for r in members]
+    calibration = load_calibration()
+    predicted = [predict(r, calibration)[0] for r in members]
+    # The rows share one metric (one source), so the spread of the predicted metric is comparable.
+    measured_metric = [r.measured for r in members]
+    return {"ids": [r.row_id for r in members], "micro_batches": [int(r.strategy.micro_batch[0]) for r in members],
+            "hardware_tflops_per_device": [round(v, 1) for v in measured],
+            "measured_spread_pct": round(100 * (max(measured_metric) / min(measured_metric) - 1), 1),
+            "predicted_spread_pct": round(100 * (max(predicted) / min(predicted) - 1), 1)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    default_csv = next((p for p in (ROOT.parent / "shared/validation/calibration.csv",
+                                    ROOT / "shared/validation/calibration.csv") if p.is_file()), None)
+    parser.add_argument("--csv", type=Path, default=default_csv)
+    held_out = [ROOT / "benchmarks/data/vtrain_heldout.csv", ROOT / "benchmarks/data/dgxc_heldout.csv"]
+    parser.add_argument("--also", type=Path, nargs="*", default=held_out)
+    args = parser.parse_args()
+    raw = {r["id"]: r for path in [args.csv, *args.also] for r in read_rows(path)}
+    rows, _ = prepare_all(list(raw.values()))
+    groups: dict[tuple, list[PreparedRow]] = defaultdict(list)
+    for row in rows:
+        if row.metric != "peak_memory_gib":
+            groups[tuple(raw[row.row_id][c] for c in SHAPE_COLUMNS)].append(row)
+    result, within = [], []
+    for key, members in groups.items():
+        by_source: dict[str, list[float]] = defaultdict(list)
+        entries = []
+        for r in members:
+            value = round(hardware_tflops_per_device(r), 1)
+            by_source[source_of(r.family)].append(value)
+            entries.append({"id": r.row_id, "source": source_of(r.family),
+                            "micro_batch": int(r.strategy.micro_batch[0]), "vocab": r.workload.model.vocab_size,
+                            "hardware_tflops_per_device": value})
+        if len(by_source) < 2:
+            if workload_without_pipeline(members):
+                within.append(_micro_batch_spread(members))
+            continue
+        ranges = {src: (min(v), max(v)) for src, v in sorted(by_source.items())}
+        # The least the sources disagree by: the gap between their ranges over the micro-batches they
+        # measured (0 when the ranges overlap), relative to the lower one.
+        lows, highs = [lo for lo, _ in ranges.values()], [hi for _, hi in ranges.values()]
+        gap = max(0.0, max(lows) / min(highs) - 1.0)
+        workload = dict(zip(SHAPE_COLUMNS, key))
+        result.append({"workload": workload, "rows": entries,
+                       "tflops_range_by_source": {k: list(v) for k, v in ranges.items()},
+                       "least_disagreement_pct": round(100 * gap, 1)})
+        print(f"{workload['layers']} layers × {workload['hidden']}, {workload['num_devices']} × "
+              f"{workload['hardware']}, TP {workload['tp']} PP {workload['pp']}, batch "
+              f"{workload['global_batch_seqs']}: " + ", ".join(
+                  f"{src} {lo:.1f}" + (f"-{hi:.1f}" if hi > lo else "") for src, (lo, hi) in ranges.items())
+              + f" TFLOP/s per device (at least {100 * gap:.1f} % apart)")
+        for e in entries:
+            print(f"    {e['id']:14s} micro-batch {e['micro_batch']:3d}  {e['hardware_tflops_per_device']:6.1f}")
+    print("One source, one layout without pipeline parallelism (no bubble), several micro-batches:")
+    for w in within:
+        print(f"    {', '.join(w['ids'])}\n        micro-batches {w['micro_batches']}: hardware TFLOP/s per device "
+              f"{w['hardware_tflops_per_device']}; spread measured {w['measured_spread_pct']:.1f} %, "
+              f"predicted {w['predicted_spread_pct']:.1f} %")
+    write_result(ROOT / "benchmarks/results/planner_source_consistency.json",
+                 {"same_workload_groups": result, "one_source_micro_batch_spread": within})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""The efficiency fit: row weights by family, and parameters fitted per architecture."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from moetrain.planner.fit import fit_calibration, predict_rows
+from moetrain.planner.validation import PreparedRow, prepare_row
+
+
+def _copies(published_rows: list[dict], row_id: str, family: str, values: list[float]) -> list[PreparedRow]:
+    row = prepare_row(next(r for r in published_rows if r["id"] == row_id))
+    assert isinstance(row, PreparedRow)
+    return [replace(row, row_id=f"{family}-{i}", family=family, measured=v) for i, v in enumerate(values)]
+
+
+@pytest.mark.parametrize(("power", "expected_log"), [
+    # Every row counts the same: the fit lands on the mean log over the four rows.
+    (0.0, (3 * math.log(0.40) + math.log(0.50)) / 4),
+    # Every family counts the same: the mean log over the two families.
+    (1.0, (math.log(0.40) + math.log(0.50)) / 2),
+], ids=["each_row_counts_once", "each_family_counts_once"])
+def test_family_weights_decide_where_disagreeing_sources_meet(published_rows: list[dict], power: float,
+                                                              expected_log: float) -> None:
+    # Two sources measure the same run: three rows of one family at MFU 0.40, one row of another at 0.50.
+    rows = _copies(published_rows, "MPT-6", "A", [0.40, 0.40, 0.40]) + _copies(published_rows, "MPT-6", "B", [0.50])
+    calibration = fit_calibration(rows, family_weight_power=power)
+    predicted = predict_rows(rows[:1], calibration)[0]
+    # The weak pull towards the prior moves the optimum by far less than the 5.6 % between the answers.
+    assert math.log(predicted) == pytest.approx(expected_log, abs=0.01)
+
+
+def test_per_architecture_parameters_are_fitted_per_architecture(published_rows: list[dict]) -> None:
+    ampere = _copies(published_rows, "MPT-6", "A", [0.60, 0.62, 0.64, 0.66])
+    hopper = _copies(published_rows, "MPT-7", "H", [0.44, 0.45, 0.46, 0.47])
+    shipped_layout = fit_calibration(ampere + hopper)
+    with_memory = fit_calibration(ampere + hopper, per_arch_params=("gemm_max", "memory"))
+    assert set(shipped_layout.per_arch) == set(with_memory.per_arch) == {"ampere", "hopper"}
+    assert all(set(v) == {"gemm_max"} for v in shipped_layout.per_arch.values())
+    assert all(set(v) == {"gemm_max", "memory"} for v in with_memory.per_arch.values())
+    # Two per-architecture values replace one global value: one more free parameter.
+    assert with_memory.free_parameter_count == shipped_layout.free_parameter_count + 1
+    # The global value is the geometric mean of the per-architecture ones (what an unseen architecture uses).
+    fitted = [v["memory"] for v in with_memory.per_arch.values()]
+    assert with_memory.global_params.memory == pytest.approx(math.sqrt(fitted[0] * fitted[1]))
