@@ -1,15 +1,16 @@
 """Do two published sources agree on the same training run? A floor for any one set of efficiencies.
 
-Finds rows of different families in shared/validation/calibration.csv that describe the same workload
-(same hardware, model shape, sequence length, global batch, device count, TP, PP and CP; the vocabulary
-and micro-batch may differ) and puts each measurement on one scale: hardware TFLOP/s per device, with
-this project's FLOP count (``moetrain.costs.flops`` times the recompute factor the simulator uses for the
-row), so that a step-time row and a TFLOP/s row of the same run are compared directly. No efficiency
-enters: the hardware factor depends on the recompute level alone.
+Finds rows of different sources (shared/validation/calibration.csv and the held-out files) that describe
+the same workload (same hardware, precision, model shape, sequence length, global batch, device count, TP,
+PP and CP; the vocabulary and micro-batch may differ) and puts each measurement on one scale: hardware
+TFLOP/s per device, with this project's FLOP count (``moetrain.costs.flops`` times the recompute factor the
+simulator uses for the row), so that a step-time row and a TFLOP/s row of the same run are compared
+directly. No efficiency enters: the hardware factor depends on the recompute level alone.
 
-When two sources measure the same workload 10 % apart, a model with one efficiency per hardware and
-operation class predicts at least one of them about 5 % off, and under leave-one-family-out
-cross-validation the held-out source inherits the whole gap.
+When two sources measure the same workload g apart, a model with one efficiency per hardware and
+operation class is at least about g/2 off on one of them, and under leave-one-family-out
+cross-validation the held-out source carries the whole gap. The script also lists, within one source,
+layouts without a pipeline measured at several micro-batches, with the measured and predicted spread.
 
     python benchmarks/planner_source_consistency.py [--csv ../shared/validation/calibration.csv]
         [--also benchmarks/data/vtrain_heldout.csv benchmarks/data/dgxc_heldout.csv]
@@ -66,7 +67,7 @@ def workload_without_pipeline(members: list[PreparedRow]) -> bool:
 
 
 def _micro_batch_spread(members: list[PreparedRow]) -> dict:
-    """Spread (max/min − 1) of the measured and of the predicted step times over the micro-batches."""
+    """Spread (max/min − 1) over the micro-batches of the measured and of the predicted metric."""
     members = sorted(members, key=lambda r: int(r.strategy.micro_batch[0]))
     measured = [hardware_tflops_per_device(r) for r in members]
     calibration = load_calibration()
