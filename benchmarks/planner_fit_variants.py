@@ -10,7 +10,7 @@ exactly as ``moetrain validate ../shared/validation/calibration.csv --cv`` score
   memory efficiency and/or the fused-attention efficiency fitted per architecture as well.
 
 It also fits each variant on all rows, to show the parameter values it settles on. Writes
-benchmarks/results/planner_fit_variants.json (about 5 minutes on 2 cores).
+benchmarks/results/planner_fit_variants.json (7.5 minutes on 2 cores).
 
     python benchmarks/planner_fit_variants.py [--csv ../shared/validation/calibration.csv] [--workers 2]
 """
