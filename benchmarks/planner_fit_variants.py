@@ -22,10 +22,11 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
+from _heldout import THRESHOLD_PCT, signed_pct_errors
 from _record import write_result
 
 from moetrain.planner import fit
-from moetrain.planner.validation import abs_pct_errors, prepare_all, read_rows, summarize
+from moetrain.planner.validation import prepare_all, read_rows, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS: dict[str, dict] = {
@@ -41,10 +42,9 @@ VARIANTS: dict[str, dict] = {
 def score(csv: str, name: str) -> dict:
     rows, _ = prepare_all(read_rows(csv))
     options = VARIANTS[name]
-    measured = np.array([r.measured for r in rows])
     predicted = fit.leave_one_family_out(rows, **options)
-    errors = abs_pct_errors(predicted, measured)
-    signed = (predicted / measured - 1.0) * 100.0
+    signed = signed_pct_errors(rows, predicted)
+    errors = np.abs(signed)
     families = {}
     for family in sorted({r.family for r in rows}):
         index = [i for i, r in enumerate(rows) if r.family == family]
@@ -54,7 +54,7 @@ def score(csv: str, name: str) -> dict:
         "variant": name,
         "options": {k: list(v) if isinstance(v, tuple) else v for k, v in options.items()},
         "cross_validated": {**{k: round(v, 2) for k, v in summarize(list(errors)).items()},
-                            "rows_above_12_pct": int((errors > 12).sum())},
+                            "rows_above_12_pct": int((errors > THRESHOLD_PCT).sum())},
         "families": families,
         "worst_rows": [{"id": rows[i].row_id, "signed_pct_error": round(float(signed[i]), 1)}
                        for i in np.argsort(-errors)[:12]],

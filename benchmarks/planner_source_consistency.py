@@ -27,7 +27,7 @@ from pathlib import Path
 from _record import write_result
 
 from moetrain.costs.flops import training_flops_per_token
-from moetrain.planner.calibration import load_calibration
+from moetrain.planner.calibration import Calibration, load_calibration
 from moetrain.planner.validation import PreparedRow, predict, prepare_all, read_rows
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,24 +40,21 @@ def source_of(family: str) -> str:
     return "vTrain" if family.startswith("VTRAIN") else family
 
 
-def hardware_tflops_per_device(row: PreparedRow) -> float:
+def hardware_tflops_per_device(row: PreparedRow, calibration: Calibration) -> float:
     """The row's measurement as hardware TFLOP/s per device, on this project's FLOP count."""
-    _, out = predict(row, load_calibration())  # only the recompute factor is used: no efficiency enters
+    _, out = predict(row, calibration)  # only the recompute factor is used: no efficiency enters
     w = row.workload
     tokens = w.global_batch * w.seq_len
-    model_flops = training_flops_per_token(w.model, w.seq_len) * tokens
-    hardware_flops = model_flops * out["hardware_flops_factor"]
-    if row.metric == "step_time_s":
-        return hardware_flops / row.measured / row.num_devices / 1e12
-    if row.metric == "tokens_per_s_per_device":
-        return hardware_flops / (tokens / row.measured / row.num_devices) / row.num_devices / 1e12
-    if row.metric == "tflops_per_device":
-        # A ``model`` row counts no recompute; a ``hardware`` row counts it as this project does.
-        return row.measured * (out["hardware_flops_factor"] if row.flops_convention == "model" else 1.0)
-    if row.metric == "mfu":
-        peak = w.cluster.peak_flops("bf16") / 1e12
-        return row.measured * peak * (out["hardware_flops_factor"] if row.flops_convention == "model" else 1.0)
-    raise ValueError(row.metric)
+    recompute_factor = out["hardware_flops_factor"]
+    hardware_flops = training_flops_per_token(w.model, w.seq_len) * tokens * recompute_factor
+    # A ``model`` FLOP rate counts no recompute; a ``hardware`` one counts it as this project does.
+    to_hardware = recompute_factor if row.flops_convention == "model" else 1.0
+    return {
+        "step_time_s": lambda v: hardware_flops / v / row.num_devices / 1e12,
+        "tokens_per_s_per_device": lambda v: hardware_flops / tokens * v / 1e12,
+        "tflops_per_device": lambda v: v * to_hardware,
+        "mfu": lambda v: v * w.cluster.peak_flops("bf16") / 1e12 * to_hardware,
+    }[row.metric](row.measured)
 
 
 def workload_without_pipeline(members: list[PreparedRow]) -> bool:
@@ -66,11 +63,10 @@ def workload_without_pipeline(members: list[PreparedRow]) -> bool:
             and all(int(r.strategy.pp[0]) == 1 for r in members))
 
 
-def _micro_batch_spread(members: list[PreparedRow]) -> dict:
+def micro_batch_spread(members: list[PreparedRow], calibration: Calibration) -> dict:
     """Spread (max/min − 1) over the micro-batches of the measured and of the predicted metric."""
     members = sorted(members, key=lambda r: int(r.strategy.micro_batch[0]))
-    measured = [hardware_tflops_per_device(r) for r in members]
-    calibration = load_calibration()
+    measured = [hardware_tflops_per_device(r, calibration) for r in members]
     predicted = [predict(r, calibration)[0] for r in members]
     # The rows share one metric (one source), so the spread of the predicted metric is comparable.
     measured_metric = [r.measured for r in members]
@@ -90,6 +86,7 @@ def main() -> None:
     args = parser.parse_args()
     raw = {r["id"]: r for path in [args.csv, *args.also] for r in read_rows(path)}
     rows, _ = prepare_all(list(raw.values()))
+    calibration = load_calibration()
     groups: dict[tuple, list[PreparedRow]] = defaultdict(list)
     for row in rows:
         if row.metric != "peak_memory_gib":
@@ -99,14 +96,14 @@ def main() -> None:
         by_source: dict[str, list[float]] = defaultdict(list)
         entries = []
         for r in members:
-            value = round(hardware_tflops_per_device(r), 1)
+            value = round(hardware_tflops_per_device(r, calibration), 1)
             by_source[source_of(r.family)].append(value)
             entries.append({"id": r.row_id, "source": source_of(r.family),
                             "micro_batch": int(r.strategy.micro_batch[0]), "vocab": r.workload.model.vocab_size,
                             "hardware_tflops_per_device": value})
         if len(by_source) < 2:
             if workload_without_pipeline(members):
-                within.append(_micro_batch_spread(members))
+                within.append(micro_batch_spread(members, calibration))
             continue
         ranges = {src: (min(v), max(v)) for src, v in sorted(by_source.items())}
         # The least the sources disagree by: the gap between their ranges over the micro-batches they

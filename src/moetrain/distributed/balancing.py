@@ -421,7 +421,7 @@ class OnlineExpertBalancer:
                     bucket, shards, offset = where[id(param)]
                     items.append(ShardedSlots(moves, offset, param[0].numel(), shards, bucket.shard_size))
             self._pending_state = post_sharded_moves(items, self.ep_rank, self.stage.dims.local_rank("edp"),
-                                               self._expert_grid_rank, self.load_group)
+                                                     self._expert_grid_rank, self.load_group)
         self.migration_timings.append({"moved": time.perf_counter() - start, "weights_landed": 0.0, "landed": 0.0})
         if not self.costs.defer_weights:  # the weights land before the next step
             for index in sorted(self._pending_weights):
