@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -27,6 +28,10 @@ def machine() -> dict:
 
 
 def commit() -> str:
+    """The checkout's commit (``-dirty`` with uncommitted changes); ``$MOETRAIN_COMMIT`` where the tree
+    is a copy without its git history (a rented GPU machine)."""
+    if os.environ.get("MOETRAIN_COMMIT"):
+        return os.environ["MOETRAIN_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
         dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True).stdout.strip()

@@ -15,11 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _record import commit  # noqa: E402
 
 from moetrain.config import load_model_config
 from moetrain.config.model import ModelConfig
@@ -105,10 +107,9 @@ def main() -> int:
     for run in runs.values():
         run["activation_ratio"] = run["activation_bytes"] / baseline["activation_bytes"]
         run["step_time_ratio"] = run["step_time_s"] / baseline["step_time_s"]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     record = {
         "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-        "commit": commit,
+        "commit": commit(),
         "machine": torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine(),
         "torch": torch.__version__, "model": cfg.name, "seq_len": seq, "micro_batch": batch,
         "dtype": str(dtype).removeprefix("torch."), "budget_fraction": args.budget_fraction,

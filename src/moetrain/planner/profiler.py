@@ -11,34 +11,54 @@ import torch.nn.functional as F
 
 from moetrain.config.cluster import ClusterConfig
 from moetrain.config.model import ModelConfig
+from moetrain.planner.compute import attention_head_dim_factor
 
-GEMM_SHAPES = [(64, 64, 64), (128, 256, 128), (256, 256, 256), (512, 512, 512), (1024, 1024, 512),
-               (1024, 1024, 1024), (2048, 1024, 1024)]
+# (m, n, k). The first two (overhead-bound) give the fixed cost per call, the last three (rate-bound)
+# the asymptotic speed; a GPU needs far larger shapes than a CPU core to reach its rate.
+GEMM_SHAPES = {
+    "cpu": [(64, 64, 64), (128, 256, 128), (256, 256, 256), (512, 512, 512), (1024, 1024, 512),
+            (1024, 1024, 1024), (2048, 1024, 1024)],
+    "cuda": [(64, 64, 64), (128, 128, 128), (512, 512, 512), (1024, 1024, 1024), (2048, 2048, 2048),
+             (4096, 4096, 4096), (8192, 8192, 8192), (16384, 8192, 8192)],
+}
+# Causal fused attention (batch, heads, head dim 128 = calibration.REFERENCE_HEAD_DIM) over these lengths.
+ATTENTION_SHAPES = {"cpu": (4, 4, 64, (128, 256, 512)), "cuda": (4, 32, 128, (1024, 2048, 4096))}
+# Elements per tensor of the bandwidth test: on a GPU well beyond its L2 cache (50 MB on an H100).
+BANDWIDTH_ELEMENTS = {"cpu": 8 * 1024 * 1024, "cuda": 128 * 1024 * 1024}
+# Calls queued back to back per timing on a GPU: training issues kernels asynchronously, so the fixed
+# cost per call is the launch throughput, not the launch-to-completion latency of one synchronised call.
+CALLS_PER_TIMING = {"cpu": 1, "cuda": 20}
 
 
 def _timed(fn, repeats: int, device: str) -> float:
+    """Median seconds per call of ``fn``."""
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+    calls = CALLS_PER_TIMING[kind]
     fn()  # warm-up (allocations, kernel selection)
-    if device.startswith("cuda"):
+    if kind == "cuda":
         torch.cuda.synchronize()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        fn()
-        if device.startswith("cuda"):
+        for _ in range(calls):
+            fn()
+        if kind == "cuda":
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
+        times.append((time.perf_counter() - start) / calls)
     return float(np.median(times))
 
 
 def profile_device(cluster: ClusterConfig, model: ModelConfig, device: str, repeats: int) -> tuple[dict, dict]:
     """(raw measurements, fitted efficiencies) for ``cluster``'s peaks on ``device``."""
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+    dtype = torch.float32 if kind == "cpu" else torch.bfloat16
     peak = cluster.peak_flops("bf16")
-    measured: dict = {"device": device, "dtype": str(dtype).removeprefix("torch."), "gemm": [], "attention": []}
+    measured: dict = {"device": torch.cuda.get_device_name(device) if kind == "cuda" else device,
+                      "dtype": str(dtype).removeprefix("torch."), "gemm": [], "attention": []}
 
     # GEMMs: time = flops / (peak·gemm_max) + overhead, a line in flops: fit slope and intercept.
     flops, seconds = [], []
-    for m, n, k in GEMM_SHAPES:
+    for m, n, k in GEMM_SHAPES[kind]:
         a = torch.randn(m, k, device=device, dtype=dtype)
         b = torch.randn(k, n, device=device, dtype=dtype)
         t = _timed(lambda a=a, b=b: a @ b, repeats, device)
@@ -53,17 +73,26 @@ def profile_device(cluster: ClusterConfig, model: ModelConfig, device: str, repe
     gemm_max = 1.0 / (slope * peak)
     gemm_overhead_us = intercept * 1e6
 
-    # Attention (SDPA, causal): the causal half of 4·b·h·s²·d.
+    # Attention (SDPA, causal): the causal half of 4·b·h·s²·d, forward, brought to head dim 128 (what
+    # ``Efficiency.attention`` is; the cost model prices the backward at 2.5× the forward, and the ratio
+    # measured here is kept beside it for comparison).
     attn_eff = []
-    for seq in (128, 256, 512):
-        q = torch.randn(4, 4, seq, 64, device=device, dtype=dtype)
+    batch, heads, head_dim, seqs = ATTENTION_SHAPES[kind]
+    for seq in seqs:
+        q = torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
+        out = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        grad = torch.ones_like(out)
         t = _timed(lambda q=q: F.scaled_dot_product_attention(q, q, q, is_causal=True), repeats, device)
-        f = 4.0 * 4 * 4 * seq * seq * 64 / 2
-        attn_eff.append(f / t / peak)
-        measured["attention"].append({"seq": seq, "seconds": t})
+        t_fwd_bwd = _timed(lambda q=q, grad=grad: torch.autograd.grad(
+            F.scaled_dot_product_attention(q, q, q, is_causal=True), q, grad), repeats, device)
+        f = 4.0 * batch * heads * seq * seq * head_dim / 2
+        attn_eff.append(f / t / peak / float(attention_head_dim_factor(head_dim)))
+        measured["attention"].append({"batch": batch, "heads": heads, "head_dim": head_dim, "seq": seq,
+                                      "seconds": t, "backward_over_forward": (t_fwd_bwd - t) / t})
+        del q, out, grad
 
     # Memory bandwidth: an element-wise add reads two tensors and writes one.
-    x = torch.randn(8 * 1024 * 1024, device=device, dtype=dtype)
+    x = torch.randn(BANDWIDTH_ELEMENTS[kind], device=device, dtype=dtype)
     y = torch.randn_like(x)
     t = _timed(lambda: torch.add(x, y), repeats, device)
     memory = 3 * x.numel() * x.element_size() / t / (cluster.hbm_bandwidth_tbps * 1e12)

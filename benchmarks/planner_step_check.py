@@ -1,0 +1,100 @@
+"""Simulator vs runtime on this machine: profile the device, train a model a few steps, and compare
+the measured step time with ``moetrain simulate`` using the profiled calibration.
+
+    python benchmarks/planner_step_check.py [--steps 8]                  # CPU, tiny-pangu, fp32
+    python benchmarks/planner_step_check.py --device cuda --steps 12      # one GPU, bf16
+    python benchmarks/planner_step_check.py --device cuda --model benchmarks/data/pangu-shaped-small.yaml \
+        --seq-len 4096 --global-batch 8 --micro-batch 1 --steps 8
+
+The trainer's defaults (moetrain.config.TrainingConfig: global batch 16, micro-batch 4, seq 128) are
+passed explicitly to both sides so that they describe the same step: fp32 on CPU, bf16 autocast on
+CUDA (``--precision bf16`` for the simulator). Writes
+``benchmarks/results/planner_step_check_<device>[_<model>].json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _record import write_result  # noqa: E402
+
+
+def _moetrain(*args: str) -> str:
+    return subprocess.run([sys.executable, "-m", "moetrain", *args], check=True, capture_output=True,
+                          text=True).stdout
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny-pangu")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--global-batch", type=int, default=16)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--skip", type=int, default=2, help="first steps left out (warm-up)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads for both profile and train (1 avoids OpenMP oversubscription "
+                             "on a shared machine)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--cluster", default=None, help="peaks the profile refers to (cpu, or h100-sxm-80gb on CUDA)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    cuda = args.device == "cuda"
+    cluster = args.cluster or ("h100-sxm-80gb" if cuda else "cpu")
+    dtype = "bf16" if cuda else "fp32"
+    model_tag = "" if args.model == "tiny-pangu" else "_" + Path(args.model).stem
+    out = args.out or f"benchmarks/results/planner_step_check_{'gpu' if cuda else 'cpu'}{model_tag}.json"
+
+    with tempfile.TemporaryDirectory() as tmp:
+        calibration = str(Path(tmp) / "profile.yaml")
+        metrics = Path(tmp) / "metrics.jsonl"
+        load_before = os.getloadavg()[0]
+        profile = json.loads(_moetrain("profile", "--cluster", cluster, "--device", args.device, "--model",
+                                       args.model, "--out", calibration, "--repeats", "7", "--threads",
+                                       str(args.threads), "--json"))
+        _moetrain("train", "--model", args.model, "--cluster", cluster, "--steps", str(args.steps), "--global-batch",
+                  str(args.global_batch), "--micro-batch", str(args.micro_batch), "--seq-len", str(args.seq_len),
+                  "--device", args.device, "--dtype", dtype, "--threads", str(args.threads), "--metrics-out",
+                  str(metrics), "--quiet")
+        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        measured_steps = [r["step_time_s"] for r in rows[args.skip:]]
+        simulated = json.loads(_moetrain(
+            "simulate", "--model", args.model, "--cluster", cluster, "--devices", "1", "--seq-len", str(args.seq_len),
+            "--global-batch", str(args.global_batch), "--micro-batch", str(args.micro_batch), "--precision", dtype,
+            "--calibration", calibration, "--json"))
+        profiled = Path(calibration).read_text()
+    measured = statistics.median(measured_steps)
+    error = (simulated["step_time_s"] - measured) / measured * 100
+    print(f"measured median step {measured:.4f} s, simulated {simulated['step_time_s']:.4f} s ({error:+.1f}%)")
+    write_result(out, {
+        "model": args.model,
+        "device": args.device,
+        "cluster": cluster,
+        "precision": dtype,
+        "seq_len": args.seq_len,
+        "global_batch": args.global_batch,
+        "micro_batch": args.micro_batch,
+        "simulated": {k: simulated[k] for k in ("compute_s", "optimizer_s", "bubble_s", "memory_gib")},
+        "measured_step_time_s": measured,
+        "measured_steps_s": measured_steps,
+        "simulated_step_time_s": simulated["step_time_s"],
+        "error_pct": error,
+        "threads": args.threads,
+        "load_average_1min_before": load_before,
+        "load_average_1min_after": os.getloadavg()[0],
+        "calibration": profiled,
+        "profile_measurements": profile["measurements"],
+    })
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""The runtime on a CUDA device: the same math as on CPU, the native grouped GEMM, bf16 training, and the
+memory policy's swap streams. Skipped where torch sees no GPU (CI); run on a GPU machine with
+``pytest tests/gpu``."""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+
+from moetrain.config import TrainingConfig, load_cluster_config, load_model_config
+from moetrain.costs.activations import model_activation_bytes
+from moetrain.memory import MemoryPlan
+from moetrain.memory.args import uses_flash_attention
+from moetrain.memory.measure import measure_activations
+from moetrain.memory.policy import num_blocks
+from moetrain.memory.runtime import apply_memory_policy
+from moetrain.models import build_model
+from moetrain.models.dispatch import permute, unpermute
+from moetrain.models.experts import _native_grouped_mm_ok, grouped_mm
+from moetrain.models.router import Routing, count_tokens_per_expert
+from moetrain.train import RunOptions, Trainer
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+SEQ, BATCH = 64, 2
+
+
+def _ids(vocab: int, device: str, seq: int = SEQ) -> torch.Tensor:
+    return torch.randint(0, vocab, (BATCH, seq), generator=torch.Generator().manual_seed(0)).to(device)
+
+
+def _loss_and_grads(model: torch.nn.Module, ids: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    return loss.item(), {k: p.grad.detach().float().cpu() for k, p in model.named_parameters() if p.grad is not None}
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def test_native_grouped_gemm_matches_a_per_expert_fp32_reference():
+    torch.manual_seed(0)
+    counts = torch.tensor([0, 37, 128, 5, 200, 0, 64, 1], device="cuda")
+    x = torch.randn(int(counts.sum()), 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(8, 256, 512, device="cuda", dtype=torch.bfloat16) * 0.05).requires_grad_(True)
+    assert _native_grouped_mm_ok(x, w), "H100-class GPU with bf16 should take the fused grouped GEMM"
+    out = grouped_mm(x, w, counts)
+    out.float().square().sum().backward()
+
+    x32, w32 = x.detach().float().requires_grad_(True), w.detach().float().requires_grad_(True)
+    ref = torch.cat([block @ w32[e] for e, block in enumerate(torch.split(x32, counts.tolist()))])
+    ref.square().sum().backward()
+    assert _rel_err(out.float(), ref) < 1e-2
+    assert _rel_err(x.grad.float(), x32.grad) < 2e-2
+    assert _rel_err(w.grad.float(), w32.grad) < 2e-2
+    assert torch.all(w.grad[0] == 0) and torch.all(w.grad[5] == 0)  # experts with no tokens get no gradient
+
+
+def test_permute_round_trip_on_cuda_equals_cpu():
+    torch.manual_seed(0)
+    tokens, experts, top_k = 96, 16, 4
+    x = torch.randn(tokens, 32)
+    expert_ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k)
+    results = []
+    for device in ("cpu", "cuda"):
+        ids_d = expert_ids.to(device)
+        routing = Routing(ids_d, weights.to(device), count_tokens_per_expert(ids_d, experts),
+                          torch.zeros((), device=device))
+        permuted, meta = permute(x.to(device), routing)
+        back = unpermute(permuted * 2.0, meta)
+        results.append((permuted.cpu(), routing.tokens_per_expert_E.cpu(), back.cpu()))
+    (cpu_tokens, cpu_counts, cpu_back), (gpu_tokens, gpu_counts, gpu_back) = results
+    assert torch.equal(cpu_counts, gpu_counts)
+    assert torch.equal(cpu_tokens, gpu_tokens)
+    torch.testing.assert_close(gpu_back, cpu_back, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["tiny-pangu", "tiny-qwen3", "tiny-mixtral"])
+def test_fp32_model_on_cuda_matches_cpu(name):
+    """Same weights, same tokens: loss and gradients on the GPU equal the CPU's up to fp32 rounding
+    (TF32 is off by default in torch for fp32 matmuls)."""
+    cfg = load_model_config(name)
+    cpu_model = build_model(cfg, seed=0)
+    gpu_model = copy.deepcopy(cpu_model).to("cuda")
+    ids = _ids(cfg.vocab_size, "cpu")
+    cpu_loss, cpu_grads = _loss_and_grads(cpu_model, ids)
+    gpu_loss, gpu_grads = _loss_and_grads(gpu_model, ids.cuda())
+    assert gpu_loss == pytest.approx(cpu_loss, rel=1e-5)
+    worst = max((_rel_err(gpu_grads[k], cpu_grads[k]), k) for k in cpu_grads)
+    assert worst[0] < 1e-3, worst
+
+
+def test_bf16_autocast_loss_is_close_to_fp32():
+    """Autocast runs the experts through the fused bf16 grouped GEMM; the loss stays within bf16's
+    rounding of the fp32 loss."""
+    cfg = load_model_config("tiny-pangu")
+    model = build_model(cfg, device="cuda", seed=0)
+    ids = _ids(cfg.vocab_size, "cuda")
+    with torch.no_grad():
+        fp32 = model(ids, labels=ids).loss.item()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            bf16 = model(ids, labels=ids).loss.item()
+    assert bf16 == pytest.approx(fp32, rel=2e-2)
+
+
+@pytest.mark.parametrize("options", [("swap_attention", "swap_moe"), ("layer",),
+                                     ("norm", "mla_up", "activation", "permute", "router")])
+def test_memory_policy_on_cuda_keeps_the_gradients(options):
+    """Swap copies to pinned host memory on a side stream and back before backward; recompute
+    re-runs the forward. Both give the plain model's gradients on the GPU."""
+    cfg = load_model_config("tiny-pangu")
+    ids = _ids(cfg.vocab_size, "cuda")
+    plain = build_model(cfg, device="cuda", seed=0)
+    policed = copy.deepcopy(plain)
+    handle = apply_memory_policy(policed, MemoryPlan.uniform(options, num_blocks(cfg)))
+    plain_loss, plain_grads = _loss_and_grads(plain, ids)
+    loss, grads = _loss_and_grads(policed, ids)
+    handle.remove()
+    assert loss == pytest.approx(plain_loss, rel=1e-6)
+    # Atomic adds in the CUDA backward of index_add/scatter make the order of sums vary between runs.
+    worst = max((_rel_err(grads[k], plain_grads[k]), k) for k in plain_grads)
+    assert worst[0] < 1e-5, worst
+
+
+@pytest.mark.parametrize("name", ["tiny-pangu", "tiny-qwen3"])
+def test_analytic_activation_bytes_match_the_bytes_saved_on_cuda(name):
+    """The planner's activation formula counts what autograd keeps on the GPU as well (fused attention
+    keeps no S×S scores there)."""
+    cfg = load_model_config(name)
+    model = build_model(cfg, device="cuda", seed=0)
+    ids = _ids(cfg.vocab_size, "cuda")
+    measured = measure_activations(model, ids, ids)
+    predicted = model_activation_bytes(cfg, SEQ, BATCH, None, 4.0, uses_flash_attention(cfg, "cuda"))
+    assert predicted["total"] == pytest.approx(measured.total_bytes, rel=0.05)
+
+
+def test_swap_lowers_peak_cuda_memory():
+    cfg = load_model_config("tiny-pangu")
+    ids = _ids(cfg.vocab_size, "cuda", seq=512)
+    peaks = {}
+    for options in ((), ("swap_attention", "swap_moe")):
+        model = build_model(cfg, device="cuda", seed=0)
+        handle = apply_memory_policy(model, MemoryPlan.uniform(options, num_blocks(cfg))) if options else None
+        if handle is not None:
+            # tiny tensors are normally kept on the device (not worth a copy); swap them all here
+            handle.remove()
+            handle = apply_memory_policy(model, MemoryPlan.uniform(options, num_blocks(cfg)), min_swap_numel=0)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        model(ids, labels=ids).loss.backward()
+        torch.cuda.synchronize()
+        peaks[options] = torch.cuda.max_memory_allocated() - start
+        if handle is not None:
+            handle.remove()
+        del model
+    assert peaks[("swap_attention", "swap_moe")] < 0.9 * peaks[()]
+
+
+def test_trainer_trains_in_bf16_on_cuda(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOETRAIN_CACHE", str(tmp_path / "cache"))
+    rng = random.Random(0)
+    words = ["the", "king", "queen", "of", "speak", "love", "night", "crown", "my", "lord", "good", "sir"]
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("\n".join(json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(30, 150)))})
+                                for _ in range(200)))
+    cfg = TrainingConfig(steps=30, global_batch=8, micro_batch=4, seq_len=64, lr=3e-3, warmup_steps=3)
+    run = RunOptions(device="cuda", cluster=load_cluster_config("h100-sxm-80gb"), data=str(corpus),
+                     show_progress=False)
+    trainer = Trainer(load_model_config("tiny-pangu"), cfg, run, console=Console(file=io.StringIO()))
+    assert trainer.resolve_autocast_dtype() == torch.bfloat16
+    rows = trainer.train()
+    losses = [row["loss"] for row in rows]
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:3]) / 3
+    assert all(p.device.type == "cuda" and p.dtype == torch.float32 for p in trainer.model.parameters())
+    assert rows[-1]["mfu"] > 0
+
+
+def test_sdpa_is_a_fused_kernel_for_the_mla_head_dims():
+    """MLA's query-key head (nope + rope) is wider than its value head; on the GPU SDPA still takes a
+    fused kernel (no S×S probabilities in memory), which the activation formula assumes."""
+    cfg = load_model_config("tiny-pangu")
+    att = cfg.attention
+    q = torch.randn(1, att.num_heads, 1024, att.qk_head_dim, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(1, att.num_heads, 1024, att.v_head_dim, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    F.scaled_dot_product_attention(q, q, v, is_causal=True)
+    torch.cuda.synchronize()
+    scores_bytes = att.num_heads * 1024 * 1024 * 2
+    assert torch.cuda.max_memory_allocated() - start < scores_bytes / 4
