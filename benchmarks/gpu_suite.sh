@@ -19,11 +19,16 @@ step_tiny() { python benchmarks/planner_step_check.py --device cuda --steps 20 -
 step_small() { python benchmarks/planner_step_check.py --device cuda --model benchmarks/data/pangu-shaped-small.yaml \
     --seq-len 4096 --global-batch 8 --micro-batch 1 --steps 8 --skip 3; }
 balance() { python benchmarks/balance_expert_gemm.py --device cuda --model pangu-ultra-moe-718b --tokens-per-rank 8192; }
+attention_probe() { python benchmarks/gpu_attention_probe.py --out benchmarks/results/gpu_attention_probe.json; }
+profile_small() { python benchmarks/gpu_step_profile.py --model benchmarks/data/pangu-shaped-small.yaml --seq-len 4096 \
+    --global-batch 8 --micro-batch 1 --out benchmarks/results/gpu_step_profile_small.json; }
+profile_tiny() { python benchmarks/gpu_step_profile.py --out benchmarks/results/gpu_step_profile_tiny.json; }
 demo() { python benchmarks/train_demo.py --tag h100 --cache "${MOETRAIN_CACHE:-$HOME/.cache/moetrain}" --quiet \
     --device cuda; }
 
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests moe_layer memory step_tiny step_small balance demo)
+[ ${#steps[@]} -eq 0 ] && steps=(tests moe_layer memory attention_probe profile_small profile_tiny step_tiny step_small
+                                  balance demo)
 for step in "${steps[@]}"; do
     start=$(date +%s)
     echo "=== $step"

@@ -1,7 +1,9 @@
 """Activation memory and step time of the memory policies, measured.
 
-CUDA (bf16, Pangu-shaped layers scaled to one GPU): peak allocated memory above the weights during
-forward+backward, and step time, for none / full (budget-reaching) / auto at a budget fraction.
+CUDA (bf16, Pangu-shaped layers scaled to one GPU): device memory the forward leaves allocated for
+backward (above weights and gradients; the peak through backward beside it) and step time, for none /
+selective / swap (attention and MoE saved tensors to pinned host memory) / full / auto at a budget
+fraction, with the device↔host bandwidth measured for the policy's swap costs.
 CPU (fp32, tiny-pangu, a smoke run): bytes kept for backward (``ActivationMeter``) and step time.
 
     python benchmarks/memory_policy.py --device cpu --model tiny-pangu --seq-len 256 --budget-fraction 0.3
@@ -16,6 +18,7 @@ import argparse
 import json
 import platform
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -25,10 +28,11 @@ from _record import commit  # noqa: E402
 
 from moetrain.config import load_model_config
 from moetrain.config.model import ModelConfig
+from moetrain.costs.activations import SELECTIVE_OPTIONS
 from moetrain.costs.flops import training_flops_per_token
 from moetrain.memory.args import uses_flash_attention
 from moetrain.memory.measure import measure_activations, time_steps
-from moetrain.memory.policy import DeviceSpeed, choose_memory_plan
+from moetrain.memory.policy import DeviceSpeed, MemoryPlan, choose_memory_plan, num_blocks
 from moetrain.memory.runtime import apply_memory_policy
 from moetrain.models import build_model
 
@@ -81,25 +85,49 @@ def main() -> int:
 
         seconds = time_steps(step, args.repeats, device=device)
         if cuda:
-            model.zero_grad(set_to_none=True)
+            # Gradients stay allocated (zeroed in place), so what the step adds above the start is
+            # activations and transient workspace, not the gradients themselves.
+            model.zero_grad(set_to_none=False)
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             start = torch.cuda.memory_allocated()
-            step()
+            loss = model(ids, labels=ids).loss
             torch.cuda.synchronize()
-            nbytes = torch.cuda.max_memory_allocated() - start
-        else:
-            nbytes = measure_activations(model, ids, ids).total_bytes
-        return {"activation_bytes": nbytes, "step_time_s": seconds}
+            kept = torch.cuda.memory_allocated() - start  # saved for backward (swapped bytes not counted)
+            loss.backward()
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() - start
+            del loss
+            return {"activation_bytes": kept, "peak_above_weights_and_grads_bytes": peak, "step_time_s": seconds}
+        return {"activation_bytes": measure_activations(model, ids, ids).total_bytes, "step_time_s": seconds}
+
+    def host_link_bytes_per_s() -> float:
+        """Device → pinned host copy speed, the direction swap-out takes (256 MiB, best of 5)."""
+        src = torch.empty(128 * 1024 * 1024, dtype=torch.bfloat16, device=device)
+        dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+        best = float("inf")
+        for _ in range(5):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - start)
+        return src.numel() * src.element_size() / best
 
     baseline = measure(None)
     flops = training_flops_per_token(cfg, seq) * seq * batch
-    speed = DeviceSpeed(flops / baseline["step_time_s"], 2e12 if cuda else 1e10, 2.5e10 if cuda else None)
+    host_link = host_link_bytes_per_s() if cuda else None
+    speed = DeviceSpeed(flops / baseline["step_time_s"], 2e12 if cuda else 1e10, host_link)
     dtype_bytes = 2.0 if cuda else 4.0
     flash = uses_flash_attention(cfg, args.device)
-    budget = args.budget_fraction * choose_memory_plan(cfg, seq, batch, "none", None, speed, dtype_bytes,
-                                                       flash).baseline_bytes
-    runs = {"none": baseline}
+    probe = choose_memory_plan(cfg, seq, batch, "none", None, speed, dtype_bytes, flash)
+    budget = args.budget_fraction * probe.baseline_bytes
+    runs = {"none": {**baseline, "predicted_activation_bytes": probe.activation_bytes}}
+    fixed = {"selective": MemoryPlan.uniform(SELECTIVE_OPTIONS, num_blocks(cfg))}
+    if cuda:
+        fixed["swap"] = MemoryPlan.uniform(("swap_attention", "swap_moe"), num_blocks(cfg))
+    for name, plan in fixed.items():
+        runs[name] = {**measure(plan), "options": plan.summary()}
     for policy in ("full", "auto"):
         result = choose_memory_plan(cfg, seq, batch, policy, budget, speed, dtype_bytes, flash)
         runs[policy] = {**measure(result.plan), "options": result.options,
@@ -113,7 +141,9 @@ def main() -> int:
         "machine": torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine(),
         "torch": torch.__version__, "model": cfg.name, "seq_len": seq, "micro_batch": batch,
         "dtype": str(dtype).removeprefix("torch."), "budget_fraction": args.budget_fraction,
-        "measure": "peak allocated above weights" if cuda else "bytes kept for backward (ActivationMeter)",
+        "measure": ("allocated after forward above weights and gradients (peak through backward beside it)" if cuda
+                    else "bytes kept for backward (ActivationMeter)"),
+        "host_link_gb_per_s": host_link / 1e9 if host_link else None,
         "runs": runs,
     }
     out = Path(args.out or f"benchmarks/results/memory_{'gpu' if cuda else 'cpu'}.json")

@@ -1,0 +1,107 @@
+"""Where a training step's time goes on one device: torch.profiler over a few trainer steps.
+
+    python benchmarks/gpu_step_profile.py --model benchmarks/data/pangu-shaped-small.yaml --seq-len 4096 \\
+        --global-batch 8 --micro-batch 1 --out benchmarks/results/gpu_step_profile_small.json
+
+Runs ``moetrain.train.Trainer`` exactly as ``moetrain train`` does (bf16 autocast on CUDA, AdamW),
+skips ``--warmup`` steps, then profiles ``--active`` steps. Reports the wall time per step, the GPU
+busy time per step (kernels and copies, overlaps not double-counted), and the operators with the most
+device time and the most host time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import time
+
+import torch
+from _record import write_result
+from rich.console import Console
+from torch.profiler import ProfilerActivity, profile
+
+from moetrain.config import TrainingConfig, load_cluster_config, load_model_config
+from moetrain.train import RunOptions, Trainer
+
+
+def busy_seconds(prof: profile) -> float:
+    """Union of the device kernels' and copies' intervals (seconds)."""
+    intervals = sorted(
+        (e.time_range.start, e.time_range.end) for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+    total, end = 0.0, float("-inf")
+    for start, stop in intervals:
+        if start > end:
+            total += stop - start
+            end = stop
+        elif stop > end:
+            total += stop - end
+            end = stop
+    return total * 1e-6  # µs → s
+
+
+def top_ops(prof: profile, key: str, limit: int) -> list[dict]:
+    rows = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:limit]
+    return [{"name": e.key, "calls": e.count, "self_device_ms": e.self_device_time_total / 1e3,
+             "self_cpu_ms": e.self_cpu_time_total / 1e3} for e in rows]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="tiny-pangu")
+    p.add_argument("--cluster", default="h100-sxm-80gb")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--global-batch", type=int, default=16)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--active", type=int, default=2)
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = TrainingConfig(steps=args.warmup + args.active, global_batch=args.global_batch,
+                         micro_batch=args.micro_batch, seq_len=args.seq_len)
+    run = RunOptions(device=device, cluster=load_cluster_config(args.cluster if device == "cuda" else "cpu"),
+                     show_progress=False)
+    trainer = Trainer(load_model_config(args.model), cfg, run, console=Console(file=io.StringIO()))
+    trainer.model.train()
+
+    def one_step() -> None:
+        trainer.train_step(trainer.next_batch())  # ends with the step's one device read
+        trainer.step += 1
+
+    for _ in range(args.warmup):
+        one_step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(args.active):
+            one_step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) / args.active
+    busy = busy_seconds(prof) / args.active if device == "cuda" else float("nan")
+    by_device = top_ops(prof, "self_device_time_total", args.top)
+    by_cpu = top_ops(prof, "self_cpu_time_total", args.top)
+    kernels = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) / args.active
+    print(f"wall per step {wall * 1e3:.1f} ms (profiler on), device busy {busy * 1e3:.1f} ms "
+          f"({busy / wall:.0%}), {kernels:.0f} device events per step")
+    print(f"{'operator':60s} {'calls':>6s} {'device ms':>10s} {'cpu ms':>9s}")
+    for row in by_device:
+        print(f"{row['name'][:60]:60s} {row['calls']:6d} {row['self_device_ms']:10.2f} {row['self_cpu_ms']:9.2f}")
+    print("-- by host time")
+    for row in by_cpu[:15]:
+        print(f"{row['name'][:60]:60s} {row['calls']:6d} {row['self_device_ms']:10.2f} {row['self_cpu_ms']:9.2f}")
+    if args.out:
+        write_result(args.out, {
+            "model": args.model, "seq_len": args.seq_len, "global_batch": args.global_batch,
+            "micro_batch": args.micro_batch, "profiled_steps": args.active,
+            "wall_s_per_step_profiled": wall, "device_busy_s_per_step": busy,
+            "device_events_per_step": kernels, "top_by_device_time": by_device, "top_by_host_time": by_cpu,
+        })
+
+
+if __name__ == "__main__":
+    main()
