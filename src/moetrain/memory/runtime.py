@@ -91,7 +91,7 @@ class _Slot:
     swap: _SwapRecord | None = None
 
 
-@dataclass
+@dataclass(eq=False)  # identity: records are removed from their group's list once consumed
 class _SwapRecord:
     host: torch.Tensor
     """The saved storage's span (from its first to last element used), in host memory."""
@@ -114,8 +114,9 @@ class _ForwardState:
 class SavedTensorManager:
     """The pack/unpack hooks shared by every decoder layer of one model."""
 
-    def __init__(self, min_swap_numel: int = 0) -> None:
+    def __init__(self, min_swap_numel: int = 0, parameter_storages: frozenset[int] = frozenset()) -> None:
         self.min_swap_numel = min_swap_numel
+        self.parameter_storages = parameter_storages  # addresses of the model's weights: never swapped
         self.state = _ForwardState()
         self.groups: dict[int, list[_SwapRecord]] = {}
         self._stream = None
@@ -144,7 +145,10 @@ class SavedTensorManager:
             producer.pending += 1
             return _Slot(producer, index, tuple(tensor.size()), tuple(tensor.stride()),
                          tensor.storage_offset() - producer.offsets[index])
-        if self.state.swap_region[-1] and tensor.numel() >= self.min_swap_numel and tensor.is_floating_point():
+        # A parameter's storage (the weight itself, or a view of it such as one expert's matrix) stays
+        # on the device whatever autograd does with it: copying it out would free nothing.
+        if (self.state.swap_region[-1] and tensor.numel() >= self.min_swap_numel and tensor.is_floating_point()
+                and tensor.untyped_storage().data_ptr() not in self.parameter_storages):
             return self._offload(tensor, cdata)
         return tensor
 
@@ -215,7 +219,14 @@ class SavedTensorManager:
             base = record.on_device
             record.pending -= 1
             if record.pending == 0:
+                # Fully consumed: drop it, so its host buffer returns to the (pinned) allocator for the
+                # next step instead of piling up, and later prefetches do not scan it.
                 record.on_device = None
+                group = self.groups.get(record.group)
+                if group is not None:
+                    group.remove(record)
+                    if not group:
+                        del self.groups[record.group]
         else:
             producer = packed.producer
             base = producer.materialize(packed.output_index)
@@ -328,7 +339,8 @@ def apply_memory_policy(model: nn.Module, plan: MemoryPlan, min_swap_numel: int 
     device = next(model.parameters()).device
     if min_swap_numel is None:
         min_swap_numel = 2**16 if device.type == "cuda" else 0
-    manager = SavedTensorManager(min_swap_numel)
+    manager = SavedTensorManager(min_swap_numel,
+                                 frozenset(p.untyped_storage().data_ptr() for p in model.parameters()))
     applied = AppliedPolicy(plan, manager)
     for index, (layer, options) in enumerate(zip(layers, plan.layer_options)):
         unknown = set(options) - set(ALL_OPTIONS)

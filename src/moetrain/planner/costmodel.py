@@ -58,6 +58,12 @@ FRAGMENTATION = 0.08
 # (12 B) and the bf16 weight (2 B).
 OPTIMIZER_BYTES_PER_PARAM = 30.0
 
+# Fused attention backward time over forward time. Five matmuls against two (FlashAttention-2 §3.2)
+# would give 2.5; on an H100 with torch 2.11 every fused kernel measured 3.0-3.4 at head dim 128 and
+# sequence 4096 (cuDNN 2.97-3.03, FlashAttention-2 3.03, memory-efficient 3.39, and 3.35 for MLA's 192/128
+# heads: benchmarks/gpu_attention_probe.py, benchmarks/results/gpu_attention_probe.json).
+ATTENTION_BACKWARD_OVER_FORWARD = 3.0
+
 
 def model_state_bytes(num_params, dp, zero, weight_bytes: float = BF16, grad_bytes: float = BF16,
                       optimizer_bytes: float = 12.0):
@@ -205,8 +211,7 @@ def _layer_costs(w: Workload, s: Strategies, eff: Efficiency, moe_layer: bool, n
         head_dim = (attn_cfg.qk_head_dim + attn_cfg.v_head_dim) / 2 if is_mla else attn_cfg.head_dim
         core = attention_time(attention_core_flops(model, w.seq_len, causal=True) * t_att / tp, cluster, eff,
                               head_dim) * attention_time_share(w.seq_len, w.attention_window, w.window_layer_share)
-        # Fused attention backward ≈ 2.5× forward (five matmuls against two, FlashAttention-2 §3.2).
-        core_bwd = 2.5 * core
+        core_bwd = ATTENTION_BACKWARD_OVER_FORWARD * core
     else:
         # Materialised scores (pre-FlashAttention stacks): two batched GEMMs over the full square, and
         # the score tensor written and read ~6 times (QKᵀ out, scale/mask/softmax in/out, dropout, PV in)
