@@ -14,7 +14,9 @@ export PYTHONUNBUFFERED=1
 tests() { python -m pytest tests/gpu -q -p no:cacheprovider -rA; }
 moe_layer() { python benchmarks/moe_layer.py --scale 1 --experts 32 --tokens 16384 --iters 10 \
     --out benchmarks/results/moe_layer_h100.json; }
-memory() { python benchmarks/memory_policy.py --device cuda --budget-fraction 0.3; }
+memory() { python benchmarks/memory_policy.py --device cuda --budget-fraction 0.3 --repeats 10; }
+memory_long() { python benchmarks/memory_policy.py --device cuda --budget-fraction 0.3 --repeats 10 --seq-len 8192 \
+    --out benchmarks/results/memory_gpu_seq8192.json; }
 step_tiny() { python benchmarks/planner_step_check.py --device cuda --steps 20 --skip 5; }
 step_small() { python benchmarks/planner_step_check.py --device cuda --model benchmarks/data/pangu-shaped-small.yaml \
     --seq-len 4096 --global-batch 8 --micro-batch 1 --steps 8 --skip 3; }
@@ -27,7 +29,7 @@ demo() { python benchmarks/train_demo.py --tag h100 --cache "${MOETRAIN_CACHE:-$
     --device cuda; }
 
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests moe_layer memory attention_probe profile_small profile_tiny step_tiny step_small
+[ ${#steps[@]} -eq 0 ] && steps=(tests moe_layer memory memory_long attention_probe profile_small profile_tiny step_tiny step_small
                                   balance demo)
 for step in "${steps[@]}"; do
     start=$(date +%s)

@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _record import commit  # noqa: E402
+from gpu_step_profile import busy_seconds  # noqa: E402
 
 from moetrain.config import load_model_config
 from moetrain.config.model import ModelConfig
@@ -98,7 +99,16 @@ def main() -> int:
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated() - start
             del loss
-            return {"activation_bytes": kept, "peak_above_weights_and_grads_bytes": peak, "step_time_s": seconds}
+            # One more step under the profiler: the share of it the device is busy (low: the host's
+            # kernel launches and the policy's hooks, not the device, set the step time).
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                    torch.profiler.ProfilerActivity.CUDA]) as prof:
+                begin = time.perf_counter()
+                step()
+                torch.cuda.synchronize()
+                profiled = time.perf_counter() - begin
+            return {"activation_bytes": kept, "peak_above_weights_and_grads_bytes": peak, "step_time_s": seconds,
+                    "device_busy_fraction": busy_seconds(prof) / profiled}
         return {"activation_bytes": measure_activations(model, ids, ids).total_bytes, "step_time_s": seconds}
 
     def host_link_bytes_per_s() -> float:
@@ -150,7 +160,8 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1) + "\n")
     for name, run in runs.items():
-        print(f"{name:5} activation {run['activation_ratio']:.3f}  step time {run['step_time_ratio']:.3f}  "
+        busy = f"  device busy {run['device_busy_fraction']:.0%}" if "device_busy_fraction" in run else ""
+        print(f"{name:9} activation {run['activation_ratio']:.3f}  step time {run['step_time_ratio']:.3f}{busy}  "
               f"{run.get('options', '')}")
     return 0
 
