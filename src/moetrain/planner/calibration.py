@@ -43,7 +43,7 @@ _ARCH_OF_DEVICE: dict[str, str] = {
 # efficiency is fitted per architecture. Fused attention and the element-wise memory efficiency are fitted
 # once (relative to each part's peak): per architecture they are identified by one or two source families
 # only, and on Blackwell the fit traded them against the GEMM efficiency (gemm_max at its bound, attention
-# or memory at 13-15 %) for at most 1.3 points of cross-validated 90th percentile (docs/planner.md, "Fit
+# or memory at 14-15 %) for at most 0.7 points of cross-validated 90th percentile (docs/planner.md, "Fit
 # variants"; benchmarks/planner_fit_variants.py).
 PER_ARCH_PARAMS: tuple[str, ...] = ("gemm_max",)
 
