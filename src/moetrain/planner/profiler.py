@@ -21,7 +21,8 @@ GEMM_SHAPES = {
     "cuda": [(64, 64, 64), (128, 128, 128), (512, 512, 512), (1024, 1024, 1024), (2048, 2048, 2048),
              (4096, 4096, 4096), (8192, 8192, 8192), (16384, 8192, 8192)],
 }
-# Causal fused attention (batch, heads, head dim 128 = calibration.REFERENCE_HEAD_DIM) over these lengths.
+# Causal fused attention: (batch, heads, head dim, sequence lengths); the measured efficiency is brought to
+# head dim 128 (compute.REFERENCE_HEAD_DIM), the dimension ``Efficiency.attention`` refers to.
 ATTENTION_SHAPES = {"cpu": (4, 4, 64, (128, 256, 512)), "cuda": (4, 32, 128, (1024, 2048, 4096))}
 # Elements per tensor of the bandwidth test: on a GPU well beyond its L2 cache (50 MB on an H100).
 BANDWIDTH_ELEMENTS = {"cpu": 8 * 1024 * 1024, "cuda": 128 * 1024 * 1024}
