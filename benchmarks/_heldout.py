@@ -1,12 +1,19 @@
-"""Summaries shared by the out-of-sample benchmarks (``planner_*_heldout.py``)."""
+"""What the planner's validation benchmarks share: the published-runs file and the error summaries."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 
 from moetrain.planner.validation import PreparedRow, prepare_all, summarize
 
 THRESHOLD_PCT = 12.0
+_ROOT = Path(__file__).resolve().parents[1]
+# The published runs: ../shared beside the checkout (CI, development), or a shared/ folder inside it.
+CALIBRATION_CSV = next((p for p in (_ROOT.parent / "shared/validation/calibration.csv",
+                                    _ROOT / "shared/validation/calibration.csv") if p.is_file()),
+                       _ROOT.parent / "shared/validation/calibration.csv")
 
 
 def prepared_rows(raw: list[dict]) -> list[PreparedRow]:

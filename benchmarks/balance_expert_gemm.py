@@ -45,7 +45,7 @@ def rank_expert_seconds(placement: ExpertPlacement, loads: np.ndarray, hidden: i
         experts = placement.experts_on_rank(rank)
         counts = [int(c) if e != EMPTY_SLOT else 0 for c, e in zip(per_slot[rank], experts)]
         counts_on_device = torch.tensor(counts, device=device)
-        x = torch.randn(max(sum(counts), 1), hidden, generator=generator).to(device, dtype)[: sum(counts)]
+        x = torch.randn(sum(counts), hidden, generator=generator).to(device, dtype)
         times = []
         for _ in range(repeats + 1):
             if device.startswith("cuda"):

@@ -29,8 +29,8 @@ demo() { python benchmarks/train_demo.py --tag h100 --cache "${MOETRAIN_CACHE:-$
     --device cuda; }
 
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests moe_layer memory memory_long attention_probe profile_small profile_tiny step_tiny step_small
-                                  balance demo)
+[ ${#steps[@]} -eq 0 ] && steps=(tests moe_layer memory memory_long attention_probe profile_small profile_tiny
+                                  step_tiny step_small balance demo)
 for step in "${steps[@]}"; do
     start=$(date +%s)
     echo "=== $step"

@@ -29,7 +29,6 @@ from gpu_step_profile import busy_seconds  # noqa: E402
 
 from moetrain.config import load_model_config
 from moetrain.config.model import ModelConfig
-from moetrain.costs.activations import SELECTIVE_OPTIONS
 from moetrain.costs.flops import training_flops_per_token
 from moetrain.memory.args import uses_flash_attention
 from moetrain.memory.measure import measure_activations, time_steps
@@ -133,15 +132,13 @@ def main() -> int:
     probe = choose_memory_plan(cfg, seq, batch, "none", None, speed, dtype_bytes, flash)
     budget = args.budget_fraction * probe.baseline_bytes
     runs = {"none": {**baseline, "predicted_activation_bytes": probe.activation_bytes}}
-    fixed = {"selective": MemoryPlan.uniform(SELECTIVE_OPTIONS, num_blocks(cfg))}
-    if cuda:
-        fixed["swap"] = MemoryPlan.uniform(("swap_attention", "swap_moe"), num_blocks(cfg))
-    for name, plan in fixed.items():
-        runs[name] = {**measure(plan), "options": plan.summary()}
-    for policy in ("full", "auto"):
+    for policy in ("selective", "full", "auto"):
         result = choose_memory_plan(cfg, seq, batch, policy, budget, speed, dtype_bytes, flash)
         runs[policy] = {**measure(result.plan), "options": result.options,
                         "predicted_activation_bytes": result.activation_bytes}
+    if cuda:  # every layer's attention and MoE tensors to host memory: what swap alone saves and costs
+        swap = MemoryPlan.uniform(("swap_attention", "swap_moe"), num_blocks(cfg))
+        runs["swap"] = {**measure(swap), "options": swap.summary()}
     for run in runs.values():
         run["activation_ratio"] = run["activation_bytes"] / baseline["activation_bytes"]
         run["step_time_ratio"] = run["step_time_s"] / baseline["step_time_s"]

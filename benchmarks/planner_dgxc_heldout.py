@@ -40,7 +40,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
-from _heldout import THRESHOLD_PCT, prepared_rows, print_summaries, signed_pct_errors, summary
+from _heldout import CALIBRATION_CSV, THRESHOLD_PCT, prepared_rows, print_summaries, signed_pct_errors, summary
 from _record import write_result
 
 from moetrain.planner.calibration import load_calibration
@@ -72,7 +72,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cv-variant", action="store_true",
                         help="also cross-validate calibration.csv with NeMo/Megatron-Bridge rows priced as overlapped")
-    parser.add_argument("--csv", default=str(ROOT.parent / "shared" / "validation" / "calibration.csv"))
+    parser.add_argument("--csv", default=str(CALIBRATION_CSV))
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "planner_dgxc_heldout.json"))
     args = parser.parse_args()
 

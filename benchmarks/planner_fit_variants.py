@@ -22,7 +22,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
-from _heldout import THRESHOLD_PCT, signed_pct_errors
+from _heldout import CALIBRATION_CSV, THRESHOLD_PCT, signed_pct_errors
 from _record import write_result
 
 from moetrain.planner import fit
@@ -65,9 +65,7 @@ def score(csv: str, name: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    default_csv = next((p for p in (ROOT.parent / "shared/validation/calibration.csv",
-                                    ROOT / "shared/validation/calibration.csv") if p.is_file()), None)
-    parser.add_argument("--csv", type=Path, default=default_csv)
+    parser.add_argument("--csv", type=Path, default=CALIBRATION_CSV)
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args()
     with ProcessPoolExecutor(max_workers=args.workers) as pool:

@@ -15,6 +15,8 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+from _heldout import CALIBRATION_CSV
+
 from moetrain.planner.calibration import Calibration, load_calibration
 from moetrain.planner.validation import predict, prepare_all, read_rows
 
@@ -24,9 +26,7 @@ KEYS = ("step_time_s", "dp_exposed_s", "a2a_exposed_s", "bubble_s")
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    default_csv = next((p for p in (ROOT.parent / "shared/validation/calibration.csv",
-                                    ROOT / "shared/validation/calibration.csv") if p.is_file()), None)
-    parser.add_argument("--csv", type=Path, default=default_csv)
+    parser.add_argument("--csv", type=Path, default=CALIBRATION_CSV)
     args = parser.parse_args()
     shipped = load_calibration()
     without = Calibration(replace(shipped.global_params, moe_overhead_us=0.0), shipped.per_arch, "no MoE overhead")

@@ -24,6 +24,7 @@ import argparse
 from collections import defaultdict
 from pathlib import Path
 
+from _heldout import CALIBRATION_CSV
 from _record import write_result
 
 from moetrain.costs.flops import training_flops_per_token
@@ -78,9 +79,7 @@ def micro_batch_spread(members: list[PreparedRow], calibration: Calibration) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    default_csv = next((p for p in (ROOT.parent / "shared/validation/calibration.csv",
-                                    ROOT / "shared/validation/calibration.csv") if p.is_file()), None)
-    parser.add_argument("--csv", type=Path, default=default_csv)
+    parser.add_argument("--csv", type=Path, default=CALIBRATION_CSV)
     held_out = [ROOT / "benchmarks/data/vtrain_heldout.csv", ROOT / "benchmarks/data/dgxc_heldout.csv"]
     parser.add_argument("--also", type=Path, nargs="*", default=held_out)
     args = parser.parse_args()

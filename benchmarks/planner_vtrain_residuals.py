@@ -35,6 +35,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+from _heldout import CALIBRATION_CSV
 from scipy.optimize import nnls
 
 import moetrain.planner.fit as fit
@@ -86,9 +87,7 @@ def _cv(rows: list[PreparedRow]) -> dict[str, object]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    default_csv = next((p for p in (ROOT.parent / "shared/validation/calibration.csv",
-                                    ROOT / "shared/validation/calibration.csv") if p.is_file()), None)
-    parser.add_argument("--csv", type=Path, default=default_csv)
+    parser.add_argument("--csv", type=Path, default=CALIBRATION_CSV)
     parser.add_argument("--cv-variants", action="store_true", help="also run the full cross-validation of variants")
     args = parser.parse_args()
     rows, _ = prepare_all(read_rows(args.csv))
