@@ -36,3 +36,47 @@ def test_finer_experts_keep_activated_parameters() -> None:
     # Routed compute is kept exactly; the shared expert narrows with the experts (within 5 % overall).
     assert count_params(finer).active_experts == count_params(base).active_experts
     assert count_params(finer).active == pytest.approx(count_params(base).active, rel=0.05)
+
+
+def test_host_probe_times_the_runtime_model() -> None:
+    import torch
+
+    from moetrain.planner.profiler import _host_issue_times
+
+    torch.manual_seed(0)
+    times = _host_issue_times(load_model_config("tiny-pangu"), "cpu", repeats=1)
+    assert times is not None
+    assert 0 < times["forward_s"] < times["forward_backward_s"]
+    assert times["optimizer_s"] > 0
+    # Too large to build beside a training run: no probe, so the profile leaves the host terms at zero.
+    assert _host_issue_times(load_model_config("pangu-ultra-moe-718b"), "cpu", repeats=1) is None
+
+
+def test_host_floor_bounds_each_layer_pass_and_the_optimizer() -> None:
+    from dataclasses import replace
+
+    import numpy as np
+
+    from moetrain.config import ParallelConfig, load_cluster_config
+    from moetrain.planner.costmodel import Workload, evaluate
+    from moetrain.planner.strategy import Strategies
+
+    model = load_model_config("tiny-pangu")
+    workload = Workload(model, load_cluster_config("h100-sxm-80gb"), seq_len=128, global_batch=16)
+    strategy = Strategies.from_parallel([ParallelConfig(micro_batch=4)])
+    device_bound = load_calibration().for_device("h100-sxm-80gb")
+    base = evaluate(workload, strategy, device_bound)
+    assert float(base["host_wait_s"][0]) == 0.0
+    # A host that needs 10 ms per layer pass and 3 ms per optimizer step sets the step: these layers'
+    # device work is far below that, so each further millisecond per pass adds one per layer and micro-batch.
+    host_bound = replace(device_bound, host_layer_us=10_000.0, host_optimizer_ms=3.0)
+    slower_host = replace(host_bound, host_layer_us=11_000.0)
+    out, slower = evaluate(workload, strategy, host_bound), evaluate(workload, strategy, slower_host)
+    num_micro = 16 // 4
+    layer_passes = model.num_layers + model.num_mtp_layers  # the MTP module's block is a layer pass too
+    np.testing.assert_allclose(slower["step_time_s"] - out["step_time_s"], num_micro * layer_passes * 1e-3,
+                               rtol=1e-9)
+    assert float(out["optimizer_s"][0]) == pytest.approx(3e-3)
+    # The wait is everything the host adds to the device-bound step.
+    assert float(out["host_wait_s"][0]) == pytest.approx(float(out["step_time_s"][0] - base["step_time_s"][0]),
+                                                         rel=1e-9)

@@ -71,6 +71,7 @@ def simulate_layout(args: argparse.Namespace) -> dict:
         "bubble_s": timeline.step_time_s - timeline.busy_s[busiest],
         "bubble_fraction": timeline.bubble_fraction[busiest],
         "optimizer_s": get("optimizer_s"),
+        "host_wait_s": get("host_wait_s"),
         "compute_s": compute,
         "communication_s": comm,
         "memory_gib": {**memory, "total": memory_total},
@@ -104,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {name:34s} {'' if total is None else f'{total:10.4g}':>10s}  {value['exposed_s']:10.4g}")
     print(f"  {'pipeline bubble':34s} {'':10s}  {result['bubble_s']:10.4g}  ({result['bubble_fraction']:.1%})")
     print(f"  {'optimizer step':34s} {'':10s}  {result['optimizer_s']:10.4g}")
+    if result["host_wait_s"] > 0:
+        print(f"  {'device waiting for the host':34s} {'':10s}  {result['host_wait_s']:10.4g}")
     print("\nmemory per device (GiB)")
     for name, value in result["memory_gib"].items():
         print(f"  {name:34s} {value:10.2f}")

@@ -64,6 +64,9 @@ OPTIMIZER_BYTES_PER_PARAM = 30.0
 # heads: benchmarks/gpu_attention_probe.py, benchmarks/results/gpu_attention_probe.json).
 ATTENTION_BACKWARD_OVER_FORWARD = 3.0
 
+# Share of a layer pass's host issue time that the forward takes (what full recompute issues again).
+HOST_FORWARD_SHARE = 0.4
+
 
 def model_state_bytes(num_params, dp, zero, weight_bytes: float = BF16, grad_bytes: float = BF16,
                       optimizer_bytes: float = 12.0):
@@ -389,16 +392,25 @@ def evaluate(w: Workload, s: Strategies, eff: Efficiency) -> dict[str, np.ndarra
             return np.maximum(layer.tp_comm - (layer.fwd + layer.bwd + layer.recompute), 0.0)
         return (1.0 - tp_hidden_share) * layer.tp_comm
 
-    def layer_time(layer: _Layer):
+    # Host floor: an eager stack issues every kernel of a layer pass from Python; when the kernels are
+    # small the device waits for the host, so a layer pass takes max(device, host). Full recompute issues
+    # the forward a second time.
+    host_pass = eff.host_layer_us * 1e-6 * (1.0 + HOST_FORWARD_SHARE * _full_recompute_share(s.recompute))
+
+    def device_time(layer: _Layer, with_a2a: bool = True):
         exposed_tp = exposed_tp_of(layer)
-        return layer.fwd + layer.bwd + layer.recompute + exposed_tp + layer.cp_exposed + layer.a2a_exposed
+        return (layer.fwd + layer.bwd + layer.recompute + exposed_tp + layer.cp_exposed
+                + (layer.a2a_exposed if with_a2a else 0.0))
+
+    def layer_time(layer: _Layer, with_a2a: bool = True):
+        return np.maximum(device_time(layer, with_a2a), host_pass)
 
     t_dense = layer_time(dense) if dense is not None else 0.0
     t_body = layer_time(body)
     # The same per-layer costs without the all-to-all, for the event-driven timeline, which decides
     # itself what the schedule hides.
-    c_dense = t_dense - (dense.a2a_exposed if dense is not None else 0.0)
-    c_body = t_body - body.a2a_exposed
+    c_dense = layer_time(dense, with_a2a=False) if dense is not None else 0.0
+    c_body = layer_time(body, with_a2a=False)
 
     # Output head and loss (last stage), vocabulary split over tp; MTP adds a layer, a projection and
     # the head again.
@@ -520,8 +532,9 @@ def evaluate(w: Workload, s: Strategies, eff: Efficiency) -> dict[str, np.ndarra
 
     opt_shard_dense = np.where(s.zero >= 1, dp_dense, 1)
     opt_shard_exp = np.where(s.zero >= 1, edp, 1)
-    optimizer = memory_time(OPTIMIZER_BYTES_PER_PARAM * (dense_local / opt_shard_dense + expert_local / opt_shard_exp),
-                            cluster, eff)
+    optimizer_device = memory_time(OPTIMIZER_BYTES_PER_PARAM * (dense_local / opt_shard_dense
+                                                                + expert_local / opt_shard_exp), cluster, eff)
+    optimizer = np.maximum(optimizer_device, eff.host_optimizer_ms * 1e-3)
     step = pipeline + dp_exposed + optimizer + eff.step_overhead_ms * 1e-3
 
     tokens = w.global_batch * w.seq_len
@@ -613,6 +626,12 @@ def evaluate(w: Workload, s: Strategies, eff: Efficiency) -> dict[str, np.ndarra
         "a2a_exposed_s": num_micro * layers_per_stage * body.a2a_exposed,
         "cp_exposed_s": num_micro * layers_per_stage * body.cp_exposed,
         "p2p_s": num_micro * p2p,
+        # What the device waits for the host (eager issue of small kernels), summed over the step
+        # (first stage; with one stage the MTP modules' blocks too).
+        "host_wait_s": num_micro * (
+            dense_first * np.maximum(host_pass - (device_time(dense) if dense is not None else 0.0), 0.0)
+            + (layers_per_stage - dense_first + np.where(pp == 1, model.num_mtp_layers, 0))
+            * np.maximum(host_pass - device_time(body), 0.0)) + (optimizer - optimizer_device),
         "memory_weights": weights,
         "memory_grads": grads,
         "memory_optimizer": optim,

@@ -121,6 +121,13 @@ def profile_device(cluster: ClusterConfig, model: ModelConfig, device: str, repe
         moe_overhead_us = max(t - ideal, 0.0) * 3 * 1e6
         measured["grouped_gemm"] = {"experts": experts, "tokens_per_expert": tokens_per_expert, "seconds": t}
 
+    # Host issue time of the runtime's own model (GPU only: on a CPU the host is the device).
+    host = _host_issue_times(model, device, repeats) if kind == "cuda" else None
+    if kind == "cuda":
+        torch.cuda.empty_cache()  # the probe model's memory goes back before the training run
+    if host is not None:
+        measured["host"] = host
+
     # Collectives, when launched under torchrun with more than one rank.
     bus = {}
     dist = torch.distributed
@@ -140,4 +147,53 @@ def profile_device(cluster: ClusterConfig, model: ModelConfig, device: str, repe
         "moe_overhead_us": float(moe_overhead_us),
         **{k: float(v) for k, v in bus.items()},
     }
+    if host is not None:
+        efficiencies["host_layer_us"] = host["forward_backward_s"] / model.num_layers * 1e6
+        efficiencies["host_optimizer_ms"] = host["optimizer_s"] * 1e3
     return measured, efficiencies
+
+
+# Runtime models up to this many parameters are built for the host-time measurement (16 B per parameter
+# for weights, gradients and AdamW moments must fit beside the training run that follows).
+HOST_PROBE_MAX_PARAMS = 3e9
+HOST_PROBE_TOKENS = 16
+
+
+def _host_issue_times(model_cfg: ModelConfig, device: str, repeats: int) -> dict | None:
+    """Seconds the host needs to issue one micro-batch's forward+backward (and the forward alone) of the
+    runtime's model, and one optimizer step, measured on a batch of ``HOST_PROBE_TOKENS`` tokens: the
+    device finishes each of those kernels faster than eager PyTorch issues the next, so the elapsed time
+    is the host's (Python, dispatcher, kernel launches), which sets a floor under every step however small
+    the kernels. None for models too large to build here."""
+    from moetrain.config.training import TrainingConfig
+    from moetrain.costs.params import count_params
+    from moetrain.models.transformer import build_model
+    from moetrain.train.optim import build_optimizer
+
+    if count_params(model_cfg).total_with_mtp > HOST_PROBE_MAX_PARAMS:
+        return None
+    model = build_model(model_cfg, device=device, seed=0)
+    optimizer = build_optimizer(model, TrainingConfig())
+    ids = torch.randint(0, model_cfg.vocab_size, (1, HOST_PROBE_TOKENS), device=device)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    kind = torch.device(device).type
+
+    def forward():  # bf16 autocast on a GPU, as the trainer runs there
+        with torch.autocast(device_type=kind, dtype=torch.bfloat16, enabled=kind == "cuda"):
+            return model(ids, labels=ids).loss
+
+    def forward_backward():
+        forward().backward()
+
+    def optimizer_step():
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads)
+        torch.nn.utils.clip_grads_with_norm_(params, 1.0, norm)
+        optimizer.step()
+
+    times = {"forward_s": _timed(forward, repeats, device), "forward_backward_s": _timed(forward_backward, repeats,
+                                                                                          device)}
+    times["optimizer_s"] = _timed(optimizer_step, repeats, device)
+    times["tokens"] = HOST_PROBE_TOKENS
+    return times
