@@ -202,3 +202,17 @@ def test_sdpa_is_a_fused_kernel_for_the_mla_head_dims():
     torch.cuda.synchronize()
     scores_bytes = att.num_heads * 1024 * 1024 * 2
     assert torch.cuda.max_memory_allocated() - start < scores_bytes / 4
+
+
+def test_profile_measures_the_host_issue_floor_on_cuda():
+    """On a GPU the profile times the runtime's own model at 16 tokens: the host's issue time per layer pass
+    and per optimizer step, which the simulator uses as a floor (CPU profiles leave them at 0)."""
+    from moetrain.planner.profiler import profile_device
+
+    measured, efficiencies = profile_device(load_cluster_config("h100-sxm-80gb"), load_model_config("tiny-pangu"),
+                                            "cuda", repeats=2)
+    host = measured["host"]
+    assert 0 < host["forward_s"] < host["forward_backward_s"]
+    assert efficiencies["host_layer_us"] > 0 and efficiencies["host_optimizer_ms"] > 0
+    # a kernel launch costs microseconds, so an eager layer pass of tens of kernels costs well above 10 µs
+    assert efficiencies["host_layer_us"] > 10
