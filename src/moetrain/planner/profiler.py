@@ -148,7 +148,9 @@ def profile_device(cluster: ClusterConfig, model: ModelConfig, device: str, repe
         **{k: float(v) for k, v in bus.items()},
     }
     if host is not None:
-        efficiencies["host_layer_us"] = host["forward_backward_s"] / model.num_layers * 1e6
+        # per layer pass, as the simulator counts them: decoder layers and MTP blocks
+        layer_passes = model.num_layers + model.num_mtp_layers
+        efficiencies["host_layer_us"] = host["forward_backward_s"] / layer_passes * 1e6
         efficiencies["host_optimizer_ms"] = host["optimizer_s"] * 1e3
     return measured, efficiencies
 
@@ -176,7 +178,6 @@ def _host_issue_times(model_cfg: ModelConfig, device: str, repeats: int) -> dict
     optimizer = build_optimizer(model, TrainingConfig())
     ids = torch.randint(0, model_cfg.vocab_size, (1, HOST_PROBE_TOKENS), device=device)
     params = [p for p in model.parameters() if p.requires_grad]
-
     kind = torch.device(device).type
 
     def forward():  # bf16 autocast on a GPU, as the trainer runs there
