@@ -7,10 +7,12 @@ exactly as ``moetrain validate ../shared/validation/calibration.csv --cv`` score
 - ``family_weight_0.5``, ``family_weight_1``: each row's squared log-ratio weighed by n^-p, n the speed
   rows of its family (p = 1: every family counts the same, so the 54 vTrain rows stop setting the level);
 - ``per_arch_memory``, ``per_arch_attention``, ``per_arch_memory_attention``: the element-wise
-  memory efficiency and/or the fused-attention efficiency fitted per architecture as well.
+  memory efficiency and/or the fused-attention efficiency fitted per architecture as well;
+- ``memory_at_h100_measurement``: the element-wise memory efficiency held at what an element-wise add
+  reached on an H100 (0.89, ``moetrain profile``; docs/planner.md), not fitted: one parameter fewer.
 
 It also fits each variant on all rows, to show the parameter values it settles on. Writes
-benchmarks/results/planner_fit_variants.json (7.5 minutes on 2 cores).
+benchmarks/results/planner_fit_variants.json (about 9 minutes on 2 cores).
 
     python benchmarks/planner_fit_variants.py [--csv ../shared/validation/calibration.csv] [--workers 2]
 """
@@ -36,6 +38,7 @@ VARIANTS: dict[str, dict] = {
     "per_arch_memory": {"per_arch_params": ("gemm_max", "memory")},
     "per_arch_attention": {"per_arch_params": ("gemm_max", "attention")},
     "per_arch_memory_attention": {"per_arch_params": ("gemm_max", "memory", "attention")},
+    "memory_at_h100_measurement": {"fixed": {"memory": 0.89}},
 }
 
 
@@ -58,7 +61,7 @@ def score(csv: str, name: str) -> dict:
         "families": families,
         "worst_rows": [{"id": rows[i].row_id, "signed_pct_error": round(float(signed[i]), 1)}
                        for i in np.argsort(-errors)[:12]],
-        "free_parameters": everything.free_parameter_count,
+        "free_parameters": everything.free_parameter_count - len(options.get("fixed", {})),
         "fit_on_all_rows": everything.to_dict(),
     }
 

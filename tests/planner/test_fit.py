@@ -46,3 +46,16 @@ def test_per_architecture_parameters_are_fitted_per_architecture(published_rows:
     # The global value is the geometric mean of the per-architecture ones (what an unseen architecture uses).
     fitted = [v["memory"] for v in with_memory.per_arch.values()]
     assert with_memory.global_params.memory == pytest.approx(math.sqrt(fitted[0] * fitted[1]))
+
+
+def test_a_fixed_parameter_keeps_its_value_and_the_others_absorb_the_data(published_rows: list[dict]) -> None:
+    rows = _copies(published_rows, "MPT-6", "A", [0.60, 0.62, 0.64, 0.66])
+    free = fit_calibration(rows)
+    held = fit_calibration(rows, fixed={"memory": 0.89}, per_arch_params=("gemm_max", "memory"))
+    # Held, never fitted, not even per architecture.
+    assert held.global_params.memory == 0.89
+    assert all("memory" not in v for v in held.per_arch.values())
+    # The data still sets the prediction: the fit's level moves to the other parameters.
+    measured_log = sum(math.log(v) for v in (0.60, 0.62, 0.64, 0.66)) / 4
+    for calibration in (free, held):
+        assert math.log(predict_rows(rows[:1], calibration)[0]) == pytest.approx(measured_log, abs=0.02)

@@ -77,18 +77,21 @@ def predict_rows(rows: list[PreparedRow], calibration: Calibration) -> np.ndarra
     return predicted
 
 
-def _layout(rows: list[PreparedRow], per_arch_params: tuple[str, ...]) -> tuple[list[str], list[tuple[str, str]]]:
+def _layout(rows: list[PreparedRow], per_arch_params: tuple[str, ...],
+            fixed: dict[str, float]) -> tuple[list[str], list[tuple[str, str]]]:
     counts = Counter(arch_of(r.workload.cluster.device) for r in rows if r.metric != "peak_memory_gib")
-    per_arch = [(arch, p) for arch, n in sorted(counts.items()) if n >= MIN_ROWS_PER_ARCH for p in per_arch_params]
+    per_arch = [(arch, p) for arch, n in sorted(counts.items()) if n >= MIN_ROWS_PER_ARCH for p in per_arch_params
+                if p not in fixed]
     # A parameter fitted per architecture is not fitted again globally: its global value (what an
     # architecture without data uses) is the geometric mean over the fitted architectures.
     derived = {p for _, p in per_arch}
-    glob = [p for p in BOUNDS if p not in derived]
+    glob = [p for p in BOUNDS if p not in derived and p not in fixed]
     return glob, per_arch
 
 
-def _unpack(x: np.ndarray, glob: list[str], per_arch: list[tuple[str, str]], note: str) -> Calibration:
-    values = {k: float(v) for k, v in zip(glob, x[: len(glob)])}
+def _unpack(x: np.ndarray, glob: list[str], per_arch: list[tuple[str, str]], note: str,
+            fixed: dict[str, float] | None = None) -> Calibration:
+    values = {**(fixed or {}), **{k: float(v) for k, v in zip(glob, x[: len(glob)])}}
     arch: dict[str, dict[str, float]] = defaultdict(dict)
     for (name, param), value in zip(per_arch, x[len(glob):]):
         arch[name][param] = float(value)
@@ -99,14 +102,16 @@ def _unpack(x: np.ndarray, glob: list[str], per_arch: list[tuple[str, str]], not
 
 
 def fit_calibration(rows: list[PreparedRow], note: str = "", *, per_arch_params: tuple[str, ...] = PER_ARCH_PARAMS,
-                    family_weight_power: float = 0.0) -> Calibration:
+                    family_weight_power: float = 0.0, fixed: dict[str, float] | None = None) -> Calibration:
     """Least-squares fit of the efficiency parameters on ``rows`` (speed rows only).
 
-    The two options are variants the shipped fit does not use (docs/planner.md, "Fit variants"):
+    The options are variants the shipped fit does not use (docs/planner.md, "Fit variants"):
     ``per_arch_params`` names the parameters fitted per architecture; ``family_weight_power`` p weighs
     each row's squared log-ratio by n^−p, n being the number of speed rows of its family (0: every row
-    counts the same, as shipped; 1: every family counts the same).
+    counts the same, as shipped; 1: every family counts the same); ``fixed`` holds parameters at given
+    values (a kernel measurement, say) instead of fitting them.
     """
+    fixed = dict(fixed or {})
     try:
         from scipy.optimize import least_squares
     except ImportError as exc:  # scipy is needed only to refit, not to simulate
@@ -114,7 +119,7 @@ def fit_calibration(rows: list[PreparedRow], note: str = "", *, per_arch_params:
     speed_rows = [r for r in rows if r.metric != "peak_memory_gib"]
     if not speed_rows:
         raise UserError("no speed rows to fit on (memory rows do not constrain efficiencies)")
-    glob, per_arch = _layout(speed_rows, per_arch_params)
+    glob, per_arch = _layout(speed_rows, per_arch_params, fixed)
     prior = default_calibration().global_params
     x0 = np.array([getattr(prior, p) for p in glob] + [getattr(prior, p) for _, p in per_arch])
     lower = np.array([BOUNDS[p][0] for p in glob] + [BOUNDS[p][0] for _, p in per_arch])
@@ -126,13 +131,13 @@ def fit_calibration(rows: list[PreparedRow], note: str = "", *, per_arch_params:
     weights = weights / np.sqrt(np.mean(weights**2))  # the prior keeps its pull relative to the data
 
     def residuals(x: np.ndarray) -> np.ndarray:
-        predicted = predict_rows(speed_rows, _unpack(x, glob, per_arch, ""))
+        predicted = predict_rows(speed_rows, _unpack(x, glob, per_arch, "", fixed))
         fit_term = weights * np.log(np.maximum(predicted, 1e-12) / measured)
         return np.concatenate([fit_term, PRIOR_WEIGHT * (x - x0) / scale])
 
     result = least_squares(residuals, np.clip(x0, lower, upper), bounds=(lower, upper), x_scale=scale,
                            diff_step=1e-3, max_nfev=400, loss=LOSS, f_scale=LOSS_SCALE)
-    return _unpack(result.x, glob, per_arch, note)
+    return _unpack(result.x, glob, per_arch, note, fixed)
 
 
 def leave_one_family_out(rows: list[PreparedRow], **fit_options) -> np.ndarray:
