@@ -31,9 +31,14 @@ BANDWIDTH_ELEMENTS = {"cpu": 8 * 1024 * 1024, "cuda": 128 * 1024 * 1024}
 CALLS_PER_TIMING = {"cpu": 1, "cuda": 20}
 
 
+def _kind(device: str) -> str:
+    """"cuda" or "cpu": the key of the per-device tables above."""
+    return torch.device(device).type
+
+
 def _timed(fn, repeats: int, device: str) -> float:
     """Median seconds per call of ``fn``."""
-    kind = "cuda" if device.startswith("cuda") else "cpu"
+    kind = _kind(device)
     calls = CALLS_PER_TIMING[kind]
     fn()  # warm-up (allocations, kernel selection)
     if kind == "cuda":
@@ -51,7 +56,7 @@ def _timed(fn, repeats: int, device: str) -> float:
 
 def profile_device(cluster: ClusterConfig, model: ModelConfig, device: str, repeats: int) -> tuple[dict, dict]:
     """(raw measurements, fitted efficiencies) for ``cluster``'s peaks on ``device``."""
-    kind = "cuda" if device.startswith("cuda") else "cpu"
+    kind = _kind(device)
     dtype = torch.float32 if kind == "cpu" else torch.bfloat16
     peak = cluster.peak_flops("bf16")
     measured: dict = {"device": torch.cuda.get_device_name(device) if kind == "cuda" else device,
@@ -75,8 +80,9 @@ def profile_device(cluster: ClusterConfig, model: ModelConfig, device: str, repe
     gemm_overhead_us = intercept * 1e6
 
     # Attention (SDPA, causal): the causal half of 4·b·h·s²·d, forward, brought to head dim 128 (what
-    # ``Efficiency.attention`` is; the cost model prices the backward at 2.5× the forward, and the ratio
-    # measured here is kept beside it for comparison).
+    # ``Efficiency.attention`` is; the cost model prices the backward at
+    # ``costmodel.ATTENTION_BACKWARD_OVER_FORWARD`` × the forward, and the ratio measured here is kept beside
+    # it for comparison).
     attn_eff = []
     batch, heads, head_dim, seqs = ATTENTION_SHAPES[kind]
     for seq in seqs:
@@ -122,11 +128,12 @@ def profile_device(cluster: ClusterConfig, model: ModelConfig, device: str, repe
         measured["grouped_gemm"] = {"experts": experts, "tokens_per_expert": tokens_per_expert, "seconds": t}
 
     # Host issue time of the runtime's own model (GPU only: on a CPU the host is the device).
-    host = _host_issue_times(model, device, repeats) if kind == "cuda" else None
+    host = None
     if kind == "cuda":
+        host = _host_issue_times(model, device, repeats)
         torch.cuda.empty_cache()  # the probe model's memory goes back before the training run
-    if host is not None:
-        measured["host"] = host
+        if host is not None:
+            measured["host"] = host
 
     # Collectives, when launched under torchrun with more than one rank.
     bus = {}
@@ -178,7 +185,7 @@ def _host_issue_times(model_cfg: ModelConfig, device: str, repeats: int) -> dict
     optimizer = build_optimizer(model, TrainingConfig())
     ids = torch.randint(0, model_cfg.vocab_size, (1, HOST_PROBE_TOKENS), device=device)
     params = [p for p in model.parameters() if p.requires_grad]
-    kind = torch.device(device).type
+    kind = _kind(device)
 
     def forward():  # bf16 autocast on a GPU, as the trainer runs there
         with torch.autocast(device_type=kind, dtype=torch.bfloat16, enabled=kind == "cuda"):
