@@ -3,16 +3,20 @@
 Each variant refits the efficiencies (``moetrain.planner.fit.fit_calibration`` options) and is scored
 exactly as ``moetrain validate ../shared/validation/calibration.csv --cv`` scores the shipped model:
 
-- ``shipped``: one weight per row, ``gemm_max`` per architecture (what the shipped file uses);
-- ``family_weight_0.5``, ``family_weight_1``: each row's squared log-ratio weighed by n^-p, n the speed
+- ``shipped``: one weight per row, ``gemm_max`` per architecture, Huber loss on the log-ratios turning
+  linear at 0.1 (what the shipped file uses);
+- ``linear_loss`` (plain least squares, the shipped fit before the Huber loss), ``huber_loss_0.05``,
+  ``huber_loss_0.2``, ``soft_l1_loss_0.1``, ``cauchy_loss_0.1``: other losses and scales;
+- ``family_weight_0.5``, ``family_weight_1``: each row's log-ratio weighed by n^(-p/2), n the speed
   rows of its family (p = 1: every family counts the same, so the 54 vTrain rows stop setting the level);
 - ``per_arch_memory``, ``per_arch_attention``, ``per_arch_memory_attention``: the element-wise
   memory efficiency and/or the fused-attention efficiency fitted per architecture as well;
 - ``memory_at_h100_measurement``: the element-wise memory efficiency held at what an element-wise add
   reached on an H100 (0.89, ``moetrain profile``; docs/planner.md), not fitted: one parameter fewer.
 
-It also fits each variant on all rows, to show the parameter values it settles on. Writes
-benchmarks/results/planner_fit_variants.json (about 9 minutes on 2 cores).
+It also fits each variant on all rows, to show the parameter values it settles on, and scores that fit on
+the 55 vTrain runs no fit sees (``benchmarks/data/vtrain_heldout.csv``, as ``planner_vtrain_heldout.py``'s
+``shipped`` does). Writes benchmarks/results/planner_fit_variants.json (about 15 minutes on 2 cores).
 
     python benchmarks/planner_fit_variants.py [--csv ../shared/validation/calibration.csv] [--workers 2]
 """
@@ -24,15 +28,21 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
-from _heldout import CALIBRATION_CSV, THRESHOLD_PCT, signed_pct_errors
+from _heldout import CALIBRATION_CSV, THRESHOLD_PCT, prepared_rows, signed_pct_errors, summary
 from _record import write_result
 
 from moetrain.planner import fit
 from moetrain.planner.validation import prepare_all, read_rows, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
+UNSEEN_VTRAIN_CSV = ROOT / "benchmarks" / "data" / "vtrain_heldout.csv"
 VARIANTS: dict[str, dict] = {
     "shipped": {},
+    "linear_loss": {"loss": "linear"},
+    "huber_loss_0.05": {"loss_scale": 0.05},
+    "huber_loss_0.2": {"loss_scale": 0.2},
+    "soft_l1_loss_0.1": {"loss": "soft_l1"},
+    "cauchy_loss_0.1": {"loss": "cauchy"},
     "family_weight_0.5": {"family_weight_power": 0.5},
     "family_weight_1": {"family_weight_power": 1.0},
     "per_arch_memory": {"per_arch_params": ("gemm_max", "memory")},
@@ -53,6 +63,8 @@ def score(csv: str, name: str) -> dict:
         index = [i for i, r in enumerate(rows) if r.family == family]
         families[family] = {k: round(v, 1) for k, v in summarize(list(errors[index])).items()}
     everything = fit.fit_calibration(rows, **options)
+    unseen = prepared_rows(read_rows(UNSEEN_VTRAIN_CSV))
+    unseen_signed = signed_pct_errors(unseen, fit.predict_rows(unseen, everything))
     return {
         "variant": name,
         "options": {k: list(v) if isinstance(v, tuple) else v for k, v in options.items()},
@@ -61,6 +73,7 @@ def score(csv: str, name: str) -> dict:
         "families": families,
         "worst_rows": [{"id": rows[i].row_id, "signed_pct_error": round(float(signed[i]), 1)}
                        for i in np.argsort(-errors)[:12]],
+        "unseen_vtrain_rows_fit_on_all_rows": {k: round(v, 2) for k, v in summary(unseen_signed).items()},
         "free_parameters": everything.free_parameter_count - len(options.get("fixed", {})),
         "fit_on_all_rows": everything.to_dict(),
     }
@@ -76,7 +89,9 @@ def main() -> None:
     for r in results:
         cv = r["cross_validated"]
         print(f"{r['variant']:28s} {r['free_parameters']:2d} parameters   median {cv['median_abs_pct_error']:5.2f} %"
-              f"   90th percentile {cv['p90_abs_pct_error']:5.2f} %   above 12 %: {cv['rows_above_12_pct']}")
+              f"   90th percentile {cv['p90_abs_pct_error']:5.2f} %   above 12 %: {cv['rows_above_12_pct']}"
+              f"   unseen vTrain: {r['unseen_vtrain_rows_fit_on_all_rows']['median_abs_pct_error']:5.2f} % /"
+              f" {r['unseen_vtrain_rows_fit_on_all_rows']['p90_abs_pct_error']:5.2f} %")
     write_result(ROOT / "benchmarks/results/planner_fit_variants.json", {"variants": results})
 
 

@@ -1,4 +1,4 @@
-"""The efficiency fit: row weights by family, and parameters fitted per architecture."""
+"""The efficiency fit: its robust loss, row weights by family, and parameters fitted per architecture."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 
+from moetrain.planner import fit
 from moetrain.planner.fit import fit_calibration, predict_rows
 from moetrain.planner.validation import PreparedRow, prepare_row
 
@@ -27,10 +28,22 @@ def test_family_weights_decide_where_disagreeing_sources_meet(published_rows: li
                                                               expected_log: float) -> None:
     # Two sources measure the same run: three rows of one family at MFU 0.40, one row of another at 0.50.
     rows = _copies(published_rows, "MPT-6", "A", [0.40, 0.40, 0.40]) + _copies(published_rows, "MPT-6", "B", [0.50])
-    calibration = fit_calibration(rows, family_weight_power=power)
+    calibration = fit_calibration(rows, family_weight_power=power, loss="linear")
     predicted = predict_rows(rows[:1], calibration)[0]
     # The weak pull towards the prior moves the optimum by far less than the 5.6 % between the answers.
     assert math.log(predicted) == pytest.approx(expected_log, abs=0.01)
+
+
+def test_the_shipped_huber_loss_bounds_the_pull_of_a_row_far_off(published_rows: list[dict]) -> None:
+    # Three rows at MFU 0.40 and one at 0.50 (log-ratio 0.22 apart, beyond the 0.1 where the loss turns
+    # linear). Least squares lands on the mean log, 0.056 above log 0.40; under the Huber loss the far row
+    # pulls with a constant 0.1 against 3·(L − log 0.40) from the others, so L = log 0.40 + 0.1/3.
+    rows = _copies(published_rows, "MPT-6", "A", [0.40, 0.40, 0.40, 0.50])
+    assert fit.LOSS == "huber" and fit.LOSS_SCALE == 0.1
+    robust = math.log(predict_rows(rows[:1], fit_calibration(rows))[0])
+    squares = math.log(predict_rows(rows[:1], fit_calibration(rows, loss="linear"))[0])
+    assert robust == pytest.approx(math.log(0.40) + 0.1 / 3, abs=0.004)
+    assert squares == pytest.approx((3 * math.log(0.40) + math.log(0.50)) / 4, abs=0.004)
 
 
 def test_per_architecture_parameters_are_fitted_per_architecture(published_rows: list[dict]) -> None:

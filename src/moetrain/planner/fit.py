@@ -1,7 +1,7 @@
 """Fitting the efficiency parameters on published runs, and leave-one-family-out cross-validation.
 
-The fit minimises the squared log-ratio of predicted to measured metric over all rows that measure
-speed (memory rows do not depend on efficiencies), plus a weak pull of each parameter towards its
+The fit minimises a robust (Huber) loss of the log-ratio of predicted to measured metric over all rows
+that measure speed (memory rows do not depend on efficiencies), plus a weak pull of each parameter towards its
 physical prior so that parameters the training rows cannot identify stay at their prior instead of
 drifting. Per-architecture values (``PER_ARCH_PARAMS``) are fitted only for architectures with at
 least ``MIN_ROWS_PER_ARCH`` speed rows in the training set; others use the global value.
@@ -26,11 +26,12 @@ from moetrain.planner.strategy import Strategies
 from moetrain.planner.validation import PreparedRow
 
 MIN_ROWS_PER_ARCH = 4
-# Loss on the log-ratios, as scipy's least_squares names it. "linear" (plain least squares) is what the
-# shipped fit uses; a robust loss ("soft_l1", quadratic below LOSS_SCALE and linear above) bounds the pull
-# of the rows no mechanism reproduces, but it gave a worse cross-validated median (docs/planner.md,
-# benchmarks/planner_vtrain_residuals.py --cv-variants), so it is not the default.
-LOSS = "linear"
+# Loss on the log-ratios, as scipy's least_squares names it. The shipped fit uses "huber": squared below
+# LOSS_SCALE (a 10 % miss) and linear above, so that the few rows no mechanism reproduces (25-46 % off, see
+# docs/planner.md) pull on the shared efficiencies like any row 10 % off instead of with their squared error.
+# Plain least squares ("linear") and the smooth "soft_l1" and "cauchy" losses cross-validated worse
+# (benchmarks/planner_fit_variants.py, "loss" variants).
+LOSS = "huber"
 LOSS_SCALE = 0.1
 # ``Efficiency`` fields not in BOUNDS (``calibration.NOT_FITTED``) keep their default in a fit.
 PRIOR_WEIGHT = 0.05
@@ -102,14 +103,16 @@ def _unpack(x: np.ndarray, glob: list[str], per_arch: list[tuple[str, str]], not
 
 
 def fit_calibration(rows: list[PreparedRow], note: str = "", *, per_arch_params: tuple[str, ...] = PER_ARCH_PARAMS,
-                    family_weight_power: float = 0.0, fixed: dict[str, float] | None = None) -> Calibration:
-    """Least-squares fit of the efficiency parameters on ``rows`` (speed rows only).
+                    family_weight_power: float = 0.0, fixed: dict[str, float] | None = None,
+                    loss: str = LOSS, loss_scale: float = LOSS_SCALE) -> Calibration:
+    """Robust least-squares fit of the efficiency parameters on ``rows`` (speed rows only).
 
     The options are variants the shipped fit does not use (docs/planner.md, "Fit variants"):
     ``per_arch_params`` names the parameters fitted per architecture; ``family_weight_power`` p weighs
-    each row's squared log-ratio by n^−p, n being the number of speed rows of its family (0: every row
-    counts the same, as shipped; 1: every family counts the same); ``fixed`` holds parameters at given
-    values (a kernel measurement, say) instead of fitting them.
+    each row's log-ratio by n^(−p/2) (its squared error by n^−p), n being the number of speed rows of its
+    family (0: every row counts the same, as shipped; 1: every family counts the same); ``fixed`` holds
+    parameters at given values (a kernel measurement, say) instead of fitting them; ``loss`` and
+    ``loss_scale`` choose scipy's loss on the log-ratios and the log-ratio where it turns linear.
     """
     fixed = dict(fixed or {})
     try:
@@ -136,7 +139,7 @@ def fit_calibration(rows: list[PreparedRow], note: str = "", *, per_arch_params:
         return np.concatenate([fit_term, PRIOR_WEIGHT * (x - x0) / scale])
 
     result = least_squares(residuals, np.clip(x0, lower, upper), bounds=(lower, upper), x_scale=scale,
-                           diff_step=1e-3, max_nfev=400, loss=LOSS, f_scale=LOSS_SCALE)
+                           diff_step=1e-3, max_nfev=400, loss=loss, f_scale=loss_scale)
     return _unpack(result.x, glob, per_arch, note, fixed)
 
 
