@@ -19,7 +19,7 @@ exactly as ``moetrain validate ../shared/validation/calibration.csv --cv`` score
 
 It also fits each variant on all rows, to show the parameter values it settles on, and scores that fit on
 the 55 vTrain runs no fit sees (``benchmarks/data/vtrain_heldout.csv``, as ``planner_vtrain_heldout.py``'s
-``shipped`` does). Writes benchmarks/results/planner_fit_variants.json (about 15 minutes on 2 cores).
+``shipped`` does). Writes benchmarks/results/planner_fit_variants.json (about 17 minutes on 2 cores).
 
     python benchmarks/planner_fit_variants.py [--csv ../shared/validation/calibration.csv] [--workers 2]
 """
