@@ -30,7 +30,8 @@ MIN_ROWS_PER_ARCH = 4
 # LOSS_SCALE (a 10 % miss) and linear above, so that the few rows no mechanism reproduces (25-46 % off, see
 # docs/planner.md) pull on the shared efficiencies like any row 10 % off instead of with their squared error.
 # Plain least squares ("linear") and the smooth "soft_l1" and "cauchy" losses cross-validated worse
-# (benchmarks/planner_fit_variants.py, "loss" variants).
+# (benchmarks/planner_fit_variants.py, "loss" variants). scipy applies the loss to the prior residuals too;
+# they stay in its squared part unless a parameter moves more than two prior scales from its prior.
 LOSS = "huber"
 LOSS_SCALE = 0.1
 # ``Efficiency`` fields not in BOUNDS (``calibration.NOT_FITTED``) keep their default in a fit.
