@@ -405,8 +405,10 @@ def evaluate(w: Workload, s: Strategies, eff: Efficiency) -> dict[str, np.ndarra
     def layer_time(layer: _Layer, with_a2a: bool = True):
         return np.maximum(device_time(layer, with_a2a), host_pass)
 
-    t_dense = layer_time(dense) if dense is not None else 0.0
-    t_body = layer_time(body)
+    d_dense = device_time(dense) if dense is not None else 0.0
+    d_body = device_time(body)
+    t_dense = np.maximum(d_dense, host_pass) if dense is not None else 0.0
+    t_body = np.maximum(d_body, host_pass)
     # The same per-layer costs without the all-to-all, for the event-driven timeline, which decides
     # itself what the schedule hides.
     c_dense = layer_time(dense, with_a2a=False) if dense is not None else 0.0
@@ -629,9 +631,9 @@ def evaluate(w: Workload, s: Strategies, eff: Efficiency) -> dict[str, np.ndarra
         # What the device waits for the host (eager issue of small kernels), summed over the step
         # (first stage; with one stage the MTP modules' blocks too).
         "host_wait_s": num_micro * (
-            dense_first * np.maximum(host_pass - (device_time(dense) if dense is not None else 0.0), 0.0)
-            + (layers_per_stage - dense_first + np.where(pp == 1, model.num_mtp_layers, 0))
-            * np.maximum(host_pass - device_time(body), 0.0)) + (optimizer - optimizer_device),
+            dense_first * (t_dense - d_dense)
+            + (layers_per_stage - dense_first + np.where(pp == 1, model.num_mtp_layers, 0)) * (t_body - d_body))
+        + (optimizer - optimizer_device),
         "memory_weights": weights,
         "memory_grads": grads,
         "memory_optimizer": optim,

@@ -87,8 +87,7 @@ def profile_device(cluster: ClusterConfig, model: ModelConfig, device: str, repe
     batch, heads, head_dim, seqs = ATTENTION_SHAPES[kind]
     for seq in seqs:
         q = torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
-        out = F.scaled_dot_product_attention(q, q, q, is_causal=True)
-        grad = torch.ones_like(out)
+        grad = torch.ones_like(q)  # the output has q's shape (q, k and v are the same tensor)
         t = _timed(lambda q=q: F.scaled_dot_product_attention(q, q, q, is_causal=True), repeats, device)
         t_fwd_bwd = _timed(lambda q=q, grad=grad: torch.autograd.grad(
             F.scaled_dot_product_attention(q, q, q, is_causal=True), q, grad), repeats, device)
@@ -96,7 +95,7 @@ def profile_device(cluster: ClusterConfig, model: ModelConfig, device: str, repe
         attn_eff.append(f / t / peak / float(attention_head_dim_factor(head_dim)))
         measured["attention"].append({"batch": batch, "heads": heads, "head_dim": head_dim, "seq": seq,
                                       "seconds": t, "backward_over_forward": (t_fwd_bwd - t) / t})
-        del q, out, grad
+        del q, grad
 
     # Memory bandwidth: an element-wise add reads two tensors and writes one.
     x = torch.randn(BANDWIDTH_ELEMENTS[kind], device=device, dtype=dtype)
@@ -177,27 +176,27 @@ def _host_issue_times(model_cfg: ModelConfig, device: str, repeats: int) -> dict
     from moetrain.config.training import TrainingConfig
     from moetrain.costs.params import count_params
     from moetrain.models.transformer import build_model
-    from moetrain.train.optim import build_optimizer
+    from moetrain.train.optim import build_optimizer, clip_gradients
+    from moetrain.train.precision import autocast, autocast_dtype
 
     if count_params(model_cfg).total_with_mtp > HOST_PROBE_MAX_PARAMS:
         return None
+    cfg = TrainingConfig()  # the trainer's defaults: its precision rule, clipping and AdamW
     model = build_model(model_cfg, device=device, seed=0)
-    optimizer = build_optimizer(model, TrainingConfig())
+    optimizer = build_optimizer(model, cfg)
     ids = torch.randint(0, model_cfg.vocab_size, (1, HOST_PROBE_TOKENS), device=device)
-    params = [p for p in model.parameters() if p.requires_grad]
     kind = _kind(device)
+    dtype = autocast_dtype(cfg.dtype, kind)
 
-    def forward():  # bf16 autocast on a GPU, as the trainer runs there
-        with torch.autocast(device_type=kind, dtype=torch.bfloat16, enabled=kind == "cuda"):
+    def forward():
+        with autocast(dtype, kind):
             return model(ids, labels=ids).loss
 
     def forward_backward():
         forward().backward()
 
-    def optimizer_step():
-        grads = [p.grad for p in params if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads)
-        torch.nn.utils.clip_grads_with_norm_(params, 1.0, norm)
+    def optimizer_step():  # the trainer's step without zeroing the gradients, so that it can repeat
+        clip_gradients(model.parameters(), cfg.grad_clip)
         optimizer.step()
 
     times = {"forward_s": _timed(forward, repeats, device), "forward_backward_s": _timed(forward_backward, repeats,

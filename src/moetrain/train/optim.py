@@ -27,6 +27,16 @@ def build_optimizer(model: nn.Module, cfg: TrainingConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)
 
 
+def clip_gradients(params, max_norm: float) -> torch.Tensor:
+    """The total gradient norm of ``params`` (those with a gradient), before clipping; the gradients are
+    scaled down to ``max_norm`` when above it (``max_norm`` 0: no clipping)."""
+    with_grad = [p for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in with_grad])
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(with_grad, max_norm, norm)
+    return norm
+
+
 def lr_multiplier(step: int, cfg: TrainingConfig) -> float:
     """Learning rate of optimizer step ``step`` (0-based) over the peak ``cfg.lr``.
 

@@ -35,7 +35,8 @@ from moetrain.errors import UserError
 from moetrain.models import ModelOutput, build_model
 from moetrain.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from moetrain.train.metrics import MetricsLogger, RoutingTraceWriter, progress_bar, summary_table
-from moetrain.train.optim import build_lr_scheduler, build_optimizer
+from moetrain.train.optim import build_lr_scheduler, build_optimizer, clip_gradients
+from moetrain.train.precision import autocast, autocast_dtype
 
 
 @dataclass(frozen=True)
@@ -119,9 +120,7 @@ class Trainer:
 
     def resolve_autocast_dtype(self) -> torch.dtype | None:
         """bf16 autocast on GPU by default, none (fp32) on CPU."""
-        if self.cfg.dtype == "bf16" or (self.cfg.dtype == "auto" and self.device.type == "cuda"):
-            return torch.bfloat16
-        return None
+        return autocast_dtype(self.cfg.dtype, self.device.type)
 
     def build_model(self) -> nn.Module:
         return build_model(self.model_cfg, device=self.device, seed=self.cfg.seed)
@@ -160,9 +159,7 @@ class Trainer:
                                             dp_rank, dp_size)
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
+        return autocast(self.autocast_dtype, self.device.type)
 
     def aux_loss_scale(self, micro: MicroBatch) -> float:
         """Router balance losses are per-micro-batch statistics: weight each by its share of the batch."""
@@ -183,10 +180,7 @@ class Trainer:
 
     def optimizer_step(self, tokens_per_expert: torch.Tensor | None) -> torch.Tensor:
         """Clip, step, advance the schedule and the router biases; returns the pre-clip grad norm."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        if self.cfg.grad_clip > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, self.cfg.grad_clip, grad_norm)
+        grad_norm = clip_gradients(self.model.parameters(), self.cfg.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
