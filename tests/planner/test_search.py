@@ -8,7 +8,14 @@ import pytest
 from moetrain.config import ParallelConfig, load_cluster_config, load_model_config
 from moetrain.planner.calibration import Calibration, Efficiency, calibration_from_dict, load_calibration
 from moetrain.planner.costmodel import Workload, evaluate
-from moetrain.planner.search import SearchSpace, enumerate_strategies, search, timeline_step
+from moetrain.planner.search import (
+    TIE_TOLERANCE,
+    SearchSpace,
+    enumerate_strategies,
+    rank_layouts,
+    search,
+    timeline_step,
+)
 from moetrain.planner.strategy import Strategies
 
 
@@ -34,8 +41,34 @@ def test_search_counts_and_prunes_memory() -> None:
     assert result.candidates_evaluated == enumerated
     assert 0 < result.feasible < result.candidates_evaluated
     assert np.all(result.top_costs["memory_bytes"] <= 0.95 * w.cluster.hbm_bytes)
-    assert result.timeline_step_s == sorted(result.timeline_step_s)
+    steps = np.array(result.timeline_step_s)
+    tied = steps <= steps.min() * (1 + TIE_TOLERANCE)
+    # The layouts that tie with the fastest come first, least memory first; the rest follow by step time.
+    assert np.all(tied[: tied.sum()]) and steps[0] <= steps.min() * (1 + TIE_TOLERANCE)
+    assert np.all(np.diff(result.top_costs["memory_bytes"][: tied.sum()]) >= 0)
+    assert np.all(np.diff(steps[tied.sum():]) >= 0)
     assert result.explanation
+
+
+def test_a_tie_goes_to_less_memory_then_to_the_simpler_layout() -> None:
+    layouts = Strategies.from_parallel([
+        ParallelConfig(tp=2, sp=True, pp=2, dp=2, zero=3),
+        ParallelConfig(tp=2, sp=True, pp=2, dp=2, zero=1),
+        ParallelConfig(tp=2, sp=True, pp=2, dp=2, zero=2),
+        ParallelConfig(tp=2, sp=True, pp=2, dp=2, zero=1, recompute="full"),
+        ParallelConfig(tp=2, sp=True, pp=2, dp=2, zero=0),
+    ])
+    gib = 2.0**30
+    # Fastest first in the input; the last layout is 1 % slower (no tie) but needs the least memory.
+    step = np.array([10.0, 10.0, 10.0 * (1 + TIE_TOLERANCE / 2), 10.02, 10.1])
+    memory = np.array([50.0, 50.0, 40.0, 30.0, 20.0]) * gib
+    order = rank_layouts(step, memory, layouts)
+    # The full-recompute layout ties (0.2 % slower) and needs the least memory; then ZeRO-2 (40 GiB);
+    # ZeRO-1 and ZeRO-3 need the same memory, so the lower stage goes first; the slow layout comes last.
+    assert order.tolist() == [3, 2, 1, 0, 4]
+    # Without a tie the step time alone decides.
+    assert rank_layouts(np.array([3.0, 1.0, 2.0]), np.array([1.0, 3.0, 2.0]) * gib,
+                        layouts.take(np.arange(3))).tolist() == [1, 2, 0]
 
 
 def test_timeline_agrees_with_analytic_model_for_uniform_stages() -> None:

@@ -19,6 +19,11 @@ from moetrain.planner.timeline import simulate_timeline, stage_costs_from_model
 MEMORY_LIMIT_FRACTION = 0.95
 """A layout fits when its predicted peak stays under this share of HBM (the rest: allocator slack)."""
 BATCH = 250_000
+TIE_TOLERANCE = 0.005
+"""Layouts whose predicted step times lie within this share of the fastest tie: the simulator cannot rank
+them (its error on published runs is several percent), so the tie goes to the layout that needs the least
+memory, the headroom that absorbs the memory model's own error, and then to the simpler one (lower ZeRO
+stage, less recomputation, fewer virtual stages, no paired schedule)."""
 
 
 @dataclass
@@ -155,14 +160,39 @@ def search(w: Workload, devices: int, eff: Efficiency, space: SearchSpace | None
     timeline_steps = []
     for i in range(len(head)):
         timeline_steps.append(timeline_step(costs, head, i, eff))
-    order = np.argsort(np.array(timeline_steps))[:top_k]
+    order = rank_layouts(np.array(timeline_steps), costs["memory_bytes"], head)[:top_k]
     top = head.take(order)
     top_costs = {k: v[order] for k, v in costs.items()}
     steps = [timeline_steps[i] for i in order]
     seconds = time.perf_counter() - start
     result = SearchResult(evaluated, seconds, feasible, top, top_costs, steps)
-    result.explanation = explain(w, eff, top, top_costs, alternatives)
+    result.explanation = explain_tie(steps, top_costs["memory_bytes"]) + explain(w, eff, top, top_costs,
+                                                                                 alternatives)
     return result
+
+
+def rank_layouts(step_s: np.ndarray, memory_bytes: np.ndarray, strategies: Strategies) -> np.ndarray:
+    """Order of the layouts, best first: those within ``TIE_TOLERANCE`` of the fastest by memory, then
+    ZeRO stage, recompute level, virtual stages and paired schedule; the rest by step time."""
+    step_s = np.asarray(step_s, dtype=float)
+    tied = step_s <= step_s.min() * (1.0 + TIE_TOLERANCE)
+    primary = np.where(tied, np.asarray(memory_bytes, dtype=float), step_s)
+    # np.lexsort sorts by its last key first.
+    return np.lexsort((step_s, strategies.overlap, strategies.vpp, strategies.recompute, strategies.zero,
+                       primary, ~tied))
+
+
+def explain_tie(step_s: list[float], memory_bytes: np.ndarray) -> list[str]:
+    """A line when the winner is not the fastest layout but ties with it (see ``TIE_TOLERANCE``)."""
+    fastest = int(np.argmin(step_s))
+    if fastest == 0:
+        return []
+    saved = (float(memory_bytes[fastest]) - float(memory_bytes[0])) / 2**30
+    return [f"tie: the fastest layout (#{fastest + 1}, {step_s[fastest]:.4g} s) is within "
+            f"{TIE_TOLERANCE:.1%} of the winner's {step_s[0]:.4g} s; the winner needs {saved:.3g} GiB less "
+            "per device" if saved > 0 else
+            f"tie: the fastest layout (#{fastest + 1}) is within {TIE_TOLERANCE:.1%} of the winner, "
+            "which is the simpler of the two"]
 
 
 def _empty() -> Strategies:
