@@ -9,6 +9,7 @@ import pytest
 
 from moetrain.cli import main
 from moetrain.config import load_plan_file
+from moetrain.planner.calibration import load_calibration
 from moetrain.planner.search import TIE_TOLERANCE
 
 TINY = ["--model", "tiny-pangu", "--cluster", "cpu", "--seq-len", "128", "--global-batch", "16"]
@@ -94,3 +95,42 @@ def test_validate_errors(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> 
     _one_line_error(capsys, ["validate", str(bad)], "missing column(s)")
     _one_line_error(capsys, ["simulate", *TINY, "--devices", "2", "--calibration", str(tmp_path / "no.yaml")],
                     "calibration file")
+
+
+def test_a_fit_records_its_error_and_simulate_and_plan_print_it(small_csv: Path, tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("scipy")
+    fitted = tmp_path / "fit.yaml"
+    assert main(["validate", str(small_csv), "--fit", str(fitted), "--cv", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)["summary"]
+    accuracy = load_calibration(str(fitted)).accuracy
+    assert accuracy == {"mode": "leave-one-family-out", "rows": 3, "file": "rows.csv",
+                        "median_abs_pct_error": round(summary["median_abs_pct_error"], 2),
+                        "p90_abs_pct_error": round(summary["p90_abs_pct_error"], 2)}
+    assert main(["simulate", *TINY, "--devices", "2", "--calibration", str(fitted), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["calibration_accuracy"] == accuracy
+    line = (f"calibration error on the 3 runs of rows.csv (leave-one-family-out): median "
+            f"{accuracy['median_abs_pct_error']:.1f} %, 90th percentile {accuracy['p90_abs_pct_error']:.1f} %")
+    assert main(["simulate", *TINY, "--devices", "2", "--calibration", str(fitted)]) == 0
+    assert line in capsys.readouterr().out.splitlines()
+    assert main(["plan", *TINY, "--devices", "2", "--calibration", str(fitted), "--out", str(tmp_path / "p.yaml")]) == 0
+    assert line in capsys.readouterr().out.splitlines()
+    # Without --cv the file says its error is in-sample.
+    assert main(["validate", str(small_csv), "--fit", str(fitted), "--json"]) == 0
+    capsys.readouterr()
+    assert load_calibration(str(fitted)).accuracy["mode"] == "in-sample"
+
+
+def test_the_shipped_calibration_states_its_cross_validated_error() -> None:
+    accuracy = load_calibration().accuracy
+    assert accuracy["mode"] == "leave-one-family-out" and accuracy["file"] == "calibration.csv"
+    assert 0 < accuracy["median_abs_pct_error"] < accuracy["p90_abs_pct_error"] and accuracy["rows"] > 50
+    assert load_calibration().accuracy_line().startswith("calibration error on the")
+
+
+def test_a_calibration_file_with_a_malformed_accuracy_is_refused(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("global: {gemm_max: 0.7}\naccuracy: 6.2\n")
+    _one_line_error(capsys, ["simulate", *TINY, "--devices", "2", "--calibration", str(bad)],
+                    "'accuracy' must be a mapping")

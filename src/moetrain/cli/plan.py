@@ -46,7 +46,7 @@ def _runtime_support(parallel, num_layers: int) -> list[str]:
 def plan_layouts(args: argparse.Namespace) -> tuple[dict, dict]:
     """(the --json mapping, the plan file mapping)."""
     from moetrain.errors import UserError
-    from moetrain.planner.cli_support import build_workload
+    from moetrain.planner.cli_support import build_workload, calibration_accuracy
     from moetrain.planner.search import search
 
     workload, eff = build_workload(args)
@@ -88,6 +88,7 @@ def plan_layouts(args: argparse.Namespace) -> tuple[dict, dict]:
         "top": rows,
         "why": result.explanation,
         "plan_file": args.out,
+        "calibration_accuracy": calibration_accuracy(args),
     }
     return summary, plan
 
@@ -105,6 +106,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"evaluated {summary['candidates_evaluated']:,} layouts in {summary['seconds']:.2f} s "
           f"({summary['feasible']:,} fit memory)")
+    from moetrain.planner.cli_support import accuracy_line
+
+    if line := accuracy_line(summary["calibration_accuracy"]):
+        print(line)
     print(f"{'#':>2} {'tp':>3} {'sp':>3} {'pp':>3} {'vpp':>3} {'ep':>4} {'etp':>3} {'cp':>3} {'dp':>5} {'zero':>4} "
           f"{'mb':>3} {'recompute':>9} {'a2a':>12} {'ovl':>4} {'step s':>9} {'MFU':>6} {'GiB':>6}")
     for i, row in enumerate(summary["top"], 1):

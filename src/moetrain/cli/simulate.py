@@ -24,7 +24,7 @@ def simulate_layout(args: argparse.Namespace) -> dict:
     import numpy as np
 
     from moetrain.errors import UserError
-    from moetrain.planner.cli_support import build_workload, parallel_from_args
+    from moetrain.planner.cli_support import build_workload, calibration_accuracy, parallel_from_args
     from moetrain.planner.costmodel import evaluate
     from moetrain.planner.strategy import Strategies
     from moetrain.planner.timeline import gantt_png, simulate_timeline, stage_costs_from_model
@@ -77,6 +77,7 @@ def simulate_layout(args: argparse.Namespace) -> dict:
         "memory_gib": {**memory, "total": memory_total},
         "hbm_gib": workload.cluster.hbm_bytes / 2**30,
         "fits_memory": memory_total * 2**30 <= workload.cluster.hbm_bytes,
+        "calibration_accuracy": calibration_accuracy(args),
     }
     if args.timeline:
         gantt_png(timeline, args.timeline, f"{workload.model.name} on {args.devices} × {workload.cluster.name}: "
@@ -96,6 +97,10 @@ def run(args: argparse.Namespace) -> int:
     print("layout: " + " ".join(f"{k}={v}" for k, v in p.items()) + f"  (m={result['micro_batches_per_pipeline']})")
     print(f"step time   {result['step_time_s']:.4g} s    tokens/s {result['tokens_per_s']:.4g} "
           f"({result['tokens_per_s_per_device']:.4g} per device)    MFU {result['mfu']:.1%}")
+    from moetrain.planner.cli_support import accuracy_line
+
+    if line := accuracy_line(result["calibration_accuracy"]):
+        print(line)
     print("\ncompute (per step, busiest stage)      seconds")
     for name, value in result["compute_s"].items():
         print(f"  {name:34s} {value:10.4g}")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
+from pathlib import Path
 
 HELP = "predict each row of a validation CSV (shared/validation schema) and report the errors"
 
@@ -26,9 +28,8 @@ def validate(args: argparse.Namespace) -> dict:
     prepared, skipped = prepare_all(rows)
     result: dict = {}
     if args.fit:
-        calibration = fit_calibration(prepared, note=f"moetrain validate {args.file} --fit {args.fit}")
-        calibration.save(args.fit)
-        result["fitted"] = calibration.to_dict()
+        calibration = fit_calibration(prepared, note=f"moetrain validate {args.file} --fit {args.fit}"
+                                      + (" --cv" if args.cv else ""))
     else:
         calibration = load_calibration(args.calibration)
     predicted = leave_one_family_out(prepared) if args.cv else predict_rows(prepared, calibration)
@@ -47,6 +48,16 @@ def validate(args: argparse.Namespace) -> dict:
     for row in result["rows"]:
         families.setdefault(row["family"], []).append(row["abs_pct_error"])
     result["families"] = {f: summarize(v) for f, v in sorted(families.items())}
+    if args.fit:
+        # The file records how well it predicts the rows: out of sample with --cv (each family predicted
+        # by a fit on the others), in sample otherwise; `simulate` and `plan` print it.
+        calibration = replace(calibration, accuracy={
+            "mode": "leave-one-family-out" if args.cv else "in-sample", "rows": result["summary"]["n"],
+            "file": Path(args.file).name,
+            "median_abs_pct_error": round(result["summary"]["median_abs_pct_error"], 2),
+            "p90_abs_pct_error": round(result["summary"]["p90_abs_pct_error"], 2)})
+        calibration.save(args.fit)
+        result["fitted"] = calibration.to_dict()
     return result
 
 

@@ -16,7 +16,7 @@ File format (YAML or JSON)::
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from importlib import resources
 from pathlib import Path
 
@@ -113,6 +113,10 @@ class Calibration:
     global_params: Efficiency
     per_arch: dict[str, dict[str, float]]
     fitted_on: str = ""
+    accuracy: dict[str, float | int | str] = field(default_factory=dict)
+    """How well the file predicts published runs, as ``moetrain validate --fit`` measured it: ``mode``
+    (leave-one-family-out with --cv, else in-sample), ``rows``, ``median_abs_pct_error``,
+    ``p90_abs_pct_error`` and ``file``. Empty for a profile of the local device."""
 
     def for_device(self, device: str) -> Efficiency:
         overrides = self.per_arch.get(arch_of(device), {})
@@ -126,13 +130,25 @@ class Calibration:
         fitted = [f.name for f in fields(Efficiency) if f.name not in NOT_FITTED]
         return len(fitted) - len(derived & set(fitted)) + sum(len(v) for v in self.per_arch.values())
 
+    def accuracy_line(self) -> str | None:
+        """One line on the file's error on published runs, for ``simulate`` and ``plan``; None if unknown."""
+        a = self.accuracy
+        if not {"mode", "rows", "median_abs_pct_error", "p90_abs_pct_error"} <= set(a):
+            return None
+        runs = f"the {a['rows']} runs of {a['file']}" if a.get("file") else f"{a['rows']} published runs"
+        return (f"calibration error on {runs} ({a['mode']}): median {float(a['median_abs_pct_error']):.1f} %, "
+                f"90th percentile {float(a['p90_abs_pct_error']):.1f} %")
+
     def to_dict(self) -> dict:
-        return {
+        data = {
             "fitted_on": self.fitted_on,
             "free_parameters": self.free_parameter_count,
             "global": self.global_params.as_dict(),
             "per_arch": {k: dict(v) for k, v in sorted(self.per_arch.items())},
         }
+        if self.accuracy:
+            data["accuracy"] = dict(self.accuracy)
+        return data
 
     def save(self, path: str | Path) -> None:
         path = Path(path)
@@ -149,8 +165,13 @@ def calibration_from_dict(data: dict, source: str) -> Calibration:
     if unknown:
         raise UserError(f"{source}: unknown calibration parameter(s) {sorted(unknown)}; known: {sorted(known)}")
     per_arch = {str(k): {p: float(x) for p, x in v.items()} for k, v in (data.get("per_arch", {}) or {}).items()}
+    accuracy = data.get("accuracy") or {}
+    if not isinstance(accuracy, dict):
+        raise UserError(f"{source}: 'accuracy' must be a mapping (mode, rows, median_abs_pct_error, "
+                        "p90_abs_pct_error), as `moetrain validate --fit` writes it")
     return Calibration(
-        Efficiency(**{k: float(v) for k, v in glob.items()}), per_arch, str(data.get("fitted_on", ""))
+        Efficiency(**{k: float(v) for k, v in glob.items()}), per_arch, str(data.get("fitted_on", "")),
+        {str(k): v for k, v in accuracy.items()},
     )
 
 

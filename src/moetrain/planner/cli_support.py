@@ -6,7 +6,7 @@ import argparse
 
 from moetrain.config import ParallelConfig, load_cluster_config, load_model_config
 from moetrain.errors import UserError
-from moetrain.planner.calibration import Efficiency, load_calibration
+from moetrain.planner.calibration import Calibration, Efficiency, load_calibration
 from moetrain.planner.costmodel import Workload
 
 PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
@@ -40,6 +40,15 @@ def build_workload(args: argparse.Namespace) -> tuple[Workload, Efficiency]:
     workload = Workload(model, cluster, args.seq_len, args.global_batch, args.precision, args.imbalance,
                         grad_bytes=2.0 if args.precision == "fp16" else 4.0)
     return workload, calibration.for_device(cluster.device)
+
+
+def calibration_accuracy(args: argparse.Namespace) -> dict:
+    """The calibration file's recorded error on published runs (empty if it has none, e.g. a profile)."""
+    return dict(load_calibration(args.calibration).accuracy)
+
+
+def accuracy_line(accuracy: dict) -> str | None:
+    return Calibration(Efficiency(), {}, accuracy=accuracy).accuracy_line()
 
 
 def parallel_from_args(args: argparse.Namespace, workload: Workload, devices: int) -> ParallelConfig:
