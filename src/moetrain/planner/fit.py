@@ -6,9 +6,9 @@ physical prior so that parameters the training rows cannot identify stay at thei
 drifting. Per-architecture values (``PER_ARCH_PARAMS``) are fitted only for architectures with at
 least ``MIN_ROWS_PER_ARCH`` speed rows in the training set; others use the global value.
 
-Regenerate the shipped file with::
+Regenerate the shipped file, with its cross-validated error recorded in it, with::
 
-    moetrain validate shared/validation/calibration.csv --fit src/moetrain/planner/calibration_default.yaml
+    moetrain validate shared/validation/calibration.csv --fit src/moetrain/planner/calibration_default.yaml --cv
 """
 
 from __future__ import annotations
