@@ -98,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
         return _run_model_search(args)
     import yaml
 
+    from moetrain.planner.calibration import accuracy_line
+
     summary, plan = plan_layouts(args)
     with open(args.out, "w") as f:
         yaml.safe_dump(plan, f, sort_keys=False)
@@ -106,8 +108,6 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"evaluated {summary['candidates_evaluated']:,} layouts in {summary['seconds']:.2f} s "
           f"({summary['feasible']:,} fit memory)")
-    from moetrain.planner.cli_support import accuracy_line
-
     if line := accuracy_line(summary["calibration_accuracy"]):
         print(line)
     print(f"{'#':>2} {'tp':>3} {'sp':>3} {'pp':>3} {'vpp':>3} {'ep':>4} {'etp':>3} {'cp':>3} {'dp':>5} {'zero':>4} "

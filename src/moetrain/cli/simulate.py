@@ -87,6 +87,8 @@ def simulate_layout(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    from moetrain.planner.calibration import accuracy_line
+
     result = simulate_layout(args)
     if args.json:
         print(json.dumps(result, indent=2))
@@ -97,8 +99,6 @@ def run(args: argparse.Namespace) -> int:
     print("layout: " + " ".join(f"{k}={v}" for k, v in p.items()) + f"  (m={result['micro_batches_per_pipeline']})")
     print(f"step time   {result['step_time_s']:.4g} s    tokens/s {result['tokens_per_s']:.4g} "
           f"({result['tokens_per_s_per_device']:.4g} per device)    MFU {result['mfu']:.1%}")
-    from moetrain.planner.cli_support import accuracy_line
-
     if line := accuracy_line(result["calibration_accuracy"]):
         print(line)
     print("\ncompute (per step, busiest stage)      seconds")

@@ -131,13 +131,7 @@ class Calibration:
         return len(fitted) - len(derived & set(fitted)) + sum(len(v) for v in self.per_arch.values())
 
     def accuracy_line(self) -> str | None:
-        """One line on the file's error on published runs, for ``simulate`` and ``plan``; None if unknown."""
-        a = self.accuracy
-        if not {"mode", "rows", "median_abs_pct_error", "p90_abs_pct_error"} <= set(a):
-            return None
-        runs = f"the {a['rows']} runs of {a['file']}" if a.get("file") else f"{a['rows']} published runs"
-        return (f"calibration error on {runs} ({a['mode']}): median {float(a['median_abs_pct_error']):.1f} %, "
-                f"90th percentile {float(a['p90_abs_pct_error']):.1f} %")
+        return accuracy_line(self.accuracy)
 
     def to_dict(self) -> dict:
         data = {
@@ -154,6 +148,17 @@ class Calibration:
         path = Path(path)
         data = self.to_dict()
         path.write_text(json.dumps(data, indent=2) if path.suffix == ".json" else yaml.safe_dump(data, sort_keys=False))
+
+
+def accuracy_line(accuracy: dict) -> str | None:
+    """One line on a calibration's recorded error on published runs (``Calibration.accuracy``), for
+    ``simulate`` and ``plan``; None when the record is missing or incomplete."""
+    a = accuracy
+    if not {"mode", "rows", "median_abs_pct_error", "p90_abs_pct_error"} <= set(a):
+        return None
+    runs = f"the {a['rows']} runs of {a['file']}" if a.get("file") else f"{a['rows']} published runs"
+    return (f"calibration error on {runs} ({a['mode']}): median {float(a['median_abs_pct_error']):.1f} %, "
+            f"90th percentile {float(a['p90_abs_pct_error']):.1f} %")
 
 
 def calibration_from_dict(data: dict, source: str) -> Calibration:

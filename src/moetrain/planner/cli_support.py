@@ -6,7 +6,7 @@ import argparse
 
 from moetrain.config import ParallelConfig, load_cluster_config, load_model_config
 from moetrain.errors import UserError
-from moetrain.planner.calibration import Calibration, Efficiency, load_calibration
+from moetrain.planner.calibration import Efficiency, load_calibration
 from moetrain.planner.costmodel import Workload
 
 PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
@@ -45,10 +45,6 @@ def build_workload(args: argparse.Namespace) -> tuple[Workload, Efficiency]:
 def calibration_accuracy(args: argparse.Namespace) -> dict:
     """The calibration file's recorded error on published runs (empty if it has none, e.g. a profile)."""
     return dict(load_calibration(args.calibration).accuracy)
-
-
-def accuracy_line(accuracy: dict) -> str | None:
-    return Calibration(Efficiency(), {}, accuracy=accuracy).accuracy_line()
 
 
 def parallel_from_args(args: argparse.Namespace, workload: Workload, devices: int) -> ParallelConfig:
