@@ -46,11 +46,11 @@ def _runtime_support(parallel, num_layers: int) -> list[str]:
 def plan_layouts(args: argparse.Namespace) -> tuple[dict, dict]:
     """(the --json mapping, the plan file mapping)."""
     from moetrain.errors import UserError
-    from moetrain.planner.cli_support import build_workload, calibration_accuracy
+    from moetrain.planner.cli_support import build_workload
     from moetrain.planner.search import search
 
-    workload, eff = build_workload(args)
-    result = search(workload, args.devices, eff, top_k=max(args.top, 1))
+    workload, calibration = build_workload(args)
+    result = search(workload, args.devices, calibration.for_device(workload.cluster.device), top_k=max(args.top, 1))
     if len(result.top) == 0:
         raise UserError(f"no layout of {workload.model.name} fits {args.devices} × {workload.cluster.name} "
                         f"at seq {workload.seq_len}, batch {workload.global_batch}; add devices or memory")
@@ -88,7 +88,7 @@ def plan_layouts(args: argparse.Namespace) -> tuple[dict, dict]:
         "top": rows,
         "why": result.explanation,
         "plan_file": args.out,
-        "calibration_accuracy": calibration_accuracy(args),
+        "calibration_accuracy": dict(calibration.accuracy),
     }
     return summary, plan
 

@@ -24,12 +24,13 @@ def simulate_layout(args: argparse.Namespace) -> dict:
     import numpy as np
 
     from moetrain.errors import UserError
-    from moetrain.planner.cli_support import build_workload, calibration_accuracy, parallel_from_args
+    from moetrain.planner.cli_support import build_workload, parallel_from_args
     from moetrain.planner.costmodel import evaluate
     from moetrain.planner.strategy import Strategies
     from moetrain.planner.timeline import gantt_png, simulate_timeline, stage_costs_from_model
 
-    workload, eff = build_workload(args)
+    workload, calibration = build_workload(args)
+    eff = calibration.for_device(workload.cluster.device)
     parallel = parallel_from_args(args, workload, args.devices)
     strategies = Strategies.from_parallel([parallel])
     out = evaluate(workload, strategies, eff)
@@ -77,7 +78,7 @@ def simulate_layout(args: argparse.Namespace) -> dict:
         "memory_gib": {**memory, "total": memory_total},
         "hbm_gib": workload.cluster.hbm_bytes / 2**30,
         "fits_memory": memory_total * 2**30 <= workload.cluster.hbm_bytes,
-        "calibration_accuracy": calibration_accuracy(args),
+        "calibration_accuracy": dict(calibration.accuracy),
     }
     if args.timeline:
         gantt_png(timeline, args.timeline, f"{workload.model.name} on {args.devices} × {workload.cluster.name}: "

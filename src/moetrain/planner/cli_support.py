@@ -6,7 +6,7 @@ import argparse
 
 from moetrain.config import ParallelConfig, load_cluster_config, load_model_config
 from moetrain.errors import UserError
-from moetrain.planner.calibration import Efficiency, load_calibration
+from moetrain.planner.calibration import Calibration, load_calibration
 from moetrain.planner.costmodel import Workload
 
 PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
@@ -28,7 +28,9 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
                    "(default: the shipped fit on published runs)")
 
 
-def build_workload(args: argparse.Namespace) -> tuple[Workload, Efficiency]:
+def build_workload(args: argparse.Namespace) -> tuple[Workload, Calibration]:
+    """The workload the flags describe and the calibration to price it with (``for_device`` of its
+    cluster gives the efficiencies; its ``accuracy`` is what simulate and plan print)."""
     for name in ("devices", "seq_len", "global_batch"):
         if getattr(args, name) <= 0:
             raise UserError(f"--{name.replace('_', '-')} must be positive (got {getattr(args, name)})")
@@ -39,12 +41,7 @@ def build_workload(args: argparse.Namespace) -> tuple[Workload, Efficiency]:
     calibration = load_calibration(args.calibration)
     workload = Workload(model, cluster, args.seq_len, args.global_batch, args.precision, args.imbalance,
                         grad_bytes=2.0 if args.precision == "fp16" else 4.0)
-    return workload, calibration.for_device(cluster.device)
-
-
-def calibration_accuracy(args: argparse.Namespace) -> dict:
-    """The calibration file's recorded error on published runs (empty if it has none, e.g. a profile)."""
-    return dict(load_calibration(args.calibration).accuracy)
+    return workload, calibration
 
 
 def parallel_from_args(args: argparse.Namespace, workload: Workload, devices: int) -> ParallelConfig:

@@ -54,7 +54,8 @@ def _reshape(base: ModelConfig, experts: int, hidden: int, layers: int) -> Model
 
 
 def search_model_shapes(args: argparse.Namespace, tolerance: float = 0.15) -> dict:
-    workload, eff = build_workload(args)
+    workload, calibration = build_workload(args)
+    eff = calibration.for_device(workload.cluster.device)
     base = workload.model
     budget = (args.param_budget * 1e9) if args.param_budget else float(count_params(base).total)
     start = time.perf_counter()

@@ -187,12 +187,10 @@ def explain_tie(step_s: list[float], memory_bytes: np.ndarray) -> list[str]:
     fastest = int(np.argmin(step_s))
     if fastest == 0:
         return []
-    saved = (float(memory_bytes[fastest]) - float(memory_bytes[0])) / 2**30
-    return [f"tie: the fastest layout (#{fastest + 1}, {step_s[fastest]:.4g} s) is within "
-            f"{TIE_TOLERANCE:.1%} of the winner's {step_s[0]:.4g} s; the winner needs {saved:.3g} GiB less "
-            "per device" if saved > 0 else
-            f"tie: the fastest layout (#{fastest + 1}) is within {TIE_TOLERANCE:.1%} of the winner, "
-            "which is the simpler of the two"]
+    saved_gib = (float(memory_bytes[fastest]) - float(memory_bytes[0])) / 2**30
+    why = f"needs {saved_gib:.3g} GiB less per device" if saved_gib > 0 else "is the simpler of the two"
+    return [f"tie: the fastest layout (#{fastest + 1}, {step_s[fastest]:.4g} s) is within {TIE_TOLERANCE:.1%} of "
+            f"the winner's {step_s[0]:.4g} s; the winner {why}"]
 
 
 def _empty() -> Strategies:
