@@ -4,7 +4,9 @@
 
 Runs the same search as ``moetrain plan --model pangu-ultra-moe-718b --cluster atlas-800t-a2
 --devices 6144 --seq-len 8192 --global-batch 1536`` (TP, SP, PP, VPP, EP, ETP, CP, DP, ZeRO,
-micro-batch, recompute, all-to-all kind and overlap), several times, and records the median.
+micro-batch, recompute, all-to-all kind and overlap), several times, and records the median. As the
+command does, it times the screen's best layouts with the timeline and re-ranks them under the shipped
+calibration's held-out fits; the seconds include both.
 """
 
 from __future__ import annotations
@@ -38,12 +40,15 @@ def main() -> None:
 
     model, cluster = load_model_config(args.model), load_cluster_config(args.cluster)
     workload = Workload(model, cluster, args.seq_len, args.global_batch)
-    eff = load_calibration().for_device(cluster.device)
+    calibration = load_calibration()
+    eff = calibration.for_device(cluster.device)
+    held_out = {family: fit.for_device(cluster.device) for family, fit in calibration.held_out_fits.items()}
     runs = []
     for _ in range(args.repeats):
-        result = search(workload, args.devices, eff, top_k=5)
+        result = search(workload, args.devices, eff, top_k=5, held_out=held_out)
+        check = result.calibration_check
         runs.append({"candidates_evaluated": result.candidates_evaluated, "feasible": result.feasible,
-                     "seconds": result.seconds,
+                     "seconds": result.seconds, "calibration_check_seconds": check.seconds if check else 0.0,
                      "candidates_per_minute": result.candidates_evaluated / result.seconds * 60})
         print(f"{result.candidates_evaluated:,} candidates in {result.seconds:.2f} s "
               f"({runs[-1]['candidates_per_minute']:,.0f} per minute)")
@@ -61,6 +66,7 @@ def main() -> None:
         "winner_memory_gib": float(result.top_costs["memory_bytes"][0]) / 2**30,
         # The winner may be up to search.TIE_TOLERANCE slower than the fastest layout, when it needs less memory.
         "fastest_step_time_s": float(min(result.timeline_step_s)),
+        "calibration_check": check.summary() if check else None,
     })
 
 

@@ -69,6 +69,12 @@ def test_plan_writes_a_plan_the_runtime_reads(tmp_path: Path, capsys: pytest.Cap
     assert plan["parallel"].world_size == 8
     assert set(plan["predicted"]) == {"step_time_s", "mfu", "tokens_per_s", "memory_gib"}
     assert plan["runtime_support"]
+    # The shipped calibration carries its cross-validation's fits: the plan says how the winner fares under each.
+    check = summary["calibration_check"]
+    assert check["held_out_fits"] == 7 and check["layouts_compared"] > len(summary["top"]) - 1
+    assert plan["calibration_check"] == {k: v for k, v in check.items() if k != "seconds"}
+    low, high = check["winner_step_time_s_range"]
+    assert low <= high and check["max_winner_regret_pct"] >= 0
 
 
 def test_plan_error_when_nothing_fits(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -114,11 +120,20 @@ def test_a_fit_records_its_error_and_simulate_and_plan_print_it(small_csv: Path,
     assert main(["simulate", *TINY, "--devices", "2", "--calibration", str(fitted)]) == 0
     assert line in capsys.readouterr().out.splitlines()
     assert main(["plan", *TINY, "--devices", "2", "--calibration", str(fitted), "--out", str(tmp_path / "p.yaml")]) == 0
-    assert line in capsys.readouterr().out.splitlines()
-    # Without --cv the file says its error is in-sample.
+    out = capsys.readouterr().out
+    assert line in out.splitlines()
+    # The file keeps the cross-validation's fits, one per family left out; plan re-ranks under each.
+    assert list(load_calibration(str(fitted)).held_out_fits) == ["MBR", "NAR21", "VTRAIN-M"]
+    assert "  calibration check: re-ranked under the 3 fits that each leave one source of published runs out" in out
+    # Without --cv the file says its error is in-sample and holds no held-out fits.
     assert main(["validate", str(small_csv), "--fit", str(fitted), "--json"]) == 0
     capsys.readouterr()
     assert load_calibration(str(fitted)).accuracy["mode"] == "in-sample"
+    assert load_calibration(str(fitted)).held_out_fits == {}
+    assert main(["plan", *TINY, "--devices", "2", "--calibration", str(fitted), "--out", str(tmp_path / "p.yaml"),
+                 "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["calibration_check"] is None and summary["calibration_check_line"] is None
 
 
 def test_the_shipped_calibration_states_its_cross_validated_error() -> None:
@@ -126,6 +141,8 @@ def test_the_shipped_calibration_states_its_cross_validated_error() -> None:
     assert accuracy["mode"] == "leave-one-family-out" and accuracy["file"] == "calibration.csv"
     assert 0 < accuracy["median_abs_pct_error"] < accuracy["p90_abs_pct_error"] and accuracy["rows"] > 50
     assert load_calibration().accuracy_line().startswith("calibration error on the")
+    # One held-out fit per source family of calibration.csv with speed rows.
+    assert sorted(load_calibration().held_out_fits) == ["DSV3", "MBR", "MEGH100", "MPT", "NAR21", "TT", "VTRAIN-M"]
 
 
 def test_a_calibration_file_with_a_malformed_accuracy_is_refused(tmp_path: Path,
@@ -134,3 +151,4 @@ def test_a_calibration_file_with_a_malformed_accuracy_is_refused(tmp_path: Path,
     bad.write_text("global: {gemm_max: 0.7}\naccuracy: 6.2\n")
     _one_line_error(capsys, ["simulate", *TINY, "--devices", "2", "--calibration", str(bad)],
                     "'accuracy' must be a mapping")
+

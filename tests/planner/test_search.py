@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -11,6 +13,7 @@ from moetrain.planner.costmodel import Workload, evaluate
 from moetrain.planner.search import (
     TIE_TOLERANCE,
     SearchSpace,
+    describe,
     enumerate_strategies,
     rank_layouts,
     search,
@@ -71,6 +74,47 @@ def test_a_tie_goes_to_less_memory_then_to_the_simpler_layout() -> None:
                         layouts.take(np.arange(3))).tolist() == [1, 2, 0]
 
 
+def test_the_timeline_ranks_the_screens_best_of_every_choice_too() -> None:
+    # Pangu Ultra MoE on 2,048 H100: the analytic screen's 20 best layouts do not hold the layout the
+    # timeline finds fastest; the screen's best layout of each value of each choice is timed as well.
+    w = Workload(load_model_config("pangu-ultra-moe-718b"), load_cluster_config("h100-sxm-80gb"), 8192, 1536)
+    eff = load_calibration().for_device("h100-sxm-80gb")
+    # A held-out "fit" equal to the calibration itself exposes the timed layouts' step times.
+    result = search(w, 2048, eff, top_k=3, held_out={"same": eff})
+    timed = result.calibration_check.step_s[0]
+    assert timed[0] == pytest.approx(result.timeline_step_s[0])
+    assert timed[0] <= timed.min() * (1 + TIE_TOLERANCE)
+    assert result.calibration_check.winner_regret_pct()[0] <= TIE_TOLERANCE * 100
+    # Every choice the feasible layouts offer was timed: more than one value of each searched dimension.
+    labels = result.calibration_check.labels
+    assert labels[0] == describe(result.top, 0) and len(set(labels)) == len(labels) > 20
+    assert {label.split()[0] for label in labels} >= {"tp1", "tp2", "tp4", "tp8"}
+
+
+def test_the_calibration_check_reranks_the_timed_layouts_under_each_held_out_fit() -> None:
+    w = Workload(load_model_config("qwen3-30b-a3b"), load_cluster_config("h100-sxm-80gb"), 4096, 256)
+    eff = load_calibration().for_device("h100-sxm-80gb")
+    fits = {"same": eff, "slow element-wise kernels": replace(eff, memory=0.05),
+            "no MoE overhead": replace(eff, moe_overhead_us=0.0)}
+    check = search(w, 64, eff, top_k=3, held_out=fits).calibration_check
+    assert check.fits == list(fits) and check.step_s.shape == (3, len(check.labels))
+    regret = check.winner_regret_pct()
+    assert regret[0] <= TIE_TOLERANCE * 100
+    # Under the other two fits another layout is faster; the check says which and by how much.
+    assert regret[1] > 1 and regret[2] > 1
+    summary = check.summary()
+    worst = int(np.argmax(regret))
+    assert summary["max_winner_regret_pct"] == pytest.approx(regret[worst], abs=1e-3)
+    assert summary["worst_fit_leaves_out"] == check.fits[worst]
+    assert summary["best_under_worst_fit"] == check.labels[int(np.argmin(check.step_s[worst]))] != check.labels[0]
+    assert summary["winner_step_time_s_range"] == [check.step_s[:, 0].min(), check.step_s[:, 0].max()]
+    assert (f"the winner is at worst {regret[worst]:.1f} % slower than the best (without {check.fits[worst]}, "
+            f"where {summary['best_under_worst_fit']} wins)") in check.line()
+    same_only = search(w, 64, eff, top_k=3, held_out={"same": eff}).calibration_check
+    assert same_only.line().endswith("the winner is the fastest under every fit")
+    assert search(w, 64, eff, top_k=3).calibration_check is None
+
+
 def test_timeline_agrees_with_analytic_model_for_uniform_stages() -> None:
     # A dense model without embedding-heavy ends: first, middle and last stages cost about the same.
     w = _workload("tiny-qwen3")
@@ -110,3 +154,18 @@ def test_calibration_overrides_and_round_trip(tmp_path) -> None:
     assert isinstance(again, Calibration) and again.for_device("h100-sxm-80gb").gemm_max == 0.8
     with pytest.raises(Exception, match="unknown calibration parameter"):
         calibration_from_dict({"global": {"gemm_speed": 1.0}}, "t")
+
+
+def test_held_out_fits_round_trip_and_a_malformed_one_is_refused(tmp_path) -> None:
+    held = calibration_from_dict({"global": {"gemm_max": 0.5}, "per_arch": {"ampere": {"gemm_max": 0.9}}}, "h")
+    calibration = replace(calibration_from_dict({"global": {"gemm_max": 0.6}}, "t"), held_out_fits={"NAR21": held})
+    path = tmp_path / "c.yaml"
+    calibration.save(path)
+    again = load_calibration(path).held_out_fits
+    assert list(again) == ["NAR21"]
+    assert again["NAR21"].for_device("a100-sxm-80gb").gemm_max == 0.9
+    assert again["NAR21"].for_device("h100-sxm-80gb") == replace(Efficiency(), gemm_max=0.5)
+    with pytest.raises(Exception, match="'held_out_fits' must map each left-out family"):
+        calibration_from_dict({"global": {}, "held_out_fits": {"NAR21": 0.5}}, "t")
+    with pytest.raises(Exception, match=r"held-out fit NAR21\): unknown calibration parameter"):
+        calibration_from_dict({"held_out_fits": {"NAR21": {"global": {"gemm_speed": 1.0}}}}, "t")

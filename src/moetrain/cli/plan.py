@@ -50,7 +50,10 @@ def plan_layouts(args: argparse.Namespace) -> tuple[dict, dict]:
     from moetrain.planner.search import search
 
     workload, calibration = build_workload(args)
-    result = search(workload, args.devices, calibration.for_device(workload.cluster.device), top_k=max(args.top, 1))
+    device = workload.cluster.device
+    held_out = {family: fit.for_device(device) for family, fit in calibration.held_out_fits.items()}
+    result = search(workload, args.devices, calibration.for_device(device), top_k=max(args.top, 1),
+                    held_out=held_out)
     if len(result.top) == 0:
         raise UserError(f"no layout of {workload.model.name} fits {args.devices} × {workload.cluster.name} "
                         f"at seq {workload.seq_len}, batch {workload.global_batch}; add devices or memory")
@@ -69,6 +72,7 @@ def plan_layouts(args: argparse.Namespace) -> tuple[dict, dict]:
         })
     winner = rows[0]
     parallel = result.top.to_parallel(0)
+    check = result.calibration_check.summary() if result.calibration_check else None
     plan = {
         "model": args.model,
         "cluster": args.cluster,
@@ -80,6 +84,8 @@ def plan_layouts(args: argparse.Namespace) -> tuple[dict, dict]:
         "runtime_support": _runtime_support(parallel, workload.model.num_layers)
         or ["every dimension of this layout is executed by the runtime"],
     }
+    if check:
+        plan["calibration_check"] = {k: v for k, v in check.items() if k != "seconds"}
     summary = {
         "candidates_evaluated": result.candidates_evaluated,
         "feasible": result.feasible,
@@ -89,6 +95,8 @@ def plan_layouts(args: argparse.Namespace) -> tuple[dict, dict]:
         "why": result.explanation,
         "plan_file": args.out,
         "calibration_accuracy": dict(calibration.accuracy),
+        "calibration_check": check,
+        "calibration_check_line": result.calibration_check.line() if result.calibration_check else None,
     }
     return summary, plan
 
@@ -120,6 +128,8 @@ def run(args: argparse.Namespace) -> int:
     print("\nwhy the winner wins:")
     for line in summary["why"]:
         print(f"  {line}")
+    if summary["calibration_check_line"]:
+        print(f"  {summary['calibration_check_line']}")
     print(f"\nplan written to {args.out}")
     for note in plan["runtime_support"]:
         print(f"  runtime: {note}")

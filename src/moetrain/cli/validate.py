@@ -21,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def validate(args: argparse.Namespace) -> dict:
     from moetrain.planner.calibration import load_calibration
-    from moetrain.planner.fit import fit_calibration, leave_one_family_out, predict_rows
+    from moetrain.planner.fit import fit_calibration, fits_without_each_family, leave_one_family_out, predict_rows
     from moetrain.planner.validation import abs_pct_errors, prepare_all, read_rows, summarize
 
     rows = read_rows(args.file)
@@ -32,7 +32,8 @@ def validate(args: argparse.Namespace) -> dict:
                                       + (" --cv" if args.cv else ""))
     else:
         calibration = load_calibration(args.calibration)
-    predicted = leave_one_family_out(prepared) if args.cv else predict_rows(prepared, calibration)
+    held_out_fits = fits_without_each_family(prepared) if args.cv else {}
+    predicted = leave_one_family_out(prepared, held_out_fits) if args.cv else predict_rows(prepared, calibration)
     measured = [r.measured for r in prepared]
     errors = abs_pct_errors(predicted, measured) if prepared else []
     result["mode"] = "leave-one-family-out" if args.cv else "calibrated"
@@ -50,8 +51,9 @@ def validate(args: argparse.Namespace) -> dict:
     result["families"] = {f: summarize(v) for f, v in sorted(families.items())}
     if args.fit:
         # The file records how well it predicts the rows: out of sample with --cv (each family predicted
-        # by a fit on the others), in sample otherwise; `simulate` and `plan` print it.
-        calibration = replace(calibration, accuracy={
+        # by a fit on the others), in sample otherwise; `simulate` and `plan` print it. With --cv it also
+        # keeps the fits themselves, under which `plan` re-ranks its layouts.
+        calibration = replace(calibration, held_out_fits=held_out_fits, accuracy={
             "mode": "leave-one-family-out" if args.cv else "in-sample", "rows": result["summary"]["n"],
             "file": Path(args.file).name,
             "median_abs_pct_error": round(result["summary"]["median_abs_pct_error"], 2),

@@ -11,6 +11,8 @@ File format (YAML or JSON)::
     global: {gemm_max: 0.7, ...}
     per_arch: {ampere: {gemm_max: 0.75}}
     fitted_on: ...        # free text: what produced the file
+    accuracy: {mode: leave-one-family-out, median_abs_pct_error: 6.2, ...}
+    held_out_fits: {NAR21: {global: {...}, per_arch: {...}}, ...}   # one fit per family left out
 """
 
 from __future__ import annotations
@@ -117,6 +119,10 @@ class Calibration:
     """How well the file predicts published runs, as ``moetrain validate --fit`` measured it: ``mode``
     (leave-one-family-out with --cv, else in-sample), ``rows``, ``median_abs_pct_error``,
     ``p90_abs_pct_error`` and ``file``. Empty for a profile of the local device."""
+    held_out_fits: dict[str, Calibration] = field(default_factory=dict)
+    """The cross-validation's fits (``moetrain validate --fit --cv``), by the family each leaves out: the
+    parameters as they would be without that source. ``moetrain plan`` re-ranks its layouts under each,
+    so a choice that hangs on one source's efficiencies shows. Empty without --cv and for a profile."""
 
     def for_device(self, device: str) -> Efficiency:
         overrides = self.per_arch.get(arch_of(device), {})
@@ -142,6 +148,12 @@ class Calibration:
         }
         if self.accuracy:
             data["accuracy"] = dict(self.accuracy)
+        if self.held_out_fits:
+            # Only the fitted parameters: the others are the defaults in every fit.
+            data["held_out_fits"] = {
+                family: {"global": {k: v for k, v in fit.global_params.as_dict().items() if k not in NOT_FITTED},
+                         "per_arch": {k: dict(v) for k, v in sorted(fit.per_arch.items())}}
+                for family, fit in sorted(self.held_out_fits.items())}
         return data
 
     def save(self, path: str | Path) -> None:
@@ -174,9 +186,15 @@ def calibration_from_dict(data: dict, source: str) -> Calibration:
     if not isinstance(accuracy, dict):
         raise UserError(f"{source}: 'accuracy' must be a mapping (mode, rows, median_abs_pct_error, "
                         "p90_abs_pct_error), as `moetrain validate --fit` writes it")
+    held_out = data.get("held_out_fits") or {}
+    if not isinstance(held_out, dict) or not all(isinstance(v, dict) for v in held_out.values()):
+        raise UserError(f"{source}: 'held_out_fits' must map each left-out family to a mapping with 'global' and "
+                        "'per_arch', as `moetrain validate --fit --cv` writes it")
     return Calibration(
         Efficiency(**{k: float(v) for k, v in glob.items()}), per_arch, str(data.get("fitted_on", "")),
         {str(k): v for k, v in accuracy.items()},
+        {str(family): calibration_from_dict(fit, f"{source} (held-out fit {family})")
+         for family, fit in held_out.items()},
     )
 
 

@@ -144,16 +144,25 @@ def fit_calibration(rows: list[PreparedRow], note: str = "", *, per_arch_params:
     return _unpack(result.x, glob, per_arch, note, fixed)
 
 
-def leave_one_family_out(rows: list[PreparedRow], **fit_options) -> np.ndarray:
-    """Predict each row with parameters fitted on every *other* family (memory rows need no fit);
-    ``fit_options`` go to ``fit_calibration``."""
-    predicted = np.empty(len(rows))
-    families = sorted({r.family for r in rows})
-    for family in families:
-        held = [i for i, r in enumerate(rows) if r.family == family]
+def fits_without_each_family(rows: list[PreparedRow], **fit_options) -> dict[str, Calibration]:
+    """For each family of ``rows``, the parameters fitted on every *other* family (``fit_options`` go to
+    ``fit_calibration``): the fits leave-one-family-out cross-validation predicts with. ``moetrain plan``
+    re-ranks its best layouts under each to show how much the choice depends on the calibration."""
+    fits = {}
+    for family in sorted({r.family for r in rows}):
         train = [r for r in rows if r.family != family]
-        calibration = fit_calibration(train, **fit_options) if any(r.metric != "peak_memory_gib" for r in train) else (
-            default_calibration())
-        values = predict_rows([rows[i] for i in held], calibration)
-        predicted[held] = values
+        fits[family] = (fit_calibration(train, note=f"fitted without {family}", **fit_options)
+                        if any(r.metric != "peak_memory_gib" for r in train) else default_calibration())
+    return fits
+
+
+def leave_one_family_out(rows: list[PreparedRow], fits: dict[str, Calibration] | None = None,
+                         **fit_options) -> np.ndarray:
+    """Predict each row with parameters fitted on every *other* family (memory rows need no fit);
+    ``fits`` from ``fits_without_each_family`` if already computed, else ``fit_options`` go to it."""
+    fits = fits if fits is not None else fits_without_each_family(rows, **fit_options)
+    predicted = np.empty(len(rows))
+    for family, calibration in fits.items():
+        held = [i for i, r in enumerate(rows) if r.family == family]
+        predicted[held] = predict_rows([rows[i] for i in held], calibration)
     return predicted

@@ -1,13 +1,14 @@
 """Parallel-strategy search: enumerate every layout that divides, score all of them with the
 vectorised cost model, drop those that do not fit memory, re-score the best with the event-driven
-timeline, and explain why the winner wins.
+timeline, and explain why the winner wins: against the best layout of every other choice, and, when the
+calibration carries its cross-validation's fits, under each of those fits as well.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -45,6 +46,55 @@ class SearchSpace:
 
 
 @dataclass
+class CalibrationCheck:
+    """The winner against the other layouts the search timed (the screen's best and its best layout of
+    every value of each choice) under each fit of the calibration's cross-validation: the efficiencies as
+    they would be without one source of published runs (``Calibration.held_out_fits``)."""
+
+    fits: list[str]
+    """The family each fit leaves out."""
+    labels: list[str]
+    """The compared layouts (``describe``), in the search's rank order: the winner first."""
+    step_s: np.ndarray
+    """[fit, layout] step time (timeline) of each compared layout under each fit."""
+    seconds: float = 0.0
+
+    def winner_regret_pct(self) -> np.ndarray:
+        """Per fit: how much slower the winner is than the best compared layout under that fit, in %."""
+        return (self.step_s[:, 0] / self.step_s.min(axis=1) - 1.0) * 100.0
+
+    def best_label(self) -> list[str]:
+        """Per fit: the compared layout that is fastest under it."""
+        return [self.labels[int(i)] for i in np.argmin(self.step_s, axis=1)]
+
+    def summary(self) -> dict:
+        regret = self.winner_regret_pct()
+        worst = int(np.argmax(regret))
+        return {
+            "held_out_fits": len(self.fits),
+            "layouts_compared": len(self.labels),
+            "max_winner_regret_pct": round(float(regret[worst]), 3),
+            "worst_fit_leaves_out": self.fits[worst],
+            "best_under_worst_fit": self.best_label()[worst],
+            "winner_step_time_s_range": [float(self.step_s[:, 0].min()), float(self.step_s[:, 0].max())],
+            "seconds": self.seconds,
+        }
+
+    def line(self) -> str:
+        """One line for ``moetrain plan``: the winner's worst showing under the fits."""
+        s = self.summary()
+        head = (f"calibration check: re-ranked under the {s['held_out_fits']} fits that each leave one source of "
+                f"published runs out, against {s['layouts_compared'] - 1} other layouts, ")
+        if s["max_winner_regret_pct"] < 0.005:
+            return head + "the winner is the fastest under every fit"
+        if s["max_winner_regret_pct"] <= TIE_TOLERANCE * 100:
+            return head + (f"the winner stays within the {TIE_TOLERANCE:.1%} tie of the best under every fit "
+                           f"(at most {s['max_winner_regret_pct']:.2f} % slower, without {s['worst_fit_leaves_out']})")
+        return head + (f"the winner is at worst {s['max_winner_regret_pct']:.1f} % slower than the best (without "
+                       f"{s['worst_fit_leaves_out']}, where {s['best_under_worst_fit']} wins)")
+
+
+@dataclass
 class SearchResult:
     candidates_evaluated: int
     seconds: float
@@ -53,6 +103,7 @@ class SearchResult:
     top_costs: dict[str, np.ndarray]
     timeline_step_s: list[float]
     explanation: list[str] = field(default_factory=list)
+    calibration_check: CalibrationCheck | None = None
 
 
 def _divisors(n: int) -> list[int]:
@@ -107,13 +158,16 @@ def enumerate_strategies(w: Workload, devices: int, space: SearchSpace):
 
 
 def _concat(items: list[Strategies]) -> Strategies:
-    from dataclasses import fields
-
     return Strategies(**{f.name: np.concatenate([getattr(s, f.name) for s in items]) for f in fields(Strategies)})
 
 
 def search(w: Workload, devices: int, eff: Efficiency, space: SearchSpace | None = None, top_k: int = 10,
-           timeline_top: int = 10) -> SearchResult:
+           timeline_top: int = 10, held_out: dict[str, Efficiency] | None = None,
+           time_every_choice: bool = True) -> SearchResult:
+    """The best layouts of ``w`` on ``devices`` under ``eff``. ``held_out``: the efficiencies of the
+    calibration's cross-validation fits, by the family each leaves out; the winner is re-ranked under each
+    (``SearchResult.calibration_check``). ``time_every_choice``: time the screen's best layout of every
+    value of each choice with the timeline too, not only its best overall (off for quick comparisons)."""
     space = space or SearchSpace()
     start = time.perf_counter()
     evaluated = 0
@@ -150,25 +204,58 @@ def search(w: Workload, devices: int, eff: Efficiency, space: SearchSpace | None
     if best is None:
         return SearchResult(evaluated, seconds_screen, 0, _empty(),
                             {}, [], ["no layout fits in memory; add devices, raise recompute or shorten sequences"])
-    # Re-score the best with the timeline (bubble and overlap as the schedule really plays out).
-    # The analytic screen cannot see how the paired schedule plays out in a pipeline; re-score the best of
-    # both kinds so that the timeline decides.
+    # Re-score with the timeline (bubble and overlap as the schedule really plays out), which decides: the
+    # screen's best of both schedule kinds (it cannot see how the paired schedule plays out in a pipeline)
+    # and its best layout of every value of each choice, which the timeline may rank above them.
     width = max(top_k, timeline_top)
     picks = np.concatenate([np.nonzero(best.overlap)[0][:width], np.nonzero(~best.overlap)[0][:width]])
-    head = best.take(np.sort(picks))
-    costs = evaluate(w, head, eff)
-    timeline_steps = []
-    for i in range(len(head)):
-        timeline_steps.append(timeline_step(costs, head, i, eff))
-    order = rank_layouts(np.array(timeline_steps), costs["memory_bytes"], head)[:top_k]
-    top = head.take(order)
+    per_choice = [layout for _, (_, layout) in sorted(alternatives.items())] if time_every_choice else []
+    pool = _distinct([best.take(np.sort(picks))] + per_choice)
+    costs = evaluate(w, pool, eff)
+    pool_step = np.array([timeline_step(costs, pool, i, eff) for i in range(len(pool))])
+    ranked = rank_layouts(pool_step, costs["memory_bytes"], pool)
+    order = ranked[:top_k]
+    top = pool.take(order)
     top_costs = {k: v[order] for k, v in costs.items()}
-    steps = [timeline_steps[i] for i in order]
-    seconds = time.perf_counter() - start
-    result = SearchResult(evaluated, seconds, feasible, top, top_costs, steps)
-    result.explanation = explain_tie(steps, top_costs["memory_bytes"]) + explain(w, eff, top, top_costs,
-                                                                                 alternatives)
+    steps = [float(pool_step[i]) for i in order]
+    # The compared layouts in rank order: the winner first.
+    pool, pool_step = pool.take(ranked), pool_step[ranked]
+    check = None
+    if held_out:
+        check_start = time.perf_counter()
+        check = CalibrationCheck(list(held_out), [describe(pool, i) for i in range(len(pool))],
+                                 np.array([_timeline_steps(w, pool, e) for e in held_out.values()]))
+        check.seconds = time.perf_counter() - check_start
+    result = SearchResult(evaluated, 0.0, feasible, top, top_costs, steps, calibration_check=check)
+    result.explanation = explain_tie(steps, top_costs["memory_bytes"]) + explain(w, eff, pool, pool_step, check)
+    result.seconds = time.perf_counter() - start
     return result
+
+
+def _distinct(items: list[Strategies]) -> Strategies:
+    """The layouts of ``items``, each once, in first-seen order."""
+    merged = _concat(items)
+    keys = np.stack([getattr(merged, f.name).astype(np.int64) for f in fields(Strategies)], axis=1)
+    _, first = np.unique(keys, axis=0, return_index=True)
+    return merged.take(np.sort(first))
+
+
+def describe(strategies: Strategies, i: int) -> str:
+    """A layout in one short phrase (dp and the a2a kind only where they are not implied)."""
+    s = strategies.to_parallel(i)
+    parts = [f"tp{s.tp}" + (" sp" if s.sp else ""), f"pp{s.pp}" + (f" vpp{s.vpp}" if s.vpp > 1 else ""),
+             f"ep{s.ep}" + (f" etp{s.etp}" if s.etp > 1 else ""), f"cp{s.cp}", f"dp{s.dp}", f"zero{s.zero}",
+             f"mb{s.micro_batch}", f"recompute {s.recompute}"]
+    if s.a2a == "hierarchical":
+        parts.append("hierarchical a2a")
+    if s.overlap:
+        parts.append("overlap")
+    return " ".join(parts)
+
+
+def _timeline_steps(w: Workload, strategies: Strategies, eff: Efficiency) -> np.ndarray:
+    costs = evaluate(w, strategies, eff)
+    return np.array([timeline_step(costs, strategies, i, eff) for i in range(len(strategies))])
 
 
 def rank_layouts(step_s: np.ndarray, memory_bytes: np.ndarray, strategies: Strategies) -> np.ndarray:
@@ -215,25 +302,38 @@ _REASONS = {
     "dp_exposed_s": "exposed data-parallel traffic",
     "cp_exposed_s": "exposed context-parallel traffic",
     "pipeline_s": "pipeline time (compute and exposed comm per micro-batch)",
+    "schedule_s": "pipeline schedule as the timeline replays it, beyond the analytic estimate",
 }
 
 
-def explain(w: Workload, eff: Efficiency, top: Strategies, top_costs: dict[str, np.ndarray],
-            alternatives: dict[tuple[str, int], tuple[float, Strategies]]) -> list[str]:
-    """One line per search dimension: the winner's choice against the best layout with another value,
-    and the cost term that grows the most in that layout."""
+def explain(w: Workload, eff: Efficiency, pool: Strategies, pool_step: np.ndarray,
+            check: CalibrationCheck | None = None) -> list[str]:
+    """One line per search dimension: the winner (``pool``'s first layout) against the fastest timed layout
+    with another value of that choice, the cost term that grows the most in it, and, with a calibration
+    check, the same ratio's range under the held-out fits."""
+    costs = evaluate(w, pool, eff)
     lines = []
     for dim in ("tp", "pp", "vpp", "ep", "cp", "zero", "micro_batch", "recompute", "overlap", "a2a"):
-        chosen = int(getattr(top, dim)[0])
-        others = [(step, s, v) for (d, v), (step, s) in alternatives.items() if d == dim and v != chosen]
-        if not others:
+        values = getattr(pool, dim).astype(np.int64)
+        others = np.nonzero(values != values[0])[0]
+        if not others.size:
             continue
-        step, alt, value = min(others, key=lambda x: x[0])
-        alt_costs = evaluate(w, alt, eff)
-        growth = {name: float(alt_costs[name][0] - top_costs[name][0]) for name in _REASONS}
+        j = int(others[np.argmin(pool_step[others])])
+        growth = {name: float(costs[name][j] - costs[name][0]) for name in _REASONS if name in costs}
+        # What the timeline adds over the analytic screen (bubble and overlap as the schedule really runs).
+        growth["schedule_s"] = float(pool_step[j] - pool_step[0]) - float(costs["step_time_s"][j]
+                                                                          - costs["step_time_s"][0])
         worst = max(growth, key=lambda k: growth[k])
         reason = f"{_REASONS[worst]} +{growth[worst]:.3g} s" if growth[worst] > 0 else "no single term dominates"
-        analytic_winner = float(top_costs["step_time_s"][0])
-        lines.append(f"{dim}={chosen}: best layout with {dim}={value} is {step / analytic_winner:.2f}x the step "
-                     f"time ({reason})")
+        line = (f"{dim}={_value_name(dim, values[0])}: best layout with {dim}={_value_name(dim, values[j])} is "
+                f"{pool_step[j] / pool_step[0]:.2f}x the step time ({reason})")
+        if check is not None:
+            ratios = check.step_s[:, j] / check.step_s[:, 0]
+            line += f"; {ratios.min():.2f}-{ratios.max():.2f}x under the {len(check.fits)} held-out fits"
+        lines.append(line)
     return lines
+
+
+def _value_name(dim: str, value: int) -> str:
+    names = {"recompute": ("none", "selective", "full"), "a2a": ("flat", "hierarchical"), "overlap": ("off", "on")}
+    return names[dim][int(value)] if dim in names else str(int(value))
