@@ -152,3 +152,15 @@ def test_a_calibration_file_with_a_malformed_accuracy_is_refused(tmp_path: Path,
     _one_line_error(capsys, ["simulate", *TINY, "--devices", "2", "--calibration", str(bad)],
                     "'accuracy' must be a mapping")
 
+
+def test_a_reader_that_closes_the_pipe_stops_the_command_quietly(tmp_path: Path) -> None:
+    # `moetrain plan ... | head -1`: no traceback, and the exit status of a command stopped by SIGPIPE.
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "moetrain", "plan", *TINY, "--devices", "2", "--out",
+                             str(tmp_path / "p.yaml")], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 141
+    assert stderr == ""
