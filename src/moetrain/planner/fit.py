@@ -6,7 +6,7 @@ physical prior so that parameters the training rows cannot identify stay at thei
 drifting. Per-architecture values (``PER_ARCH_PARAMS``) are fitted only for architectures with at
 least ``MIN_ROWS_PER_ARCH`` speed rows in the training set; others use the global value.
 
-Regenerate the shipped file, with its cross-validated error recorded in it, with::
+Regenerate the shipped file, with its cross-validated error and the held-out fits recorded in it, with::
 
     moetrain validate shared/validation/calibration.csv --fit src/moetrain/planner/calibration_default.yaml --cv
 """
