@@ -114,11 +114,19 @@ def test_a_fit_records_its_error_and_simulate_and_plan_print_it(small_csv: Path,
                         "median_abs_pct_error": round(summary["median_abs_pct_error"], 2),
                         "p90_abs_pct_error": round(summary["p90_abs_pct_error"], 2)}
     assert main(["simulate", *TINY, "--devices", "2", "--calibration", str(fitted), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["calibration_accuracy"] == accuracy
+    simulated = json.loads(capsys.readouterr().out)
+    assert simulated["calibration_accuracy"] == accuracy
+    # The same layout under each held-out fit: a fit with other efficiencies predicts another step time.
+    held = simulated["step_time_s_held_out_fits"]
+    assert list(held) == ["MBR", "NAR21", "VTRAIN-M"] and len(set(held.values())) == 3
     line = (f"calibration error on the 3 runs of rows.csv (leave-one-family-out): median "
             f"{accuracy['median_abs_pct_error']:.1f} %, 90th percentile {accuracy['p90_abs_pct_error']:.1f} %")
     assert main(["simulate", *TINY, "--devices", "2", "--calibration", str(fitted)]) == 0
-    assert line in capsys.readouterr().out.splitlines()
+    out = capsys.readouterr().out.splitlines()
+    assert line in out
+    low, high = min(held, key=held.__getitem__), max(held, key=held.__getitem__)
+    assert (f"step time under the 3 fits that each leave one source of published runs out: {held[low]:.4g}-"
+            f"{held[high]:.4g} s (without {low} and without {high})") in out
     assert main(["plan", *TINY, "--devices", "2", "--calibration", str(fitted), "--out", str(tmp_path / "p.yaml")]) == 0
     out = capsys.readouterr().out
     assert line in out.splitlines()
@@ -134,6 +142,8 @@ def test_a_fit_records_its_error_and_simulate_and_plan_print_it(small_csv: Path,
                  "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["calibration_check"] is None and summary["calibration_check_line"] is None
+    assert main(["simulate", *TINY, "--devices", "2", "--calibration", str(fitted), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step_time_s_held_out_fits"] == {}
 
 
 def test_the_shipped_calibration_states_its_cross_validated_error() -> None:

@@ -26,6 +26,7 @@ def simulate_layout(args: argparse.Namespace) -> dict:
     from moetrain.errors import UserError
     from moetrain.planner.cli_support import build_workload, parallel_from_args
     from moetrain.planner.costmodel import evaluate
+    from moetrain.planner.search import timeline_step
     from moetrain.planner.strategy import Strategies
     from moetrain.planner.timeline import gantt_png, simulate_timeline, stage_costs_from_model
 
@@ -79,6 +80,12 @@ def simulate_layout(args: argparse.Namespace) -> dict:
         "hbm_gib": workload.cluster.hbm_bytes / 2**30,
         "fits_memory": memory_total * 2**30 <= workload.cluster.hbm_bytes,
         "calibration_accuracy": dict(calibration.accuracy),
+        # The same layout under each fit of the calibration's cross-validation (one source left out):
+        # how far the prediction moves with the sources it was fitted on.
+        "step_time_s_held_out_fits": {
+            family: timeline_step(evaluate(workload, strategies, fit_eff), strategies, 0, fit_eff)
+            for family, fit_eff in ((f, c.for_device(workload.cluster.device))
+                                    for f, c in calibration.held_out_fits.items())},
     }
     if args.timeline:
         gantt_png(timeline, args.timeline, f"{workload.model.name} on {args.devices} × {workload.cluster.name}: "
@@ -102,6 +109,10 @@ def run(args: argparse.Namespace) -> int:
           f"({result['tokens_per_s_per_device']:.4g} per device)    MFU {result['mfu']:.1%}")
     if line := accuracy_line(result["calibration_accuracy"]):
         print(line)
+    if held := result["step_time_s_held_out_fits"]:
+        low, high = min(held, key=held.__getitem__), max(held, key=held.__getitem__)
+        print(f"step time under the {len(held)} fits that each leave one source of published runs out: "
+              f"{held[low]:.4g}-{held[high]:.4g} s (without {low} and without {high})")
     print("\ncompute (per step, busiest stage)      seconds")
     for name, value in result["compute_s"].items():
         print(f"  {name:34s} {value:10.4g}")
