@@ -14,7 +14,7 @@ import numpy as np
 
 from moetrain.planner.calibration import Efficiency
 from moetrain.planner.costmodel import Workload, evaluate
-from moetrain.planner.strategy import Strategies
+from moetrain.planner.strategy import A2A_NAMES, RECOMPUTE_NAMES, Strategies
 from moetrain.planner.timeline import simulate_timeline, stage_costs_from_model
 
 MEMORY_LIMIT_FRACTION = 0.95
@@ -241,7 +241,7 @@ def _distinct(items: list[Strategies]) -> Strategies:
 
 
 def describe(strategies: Strategies, i: int) -> str:
-    """A layout in one short phrase (dp and the a2a kind only where they are not implied)."""
+    """A layout in one short phrase; the all-to-all kind and the paired schedule only when they are on."""
     s = strategies.to_parallel(i)
     parts = [f"tp{s.tp}" + (" sp" if s.sp else ""), f"pp{s.pp}" + (f" vpp{s.vpp}" if s.vpp > 1 else ""),
              f"ep{s.ep}" + (f" etp{s.etp}" if s.etp > 1 else ""), f"cp{s.cp}", f"dp{s.dp}", f"zero{s.zero}",
@@ -335,5 +335,5 @@ def explain(w: Workload, eff: Efficiency, pool: Strategies, pool_step: np.ndarra
 
 
 def _value_name(dim: str, value: int) -> str:
-    names = {"recompute": ("none", "selective", "full"), "a2a": ("flat", "hierarchical"), "overlap": ("off", "on")}
+    names = {"recompute": RECOMPUTE_NAMES, "a2a": A2A_NAMES, "overlap": ("off", "on")}
     return names[dim][int(value)] if dim in names else str(int(value))
