@@ -42,7 +42,7 @@ def main() -> None:
     workload = Workload(model, cluster, args.seq_len, args.global_batch)
     calibration = load_calibration()
     eff = calibration.for_device(cluster.device)
-    held_out = {family: fit.for_device(cluster.device) for family, fit in calibration.held_out_fits.items()}
+    held_out = calibration.held_out_for_device(cluster.device)
     runs = []
     for _ in range(args.repeats):
         result = search(workload, args.devices, eff, top_k=5, held_out=held_out)

@@ -51,9 +51,8 @@ def plan_layouts(args: argparse.Namespace) -> tuple[dict, dict]:
 
     workload, calibration = build_workload(args)
     device = workload.cluster.device
-    held_out = {family: fit.for_device(device) for family, fit in calibration.held_out_fits.items()}
     result = search(workload, args.devices, calibration.for_device(device), top_k=max(args.top, 1),
-                    held_out=held_out)
+                    held_out=calibration.held_out_for_device(device))
     if len(result.top) == 0:
         raise UserError(f"no layout of {workload.model.name} fits {args.devices} × {workload.cluster.name} "
                         f"at seq {workload.seq_len}, batch {workload.global_batch}; add devices or memory")

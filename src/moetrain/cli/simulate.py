@@ -26,7 +26,7 @@ def simulate_layout(args: argparse.Namespace) -> dict:
     from moetrain.errors import UserError
     from moetrain.planner.cli_support import build_workload, parallel_from_args
     from moetrain.planner.costmodel import evaluate
-    from moetrain.planner.search import timeline_step
+    from moetrain.planner.search import step_after_pipeline, timeline_step
     from moetrain.planner.strategy import Strategies
     from moetrain.planner.timeline import gantt_png, simulate_timeline, stage_costs_from_model
 
@@ -43,7 +43,7 @@ def simulate_layout(args: argparse.Namespace) -> dict:
     timeline = simulate_timeline(parallel.pp, parallel.vpp, num_micro, stage, parallel.overlap,
                                  record_spans=bool(args.timeline))
     get = lambda key: float(out[key][0])  # noqa: E731
-    step = timeline.step_time_s + get("dp_exposed_s") + get("optimizer_s") + eff.step_overhead_ms * 1e-3
+    step = step_after_pipeline(timeline.step_time_s, out, 0, eff)
     tokens = workload.global_batch * workload.seq_len
     mfu = get("mfu") * get("step_time_s") / step
     busiest = int(np.argmax(timeline.busy_s))
@@ -84,8 +84,7 @@ def simulate_layout(args: argparse.Namespace) -> dict:
         # how far the prediction moves with the sources it was fitted on.
         "step_time_s_held_out_fits": {
             family: timeline_step(evaluate(workload, strategies, fit_eff), strategies, 0, fit_eff)
-            for family, fit_eff in ((f, c.for_device(workload.cluster.device))
-                                    for f, c in calibration.held_out_fits.items())},
+            for family, fit_eff in calibration.held_out_for_device(workload.cluster.device).items()},
     }
     if args.timeline:
         gantt_png(timeline, args.timeline, f"{workload.model.name} on {args.devices} × {workload.cluster.name}: "

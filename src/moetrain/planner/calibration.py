@@ -128,6 +128,10 @@ class Calibration:
         overrides = self.per_arch.get(arch_of(device), {})
         return replace(self.global_params, **overrides) if overrides else self.global_params
 
+    def held_out_for_device(self, device: str) -> dict[str, Efficiency]:
+        """``for_device`` of each held-out fit, by the family it leaves out (empty without them)."""
+        return {family: fit.for_device(device) for family, fit in self.held_out_fits.items()}
+
     @property
     def free_parameter_count(self) -> int:
         """Global values plus per-architecture values; a global value that is the mean of per-architecture

@@ -213,13 +213,13 @@ def search(w: Workload, devices: int, eff: Efficiency, space: SearchSpace | None
     pool = _distinct([best.take(np.sort(picks))] + per_choice)
     costs = evaluate(w, pool, eff)
     pool_step = np.array([timeline_step(costs, pool, i, eff) for i in range(len(pool))])
+    # The timed layouts in rank order, the winner first; the top are the first ``top_k``.
     ranked = rank_layouts(pool_step, costs["memory_bytes"], pool)
-    order = ranked[:top_k]
-    top = pool.take(order)
-    top_costs = {k: v[order] for k, v in costs.items()}
-    steps = [float(pool_step[i]) for i in order]
-    # The compared layouts in rank order: the winner first.
     pool, pool_step = pool.take(ranked), pool_step[ranked]
+    costs = {k: v[ranked] for k, v in costs.items()}
+    top = pool.take(np.arange(min(top_k, len(pool))))
+    top_costs = {k: v[:top_k] for k, v in costs.items()}
+    steps = [float(x) for x in pool_step[:top_k]]
     check = None
     if held_out:
         check_start = time.perf_counter()
@@ -227,7 +227,7 @@ def search(w: Workload, devices: int, eff: Efficiency, space: SearchSpace | None
                                  np.array([_timeline_steps(w, pool, e) for e in held_out.values()]))
         check.seconds = time.perf_counter() - check_start
     result = SearchResult(evaluated, 0.0, feasible, top, top_costs, steps, calibration_check=check)
-    result.explanation = explain_tie(steps, top_costs["memory_bytes"]) + explain(w, eff, pool, pool_step, check)
+    result.explanation = explain_tie(steps, top_costs["memory_bytes"]) + explain(pool, costs, pool_step, check)
     result.seconds = time.perf_counter() - start
     return result
 
@@ -291,8 +291,13 @@ def timeline_step(costs: dict[str, np.ndarray], strategies: Strategies, i: int, 
     num_micro = int(round(costs["num_micro_batches"][i]))
     stage = stage_costs_from_model(costs, i, pp, vpp)
     result = simulate_timeline(pp, vpp, num_micro, stage, bool(strategies.overlap[i]))
-    return (result.step_time_s + float(costs["dp_exposed_s"][i]) + float(costs["optimizer_s"][i])
-            + eff.step_overhead_ms * 1e-3)
+    return step_after_pipeline(result.step_time_s, costs, i, eff)
+
+
+def step_after_pipeline(pipeline_s: float, costs: dict[str, np.ndarray], i: int, eff: Efficiency) -> float:
+    """A step of candidate ``i``: the pipeline's span, then what follows it (the exposed data-parallel
+    traffic, the optimizer update and the fixed per-step overhead)."""
+    return pipeline_s + float(costs["dp_exposed_s"][i]) + float(costs["optimizer_s"][i]) + eff.step_overhead_ms * 1e-3
 
 
 _REASONS = {
@@ -306,12 +311,12 @@ _REASONS = {
 }
 
 
-def explain(w: Workload, eff: Efficiency, pool: Strategies, pool_step: np.ndarray,
+def explain(pool: Strategies, costs: dict[str, np.ndarray], pool_step: np.ndarray,
             check: CalibrationCheck | None = None) -> list[str]:
-    """One line per search dimension: the winner (``pool``'s first layout) against the fastest timed layout
-    with another value of that choice, the cost term that grows the most in it, and, with a calibration
-    check, the same ratio's range under the held-out fits."""
-    costs = evaluate(w, pool, eff)
+    """One line per search dimension: the winner (``pool``'s first layout; ``costs`` and ``pool_step`` are
+    the analytic costs and timeline steps of the pool) against the fastest timed layout with another value
+    of that choice, the cost term that grows the most in it, and, with a calibration check, the same
+    ratio's range under the held-out fits."""
     lines = []
     for dim in ("tp", "pp", "vpp", "ep", "cp", "zero", "micro_batch", "recompute", "overlap", "a2a"):
         values = getattr(pool, dim).astype(np.int64)
