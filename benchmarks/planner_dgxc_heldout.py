@@ -27,9 +27,15 @@ same statement added to the calibration rows whose source names NeMo or Megatron
 check whether pricing NVIDIA's stacks as overlapped by default would hold up on the calibration file
 (``cv_variant_nemo_overlap``, beside ``cv_as_modelled``; about two minutes, needs scipy).
 
+With ``--cv-with-dgxc`` it cross-validates ``calibration.csv`` with these 48 runs as one more family in the
+training set of every fold (``cv_trained_with_dgxc``): does more published data make the held-out families
+better predicted? The DGX Cloud family is itself predicted by the fit on the calibration families (about two
+and a half minutes, needs scipy).
+
 Writes ``benchmarks/results/planner_dgxc_heldout.json``.
 
-    python benchmarks/planner_dgxc_heldout.py [--cv-variant] [--csv ../shared/validation/calibration.csv]
+    python benchmarks/planner_dgxc_heldout.py [--cv-variant] [--cv-with-dgxc] \
+        [--csv ../shared/validation/calibration.csv]
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from __future__ import annotations
 import argparse
 import re
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -72,6 +79,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cv-variant", action="store_true",
                         help="also cross-validate calibration.csv with NeMo/Megatron-Bridge rows priced as overlapped")
+    parser.add_argument("--cv-with-dgxc", action="store_true",
+                        help="also cross-validate calibration.csv with these runs added to every fold's training set")
     parser.add_argument("--csv", default=str(CALIBRATION_CSV))
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "planner_dgxc_heldout.json"))
     args = parser.parse_args()
@@ -133,6 +142,18 @@ def main() -> None:
         variant, _ = prepare_all(_with_statement(read_rows(args.csv), r"NeMo|Megatron-Bridge"))
         result["cv_as_modelled"] = _cross_validated(published)
         result["cv_variant_nemo_overlap"] = _cross_validated(variant)
+    if args.cv_with_dgxc:
+        published, _ = prepare_all(read_rows(args.csv))
+        # One family for all 48 runs (not one per README table), so that no fold trains on DGX Cloud runs
+        # while predicting others of the same source.
+        union = published + [replace(r, family="DGXC") for r in rows]
+        predicted_union = leave_one_family_out(union)
+        n = len(published)
+        result["cv_trained_with_dgxc"] = {
+            "calibration_rows": summary(signed_pct_errors(published, predicted_union[:n])),
+            "dgxc_rows_fitted_on_calibration_csv": summary(signed_pct_errors(rows, predicted_union[n:])),
+            "signed_pct_error": {r.row_id: float(e) for r, e in zip(
+                published, signed_pct_errors(published, predicted_union[:n]))}}
     write_result(args.out, result)
     print_summaries(result["summary"])
     for name in ("cv_as_modelled", "cv_variant_nemo_overlap"):
@@ -140,6 +161,9 @@ def main() -> None:
             cv = result[name]
             print(f"{name:40s} median {cv['median_abs_pct_error']:5.1f} %  p90 {cv['p90_abs_pct_error']:5.1f} %  "
                   f"above 12 %: {cv['rows_above_12_pct']}/{cv['n']}")
+    if "cv_trained_with_dgxc" in result:
+        print_summaries({f"cv_trained_with_dgxc: {k}": v for k, v in result["cv_trained_with_dgxc"].items()
+                         if k != "signed_pct_error"})
     for name, table in tables.items():
         print(f"{name:18s} rows {table['rows']:2d}  mean signed {table['mean_signed_pct_error']:+6.1f} %  "
               f"(overlap stated: {table['what_if_overlap_stated_mean_signed_pct_error']:+6.1f} %, "
