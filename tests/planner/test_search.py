@@ -15,6 +15,7 @@ from moetrain.planner.search import (
     SearchSpace,
     describe,
     enumerate_strategies,
+    explain,
     rank_layouts,
     search,
     timeline_step,
@@ -51,6 +52,19 @@ def test_search_counts_and_prunes_memory() -> None:
     assert np.all(np.diff(result.top_costs["memory_bytes"][: tied.sum()]) >= 0)
     assert np.all(np.diff(steps[tied.sum():]) >= 0)
     assert result.explanation
+
+
+def test_an_alternative_within_the_tie_is_called_a_tie_not_blamed_on_a_cost_term() -> None:
+    pool = Strategies.from_parallel([ParallelConfig(tp=2, sp=True, pp=2, dp=2, zero=1),
+                                     ParallelConfig(tp=2, sp=True, pp=2, dp=2, zero=0),
+                                     ParallelConfig(tp=4, sp=True, pp=2, dp=1, zero=0)])
+    costs = evaluate(_workload(), pool, load_calibration().for_device("cpu"))
+    # zero=0 is 0.3 % slower (a tie), tp=4 is 20 % slower.
+    lines = explain(pool, costs, np.array([1.0, 1.003, 1.2]))
+    zero_line = next(line for line in lines if line.startswith("zero="))
+    tp_line = next(line for line in lines if line.startswith("tp="))
+    assert "1.00x the step time (a tie within 0.5%, decided by memory" in zero_line
+    assert "1.20x the step time" in tp_line and "tie" not in tp_line
 
 
 def test_a_tie_goes_to_less_memory_then_to_the_simpler_layout() -> None:

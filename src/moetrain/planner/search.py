@@ -329,7 +329,13 @@ def explain(pool: Strategies, costs: dict[str, np.ndarray], pool_step: np.ndarra
         growth["schedule_s"] = float(pool_step[j] - pool_step[0]) - float(costs["step_time_s"][j]
                                                                           - costs["step_time_s"][0])
         worst = max(growth, key=lambda k: growth[k])
-        reason = f"{_REASONS[worst]} +{growth[worst]:.3g} s" if growth[worst] > 0 else "no single term dominates"
+        if pool_step[j] <= pool_step[0] * (1.0 + TIE_TOLERANCE):
+            # No term makes the alternative slower; naming the one that grows most would mislead.
+            reason = f"a tie within {TIE_TOLERANCE:.1%}, decided by memory, then by the simpler layout"
+        elif growth[worst] > 0:
+            reason = f"{_REASONS[worst]} +{growth[worst]:.3g} s"
+        else:
+            reason = "no single term dominates"
         line = (f"{dim}={_value_name(dim, values[0])}: best layout with {dim}={_value_name(dim, values[j])} is "
                 f"{pool_step[j] / pool_step[0]:.2f}x the step time ({reason})")
         if check is not None:
