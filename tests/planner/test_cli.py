@@ -83,6 +83,27 @@ def test_plan_error_when_nothing_fits(capsys: pytest.CaptureFixture[str], tmp_pa
                     "no layout of pangu-ultra-moe-718b fits")
 
 
+def test_output_files_get_their_folders_and_a_folder_given_as_a_file_is_refused(
+        small_csv: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    plan_path = tmp_path / "runs" / "a" / "plan.yaml"
+    assert main(["plan", *TINY, "--devices", "2", "--out", str(plan_path)]) == 0
+    assert load_plan_file(str(plan_path))["parallel"].tp >= 1
+    png = tmp_path / "figures" / "t.png"
+    assert main(["simulate", *TINY, "--devices", "2", "--pp", "2", "--timeline", str(png)]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    capsys.readouterr()
+    # The check runs before the work: a fit or search that cannot write its result does not start.
+    _one_line_error(capsys, ["plan", *TINY, "--devices", "2", "--out", str(tmp_path)],
+                    f"--out {tmp_path} is a folder; name a file, e.g. {tmp_path / 'plan.yaml'}")
+    _one_line_error(capsys, ["validate", str(small_csv), "--fit", str(tmp_path)], "--fit")
+    _one_line_error(capsys, ["simulate", *TINY, "--devices", "2", "--timeline", str(tmp_path)], "is a folder")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("kept")
+    _one_line_error(capsys, ["plan", *TINY, "--devices", "2", "--out", str(blocker / "plan.yaml")],
+                    "cannot create its folder")
+    assert blocker.read_text() == "kept"
+
+
 def test_validate_json_keys_and_unsimulable_rows(small_csv: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["validate", str(small_csv), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+from moetrain.errors import UserError
 
 
 def add_model_arg(parser: argparse.ArgumentParser, default: str | None = None) -> None:
@@ -39,3 +42,16 @@ def add_strategy_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--a2a", choices=["flat", "hierarchical"], default="flat", help="expert all-to-all kind")
     g.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=False,
                    help="pair forward and backward of two micro-batches to hide all-to-all")
+
+
+def output_file(path: str, flag: str, example_name: str) -> str:
+    """Check a file a command will write before the work that fills it: a folder where a file is meant is
+    refused, and missing parent folders are created (as ``train --save-dir`` creates its folder)."""
+    target = Path(path)
+    if target.is_dir():
+        raise UserError(f"{flag} {path} is a folder; name a file, e.g. {target / example_name}")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"{flag} {path}: cannot create its folder ({exc.strerror}); choose a writable path") from exc
+    return path

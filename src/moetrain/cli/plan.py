@@ -105,6 +105,10 @@ def run(args: argparse.Namespace) -> int:
         return _run_model_search(args)
     import yaml
 
+    from moetrain.cli.common import output_file
+
+    output_file(args.out, "--out", "plan.yaml")
+
     from moetrain.planner.calibration import accuracy_line
 
     summary, plan = plan_layouts(args)

@@ -24,6 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from moetrain.cli.common import output_file
     from moetrain.config import load_cluster_config, load_model_config
     from moetrain.errors import UserError
     from moetrain.planner.calibration import Calibration, arch_of, load_calibration
@@ -31,6 +32,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.repeats <= 0:
         raise UserError(f"--repeats must be positive (got {args.repeats})")
+    output_file(args.out, "--out", "calibration.yaml")
     if args.threads is not None:
         if args.threads <= 0:
             raise UserError(f"--threads must be positive (got {args.threads})")

@@ -23,6 +23,7 @@ def simulate_layout(args: argparse.Namespace) -> dict:
     """The prediction as a plain mapping (what --json prints)."""
     import numpy as np
 
+    from moetrain.cli.common import output_file
     from moetrain.errors import UserError
     from moetrain.planner.cli_support import build_workload, parallel_from_args
     from moetrain.planner.costmodel import evaluate
@@ -30,6 +31,8 @@ def simulate_layout(args: argparse.Namespace) -> dict:
     from moetrain.planner.strategy import Strategies
     from moetrain.planner.timeline import gantt_png, simulate_timeline, stage_costs_from_model
 
+    if args.timeline:
+        output_file(args.timeline, "--timeline", "timeline.png")
     workload, calibration = build_workload(args)
     eff = calibration.for_device(workload.cluster.device)
     parallel = parallel_from_args(args, workload, args.devices)

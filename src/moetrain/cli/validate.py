@@ -20,10 +20,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def validate(args: argparse.Namespace) -> dict:
+    from moetrain.cli.common import output_file
     from moetrain.planner.calibration import load_calibration
     from moetrain.planner.fit import fit_calibration, fits_without_each_family, leave_one_family_out, predict_rows
     from moetrain.planner.validation import abs_pct_errors, prepare_all, read_rows, summarize
 
+    if args.fit:
+        output_file(args.fit, "--fit", "calibration.yaml")
     rows = read_rows(args.file)
     prepared, skipped = prepare_all(rows)
     result: dict = {}
