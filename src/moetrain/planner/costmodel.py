@@ -123,6 +123,10 @@ class Workload:
     qk_rope_head_dim per token) before the up-projection, as this project's runtime does
     (``moetrain.distributed.cp``). False for stacks that exchange the up-projected keys and values
     (Megatron-Core's ring CP), which the published rows ran."""
+    bidirectional_pairing: bool = False
+    """The paired schedule is DualPipe's (DeepSeek-V3 §3.2.1: micro-batches fed from both ends of the
+    pipeline), not this project's paired 1F1B: pairing starts after about pp chunk units on every rank and
+    never serialises the pipeline. The published DualPipe run is read this way."""
     fp8_stored_activations: bool = False
     """FP8 runs keep the quantised copy of each linear layer's input for the weight gradient, at 1 byte
     instead of 2 (Transformer Engine; DeepSeek-V3 §3.3.2 caches them in FP8). False for torchao's Float8
@@ -309,7 +313,8 @@ def _layer_costs(w: Workload, s: Strategies, eff: Efficiency, moe_layer: bool, n
         # Overlapped F&B pairing (SPEC §2): in the steady state each all-to-all runs under the other
         # micro-batch's compute; in warm-up/cool-down only the shared expert hides the dispatch.
         chunks = num_micro * s.vpp
-        paired = np.clip((chunks - np.maximum(s.pp, 2) + 1) / chunks, 0.0, 1.0)
+        paired = (np.clip((chunks - np.maximum(s.pp, 2) + 1) / chunks, 0.0, 1.0) if w.bidirectional_pairing
+                  else paired_share(s.pp, s.vpp, chunks))
         hidden_paired = np.minimum(total_a2a, compute_pair)
         hidden_alone = np.minimum(total_a2a, 3.0 * shared_time)
         hidden = np.where(s.overlap, paired * hidden_paired + (1 - paired) * hidden_alone, 0.0)
@@ -318,6 +323,28 @@ def _layer_costs(w: Workload, s: Strategies, eff: Efficiency, moe_layer: bool, n
         layer.a2a_alone_hidden = hidden_alone
     layer.parts = parts
     return layer
+
+
+FILL_WARMUP_EXPOSED = 0.7
+"""Share of the pipeline-fill warm-up forwards (2·(pp − r − 1) on rank r with interleaving, pp − r − 1
+without) whose unpaired all-to-all lengthens the step; the rest runs while later ranks still wait for
+their first input. Not a fitted efficiency: it makes the screen agree with the event-driven timeline it
+stands in for (median timeline/screen step 1.000, all within 0.98-1.01, over the 300 best paired layouts
+of six searches; ``tests/planner/test_search.py`` checks the agreement)."""
+
+
+def paired_share(pp, vpp, chunks) -> np.ndarray:
+    """Share of a rank's forward units that the paired schedule fuses with a backward and whose all-to-all
+    it therefore hides, averaged over the pipeline ranks. The others are the warm-up forwards of
+    ``moetrain.distributed.schedules.overlapped`` (those of (interleaved) 1F1B plus one), which only the
+    shared expert can hide: (vpp − 1)·pp + 1 on every rank, plus the fill's (``FILL_WARMUP_EXPOSED``). With
+    interleaving and few micro-batches most of a rank's forward units are warm-up."""
+    pp = np.asarray(pp, dtype=float)
+    vpp = np.asarray(vpp, dtype=float)
+    chunks = np.asarray(chunks, dtype=float)
+    mean_fill = np.where(vpp > 1, pp - 1.0, (pp - 1.0) / 2.0)
+    warmup = FILL_WARMUP_EXPOSED * mean_fill + (vpp - 1.0) * pp + 1.0
+    return np.clip((chunks - np.minimum(warmup, chunks)) / chunks, 0.0, 1.0)
 
 
 def _full_recompute_share(recompute) -> np.ndarray:
@@ -474,6 +501,17 @@ def evaluate(w: Workload, s: Strategies, eff: Efficiency) -> dict[str, np.ndarra
         "forward_fraction": body.fwd / (body.fwd + body.bwd + body.recompute),
     }
     bubble = (pp - 1) * t_mean / vpp
+    # The paired schedule without interleaving serialises the pipeline: a fused step posts its sends when
+    # both halves are done, so step k of rank r waits for step k of rank r+1 (its backward's gradient),
+    # which waits for step k−1 of rank r (its forward's input). The steady period becomes the slowest pair
+    # of neighbouring ranks' step times instead of the slowest rank's, and every step past the first two
+    # waits for the difference (the timeline replays it; ``tests/planner/test_search.py`` checks the two
+    # agree). Interleaving breaks the cycle through the other chunks: with vpp > 1 pairing costs no idle.
+    neighbours = np.where(pp == 2, first + last, np.maximum(np.maximum(first, last) + middle,
+                                                            np.where(pp > 3, 2.0 * middle, 0.0))) + 2.0 * p2p
+    neighbours = np.where(uneven, 2.0 * t_max, neighbours)
+    serialised = (s.overlap & (s.vpp == 1) & (s.pp > 1) & (not w.bidirectional_pairing)).astype(float)
+    bubble = bubble + serialised * np.maximum(num_micro - 2.0, 0.0) * (neighbours - t_max)
     pipeline = compute_steady + bubble
 
     # Parameters held per device on the most loaded stage (embedding on the first, head+MTP on the last).

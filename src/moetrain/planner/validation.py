@@ -232,6 +232,7 @@ def prepare_row(row: dict) -> PreparedRow | Unsimulable:
         overlap_tp_comm=precision != "fp16",
         comm_overlap_stated=tuple(sorted(overlap_stated)),
         cp_gathers_mla_latent=False,  # the published stacks exchange up-projected keys and values
+        bidirectional_pairing=bool(re.search(r"DualPipe", source)),
         attention_window=int(window.group(1)) if window else 0,
         window_layer_share=0.5 if window else 0.0,
         # GPT-3-style models (Megatron's and vTrain's GPT) learn absolute positions, MPT uses ALiBi; the
