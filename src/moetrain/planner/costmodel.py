@@ -502,9 +502,10 @@ def evaluate(w: Workload, s: Strategies, eff: Efficiency) -> dict[str, np.ndarra
         "forward_fraction": body.fwd / (body.fwd + body.bwd + body.recompute),
     }
     bubble = (pp - 1) * t_mean / vpp
-    # The paired schedule without interleaving serialises the pipeline: a fused step posts its sends when
-    # both halves are done, so step k of rank r waits for step k of rank r+1 (its backward's gradient),
-    # which waits for step k−1 of rank r (its forward's input). The steady period becomes the slowest pair
+    # The paired schedule without interleaving serialises the pipeline: a fused step receives both inputs
+    # before it starts and its forward output leaves close to its end (the halves take turns), so step k
+    # of rank r waits for step k of rank r+1 (its backward's gradient), which waits for step k−1 of rank r
+    # (its forward's input). The steady period becomes the slowest pair
     # of neighbouring ranks' step times instead of the slowest rank's, and every step past the first two
     # waits for the difference (the timeline replays it; ``tests/planner/test_search.py`` checks the two
     # agree). Interleaving breaks the cycle through the other chunks: with vpp > 1 pairing costs no idle.

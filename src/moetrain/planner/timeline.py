@@ -10,10 +10,13 @@ Per action the durations are:
 - ``FB`` pair (overlap on): f + b + max(0, a_f + a_b − (f + b)): each all-to-all runs under the other
   micro-batch's compute.
 
-A step's outputs (activation forward, gradient backward) leave when the whole step is done, as the
-runtime's executor posts its sends (``moetrain.distributed.schedules``). With a pipeline this puts a
-fused step's forward output behind its backward half, so pairing lengthens the critical path; it pays
-off when the hidden all-to-all outweighs that (the timeline, not the analytic screen, decides).
+A step starts when all its inputs have arrived and its outputs (activation forward, gradient backward)
+leave when the whole step is done. The runtime's executor (``moetrain.distributed.pipeline``) receives
+both inputs of a fused step before it starts; it posts each half's send when that half ends, but the
+halves take turns at every exchange to the end of the step, so the forward's output leaves close to the
+end, which the timeline takes. With a pipeline this puts a fused step's forward output behind most of its
+backward half, so pairing lengthens the critical path; without interleaving it serialises neighbouring
+ranks (about twice the step), with interleaving the other chunks absorb it.
 """
 
 from __future__ import annotations
@@ -131,7 +134,7 @@ def simulate_timeline(pp: int, vpp: int, num_micro: int, costs: StageCosts, over
                 if action.kind == "F":
                     f_end[(action.micro_batch, f_stage)] = end
                 if action.kind == "FB":
-                    # The executor posts a fused step's sends when the whole step is done.
+                    # The forward half ends close to the end of the fused step (the halves take turns).
                     f_end[(action.micro_batch, f_stage)] = end
                 if action.kind == "B":
                     b_end[(action.micro_batch, f_stage)] = end
