@@ -137,13 +137,12 @@ def main() -> None:
         "rows_above_12_pct": [r["id"] for r in row_records if abs(r["pct_error"]) > THRESHOLD_PCT],
         "rows": row_records,
     }
+    published = prepare_all(read_rows(args.csv))[0] if args.cv_variant or args.cv_with_dgxc else []
     if args.cv_variant:
-        published, _ = prepare_all(read_rows(args.csv))
         variant, _ = prepare_all(_with_statement(read_rows(args.csv), r"NeMo|Megatron-Bridge"))
         result["cv_as_modelled"] = _cross_validated(published)
         result["cv_variant_nemo_overlap"] = _cross_validated(variant)
     if args.cv_with_dgxc:
-        published, _ = prepare_all(read_rows(args.csv))
         # One family for all 48 runs (not one per README table), so that no fold trains on DGX Cloud runs
         # while predicting others of the same source.
         union = published + [replace(r, family="DGXC") for r in rows]

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import fields
 from pathlib import Path
 
 import numpy as np
@@ -58,7 +57,7 @@ def _best_paired(w: Workload, devices: int, eff, count: int) -> tuple[Strategies
         keep = keep[np.isfinite(step[keep])]
         chosen.append(batch.take(keep))
         steps.append(step[keep])
-    merged = Strategies(**{f.name: np.concatenate([getattr(c, f.name) for c in chosen]) for f in fields(Strategies)})
+    merged = Strategies.concat(chosen)
     order = np.argsort(np.concatenate(steps))[:count]
     return merged.take(order), np.concatenate(steps)[order]
 

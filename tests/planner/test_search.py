@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import fields, replace
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -143,7 +143,7 @@ def test_the_screen_prices_the_paired_schedule_as_the_timeline_replays_it() -> N
         keep = np.argsort(step)[:100]
         chosen.append(batch.take(keep))
         steps.append(step[keep])
-    merged = Strategies(**{f.name: np.concatenate([getattr(c, f.name) for c in chosen]) for f in fields(Strategies)})
+    merged = Strategies.concat(chosen)
     best = merged.take(np.argsort(np.concatenate(steps))[:100])
     costs = evaluate(w, best, eff)
     timeline = np.array([timeline_step(costs, best, i, eff) for i in range(len(best))])

@@ -140,9 +140,6 @@ class Calibration:
         fitted = [f.name for f in fields(Efficiency) if f.name not in NOT_FITTED]
         return len(fitted) - len(derived & set(fitted)) + sum(len(v) for v in self.per_arch.values())
 
-    def accuracy_line(self) -> str | None:
-        return accuracy_line(self.accuracy)
-
     def to_dict(self) -> dict:
         data = {
             "fitted_on": self.fitted_on,

@@ -313,8 +313,7 @@ def _layer_costs(w: Workload, s: Strategies, eff: Efficiency, moe_layer: bool, n
         # Overlapped F&B pairing (SPEC §2): in the steady state each all-to-all runs under the other
         # micro-batch's compute; in warm-up/cool-down only the shared expert hides the dispatch.
         chunks = num_micro * s.vpp
-        paired = (np.clip((chunks - np.maximum(s.pp, 2) + 1) / chunks, 0.0, 1.0) if w.bidirectional_pairing
-                  else paired_share(s.pp, s.vpp, chunks))
+        paired = paired_share(s.pp, s.vpp, chunks, w.bidirectional_pairing)
         hidden_paired = np.minimum(total_a2a, compute_pair)
         hidden_alone = np.minimum(total_a2a, 3.0 * shared_time)
         hidden = np.where(s.overlap, paired * hidden_paired + (1 - paired) * hidden_alone, 0.0)
@@ -334,17 +333,21 @@ six searches: ``benchmarks/planner_screen_vs_timeline.py``; ``tests/planner/test
 agreement on one)."""
 
 
-def paired_share(pp, vpp, chunks) -> np.ndarray:
+def paired_share(pp, vpp, chunks, bidirectional: bool = False) -> np.ndarray:
     """Share of a rank's forward units that the paired schedule fuses with a backward and whose all-to-all
     it therefore hides, averaged over the pipeline ranks. The others are the warm-up forwards of
     ``moetrain.distributed.schedules.overlapped`` (those of (interleaved) 1F1B plus one), which only the
     shared expert can hide: (vpp − 1)·pp + 1 on every rank, plus the fill's (``FILL_WARMUP_EXPOSED``). With
-    interleaving and few micro-batches most of a rank's forward units are warm-up."""
+    interleaving and few micro-batches most of a rank's forward units are warm-up. ``bidirectional``:
+    DualPipe's schedule instead, which pairs after about pp − 1 units (``Workload.bidirectional_pairing``)."""
     pp = np.asarray(pp, dtype=float)
     vpp = np.asarray(vpp, dtype=float)
     chunks = np.asarray(chunks, dtype=float)
-    mean_fill = np.where(vpp > 1, pp - 1.0, (pp - 1.0) / 2.0)
-    warmup = FILL_WARMUP_EXPOSED * mean_fill + (vpp - 1.0) * pp + 1.0
+    if bidirectional:
+        warmup = np.maximum(pp, 2.0) - 1.0
+    else:
+        mean_fill = np.where(vpp > 1, pp - 1.0, (pp - 1.0) / 2.0)
+        warmup = FILL_WARMUP_EXPOSED * mean_fill + (vpp - 1.0) * pp + 1.0
     return np.clip((chunks - np.minimum(warmup, chunks)) / chunks, 0.0, 1.0)
 
 

@@ -14,7 +14,7 @@ Regenerate the shipped file, with its cross-validated error and the held-out fit
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from dataclasses import fields, replace
+from dataclasses import replace
 
 import numpy as np
 
@@ -50,10 +50,6 @@ BOUNDS: dict[str, tuple[float, float]] = {
 }
 
 
-def _concat(strategies: list[Strategies]) -> Strategies:
-    return Strategies(**{f.name: np.concatenate([getattr(s, f.name) for s in strategies]) for f in fields(Strategies)})
-
-
 def predict_rows(rows: list[PreparedRow], calibration: Calibration) -> np.ndarray:
     """Each row's metric as predicted; rows sharing a workload are scored in one vectorised call."""
     groups: dict[object, list[int]] = defaultdict(list)
@@ -61,7 +57,7 @@ def predict_rows(rows: list[PreparedRow], calibration: Calibration) -> np.ndarra
         groups[row.workload].append(i)
     predicted = np.empty(len(rows))
     for workload, index in groups.items():
-        strategies = _concat([rows[i].strategy for i in index])
+        strategies = Strategies.concat([rows[i].strategy for i in index])
         out = evaluate(workload, strategies, calibration.for_device(workload.cluster.device))
         tokens = workload.global_batch * workload.seq_len
         model_flops = training_flops_per_token(workload.model, workload.seq_len) * tokens

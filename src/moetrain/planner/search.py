@@ -151,14 +151,10 @@ def enumerate_strategies(w: Workload, devices: int, space: SearchSpace):
         ))
         pending_len += n
         if pending_len >= BATCH:
-            yield _concat(pending)
+            yield Strategies.concat(pending)
             pending, pending_len = [], 0
     if pending:
-        yield _concat(pending)
-
-
-def _concat(items: list[Strategies]) -> Strategies:
-    return Strategies(**{f.name: np.concatenate([getattr(s, f.name) for s in items]) for f in fields(Strategies)})
+        yield Strategies.concat(pending)
 
 
 def search(w: Workload, devices: int, eff: Efficiency, space: SearchSpace | None = None, top_k: int = 10,
@@ -196,7 +192,7 @@ def search(w: Workload, devices: int, eff: Efficiency, space: SearchSpace | None
         order = np.argsort(step)[:keep]
         order = order[np.isfinite(step[order])]
         chosen = batch.take(order)
-        best = chosen if best is None else _concat([best, chosen])
+        best = chosen if best is None else Strategies.concat([best, chosen])
         best_step = np.concatenate([best_step, step[order]])
         trim = np.argsort(best_step)[:keep]
         best, best_step = best.take(trim), best_step[trim]
@@ -205,8 +201,8 @@ def search(w: Workload, devices: int, eff: Efficiency, space: SearchSpace | None
         return SearchResult(evaluated, seconds_screen, 0, _empty(),
                             {}, [], ["no layout fits in memory; add devices, raise recompute or shorten sequences"])
     # Re-score with the timeline (bubble and overlap as the schedule really plays out), which decides: the
-    # screen's best of both schedule kinds (it cannot see how the paired schedule plays out in a pipeline)
-    # and its best layout of every value of each choice, which the timeline may rank above them.
+    # screen's best of both schedule kinds and its best layout of every value of each choice, which the
+    # timeline may rank above them (the net under the screen's approximations).
     width = max(top_k, timeline_top)
     picks = np.concatenate([np.nonzero(best.overlap)[0][:width], np.nonzero(~best.overlap)[0][:width]])
     per_choice = [layout for _, (_, layout) in sorted(alternatives.items())] if time_every_choice else []
@@ -234,7 +230,7 @@ def search(w: Workload, devices: int, eff: Efficiency, space: SearchSpace | None
 
 def _distinct(items: list[Strategies]) -> Strategies:
     """The layouts of ``items``, each once, in first-seen order."""
-    merged = _concat(items)
+    merged = Strategies.concat(items)
     keys = np.stack([getattr(merged, f.name).astype(np.int64) for f in fields(Strategies)], axis=1)
     _, first = np.unique(keys, axis=0, return_index=True)
     return merged.take(np.sort(first))

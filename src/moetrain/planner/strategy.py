@@ -39,6 +39,11 @@ class Strategies:
         return Strategies(**{f.name: np.asarray(getattr(self, f.name))[index] for f in fields(self)})
 
     @classmethod
+    def concat(cls, parts: list[Strategies]) -> Strategies:
+        """The layouts of ``parts``, one after another."""
+        return cls(**{f.name: np.concatenate([getattr(p, f.name) for p in parts]) for f in fields(cls)})
+
+    @classmethod
     def from_parallel(cls, configs: list[ParallelConfig]) -> Strategies:
         def col(get, dtype=np.int64):
             return np.array([get(c) for c in configs], dtype=dtype)
