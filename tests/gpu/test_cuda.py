@@ -17,7 +17,7 @@ from rich.console import Console
 from moetrain.config import TrainingConfig, load_cluster_config, load_model_config
 from moetrain.costs.activations import model_activation_bytes
 from moetrain.memory import MemoryPlan
-from moetrain.memory.args import uses_flash_attention
+from moetrain.memory.options import uses_flash_attention
 from moetrain.memory.measure import measure_activations
 from moetrain.memory.policy import num_blocks
 from moetrain.memory.runtime import apply_memory_policy

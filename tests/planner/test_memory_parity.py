@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moetrain.config import ParallelConfig, load_cluster_config, load_model_config
-from moetrain.memory.args import uses_flash_attention
+from moetrain.memory.options import uses_flash_attention
 from moetrain.memory.measure import measure_activations
 from moetrain.models import build_model
 from moetrain.planner.calibration import Efficiency

@@ -55,3 +55,52 @@ def output_file(path: str, flag: str, example_name: str) -> str:
     except OSError as exc:
         raise UserError(f"{flag} {path}: cannot create its folder ({exc.strerror}); choose a writable path") from exc
     return path
+
+
+def add_memory_policy_args(parser: argparse.ArgumentParser) -> None:
+    """The memory-policy flags of ``moetrain memory`` and ``moetrain train`` (``MemoryOptions``)."""
+    from moetrain.memory.policy import POLICIES
+
+    g = parser.add_argument_group("memory policy (recompute and swap)")
+    # No argparse choices: a bad --policy is a one-line UserError (exit 2) like every other bad value.
+    g.add_argument("--policy", metavar="{" + ",".join(POLICIES) + "}",
+                   help="none | full (whole layers) | selective (fine-grained recompute) | auto (budgeted greedy)")
+    budget = g.add_mutually_exclusive_group()
+    budget.add_argument("--budget-fraction", type=float, default=None,
+                        help="activation budget as a fraction of the no-recompute activation bytes")
+    budget.add_argument("--budget-gib", type=float, default=None, help="activation budget in GiB")
+
+
+def memory_flags(args: argparse.Namespace) -> dict:
+    """The memory flags the user gave, as ``MemoryOptions`` fields (with their own flag names in errors)."""
+    from moetrain.memory.policy import POLICIES
+
+    given = {}
+    if args.policy is not None:
+        if args.policy not in POLICIES:
+            raise UserError(f"--policy {args.policy!r} is not a memory policy; choose one of {', '.join(POLICIES)}")
+        given["policy"] = args.policy
+    if args.budget_fraction is not None:
+        if not 0 < args.budget_fraction <= 1:
+            raise UserError(f"--budget-fraction {args.budget_fraction} must be in (0, 1]")
+        given["budget_fraction"] = args.budget_fraction
+    if args.budget_gib is not None:
+        if args.budget_gib <= 0:
+            raise UserError(f"--budget-gib {args.budget_gib} must be positive")
+        given["budget_gib"] = args.budget_gib
+    return given
+
+
+def memory_options(args: argparse.Namespace):
+    """``MemoryOptions`` from the flags alone (``moetrain memory``)."""
+    from pydantic import ValidationError
+
+    from moetrain.config.run import MemoryOptions
+
+    given = memory_flags(args)
+    if given.get("policy") == "auto" and "budget_fraction" not in given and "budget_gib" not in given:
+        raise UserError("--policy auto needs a budget: add --budget-fraction F or --budget-gib G")
+    try:
+        return MemoryOptions(**given)
+    except ValidationError as exc:  # pragma: no cover - the checks above name the flag first
+        raise UserError(str(exc).splitlines()[0]) from None

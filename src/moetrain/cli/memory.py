@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from moetrain.cli.common import add_model_arg
-from moetrain.memory.args import add_memory_policy_args
+from moetrain.cli.common import add_memory_policy_args, add_model_arg, memory_options
 
 HELP = "activation memory per layer part; choose recompute/swap options under a budget (--measure to check)"
 
@@ -26,24 +25,25 @@ def run(args: argparse.Namespace) -> int:
     from moetrain.config import load_model_config
     from moetrain.costs.activations import activation_bytes_per_layer
     from moetrain.errors import UserError
-    from moetrain.memory.args import plan_from_args, uses_flash_attention
+    from moetrain.memory.options import choose_plan, uses_flash_attention
     from moetrain.memory.policy import DeviceSpeed
 
     if args.seq_len <= 0 or args.micro_batch <= 0:
         raise UserError(f"--seq-len {args.seq_len} and --micro-batch {args.micro_batch} must be positive")
+    options = memory_options(args)
     try:
         cfg = load_model_config(args.model)
     except ValueError as exc:
         raise UserError(str(exc)) from exc
     dtype_bytes = 4.0  # the CPU runs (and --measure) are fp32
     report: dict = {"model": cfg.name, "seq_len": args.seq_len, "micro_batch": args.micro_batch,
-                    "policy": args.policy, "dtype_bytes": dtype_bytes}
+                    "policy": options.policy, "dtype_bytes": dtype_bytes}
     speed = DeviceSpeed(flops_per_s=5e10, bytes_per_s=1e10)
     measured = None
     if args.measure:
         measured = _measure(cfg, args)
         speed = measured.pop("speed")
-    result = plan_from_args(cfg, args, args.seq_len, args.micro_batch, dtype_bytes, "cpu", speed)
+    result = choose_plan(cfg, options, args.seq_len, args.micro_batch, dtype_bytes, "cpu", speed)
     flash = uses_flash_attention(cfg, "cpu")
     last = cfg.num_layers - 1
     report["per_layer_part_bytes"] = {k: float(v) for k, v in activation_bytes_per_layer(

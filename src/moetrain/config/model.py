@@ -211,3 +211,12 @@ class ModelConfig(_Strict):
         if self.moe is None and self.num_dense_layers not in (0, self.num_layers):
             raise ValueError("a dense model (no moe section) must leave num_dense_layers at 0 or num_layers")
         return self
+
+
+def moe_layer_indices(cfg: ModelConfig) -> list[int]:
+    """Layer index of each MoE block, in the order of the runtime's per-expert count rows: decoder
+    layers by their position, then the multi-token-prediction modules' blocks as ``num_layers + j``."""
+    if cfg.moe is None:
+        return []
+    decoder = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
+    return decoder + [cfg.num_layers + j for j in range(cfg.num_mtp_layers)]

@@ -73,7 +73,8 @@ class MicroBatch:
 
     input_ids: torch.Tensor
     labels: torch.Tensor
-    document_ids: torch.Tensor
+    document_ids: torch.Tensor | None
+    """Document of each token (attention is masked across documents); None: one document per row."""
     num_label_tokens: int
     """Labels that are not IGNORE_INDEX in this micro-batch."""
 

@@ -48,6 +48,7 @@ from moetrain.balance.predict import EMAPredictor, Predictor
 from moetrain.balance.schedule import Decision, LayerSchedule, ReplanRule
 from moetrain.balance.solver import SOLVERS
 from moetrain.config import ClusterConfig, ModelConfig, TrainingConfig
+from moetrain.config.model import moe_layer_indices
 from moetrain.distributed.ep import ExpertTable
 from moetrain.distributed.layout import ParallelDims
 from moetrain.distributed.parallelize import StageModel, parallelize
@@ -487,5 +488,7 @@ def build_balanced_run(dims: ParallelDims, model_cfg: ModelConfig, cfg: Training
                              etp=dims.parallel.etp, seq_len=cfg.seq_len, defer_weights=defer_weights,
                              defer_optimizer_state=defer_optimizer_state)
     balancer = OnlineExpertBalancer(stage, optimizer, costs, **balancer_options)
-    return LayoutRun(stage, balancer.wrap(optimizer), Executor(stage)), balancer
+    run = LayoutRun(stage, balancer.wrap(optimizer), Executor(stage), cfg, torch.device(device),
+                    moe_layers=moe_layer_indices(model_cfg))
+    return run, balancer
 

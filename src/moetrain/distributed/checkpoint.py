@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
@@ -37,7 +38,7 @@ from moetrain.config import ModelConfig, TrainingConfig
 from moetrain.distributed.step import LayoutRun
 from moetrain.errors import UserError
 from moetrain.models.transformer import build_model
-from moetrain.train.checkpoint import COMPLETE_MARKER, checkpoint_dir, read_marker
+from moetrain.train.checkpoint import COMPLETE_MARKER, checkpoint_dir, is_model_only, read_marker
 from moetrain.train.optim import build_lr_scheduler, build_optimizer
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -139,8 +140,12 @@ def _placements(run: LayoutRun, global_shapes: dict[str, torch.Size]):
     return to_global
 
 
-def _model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {name: value.detach() for name, value in model.state_dict(keep_vars=True).items()}
+def _model_tensors(run: LayoutRun) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of this rank in its local (tensor/expert-parallel) shape, unsharded over
+    data parallelism: the parameters themselves under ZeRO-1, gathered copies under FSDP (ZeRO-2/3)."""
+    tensors = {name: value.detach() for name, value in run.stage.model.state_dict(keep_vars=True).items()}
+    tensors.update(run.optimizer.params_by_name())
+    return tensors
 
 
 def _trainer_extras(model_cfg: ModelConfig, cfg: TrainingConfig, step: int) -> tuple[list[dict], dict]:
@@ -163,11 +168,11 @@ def _trainer_extras(model_cfg: ModelConfig, cfg: TrainingConfig, step: int) -> t
     return groups, scheduler_state
 
 
-def _state(run: LayoutRun, model_cfg: ModelConfig, moments: dict[str, dict[str, torch.Tensor]],
-           step_count: torch.Tensor) -> dict:
+def _state(run: LayoutRun, model_cfg: ModelConfig, model_tensors: dict[str, torch.Tensor],
+           moments: dict[str, dict[str, torch.Tensor]], step_count: torch.Tensor) -> dict:
     global_shapes = {n: p.shape for n, p in _full_model(model_cfg).state_dict(keep_vars=True).items()}
     to_global = _placements(run, global_shapes)
-    model_state = {name: to_global(name, value) for name, value in _model_tensors(run.stage.model).items()}
+    model_state = {name: to_global(name, value) for name, value in model_tensors.items()}
     optim_state = {
         name: {"step": step_count.clone(), **{k: to_global(name, by_kind[k]) for k in MOMENTS}}
         for name, by_kind in moments.items()
@@ -207,7 +212,7 @@ def save_checkpoint(save_dir: Path, step: int, run: LayoutRun, model_cfg: ModelC
         save_dir.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(staging, ignore_errors=True)
     moments, step_count = run.optimizer.moments_by_name()
-    state = _state(run, model_cfg, moments, step_count)
+    state = _state(run, model_cfg, _model_tensors(run), moments, step_count)
     groups, scheduler_state = _trainer_extras(model_cfg, cfg, step)
     state["optim"]["param_groups"] = groups
     state["rng"] = {"torch": torch.get_rng_state()}
@@ -229,32 +234,56 @@ def save_checkpoint(save_dir: Path, step: int, run: LayoutRun, model_cfg: ModelC
 
 
 def load_checkpoint(path: Path, run: LayoutRun, model_cfg: ModelConfig, config_hash: str | None = None) -> int:
-    """Load model and optimizer state saved under any layout (or by the single-process trainer) into
-    this layout; returns the number of completed steps to resume after. With ``config_hash`` (the
-    single-process trainer's ``config_hash()``), a checkpoint of another model, data or training
-    config is refused as the trainer refuses it."""
+    """Load model and optimizer state saved under any layout into this layout; returns the number of
+    completed steps to resume after. With ``config_hash`` a checkpoint of another model, data or
+    training config is refused. A weights-only checkpoint (``moetrain convert --from-hf``) loads the
+    weights and starts at step 0 with a fresh optimizer."""
     if not (path / COMPLETE_MARKER).is_file():
         raise UserError(f"{path} is not a complete checkpoint (no {COMPLETE_MARKER} marker); pick a step-* folder")
+    if is_model_only(path):
+        return _load_model_only(path, run, model_cfg)
     marker = read_marker(path)
-    marker_step = marker["step"]
     if config_hash is not None and marker["config_hash"] != config_hash:
         raise UserError(
             f"checkpoint {path} was written by a run with another model, data or training config "
             f"(hash {marker['config_hash']} ≠ {config_hash}); resume with the same flags or another --save-dir"
         )
     world = run.stage.dims.get_group("world")
-    model = run.stage.model
-    moments = {name: {k: torch.zeros_like(p) for k in MOMENTS} for name, p in model.named_parameters()}
-    step_count = torch.zeros(())
-    flat = _flatten(_state(run, model_cfg, moments, step_count))
+    tensors = _model_tensors(run)
+    params = dict(run.stage.model.named_parameters())
+    moments = {name: {k: torch.zeros_like(p) for k in MOMENTS} for name, p in tensors.items() if name in params}
+    flat = _flatten(_state(run, model_cfg, tensors, moments, torch.zeros(())))
     flat["trainer"] = ""
-    dcp.load(flat, checkpoint_id=path, planner=_LoadPlanner(), process_group=world)
+    _dcp_load(flat, path, world)
     trainer = json.loads(flat["trainer"])
     steps = {float(value) for key, value in flat.items() if key.startswith("optim.state.") and key.endswith(".step")}
     assert len(steps) == 1, f"optimizer step counts differ across parameters: {sorted(steps)}"
+    run.optimizer.load_params(tensors)
     run.optimizer.load_moments(moments, steps.pop())
-    assert int(trainer["step"]) == marker_step
-    return marker_step
+    assert int(trainer["step"]) == marker["step"]
+    return marker["step"]
+
+
+def _load_model_only(path: Path, run: LayoutRun, model_cfg: ModelConfig) -> int:
+    """The weights of a converted checkpoint, by parameter name, into this layout; step 0."""
+    tensors = _model_tensors(run)
+    global_shapes = {n: p.shape for n, p in _full_model(model_cfg).state_dict(keep_vars=True).items()}
+    to_global = _placements(run, global_shapes)
+    flat = _flatten({"model": {name: to_global(name, value) for name, value in tensors.items()}})
+    _dcp_load(flat, path, run.stage.dims.get_group("world"), what="converted checkpoint",
+              mend="train with the model.yaml written beside it")
+    run.optimizer.load_params(tensors)
+    return 0
+
+
+def _dcp_load(flat: dict, path: Path, world, what: str = "checkpoint",
+              mend: str = "remove that folder or choose another --save-dir") -> None:
+    """DCP's load, its failures (of many types: CheckpointException is a BaseException) as one line."""
+    try:
+        dcp.load(flat, checkpoint_id=path, planner=_LoadPlanner(), process_group=world)
+    except (Exception, CheckpointException) as exc:
+        reason = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"{what} {path} is corrupt, unreadable or of another model ({reason}); {mend}") from None
 
 
 def read_expert_placement(path: Path) -> dict | None:

@@ -28,6 +28,7 @@ from moetrain.distributed.tp import gather_sequence, split_sequence
 from moetrain.distributed.trace import span
 from moetrain.models.attention import AttentionContext, build_attention_context
 from moetrain.models.transformer import IGNORE_INDEX, MoETransformer, shift_left, token_loss_sum
+from moetrain.train.precision import autocast
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,8 @@ class StepContext:
     tokens_per_expert: dict[int, torch.Tensor] | None = None
     """When set ({}): tokens this rank routed to each expert, summed over micro-batches, keyed by MoE
     layer index (MTP module j as ``num_layers + j``)."""
+    autocast_dtype: torch.dtype | None = None
+    """Forward passes run under autocast to this dtype (None: the parameters' dtype)."""
 
 
 def _record_counts(step: StepContext, layer: int, counts: torch.Tensor | None) -> None:
@@ -143,7 +146,8 @@ class Executor:
         return buffer
 
     def _send(self, step: StepContext, tensor: torch.Tensor, dst: int, tag: int) -> None:
-        tensor = tensor.detach().contiguous()
+        # Activations and their gradients travel in the step's dtype, whatever autocast produced.
+        tensor = tensor.detach().to(step.dtype).contiguous()
         step.pending_sends.append((dist.isend(tensor, dst=dst, tag=tag), tensor))
 
     def receive_input(self, action: Action, step: StepContext) -> torch.Tensor | None:
@@ -169,7 +173,7 @@ class Executor:
             attn_ctx = cp.attention_context(mb.input_ids, mb.document_ids)
         else:
             attn_ctx = build_attention_context(mb.input_ids, mb.document_ids)
-        with span(f"F{chunk.index}", "compute"):
+        with span(f"F{chunk.index}", "compute"), autocast(step.autocast_dtype, step.device.type):
             out, aux = chunk_forward(self.stage.model, chunk, x, mb, attn_ctx, step, cp)
         if chunk.is_last:
             step.loss_sum += (out + aux).detach()
@@ -185,9 +189,9 @@ class Executor:
             if chunk.is_last:
                 (out + aux).backward()
             elif aux.requires_grad:
-                torch.autograd.backward([out, aux], [grad, torch.ones_like(aux)])
+                torch.autograd.backward([out, aux], [grad.to(out.dtype), torch.ones_like(aux)])
             else:  # a chunk of dense layers only
-                out.backward(grad)
+                out.backward(grad.to(out.dtype))
             flush_weight_grads()
         if not chunk.is_first:
             assert x is not None and x.grad is not None

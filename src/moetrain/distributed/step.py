@@ -1,122 +1,162 @@
-"""Training steps of one layout, and the single-process reference they must equal.
+"""The training step of every layout: one process (every degree 1) is the layout it reduces to.
 
-Batch semantics are the same in every layout: a step consumes ``global_batch`` sequences in
-micro-batches of ``micro_batch``; data-parallel replica d takes sequences
-``[d·G/dp, (d+1)·G/dp)``. Each label token's loss is divided by the global batch's label-token count
-(summed over replicas on the device, no host read), and each micro-batch's balance loss by the global
-micro-batch count, so the summed gradient is that of the whole batch whatever the layout.
+A ``LayoutRun`` is this rank's share of the model (pipeline chunks, tensor/expert shards), its sharded
+optimizer (ZeRO-1 by default, ZeRO-2/3 through FSDP2) and the executor of its schedule. ``train_step``
+runs one optimizer step on this rank's ``StepBatch``:
+
+Batch semantics, the same for every layout: ``global_batch`` sequences per optimizer step, split over
+the data-parallel replicas (replica d takes sequences ``[d·G/dp, (d+1)·G/dp)``) and their
+micro-batches. Each label token's loss is divided by the label tokens of the whole global batch and
+each micro-batch's balance loss weighted by its share of the batch, so the summed gradient is the
+whole batch's, whatever the layout. The step ends with one all-reduce over the layout's world of a
+packed vector (loss and its parts, tokens routed to each expert of every MoE layer) and one host read
+of it (with the gradient norm and the per-layer load), so its metrics are identical on every rank.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from moetrain.config import ModelConfig, TrainingConfig
+from moetrain.config.model import moe_layer_indices
+from moetrain.data import StepBatch
 from moetrain.distributed.layout import ParallelDims
-from moetrain.distributed.parallelize import StageModel, parallelize
+from moetrain.distributed.parallelize import StageModel, model_moe_blocks, parallelize
 from moetrain.distributed.pipeline import Executor, MicroBatch, StepContext
 from moetrain.distributed.schedules import interleaved_1f1b, overlapped
-from moetrain.distributed.trace import Tracer, span
-from moetrain.distributed.zero import ZeroAdamW
+from moetrain.distributed.trace import span
+from moetrain.distributed.zero import build_sharded_optimizer
 from moetrain.models.attention import AttentionBackend
-from moetrain.models.transformer import IGNORE_INDEX, build_model
-from moetrain.train.optim import build_optimizer, lr_multiplier
-
-
-def synthetic_batch(step: int, cfg: TrainingConfig, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A deterministic global batch (input ids, labels) for ``step``: counting sequences (each token
-    the previous plus one, modulo a small vocabulary) from random starts, so the loss falls within a
-    few steps; a few labels are ignored so the normaliser is not simply B·S."""
-    gen = torch.Generator().manual_seed(cfg.seed * 1000 + step)
-    period = min(vocab_size, 64)
-    starts = torch.randint(0, period, (cfg.global_batch, 1), generator=gen)
-    tokens = (starts + torch.arange(cfg.seq_len + 1)) % period
-    labels = tokens[:, 1:].clone()
-    labels[torch.rand(labels.shape, generator=gen) < 0.1] = IGNORE_INDEX
-    return tokens[:, :-1].contiguous(), labels
-
-
-def reference_losses(model_cfg: ModelConfig, cfg: TrainingConfig, steps: int,
-                     backend: AttentionBackend = "eager",
-                     after_step: Callable[[int, nn.Module, torch.optim.Optimizer], None] | None = None) -> list[float]:
-    """One process, the whole model: the losses every layout must reproduce. ``after_step(completed
-    steps, model, optimizer)`` runs after each optimizer step (tests save checkpoints there)."""
-    model = build_model(model_cfg, "cpu", backend=backend, seed=cfg.seed)
-    optimizer = build_optimizer(model, cfg)
-    num_micro = cfg.global_batch // cfg.micro_batch
-    losses = []
-    for step in range(steps):
-        input_ids, labels = synthetic_batch(step, cfg, model_cfg.vocab_size)
-        normalizer = (labels != IGNORE_INDEX).sum()
-        total = torch.zeros(())
-        for m in range(num_micro):
-            rows = slice(m * cfg.micro_batch, (m + 1) * cfg.micro_batch)
-            out = model(input_ids[rows], labels[rows], loss_normalizer=normalizer, aux_loss_scale=1.0 / num_micro)
-            out.loss.backward()
-            total += out.loss.detach()
-        if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        for group in optimizer.param_groups:
-            group["lr"] = cfg.lr * lr_multiplier(step, cfg)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(float(total))
-        if after_step is not None:
-            after_step(step + 1, model, optimizer)
-    return losses
+from moetrain.models.transformer import MoETransformer, build_model
+from moetrain.train.optim import lr_multiplier
 
 
 @dataclass
 class LayoutRun:
+    """What one rank needs to step its layout."""
+
     stage: StageModel
-    optimizer: ZeroAdamW
+    optimizer: object
+    """``ZeroAdamW`` or the FSDP2 optimizer (``zero_grad``, ``step(lr)``, ``moments_by_name``...), or a
+    balancer's wrapper of one."""
     executor: Executor
+    cfg: TrainingConfig
+    device: torch.device
+    autocast_dtype: torch.dtype | None = None
+    moe_layers: list[int] = field(default_factory=list)
+    """MoE layer indices in count-row order (``moe_layer_indices``)."""
+
+    @property
+    def dims(self) -> ParallelDims:
+        return self.stage.dims
+
+    @property
+    def model_cfg(self) -> ModelConfig:
+        return self.stage.model.cfg
 
 
-def build_layout(dims: ParallelDims, model_cfg: ModelConfig, cfg: TrainingConfig,
-                 device: torch.device, backend: AttentionBackend = "eager") -> LayoutRun:
-    model = build_model(model_cfg, device, backend=backend, seed=cfg.seed)
+def build_layout(dims: ParallelDims, model_cfg: ModelConfig, cfg: TrainingConfig, device: torch.device,
+                 backend: AttentionBackend = "eager", model: MoETransformer | None = None,
+                 autocast_dtype: torch.dtype | None = None) -> LayoutRun:
+    """Every rank builds the same full model from the seed (or takes ``model``), keeps its part."""
+    if model is None:
+        model = build_model(model_cfg, device, backend=backend, seed=cfg.seed)
     stage = parallelize(model, dims)
-    return LayoutRun(stage, ZeroAdamW(stage.model, dims, cfg, stage.tp_kinds), Executor(stage))
+    optimizer = build_sharded_optimizer(stage.model, dims, cfg, stage.tp_kinds)
+    return LayoutRun(stage, optimizer, Executor(stage), cfg, torch.device(device), autocast_dtype,
+                     moe_layer_indices(model_cfg))
 
 
-def train_step(run: LayoutRun, step: int, cfg: TrainingConfig, device: torch.device,
-               tracer: Tracer | None = None) -> float:
-    """One optimizer step of this rank; returns the global batch loss (identical on every rank)."""
-    dims = run.stage.dims
-    parallel = dims.parallel
-    model_cfg = run.stage.model.cfg
-    input_ids, labels = synthetic_batch(step, cfg, model_cfg.vocab_size)
-    per_replica = cfg.global_batch // parallel.dp
-    rows = slice(dims.local_rank("dp") * per_replica, (dims.local_rank("dp") + 1) * per_replica)
-    input_ids, labels = input_ids[rows].to(device), labels[rows].to(device)
-    normalizer = (labels != IGNORE_INDEX).sum()
-    dist.all_reduce(normalizer, group=dims.get_group("dp"))
-    num_micro = per_replica // cfg.micro_batch
+@dataclass(frozen=True)
+class StepResult:
+    """One step's metrics, identical on every rank of the layout."""
+
+    loss: float
+    lm_loss: float
+    mtp_loss: float
+    aux_loss: float
+    lr: float
+    grad_norm: float
+    expert_load_max_over_mean: list[float]
+    """Per MoE layer: the most-loaded expert's tokens over the mean."""
+    tokens_per_expert: list[list[int]]
+    """Per MoE layer (``LayoutRun.moe_layers`` order): the global batch's tokens routed to each expert."""
+
+    def metrics(self) -> dict[str, float | list[float]]:
+        """The fields of a metrics row (``tokens_per_expert`` goes to the routing trace instead)."""
+        return {"loss": self.loss, "lm_loss": self.lm_loss, "mtp_loss": self.mtp_loss, "aux_loss": self.aux_loss,
+                "lr": self.lr, "grad_norm": self.grad_norm,
+                "expert_load_max_over_mean": self.expert_load_max_over_mean}
+
+
+def _held_moe_blocks(run: LayoutRun) -> list[tuple[int, torch.nn.Module]]:
+    """(row in the [layers, experts] count matrix, MoE block) for each MoE layer this rank holds."""
+    model = run.stage.model
+    row_of = {layer: row for row, layer in enumerate(run.moe_layers)}
+    held = [(row_of[int(index)], layer.moe) for index, layer in model.layers.items() if layer.is_moe]
+    held += [(row_of[model.cfg.num_layers + j], module.layer.moe) for j, module in enumerate(model.mtp)
+             if module.layer.is_moe]
+    assert len(held) == len(model_moe_blocks(model))
+    return held
+
+
+def _step_context(run: LayoutRun, batch: StepBatch) -> StepContext:
+    parallel, device, cfg = run.dims.parallel, run.device, run.cfg
     micro_batches = [
-        MicroBatch(input_ids[m * cfg.micro_batch:(m + 1) * cfg.micro_batch],
-                   labels[m * cfg.micro_batch:(m + 1) * cfg.micro_batch])
-        for m in range(num_micro)
+        MicroBatch(m.input_ids.to(device, non_blocking=True), m.labels.to(device, non_blocking=True),
+                   None if m.document_ids is None else m.document_ids.to(device, non_blocking=True))
+        for m in batch.micro_batches
     ]
-    ctx = StepContext(
-        loss_normalizer=normalizer, aux_loss_scale=1.0 / (num_micro * parallel.dp), micro_batches=micro_batches,
-        hidden_shape=(cfg.micro_batch, cfg.seq_len // (parallel.tp * parallel.cp), model_cfg.hidden_size),
-        dtype=torch.float32, device=device,
-        loss_sum=torch.zeros((), device=device),
-        tp_group=dims.get_group("tp") if parallel.tp > 1 else None,
+    return StepContext(
+        loss_normalizer=torch.tensor(max(batch.global_label_tokens, 1), device=device),
+        aux_loss_scale=1.0 / (len(micro_batches) * parallel.dp), micro_batches=micro_batches,
+        hidden_shape=(cfg.micro_batch, cfg.seq_len // (parallel.tp * parallel.cp), run.model_cfg.hidden_size),
+        dtype=torch.float32, device=device, loss_sum=torch.zeros((), device=device),
+        tp_group=run.dims.get_group("tp") if parallel.tp > 1 else None,
+        loss_parts=torch.zeros(3, device=device), tokens_per_expert={},
+        autocast_dtype=run.autocast_dtype,
     )
+
+
+def train_step(run: LayoutRun, step: int, batch: StepBatch) -> StepResult:
+    """Optimizer step ``step`` (0-based: it sets the learning rate) of this rank on its ``batch``."""
+    dims, cfg = run.dims, run.cfg
+    parallel = dims.parallel
+    ctx = _step_context(run, batch)
     schedule = overlapped if parallel.overlap else interleaved_1f1b
-    actions = schedule(parallel.pp, parallel.vpp, num_micro, dims.pp_rank)
+    actions = schedule(parallel.pp, parallel.vpp, len(ctx.micro_batches), dims.pp_rank)
+    lr = cfg.lr * lr_multiplier(step, cfg)
     run.optimizer.zero_grad()
     run.executor.run(actions, ctx)
     with span("optimizer", "compute"):
-        run.optimizer.step(cfg.lr * lr_multiplier(step, cfg))
-    loss = ctx.loss_sum.clone()
-    dist.all_reduce(loss, group=dims.get_group("world"))
-    # Every rank of a TP group reports the same micro-batches: count them once.
-    return float(loss) / parallel.tp
+        grad_norm = run.optimizer.step(lr)
+    # Each rank counts the tokens it routed (its replica, its sequence shard under TP/CP, its stage's
+    # layers): the world sum is the global count. Loss terms are computed whole on every TP rank.
+    layers = run.moe_layers
+    num_experts = run.model_cfg.moe.num_experts if run.model_cfg.moe is not None else 0
+    counts = torch.zeros(len(layers), num_experts, dtype=torch.float64, device=run.device)
+    row_of = {layer: row for row, layer in enumerate(layers)}
+    assert ctx.tokens_per_expert is not None and ctx.loss_parts is not None
+    for layer, layer_counts in ctx.tokens_per_expert.items():
+        counts[row_of[layer]] += layer_counts.double()
+    packed = torch.cat([ctx.loss_sum.double().reshape(1), ctx.loss_parts.double(), counts.flatten()])
+    dist.all_reduce(packed, group=dims.get_group("world"))
+    global_counts = packed[4:].view(len(layers), num_experts)
+    load = packed.new_zeros(0)
+    if layers:
+        # The aux-loss-free bias step (a no-op for routers without a score bias), from global counts.
+        for row, block in _held_moe_blocks(run):
+            block.router.update_bias(global_counts[row])
+        load = global_counts.amax(-1) / global_counts.mean(-1).clamp(min=1e-9)
+    values = torch.cat([packed, grad_norm.double().reshape(1).to(packed.device), load]).tolist()  # the one read
+    loss, lm_loss, mtp_loss, aux_loss = (v / parallel.tp for v in values[:4])
+    num_counts = len(layers) * num_experts
+    flat_counts = [int(v) for v in values[4:4 + num_counts]]
+    return StepResult(
+        loss=loss, lm_loss=lm_loss, mtp_loss=mtp_loss, aux_loss=aux_loss, lr=lr,
+        grad_norm=values[4 + num_counts], expert_load_max_over_mean=values[5 + num_counts:],
+        tokens_per_expert=[flat_counts[i * num_experts:(i + 1) * num_experts] for i in range(len(layers))],
+    )

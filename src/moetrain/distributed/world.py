@@ -9,12 +9,13 @@ message (torch.multiprocessing ends the others).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,28 @@ def init_world(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S)
                                 timeout=datetime.timedelta(seconds=timeout_s),
                                 device_id=device if backend == "nccl" else None)
     return rank, world_size, device
+
+
+@contextlib.contextmanager
+def join_world(device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> Iterator[int]:
+    """This process's rank in the default process group: the one torchrun (or ``spawn``) started, or,
+    in a lone process, a one-rank group made here (gloo on CPU, NCCL on a GPU) and destroyed on exit,
+    so that one process runs the same collectives-based step as every other layout."""
+    if dist.is_initialized():
+        yield dist.get_rank()
+        return
+    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
+        rank, _, _ = init_world("nccl" if device.type == "cuda" else "gloo", timeout_s)
+    else:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=device if backend == "nccl" else None)
+        rank = 0
+    try:
+        yield rank
+    finally:
+        dist.destroy_process_group()
 
 
 def _entry(rank: int, world_size: int, port: int, result_dir: str, fn: Callable[..., Any], args: tuple,

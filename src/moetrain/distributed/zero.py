@@ -143,6 +143,21 @@ class ZeroAdamW:
                 offset += p.numel()
         return grad_norm
 
+    def params_by_name(self) -> dict[str, torch.Tensor]:
+        """Each parameter in its local shape (what a checkpoint writes): the parameters themselves."""
+        return {name: p.detach() for bucket in self.buckets for name, p in zip(bucket.names, bucket.params)}
+
+    @torch.no_grad()
+    def load_params(self, values: dict[str, torch.Tensor]) -> None:
+        """Set the parameters (and this rank's flat shards) from ``values`` in local shape."""
+        for bucket in self.buckets:
+            for name, p in zip(bucket.names, bucket.params):
+                if values[name] is not p:
+                    p.copy_(values[name])
+            size = bucket.shard_size * bucket.group_size
+            lo = bucket.rank_in_group * bucket.shard_size
+            bucket.shard.copy_(_flat([p.detach() for p in bucket.params], size)[lo:lo + bucket.shard_size])
+
     @torch.no_grad()
     def moments_by_name(self) -> tuple[dict[str, dict[str, torch.Tensor]], torch.Tensor]:
         """The AdamW moments of every local parameter, in its local shape (gathered from the bucket
@@ -176,3 +191,13 @@ class ZeroAdamW:
             for key in ("exp_avg", "exp_avg_sq"):
                 state[key] = _flat([moments[name][key] for name in bucket.names], size)[lo:hi].clone()
             self.optimizer.state[bucket.shard] = state
+
+
+def build_sharded_optimizer(model: nn.Module, dims: ParallelDims, cfg: TrainingConfig,
+                            tp_kinds: dict[str, ParamKind] | None = None) -> ZeroAdamW:
+    """The optimizer of the layout's ZeRO stage (stage 0 runs as stage 1)."""
+    if dims.parallel.zero >= 2:
+        from moetrain.errors import UserError
+
+        raise UserError(f"ZeRO-{dims.parallel.zero} is not available in this build; use zero 1")
+    return ZeroAdamW(model, dims, cfg, tp_kinds)

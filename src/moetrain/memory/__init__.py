@@ -1,19 +1,18 @@
 """Selective recompute and swap under a memory budget.
 
 Torch-free names (importable by the planner): ``MemoryPlan``, ``DeviceSpeed``, ``choose_memory_plan``,
-``add_memory_policy_args``. Torch-side names load on first use: ``apply_memory_policy``,
-``apply_memory_policy_from_args``, ``measure_activations``.
+``choose_plan`` (from a run's memory options). Torch-side names load on first use:
+``apply_memory_policy``, ``measure_activations``.
 """
 
 from __future__ import annotations
 
-from moetrain.memory.args import add_memory_policy_args
+from moetrain.memory.options import choose_plan
 from moetrain.memory.policy import POLICIES, DeviceSpeed, MemoryPlan, PolicyResult, choose_memory_plan
 
 _LAZY = {
     "apply_memory_policy": "moetrain.memory.runtime",
     "AppliedPolicy": "moetrain.memory.runtime",
-    "apply_memory_policy_from_args": "moetrain.memory.args",
     "measure_activations": "moetrain.memory.measure",
     "ActivationMeter": "moetrain.memory.measure",
 }
@@ -28,6 +27,6 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "POLICIES", "DeviceSpeed", "MemoryPlan", "PolicyResult", "add_memory_policy_args", "choose_memory_plan",
+    "POLICIES", "DeviceSpeed", "MemoryPlan", "PolicyResult", "choose_memory_plan", "choose_plan",
     *_LAZY,
 ]

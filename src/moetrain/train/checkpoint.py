@@ -159,7 +159,7 @@ def read_marker(path: Path) -> dict[str, Any]:
         ) from None
 
 
-def _is_model_only(path: Path) -> bool:
+def is_model_only(path: Path) -> bool:
     """Weights-only checkpoints come from ``moetrain convert --from-hf`` (see ``moetrain.hf.checkpoint``)."""
     try:
         return bool(json.loads((path / COMPLETE_MARKER).read_text()).get("model_only"))
@@ -187,7 +187,7 @@ def load_checkpoint(
     path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, config_hash: str
 ) -> dict[str, Any]:
     """Restore model, optimizer and RNG from ``path``; returns the trainer state saved with them."""
-    if _is_model_only(path):
+    if is_model_only(path):
         return _load_model_only(path, model)
     marker = read_marker(path)
     if marker["config_hash"] != config_hash:
@@ -209,3 +209,16 @@ def load_checkpoint(
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     torch.set_rng_state(state["rng"]["torch"])
     return trainer_state
+
+
+def config_hash(model_cfg, training_cfg, corpus_hash: str) -> str:
+    """Identifies what a checkpoint may be resumed into: model, training config and corpus."""
+    import hashlib
+
+    key = "|".join([model_cfg.model_dump_json(), training_cfg.model_dump_json(), corpus_hash])
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def should_save(step: int, last_step: int, save_every: int) -> bool:
+    """Save at the run's last step and every ``save_every`` steps (0: only at the last)."""
+    return step == last_step or (save_every > 0 and step % save_every == 0)

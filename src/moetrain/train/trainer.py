@@ -1,107 +1,117 @@
-"""The single-process trainer (CPU or one GPU), written to be subclassed by the distributed runtime.
+"""The one training loop of moetrain, for every layout: one process is the layout whose degrees are all 1.
 
-Phases are named methods (torchtitan style): ``build_model``, ``build_optimizer``, ``next_batch``,
-``forward_backward_step``, ``optimizer_step``, ``log``, ``save``, ``load``; ``train()`` only strings
-them together. A step makes no host-device synchronisation except one read of the step's metrics at
-its end (a single ``.tolist()``), which is also what times the step.
+``Trainer(spec)`` joins the process group torchrun set up (or, in one process, makes a one-rank group
+of its own), builds this rank's share of the model with its sharded optimizer
+(``moetrain.distributed.step.build_layout``), installs the memory policy and, when asked, the online
+expert balancer, then ``train()`` repeats: next batch → ``train_step`` → metrics row → checkpoint.
+The same metrics rows, routing trace, checkpoints and resume serve every layout; the layout's first
+rank writes files and talks to the console, and every rank keeps the rows in memory (they are
+identical: the step's metrics are all-reduced).
 
-Batch semantics, shared by every layout: ``global_batch`` sequences per optimizer step, split over
-data-parallel ranks and micro-batches; each micro-batch's summed token loss is divided by the label
-tokens of the whole global batch, so gradient accumulation and any parallel layout compute the same
-gradient. Router auxiliary losses are per-micro-batch statistics, weighted by the micro-batch's share
-of the global batch.
+Batches are a function of the step (``PackedDataset.step_batch``), so a resumed run reads exactly the
+data the uninterrupted one would have, under any layout.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import math
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from rich.console import Console
-from torch import nn
 
-from moetrain.config import ClusterConfig, ModelConfig, ParallelConfig, TrainingConfig
+from moetrain.config import ClusterConfig, ModelConfig, load_cluster_config, load_model_config
+from moetrain.config.run import RunSpec
 from moetrain.costs.flops import training_flops_per_token
 from moetrain.costs.params import count_params
-from moetrain.data import MicroBatch, PreparedData, StepBatch, prepare_data
+from moetrain.data import PreparedData, StepBatch, prepare_data
+from moetrain.data.synthetic import SyntheticDataset
+from moetrain.distributed.checkpoint import load_checkpoint, read_expert_placement, save_checkpoint
+from moetrain.distributed.layout import ParallelDims
+from moetrain.distributed.step import LayoutRun, StepResult, build_layout, train_step
+from moetrain.distributed.trace import Tracer
+from moetrain.distributed.world import join_world
 from moetrain.errors import UserError
-from moetrain.models import ModelOutput, build_model
-from moetrain.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from moetrain.models.transformer import MoETransformer
+from moetrain.train.checkpoint import config_hash, latest_checkpoint, should_save
 from moetrain.train.metrics import MetricsLogger, RoutingTraceWriter, progress_bar, summary_table
-from moetrain.train.optim import build_lr_scheduler, build_optimizer, clip_gradients
-from moetrain.train.precision import autocast, autocast_dtype
+from moetrain.train.precision import autocast_dtype
 
 
-@dataclass(frozen=True)
-class RunOptions:
-    """How to run (not what to learn): device, cluster for MFU, data and the checkpoint/metrics paths."""
-
-    device: str = "cpu"
-    cluster: ClusterConfig | None = None
-    """Peak FLOP/s for MFU; None reports MFU as 0."""
-    data: str | None = None
-    """The user's .txt/.jsonl file or folder; None uses the embedded Shakespeare corpus."""
-    metrics_out: Path | None = None
-    trace_routing: Path | None = None
-    """Write the tokens routed to each expert, per step and MoE layer, to this JSONL file."""
-    save_dir: Path | None = None
-    save_every: int = 0
-    """Save a checkpoint every this many steps (0: only at the end and at --stop-at)."""
-    stop_at: int | None = None
-    """End after this step as if interrupted (saving a checkpoint); the schedule still spans all steps."""
-    resume: bool = False
-    show_progress: bool = True
+def resolve_device(device: str) -> torch.device:
+    """auto → cuda when available; each rank of a multi-rank CUDA run takes its local GPU."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise UserError(f"--device {device} but no CUDA device is visible; use --device cpu")
+        if device == "cuda":
+            device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+    return torch.device(device)
 
 
 class Trainer:
-    def __init__(self, model_cfg: ModelConfig, cfg: TrainingConfig, run: RunOptions,
-                 parallel: ParallelConfig | None = None, console: Console | None = None) -> None:
-        self.model_cfg, self.cfg, self.run = model_cfg, cfg, run
-        self.parallel = parallel or ParallelConfig(micro_batch=cfg.micro_batch)
-        self.check_layout()
-        self.console = console or Console()
-        self.device = torch.device(run.device)
+    def __init__(self, spec: RunSpec, *, dims: ParallelDims | None = None, model_cfg: ModelConfig | None = None,
+                 model: MoETransformer | None = None, console: Console | None = None) -> None:
+        """``dims``: this rank's place in a layout built by the caller (tests run several layouts side by
+        side in one world); ``model_cfg``/``model``: instead of ``spec.model`` (a model the caller built
+        from the seed, e.g. with a skewed router)."""
+        self.spec, self.cfg = spec, spec.training
+        self.model_cfg = model_cfg or load_model_config(spec.model)
+        self.device = resolve_device(spec.run.device)
+        if spec.run.threads is not None:
+            torch.set_num_threads(spec.run.threads)
         if self.device.type == "cpu" and torch.get_num_threads() > 1:
             # With several threads the CPU backward of the token permutation (an accumulating
             # index_put) adds in thread order; deterministic mode fixes the order so that a resumed run
             # replays the uninterrupted one bit for bit. One thread is deterministic without it.
             torch.use_deterministic_algorithms(True, warn_only=True)
-        self.autocast_dtype = self.resolve_autocast_dtype()
-        self.check_memory()
-        self.data: PreparedData = prepare_data(run.data, model_cfg.vocab_size, cfg.seq_len, cfg.seed)
-        self.model = self.build_model()
-        self.optimizer = self.build_optimizer()
-        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg)
+        self._own_world = contextlib.ExitStack()
+        if dims is None:
+            rank = self._own_world.enter_context(join_world(self.device, spec.run.timeout_s))
+            dims = ParallelDims.build(spec.parallel, rank, spec.run.ranks_per_node)
+        self.dims = dims
+        self.is_reporter = dims.rank == dims.group_ranks["world"][0]
+        """The layout's first rank writes the files and the console lines."""
+        self.console = console or Console(quiet=not self.is_reporter)
+        try:
+            self._build(model)
+        except BaseException:
+            self._own_world.close()
+            raise
+
+    def _build(self, model: MoETransformer | None) -> None:
+        spec, cfg = self.spec, self.cfg
+        if spec.world_size == 1:
+            self.check_memory()
+        self.data = self.prepare_data()
+        self.dataset = self.data.dataset if self.data is not None else SyntheticDataset(
+            self.model_cfg.vocab_size, cfg.seq_len, cfg.seed)
+        self.cluster = self.resolve_cluster()
+        self.balancer = None
+        self.run = self.build_run(model)
+        self.run.autocast_dtype = autocast_dtype(cfg.dtype, self.device.type)
+        self.memory_policy = self.apply_memory_policy()
         self.step = 0
         """Optimizer steps completed; also the data position (batches are a function of the step)."""
-        self.flops_per_token = float(training_flops_per_token(model_cfg, cfg.seq_len))
-        self.peak_flops = run.cluster.peak_flops("bf16") if run.cluster else 0.0
-        self.metrics = MetricsLogger(run.metrics_out, resume=run.resume)
-        self.routing_trace = self.build_routing_trace()
-        self.memory_policy: Any = None
-        """The installed recompute/swap handle (``moetrain.memory.AppliedPolicy``), if any; ``remove()`` undoes it."""
+        self.flops_per_token = float(training_flops_per_token(self.model_cfg, cfg.seq_len))
+        self.peak_flops = self.cluster.peak_flops("bf16") * spec.world_size
+        paths = spec.run
+        self.metrics = MetricsLogger(Path(paths.metrics_out) if paths.metrics_out and self.is_reporter else None,
+                                     resume=paths.resume)
+        self.routing_trace = None
+        if paths.trace_routing and self.is_reporter:
+            self.routing_trace = RoutingTraceWriter(Path(paths.trace_routing), self.run.moe_layers, resume=paths.resume)
+        self.tracer = Tracer(self.dims.rank)
 
-    # ----- building: separable so a distributed subclass can shard each piece -----
-    def check_layout(self) -> None:
-        if self.parallel.world_size != 1:
-            raise UserError(
-                f"the plan needs {self.parallel.world_size} ranks (tp·cp·pp·dp) but this trainer runs in one "
-                "process; use a plan with every degree 1"
-            )
-        if self.cfg.global_batch % self.parallel.micro_batch:
-            raise UserError(f"--global-batch {self.cfg.global_batch} is not a multiple of the micro-batch "
-                            f"{self.parallel.micro_batch}; make it one")
-
+    # ----- building -----
     def check_memory(self) -> None:
         """Refuse, before allocating, a model whose fp32 weights, gradients and AdamW moments (16 bytes
-        per parameter) exceed the device's memory; a sharded runtime overrides this."""
+        per parameter) exceed the one device's memory."""
         needed = 16 * count_params(self.model_cfg).total_with_mtp
         if self.device.type == "cuda":
             available = torch.cuda.mem_get_info(self.device)[1]
@@ -111,199 +121,207 @@ class Trainer:
             raise UserError(
                 f"model {self.model_cfg.name} needs about {needed / 1e9:,.0f} GB for weights, gradients and "
                 f"optimizer state but this {self.device.type} has {available / 1e9:,.0f} GB; train a tiny preset "
-                "(tiny-pangu, tiny-qwen3, tiny-mixtral) or shard it with the distributed runtime"
+                "(tiny-pangu, tiny-qwen3, tiny-mixtral) or shard it over several ranks (--nproc with a layout)"
             )
 
-    @property
-    def dp_rank_and_size(self) -> tuple[int, int]:
-        return 0, self.parallel.dp
-
-    def resolve_autocast_dtype(self) -> torch.dtype | None:
-        """bf16 autocast on GPU by default, none (fp32) on CPU."""
-        return autocast_dtype(self.cfg.dtype, self.device.type)
-
-    def build_model(self) -> nn.Module:
-        return build_model(self.model_cfg, device=self.device, seed=self.cfg.seed)
-
-    def build_optimizer(self) -> torch.optim.Optimizer:
-        return build_optimizer(self.model, self.cfg)
-
-    def moe_layer_indices(self) -> list[int]:
-        """Layer index of each MoE block, in the order of ``ModelOutput.tokens_per_expert`` rows: decoder
-        layers by their position, then the MTP modules' blocks as ``num_layers + j``."""
-        cfg = self.model_cfg
-        if cfg.moe is None:
-            return []
-        decoder = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
-        return decoder + [cfg.num_layers + j for j in range(cfg.num_mtp_layers)]
-
-    def build_routing_trace(self) -> RoutingTraceWriter | None:
-        if self.run.trace_routing is None:
+    def prepare_data(self) -> PreparedData | None:
+        """The layout's first rank builds (or reads) the cached tokenizer and token stream first; the
+        others then read the cache, so no two ranks write the same cache file."""
+        if self.spec.run.synthetic_data:
             return None
-        layers = self.moe_layer_indices()
-        if not layers:
-            raise UserError(f"--trace-routing needs an MoE model; {self.model_cfg.name} has no MoE layers")
-        blocks = getattr(self.model, "moe_blocks", None)
-        assert blocks is None or len(blocks()) == len(layers), "MoE block count differs from the config's"
-        return RoutingTraceWriter(self.run.trace_routing, layers, resume=self.run.resume)
+        args = (self.spec.run.data, self.model_cfg.vocab_size, self.cfg.seq_len, self.cfg.seed)
+        data = prepare_data(*args) if self.is_reporter else None
+        dist.barrier(group=self.dims.get_group("world"))
+        return data if data is not None else prepare_data(*args)
+
+    def resolve_cluster(self) -> ClusterConfig:
+        name = self.spec.run.cluster
+        if name == "auto":
+            name = "h100-sxm-80gb" if self.device.type == "cuda" else "cpu"
+        return load_cluster_config(name)
+
+    def build_run(self, model: MoETransformer | None) -> LayoutRun:
+        if not self.spec.balance.enabled:
+            return build_layout(self.dims, self.model_cfg, self.cfg, self.device, model=model)
+        from moetrain.distributed.balancing import build_balanced_run
+
+        balance = self.spec.balance
+        tuning = {name: value for name, value in (("interval", balance.interval), ("horizon", balance.horizon))
+                  if value is not None}
+        run, self.balancer = build_balanced_run(self.dims, self.model_cfg, self.cfg, self.device, self.cluster,
+                                                model=model, slots_per_rank=balance.slots_per_rank, **tuning)
+        return run
+
+    def apply_memory_policy(self):
+        """Install the recompute/swap options of the layers this rank holds (``moetrain.memory``)."""
+        options = self.spec.memory
+        if options.policy == "none":
+            return None
+        from moetrain.memory.options import choose_plan, held_layers_plan
+        from moetrain.memory.runtime import apply_memory_policy
+
+        model = self.run.stage.model
+        dtype_bytes = 2.0 if self.run.autocast_dtype is not None else 4.0
+        result = choose_plan(self.model_cfg, options, self.cfg.seq_len, self.cfg.micro_batch, dtype_bytes,
+                             self.device.type)
+        held = [int(index) for index in model.layers] + [self.model_cfg.num_layers + j for j in range(len(model.mtp))]
+        applied = apply_memory_policy(model, held_layers_plan(result.plan, held))
+        chosen = ", ".join(f"{name}×{count}" for name, count in sorted(result.options.items())) or "nothing"
+        self.console.print(f"memory policy {options.policy}: {chosen}; activations "
+                           f"{result.activation_bytes / 2**20:,.1f} of {result.baseline_bytes / 2**20:,.1f} MiB "
+                           "per micro-batch (analytic, whole model)")
+        return applied
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dims.local_rank("dp")
 
     def config_hash(self) -> str:
-        """Identifies what a checkpoint may be resumed into: model, training config and corpus."""
-        key = "|".join([self.model_cfg.model_dump_json(), self.cfg.model_dump_json(), self.data.corpus_hash])
-        return hashlib.sha256(key.encode()).hexdigest()[:16]
+        corpus = self.data.corpus_hash if self.data is not None else "synthetic"
+        return config_hash(self.model_cfg, self.cfg, corpus)
 
     # ----- one step -----
     def next_batch(self) -> StepBatch:
-        dp_rank, dp_size = self.dp_rank_and_size
-        return self.data.dataset.step_batch(self.step, self.cfg.global_batch, self.parallel.micro_batch,
-                                            dp_rank, dp_size)
+        return self.dataset.step_batch(self.step, self.cfg.global_batch, self.cfg.micro_batch, self.dp_rank,
+                                       self.spec.parallel.dp)
 
-    def autocast(self) -> contextlib.AbstractContextManager:
-        return autocast(self.autocast_dtype, self.device.type)
-
-    def aux_loss_scale(self, micro: MicroBatch) -> float:
-        """Router balance losses are per-micro-batch statistics: weight each by its share of the batch."""
-        return micro.input_ids.shape[0] / self.cfg.global_batch
-
-    def forward_backward_step(self, micro: MicroBatch, batch: StepBatch) -> ModelOutput:
-        """Forward and backward of one micro-batch; gradients accumulate in ``.grad``."""
-        to_device = lambda t: t.to(self.device, non_blocking=True)
-        with self.autocast():
-            out = self.model(
-                to_device(micro.input_ids), labels=to_device(micro.labels),
-                document_ids=to_device(micro.document_ids),
-                loss_normalizer=max(batch.global_label_tokens, 1),
-                aux_loss_scale=self.aux_loss_scale(micro),
-            )
-        out.loss.backward()
-        return out
-
-    def optimizer_step(self, tokens_per_expert: torch.Tensor | None) -> torch.Tensor:
-        """Clip, step, advance the schedule and the router biases; returns the pre-clip grad norm."""
-        grad_norm = clip_gradients(self.model.parameters(), self.cfg.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.lr_scheduler.step()
-        if tokens_per_expert is not None:
-            self.model.update_router_biases(tokens_per_expert)
-        return grad_norm
-
-    def train_step(self, batch: StepBatch) -> dict[str, Any]:
-        """One optimizer step; returns its metrics after the step's single device read."""
-        lr = self.optimizer.param_groups[0]["lr"]
-        sums: torch.Tensor | None = None  # [loss, lm, mtp, aux] summed over micro-batches, on device
-        tokens_per_expert: torch.Tensor | None = None
-        for micro in batch.micro_batches:
-            out = self.forward_backward_step(micro, batch)
-            parts = torch.stack([out.loss.detach(), out.lm_loss.detach(), out.mtp_loss.detach(),
-                                 out.aux_loss.detach() * self.aux_loss_scale(micro)]).float()
-            sums = parts if sums is None else sums + parts
-            if out.tokens_per_expert is not None:
-                counts = out.tokens_per_expert.detach()
-                tokens_per_expert = counts if tokens_per_expert is None else tokens_per_expert + counts
-        assert sums is not None
-        grad_norm = self.optimizer_step(tokens_per_expert)
-        load = torch.zeros(0, device=sums.device)
-        if tokens_per_expert is not None:
-            load_f = tokens_per_expert.float()
-            load = load_f.amax(-1) / load_f.mean(-1).clamp(min=1e-9)
-        parts = [sums, grad_norm.float().reshape(1).to(sums.device), load]
-        trace = self.routing_trace is not None and tokens_per_expert is not None
-        if trace:
-            # the counts ride in the same read; float64 holds every count exactly (and the fp32 values too)
-            parts = [part.double() for part in parts] + [tokens_per_expert.double().flatten()]
-        values = torch.cat(parts).tolist()  # the one sync
-        loss, lm_loss, mtp_loss, aux_loss, norm = values[:5]
-        num_layers = load.numel()
-        stats = {"loss": loss, "lm_loss": lm_loss, "mtp_loss": mtp_loss, "aux_loss": aux_loss, "lr": lr,
-                 "grad_norm": norm, "expert_load_max_over_mean": values[5:5 + num_layers]}
-        if trace:
-            counts = [int(v) for v in values[5 + num_layers:]]
-            num_experts = len(counts) // num_layers
-            stats["tokens_per_expert"] = [counts[i * num_experts:(i + 1) * num_experts] for i in range(num_layers)]
-        return stats
+    def train_step(self, batch: StepBatch) -> StepResult:
+        with self.tracer.active():
+            return train_step(self.run, self.step, batch)
 
     # ----- around the steps -----
-    def log(self, stats: dict[str, Any], tokens: int, step_time_s: float) -> dict[str, Any]:
-        tokens_per_expert = stats.pop("tokens_per_expert", None)
-        if self.routing_trace is not None and tokens_per_expert is not None:
-            self.routing_trace.write(self.step, tokens_per_expert)
+    def log(self, result: StepResult, tokens: int, step_time_s: float, extra: dict[str, Any]) -> dict[str, Any]:
+        if self.routing_trace is not None:
+            self.routing_trace.write(self.step, result.tokens_per_expert)
         tokens_per_s = tokens / step_time_s if step_time_s > 0 else 0.0
         mfu = tokens_per_s * self.flops_per_token / self.peak_flops if self.peak_flops else 0.0
-        row = {"step": self.step, **stats, "tokens": tokens, "step_time_s": step_time_s,
+        row = {"step": self.step, **result.metrics(), "tokens": tokens, "step_time_s": step_time_s,
                "tokens_per_s": tokens_per_s, "mfu": mfu,
-               "layout": {**self.parallel.model_dump(), "global_batch": self.cfg.global_batch}}
+               "layout": {**self.spec.parallel.model_dump(), "global_batch": self.cfg.global_batch}, **extra}
         self.metrics.log(row)
-        if not math.isfinite(stats["loss"]):
-            raise UserError(f"loss became {stats['loss']} at step {self.step}; lower --lr or raise --warmup")
+        if not (row["loss"] == row["loss"] and abs(row["loss"]) != float("inf")):
+            raise UserError(f"loss became {row['loss']} at step {self.step}; lower --lr or raise --warmup")
         return row
 
     def save(self) -> Path | None:
-        if self.run.save_dir is None:
+        if self.spec.run.save_dir is None:
             return None
-        return save_checkpoint(self.run.save_dir, self.step, self.model, self.optimizer,
-                               self.trainer_state(), self.config_hash())
-
-    def trainer_state(self) -> dict[str, Any]:
-        scheduler_state = {k: v for k, v in self.lr_scheduler.state_dict().items() if k != "lr_lambdas"}
-        return {"step": self.step, "lr_scheduler": scheduler_state}
+        placement = self.balancer.state_dict() if self.balancer is not None else None
+        return save_checkpoint(Path(self.spec.run.save_dir), self.step, self.run, self.model_cfg, self.cfg,
+                               config_hash=self.config_hash(), expert_placement=placement)
 
     def load(self) -> bool:
         """Resume from the newest complete checkpoint in ``save_dir``; False when there is none."""
-        assert self.run.save_dir is not None
-        path = latest_checkpoint(self.run.save_dir)
+        assert self.spec.run.save_dir is not None
+        path = latest_checkpoint(Path(self.spec.run.save_dir))
         if path is None:
             return False
-        state = load_checkpoint(path, self.model, self.optimizer, self.config_hash())
-        self.step = int(state["step"])
-        self.lr_scheduler.load_state_dict({**state["lr_scheduler"], "lr_lambdas": [None]})
+        if self.balancer is not None:  # adopt the saved placement first: slots then load their experts
+            saved = read_expert_placement(path)
+            restored = saved is not None and self.balancer.load_state_dict(saved)
+            self.console.print("restored the saved expert placement" if restored else
+                               "no expert placement of this EP size in the checkpoint; starting from the "
+                               "contiguous one")
+        self.step = load_checkpoint(path, self.run, self.model_cfg, config_hash=self.config_hash())
         self.console.print(f"resumed from {path} (step {self.step})")
         return True
 
-    def should_save(self, last_step: int) -> bool:
-        every = self.run.save_every
-        return self.step == last_step or (every > 0 and self.step % every == 0)
-
     def train(self) -> list[dict[str, Any]]:
         """Run (or resume) until ``steps`` or ``stop_at``; returns the metrics rows of this run."""
-        if self.run.resume:
-            if self.run.save_dir is None:
-                raise UserError("--resume needs --save-dir (the folder holding the checkpoints)")
-            if not self.load():
-                self.console.print(f"no checkpoint in {self.run.save_dir}; starting from step 0")
-        last_step = min(self.cfg.steps, self.run.stop_at or self.cfg.steps)
-        self.model.train()
-        bar = progress_bar(self.console)
-        task = bar.add_task("train", total=self.cfg.steps, completed=self.step, loss=float("nan"),
-                            lr=0.0, tokens_per_s=0.0)
         try:
-            with bar if self.run.show_progress else contextlib.nullcontext():
-                while self.step < last_step:
-                    start = time.perf_counter()
-                    batch = self.next_batch()
-                    stats = self.train_step(batch)
-                    self.step += 1
-                    row = self.log(stats, batch.global_tokens, time.perf_counter() - start)
-                    bar.update(task, completed=self.step, loss=row["loss"], lr=row["lr"],
-                               tokens_per_s=row["tokens_per_s"])
-                    if self.should_save(last_step):
-                        self.save()
+            return self._train()
         finally:
-            self.metrics.close()
-            if self.routing_trace is not None:
-                self.routing_trace.close()
+            self.close()
+
+    def _train(self) -> list[dict[str, Any]]:
+        run_options = self.spec.run
+        if run_options.resume and not self.load():
+            self.console.print(f"no checkpoint in {run_options.save_dir}; starting from step 0")
+        last_step = min(self.cfg.steps, run_options.stop_at or self.cfg.steps)
+        self.run.stage.model.train()
+        fault = _injected_fault(self.dims.rank)
+        bar = progress_bar(self.console)
+        task = bar.add_task("train", total=self.cfg.steps, completed=self.step, loss=float("nan"), lr=0.0,
+                            tokens_per_s=0.0)
+        show = self.is_reporter and not run_options.quiet
+        with bar if show else contextlib.nullcontext():
+            while self.step < last_step:
+                fault(self.step)
+                start = time.perf_counter()
+                batch = self.next_batch()
+                result = self.train_step(batch)
+                self.step += 1
+                extra = self.after_step()
+                row = self.log(result, batch.global_tokens, time.perf_counter() - start, extra)
+                bar.update(task, completed=self.step, loss=row["loss"], lr=row["lr"],
+                           tokens_per_s=row["tokens_per_s"])
+                if should_save(self.step, last_step, run_options.save_every):
+                    self.save()
+        if self.balancer is not None:
+            self.balancer.finish_migration()  # the last step's move, if any, lands before the ranks part
+        if run_options.trace_dir:
+            self.tracer.save(Path(run_options.trace_dir) / f"rank{self.dims.rank}.json")
+            self.console.print(f"a2a_hidden_fraction {self.tracer.a2a_hidden_fraction():.3f} (rank 0, all steps)")
         return self.metrics.rows
 
+    def after_step(self) -> dict[str, Any]:
+        """The balancer's decision after the step (its metrics join the row)."""
+        if self.balancer is None:
+            return {}
+        decisions = self.balancer.after_step(self.step - 1)
+        for line in self.balancer.describe(decisions):
+            self.console.print(line)
+        return self.balancer.step_metrics(decisions)
+
+    def close(self) -> None:
+        self.metrics.close()
+        if self.routing_trace is not None:
+            self.routing_trace.close()
+        self._own_world.close()
+
     def describe(self) -> str:
-        """One line on what is about to run: data, model, batch and device."""
-        dataset, counts = self.data.dataset, count_params(self.model_cfg)
+        """One line on what is about to run: data, model, batch, layout and device."""
+        counts = count_params(self.model_cfg)
+        if self.data is not None:
+            dataset = self.data.dataset
+            data = (f"data {self.data.corpus_name}: {self.data.num_documents} documents, "
+                    f"{len(dataset.stream.tokens):,} tokens, {dataset.num_samples:,} sequences of {dataset.seq_len}")
+        else:
+            data = f"synthetic counting sequences of {self.cfg.seq_len}"
         num_threads = torch.get_num_threads()
         threads = f", {num_threads} thread{'s' * (num_threads > 1)}" if self.device.type == "cpu" else ""
-        return (f"data {self.data.corpus_name}: {self.data.num_documents} documents, {len(dataset.stream.tokens):,} "
-                f"tokens, {dataset.num_samples:,} sequences of {dataset.seq_len} · model {self.model_cfg.name}: "
-                f"{counts.total / 1e6:.2f}M parameters ({counts.active / 1e6:.2f}M active) · "
-                f"{self.cfg.steps} steps × {self.cfg.global_batch} sequences · {self.device}{threads}")
+        p = self.spec.parallel
+        degrees = [f"{axis}{getattr(p, axis)}" for axis in ("tp", "cp", "pp", "vpp", "dp", "ep", "etp")
+                   if getattr(p, axis) > 1]
+        layout = (f" · {self.spec.world_size} ranks: {'×'.join(degrees)}, ZeRO-{max(p.zero, 1)}"
+                  f"{', overlapped' if p.overlap else ''}") if self.spec.world_size > 1 else ""
+        return (f"{data} · model {self.model_cfg.name}: {counts.total / 1e6:.2f}M parameters "
+                f"({counts.active / 1e6:.2f}M active) · {self.cfg.steps} steps × {self.cfg.global_batch} sequences · "
+                f"{self.device.type}{threads}{layout}")
 
     def print_summary(self) -> None:
         title = f"{self.model_cfg.name}: {len(self.metrics.rows)} steps on {self.device.type}"
+        if self.spec.world_size > 1:
+            title += f" × {self.spec.world_size} ranks"
         self.console.print(summary_table(self.metrics.rows, title))
+
+
+def _injected_fault(rank: int):
+    """``MOETRAIN_FAULT=rank:step:raise|kill`` fails one rank at one step (tests of the failure path)."""
+    spec = os.environ.get("MOETRAIN_FAULT")
+    if not spec:
+        return lambda step: None
+    fault_rank, fault_step, kind = spec.split(":")
+
+    def fault(step: int) -> None:
+        if int(fault_rank) == rank and int(fault_step) == step:
+            if kind == "kill":
+                import signal
+
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError(f"injected fault at step {step}")
+
+    return fault
+
+
+__all__ = ["Trainer", "resolve_device"]

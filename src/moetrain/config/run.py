@@ -1,0 +1,203 @@
+"""The run spec: everything one training run needs, validated once, handed to every rank whole.
+
+``moetrain train`` builds a ``RunSpec`` from defaults, an optional ``--config run.yaml``, an optional
+``--plan plan.yaml`` (the file ``moetrain plan --out`` writes) and the command-line flags, in that order
+of precedence (a later source overrides an earlier one field by field). A multi-rank run writes the
+validated spec as JSON for its ranks; the worker that users start themselves with ``torchrun`` on
+several nodes builds the same object from the same sources, so both see the same defaults and checks.
+
+Torch-free (pydantic only): the planner and the CLI import it without the runtime.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from moetrain.config.parallel import ParallelConfig
+from moetrain.config.training import TrainingConfig
+
+MemoryPolicyName = Literal["none", "full", "selective", "auto"]
+
+
+class RunOptions(BaseModel):
+    """How to run (not what to learn): device, data, paths, checkpoints, progress."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    device: str = "auto"
+    """cpu, cuda, cuda:N or auto (cuda when available). Each rank of a multi-rank CUDA run takes its local GPU."""
+    threads: int | None = Field(default=None, ge=1)
+    """CPU threads of torch in each rank (default: torch's choice in one process, 1 per rank under torchrun)."""
+    cluster: str = "auto"
+    """Cluster preset (or YAML file) whose peak FLOP/s the MFU divides by; auto: cpu on CPU, h100-sxm-80gb on GPU."""
+    data: str | None = None
+    """The user's .txt/.jsonl file or folder; None: the embedded Shakespeare corpus."""
+    synthetic_data: bool = False
+    """Counting sequences instead of a corpus (benchmarks that must not depend on a tokenizer)."""
+    metrics_out: str | None = None
+    trace_routing: str | None = None
+    """Write per step and MoE layer the global tokens routed to each expert (JSONL)."""
+    save_dir: str | None = None
+    save_every: int = Field(default=0, ge=0)
+    """Save every this many steps (0: only at the end and at stop_at)."""
+    stop_at: int | None = Field(default=None, gt=0)
+    """End after this step as if interrupted, saving a checkpoint; the schedule still spans every step."""
+    resume: bool = False
+    quiet: bool = False
+    ranks_per_node: int | None = Field(default=None, gt=0)
+    """Node size for the hierarchical all-to-all (default: the launcher's ranks on one node)."""
+    trace_dir: str | None = None
+    """Write each rank's timeline of compute and communication spans (Chrome trace JSON) here."""
+    log_dir: str | None = None
+    """A multi-rank run's torchrun log and the ranks' error lines (default: a new temporary folder)."""
+    timeout_s: float = Field(default=60.0, gt=0)
+    """Collective timeout: a rank waiting on a dead peer gives up after this long."""
+
+
+class MemoryOptions(BaseModel):
+    """Selective recompute and swap (``moetrain.memory``); a plan's ``recompute`` sets the policy."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy: MemoryPolicyName = "none"
+    budget_fraction: float | None = Field(default=None, gt=0, le=1)
+    """Activation budget as a fraction of the no-recompute activation bytes."""
+    budget_gib: float | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _one_budget(self) -> MemoryOptions:
+        if self.budget_fraction is not None and self.budget_gib is not None:
+            raise ValueError("give one of budget_fraction and budget_gib, not both")
+        if self.policy == "auto" and self.budget_fraction is None and self.budget_gib is None:
+            raise ValueError("policy auto needs a budget: set budget_fraction or budget_gib")
+        return self
+
+
+class BalanceOptions(BaseModel):
+    """Online expert balancing (``moetrain.balance``): migrate and replicate hot experts while training."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = False
+    interval: int | None = Field(default=None, gt=0)
+    """Steps between full re-plans (drift is checked every step)."""
+    horizon: int | None = Field(default=None, gt=0)
+    """Steps over which a migration must repay its cost."""
+    slots_per_rank: int | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _tuning_needs_enabled(self) -> BalanceOptions:
+        if not self.enabled and any(v is not None for v in (self.interval, self.horizon, self.slots_per_rank)):
+            raise ValueError("interval, horizon and slots_per_rank tune online balancing; enable it or drop them")
+        return self
+
+
+class RunSpec(BaseModel):
+    """Model, training, parallel layout and run options of one run."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = "tiny-pangu"
+    """Model preset name or YAML file."""
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    """The layout. Sequence parallelism is decided here: it is on exactly when tp > 1 (the runtime always
+    shards the residual stream's sequence over the TP group); ``micro_batch`` is the training's."""
+    run: RunOptions = Field(default_factory=RunOptions)
+    memory: MemoryOptions = Field(default_factory=MemoryOptions)
+    balance: BalanceOptions = Field(default_factory=BalanceOptions)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sequence_parallel_and_micro_batch(cls, data: Any) -> Any:
+        """The one place that decides sequence parallelism, and the one micro-batch of the run."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        parallel = data.get("parallel", {})
+        parallel = parallel.model_dump(exclude_unset=True) if isinstance(parallel, BaseModel) else dict(parallel)
+        training = data.get("training", {})
+        training = training.model_dump() if isinstance(training, BaseModel) else dict(training)
+        tp = parallel.get("tp", 1)
+        if "sp" in parallel and bool(parallel["sp"]) != (tp > 1):
+            raise ValueError(f"parallel.sp={parallel['sp']} with tp={tp}: the runtime runs sequence parallelism "
+                             "exactly when tp > 1; drop sp (it follows tp)")
+        parallel["sp"] = tp > 1
+        micro = training.get("micro_batch", TrainingConfig.model_fields["micro_batch"].default)
+        if "micro_batch" in parallel and parallel["micro_batch"] != micro:
+            raise ValueError(f"parallel.micro_batch={parallel['micro_batch']} differs from training.micro_batch="
+                             f"{micro}; set the micro-batch once, in training")
+        parallel["micro_batch"] = micro
+        data["parallel"], data["training"] = parallel, training
+        return data
+
+    @property
+    def world_size(self) -> int:
+        return self.parallel.world_size
+
+    def to_json(self) -> str:
+        return self.model_dump_json()
+
+
+def merge_sources(*sources: dict[str, Any]) -> dict[str, Any]:
+    """Deep-merge nested mappings, later sources winning field by field (defaults < file < plan < flags)."""
+    merged: dict[str, Any] = {}
+    for source in sources:
+        for key, value in source.items():
+            if isinstance(value, dict) and isinstance(merged.get(key), dict):
+                merged[key] = merge_sources(merged[key], value)
+            else:
+                merged[key] = value
+    return merged
+
+
+PLAN_LAYOUT_FIELDS = ("tp", "pp", "vpp", "ep", "etp", "cp", "dp", "zero", "a2a", "overlap")
+"""The plan's ``parallel`` fields a run takes (``sp`` follows tp, ``micro_batch`` goes to training,
+``recompute`` to the memory policy)."""
+
+
+def spec_source_from_plan(plan: dict[str, Any]) -> dict[str, Any]:
+    """The run-spec fields a plan file sets: its model, sequence length, global batch, layout,
+    micro-batch and recompute level (as the memory policy)."""
+    parallel = plan["parallel"]
+    source: dict[str, Any] = {
+        "parallel": {k: parallel[k] for k in PLAN_LAYOUT_FIELDS if k in parallel},
+        "training": {},
+    }
+    if "model" in plan:
+        source["model"] = plan["model"]
+    for field in ("seq_len", "global_batch"):
+        if field in plan:
+            source["training"][field] = plan[field]
+    if "micro_batch" in parallel:
+        source["training"]["micro_batch"] = parallel["micro_batch"]
+    if parallel.get("recompute", "none") != "none":
+        source["memory"] = {"policy": parallel["recompute"]}
+    return source
+
+
+def resolve_run_spec(sources: list[dict[str, Any]], world_size: int | None = None) -> RunSpec:
+    """Merge the sources into a validated ``RunSpec``; ``world_size`` (``--nproc``, or torchrun's
+    ``WORLD_SIZE``) fills ``parallel.dp`` when no source sets it and must agree when one does.
+    Raises ``UserError`` (one line) on any bad field."""
+    from pydantic import ValidationError
+
+    from moetrain.errors import UserError, describe_validation_error
+
+    merged = merge_sources(*sources)
+    parallel = merged.setdefault("parallel", {})
+    base = parallel.get("tp", 1) * parallel.get("cp", 1) * parallel.get("pp", 1)
+    if world_size is not None:
+        if world_size % base:
+            raise UserError(f"{world_size} ranks are not a multiple of tp·cp·pp = {base}; "
+                            "run tp·cp·pp·dp ranks (--nproc)")
+        if "dp" in parallel and parallel["dp"] * base != world_size:
+            raise UserError(f"the layout's tp·cp·pp·dp is {parallel['dp'] * base} but {world_size} ranks run it; "
+                            "drop dp (it follows the rank count) or run that many ranks")
+        parallel["dp"] = world_size // base
+    try:
+        return RunSpec(**merged)
+    except ValidationError as exc:
+        raise UserError(describe_validation_error("run spec", exc)) from None

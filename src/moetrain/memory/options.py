@@ -1,0 +1,49 @@
+"""From a run's memory options (policy and budget) to the recompute/swap plan of the layers a rank holds.
+
+Torch-free: ``moetrain memory`` and the planner choose plans here; the runtime installs them with
+``moetrain.memory.runtime.apply_memory_policy``.
+"""
+
+from __future__ import annotations
+
+from moetrain.config.model import ModelConfig
+from moetrain.config.run import MemoryOptions
+from moetrain.memory.policy import DeviceSpeed, MemoryPlan, PolicyResult, choose_memory_plan
+
+GIB = 1024**3
+
+NOMINAL_SPEED = {
+    "cuda": DeviceSpeed(flops_per_s=4e14, bytes_per_s=2e12, host_link_bytes_per_s=2.5e10),
+    "cpu": DeviceSpeed(flops_per_s=5e10, bytes_per_s=1e10),
+}
+"""A device's nominal speed: the greedy ranking of options only needs their relative costs."""
+
+
+def uses_flash_attention(model_cfg: ModelConfig, device_type: str) -> bool:
+    """Fused attention keeps no S×S probabilities: always on CUDA; on CPU torch uses its fused kernel
+    only when the QK and V head dims agree (else the math fallback)."""
+    return device_type == "cuda" or model_cfg.attention.qk_head_dim == model_cfg.attention.v_head_dim
+
+
+def budget_bytes(options: MemoryOptions, baseline_bytes: float) -> float | None:
+    """The activation budget in bytes per micro-batch (None: no budget)."""
+    if options.budget_fraction is not None:
+        return options.budget_fraction * baseline_bytes
+    if options.budget_gib is not None:
+        return options.budget_gib * GIB
+    return None
+
+
+def choose_plan(model_cfg: ModelConfig, options: MemoryOptions, seq_len: int, micro_batch: int, dtype_bytes: float,
+                device_type: str, speed: DeviceSpeed | None = None) -> PolicyResult:
+    """The plan of the whole model (decoder layers, then MTP layers) that the options ask for."""
+    flash = uses_flash_attention(model_cfg, device_type)
+    speed = speed or NOMINAL_SPEED["cuda" if device_type == "cuda" else "cpu"]
+    probe = choose_memory_plan(model_cfg, seq_len, micro_batch, "none", None, speed, dtype_bytes, flash)
+    budget = budget_bytes(options, probe.baseline_bytes)
+    return choose_memory_plan(model_cfg, seq_len, micro_batch, options.policy, budget, speed, dtype_bytes, flash)
+
+
+def held_layers_plan(plan: MemoryPlan, held: list[int]) -> MemoryPlan:
+    """The options of the layers a pipeline rank holds (``held``: indices into the whole model's plan)."""
+    return MemoryPlan(tuple(plan.layer_options[i] for i in held))

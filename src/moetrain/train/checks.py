@@ -1,0 +1,98 @@
+"""Every check of a run spec that needs no process group, in one place, before any rank starts.
+
+``moetrain train`` calls ``check_run`` before it trains in one process or starts torchrun; the worker
+that users start with torchrun themselves calls it too, so a bad run is one line (exit 2) either way.
+Torch-free: layout arithmetic, flag combinations, and the files the run will write.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from moetrain.balance.online import check_online_balance
+from moetrain.config import ModelConfig, ParallelConfig
+from moetrain.config.run import RunSpec
+from moetrain.distributed.layout import validate_layout
+from moetrain.errors import UserError
+
+
+def check_run(spec: RunSpec, model_cfg: ModelConfig) -> None:
+    """Refuse what cannot run, naming the flag and how to mend it; create the output folders."""
+    training, parallel, run = spec.training, spec.parallel, spec.run
+    validate_layout(parallel, model_cfg, spec.world_size, training.global_batch, training.micro_batch,
+                    run.ranks_per_node)
+    check_seq_len(training.seq_len, parallel, model_cfg)
+    _check_combinations(spec, model_cfg)
+    if spec.balance.enabled:
+        balance = spec.balance
+        check_online_balance(parallel, model_cfg, balance.interval, balance.horizon, balance.slots_per_rank)
+    check_output_paths(spec)
+
+
+def check_seq_len(seq_len: int, parallel: ParallelConfig, model_cfg: ModelConfig) -> None:
+    """The model's positions must reach the sequence; context parallelism cuts each sequence into 2·cp
+    load-balanced chunks, and sequence parallelism splits each rank's share over the tp ranks."""
+    if seq_len > model_cfg.max_seq_len:
+        raise UserError(f"--seq-len {seq_len} exceeds {model_cfg.name}'s max_seq_len {model_cfg.max_seq_len}; "
+                        "lower --seq-len or use a model whose max_seq_len reaches it")
+    if parallel.cp > 1 and seq_len % (2 * parallel.cp):
+        raise UserError(f"--seq-len {seq_len} does not split into 2·cp = {2 * parallel.cp} context-parallel "
+                        f"chunks; make it a multiple of {2 * parallel.cp}")
+    if parallel.tp > 1 and (seq_len // parallel.cp) % parallel.tp:
+        share = "" if parallel.cp == 1 else f" of each cp={parallel.cp} share ({seq_len // parallel.cp} tokens)"
+        raise UserError(f"--seq-len {seq_len} does not split over tp={parallel.tp} sequence shards{share}")
+
+
+def _check_combinations(spec: RunSpec, model_cfg: ModelConfig) -> None:
+    run, parallel = spec.run, spec.parallel
+    if run.stop_at is not None and run.stop_at > spec.training.steps:
+        raise UserError(f"--stop-at {run.stop_at} must lie in 1..--steps ({spec.training.steps})")
+    if (run.stop_at is not None or run.resume) and not run.save_dir:
+        raise UserError("--stop-at and --resume need --save-dir (the folder holding the checkpoints)")
+    if run.synthetic_data and run.data:
+        raise UserError("--synthetic-data and --data exclude each other; drop one")
+    if run.trace_routing and model_cfg.moe is None:
+        raise UserError(f"--trace-routing needs an MoE model; {model_cfg.name} has no MoE layers")
+    if parallel.zero >= 2 and parallel.overlap:
+        raise UserError(f"ZeRO-{parallel.zero} does not run with the overlapped schedule yet; "
+                        "use zero 1 or drop --overlap")
+    if spec.balance.enabled and parallel.zero >= 2:
+        raise UserError(f"--online-balance runs with ZeRO-1 (it moves the optimizer's expert shards); "
+                        f"use zero 1 instead of {parallel.zero}")
+
+
+def check_output_paths(spec: RunSpec) -> None:
+    """Create the folders the run writes into and refuse, before any work, a path that cannot be one:
+    a file named as a folder, a folder named as a file, an unwritable place."""
+    run = spec.run
+    for flag, folder in (("--save-dir", run.save_dir), ("--trace-dir", run.trace_dir)):
+        if folder is not None:
+            _make_folder(Path(folder), flag)
+    for flag, file in (("--metrics-out", run.metrics_out), ("--trace-routing", run.trace_routing)):
+        if file is None:
+            continue
+        path = Path(file)
+        if path.is_dir():
+            raise UserError(f"{flag} {file} is a folder; name a file, e.g. {path / 'metrics.jsonl'}")
+        _make_folder(path.parent, flag)
+        if path.exists() and not _writable(path):
+            raise UserError(f"{flag} {file} cannot be written; choose a writable path")
+
+
+def _make_folder(folder: Path, flag: str) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise UserError(f"{flag} {folder}: a file is in the way of that folder; choose another path") from None
+    except NotADirectoryError:
+        raise UserError(f"{flag} {folder}: a part of that path is a file, not a folder; choose another path") from None
+    except OSError as exc:
+        raise UserError(f"{flag} {folder}: cannot create it ({exc.strerror}); choose a writable path") from None
+    if not _writable(folder):
+        raise UserError(f"{flag} {folder} is not writable; choose a writable folder")
+
+
+def _writable(path: Path) -> bool:
+    import os
+
+    return os.access(path, os.W_OK)
