@@ -54,10 +54,12 @@ def test_stop_at_then_resume_continues_the_same_loss_curve(corpus, tmp_path, cap
     [
         (["--model", "tiny-nothing"], "unknown model preset 'tiny-nothing'; choose one of:"),
         (["--data", "/no/such/file.txt"], "--data '/no/such/file.txt' does not exist"),
-        (["--stop-at", "2"], "--stop-at saves a checkpoint to resume from: give --save-dir too"),
+        (["--stop-at", "2"], "--stop-at and --resume need --save-dir (the folder holding the checkpoints)"),
         (["--stop-at", "9", "--save-dir", "x"], "--stop-at 9 must lie in 1..--steps (4)"),
         (["--global-batch", "3"], "global_batch=3 is not a multiple of micro_batch=2"),
-        (["--resume"], "--resume needs --save-dir"),
+        (["--resume"], "--stop-at and --resume need --save-dir"),
+        (["--seq-len", "8192"], "--seq-len 8192 exceeds tiny-pangu's max_seq_len"),
+        (["--zero", "2", "--overlap"], "ZeRO-2 does not run with the overlapped schedule yet"),
         (["--plan", "/no/plan.yaml"], "plan file '/no/plan.yaml' does not exist"),
         (["--policy", "bogus"], "--policy 'bogus' is not a memory policy; choose one of none, full, selective, auto"),
         (["--policy", "auto"], "--policy auto needs a budget: add --budget-fraction F or --budget-gib G"),
@@ -86,11 +88,13 @@ def no_process_starts(monkeypatch):
     [
         ("parallel: {cp: 2, micro_batch: 2}", ["--seq-len", "30"],
          "--seq-len 30 does not split into 2·cp = 4 context-parallel chunks"),
-        ("parallel: {dp: 2, zero: 3, micro_batch: 2}", [], "the plan asks for ZeRO stage 3"),
-        ("parallel: {dp: 2, micro_batch: 2}", ["--nproc", "4"], "--nproc 4 but the plan's tp·cp·pp·dp is 2"),
+        ("parallel: {dp: 2, zero: 3, overlap: true, micro_batch: 2}", [],
+         "ZeRO-3 does not run with the overlapped schedule yet; use zero 1 or drop --overlap"),
+        ("parallel: {dp: 2, micro_batch: 2}", ["--nproc", "4"],
+         "the layout's tp·cp·pp·dp is 2 but 4 ranks run it"),
         ("parallel: {dp: 2, micro_batch: 2}", ["--ep", "2"], "--plan already sets the layout; drop --ep"),
-        ("parallel: {dp: 2, micro_batch: 2}", ["--dtype", "bf16"],
-         "--dtype is not supported by the distributed runtime yet"),
+        ("parallel: {tp: 2, sp: false, micro_batch: 2}", [],
+         "parallel.sp=False with tp=2: the runtime runs sequence parallelism exactly when tp > 1"),
     ],
 )
 def test_a_multi_rank_plan_is_checked_before_any_process_starts(plan_text, extra, message, tmp_path, capsys,
@@ -107,11 +111,9 @@ def test_a_multi_rank_plan_is_checked_before_any_process_starts(plan_text, extra
     [
         (["--nproc", "3", "--ep", "2"], "ep·etp=2 must divide tp·cp·dp=3"),
         (["--ep", "2"], "--ep 2 needs several ranks: give --nproc N"),
-        (["--overlap"], "--overlap shapes a multi-rank run"),
-        (["--nproc", "2", "--ep", "2", "--policy", "full"], "--policy is not supported by the distributed runtime"),
-        (["--nproc", "2", "--ep", "2", "--threads", "2"], "--threads is not supported by the distributed runtime"),
-        (["--nproc", "2", "--ep", "2", "--device", "cpu"], "--device is not supported by the distributed runtime"),
-        (["--nproc", "2", "--ep", "2", "--stop-at", "1"], "--stop-at saves a checkpoint to resume from"),
+        (["--nproc", "2", "--ep", "2", "--stop-at", "1"], "--stop-at and --resume need --save-dir"),
+        (["--nproc", "2", "--ep", "2", "--online-balance", "--zero", "2"], "--online-balance runs with ZeRO-1"),
+        (["--nproc", "2", "--balance-interval", "3"], "tune online balancing; enable it or drop them"),
     ],
 )
 def test_a_bad_multi_rank_run_is_one_line_before_any_process_starts(args, message, capsys, no_process_starts):

@@ -1,38 +1,86 @@
-"""Shared by the distributed parity tests: per-layout losses gathered from spawned ranks, the
-single-process reference computed on one thread (as each gloo rank runs), and the parity check."""
+"""Shared by the distributed parity tests: they drive ``moetrain.train.Trainer`` (the loop and step that
+``moetrain train`` runs, on the real data pipeline) under several layouts side by side in one gloo world,
+and compare each with the single-process run of the same loop.
+
+A small word-salad corpus stands in for Shakespeare: the tokenizer, packing and per-step batches are the
+product's, only faster to build. The parent prepares the data cache before the ranks fork, so the ranks
+read it instead of racing to write it.
+"""
 
 from __future__ import annotations
 
+import io
+import random
+from pathlib import Path
+
 import torch
+from rich.console import Console
 
-from moetrain.config import ModelConfig, TrainingConfig
-from moetrain.distributed.step import reference_losses
+from moetrain.config import ModelConfig, ParallelConfig, TrainingConfig
+from moetrain.config.run import RunSpec
+from moetrain.distributed.layout import ParallelDims
 
-
-def losses_by_layout(per_rank: list[dict[str, list[float]]]) -> dict[str, list[list[float]]]:
-    """Each rank's ``{layout: losses}`` (``spawn``'s results) → ``{layout: [losses of each member rank]}``."""
-    by_layout: dict[str, list[list[float]]] = {}
-    for rank_losses in per_rank:
-        for name, losses in rank_losses.items():
-            by_layout.setdefault(name, []).append(losses)
-    return by_layout
+WORDS = ["the", "king", "and", "queen", "of", "denmark", "speak", "love", "death", "honour", "night",
+         "crown", "ghost", "sword", "my", "lord", "good", "sir", "what", "say", "you", "now", "mark", "me"]
+LOSS_FIELDS = ("loss", "lm_loss", "mtp_loss", "aux_loss", "grad_norm")
 
 
-def single_thread_reference(model_cfg: ModelConfig, training: TrainingConfig, steps: int, **kwargs) -> list[float]:
-    """``reference_losses`` on one torch thread, restoring the thread count after."""
+def write_corpus(folder: Path) -> Path:
+    """A JSONL corpus of documents of varied length (so packed sequences cross document boundaries)."""
+    import json
+
+    rng = random.Random(0)
+    path = folder / "docs.jsonl"
+    rows = [{"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 200))) + "."} for _ in range(120)]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return path
+
+
+def run_spec(training: TrainingConfig, parallel: ParallelConfig, data: Path | None, **run) -> RunSpec:
+    """The spec of one layout (``parallel``'s micro-batch is the training's)."""
+    layout = parallel.model_dump(exclude={"sp", "micro_batch"})
+    source = {"model": "tiny-pangu", "training": training.model_dump(), "parallel": layout,
+              "run": {"device": "cpu", "quiet": True, "data": str(data) if data else None,
+                      "synthetic_data": data is None, "cluster": "cpu", **run}}
+    return RunSpec(**source)
+
+
+def train_rows(spec: RunSpec, dims: ParallelDims | None = None, model_cfg: ModelConfig | None = None,
+               model: torch.nn.Module | None = None) -> list[dict]:
+    """Every metrics row of ``Trainer(spec).train()`` (this rank's copy; identical on every rank)."""
+    from moetrain.train import Trainer
+
+    trainer = Trainer(spec, dims=dims, model_cfg=model_cfg, model=model, console=Console(file=io.StringIO()))
+    return trainer.train()
+
+
+def single_process_rows(spec: RunSpec, **kwargs) -> list[dict]:
+    """The one-process run of the same loop, on one torch thread (as each gloo rank runs)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return reference_losses(model_cfg, training, steps, **kwargs)
+        return train_rows(spec, **kwargs)
     finally:
         torch.set_num_threads(threads)
 
 
-def assert_parity(name: str, per_rank: list[list[float]], reference: list[float], ranks: int) -> None:
-    """Every one of the layout's ``ranks`` reports the same losses, each within 1e-4 relative of the reference."""
-    assert len(per_rank) == ranks
-    for losses in per_rank:
-        assert losses == per_rank[0], f"{name}: ranks of one layout disagree on the step loss"
-        assert len(losses) == len(reference)
-        for step, (got, want) in enumerate(zip(losses, reference)):
-            assert abs(got - want) <= 1e-4 * abs(want), f"{name} step {step}: {got} vs {want}"
+def losses_by_layout(per_rank: list[dict[str, list[dict]]]) -> dict[str, list[list[dict]]]:
+    """Each rank's ``{layout: rows}`` (``spawn``'s results) → ``{layout: [rows of each member rank]}``."""
+    by_layout: dict[str, list[list[dict]]] = {}
+    for rank_rows in per_rank:
+        for name, rows in rank_rows.items():
+            by_layout.setdefault(name, []).append(rows)
+    return by_layout
+
+
+def assert_parity(name: str, per_rank: list[list[dict]], reference: list[dict], ranks: int,
+                  fields: tuple[str, ...] = ("loss",), rel: float = 1e-4) -> None:
+    """Every one of the layout's ``ranks`` reports the same rows, each field within ``rel`` of the reference."""
+    assert len(per_rank) == ranks, f"{name}: {len(per_rank)} ranks reported, expected {ranks}"
+    for rows in per_rank:
+        assert [r["loss"] for r in rows] == [r["loss"] for r in per_rank[0]], f"{name}: ranks disagree"
+        assert [r["step"] for r in rows] == [r["step"] for r in reference], f"{name}: steps differ"
+        for got, want in zip(rows, reference):
+            for key in fields:
+                assert abs(got[key] - want[key]) <= rel * abs(want[key]), \
+                    f"{name} step {got['step']} {key}: {got[key]} vs {want[key]}"

@@ -1,5 +1,5 @@
-"""The launcher: a bad layout is refused before any process starts; a killed rank ends the job
-with one line naming it, in well under a minute, with no process left behind."""
+"""``moetrain train --nproc``: a bad layout is refused before any process starts; a killed rank ends the
+job with one line naming it, in well under a minute, with no process left behind."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-LAUNCH = [sys.executable, "-m", "moetrain.distributed.launch"]
+LAUNCH = [sys.executable, "-m", "moetrain", "train"]
 
 
 def _processes_with(marker: str) -> list[int]:
@@ -31,7 +31,7 @@ def test_bad_layout_refused_before_start(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "moetrain train: error: layout tp=1 pp=1 ep=3 on 4 ranks: ep·etp=3 must divide tp·cp·dp=4 "
+        "moetrain train: error: run spec: parallel: ep·etp=3 must divide tp·cp·dp=4 "
         "(experts regroup the ranks of one pipeline stage)"
     ]
     assert not (tmp_path / "torchrun.log").exists()
@@ -47,7 +47,8 @@ def test_bad_layout_refused_before_start(tmp_path: Path) -> None:
 def test_failed_rank_stops_the_job(tmp_path: Path, fault: str, expected: str) -> None:
     env = dict(os.environ, MOETRAIN_FAULT=fault, OMP_NUM_THREADS="1")
     start = time.monotonic()
-    proc = subprocess.run([*LAUNCH, "--nproc", "2", "--ep", "2", "--steps", "4", "--synthetic-data",
+    proc = subprocess.run([*LAUNCH, "--nproc", "2", "--ep", "2", "--steps", "4", "--seq-len", "32",
+                           "--global-batch", "4", "--micro-batch", "2", "--synthetic-data", "--quiet",
                            "--log-dir", str(tmp_path)],
                           capture_output=True, text=True, timeout=120, env=env)
     elapsed = time.monotonic() - start

@@ -1,24 +1,31 @@
-"""Per-step loss of every layout == the single-process loss (tiny-pangu, fp32, gloo, 10 steps), with
-and without the overlapped schedule.
+"""Every layout trains like the single process, on the loop and step ``moetrain train`` runs: per-step
+loss, its parts and the gradient norm within 1e-4 relative (tiny-pangu, fp32, gloo, real data
+pipeline on a small corpus), with and without the overlapped schedule.
 
-Several small layouts run side by side on disjoint ranks of one 8-process world (one start-up for
-all of them); each process runs single-threaded. With one micro-batch per replica the overlapped
-schedule would have nothing to pair, so the hierarchical EP4 layout runs its overlapped variant on
-micro-batches of one sequence (two per replica), against its own single-process reference.
+Several small layouts run side by side on disjoint ranks of one 8-process world (one start-up for all
+of them); each process runs single-threaded. With one micro-batch per replica the overlapped schedule
+would have nothing to pair, so the hierarchical EP4 layout runs its overlapped variant on micro-batches
+of one sequence (two per replica), against its own single-process reference.
 """
 
 from __future__ import annotations
 
 import pytest
-import torch
-from _parity import assert_parity, losses_by_layout, single_thread_reference
+from _parity import (
+    LOSS_FIELDS,
+    assert_parity,
+    losses_by_layout,
+    run_spec,
+    single_process_rows,
+    train_rows,
+    write_corpus,
+)
 
-from moetrain.config import ParallelConfig, TrainingConfig, load_model_config
+from moetrain.config import ParallelConfig, TrainingConfig
 from moetrain.distributed.layout import ParallelDims
-from moetrain.distributed.step import build_layout, train_step
 from moetrain.distributed.world import spawn
 
-STEPS = 10
+STEPS = 6
 TRAINING = TrainingConfig(steps=STEPS, global_batch=8, micro_batch=2, seq_len=32, warmup_steps=2)
 TRAINING_MICRO_1 = TRAINING.model_copy(update={"micro_batch": 1})
 MICRO_1 = {"ep4_hierarchical_overlap"}
@@ -50,42 +57,51 @@ def _training(layout: str) -> TrainingConfig:
     return TRAINING_MICRO_1 if layout in MICRO_1 else TRAINING
 
 
-def _worker(rank: int, world_size: int) -> dict[str, list[float]]:
-    model_cfg = load_model_config("tiny-pangu")
-    losses: dict[str, list[float]] = {}
+def _worker(rank: int, world_size: int, data) -> dict[str, list[dict]]:
+    rows: dict[str, list[dict]] = {}
     for layouts in ROUNDS:
         offset, members = 0, []
         for name, parallel in layouts.items():
-            members.append((name, ParallelDims.build(parallel, rank, RANKS_PER_NODE, rank_offset=offset)))
+            members.append((name, parallel, ParallelDims.build(parallel, rank, RANKS_PER_NODE, rank_offset=offset)))
             offset += parallel.world_size
-        for name, dims in members:
+        for name, parallel, dims in members:
             if dims.is_member:
-                cfg = _training(name)
-                run = build_layout(dims, model_cfg, cfg, torch.device("cpu"))
-                losses[name] = [train_step(run, step, cfg, torch.device("cpu")) for step in range(STEPS)]
-    return losses
+                spec = run_spec(_training(name), parallel, data, ranks_per_node=RANKS_PER_NODE)
+                rows[name] = train_rows(spec, dims)
+    return rows
 
 
 @pytest.fixture(scope="module")
-def layout_losses() -> dict[str, list[list[float]]]:
-    return losses_by_layout(spawn(_worker, 8))
+def corpus(tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("parity")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MOETRAIN_CACHE", str(root / "cache"))
+        yield write_corpus(root)
 
 
 @pytest.fixture(scope="module")
-def single_process_losses() -> dict[int, list[float]]:
-    """Reference losses by micro-batch size."""
-    return {cfg.micro_batch: single_thread_reference(load_model_config("tiny-pangu"), cfg, STEPS)
+def single_process(corpus) -> dict[int, list[dict]]:
+    """Reference rows by micro-batch size: the same loop with every degree 1."""
+    return {cfg.micro_batch: single_process_rows(run_spec(cfg, ParallelConfig(), corpus))
             for cfg in (TRAINING, TRAINING_MICRO_1)}
+
+
+@pytest.fixture(scope="module")
+def layout_rows(corpus, single_process) -> dict[str, list[list[dict]]]:
+    # after the reference: it has built the data cache the ranks then read
+    return losses_by_layout(spawn(_worker, 8, corpus))
 
 
 @pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.parametrize("layout", [name for layouts in ROUNDS for name in layouts])
-def test_layout_matches_single_process(layout: str, layout_losses: dict,
-                                       single_process_losses: dict[int, list[float]]) -> None:
-    reference = single_process_losses[_training(layout).micro_batch]
+def test_layout_matches_single_process(layout: str, layout_rows: dict, single_process: dict) -> None:
+    reference = single_process[_training(layout).micro_batch]
     expected_ranks = next(p.world_size for layouts in ROUNDS for n, p in layouts.items() if n == layout)
     assert len(reference) == STEPS
-    assert_parity(layout, layout_losses[layout], reference, expected_ranks)
+    assert_parity(layout, layout_rows[layout], reference, expected_ranks, fields=LOSS_FIELDS)
     # The run trains: the loss moves (a frozen model would also "match" a frozen reference).
-    assert reference[-1] < reference[0]
+    assert reference[-1]["loss"] < reference[0]["loss"]
+    # The router's load statistics are those of the same global batch.
+    for got, want in zip(layout_rows[layout][0], reference):
+        assert got["expert_load_max_over_mean"] == pytest.approx(want["expert_load_max_over_mean"], rel=1e-4)

@@ -1,6 +1,8 @@
-"""The distributed worker trains on the single-process trainer's data: 2 ranks EP2 on a small text file
-give the per-step losses, metrics and routing trace of ``moetrain train`` on the same file, and an EP2
-checkpoint resumes in the single-process trainer on the uninterrupted curve."""
+"""Multi-rank runs through the product's entry points: ``moetrain train --nproc 2 --ep 2`` on a small text
+file gives the per-step losses, metrics and routing trace of the one-process run on the same file, an
+EP2 checkpoint resumes in one process on the uninterrupted curve, and the multi-node entry
+(``torchrun -m moetrain.distributed.worker --config run.yaml``) writes the same metrics rows as
+``moetrain train --nproc 4 --config run.yaml``."""
 
 from __future__ import annotations
 
@@ -49,11 +51,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
         _single_process(data, "--metrics-out", str(root / "single.jsonl"),
                         "--trace-routing", str(root / "single_trace.jsonl"))
         proc = subprocess.run(
-            [sys.executable, "-m", "moetrain.distributed.launch", "--nproc", "2", "--ep", "2", "--data", str(data),
+            [sys.executable, "-m", "moetrain", "train", "--nproc", "2", "--ep", "2", "--data", str(data), "--quiet",
              *SHAPE, "--metrics-out", str(root / "ep2.jsonl"), "--trace-routing", str(root / "ep2_trace.jsonl"),
              "--save-dir", str(root / "ep2_ckpt"), "--save-every", "2", "--log-dir", str(root / "logs")],
             capture_output=True, text=True, timeout=120, env=env)
         assert proc.returncode == 0, proc.stderr + (root / "logs" / "torchrun.log").read_text()[-3000:]
+        _config_runs(root, data, env)
         # Resume from the EP2 run's step-2 checkpoint in the single-process trainer.
         shutil.copytree(root / "ep2_ckpt" / "step-000002", root / "resume_ckpt" / "step-000002")
         _single_process(data, "--save-dir", str(root / "resume_ckpt"), "--resume",
@@ -64,6 +67,26 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
         else:
             os.environ["MOETRAIN_CACHE"] = previous
     return root
+
+
+def _config_runs(root: Path, data: Path, env: dict) -> None:
+    """The same run.yaml through the launcher and through torchrun on the worker module."""
+    (root / "run.yaml").write_text(
+        "model: tiny-pangu\n"
+        "training: {steps: 2, seq_len: 16, global_batch: 8, micro_batch: 2}\n"
+        "parallel: {pp: 2, ep: 2}\n"
+        f"run: {{data: {data}, quiet: true}}\n")
+    launched = subprocess.run(
+        [sys.executable, "-m", "moetrain", "train", "--nproc", "4", "--config", str(root / "run.yaml"),
+         "--metrics-out", str(root / "launched.jsonl"), "--log-dir", str(root / "logs4")],
+        capture_output=True, text=True, timeout=120, env=env)
+    assert launched.returncode == 0, launched.stderr
+    started = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+         "-m", "moetrain.distributed.worker", "--config", str(root / "run.yaml"),
+         "--metrics-out", str(root / "torchrun.jsonl")],
+        capture_output=True, text=True, timeout=120, env=env)
+    assert started.returncode == 0, started.stderr[-3000:]
 
 
 def _assert_close(got: dict, want: dict, what: str) -> None:
@@ -102,3 +125,16 @@ def test_ep2_checkpoint_resumes_in_the_single_process_trainer(runs: Path) -> Non
     resumed, single = _rows(runs / "resumed.jsonl"), _rows(runs / "single.jsonl")
     assert [r["step"] for r in resumed] == [3]
     _assert_close(resumed[0], single[2], "resumed step 3")
+
+
+TIMINGS = ("step_time_s", "tokens_per_s", "mfu")
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_the_multi_node_entry_and_the_launcher_write_the_same_metrics_rows(runs: Path) -> None:
+    launched, started = _rows(runs / "launched.jsonl"), _rows(runs / "torchrun.jsonl")
+    assert [r["step"] for r in launched] == [1, 2]
+    assert launched[0]["layout"]["pp"] == 2 and launched[0]["layout"]["ep"] == 2 and launched[0]["layout"]["dp"] == 2
+    strip = lambda row: {k: v for k, v in row.items() if k not in TIMINGS}
+    assert [strip(r) for r in started] == [strip(r) for r in launched]

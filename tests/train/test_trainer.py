@@ -6,9 +6,10 @@ import pytest
 import torch
 from rich.console import Console
 
-from moetrain.config import ModelConfig, ParallelConfig, TrainingConfig, load_cluster_config, load_model_config
+from moetrain.config import ModelConfig, ParallelConfig, TrainingConfig, load_model_config
+from moetrain.config.run import RunSpec
 from moetrain.errors import UserError
-from moetrain.train import RunOptions, Trainer
+from moetrain.train import Trainer
 
 WORDS = ["the", "king", "and", "queen", "of", "denmark", "speak", "love", "death", "honour", "night",
          "crown", "ghost", "sword", "my", "lord", "good", "sir", "what", "say", "you", "now", "mark", "me"]
@@ -35,10 +36,13 @@ def _cache_and_one_thread(tmp_path_factory, monkeypatch):
     torch.set_num_threads(threads)
 
 
-def _trainer(corpus: str, micro_batch: int = 2, model_cfg: ModelConfig | None = None, **run) -> Trainer:
-    cfg = TrainingConfig(steps=6, global_batch=4, micro_batch=micro_batch, seq_len=32, lr=3e-3, warmup_steps=2)
-    options = RunOptions(device="cpu", cluster=load_cluster_config("cpu"), data=corpus, show_progress=False, **run)
-    return Trainer(model_cfg or load_model_config("tiny-pangu"), cfg, options, console=Console(file=io.StringIO()))
+def _trainer(corpus: str, micro_batch: int = 2, model_cfg: ModelConfig | None = None, steps: int = 6,
+             **run) -> Trainer:
+    cfg = TrainingConfig(steps=steps, global_batch=4, micro_batch=micro_batch, seq_len=32, lr=3e-3, warmup_steps=2)
+    run = {key: str(value) if value is not None and key in ("save_dir", "metrics_out", "trace_routing") else value
+           for key, value in run.items()}
+    spec = RunSpec(training=cfg, run={"device": "cpu", "cluster": "cpu", "data": corpus, "quiet": True, **run})
+    return Trainer(spec, model_cfg=model_cfg, console=Console(file=io.StringIO()))
 
 
 @pytest.mark.slow
@@ -63,8 +67,8 @@ def test_gradient_accumulation_trains_on_the_same_math(corpus):
     preset = load_model_config("tiny-pangu")
     router = preset.moe.router.model_copy(update={"device_balance_coef": 0.0, "z_loss_coef": 0.0})
     model_cfg = preset.model_copy(update={"moe": preset.moe.model_copy(update={"router": router})})
-    rows_whole = _trainer(corpus, micro_batch=4, model_cfg=model_cfg, save_dir=None, stop_at=3).train()
-    rows_split = _trainer(corpus, micro_batch=2, model_cfg=model_cfg, save_dir=None, stop_at=3).train()
+    rows_whole = _trainer(corpus, micro_batch=4, model_cfg=model_cfg).train()
+    rows_split = _trainer(corpus, micro_batch=2, model_cfg=model_cfg).train()
     for a, b in zip(rows_whole, rows_split, strict=True):
         assert a["aux_loss"] == b["aux_loss"] == 0.0
         assert b["lm_loss"] == pytest.approx(a["lm_loss"], rel=1e-5)
@@ -74,7 +78,7 @@ def test_gradient_accumulation_trains_on_the_same_math(corpus):
 
 @pytest.mark.slow
 def test_metrics_rows_carry_the_documented_fields(corpus):
-    trainer = _trainer(corpus, stop_at=2)
+    trainer = _trainer(corpus, steps=2)
     row = trainer.train()[-1]
     num_moe_rows = 6 + 1  # 6 MoE decoder layers + the MTP module's MoE layer
     assert len(row["expert_load_max_over_mean"]) == num_moe_rows
@@ -88,8 +92,12 @@ def test_metrics_rows_carry_the_documented_fields(corpus):
 
 def test_multi_rank_layout_is_refused_in_one_process(corpus):
     cfg = TrainingConfig(steps=2, global_batch=4, micro_batch=2, seq_len=32)
-    with pytest.raises(UserError, match="the plan needs 4 ranks"):
-        Trainer(load_model_config("tiny-pangu"), cfg, RunOptions(data=corpus), parallel=ParallelConfig(dp=2, tp=2))
+    spec = RunSpec(training=cfg, parallel=ParallelConfig(dp=2, tp=2), run={"data": corpus, "device": "cpu"})
+    with pytest.raises(UserError, match="the layout needs 4 ranks"):
+        Trainer(spec)
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()  # the one-rank group it made is gone
 
 
 @pytest.mark.slow
@@ -105,7 +113,7 @@ def test_routing_trace_rides_in_the_steps_single_read_and_leaves_the_metrics_unc
     runs = {}
     for trace in (None, tmp_path / "routing.jsonl"):
         reads["count"] = 0
-        rows = _trainer(corpus, stop_at=2, trace_routing=trace).train()
+        rows = _trainer(corpus, steps=2, trace_routing=trace).train()
         runs[trace is not None] = (rows, reads["count"])
     (plain_rows, plain_reads), (traced_rows, traced_reads) = runs[False], runs[True]
     assert traced_reads == plain_reads  # no host read added for the trace

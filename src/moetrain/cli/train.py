@@ -71,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--quiet", action="store_true", default=None, help="no progress bar")
     r.add_argument("--trace-dir", help="write each rank's compute/communication timeline (Chrome trace) here")
     d = parser.add_argument_group("layout (see docs/distributed.md); one process when every degree is 1")
-    d.add_argument("--log-dir", help="with several ranks: where torchrun's log and the ranks' errors go (a temp folder)")
+    d.add_argument("--log-dir", help="several ranks: torchrun's log and the ranks' errors (default: a temp folder)")
     d.add_argument("--nproc", type=int, help="ranks on this node (= tp·cp·pp·dp); above 1 starts torchrun")
     for axis, text in (("tp", "tensor parallel, with sequence parallelism"), ("pp", "pipeline stages"),
                        ("vpp", "virtual stages per pipeline rank"), ("ep", "expert parallel (inside dp)"),
@@ -152,11 +152,12 @@ def build_spec(args: argparse.Namespace, world_size: int | None = None):
         if world_size is not None and world_size != args.nproc:
             raise UserError(f"--nproc {args.nproc} but torchrun started {world_size} ranks; drop --nproc")
         world_size = args.nproc
+    if world_size is None and not args.config and not args.plan:
+        given = [f"--{axis} {getattr(args, axis)}" for axis in ("tp", "pp", "vpp", "ep", "etp", "cp")
+                 if (getattr(args, axis) or 1) > 1]
+        if given:
+            raise UserError(f"{' '.join(given)} needs several ranks: give --nproc N (= tp·cp·pp·dp)")
     spec = resolve_run_spec(sources, world_size)
-    if world_size is None and spec.world_size > 1 and not args.config and not args.plan:
-        axes = " ".join(f"--{a} {getattr(spec.parallel, a)}" for a in ("tp", "pp", "ep", "cp", "etp", "vpp")
-                        if getattr(spec.parallel, a) > 1)
-        raise UserError(f"{axes} needs several ranks: give --nproc N (= tp·cp·pp·dp)")
     return spec
 
 

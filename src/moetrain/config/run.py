@@ -71,7 +71,8 @@ class MemoryOptions(BaseModel):
         if self.budget_fraction is not None and self.budget_gib is not None:
             raise ValueError("give one of budget_fraction and budget_gib, not both")
         if self.policy == "auto" and self.budget_fraction is None and self.budget_gib is None:
-            raise ValueError("policy auto needs a budget: set budget_fraction or budget_gib")
+            raise ValueError("--policy auto needs a budget: add --budget-fraction F or --budget-gib G "
+                             "(memory.budget_fraction or budget_gib in a config)")
         return self
 
 
@@ -153,15 +154,17 @@ def merge_sources(*sources: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-PLAN_LAYOUT_FIELDS = ("tp", "pp", "vpp", "ep", "etp", "cp", "dp", "zero", "a2a", "overlap")
-"""The plan's ``parallel`` fields a run takes (``sp`` follows tp, ``micro_batch`` goes to training,
-``recompute`` to the memory policy)."""
+PLAN_LAYOUT_FIELDS = ("tp", "sp", "pp", "vpp", "ep", "etp", "cp", "dp", "zero", "a2a", "overlap")
+"""The plan's ``parallel`` fields a run takes (``micro_batch`` goes to training, ``recompute`` to the
+memory policy); an ``sp`` that disagrees with tp is refused by ``RunSpec``."""
 
 
 def spec_source_from_plan(plan: dict[str, Any]) -> dict[str, Any]:
     """The run-spec fields a plan file sets: its model, sequence length, global batch, layout,
     micro-batch and recompute level (as the memory policy)."""
     parallel = plan["parallel"]
+    if isinstance(parallel, BaseModel):
+        parallel = parallel.model_dump()
     source: dict[str, Any] = {
         "parallel": {k: parallel[k] for k in PLAN_LAYOUT_FIELDS if k in parallel},
         "training": {},

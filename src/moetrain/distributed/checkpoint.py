@@ -283,7 +283,7 @@ def _dcp_load(flat: dict, path: Path, world, what: str = "checkpoint",
         dcp.load(flat, checkpoint_id=path, planner=_LoadPlanner(), process_group=world)
     except (Exception, CheckpointException) as exc:
         reason = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
-        raise UserError(f"{what} {path} is corrupt, unreadable or of another model ({reason}); {mend}") from None
+        raise UserError(f"{what} {path} is corrupt or unreadable ({reason}); {mend}") from None
 
 
 def read_expert_placement(path: Path) -> dict | None:

@@ -38,6 +38,7 @@ from moetrain.distributed.world import join_world
 from moetrain.errors import UserError
 from moetrain.models.transformer import MoETransformer
 from moetrain.train.checkpoint import config_hash, latest_checkpoint, should_save
+from moetrain.train.checks import check_run
 from moetrain.train.metrics import MetricsLogger, RoutingTraceWriter, progress_bar, summary_table
 from moetrain.train.precision import autocast_dtype
 
@@ -62,6 +63,7 @@ class Trainer:
         from the seed, e.g. with a skewed router)."""
         self.spec, self.cfg = spec, spec.training
         self.model_cfg = model_cfg or load_model_config(spec.model)
+        check_run(spec, self.model_cfg)  # the same checks as before any rank started (cheap, torch-free)
         self.device = resolve_device(spec.run.device)
         if spec.run.threads is not None:
             torch.set_num_threads(spec.run.threads)
@@ -73,6 +75,11 @@ class Trainer:
         self._own_world = contextlib.ExitStack()
         if dims is None:
             rank = self._own_world.enter_context(join_world(self.device, spec.run.timeout_s))
+            world_size = dist.get_world_size()
+            if world_size != spec.world_size:
+                self._own_world.close()
+                raise UserError(f"the layout needs {spec.world_size} ranks (tp·cp·pp·dp) but {world_size} run it; "
+                                "start it with moetrain train --nproc N or torchrun --nproc-per-node N")
             dims = ParallelDims.build(spec.parallel, rank, spec.run.ranks_per_node)
         self.dims = dims
         self.is_reporter = dims.rank == dims.group_ranks["world"][0]
