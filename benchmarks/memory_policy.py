@@ -30,8 +30,8 @@ from gpu_step_profile import busy_seconds  # noqa: E402
 from moetrain.config import load_model_config
 from moetrain.config.model import ModelConfig
 from moetrain.costs.flops import training_flops_per_token
-from moetrain.memory.options import uses_flash_attention
 from moetrain.memory.measure import measure_activations, time_steps
+from moetrain.memory.options import uses_flash_attention
 from moetrain.memory.policy import DeviceSpeed, MemoryPlan, choose_memory_plan, num_blocks
 from moetrain.memory.runtime import apply_memory_policy
 from moetrain.models import build_model

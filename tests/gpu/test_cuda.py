@@ -15,17 +15,18 @@ import torch.nn.functional as F
 from rich.console import Console
 
 from moetrain.config import TrainingConfig, load_cluster_config, load_model_config
+from moetrain.config.run import RunSpec
 from moetrain.costs.activations import model_activation_bytes
 from moetrain.memory import MemoryPlan
-from moetrain.memory.options import uses_flash_attention
 from moetrain.memory.measure import measure_activations
+from moetrain.memory.options import uses_flash_attention
 from moetrain.memory.policy import num_blocks
 from moetrain.memory.runtime import apply_memory_policy
 from moetrain.models import build_model
 from moetrain.models.dispatch import permute, unpermute
 from moetrain.models.experts import _native_grouped_mm_ok, grouped_mm
 from moetrain.models.router import Routing, count_tokens_per_expert
-from moetrain.train import RunOptions, Trainer
+from moetrain.train import Trainer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -176,15 +177,15 @@ def test_trainer_trains_in_bf16_on_cuda(tmp_path, monkeypatch):
     corpus.write_text("\n".join(json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(30, 150)))})
                                 for _ in range(200)))
     cfg = TrainingConfig(steps=30, global_batch=8, micro_batch=4, seq_len=64, lr=3e-3, warmup_steps=3)
-    run = RunOptions(device="cuda", cluster=load_cluster_config("h100-sxm-80gb"), data=str(corpus),
-                     show_progress=False)
-    trainer = Trainer(load_model_config("tiny-pangu"), cfg, run, console=Console(file=io.StringIO()))
-    assert trainer.resolve_autocast_dtype() == torch.bfloat16
+    spec = RunSpec(training=cfg, run={"device": "cuda", "cluster": "h100-sxm-80gb", "data": str(corpus),
+                                      "quiet": True})
+    trainer = Trainer(spec, console=Console(file=io.StringIO()))
+    assert trainer.run.autocast_dtype == torch.bfloat16
     rows = trainer.train()
     losses = [row["loss"] for row in rows]
     assert all(torch.isfinite(torch.tensor(losses)))
     assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:3]) / 3
-    assert all(p.device.type == "cuda" and p.dtype == torch.float32 for p in trainer.model.parameters())
+    assert all(p.device.type == "cuda" and p.dtype == torch.float32 for p in trainer.run.stage.model.parameters())
     assert rows[-1]["mfu"] > 0
 
 

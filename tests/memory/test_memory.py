@@ -14,8 +14,8 @@ from moetrain.cli import main
 from moetrain.config import load_model_config
 from moetrain.costs.activations import ALL_OPTIONS, SELECTIVE_OPTIONS, model_activation_bytes
 from moetrain.memory import DeviceSpeed, MemoryPlan, choose_memory_plan
-from moetrain.memory.options import uses_flash_attention
 from moetrain.memory.measure import measure_activations
+from moetrain.memory.options import uses_flash_attention
 from moetrain.memory.policy import num_blocks
 from moetrain.memory.runtime import apply_memory_policy
 from moetrain.models import build_model

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from moetrain.config import ParallelConfig, load_cluster_config, load_model_config
-from moetrain.memory.options import uses_flash_attention
 from moetrain.memory.measure import measure_activations
+from moetrain.memory.options import uses_flash_attention
 from moetrain.models import build_model
 from moetrain.planner.calibration import Efficiency
 from moetrain.planner.costmodel import Workload, evaluate
