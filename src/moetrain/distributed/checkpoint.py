@@ -218,7 +218,17 @@ def save_checkpoint(save_dir: Path, step: int, run: LayoutRun, model_cfg: ModelC
     state["rng"] = {"torch": torch.get_rng_state()}
     state["trainer"] = json.dumps({"step": step, "lr_scheduler": scheduler_state}, sort_keys=True)
     dist.barrier(group=world)
-    dcp.save(state, checkpoint_id=staging, planner=_SavePlanner(), process_group=world)
+    try:
+        dcp.save(state, checkpoint_id=staging, planner=_SavePlanner(), process_group=world)
+    except (Exception, KeyboardInterrupt, CheckpointException) as exc:
+        # A save that did not finish leaves nothing that looks like a checkpoint; an interrupt (which the
+        # library wraps in its own exception) stays an interrupt, so the run ends as "interrupted".
+        if coordinator:
+            shutil.rmtree(staging, ignore_errors=True)
+        cause = _underlying(exc)
+        if isinstance(cause, KeyboardInterrupt):
+            raise KeyboardInterrupt from None
+        raise cause from None
     dist.barrier(group=world)
     if coordinator:
         # Same sealing as the single-process trainer: marker last, then the rename.
@@ -276,13 +286,21 @@ def _load_model_only(path: Path, run: LayoutRun, model_cfg: ModelConfig) -> int:
     return 0
 
 
+def _underlying(exc: BaseException) -> BaseException:
+    """The first rank's own exception inside the checkpoint library's wrapper (or ``exc`` itself)."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        return next(iter(exc.failures.values()))[0]
+    return exc
+
+
 def _dcp_load(flat: dict, path: Path, world, what: str = "checkpoint",
               mend: str = "remove that folder or choose another --save-dir") -> None:
     """DCP's load, its failures (of many types: CheckpointException is a BaseException) as one line."""
     try:
         dcp.load(flat, checkpoint_id=path, planner=_LoadPlanner(), process_group=world)
     except (Exception, CheckpointException) as exc:
-        reason = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+        cause = _underlying(exc)
+        reason = str(cause).strip().splitlines()[0][:160] if str(cause).strip() else type(cause).__name__
         raise UserError(f"{what} {path} is corrupt or unreadable ({reason}); {mend}") from None
 
 

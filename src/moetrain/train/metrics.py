@@ -111,3 +111,19 @@ def summary_table(rows: list[dict[str, Any]], title: str) -> Table:
             last_load = loads[-1][layer]
             table.add_row(f"expert load max/mean, MoE layer {layer}", f"{mean_load:.2f} (last {last_load:.2f})")
     return table
+
+
+def keep_rows_through(path: Path, step: int) -> int:
+    """Drop the JSONL rows of ``path`` whose ``step`` is after ``step`` (a resumed run replays them from
+    its checkpoint, so the file keeps one row per step); returns how many were dropped. The file is
+    rewritten through a temporary file and a rename, so an interruption leaves the old or the new one."""
+    if not path.is_file():
+        return 0
+    lines = path.read_text(encoding="utf-8").splitlines()
+    kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
+    if len(kept) == len(lines):
+        return 0
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    tmp.replace(path)
+    return len(lines) - len(kept)

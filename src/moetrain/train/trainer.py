@@ -37,9 +37,15 @@ from moetrain.distributed.trace import Tracer
 from moetrain.distributed.world import join_world
 from moetrain.errors import UserError
 from moetrain.models.transformer import MoETransformer
-from moetrain.train.checkpoint import config_hash, latest_checkpoint, should_save
+from moetrain.train.checkpoint import config_hash, is_model_only, latest_checkpoint, read_marker, should_save
 from moetrain.train.checks import check_run
-from moetrain.train.metrics import MetricsLogger, RoutingTraceWriter, progress_bar, summary_table
+from moetrain.train.metrics import (
+    MetricsLogger,
+    RoutingTraceWriter,
+    keep_rows_through,
+    progress_bar,
+    summary_table,
+)
 from moetrain.train.precision import autocast_dtype
 
 
@@ -108,6 +114,8 @@ class Trainer:
         self.flops_per_token = float(training_flops_per_token(self.model_cfg, cfg.seq_len))
         self.peak_flops = self.cluster.peak_flops("bf16") * spec.world_size
         paths = spec.run
+        if paths.resume and self.is_reporter:
+            self.drop_rows_after_checkpoint()
         self.metrics = MetricsLogger(Path(paths.metrics_out) if paths.metrics_out and self.is_reporter else None,
                                      resume=paths.resume)
         self.routing_trace = None
@@ -178,6 +186,16 @@ class Trainer:
                            f"{result.activation_bytes / 2**20:,.1f} of {result.baseline_bytes / 2**20:,.1f} MiB "
                            "per micro-batch (analytic, whole model)")
         return applied
+
+    def drop_rows_after_checkpoint(self) -> None:
+        """Rows logged after the newest checkpoint (a run interrupted between saves) are replayed by the
+        resumed run: drop them first, so the metrics file and the routing trace keep one row per step."""
+        path = latest_checkpoint(Path(self.spec.run.save_dir)) if self.spec.run.save_dir else None
+        step = read_marker(path)["step"] if path is not None and not is_model_only(path) else 0
+        for file in (self.spec.run.metrics_out, self.spec.run.trace_routing):
+            if file and (dropped := keep_rows_through(Path(file), step)):
+                self.console.print(f"dropped {dropped} rows after step {step} from {file} (the resumed run "
+                                   "writes them again)")
 
     @property
     def dp_rank(self) -> int:
