@@ -188,4 +188,4 @@ def test_a_corrupt_checkpoint_is_refused_with_its_folder_named(corpus, tmp_path,
     assert _train(corpus, "--save-dir", str(save_dir), "--resume") == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1
-    assert f"checkpoint {save_dir / 'step-000001'} is corrupt or unreadable" in err
+    assert f"checkpoint {save_dir / 'step-000001'} is damaged: __0_0.distcp does not match its checksum" in err

@@ -11,12 +11,17 @@ from moetrain.cli.common import add_model_arg
 from moetrain.errors import UserError
 
 HELP = "total and activated parameters (meta-device count, no memory), FLOPs per token, per-part breakdown"
+# A typical pre-training length. Counting at the model's max_seq_len (131,072 for Pangu) would make
+# attention's quadratic term hide every other part of the FLOPs.
+DEFAULT_SEQ_LEN = 4096
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arg(parser, default="")
     parser.add_argument("--list", action="store_true", help="list the model presets and exit")
-    parser.add_argument("--seq-len", type=int, help="sequence length for attention FLOPs (default: the model's max)")
+    parser.add_argument("--seq-len", type=int,
+                        help=f"sequence length the FLOPs are counted at (default {DEFAULT_SEQ_LEN}, or the model's "
+                             "max_seq_len when shorter)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
@@ -29,9 +34,11 @@ def model_info(model_name: str, seq_len: int | None = None) -> dict[str, Any]:
     from moetrain.models import build_model, param_counts_by_part
 
     cfg = load_model_config(model_name)
-    seq_len = seq_len or cfg.max_seq_len
-    if seq_len < 1:
-        raise UserError(f"--seq-len {seq_len} must be ≥ 1")
+    if seq_len is None:
+        seq_len = min(DEFAULT_SEQ_LEN, cfg.max_seq_len)
+    if not 1 <= seq_len <= cfg.max_seq_len:
+        raise UserError(f"--seq-len {seq_len} must lie in 1..{cfg.max_seq_len:,} (the max_seq_len of {cfg.name}); "
+                        "give a length the model can run")
     analytic = count_params(cfg)
     meta_parts = param_counts_by_part(build_model(cfg, device="meta"))
     analytic_parts = analytic.as_dict()
@@ -53,6 +60,7 @@ def model_info(model_name: str, seq_len: int | None = None) -> dict[str, Any]:
         "params_by_part": {part: meta_parts.get(part, 0) for part in analytic_parts},
         "parts_disagree": disagree,
         "seq_len": seq_len,
+        "max_seq_len": cfg.max_seq_len,
         "forward_flops_per_token": flops.forward,
         "training_flops_per_token": flops.training,
         "training_flops_per_token_without_mtp": flops_no_mtp.training,
@@ -78,7 +86,7 @@ def _print_tables(info: dict[str, Any]) -> None:
     params.add_row("[bold]active (without MTP)", f"[bold]{info['active_params']:,} ({_short(info['active_params'])})")
     params.add_row("total with MTP", f"{info['total_params_with_mtp']:,}")
     console.print(params)
-    flops = Table(title=f"forward FLOPs per token at seq_len {info['seq_len']}", header_style="bold")
+    flops = Table(title=f"forward FLOPs/token at seq_len {info['seq_len']:,}", header_style="bold")
     flops.add_column("part")
     flops.add_column("GFLOPs", justify="right")
     for part, value in info["forward_flops_by_part"].items():
@@ -86,6 +94,8 @@ def _print_tables(info: dict[str, Any]) -> None:
     flops.add_row("[bold]forward", f"[bold]{info['forward_flops_per_token'] / 1e9:.4f}")
     flops.add_row("[bold]training (3 × forward)", f"[bold]{info['training_flops_per_token'] / 1e9:.4f}")
     console.print(flops)
+    console.print(f"FLOPs at seq_len {info['seq_len']:,} (--seq-len N for another, up to max_seq_len "
+                  f"{info['max_seq_len']:,})")
 
 
 def run(args: argparse.Namespace) -> int:

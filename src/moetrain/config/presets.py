@@ -13,6 +13,7 @@ from moetrain.config.cluster import ClusterConfig
 from moetrain.config.model import ModelConfig
 from moetrain.config.parallel import ParallelConfig
 from moetrain.errors import UserError, describe_validation_error
+from moetrain.textfile import read_text
 
 ConfigT = TypeVar("ConfigT", bound=BaseModel)
 
@@ -46,7 +47,7 @@ def _load(kind: str, name_or_path: str, schema: type[ConfigT]) -> ConfigT:
     if name_or_path.endswith((".yaml", ".yml")) or path.is_file():
         if not path.is_file():
             raise UserError(f"{kind} file {name_or_path!r} does not exist; give a preset name or an existing YAML path")
-        text, source = path.read_text(), str(path)
+        text, source = read_text(path, f"{kind} file {path}", "save it as UTF-8"), str(path)
     else:
         preset = _PRESETS / f"{kind}s" / f"{name_or_path}.yaml"
         if not preset.is_file():
@@ -75,7 +76,8 @@ def load_plan_file(path: str) -> dict:
     p = Path(path)
     if not p.is_file():
         raise UserError(f"plan file {path!r} does not exist; write one with `moetrain plan --out {path}`")
-    data = _read_yaml(p.read_text(), path)
+    text = read_text(p, f"plan file {path}", "save it as UTF-8 or write it again with `moetrain plan`")
+    data = _read_yaml(text, path)
     if "parallel" not in data:
         raise UserError(f"{path}: no 'parallel' section; is this a plan written by `moetrain plan`?")
     try:

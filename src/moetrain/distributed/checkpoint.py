@@ -10,7 +10,8 @@ pieces its own layout holds; DCP reads them from whatever pieces were written. S
 under TP2×EP2 loads under PP2×EP2, and a single-process checkpoint loads under a parallel layout.
 
 The folder and its keys are those of the single-process trainer (``moetrain.train.checkpoint``):
-``step-000123/`` written as ``step-000123.tmp/`` and renamed after the ``COMPLETE`` marker is on disk;
+``step-000123/`` written as ``step-000123.tmp/`` and renamed after the ``COMPLETE`` marker (the run's
+identity and a SHA-256 of every file, ``seal_checkpoint``) is on disk; loads verify it first;
 keys ``model.<name>``, ``optim.state.<name>.{step,exp_avg,exp_avg_sq}``, ``optim.param_groups``,
 ``rng.torch`` and ``trainer`` (JSON: step and learning-rate scheduler state), so the single-process
 trainer can also read a checkpoint written here.
@@ -19,7 +20,6 @@ trainer can also read a checkpoint written here.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import warnings
 from dataclasses import dataclass
@@ -38,7 +38,17 @@ from moetrain.config import ModelConfig, TrainingConfig
 from moetrain.distributed.step import LayoutRun
 from moetrain.errors import UserError
 from moetrain.models.transformer import build_model
-from moetrain.train.checkpoint import COMPLETE_MARKER, checkpoint_dir, is_model_only, read_marker
+from moetrain.train.checkpoint import (
+    COMPLETE_MARKER,
+    check_resumable,
+    checkpoint_dir,
+    is_model_only,
+    marker_fields,
+    quiet_checkpoint_load,
+    read_marker,
+    seal_checkpoint,
+    verify_checkpoint,
+)
 from moetrain.train.optim import build_lr_scheduler, build_optimizer
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -191,17 +201,8 @@ def _flatten(state: dict, prefix: str = "") -> dict:
     return flat
 
 
-def _fsync_folder(root: Path) -> None:
-    for path in [*sorted(p for p in root.rglob("*") if p.is_file()), root]:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def save_checkpoint(save_dir: Path, step: int, run: LayoutRun, model_cfg: ModelConfig, cfg: TrainingConfig,
-                    config_hash: str = "", expert_placement: dict | None = None) -> Path:
+                    identity: dict | str = "", expert_placement: dict | None = None) -> Path:
     """Every rank of the layout calls this after ``step`` completed steps; returns the folder.
     ``expert_placement``: the balancer's state (the same on every rank), saved for a resume."""
     world = run.stage.dims.get_group("world")
@@ -234,37 +235,33 @@ def save_checkpoint(save_dir: Path, step: int, run: LayoutRun, model_cfg: ModelC
         # Same sealing as the single-process trainer: marker last, then the rename.
         if expert_placement is not None:
             (staging / EXPERT_PLACEMENT_FILE).write_text(json.dumps(expert_placement))
-        _fsync_folder(staging)
-        (staging / COMPLETE_MARKER).write_text(json.dumps({"step": step, "config_hash": config_hash}))
-        _fsync_folder(staging)
-        shutil.rmtree(final, ignore_errors=True)
-        staging.rename(final)
+        seal_checkpoint(staging, final, marker_fields(step, identity))
     dist.barrier(group=world)
     return final
 
 
-def load_checkpoint(path: Path, run: LayoutRun, model_cfg: ModelConfig, config_hash: str | None = None) -> int:
+def load_checkpoint(path: Path, run: LayoutRun, model_cfg: ModelConfig, identity: dict | str | None = None) -> int:
     """Load model and optimizer state saved under any layout into this layout; returns the number of
-    completed steps to resume after. With ``config_hash`` a checkpoint of another model, data or
-    training config is refused. A weights-only checkpoint (``moetrain convert --from-hf``) loads the
-    weights and starts at step 0 with a fresh optimizer."""
+    completed steps to resume after. Before anything is read into the model: the marker's checksum,
+    whether the run of ``identity`` (``run_identity``) may resume it (``check_resumable`` names what
+    changed), then every file's checksum. A weights-only checkpoint (``moetrain convert --from-hf``)
+    loads the weights and starts at step 0 with a fresh optimizer."""
     if not (path / COMPLETE_MARKER).is_file():
         raise UserError(f"{path} is not a complete checkpoint (no {COMPLETE_MARKER} marker); pick a step-* folder")
     if is_model_only(path):
         return _load_model_only(path, run, model_cfg)
     marker = read_marker(path)
-    if config_hash is not None and marker["config_hash"] != config_hash:
-        raise UserError(
-            f"checkpoint {path} was written by a run with another model, data or training config "
-            f"(hash {marker['config_hash']} ≠ {config_hash}); resume with the same flags or another --save-dir"
-        )
+    if identity is not None:
+        check_resumable(marker, identity if isinstance(identity, dict) else {"hash": identity}, f"checkpoint {path}")
+    verify_checkpoint(path)
     world = run.stage.dims.get_group("world")
     tensors = _model_tensors(run)
     params = dict(run.stage.model.named_parameters())
     moments = {name: {k: torch.zeros_like(p) for k in MOMENTS} for name, p in tensors.items() if name in params}
     flat = _flatten(_state(run, model_cfg, tensors, moments, torch.zeros(())))
     flat["trainer"] = ""
-    _dcp_load(flat, path, world)
+    with quiet_checkpoint_load(path):
+        dcp.load(flat, checkpoint_id=path, planner=_LoadPlanner(), process_group=world)
     trainer = json.loads(flat["trainer"])
     steps = {float(value) for key, value in flat.items() if key.startswith("optim.state.") and key.endswith(".step")}
     assert len(steps) == 1, f"optimizer step counts differ across parameters: {sorted(steps)}"
@@ -280,8 +277,10 @@ def _load_model_only(path: Path, run: LayoutRun, model_cfg: ModelConfig) -> int:
     global_shapes = {n: p.shape for n, p in _full_model(model_cfg).state_dict(keep_vars=True).items()}
     to_global = _placements(run, global_shapes)
     flat = _flatten({"model": {name: to_global(name, value) for name, value in tensors.items()}})
-    _dcp_load(flat, path, run.stage.dims.get_group("world"), what="converted checkpoint",
-              mend="train with the model.yaml written beside it")
+    describe = lambda reason: (f"converted checkpoint {path} does not fit this model ({reason}); train with the "
+                               "model.yaml written beside it")
+    with quiet_checkpoint_load(path, describe):
+        dcp.load(flat, checkpoint_id=path, planner=_LoadPlanner(), process_group=run.stage.dims.get_group("world"))
     run.optimizer.load_params(tensors)
     return 0
 
@@ -291,17 +290,6 @@ def _underlying(exc: BaseException) -> BaseException:
     if isinstance(exc, CheckpointException) and exc.failures:
         return next(iter(exc.failures.values()))[0]
     return exc
-
-
-def _dcp_load(flat: dict, path: Path, world, what: str = "checkpoint",
-              mend: str = "remove that folder or choose another --save-dir") -> None:
-    """DCP's load, its failures (of many types: CheckpointException is a BaseException) as one line."""
-    try:
-        dcp.load(flat, checkpoint_id=path, planner=_LoadPlanner(), process_group=world)
-    except (Exception, CheckpointException) as exc:
-        cause = _underlying(exc)
-        reason = str(cause).strip().splitlines()[0][:160] if str(cause).strip() else type(cause).__name__
-        raise UserError(f"{what} {path} is corrupt or unreadable ({reason}); {mend}") from None
 
 
 def read_expert_placement(path: Path) -> dict | None:

@@ -25,6 +25,7 @@ pipeline rows that leave the micro-batches unstated take torchtitan's defaults (
 from __future__ import annotations
 
 import csv
+import io
 import math
 import re
 from dataclasses import dataclass, fields
@@ -40,9 +41,17 @@ from moetrain.errors import UserError
 from moetrain.planner.calibration import Calibration, Efficiency
 from moetrain.planner.costmodel import Workload, evaluate
 from moetrain.planner.strategy import A2A_NAMES, RECOMPUTE_NAMES, Strategies
+from moetrain.textfile import read_text
 
 METRICS = ("step_time_s", "tflops_per_device", "tokens_per_s_per_device", "mfu", "peak_memory_gib")
-REQUIRED_COLUMNS = ("id", "attention", "ffn_act", "layers", "hidden", "heads", "vocab", "hardware", "metric", "value")
+# Without any of these columns no row can be simulated (``prepare_row`` needs them all).
+REQUIRED_COLUMNS = ("id", "attention", "ffn_act", "layers", "hidden", "heads", "vocab", "seq_len", "global_batch_seqs",
+                    "hardware", "num_devices", "tp", "pp", "metric", "value")
+# Cells read as whole numbers (``_int``); ``value`` is any finite number.
+INTEGER_COLUMNS = ("layers", "dense_layers", "hidden", "ffn_hidden", "heads", "kv_heads", "head_dim", "q_lora_rank",
+                   "kv_lora_rank", "qk_nope_dim", "qk_rope_dim", "v_head_dim", "num_experts", "topk",
+                   "moe_ffn_hidden", "shared_experts", "vocab", "seq_len", "global_batch_seqs", "num_devices",
+                   "devices_per_node", "tp", "sp", "pp", "vpp", "ep", "etp", "cp", "dp", "zero", "micro_batch")
 
 # Hardware ids with a cluster preset of their own.
 _PRESET_OF_HARDWARE = {
@@ -282,17 +291,54 @@ def _lightest_recompute_that_fits(workload: Workload, strategy: Strategies) -> S
     return candidates.take(np.array([chosen]))
 
 
+def _cell_problem(column: str, text: str) -> str | None:
+    """Why a numeric cell cannot be read (None when it can, or when it is empty: the source did not say)."""
+    if not text:
+        return None
+    try:
+        number = float(text)
+    except ValueError:
+        return "not a number"
+    if not math.isfinite(number):
+        return "not a finite number"
+    if column in INTEGER_COLUMNS and number != int(number):
+        return "not a whole number"
+    return None
+
+
+def _check_row(row: dict, line: int, path: str | Path) -> None:
+    """Refuse, by line, column and value, a numeric cell the simulator could not read."""
+    for column in (*INTEGER_COLUMNS, "value"):
+        text = (row.get(column) or "").strip()
+        problem = _cell_problem(column, text)
+        if problem:
+            raise UserError(f"{path} line {line} (id {row.get('id') or '?'}): {column} is {text!r}, {problem}; "
+                            "fix that cell or leave it empty if the source does not say")
+
+
 def read_rows(path: str | Path) -> list[dict]:
+    """The rows of a validation CSV (UTF-8), refused with one line when a column a prediction needs is
+    missing, the file holds no rows, or a numeric cell is not a number."""
     p = Path(path)
     if not p.is_file():
         raise UserError(f"validation file {str(path)!r} does not exist; give a CSV in the schema of "
                         "shared/validation/README.md")
-    with p.open(newline="") as f:
-        reader = csv.DictReader(f)
+    text = read_text(p, f"validation file {path}", "save it as UTF-8", "give a CSV text file")
+    reader = csv.DictReader(io.StringIO(text, newline=""))
+    rows: list[dict] = []
+    try:
         missing = [c for c in REQUIRED_COLUMNS if c not in (reader.fieldnames or [])]
         if missing:
-            raise UserError(f"{path}: missing column(s) {', '.join(missing)}; see shared/validation/README.md")
-        return list(reader)
+            raise UserError(f"{path}: missing column(s) {', '.join(missing)}; add them as in "
+                            "shared/validation/README.md")
+        for row in reader:
+            _check_row(row, reader.line_num, path)
+            rows.append(row)
+    except csv.Error as exc:
+        raise UserError(f"{path} line {reader.line_num}: not valid CSV ({exc}); fix that line") from None
+    if not rows:
+        raise UserError(f"{path} holds a header but no rows; add one row per measurement")
+    return rows
 
 
 def predict(row: PreparedRow, calibration: Calibration) -> tuple[float, dict[str, float]]:

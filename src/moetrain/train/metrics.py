@@ -1,4 +1,8 @@
-"""Per-step metrics: a JSONL file (one row per optimizer step), a rich progress bar and the summary.
+"""Per-step metrics: a JSONL file (one row per optimizer step), the progress display and the summary.
+
+The JSONL file is strict JSON: a non-finite float (a diverged loss, an undefined ratio) is written as
+``null``, which every JSON reader accepts, where Python's default ``NaN``/``Infinity`` is not JSON; the
+rows kept in memory keep the float. Steps are numbered from 1 (the first completed optimizer step).
 
 MFU = achieved model FLOP/s over the device's peak: tokens/s × ``training_flops_per_token`` (the one
 formula in ``moetrain.costs.flops``, 3 × forward, no recompute counted) / ``ClusterConfig.peak_flops``.
@@ -9,13 +13,40 @@ perfect balance, num_experts / top_k the worst case.
 from __future__ import annotations
 
 import json
+import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, TextIO
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    Task,
+    TextColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
+from rich.text import Text
+
+if TYPE_CHECKING:
+    from moetrain.config import ModelConfig
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float, at any depth of dicts and lists, replaced by None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(item) for item in value]
+    return value
 
 
 @dataclass
@@ -36,7 +67,7 @@ class MetricsLogger:
     def log(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
         if self._file is not None:
-            self._file.write(json.dumps(row) + "\n")
+            self._file.write(json.dumps(json_safe(row), allow_nan=False) + "\n")
             self._file.flush()
 
     def close(self) -> None:
@@ -87,8 +118,18 @@ def progress_bar(console: Console) -> Progress:
     )
 
 
-def summary_table(rows: list[dict[str, Any]], title: str) -> Table:
-    """First/last loss, throughput, MFU and per-layer expert load over the run's logged steps."""
+def moe_layer_labels(model_cfg: ModelConfig) -> list[str]:
+    """``MoE layer 2`` for a decoder layer, ``MTP layer 8`` for an MTP module's block (numbered as in the
+    routing trace), in the order of the per-layer metrics."""
+    from moetrain.config.model import moe_layer_indices
+
+    return [f"MoE layer {i}" if i < model_cfg.num_layers else f"MTP layer {i}" for i in moe_layer_indices(model_cfg)]
+
+
+def summary_table(rows: list[dict[str, Any]], title: str, model_cfg: ModelConfig | None = None) -> Table:
+    """First/last loss, throughput, MFU and per-layer expert load over the run's logged steps. With the
+    run's ``model_cfg`` the load rows name their layer (MTP blocks as such); without it they are numbered
+    ``MoE block 0, 1, ...`` in metrics order, which says nothing of the layer."""
     table = Table(title=title, show_header=True, header_style="bold")
     table.add_column("metric")
     table.add_column("value", justify="right")
@@ -105,12 +146,87 @@ def summary_table(rows: list[dict[str, Any]], title: str) -> Table:
     table.add_row("mean MFU", f"{sum(r['mfu'] for r in timed) / len(timed):.2%}")
     loads = [r["expert_load_max_over_mean"] for r in timed if r["expert_load_max_over_mean"]]
     if loads:
-        num_layers = len(loads[0])
-        for layer in range(num_layers):
-            mean_load = sum(step_loads[layer] for step_loads in loads) / len(loads)
-            last_load = loads[-1][layer]
-            table.add_row(f"expert load max/mean, MoE layer {layer}", f"{mean_load:.2f} (last {last_load:.2f})")
+        num_blocks = len(loads[0])
+        labels = moe_layer_labels(model_cfg) if model_cfg is not None else []
+        assert not labels or len(labels) == num_blocks, "MoE block count differs from the model config's"
+        labels = labels or [f"MoE block {k}" for k in range(num_blocks)]
+        for block, label in enumerate(labels):
+            mean_load = sum(step_loads[block] for step_loads in loads) / len(loads)
+            last_load = loads[-1][block]
+            table.add_row(f"expert load max/mean, {label}", f"{mean_load:.2f} (last {last_load:.2f})")
     return table
+
+
+# ----- the progress display -----
+_NONE = "—"
+
+
+def format_step_stats(row: dict[str, Any] | None) -> str:
+    """``loss 6.1234 lr 2.9e-03 tokens/s 3,210``; "—" for each value before the first step (no row)."""
+    if row is None:
+        return f"loss {_NONE} lr {_NONE} tokens/s {_NONE}"
+    return f"loss {row['loss']:.4f} lr {row['lr']:.1e} tokens/s {row['tokens_per_s']:,.0f}"
+
+
+class _StatsColumn(ProgressColumn):
+    def render(self, task: Task) -> Text:
+        return Text(format_step_stats(task.fields.get("row")))
+
+
+class TrainingProgress:
+    """The trainer's progress display, used as a context manager around the steps.
+
+    On a terminal: a rich progress bar. Elsewhere (a log file, a cluster job's output) a bar is either
+    invisible or thousands of redrawn lines, so it writes a plain line instead, ``step 40/200 loss 6.1234
+    lr 2.9e-03 tokens/s 3,210``, every ``every_steps`` steps or ``every_s`` seconds, whichever comes first,
+    and at the last step (and at the end for the last step seen, when the run stops early). ``update`` takes
+    the step just completed (numbered from 1, like the metrics file) and its metrics row."""
+
+    def __init__(self, console: Console, total_steps: int, start_step: int = 0, enabled: bool = True,
+                 every_steps: int = 10, every_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.console, self.total_steps, self.start_step, self.enabled = console, total_steps, start_step, enabled
+        self.every_steps, self.every_s, self.clock = max(every_steps, 1), every_s, clock
+        self._progress: Progress | None = None
+        self._task: Any = None
+        self._last_print = 0.0
+        self._pending: tuple[int, dict[str, Any]] | None = None
+        """The newest step not printed yet (plain mode), printed at the end."""
+
+    def __enter__(self) -> TrainingProgress:
+        self._last_print = self.clock()
+        if self.enabled and self.console.is_terminal:
+            self._progress = Progress(
+                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), _StatsColumn(), TimeRemainingColumn(),
+                console=self.console, transient=False)
+            self._task = self._progress.add_task("train", total=self.total_steps, completed=self.start_step, row=None)
+            self._progress.start()
+        return self
+
+    def update(self, step: int, row: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step, row=row)
+            return
+        now = self.clock()
+        if step >= self.total_steps or step % self.every_steps == 0 or now - self._last_print >= self.every_s:
+            self._print(step, row)
+            self._last_print, self._pending = now, None
+        else:
+            self._pending = (step, row)
+
+    def _print(self, step: int, row: dict[str, Any]) -> None:
+        self.console.print(f"step {step}/{self.total_steps} {format_step_stats(row)}",
+                           markup=False, highlight=False, soft_wrap=True)
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+        elif self._pending is not None:
+            self._print(*self._pending)
+            self._pending = None
 
 
 def keep_rows_through(path: Path, step: int) -> int:

@@ -37,13 +37,13 @@ from moetrain.distributed.trace import Tracer
 from moetrain.distributed.world import join_world
 from moetrain.errors import UserError
 from moetrain.models.transformer import MoETransformer
-from moetrain.train.checkpoint import config_hash, is_model_only, latest_checkpoint, read_marker, should_save
+from moetrain.train.checkpoint import is_model_only, latest_checkpoint, read_marker, run_identity, should_save
 from moetrain.train.checks import check_run
 from moetrain.train.metrics import (
     MetricsLogger,
     RoutingTraceWriter,
+    TrainingProgress,
     keep_rows_through,
-    progress_bar,
     summary_table,
 )
 from moetrain.train.precision import autocast_dtype
@@ -201,9 +201,10 @@ class Trainer:
     def dp_rank(self) -> int:
         return self.dims.local_rank("dp")
 
-    def config_hash(self) -> str:
+    def identity(self) -> dict[str, Any]:
+        """What a checkpoint of this run may be resumed into (``run_identity``): model, training, corpus."""
         corpus = self.data.corpus_hash if self.data is not None else "synthetic"
-        return config_hash(self.model_cfg, self.cfg, corpus)
+        return run_identity(self.model_cfg, self.cfg, corpus)
 
     # ----- one step -----
     def next_batch(self) -> StepBatch:
@@ -233,7 +234,7 @@ class Trainer:
             return None
         placement = self.balancer.state_dict() if self.balancer is not None else None
         return save_checkpoint(Path(self.spec.run.save_dir), self.step, self.run, self.model_cfg, self.cfg,
-                               config_hash=self.config_hash(), expert_placement=placement)
+                               identity=self.identity(), expert_placement=placement)
 
     def load(self) -> bool:
         """Resume from the newest complete checkpoint in ``save_dir``; False when there is none."""
@@ -247,7 +248,7 @@ class Trainer:
             self.console.print("restored the saved expert placement" if restored else
                                "no expert placement of this EP size in the checkpoint; starting from the "
                                "contiguous one")
-        self.step = load_checkpoint(path, self.run, self.model_cfg, config_hash=self.config_hash())
+        self.step = load_checkpoint(path, self.run, self.model_cfg, identity=self.identity())
         self.console.print(f"resumed from {path} (step {self.step})")
         return True
 
@@ -265,11 +266,8 @@ class Trainer:
         last_step = min(self.cfg.steps, run_options.stop_at or self.cfg.steps)
         self.run.stage.model.train()
         fault = _injected_fault(self.dims.rank)
-        bar = progress_bar(self.console)
-        task = bar.add_task("train", total=self.cfg.steps, completed=self.step, loss=float("nan"), lr=0.0,
-                            tokens_per_s=0.0)
         show = self.is_reporter and not run_options.quiet
-        with bar if show else contextlib.nullcontext():
+        with TrainingProgress(self.console, self.cfg.steps, self.step, enabled=show) as progress:
             while self.step < last_step:
                 fault(self.step)
                 start = time.perf_counter()
@@ -278,8 +276,7 @@ class Trainer:
                 self.step += 1
                 extra = self.after_step()
                 row = self.log(result, batch.global_tokens, time.perf_counter() - start, extra)
-                bar.update(task, completed=self.step, loss=row["loss"], lr=row["lr"],
-                           tokens_per_s=row["tokens_per_s"])
+                progress.update(self.step, row)
                 if should_save(self.step, last_step, run_options.save_every):
                     self.save()
         if self.balancer is not None:
@@ -328,7 +325,7 @@ class Trainer:
         title = f"{self.model_cfg.name}: {len(self.metrics.rows)} steps on {self.device.type}"
         if self.spec.world_size > 1:
             title += f" × {self.spec.world_size} ranks"
-        self.console.print(summary_table(self.metrics.rows, title))
+        self.console.print(summary_table(self.metrics.rows, title, model_cfg=self.model_cfg))
 
 
 def _injected_fault(rank: int):
