@@ -27,7 +27,8 @@ FLAG_FIELDS: dict[str, tuple[str, str]] = {
     "micro_batch": ("training", "micro_batch"), "seq_len": ("training", "seq_len"), "lr": ("training", "lr"),
     "warmup": ("training", "warmup_steps"), "seed": ("training", "seed"), "dtype": ("training", "dtype"),
     "device": ("run", "device"), "threads": ("run", "threads"), "cluster": ("run", "cluster"),
-    "data": ("run", "data"), "synthetic_data": ("run", "synthetic_data"), "metrics_out": ("run", "metrics_out"),
+    "data": ("run", "data"), "tensorboard": ("run", "tensorboard"), "synthetic_data": ("run", "synthetic_data"),
+    "metrics_out": ("run", "metrics_out"),
     "trace_routing": ("run", "trace_routing"), "save_dir": ("run", "save_dir"), "save_every": ("run", "save_every"),
     "stop_at": ("run", "stop_at"), "resume": ("run", "resume"), "quiet": ("run", "quiet"),
     "ranks_per_node": ("run", "ranks_per_node"), "trace_dir": ("run", "trace_dir"), "log_dir": ("run", "log_dir"),
@@ -37,7 +38,7 @@ FLAG_FIELDS: dict[str, tuple[str, str]] = {
     "online_balance": ("balance", "enabled"), "balance_interval": ("balance", "interval"),
     "balance_horizon": ("balance", "horizon"), "slots_per_rank": ("balance", "slots_per_rank"),
 }
-PATH_FLAGS = ("data", "metrics_out", "trace_routing", "save_dir", "trace_dir", "log_dir")
+PATH_FLAGS = ("data", "metrics_out", "tensorboard", "trace_routing", "save_dir", "trace_dir", "log_dir")
 """Made absolute, so every rank (and a resumed run started elsewhere) reads the same files."""
 LAYOUT_FLAGS = ("tp", "pp", "vpp", "ep", "etp", "cp", "zero", "overlap", "hierarchical_a2a")
 
@@ -63,6 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--device", help="cpu, cuda, cuda:N or auto (cuda when available)")
     r.add_argument("--threads", type=int, help="CPU threads for torch in each rank (default: torch's; 1 per rank)")
     r.add_argument("--metrics-out", help="write one JSON row per step to this file")
+    r.add_argument("--tensorboard", metavar="DIR",
+                   help="also write the metrics as TensorBoard scalars here (pip install 'moetrain[tensorboard]')")
     r.add_argument("--trace-routing", help="write per step and MoE layer the tokens routed to each expert (JSONL)")
     r.add_argument("--save-dir", help="folder for checkpoints (step-NNNNNN/)")
     r.add_argument("--save-every", type=int, help="save every K steps (0, the default: only at the end)")

@@ -37,6 +37,8 @@ class RunOptions(BaseModel):
     synthetic_data: bool = False
     """Counting sequences instead of a corpus (benchmarks that must not depend on a tokenizer)."""
     metrics_out: str | None = None
+    tensorboard: str | None = None
+    """Also write the metrics rows as TensorBoard scalars to this folder (optional ``tensorboard`` package)."""
     trace_routing: str | None = None
     """Write per step and MoE layer the global tokens routed to each expert (JSONL)."""
     save_dir: str | None = None

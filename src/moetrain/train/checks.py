@@ -65,7 +65,14 @@ def check_output_paths(spec: RunSpec) -> None:
     """Create the folders the run writes into and refuse, before any work, a path that cannot be one:
     a file named as a folder, a folder named as a file, an unwritable place."""
     run = spec.run
-    for flag, folder in (("--save-dir", run.save_dir), ("--trace-dir", run.trace_dir)):
+    if run.tensorboard is not None:
+        import importlib.util
+
+        if importlib.util.find_spec("tensorboard") is None:
+            raise UserError("--tensorboard needs the tensorboard package: pip install 'moetrain[tensorboard]' "
+                            "(or drop --tensorboard; --metrics-out writes the same rows as JSONL)")
+    for flag, folder in (("--save-dir", run.save_dir), ("--trace-dir", run.trace_dir),
+                         ("--tensorboard", run.tensorboard)):
         if folder is not None:
             _make_folder(Path(folder), flag)
     for flag, file in (("--metrics-out", run.metrics_out), ("--trace-routing", run.trace_routing)):

@@ -55,25 +55,53 @@ class MetricsLogger:
 
     path: Path | None
     resume: bool = False
+    tensorboard_dir: Path | None = None
+    """Also write each row's numbers as TensorBoard scalars here (needs the optional ``tensorboard``)."""
     rows: list[dict[str, Any]] = field(default_factory=list)
     _file: TextIO | None = None
+    _board: Any = None
 
     def __post_init__(self) -> None:
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             # A resumed run appends to the interrupted run's file, so the file holds one curve.
             self._file = self.path.open("a" if self.resume else "w", encoding="utf-8")
+        if self.tensorboard_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._board = SummaryWriter(log_dir=str(self.tensorboard_dir))
 
     def log(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
         if self._file is not None:
             self._file.write(json.dumps(json_safe(row), allow_nan=False) + "\n")
             self._file.flush()
+        if self._board is not None:
+            for tag, value in tensorboard_scalars(row).items():
+                self._board.add_scalar(tag, value, global_step=row["step"])
+            self._board.flush()
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
+        if self._board is not None:
+            self._board.close()
+            self._board = None
+
+
+def tensorboard_scalars(row: dict[str, Any]) -> dict[str, float]:
+    """The numbers of a metrics row as TensorBoard tags: ``loss``, ``lr``, ... as they are, lists as
+    ``expert_load_max_over_mean/3`` (one per MoE block), the layout (constant) left out."""
+    scalars: dict[str, float] = {}
+    for key, value in row.items():
+        if key == "step" or isinstance(value, (bool, dict)):
+            continue
+        if isinstance(value, (int, float)):
+            scalars[key] = float(value)
+        elif isinstance(value, list):
+            scalars.update({f"{key}/{i}": float(v) for i, v in enumerate(value) if isinstance(v, (int, float))})
+    return scalars
 
 
 @dataclass

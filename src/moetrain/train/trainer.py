@@ -117,7 +117,9 @@ class Trainer:
         if paths.resume and self.is_reporter:
             self.drop_rows_after_checkpoint()
         self.metrics = MetricsLogger(Path(paths.metrics_out) if paths.metrics_out and self.is_reporter else None,
-                                     resume=paths.resume)
+                                     resume=paths.resume,
+                                     tensorboard_dir=Path(paths.tensorboard) if paths.tensorboard and self.is_reporter
+                                     else None)
         self.routing_trace = None
         if paths.trace_routing and self.is_reporter:
             self.routing_trace = RoutingTraceWriter(Path(paths.trace_routing), self.run.moe_layers, resume=paths.resume)
