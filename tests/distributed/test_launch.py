@@ -57,3 +57,29 @@ def test_failed_rank_stops_the_job(tmp_path: Path, fault: str, expected: str) ->
     assert last.startswith(f"moetrain train: {expected} (all ranks stopped after"), last
     assert elapsed < 60
     assert _processes_with(f"MOETRAIN_ERROR_DIR={tmp_path / 'errors'}") == []
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc to find leftover processes")
+def test_a_rank_killed_mid_save_leaves_the_newest_complete_checkpoint(tmp_path: Path) -> None:
+    from moetrain.train.checkpoint import latest_checkpoint, verify_checkpoint
+
+    env = dict(os.environ, MOETRAIN_FAULT="1:4:kill:save", OMP_NUM_THREADS="1")
+    shape = ["--steps", "4", "--seq-len", "32", "--global-batch", "8", "--micro-batch", "2", "--synthetic-data",
+             "--quiet", "--save-dir", str(tmp_path / "ckpt"), "--save-every", "2"]
+    start = time.monotonic()
+    proc = subprocess.run([*LAUNCH, "--nproc", "4", "--ep", "2", "--pp", "2", *shape,
+                           "--log-dir", str(tmp_path / "logs")], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 1 and time.monotonic() - start < 60
+    assert "rank 1 failed: killed by signal SIGKILL" in proc.stderr
+    assert _processes_with(f"MOETRAIN_ERROR_DIR={tmp_path / 'logs' / 'errors'}") == []
+    newest = latest_checkpoint(tmp_path / "ckpt")  # also clears the unfinished step-000004.tmp
+    assert newest is not None and newest.name == "step-000002"
+    assert verify_checkpoint(newest)["step"] == 2
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-000002"]
+    # it loads: the run resumes (here in one process) and finishes
+    env.pop("MOETRAIN_FAULT")
+    resumed = subprocess.run([*LAUNCH, *shape, "--resume"], capture_output=True, text=True, timeout=120, env=env)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stdout and (tmp_path / "ckpt" / "step-000004").is_dir()

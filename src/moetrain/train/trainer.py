@@ -124,6 +124,7 @@ class Trainer:
         if paths.trace_routing and self.is_reporter:
             self.routing_trace = RoutingTraceWriter(Path(paths.trace_routing), self.run.moe_layers, resume=paths.resume)
         self.tracer = Tracer(self.dims.rank)
+        self.fault = _injected_fault(self.dims.rank)
 
     # ----- building -----
     def check_memory(self) -> None:
@@ -234,6 +235,7 @@ class Trainer:
     def save(self) -> Path | None:
         if self.spec.run.save_dir is None:
             return None
+        self.fault(self.step, "save")
         placement = self.balancer.state_dict() if self.balancer is not None else None
         return save_checkpoint(Path(self.spec.run.save_dir), self.step, self.run, self.model_cfg, self.cfg,
                                identity=self.identity(), expert_placement=placement)
@@ -267,11 +269,11 @@ class Trainer:
             self.console.print(f"no checkpoint in {run_options.save_dir}; starting from step 0")
         last_step = min(self.cfg.steps, run_options.stop_at or self.cfg.steps)
         self.run.stage.model.train()
-        fault = _injected_fault(self.dims.rank)
+        fault = self.fault
         show = self.is_reporter and not run_options.quiet
         with TrainingProgress(self.console, self.cfg.steps, self.step, enabled=show) as progress:
             while self.step < last_step:
-                fault(self.step)
+                fault(self.step, "step")
                 start = time.perf_counter()
                 batch = self.next_batch()
                 result = self.train_step(batch)
@@ -331,14 +333,16 @@ class Trainer:
 
 
 def _injected_fault(rank: int):
-    """``MOETRAIN_FAULT=rank:step:raise|kill`` fails one rank at one step (tests of the failure path)."""
+    """``MOETRAIN_FAULT=rank:step:raise|kill[:save]`` fails one rank at one step, before it (default) or
+    as it saves the checkpoint after it (tests of the failure path)."""
     spec = os.environ.get("MOETRAIN_FAULT")
     if not spec:
-        return lambda step: None
-    fault_rank, fault_step, kind = spec.split(":")
+        return lambda step, phase: None
+    fault_rank, fault_step, kind, *where = spec.split(":")
+    fault_phase = where[0] if where else "step"
 
-    def fault(step: int) -> None:
-        if int(fault_rank) == rank and int(fault_step) == step:
+    def fault(step: int, phase: str) -> None:
+        if int(fault_rank) == rank and int(fault_step) == step and phase == fault_phase:
             if kind == "kill":
                 import signal
 
