@@ -189,3 +189,21 @@ def test_a_corrupt_checkpoint_is_refused_with_its_folder_named(corpus, tmp_path,
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert f"checkpoint {save_dir / 'step-000001'} is damaged: __0_0.distcp does not match its checksum" in err
+
+
+def test_output_paths_are_checked_before_any_step(corpus, tmp_path, capsys, no_process_starts):
+    """A path under a file, or a folder given as the metrics file, is refused before training, not at the
+    first save after every step has run."""
+    afile = tmp_path / "afile"
+    afile.write_text("keep me")
+    cases = [
+        (["--save-dir", str(afile / "sub")], "--save-dir", "a part of that path is a file, not a folder"),
+        (["--metrics-out", str(tmp_path)], "--metrics-out", "is a folder; name a file"),
+        (["--trace-routing", str(afile / "t.jsonl")], "--trace-routing", "a file is in the way of that folder"),
+        (["--nproc", "2", "--ep", "2", "--save-dir", str(afile)], "--save-dir", "a file is in the way"),
+    ]
+    for args, flag, message in cases:
+        assert _train(corpus, *args) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err and flag in err and message in err, err
+    assert afile.read_text() == "keep me"
