@@ -22,11 +22,15 @@ AdamW is elementwise, so updating flat shards is the same arithmetic as updating
 Gradient clipping uses the global norm over every distinct parameter element exactly once
 (a bucket replicated on ``r`` ranks outside its group contributes 1/r on each), matching
 ``torch.nn.utils.clip_grad_norm_`` on the single-process model.
+
+``build_sharded_optimizer`` picks this class for ZeRO stages 0 and 1 and the FSDP2-based
+``moetrain.distributed.fsdp.FullyShardedAdamW`` for stages 2 and 3; both have the same interface.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -36,6 +40,10 @@ from moetrain.config import TrainingConfig
 from moetrain.distributed.layout import ParallelDims
 from moetrain.distributed.tp import ParamKind
 from moetrain.distributed.trace import span
+from moetrain.errors import UserError
+
+if TYPE_CHECKING:
+    from moetrain.distributed.fsdp import FullyShardedAdamW
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -248,3 +256,17 @@ class ZeroAdamW:
             if bucket.shard is not None:
                 bucket.shard.copy_(self._bucket_slice(bucket, [p.detach() for p in bucket.params]))
 
+
+def build_sharded_optimizer(model: nn.Module, dims: ParallelDims, cfg: TrainingConfig,
+                            tp_kinds: dict[str, ParamKind] | None = None) -> ZeroAdamW | FullyShardedAdamW:
+    """The optimizer of ZeRO stage ``dims.parallel.zero``: ``ZeroAdamW`` for 0 and 1 (stage 0 runs as
+    stage 1: the same sums, the state sharded anyway), ``FullyShardedAdamW`` (FSDP2) for 2 and 3. Build
+    it before the model's first forward: stages 2 and 3 install FSDP on the model's modules."""
+    parallel = dims.parallel
+    if parallel.zero <= 1:
+        return ZeroAdamW(model, dims, cfg, tp_kinds)
+    if parallel.overlap:
+        raise UserError("ZeRO-2/3 do not run with --overlap yet; use zero 1 or drop --overlap")
+    from moetrain.distributed.fsdp import FullyShardedAdamW
+
+    return FullyShardedAdamW(model, dims, cfg, tp_kinds, stage=parallel.zero)
