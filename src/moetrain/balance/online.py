@@ -33,6 +33,9 @@ def check_online_balance(parallel: ParallelConfig, model_cfg: ModelConfig, inter
         raise UserError(f"--online-balance needs an MoE model; {model_cfg.name} has no MoE layers")
     if parallel.ep <= 1:
         raise UserError("--online-balance moves experts between expert-parallel ranks; give --ep > 1")
+    if parallel.zero >= 2:
+        raise UserError(f"--online-balance moves ZeRO-1 optimizer shards; it does not run with zero {parallel.zero} "
+                        "yet: use zero 1")
     if slots_per_rank is not None:
         needed = -(-model_cfg.moe.num_experts // parallel.ep)
         if slots_per_rank < needed:

@@ -483,7 +483,8 @@ def build_balanced_run(dims: ParallelDims, model_cfg: ModelConfig, cfg: Training
         slots = slots_per_rank or default_slots_per_rank(num_experts, ep)
         placement = ExpertPlacement.contiguous(num_experts, ep, slots)
     stage = parallelize(model, dims, placement)
-    optimizer = ZeroAdamW(stage.model, dims, cfg, stage.tp_kinds)
+    # Flat buckets even on one rank: the migration moves expert state by its offset in the ZeRO shards.
+    optimizer = ZeroAdamW(stage.model, dims, cfg, stage.tp_kinds, keep_flat=True)
     costs = BalanceCostModel(model_cfg, cluster, ep, hierarchical_a2a=dims.parallel.a2a == "hierarchical",
                              etp=dims.parallel.etp, seq_len=cfg.seq_len, defer_weights=defer_weights,
                              defer_optimizer_state=defer_optimizer_state)

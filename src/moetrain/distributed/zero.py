@@ -13,15 +13,24 @@ replica of them:
 Each rank of a bucket's group owns ``1/size`` of the flat bucket: it keeps the AdamW moments of that
 shard only, updates it, and the updated shards are all-gathered back into the parameters.
 
+A bucket whose group is this rank alone (and needs no pre-reduce) is not flattened: its parameters
+are the optimizer's own, their gradients are clipped in place, and nothing is communicated. A
+single-process run is then exactly ``torch.optim.AdamW(foreach=True)`` after
+``torch.nn.utils.clip_grad_norm_``, norm included, so it can use this same optimizer.
+
 AdamW is elementwise, so updating flat shards is the same arithmetic as updating each parameter.
 Gradient clipping uses the global norm over every distinct parameter element exactly once
 (a bucket replicated on ``r`` ranks outside its group contributes 1/r on each), matching
 ``torch.nn.utils.clip_grad_norm_`` on the single-process model.
+
+``build_sharded_optimizer`` picks this class for ZeRO stages 0 and 1 and the FSDP2-based
+``moetrain.distributed.fsdp.FullyShardedAdamW`` for stages 2 and 3; both have the same interface.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -31,6 +40,33 @@ from moetrain.config import TrainingConfig
 from moetrain.distributed.layout import ParallelDims
 from moetrain.distributed.tp import ParamKind
 from moetrain.distributed.trace import span
+from moetrain.errors import UserError
+
+if TYPE_CHECKING:
+    from moetrain.distributed.fsdp import FullyShardedAdamW
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def kind_rules(dims: ParallelDims) -> dict[str, tuple[str, str | None, int]]:
+    """Gradient kind → (group whose ranks sum the gradient and share the optimizer state, pre-reduce
+    group, number of copies of each shard outside that group: its weight in the global norm is 1/copies)."""
+    return {
+        "expert": ("edp", None, 1),
+        "embed": ("stage", "embed", dims.size("embed")),
+        "partial": ("stage", None, 1),
+        "complete": ("dp_cp", None, dims.parallel.tp),
+        "sharded": ("dp_cp", None, 1),
+    }
+
+
+def param_kind(name: str, dims: ParallelDims, tp_kinds: dict[str, ParamKind] | None) -> str:
+    """The gradient kind of parameter ``name`` of a parallelized stage model (a key of ``kind_rules``)."""
+    if ".moe.experts." in f".{name}":
+        return "expert"
+    if name.startswith("embed.") and dims.size("embed") > 1:
+        return "embed"
+    return (tp_kinds or {}).get(name, "partial")
 
 
 @dataclass
@@ -40,7 +76,8 @@ class _Bucket:
     group: dist.ProcessGroup
     pre_reduce: dist.ProcessGroup | None
     norm_share: float
-    shard: nn.Parameter
+    shard: nn.Parameter | None
+    """This rank's slice of the flat bucket; None for a one-rank bucket (the parameters are updated)."""
     numel: int
     shard_size: int
     rank_in_group: int
@@ -52,30 +89,25 @@ def _flat(tensors: list[torch.Tensor], padded: int) -> torch.Tensor:
     return torch.nn.functional.pad(flat, (0, padded - flat.numel()))
 
 
+def _unflatten(flat: torch.Tensor, names: list[str], params: list[nn.Parameter]) -> dict[str, torch.Tensor]:
+    out, offset = {}, 0
+    for name, p in zip(names, params):
+        out[name] = flat[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+    return out
+
+
 class ZeroAdamW:
     def __init__(self, model: nn.Module, dims: ParallelDims, cfg: TrainingConfig,
-                 tp_kinds: dict[str, ParamKind] | None = None) -> None:
+                 tp_kinds: dict[str, ParamKind] | None = None, keep_flat: bool = False) -> None:
+        """``keep_flat``: flatten one-rank buckets too (online expert balancing moves ZeRO shards by
+        their flat offsets)."""
         self.dims, self.cfg = dims, cfg
-        embed_shared = dims.size("embed") > 1
-        tp = dims.parallel.tp
-        # kind → (group whose ranks sum the gradient and share the optimizer state, pre-reduce group,
-        # number of copies of each shard outside that group: its weight in the global norm is 1/copies)
-        rules: dict[str, tuple[str, str | None, int]] = {
-            "expert": ("edp", None, 1),
-            "embed": ("stage", "embed", dims.size("embed")),
-            "partial": ("stage", None, 1),
-            "complete": ("dp_cp", None, tp),
-            "sharded": ("dp_cp", None, 1),
-        }
+        rules = kind_rules(dims)
+        self.named = list(model.named_parameters())
         kinds: dict[tuple[str, bool], list[tuple[str, nn.Parameter]]] = {}
-        for name, param in model.named_parameters():
-            if ".moe.experts." in f".{name}":
-                kind = "expert"
-            elif name.startswith("embed.") and embed_shared:
-                kind = "embed"
-            else:
-                kind = (tp_kinds or {}).get(name, "partial")
-            kinds.setdefault((kind, param.ndim >= 2), []).append((name, param))
+        for name, param in self.named:
+            kinds.setdefault((param_kind(name, dims, tp_kinds), param.ndim >= 2), []).append((name, param))
         self.buckets: list[_Bucket] = []
         groups = []
         for (kind, decay), named in sorted(kinds.items()):
@@ -85,21 +117,43 @@ class ZeroAdamW:
             size, rank = dist.get_world_size(group), dist.get_rank(group)
             numel = sum(p.numel() for p in params)
             shard_size = -(-numel // size)
-            with torch.no_grad():
-                flat = _flat([p.detach() for p in params], shard_size * size)
-                shard = nn.Parameter(flat[rank * shard_size:(rank + 1) * shard_size].clone())
+            shard = None
+            if size > 1 or pre_axis is not None or keep_flat:
+                with torch.no_grad():
+                    flat = _flat([p.detach() for p in params], shard_size * size)
+                    shard = nn.Parameter(flat[rank * shard_size:(rank + 1) * shard_size].clone())
             self.buckets.append(_Bucket(
                 names, params, group, dims.get_group(pre_axis) if pre_axis else None, 1.0 / copies,
                 shard, numel, shard_size, rank, size,
             ))
-            groups.append({"params": [shard], "weight_decay": cfg.weight_decay if decay else 0.0})
+            groups.append({"params": [shard] if shard is not None else params,
+                           "weight_decay": cfg.weight_decay if decay else 0.0})
         self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                                            foreach=True)
+        # One process holds everything: take the norm exactly as clip_grad_norm_ does (float32,
+        # parameters in model order), so the run is bit for bit the single-process trainer's.
+        self.local_only = dist.get_world_size(dims.get_group("world")) == 1 and not any(
+            b.shard is not None for b in self.buckets)
 
     def zero_grad(self) -> None:
         for bucket in self.buckets:
             for p in bucket.params:
                 p.grad = None
+
+    def _reduce(self, bucket: _Bucket) -> list[torch.Tensor]:
+        """This rank's summed gradient of ``bucket`` (its flat shard, or the parameters' own gradients)."""
+        if bucket.shard is None:
+            return [p.grad for p in bucket.params if p.grad is not None]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
+        flat = _flat(grads, bucket.shard_size * bucket.group_size)
+        with span("grad_allreduce", "comm"):
+            if bucket.pre_reduce is not None:
+                dist.all_reduce(flat, group=bucket.pre_reduce)
+            # gloo has no reduce-scatter; an all-reduce then keeping our shard gives the same sums.
+            dist.all_reduce(flat, group=bucket.group)
+        lo = bucket.rank_in_group * bucket.shard_size
+        bucket.shard.grad = flat[lo:lo + bucket.shard_size].clone()
+        return [bucket.shard.grad]
 
     @torch.no_grad()
     def step(self, lr: float, norm_sq_correction: torch.Tensor | None = None) -> torch.Tensor:
@@ -107,56 +161,42 @@ class ZeroAdamW:
         Returns the global gradient norm (on device). ``norm_sq_correction`` (this rank's share, float64)
         is added to the squared norm before it is summed over ranks: expert replicas hold the same
         summed gradient, so all but one are taken back out (``moetrain.distributed.balancing``)."""
-        squares = []
+        grads, squares = [], []
         for bucket in self.buckets:
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
-            flat = _flat(grads, bucket.shard_size * bucket.group_size)
-            with span("grad_allreduce", "comm"):
-                if bucket.pre_reduce is not None:
-                    dist.all_reduce(flat, group=bucket.pre_reduce)
-                # gloo has no reduce-scatter; an all-reduce then keeping our shard gives the same sums.
-                dist.all_reduce(flat, group=bucket.group)
-            lo = bucket.rank_in_group * bucket.shard_size
-            bucket.shard.grad = flat[lo:lo + bucket.shard_size].clone()
-            squares.append(bucket.shard.grad.double().pow(2).sum() * bucket.norm_share)
-        total_sq = torch.stack(squares).sum()
-        if norm_sq_correction is not None:
-            total_sq = total_sq + norm_sq_correction
-        dist.all_reduce(total_sq, group=self.dims.get_group("world"))
-        grad_norm = total_sq.sqrt().float()
-        if self.cfg.grad_clip > 0:
+            reduced = self._reduce(bucket)
+            grads += reduced
+            squares += [g.double().pow(2).sum() * bucket.norm_share for g in reduced]
+        if self.local_only:
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for _, p in self.named if p.grad is not None])
+            if norm_sq_correction is not None:
+                grad_norm = (grad_norm.double().pow(2) + norm_sq_correction).sqrt().float()
+        else:
+            total_sq = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64)
+            if norm_sq_correction is not None:
+                total_sq = total_sq + norm_sq_correction
+            dist.all_reduce(total_sq, group=self.dims.get_group("world"))
+            grad_norm = total_sq.sqrt().float()
+        if self.cfg.grad_clip > 0 and grads:
             # Same rule as torch.nn.utils.clip_grad_norm_: scale by max_norm/(norm + 1e-6), at most 1.
             scale = (self.cfg.grad_clip / (grad_norm + 1e-6)).clamp(max=1.0)
-            for bucket in self.buckets:
-                bucket.shard.grad.mul_(scale)
+            torch._foreach_mul_(grads, scale.to(grads[0].device))
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
         for bucket in self.buckets:
+            if bucket.shard is None:
+                continue
             parts = [torch.empty_like(bucket.shard) for _ in range(bucket.group_size)]
             with span("param_allgather", "comm"):
                 dist.all_gather(parts, bucket.shard.detach(), group=bucket.group)
-            flat = torch.cat(parts)
-            offset = 0
-            for p in bucket.params:
-                p.copy_(flat[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
+            for p, value in zip(bucket.params, _unflatten(torch.cat(parts), bucket.names, bucket.params).values()):
+                p.copy_(value)
         return grad_norm
 
-    def params_by_name(self) -> dict[str, torch.Tensor]:
-        """Each parameter in its local shape (what a checkpoint writes): the parameters themselves."""
-        return {name: p.detach() for bucket in self.buckets for name, p in zip(bucket.names, bucket.params)}
-
-    @torch.no_grad()
-    def load_params(self, values: dict[str, torch.Tensor]) -> None:
-        """Set the parameters (and this rank's flat shards) from ``values`` in local shape."""
-        for bucket in self.buckets:
-            for name, p in zip(bucket.names, bucket.params):
-                if values[name] is not p:
-                    p.copy_(values[name])
-            size = bucket.shard_size * bucket.group_size
-            lo = bucket.rank_in_group * bucket.shard_size
-            bucket.shard.copy_(_flat([p.detach() for p in bucket.params], size)[lo:lo + bucket.shard_size])
+    def _gathered(self, bucket: _Bucket, shard: torch.Tensor) -> dict[str, torch.Tensor]:
+        parts = [torch.empty_like(shard) for _ in range(bucket.group_size)]
+        dist.all_gather(parts, shard.contiguous(), group=bucket.group)
+        return {n: t.clone() for n, t in _unflatten(torch.cat(parts), bucket.names, bucket.params).items()}
 
     @torch.no_grad()
     def moments_by_name(self) -> tuple[dict[str, dict[str, torch.Tensor]], torch.Tensor]:
@@ -165,39 +205,68 @@ class ZeroAdamW:
         moments: dict[str, dict[str, torch.Tensor]] = {}
         step = torch.zeros(())
         for bucket in self.buckets:
-            state = self.optimizer.state.get(bucket.shard, {})
-            if "step" in state:
-                step = state["step"].detach().cpu().float()
-            for key in ("exp_avg", "exp_avg_sq"):
-                shard = state.get(key, torch.zeros_like(bucket.shard)).detach()
-                parts = [torch.empty_like(shard) for _ in range(bucket.group_size)]
-                dist.all_gather(parts, shard.contiguous(), group=bucket.group)
-                flat = torch.cat(parts)
-                offset = 0
-                for name, p in zip(bucket.names, bucket.params):
-                    moments.setdefault(name, {})[key] = flat[offset:offset + p.numel()].view_as(p).clone()
-                    offset += p.numel()
+            holders = [bucket.shard] if bucket.shard is not None else bucket.params
+            for holder in holders:
+                if "step" in self.optimizer.state.get(holder, {}):
+                    step = self.optimizer.state[holder]["step"].detach().cpu().float()
+            for key in MOMENTS:
+                if bucket.shard is not None:
+                    state = self.optimizer.state.get(bucket.shard, {})
+                    by_name = self._gathered(bucket, state.get(key, torch.zeros_like(bucket.shard)).detach())
+                else:
+                    by_name = {n: self.optimizer.state.get(p, {}).get(key, torch.zeros_like(p)).detach().clone()
+                               for n, p in zip(bucket.names, bucket.params)}
+                for name, value in by_name.items():
+                    moments.setdefault(name, {})[key] = value
         return moments, step
+
+    def _bucket_slice(self, bucket: _Bucket, tensors: list[torch.Tensor]) -> torch.Tensor:
+        lo = bucket.rank_in_group * bucket.shard_size
+        return _flat(tensors, bucket.shard_size * bucket.group_size)[lo:lo + bucket.shard_size].clone()
 
     @torch.no_grad()
     def load_moments(self, moments: dict[str, dict[str, torch.Tensor]], step: float) -> None:
         """Rebuild this rank's shards (parameters and AdamW state) from the parameters just loaded and
         the moments of every local parameter."""
         for bucket in self.buckets:
-            size = bucket.shard_size * bucket.group_size
-            lo, hi = bucket.rank_in_group * bucket.shard_size, (bucket.rank_in_group + 1) * bucket.shard_size
-            bucket.shard.copy_(_flat([p.detach() for p in bucket.params], size)[lo:hi])
+            if bucket.shard is None:
+                for name, p in zip(bucket.names, bucket.params):
+                    self.optimizer.state[p] = {"step": torch.tensor(float(step)),
+                                               **{k: moments[name][k].to(p).clone() for k in MOMENTS}}
+                continue
+            bucket.shard.copy_(self._bucket_slice(bucket, [p.detach() for p in bucket.params]))
             state = {"step": torch.tensor(float(step))}
-            for key in ("exp_avg", "exp_avg_sq"):
-                state[key] = _flat([moments[name][key] for name in bucket.names], size)[lo:hi].clone()
+            for key in MOMENTS:
+                state[key] = self._bucket_slice(bucket, [moments[name][key] for name in bucket.names])
             self.optimizer.state[bucket.shard] = state
+
+    @torch.no_grad()
+    def params_by_name(self) -> dict[str, torch.Tensor]:
+        """Every local parameter's value in its local (TP/EP-sharded) shape: what a checkpoint saves.
+        The parameters are whole between steps (the update all-gathers them), so no communication."""
+        return {name: p.detach().clone() for name, p in self.named}
+
+    @torch.no_grad()
+    def load_params(self, values: dict[str, torch.Tensor]) -> None:
+        """Set every local parameter from ``values`` (the inverse of ``params_by_name``) and this
+        rank's flat shards from them."""
+        for name, p in self.named:
+            p.copy_(values[name])
+        for bucket in self.buckets:
+            if bucket.shard is not None:
+                bucket.shard.copy_(self._bucket_slice(bucket, [p.detach() for p in bucket.params]))
 
 
 def build_sharded_optimizer(model: nn.Module, dims: ParallelDims, cfg: TrainingConfig,
-                            tp_kinds: dict[str, ParamKind] | None = None) -> ZeroAdamW:
-    """The optimizer of the layout's ZeRO stage (stage 0 runs as stage 1)."""
-    if dims.parallel.zero >= 2:
-        from moetrain.errors import UserError
+                            tp_kinds: dict[str, ParamKind] | None = None) -> ZeroAdamW | FullyShardedAdamW:
+    """The optimizer of ZeRO stage ``dims.parallel.zero``: ``ZeroAdamW`` for 0 and 1 (stage 0 runs as
+    stage 1: the same sums, the state sharded anyway), ``FullyShardedAdamW`` (FSDP2) for 2 and 3. Build
+    it before the model's first forward: stages 2 and 3 install FSDP on the model's modules."""
+    parallel = dims.parallel
+    if parallel.zero <= 1:
+        return ZeroAdamW(model, dims, cfg, tp_kinds)
+    if parallel.overlap:
+        raise UserError("ZeRO-2/3 do not run with --overlap yet; use zero 1 or drop --overlap")
+    from moetrain.distributed.fsdp import FullyShardedAdamW
 
-        raise UserError(f"ZeRO-{dims.parallel.zero} is not available in this build; use zero 1")
-    return ZeroAdamW(model, dims, cfg, tp_kinds)
+    return FullyShardedAdamW(model, dims, cfg, tp_kinds, stage=parallel.zero)

@@ -56,9 +56,9 @@ def _check_combinations(spec: RunSpec, model_cfg: ModelConfig) -> None:
     if parallel.zero >= 2 and parallel.overlap:
         raise UserError(f"ZeRO-{parallel.zero} does not run with the overlapped schedule yet; "
                         "use zero 1 or drop --overlap")
-    if spec.balance.enabled and parallel.zero >= 2:
-        raise UserError(f"--online-balance runs with ZeRO-1 (it moves the optimizer's expert shards); "
-                        f"use zero 1 instead of {parallel.zero}")
+    if parallel.zero >= 2 and model_cfg.tie_embeddings:
+        raise UserError(f"ZeRO-{parallel.zero} does not run with tied embeddings yet (the head reads the embedding "
+                        "outside its module); use zero 1")
 
 
 def check_output_paths(spec: RunSpec) -> None:
