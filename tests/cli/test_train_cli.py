@@ -112,7 +112,8 @@ def test_a_multi_rank_plan_is_checked_before_any_process_starts(plan_text, extra
         (["--nproc", "3", "--ep", "2"], "ep·etp=2 must divide tp·cp·dp=3"),
         (["--ep", "2"], "--ep 2 needs several ranks: give --nproc N"),
         (["--nproc", "2", "--ep", "2", "--stop-at", "1"], "--stop-at and --resume need --save-dir"),
-        (["--nproc", "2", "--ep", "2", "--online-balance", "--zero", "2"], "--online-balance moves ZeRO-1 optimizer shards"),
+        (["--nproc", "2", "--ep", "2", "--online-balance", "--zero", "2"],
+         "--online-balance moves ZeRO-1 optimizer shards"),
         (["--nproc", "2", "--balance-interval", "3"], "tune online balancing; enable it or drop them"),
     ],
 )
