@@ -1,34 +1,45 @@
 """Context parallelism: the load-balanced split, CP attention == full-sequence attention (MLA and GQA,
-documents, forward and gradients), per-step loss parity of CP layouts with the single-process
-reference (tiny-pangu, fp32, gloo), a CP2 checkpoint resumed under DP2, ``moetrain train --cp 2`` on a
-packed corpus (documents inside sequences, MTP) == ``moetrain train`` in one process, and the
-launcher's checks."""
+documents, forward and gradients), CP layouts training like the single process on the loop and step
+``moetrain train`` runs (tiny-pangu, fp32, gloo, the real data pipeline: per-step loss, its parts and the
+gradient norm within 1e-4), a CP2 checkpoint resumed under DP2 on the same curve, ``moetrain train --cp 2``
+on a packed corpus (documents inside sequences, MTP) == ``moetrain train`` in one process, and the
+sequence-length checks made before any rank starts.
+
+As ``test_layout_parity.py``: the layouts run side by side on disjoint ranks of one 4-process world, each
+process single-threaded, against the single-process run computed first (it builds the data cache the
+ranks then read)."""
 
 from __future__ import annotations
 
 import json
 import random
-from argparse import Namespace
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from _parity import assert_parity, losses_by_layout, single_thread_reference
+from _parity import (
+    LOSS_FIELDS,
+    assert_parity,
+    losses_by_layout,
+    run_spec,
+    single_process_rows,
+    train_rows,
+    write_corpus,
+)
 
 from moetrain.cli import main
 from moetrain.config import GQAConfig, ParallelConfig, TrainingConfig, load_model_config
-from moetrain.distributed.checkpoint import load_checkpoint, save_checkpoint
 from moetrain.distributed.cp import ContextParallel, load_balanced_index
-from moetrain.distributed.launch import check_seq_len, launch
 from moetrain.distributed.layout import ParallelDims
-from moetrain.distributed.step import build_layout, train_step
 from moetrain.distributed.world import spawn
 from moetrain.errors import UserError
 from moetrain.models.attention import GQA, MLA, build_attention_context
-from moetrain.train import checkpoint as single
+from moetrain.train.checkpoint import checkpoint_dir
+from moetrain.train.checks import check_seq_len
 
-STEPS, SAVED_AT = 6, 3
+STEPS, SAVED_AT = 5, 3
 TRAINING = TrainingConfig(steps=STEPS, global_batch=8, micro_batch=2, seq_len=32, warmup_steps=2)
 ROUNDS: list[dict[str, ParallelConfig]] = [
     {"cp2": ParallelConfig(cp=2), "cp2_ep2_overlap": ParallelConfig(cp=2, ep=2, overlap=True)},
@@ -37,8 +48,10 @@ ROUNDS: list[dict[str, ParallelConfig]] = [
     {"cp2_dp2_ep4": ParallelConfig(cp=2, dp=2, ep=4)},
     {"cp2_overlap": ParallelConfig(cp=2, overlap=True), "cp2_ep2": ParallelConfig(cp=2, ep=2)},
 ]
+SAVE_LAYOUT = "cp2"
+"""Saves every ``SAVED_AT`` steps (on ranks 0 and 1) while it trains."""
 RESUME_LAYOUT = ParallelConfig(dp=2)
-"""Loads the checkpoint the ``cp2`` layout saves after ``SAVED_AT`` steps (on the same two ranks)."""
+"""Resumes from the ``SAVE_LAYOUT``'s checkpoint at step ``SAVED_AT`` on the same two ranks."""
 
 
 def test_load_balanced_split_covers_the_sequence_and_evens_causal_work() -> None:
@@ -117,56 +130,75 @@ def test_cp_attention_equals_full_sequence_attention_forward_and_backward() -> N
                 assert errors[quantity] < 1e-5, f"{name} {quantity}: {errors[quantity]}"
 
 
-def _parity_worker(rank: int, world_size: int, root: str) -> dict[str, list[float]]:
-    model_cfg = load_model_config("tiny-pangu")
-    cpu = torch.device("cpu")
-    losses: dict[str, list[float]] = {}
+def _worker(rank: int, world_size: int, data: Path, root: Path) -> dict[str, list[dict]]:
+    rows: dict[str, list[dict]] = {}
     for index, layouts in enumerate(ROUNDS):
         offset, members = 0, []
         for name, parallel in layouts.items():
-            members.append((name, ParallelDims.build(parallel, rank, rank_offset=offset)))
+            members.append((name, parallel, ParallelDims.build(parallel, rank, rank_offset=offset)))
             offset += parallel.world_size
         resume = ParallelDims.build(RESUME_LAYOUT, rank) if index == 0 else None
-        for name, dims in members:
+        for name, parallel, dims in members:
             if not dims.is_member:
                 continue
-            run = build_layout(dims, model_cfg, TRAINING, cpu)
-            losses[name] = []
-            for step in range(STEPS):
-                losses[name].append(train_step(run, step, TRAINING, cpu))
-                if name == "cp2" and step + 1 == SAVED_AT:
-                    save_checkpoint(Path(root), SAVED_AT, run, model_cfg, TRAINING, config_hash="test")
-            if name == "cp2":
-                assert resume is not None and resume.is_member
-                run = build_layout(resume, model_cfg, TRAINING, cpu)
-                start = load_checkpoint(single.checkpoint_dir(Path(root), SAVED_AT), run, model_cfg)
-                losses["dp2_from_cp2"] = [train_step(run, step, TRAINING, cpu) for step in range(start, STEPS)]
-    return losses
+            if name != SAVE_LAYOUT:
+                rows[name] = train_rows(run_spec(TRAINING, parallel, data), dims)
+                continue
+            saved = root / "cp2"
+            rows[name] = train_rows(run_spec(TRAINING, parallel, data, save_dir=str(saved), save_every=SAVED_AT), dims)
+            # The step-3 checkpoint alone in a folder of its own: what an interrupted run would have left.
+            resumed = root / "dp2_from_cp2"
+            if rank == dims.group_ranks["world"][0]:
+                shutil.copytree(checkpoint_dir(saved, SAVED_AT), checkpoint_dir(resumed, SAVED_AT))
+            assert resume is not None and resume.is_member
+            dist.barrier(group=resume.get_group("world"))
+            rows["dp2_from_cp2"] = train_rows(run_spec(TRAINING, RESUME_LAYOUT, data, save_dir=str(resumed),
+                                                       resume=True), resume)
+    return rows
 
 
 @pytest.fixture(scope="module")
-def layout_losses(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[list[float]]]:
-    return losses_by_layout(spawn(_parity_worker, 4, str(tmp_path_factory.mktemp("cp_checkpoint"))))
+def corpus(tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("cp_parity")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MOETRAIN_CACHE", str(root / "cache"))
+        yield write_corpus(root)
 
 
 @pytest.fixture(scope="module")
-def reference() -> list[float]:
-    return single_thread_reference(load_model_config("tiny-pangu"), TRAINING, STEPS)
+def reference(corpus) -> list[dict]:
+    return single_process_rows(run_spec(TRAINING, ParallelConfig(), corpus))
+
+
+@pytest.fixture(scope="module")
+def layout_rows(corpus, reference, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[list[dict]]]:
+    # after the reference: it has built the data cache the ranks then read
+    return losses_by_layout(spawn(_worker, 4, corpus, tmp_path_factory.mktemp("cp_checkpoint")))
 
 
 @pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.parametrize("layout", [name for layouts in ROUNDS for name in layouts])
-def test_cp_layout_matches_single_process(layout: str, layout_losses: dict, reference: list[float]) -> None:
+def test_cp_layout_matches_single_process(layout: str, layout_rows: dict, reference: list[dict]) -> None:
     ranks = next(p.world_size for layouts in ROUNDS for n, p in layouts.items() if n == layout)
-    assert_parity(layout, layout_losses[layout], reference, ranks)
-    assert reference[-1] < reference[0]
+    assert len(reference) == STEPS
+    assert_parity(layout, layout_rows[layout], reference, ranks, fields=LOSS_FIELDS)
+    assert reference[-1]["loss"] < reference[0]["loss"]  # the run trains
+    for got, want in zip(layout_rows[layout][0], reference):
+        assert got["expert_load_max_over_mean"] == pytest.approx(want["expert_load_max_over_mean"], rel=1e-4)
 
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_cp2_checkpoint_resumes_under_dp2(layout_losses: dict, reference: list[float]) -> None:
-    assert_parity("dp2 resumed from cp2", layout_losses["dp2_from_cp2"], reference[SAVED_AT:], RESUME_LAYOUT.world_size)
+def test_cp2_checkpoint_resumes_under_dp2(layout_rows: dict, reference: list[dict]) -> None:
+    resumed = layout_rows["dp2_from_cp2"]
+    assert [r["step"] for r in resumed[0]] == list(range(SAVED_AT + 1, STEPS + 1))
+    assert_parity("dp2 resumed from cp2", resumed, reference[SAVED_AT:], RESUME_LAYOUT.world_size,
+                  fields=LOSS_FIELDS)
+    assert resumed[0][0]["layout"]["dp"] == 2 and resumed[0][0]["layout"]["cp"] == 1
+
+
+TINY = load_model_config("tiny-pangu")
 
 
 @pytest.mark.parametrize(
@@ -182,21 +214,24 @@ def test_cp2_checkpoint_resumes_under_dp2(layout_losses: dict, reference: list[f
 def test_launcher_refuses_a_sequence_that_does_not_split(seq_len: int, parallel: ParallelConfig,
                                                          message: str) -> None:
     with pytest.raises(UserError) as info:
-        check_seq_len(seq_len, parallel)
+        check_seq_len(seq_len, parallel, TINY)
     assert str(info.value) == message
-    check_seq_len(32, parallel)
+    check_seq_len(32, parallel, TINY)
 
 
-def test_launch_refuses_before_any_process_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_launch_refuses_before_any_process_starts(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture,
+                                                  tmp_path: Path) -> None:
     def refuse(*args: object, **kwargs: object) -> int:
         raise AssertionError("a process was started")
 
     monkeypatch.setattr("moetrain.distributed.launch.subprocess.call", refuse)
-    args = Namespace(model="tiny-pangu", tp=1, pp=1, vpp=1, ep=1, etp=1, cp=2, hierarchical_a2a=False,
-                     ranks_per_node=None, overlap=False, steps=2, global_batch=4, micro_batch=2, seq_len=34,
-                     trace_dir=None, metrics_out=None)
-    with pytest.raises(UserError, match="--seq-len 34 does not split into 2·cp = 4"):
-        launch(2, args)
+    code = main(["train", "--nproc", "2", "--cp", "2", "--steps", "2", "--global-batch", "4", "--micro-batch", "2",
+                 "--seq-len", "34", "--synthetic-data", "--log-dir", str(tmp_path / "logs")])
+    assert code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "moetrain train: error: --seq-len 34 does not split into 2·cp = 4 context-parallel chunks; "
+        "make it a multiple of 4"]
+    assert not (tmp_path / "logs").exists()
 
 
 @pytest.mark.slow

@@ -1,5 +1,8 @@
-"""Expert tensor parallelism: the split experts equal the whole ones (values and gradients), training
-under EP×ETP layouts reproduces the single-process losses, and an EP2×ETP2 checkpoint reshards.
+"""Expert tensor parallelism: the split experts equal the whole ones (values and gradients); EP×ETP
+layouts train like the single process on the loop and step ``moetrain train`` runs (tiny-pangu, fp32,
+gloo, the real data pipeline: per-step loss, its parts and the gradient norm within 1e-4); an EP2×ETP2
+checkpoint resumes under layouts without ETP or with ETP and TP on the same curve; each MoE layer pass
+reads the host once.
 
 The layouts run side by side on disjoint ranks of one 8-process world (one start-up for all, as in
 ``test_layout_parity``), on micro-batches of one sequence so that every replica has at least two
@@ -8,28 +11,37 @@ micro-batches for the overlapped schedule to pair.
 
 from __future__ import annotations
 
+import io
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from _parity import assert_parity, losses_by_layout, single_thread_reference
+from _parity import (
+    LOSS_FIELDS,
+    assert_parity,
+    losses_by_layout,
+    run_spec,
+    single_process_rows,
+    write_corpus,
+)
+from rich.console import Console
 
 from moetrain.balance.placement import ExpertPlacement
 from moetrain.config import ParallelConfig, TrainingConfig, load_model_config
-from moetrain.distributed.checkpoint import load_checkpoint, save_checkpoint
 from moetrain.distributed.ep import AllToAllDispatcher, ExpertTable, shard_experts
 from moetrain.distributed.etp import ExpertTensorParallelDispatcher
 from moetrain.distributed.layout import ParallelDims, validate_layout
 from moetrain.distributed.overlap import SplitGradExperts, flush_weight_grads, set_split_grads
-from moetrain.distributed.step import build_layout, train_step
 from moetrain.distributed.world import spawn
 from moetrain.errors import UserError
 from moetrain.models.dispatch import LocalDispatcher
 from moetrain.models.experts import GroupedExperts
 from moetrain.models.router import Routing, count_tokens_per_expert
-from moetrain.train import checkpoint as single
+from moetrain.train import Trainer
+from moetrain.train.checkpoint import checkpoint_dir
 
 TINY = load_model_config("tiny-pangu")
 
@@ -144,11 +156,12 @@ def test_etp_layout_accepted() -> None:
     validate_layout(ParallelConfig(tp=2, sp=True, dp=2, ep=2, etp=2), TINY, 4, global_batch=8, micro_batch=1)
 
 
-# ---- training: per-step loss parity and resharding ---------------------------------------------------
+# ---- training: per-step loss parity, resharding, host reads -----------------------------------------
 
-STEPS, SAVED_AT = 6, 3
+STEPS, SAVED_AT = 5, 3
 TRAINING = TrainingConfig(steps=STEPS, global_batch=8, micro_batch=1, seq_len=32, warmup_steps=2)
 SAVE_LAYOUT = "ep2_etp2"
+"""Saves every ``SAVED_AT`` steps while it trains; also counts its host reads."""
 BASE_ROUND = {
     "ep2_etp2": ParallelConfig(dp=4, ep=2, etp=2),
     "tp2_sp_ep2_etp2": ParallelConfig(tp=2, sp=True, dp=2, ep=2, etp=2),
@@ -165,84 +178,96 @@ LOAD_LAYOUTS = {
     "ep4_resumed": ParallelConfig(dp=4, ep=4),
     "tp2_etp2_overlap_resumed": ParallelConfig(tp=2, sp=True, dp=2, etp=2, overlap=True),
 }
-"""Loaded from the EP2×ETP2 checkpoint at step ``SAVED_AT``, side by side."""
+"""Resumed from the EP2×ETP2 checkpoint at step ``SAVED_AT``, side by side."""
 
 
-def _worker(rank: int, world_size: int, root: str) -> dict[str, list[float]]:
-    cpu = torch.device("cpu")
-    losses: dict[str, list[float]] = {}
+def _trained(name: str, parallel: ParallelConfig, dims: ParallelDims, data: Path, root: Path) -> dict:
+    """The layout's metrics rows; the save layout also saves and counts its MoE passes and host reads."""
+    from moetrain.distributed.balancing import moe_layers
+
+    if name in LOAD_LAYOUTS:
+        spec = run_spec(TRAINING, parallel, data, save_dir=str(root / name), resume=True)
+    elif name == SAVE_LAYOUT:
+        spec = run_spec(TRAINING, parallel, data, save_dir=str(root / name), save_every=SAVED_AT)
+    else:
+        spec = run_spec(TRAINING, parallel, data)
+    trainer = Trainer(spec, dims=dims, console=Console(file=io.StringIO()))
+    passes = [0]
+    for _, block in moe_layers(trainer.run.stage.model):
+        block.register_forward_hook(lambda *args: passes.__setitem__(0, passes[0] + 1))
+    out = {name: trainer.train()}
+    if name == SAVE_LAYOUT:
+        names = [s.name for s in trainer.tracer.spans]
+        out["host_reads"] = [{"moe_passes": passes[0], "ep_reads": names.count("counts_d2h"),
+                              "etp_reads": names.count("etp_counts_d2h")}]
+        if dims.rank == dims.group_ranks["world"][0]:  # the step-3 checkpoint alone, for each resumed layout
+            for load in LOAD_LAYOUTS:
+                shutil.copytree(checkpoint_dir(root / name, SAVED_AT), checkpoint_dir(root / load, SAVED_AT))
+    return out
+
+
+def _worker(rank: int, world_size: int, data: Path, root: Path) -> dict[str, list]:
+    results: dict[str, list] = {}
     for layouts in [*ROUNDS, LOAD_LAYOUTS]:
+        if layouts is LOAD_LAYOUTS:
+            dist.barrier()  # the saved checkpoint is in place before any rank resumes it
         offset, members = 0, []
         for name, parallel in layouts.items():
-            members.append((name, ParallelDims.build(parallel, rank, rank_offset=offset)))
+            members.append((name, parallel, ParallelDims.build(parallel, rank, rank_offset=offset)))
             offset += parallel.world_size
-        for name, dims in members:
-            if not dims.is_member:
-                continue
-            run = build_layout(dims, TINY, TRAINING, cpu)
-            start = 0
-            if name in LOAD_LAYOUTS:
-                start = load_checkpoint(single.checkpoint_dir(Path(root), SAVED_AT), run, TINY)
-            losses[name] = []
-            for step in range(start, STEPS):
-                losses[name].append(train_step(run, step, TRAINING, cpu))
-                if name == SAVE_LAYOUT and step + 1 == SAVED_AT:
-                    save_checkpoint(Path(root), SAVED_AT, run, TINY, TRAINING, config_hash="test")
-    # Rank 0 hosts the store every group is built from: no rank leaves before the slowest layout ends.
-    dist.barrier()
-    return losses
+        for name, parallel, dims in members:
+            if dims.is_member:
+                results.update(_trained(name, parallel, dims, data, root))
+    return results
 
 
 @pytest.fixture(scope="module")
-def layout_losses(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[list[float]]]:
-    return losses_by_layout(spawn(_worker, 8, str(tmp_path_factory.mktemp("etp_checkpoints"))))
+def corpus(tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("etp_parity")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MOETRAIN_CACHE", str(root / "cache"))
+        yield write_corpus(root)
 
 
 @pytest.fixture(scope="module")
-def single_process_losses() -> list[float]:
-    return single_thread_reference(TINY, TRAINING, STEPS)
+def reference(corpus) -> list[dict]:
+    return single_process_rows(run_spec(TRAINING, ParallelConfig(), corpus))
+
+
+@pytest.fixture(scope="module")
+def layout_rows(corpus, reference, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list]:
+    # after the reference: it has built the data cache the ranks then read
+    return losses_by_layout(spawn(_worker, 8, corpus, tmp_path_factory.mktemp("etp_checkpoints")))
 
 
 @pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.parametrize("layout", [name for layouts in ROUNDS for name in layouts])
-def test_etp_layout_matches_single_process(layout: str, layout_losses: dict, single_process_losses: list[float]):
+def test_etp_layout_matches_single_process(layout: str, layout_rows: dict, reference: list[dict]) -> None:
     parallel = next(p for layouts in ROUNDS for n, p in layouts.items() if n == layout)
-    assert_parity(layout, layout_losses[layout], single_process_losses, parallel.world_size)
-    assert single_process_losses[-1] < single_process_losses[0]  # the run trains
+    assert len(reference) == STEPS
+    assert_parity(layout, layout_rows[layout], reference, parallel.world_size, fields=LOSS_FIELDS)
+    assert reference[-1]["loss"] < reference[0]["loss"]  # the run trains
+    for got, want in zip(layout_rows[layout][0], reference):
+        assert got["expert_load_max_over_mean"] == pytest.approx(want["expert_load_max_over_mean"], rel=1e-4)
 
 
 @pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.parametrize("layout", LOAD_LAYOUTS)
-def test_etp_checkpoint_reshards(layout: str, layout_losses: dict, single_process_losses: list[float]) -> None:
-    assert_parity(layout, layout_losses[layout], single_process_losses[SAVED_AT:], LOAD_LAYOUTS[layout].world_size)
-
-
-# ---- one host read per MoE layer ---------------------------------------------------------------------
-
-
-def _host_reads_worker(rank: int, world_size: int) -> dict[str, int]:
-    from moetrain.distributed.balancing import moe_layers
-    from moetrain.distributed.trace import Tracer
-
-    dims = ParallelDims.build(ParallelConfig(dp=4, ep=2, etp=2), rank, 4)
-    run = build_layout(dims, TINY, TRAINING, torch.device("cpu"))
-    passes = [0]
-    for _, block in moe_layers(run.stage.model):
-        block.register_forward_hook(lambda *args: passes.__setitem__(0, passes[0] + 1))
-    tracer = Tracer(rank)
-    with tracer.active():
-        train_step(run, 0, TRAINING, torch.device("cpu"))
-    names = [s.name for s in tracer.spans]
-    return {"moe_passes": passes[0], "ep_reads": names.count("counts_d2h"), "etp_reads": names.count("etp_counts_d2h")}
+def test_etp_checkpoint_reshards(layout: str, layout_rows: dict, reference: list[dict]) -> None:
+    resumed = layout_rows[layout]
+    assert [r["step"] for r in resumed[0]] == list(range(SAVED_AT + 1, STEPS + 1))
+    assert_parity(layout, resumed, reference[SAVED_AT:], LOAD_LAYOUTS[layout].world_size, fields=LOSS_FIELDS)
 
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_etp_dispatch_reads_the_host_once_per_moe_layer() -> None:
+def test_etp_dispatch_reads_the_host_once_per_moe_layer(layout_rows: dict) -> None:
     """EP2×ETP2: one count exchange over the EP×ETP ranks gives both the all-to-all splits and the ETP
     gather's member counts, so each MoE layer pass reads device values on the host once."""
-    for counts in spawn(_host_reads_worker, 4):
-        assert counts["moe_passes"] > 0
-        assert counts["ep_reads"] == counts["moe_passes"] and counts["etp_reads"] == 0, counts
+    counts = [rank_counts[0] for rank_counts in layout_rows["host_reads"]]
+    assert len(counts) == BASE_ROUND[SAVE_LAYOUT].world_size
+    for rank_counts in counts:
+        assert rank_counts["moe_passes"] > 0
+        assert rank_counts["ep_reads"] == rank_counts["moe_passes"] and rank_counts["etp_reads"] == 0, rank_counts
