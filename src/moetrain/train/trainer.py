@@ -214,10 +214,6 @@ class Trainer:
         return self.dataset.step_batch(self.step, self.cfg.global_batch, self.cfg.micro_batch, self.dp_rank,
                                        self.spec.parallel.dp)
 
-    def train_step(self, batch: StepBatch) -> StepResult:
-        with self.tracer.active():
-            return train_step(self.run, self.step, batch)
-
     # ----- around the steps -----
     def log(self, result: StepResult, tokens: int, step_time_s: float, extra: dict[str, Any]) -> dict[str, Any]:
         if self.routing_trace is not None:
@@ -257,38 +253,39 @@ class Trainer:
         return True
 
     def train(self) -> list[dict[str, Any]]:
-        """Run (or resume) until ``steps`` or ``stop_at``; returns the metrics rows of this run."""
+        """The loop: run (or resume) until ``steps`` or ``stop_at``; returns the metrics rows of this run."""
+        run_options = self.spec.run
+        show = self.is_reporter and not run_options.quiet
         try:
-            return self._train()
+            if run_options.resume and not self.load():
+                self.console.print(f"no checkpoint in {run_options.save_dir}; starting from step 0")
+            last_step = min(self.cfg.steps, run_options.stop_at or self.cfg.steps)
+            self.run.stage.model.train()
+            with TrainingProgress(self.console, self.cfg.steps, self.step, enabled=show) as progress:
+                self._steps(last_step, progress)
+            if self.balancer is not None:
+                self.balancer.finish_migration()  # the last step's move, if any, lands before the ranks part
+            if run_options.trace_dir:
+                self.tracer.save(Path(run_options.trace_dir) / f"rank{self.dims.rank}.json")
+                self.console.print(f"a2a_hidden_fraction {self.tracer.a2a_hidden_fraction():.3f} (this rank)")
         finally:
             self.close()
-
-    def _train(self) -> list[dict[str, Any]]:
-        run_options = self.spec.run
-        if run_options.resume and not self.load():
-            self.console.print(f"no checkpoint in {run_options.save_dir}; starting from step 0")
-        last_step = min(self.cfg.steps, run_options.stop_at or self.cfg.steps)
-        self.run.stage.model.train()
-        fault = self.fault
-        show = self.is_reporter and not run_options.quiet
-        with TrainingProgress(self.console, self.cfg.steps, self.step, enabled=show) as progress:
-            while self.step < last_step:
-                fault(self.step, "step")
-                start = time.perf_counter()
-                batch = self.next_batch()
-                result = self.train_step(batch)
-                self.step += 1
-                extra = self.after_step()
-                row = self.log(result, batch.global_tokens, time.perf_counter() - start, extra)
-                progress.update(self.step, row)
-                if should_save(self.step, last_step, run_options.save_every):
-                    self.save()
-        if self.balancer is not None:
-            self.balancer.finish_migration()  # the last step's move, if any, lands before the ranks part
-        if run_options.trace_dir:
-            self.tracer.save(Path(run_options.trace_dir) / f"rank{self.dims.rank}.json")
-            self.console.print(f"a2a_hidden_fraction {self.tracer.a2a_hidden_fraction():.3f} (rank 0, all steps)")
         return self.metrics.rows
+
+    def _steps(self, last_step: int, progress: TrainingProgress) -> None:
+        """Step until ``last_step``: batch → the step → metrics row → checkpoint."""
+        while self.step < last_step:
+            self.fault(self.step, "step")
+            start = time.perf_counter()
+            batch = self.next_batch()
+            with self.tracer.active():
+                result = train_step(self.run, self.step, batch)
+            self.step += 1
+            extra = self.after_step()
+            row = self.log(result, batch.global_tokens, time.perf_counter() - start, extra)
+            progress.update(self.step, row)
+            if should_save(self.step, last_step, self.spec.run.save_every):
+                self.save()
 
     def after_step(self) -> dict[str, Any]:
         """The balancer's decision after the step (its metrics join the row)."""
