@@ -2,7 +2,9 @@
 
 tiny-pangu on ``--nproc`` gloo ranks (EP over all of them, one spare expert slot per rank), the router
 skewed at init (a score bias sends most tokens to experts 0-3, all on EP rank 0 in the contiguous
-layout; the bias does not move). Two runs from the same weights and batches:
+layout; the bias does not move), trained by ``moetrain train --online-balance --synthetic-data``'s
+trainer (``Trainer`` with ``balance.enabled``, its step and its balancer's ``after_step``, each timed).
+Runs from the same weights and batches:
 
 * ``static``: the balancer only observes (trigger margin ∞);
 * ``balanced``: after every step the balancer runs the re-plan rule of ``moetrain.balance.schedule``
@@ -28,6 +30,7 @@ losses agree. Each gloo rank runs one torch thread (``distributed.world.spawn``)
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import time
 
@@ -35,13 +38,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from _record import write_result
+from rich.console import Console
 
-from moetrain.config import ModelConfig, ParallelConfig, TrainingConfig, load_cluster_config, load_model_config
+from moetrain.config import ModelConfig, ParallelConfig, TrainingConfig, load_model_config
+from moetrain.config.run import RunSpec
 from moetrain.distributed.balancing import build_balanced_run, moe_layers
 from moetrain.distributed.layout import ParallelDims
 from moetrain.distributed.step import train_step
 from moetrain.distributed.world import spawn
 from moetrain.models.transformer import build_model
+from moetrain.train import Trainer
 
 HOT_BIAS = {0: 0.5, 1: 0.4, 2: 0.3, 3: 0.2}
 
@@ -50,6 +56,23 @@ def _model_config() -> ModelConfig:
     cfg = load_model_config("tiny-pangu")
     router = cfg.moe.router.model_copy(update={"score_bias": True, "bias_update_rate": 0.0})
     return cfg.model_copy(update={"moe": cfg.moe.model_copy(update={"router": router})})
+
+
+class _BenchTrainer(Trainer):
+    """``moetrain train --online-balance``'s trainer with the benchmark's balancer options: the trigger
+    margin (∞: observe only), the experts' host timing and whether moves land at once."""
+
+    def __init__(self, *args, trigger_margin: float, defer: bool, **kwargs) -> None:
+        self.trigger_margin, self.defer = trigger_margin, defer
+        super().__init__(*args, **kwargs)
+
+    def build_run(self, model):
+        balance = self.spec.balance
+        run, self.balancer = build_balanced_run(
+            self.dims, self.model_cfg, self.cfg, self.device, self.cluster, model=model,
+            interval=balance.interval, horizon=balance.horizon, trigger_margin=self.trigger_margin,
+            time_experts=True, defer_weights=self.defer, defer_optimizer_state=self.defer)
+        return run
 
 
 def _run(dims: ParallelDims, args: argparse.Namespace, balance: bool, defer: bool = True) -> dict:
@@ -61,18 +84,24 @@ def _run(dims: ParallelDims, args: argparse.Namespace, balance: bool, defer: boo
         for expert, bias in HOT_BIAS.items():
             block.router.score_bias[expert] = bias
     ep = args.nproc
-    # the construction of ``moetrain train --online-balance``: experts/ep + 1 slots per rank
-    run, balancer = build_balanced_run(
-        dims, model_cfg, training, "cpu", load_cluster_config("cpu"), model=model,
-        interval=args.interval, horizon=args.horizon, trigger_margin=1.0 if balance else float("inf"),
-        time_experts=True, defer_weights=defer, defer_optimizer_state=defer,
-    )
+    # the run of ``moetrain train --online-balance --synthetic-data``: experts/ep + 1 slots per rank
+    spec = RunSpec(model="tiny-pangu", training=training.model_dump(), parallel={"dp": ep, "ep": ep},
+                   run={"device": "cpu", "cluster": "cpu", "synthetic_data": True, "quiet": True,
+                        "ranks_per_node": ep},
+                   balance={"enabled": True, "interval": args.interval, "horizon": args.horizon})
+    trainer = _BenchTrainer(spec, dims=dims, model_cfg=model_cfg, model=model, console=Console(file=io.StringIO()),
+                            trigger_margin=1.0 if balance else float("inf"), defer=defer)
+    balancer = trainer.balancer
+    trainer.run.stage.model.train()
     losses, step_seconds, balance_seconds = [], [], []
-    for step in range(args.steps):
+    for _ in range(args.steps):
+        batch = trainer.next_batch()
         start = time.perf_counter()
-        losses.append(train_step(run, step, training, torch.device("cpu")))
+        with trainer.tracer.active():
+            losses.append(train_step(trainer.run, trainer.step, batch).loss)
+        trainer.step += 1
         middle = time.perf_counter()
-        balancer.after_step(step)
+        trainer.after_step()  # the balancer's check, solve and (deferred) migration after the step
         step_seconds.append(middle - start)
         balance_seconds.append(time.perf_counter() - middle)
     balancer.finish_migration()

@@ -1,8 +1,9 @@
-"""Context-parallel layouts == the single-process reference, step by step (tiny-pangu, fp32, gloo on CPU).
+"""Context-parallel layouts == the single-process run, step by step (tiny-pangu, fp32, gloo on CPU).
 
-Trains the synthetic counting batches of ``moetrain.distributed.step`` for a few steps in one process and
-under each CP layout (4 processes, layouts side by side on disjoint ranks), and records per layout the
-largest relative difference of the step loss over the steps. Usage:
+Trains the synthetic counting batches (``moetrain.data.synthetic``, ``--synthetic-data``) with the loop
+``moetrain train`` runs (``moetrain.train.Trainer``) for a few steps in one process and under each CP
+layout (4 processes, layouts side by side on disjoint ranks), and records per layout the largest relative
+difference of the step loss (and of the gradient norm) over the steps. Usage:
 
     python benchmarks/cp_parity.py --out benchmarks/results/cp_parity_cpu.json
 """
@@ -10,15 +11,18 @@ largest relative difference of the step loss over the steps. Usage:
 from __future__ import annotations
 
 import argparse
+import io
 import json
 from pathlib import Path
 
 import torch
+from rich.console import Console
 
-from moetrain.config import ParallelConfig, TrainingConfig, load_model_config
+from moetrain.config import ParallelConfig, TrainingConfig
+from moetrain.config.run import RunSpec
 from moetrain.distributed.layout import ParallelDims
-from moetrain.distributed.step import build_layout, reference_losses, train_step
 from moetrain.distributed.world import spawn
+from moetrain.train import Trainer
 
 ROUNDS: list[dict[str, ParallelConfig]] = [
     {"cp2": ParallelConfig(cp=2), "cp2_ep2_overlap": ParallelConfig(cp=2, ep=2, overlap=True)},
@@ -29,20 +33,31 @@ ROUNDS: list[dict[str, ParallelConfig]] = [
 ]
 
 
-def _worker(rank: int, world_size: int, cfg: TrainingConfig) -> dict[str, list[float]]:
-    model_cfg = load_model_config("tiny-pangu")
-    cpu = torch.device("cpu")
-    losses: dict[str, list[float]] = {}
+def _spec(cfg: TrainingConfig, parallel: ParallelConfig) -> RunSpec:
+    return RunSpec(model="tiny-pangu", training=cfg.model_dump(),
+                   parallel=parallel.model_dump(exclude={"sp", "micro_batch"}),
+                   run={"device": "cpu", "cluster": "cpu", "synthetic_data": True, "quiet": True})
+
+
+def _rows(spec: RunSpec, dims: ParallelDims | None = None) -> list[dict]:
+    return Trainer(spec, dims=dims, console=Console(file=io.StringIO())).train()
+
+
+def _worker(rank: int, world_size: int, cfg: TrainingConfig) -> dict[str, list[dict]]:
+    rows: dict[str, list[dict]] = {}
     for layouts in ROUNDS:
         offset, members = 0, []
         for name, parallel in layouts.items():
-            members.append((name, ParallelDims.build(parallel, rank, rank_offset=offset)))
+            members.append((name, parallel, ParallelDims.build(parallel, rank, rank_offset=offset)))
             offset += parallel.world_size
-        for name, dims in members:
+        for name, parallel, dims in members:
             if dims.is_member:
-                run = build_layout(dims, model_cfg, cfg, cpu)
-                losses[name] = [train_step(run, step, cfg, cpu) for step in range(cfg.steps)]
-    return losses
+                rows[name] = _rows(_spec(cfg, parallel), dims)
+    return rows
+
+
+def _max_relative(rows: list[dict], reference: list[dict], key: str) -> float:
+    return max(abs(a[key] - b[key]) / abs(b[key]) for a, b in zip(rows, reference, strict=True))
 
 
 def main() -> int:
@@ -52,18 +67,20 @@ def main() -> int:
     parser.add_argument("--out", default="benchmarks/results/cp_parity_cpu.json")
     args = parser.parse_args()
     cfg = TrainingConfig(steps=args.steps, global_batch=8, micro_batch=2, seq_len=args.seq_len, warmup_steps=2)
-    torch.set_num_threads(1)
-    reference = reference_losses(load_model_config("tiny-pangu"), cfg, cfg.steps)
-    layouts: dict[str, list[float]] = {}
-    for rank_losses in spawn(_worker, 4, cfg):
-        for name, losses in rank_losses.items():
-            layouts.setdefault(name, losses)
+    torch.set_num_threads(1)  # as each gloo rank runs
+    reference = _rows(_spec(cfg, ParallelConfig()))
+    layouts: dict[str, list[dict]] = {}
+    for rank_rows in spawn(_worker, 4, cfg):
+        for name, rows in rank_rows.items():
+            layouts.setdefault(name, rows)
     result = {
         "model": "tiny-pangu", "dtype": "fp32", "backend": "gloo", "steps": cfg.steps, "seq_len": cfg.seq_len,
-        "global_batch": cfg.global_batch, "micro_batch": cfg.micro_batch, "reference_losses": reference,
-        "max_relative_loss_difference": {
-            name: max(abs(a - b) / abs(b) for a, b in zip(losses, reference)) for name, losses in layouts.items()
-        },
+        "global_batch": cfg.global_batch, "micro_batch": cfg.micro_batch,
+        "reference_losses": [r["loss"] for r in reference],
+        "max_relative_loss_difference": {name: _max_relative(rows, reference, "loss")
+                                         for name, rows in layouts.items()},
+        "max_relative_grad_norm_difference": {name: _max_relative(rows, reference, "grad_norm")
+                                              for name, rows in layouts.items()},
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

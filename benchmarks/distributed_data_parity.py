@@ -1,7 +1,7 @@
 """Per-step metrics of distributed layouts on a corpus == ``moetrain train`` in one process.
 
 Writes a small text corpus, trains it once with ``moetrain train`` (one process, one thread) and once per
-layout with ``python -m moetrain.distributed.launch`` (same flags), then records, per layout, the largest
+layout with ``moetrain train --nproc 2`` (same flags, torchrun underneath), then records, per layout, the largest
 relative difference over the steps of each metric, whether the routing traces are identical, and the
 wall time of each run. Usage:
 
@@ -56,7 +56,7 @@ def main() -> int:
         result = {"command": " ".join(["python", *sys.argv]), "steps": args.steps, "single_process_wall_s": single_s,
                   "layouts": {}}
         for name, flags in LAYOUTS.items():
-            wall_s = _run([sys.executable, "-m", "moetrain.distributed.launch", "--nproc", "2", *flags, *shape,
+            wall_s = _run([sys.executable, "-m", "moetrain", "train", "--nproc", "2", *flags, *shape, "--quiet",
                            "--metrics-out", str(root / f"{name}.jsonl"),
                            "--trace-routing", str(root / f"{name}_trace.jsonl")], env)
             rows = _rows(root / f"{name}.jsonl")

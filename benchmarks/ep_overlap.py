@@ -17,6 +17,7 @@ the trace shows the exchanges hidden; the JSON records the core count.
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import statistics
 import time
@@ -24,12 +25,15 @@ from pathlib import Path
 
 import torch
 from _record import write_result
+from rich.console import Console
 
 from moetrain.config import ParallelConfig, TrainingConfig, load_model_config
+from moetrain.config.run import RunSpec
 from moetrain.distributed.layout import ParallelDims
-from moetrain.distributed.step import build_layout, train_step
+from moetrain.distributed.step import train_step
 from moetrain.distributed.trace import Tracer
 from moetrain.distributed.world import spawn
+from moetrain.train import Trainer
 
 
 def _model(hidden: int):
@@ -38,32 +42,41 @@ def _model(hidden: int):
 
 
 def _bench(rank: int, world_size: int, args: argparse.Namespace, device_kind: str) -> dict:
-    device = torch.device("cuda", rank) if device_kind == "cuda" else torch.device("cpu")
+    """Both variants on this rank: the step of ``moetrain train`` (``distributed.step.train_step`` on the
+    trainer's next batch of the synthetic counting data), timed from a barrier to the step's end, traced
+    after the warm-up."""
     model_cfg = _model(args.hidden)
+    # fp32 on CUDA too (no bf16 autocast), as this benchmark has always measured
     cfg = TrainingConfig(steps=args.warmup + args.steps, global_batch=args.global_batch, micro_batch=args.micro_batch,
-                         seq_len=args.seq_len, warmup_steps=1)
+                         seq_len=args.seq_len, warmup_steps=1, dtype="fp32")
     out: dict = {}
     for overlap in (False, True):
         parallel = ParallelConfig(dp=world_size, ep=world_size, overlap=overlap)
         dims = ParallelDims.build(parallel, rank)
-        run = build_layout(dims, model_cfg, cfg, device)
+        spec = RunSpec(model="tiny-pangu", training=cfg.model_dump(),
+                       parallel=parallel.model_dump(exclude={"sp", "micro_batch"}),
+                       run={"device": device_kind, "synthetic_data": True, "quiet": True})
+        trainer = Trainer(spec, dims=dims, model_cfg=model_cfg, console=Console(file=io.StringIO()))
+        device = trainer.device
+        trainer.run.stage.model.train()
         times, losses = [], []
-        tracer = Tracer(rank)
         for step in range(cfg.steps):
             timed = step >= args.warmup
+            if step == args.warmup:
+                trainer.tracer = Tracer(rank)  # the timed steps' spans only
+            batch = trainer.next_batch()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             torch.distributed.barrier()
             start = time.perf_counter()
-            if timed:
-                with tracer.active():
-                    losses.append(train_step(run, step, cfg, device, tracer))
-            else:
-                losses.append(train_step(run, step, cfg, device))
+            with trainer.tracer.active():  # as the loop steps; ends with the step's one host read
+                losses.append(train_step(trainer.run, trainer.step, batch).loss)
+            trainer.step += 1
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             if timed:
                 times.append(time.perf_counter() - start)
+        tracer = trainer.tracer
         a2a_s = sum(s.end_s - s.start_s for s in tracer.spans if s.kind == "comm" and s.name.startswith("a2a"))
         out["overlap" if overlap else "baseline"] = {
             "step_times_s": times, "losses": losses, "a2a_hidden_fraction": tracer.a2a_hidden_fraction(),

@@ -3,10 +3,11 @@
     python benchmarks/gpu_step_profile.py --model benchmarks/data/pangu-shaped-small.yaml --seq-len 4096 \\
         --global-batch 8 --micro-batch 1 --out benchmarks/results/gpu_step_profile_small.json
 
-Runs ``moetrain.train.Trainer`` exactly as ``moetrain train`` does (bf16 autocast on CUDA, AdamW),
-skips ``--warmup`` steps, then profiles ``--active`` steps. Reports the wall time per step, the GPU
-busy time per step (kernels and copies, overlaps not double-counted), and the operators with the most
-device time and the most host time.
+Builds ``moetrain.train.Trainer`` from the run spec ``moetrain train`` would (bf16 autocast on CUDA,
+AdamW, the embedded Shakespeare corpus) and steps it as its loop does (``distributed.step.train_step``
+on the trainer's next batch, traced), skips ``--warmup`` steps, then profiles ``--active`` steps.
+Reports the wall time per step, the GPU busy time per step (kernels and copies, overlaps not
+double-counted), and the operators with the most device time and the most host time.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ from _record import write_result
 from rich.console import Console
 from torch.profiler import ProfilerActivity, profile
 
-from moetrain.config import TrainingConfig, load_cluster_config, load_model_config
-from moetrain.train import RunOptions, Trainer
+from moetrain.config import TrainingConfig
+from moetrain.config.run import RunSpec
+from moetrain.distributed.step import train_step
+from moetrain.train import Trainer
 
 
 def busy_seconds(prof: profile) -> float:
@@ -63,13 +66,15 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg = TrainingConfig(steps=args.warmup + args.active, global_batch=args.global_batch,
                          micro_batch=args.micro_batch, seq_len=args.seq_len)
-    run = RunOptions(device=device, cluster=load_cluster_config(args.cluster if device == "cuda" else "cpu"),
-                     show_progress=False)
-    trainer = Trainer(load_model_config(args.model), cfg, run, console=Console(file=io.StringIO()))
-    trainer.model.train()
+    spec = RunSpec(model=args.model, training=cfg.model_dump(),
+                   run={"device": device, "cluster": args.cluster if device == "cuda" else "cpu", "quiet": True})
+    trainer = Trainer(spec, console=Console(file=io.StringIO()))
+    trainer.run.stage.model.train()
 
     def one_step() -> None:
-        trainer.train_step(trainer.next_batch())  # ends with the step's one device read
+        batch = trainer.next_batch()
+        with trainer.tracer.active():
+            train_step(trainer.run, trainer.step, batch)  # ends with the step's one device read
         trainer.step += 1
 
     for _ in range(args.warmup):
@@ -94,6 +99,7 @@ def main() -> None:
     print("-- by host time")
     for row in by_cpu[:15]:
         print(f"{row['name'][:60]:60s} {row['calls']:6d} {row['self_device_ms']:10.2f} {row['self_cpu_ms']:9.2f}")
+    trainer.close()  # the one-rank process group the trainer made
     if args.out:
         write_result(args.out, {
             "model": args.model, "seq_len": args.seq_len, "global_batch": args.global_batch,
