@@ -34,7 +34,7 @@ def test_hierarchical_groups_two_nodes_of_two() -> None:
 
 @pytest.mark.parametrize(("parallel", "world", "message"), [
     (ParallelConfig(dp=2), 4, "tp·cp·pp·dp = 1·1·1·2 = 2 but the world has 4 processes"),
-    (ParallelConfig(pp=2, vpp=8), 2, "8 layers do not split into pp·vpp = 16 equal pipeline chunks"),
+    (ParallelConfig(pp=2, vpp=8), 2, "8 layers cannot fill pp·vpp = 16 pipeline chunks of at least one layer"),
     (ParallelConfig(tp=8, dp=1), 8, "4 attention heads do not divide by tp=8"),
     (ParallelConfig(dp=8, ep=8, a2a="hierarchical"), 8, "needs the node size"),
 ])
@@ -91,3 +91,16 @@ def test_hidden_fraction_counts_only_async_exchanges_under_compute() -> None:
     ]
     assert hidden_fraction(spans) == pytest.approx(5.0 / 10.0)
     assert hidden_fraction([Span("F0", "compute", 0.0, 1.0)]) == 1.0
+
+
+def test_uneven_pipeline_chunks_even_out_the_ranks_work() -> None:
+    from moetrain.distributed.layout import layers_per_chunk
+
+    assert layers_per_chunk(8, 2, 2) == [2, 2, 2, 2]  # divisible: equal chunks
+    # Pangu: 61 layers over pp8 × vpp6, one MTP module; counts by hand: every rank carries 8 layer-equivalents
+    # but the first (7: it also embeds) and the last (6 + MTP + head)
+    counts = layers_per_chunk(61, 8, 6, 1)
+    assert sum(counts) == 61 and min(counts) == 1 and max(counts) == 2
+    assert [sum(counts[r::8]) for r in range(8)] == [7, 8, 8, 8, 8, 8, 8, 6]
+    assert counts[0] == 1 and counts[-1] == 1  # the first and last chunks take no extra layer
+    assert layers_per_chunk(8, 3, 1, 1) == [3, 3, 2]

@@ -46,6 +46,10 @@ BASE_ROUNDS: list[dict[str, ParallelConfig]] = [
     {
         "tp2_pp2_ep2": ParallelConfig(tp=2, sp=True, pp=2, dp=2, ep=2),
     },
+    {  # uneven pipeline chunks (8 layers in 6 and in 3 chunks: ``layers_per_chunk``)
+        "pp2_vpp3_uneven": ParallelConfig(pp=2, vpp=3),
+        "pp3_uneven": ParallelConfig(pp=3),
+    },
 ]
 ROUNDS = BASE_ROUNDS + [
     {f"{name}_overlap": parallel.model_copy(update={"overlap": True}) for name, parallel in layouts.items()}

@@ -7,16 +7,6 @@ import json
 
 HELP = "search TP/SP/PP/VPP/EP/ETP/CP/DP, ZeRO, micro-batch, recompute, all-to-all and overlap; write a plan"
 
-# Dimensions whose values the runtime (moetrain.distributed) does not execute yet; the plan file says so.
-# The interleaved and overlapped schedules are the runtime's own action lists (tests/planner checks it).
-RUNTIME_NOTES = {
-    "etp": "expert tensor parallelism (etp > 1): the runtime runs it with the flat all-to-all only",
-    "chunks": "the runtime needs pp·vpp to divide the layer count into equal chunks; this layout does not",
-    "a2a": "hierarchical all-to-all: the runtime needs each EP group to fill whole nodes or sit inside one",
-    "zero": "ZeRO stages 2-3: the runtime shards optimizer states only (stage 1); run with zero=1",
-}
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from moetrain.planner.cli_support import add_workload_args
 
@@ -24,27 +14,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top", type=int, default=5, help="how many layouts to print")
     parser.add_argument("--out", default="plan.yaml", help="where to write the winner's plan file")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--any-layout", action="store_true",
+                        help="rank every layout the cost model prices, also those `moetrain train` cannot run yet")
     parser.add_argument("--search-model", action="store_true",
                         help="compare model shapes (experts, hidden, depth) near --param-budget by throughput")
     parser.add_argument("--param-budget", type=float,
                         help="total parameters in billions for --search-model (default: the model's own)")
 
 
-def _runtime_support(parallel, num_layers: int) -> list[str]:
-    notes = []
-    if num_layers % (parallel.pp * parallel.vpp):
-        notes.append(RUNTIME_NOTES["chunks"])
-    if parallel.etp > 1 and parallel.ep > 1 and parallel.a2a == "hierarchical":
-        notes.append(RUNTIME_NOTES["etp"])
-    if parallel.a2a == "hierarchical":
-        notes.append(RUNTIME_NOTES["a2a"])
-    if parallel.zero >= 2:
-        notes.append(RUNTIME_NOTES["zero"])
-    return notes
-
-
 def plan_layouts(args: argparse.Namespace) -> tuple[dict, dict]:
     """(the --json mapping, the plan file mapping)."""
+    from moetrain.config.parallel import runtime_limits
     from moetrain.errors import UserError
     from moetrain.planner.cli_support import build_workload
     from moetrain.planner.search import search
@@ -52,10 +32,15 @@ def plan_layouts(args: argparse.Namespace) -> tuple[dict, dict]:
     workload, calibration = build_workload(args)
     device = workload.cluster.device
     result = search(workload, args.devices, calibration.for_device(device), top_k=max(args.top, 1),
-                    held_out=calibration.held_out_for_device(device))
+                    held_out=calibration.held_out_for_device(device), runnable_only=not args.any_layout)
     if len(result.top) == 0:
-        raise UserError(f"no layout of {workload.model.name} fits {args.devices} × {workload.cluster.name} "
-                        f"at seq {workload.seq_len}, batch {workload.global_batch}; add devices or memory")
+        where = (f"{args.devices} × {workload.cluster.name} at seq {workload.seq_len}, "
+                 f"batch {workload.global_batch}")
+        if result.excluded is not None:
+            raise UserError(f"no layout of {workload.model.name} that the runtime can run fits {where} (the fastest "
+                            f"that fits is not runnable: {result.excluded.reasons[0]}); --any-layout ranks it anyway, "
+                            "or add devices")
+        raise UserError(f"no layout of {workload.model.name} fits {where}; add devices or memory")
     tokens = workload.global_batch * workload.seq_len
     rows = []
     for i in range(len(result.top)):
@@ -80,11 +65,15 @@ def plan_layouts(args: argparse.Namespace) -> tuple[dict, dict]:
         "global_batch": args.global_batch,
         "parallel": winner["parallel"],
         "predicted": {k: winner[k] for k in ("step_time_s", "mfu", "tokens_per_s", "memory_gib")},
-        "runtime_support": _runtime_support(parallel, workload.model.num_layers)
+        "runtime_support": runtime_limits(parallel, workload.model.num_layers, workload.global_batch,
+                                          workload.cluster.devices_per_node)
         or ["every dimension of this layout is executed by the runtime"],
     }
     if check:
         plan["calibration_check"] = {k: v for k, v in check.items() if k != "seconds"}
+    limit_line = result.excluded.line() if result.excluded is not None else None
+    if limit_line:
+        plan["runtime_limits"] = limit_line
     summary = {
         "candidates_evaluated": result.candidates_evaluated,
         "feasible": result.feasible,
@@ -96,6 +85,9 @@ def plan_layouts(args: argparse.Namespace) -> tuple[dict, dict]:
         "calibration_accuracy": dict(calibration.accuracy),
         "calibration_check": check,
         "calibration_check_line": result.calibration_check.line() if result.calibration_check else None,
+        "runnable_only": not args.any_layout,
+        "not_runnable_left_out": result.not_runnable,
+        "runtime_limits_line": limit_line,
     }
     return summary, plan
 
@@ -117,8 +109,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
+    runnable = (f", {summary['not_runnable_left_out']:,} more that the runtime cannot run left out (--any-layout)"
+                if summary["runnable_only"] and summary["not_runnable_left_out"] else "")
     print(f"evaluated {summary['candidates_evaluated']:,} layouts in {summary['seconds']:.2f} s "
-          f"({summary['feasible']:,} fit memory)")
+          f"({summary['feasible']:,} fit memory{' and run' if summary['runnable_only'] else ''}{runnable})")
     if line := accuracy_line(summary["calibration_accuracy"]):
         print(line)
     print(f"{'#':>2} {'tp':>3} {'sp':>3} {'pp':>3} {'vpp':>3} {'ep':>4} {'etp':>3} {'cp':>3} {'dp':>5} {'zero':>4} "
@@ -133,6 +127,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {line}")
     if summary["calibration_check_line"]:
         print(f"  {summary['calibration_check_line']}")
+    if summary["runtime_limits_line"]:
+        print(f"  {summary['runtime_limits_line']}")
     print(f"\nplan written to {args.out}")
     for note in plan["runtime_support"]:
         print(f"  runtime: {note}")

@@ -55,3 +55,34 @@ class ParallelConfig(BaseModel):
         if self.vpp > 1 and self.pp == 1:
             raise ValueError("vpp > 1 needs pp > 1")
         return self
+
+
+def runtime_limits(parallel: ParallelConfig, num_layers: int, global_batch: int,
+                   ranks_per_node: int | None) -> list[str]:
+    """Why the runtime (``moetrain train``) cannot run ``parallel``: one sentence per broken rule, naming the
+    dimension and the mend; empty when it runs. The one statement of these rules: the planner ranks only
+    layouts for which it is empty (``moetrain.planner.runnable`` is the same rules over arrays) and the
+    runtime refuses the others before any rank starts."""
+    p = parallel
+    limits = []
+    chunks = p.pp * p.vpp
+    if num_layers < chunks:
+        limits.append(f"pp·vpp = {chunks} chunks for {num_layers} layers: every chunk needs a layer; pick pp·vpp "
+                      "no larger than the layer count")
+    micro_per_replica = global_batch // max(p.dp * p.micro_batch, 1)
+    if p.vpp > 1 and micro_per_replica % p.pp:
+        limits.append(f"interleaving (vpp {p.vpp}) needs the micro-batches per replica ({micro_per_replica}) to be a "
+                      f"multiple of pp {p.pp}: change the micro-batch or vpp")
+    if p.tp > 1 and not p.sp:
+        limits.append(f"tp {p.tp} without sequence parallelism: the runtime runs tp > 1 with sp only")
+    if p.a2a == "hierarchical" and p.ep > 1:
+        if p.etp > 1:
+            limits.append(f"the hierarchical all-to-all with etp {p.etp}: the runtime runs it with etp 1 only "
+                          "(or use the flat all-to-all)")
+        if ranks_per_node is not None and p.ep % ranks_per_node and ranks_per_node % p.ep:
+            limits.append(f"the hierarchical all-to-all needs each EP group to fill whole nodes or sit inside one: "
+                          f"ep {p.ep} with {ranks_per_node} ranks per node does neither")
+    if p.zero >= 2 and p.overlap:
+        limits.append(f"ZeRO-{p.zero} with the overlapped schedule: the runtime runs ZeRO-2/3 without overlap only "
+                      "(use zero 1 to overlap)")
+    return limits

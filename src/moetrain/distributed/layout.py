@@ -41,10 +41,10 @@ def validate_layout(parallel: ParallelConfig, model: ModelConfig, world_size: in
             f"but the world has {world_size} processes; make --nproc equal their product"
         )
     chunks = parallel.pp * parallel.vpp
-    if model.num_layers % chunks:
+    if model.num_layers < chunks:
         raise UserError(
-            f"{model.num_layers} layers do not split into pp·vpp = {chunks} equal pipeline chunks; "
-            "pick pp·vpp dividing the layer count"
+            f"{model.num_layers} layers cannot fill pp·vpp = {chunks} pipeline chunks of at least one layer; "
+            "pick pp·vpp no larger than the layer count"
         )
     if parallel.etp > 1:
         if model.moe is None:
@@ -95,6 +95,32 @@ def validate_layout(parallel: ParallelConfig, model: ModelConfig, world_size: in
             )
 
 
+def layers_per_chunk(num_layers: int, pp: int, vpp: int, num_mtp_layers: int = 0) -> list[int]:
+    """Decoder layers of each global pipeline chunk (0..pp·vpp-1; rank r holds chunks r, r+pp, ...).
+
+    When pp·vpp divides the layers, every chunk gets the same count. Otherwise (Pangu's 61 layers) the
+    ``L mod pp·vpp`` extra layers go, one at a time, to the pipeline rank with the least work so far,
+    counting the multi-token-prediction modules (one layer each) and the output head (about one more)
+    on the last rank, and inside that rank to a chunk that is neither the first nor the last of the
+    model: the split that evens the ranks' work at whole-layer granularity, as the planner prices it."""
+    chunks = pp * vpp
+    counts = [num_layers // chunks] * chunks
+    if pp == 1:  # one rank: where the extra layers go changes no rank's work
+        for i in range(num_layers % chunks):
+            counts[i] += 1
+        return counts
+    load = [float(sum(counts[r::pp])) for r in range(pp)]
+    load[-1] += num_mtp_layers + 1.0  # MTP modules and the output head
+    for _ in range(num_layers % chunks):
+        rank = min(range(pp), key=lambda r: (load[r], abs(r - (pp - 1) / 2)))
+        held = [c for c in range(rank, chunks, pp)]
+        inner = [c for c in held if 0 < c < chunks - 1] or held
+        chunk = min(inner, key=lambda c: (counts[c], c))
+        counts[chunk] += 1
+        load[rank] += 1.0
+    return counts
+
+
 def rank_groups(parallel: ParallelConfig, ranks_per_node: int | None = None,
                 rank_offset: int = 0) -> dict[str, list[list[int]]]:
     """Every group of every named axis, as lists of global ranks (no torch needed).
@@ -132,6 +158,8 @@ def rank_groups(parallel: ParallelConfig, ranks_per_node: int | None = None,
         groups["ep_etp"] = along((2, 3), expert)
     # The first and last pipeline stage ranks with the same in-stage position share the embedding.
     groups["embed"] = [sorted({int(a), int(b)}) for a, b in zip(grid[0].reshape(-1), grid[-1].reshape(-1))]
+    # Ranks of the middle stages (pp > 2) hold no embedding: a group of their own keeps "embed" defined.
+    groups["embed"] += [[int(r)] for r in grid[1:-1].reshape(-1)]
     if ranks_per_node is not None:
         local = min(ranks_per_node, parallel.ep)
         ep_grid = np.array(groups["ep"]).reshape(-1, parallel.ep // local, local)  # [group, node, local]

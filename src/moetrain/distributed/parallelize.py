@@ -25,7 +25,7 @@ from moetrain.distributed.ep import (
     shard_experts,
 )
 from moetrain.distributed.etp import ExpertTensorParallelDispatcher
-from moetrain.distributed.layout import ParallelDims
+from moetrain.distributed.layout import ParallelDims, layers_per_chunk
 from moetrain.distributed.overlap import SplitGradExperts
 from moetrain.distributed.tp import ParamKind, apply_tensor_parallel
 from moetrain.models.transformer import MoETransformer
@@ -55,15 +55,16 @@ class StageModel:
     """How this rank splits and gathers the sequence under context parallelism (None when cp = 1)."""
 
 
-def chunk_layers(num_layers: int, pp: int, vpp: int, pp_rank: int) -> list[Chunk]:
-    """Rank r holds global chunks r, r+pp, ... (interleaved placement), each of L/(pp·vpp) layers."""
-    num_chunks = pp * vpp
-    per_chunk = num_layers // num_chunks
+def chunk_layers(num_layers: int, pp: int, vpp: int, pp_rank: int, num_mtp_layers: int = 0) -> list[Chunk]:
+    """Rank r holds global chunks r, r+pp, ... (interleaved placement), of consecutive layers split by
+    ``layers_per_chunk`` (equal chunks when pp·vpp divides the layer count)."""
+    counts = layers_per_chunk(num_layers, pp, vpp, num_mtp_layers)
+    starts = [sum(counts[:i]) for i in range(len(counts))]
     chunks = []
     for local in range(vpp):
         index = local * pp + pp_rank
-        layers = tuple(range(index * per_chunk, (index + 1) * per_chunk))
-        chunks.append(Chunk(index, layers, index == 0, index == num_chunks - 1))
+        layers = tuple(range(starts[index], starts[index] + counts[index]))
+        chunks.append(Chunk(index, layers, index == 0, index == len(counts) - 1))
     return chunks
 
 
@@ -117,7 +118,7 @@ def model_moe_blocks(model: MoETransformer) -> list[nn.Module]:
 
 def parallelize(model: MoETransformer, dims: ParallelDims, placement: ExpertPlacement | None = None) -> StageModel:
     parallel = dims.parallel
-    chunks = chunk_layers(model.cfg.num_layers, parallel.pp, parallel.vpp, dims.pp_rank)
+    chunks = chunk_layers(model.cfg.num_layers, parallel.pp, parallel.vpp, dims.pp_rank, len(model.mtp))
     apply_pipeline_split(model, chunks)
     tp_kinds = apply_tensor_parallel(model, dims.get_group("tp")) if parallel.tp > 1 else None
     cp = apply_context_parallel(model, dims)

@@ -80,7 +80,9 @@ def search_model_shapes(args: argparse.Namespace, tolerance: float = 0.15) -> di
                     continue
                 w = Workload(model, workload.cluster, workload.seq_len, workload.global_batch, workload.precision,
                              workload.imbalance, grad_bytes=workload.grad_bytes)
-                result = search(w, args.devices, eff, COARSE, top_k=1, timeline_top=3, time_every_choice=False)
+                # Shapes are compared at the hardware's best layout, runnable today or not.
+                result = search(w, args.devices, eff, COARSE, top_k=1, timeline_top=3, time_every_choice=False,
+                                runnable_only=False)
                 evaluated += result.candidates_evaluated
                 if len(result.top) == 0:
                     continue

@@ -12,8 +12,10 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
+from moetrain.config.parallel import runtime_limits
 from moetrain.planner.calibration import Efficiency
 from moetrain.planner.costmodel import Workload, evaluate
+from moetrain.planner.runnable import runnable_mask
 from moetrain.planner.strategy import A2A_NAMES, RECOMPUTE_NAMES, Strategies
 from moetrain.planner.timeline import simulate_timeline, stage_costs_from_model
 
@@ -95,6 +97,26 @@ class CalibrationCheck:
 
 
 @dataclass
+class ExcludedLayout:
+    """The fastest fitting layout the runtime cannot run, when it beats the best runnable one."""
+
+    layout: str
+    reasons: list[str]
+    """``runtime_limits`` of it: the rules that keep the runtime from running it."""
+    step_time_s: float | None
+    """Its timeline step (None when no runnable layout fits, so nothing was compared)."""
+    runnable_step_time_s: float | None
+
+    def line(self) -> str:
+        head = f"runtime limits: the fastest layout overall ({self.layout}"
+        if self.step_time_s is None or self.runnable_step_time_s is None:
+            return f"{head}) is not runnable: {'; '.join(self.reasons)}; --any-layout ranks every layout"
+        slower = (self.runnable_step_time_s / self.step_time_s - 1) * 100
+        return (f"{head}, {self.step_time_s:.3f} s) is not runnable: {'; '.join(self.reasons)}; the best runnable "
+                f"is {self.runnable_step_time_s:.3f} s (+{slower:.1f} %); --any-layout ranks every layout")
+
+
+@dataclass
 class SearchResult:
     candidates_evaluated: int
     seconds: float
@@ -104,6 +126,10 @@ class SearchResult:
     timeline_step_s: list[float]
     explanation: list[str] = field(default_factory=list)
     calibration_check: CalibrationCheck | None = None
+    excluded: ExcludedLayout | None = None
+    """Set when ranking only runnable layouts left out a faster one."""
+    not_runnable: int = 0
+    """Layouts that fit in memory but that the runtime cannot run (left out unless ``runnable_only`` is off)."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -159,11 +185,13 @@ def enumerate_strategies(w: Workload, devices: int, space: SearchSpace):
 
 def search(w: Workload, devices: int, eff: Efficiency, space: SearchSpace | None = None, top_k: int = 10,
            timeline_top: int = 10, held_out: dict[str, Efficiency] | None = None,
-           time_every_choice: bool = True) -> SearchResult:
+           time_every_choice: bool = True, runnable_only: bool = True) -> SearchResult:
     """The best layouts of ``w`` on ``devices`` under ``eff``. ``held_out``: the efficiencies of the
     calibration's cross-validation fits, by the family each leaves out; the winner is re-ranked under each
     (``SearchResult.calibration_check``). ``time_every_choice``: time the screen's best layout of every
-    value of each choice with the timeline too, not only its best overall (off for quick comparisons)."""
+    value of each choice with the timeline too, not only its best overall (off for quick comparisons).
+    ``runnable_only``: rank only layouts the runtime can run (``runtime_limits`` empty); the fastest one
+    left out, if faster, is reported in ``SearchResult.excluded``."""
     space = space or SearchSpace()
     start = time.perf_counter()
     evaluated = 0
@@ -174,10 +202,21 @@ def search(w: Workload, devices: int, eff: Efficiency, space: SearchSpace | None
     keep = max(top_k, timeline_top) * 20
     # Best per (dimension, value), to explain the winner against the best alternative of each choice.
     alternatives: dict[tuple[str, int], tuple[float, Strategies]] = {}
+    excluded: tuple[float, Strategies] | None = None
+    not_runnable = 0
     for batch in enumerate_strategies(w, devices, space):
         out = evaluate(w, batch, eff)
         evaluated += len(batch)
         fits = out["memory_bytes"] <= memory_limit
+        if runnable_only:
+            runnable = runnable_mask(batch, w.model.num_layers, w.global_batch, w.cluster.devices_per_node)
+            left_out = fits & ~runnable
+            not_runnable += int(left_out.sum())
+            if left_out.any():
+                i = int(np.argmin(np.where(left_out, out["step_time_s"], np.inf)))
+                if excluded is None or out["step_time_s"][i] < excluded[0]:
+                    excluded = (float(out["step_time_s"][i]), batch.take([i]))
+            fits &= runnable
         feasible += int(fits.sum())
         if not fits.any():
             continue
@@ -198,8 +237,12 @@ def search(w: Workload, devices: int, eff: Efficiency, space: SearchSpace | None
         best, best_step = best.take(trim), best_step[trim]
     seconds_screen = time.perf_counter() - start
     if best is None:
-        return SearchResult(evaluated, seconds_screen, 0, _empty(),
-                            {}, [], ["no layout fits in memory; add devices, raise recompute or shorten sequences"])
+        result = SearchResult(evaluated, seconds_screen, 0, _empty(), {}, [],
+                              ["no layout fits in memory; add devices, raise recompute or shorten sequences"])
+        if excluded is not None:
+            result.excluded = _excluded(w, excluded[1], None, eff)
+            result.not_runnable = not_runnable
+        return result
     # Re-score with the timeline (bubble and overlap as the schedule really plays out), which decides: the
     # screen's best of both schedule kinds and its best layout of every value of each choice, which the
     # timeline may rank above them (the net under the screen's approximations).
@@ -222,10 +265,22 @@ def search(w: Workload, devices: int, eff: Efficiency, space: SearchSpace | None
         check = CalibrationCheck(list(held_out), [describe(pool, i) for i in range(len(pool))],
                                  np.array([_timeline_steps(w, pool, e) for e in held_out.values()]))
         check.seconds = time.perf_counter() - check_start
-    result = SearchResult(evaluated, 0.0, feasible, top, top_costs, steps, calibration_check=check)
+    result = SearchResult(evaluated, 0.0, feasible, top, top_costs, steps, calibration_check=check,
+                          not_runnable=not_runnable)
+    if excluded is not None and excluded[0] < float(costs["step_time_s"][0]):
+        left_out = _excluded(w, excluded[1], steps[0], eff)
+        if left_out.step_time_s is not None and left_out.step_time_s < steps[0]:
+            result.excluded = left_out
     result.explanation = explain_tie(steps, top_costs["memory_bytes"]) + explain(pool, costs, pool_step, check)
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _excluded(w: Workload, layout: Strategies, runnable_step_s: float | None, eff: Efficiency) -> ExcludedLayout:
+    """The left-out layout, timed like the ranked ones when there is a runnable winner to compare with."""
+    reasons = runtime_limits(layout.to_parallel(0), w.model.num_layers, w.global_batch, w.cluster.devices_per_node)
+    step = None if runnable_step_s is None else timeline_step(evaluate(w, layout, eff), layout, 0, eff)
+    return ExcludedLayout(describe(layout, 0), reasons, step, runnable_step_s)
 
 
 def _distinct(items: list[Strategies]) -> Strategies:
