@@ -1,4 +1,7 @@
-"""Checkpoints with ``torch.distributed.checkpoint`` (DCP), written atomically and sealed with checksums.
+"""Checkpoint folders: naming, sealing with checksums, verifying, and what a checkpoint may be resumed into.
+
+The tensors are written and read by ``moetrain.distributed.checkpoint`` (DCP, every layout, one process
+included); this module holds what does not depend on the layout.
 
 Layout under ``save_dir``: one folder ``step-000123/`` per checkpoint holding the DCP files and a
 ``COMPLETE`` marker. A save writes into ``step-000123.tmp/``; ``seal_checkpoint`` then flushes every file
@@ -10,13 +13,8 @@ The marker is canonical JSON (sorted keys, no spaces): the step, the run identit
 model config, the training config and the corpus hash, with a short hash of the three), the SHA-256 of
 every other file in the folder under ``files``, and its own SHA-256 under ``marker_sha256``. So a flipped
 byte anywhere, the marker included, is found before anything is loaded, and named (``verify_checkpoint``).
-Markers written before the checksums (no ``files``: older runs, ``moetrain convert``, the distributed
-runtime today) load as before, unverified.
-
-State: model and optimizer through ``get_state_dict``/``set_state_dict`` (so sharded modules and
-optimizers save the same way later), the RNG states as tensors, and the trainer's own state (step,
-scheduler, data position) as one JSON string. Router score biases are buffers of the model and
-travel with it.
+Markers written before the checksums (no ``files``: older runs, ``moetrain convert``) load as before,
+unverified.
 """
 
 from __future__ import annotations
@@ -33,17 +31,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
 
 from moetrain.errors import UserError
 
@@ -355,52 +345,12 @@ def quiet_checkpoint_load(path: Path, describe: Callable[[str], str] | None = No
             item.removeFilter(drop)
 
 
-# ----- saving and loading -----
-def _rng_state() -> dict[str, torch.Tensor]:
-    # The host generator only: training draws no device random numbers today (no dropout), and a
-    # CPU-only entry keeps checkpoints loadable across CPU and GPU machines.
-    return {"torch": torch.get_rng_state()}
-
-
-def _state_to_save(model: nn.Module, optimizer: torch.optim.Optimizer, trainer_state: dict[str, Any]) -> dict:
-    model_state, optim_state = get_state_dict(model, optimizer)
-    return {
-        "model": model_state,
-        "optim": optim_state,
-        "rng": _rng_state(),
-        "trainer": json.dumps(trainer_state, sort_keys=True),
-    }
-
-
+# ----- markers -----
 def marker_fields(step: int, identity: dict[str, Any] | str) -> dict[str, Any]:
     """The ``COMPLETE`` marker's own fields (``seal_checkpoint`` adds the checksums)."""
     if isinstance(identity, str):  # a caller that has only the short hash
         return {"step": step, "config_hash": identity}
     return {"step": step, "config_hash": identity["hash"], "identity": identity}
-
-
-def save_checkpoint(
-    save_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-    trainer_state: dict[str, Any], identity: dict[str, Any] | str,
-) -> Path:
-    """Write the checkpoint of (completed) step ``step`` atomically, sealed; returns its folder.
-    ``identity``: the run's ``run_identity`` (or, from a caller not switched over yet, its short hash)."""
-    final = checkpoint_dir(save_dir, step)
-    staging = final.with_name(final.name + ".tmp")
-    if _is_coordinator():
-        save_dir.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(staging, ignore_errors=True)
-    if _distributed():
-        dist.barrier()
-    with _single_process_quiet():
-        dcp.save(_state_to_save(model, optimizer, trainer_state), checkpoint_id=staging, no_dist=not _distributed())
-    if _distributed():
-        dist.barrier()  # every rank's shard is written before the coordinator seals the folder
-    if _is_coordinator():
-        seal_checkpoint(staging, final, marker_fields(step, identity))
-    if _distributed():
-        dist.barrier()
-    return final
 
 
 def is_model_only(path: Path) -> bool:
@@ -409,39 +359,6 @@ def is_model_only(path: Path) -> bool:
         return bool(json.loads((path / COMPLETE_MARKER).read_text()).get("model_only"))
     except (OSError, ValueError, AttributeError):
         return False
-
-
-def _load_model_only(path: Path, model: nn.Module) -> dict[str, Any]:
-    """Load the weights only; the optimizer, schedule and data start fresh at step 0. DCP reads the
-    weights by parameter name, so any parallel layout can start from them."""
-    verify_checkpoint(path)
-    model_state = get_model_state_dict(model)
-    with quiet_checkpoint_load(path, lambda reason: f"converted checkpoint {path} does not fit this model "
-                                                    f"({reason}); train with the model.yaml written beside it"):
-        dcp.load({"model": model_state}, checkpoint_id=path, no_dist=not _distributed())
-    set_model_state_dict(model, model_state)
-    return {"step": 0, "lr_scheduler": {}}
-
-
-def load_checkpoint(
-    path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, identity: dict[str, Any] | str
-) -> dict[str, Any]:
-    """Restore model, optimizer and RNG from ``path``; returns the trainer state saved with them.
-    First, before anything is read into the model: the marker's own checksum, whether the run of
-    ``identity`` may resume it (``check_resumable``), then every file's checksum."""
-    if is_model_only(path):
-        return _load_model_only(path, model)
-    marker = _read_marker_file(path)
-    check_resumable(marker, identity if isinstance(identity, dict) else {"hash": identity}, f"checkpoint {path}")
-    _verify_files(path, marker)
-    # The template tells DCP which keys and shapes to read; its values are overwritten in place.
-    state = _state_to_save(model, optimizer, {})
-    with quiet_checkpoint_load(path):
-        dcp.load(state, checkpoint_id=path, no_dist=not _distributed())
-        trainer_state = json.loads(state["trainer"])
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    torch.set_rng_state(state["rng"]["torch"])
-    return trainer_state
 
 
 def should_save(step: int, last_step: int, save_every: int) -> bool:
