@@ -2,11 +2,10 @@
 
     python benchmarks/balance_record_trace.py --steps 80 --out benchmarks/results/balance_trace_tiny_pangu.jsonl
 
-Trains a model preset with the single-process trainer and writes, per step and MoE layer, the tokens
-each expert received (summed over the step's micro-batches). The balance-loss coefficients can be
-zeroed (``--no-balance-loss``) to see the skew a router develops without them. Until ``moetrain train
---trace-routing`` lands this is how the benchmarks get a trace from our own runs; it reads the counts
-that the trainer already hands to ``optimizer_step`` (one device read per step, fine for a recording).
+Trains a model preset in one process with the training loop's own ``--trace-routing`` writer: per step
+and MoE layer (the MTP module's as ``num_layers + j``), the tokens each expert received, summed over the
+step's micro-batches. The balance-loss coefficients can be zeroed (``--no-balance-loss``) to see the skew
+a router develops without them, which the ``moetrain train`` flags cannot do.
 """
 
 from __future__ import annotations
@@ -14,9 +13,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import numpy as np
-
-from moetrain.balance.traces import RoutingTrace, write_trace
 from moetrain.config import TrainingConfig, load_model_config
 
 
@@ -33,32 +29,22 @@ def main() -> int:
 
     import torch
 
-    from moetrain.train.trainer import RunOptions, Trainer
+    from moetrain.balance.traces import read_trace
+    from moetrain.config.run import RunSpec
+    from moetrain.train.trainer import Trainer
 
     model = load_model_config(args.model)
     if args.no_balance_loss and model.moe is not None:
         router = model.moe.router.model_copy(update={"expert_balance_coef": 0.0, "device_balance_coef": 0.0})
         model = model.model_copy(update={"moe": model.moe.model_copy(update={"router": router})})
-    rows: list[np.ndarray] = []
-
-    class RecordingTrainer(Trainer):
-        def optimizer_step(self, tokens_per_expert: torch.Tensor | None) -> torch.Tensor:
-            if tokens_per_expert is not None:
-                rows.append(tokens_per_expert.detach().cpu().numpy().reshape(-1, tokens_per_expert.shape[-1]))
-            return super().optimizer_step(tokens_per_expert)
-
     torch.set_num_threads(2)
-    trainer = RecordingTrainer(model, TrainingConfig(steps=args.steps, seed=args.seed, global_batch=args.global_batch,
-                                                         micro_batch=args.micro_batch),
-                               RunOptions(device="cpu", show_progress=False))
-    trainer.train()
-    loads = np.stack(rows).astype(np.int64)  # [T, L, E]
-    moe_layers = np.array([i for i in range(model.num_layers) if model.is_moe_layer(i)], dtype=np.int64)
-    if moe_layers.size != loads.shape[1]:
-        moe_layers = np.arange(loads.shape[1])
-    trace = RoutingTrace(np.arange(1, loads.shape[0] + 1), moe_layers, loads)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    write_trace(trace, args.out)
+    training = TrainingConfig(steps=args.steps, seed=args.seed, global_batch=args.global_batch,
+                              micro_batch=args.micro_batch)
+    # the loop's own routing trace: global tokens per expert, per step and MoE layer (MTP as num_layers + j)
+    spec = RunSpec(model=args.model, training=training,
+                   run={"device": "cpu", "quiet": True, "trace_routing": str(Path(args.out).resolve())})
+    Trainer(spec, model_cfg=model).train()
+    loads = read_trace(args.out).tokens_per_expert  # [T, L, E]
     imbalance = loads.max(axis=-1) / loads.mean(axis=-1)
     print(f"wrote {args.out}: {loads.shape[0]} steps × {loads.shape[1]} MoE layers × {loads.shape[2]} experts; "
           f"max/mean expert load {imbalance.mean():.2f} (mean over steps and layers)")
