@@ -84,3 +84,14 @@ def assert_parity(name: str, per_rank: list[list[dict]], reference: list[dict], 
             for key in fields:
                 assert abs(got[key] - want[key]) <= rel * abs(want[key]), \
                     f"{name} step {got['step']} {key}: {got[key]} vs {want[key]}"
+
+
+def side_by_side(layouts: dict[str, ParallelConfig], rank: int,
+                 ranks_per_node: int | None = None) -> list[tuple[str, ParallelConfig, ParallelDims]]:
+    """The layouts this rank belongs to, placed one after another on the world's ranks. Every rank calls
+    this with the same layouts (``ParallelDims.build`` creates every group on every rank)."""
+    offset, members = 0, []
+    for name, parallel in layouts.items():
+        members.append((name, parallel, ParallelDims.build(parallel, rank, ranks_per_node, rank_offset=offset)))
+        offset += parallel.world_size
+    return [(name, parallel, dims) for name, parallel, dims in members if dims.is_member]

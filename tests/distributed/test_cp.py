@@ -24,9 +24,9 @@ from _parity import (
     assert_parity,
     losses_by_layout,
     run_spec,
+    side_by_side,
     single_process_rows,
     train_rows,
-    write_corpus,
 )
 
 from moetrain.cli import main
@@ -39,7 +39,7 @@ from moetrain.models.attention import GQA, MLA, build_attention_context
 from moetrain.train.checkpoint import checkpoint_dir
 from moetrain.train.checks import check_seq_len
 
-STEPS, SAVED_AT = 5, 3
+STEPS, SAVED_AT = 4, 2
 TRAINING = TrainingConfig(steps=STEPS, global_batch=8, micro_batch=2, seq_len=32, warmup_steps=2)
 ROUNDS: list[dict[str, ParallelConfig]] = [
     {"cp2": ParallelConfig(cp=2), "cp2_ep2_overlap": ParallelConfig(cp=2, ep=2, overlap=True)},
@@ -133,14 +133,9 @@ def test_cp_attention_equals_full_sequence_attention_forward_and_backward() -> N
 def _worker(rank: int, world_size: int, data: Path, root: Path) -> dict[str, list[dict]]:
     rows: dict[str, list[dict]] = {}
     for index, layouts in enumerate(ROUNDS):
-        offset, members = 0, []
-        for name, parallel in layouts.items():
-            members.append((name, parallel, ParallelDims.build(parallel, rank, rank_offset=offset)))
-            offset += parallel.world_size
+        members = side_by_side(layouts, rank)
         resume = ParallelDims.build(RESUME_LAYOUT, rank) if index == 0 else None
         for name, parallel, dims in members:
-            if not dims.is_member:
-                continue
             if name != SAVE_LAYOUT:
                 rows[name] = train_rows(run_spec(TRAINING, parallel, data), dims)
                 continue
@@ -155,14 +150,6 @@ def _worker(rank: int, world_size: int, data: Path, root: Path) -> dict[str, lis
             rows["dp2_from_cp2"] = train_rows(run_spec(TRAINING, RESUME_LAYOUT, data, save_dir=str(resumed),
                                                        resume=True), resume)
     return rows
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory):
-    root = tmp_path_factory.mktemp("cp_parity")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("MOETRAIN_CACHE", str(root / "cache"))
-        yield write_corpus(root)
 
 
 @pytest.fixture(scope="module")

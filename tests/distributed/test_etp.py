@@ -24,8 +24,8 @@ from _parity import (
     assert_parity,
     losses_by_layout,
     run_spec,
+    side_by_side,
     single_process_rows,
-    write_corpus,
 )
 from rich.console import Console
 
@@ -158,7 +158,7 @@ def test_etp_layout_accepted() -> None:
 
 # ---- training: per-step loss parity, resharding, host reads -----------------------------------------
 
-STEPS, SAVED_AT = 5, 3
+STEPS, SAVED_AT = 4, 2
 TRAINING = TrainingConfig(steps=STEPS, global_batch=8, micro_batch=1, seq_len=32, warmup_steps=2)
 SAVE_LAYOUT = "ep2_etp2"
 """Saves every ``SAVED_AT`` steps while it trains; also counts its host reads."""
@@ -211,22 +211,9 @@ def _worker(rank: int, world_size: int, data: Path, root: Path) -> dict[str, lis
     for layouts in [*ROUNDS, LOAD_LAYOUTS]:
         if layouts is LOAD_LAYOUTS:
             dist.barrier()  # the saved checkpoint is in place before any rank resumes it
-        offset, members = 0, []
-        for name, parallel in layouts.items():
-            members.append((name, parallel, ParallelDims.build(parallel, rank, rank_offset=offset)))
-            offset += parallel.world_size
-        for name, parallel, dims in members:
-            if dims.is_member:
-                results.update(_trained(name, parallel, dims, data, root))
+        for name, parallel, dims in side_by_side(layouts, rank):
+            results.update(_trained(name, parallel, dims, data, root))
     return results
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory):
-    root = tmp_path_factory.mktemp("etp_parity")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("MOETRAIN_CACHE", str(root / "cache"))
-        yield write_corpus(root)
 
 
 @pytest.fixture(scope="module")

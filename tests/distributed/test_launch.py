@@ -69,7 +69,7 @@ def test_a_rank_killed_mid_save_leaves_the_newest_complete_checkpoint(tmp_path: 
     shape = ["--steps", "4", "--seq-len", "32", "--global-batch", "8", "--micro-batch", "2", "--synthetic-data",
              "--quiet", "--save-dir", str(tmp_path / "ckpt"), "--save-every", "2"]
     start = time.monotonic()
-    proc = subprocess.run([*LAUNCH, "--nproc", "4", "--ep", "2", "--pp", "2", *shape,
+    proc = subprocess.run([*LAUNCH, "--nproc", "2", "--ep", "2", *shape,
                            "--log-dir", str(tmp_path / "logs")], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 1 and time.monotonic() - start < 60
     assert "rank 1 failed: killed by signal SIGKILL" in proc.stderr

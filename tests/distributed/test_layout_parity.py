@@ -16,16 +16,15 @@ from _parity import (
     assert_parity,
     losses_by_layout,
     run_spec,
+    side_by_side,
     single_process_rows,
     train_rows,
-    write_corpus,
 )
 
 from moetrain.config import ParallelConfig, TrainingConfig
-from moetrain.distributed.layout import ParallelDims
 from moetrain.distributed.world import spawn
 
-STEPS = 6
+STEPS = 4
 TRAINING = TrainingConfig(steps=STEPS, global_batch=8, micro_batch=2, seq_len=32, warmup_steps=2)
 TRAINING_MICRO_1 = TRAINING.model_copy(update={"micro_batch": 1})
 MICRO_1 = {"ep4_hierarchical_overlap"}
@@ -64,23 +63,10 @@ def _training(layout: str) -> TrainingConfig:
 def _worker(rank: int, world_size: int, data) -> dict[str, list[dict]]:
     rows: dict[str, list[dict]] = {}
     for layouts in ROUNDS:
-        offset, members = 0, []
-        for name, parallel in layouts.items():
-            members.append((name, parallel, ParallelDims.build(parallel, rank, RANKS_PER_NODE, rank_offset=offset)))
-            offset += parallel.world_size
-        for name, parallel, dims in members:
-            if dims.is_member:
-                spec = run_spec(_training(name), parallel, data, ranks_per_node=RANKS_PER_NODE)
-                rows[name] = train_rows(spec, dims)
+        for name, parallel, dims in side_by_side(layouts, rank, RANKS_PER_NODE):
+            spec = run_spec(_training(name), parallel, data, ranks_per_node=RANKS_PER_NODE)
+            rows[name] = train_rows(spec, dims)
     return rows
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory):
-    root = tmp_path_factory.mktemp("parity")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("MOETRAIN_CACHE", str(root / "cache"))
-        yield write_corpus(root)
 
 
 @pytest.fixture(scope="module")

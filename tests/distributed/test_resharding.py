@@ -20,7 +20,6 @@ from _parity import (
     run_spec,
     single_process_rows,
     train_rows,
-    write_corpus,
 )
 from rich.console import Console
 
@@ -56,14 +55,6 @@ def _worker(rank: int, world_size: int, data: Path, root: Path) -> dict[str, lis
     for name, parallel in LOAD_LAYOUTS.items():
         rows[name] = train_rows(run_spec(TRAINING, parallel, data, save_dir=str(root / name), resume=True), dims[name])
     return rows
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory):
-    root = tmp_path_factory.mktemp("resharding")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("MOETRAIN_CACHE", str(root / "cache"))
-        yield write_corpus(root)
 
 
 @pytest.fixture(scope="module")

@@ -18,9 +18,9 @@ from _parity import (
     assert_parity,
     losses_by_layout,
     run_spec,
+    side_by_side,
     single_process_rows,
     train_rows,
-    write_corpus,
 )
 from torch import nn
 
@@ -33,8 +33,8 @@ from moetrain.errors import UserError
 from moetrain.models.transformer import build_model
 from moetrain.train.optim import build_optimizer
 
-STEPS = 6
-RESUME_AT = 3
+STEPS = 4
+RESUME_AT = 2
 """Resumed layouts stop (saving a checkpoint) after this many steps, and a new run resumes from it."""
 TRAINING = TrainingConfig(steps=STEPS, global_batch=8, micro_batch=2, seq_len=32, warmup_steps=2)
 ROUNDS: list[dict[str, ParallelConfig]] = [
@@ -69,22 +69,9 @@ def _train(name: str, parallel: ParallelConfig, dims: ParallelDims, data, save_r
 def _worker(rank: int, world_size: int, data, save_root) -> dict[str, list[dict]]:
     results: dict[str, list[dict]] = {}
     for layouts in ROUNDS:
-        offset, members = 0, []
-        for name, parallel in layouts.items():
-            members.append((name, parallel, ParallelDims.build(parallel, rank, rank_offset=offset)))
-            offset += parallel.world_size
-        for name, parallel, dims in members:
-            if dims.is_member:
-                results.update(_train(name, parallel, dims, data, save_root))
+        for name, parallel, dims in side_by_side(layouts, rank):
+            results.update(_train(name, parallel, dims, data, save_root))
     return results
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory):
-    root = tmp_path_factory.mktemp("zero23")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("MOETRAIN_CACHE", str(root / "cache"))
-        yield write_corpus(root)
 
 
 @pytest.fixture(scope="module")
