@@ -71,6 +71,8 @@ def test_a_plan_sets_its_layout_model_shape_and_recompute() -> None:
     assert source["memory"] == {"policy": "full"}
     assert source["parallel"]["zero"] == 2 and source["parallel"]["a2a"] == "hierarchical"
     assert "micro_batch" not in source["parallel"] and "recompute" not in source["parallel"]
+    assert "run" not in source  # no cluster named: the node size comes from --ranks-per-node
+    assert spec_source_from_plan({**plan, "cluster": "h100-sxm-80gb"})["run"] == {"ranks_per_node": 8}
 
 
 @pytest.mark.parametrize(("text", "message"), [

@@ -163,7 +163,8 @@ memory policy); an ``sp`` that disagrees with tp is refused by ``RunSpec``."""
 
 def spec_source_from_plan(plan: dict[str, Any]) -> dict[str, Any]:
     """The run-spec fields a plan file sets: its model, sequence length, global batch, layout,
-    micro-batch and recompute level (as the memory policy)."""
+    micro-batch, recompute level (as the memory policy) and, for the hierarchical all-to-all, its
+    cluster's node size."""
     parallel = plan["parallel"]
     if isinstance(parallel, BaseModel):
         parallel = parallel.model_dump()
@@ -180,6 +181,11 @@ def spec_source_from_plan(plan: dict[str, Any]) -> dict[str, Any]:
         source["training"]["micro_batch"] = parallel["micro_batch"]
     if parallel.get("recompute", "none") != "none":
         source["memory"] = {"policy": parallel["recompute"]}
+    if parallel.get("a2a") == "hierarchical" and "cluster" in plan:
+        # the node size the plan was searched for is the one its two-hop all-to-all assumes
+        from moetrain.config.presets import load_cluster_config
+
+        source["run"] = {"ranks_per_node": load_cluster_config(plan["cluster"]).devices_per_node}
     return source
 
 
