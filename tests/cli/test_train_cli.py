@@ -115,6 +115,8 @@ def test_a_multi_rank_plan_is_checked_before_any_process_starts(plan_text, extra
         (["--nproc", "2", "--ep", "2", "--online-balance", "--zero", "2"],
          "--online-balance moves ZeRO-1 optimizer shards"),
         (["--nproc", "2", "--balance-interval", "3"], "tune online balancing; enable it or drop them"),
+        (["--nproc", "2", "--ep", "2", "--online-balance", "--balance-interval", "0"],
+         "--balance-interval: Input should be greater than 0"),
     ],
 )
 def test_a_bad_multi_rank_run_is_one_line_before_any_process_starts(args, message, capsys, no_process_starts):

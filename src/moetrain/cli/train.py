@@ -160,8 +160,18 @@ def build_spec(args: argparse.Namespace, world_size: int | None = None):
                  if (getattr(args, axis) or 1) > 1]
         if given:
             raise UserError(f"{' '.join(given)} needs several ranks: give --nproc N (= tp·cp·pp·dp)")
-    spec = resolve_run_spec(sources, world_size)
+    try:
+        spec = resolve_run_spec(sources, world_size)
+    except UserError as exc:
+        raise UserError(_named_by_flag(str(exc))) from None
     return spec
+
+
+def _named_by_flag(message: str) -> str:
+    """``run spec: balance.interval: ...`` → ``--balance-interval: ...``: name the flag the user typed."""
+    for flag, (section, field) in FLAG_FIELDS.items():
+        message = message.replace(f"run spec: {section}.{field}:", f"--{flag.replace('_', '-')}:")
+    return message
 
 
 def checked_spec(args: argparse.Namespace, world_size: int | None = None):
