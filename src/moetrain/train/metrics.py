@@ -134,18 +134,6 @@ class RoutingTraceWriter:
             self._file = None
 
 
-def progress_bar(console: Console) -> Progress:
-    return Progress(
-        TextColumn("[bold]train"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("loss {task.fields[loss]:.4f}  lr {task.fields[lr]:.2e}  {task.fields[tokens_per_s]:,.0f} tok/s"),
-        TimeRemainingColumn(),
-        console=console,
-        transient=False,
-    )
-
-
 def moe_layer_labels(model_cfg: ModelConfig) -> list[str]:
     """``MoE layer 2`` for a decoder layer, ``MTP layer 8`` for an MTP module's block (numbered as in the
     routing trace), in the order of the per-layer metrics."""
