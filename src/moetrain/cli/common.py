@@ -97,10 +97,7 @@ def memory_options(args: argparse.Namespace):
 
     from moetrain.config.run import MemoryOptions
 
-    given = memory_flags(args)
-    if given.get("policy") == "auto" and "budget_fraction" not in given and "budget_gib" not in given:
-        raise UserError("--policy auto needs a budget: add --budget-fraction F or --budget-gib G")
     try:
-        return MemoryOptions(**given)
-    except ValidationError as exc:  # pragma: no cover - the checks above name the flag first
-        raise UserError(str(exc).splitlines()[0]) from None
+        return MemoryOptions(**memory_flags(args))
+    except ValidationError as exc:  # the validator's own line ("--policy auto needs a budget: ...")
+        raise UserError(exc.errors()[0]["msg"].removeprefix("Value error, ")) from None

@@ -43,6 +43,7 @@ from moetrain.train.checkpoint import (
     check_resumable,
     checkpoint_dir,
     is_model_only,
+    library_cause,
     marker_fields,
     quiet_checkpoint_load,
     read_marker,
@@ -226,7 +227,7 @@ def save_checkpoint(save_dir: Path, step: int, run: LayoutRun, model_cfg: ModelC
         # library wraps in its own exception) stays an interrupt, so the run ends as "interrupted".
         if coordinator:
             shutil.rmtree(staging, ignore_errors=True)
-        cause = _underlying(exc)
+        cause = library_cause(exc)
         if isinstance(cause, KeyboardInterrupt):
             raise KeyboardInterrupt from None
         raise cause from None
@@ -283,13 +284,6 @@ def _load_model_only(path: Path, run: LayoutRun, model_cfg: ModelConfig) -> int:
         dcp.load(flat, checkpoint_id=path, planner=_LoadPlanner(), process_group=run.stage.dims.get_group("world"))
     run.optimizer.load_params(tensors)
     return 0
-
-
-def _underlying(exc: BaseException) -> BaseException:
-    """The first rank's own exception inside the checkpoint library's wrapper (or ``exc`` itself)."""
-    if isinstance(exc, CheckpointException) and exc.failures:
-        return next(iter(exc.failures.values()))[0]
-    return exc
 
 
 def read_expert_placement(path: Path) -> dict | None:

@@ -16,6 +16,7 @@ of it (with the gradient norm and the per-layer load), so its metrics are identi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 import torch.distributed as dist
@@ -57,6 +58,18 @@ class LayoutRun:
     def model_cfg(self) -> ModelConfig:
         return self.stage.model.cfg
 
+    @cached_property
+    def held_moe_blocks(self) -> list[tuple[int, torch.nn.Module]]:
+        """(row in the [layers, experts] count matrix, MoE block) for each MoE layer this rank holds;
+        found once, not in every step (balancing moves experts inside the blocks, never the blocks)."""
+        model = self.stage.model
+        row_of = {layer: row for row, layer in enumerate(self.moe_layers)}
+        held = [(row_of[int(index)], layer.moe) for index, layer in model.layers.items() if layer.is_moe]
+        held += [(row_of[model.cfg.num_layers + j], module.layer.moe) for j, module in enumerate(model.mtp)
+                 if module.layer.is_moe]
+        assert len(held) == len(model_moe_blocks(model))
+        return held
+
 
 def build_layout(dims: ParallelDims, model_cfg: ModelConfig, cfg: TrainingConfig, device: torch.device,
                  backend: AttentionBackend = "eager", model: MoETransformer | None = None,
@@ -90,17 +103,6 @@ class StepResult:
         return {"loss": self.loss, "lm_loss": self.lm_loss, "mtp_loss": self.mtp_loss, "aux_loss": self.aux_loss,
                 "lr": self.lr, "grad_norm": self.grad_norm,
                 "expert_load_max_over_mean": self.expert_load_max_over_mean}
-
-
-def _held_moe_blocks(run: LayoutRun) -> list[tuple[int, torch.nn.Module]]:
-    """(row in the [layers, experts] count matrix, MoE block) for each MoE layer this rank holds."""
-    model = run.stage.model
-    row_of = {layer: row for row, layer in enumerate(run.moe_layers)}
-    held = [(row_of[int(index)], layer.moe) for index, layer in model.layers.items() if layer.is_moe]
-    held += [(row_of[model.cfg.num_layers + j], module.layer.moe) for j, module in enumerate(model.mtp)
-             if module.layer.is_moe]
-    assert len(held) == len(model_moe_blocks(model))
-    return held
 
 
 def _step_context(run: LayoutRun, batch: StepBatch) -> StepContext:
@@ -148,7 +150,7 @@ def train_step(run: LayoutRun, step: int, batch: StepBatch) -> StepResult:
     load = packed.new_zeros(0)
     if layers:
         # The aux-loss-free bias step (a no-op for routers without a score bias), from global counts.
-        for row, block in _held_moe_blocks(run):
+        for row, block in run.held_moe_blocks:
             block.router.update_bias(global_counts[row])
         load = global_counts.amax(-1) / global_counts.mean(-1).clamp(min=1e-9)
     values = torch.cat([packed, grad_norm.double().reshape(1).to(packed.device), load]).tolist()  # the one read

@@ -305,13 +305,20 @@ class _DropLibraryRecords(logging.Filter):
         return not record.pathname.startswith(_DCP_DIR)
 
 
+def library_cause(exc: BaseException) -> BaseException:
+    """The first rank's own exception inside DCP's ``CheckpointException`` (or ``exc`` itself): an
+    interrupt stays an interrupt, a damaged file its own error."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        first = next(iter(exc.failures.values()))  # (exception, traceback) by rank
+        return first[0] if isinstance(first, tuple) else first
+    return exc
+
+
 def _library_failure(exc: BaseException) -> str:
     """One line on why DCP failed, without its internals (rank maps, tracebacks, per-rank file names)."""
-    if isinstance(exc, CheckpointException):
-        failures = list(exc.failures.values())  # (exception, traceback) by rank
-        if not failures:
-            return "the checkpoint library failed"
-        exc = failures[0][0] if isinstance(failures[0], tuple) else failures[0]
+    if isinstance(exc, CheckpointException) and not exc.failures:
+        return "the checkpoint library failed"
+    exc = library_cause(exc)
     text = str(exc).strip()
     if text.startswith("metadata is None"):  # neither the global nor a per-rank .metadata could be read
         return "its .metadata file cannot be read"
