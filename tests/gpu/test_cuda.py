@@ -24,7 +24,7 @@ from moetrain.memory.policy import num_blocks
 from moetrain.memory.runtime import apply_memory_policy
 from moetrain.models import build_model
 from moetrain.models.dispatch import permute, unpermute
-from moetrain.models.experts import _native_grouped_mm_ok, grouped_mm
+from moetrain.models.experts import native_grouped_mm_ok, grouped_mm
 from moetrain.models.router import Routing, count_tokens_per_expert
 from moetrain.train import Trainer
 
@@ -53,7 +53,7 @@ def test_native_grouped_gemm_matches_a_per_expert_fp32_reference():
     counts = torch.tensor([0, 37, 128, 5, 200, 0, 64, 1], device="cuda")
     x = torch.randn(int(counts.sum()), 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = (torch.randn(8, 256, 512, device="cuda", dtype=torch.bfloat16) * 0.05).requires_grad_(True)
-    assert _native_grouped_mm_ok(x, w), "H100-class GPU with bf16 should take the fused grouped GEMM"
+    assert native_grouped_mm_ok(x, w), "H100-class GPU with bf16 should take the fused grouped GEMM"
     out = grouped_mm(x, w, counts)
     out.float().square().sum().backward()
 

@@ -56,6 +56,9 @@ class RunOptions(BaseModel):
     """A multi-rank run's torchrun log and the ranks' error lines (default: a new temporary folder)."""
     timeout_s: float = Field(default=60.0, gt=0)
     """Collective timeout: a rank waiting on a dead peer gives up after this long."""
+    compile: bool | None = None
+    """``torch.compile`` each decoder layer (None: on for CUDA, off for CPU, where compiling a small model
+    takes longer than it saves)."""
 
 
 class MemoryOptions(BaseModel):

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from moetrain.balance.placement import ExpertPlacement
 from moetrain.distributed.comm import PendingExchange, all_to_all, all_to_all_start
+from moetrain.distributed.host_reads import host_read
 from moetrain.distributed.overlap import wait_comm
 from moetrain.distributed.trace import record_async, span
 from moetrain.models.dispatch import PermuteMeta, unpermute
@@ -130,7 +131,7 @@ def _read_counts(parts: list[torch.Tensor], work: dist.Work) -> np.ndarray:
     """Wait for the count exchange and read it to the host: the layer's one device→host read."""
     # A few bytes, started before the permutation: no turn for the other micro-batch here.
     wait_comm(work, "counts_allgather", hand_over=False)
-    with span("counts_d2h", "comm"):
+    with span("counts_d2h", "comm"), host_read("expert counts"):
         return torch.stack(parts).cpu().numpy()
 
 
@@ -152,6 +153,7 @@ class PendingDispatch:
     """With a count exchange over the EP × ETP ranks: tokens per local slot received by each ETP member
     (this rank's included), already on the host, so the ETP gather needs no exchange of its own."""
 
+    @torch.compiler.disable  # host-side split sizes: stays eager under a compiled block
     def finish(self) -> tuple[torch.Tensor, torch.Tensor, object]:
         return self.reorder(self.exchange.wait())
 
@@ -183,6 +185,7 @@ class AllToAllDispatcher:
     def dispatch(self, x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, FlatDispatchMeta]:
         return self.start_dispatch(x_TD, routing).finish()
 
+    @torch.compiler.disable  # host-side split sizes: stays eager under a compiled block
     def start_dispatch(self, x_TD: torch.Tensor, routing: Routing) -> PendingDispatch:
         table, rank = self.table, self.ep_rank
         num_ranks, slots = table.num_ranks, table.slots_per_rank
@@ -216,6 +219,7 @@ class AllToAllDispatcher:
         return PendingDispatch(exchange, lambda received: (received[to_canonical_t], tokens_per_local, meta),
                                tokens_per_local, member_counts_GS)
 
+    @torch.compiler.disable  # host-side split sizes: stays eager under a compiled block
     def combine(self, y_PD: torch.Tensor, meta: FlatDispatchMeta) -> torch.Tensor:
         returned = all_to_all(y_PD[meta.from_canonical], meta.in_splits, meta.out_splits, self.group, "a2a_combine")
         with span("unpermute"):
@@ -256,6 +260,7 @@ class HierarchicalDispatcher:
                  routing: Routing) -> tuple[torch.Tensor, torch.Tensor, HierarchicalDispatchMeta]:
         return self.start_dispatch(x_TD, routing).finish()
 
+    @torch.compiler.disable  # host-side split sizes: stays eager under a compiled block
     def start_dispatch(self, x_TD: torch.Tensor, routing: Routing) -> PendingDispatch:
         """Runs hop 1 and issues hop 2 (what can overlap the caller's next work)."""
         table, rank = self.table, self.ep_rank
@@ -317,6 +322,7 @@ class HierarchicalDispatcher:
         return PendingDispatch(exchange, lambda received: (received[to_canonical_t], tokens_per_local, meta),
                                tokens_per_local)
 
+    @torch.compiler.disable  # host-side split sizes: stays eager under a compiled block
     def combine(self, y_PD: torch.Tensor, meta: HierarchicalDispatchMeta) -> torch.Tensor:
         back = all_to_all(y_PD[meta.from_canonical], meta.intra_in, meta.intra_out, self.intra_group,
                           "a2a_combine_intra")

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from moetrain.distributed.comm import all_to_all
 from moetrain.distributed.ep import ExpertTable, PendingDispatch, inverse_permutation, regroup_index
+from moetrain.distributed.host_reads import host_read
 from moetrain.distributed.overlap import wait_comm
 from moetrain.distributed.trace import record_async, span
 from moetrain.models.dispatch import ReadyDispatch
@@ -111,7 +112,7 @@ class _PendingCounts:
     def read(self) -> np.ndarray:
         # A few bytes: no turn handed to the other micro-batch for it.
         wait_comm(self.work, "etp_counts_allgather", hand_over=False)
-        with span("etp_counts_d2h", "comm"):
+        with span("etp_counts_d2h", "comm"), host_read("expert counts (ETP)"):
             return torch.stack(self.parts).cpu().numpy()
 
 
@@ -131,6 +132,7 @@ class PendingExpertTensorParallelDispatch:
     counts: _PendingCounts | _KnownCounts | None
     group: dist.ProcessGroup
 
+    @torch.compiler.disable  # host-side split sizes: stays eager under a compiled block
     def finish(self) -> tuple[torch.Tensor, torch.Tensor, ExpertTensorParallelMeta]:
         tokens_PD, tokens_per_local, inner_meta = self.inner.finish()  # type: ignore[attr-defined]
         counts = self.counts if self.counts is not None else _PendingCounts(tokens_per_local, self.group)
@@ -161,6 +163,7 @@ class ExpertTensorParallelDispatcher:
         if hasattr(self.inner, "table"):
             self.inner.table = table
 
+    @torch.compiler.disable  # host-side split sizes: stays eager under a compiled block
     def start_dispatch(self, x_TD: torch.Tensor, routing: Routing) -> PendingExpertTensorParallelDispatch:
         pending = self.inner.start_dispatch(x_TD, routing)
         members = getattr(pending, "member_counts_GS", None)
@@ -174,6 +177,7 @@ class ExpertTensorParallelDispatcher:
                  routing: Routing) -> tuple[torch.Tensor, torch.Tensor, ExpertTensorParallelMeta]:
         return self.start_dispatch(x_TD, routing).finish()
 
+    @torch.compiler.disable  # host-side split sizes: stays eager under a compiled block
     def combine(self, y_PD: torch.Tensor, meta: ExpertTensorParallelMeta) -> torch.Tensor:
         own_PD = reduce_scatter_expert_outputs(y_PD, meta, self.group)
         return self.inner.combine(own_PD, meta.inner)

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from moetrain.distributed.trace import span
-from moetrain.models.experts import GroupedExperts, grouped_mm
+from moetrain.models.experts import GroupedExperts, grouped_mm, grouped_weight_grad
 
 
 class _TakeTurns:
@@ -160,16 +160,10 @@ class _SplitGradExpertsFn(torch.autograd.Function):
 
         def weight_grads() -> None:
             with span("experts_wgrad"):
-                sizes = counts_E.tolist()
-                per_expert = zip(tokens_PD.split(sizes), (silu_PF * up_PF).split(sizes), grad_gate_PF.split(sizes),
-                                 grad_up_PF.split(sizes), grad_PD.split(sizes))
-                grads = [(x.t() @ g, x.t() @ u, h.t() @ d) for x, h, g, u, d in per_expert]
-                if not grads:
-                    return
-                gate, up, down = (torch.stack(parts) for parts in zip(*grads))
-                _accumulate(experts.w_gate_EDF, gate)
-                _accumulate(experts.w_up_EDF, up)
-                _accumulate(experts.w_down_EFD, down)
+                hidden_PF = silu_PF * up_PF
+                _accumulate(experts.w_gate_EDF, grouped_weight_grad(tokens_PD, grad_gate_PF, counts_E))
+                _accumulate(experts.w_up_EDF, grouped_weight_grad(tokens_PD, grad_up_PF, counts_E))
+                _accumulate(experts.w_down_EFD, grouped_weight_grad(hidden_PF, grad_PD, counts_E))
 
         _DEFERRED.append(weight_grads)
         return grad_tokens_PD, None, None, None, None, None

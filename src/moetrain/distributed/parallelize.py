@@ -28,6 +28,7 @@ from moetrain.distributed.etp import ExpertTensorParallelDispatcher
 from moetrain.distributed.layout import ParallelDims, layers_per_chunk
 from moetrain.distributed.overlap import SplitGradExperts
 from moetrain.distributed.tp import ParamKind, apply_tensor_parallel
+from moetrain.models.experts import probe_grouped_mm
 from moetrain.models.transformer import MoETransformer
 
 
@@ -127,3 +128,18 @@ def parallelize(model: MoETransformer, dims: ParallelDims, placement: ExpertPlac
         for block in model_moe_blocks(model):
             SplitGradExperts.adopt(block.experts)
     return StageModel(model, chunks, dims, table, tp_kinds, cp)
+
+
+def apply_compile(model: MoETransformer) -> int:
+    """``torch.compile`` every decoder layer this rank holds (MTP modules' layers too), in place, as
+    torchtitan does per transformer block: each layer's norms, rotary, router scoring, permutation and
+    SwiGLU fuse into a few kernels, and the layers share one compiled graph (same code, parameters as
+    inputs). Expert-parallel exchanges, whose split sizes the host reads, are kept out of the graph
+    (``torch.compiler.disable`` on the dispatchers); at EP = 1 a layer compiles whole. Returns the
+    number of layers compiled."""
+    layers = list(model.layers.values()) if isinstance(model.layers, nn.ModuleDict) else list(model.layers)
+    layers += [module.layer for module in model.mtp]
+    probe_grouped_mm(next(model.parameters()).device)
+    for layer in layers:
+        layer.compile()
+    return len(layers)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from moetrain.config import ModelConfig, TrainingConfig
 from moetrain.config.model import moe_layer_indices
 from moetrain.data import StepBatch
+from moetrain.distributed.host_reads import host_read
 from moetrain.distributed.layout import ParallelDims
 from moetrain.distributed.parallelize import StageModel, model_moe_blocks, parallelize
 from moetrain.distributed.pipeline import Executor, MicroBatch, StepContext
@@ -72,7 +73,7 @@ class LayoutRun:
 
 
 def build_layout(dims: ParallelDims, model_cfg: ModelConfig, cfg: TrainingConfig, device: torch.device,
-                 backend: AttentionBackend = "eager", model: MoETransformer | None = None,
+                 backend: AttentionBackend = "sdpa", model: MoETransformer | None = None,
                  autocast_dtype: torch.dtype | None = None) -> LayoutRun:
     """Every rank builds the same full model from the seed (or takes ``model``), keeps its part."""
     if model is None:
@@ -153,7 +154,8 @@ def train_step(run: LayoutRun, step: int, batch: StepBatch) -> StepResult:
         for row, block in run.held_moe_blocks:
             block.router.update_bias(global_counts[row])
         load = global_counts.amax(-1) / global_counts.mean(-1).clamp(min=1e-9)
-    values = torch.cat([packed, grad_norm.double().reshape(1).to(packed.device), load]).tolist()  # the one read
+    with host_read("step metrics"):  # the step's one read
+        values = torch.cat([packed, grad_norm.double().reshape(1).to(packed.device), load]).tolist()
     loss, lm_loss, mtp_loss, aux_loss = (v / parallel.tp for v in values[:4])
     num_counts = len(layers) * num_experts
     flat_counts = [int(v) for v in values[4:4 + num_counts]]

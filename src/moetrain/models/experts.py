@@ -2,9 +2,10 @@
 
 ``GroupedExperts`` stores each projection stacked over experts (``w_gate_EDF`` [E, D, F], ``w_up_EDF``,
 ``w_down_EFD`` [E, F, D]) and runs one grouped GEMM per projection over tokens already sorted by
-expert (see ``dispatch.permute``). On GPUs with ``torch.nn.functional.grouped_mm`` (bf16, SM ≥ 9.0)
-the group sizes stay on the device; elsewhere an exact per-expert loop is used, which reads the
-group sizes on the host once per call.
+expert (see ``dispatch.permute``). Wherever torch's ``grouped_mm`` runs (Hopper GPUs in bf16; CPUs in
+fp32 and bf16 on recent torch) the group sizes stay on the device as cumulative offsets: no host
+read, and nothing data-dependent for ``torch.compile`` to break on. Elsewhere an exact per-expert loop
+is used, which reads the group sizes on the host once per call.
 """
 
 from __future__ import annotations
@@ -36,15 +37,87 @@ class SwiGLU(nn.Module):
         return self.down(self.act(self.gate(x), self.up(x)))
 
 
-def _native_grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
-    return (
-        x.is_cuda
-        and hasattr(F, "grouped_mm")
-        and torch.cuda.get_device_capability(x.device) >= (9, 0)
-        and x.dtype == torch.bfloat16
-        and w.shape[-1] % 8 == 0
-        and w.shape[-2] % 8 == 0
-    )
+_GROUPED_MM_RUNS: dict[tuple[str, tuple[int, int], torch.dtype], bool] = {}
+"""Whether this torch has a ``grouped_mm`` kernel for (device type, capability, dtype): probed once."""
+
+
+def _grouped_mm_runs(device_type: str, capability: tuple[int, int], dtype: torch.dtype) -> bool:
+    key = (device_type, capability, dtype)
+    if key not in _GROUPED_MM_RUNS:
+        _GROUPED_MM_RUNS[key] = _probe_grouped_mm(*key)
+    return _GROUPED_MM_RUNS[key]
+
+
+def _probe_grouped_mm(device_type: str, capability: tuple[int, int], dtype: torch.dtype) -> bool:
+    if not hasattr(F, "grouped_mm") or (device_type == "cuda" and (capability < (9, 0) or dtype != torch.bfloat16)):
+        return False
+    try:
+        x = torch.ones(4, 8, device=device_type, dtype=dtype)
+        F.grouped_mm(x, torch.ones(2, 8, 8, device=device_type, dtype=dtype),
+                     offs=torch.tensor([1, 4], device=device_type, dtype=torch.int32))
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def probe_grouped_mm(device: torch.device) -> None:
+    """Probe the kernels for ``device`` now, eagerly: a compiled layer must find the answer, not run
+    the probe inside its trace (``moetrain.distributed.parallelize.apply_compile`` calls this)."""
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else (0, 0)
+    for dtype in (torch.float32, torch.bfloat16):
+        _grouped_mm_runs(device.type, capability, dtype)
+
+
+def native_grouped_mm_ok(x: torch.Tensor, w: torch.Tensor, *inner_dims: int) -> bool:
+    """Whether ``grouped_mm`` serves x (and w, same dtype) with these matrix dims (default: w's two)."""
+    dims = inner_dims or w.shape[-2:]
+    if x.device.type not in ("cpu", "cuda") or any(d % 8 for d in dims):
+        return False  # the kernels want 16-byte aligned rows
+    capability = torch.cuda.get_device_capability(x.device) if x.is_cuda else (0, 0)
+    return x.dtype == w.dtype and _grouped_mm_runs(x.device.type, capability, x.dtype)
+
+
+@torch.library.custom_op("moetrain::grouped_mm", mutates_args=())
+def _opaque_grouped_mm(x_PK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    """``F.grouped_mm`` behind an opaque op: torch's compiler traces ``grouped_mm`` in bf16 only, yet the
+    CPU kernel also runs fp32, so a compiled fp32 layer calls it through this op instead."""
+    return F.grouped_mm(x_PK, w_EKN, offs=offsets_E)
+
+
+@_opaque_grouped_mm.register_fake
+def _(x_PK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    return x_PK.new_empty(x_PK.shape[0], w_EKN.shape[-1])
+
+
+@torch.library.custom_op("moetrain::grouped_weight_grad", mutates_args=())
+def _opaque_weight_grad(x_PK: torch.Tensor, grad_PN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    return F.grouped_mm(x_PK.t(), grad_PN, offs=offsets_E)
+
+
+@_opaque_weight_grad.register_fake
+def _(x_PK: torch.Tensor, grad_PN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    return x_PK.new_empty(offsets_E.shape[0], x_PK.shape[1], grad_PN.shape[1])
+
+
+def _opaque_setup(ctx, inputs, output) -> None:
+    x_PK, w_EKN, offsets_E = inputs
+    ctx.save_for_backward(x_PK, w_EKN, offsets_E)
+
+
+def _opaque_backward(ctx, grad_PN: torch.Tensor):
+    x_PK, w_EKN, offsets_E = ctx.saved_tensors
+    grad_PN = grad_PN.contiguous()  # a broadcast gradient (stride 0) is refused by the kernel
+    grad_x = _opaque_grouped_mm(grad_PN, w_EKN.transpose(1, 2).contiguous(), offsets_E)
+    return grad_x, _opaque_weight_grad(x_PK, grad_PN, offsets_E), None
+
+
+_opaque_grouped_mm.register_autograd(_opaque_backward, setup_context=_opaque_setup)
+
+
+def _native(x_PK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    if x_PK.dtype == torch.bfloat16:
+        return F.grouped_mm(x_PK, w_EKN, offs=offsets_E)
+    return _opaque_grouped_mm(x_PK, w_EKN, offsets_E)
 
 
 def grouped_mm(x_PK: torch.Tensor, w_EKN: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
@@ -52,13 +125,24 @@ def grouped_mm(x_PK: torch.Tensor, w_EKN: torch.Tensor, tokens_per_expert_E: tor
     if torch.is_autocast_enabled(x_PK.device.type):
         dtype = torch.get_autocast_dtype(x_PK.device.type)
         x_PK, w_EKN = x_PK.to(dtype), w_EKN.to(dtype)
-    if _native_grouped_mm_ok(x_PK, w_EKN):
-        offsets = torch.cumsum(tokens_per_expert_E, dim=0).to(torch.int32)
-        return F.grouped_mm(x_PK, w_EKN, offs=offsets)
+    if native_grouped_mm_ok(x_PK, w_EKN):
+        return _native(x_PK, w_EKN, torch.cumsum(tokens_per_expert_E, dim=0).to(torch.int32))
     blocks = torch.split(x_PK, tokens_per_expert_E.tolist())
     # unbind, not w[e]: the backward of E separate selects would add E full-size zero gradients
     outs = [block @ w_KN for block, w_KN in zip(blocks, w_EKN.unbind(0))]
     return torch.cat(outs) if outs else x_PK.new_zeros(0, w_EKN.shape[-1])
+
+
+def grouped_weight_grad(x_PK: torch.Tensor, grad_PN: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+    """[E, K, N]: for each expert e, its row block of ``x`` transposed times its block of ``grad`` (the
+    weight gradient of ``grouped_mm``), with the same device-side offsets and the same loop fallback."""
+    if native_grouped_mm_ok(x_PK, grad_PN, x_PK.shape[-1], grad_PN.shape[-1]):
+        offsets_E = torch.cumsum(tokens_per_expert_E, dim=0).to(torch.int32)
+        if x_PK.dtype == torch.bfloat16:
+            return F.grouped_mm(x_PK.t(), grad_PN, offs=offsets_E)
+        return _opaque_weight_grad(x_PK, grad_PN.contiguous(), offsets_E)
+    sizes = tokens_per_expert_E.tolist()
+    return torch.stack([x.t() @ g for x, g in zip(x_PK.split(sizes), grad_PN.split(sizes))])
 
 
 class GroupedExperts(nn.Module):

@@ -109,6 +109,7 @@ class Trainer:
         self.run = self.build_run(model)
         self.run.autocast_dtype = autocast_dtype(cfg.dtype, self.device.type)
         self.memory_policy = self.apply_memory_policy()
+        self.compiled_layers = self.apply_compile()
         self.step = 0
         """Optimizer steps completed; also the data position (batches are a function of the step)."""
         self.flops_per_token = float(training_flops_per_token(self.model_cfg, cfg.seq_len))
@@ -189,6 +190,16 @@ class Trainer:
                            f"{result.activation_bytes / 2**20:,.1f} of {result.baseline_bytes / 2**20:,.1f} MiB "
                            "per micro-batch (analytic, whole model)")
         return applied
+
+    def apply_compile(self) -> int:
+        """Compile the layers this rank holds when the spec asks (default: on CUDA); after the memory
+        policy, whose recompute wrappers the compiled layers then trace through."""
+        wanted = self.spec.run.compile
+        if not (self.device.type == "cuda" if wanted is None else wanted):
+            return 0
+        from moetrain.distributed.parallelize import apply_compile
+
+        return apply_compile(self.run.stage.model)
 
     def drop_rows_after_checkpoint(self) -> None:
         """Rows logged after the newest checkpoint (a run interrupted between saves) are replayed by the
@@ -320,7 +331,7 @@ class Trainer:
                   f"{', overlapped' if p.overlap else ''}") if self.spec.world_size > 1 else ""
         return (f"{data} · model {self.model_cfg.name}: {counts.total / 1e6:.2f}M parameters "
                 f"({counts.active / 1e6:.2f}M active) · {self.cfg.steps} steps × {self.cfg.global_batch} sequences · "
-                f"{self.device.type}{threads}{layout}")
+                f"{self.device.type}{threads}{', compiled' if self.compiled_layers else ''}{layout}")
 
     def print_summary(self) -> None:
         title = f"{self.model_cfg.name}: {len(self.metrics.rows)} steps on {self.device.type}"
