@@ -22,6 +22,7 @@ import io
 import statistics
 import sys
 import time
+import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -115,7 +116,10 @@ def run_variant(name: str, args: argparse.Namespace) -> VariantResult:
             losses.append(_step(trainer))
             result.sync_debug_error_passes = True
         except RuntimeError as exc:
-            result.sync_debug_error_passes, result.sync_debug_message = False, str(exc).splitlines()[0]
+            frames = [f"{f.filename.rsplit('/', 2)[-2]}/{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}"
+                      for f in traceback.extract_tb(exc.__traceback__)][-6:]
+            result.sync_debug_error_passes = False
+            result.sync_debug_message = f"{str(exc).splitlines()[0]} at {' <- '.join(reversed(frames))}"
         finally:
             torch.cuda.set_sync_debug_mode(0)
     trainer.close()
