@@ -84,7 +84,7 @@ from torch import nn
 
 from moetrain.config import MoEConfig, RouterConfig
 from moetrain.models import MoE
-from moetrain.models.experts import _native_grouped_mm_ok
+from moetrain.models.experts import native_grouped_mm_ok
 
 IMPLEMENTATIONS = ("moetrain", "torchtitan", "megatron")
 SMOKE = {"hidden": 64, "ffn": 32, "experts": 8, "top_k": 4, "tokens": 256, "iters": 3, "warmup": 1}
@@ -176,7 +176,7 @@ class MoetrainImpl(Impl):
         self.module = block.to(dtype)
         self.num_experts = shape.experts
         probe = torch.empty(8, shape.hidden, device=device, dtype=dtype)
-        native = _native_grouped_mm_ok(probe, block.experts.w_gate_EDF)
+        native = native_grouped_mm_ok(probe, block.experts.w_gate_EDF)
         self.config = {
             "module": "moetrain.models.moe.MoE",
             "experts": "GroupedExperts, " + ("torch.nn.functional.grouped_mm" if native

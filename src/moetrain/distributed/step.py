@@ -114,7 +114,8 @@ def _step_context(run: LayoutRun, batch: StepBatch) -> StepContext:
         for m in batch.micro_batches
     ]
     return StepContext(
-        loss_normalizer=torch.tensor(max(batch.global_label_tokens, 1), device=device),
+        # a fill, not torch.tensor(...): a copy from pageable host memory would wait for the device
+        loss_normalizer=torch.full((), max(batch.global_label_tokens, 1), device=device),
         aux_loss_scale=1.0 / (len(micro_batches) * parallel.dp), micro_batches=micro_batches,
         hidden_shape=(cfg.micro_batch, cfg.seq_len // (parallel.tp * parallel.cp), run.model_cfg.hidden_size),
         dtype=torch.float32, device=device, loss_sum=torch.zeros((), device=device),
