@@ -34,7 +34,12 @@ LAYOUTS = {"dp2_ep2": ParallelConfig(dp=2, ep=2), "tp2_sp": ParallelConfig(tp=2,
 
 
 def _worker(rank: int, world_size: int) -> dict[str, list[dict]]:
+    import torch._inductor.config as inductor_config
+
     torch.set_num_threads(1)
+    # These ranks are forked from pytest: inductor's pool of compile workers does not survive a fork
+    # (it hangs); compile in the rank itself. Ranks started by torchrun are fresh processes.
+    inductor_config.compile_threads = 1
     return {name: _rows("tiny-pangu", True, parallel, dims) for name, parallel, dims in side_by_side(LAYOUTS, rank)}
 
 
