@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import os
 import statistics
 import sys
 import time
@@ -144,6 +145,7 @@ def main() -> None:
                    help="counting sequences, one document each: plain causal attention, no document mask")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    load_before = os.getloadavg()[0]
     results = [run_variant(name, args) for name in args.variants.split(",")]
     print(f"{'variant':10s} {'first s':>8s} {'median s':>9s} {'tok/s':>10s} {'MFU':>6s} {'peak GiB':>9s} "
           f"{'host ops':>9s} {'kernels':>8s} {'reads':>22s} {'sync-debug':>10s}")
@@ -161,6 +163,8 @@ def main() -> None:
         write_result(args.out, {"model": args.model, "device": args.device, "seq_len": args.seq_len,
                                 "data": "synthetic (no document mask)" if args.synthetic_data else "shakespeare",
                                 "global_batch": args.global_batch, "micro_batch": args.micro_batch,
+                                "load_average_1min_before": load_before,
+                                "load_average_1min_after": os.getloadavg()[0],
                                 "variants": [asdict(r) for r in results]})
 
 
