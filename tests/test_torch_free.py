@@ -17,7 +17,7 @@ TORCH_FREE = [
     "moetrain.balance.placement",
     "moetrain.balance.solver",
     "moetrain.balance.replay",
-    "moetrain.distributed.schedules",
+    "moetrain.schedules",
 ]
 
 

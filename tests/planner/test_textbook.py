@@ -104,7 +104,7 @@ def test_no_schedule_deadlocks() -> None:
 
 def test_schedules_equal_the_runtime_lists() -> None:
     """The planner simulates exactly the action lists the runtime executes."""
-    from moetrain.distributed import schedules as runtime
+    from moetrain import schedules as runtime
 
     def as_tuple(step) -> tuple:
         if isinstance(step, runtime.Overlapped):

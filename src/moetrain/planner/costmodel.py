@@ -336,7 +336,7 @@ agreement on one)."""
 def paired_share(pp, vpp, chunks, bidirectional: bool = False) -> np.ndarray:
     """Share of a rank's forward units that the paired schedule fuses with a backward and whose all-to-all
     it therefore hides, averaged over the pipeline ranks. The others are the warm-up forwards of
-    ``moetrain.distributed.schedules.overlapped`` (those of (interleaved) 1F1B plus one), which only the
+    ``moetrain.schedules.overlapped`` (those of (interleaved) 1F1B plus one), which only the
     shared expert can hide: (vpp − 1)·pp + 1 on every rank, plus the fill's (``FILL_WARMUP_EXPOSED``). With
     interleaving and few micro-batches most of a rank's forward units are warm-up. ``bidirectional``:
     DualPipe's schedule instead, which pairs after about pp − 1 units (``Workload.bidirectional_pairing``)."""
