@@ -41,7 +41,7 @@ def test_finer_experts_keep_activated_parameters() -> None:
 def test_host_probe_times_the_runtime_model() -> None:
     import torch
 
-    from moetrain.planner.profiler import _host_issue_times
+    from moetrain.train.profiler import _host_issue_times
 
     torch.manual_seed(0)
     times = _host_issue_times(load_model_config("tiny-pangu"), "cpu", repeats=1)

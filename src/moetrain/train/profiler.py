@@ -1,5 +1,7 @@
-"""Micro-benchmarks behind ``moetrain profile``: the efficiencies of ``calibration.Efficiency``
-measured on the local device instead of fitted on published runs. Imports torch (runtime side)."""
+"""Micro-benchmarks behind ``moetrain profile``: the efficiencies of ``planner.calibration.Efficiency``
+measured on the local device instead of fitted on published runs. It imports torch and times the
+trainer's own model and optimizer step, so it lives on the runtime side; the planner only reads the
+calibration file it writes."""
 
 from __future__ import annotations
 
