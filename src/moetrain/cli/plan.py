@@ -8,7 +8,7 @@ import json
 HELP = "search TP/SP/PP/VPP/EP/ETP/CP/DP, ZeRO, micro-batch, recompute, all-to-all and overlap; write a plan"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from moetrain.planner.cli_support import add_workload_args
+    from moetrain.cli.workload import add_workload_args
 
     add_workload_args(parser)
     parser.add_argument("--top", type=int, default=5, help="how many layouts to print")
@@ -24,9 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def plan_layouts(args: argparse.Namespace) -> tuple[dict, dict]:
     """(the --json mapping, the plan file mapping)."""
+    from moetrain.cli.workload import build_workload
     from moetrain.config.parallel import runtime_limits
     from moetrain.errors import UserError
-    from moetrain.planner.cli_support import build_workload
     from moetrain.planner.search import search
 
     workload, calibration = build_workload(args)
@@ -136,9 +136,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_model_search(args: argparse.Namespace) -> int:
+    from moetrain.cli.workload import build_workload
     from moetrain.planner.model_search import search_model_shapes
 
-    result = search_model_shapes(args)
+    workload, calibration = build_workload(args)
+    budget = args.param_budget * 1e9 if args.param_budget else None
+    result = search_model_shapes(workload, args.devices, calibration.for_device(workload.cluster.device),
+                                 budget).to_dict()
     if args.json:
         print(json.dumps(result, indent=2))
         return 0

@@ -10,7 +10,7 @@ HELP = "predict step time, tokens/s, MFU, time breakdown and memory per device f
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from moetrain.cli.common import add_strategy_args
-    from moetrain.planner.cli_support import add_workload_args
+    from moetrain.cli.workload import add_workload_args
 
     add_workload_args(parser)
     add_strategy_args(parser)
@@ -24,8 +24,8 @@ def simulate_layout(args: argparse.Namespace) -> dict:
     import numpy as np
 
     from moetrain.cli.common import output_file
+    from moetrain.cli.workload import build_workload, parallel_from_args
     from moetrain.errors import UserError
-    from moetrain.planner.cli_support import build_workload, parallel_from_args
     from moetrain.planner.costmodel import evaluate
     from moetrain.planner.search import step_after_pipeline, timeline_step
     from moetrain.planner.strategy import Strategies
