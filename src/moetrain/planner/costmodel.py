@@ -26,6 +26,7 @@ import numpy as np
 from moetrain.config.cluster import ClusterConfig
 from moetrain.config.model import MLAConfig, ModelConfig
 from moetrain.costs.activations import (
+    Sharding,
     embedding_activation_bytes,
     layer_activation_bytes,
     mtp_extra_activation_bytes,
@@ -597,9 +598,11 @@ def evaluate(w: Workload, s: Strategies, eff: Efficiency) -> dict[str, np.ndarra
     grads = w.grad_bytes * (dense_local / z2_dense + expert_local / z2_exp)
     optim = 12.0 * (dense_local / opt_shard_dense + expert_local / opt_shard_exp)
 
+    sharding = Sharding(tp=s.tp, sp=s.sp, cp=s.cp, ep=s.ep, etp=s.etp)
+
     def act(moe_layer: bool, level):
-        kept = layer_activation_bytes(model, w.seq_len, s.micro_batch, moe_layer, s.tp, s.sp, s.cp, s.ep, s.etp,
-                                      w.activation_bytes, level, w.flash_attention, w.imbalance).total
+        kept = layer_activation_bytes(model, w.seq_len, s.micro_batch, moe_layer, sharding, w.activation_bytes, level,
+                                      w.flash_attention, w.imbalance).total
         if w.fp8_stored_activations and w.precision == "fp8":
             kept = kept - (w.activation_bytes - 1.0) * fp8_stored_elements(w, s, moe_layer, level)
         return kept
@@ -629,10 +632,10 @@ def evaluate(w: Workload, s: Strategies, eff: Efficiency) -> dict[str, np.ndarra
     ) + np.where(s.overlap, 1.0 / vpp, 0.0)
     full_working = np.where(full_share > 0, act(model.moe is not None, 0), 0.0)
     act_first = chunks_in_flight * act_first_layers + full_working
-    head_act = embedding_activation_bytes(model, w.seq_len, s.micro_batch, s.tp, s.sp, s.cp, w.activation_bytes)
+    head_act = embedding_activation_bytes(model, w.seq_len, s.micro_batch, sharding, w.activation_bytes)
     # MTP modules (last stage): their decoder layer plus norms, projection, embedding and a second head.
     mtp_act = model.num_mtp_layers * (act_body + mtp_extra_activation_bytes(
-        model, w.seq_len, s.micro_batch, s.tp, s.sp, s.cp, w.activation_bytes))
+        model, w.seq_len, s.micro_batch, sharding, w.activation_bytes))
     act_last = layers_per_stage * act_body + head_act + mtp_act + full_working
     activations = np.where(pp == 1, chunks_in_flight * (num_dense * act_dense + (model.num_layers - num_dense)
                                                           * act_body) + head_act + full_working + mtp_act,
