@@ -9,7 +9,7 @@ from moetrain.config import load_cluster_config, load_model_config
 from moetrain.costs.activations import Sharding, layer_activation_bytes
 from moetrain.planner.calibration import Efficiency
 from moetrain.planner.comm import alltoall_time, alltoall_volume
-from moetrain.planner.costmodel import model_state_bytes
+from moetrain.planner.device_memory import model_state_bytes
 from moetrain.planner.schedules import build_schedule, interleaved_one_f_one_b, one_f_one_b
 from moetrain.planner.timeline import simulate_timeline, uniform_costs
 

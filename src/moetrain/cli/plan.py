@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
 
 HELP = "search TP/SP/PP/VPP/EP/ETP/CP/DP, ZeRO, micro-batch, recompute, all-to-all and overlap; write a plan"
 
@@ -41,21 +42,9 @@ def plan_layouts(args: argparse.Namespace) -> tuple[dict, dict]:
                             f"that fits is not runnable: {result.excluded.reasons[0]}); --any-layout ranks it anyway, "
                             "or add devices")
         raise UserError(f"no layout of {workload.model.name} fits {where}; add devices or memory")
-    tokens = workload.global_batch * workload.seq_len
-    rows = []
-    for i in range(len(result.top)):
-        parallel = result.top.to_parallel(i)
-        step = float(result.timeline_step_s[i])
-        analytic = float(result.top_costs["step_time_s"][i])
-        rows.append({
-            "parallel": parallel.model_dump(),
-            "step_time_s": step,
-            "tokens_per_s": tokens / step,
-            "mfu": float(result.top_costs["mfu"][i]) * analytic / step,
-            "memory_gib": float(result.top_costs["memory_bytes"][i]) / 2**30,
-        })
+    rows = [{**asdict(layout), "parallel": layout.parallel.model_dump()} for layout in result.ranked]
     winner = rows[0]
-    parallel = result.top.to_parallel(0)
+    parallel = result.ranked[0].parallel
     check = result.calibration_check.summary() if result.calibration_check else None
     plan = {
         "model": args.model,
@@ -78,7 +67,7 @@ def plan_layouts(args: argparse.Namespace) -> tuple[dict, dict]:
         "candidates_evaluated": result.candidates_evaluated,
         "feasible": result.feasible,
         "seconds": result.seconds,
-        "candidates_per_minute": result.candidates_evaluated / result.seconds * 60 if result.seconds else None,
+        "candidates_per_minute": result.candidates_per_minute,
         "top": rows,
         "why": result.explanation,
         "plan_file": args.out,

@@ -10,7 +10,7 @@ from moetrain.cli.common import add_cluster_arg, add_model_arg
 from moetrain.config import ParallelConfig, load_cluster_config, load_model_config
 from moetrain.errors import UserError
 from moetrain.planner.calibration import Calibration, load_calibration
-from moetrain.planner.costmodel import Workload
+from moetrain.planner.workload import Workload
 
 PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
 

@@ -17,8 +17,8 @@ from moetrain.config.parallel import ParallelConfig
 from moetrain.costs.params import count_params
 from moetrain.errors import UserError
 from moetrain.planner.calibration import Efficiency
-from moetrain.planner.costmodel import Workload
 from moetrain.planner.search import SearchSpace, search
+from moetrain.planner.workload import Workload
 
 COARSE = SearchSpace(tp=(1, 2, 4, 8), cp=(1, 2), vpp=(1, 2, 4), etp=(1,), zero=(1,), micro_batch=(1, 2),
                      recompute=(0, 1, 2), a2a=(0, 1), overlap=(1,), sp=(0, 1))
@@ -119,12 +119,9 @@ def search_model_shapes(workload: Workload, devices: int, eff: Efficiency, budge
                 evaluated += result.candidates_evaluated
                 if len(result.top) == 0:
                     continue
-                step = float(result.timeline_step_s[0])
-                shapes.append(ShapeScore(
-                    experts, hidden, layers, counts.total / 1e9, counts.active / 1e9,
-                    workload.global_batch * workload.seq_len / step,
-                    float(result.top_costs["mfu"][0] * result.top_costs["step_time_s"][0] / step),
-                    result.top.to_parallel(0)))
+                best = result.ranked[0]
+                shapes.append(ShapeScore(experts, hidden, layers, counts.total / 1e9, counts.active / 1e9,
+                                         best.tokens_per_s, best.mfu, best.parallel))
     if not shapes:
         raise UserError("no model shape near the budget fits the devices; raise --devices or --param-budget")
     shapes.sort(key=lambda s: -s.tokens_per_s)

@@ -83,7 +83,7 @@ def profile_device(cluster: ClusterConfig, model: ModelConfig, device: str, repe
 
     # Attention (SDPA, causal): the causal half of 4·b·h·s²·d, forward, brought to head dim 128 (what
     # ``Efficiency.attention`` is; the cost model prices the backward at
-    # ``costmodel.ATTENTION_BACKWARD_OVER_FORWARD`` × the forward, and the ratio measured here is kept beside
+    # ``layer_costs.ATTENTION_BACKWARD_OVER_FORWARD`` × the forward, and the ratio measured here is kept beside
     # it for comparison).
     attn_eff = []
     batch, heads, head_dim, seqs = ATTENTION_SHAPES[kind]
