@@ -11,11 +11,11 @@ each row's error is what the rest of the model misses on that row.
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import replace
 from pathlib import Path
 
 from _heldout import CALIBRATION_CSV
+from _record import write_result
 
 from moetrain.planner.calibration import Calibration, load_calibration
 from moetrain.planner.validation import predict, prepare_all, read_rows
@@ -47,9 +47,7 @@ def main() -> None:
         print(f"{row.row_id:8s} fitted {entry['fitted']['signed_error_pct']:+6.1f} %   "
               f"without MoE overhead {entry['no_moe_overhead']['signed_error_pct']:+6.1f} %")
     out_path = ROOT / "benchmarks/results/planner_moe_probe.json"
-    out_path.write_text(json.dumps({"moe_overhead_us": shipped.global_params.moe_overhead_us, "rows": result},
-                                   indent=2) + "\n")
-    print(f"wrote {out_path}")
+    write_result(out_path, {"moe_overhead_us": shipped.global_params.moe_overhead_us, "rows": result})
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 from _heldout import CALIBRATION_CSV
+from _record import write_result
 from scipy.optimize import nnls
 
 import moetrain.planner.fit as fit
@@ -195,7 +196,7 @@ def main() -> None:
         previous = json.loads(out_path.read_text())
         if "cv_variants" in previous:
             result["cv_variants"] = previous["cv_variants"]
-    out_path.write_text(json.dumps(result, indent=1) + "\n")
+    write_result(out_path, result)
     print(json.dumps({k: result[k] for k in ("grouped_signed_error", "regression_on_shares", "held_out_checks",
                                               "family_only_fit")}, indent=1))
     print(json.dumps({k: v for k, v in result["nnls_on_priced_parts"].items() if k != "rows_pct"}, indent=1))
