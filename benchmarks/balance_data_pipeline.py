@@ -11,12 +11,10 @@ Writes benchmarks/results/balance_data_pipeline.json.
 
 from __future__ import annotations
 
-import json
-import platform
-import sys
 from pathlib import Path
 
 import numpy as np
+from _record import write_result
 
 from moetrain.balance.data import arrangement_cost, naive_arrangement, rearrange, sample_costs
 from moetrain.balance.pipeline import balance_stages, model_pieces, uniform_stages
@@ -80,13 +78,7 @@ def main() -> int:
     for r in pipeline_rows:
         print(f"  {r['model']:22s} pp{r['stages']:2d}: uniform {r['uniform_max_over_mean']:.3f} → balanced "
               f"{r['balanced_max_over_mean']:.3f} ({r['speedup']:+.1%}); layers {r['balanced_layers']}")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
-        "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-        "machine": {"platform": platform.platform(), "python": platform.python_version()},
-        "data": data_rows, "pipeline": pipeline_rows,
-    }, indent=1))
-    print(f"wrote {RESULTS}")
+    write_result(RESULTS, {"data": data_rows, "pipeline": pipeline_rows})
     return 0
 
 

@@ -13,15 +13,13 @@ Writes benchmarks/results/balance_expert_gemm_<device>.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
-from _record import commit
+from _record import write_result
 
 from moetrain.balance.placement import EMPTY_SLOT, ExpertPlacement
 from moetrain.balance.solver import plan_placement
@@ -103,18 +101,11 @@ def main() -> int:
     speedup = max(rows["static"]["rank_seconds"]) / max(rows["balanced"]["rank_seconds"]) - 1
     print(f"slowest rank: {speedup:+.1%} faster balanced; planner solve (this machine's CPU): "
           + ", ".join(f"{k} {v:.1f} ms" for k, v in solve.items()))
-    out = Path(__file__).parent / "results" / f"balance_expert_gemm_{device.split(':')[0]}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "command": "python benchmarks/balance_expert_gemm.py " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
-        "commit": commit(),
-        "machine": {"platform": platform.platform(), "device": device, "load_average": list(os.getloadavg()),
-                    "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None},
-        "model": args.model, "ep": args.ep, "slots_per_rank": slots, "tokens_per_rank": args.tokens_per_rank,
+    write_result(Path(__file__).parent / "results" / f"balance_expert_gemm_{device.split(':')[0]}.json", {
+        "load_average": list(os.getloadavg()), "model": args.model, "ep": args.ep, "slots_per_rank": slots,
+        "tokens_per_rank": args.tokens_per_rank,
         "zipf": args.zipf, "solve_ms": solve, "placements": rows, "slowest_rank_speedup": speedup,
-    }, indent=1))
-    print(f"wrote {out}")
+    })
     return 0
 
 

@@ -5,13 +5,16 @@
 Trains a model preset in one process with the training loop's own ``--trace-routing`` writer: per step
 and MoE layer (the MTP module's as ``num_layers + j``), the tokens each expert received, summed over the
 step's micro-batches. The balance-loss coefficients can be zeroed (``--no-balance-loss``) to see the skew
-a router develops without them, which the ``moetrain train`` flags cannot do.
+a router develops without them, which the ``moetrain train`` flags cannot do. The file's first line
+records the command, commit and machine (``read_trace`` skips it).
 """
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+
+from _record import provenance_line
 
 from moetrain.config import TrainingConfig, load_model_config
 
@@ -44,6 +47,8 @@ def main() -> int:
     spec = RunSpec(model=args.model, training=training,
                    run={"device": "cpu", "quiet": True, "trace_routing": str(Path(args.out).resolve())})
     Trainer(spec, model_cfg=model).train()
+    out = Path(args.out)
+    out.write_text(provenance_line() + out.read_text())
     loads = read_trace(args.out).tokens_per_expert  # [T, L, E]
     imbalance = loads.max(axis=-1) / loads.mean(axis=-1)
     print(f"wrote {args.out}: {loads.shape[0]} steps × {loads.shape[1]} MoE layers × {loads.shape[2]} experts; "

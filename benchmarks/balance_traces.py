@@ -11,14 +11,11 @@ per rank (one spare), ``--tokens-per-rank`` tokens per rank and step; each layer
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
+from _record import write_result
 
 from moetrain.balance.costs import BalanceCostModel
 from moetrain.balance.placement import ExpertPlacement
@@ -30,13 +27,6 @@ from moetrain.balance.traces import RoutingTrace, drifting_trace, read_trace, zi
 from moetrain.config import load_cluster_config, load_model_config
 
 RESULTS = Path(__file__).parent / "results" / "balance_traces.json"
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (subprocess.CalledProcessError, FileNotFoundError):
-        return "unknown"
 
 
 def load_persistence(loads: np.ndarray, skip: int = 5) -> dict:
@@ -181,10 +171,6 @@ def main() -> int:
     ]
     names = ["zipf-s0.6", "zipf-s1.0", "drift-h16-p50", "drift-h16-p20"]
     report: dict = {
-        "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-        "commit": _commit(),
-        "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                    "python": platform.python_version()},
         "setup": {"model": args.model, "cluster": args.cluster, "ep": args.ep, "slots_per_rank": experts // args.ep + 1,
                   "tokens_per_rank": args.tokens_per_rank, "steps": args.steps, "layers": args.layers,
                   "interval": args.interval, "horizon": args.horizon, "adaptive": not args.fixed_interval},
@@ -222,10 +208,7 @@ def main() -> int:
         cells = "  ".join(f"{k}: {row[k]['max_over_even']:.4f} ({row[k]['solve_ms']:.1f} ms)"
                           for k in ("greedy", "local", "milp"))
         print(f"  E={row['experts']:3d} ep={row['ep']} zipf {row['zipf']}: {cells}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
-    print(f"\nwrote {out}")
+    write_result(args.out, report)
     return 0
 
 

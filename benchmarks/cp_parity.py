@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 import io
 import json
-from pathlib import Path
 
 import torch
+from _record import write_result
 from rich.console import Console
 
 from moetrain.config import ParallelConfig, TrainingConfig
@@ -82,8 +82,7 @@ def main() -> int:
         "max_relative_grad_norm_difference": {name: _max_relative(rows, reference, "grad_norm")
                                               for name, rows in layouts.items()},
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     print(json.dumps(result["max_relative_loss_difference"], indent=2))
     return 0
 

@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _record import write_result
+
 WORDS = ["the", "of", "and", "to", "in", "king", "queen", "lord", "sword", "crown", "night", "day", "love", "death",
          "war", "peace", "heart", "blood", "honour"]
 METRICS = ("loss", "lm_loss", "mtp_loss", "aux_loss", "grad_norm")
@@ -53,8 +55,7 @@ def main() -> int:
                          "--quiet", "--metrics-out", str(root / "single.jsonl"),
                          "--trace-routing", str(root / "single_trace.jsonl")], env)
         single = _rows(root / "single.jsonl")
-        result = {"command": " ".join(["python", *sys.argv]), "steps": args.steps, "single_process_wall_s": single_s,
-                  "layouts": {}}
+        result = {"steps": args.steps, "single_process_wall_s": single_s, "layouts": {}}
         for name, flags in LAYOUTS.items():
             wall_s = _run([sys.executable, "-m", "moetrain", "train", "--nproc", "2", *flags, *shape, "--quiet",
                            "--metrics-out", str(root / f"{name}.jsonl"),
@@ -70,8 +71,7 @@ def main() -> int:
                 "losses": [r["loss"] for r in rows], "wall_s": wall_s,
             }
         result["single_process_losses"] = [r["loss"] for r in single]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     print(json.dumps(result["layouts"], indent=2))
     return 0
 

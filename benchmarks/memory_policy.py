@@ -15,8 +15,6 @@ Writes ``benchmarks/results/memory_<device>.json`` with the command, commit and 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -24,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _record import commit  # noqa: E402
+from _record import write_result  # noqa: E402
 from gpu_step_profile import busy_seconds  # noqa: E402
 
 from moetrain.config import load_model_config
@@ -143,19 +141,14 @@ def main() -> int:
         run["activation_ratio"] = run["activation_bytes"] / baseline["activation_bytes"]
         run["step_time_ratio"] = run["step_time_s"] / baseline["step_time_s"]
     record = {
-        "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-        "commit": commit(),
-        "machine": torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine(),
-        "torch": torch.__version__, "model": cfg.name, "seq_len": seq, "micro_batch": batch,
+        "model": cfg.name, "seq_len": seq, "micro_batch": batch,
         "dtype": str(dtype).removeprefix("torch."), "budget_fraction": args.budget_fraction,
         "measure": ("allocated after forward above weights and gradients (peak through backward beside it)" if cuda
                     else "bytes kept for backward (ActivationMeter)"),
         "host_link_gb_per_s": host_link / 1e9 if host_link else None,
         "runs": runs,
     }
-    out = Path(args.out or f"benchmarks/results/memory_{'gpu' if cuda else 'cpu'}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=1) + "\n")
+    write_result(args.out or f"benchmarks/results/memory_{'gpu' if cuda else 'cpu'}.json", record)
     for name, run in runs.items():
         busy = f"  device busy {run['device_busy_fraction']:.0%}" if "device_busy_fraction" in run else ""
         print(f"{name:9} activation {run['activation_ratio']:.3f}  step time {run['step_time_ratio']:.3f}{busy}  "

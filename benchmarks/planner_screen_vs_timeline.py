@@ -26,7 +26,7 @@ from _record import write_result  # noqa: E402
 
 from moetrain.config import load_cluster_config, load_model_config  # noqa: E402
 from moetrain.planner.calibration import load_calibration  # noqa: E402
-from moetrain.planner.costmodel import Workload, evaluate  # noqa: E402
+from moetrain.planner.costmodel import evaluate  # noqa: E402
 from moetrain.planner.search import (  # noqa: E402
     MEMORY_LIMIT_FRACTION,
     SearchSpace,
@@ -36,6 +36,7 @@ from moetrain.planner.search import (  # noqa: E402
     timeline_step,
 )
 from moetrain.planner.strategy import Strategies  # noqa: E402
+from moetrain.planner.workload import Workload  # noqa: E402
 
 SEARCHES = [  # model, cluster, devices, sequence length, global batch (sequences)
     ("qwen3-30b-a3b", "h100-sxm-80gb", 64, 4096, 256),
@@ -52,7 +53,7 @@ def _best_paired(w: Workload, devices: int, eff, count: int) -> tuple[Strategies
     chosen, steps = [], []
     for batch in enumerate_strategies(w, devices, SearchSpace()):
         costs = evaluate(w, batch, eff)
-        step = np.where(batch.overlap & (costs["memory_bytes"] <= memory_limit), costs["step_time_s"], np.inf)
+        step = np.where(batch.overlap & (costs.memory.total <= memory_limit), costs.step_time_s, np.inf)
         keep = np.argsort(step)[:count]
         keep = keep[np.isfinite(step[keep])]
         chosen.append(batch.take(keep))

@@ -46,7 +46,7 @@ def hardware_tflops_per_device(row: PreparedRow, calibration: Calibration) -> fl
     _, out = predict(row, calibration)  # only the recompute factor is used: no efficiency enters
     w = row.workload
     tokens = w.global_batch * w.seq_len
-    recompute_factor = out["hardware_flops_factor"]
+    recompute_factor = float(out.hardware_flops_factor[0])
     hardware_flops = training_flops_per_token(w.model, w.seq_len) * tokens * recompute_factor
     # A ``model`` FLOP rate counts no recompute; a ``hardware`` one counts it as this project does.
     to_hardware = recompute_factor if row.flops_convention == "model" else 1.0

@@ -23,8 +23,8 @@ from _record import write_result  # noqa: E402
 
 from moetrain.config import load_cluster_config, load_model_config  # noqa: E402
 from moetrain.planner.calibration import load_calibration  # noqa: E402
-from moetrain.planner.costmodel import Workload  # noqa: E402
 from moetrain.planner.search import search  # noqa: E402
+from moetrain.planner.workload import Workload  # noqa: E402
 
 
 def main() -> None:
@@ -63,7 +63,7 @@ def main() -> None:
         "median_candidates_per_minute": statistics.median(r["candidates_per_minute"] for r in runs),
         "winner": winner,
         "winner_step_time_s": float(result.timeline_step_s[0]),
-        "winner_memory_gib": float(result.top_costs["memory_bytes"][0]) / 2**30,
+        "winner_memory_gib": result.ranked[0].memory_gib,
         # The winner may be up to search.TIE_TOLERANCE slower than the fastest layout, when it needs less memory.
         "fastest_step_time_s": float(min(result.timeline_step_s)),
         "calibration_check": check.summary() if check else None,

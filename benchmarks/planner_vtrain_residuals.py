@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 from _heldout import CALIBRATION_CSV
+from _record import write_result
 from scipy.optimize import nnls
 
 import moetrain.planner.fit as fit
@@ -104,15 +105,15 @@ def main() -> None:
     for i, row in enumerate(family):
         s = row.strategy
         _, out = predict(row, held_out_fit)
-        step = out["step_time_s"]
-        share = {"bubble": out["bubble_s"] / step, "dp_exposed": out["dp_exposed_s"] / step,
-                 "tp_comm": out["tp_exposed_s"] / step, "p2p": out["p2p_s"] / step}
+        step = float(out.step_time_s[0])
+        share = {"bubble": float(out.pipeline.bubble_s[0]) / step, "dp_exposed": float(out.dp.exposed_s[0]) / step,
+                 "tp_comm": float(out.pipeline.tp_exposed_s[0]) / step, "p2p": float(out.pipeline.p2p_s[0]) / step}
         for key, value in share.items():
             shares[key].append(value)
         table.append({
             "id": row.row_id, "hidden": row.workload.model.hidden_size, "layers": row.workload.model.num_layers,
             "devices": row.num_devices, "tp": int(s.tp[0]), "pp": int(s.pp[0]), "dp": int(s.dp[0]),
-            "micro_batch": int(s.micro_batch[0]), "micro_batches": int(round(out["num_micro_batches"])),
+            "micro_batch": int(s.micro_batch[0]), "micro_batches": int(round(float(out.num_micro_batches[0]))),
             "measured_s": row.measured, "held_out_pct": 100 * (held_out[i] / measured[i] - 1),
             "in_sample_pct": 100 * (in_sample[i] / measured[i] - 1),
             **{f"{k}_share": round(v, 4) for k, v in share.items()},
@@ -144,7 +145,7 @@ def main() -> None:
     waves = []
     for i, row in enumerate(family):
         _, out = predict(row, held_out_fit)
-        gemm_share = (out["compute_attention_s"] + out["compute_dense_ffn_s"]) / out["step_time_s"]
+        gemm_share = float((out.compute.attention_s[0] + out.compute.dense_ffn_s[0]) / out.step_time_s[0])
         factor = _wave_time_factor(int(row.strategy.micro_batch[0]) * row.workload.seq_len,
                                    row.workload.model.hidden_size, int(row.strategy.tp[0]))
         waves.append(held_out[i] * (1 + gemm_share * (factor - 1)))
@@ -159,7 +160,9 @@ def main() -> None:
     parts = []
     for row in family:
         _, out = predict(row, held_out_fit)
-        parts.append([out["pipeline_s"] - out["tp_exposed_s"], out["tp_exposed_s"], out["dp_exposed_s"]])
+        pipe = out.pipeline
+        parts.append([float(pipe.pipeline_s[0] - pipe.tp_exposed_s[0]), float(pipe.tp_exposed_s[0]),
+                      float(out.dp.exposed_s[0])])
     parts_arr = np.array(parts)
     coef, _ = nnls(parts_arr[keep] / measured[keep, None], np.ones(int(keep.sum())))
     refit = parts_arr @ coef
@@ -193,7 +196,7 @@ def main() -> None:
         previous = json.loads(out_path.read_text())
         if "cv_variants" in previous:
             result["cv_variants"] = previous["cv_variants"]
-    out_path.write_text(json.dumps(result, indent=1) + "\n")
+    write_result(out_path, result)
     print(json.dumps({k: result[k] for k in ("grouped_signed_error", "regression_on_shares", "held_out_checks",
                                               "family_only_fit")}, indent=1))
     print(json.dumps({k: v for k, v in result["nnls_on_priced_parts"].items() if k != "rows_pct"}, indent=1))

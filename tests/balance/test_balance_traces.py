@@ -64,3 +64,16 @@ def test_drifting_hot_set_moves():
         return set(np.argsort(trace.tokens_per_expert[step, 0])[-4:].tolist())
     assert hot(0) != hot(119)
     assert len(hot(25) & hot(35)) >= 2  # drift, not a jump: most of the hot set stays
+
+
+def test_a_provenance_line_heads_a_recorded_trace(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    rows = ['{"step": 1, "layer": 0, "tokens_per_expert": [3, 1]}',
+            '{"step": 2, "layer": 0, "tokens_per_expert": [2, 2]}']
+    path.write_text('{"provenance": {"command": "python x.py", "commit": "abc1234", "machine": {}}}\n'
+                    + "\n".join(rows) + "\n")
+    assert read_trace(path).tokens_per_expert.tolist() == [[[3, 1]], [[2, 2]]]
+    # anywhere else it is a malformed row
+    path.write_text(rows[0] + '\n{"provenance": {}}\n')
+    with pytest.raises(UserError, match=":2: expected a JSON row"):
+        read_trace(path)

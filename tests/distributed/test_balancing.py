@@ -37,6 +37,7 @@ from moetrain.distributed.checkpoint import read_expert_placement
 from moetrain.distributed.ep import AllToAllDispatcher, ExpertTable, HierarchicalDispatcher, shard_experts
 from moetrain.distributed.layout import ParallelDims
 from moetrain.distributed.world import spawn
+from moetrain.models.dispatch import LocalDispatcher
 from moetrain.models.experts import GroupedExperts
 from moetrain.models.router import Routing, count_tokens_per_expert
 from moetrain.models.transformer import build_model
@@ -246,7 +247,8 @@ def test_checkpoint_after_migration_under_etp_loads_without_it(runs: list[dict],
 
 
 def _replica_worker(rank: int, world_size: int) -> dict:
-    """Flat dispatch of the same tokens with and without a replicated hot expert: same outputs."""
+    """Flat and hierarchical dispatch of the same tokens with and without a replicated hot expert, and
+    the single-process MoE (local dispatcher, all experts on this rank) on the rank's tokens."""
     num_experts, hidden, tokens = 8, 6, 12
     group = dist.new_group(list(range(world_size)))
     intra = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
@@ -264,13 +266,15 @@ def _replica_worker(rank: int, world_size: int) -> dict:
     ids = torch.stack([torch.randperm(num_experts, generator=gen)[:2] for _ in range(tokens)])
     ids[:, 0] = torch.arange(tokens) % 2  # every token to expert 0 or 1
     weights = torch.rand(tokens, 2, generator=gen)
-    out = {}
+    routing = Routing(ids, weights, count_tokens_per_expert(ids, num_experts), torch.zeros(()))
+    local = LocalDispatcher()
+    tokens_PD, per_expert, meta = local.dispatch(x, routing)
+    out = {"one_process": (local.combine(full(tokens_PD, per_expert), meta), per_expert)}
     cases = (("single", single, False), ("replicated", replicated, False), ("replicated_hier", replicated, True))
     for name, placement, hierarchical in cases:
         expert_table = ExpertTable.from_placement(placement)
         dispatcher = (HierarchicalDispatcher(group, intra, inter, expert_table) if hierarchical
                       else AllToAllDispatcher(group, expert_table))
-        routing = Routing(ids, weights, count_tokens_per_expert(ids, num_experts), torch.zeros(()))
         tokens_PD, per_slot, meta = dispatcher.dispatch(x, routing)
         out[name] = (dispatcher.combine(shard_experts(full, expert_table, rank)(tokens_PD, per_slot), meta),
                      per_slot)
@@ -281,8 +285,9 @@ def _replica_worker(rank: int, world_size: int) -> dict:
 def test_replicated_experts_dispatch_same_outputs() -> None:
     results = spawn(_replica_worker, 4)
     for rank_out in results:
-        torch.testing.assert_close(rank_out["replicated"][0], rank_out["single"][0], rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(rank_out["replicated_hier"][0], rank_out["single"][0], rtol=1e-6, atol=1e-6)
+        # every expert-parallel dispatch gives what one process computes with all experts at hand
+        for case in ("single", "replicated", "replicated_hier"):
+            torch.testing.assert_close(rank_out[case][0], rank_out["one_process"][0], rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(rank_out["replicated_hier"][1], rank_out["replicated"][1])
     # the replicas share the hot experts' rows: rank 0 computes fewer rows, the replica holders more
     single_rows = [int(r["single"][1].sum()) for r in results]

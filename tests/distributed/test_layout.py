@@ -7,8 +7,8 @@ import pytest
 from moetrain.config import ParallelConfig, load_model_config
 from moetrain.distributed.layout import rank_groups, validate_layout
 from moetrain.distributed.parallelize import chunk_layers
-from moetrain.distributed.schedules import Action, build_schedule, interleaved_1f1b, one_f_one_b
 from moetrain.errors import UserError
+from moetrain.schedules import Action, build_schedule, interleaved_1f1b, one_f_one_b
 
 TINY = load_model_config("tiny-pangu")
 

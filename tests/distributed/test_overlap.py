@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from moetrain.distributed import overlap
-from moetrain.distributed.schedules import Action, Overlapped, build_schedule, interleaved_1f1b, simulate
 from moetrain.models.experts import GroupedExperts
+from moetrain.schedules import Action, Overlapped, build_schedule, interleaved_1f1b, simulate
 
 
 def test_overlapped_one_stage_pairs_each_forward_with_the_previous_backward() -> None:

@@ -208,7 +208,7 @@ def test_sdpa_is_a_fused_kernel_for_the_mla_head_dims():
 def test_profile_measures_the_host_issue_floor_on_cuda():
     """On a GPU the profile times the runtime's own model at 16 tokens: the host's issue time per layer pass
     and per optimizer step, which the simulator uses as a floor (CPU profiles leave them at 0)."""
-    from moetrain.planner.profiler import profile_device
+    from moetrain.train.profiler import profile_device
 
     measured, efficiencies = profile_device(load_cluster_config("h100-sxm-80gb"), load_model_config("tiny-pangu"),
                                             "cuda", repeats=2)

@@ -18,11 +18,16 @@ def _calibration_csv() -> Path | None:
 
 
 @pytest.fixture
-def published_rows() -> list[dict]:
+def calibration_csv() -> Path:
     path = _calibration_csv()
     if path is None:
         pytest.skip("shared/validation/calibration.csv not present")
-    with path.open(newline="") as f:
+    return path
+
+
+@pytest.fixture
+def published_rows(calibration_csv: Path) -> list[dict]:
+    with calibration_csv.open(newline="") as f:
         return list(csv.DictReader(f))
 
 

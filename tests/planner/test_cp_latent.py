@@ -9,8 +9,9 @@ import pytest
 from moetrain.config import load_cluster_config, load_model_config
 from moetrain.planner.calibration import Efficiency
 from moetrain.planner.comm import p2p_time
-from moetrain.planner.costmodel import Workload, _layer_costs
+from moetrain.planner.layer_costs import layer_costs
 from moetrain.planner.strategy import Strategies
+from moetrain.planner.workload import Workload
 
 SEQ = 4096
 
@@ -27,7 +28,7 @@ def _cp(cp: int) -> Strategies:
 def _exposed(cp: int, latent: bool) -> float:
     model = load_model_config("deepseek-v3-671b")
     workload = Workload(model, load_cluster_config("h100-sxm-80gb"), SEQ, 8, cp_gathers_mla_latent=latent)
-    return float(_layer_costs(workload, _cp(cp), Efficiency(), moe_layer=False, num_micro=8.0).cp_exposed[0])
+    return float(layer_costs(workload, _cp(cp), Efficiency(), moe_layer=False, num_micro=8.0).cp_exposed[0])
 
 
 def test_latent_gather_moves_kv_lora_plus_rope_key_per_token_forward_and_backward() -> None:

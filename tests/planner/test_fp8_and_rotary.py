@@ -10,9 +10,12 @@ from moetrain.config import load_cluster_config
 from moetrain.config.model import GQAConfig, ModelConfig
 from moetrain.planner.calibration import Efficiency
 from moetrain.planner.compute import memory_time
-from moetrain.planner.costmodel import Workload, _layer_costs, evaluate, fp8_stored_elements
+from moetrain.planner.costmodel import evaluate
+from moetrain.planner.device_memory import fp8_stored_elements
+from moetrain.planner.layer_costs import layer_costs
 from moetrain.planner.strategy import Strategies
 from moetrain.planner.validation import prepare_row
+from moetrain.planner.workload import Workload
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS, SEQ = 256, 8, 2, 32, 1024, 4, 512
 
@@ -43,8 +46,8 @@ def test_fp8_stored_linear_inputs_take_one_byte() -> None:
     for level, elements, saved in ((0.0, no_recompute, LAYERS * no_recompute), (1.0, SEQ * q_w, LAYERS * SEQ * q_w),
                                    # full recompute: only the layer being recomputed holds its linear inputs
                                    (2.0, 0.0, no_recompute)):
-        kept_bf16 = evaluate(_workload("fp8"), _one(level), eff)["memory_activations"][0]
-        kept_fp8 = evaluate(_workload("fp8", fp8_stored_activations=True), _one(level), eff)["memory_activations"][0]
+        kept_bf16 = evaluate(_workload("fp8"), _one(level), eff).memory.activations[0]
+        kept_fp8 = evaluate(_workload("fp8", fp8_stored_activations=True), _one(level), eff).memory.activations[0]
         assert float(fp8_stored_elements(_workload("fp8"), _one(level), False, np.array([level]))[0]) == elements
         # one micro-batch in flight on the single stage: one byte saved per stored element
         assert kept_bf16 - kept_fp8 == pytest.approx(saved)
@@ -52,8 +55,8 @@ def test_fp8_stored_linear_inputs_take_one_byte() -> None:
 
 def test_rotary_pass_reads_and_writes_q_and_k() -> None:
     eff = Efficiency()
-    rotary = _layer_costs(_workload(), _one(), eff, moe_layer=False, num_micro=8.0)
-    learned = _layer_costs(_workload(rotary_embeddings=False), _one(), eff, moe_layer=False, num_micro=8.0)
+    rotary = layer_costs(_workload(), _one(), eff, moe_layer=False, num_micro=8.0)
+    learned = layer_costs(_workload(rotary_embeddings=False), _one(), eff, moe_layer=False, num_micro=8.0)
     rope_bytes = 2.0 * (HEADS + KV_HEADS) * HEAD_DIM * SEQ * 2.0
     cluster = load_cluster_config("h100-sxm-80gb")
     assert float(rotary.fwd[0] - learned.fwd[0]) == pytest.approx(float(memory_time(rope_bytes, cluster, eff)))

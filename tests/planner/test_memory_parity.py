@@ -10,8 +10,9 @@ from moetrain.memory.measure import measure_activations
 from moetrain.memory.options import uses_flash_attention
 from moetrain.models import build_model
 from moetrain.planner.calibration import Efficiency
-from moetrain.planner.costmodel import Workload, evaluate
+from moetrain.planner.costmodel import evaluate
 from moetrain.planner.strategy import Strategies
+from moetrain.planner.workload import Workload
 
 
 @pytest.mark.slow
@@ -25,4 +26,4 @@ def test_simulated_activations_match_measured(name: str) -> None:
     workload = Workload(cfg, load_cluster_config("cpu"), seq, batch, precision="fp32",
                         flash_attention=uses_flash_attention(cfg, "cpu"))
     out = evaluate(workload, Strategies.from_parallel([ParallelConfig(micro_batch=batch)]), Efficiency())
-    assert float(out["memory_activations"][0]) == pytest.approx(measured, rel=0.01)
+    assert float(out.memory.activations[0]) == pytest.approx(measured, rel=0.01)

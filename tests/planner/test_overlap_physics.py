@@ -11,8 +11,9 @@ import pytest
 from moetrain.config import load_cluster_config, load_model_config
 from moetrain.planner.calibration import Efficiency
 from moetrain.planner.compute import attention_head_dim_factor
-from moetrain.planner.costmodel import Workload, evaluate
+from moetrain.planner.costmodel import evaluate
 from moetrain.planner.strategy import Strategies
+from moetrain.planner.workload import Workload
 
 
 def _layout(tp: int = 1, pp: int = 1, dp: int = 8, zero: int = 1, micro_batch: int = 1) -> Strategies:
@@ -42,10 +43,10 @@ def test_tp_overlap_only_in_stacks_that_overlap() -> None:
     layout = _layout(tp=4, dp=2)
     modern = evaluate(_workload(), layout, eff)
     synchronous = evaluate(_workload(overlap_tp_comm=False), layout, eff)
-    assert modern["tp_comm_s"][0] > 0
-    assert modern["tp_exposed_s"][0] == pytest.approx(0.4 * modern["tp_comm_s"][0])
-    assert synchronous["tp_exposed_s"][0] == pytest.approx(synchronous["tp_comm_s"][0])
-    assert synchronous["step_time_s"][0] > modern["step_time_s"][0]
+    assert modern.pipeline.tp_comm_s[0] > 0
+    assert modern.pipeline.tp_exposed_s[0] == pytest.approx(0.4 * modern.pipeline.tp_comm_s[0])
+    assert synchronous.pipeline.tp_exposed_s[0] == pytest.approx(synchronous.pipeline.tp_comm_s[0])
+    assert synchronous.step_time_s[0] > modern.step_time_s[0]
 
 
 def test_dp_traffic_hides_under_the_pass_that_produces_it() -> None:
@@ -56,13 +57,13 @@ def test_dp_traffic_hides_under_the_pass_that_produces_it() -> None:
     none = evaluate(w, layout, replace(Efficiency(), grad_overlap=0.0))
     full = evaluate(w, layout, replace(Efficiency(), grad_overlap=1.0))
     off = evaluate(replace(w, overlap_grad_comm=False), layout, replace(Efficiency(), grad_overlap=1.0))
-    assert none["dp_exposed_s"][0] == pytest.approx(none["dp_comm_s"][0])
-    assert off["dp_exposed_s"][0] == pytest.approx(off["dp_comm_s"][0])
+    assert none.dp.exposed_s[0] == pytest.approx(none.dp.comm_s[0])
+    assert off.dp.exposed_s[0] == pytest.approx(off.dp.comm_s[0])
     # Reduce-scatter under the last backward, all-gather under the first forward: at most one micro-batch of
     # fwd+bwd compute hides anything, and only when the traffic exceeds it is something exposed.
-    hidden = full["dp_comm_s"][0] - full["dp_exposed_s"][0]
-    assert 0 < hidden <= full["stage_time_s"][0] * (1 + 1e-9)
-    assert full["dp_exposed_s"][0] > 0
+    hidden = full.dp.comm_s[0] - full.dp.exposed_s[0]
+    assert 0 < hidden <= full.pipeline.stage_time_s[0] * (1 + 1e-9)
+    assert full.dp.exposed_s[0] > 0
 
 
 def test_zero3_under_a_pipeline_keeps_the_stage_gathered() -> None:
@@ -73,12 +74,12 @@ def test_zero3_under_a_pipeline_keeps_the_stage_gathered() -> None:
     z1_flat = evaluate(w, _layout(pp=1, dp=8, zero=1), Efficiency())
     # FSDP2 with PP: weights and gradients of the stage stay unsharded across the micro-batches, and the
     # traffic is once per step, as with ZeRO-1.
-    assert z3_pipe["memory_weights"][0] == pytest.approx(z1_pipe["memory_weights"][0])
-    assert z3_pipe["memory_grads"][0] == pytest.approx(z1_pipe["memory_grads"][0])
-    assert z3_pipe["dp_comm_s"][0] == pytest.approx(z1_pipe["dp_comm_s"][0])
+    assert z3_pipe.memory.weights[0] == pytest.approx(z1_pipe.memory.weights[0])
+    assert z3_pipe.memory.grads[0] == pytest.approx(z1_pipe.memory.grads[0])
+    assert z3_pipe.dp.comm_s[0] == pytest.approx(z1_pipe.dp.comm_s[0])
     # Without a pipeline ZeRO-3 shards the weights and moves them every micro-batch.
-    assert z3_flat["memory_weights"][0] == pytest.approx(z1_flat["memory_weights"][0] / 8)
-    assert z3_flat["dp_comm_s"][0] > z1_flat["dp_comm_s"][0]
+    assert z3_flat.memory.weights[0] == pytest.approx(z1_flat.memory.weights[0] / 8)
+    assert z3_flat.dp.comm_s[0] > z1_flat.dp.comm_s[0]
 
 
 def test_hardware_flops_match_narayanan_with_full_recompute() -> None:
@@ -92,7 +93,7 @@ def test_hardware_flops_match_narayanan_with_full_recompute() -> None:
     w = Workload(model, load_cluster_config("a100-sxm-80gb"), seq, 1536, precision="fp16")
     layout = _layout(tp=8, pp=8, dp=24)
     layout = replace(layout, recompute=np.array([2]))
-    factor = evaluate(w, layout, Efficiency())["hardware_flops_factor"][0]
+    factor = evaluate(w, layout, Efficiency()).hardware_flops_factor[0]
     # Eq. 3 (96·B·s·l·h²·(1 + s/6h + V/16lh)) over the model FLOPs (72·B·s·l·h²·(1 + s/6h + V/12lh)): the
     # recomputed forward covers the layers, not the output head.
     expected = (96 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))) / (

@@ -41,7 +41,7 @@ def test_finer_experts_keep_activated_parameters() -> None:
 def test_host_probe_times_the_runtime_model() -> None:
     import torch
 
-    from moetrain.planner.profiler import _host_issue_times
+    from moetrain.train.profiler import _host_issue_times
 
     torch.manual_seed(0)
     times = _host_issue_times(load_model_config("tiny-pangu"), "cpu", repeats=1)
@@ -58,15 +58,16 @@ def test_host_floor_bounds_each_layer_pass_and_the_optimizer() -> None:
     import numpy as np
 
     from moetrain.config import ParallelConfig, load_cluster_config
-    from moetrain.planner.costmodel import Workload, evaluate
+    from moetrain.planner.costmodel import evaluate
     from moetrain.planner.strategy import Strategies
+    from moetrain.planner.workload import Workload
 
     model = load_model_config("tiny-pangu")
     workload = Workload(model, load_cluster_config("h100-sxm-80gb"), seq_len=128, global_batch=16)
     strategy = Strategies.from_parallel([ParallelConfig(micro_batch=4)])
     device_bound = load_calibration().for_device("h100-sxm-80gb")
     base = evaluate(workload, strategy, device_bound)
-    assert float(base["host_wait_s"][0]) == 0.0
+    assert float(base.host_wait_s[0]) == 0.0
     # A host that needs 10 ms per layer pass and 3 ms per optimizer step sets the step: these layers'
     # device work is far below that, so each further millisecond per pass adds one per layer and micro-batch.
     host_bound = replace(device_bound, host_layer_us=10_000.0, host_optimizer_ms=3.0)
@@ -74,9 +75,9 @@ def test_host_floor_bounds_each_layer_pass_and_the_optimizer() -> None:
     out, slower = evaluate(workload, strategy, host_bound), evaluate(workload, strategy, slower_host)
     num_micro = 16 // 4
     layer_passes = model.num_layers + model.num_mtp_layers  # the MTP module's block is a layer pass too
-    np.testing.assert_allclose(slower["step_time_s"] - out["step_time_s"], num_micro * layer_passes * 1e-3,
+    np.testing.assert_allclose(slower.step_time_s - out.step_time_s, num_micro * layer_passes * 1e-3,
                                rtol=1e-9)
-    assert float(out["optimizer_s"][0]) == pytest.approx(3e-3)
+    assert float(out.optimizer_s[0]) == pytest.approx(3e-3)
     # The wait is everything the host adds to the device-bound step.
-    assert float(out["host_wait_s"][0]) == pytest.approx(float(out["step_time_s"][0] - base["step_time_s"][0]),
+    assert float(out.host_wait_s[0]) == pytest.approx(float(out.step_time_s[0] - base.step_time_s[0]),
                                                          rel=1e-9)

@@ -14,10 +14,10 @@ from moetrain.cli import main
 from moetrain.config import ParallelConfig, load_cluster_config, load_model_config
 from moetrain.config.parallel import runtime_limits
 from moetrain.planner.calibration import load_calibration
-from moetrain.planner.costmodel import Workload
 from moetrain.planner.runnable import runnable_mask
 from moetrain.planner.search import SearchSpace, enumerate_strategies, search
 from moetrain.planner.strategy import Strategies
+from moetrain.planner.workload import Workload
 
 QWEN = ["--model", "qwen3-30b-a3b", "--cluster", "h100-sxm-80gb", "--devices", "64", "--seq-len", "4096",
         "--global-batch", "256"]

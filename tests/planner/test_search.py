@@ -9,7 +9,7 @@ import pytest
 
 from moetrain.config import ParallelConfig, load_cluster_config, load_model_config
 from moetrain.planner.calibration import Calibration, Efficiency, calibration_from_dict, load_calibration
-from moetrain.planner.costmodel import Workload, evaluate
+from moetrain.planner.costmodel import evaluate
 from moetrain.planner.search import (
     TIE_TOLERANCE,
     SearchSpace,
@@ -21,6 +21,7 @@ from moetrain.planner.search import (
     timeline_step,
 )
 from moetrain.planner.strategy import Strategies
+from moetrain.planner.workload import Workload
 
 
 def _workload(model: str = "tiny-pangu", cluster: str = "cpu") -> Workload:
@@ -44,12 +45,12 @@ def test_search_counts_and_prunes_memory() -> None:
     enumerated = sum(len(b) for b in enumerate_strategies(w, 64, SearchSpace()))
     assert result.candidates_evaluated == enumerated
     assert 0 < result.feasible < result.candidates_evaluated
-    assert np.all(result.top_costs["memory_bytes"] <= 0.95 * w.cluster.hbm_bytes)
+    assert np.all(result.top_costs.memory.total <= 0.95 * w.cluster.hbm_bytes)
     steps = np.array(result.timeline_step_s)
     tied = steps <= steps.min() * (1 + TIE_TOLERANCE)
     # The layouts that tie with the fastest come first, least memory first; the rest follow by step time.
     assert np.all(tied[: tied.sum()]) and steps[0] <= steps.min() * (1 + TIE_TOLERANCE)
-    assert np.all(np.diff(result.top_costs["memory_bytes"][: tied.sum()]) >= 0)
+    assert np.all(np.diff(result.top_costs.memory.total[: tied.sum()]) >= 0)
     assert np.all(np.diff(steps[tied.sum():]) >= 0)
     assert result.explanation
 
@@ -139,7 +140,7 @@ def test_the_screen_prices_the_paired_schedule_as_the_timeline_replays_it() -> N
     chosen, steps = [], []
     for batch in enumerate_strategies(w, 64, SearchSpace()):
         costs = evaluate(w, batch, eff)
-        step = np.where(batch.overlap & (costs["memory_bytes"] <= memory_limit), costs["step_time_s"], np.inf)
+        step = np.where(batch.overlap & (costs.memory.total <= memory_limit), costs.step_time_s, np.inf)
         keep = np.argsort(step)[:100]
         chosen.append(batch.take(keep))
         steps.append(step[keep])
@@ -147,7 +148,7 @@ def test_the_screen_prices_the_paired_schedule_as_the_timeline_replays_it() -> N
     best = merged.take(np.argsort(np.concatenate(steps))[:100])
     costs = evaluate(w, best, eff)
     timeline = np.array([timeline_step(costs, best, i, eff) for i in range(len(best))])
-    ratio = timeline / costs["step_time_s"]
+    ratio = timeline / costs.step_time_s
     assert np.all((ratio > 0.97) & (ratio < 1.02)), (ratio.min(), ratio.max())
     # A paired layout without interleaving: the screen charges the serialised pipeline, as the timeline does.
     plain = Strategies.from_parallel([ParallelConfig(pp=4, dp=16, ep=8, micro_batch=1, overlap=True),
@@ -155,7 +156,7 @@ def test_the_screen_prices_the_paired_schedule_as_the_timeline_replays_it() -> N
     costs = evaluate(w, plain, eff)
     paired, unpaired = (timeline_step(costs, plain, i, eff) for i in range(2))
     assert paired > 1.5 * unpaired
-    assert float(costs["step_time_s"][0]) == pytest.approx(paired, rel=0.02)
+    assert float(costs.step_time_s[0]) == pytest.approx(paired, rel=0.02)
 
 
 def test_timeline_agrees_with_analytic_model_for_uniform_stages() -> None:
@@ -164,7 +165,7 @@ def test_timeline_agrees_with_analytic_model_for_uniform_stages() -> None:
     eff = Efficiency()
     strategies = Strategies.from_parallel([ParallelConfig(pp=2, dp=1, micro_batch=1)])
     costs = evaluate(w, strategies, eff)
-    analytic = float(costs["step_time_s"][0])
+    analytic = float(costs.step_time_s[0])
     assert timeline_step(costs, strategies, 0, eff) == pytest.approx(analytic, rel=0.1)
 
 
@@ -173,8 +174,8 @@ def test_more_memory_saving_costs_time() -> None:
     w = Workload(w.model, w.cluster, 8192, 1024)
     layouts = [ParallelConfig(tp=8, sp=True, pp=8, ep=32, dp=16, recompute=r) for r in ("none", "selective", "full")]
     out = evaluate(w, Strategies.from_parallel(layouts), load_calibration().for_device("ascend-910b"))
-    assert np.all(np.diff(out["memory_activations"]) < 0)
-    assert np.all(np.diff(out["step_time_s"]) > 0)
+    assert np.all(np.diff(out.memory.activations) < 0)
+    assert np.all(np.diff(out.step_time_s) > 0)
 
 
 def test_imbalance_slows_the_moe_layers() -> None:
@@ -183,8 +184,8 @@ def test_imbalance_slows_the_moe_layers() -> None:
     eff = load_calibration().for_device("ascend-910b")
     balanced = evaluate(Workload(base.model, base.cluster, 4096, 512, imbalance=1.0), layout, eff)
     skewed = evaluate(Workload(base.model, base.cluster, 4096, 512, imbalance=1.5), layout, eff)
-    assert skewed["step_time_s"][0] > balanced["step_time_s"][0]
-    assert skewed["compute_experts_s"][0] == pytest.approx(1.5 * balanced["compute_experts_s"][0], rel=0.05)
+    assert skewed.step_time_s[0] > balanced.step_time_s[0]
+    assert skewed.compute.experts_s[0] == pytest.approx(1.5 * balanced.compute.experts_s[0], rel=0.05)
 
 
 def test_calibration_overrides_and_round_trip(tmp_path) -> None:

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from moetrain.config import load_cluster_config, load_model_config
-from moetrain.costs.activations import layer_activation_bytes
+from moetrain.costs.activations import Sharding, layer_activation_bytes
 from moetrain.planner.calibration import Efficiency
 from moetrain.planner.comm import alltoall_time, alltoall_volume
-from moetrain.planner.costmodel import model_state_bytes
+from moetrain.planner.device_memory import model_state_bytes
 from moetrain.planner.schedules import build_schedule, interleaved_one_f_one_b, one_f_one_b
 from moetrain.planner.timeline import simulate_timeline, uniform_costs
 
@@ -84,7 +84,7 @@ def test_all_to_all_volume_for_top_k() -> None:
 def test_activations_broadcast_over_layouts() -> None:
     model = load_model_config("pangu-ultra-moe-718b")
     tp = np.array([1, 2, 4, 8])
-    parts = layer_activation_bytes(model, 8192, 1, True, tp=tp, sp=tp > 1)
+    parts = layer_activation_bytes(model, 8192, 1, True, Sharding(tp=tp, sp=tp > 1))
     assert np.asarray(parts.total).shape == (4,)
     assert np.all(np.diff(parts.total) < 0)
 
@@ -104,7 +104,7 @@ def test_no_schedule_deadlocks() -> None:
 
 def test_schedules_equal_the_runtime_lists() -> None:
     """The planner simulates exactly the action lists the runtime executes."""
-    from moetrain.distributed import schedules as runtime
+    from moetrain import schedules as runtime
 
     def as_tuple(step) -> tuple:
         if isinstance(step, runtime.Overlapped):

@@ -15,9 +15,11 @@ import pytest
 from moetrain.config import load_cluster_config, load_model_config
 from moetrain.planner.calibration import Efficiency
 from moetrain.planner.compute import expert_compute_time, gemm_time, memory_time
-from moetrain.planner.costmodel import Workload, _balanced_stage_time, attention_time_share, evaluate
+from moetrain.planner.costmodel import balanced_stage_time, evaluate
+from moetrain.planner.layer_costs import attention_time_share
 from moetrain.planner.strategy import Strategies
 from moetrain.planner.validation import prepare_all, prepare_row, read_rows
+from moetrain.planner.workload import Workload
 
 
 def _layout(tp: int = 1, pp: int = 1, vpp: int = 1, dp: int = 8, recompute: float = 0.0) -> Strategies:
@@ -35,11 +37,11 @@ def _workload(**kwargs: object) -> Workload:
 
 def test_balanced_split_known_values() -> None:
     # 5 layers of 1 s on 2 ranks, head 1 s on the last: 3 | 2 + head → 3 s (the uniform split gives 3.5 s).
-    assert _balanced_stage_time(5, np.array([2]), 1.0, 0.0, 1.0)[0] == pytest.approx(3.0)
+    assert balanced_stage_time(5, np.array([2]), 1.0, 0.0, 1.0)[0] == pytest.approx(3.0)
     # 61 layers on 16 ranks, embedding 0.5 and head + MTP 2 layer-times: 3 + e | 4 × 14 | 2 + h → 4.
-    assert _balanced_stage_time(61, np.array([16]), 1.0, 0.5, 2.0)[0] == pytest.approx(4.0)
+    assert balanced_stage_time(61, np.array([16]), 1.0, 0.5, 2.0)[0] == pytest.approx(4.0)
     # Never below the mean load nor the head's own time.
-    assert _balanced_stage_time(4, np.array([4]), 1.0, 0.0, 3.0)[0] == pytest.approx(3.0)
+    assert balanced_stage_time(4, np.array([4]), 1.0, 0.0, 3.0)[0] == pytest.approx(3.0)
 
 
 def test_uneven_layer_count_uses_the_balanced_split() -> None:
@@ -49,8 +51,9 @@ def test_uneven_layer_count_uses_the_balanced_split() -> None:
     assert model.num_layers % 3, "the test needs a layer count that 3 stages do not divide"
     uneven = evaluate(_workload(), _layout(pp=3), eff)
     # Balanced split: the slowest stage is at most one layer above the mean.
-    assert uneven["stage_time_s"][0] <= even["stage_time_s"][0] * (model.num_layers / 3 + 1) + 1e-12
-    assert uneven["stage_time_s"][0] >= uneven["bubble_s"][0] / 2 - 1e-12  # t_max ≥ t_mean (bubble = 2·t_mean)
+    assert uneven.pipeline.stage_time_s[0] <= even.pipeline.stage_time_s[0] * (model.num_layers / 3 + 1) + 1e-12
+    # t_max ≥ t_mean (bubble = 2·t_mean)
+    assert uneven.pipeline.stage_time_s[0] >= uneven.pipeline.bubble_s[0] / 2 - 1e-12
 
 
 def test_sliding_window_share() -> None:
@@ -60,15 +63,15 @@ def test_sliding_window_share() -> None:
     assert attention_time_share(4096, 128, 0.5) == pytest.approx(0.5 + 0.5 * windowed / (4097 / 2))
     full = evaluate(_workload(), _layout(), Efficiency())
     half = evaluate(_workload(attention_window=32, window_layer_share=0.5), _layout(), Efficiency())
-    assert half["step_time_s"][0] < full["step_time_s"][0]
+    assert half.step_time_s[0] < full.step_time_s[0]
 
 
 def test_partial_full_recompute_lies_between_selective_and_full() -> None:
     levels = [1.0, 1.5, 2.0]
     out = [evaluate(_workload(), _layout(recompute=r), Efficiency()) for r in levels]
-    steps = [o["step_time_s"][0] for o in out]
-    memory = [o["memory_activations"][0] for o in out]
-    factors = [o["hardware_flops_factor"][0] for o in out]
+    steps = [o.step_time_s[0] for o in out]
+    memory = [o.memory.activations[0] for o in out]
+    factors = [o.hardware_flops_factor[0] for o in out]
     assert steps[0] < steps[1] < steps[2]
     assert memory[0] > memory[1] > memory[2]
     assert factors[1] == pytest.approx((factors[0] + factors[2]) / 2)
@@ -79,9 +82,9 @@ def test_stated_comm_overlap_hides_tp_under_the_layer() -> None:
     layout = _layout(tp=4, dp=2)
     plain = evaluate(_workload(), layout, eff)
     stated = evaluate(_workload(comm_overlap_stated=("DP", "TP")), layout, eff)
-    assert plain["tp_exposed_s"][0] == pytest.approx(plain["tp_comm_s"][0])
-    assert stated["tp_exposed_s"][0] < plain["tp_exposed_s"][0]
-    assert stated["dp_exposed_s"][0] <= plain["dp_exposed_s"][0]
+    assert plain.pipeline.tp_exposed_s[0] == pytest.approx(plain.pipeline.tp_comm_s[0])
+    assert stated.pipeline.tp_exposed_s[0] < plain.pipeline.tp_exposed_s[0]
+    assert stated.dp.exposed_s[0] <= plain.dp.exposed_s[0]
 
 
 def test_grouped_gemm_is_weight_bound_with_few_tokens() -> None:
@@ -108,7 +111,7 @@ def test_rows_read_window_overlap_and_memory(published_rows: list[dict]) -> None
     mbr5 = prepare_row(rows["MBR-5"])
     assert 1.0 < float(mbr5.strategy.recompute[0]) <= 2.0
     out = evaluate(mbr5.workload, mbr5.strategy, Efficiency())
-    assert out["memory_bytes"][0] <= mbr5.workload.cluster.hbm_bytes
+    assert out.memory.total[0] <= mbr5.workload.cluster.hbm_bytes
     # A stated recompute is kept as stated.
     assert float(prepare_row(rows["VTRAIN-M-002"]).strategy.recompute[0]) == 2.0
 
@@ -128,7 +131,7 @@ def test_torchtitan_pipeline_runs_take_torchtitan_defaults(published_rows: list[
     assert int(prepare_row(rows["MEGH100-4"]).strategy.micro_batch[0]) == 1
     # The 1F1B run holds its 8 micro-batches of 4 on the first stage: it needs more than the
     # interleaved run, as measured (82.5 against 72.7 GiB).
-    memory = [evaluate(r.workload, r.strategy, Efficiency())["memory_bytes"][0] for r in (interleaved, one_f_one_b)]
+    memory = [evaluate(r.workload, r.strategy, Efficiency()).memory.total[0] for r in (interleaved, one_f_one_b)]
     assert memory[1] > memory[0]
 
 
@@ -138,8 +141,8 @@ def test_stated_bf16_gradient_reduction_halves_gradient_bytes(published_rows: li
     bf16 = prepare_row({**row, "source": row["source"] + "; gradients reduced in BF16"})
     assert (fp32.workload.grad_bytes, bf16.workload.grad_bytes) == (4.0, 2.0)
     out32, out16 = (evaluate(r.workload, r.strategy, Efficiency()) for r in (fp32, bf16))
-    assert out16["memory_grads"][0] == pytest.approx(out32["memory_grads"][0] / 2)
-    assert out16["dp_comm_s"][0] < out32["dp_comm_s"][0]
+    assert out16.memory.grads[0] == pytest.approx(out32.memory.grads[0] / 2)
+    assert out16.dp.comm_s[0] < out32.dp.comm_s[0]
 
 
 def test_held_out_vtrain_rows_complement_the_calibration_file(published_rows: list[dict]) -> None:

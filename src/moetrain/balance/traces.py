@@ -5,6 +5,8 @@ File format (written by ``moetrain train --trace-routing F``), JSONL, one row pe
     {"step": 12, "layer": 3, "tokens_per_expert": [40, 0, 17, ...]}
 
 ``tokens_per_expert`` counts token-expert assignments (a token routed to k experts counts k times).
+A first line ``{"provenance": {...}}`` (what a benchmark that recorded the trace adds: its command,
+commit and machine) is skipped.
 In memory a trace is a dense array ``[num_steps, num_layers, num_experts]``.
 
 Synthetic traces stand in for real runs where none is recorded: a Zipf popularity (a few experts take
@@ -101,6 +103,8 @@ def read_trace(path: str | Path) -> RoutingTrace:
                 continue
             try:
                 row = json.loads(line)
+                if line_number == 1 and "provenance" in row:
+                    continue
                 rows.append({
                     "step": int(row["step"]),
                     "layer": int(row["layer"]),

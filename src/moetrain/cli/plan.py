@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
 
 HELP = "search TP/SP/PP/VPP/EP/ETP/CP/DP, ZeRO, micro-batch, recompute, all-to-all and overlap; write a plan"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from moetrain.planner.cli_support import add_workload_args
+    from moetrain.cli.workload import add_workload_args
 
     add_workload_args(parser)
     parser.add_argument("--top", type=int, default=5, help="how many layouts to print")
@@ -24,9 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def plan_layouts(args: argparse.Namespace) -> tuple[dict, dict]:
     """(the --json mapping, the plan file mapping)."""
+    from moetrain.cli.workload import build_workload
     from moetrain.config.parallel import runtime_limits
     from moetrain.errors import UserError
-    from moetrain.planner.cli_support import build_workload
     from moetrain.planner.search import search
 
     workload, calibration = build_workload(args)
@@ -41,21 +42,9 @@ def plan_layouts(args: argparse.Namespace) -> tuple[dict, dict]:
                             f"that fits is not runnable: {result.excluded.reasons[0]}); --any-layout ranks it anyway, "
                             "or add devices")
         raise UserError(f"no layout of {workload.model.name} fits {where}; add devices or memory")
-    tokens = workload.global_batch * workload.seq_len
-    rows = []
-    for i in range(len(result.top)):
-        parallel = result.top.to_parallel(i)
-        step = float(result.timeline_step_s[i])
-        analytic = float(result.top_costs["step_time_s"][i])
-        rows.append({
-            "parallel": parallel.model_dump(),
-            "step_time_s": step,
-            "tokens_per_s": tokens / step,
-            "mfu": float(result.top_costs["mfu"][i]) * analytic / step,
-            "memory_gib": float(result.top_costs["memory_bytes"][i]) / 2**30,
-        })
+    rows = [{**asdict(layout), "parallel": layout.parallel.model_dump()} for layout in result.ranked]
     winner = rows[0]
-    parallel = result.top.to_parallel(0)
+    parallel = result.ranked[0].parallel
     check = result.calibration_check.summary() if result.calibration_check else None
     plan = {
         "model": args.model,
@@ -78,7 +67,7 @@ def plan_layouts(args: argparse.Namespace) -> tuple[dict, dict]:
         "candidates_evaluated": result.candidates_evaluated,
         "feasible": result.feasible,
         "seconds": result.seconds,
-        "candidates_per_minute": result.candidates_evaluated / result.seconds * 60 if result.seconds else None,
+        "candidates_per_minute": result.candidates_per_minute,
         "top": rows,
         "why": result.explanation,
         "plan_file": args.out,
@@ -136,9 +125,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_model_search(args: argparse.Namespace) -> int:
+    from moetrain.cli.workload import build_workload
     from moetrain.planner.model_search import search_model_shapes
 
-    result = search_model_shapes(args)
+    workload, calibration = build_workload(args)
+    budget = args.param_budget * 1e9 if args.param_budget else None
+    result = search_model_shapes(workload, args.devices, calibration.for_device(workload.cluster.device),
+                                 budget).to_dict()
     if args.json:
         print(json.dumps(result, indent=2))
         return 0

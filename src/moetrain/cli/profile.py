@@ -28,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
     from moetrain.config import load_cluster_config, load_model_config
     from moetrain.errors import UserError
     from moetrain.planner.calibration import Calibration, arch_of, load_calibration
-    from moetrain.planner.profiler import profile_device
+    from moetrain.train.profiler import profile_device
 
     if args.repeats <= 0:
         raise UserError(f"--repeats must be positive (got {args.repeats})")

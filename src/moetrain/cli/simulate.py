@@ -10,7 +10,7 @@ HELP = "predict step time, tokens/s, MFU, time breakdown and memory per device f
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from moetrain.cli.common import add_strategy_args
-    from moetrain.planner.cli_support import add_workload_args
+    from moetrain.cli.workload import add_workload_args
 
     add_workload_args(parser)
     add_strategy_args(parser)
@@ -21,77 +21,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def simulate_layout(args: argparse.Namespace) -> dict:
     """The prediction as a plain mapping (what --json prints)."""
-    import numpy as np
-
     from moetrain.cli.common import output_file
-    from moetrain.errors import UserError
-    from moetrain.planner.cli_support import build_workload, parallel_from_args
-    from moetrain.planner.costmodel import evaluate
-    from moetrain.planner.search import step_after_pipeline, timeline_step
-    from moetrain.planner.strategy import Strategies
-    from moetrain.planner.timeline import gantt_png, simulate_timeline, stage_costs_from_model
+    from moetrain.cli.workload import build_workload, parallel_from_args
+    from moetrain.planner.simulate import simulate_layout as predict
+    from moetrain.planner.timeline import gantt_png
 
     if args.timeline:
         output_file(args.timeline, "--timeline", "timeline.png")
     workload, calibration = build_workload(args)
-    eff = calibration.for_device(workload.cluster.device)
-    parallel = parallel_from_args(args, workload, args.devices)
-    strategies = Strategies.from_parallel([parallel])
-    out = evaluate(workload, strategies, eff)
-    num_micro = int(round(float(out["num_micro_batches"][0])))
-    if parallel.vpp > 1 and num_micro % parallel.pp:
-        raise UserError(f"the interleaved schedule needs micro-batches per pipeline ({num_micro}) divisible by "
-                        f"pp ({parallel.pp}); change --global-batch or --micro-batch")
-    stage = stage_costs_from_model(out, 0, parallel.pp, parallel.vpp)
-    timeline = simulate_timeline(parallel.pp, parallel.vpp, num_micro, stage, parallel.overlap,
-                                 record_spans=bool(args.timeline))
-    get = lambda key: float(out[key][0])  # noqa: E731
-    step = step_after_pipeline(timeline.step_time_s, out, 0, eff)
-    tokens = workload.global_batch * workload.seq_len
-    mfu = get("mfu") * get("step_time_s") / step
-    busiest = int(np.argmax(timeline.busy_s))
-    compute = {k.removeprefix("compute_").removesuffix("_s"): get(k) for k in out if k.startswith("compute_")}
-    comm = {
-        "tensor_parallel": {"total_s": get("tp_comm_s"), "exposed_s": get("tp_exposed_s")},
-        "all_to_all": {"total_s": timeline.a2a_total_s, "exposed_s": timeline.a2a_exposed_s},
-        "data_parallel": {"total_s": get("dp_comm_s"), "exposed_s": get("dp_exposed_s")},
-        "context_parallel": {"exposed_s": get("cp_exposed_s")},
-        "pipeline_p2p": {"total_s": get("p2p_s"), "exposed_s": get("p2p_s")},
-    }
-    memory = {k.removeprefix("memory_"): get(k) / 2**30 for k in
-              ("memory_weights", "memory_grads", "memory_optimizer", "memory_activations", "memory_buffers")}
-    memory_total = get("memory_bytes") / 2**30
+    p = predict(workload, parallel_from_args(args, workload, args.devices), args.devices, calibration,
+                record_spans=bool(args.timeline))
     result = {
         "model": workload.model.name,
         "cluster": workload.cluster.name,
         "devices": args.devices,
         "seq_len": workload.seq_len,
         "global_batch": workload.global_batch,
-        "parallel": parallel.model_dump(),
-        "micro_batches_per_pipeline": num_micro,
-        "step_time_s": step,
-        "tokens_per_s": tokens / step,
-        "tokens_per_s_per_device": tokens / step / args.devices,
-        "mfu": mfu,
-        "bubble_s": timeline.step_time_s - timeline.busy_s[busiest],
-        "bubble_fraction": timeline.bubble_fraction[busiest],
-        "optimizer_s": get("optimizer_s"),
-        "host_wait_s": get("host_wait_s"),
-        "compute_s": compute,
-        "communication_s": comm,
-        "memory_gib": {**memory, "total": memory_total},
-        "hbm_gib": workload.cluster.hbm_bytes / 2**30,
-        "fits_memory": memory_total * 2**30 <= workload.cluster.hbm_bytes,
+        "parallel": p.parallel.model_dump(),
+        "micro_batches_per_pipeline": p.micro_batches_per_pipeline,
+        "step_time_s": p.step_time_s,
+        "tokens_per_s": p.tokens_per_s,
+        "tokens_per_s_per_device": p.tokens_per_s_per_device,
+        "mfu": p.mfu,
+        "bubble_s": p.bubble_s,
+        "bubble_fraction": p.bubble_fraction,
+        "optimizer_s": p.optimizer_s,
+        "host_wait_s": p.host_wait_s,
+        "compute_s": p.compute_s,
+        "communication_s": {name: ({} if t.total_s is None else {"total_s": t.total_s}) | {"exposed_s": t.exposed_s}
+                            for name, t in p.communication_s.items()},
+        "memory_gib": p.memory_gib,
+        "hbm_gib": p.hbm_gib,
+        "fits_memory": p.fits_memory,
         "calibration_accuracy": dict(calibration.accuracy),
-        # The same layout under each fit of the calibration's cross-validation (one source left out):
-        # how far the prediction moves with the sources it was fitted on.
-        "step_time_s_held_out_fits": {
-            family: timeline_step(evaluate(workload, strategies, fit_eff), strategies, 0, fit_eff)
-            for family, fit_eff in calibration.held_out_for_device(workload.cluster.device).items()},
+        "step_time_s_held_out_fits": p.step_time_s_held_out_fits,
     }
     if args.timeline:
-        gantt_png(timeline, args.timeline, f"{workload.model.name} on {args.devices} × {workload.cluster.name}: "
-                  f"step {step:.3f} s")
+        gantt_png(p.timeline, args.timeline, f"{workload.model.name} on {args.devices} × {workload.cluster.name}: "
+                  f"step {p.step_time_s:.3f} s")
         result["timeline_png"] = args.timeline
     return result
 

@@ -19,10 +19,11 @@ Facts of the implementation the formulas encode:
   row; torch's math fallback (used on CPU when the QK and V head dims differ) keeps scaled q and k,
   the fp32 probabilities (S² per head) and a contiguous v, all fp32.
 
-Layout rules: tokens per device ``t = seq_len·micro_batch/cp``; with sequence parallelism, tensors of
-width ``hidden`` (norm inputs and outputs, residuals) are split over ``tp`` too; head and FFN widths
-are split over ``tp``, expert FFN width over ``etp``; MoE layers see ``t/tp`` tokens per device
-(Megatron requires SP with MoE and TP) and receive ``top_k·imbalance`` rows per token on average.
+Layout rules (``Sharding``): tokens per device ``t = seq_len·micro_batch/cp``; with sequence
+parallelism, tensors of width ``hidden`` (norm inputs and outputs, residuals) are split over ``tp``
+too; head and FFN widths are split over ``tp``, expert FFN width over ``etp``; MoE layers see ``t/tp``
+tokens per device (Megatron requires SP with MoE and TP) and receive ``top_k·imbalance`` rows per
+token on average.
 
 Memory options (``moetrain.memory``): ``norm``, ``mla_up``, ``activation``, ``permute``, ``router``
 recompute one layer part each; ``attention`` and ``layer`` recompute a whole block; ``swap_attention``
@@ -30,7 +31,7 @@ and ``swap_moe`` move what attention / the MoE block saves to host memory (repor
 ``swapped``). The planner's recompute levels map onto them: ``selective`` = the five fine-grained
 recompute options, ``full`` = ``layer``.
 
-All arguments that are sizes may be numpy arrays.
+All arguments that are sizes, and the degrees of ``Sharding``, may be numpy arrays.
 """
 
 from __future__ import annotations
@@ -80,6 +81,34 @@ def options_of(recompute) -> frozenset[str]:
     if unknown:
         raise ValueError(f"unknown memory option(s) {unknown}; choose from {list(ALL_OPTIONS)}")
     return frozenset(names)
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How a layer's tensors are split over devices: the parallel degrees the activation formulas read.
+
+    Each degree may be a numpy array (one entry per layout the planner scores)."""
+
+    tp: object = 1
+    """Tensor-parallel size: splits head and FFN widths, and the vocabulary of the head."""
+    sp: object = False
+    """Sequence parallelism: tensors of width hidden are split over ``tp`` too."""
+    cp: object = 1
+    """Context-parallel size: splits the sequence."""
+    ep: object = 1
+    """Expert-parallel size: changes which routed tokens arrive, not how many on average."""
+    etp: object = 1
+    """Expert tensor-parallel size: splits the expert FFN width."""
+
+    def tokens(self, seq_len, micro_batch):
+        """(t, t_split, tp): tokens per device of one micro-batch, the rows of width-hidden tensors
+        (``t/tp`` with sequence parallelism) and tp as floats."""
+        tp = np.asarray(self.tp, dtype=float)
+        t = np.asarray(seq_len, dtype=float) * np.asarray(micro_batch, dtype=float) / np.asarray(self.cp, dtype=float)
+        return t, np.where(np.asarray(self.sp, dtype=bool), t / tp, t), tp
+
+
+UNSHARDED = Sharding()
 
 
 @dataclass(frozen=True)
@@ -150,11 +179,7 @@ def activation_bytes_per_layer(
     model: ModelConfig,
     seq_len,
     micro_batch,
-    tp=1,
-    sp=False,
-    cp=1,
-    ep=1,
-    etp=1,
+    sharding: Sharding = UNSHARDED,
     dtype_bytes: float = 2.0,
     moe_layer: bool = True,
     recompute="none",
@@ -165,15 +190,12 @@ def activation_bytes_per_layer(
     """Bytes one decoder layer keeps on the device for backward, per part (``LAYER_PARTS``), for one
     micro-batch. ``recompute``: a level, option names (see ``options_of``). With ``include_swapped``
     the result also has ``swapped``: the bytes moved to host by the swap options."""
-    del ep  # expert placement changes which tokens arrive, not how many on average
     opts = options_of(recompute)
     d = float(dtype_bytes)
     h = model.hidden_size
-    tp = np.asarray(tp, dtype=float)
-    t = np.asarray(seq_len, dtype=float) * np.asarray(micro_batch, dtype=float) / np.asarray(cp, dtype=float)
-    t_split = np.where(np.asarray(sp, dtype=bool), t / tp, t)
+    t, t_split, tp = sharding.tokens(seq_len, micro_batch)
     batch_rows = np.asarray(micro_batch, dtype=float)
-    seq_local = np.asarray(seq_len, dtype=float) / np.asarray(cp, dtype=float)
+    seq_local = np.asarray(seq_len, dtype=float) / np.asarray(sharding.cp, dtype=float)
     sandwich = model.norm_style == "sandwich"
     parts = _Parts()
     is_moe = moe_layer and model.moe is not None
@@ -215,7 +237,7 @@ def activation_bytes_per_layer(
         if ffn_out_kept:
             parts.add("ffn", t_split * h * d)
     else:
-        _moe(parts, model, t_split, tp, etp, d, opts, imbalance, ffn_out_kept)
+        _moe(parts, model, t_split, tp, sharding.etp, d, opts, imbalance, ffn_out_kept)
     if sandwich:
         _norm(parts, "ffn_post_norm", t_split, h, h, d, pre=False, recompute=norm,
               input_kept_elsewhere=ffn_out_kept)
@@ -342,11 +364,7 @@ def layer_activation_bytes(
     seq_len,
     micro_batch,
     moe_layer: bool,
-    tp=1,
-    sp=False,
-    cp=1,
-    ep=1,
-    etp=1,
+    sharding: Sharding = UNSHARDED,
     dtype_bytes: float = 2.0,
     recompute="none",
     flash: bool = True,
@@ -356,8 +374,8 @@ def layer_activation_bytes(
 
     ``recompute``: level codes 0/1/2 (numpy-broadcastable), a level name or memory options."""
     def coarse(options) -> LayerActivations:
-        p = activation_bytes_per_layer(model, seq_len, micro_batch, tp, sp, cp, ep, etp, dtype_bytes, moe_layer,
-                                       options, flash, imbalance, include_swapped=True)
+        p = activation_bytes_per_layer(model, seq_len, micro_batch, sharding, dtype_bytes, moe_layer, options, flash,
+                                       imbalance, include_swapped=True)
         return LayerActivations(
             norms=p["residual"] + p["attn_norm"] + p["attn_post_norm"] + p["ffn_norm"] + p["ffn_post_norm"],
             attention_proj=p["attention"] - p["core_attention"],
@@ -382,14 +400,12 @@ def layer_activation_bytes(
     })
 
 
-def embedding_activation_bytes(model: ModelConfig, seq_len, micro_batch, tp=1, sp=False, cp=1,
+def embedding_activation_bytes(model: ModelConfig, seq_len, micro_batch, sharding: Sharding = UNSHARDED,
                                dtype_bytes: float = 2.0):
     """Output-side tensors of the last stage: the final norm (fp32 input, rsqrt, y, output kept by the
     head) and the fp32 log-probabilities kept by the loss (split over tp by the vocabulary-parallel
     head); plus the embedding output the first layer reads."""
-    tp = np.asarray(tp, dtype=float)
-    t = np.asarray(seq_len, dtype=float) * np.asarray(micro_batch, dtype=float) / np.asarray(cp, dtype=float)
-    t_split = np.where(np.asarray(sp, dtype=bool), t / tp, t)
+    t, t_split, tp = sharding.tokens(seq_len, micro_batch)
     h = model.hidden_size
     final_norm = t_split * (h * FP32_BYTES + FP32_BYTES + 2 * h * dtype_bytes)
     if dtype_bytes >= FP32_BYTES:
@@ -398,26 +414,23 @@ def embedding_activation_bytes(model: ModelConfig, seq_len, micro_batch, tp=1, s
     return embedding + final_norm + t * model.vocab_size / tp * FP32_BYTES
 
 
-def mtp_extra_activation_bytes(model: ModelConfig, seq_len, micro_batch, tp=1, sp=False, cp=1,
+def mtp_extra_activation_bytes(model: ModelConfig, seq_len, micro_batch, sharding: Sharding = UNSHARDED,
                                dtype_bytes: float = 2.0):
     """Per MTP module, what it keeps besides its decoder layer: two input norms, the concatenation
     read by the projection, the projection output, the next-token embedding and another head + loss."""
-    tp = np.asarray(tp, dtype=float)
-    t = np.asarray(seq_len, dtype=float) * np.asarray(micro_batch, dtype=float) / np.asarray(cp, dtype=float)
-    t_split = np.where(np.asarray(sp, dtype=bool), t / tp, t)
+    t, t_split, _ = sharding.tokens(seq_len, micro_batch)
     h, d = model.hidden_size, dtype_bytes
     fp32 = d >= FP32_BYTES
     norms = 2 * t_split * (FP32_BYTES + h * d) + (0.0 if fp32 else 2 * t_split * h * FP32_BYTES)
     embed = t_split * h * d if fp32 else 0.0
     concat_and_proj = t_split * 2 * h * d + (t_split * h * d if fp32 else 0.0)
     ids = 2 * t * INDEX_BYTES
-    return norms + embed + concat_and_proj + ids + embedding_activation_bytes(model, seq_len, micro_batch, tp, sp,
-                                                                               cp, d) - (
-        t_split * h * d if fp32 else 0.0)
+    return norms + embed + concat_and_proj + ids + embedding_activation_bytes(model, seq_len, micro_batch, sharding,
+                                                                               d) - (t_split * h * d if fp32 else 0.0)
 
 
 def model_activation_bytes(model: ModelConfig, seq_len, micro_batch, layer_options: Iterable | None = None,
-                           dtype_bytes: float = 2.0, flash: bool = True, tp=1, sp=False, cp=1, etp=1,
+                           dtype_bytes: float = 2.0, flash: bool = True, sharding: Sharding = UNSHARDED,
                            include_mtp: bool = True) -> dict[str, object]:
     """Whole model on one device (no pipeline split): ``layers`` (summed), ``head`` (embedding, final
     norm, loss, MTP extras), ``total`` and ``swapped``. ``layer_options``: one option set per layer
@@ -428,14 +441,14 @@ def model_activation_bytes(model: ModelConfig, seq_len, micro_batch, layer_optio
     swapped = 0.0
     for index in range(num_blocks):
         moe_layer = model.is_moe_layer(index) if index < model.num_layers else model.moe is not None
-        parts = activation_bytes_per_layer(model, seq_len, micro_batch, tp, sp, cp, 1, etp, dtype_bytes, moe_layer,
+        parts = activation_bytes_per_layer(model, seq_len, micro_batch, sharding, dtype_bytes, moe_layer,
                                            per_layer[index] if index < len(per_layer) else frozenset(), flash,
                                            include_swapped=True)
         swapped = swapped + parts.pop("swapped")
         parts.pop("core_attention")
         layers = layers + sum(parts.values())
-    head = embedding_activation_bytes(model, seq_len, micro_batch, tp, sp, cp, dtype_bytes)
+    head = embedding_activation_bytes(model, seq_len, micro_batch, sharding, dtype_bytes)
     if include_mtp:
-        head = head + model.num_mtp_layers * mtp_extra_activation_bytes(model, seq_len, micro_batch, tp, sp, cp,
+        head = head + model.num_mtp_layers * mtp_extra_activation_bytes(model, seq_len, micro_batch, sharding,
                                                                         dtype_bytes)
     return {"layers": layers, "head": head, "total": layers + head, "swapped": swapped}

@@ -35,13 +35,6 @@ import torch.distributed as dist
 from torch import nn
 
 from moetrain.balance.costs import BalanceCostModel
-from moetrain.balance.executor import (
-    PendingCopies,
-    ShardedSlots,
-    post_expert_moves,
-    post_sharded_moves,
-    sum_replica_gradients,
-)
 from moetrain.balance.online import PAYBACK_HORIZON, REPLAN_INTERVAL, check_online_balance, default_slots_per_rank
 from moetrain.balance.placement import EMPTY_SLOT, ExpertPlacement, Move
 from moetrain.balance.predict import EMAPredictor, Predictor
@@ -51,6 +44,13 @@ from moetrain.config import ClusterConfig, ModelConfig, TrainingConfig
 from moetrain.config.model import moe_layer_indices
 from moetrain.distributed.ep import ExpertTable
 from moetrain.distributed.layout import ParallelDims
+from moetrain.distributed.migration import (
+    PendingCopies,
+    ShardedSlots,
+    post_expert_moves,
+    post_sharded_moves,
+    sum_replica_gradients,
+)
 from moetrain.distributed.parallelize import StageModel, parallelize
 from moetrain.distributed.pipeline import Executor
 from moetrain.distributed.step import LayoutRun

@@ -58,7 +58,7 @@ class ExpertTable:
     replica, chosen by the token's position on its rank: ``u_t = frac(t·0.618…)`` against the
     replicas' cumulative shares, so the split is deterministic and needs no communication; which
     replica computes a token does not change the math as long as replicas hold equal weights (their
-    gradients are summed before the optimizer step, ``moetrain.balance.executor.sum_replica_gradients``).
+    gradients are summed before the optimizer step, ``moetrain.distributed.migration.sum_replica_gradients``).
     """
 
     slot_of_expert: torch.Tensor

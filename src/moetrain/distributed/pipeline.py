@@ -8,7 +8,7 @@ backward of that chunk, so each layer's auxiliary gradient is produced where the
 Activations move between pipeline ranks by point-to-point messages: sends are non-blocking (their
 handles are waited at the end of the step), receives block when the action needs the tensor. Tags
 name (micro-batch, chunk, direction), so messages cannot be confused. The schedules of
-``moetrain.distributed.schedules`` are deadlock-free under this rule. An ``Overlapped`` step receives
+``moetrain.schedules`` are deadlock-free under this rule. An ``Overlapped`` step receives
 both of its inputs first, then runs its forward and backward taking turns at every exchange
 (``moetrain.distributed.overlap``).
 """
@@ -23,11 +23,11 @@ import torch.distributed as dist
 from moetrain.distributed.cp import ContextParallel
 from moetrain.distributed.overlap import flush_weight_grads, run_pair, set_split_grads
 from moetrain.distributed.parallelize import Chunk, StageModel
-from moetrain.distributed.schedules import Action, Overlapped, Step
 from moetrain.distributed.tp import gather_sequence, split_sequence
 from moetrain.distributed.trace import span
 from moetrain.models.attention import AttentionContext, build_attention_context
 from moetrain.models.transformer import IGNORE_INDEX, MoETransformer, shift_left, token_loss_sum
+from moetrain.schedules import Action, Overlapped, Step
 from moetrain.train.precision import autocast
 
 

@@ -28,11 +28,11 @@ from moetrain.distributed.host_reads import host_read
 from moetrain.distributed.layout import ParallelDims
 from moetrain.distributed.parallelize import StageModel, model_moe_blocks, parallelize
 from moetrain.distributed.pipeline import Executor, MicroBatch, StepContext
-from moetrain.distributed.schedules import interleaved_1f1b, overlapped
 from moetrain.distributed.trace import span
 from moetrain.distributed.zero import build_sharded_optimizer
 from moetrain.models.attention import AttentionBackend
 from moetrain.models.transformer import MoETransformer, build_model
+from moetrain.schedules import interleaved_1f1b, overlapped
 from moetrain.train.optim import lr_multiplier
 
 

@@ -18,12 +18,11 @@ from dataclasses import replace
 
 import numpy as np
 
-from moetrain.costs.flops import training_flops_per_token
 from moetrain.errors import UserError
 from moetrain.planner.calibration import PER_ARCH_PARAMS, Calibration, Efficiency, arch_of, default_calibration
 from moetrain.planner.costmodel import evaluate
 from moetrain.planner.strategy import Strategies
-from moetrain.planner.validation import PreparedRow
+from moetrain.planner.validation import PreparedRow, metric_of
 
 MIN_ROWS_PER_ARCH = 4
 # Loss on the log-ratios, as scipy's least_squares names it. The shipped fit uses "huber": squared below
@@ -58,20 +57,9 @@ def predict_rows(rows: list[PreparedRow], calibration: Calibration) -> np.ndarra
     predicted = np.empty(len(rows))
     for workload, index in groups.items():
         strategies = Strategies.concat([rows[i].strategy for i in index])
-        out = evaluate(workload, strategies, calibration.for_device(workload.cluster.device))
-        tokens = workload.global_batch * workload.seq_len
-        model_flops = training_flops_per_token(workload.model, workload.seq_len) * tokens
+        costs = evaluate(workload, strategies, calibration.for_device(workload.cluster.device))
         for j, i in enumerate(index):
-            row = rows[i]
-            step = out["step_time_s"][j]
-            flops = model_flops * (out["hardware_flops_factor"][j] if row.flops_convention == "hardware" else 1.0)
-            predicted[i] = {
-                "step_time_s": step,
-                "tokens_per_s_per_device": tokens / step / row.num_devices,
-                "tflops_per_device": flops / step / row.num_devices / 1e12,
-                "mfu": flops / step / row.num_devices / workload.cluster.peak_flops("bf16"),
-                "peak_memory_gib": out["memory_bytes"][j] / 2**30,
-            }[row.metric]
+            predicted[i] = metric_of(rows[i], costs, j)
     return predicted
 
 

@@ -9,15 +9,16 @@ predicted training tokens/s at their best layout. A coarser layout space keeps t
 
 from __future__ import annotations
 
-import argparse
 import time
+from dataclasses import asdict, dataclass, field
 
 from moetrain.config.model import GQAConfig, MLAConfig, ModelConfig
+from moetrain.config.parallel import ParallelConfig
 from moetrain.costs.params import count_params
 from moetrain.errors import UserError
-from moetrain.planner.cli_support import build_workload
-from moetrain.planner.costmodel import Workload
+from moetrain.planner.calibration import Efficiency
 from moetrain.planner.search import SearchSpace, search
+from moetrain.planner.workload import Workload
 
 COARSE = SearchSpace(tp=(1, 2, 4, 8), cp=(1, 2), vpp=(1, 2, 4), etp=(1,), zero=(1,), micro_batch=(1, 2),
                      recompute=(0, 1, 2), a2a=(0, 1), overlap=(1,), sp=(0, 1))
@@ -53,11 +54,43 @@ def _reshape(base: ModelConfig, experts: int, hidden: int, layers: int) -> Model
         return None
 
 
-def search_model_shapes(args: argparse.Namespace, tolerance: float = 0.15) -> dict:
-    workload, calibration = build_workload(args)
-    eff = calibration.for_device(workload.cluster.device)
+@dataclass(frozen=True)
+class ShapeScore:
+    """One model shape at its best layout."""
+
+    experts: int
+    hidden: int
+    layers: int
+    total_params_b: float
+    active_params_b: float
+    tokens_per_s: float
+    """Training throughput at the best layout's timeline step."""
+    mfu: float
+    parallel: ParallelConfig
+
+
+@dataclass
+class ShapeSearch:
+    budget_params_b: float
+    tolerance: float
+    """Shapes whose parameter count is within this share of the budget are compared."""
+    shapes: list[ShapeScore] = field(default_factory=list)
+    """Fastest first."""
+    candidates_evaluated: int = 0
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["shapes"] = [{**asdict(s), "parallel": s.parallel.model_dump()} for s in self.shapes]
+        return out
+
+
+def search_model_shapes(workload: Workload, devices: int, eff: Efficiency, budget_params: float | None = None,
+                        tolerance: float = 0.15) -> ShapeSearch:
+    """Shapes of ``workload.model`` (expert count, hidden size, depth) within ``tolerance`` of
+    ``budget_params`` parameters (default: the model's own count), by throughput at their best layout."""
     base = workload.model
-    budget = (args.param_budget * 1e9) if args.param_budget else float(count_params(base).total)
+    budget = budget_params if budget_params else float(count_params(base).total)
     start = time.perf_counter()
     expert_options = [base.moe.num_experts // 2, base.moe.num_experts, base.moe.num_experts * 2] if base.moe else [0]
     hidden_options = sorted({round(base.hidden_size * f / 256) * 256 for f in (0.75, 0.875, 1.0, 1.125, 1.25)})
@@ -81,21 +114,15 @@ def search_model_shapes(args: argparse.Namespace, tolerance: float = 0.15) -> di
                 w = Workload(model, workload.cluster, workload.seq_len, workload.global_batch, workload.precision,
                              workload.imbalance, grad_bytes=workload.grad_bytes)
                 # Shapes are compared at the hardware's best layout, runnable today or not.
-                result = search(w, args.devices, eff, COARSE, top_k=1, timeline_top=3, time_every_choice=False,
+                result = search(w, devices, eff, COARSE, top_k=1, timeline_top=3, time_every_choice=False,
                                 runnable_only=False)
                 evaluated += result.candidates_evaluated
                 if len(result.top) == 0:
                     continue
-                step = float(result.timeline_step_s[0])
-                shapes.append({
-                    "experts": experts, "hidden": hidden, "layers": layers,
-                    "total_params_b": counts.total / 1e9, "active_params_b": counts.active / 1e9,
-                    "tokens_per_s": workload.global_batch * workload.seq_len / step,
-                    "mfu": float(result.top_costs["mfu"][0] * result.top_costs["step_time_s"][0] / step),
-                    "parallel": result.top.to_parallel(0).model_dump(),
-                })
+                best = result.ranked[0]
+                shapes.append(ShapeScore(experts, hidden, layers, counts.total / 1e9, counts.active / 1e9,
+                                         best.tokens_per_s, best.mfu, best.parallel))
     if not shapes:
         raise UserError("no model shape near the budget fits the devices; raise --devices or --param-budget")
-    shapes.sort(key=lambda s: -s["tokens_per_s"])
-    return {"budget_params_b": budget / 1e9, "tolerance": tolerance, "shapes": shapes,
-            "candidates_evaluated": evaluated, "seconds": time.perf_counter() - start}
+    shapes.sort(key=lambda s: -s.tokens_per_s)
+    return ShapeSearch(budget / 1e9, tolerance, shapes, evaluated, time.perf_counter() - start)

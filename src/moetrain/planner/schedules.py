@@ -1,6 +1,6 @@
 """The runtime's pipeline schedules, seen by the planner's timeline.
 
-One source of truth: ``moetrain.distributed.schedules`` (torch-free) generates each pipeline rank's
+One source of truth: ``moetrain.schedules`` (torch-free) generates each pipeline rank's
 ordered steps, which the runtime executor runs; this module only re-labels them as flat ``Action``s
 (``F``, ``B``, or ``FB`` for an overlapped forward/backward pair) for ``moetrain.planner.timeline``.
 Chunk c on rank r is global stage ``c·pp + r`` (Megatron's interleaved placement).
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moetrain.distributed import schedules as runtime
+from moetrain import schedules as runtime
 from moetrain.errors import UserError
 
 

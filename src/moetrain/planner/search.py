@@ -12,12 +12,14 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from moetrain.config.parallel import runtime_limits
+from moetrain.config.parallel import ParallelConfig, runtime_limits
 from moetrain.planner.calibration import Efficiency
-from moetrain.planner.costmodel import Workload, evaluate
+from moetrain.planner.costmodel import StepCosts, evaluate
+from moetrain.planner.device_memory import GIB
 from moetrain.planner.runnable import runnable_mask
 from moetrain.planner.strategy import A2A_NAMES, RECOMPUTE_NAMES, Strategies
 from moetrain.planner.timeline import simulate_timeline, stage_costs_from_model
+from moetrain.planner.workload import Workload
 
 MEMORY_LIMIT_FRACTION = 0.95
 """A layout fits when its predicted peak stays under this share of HBM (the rest: allocator slack)."""
@@ -116,13 +118,26 @@ class ExcludedLayout:
                 f"is {self.runnable_step_time_s:.3f} s (+{slower:.1f} %); --any-layout ranks every layout")
 
 
+@dataclass(frozen=True)
+class RankedLayout:
+    """One of the search's best layouts, priced at its timeline step."""
+
+    parallel: ParallelConfig
+    step_time_s: float
+    """The event-driven timeline's step (what the ranking uses)."""
+    tokens_per_s: float
+    mfu: float
+    memory_gib: float
+
+
 @dataclass
 class SearchResult:
     candidates_evaluated: int
     seconds: float
     feasible: int
     top: Strategies
-    top_costs: dict[str, np.ndarray]
+    top_costs: StepCosts | None
+    """The analytic costs of ``top`` (None when no layout fits)."""
     timeline_step_s: list[float]
     explanation: list[str] = field(default_factory=list)
     calibration_check: CalibrationCheck | None = None
@@ -130,6 +145,12 @@ class SearchResult:
     """Set when ranking only runnable layouts left out a faster one."""
     not_runnable: int = 0
     """Layouts that fit in memory but that the runtime cannot run (left out unless ``runnable_only`` is off)."""
+    ranked: list[RankedLayout] = field(default_factory=list)
+    """``top`` in rank order, each at its timeline step."""
+
+    @property
+    def candidates_per_minute(self) -> float | None:
+        return self.candidates_evaluated / self.seconds * 60 if self.seconds else None
 
 
 def _divisors(n: int) -> list[int]:
@@ -183,6 +204,56 @@ def enumerate_strategies(w: Workload, devices: int, space: SearchSpace):
         yield Strategies.concat(pending)
 
 
+@dataclass
+class _Screen:
+    """What the vectorised screen keeps of the batches it scores: the ``keep`` fastest layouts that fit
+    (and run), the fastest of every value of each choice (to explain the winner against the best
+    alternative of each), and the fastest fitting layout the runtime cannot run."""
+
+    keep: int
+    evaluated: int = 0
+    feasible: int = 0
+    not_runnable: int = 0
+    best: Strategies | None = None
+    best_step: np.ndarray = field(default_factory=lambda: np.empty(0))
+    alternatives: dict[tuple[str, int], tuple[float, Strategies]] = field(default_factory=dict)
+    excluded: tuple[float, Strategies] | None = None
+
+    def add(self, w: Workload, batch: Strategies, out: StepCosts, runnable_only: bool) -> None:
+        self.evaluated += len(batch)
+        fits = out.memory.total <= MEMORY_LIMIT_FRACTION * w.cluster.hbm_bytes
+        if runnable_only:
+            runnable = runnable_mask(batch, w.model.num_layers, w.global_batch, w.cluster.devices_per_node)
+            left_out = fits & ~runnable
+            self.not_runnable += int(left_out.sum())
+            if left_out.any():
+                i = int(np.argmin(np.where(left_out, out.step_time_s, np.inf)))
+                if self.excluded is None or out.step_time_s[i] < self.excluded[0]:
+                    self.excluded = (float(out.step_time_s[i]), batch.take([i]))
+            fits &= runnable
+        self.feasible += int(fits.sum())
+        if not fits.any():
+            return
+        step = np.where(fits, out.step_time_s, np.inf)
+        self._track_alternatives(batch, fits, step)
+        order = np.argsort(step)[:self.keep]
+        order = order[np.isfinite(step[order])]
+        chosen = batch.take(order)
+        best = chosen if self.best is None else Strategies.concat([self.best, chosen])
+        best_step = np.concatenate([self.best_step, step[order]])
+        trim = np.argsort(best_step)[:self.keep]
+        self.best, self.best_step = best.take(trim), best_step[trim]
+
+    def _track_alternatives(self, batch: Strategies, fits: np.ndarray, step: np.ndarray) -> None:
+        for dim in ("tp", "pp", "vpp", "ep", "cp", "zero", "micro_batch", "recompute", "overlap", "a2a"):
+            values = getattr(batch, dim).astype(np.int64)
+            for v in np.unique(values[fits]):
+                masked = np.where(values == v, step, np.inf)
+                i = int(np.argmin(masked))
+                if (dim, int(v)) not in self.alternatives or masked[i] < self.alternatives[(dim, int(v))][0]:
+                    self.alternatives[(dim, int(v))] = (float(masked[i]), batch.take([i]))
+
+
 def search(w: Workload, devices: int, eff: Efficiency, space: SearchSpace | None = None, top_k: int = 10,
            timeline_top: int = 10, held_out: dict[str, Efficiency] | None = None,
            time_every_choice: bool = True, runnable_only: bool = True) -> SearchResult:
@@ -194,50 +265,14 @@ def search(w: Workload, devices: int, eff: Efficiency, space: SearchSpace | None
     left out, if faster, is reported in ``SearchResult.excluded``."""
     space = space or SearchSpace()
     start = time.perf_counter()
-    evaluated = 0
-    feasible = 0
-    memory_limit = MEMORY_LIMIT_FRACTION * w.cluster.hbm_bytes
-    best: Strategies | None = None
-    best_step = np.empty(0)
-    keep = max(top_k, timeline_top) * 20
-    # Best per (dimension, value), to explain the winner against the best alternative of each choice.
-    alternatives: dict[tuple[str, int], tuple[float, Strategies]] = {}
-    excluded: tuple[float, Strategies] | None = None
-    not_runnable = 0
+    screen = _Screen(keep=max(top_k, timeline_top) * 20)
     for batch in enumerate_strategies(w, devices, space):
-        out = evaluate(w, batch, eff)
-        evaluated += len(batch)
-        fits = out["memory_bytes"] <= memory_limit
-        if runnable_only:
-            runnable = runnable_mask(batch, w.model.num_layers, w.global_batch, w.cluster.devices_per_node)
-            left_out = fits & ~runnable
-            not_runnable += int(left_out.sum())
-            if left_out.any():
-                i = int(np.argmin(np.where(left_out, out["step_time_s"], np.inf)))
-                if excluded is None or out["step_time_s"][i] < excluded[0]:
-                    excluded = (float(out["step_time_s"][i]), batch.take([i]))
-            fits &= runnable
-        feasible += int(fits.sum())
-        if not fits.any():
-            continue
-        step = np.where(fits, out["step_time_s"], np.inf)
-        for dim in ("tp", "pp", "vpp", "ep", "cp", "zero", "micro_batch", "recompute", "overlap", "a2a"):
-            values = getattr(batch, dim).astype(np.int64)
-            for v in np.unique(values[fits]):
-                masked = np.where(values == v, step, np.inf)
-                i = int(np.argmin(masked))
-                if (dim, int(v)) not in alternatives or masked[i] < alternatives[(dim, int(v))][0]:
-                    alternatives[(dim, int(v))] = (float(masked[i]), batch.take([i]))
-        order = np.argsort(step)[:keep]
-        order = order[np.isfinite(step[order])]
-        chosen = batch.take(order)
-        best = chosen if best is None else Strategies.concat([best, chosen])
-        best_step = np.concatenate([best_step, step[order]])
-        trim = np.argsort(best_step)[:keep]
-        best, best_step = best.take(trim), best_step[trim]
+        screen.add(w, batch, evaluate(w, batch, eff), runnable_only)
+    best, excluded, not_runnable = screen.best, screen.excluded, screen.not_runnable
+    evaluated, feasible, alternatives = screen.evaluated, screen.feasible, screen.alternatives
     seconds_screen = time.perf_counter() - start
     if best is None:
-        result = SearchResult(evaluated, seconds_screen, 0, _empty(), {}, [],
+        result = SearchResult(evaluated, seconds_screen, 0, _empty(), None, [],
                               ["no layout fits in memory; add devices, raise recompute or shorten sequences"])
         if excluded is not None:
             result.excluded = _excluded(w, excluded[1], None, eff)
@@ -253,11 +288,10 @@ def search(w: Workload, devices: int, eff: Efficiency, space: SearchSpace | None
     costs = evaluate(w, pool, eff)
     pool_step = np.array([timeline_step(costs, pool, i, eff) for i in range(len(pool))])
     # The timed layouts in rank order, the winner first; the top are the first ``top_k``.
-    ranked = rank_layouts(pool_step, costs["memory_bytes"], pool)
-    pool, pool_step = pool.take(ranked), pool_step[ranked]
-    costs = {k: v[ranked] for k, v in costs.items()}
+    ranked = rank_layouts(pool_step, costs.memory.total, pool)
+    pool, pool_step, costs = pool.take(ranked), pool_step[ranked], costs.take(ranked)
     top = pool.take(np.arange(min(top_k, len(pool))))
-    top_costs = {k: v[:top_k] for k, v in costs.items()}
+    top_costs = costs.take(np.arange(len(top)))
     steps = [float(x) for x in pool_step[:top_k]]
     check = None
     if held_out:
@@ -266,14 +300,20 @@ def search(w: Workload, devices: int, eff: Efficiency, space: SearchSpace | None
                                  np.array([_timeline_steps(w, pool, e) for e in held_out.values()]))
         check.seconds = time.perf_counter() - check_start
     result = SearchResult(evaluated, 0.0, feasible, top, top_costs, steps, calibration_check=check,
-                          not_runnable=not_runnable)
-    if excluded is not None and excluded[0] < float(costs["step_time_s"][0]):
+                          not_runnable=not_runnable, ranked=_ranked(w, top, top_costs, steps))
+    if excluded is not None and excluded[0] < float(costs.step_time_s[0]):
         left_out = _excluded(w, excluded[1], steps[0], eff)
         if left_out.step_time_s is not None and left_out.step_time_s < steps[0]:
             result.excluded = left_out
-    result.explanation = explain_tie(steps, top_costs["memory_bytes"]) + explain(pool, costs, pool_step, check)
+    result.explanation = explain_tie(steps, top_costs.memory.total) + explain(pool, costs, pool_step, check)
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _ranked(w: Workload, top: Strategies, costs: StepCosts, steps: list[float]) -> list[RankedLayout]:
+    tokens = w.global_batch * w.seq_len
+    return [RankedLayout(top.to_parallel(i), step, tokens / step, float(costs.mfu_at(step)[i]),
+                         float(costs.memory.total[i]) / GIB) for i, step in enumerate(steps)]
 
 
 def _excluded(w: Workload, layout: Strategies, runnable_step_s: float | None, eff: Efficiency) -> ExcludedLayout:
@@ -336,33 +376,34 @@ def _empty() -> Strategies:
     return Strategies(z, z.astype(bool), z, z, z, z, z, z, z, z, z, z, z.astype(bool))
 
 
-def timeline_step(costs: dict[str, np.ndarray], strategies: Strategies, i: int, eff: Efficiency) -> float:
+def timeline_step(costs: StepCosts, strategies: Strategies, i: int, eff: Efficiency) -> float:
     """Step time of candidate ``i`` with the pipeline part replayed by the event-driven timeline."""
     pp, vpp = int(strategies.pp[i]), int(strategies.vpp[i])
-    num_micro = int(round(costs["num_micro_batches"][i]))
-    stage = stage_costs_from_model(costs, i, pp, vpp)
+    num_micro = int(round(costs.num_micro_batches[i]))
+    stage = stage_costs_from_model(costs.stages, i, pp, vpp)
     result = simulate_timeline(pp, vpp, num_micro, stage, bool(strategies.overlap[i]))
     return step_after_pipeline(result.step_time_s, costs, i, eff)
 
 
-def step_after_pipeline(pipeline_s: float, costs: dict[str, np.ndarray], i: int, eff: Efficiency) -> float:
+def step_after_pipeline(pipeline_s: float, costs: StepCosts, i: int, eff: Efficiency) -> float:
     """A step of candidate ``i``: the pipeline's span, then what follows it (the exposed data-parallel
     traffic, the optimizer update and the fixed per-step overhead)."""
-    return pipeline_s + float(costs["dp_exposed_s"][i]) + float(costs["optimizer_s"][i]) + eff.step_overhead_ms * 1e-3
+    return pipeline_s + float(costs.dp.exposed_s[i]) + float(costs.optimizer_s[i]) + eff.step_overhead_ms * 1e-3
 
 
-_REASONS = {
-    "bubble_s": "pipeline bubble",
-    "tp_exposed_s": "exposed tensor-parallel traffic",
-    "a2a_exposed_s": "exposed all-to-all",
-    "dp_exposed_s": "exposed data-parallel traffic",
-    "cp_exposed_s": "exposed context-parallel traffic",
-    "pipeline_s": "pipeline time (compute and exposed comm per micro-batch)",
-    "schedule_s": "pipeline schedule as the timeline replays it, beyond the analytic estimate",
-}
+# The cost terms that can explain why a layout is slower: what each is called, and where it is.
+_REASONS = (
+    ("pipeline bubble", lambda c: c.pipeline.bubble_s),
+    ("exposed tensor-parallel traffic", lambda c: c.pipeline.tp_exposed_s),
+    ("exposed all-to-all", lambda c: c.pipeline.a2a_exposed_s),
+    ("exposed data-parallel traffic", lambda c: c.dp.exposed_s),
+    ("exposed context-parallel traffic", lambda c: c.pipeline.cp_exposed_s),
+    ("pipeline time (compute and exposed comm per micro-batch)", lambda c: c.pipeline.pipeline_s),
+)
+_SCHEDULE_REASON = "pipeline schedule as the timeline replays it, beyond the analytic estimate"
 
 
-def explain(pool: Strategies, costs: dict[str, np.ndarray], pool_step: np.ndarray,
+def explain(pool: Strategies, costs: StepCosts, pool_step: np.ndarray,
             check: CalibrationCheck | None = None) -> list[str]:
     """One line per search dimension: the winner (``pool``'s first layout; ``costs`` and ``pool_step`` are
     the analytic costs and timeline steps of the pool) against the fastest timed layout with another value
@@ -375,16 +416,16 @@ def explain(pool: Strategies, costs: dict[str, np.ndarray], pool_step: np.ndarra
         if not others.size:
             continue
         j = int(others[np.argmin(pool_step[others])])
-        growth = {name: float(costs[name][j] - costs[name][0]) for name in _REASONS if name in costs}
+        growth = {label: float(of(costs)[j] - of(costs)[0]) for label, of in _REASONS}
         # What the timeline adds over the analytic screen (bubble and overlap as the schedule really runs).
-        growth["schedule_s"] = float(pool_step[j] - pool_step[0]) - float(costs["step_time_s"][j]
-                                                                          - costs["step_time_s"][0])
+        growth[_SCHEDULE_REASON] = float(pool_step[j] - pool_step[0]) - float(costs.step_time_s[j]
+                                                                              - costs.step_time_s[0])
         worst = max(growth, key=lambda k: growth[k])
         if pool_step[j] <= pool_step[0] * (1.0 + TIE_TOLERANCE):
             # No term makes the alternative slower; naming the one that grows most would mislead.
             reason = f"a tie within {TIE_TOLERANCE:.1%}, decided by memory, then by the simpler layout"
         elif growth[worst] > 0:
-            reason = f"{_REASONS[worst]} +{growth[worst]:.3g} s"
+            reason = f"{worst} +{growth[worst]:.3g} s"
         else:
             reason = "no single term dominates"
         line = (f"{dim}={_value_name(dim, values[0])}: best layout with {dim}={_value_name(dim, values[j])} is "

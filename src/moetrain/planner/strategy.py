@@ -1,7 +1,8 @@
 """Parallel strategies as columns of numpy arrays, so that the cost model scores many at once.
 
 One ``Strategies`` holds N candidates; column ``tp[i]``, ``pp[i]``, ... is candidate i. Recompute is
-coded 0 none / 1 selective / 2 full; the all-to-all kind 0 flat / 1 hierarchical.
+coded 0 none / 1 selective / 2 full; the all-to-all kind 0 flat / 1 hierarchical. The cost model's
+results (``moetrain.planner.costmodel.StepCosts``) are columns the same way, one entry per candidate.
 """
 
 from __future__ import annotations
@@ -16,8 +17,30 @@ RECOMPUTE_NAMES = ("none", "selective", "full")
 A2A_NAMES = ("flat", "hierarchical")
 
 
+class Columns:
+    """A dataclass whose fields are equal-length numpy arrays (or nested ``Columns``): entry i of every
+    field describes candidate i, so a subset is one ``take``."""
+
+    def __len__(self) -> int:
+        first = getattr(self, fields(self)[0].name)  # type: ignore[arg-type]
+        return len(first) if isinstance(first, Columns) else int(np.asarray(first).shape[0])
+
+    def take(self, index):
+        """The candidates ``index`` selects (an index array, a mask or a slice), in that order."""
+        return type(self)(**{f.name: _take(getattr(self, f.name), index) for f in fields(self)})  # type: ignore
+
+    @classmethod
+    def broadcast(cls, n: int, **columns):
+        """An instance whose every field is ``columns``' value as ``n`` floats (a scalar is repeated)."""
+        return cls(**{name: np.broadcast_to(np.asarray(v, dtype=float), (n,)) for name, v in columns.items()})
+
+
+def _take(column, index):
+    return column.take(index) if isinstance(column, Columns) else np.asarray(column)[index]
+
+
 @dataclass
-class Strategies:
+class Strategies(Columns):
     tp: np.ndarray
     sp: np.ndarray
     pp: np.ndarray
@@ -31,12 +54,6 @@ class Strategies:
     recompute: np.ndarray
     a2a: np.ndarray
     overlap: np.ndarray
-
-    def __len__(self) -> int:
-        return int(np.asarray(self.tp).shape[0])
-
-    def take(self, index) -> Strategies:
-        return Strategies(**{f.name: np.asarray(getattr(self, f.name))[index] for f in fields(self)})
 
     @classmethod
     def concat(cls, parts: list[Strategies]) -> Strategies:

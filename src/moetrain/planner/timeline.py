@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from moetrain.planner.costmodel import StageTimes
 from moetrain.planner.schedules import Action, build_schedule
 
 
@@ -165,23 +166,23 @@ def simulate_timeline(pp: int, vpp: int, num_micro: int, costs: StageCosts, over
     )
 
 
-def stage_costs_from_model(out: dict[str, np.ndarray], index: int, pp: int, vpp: int) -> StageCosts:
-    """Per-stage costs of strategy ``index`` from ``costmodel.evaluate``'s timeline inputs: every chunk
+def stage_costs_from_model(stages: StageTimes, index: int, pp: int, vpp: int) -> StageCosts:
+    """Per-stage costs of strategy ``index`` from the cost model's ``StepCosts.stages``: every chunk
     carries 1/vpp of a middle stage; the first and last stages add their embedding / head extras."""
-    get = lambda key: float(out[key][index])  # noqa: E731
+    first, middle, last = (float(stages.first_compute_s[index]), float(stages.middle_compute_s[index]),
+                           float(stages.last_compute_s[index]))
     n = pp * vpp
-    middle = get("middle_compute_s") / vpp
-    total = np.full(n, middle)
-    a2a = np.full(n, get("other_a2a_s") / vpp)
-    hide = np.full(n, get("other_a2a_alone_hidden_s") / vpp)
+    total = np.full(n, middle / vpp)
+    a2a = np.full(n, float(stages.other_a2a_s[index]) / vpp)
+    hide = np.full(n, float(stages.other_a2a_alone_hidden_s[index]) / vpp)
     if n == 1:
-        total[0] = get("first_compute_s")
+        total[0] = first
     else:
-        total[0] += get("first_compute_s") - get("middle_compute_s")
-        total[-1] += get("last_compute_s") - get("middle_compute_s")
-    a2a[0] += (get("first_a2a_s") - get("other_a2a_s")) / vpp
-    hide[0] += (get("first_a2a_alone_hidden_s") - get("other_a2a_alone_hidden_s")) / vpp
-    share = get("forward_fraction")
+        total[0] += first - middle
+        total[-1] += last - middle
+    a2a[0] += (float(stages.first_a2a_s[index]) - float(stages.other_a2a_s[index])) / vpp
+    hide[0] += (float(stages.first_a2a_alone_hidden_s[index]) - float(stages.other_a2a_alone_hidden_s[index])) / vpp
+    share = float(stages.forward_fraction[index])
     return StageCosts(share * total, (1 - share) * total, a2a / 2, a2a / 2, hide / 2, hide / 2, 0.0)
 
 

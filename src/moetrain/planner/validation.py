@@ -39,8 +39,9 @@ from moetrain.config.presets import load_cluster_config
 from moetrain.costs.flops import training_flops_per_token
 from moetrain.errors import UserError
 from moetrain.planner.calibration import Calibration, Efficiency
-from moetrain.planner.costmodel import Workload, evaluate
+from moetrain.planner.costmodel import StepCosts, evaluate
 from moetrain.planner.strategy import A2A_NAMES, RECOMPUTE_NAMES, Strategies
+from moetrain.planner.workload import Workload
 from moetrain.textfile import read_text
 
 METRICS = ("step_time_s", "tflops_per_device", "tokens_per_s_per_device", "mfu", "peak_memory_gib")
@@ -285,7 +286,7 @@ def _lightest_recompute_that_fits(workload: Workload, strategy: Strategies) -> S
     candidates = Strategies(**{f.name: np.repeat(getattr(strategy, f.name), levels.size)
                                for f in fields(Strategies)})
     candidates.recompute = levels
-    memory = evaluate(workload, candidates, Efficiency())["memory_bytes"]
+    memory = evaluate(workload, candidates, Efficiency()).memory.total
     fits = np.nonzero(memory <= workload.cluster.hbm_bytes)[0]
     chosen = int(fits[0]) if fits.size else levels.size - 1
     return candidates.take(np.array([chosen]))
@@ -341,23 +342,29 @@ def read_rows(path: str | Path) -> list[dict]:
     return rows
 
 
-def predict(row: PreparedRow, calibration: Calibration) -> tuple[float, dict[str, float]]:
-    """The row's metric as the simulator predicts it, plus the raw simulation outputs."""
+def metric_of(row: PreparedRow, costs: StepCosts, i: int) -> float:
+    """The row's metric (``row.metric``, one of ``METRICS``) from entry ``i`` of the predicted costs."""
     w = row.workload
-    out = evaluate(w, row.strategy, calibration.for_device(w.cluster.device))
-    step = float(out["step_time_s"][0])
+    step = float(costs.step_time_s[i])
+    if row.metric == "step_time_s":
+        return step
+    if row.metric == "peak_memory_gib":
+        return float(costs.memory.total[i]) / 2**30
     tokens = w.global_batch * w.seq_len
-    devices = row.num_devices
+    if row.metric == "tokens_per_s_per_device":
+        return tokens / step / row.num_devices
     model_flops = training_flops_per_token(w.model, w.seq_len) * tokens
-    flops = model_flops * (float(out["hardware_flops_factor"][0]) if row.flops_convention == "hardware" else 1.0)
-    value = {
-        "step_time_s": step,
-        "tokens_per_s_per_device": tokens / step / devices,
-        "tflops_per_device": flops / step / devices / 1e12,
-        "mfu": flops / step / devices / w.cluster.peak_flops("bf16"),
-        "peak_memory_gib": float(out["memory_bytes"][0]) / 2**30,
-    }[row.metric]
-    return value, {k: float(v[0]) for k, v in out.items()}
+    flops = model_flops * (float(costs.hardware_flops_factor[i]) if row.flops_convention == "hardware" else 1.0)
+    if row.metric == "tflops_per_device":
+        return flops / step / row.num_devices / 1e12
+    assert row.metric == "mfu", row.metric
+    return flops / step / row.num_devices / w.cluster.peak_flops("bf16")
+
+
+def predict(row: PreparedRow, calibration: Calibration) -> tuple[float, StepCosts]:
+    """The row's metric as the simulator predicts it, and the costs it comes from."""
+    costs = evaluate(row.workload, row.strategy, calibration.for_device(row.workload.cluster.device))
+    return metric_of(row, costs, 0), costs
 
 
 def abs_pct_errors(predicted, measured) -> np.ndarray:

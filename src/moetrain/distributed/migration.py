@@ -1,4 +1,4 @@
-"""Executor: carry out a placement change on the expert-parallel group with point-to-point copies.
+"""Expert migration: carry out a placement change on the expert-parallel group with point-to-point copies.
 
 The contract with the runtime (which owns the module and the optimizer):
 
@@ -22,7 +22,8 @@ either side and sends each piece from the shard that holds it to the shard that 
 the moved bytes travel. The copies are posted and left in flight (``PendingCopies``); the runtime
 lands them just before the next optimizer update, so they travel while the next step computes.
 
-Torch is imported here only; the planning half of ``moetrain.balance`` stays torch-free.
+It is the runtime half of expert balancing: ``moetrain.balance`` plans the moves without torch, this
+module carries them out.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Executor on a 4-rank gloo world: moves copy every slot bit for bit, replicas' gradients are summed,
+"""Expert migration on a 4-rank gloo world: moves copy every slot bit for bit, replicas' gradients are summed,
 and training across a migration gives the same losses as training without one."""
 
 import numpy as np
@@ -55,7 +55,7 @@ def _served_tokens(placement: ExpertPlacement, expert_of_token: np.ndarray, rank
 
 
 def _train_step(placement, state, tokens, expert_of_token, rank, step) -> float:
-    from moetrain.balance.executor import sum_replica_gradients
+    from moetrain.distributed.migration import sum_replica_gradients
 
     weights, exp_avg, exp_avg_sq = state
     leaf = weights.clone().requires_grad_(True)
@@ -78,7 +78,7 @@ def _train_step(placement, state, tokens, expert_of_token, rank, step) -> float:
 
 
 def _worker(rank: int, world_size: int) -> dict:
-    from moetrain.balance.executor import migrate_experts
+    from moetrain.distributed.migration import migrate_experts
 
     tokens, expert_of_token = _routing()
     old = ExpertPlacement.contiguous(NUM_EXPERTS, NUM_RANKS, SLOTS)
@@ -118,7 +118,7 @@ def test_migration_keeps_training_math():
 
 
 def test_shard_segments_cut_at_both_sides_boundaries():
-    from moetrain.balance.executor import shard_segments
+    from moetrain.distributed.migration import shard_segments
 
     # 10 elements from offset 7 to offset 2, shards of 4: source cuts at 8, 12, 16; destination at 4, 8, 12
     pieces = shard_segments(7, 2, 10, 4)
@@ -140,8 +140,8 @@ def _bucket_values(ep_rank: int, state: int) -> torch.Tensor:
 
 
 def _sharded_worker(rank: int, world_size: int) -> list[np.ndarray]:
-    from moetrain.balance.executor import ShardedSlots, post_sharded_moves
     from moetrain.balance.placement import Move
+    from moetrain.distributed.migration import ShardedSlots, post_sharded_moves
 
     # global rank = edp * EP + ep (the layout's expert grid, [edp, ep])
     edp, ep = divmod(rank, EP_SHARDED)

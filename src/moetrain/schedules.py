@@ -1,6 +1,7 @@
 """Pipeline schedules as data: for each pipeline rank, the ordered list of actions it runs.
 
-Torch-free, so the planner can simulate exactly the list the runtime executes. An action is
+Torch-free and outside both ``moetrain.planner`` and ``moetrain.distributed``, so the planner simulates
+exactly the list the runtime executes and neither imports the other for it. An action is
 (kind, chunk, micro_batch): ``F`` forward, ``B`` backward (input and weight gradient together).
 ``chunk`` is the local model chunk (0..vpp-1); rank r's local chunk v is global chunk ``v·pp + r``
 (Megatron's interleaved layout), so activations flow r → r+1 and wrap from the last rank to the

@@ -1,20 +1,21 @@
-"""Flags and input checks shared by ``moetrain simulate`` and ``moetrain plan`` (torch-free)."""
+"""Flags and input checks shared by ``moetrain simulate`` and ``moetrain plan`` (torch-free): they turn
+the command line into the planner's inputs (``Workload``, ``ParallelConfig``), so the planner never sees
+argparse."""
 
 from __future__ import annotations
 
 import argparse
 
+from moetrain.cli.common import add_cluster_arg, add_model_arg
 from moetrain.config import ParallelConfig, load_cluster_config, load_model_config
 from moetrain.errors import UserError
 from moetrain.planner.calibration import Calibration, load_calibration
-from moetrain.planner.costmodel import Workload
+from moetrain.planner.workload import Workload
 
 PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
 
 
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
-    from moetrain.cli.common import add_cluster_arg, add_model_arg
-
     add_model_arg(parser)
     add_cluster_arg(parser)
     g = parser.add_argument_group("workload")

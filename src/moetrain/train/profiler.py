@@ -1,5 +1,7 @@
-"""Micro-benchmarks behind ``moetrain profile``: the efficiencies of ``calibration.Efficiency``
-measured on the local device instead of fitted on published runs. Imports torch (runtime side)."""
+"""Micro-benchmarks behind ``moetrain profile``: the efficiencies of ``planner.calibration.Efficiency``
+measured on the local device instead of fitted on published runs. It imports torch and times the
+trainer's own model and optimizer step, so it lives on the runtime side; the planner only reads the
+calibration file it writes."""
 
 from __future__ import annotations
 
@@ -81,7 +83,7 @@ def profile_device(cluster: ClusterConfig, model: ModelConfig, device: str, repe
 
     # Attention (SDPA, causal): the causal half of 4·b·h·s²·d, forward, brought to head dim 128 (what
     # ``Efficiency.attention`` is; the cost model prices the backward at
-    # ``costmodel.ATTENTION_BACKWARD_OVER_FORWARD`` × the forward, and the ratio measured here is kept beside
+    # ``layer_costs.ATTENTION_BACKWARD_OVER_FORWARD`` × the forward, and the ratio measured here is kept beside
     # it for comparison).
     attn_eff = []
     batch, heads, head_dim, seqs = ATTENTION_SHAPES[kind]

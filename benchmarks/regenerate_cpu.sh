@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Rerun every benchmark whose result in benchmarks/results/ was measured or computed on a CPU, with the
+# flags its record names. Each writes its file with the command, the commit and the machine.
+#
+#   benchmarks/regenerate_cpu.sh                 # all of them (about an hour on 2 cores)
+#   benchmarks/regenerate_cpu.sh planner balance # only the entries whose script name contains a word
+#
+# From the repository root or anywhere; $PYTHON (default python) must import torch and the project's
+# dependencies; shared/validation/calibration.csv must lie beside the checkout (or inside it).
+# GPU results (*_cuda, *_gpu*, *_h100, gpu_*) come from benchmarks/gpu_suite.sh on a GPU machine.
+# Not rerun here: planner_screen_vs_timeline_3a11047.json, the same benchmark at an older commit
+# (the model before the paired-schedule fix), kept as the "before" its docs compare with.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+PYTHON=${PYTHON:-python}
+R=benchmarks/results
+ONLY=("$@")
+
+run() {
+    local script=$1
+    if ((${#ONLY[@]})); then
+        local word hit=0
+        for word in "${ONLY[@]}"; do [[ $script == *"$word"* ]] && hit=1; done
+        ((hit)) || return 0
+    fi
+    echo "== $*"
+    local start=$SECONDS
+    nice "$PYTHON" "benchmarks/$@"
+    echo "   ($((SECONDS - start)) s)"
+}
+
+# The planner (numpy only): validation against the published runs and its analyses.
+run planner_validation.py
+run planner_validation.py --cv
+run planner_moe_probe.py
+run planner_source_consistency.py
+run planner_vtrain_heldout.py
+run planner_vtrain_residuals.py  # --cv-variants reruns its slow variants (kept from the last run otherwise)
+run planner_dgxc_heldout.py --cv-variant --cv-with-dgxc
+run planner_fit_variants.py
+run planner_screen_vs_timeline.py
+run planner_speed.py
+run planner_step_check.py
+
+# Expert, data and pipeline balance: recorded routing traces first, then what reads them.
+run balance_data_pipeline.py
+run balance_record_trace.py --steps 80 --out $R/balance_trace_tiny_pangu.jsonl
+run balance_record_trace.py --steps 80 --no-balance-loss --out $R/balance_trace_tiny_pangu_no_balance_loss.jsonl
+run balance_traces.py --trace $R/balance_trace_tiny_pangu.jsonl --trace $R/balance_trace_tiny_pangu_no_balance_loss.jsonl
+run balance_traces.py --trace $R/balance_trace_tiny_pangu.jsonl --trace $R/balance_trace_tiny_pangu_no_balance_loss.jsonl \
+    --fixed-interval --out $R/balance_traces_fixed_interval.json
+run balance_expert_gemm.py --model tiny-pangu --ep 4 --tokens-per-rank 4096 --zipf 1.0 --device cpu --repeats 7 \
+    --threads 1
+run balance_online.py --out $R/balance_online_cpu.json
+
+# The runtime on CPU (gloo ranks): parity with one process, overlap, memory policies, the demo run.
+run cp_parity.py --out $R/cp_parity_cpu.json
+run distributed_data_parity.py --out $R/distributed_data_parity.json
+run ep_overlap.py --global-batch 64 --out $R/ep_overlap_cpu.json
+run ep_overlap.py --nproc 2 --global-batch 32 --out $R/ep_overlap_cpu_2ranks.json
+run memory_policy.py --device cpu --seq-len 256 --budget-fraction 0.3
+run train_demo.py --tag cpu-1thread --quiet --threads 1

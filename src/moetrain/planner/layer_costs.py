@@ -1,0 +1,297 @@
+"""One decoder layer's times for one micro-batch on one device, as arrays over strategies.
+
+The layer is priced part by part (attention, then the dense or MoE feed-forward) and then its
+communication: tensor-parallel collectives, the context-parallel exchange, and the expert all-to-all with
+what the paired schedule hides of it. ``moetrain.planner.costmodel`` assembles these into stages and
+steps.
+
+Conventions: FLOPs from ``moetrain.costs.flops`` (2·m·k·n per matmul, backward 2× forward); the
+attention *time* uses the causal half (fused kernels skip masked blocks). Recompute is coded 0 none,
+1 selective, 2 full; a value between 1 and 2 is selective recompute with that share (code − 1) of the
+layers recomputed whole (Megatron's --recompute-num-layers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from moetrain.config.model import MLAConfig
+from moetrain.costs.flops import attention_core_flops, attention_projection_flops
+from moetrain.costs.params import mlp_params
+from moetrain.planner.calibration import Efficiency
+from moetrain.planner.comm import allgather_time, alltoall_time, alltoall_volume, p2p_time, ranks_per_node
+from moetrain.planner.compute import attention_time, expert_compute_time, gemm_time, memory_time, mlp_matrix_count
+from moetrain.planner.strategy import Strategies
+from moetrain.planner.workload import Workload
+
+# Fused attention backward time over forward time. Five matmuls against two (FlashAttention-2 §3.2)
+# would give 2.5; on an H100 with torch 2.11 every fused kernel measured 3.0-3.4 at head dim 128 and
+# sequence 4096 (cuDNN 2.97-3.03, FlashAttention-2 3.03, memory-efficient 3.39, and 3.35 for MLA's 192/128
+# heads: benchmarks/gpu_attention_probe.py, benchmarks/results/gpu_attention_probe.json).
+ATTENTION_BACKWARD_OVER_FORWARD = 3.0
+
+FILL_WARMUP_EXPOSED = 0.7
+"""Share of the pipeline-fill warm-up forwards (2·(pp − r − 1) on rank r with interleaving, pp − r − 1
+without) whose unpaired all-to-all lengthens the step; the rest runs while later ranks still wait for
+their first input. Not a fitted efficiency: it makes the screen agree with the event-driven timeline it
+stands in for (timeline/screen step 0.93-1.01, medians 0.999-1.002, over the 300 best paired layouts of
+six searches: ``benchmarks/planner_screen_vs_timeline.py``; ``tests/planner/test_search.py`` checks the
+agreement on one)."""
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """One layer pass of one micro-batch on one device; each field an array over strategies (or 0.0)."""
+
+    fwd: object
+    bwd: object
+    recompute: object
+    """Forward work run again in the backward (selective: core attention, MLA up-projections, half the
+    element-wise kernels; full: the whole forward)."""
+    tp_comm: object
+    """Tensor-parallel collectives of forward, backward and recompute."""
+    cp_exposed: object
+    """Context-parallel exchange that the attention kernels do not hide."""
+    a2a: object = 0.0
+    """Expert all-to-all of forward, backward and recompute (dispatch and combine)."""
+    a2a_exposed: object = 0.0
+    """Of ``a2a``: what neither the paired schedule nor the shared expert hides."""
+    a2a_alone_hidden: object = 0.0
+    """Of ``a2a``: what the shared expert alone hides (a forward or backward that is not paired)."""
+    attention: object = 0.0
+    """Forward time of the projections and the core attention (the parts below are forward times too)."""
+    router: object = 0.0
+    experts: object = 0.0
+    shared_experts: object = 0.0
+    dense_ffn: object = 0.0
+    elementwise: object = 0.0
+
+    @property
+    def compute(self):
+        """Forward, backward and recompute together."""
+        return self.fwd + self.bwd + self.recompute
+
+
+@dataclass(frozen=True)
+class _Tokens:
+    """Tokens of one micro-batch on one device."""
+
+    att: np.ndarray
+    """Rows of the attention and dense GEMMs (their columns are split over tp)."""
+    split: np.ndarray
+    """Rows of width-hidden tensors (norms, residuals): ``att/tp`` with sequence parallelism."""
+    tp: np.ndarray
+
+
+@dataclass(frozen=True)
+class _AttentionTimes:
+    proj: np.ndarray
+    core: np.ndarray
+    core_bwd: np.ndarray
+    mla_up: object
+    """MLA's up-projections (what selective recompute runs again), 0 for GQA."""
+    elementwise_bytes: np.ndarray
+    """Bytes the norms, residual adds and rotary embedding read and write."""
+
+
+@dataclass(frozen=True)
+class _FeedForward:
+    time: np.ndarray
+    """Forward time of the block's GEMMs (router, experts, shared experts, or the dense MLP)."""
+    elementwise_bytes: tuple
+    """Bytes of the block's element-wise kernels, term by term (added in this order to attention's)."""
+    num_kernels: int
+    """Non-GEMM kernels the block adds to a layer pass (router top-k, permutes)."""
+    num_tp_collectives: float
+    one_a2a: object = 0.0
+    """Dispatch or combine, forward, with the expert-tensor-parallel gathers."""
+    shared_time: object = 0.0
+    router: object = 0.0
+    experts: object = 0.0
+    dense_ffn: object = 0.0
+
+
+def full_recompute_share(recompute) -> np.ndarray:
+    """Share of the layers recomputed whole: 1 for code 2 (full), code − 1 between selective and full."""
+    return np.clip(np.asarray(recompute, dtype=float) - 1.0, 0.0, 1.0)
+
+
+def attention_time_share(seq_len: int, window: int, window_layer_share: float) -> float:
+    """Mean causal attention work per layer relative to full causal attention, when ``window_layer_share``
+    of the layers attend to the last ``window`` tokens only (sliding window: query i sees min(i, W) keys,
+    a mean of W − W(W−1)/(2s) over s positions, against (s+1)/2 for full causal attention; fused kernels
+    skip the blocks outside the window)."""
+    if window <= 0 or window >= seq_len or window_layer_share <= 0:
+        return 1.0
+    windowed = window - window * (window - 1) / (2.0 * seq_len)
+    full = (seq_len + 1) / 2.0
+    return 1.0 - window_layer_share + window_layer_share * windowed / full
+
+
+def paired_share(pp, vpp, chunks, bidirectional: bool = False) -> np.ndarray:
+    """Share of a rank's forward units that the paired schedule fuses with a backward and whose all-to-all
+    it therefore hides, averaged over the pipeline ranks. The others are the warm-up forwards of
+    ``moetrain.schedules.overlapped`` (those of (interleaved) 1F1B plus one), which only the
+    shared expert can hide: (vpp − 1)·pp + 1 on every rank, plus the fill's (``FILL_WARMUP_EXPOSED``). With
+    interleaving and few micro-batches most of a rank's forward units are warm-up. ``bidirectional``:
+    DualPipe's schedule instead, which pairs after about pp − 1 units (``Workload.bidirectional_pairing``)."""
+    pp = np.asarray(pp, dtype=float)
+    vpp = np.asarray(vpp, dtype=float)
+    chunks = np.asarray(chunks, dtype=float)
+    if bidirectional:
+        warmup = np.maximum(pp, 2.0) - 1.0
+    else:
+        mean_fill = np.where(vpp > 1, pp - 1.0, (pp - 1.0) / 2.0)
+        warmup = FILL_WARMUP_EXPOSED * mean_fill + (vpp - 1.0) * pp + 1.0
+    return np.clip((chunks - np.minimum(warmup, chunks)) / chunks, 0.0, 1.0)
+
+
+def _tokens(w: Workload, s: Strategies) -> _Tokens:
+    tp = s.tp.astype(float)
+    att = s.micro_batch * w.seq_len / s.cp.astype(float)
+    return _Tokens(att, np.where(s.sp, att / tp, att), tp)
+
+
+def _attention(w: Workload, s: Strategies, eff: Efficiency, tok: _Tokens) -> _AttentionTimes:
+    model, cluster, act = w.model, w.cluster, w.activation_bytes
+    attn = model.attention
+    is_mla = isinstance(attn, MLAConfig)
+    t_att, tp = tok.att, tok.tp
+    proj = gemm_time(attention_projection_flops(model) * t_att / tp, 5 if is_mla else 2, cluster, eff, w.precision)
+    window_share = attention_time_share(w.seq_len, w.attention_window, w.window_layer_share)
+    if w.flash_attention:
+        head_dim = (attn.qk_head_dim + attn.v_head_dim) / 2 if is_mla else attn.head_dim
+        core = attention_time(attention_core_flops(model, w.seq_len, causal=True) * t_att / tp, cluster, eff,
+                              head_dim) * window_share
+        core_bwd = ATTENTION_BACKWARD_OVER_FORWARD * core
+    else:
+        # Materialised scores (pre-FlashAttention stacks): two batched GEMMs over the full square, and
+        # the score tensor written and read ~6 times (QKᵀ out, scale/mask/softmax in/out, dropout, PV in)
+        # at 2 bytes, twice that in backward (Korthikanti et al. 2022, §4.1, count the same tensors).
+        scores = attn.num_heads / tp * t_att * w.seq_len
+        core = (gemm_time(attention_core_flops(model, w.seq_len) * t_att / tp, 2, cluster, eff, "bf16")
+                + memory_time(6 * act * scores, cluster, eff)) * window_share
+        core_bwd = 2.0 * core
+    num_norms = 4 if model.norm_style == "sandwich" else 2
+    norm_bytes = (num_norms * 2 + 2 * 3) * model.hidden_size * tok.split * act  # norm read+write, two residual adds
+    if w.rotary_embeddings:
+        # Read and write the rotary part of q and k (Su et al. 2021); wider than the residual stream
+        # when heads·head_dim exceeds the hidden size (GPT-OSS: 64·64 against 2,880).
+        rotary_width = (attn.num_heads * attn.qk_rope_head_dim / tp + attn.qk_rope_head_dim if is_mla
+                        else (attn.num_heads + attn.num_kv_heads) * attn.head_dim / tp)
+        norm_bytes = norm_bytes + 2.0 * rotary_width * t_att * act
+    mla_up = 0.0
+    if is_mla:
+        up_flops = 2.0 * (attn.q_lora_rank * attn.num_heads * attn.qk_head_dim + attn.kv_lora_rank
+                          * attn.num_heads * (attn.qk_nope_head_dim + attn.v_head_dim))
+        mla_up = gemm_time(up_flops * t_att / tp, 2, cluster, eff, w.precision)
+    return _AttentionTimes(proj, core, core_bwd, mla_up, norm_bytes)
+
+
+def _moe_block(w: Workload, s: Strategies, eff: Efficiency, tok: _Tokens) -> _FeedForward:
+    """Router, routed experts (on the hottest rank: ``imbalance`` × the mean load), shared experts and the
+    all-to-all of one direction. MoE layers see ``t/tp`` tokens per device (Megatron requires sequence
+    parallelism with MoE and TP)."""
+    model, cluster, act = w.model, w.cluster, w.activation_bytes
+    moe = model.moe
+    assert moe is not None
+    h, k = model.hidden_size, moe.router.top_k
+    t_moe = tok.att / tok.tp
+    routed_mean = t_moe * k
+    router = gemm_time(2.0 * h * moe.num_experts * t_moe, 1, cluster, eff)
+    # router scores and top-k in fp32; permuting the routed tokens and their gating weights
+    elementwise = (t_moe * moe.num_experts * 4.0 * 3, 4.0 * routed_mean * h * act)
+    experts = expert_compute_time(routed_mean * w.imbalance, model, cluster, eff, moe.num_experts / s.ep, s.etp,
+                                  w.precision)
+    shared = 0.0
+    if moe.num_shared_experts:
+        shared = gemm_time(2.0 * mlp_params(model, moe.shared_ffn_hidden) * t_moe, mlp_matrix_count(model), cluster,
+                           eff, w.precision)
+    send = alltoall_volume(t_moe, h, k, act) * w.imbalance
+    one_a2a = alltoall_time(send, s.ep, cluster.devices_per_node, cluster, s.a2a == 1, k, s.etp, eff)
+    # Expert tensor parallelism gathers the routed tokens inside the etp group before the experts and
+    # scatters them after.
+    etp_in_node = ranks_per_node(s.etp, 1, cluster.devices_per_node)
+    one_a2a = one_a2a + 2.0 * allgather_time(routed_mean * h * act * s.etp, s.etp, etp_in_node, cluster, eff)
+    return _FeedForward(
+        time=router + experts + shared + eff.moe_overhead_us * 1e-6, elementwise_bytes=elementwise, num_kernels=12,
+        # attention's gather and scatter, and the shared expert's when there is one (the routed experts
+        # exchange their tokens through the all-to-all instead)
+        num_tp_collectives=2.0 + (2.0 if moe.num_shared_experts else 0.0),
+        one_a2a=one_a2a, shared_time=shared, router=router, experts=experts)
+
+
+def _dense_block(w: Workload, eff: Efficiency, tok: _Tokens) -> _FeedForward:
+    model = w.model
+    width = model.dense_ffn_hidden
+    ffn = gemm_time(2.0 * mlp_params(model, width) * tok.att / tok.tp, mlp_matrix_count(model), w.cluster, eff,
+                    w.precision)
+    elementwise = ((3 if model.gated_ffn else 2) * width * tok.att / tok.tp * w.activation_bytes,)
+    return _FeedForward(time=ffn, elementwise_bytes=elementwise, num_kernels=0, num_tp_collectives=4.0,
+                        dense_ffn=ffn)
+
+
+def _cp_exposed(w: Workload, s: Strategies, eff: Efficiency, tok: _Tokens, attn: _AttentionTimes):
+    """Context parallelism: ring exchange of K and V (and their gradients) under the attention kernels;
+    MLA's latent gathered up front when the stack does so (nothing hides it)."""
+    model, cluster, act = w.model, w.cluster, w.activation_bytes
+    a = model.attention
+    is_mla = isinstance(a, MLAConfig)
+    cp = s.cp.astype(float)
+    cross_node = s.tp * s.cp > cluster.devices_per_node
+    kv_dim = a.num_heads * (a.qk_head_dim + a.v_head_dim) if is_mla else 2 * a.num_kv_heads * a.head_dim
+    cp_comm = p2p_time((cp - 1) * tok.att * kv_dim / tok.tp * act, cross_node, cluster, eff)
+    exposed = np.maximum(cp_comm - attn.core, 0) + np.maximum(2 * cp_comm - attn.core_bwd, 0)
+    if is_mla and w.cp_gathers_mla_latent:
+        # The latent is the same on every TP rank (no /tp); it is gathered before the attention that
+        # needs it and its gradient reduce-scattered after, so nothing hides it: forward + backward.
+        latent_bytes = (cp - 1) * tok.att * (a.kv_lora_rank + a.qk_rope_head_dim) * act
+        exposed = 2.0 * p2p_time(latent_bytes, cross_node, cluster, eff)
+    return np.where(s.cp > 1, exposed, 0.0)
+
+
+def layer_costs(w: Workload, s: Strategies, eff: Efficiency, moe_layer: bool, num_micro) -> LayerCosts:
+    """A dense (``moe_layer`` False, or a model without experts) or MoE layer pass; ``num_micro``:
+    micro-batches per pipeline, which set how much of the all-to-all the paired schedule hides."""
+    model, cluster = w.model, w.cluster
+    tok = _tokens(w, s)
+    attn = _attention(w, s, eff, tok)
+    is_moe = moe_layer and model.moe is not None
+    ffn = _moe_block(w, s, eff, tok) if is_moe else _dense_block(w, eff, tok)
+    # Non-GEMM kernels per layer pass (norms, residual adds, rope, activation, softmax; router top-k and
+    # permutes in MoE layers): each pays the launch cost too, which dominates small models.
+    num_norms = 4 if model.norm_style == "sandwich" else 2
+    kernels = num_norms + 8 + ffn.num_kernels
+    elementwise_bytes = attn.elementwise_bytes
+    for term in ffn.elementwise_bytes:
+        elementwise_bytes = elementwise_bytes + term
+    elem = memory_time(elementwise_bytes, cluster, eff) + kernels * eff.gemm_overhead_us * 1e-6
+    fwd = attn.proj + attn.core + ffn.time + elem
+    # Backward: input and weight gradients (2× the GEMMs), attention as above, element-wise twice.
+    bwd = 2.0 * (attn.proj + ffn.time + elem) + attn.core_bwd
+    full_share = full_recompute_share(s.recompute)
+    recompute = full_share * fwd + (1.0 - full_share) * np.where(
+        s.recompute >= 1, attn.core + attn.mla_up + 0.5 * elem, 0.0)
+    # Tensor-parallel collectives: per layer forward, an all-gather and a reduce-scatter (or one
+    # all-reduce) around attention and around the FFN, each of the full t_att × h activation.
+    tp_in_node = ranks_per_node(s.tp, 1, cluster.devices_per_node)
+    one_tp = allgather_time(tok.att * model.hidden_size * w.activation_bytes, s.tp, tp_in_node, cluster, eff)
+    parts = dict(attention=attn.proj + attn.core, router=ffn.router, experts=ffn.experts,
+                 shared_experts=np.broadcast_to(ffn.shared_time, tok.att.shape) if is_moe else 0.0,
+                 dense_ffn=ffn.dense_ffn, elementwise=elem)
+    costs = LayerCosts(fwd, bwd, recompute, ffn.num_tp_collectives * one_tp * (2.0 + full_share),
+                       _cp_exposed(w, s, eff, tok, attn), **parts)
+    if not is_moe:
+        return costs
+    # dispatch + combine in the forward, and again in the backward and in a full recompute
+    total_a2a = 2.0 * ffn.one_a2a * (2.0 + full_share)
+    # Overlapped F&B pairing (SPEC §2): in the steady state each all-to-all runs under the other
+    # micro-batch's compute; in warm-up/cool-down only the shared expert hides the dispatch.
+    paired = paired_share(s.pp, s.vpp, num_micro * s.vpp, w.bidirectional_pairing)
+    hidden_paired = np.minimum(total_a2a, costs.compute)
+    hidden_alone = np.minimum(total_a2a, 3.0 * ffn.shared_time)
+    hidden = np.where(s.overlap, paired * hidden_paired + (1 - paired) * hidden_alone, 0.0)
+    return LayerCosts(costs.fwd, costs.bwd, costs.recompute, costs.tp_comm, costs.cp_exposed, total_a2a,
+                      total_a2a - hidden, hidden_alone, **parts)

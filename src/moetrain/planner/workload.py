@@ -1,0 +1,67 @@
+"""What is trained, on what, with which batch: the planner's input besides the parallel strategy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moetrain.config.cluster import ClusterConfig
+from moetrain.config.model import ModelConfig
+
+BF16 = 2.0
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What is trained, on what, with which batch: everything but the parallel strategy."""
+
+    model: ModelConfig
+    cluster: ClusterConfig
+    seq_len: int
+    global_batch: int
+    """Sequences per optimizer step."""
+    precision: str = "bf16"
+    """GEMM precision: bf16, fp16, fp8 (linear layers only) or fp32 (CPU runs)."""
+    imbalance: float = 1.0
+    """Routed-token load of the hottest EP rank over the mean (1.0 = perfectly balanced)."""
+    flash_attention: bool = True
+    grad_bytes: float = 4.0
+    """Gradient element size in the reduction (fp32 accumulation; 2 for fp16 runs)."""
+    overlap_grad_comm: bool = True
+    """The framework overlaps data-parallel gradient/parameter traffic with compute (bucketed reduction
+    during backward, parameter prefetch): Megatron-Core, FSDP, DeepSpeed ZeRO-3. False for stacks that
+    reduce after the backward (Megatron-LM 2021)."""
+    overlap_tp_comm: bool = True
+    """The framework can hide tensor-parallel collectives under GEMMs (Transformer Engine userbuffers,
+    torch AsyncTP); ``Efficiency.tp_overlap`` says how much it hides. False for stacks whose TP
+    all-reduces are synchronous (Megatron-LM 2021, Megatron-DeepSpeed)."""
+    comm_overlap_stated: tuple[str, ...] = ()
+    """Traffic the run's source says is overlapped with compute ("DP", "TP", "PP"): such traffic uses its
+    whole physical overlap window (DP: the passes that produce or consume it; TP: the layer's compute)
+    instead of the fitted shares ``grad_overlap`` / ``tp_overlap``, which price stacks that do not say."""
+    attention_window: int = 0
+    """Sliding-window length in tokens of the windowed attention layers (0: every layer attends to the
+    whole causal context)."""
+    window_layer_share: float = 0.0
+    """Share of the layers whose attention is windowed (GPT-OSS alternates windowed and full layers: 0.5)."""
+    rotary_embeddings: bool = True
+    """Rotary position embeddings rotate q and k in every layer (the project's models, Llama, DeepSeek,
+    GPT-OSS). False for learned absolute positions (GPT-3-style models) or ALiBi (MPT), which add no
+    per-layer pass."""
+    cp_gathers_mla_latent: bool = True
+    """Context parallelism gathers MLA's compressed latent and shared rotary key (kv_lora_rank +
+    qk_rope_head_dim per token) before the up-projection, as this project's runtime does
+    (``moetrain.distributed.cp``). False for stacks that exchange the up-projected keys and values
+    (Megatron-Core's ring CP), which the published rows ran."""
+    bidirectional_pairing: bool = False
+    """The paired schedule is DualPipe's (DeepSeek-V3 §3.2.1: micro-batches fed from both ends of the
+    pipeline), not this project's paired 1F1B: pairing starts after about pp chunk units on every rank and
+    never serialises the pipeline. The published DualPipe run is read this way."""
+    fp8_stored_activations: bool = False
+    """FP8 runs keep the quantised copy of each linear layer's input for the weight gradient, at 1 byte
+    instead of 2 (Transformer Engine; DeepSeek-V3 §3.3.2 caches them in FP8). False for torchao's Float8
+    linears, which save the high-precision input and quantise it again in the backward."""
+
+    @property
+    def activation_bytes(self) -> float:
+        """Element size of activations and of what the collectives move (fp32 runs: 4)."""
+        return 4.0 if self.precision == "fp32" else BF16

@@ -1,0 +1,64 @@
+"""Write ``reference_predictions.json``: what the cost model predicts through the CLI, kept so that a
+refactor of the cost model can prove it changed no prediction (``tests/planner/test_reference.py``).
+
+Run from the repository root, with shared/validation/calibration.csv beside the checkout:
+
+    PYTHONPATH=src python tests/planner/data/make_reference.py
+
+It was run at commit 3e5f929, before ``costmodel.evaluate`` became typed functions. Rerun it only when a
+prediction is meant to change, and say why in the commit.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[2]
+CSV = next(p for p in (ROOT.parent / "shared/validation/calibration.csv",
+                       ROOT / "shared/validation/calibration.csv") if p.is_file())
+
+# Searches that cover a dense-first MoE with MTP on NPUs, a tiny CPU model, FP8 with routing
+# imbalance, an MoE with shared experts at small scale, and every layout (--any-layout).
+PLANS = {
+    "pangu-718b-6144": ["--model", "pangu-ultra-moe-718b", "--cluster", "atlas-800t-a2", "--devices", "6144",
+                        "--seq-len", "8192", "--global-batch", "1536"],
+    "tiny-pangu-cpu4": ["--model", "tiny-pangu", "--cluster", "cpu", "--devices", "4", "--seq-len", "128",
+                        "--global-batch", "16"],
+    "mixtral-h100-64-fp8": ["--model", "mixtral-8x7b", "--cluster", "h100-sxm-80gb", "--devices", "64",
+                            "--seq-len", "4096", "--global-batch", "512", "--precision", "fp8",
+                            "--imbalance", "1.3"],
+    "qwen3-30b-a100-32-any": ["--model", "qwen3-30b-a3b", "--cluster", "a100-sxm-80gb", "--devices", "32",
+                              "--seq-len", "4096", "--global-batch", "256", "--any-layout"],
+    "deepseek-v3-h800-2048": ["--model", "deepseek-v3-671b", "--cluster", "h800-sxm-80gb", "--devices", "2048",
+                              "--seq-len", "4096", "--global-batch", "15360"],
+}
+
+
+def _moetrain(*args: str) -> dict:
+    out = subprocess.run([sys.executable, "-m", "moetrain", *args], capture_output=True, text=True, check=True,
+                         cwd=ROOT)
+    return json.loads(out.stdout)
+
+
+def main() -> None:
+    validated = _moetrain("validate", str(CSV), "--json")
+    plans = {}
+    for name, flags in PLANS.items():
+        summary = _moetrain("plan", *flags, "--top", "5", "--out", "/dev/null", "--json")
+        plans[name] = {"flags": flags, "top": [
+            {k: row[k] for k in ("parallel", "step_time_s", "mfu", "memory_gib")} for row in summary["top"]]}
+    reference = {
+        "note": "moetrain validate calibration.csv --json (shipped calibration) and moetrain plan --top 5 --json, "
+                "at commit 3e5f929 (tests/planner/data/make_reference.py)",
+        "validate": {row["id"]: row["predicted"] for row in validated["rows"]},
+        "plan": plans,
+    }
+    (HERE / "reference_predictions.json").write_text(json.dumps(reference, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
