@@ -24,7 +24,7 @@ from moetrain.memory.policy import num_blocks
 from moetrain.memory.runtime import apply_memory_policy
 from moetrain.models import build_model
 from moetrain.models.dispatch import permute, unpermute
-from moetrain.models.experts import native_grouped_mm_ok, grouped_mm
+from moetrain.models.experts import grouped_mm, native_grouped_mm_ok
 from moetrain.models.router import Routing, count_tokens_per_expert
 from moetrain.train import Trainer
 

@@ -47,6 +47,7 @@ RECOMPUTE_CODES: dict[str, int] = {"none": 0, "selective": 1, "full": 2}
 
 FP32_BYTES = 4.0
 INDEX_BYTES = 8.0
+INT32_BYTES = 4.0
 
 RECOMPUTE_OPTIONS: tuple[str, ...] = ("norm", "mla_up", "activation", "permute", "router", "attention", "layer")
 SWAP_OPTIONS: tuple[str, ...] = ("swap_attention", "swap_moe")
@@ -238,6 +239,8 @@ def activation_bytes_per_layer(
             parts.add("ffn", t_split * h * d)
     else:
         _moe(parts, model, t_split, tp, sharding.etp, d, opts, imbalance, ffn_out_kept)
+        # the grouped GEMMs' block offsets (int32, one per local expert), shared by the layer's three GEMMs
+        parts.add("experts", model.moe.num_experts / np.asarray(sharding.ep, dtype=float) * INT32_BYTES)
     if sandwich:
         _norm(parts, "ffn_post_norm", t_split, h, h, d, pre=False, recompute=norm,
               input_kept_elsewhere=ffn_out_kept)

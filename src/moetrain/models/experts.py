@@ -120,13 +120,21 @@ def _native(x_PK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor) ->
     return _opaque_grouped_mm(x_PK, w_EKN, offsets_E)
 
 
-def grouped_mm(x_PK: torch.Tensor, w_EKN: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
-    """Row block e of ``x`` (``tokens_per_expert[e]`` rows, blocks in expert order) times ``w[e]``."""
+def group_offsets(tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+    """End row of each expert's block (int32, on the device): what the grouped GEMM kernel takes."""
+    return torch.cumsum(tokens_per_expert_E, dim=0).to(torch.int32)
+
+
+def grouped_mm(x_PK: torch.Tensor, w_EKN: torch.Tensor, tokens_per_expert_E: torch.Tensor,
+               offsets_E: torch.Tensor | None = None) -> torch.Tensor:
+    """Row block e of ``x`` (``tokens_per_expert[e]`` rows, blocks in expert order) times ``w[e]``.
+    ``offsets_E``: ``group_offsets(tokens_per_expert_E)`` when the caller already has it (one per layer,
+    shared by its GEMMs, so backward keeps one copy)."""
     if torch.is_autocast_enabled(x_PK.device.type):
         dtype = torch.get_autocast_dtype(x_PK.device.type)
         x_PK, w_EKN = x_PK.to(dtype), w_EKN.to(dtype)
     if native_grouped_mm_ok(x_PK, w_EKN):
-        return _native(x_PK, w_EKN, torch.cumsum(tokens_per_expert_E, dim=0).to(torch.int32))
+        return _native(x_PK, w_EKN, group_offsets(tokens_per_expert_E) if offsets_E is None else offsets_E)
     blocks = torch.split(x_PK, tokens_per_expert_E.tolist())
     # unbind, not w[e]: the backward of E separate selects would add E full-size zero gradients
     outs = [block @ w_KN for block, w_KN in zip(blocks, w_EKN.unbind(0))]
@@ -137,7 +145,7 @@ def grouped_weight_grad(x_PK: torch.Tensor, grad_PN: torch.Tensor, tokens_per_ex
     """[E, K, N]: for each expert e, its row block of ``x`` transposed times its block of ``grad`` (the
     weight gradient of ``grouped_mm``), with the same device-side offsets and the same loop fallback."""
     if native_grouped_mm_ok(x_PK, grad_PN, x_PK.shape[-1], grad_PN.shape[-1]):
-        offsets_E = torch.cumsum(tokens_per_expert_E, dim=0).to(torch.int32)
+        offsets_E = group_offsets(tokens_per_expert_E)
         if x_PK.dtype == torch.bfloat16:
             return F.grouped_mm(x_PK.t(), grad_PN, offs=offsets_E)
         return _opaque_weight_grad(x_PK, grad_PN.contiguous(), offsets_E)
@@ -156,6 +164,7 @@ class GroupedExperts(nn.Module):
         self.act = GatedSiLU()
 
     def forward(self, tokens_PD: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
-        gate = grouped_mm(tokens_PD, self.w_gate_EDF, tokens_per_expert_E)
-        up = grouped_mm(tokens_PD, self.w_up_EDF, tokens_per_expert_E)
-        return grouped_mm(self.act(gate, up), self.w_down_EFD, tokens_per_expert_E)
+        offsets_E = group_offsets(tokens_per_expert_E)
+        gate = grouped_mm(tokens_PD, self.w_gate_EDF, tokens_per_expert_E, offsets_E)
+        up = grouped_mm(tokens_PD, self.w_up_EDF, tokens_per_expert_E, offsets_E)
+        return grouped_mm(self.act(gate, up), self.w_down_EFD, tokens_per_expert_E, offsets_E)
