@@ -27,6 +27,7 @@ COMMANDS: dict[str, str] = {
     "memory": "memory",
     "balance": "balance",
     "convert": "convert",
+    "rl": "rl",
 }
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
 import torch
@@ -77,6 +78,10 @@ class MicroBatch:
     """Document of each token (attention is masked across documents); None: one document per row."""
     num_label_tokens: int
     """Labels that are not IGNORE_INDEX in this micro-batch."""
+    objective: Any = None
+    """A per-token objective replacing next-token cross-entropy (``distributed.pipeline.TokenObjective``; RL)."""
+    expert_ids: torch.Tensor | None = None
+    """Router replay record [micro_batch, seq_len, M, K] (RL), or None."""
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ from torch.distributed.tensor import DTensor
 
 from moetrain.config import TrainingConfig
 from moetrain.distributed.layout import ParallelDims
+from moetrain.distributed.parallelize import last_stage_holds_embedding
 from moetrain.distributed.tp import ParamKind
 from moetrain.distributed.trace import span
 from moetrain.distributed.zero import MOMENTS, kind_rules, param_kind
@@ -129,7 +130,8 @@ class FullyShardedAdamW:
                             "outside its module); use zero 1")
         self.model, self.dims, self.cfg, self.stage = model, dims, cfg, stage
         rules = kind_rules(dims)
-        kinds = {name: param_kind(name, dims, tp_kinds) for name, _ in model.named_parameters()}
+        shared = last_stage_holds_embedding(model.cfg)
+        kinds = {name: param_kind(name, dims, tp_kinds, shared) for name, _ in model.named_parameters()}
         axis_of = {p: rules[kinds[name]][0] for name, p in model.named_parameters()}
         device = next(model.parameters()).device
         meshes = {axis: DeviceMesh.from_group(dims.get_group(axis), device.type, mesh_dim_names=(axis,))

@@ -69,6 +69,12 @@ def chunk_layers(num_layers: int, pp: int, vpp: int, pp_rank: int, num_mtp_layer
     return chunks
 
 
+def last_stage_holds_embedding(cfg) -> bool:
+    """The last pipeline stage keeps a copy of the embedding: MTP looks up future tokens' embeddings, and a
+    tied head reads the embedding's weight."""
+    return cfg.num_mtp_layers > 0 or cfg.tie_embeddings
+
+
 def apply_pipeline_split(model: MoETransformer, chunks: list[Chunk]) -> None:
     """Drop what this rank does not compute. The last stage keeps a copy of the embedding when the
     model predicts extra tokens (MTP looks up the embedding of future tokens); its gradient is summed
@@ -77,7 +83,7 @@ def apply_pipeline_split(model: MoETransformer, chunks: list[Chunk]) -> None:
     model.layers = nn.ModuleDict({str(i): layer for i, layer in enumerate(model.layers) if i in kept})
     has_first = any(c.is_first for c in chunks)
     has_last = any(c.is_last for c in chunks)
-    if not has_first and not (has_last and (len(model.mtp) or model.cfg.tie_embeddings)):
+    if not has_first and not (has_last and last_stage_holds_embedding(model.cfg)):
         del model.embed
     if not has_last:
         del model.final_norm

@@ -15,7 +15,9 @@ both of its inputs first, then runs its forward and backward taking turns at eve
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -26,9 +28,29 @@ from moetrain.distributed.parallelize import Chunk, StageModel
 from moetrain.distributed.tp import gather_sequence, split_sequence
 from moetrain.distributed.trace import span
 from moetrain.models.attention import AttentionContext, build_attention_context
-from moetrain.models.transformer import IGNORE_INDEX, MoETransformer, shift_left, token_loss_sum
+from moetrain.models.transformer import (
+    IGNORE_INDEX,
+    MoETransformer,
+    decoder_moe_layers,
+    layer_replay,
+    shift_left,
+    token_loss_sum,
+)
 from moetrain.schedules import Action, Overlapped, Step
 from moetrain.train.precision import autocast
+
+
+class TokenObjective(Protocol):
+    """A per-token objective that replaces next-token cross-entropy on the last chunk (RL: the policy loss
+    of ``moetrain.rl.grpo``). It carries its own per-token tensors over the micro-batch's full sequences."""
+
+    def to(self, device: torch.device) -> TokenObjective: ...
+
+    def loss_sum(self, logits_BSV: torch.Tensor, labels_BS: torch.Tensor,
+                 local: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The summed loss over this rank's label tokens (the step divides it by the global label count);
+        ``local`` takes this rank's tokens of a full-sequence [B, S, ...] tensor (context parallelism)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -37,6 +59,10 @@ class MicroBatch:
     labels: torch.Tensor
     document_ids: torch.Tensor | None = None
     """Document of each token (packed corpus data): attention is masked across documents."""
+    objective: TokenObjective | None = None
+    """Replaces the language-model loss when set (RL); the MTP loss, if any, stays next-token."""
+    expert_ids: torch.Tensor | None = None
+    """Router replay: the experts each token must use, int64 [B, S, M, K] over the M decoder MoE layers."""
 
 
 @dataclass
@@ -72,6 +98,18 @@ def _record_counts(step: StepContext, layer: int, counts: torch.Tensor | None) -
     step.tokens_per_expert[layer] = counts if previous is None else previous + counts
 
 
+def _local_replay(expert_ids_BSMK: torch.Tensor | None, local: Callable[[torch.Tensor], torch.Tensor],
+                  tp_group: dist.ProcessGroup | None) -> torch.Tensor | None:
+    """This rank's tokens of a replay record, in the order its layers see them: the context-parallel
+    share, then the sequence shard of tensor parallelism (``split_sequence``'s contiguous chunks)."""
+    if expert_ids_BSMK is None:
+        return None
+    ids = local(expert_ids_BSMK)
+    if tp_group is not None:
+        ids = ids.chunk(dist.get_world_size(tp_group), dim=1)[dist.get_rank(tp_group)]
+    return ids
+
+
 def chunk_forward(model: MoETransformer, chunk: Chunk, x: torch.Tensor | None, mb: MicroBatch,
                   attn_ctx: AttentionContext, step: StepContext,
                   cp: ContextParallel | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,8 +124,10 @@ def chunk_forward(model: MoETransformer, chunk: Chunk, x: torch.Tensor | None, m
             x = split_sequence(x, tp_group)
     assert x is not None
     aux_terms = []
+    replay = _local_replay(mb.expert_ids, local, tp_group)
+    column = {layer: col for col, layer in enumerate(decoder_moe_layers(model.cfg))}
     for index in chunk.layers:
-        x, aux, counts = model.layers[str(index)](x, attn_ctx)
+        x, aux, counts = model.layers[str(index)](x, attn_ctx, layer_replay(replay, column.get(index)))
         _record_counts(step, index, counts)
         if aux is not None:
             aux_terms.append(aux)
@@ -100,7 +140,10 @@ def chunk_forward(model: MoETransformer, chunk: Chunk, x: torch.Tensor | None, m
     normalizer = step.loss_normalizer
     full = lambda h: gather_sequence(h, tp_group) if tp_group is not None else h
     logits = model.output_head(model.final_norm(full(x)))
-    lm_loss = token_loss_sum(logits, local(mb.labels)) / normalizer
+    if mb.objective is not None:
+        lm_loss = mb.objective.loss_sum(logits, local(mb.labels), local) / normalizer
+    else:
+        lm_loss = token_loss_sum(logits, local(mb.labels)) / normalizer
     mtp_loss = logits.new_zeros((), dtype=torch.float32)
     hidden, next_ids, next_labels = x, mb.input_ids, mb.labels
     for mtp_index, module in enumerate(model.mtp):

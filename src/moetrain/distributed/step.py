@@ -110,7 +110,9 @@ def _step_context(run: LayoutRun, batch: StepBatch) -> StepContext:
     parallel, device, cfg = run.dims.parallel, run.device, run.cfg
     micro_batches = [
         MicroBatch(m.input_ids.to(device, non_blocking=True), m.labels.to(device, non_blocking=True),
-                   None if m.document_ids is None else m.document_ids.to(device, non_blocking=True))
+                   None if m.document_ids is None else m.document_ids.to(device, non_blocking=True),
+                   None if m.objective is None else m.objective.to(device),  # RL (moetrain.rl)
+                   None if m.expert_ids is None else m.expert_ids.to(device, non_blocking=True))
         for m in batch.micro_batches
     ]
     return StepContext(

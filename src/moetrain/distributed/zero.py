@@ -38,6 +38,7 @@ from torch import nn
 
 from moetrain.config import TrainingConfig
 from moetrain.distributed.layout import ParallelDims
+from moetrain.distributed.parallelize import last_stage_holds_embedding
 from moetrain.distributed.tp import ParamKind
 from moetrain.distributed.trace import span
 from moetrain.errors import UserError
@@ -60,11 +61,14 @@ def kind_rules(dims: ParallelDims) -> dict[str, tuple[str, str | None, int]]:
     }
 
 
-def param_kind(name: str, dims: ParallelDims, tp_kinds: dict[str, ParamKind] | None) -> str:
-    """The gradient kind of parameter ``name`` of a parallelized stage model (a key of ``kind_rules``)."""
+def param_kind(name: str, dims: ParallelDims, tp_kinds: dict[str, ParamKind] | None,
+               shared_embedding: bool = True) -> str:
+    """The gradient kind of parameter ``name`` of a parallelized stage model (a key of ``kind_rules``).
+    ``shared_embedding``: the last pipeline stage holds an embedding too (``last_stage_holds_embedding``);
+    without one, the first stage's embedding is an ordinary parameter (no ``embed`` partner to wait for)."""
     if ".moe.experts." in f".{name}":
         return "expert"
-    if name.startswith("embed.") and dims.size("embed") > 1:
+    if name.startswith("embed.") and dims.size("embed") > 1 and shared_embedding:
         return "embed"
     return (tp_kinds or {}).get(name, "partial")
 
@@ -107,7 +111,8 @@ class ZeroAdamW:
         self.named = list(model.named_parameters())
         kinds: dict[tuple[str, bool], list[tuple[str, nn.Parameter]]] = {}
         for name, param in self.named:
-            kinds.setdefault((param_kind(name, dims, tp_kinds), param.ndim >= 2), []).append((name, param))
+            kind = param_kind(name, dims, tp_kinds, last_stage_holds_embedding(model.cfg))
+            kinds.setdefault((kind, param.ndim >= 2), []).append((name, param))
         self.buckets: list[_Bucket] = []
         groups = []
         for (kind, decay), named in sorted(kinds.items()):

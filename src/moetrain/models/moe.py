@@ -47,9 +47,10 @@ class MoE(nn.Module):
         self.shared_expert = SwiGLU(hidden, cfg.shared_ffn_hidden, device=device) if cfg.num_shared_experts else None
         self.dispatcher: Dispatcher = LocalDispatcher()
 
-    def forward(self, x_BSD: torch.Tensor) -> MoEOutput:
+    def forward(self, x_BSD: torch.Tensor, replay_TK: torch.Tensor | None = None) -> MoEOutput:
+        """``replay_TK``: the experts to use per token (router replay, see ``Router.forward``)."""
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
-        routing = self.router(x_TD)
+        routing = self.router(x_TD, replay_TK)
         pending = self.dispatcher.start_dispatch(x_TD, routing)
         # The shared expert needs no dispatch: computed here, it runs while an expert-parallel
         # dispatcher's exchange is in flight.

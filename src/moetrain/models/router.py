@@ -75,10 +75,15 @@ class Router(nn.Module):
             choice_TE = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(tokens, -1)
         return choice_TE.topk(cfg.top_k, dim=-1).indices
 
-    def forward(self, x_TD: torch.Tensor) -> Routing:
+    def forward(self, x_TD: torch.Tensor, replay_TK: torch.Tensor | None = None) -> Routing:
+        """``replay_TK``: router replay (R3, arXiv 2510.11370), the experts an earlier pass chose for these
+        tokens (int64 [T, k]; a row of -1 keeps this router's own choice). The gating weights are still
+        this router's scores of the replayed experts, so the router keeps its gradient."""
         cfg = self.cfg
         logits_TE, scores_TE = self.scores(x_TD)
         expert_ids_TK = self._select(scores_TE.detach())
+        if replay_TK is not None:
+            expert_ids_TK = torch.where(replay_TK[:, :1] >= 0, replay_TK, expert_ids_TK)
         weights_TK = scores_TE.gather(1, expert_ids_TK)
         if cfg.normalize_top_k:
             weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + 1e-20)

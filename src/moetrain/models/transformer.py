@@ -52,14 +52,15 @@ class DecoderLayer(nn.Module):
     def is_moe(self) -> bool:
         return hasattr(self, "moe")
 
-    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> tuple[torch.Tensor, torch.Tensor | None,
-                                                                        torch.Tensor | None]:
-        """Returns (hidden, aux loss or None, tokens per expert or None)."""
+    def forward(self, x: torch.Tensor, ctx: AttentionContext, replay_TK: torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Returns (hidden, aux loss or None, tokens per expert or None). ``replay_TK``: the experts an MoE
+        layer must use for each of x's tokens (router replay; ignored by a dense layer)."""
         attn = self.attention(self.attn_norm(x), ctx)
         x = x + (self.attn_post_norm(attn) if self.sandwich else attn)
         aux = counts = None
         if self.is_moe:
-            moe_out = self.moe(self.ffn_norm(x))
+            moe_out = self.moe(self.ffn_norm(x), replay_TK)
             ffn, aux, counts = moe_out.out_TD, moe_out.aux_loss, moe_out.tokens_per_expert_E
         else:
             ffn = self.ffn(self.ffn_norm(x))
@@ -95,6 +96,19 @@ class ModelOutput:
     """Label tokens (≠ -100) in this batch, on device."""
     tokens_per_expert: torch.Tensor | None = None
     """int64 [num MoE layers (MTP's included last), num experts], on device."""
+
+
+def decoder_moe_layers(cfg: ModelConfig) -> list[int]:
+    """Indices of the decoder's MoE layers: the columns of a router-replay record [B, S, M, K] (MTP
+    modules are not replayed: generation never runs them)."""
+    return [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)] if cfg.moe is not None else []
+
+
+def layer_replay(expert_ids_BSMK: torch.Tensor | None, column: int | None) -> torch.Tensor | None:
+    """One MoE layer's column of a replay record, flattened to the router's tokens [B·S, K]."""
+    if expert_ids_BSMK is None or column is None:
+        return None
+    return expert_ids_BSMK[:, :, column].reshape(-1, expert_ids_BSMK.shape[-1])
 
 
 def shift_left(t_BS: torch.Tensor, fill: int) -> torch.Tensor:
@@ -147,15 +161,17 @@ class MoETransformer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 document_ids: torch.Tensor | None = None, loss_normalizer: torch.Tensor | float | None = None,
-                aux_loss_scale: float = 1.0) -> ModelOutput:
+                aux_loss_scale: float = 1.0, expert_ids: torch.Tensor | None = None) -> ModelOutput:
         """Logits, and with ``labels`` the losses. Label tokens are averaged over ``loss_normalizer``
         when given (the global batch's label count, so gradient accumulation and any parallel layout
-        give the same gradient), else over this batch's label tokens."""
+        give the same gradient), else over this batch's label tokens. ``expert_ids``: a router-replay
+        record [B, S, M, K] for the M decoder MoE layers (``decoder_moe_layers``)."""
         ctx = build_attention_context(input_ids, document_ids)
         x = self.embed(input_ids)
         aux_terms, counts = [], []
-        for layer in self.layers:
-            x, aux, layer_counts = layer(x, ctx)
+        column = {layer: col for col, layer in enumerate(decoder_moe_layers(self.cfg))}
+        for index, layer in enumerate(self.layers):
+            x, aux, layer_counts = layer(x, ctx, layer_replay(expert_ids, column.get(index)))
             if aux is not None:
                 aux_terms.append(aux)
                 counts.append(layer_counts)

@@ -181,7 +181,12 @@ def format_step_stats(row: dict[str, Any] | None) -> str:
     """``loss 6.1234 lr 2.9e-03 tokens/s 3,210``; "—" for each value before the first step (no row)."""
     if row is None:
         return f"loss {_NONE} lr {_NONE} tokens/s {_NONE}"
-    return f"loss {row['loss']:.4f} lr {row['lr']:.1e} tokens/s {row['tokens_per_s']:,.0f}"
+    text = f"loss {row['loss']:.4f} lr {row['lr']:.1e} tokens/s {row['tokens_per_s']:,.0f}"
+    if "reward" in row:  # an RL step (moetrain.rl): what it earned, and held-out accuracy where evaluated
+        text += f" reward {row['reward']:.3f}"
+        if "heldout_accuracy" in row:
+            text += f" held-out {row['heldout_accuracy']:.1%}"
+    return text
 
 
 class _StatsColumn(ProgressColumn):

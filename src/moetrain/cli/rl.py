@@ -1,0 +1,202 @@
+"""``moetrain rl``: SFT warm-up on a task's format, then GRPO with router replay, on the training runtime.
+
+Two runs of the runtime's ``Trainer`` in one process: the warm-up (``moetrain.rl.loop.SFTTrainer``) and
+GRPO (``RLTrainer``), each with its own ``RunSpec`` built from these flags and checked by ``check_run``
+before anything heavy starts. With ``--save-dir D`` the warm-up saves under ``D/sft`` (a later run
+reuses it instead of training again) and GRPO under ``D/rl``; ``--resume`` continues GRPO from its newest
+checkpoint and appends to the metrics file, so the reward curve is one curve.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from moetrain.errors import UserError
+
+HELP = "post-train with RL: SFT warm-up on a verifiable task, then GRPO with router replay (one process)"
+
+DEFAULT_SFT_STEPS = 250
+DEFAULT_STEPS = 120
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--task", default="addition", help="addition (default), sort or countdown")
+    parser.add_argument("--model", default="tiny-pangu", help="model preset name or YAML file (default tiny-pangu)")
+    s = parser.add_argument_group("SFT warm-up (on reference answers of the training split)")
+    s.add_argument("--sft-steps", type=int, default=DEFAULT_SFT_STEPS, help=f"0 skips it ({DEFAULT_SFT_STEPS})")
+    s.add_argument("--sft-batch", type=int, default=64, help="examples per SFT step (64)")
+    s.add_argument("--sft-lr", type=float, default=3e-3, help="peak SFT learning rate (3e-3)")
+    g = parser.add_argument_group("GRPO")
+    g.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"GRPO optimizer steps ({DEFAULT_STEPS})")
+    g.add_argument("--prompts", type=int, default=16, help="prompts per step (16)")
+    g.add_argument("--group-size", type=int, default=8, help="samples per prompt, G (8)")
+    g.add_argument("--micro-batch", type=int, help="samples per forward/backward (default: all of a step's)")
+    g.add_argument("--lr", type=float, default=3e-4, help="peak GRPO learning rate (3e-4)")
+    g.add_argument("--warmup", type=int, default=5, help="GRPO warm-up steps (5)")
+    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (1.0)")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0: all)")
+    g.add_argument("--max-new-tokens", type=int, help="per sample (default: the task's longest answer + 2)")
+    g.add_argument("--clip-low", type=float, default=0.2, help="ε_low of the ratio clip (0.2)")
+    g.add_argument("--clip-high", type=float, default=0.28, help="ε_high of the ratio clip (0.28)")
+    g.add_argument("--is-cap", type=float, default=2.0, help="truncation of the importance weights (2.0)")
+    g.add_argument("--kl-coef", type=float, default=0.0, help="KL to the warm-up model (0: no reference)")
+    g.add_argument("--no-replay", action="store_true", help="train with the routers' own experts")
+    g.add_argument("--replay-stats-every", type=int, default=1,
+                   help="steps between forwards without replay that measure routing mismatch (0: never)")
+    g.add_argument("--eval-every", type=int, default=20, help="held-out accuracy every N steps (20; 0: end only)")
+    g.add_argument("--eval-size", type=int, default=256, help="held-out problems (256)")
+    r = parser.add_argument_group("run")
+    r.add_argument("--seed", type=int, help="seed of weights, problems and sampling")
+    r.add_argument("--device", help="cpu, cuda, cuda:N or auto")
+    r.add_argument("--threads", type=int, help="CPU threads for torch")
+    r.add_argument("--metrics-out", help="write one JSON row per GRPO step (step, reward, accuracy, ...)")
+    r.add_argument("--plot", help="reward-curve PNG (default: beside --metrics-out, else in --save-dir)")
+    r.add_argument("--save-dir", help="checkpoints: DIR/sft (warm-up) and DIR/rl (GRPO)")
+    r.add_argument("--save-every", type=int, help="save GRPO every K steps (0: only at the end)")
+    r.add_argument("--stop-at", type=int, help="end GRPO after step K as if interrupted, saving a checkpoint")
+    r.add_argument("--resume", action="store_true", default=None, help="continue GRPO from its newest checkpoint")
+    r.add_argument("--quiet", action="store_true", default=None, help="no progress bar")
+    r.add_argument("--nproc", type=int, help="ranks (RL Fusion across ranks is not built yet: 1 only)")
+
+
+FIELD_FLAGS = {
+    "task": "--task", "prompts_per_step": "--prompts", "grpo.group_size": "--group-size",
+    "grpo.clip_low": "--clip-low", "grpo.clip_high": "--clip-high", "grpo.is_cap": "--is-cap",
+    "grpo.kl_coef": "--kl-coef", "grpo.temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",
+    "max_new_tokens": "--max-new-tokens", "replay_stats_every": "--replay-stats-every",
+    "eval_every": "--eval-every", "eval_size": "--eval-size",
+}
+"""RL option → the flag that sets it, so a refusal names what the user typed."""
+
+
+def _options(args: argparse.Namespace):
+    from pydantic import ValidationError
+
+    from moetrain.rl.config import RLOptions
+
+    grpo = {"group_size": args.group_size, "clip_low": args.clip_low, "clip_high": args.clip_high,
+            "is_cap": args.is_cap, "kl_coef": args.kl_coef, "temperature": args.temperature}
+    try:
+        return RLOptions(task=args.task, prompts_per_step=args.prompts, grpo=grpo, top_k=args.top_k,
+                         top_p=args.top_p, max_new_tokens=args.max_new_tokens, replay=not args.no_replay,
+                         replay_stats_every=args.replay_stats_every, eval_every=args.eval_every,
+                         eval_size=args.eval_size)
+    except ValidationError as exc:
+        parts = []
+        for item in exc.errors():
+            field = ".".join(str(x) for x in item["loc"])
+            parts.append(f"{FIELD_FLAGS.get(field, field)}: {item['msg'].removeprefix('Value error, ')}")
+        raise UserError("; ".join(parts)) from None
+
+
+def _spec(args: argparse.Namespace, training: dict[str, Any], run: dict[str, Any]):
+    from moetrain.config.run import resolve_run_spec
+
+    common = {"device": args.device, "threads": args.threads, "seed": args.seed}
+    run = {k: v for k, v in {**run, "device": common["device"], "threads": common["threads"]}.items()
+           if v is not None}
+    training = {k: v for k, v in {**training, "seed": common["seed"]}.items() if v is not None}
+    return resolve_run_spec([{"model": args.model, "training": training, "run": run}], world_size=1)
+
+
+def build_specs(args: argparse.Namespace):
+    """(SFT spec or None, GRPO spec, RL options, policy model config), every check done."""
+    from moetrain.config import load_model_config
+    from moetrain.rl.loop import policy_config
+    from moetrain.rl.sft import sequence_len_for
+    from moetrain.rl.tasks import get_task
+    from moetrain.rl.tokenizer import CharTokenizer
+    from moetrain.train.checks import check_run
+
+    if args.nproc not in (None, 1):
+        raise UserError(f"--nproc {args.nproc}: RL Fusion across ranks is not built yet; run moetrain rl in one "
+                        "process")
+    options = _options(args)
+    task = get_task(options.task)
+    model_cfg = policy_config(load_model_config(args.model))
+    CharTokenizer().check_fits(model_cfg.vocab_size, model_cfg.name)
+    max_new = options.max_new_tokens or task.max_answer_chars + 2
+    seq_len = sequence_len_for(task, max_new)
+    save = Path(args.save_dir).resolve() if args.save_dir else None
+    if args.sft_steps < 0:
+        raise UserError(f"--sft-steps {args.sft_steps} must be ≥ 0")
+    sft = None
+    if args.sft_steps:
+        sft_save = save / "sft" if save else None
+        sft = _spec(args, {"steps": args.sft_steps, "global_batch": args.sft_batch, "micro_batch": args.sft_batch,
+                           "seq_len": seq_len, "lr": args.sft_lr, "warmup_steps": min(20, args.sft_steps)},
+                    {"save_dir": str(sft_save) if sft_save else None, "quiet": args.quiet, "cluster": "cpu"})
+        check_run(sft, model_cfg)
+    batch = options.prompts_per_step * options.grpo.group_size
+    metrics = str(Path(args.metrics_out).resolve()) if args.metrics_out else None
+    rl = _spec(args, {"steps": args.steps, "global_batch": batch, "micro_batch": args.micro_batch or batch,
+                      "seq_len": seq_len, "lr": args.lr, "warmup_steps": args.warmup},
+               {"save_dir": str(save / "rl") if save else None, "save_every": args.save_every,
+                "stop_at": args.stop_at, "resume": args.resume, "quiet": args.quiet, "metrics_out": metrics,
+                "cluster": "cpu"})
+    check_run(rl, model_cfg)
+    return sft, rl, options, model_cfg
+
+
+def _plot_path(args: argparse.Namespace) -> Path | None:
+    if args.plot:
+        return Path(args.plot)
+    if args.metrics_out:
+        return Path(args.metrics_out).with_suffix(".png")
+    if args.save_dir:
+        return Path(args.save_dir) / "reward.png"
+    return None
+
+
+def _warm_up(spec, task, model_cfg, console):
+    """The warm-up's weights: trained now, or read back from the finished warm-up in its save dir."""
+    from moetrain.rl.loop import SFTTrainer
+    from moetrain.train.checkpoint import latest_checkpoint
+
+    if spec.run.save_dir and latest_checkpoint(Path(spec.run.save_dir)) is not None:
+        spec = spec.model_copy(update={"run": spec.run.model_copy(update={"resume": True})})
+    trainer = SFTTrainer(spec, task, model_cfg=model_cfg, console=console)
+    console.print(trainer.describe())
+    rows = trainer.train()
+    if rows:
+        console.print(f"SFT: loss {rows[0]['loss']:.3f} → {rows[-1]['loss']:.3f} in "
+                      f"{sum(r['step_time_s'] for r in rows) / 60:.1f} min")
+    return {name: value.detach().clone() for name, value in trainer.run.stage.model.state_dict().items()}
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+    import time
+
+    from rich.console import Console
+
+    from moetrain.models.transformer import build_model
+    from moetrain.rl.loop import RLTrainer
+    from moetrain.rl.plot import plot_reward_curve
+    from moetrain.rl.tasks import get_task
+
+    sft_spec, rl_spec, options, model_cfg = build_specs(args)
+    console = Console(quiet=bool(args.quiet))
+    start = time.perf_counter()
+    model = build_model(model_cfg, "cpu", seed=rl_spec.training.seed)
+    if sft_spec is not None:
+        model.load_state_dict(_warm_up(sft_spec, get_task(options.task), model_cfg, console))
+    reference = None
+    if options.grpo.kl_coef:
+        reference = build_model(model_cfg, "cpu")
+        reference.load_state_dict(model.state_dict())
+    trainer = RLTrainer(rl_spec, options, model_cfg=model_cfg, model=model, reference=reference, console=console)
+    console.print(trainer.describe())
+    rows = trainer.train()
+    trainer.print_summary()
+    if args.metrics_out and Path(args.metrics_out).is_file():  # after a resume: the whole curve
+        rows = [json.loads(line) for line in Path(args.metrics_out).read_text().splitlines() if line.strip()]
+    plot = _plot_path(args)
+    if plot is not None:
+        plot_reward_curve(rows, plot, f"GRPO on {options.task} ({model_cfg.name})")
+        console.print(f"reward curve: {plot}")
+    console.print(f"total {(time.perf_counter() - start) / 60:.1f} min")
+    return 0

@@ -1,0 +1,53 @@
+"""What an RL run learns with, beside its ``RunSpec``: the task, GRPO's constants, sampling, replay,
+evaluation. Torch-free (pydantic), so the CLI validates it before anything heavy is imported."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class GRPOConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    group_size: int = Field(default=8, ge=2)
+    """Samples per prompt (G)."""
+    clip_low: float = Field(default=0.2, ge=0, lt=1)
+    clip_high: float = Field(default=0.28, ge=0)
+    """ε_high > ε_low lets unlikely tokens with positive advantage grow (DAPO's clip-higher)."""
+    is_cap: float = Field(default=2.0, ge=1)
+    """C: importance weights above it are truncated to it."""
+    kl_coef: float = Field(default=0.0, ge=0)
+    """β (0: no reference model is kept)."""
+    scale_rewards: bool = True
+    temperature: float = Field(default=1.0, gt=0)
+    """The sampling temperature: log-probs are those of logits / T on both sides."""
+    eps: float = Field(default=1e-4, gt=0)
+
+
+class RLOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    task: str = "addition"
+    prompts_per_step: int = Field(default=16, gt=0)
+    """Prompts per optimizer step; the step trains on prompts_per_step × group_size samples."""
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    top_k: int = Field(default=0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    max_new_tokens: int | None = Field(default=None, gt=0)
+    """Generated tokens per sample at most (default: the task's longest answer + 2)."""
+    replay: bool = True
+    """Train with the experts generation chose (router replay)."""
+    replay_stats_every: int = Field(default=1, ge=0)
+    """Every this many steps, one extra forward without replay measures the routing mismatch (0: never)."""
+    eval_every: int = Field(default=10, ge=0)
+    """Held-out accuracy every this many steps (0: only at the end); always before the first step."""
+    eval_size: int = Field(default=256, gt=0)
+
+    @field_validator("task")
+    @classmethod
+    def _known_task(cls, name: str) -> str:
+        from moetrain.rl.tasks import TASKS
+
+        if name not in TASKS:
+            raise ValueError(f"unknown task {name!r}; choose one of {', '.join(TASKS)}")
+        return name

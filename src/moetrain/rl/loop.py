@@ -1,0 +1,296 @@
+"""The RL trainer: the runtime's ``Trainer`` whose batch for step s is a fresh, scored set of rollouts.
+
+One step (synchronous, colocated: generation runs on the training model's own parameters, so the
+weights it samples with are always the current ones):
+
+1. generate G samples for each of the step's prompts (``RolloutEngine``; KV cache, replay record);
+2. score them (the task's exact scorer) and normalise rewards within each group (``grpo``);
+3. optionally: the frozen reference's log-probs (KL term), and one forward without replay that measures
+   how many tokens the trainer would route elsewhere (``replay.routing_mismatch``);
+4. ``train_step`` on micro-batches whose objective is GRPO and whose routers replay generation's experts,
+   so every layout, the memory policy, metrics and checkpoints of the runtime serve RL unchanged.
+
+Prompts of step s and the sampling generator are functions of (seed, s), like the corpus batches of
+``moetrain train``: a resumed run generates exactly what the uninterrupted one would have, and its
+reward curve continues it. The weight version of a sample is the number of optimizer steps its
+weights had taken (``Trainer.step`` at generation); rows log it and the staleness (0 here; the
+StaleSync issue trains on older samples and bounds that number).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from rich.table import Table
+
+from moetrain.config import ModelConfig
+from moetrain.config.run import RunSpec
+from moetrain.data.packing import StepBatch
+from moetrain.errors import UserError
+from moetrain.models.attention import build_attention_context
+from moetrain.models.transformer import MoETransformer, decoder_moe_layers, layer_replay
+from moetrain.rl.batch import Rollouts, TrainingSequences, step_batch, training_sequences
+from moetrain.rl.config import RLOptions
+from moetrain.rl.generate import RolloutEngine, SamplingParams
+from moetrain.rl.grpo import STAT_FIELDS, StepStats, group_advantages, token_logprobs
+from moetrain.rl.replay import RoutingRecorder, decoder_layers, routing_mismatch
+from moetrain.rl.sft import TaskSFTDataset, prompt_ids
+from moetrain.rl.tasks import Problem, Task, get_task, heldout_problems, problem_at
+from moetrain.rl.tokenizer import CharTokenizer
+from moetrain.train.checkpoint import run_identity
+from moetrain.train.trainer import Trainer
+
+EVAL_BATCH = 256
+
+
+def policy_config(model_cfg: ModelConfig) -> ModelConfig:
+    """The model RL trains: the preset without multi-token prediction. Generation never runs the MTP
+    modules, so they would get no policy gradient and no replay record (DeepSeek-V3 also drops them for
+    inference); SFT and RL use this same config, so their weights carry over one to one."""
+    return model_cfg.model_copy(update={"num_mtp_layers": 0})
+
+
+def policy_logits(model: MoETransformer, input_ids_BS: torch.Tensor,
+                  expert_ids_BSMK: torch.Tensor | None = None) -> torch.Tensor:
+    """The training forward of full sequences (plain or one-rank parallelized model), with optional
+    router replay: the same layer calls as ``MoETransformer.forward`` and the step's ``chunk_forward``."""
+    ctx = build_attention_context(input_ids_BS, None)
+    column = {layer: col for col, layer in enumerate(decoder_moe_layers(model.cfg))}
+    x = model.embed(input_ids_BS)
+    for index, layer in enumerate(decoder_layers(model)):
+        x, _, _ = layer(x, ctx, layer_replay(expert_ids_BSMK, column.get(index)))
+    return model.output_head(model.final_norm(x))
+
+
+def _one_rank(spec: RunSpec) -> None:
+    if spec.world_size > 1:
+        raise UserError(f"moetrain rl runs in one process for now: the layout asks for {spec.world_size} ranks; "
+                        "RL Fusion across ranks (--nproc) is not built yet")
+
+
+class SFTTrainer(Trainer):
+    """The warm-up: the runtime's loop on ``TaskSFTDataset`` batches (answer tokens only)."""
+
+    def __init__(self, spec: RunSpec, task: Task, *, model_cfg: ModelConfig, console: Console | None = None) -> None:
+        _one_rank(spec)
+        self.task, self.tokenizer = task, CharTokenizer()
+        super().__init__(spec, model_cfg=model_cfg, console=console)
+        self.dataset = TaskSFTDataset(task, self.tokenizer, self.cfg.seq_len, self.cfg.seed)
+
+    def prepare_data(self) -> None:
+        return None
+
+    def identity(self) -> dict[str, Any]:
+        return run_identity(self.model_cfg, self.cfg, f"sft:{self.task.name}")
+
+    def describe(self) -> str:
+        return (f"SFT warm-up on {self.task.name}: {self.cfg.steps} steps × {self.cfg.global_batch} examples, "
+                f"model {self.model_cfg.name}, {self.device.type}")
+
+
+class RLTrainer(Trainer):
+    def __init__(self, spec: RunSpec, options: RLOptions, *, model_cfg: ModelConfig,
+                 model: MoETransformer | None = None, reference: MoETransformer | None = None,
+                 console: Console | None = None, keep_logprobs: bool = False) -> None:
+        """``model``: the starting policy (e.g. the SFT warm-up's weights); ``reference``: the frozen model
+        of the KL term (needed when ``options.grpo.kl_coef`` > 0). ``keep_logprobs``: keep each step's
+        trainer log-probs (``last_stats.logprobs``, tests)."""
+        _one_rank(spec)
+        if options.grpo.kl_coef and reference is None:
+            raise UserError("a KL coefficient needs a reference model (the starting weights)")
+        self.options, self.task, self.tokenizer = options, get_task(options.task), CharTokenizer()
+        self.tokenizer.check_fits(model_cfg.vocab_size, model_cfg.name)
+        expected = spec.training.global_batch
+        if options.prompts_per_step * options.grpo.group_size != expected:
+            raise UserError(f"global batch {expected} must be prompts per step × group size "
+                            f"({options.prompts_per_step} × {options.grpo.group_size})")
+        super().__init__(spec, model_cfg=model_cfg, model=model, console=console)
+        self.keep_logprobs = keep_logprobs
+        self.reference = reference.eval().requires_grad_(False) if reference is not None else None
+        self.engine = RolloutEngine(self.run.stage.model, self.tokenizer.pad_id, self.tokenizer.decode,
+                                    self.run.autocast_dtype)
+        self.sampling = SamplingParams(
+            max_new_tokens=self.max_new_tokens, temperature=options.grpo.temperature, top_k=options.top_k,
+            top_p=options.top_p, stop_token_ids=(self.tokenizer.eos_id,))
+        self.eval_problems = heldout_problems(self.task, self.cfg.seed, options.eval_size)
+        self.last_stats: StepStats | None = None
+        self.last_sequences: TrainingSequences | None = None
+        """The latest step's training sequences (with the rollout log-probs)."""
+        self._pending: dict[str, Any] = {}
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.options.max_new_tokens or self.task.max_answer_chars + 2
+
+    @property
+    def weight_version(self) -> int:
+        """Optimizer steps the current weights have taken: the version a new sample is tagged with."""
+        return self.step
+
+    def prepare_data(self) -> None:
+        return None
+
+    def identity(self) -> dict[str, Any]:
+        # The task and every RL option are part of what is learned: a checkpoint resumes only into the same.
+        return run_identity(self.model_cfg, self.cfg, f"rl:{self.options.model_dump_json()}")
+
+    # ----- one step's batch -----
+    def step_problems(self, step: int) -> list[Problem]:
+        """The step's prompts, each repeated group_size times (groups contiguous)."""
+        count, group = self.options.prompts_per_step, self.options.grpo.group_size
+        problems = [problem_at(self.task, self.cfg.seed, "rl", step * count + i) for i in range(count)]
+        return [problem for problem in problems for _ in range(group)]
+
+    def rollout(self, step: int) -> Rollouts:
+        problems = self.step_problems(step)
+        generator = torch.Generator(self.device).manual_seed(self.cfg.seed * 1_000_003 + step)
+        generation = self.engine.generate([prompt_ids(self.tokenizer, p) for p in problems], self.sampling,
+                                          generator, weight_version=self.weight_version)
+        texts = [self.tokenizer.decode(generation.completion(row)) for row in range(len(problems))]
+        rewards_B = torch.tensor([self.task.score(p, text) for p, text in zip(problems, texts)])
+        grpo = self.options.grpo
+        advantages_B = group_advantages(rewards_B, grpo.group_size, grpo.scale_rewards, grpo.eps)
+        return Rollouts(problems, generation, texts, rewards_B, advantages_B)
+
+    def next_batch(self) -> StepBatch:
+        if self.step == 0 and not self.metrics.rows:
+            # The starting policy's held-out accuracy, as the curve's step 0 (a fresh run only).
+            self.metrics.log({"step": 0, "heldout_accuracy": self.evaluate()})
+        rollouts = self.rollout(self.step)
+        sequences = self.last_sequences = training_sequences(rollouts, self.cfg.seq_len, self.tokenizer.pad_id)
+        self._pending = rollout_metrics(rollouts, self.options.grpo.group_size, self.weight_version)
+        ref_logp_BS = self.reference_logprobs(sequences) if self.reference is not None else None
+        every = self.options.replay_stats_every
+        if every and self.step % every == 0 and sequences.expert_ids_BSMK is not None:
+            self._pending.update(self.replay_diagnostics(sequences))
+        self.last_stats = StepStats.zeros(self.device, self.keep_logprobs)
+        return step_batch(sequences, self.options.grpo, self.cfg.micro_batch, self.last_stats, self.options.replay,
+                          ref_logp_BS)
+
+    @torch.no_grad()
+    def reference_logprobs(self, sequences: TrainingSequences) -> torch.Tensor:
+        assert self.reference is not None
+        chunks = []
+        replay = sequences.expert_ids_BSMK if self.options.replay else None
+        for rows in _row_chunks(len(sequences.labels_BS), self.cfg.micro_batch):
+            ids = sequences.input_ids_BS[rows].to(self.device)
+            record = None if replay is None else replay[rows].to(self.device)
+            logits = policy_logits(self.reference, ids, record)
+            chunks.append(token_logprobs(logits, sequences.labels_BS[rows].to(self.device),
+                                         self.options.grpo.temperature).cpu())
+        return torch.cat(chunks)
+
+    @torch.no_grad()
+    def replay_diagnostics(self, sequences: TrainingSequences) -> dict[str, float]:
+        """One forward of the current weights *without* replay: the share of tokens routed elsewhere than
+        in generation, and the train/generate log-prob gap that routing leaves."""
+        model, start = self.run.stage.model, time.perf_counter()
+        chosen, gaps = [], []
+        recorder = RoutingRecorder(model)
+        with recorder:
+            for rows in _row_chunks(len(sequences.labels_BS), self.cfg.micro_batch):
+                ids = sequences.input_ids_BS[rows].to(self.device)
+                labels = sequences.labels_BS[rows].to(self.device)
+                logits = policy_logits(model, ids)
+                chosen.append(recorder.take(*ids.shape).cpu())
+                gap = (token_logprobs(logits, labels, self.options.grpo.temperature).cpu()
+                       - sequences.rollout_logp_BS[rows]).abs()
+                gaps.append(gap[labels.cpu() != -100])
+        record = sequences.expert_ids_BSMK
+        assert record is not None
+        stats = routing_mismatch(record, torch.cat(chosen), sequences.input_ids_BS != self.tokenizer.pad_id)
+        gap = torch.cat(gaps)
+        return {"replay_layer_mismatch": stats.layer_mismatch, "replay_token_mismatch": stats.token_mismatch,
+                "logp_gap_no_replay_mean": float(gap.mean()), "logp_gap_no_replay_max": float(gap.max()),
+                "replay_stats_time_s": time.perf_counter() - start}
+
+    # ----- after the step -----
+    def after_step(self) -> dict[str, Any]:
+        extra = {**super().after_step(), **self._pending}
+        stats = self.last_stats
+        if stats is not None:
+            # One read of the objective's sums (all-reduced, so every rank logs the same row).
+            world = self.dims.get_group("world")
+            dist.all_reduce(stats.sums, group=world)
+            dist.all_reduce(stats.gap_abs_max, op=dist.ReduceOp.MAX, group=world)
+            values = torch.cat([stats.sums, stats.gap_abs_max.reshape(1)]).tolist()
+            extra.update(stats.summary(values[: len(STAT_FIELDS)], values[-1]))
+        last = min(self.cfg.steps, self.spec.run.stop_at or self.cfg.steps)
+        every = self.options.eval_every
+        if self.step == last or (every and self.step % every == 0):
+            extra["heldout_accuracy"] = self.evaluate()
+        return extra
+
+    @torch.no_grad()
+    def evaluate(self, problems: list[Problem] | None = None) -> float:
+        """Greedy accuracy on held-out problems (the fixed evaluation set by default)."""
+        problems = problems if problems is not None else self.eval_problems
+        greedy = dataclasses.replace(self.sampling, temperature=0.0, top_k=0, top_p=1.0)
+        correct = 0.0
+        for start in range(0, len(problems), EVAL_BATCH):
+            chunk = problems[start:start + EVAL_BATCH]
+            generation = self.engine.generate([prompt_ids(self.tokenizer, p) for p in chunk], greedy,
+                                              weight_version=self.weight_version)
+            for row, problem in enumerate(chunk):
+                correct += self.task.score(problem, self.tokenizer.decode(generation.completion(row)))
+        return correct / max(len(problems), 1)
+
+    def describe(self) -> str:
+        o = self.options
+        return (f"GRPO on {o.task}: {self.cfg.steps} steps × {o.prompts_per_step} prompts × {o.grpo.group_size} "
+                f"samples, ≤{self.max_new_tokens} new tokens, T={o.grpo.temperature}, router replay "
+                f"{'on' if o.replay else 'off'} · model {self.model_cfg.name} · {self.device.type}")
+
+    def print_summary(self) -> None:
+        self.console.print(rl_summary_table(self.metrics.rows, f"{self.model_cfg.name}: GRPO on {self.options.task}"))
+
+
+def rollout_metrics(rollouts: Rollouts, group_size: int, current_version: int) -> dict[str, Any]:
+    """The step's samples in numbers: reward, accuracy, groups without signal, lengths, generation speed."""
+    generation, rewards_B = rollouts.generation, rollouts.rewards_B
+    groups_PG = rewards_B.view(-1, group_size)
+    return {
+        "reward": float(rewards_B.mean()),
+        "accuracy": float((rewards_B >= 1).float().mean()),
+        "uniform_groups": float((groups_PG.std(dim=1) == 0).float().mean()),
+        "completion_len": float(generation.lengths_B.float().mean()),
+        "stopped_frac": float(generation.stopped_B.float().mean()),
+        "gen_time_s": generation.seconds,
+        "gen_tokens_per_s": generation.num_generated / max(generation.seconds, 1e-9),
+        "weight_version": generation.weight_version,
+        "staleness": current_version - generation.weight_version,
+    }
+
+
+def _row_chunks(rows: int, size: int) -> list[slice]:
+    return [slice(start, start + size) for start in range(0, rows, size)]
+
+
+def rl_summary_table(rows: list[dict[str, Any]], title: str) -> Table:
+    table = Table(title=title, show_header=True, header_style="bold")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    steps = [r for r in rows if r.get("step", 0) > 0 and "reward" in r]
+    evals = [r for r in rows if "heldout_accuracy" in r]
+    if steps:
+        head, tail = steps[: max(len(steps) // 5, 1)], steps[-max(len(steps) // 5, 1):]
+        mean = lambda part, key: sum(r[key] for r in part) / len(part)
+        table.add_row("steps", f"{steps[0]['step']}–{steps[-1]['step']}")
+        table.add_row("reward, first → last fifth", f"{mean(head, 'reward'):.3f} → {mean(tail, 'reward'):.3f}")
+        table.add_row("minutes", f"{sum(r['step_time_s'] for r in steps) / 60:.1f}")
+        for key, label in (("replay_token_mismatch", "tokens routed elsewhere without replay"),
+                           ("logp_gap_mean", "train/generate |Δlogp|, as trained"),
+                           ("logp_gap_no_replay_mean", "train/generate |Δlogp| without replay")):
+            values = [r[key] for r in steps if key in r]
+            if values:
+                table.add_row(label, f"{sum(values) / len(values):.2e}" if "gap" in key
+                              else f"{sum(values) / len(values):.1%}")
+    if evals:
+        table.add_row("held-out accuracy",
+                      " → ".join(f"{r['heldout_accuracy']:.1%} (step {r['step']})" for r in (evals[0], evals[-1])))
+    return table

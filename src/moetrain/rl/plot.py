@@ -1,0 +1,36 @@
+"""The reward curve of an RL run as a PNG: reward per step (and its running mean), held-out accuracy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def plot_reward_curve(rows: list[dict[str, Any]], path: Path, title: str, window: int = 10) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r for r in rows if "reward" in r]
+    evals = [r for r in rows if "heldout_accuracy" in r]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if steps:
+        xs, ys = [r["step"] for r in steps], [r["reward"] for r in steps]
+        ax.plot(xs, ys, color="tab:blue", alpha=0.3, lw=1, label="reward (step mean)")
+        smooth = [sum(ys[max(0, i - window + 1): i + 1]) / len(ys[max(0, i - window + 1): i + 1])
+                  for i in range(len(ys))]
+        ax.plot(xs, smooth, color="tab:blue", lw=2, label=f"reward ({window}-step mean)")
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["heldout_accuracy"] for r in evals], "o-", color="tab:red",
+                label="held-out accuracy (greedy)")
+    ax.set_xlabel("GRPO step")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    ax.set_title(title)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,36 @@
+import json
+
+import pytest
+
+from moetrain.cli import main
+from refusals import refused
+
+TINY = ["--sft-steps", "2", "--sft-batch", "8", "--steps", "2", "--prompts", "2", "--group-size", "2",
+        "--eval-size", "4", "--device", "cpu", "--quiet"]
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["rl", "--task", "multiply"], ("--task", "unknown task 'multiply'", "addition")),
+    (["rl", "--group-size", "1"], ("--group-size",)),
+    (["rl", "--top-p", "0"], ("--top-p",)),
+    (["rl", "--nproc", "2"], ("--nproc 2", "not built yet")),
+    (["rl", "--resume"], ("--resume need --save-dir",)),
+    (["rl", "--sft-steps", "-1"], ("--sft-steps -1",)),
+    (["rl", "--model", "no-such-model"], ("no-such-model",)),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, expected):
+    refused(capsys, argv, *expected)
+
+
+@pytest.mark.slow
+def test_sft_then_grpo_writes_rows_a_plot_and_checkpoints_and_refuses_another_models_resume(tmp_path, capsys):
+    metrics, save = tmp_path / "rl.jsonl", tmp_path / "ckpt"
+    assert main(["rl", *TINY, "--metrics-out", str(metrics), "--save-dir", str(save)]) == 0
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert all({"reward", "accuracy"} <= set(r) for r in rows[1:]) and "heldout_accuracy" in rows[-1]
+    assert metrics.with_suffix(".png").stat().st_size > 1000
+    assert (save / "sft" / "step-000002").is_dir() and (save / "rl" / "step-000002").is_dir()
+    capsys.readouterr()
+    refused(capsys, ["rl", *TINY, "--model", "tiny-qwen3", "--save-dir", str(save), "--resume", "--sft-steps", "0"],
+            "was written with other settings")

@@ -1,0 +1,108 @@
+import math
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from moetrain.rl.config import GRPOConfig
+from moetrain.rl.grpo import group_advantages, grpo_loss, grpo_token_loss, token_logprobs
+
+CFG = GRPOConfig(group_size=4, clip_low=0.2, clip_high=0.28, is_cap=2.0)
+
+
+def test_group_advantages_by_hand():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0])
+    std = math.sqrt(4 * 0.25 / 3)  # unbiased std of (1, 0, 0, 1)
+    std3 = math.sqrt((3 * 0.0625 + 0.5625) / 3)  # of (1, 1, 1, 0): mean 0.75
+    expected = [0.5 / (std + 1e-4), -0.5 / (std + 1e-4), -0.5 / (std + 1e-4), 0.5 / (std + 1e-4), 0, 0, 0, 0,
+                0.25 / (std3 + 1e-4), 0.25 / (std3 + 1e-4), 0.25 / (std3 + 1e-4), -0.75 / (std3 + 1e-4)]
+    torch.testing.assert_close(group_advantages(rewards, 4), torch.tensor(expected))
+    torch.testing.assert_close(group_advantages(rewards, 4, scale_rewards=False)[:4], torch.tensor([.5, -.5, -.5, .5]))
+
+
+def test_one_update_loss_and_gradient_by_hand():
+    logp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    rollout = torch.tensor([[-1.1, -2.0, -9.0]])
+    advantages = torch.tensor([[1.0, -1.0, 5.0]])
+    mask = torch.tensor([[True, True, False]])
+    loss = grpo_loss(logp, rollout, advantages, mask, CFG)
+    w = math.exp(0.1)  # truncated importance weight exp(old − rollout), old = logp before the step
+    assert loss.item() == pytest.approx((-1.0 * w + 1.0 * 1.0) / 2, abs=1e-6)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-w / 2, 0.5, 0.0]]))
+
+
+def test_clip_truncation_and_kl_by_hand():
+    logp = torch.tensor([-1.0, -1.0, -1.0, -1.0], requires_grad=True)
+    old = torch.tensor([-1.5, -1.5, -0.5, -1.0])
+    rollout = torch.tensor([-1.1, -1.5, -0.5, -3.0])
+    advantages = torch.tensor([1.0, -1.0, -1.0, 1.0])
+    ref = torch.tensor([-1.2, -1.0, -1.0, -1.0])
+    cfg = CFG.model_copy(update={"kl_coef": 0.1})
+    terms = grpo_token_loss(logp, rollout, advantages, torch.ones(4, dtype=torch.bool), cfg, old, ref)
+    r = math.exp(0.5)  # tokens 0, 1: ratio 1.6487 above 1 + 0.28
+    r_low = math.exp(-0.5)  # token 2: ratio 0.6065 below 1 − 0.2
+    kl0 = math.exp(-0.2) + 0.2 - 1
+    expected = [
+        -1.28 * math.exp(-0.4) + 0.1 * kl0,  # A > 0, ratio clipped at 1.28; weight exp(−1.5 + 1.1)
+        r * 1.0,  # A < 0: −min(−r, −1.28) = r, not clipped (the pessimistic side)
+        0.8 * 1.0,  # A < 0, ratio below 0.8: −min(−r_low, −0.8) = 0.8, clipped
+        -1.0 * 2.0,  # ratio 1, weight exp(2) truncated to 2
+    ]
+    torch.testing.assert_close(terms.loss_BS, torch.tensor(expected))
+    assert terms.clipped_BS.tolist() == [True, False, True, False]
+    assert terms.truncated_BS.tolist() == [False, False, False, True]
+    assert r_low < 0.8
+    terms.loss_BS.sum().backward()
+    # clipped tokens keep only the KL gradient; token 1 keeps −A·r·w = r; token 3 −A·w = −2
+    kl_grad0 = 0.1 * (1 - math.exp(-0.2))  # d/dlogp of exp(ref − logp) − (ref − logp) − 1
+    torch.testing.assert_close(logp.grad, torch.tensor([kl_grad0, r, 0.0, -2.0]))
+
+
+def test_token_logprobs_are_tempered_and_masked():
+    logits = torch.tensor([[[2.0, 0.0, -1.0], [0.0, 1.0, 0.0]]])
+    labels = torch.tensor([[0, -100]])
+    out = token_logprobs(logits, labels, temperature=2.0)
+    assert out[0, 0].item() == pytest.approx(1.0 - math.log(math.exp(1.0) + 1 + math.exp(-0.5)))
+    assert out[0, 1].item() == 0.0
+
+
+def test_equals_trl_grpo_loss_on_the_same_tensors():
+    """TRL's GRPOTrainer._compute_loss, run on a stand-in trainer whose model returns our log-probs."""
+    grpo_trainer = pytest.importorskip("trl.trainer.grpo_trainer")
+    torch.manual_seed(0)
+    batch, length = 6, 5
+    logp = (-torch.rand(batch, length) * 3).requires_grad_(True)
+    rollout = logp.detach() + 0.3 * torch.randn(batch, length)  # an engine that disagrees a little
+    ref = logp.detach() + 0.2 * torch.randn(batch, length)
+    mask = torch.ones(batch, length)
+    mask[0, 3:] = mask[4, 1:] = 0
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0])
+    cfg = GRPOConfig(group_size=3, clip_low=0.2, clip_high=0.28, is_cap=2.0, kl_coef=0.05)
+    advantages = group_advantages(rewards, 3)
+
+    ours = grpo_loss(logp, rollout, advantages[:, None].expand(-1, length), mask.bool(), cfg, ref_logp_BS=ref)
+    (our_grad,) = torch.autograd.grad(ours, logp)
+
+    logp_trl = logp.detach().clone().requires_grad_(True)
+    accelerator = SimpleNamespace(gather=lambda t: t, reduce=lambda t, reduction="sum": t,
+                                  gather_for_metrics=lambda t: t, num_processes=1, sync_gradients=True)
+    stub = SimpleNamespace(
+        _get_per_token_logps_and_entropies=lambda *a, **k: (logp_trl, torch.zeros(batch, length), None),
+        top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level="token",
+        beta=cfg.kl_coef, loss_type="bnpo", epsilon_low=cfg.clip_low, epsilon_high=cfg.clip_high,
+        args=SimpleNamespace(delta=None, use_bias_correction_kl=False), use_vllm=True,
+        vllm_importance_sampling_correction=True, model=SimpleNamespace(training=True),
+        current_gradient_accumulation_steps=1, _entropy_bonus_enabled=False, aux_loss_enabled=False,
+        _metrics=defaultdict(lambda: defaultdict(list)), accelerator=accelerator)
+    old = logp.detach()  # TRL's old_per_token_logps: the trainer's forward before the update
+    inputs = {"prompt_ids": torch.zeros(batch, 2, dtype=torch.long), "prompt_mask": torch.ones(batch, 2),
+              "completion_ids": torch.zeros(batch, length, dtype=torch.long), "completion_mask": mask,
+              "advantages": advantages, "old_per_token_logps": old, "ref_per_token_logps": ref,
+              # TRL's token_truncate importance ratio, as its generation step computes it
+              "importance_sampling_ratio": torch.clamp(torch.exp((old - rollout) * mask), max=cfg.is_cap)}
+    theirs = grpo_trainer.GRPOTrainer._compute_loss(stub, None, inputs)
+    (their_grad,) = torch.autograd.grad(theirs, logp_trl)
+    torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(our_grad, their_grad, atol=1e-6, rtol=1e-6)

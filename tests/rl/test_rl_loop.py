@@ -1,0 +1,81 @@
+import io
+import json
+
+import pytest
+import torch
+from rich.console import Console
+from rl_models import small_model
+
+from moetrain.config import TrainingConfig
+from moetrain.config.run import RunSpec
+from moetrain.rl.config import GRPOConfig, RLOptions
+from moetrain.rl.loop import RLTrainer, SFTTrainer
+from moetrain.rl.sft import sequence_len_for
+from moetrain.rl.tasks import get_task
+
+TASK = get_task("addition")
+SEQ_LEN = sequence_len_for(TASK, TASK.max_answer_chars + 2)
+
+
+def _trainer(steps=3, replay=True, keep_logprobs=False, seed=0, **run) -> RLTrainer:
+    model = small_model(seed=seed)
+    options = RLOptions(task="addition", prompts_per_step=4, grpo=GRPOConfig(group_size=4), replay=replay,
+                        eval_every=0, eval_size=16)
+    cfg = TrainingConfig(steps=steps, global_batch=16, micro_batch=8, seq_len=SEQ_LEN, lr=1e-3, warmup_steps=0,
+                         seed=seed)
+    run = {k: str(v) if k in ("save_dir", "metrics_out") else v for k, v in run.items()}
+    spec = RunSpec(training=cfg, run={"device": "cpu", "cluster": "cpu", "quiet": True, **run})
+    return RLTrainer(spec, options, model_cfg=model.cfg, model=model, console=Console(file=io.StringIO()),
+                     keep_logprobs=keep_logprobs)
+
+
+def test_trainer_logprobs_of_generated_tokens_equal_the_rollout_engines_with_replay():
+    trainer = _trainer(steps=1, keep_logprobs=True)
+    rows = trainer.train()
+    sequences = trainer.last_sequences
+    logprobs = torch.cat(trainer.last_stats.logprobs)
+    mask = sequences.labels_BS != -100
+    assert mask.sum() > 16
+    gap = (logprobs[mask] - sequences.rollout_logp_BS[mask]).abs().max().item()
+    assert gap < 1e-5
+    assert rows[-1]["logp_gap_max"] < 1e-5 and rows[-1]["replay_token_mismatch"] == 0.0
+    assert rows[-1]["is_weight_mean"] == pytest.approx(1.0, abs=1e-5)
+
+
+def test_rows_carry_reward_accuracy_versions_and_a_starting_evaluation(tmp_path):
+    rows = _trainer(steps=2, metrics_out=tmp_path / "m.jsonl").train()
+    written = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in written] == [0, 1, 2] and "heldout_accuracy" in written[0]
+    for row in written[1:]:
+        assert {"reward", "accuracy", "loss", "completion_len", "weight_version", "staleness"} <= set(row)
+        assert 0 <= row["reward"] <= 1 and row["staleness"] == 0
+    assert [r["weight_version"] for r in written[1:]] == [0, 1]
+    assert "heldout_accuracy" in written[-1]  # the last step is always evaluated
+    assert rows == written
+
+
+@pytest.mark.slow
+def test_resume_continues_the_same_reward_curve(tmp_path):
+    fields = ("reward", "accuracy", "loss", "grad_norm", "completion_len", "nll")
+    straight = _trainer(steps=4, metrics_out=tmp_path / "straight.jsonl").train()
+    save = {"save_dir": tmp_path / "ckpt", "metrics_out": tmp_path / "resumed.jsonl"}
+    _trainer(steps=4, stop_at=2, **save).train()
+    _trainer(steps=4, resume=True, **save).train()
+    resumed = [json.loads(line) for line in (tmp_path / "resumed.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
+    for expected, got in zip(straight, resumed, strict=True):
+        assert {k: got.get(k) for k in fields} == {k: expected.get(k) for k in fields}
+
+
+def test_sft_warm_up_trains_on_answers_only():
+    model = small_model()
+    cfg = TrainingConfig(steps=2, global_batch=8, micro_batch=8, seq_len=SEQ_LEN, lr=1e-3, warmup_steps=0)
+    spec = RunSpec(training=cfg, run={"device": "cpu", "cluster": "cpu", "quiet": True})
+    trainer = SFTTrainer(spec, TASK, model_cfg=model.cfg, console=Console(file=io.StringIO()))
+    batch = trainer.next_batch()
+    micro = batch.micro_batches[0]
+    for row in range(8):
+        labels = micro.labels[row][micro.labels[row] != -100].tolist()
+        assert trainer.tokenizer.decode(labels) == trainer.tokenizer.decode(labels[:-1]) and labels[-1] == 2
+        assert len(labels) == TASK.max_answer_chars + 1  # padded sum + EOS
+    assert len(trainer.train()) == 2
