@@ -110,8 +110,10 @@ class ZeroAdamW:
         rules = kind_rules(dims)
         self.named = list(model.named_parameters())
         kinds: dict[tuple[str, bool], list[tuple[str, nn.Parameter]]] = {}
+        # a model without a config (a test's plain module) shares no embedding across stages
+        shared_embedding = hasattr(model, "cfg") and last_stage_holds_embedding(model.cfg)
         for name, param in self.named:
-            kind = param_kind(name, dims, tp_kinds, last_stage_holds_embedding(model.cfg))
+            kind = param_kind(name, dims, tp_kinds, shared_embedding)
             kinds.setdefault((kind, param.ndim >= 2), []).append((name, param))
         self.buckets: list[_Bucket] = []
         groups = []
