@@ -18,7 +18,7 @@ RESULTS = BENCHMARKS / "results"
 GPU = re.compile(r"(^gpu_|_gpu|_cuda|_h100)")
 # GPU records written before the machine was an object (a device name), kept as measured: GPU results
 # are rerun on a GPU machine only (benchmarks/gpu_suite.sh).
-MACHINE_AS_NAME = {"memory_gpu.json", "memory_gpu_seq8192.json"}
+MACHINE_AS_NAME = {"memory_gpu_seq8192.json"}
 # The same benchmark at an older commit, kept as the "before" its docs compare with (not regenerated).
 HISTORICAL = {"planner_screen_vs_timeline_3a11047.json"}
 
