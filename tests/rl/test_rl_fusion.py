@@ -5,19 +5,26 @@ The 4-rank cases share one gloo world (``world`` fixture: one spawn for the modu
 
 from __future__ import annotations
 
+import io
+
 import pytest
 import torch
+from rich.console import Console
 from rl_models import small_model
 
 from moetrain.config import ParallelConfig, TrainingConfig
+from moetrain.config.run import RunSpec
 from moetrain.distributed.layout import ParallelDims
 from moetrain.distributed.step import build_layout
 from moetrain.distributed.weight_sync import SyncFault, WeightSync, WeightSyncError
 from moetrain.distributed.world import spawn
-from moetrain.rl.config import FusionOptions
+from moetrain.rl.config import FusionOptions, GRPOConfig, RLOptions
 from moetrain.rl.fusion import generation_model, generation_views, global_shapes, training_views
+from moetrain.rl.loop import RLTrainer
 from moetrain.rl.offload import HostOffload, offload_decision
+from moetrain.rl.sft import sequence_len_for
 from moetrain.rl.switch import PHASES, Switch, SwitchOrderError
+from moetrain.rl.tasks import get_task
 
 SEED = 3
 """The trained weights' seed; generation models start from seed 0, so an unsynced tensor shows."""
@@ -84,11 +91,34 @@ def _fault_case(rank: int, dims: dict, fault_rank: int, kind: str) -> tuple[int,
     return bucket, "no error"
 
 
+RL_STEPS = 2
+TASK = get_task("addition")
+RL_SEQ_LEN = -(-sequence_len_for(TASK, TASK.max_answer_chars + 2) // 2) * 2  # sequence parallelism: tp | seq_len
+SAME = ("reward", "accuracy", "completion_len", "stopped_frac", "uniform_groups", "heldout_accuracy")
+CLOSE = ("loss", "nll", "grad_norm", "logp_gap_mean", "is_weight_mean")
+
+
+def _rl_trainer(parallel: ParallelConfig, dims: ParallelDims | None = None,
+                fusion: FusionOptions | None = None) -> RLTrainer:
+    model = small_model(seed=SEED)
+    options = RLOptions(task="addition", prompts_per_step=4, grpo=GRPOConfig(group_size=4), eval_every=0,
+                        eval_size=8)
+    cfg = TrainingConfig(steps=RL_STEPS, global_batch=16, micro_batch=4, seq_len=RL_SEQ_LEN, lr=1e-3,
+                         warmup_steps=0, seed=SEED)
+    spec = RunSpec(training=cfg, parallel=parallel.model_dump(exclude={"sp", "micro_batch"}),
+                   run={"device": "cpu", "cluster": "cpu", "quiet": True})
+    return RLTrainer(spec, options, model_cfg=model.cfg, model=model, console=Console(file=io.StringIO()),
+                     fusion=fusion, dims=dims)
+
+
 def _worker(rank: int, world_size: int) -> dict:
     dims = {name: ParallelDims.build(parallel, rank) for name, parallel in TRAIN_LAYOUTS.items()}
     out: dict = {"sync": {pair: _sync_case(rank, world_size, dims, *pair) for pair in PAIRS}}
     out["drop"] = _fault_case(rank, dims, 1, "drop")
     out["corrupt"] = _fault_case(rank, dims, 2, "corrupt")
+    trainer = _rl_trainer(TRAIN_LAYOUTS["tp2_ep2"], dims["tp2_ep2"], FusionOptions(offload="always", bucket_mib=0.5))
+    out["rl"] = trainer.train()
+    out["phases"] = [r.name for r in trainer.fusion.switch.records]
     return out
 
 
@@ -187,3 +217,21 @@ def test_offload_is_skipped_when_generation_fits():
     assert offload_decision("auto", cuda, 8 * 2**30, free_bytes=2**30).offload
     assert offload_decision("always", torch.device("cpu"), 0).offload
     assert not offload_decision("never", cuda, 8 * 2**30, free_bytes=0).offload
+
+
+@pytest.mark.dist
+def test_the_4_rank_rl_step_follows_the_one_process_step(world):
+    """TP2×EP2 training, 4 generation replicas, optimizer offloaded and restored around every generation:
+    the same samples (per-sample generators) and the same losses as the one-process trainer."""
+    single = _rl_trainer(ParallelConfig()).train()
+    fused = world[0]["rl"]
+    assert [r["step"] for r in fused] == [r["step"] for r in single] == list(range(RL_STEPS + 1))
+    for got, expected in zip(fused, single, strict=True):
+        assert {k: got.get(k) for k in SAME} == {k: expected.get(k) for k in SAME}, got["step"]
+        for key in CLOSE:
+            if key in expected:
+                assert got[key] == pytest.approx(expected[key], rel=1e-4, abs=1e-6), (key, got["step"])
+    for row in fused[1:]:
+        assert row["offloaded"] is True and row["sync_checksums_verified"] > 0 and row["sync_mib"] > 0
+        assert row["switch_s"] >= row["switch_reshard_s"] > 0 and row["weight_version"] == row["step"] - 1
+    assert world[1]["phases"] == ["offload", "reshard", "generate", "free", "restore"]
