@@ -13,7 +13,10 @@ TINY = ["--sft-steps", "2", "--sft-batch", "8", "--steps", "2", "--prompts", "2"
     (["rl", "--task", "multiply"], ("--task", "unknown task 'multiply'", "addition")),
     (["rl", "--group-size", "1"], ("--group-size",)),
     (["rl", "--top-p", "0"], ("--top-p",)),
-    (["rl", "--nproc", "2"], ("--nproc 2", "not built yet")),
+    (["rl", "--nproc", "4", "--gen-ep", "3"], ("generation layout ep3 does not divide the 4 ranks",)),
+    (["rl", "--nproc", "4", "--gen-ep", "2"], ("--gen-ep 2", "expert-parallel generation is not built yet")),
+    (["rl", "--tp", "2"], ("--tp 2 needs several ranks",)),
+    (["rl", "--nproc", "4", "--tp", "2", "--prompts", "3", "--group-size", "2"], ("6 samples", "4 generation")),
     (["rl", "--resume"], ("--resume need --save-dir",)),
     (["rl", "--sft-steps", "-1"], ("--sft-steps -1",)),
     (["rl", "--model", "no-such-model"], ("no-such-model",)),
@@ -34,3 +37,18 @@ def test_sft_then_grpo_writes_rows_a_plot_and_checkpoints_and_refuses_another_mo
     capsys.readouterr()
     refused(capsys, ["rl", *TINY, "--model", "tiny-qwen3", "--save-dir", str(save), "--resume", "--sft-steps", "0"],
             "was written with other settings")
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_rl_fusion_on_4_ranks_trains_tp2_ep2_and_generates_in_replicas(tmp_path):
+    metrics = tmp_path / "rl.jsonl"
+    argv = ["rl", *TINY, "--nproc", "4", "--tp", "2", "--ep", "2", "--metrics-out", str(metrics),
+            "--log-dir", str(tmp_path / "logs")]
+    assert main(argv) == 0
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2] and "heldout_accuracy" in rows[-1]
+    for row in rows[1:]:
+        assert row["layout"]["tp"] == 2 and row["layout"]["ep"] == 2 and row["sync_checksums_verified"] > 0
+        assert row["switch_s"] > 0 and row["offloaded"] is False  # a CPU's memory always fits
+    assert metrics.with_suffix(".png").stat().st_size > 1000

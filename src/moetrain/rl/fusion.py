@@ -73,6 +73,17 @@ def generation_views(model: nn.Module, stage: StageModel | None, shapes: dict[st
     return tensor_views(dict(model.state_dict(keep_vars=True)), pieces_of)
 
 
+def whole_model(run: LayoutRun, model_cfg: ModelConfig, bucket_bytes: int = 32 * 2**20) -> MoETransformer:
+    """The layout's trained weights as a whole model on every rank (the SFT warm-up's, for the RL run):
+    one weight sync into data-parallel replicas."""
+    shapes = global_shapes(model_cfg)
+    model = build_model(model_cfg, run.device, seed=0)
+    group = run.dims.get_group("world")
+    sync = WeightSync.plan(training_views(run, shapes), generation_views(model, None, shapes), bucket_bytes, group)
+    sync.run(version=0)
+    return model
+
+
 @dataclass(frozen=True)
 class StepSwitch:
     """One step's switch: the sync's report and the switch's row fields (slowest rank's times)."""

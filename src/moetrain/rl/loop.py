@@ -284,7 +284,17 @@ class RLTrainer(Trainer):
         o = self.options
         return (f"GRPO on {o.task}: {self.cfg.steps} steps × {o.prompts_per_step} prompts × {o.grpo.group_size} "
                 f"samples, ≤{self.max_new_tokens} new tokens, T={o.grpo.temperature}, router replay "
-                f"{'on' if o.replay else 'off'} · model {self.model_cfg.name} · {self.device.type}")
+                f"{'on' if o.replay else 'off'} · model {self.model_cfg.name} · {self.device.type}"
+                + self._fusion_text())
+
+    def _fusion_text(self) -> str:
+        if self.fusion is None:
+            return ""
+        p = self.spec.parallel
+        axes = ("tp", "pp", "dp", "ep", "etp")
+        train = "×".join(f"{axis}{getattr(p, axis)}" for axis in axes if getattr(p, axis) > 1)
+        return (f" · RL Fusion on {self.spec.world_size} ranks: train {train or 'dp1'}, generate in "
+                f"{self.fusion.replicas} replicas, offload {self.fusion.options.offload}")
 
     def print_summary(self) -> None:
         self.console.print(rl_summary_table(self.metrics.rows, f"{self.model_cfg.name}: GRPO on {self.options.task}"))
