@@ -119,6 +119,7 @@ def _worker(rank: int, world_size: int) -> dict:
     trainer = _rl_trainer(TRAIN_LAYOUTS["tp2_ep2"], dims["tp2_ep2"], FusionOptions(offload="always", bucket_mib=0.5))
     out["rl"] = trainer.train()
     out["phases"] = [r.name for r in trainer.fusion.switch.records]
+    out["rl_gen_ep2"] = _rl_trainer(TRAIN_LAYOUTS["pp2_ep2"], dims["pp2_ep2"], FusionOptions(gen_ep=2)).train()
     return out
 
 
@@ -219,12 +220,18 @@ def test_offload_is_skipped_when_generation_fits():
     assert not offload_decision("never", cuda, 8 * 2**30, free_bytes=0).offload
 
 
+@pytest.fixture(scope="module")
+def single_process_rl() -> list[dict]:
+    return _rl_trainer(ParallelConfig()).train()
+
+
 @pytest.mark.dist
-def test_the_4_rank_rl_step_follows_the_one_process_step(world):
-    """TP2×EP2 training, 4 generation replicas, optimizer offloaded and restored around every generation:
-    the same samples (per-sample generators) and the same losses as the one-process trainer."""
-    single = _rl_trainer(ParallelConfig()).train()
-    fused = world[0]["rl"]
+@pytest.mark.parametrize("case", ["rl", "rl_gen_ep2"])
+def test_the_4_rank_rl_step_follows_the_one_process_step(world, single_process_rl, case):
+    """TP2×EP2 training, 4 generation replicas, optimizer offloaded and restored around every generation
+    (``rl``), or PP2×EP2 training and 2 EP2 generation groups (``rl_gen_ep2``): the same samples
+    (per-sample generators) and the same losses as the one-process trainer."""
+    single, fused = single_process_rl, world[0][case]
     assert [r["step"] for r in fused] == [r["step"] for r in single] == list(range(RL_STEPS + 1))
     for got, expected in zip(fused, single, strict=True):
         assert {k: got.get(k) for k in SAME} == {k: expected.get(k) for k in SAME}, got["step"]
@@ -232,6 +239,6 @@ def test_the_4_rank_rl_step_follows_the_one_process_step(world):
             if key in expected:
                 assert got[key] == pytest.approx(expected[key], rel=1e-4, abs=1e-6), (key, got["step"])
     for row in fused[1:]:
-        assert row["offloaded"] is True and row["sync_checksums_verified"] > 0 and row["sync_mib"] > 0
+        assert row["offloaded"] is (case == "rl") and row["sync_checksums_verified"] > 0 and row["sync_mib"] > 0
         assert row["switch_s"] >= row["switch_reshard_s"] > 0 and row["weight_version"] == row["step"] - 1
     assert world[1]["phases"] == ["offload", "reshard", "generate", "free", "restore"]

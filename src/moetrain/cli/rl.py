@@ -135,9 +135,6 @@ def fusion_options(args: argparse.Namespace):
         raise UserError(f"--gen-ep {args.gen_ep} must be ≥ 1 and --sync-bucket-mib {args.sync_bucket_mib} > 0")
     fusion = FusionOptions(gen_ep=args.gen_ep, bucket_mib=args.sync_bucket_mib, offload=args.offload)
     fusion.replicas(nproc)
-    if fusion.gen_ep > 1:
-        raise UserError(f"--gen-ep {fusion.gen_ep}: expert-parallel generation is not built yet; generate in "
-                        "data-parallel replicas (--gen-ep 1)")
     return fusion
 
 
@@ -188,6 +185,9 @@ def build_specs(args: argparse.Namespace):
     check_run(rl, model_cfg)
     if fusion is not None:
         _check_split(batch, fusion.replicas(rl.world_size))
+        experts = model_cfg.moe.num_experts if model_cfg.moe is not None else 0
+        if fusion.gen_ep > 1 and experts % fusion.gen_ep:
+            raise UserError(f"--gen-ep {fusion.gen_ep}: {model_cfg.name}'s {experts} experts do not divide by it")
     return sft, rl, options, model_cfg
 
 

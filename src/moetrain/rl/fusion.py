@@ -2,7 +2,9 @@
 
 Every rank keeps, beside its share of the training layout (TP, PP, EP, ... ``LayoutRun``), a generation
 model in the generation layout: with ``gen_ep = 1`` a whole model per rank, each rank generating its
-share of the step's prompts (data-parallel replicas, no pipeline). One RL step's switch
+share of the step's prompts (data-parallel replicas, no pipeline); with ``gen_ep = E`` groups of E
+consecutive ranks each hold 1/E of every MoE layer's experts and the rest whole, and generate one share
+together (the ranks of a group run the same rows in lockstep; the experts' all-to-all serves them). One RL step's switch
 (``moetrain.rl.switch``): offload optimizer state and gradients when generation would not fit, reshard
 the trained weights into the generation model (``moetrain.distributed.weight_sync``: buckets with a
 version and a checksum, every box verified), generate this rank's rows, free the KV cache, restore. The
@@ -101,9 +103,10 @@ class Fusion:
         self.run, self.options, self.group = run, options, dims.get_group("world")
         self.rank, self.world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
         self.replicas = options.replicas(self.world_size)
-        if options.gen_ep > 1:
-            raise UserError(f"--gen-ep {options.gen_ep}: expert-parallel generation is not built yet (the weight "
-                            "sync reshards into it); generate in data-parallel replicas (--gen-ep 1)")
+        moe = model_cfg.moe
+        if options.gen_ep > 1 and (moe is None or moe.num_experts % options.gen_ep):
+            raise UserError(f"generation layout ep{options.gen_ep} needs MoE layers whose experts divide by it "
+                            f"({model_cfg.name}: {moe.num_experts if moe else 0} experts)")
         shapes = global_shapes(model_cfg)
         self.model, stage = generation_model(model_cfg, options, self.rank, self.world_size, run.device)
         self.sync = WeightSync.plan(training_views(run, shapes), generation_views(self.model, stage, shapes),
@@ -147,7 +150,8 @@ class Fusion:
         local = self.engine.generate([prompts[i] for i in rows], params,
                                      None if generators is None else [generators[i] for i in rows],
                                      weight_version=version)
-        return gather_generations(local, self.group)
+        # the ranks of one EP group generate the same rows (in lockstep: the experts' all-to-all): one copy each
+        return gather_generations(local, self.group, every=self.options.gen_ep)
 
     def step(self, version: int, prompts: list[list[int]], params: SamplingParams,
              generators: list[torch.Generator]) -> tuple[Generation, StepSwitch]:
@@ -186,12 +190,13 @@ class Fusion:
         return fields
 
 
-def gather_generations(local: Generation, group: dist.ProcessGroup) -> Generation:
-    """Every rank's rows, in rank order (replicas' shares are contiguous): one object all-gather."""
+def gather_generations(local: Generation, group: dist.ProcessGroup, every: int = 1) -> Generation:
+    """The rows of every ``every``-th rank, in rank order (replicas' shares are contiguous): one object
+    all-gather."""
     everyone: list = [None] * dist.get_world_size(group)
     mine = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in local.__dict__.items()}
     dist.all_gather_object(everyone, mine, group=group)
-    parts = [everyone[r] for r in range(len(everyone))]
+    parts = everyone[::every]
     slots = max(p["expert_ids_BSMK"].shape[1] for p in parts) if local.expert_ids_BSMK is not None else 0
 
     def record(part: dict) -> torch.Tensor:
