@@ -96,7 +96,8 @@ def main() -> None:
     write_result(args.out, {
         "config": {"model": args.model, "ranks": 4, "threads_per_rank": 1, "cpu_cores": os.cpu_count(),
                    "steps": args.steps, "prompts": args.prompts, "group_size": args.group_size,
-                   "bucket_mib": args.bucket_mib, "task": "addition"},
+                   "bucket_mib": args.bucket_mib, "task": "addition",
+                   "load_average_1min_after": round(os.getloadavg()[0], 2)},
         "variants": variants,
     })
 

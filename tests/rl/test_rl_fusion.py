@@ -106,7 +106,7 @@ def _rl_trainer(parallel: ParallelConfig, dims: ParallelDims | None = None,
     cfg = TrainingConfig(steps=RL_STEPS, global_batch=16, micro_batch=4, seq_len=RL_SEQ_LEN, lr=1e-3,
                          warmup_steps=0, seed=SEED)
     spec = RunSpec(training=cfg, parallel=parallel.model_dump(exclude={"sp", "micro_batch"}),
-                   run={"device": "cpu", "cluster": "cpu", "quiet": True})
+                   run={"device": "cpu", "cluster": "cpu", "quiet": True, "threads": 1})
     return RLTrainer(spec, options, model_cfg=model.cfg, model=model, console=Console(file=io.StringIO()),
                      fusion=fusion, dims=dims)
 
@@ -119,6 +119,11 @@ def _worker(rank: int, world_size: int) -> dict:
     trainer = _rl_trainer(TRAIN_LAYOUTS["tp2_ep2"], dims["tp2_ep2"], FusionOptions(offload="always", bucket_mib=0.5))
     out["rl"] = trainer.train()
     out["phases"] = [r.name for r in trainer.fusion.switch.records]
+    try:  # the trained weights moved on (a step after the last sync): generating now is refused
+        trainer.fusion.generate([[1, 2]] * 4, trainer.sampling, None, version=trainer.step + 1)
+        out["missed"] = "no error"
+    except WeightSyncError as exc:
+        out["missed"] = str(exc)
     out["rl_gen_ep2"] = _rl_trainer(TRAIN_LAYOUTS["pp2_ep2"], dims["pp2_ep2"], FusionOptions(gen_ep=2)).train()
     return out
 
@@ -242,3 +247,9 @@ def test_the_4_rank_rl_step_follows_the_one_process_step(world, single_process_r
         assert row["offloaded"] is (case == "rl") and row["sync_checksums_verified"] > 0 and row["sync_mib"] > 0
         assert row["switch_s"] >= row["switch_reshard_s"] > 0 and row["weight_version"] == row["step"] - 1
     assert world[1]["phases"] == ["offload", "reshard", "generate", "free", "restore"]
+
+
+@pytest.mark.dist
+def test_generating_on_weights_that_missed_a_sync_is_refused(world):
+    assert world[3]["missed"] == (f"generation weights are at version {RL_STEPS}, training at {RL_STEPS + 1}: "
+                                  "a sync was missed")

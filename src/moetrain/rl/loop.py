@@ -275,6 +275,7 @@ class RLTrainer(Trainer):
             for row, problem in enumerate(chunk):
                 correct += self.task.score(problem, self.tokenizer.decode(generation.completion(row)))
         if self.fusion is not None:
+            self.engine.free_cache()
             total = torch.tensor([correct], dtype=torch.float64)
             dist.all_reduce(total, group=self.fusion.group)
             correct = float(total) / self.fusion.options.gen_ep
