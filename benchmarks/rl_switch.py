@@ -4,8 +4,8 @@ Each variant trains GRPO steps of ``RLTrainer`` (the ``moetrain rl --nproc 4`` l
 (TP2×EP2 or PP2×EP2) and generates in 4 data-parallel replicas; rows give the switch's phases (offload,
 reshard, generate, free, restore: the slowest rank's wall time and peak resident memory), the sync's bytes
 and the whole step's time. The first step (its starting evaluation) and the last (its closing one) are left
-out of the averages. ``offload always`` moves AdamW state and gradients to host and back around each
-generation, which a CPU never needs (``auto`` skips it): it prices the copies.
+out; each figure is the median of the other steps. ``offload always`` moves AdamW state and gradients to
+host and back around each generation, which a CPU never needs (``auto`` skips it): it prices the copies.
 
     python benchmarks/rl_switch.py --out benchmarks/results/rl_switch_cpu.json
 
@@ -61,7 +61,8 @@ def _bench(rank: int, world_size: int, args: argparse.Namespace) -> list[dict]:
         measured = [r for r in rows if 1 < r.get("step", 0) < args.steps]
 
         def mean(key: str, measured: list[dict] = measured) -> float:
-            return statistics.mean(r[key] for r in measured)
+            # the median step: 4 ranks on a shared 2-core machine have outliers
+            return statistics.median(r[key] for r in measured)
 
         switch, step = mean("switch_s"), mean("step_time_s")
         results.append({
@@ -81,7 +82,7 @@ def _bench(rank: int, world_size: int, args: argparse.Namespace) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-pangu")
-    parser.add_argument("--steps", type=int, default=6, help="GRPO steps per variant (first and last not averaged)")
+    parser.add_argument("--steps", type=int, default=8, help="GRPO steps per variant (first and last not counted)")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--bucket-mib", type=float, default=4.0)

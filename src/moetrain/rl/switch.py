@@ -55,10 +55,11 @@ class Switch:
                                    f"(order: {' → '.join(PHASES)})")
         if name == PHASES[0]:
             self.records = []
-        start = time.perf_counter()
         with _peak_memory(self.device) as peak:
+            start = time.perf_counter()  # the sampler's start and stop are not the phase's time
             yield
-        self.records.append(PhaseRecord(name, time.perf_counter() - start, peak(), skipped))
+            seconds = time.perf_counter() - start
+        self.records.append(PhaseRecord(name, seconds, peak(), skipped))
         self._next = (self._next + 1) % len(PHASES)
 
     @property
