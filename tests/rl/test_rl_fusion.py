@@ -29,8 +29,9 @@ from moetrain.rl.tasks import get_task
 SEED = 3
 """The trained weights' seed; generation models start from seed 0, so an unsynced tensor shows."""
 BUCKET_BYTES = 256 * 1024
-TRAIN_LAYOUTS = {"tp2_ep2": ParallelConfig(tp=2, dp=2, ep=2), "pp2_ep2": ParallelConfig(pp=2, dp=2, ep=2)}
-PAIRS = [("tp2_ep2", 1), ("pp2_ep2", 1), ("pp2_ep2", 4)]
+TRAIN_LAYOUTS = {"tp2_ep2": ParallelConfig(tp=2, dp=2, ep=2), "pp2_ep2": ParallelConfig(pp=2, dp=2, ep=2),
+                 "ep2_etp2": ParallelConfig(dp=4, ep=2, etp=2)}
+PAIRS = [("tp2_ep2", 1), ("pp2_ep2", 1), ("pp2_ep2", 4), ("ep2_etp2", 1)]
 """(training layout, generation EP degree): gen_ep 1 is 4 data-parallel replicas, 4 is EP4."""
 
 

@@ -68,10 +68,7 @@ class Item:
     """Global offsets of the owner's source piece holding the box."""
     dst_pieces: tuple[tuple[int, ...], ...]
     """Per receiver: global offsets of its needed piece holding the box."""
-
-    @property
-    def nbytes(self) -> int:
-        return prod(self.box[1]) * torch.empty((), dtype=_dtype(self.dtype)).element_size()
+    nbytes: int
 
 
 @dataclass(frozen=True)
@@ -274,19 +271,21 @@ def _items(boxes: dict[tuple[Region, Box], dict[int, tuple[int, ...]]], holders:
     is the least-loaded holder (largest boxes assigned first)."""
     load: dict[int, int] = {}
     items = []
+    itemsize = {name: _dtype(dtype).itemsize for name, dtype in dtypes.items()}
     keys = sorted(boxes, key=lambda k: (-prod(k[1][1]), order[k[0][0]], k[1]))
     for source, box in keys:
         receivers = boxes[(source, box)]
         ranks = holders[source]
         name, dtype = source[0], dtypes[source[0]]
+        nbytes = prod(box[1]) * itemsize[name]
         for rank in sorted(r for r in receivers if r in ranks):
-            items.append(Item(name, box, dtype, rank, (rank,), source[1], (receivers[rank],)))
+            items.append(Item(name, box, dtype, rank, (rank,), source[1], (receivers[rank],), nbytes))
         remote = sorted(r for r in receivers if r not in ranks)
         if remote:
             owner = min(ranks, key=lambda r: (load.get(r, 0), r))
             load[owner] = load.get(owner, 0) + prod(box[1]) * len(remote)
             items.append(Item(name, box, dtype, owner, tuple(remote), source[1],
-                              tuple(receivers[r] for r in remote)))
+                              tuple(receivers[r] for r in remote), nbytes))
     items.sort(key=lambda it: (it.owner, it.receivers, order[it.name], it.box))
     return items
 
@@ -294,12 +293,14 @@ def _items(boxes: dict[tuple[Region, Box], dict[int, tuple[int, ...]]], holders:
 def _buckets(items: list[Item], bucket_bytes: int) -> list[Bucket]:
     buckets: list[Bucket] = []
     current: list[Item] = []
+    size = 0
     for item in items:
         same_route = current and (current[0].owner, current[0].receivers) == (item.owner, item.receivers)
-        if current and (not same_route or sum(it.nbytes for it in current) + item.nbytes > bucket_bytes):
+        if current and (not same_route or size + item.nbytes > bucket_bytes):
             buckets.append(Bucket(len(buckets), current[0].owner, current[0].receivers, tuple(current)))
-            current = []
+            current, size = [], 0
         current.append(item)
+        size += item.nbytes
     if current:
         buckets.append(Bucket(len(buckets), current[0].owner, current[0].receivers, tuple(current)))
     return buckets
