@@ -99,6 +99,21 @@ SAME = ("reward", "accuracy", "completion_len", "stopped_frac", "uniform_groups"
 CLOSE = ("loss", "nll", "grad_norm", "logp_gap_mean", "is_weight_mean")
 
 
+class _ParityScore:
+    """The addition task scored by the parity of a completion's text length (ids outside the character set
+    decode to nothing): an untrained policy never answers right, this gives its groups mixed rewards
+    (non-zero advantages, a real policy gradient)."""
+
+    def __init__(self, task) -> None:
+        self.task = task
+
+    def __getattr__(self, name: str):
+        return getattr(self.task, name)
+
+    def score(self, problem, completion: str) -> float:
+        return float(len(completion) % 2 == 0)
+
+
 def _rl_trainer(parallel: ParallelConfig, dims: ParallelDims | None = None,
                 fusion: FusionOptions | None = None) -> RLTrainer:
     model = small_model(seed=SEED)
@@ -108,8 +123,10 @@ def _rl_trainer(parallel: ParallelConfig, dims: ParallelDims | None = None,
                          warmup_steps=0, seed=SEED)
     spec = RunSpec(training=cfg, parallel=parallel.model_dump(exclude={"sp", "micro_batch"}),
                    run={"device": "cpu", "cluster": "cpu", "quiet": True, "threads": 1})
-    return RLTrainer(spec, options, model_cfg=model.cfg, model=model, console=Console(file=io.StringIO()),
-                     fusion=fusion, dims=dims)
+    trainer = RLTrainer(spec, options, model_cfg=model.cfg, model=model, console=Console(file=io.StringIO()),
+                        fusion=fusion, dims=dims)
+    trainer.task = _ParityScore(trainer.task)
+    return trainer
 
 
 def _worker(rank: int, world_size: int) -> dict:
@@ -239,6 +256,7 @@ def test_the_4_rank_rl_step_follows_the_one_process_step(world, single_process_r
     (per-sample generators) and the same losses as the one-process trainer."""
     single, fused = single_process_rl, world[0][case]
     assert [r["step"] for r in fused] == [r["step"] for r in single] == list(range(RL_STEPS + 1))
+    assert 0 < single[-1]["reward"] < 1 and single[-1]["uniform_groups"] < 1  # a real policy gradient
     for got, expected in zip(fused, single, strict=True):
         assert {k: got.get(k) for k in SAME} == {k: expected.get(k) for k in SAME}, got["step"]
         for key in CLOSE:
