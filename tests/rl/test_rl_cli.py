@@ -53,3 +53,25 @@ def test_rl_fusion_on_4_ranks_trains_tp2_ep2_and_generates_in_replicas(tmp_path)
         assert row["layout"]["tp"] == 2 and row["layout"]["ep"] == 2 and row["sync_checksums_verified"] > 0
         assert row["switch_s"] > 0 and row["offloaded"] is False  # a CPU's memory always fits
     assert metrics.with_suffix(".png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_rl_fusion_resumes_its_reward_curve(tmp_path):
+    """Stopped after step 1 (checkpoint of the training layout), resumed: the warm-up is read back, the
+    curve continues with the rows the uninterrupted run writes."""
+    straight, resumed, save = tmp_path / "straight.jsonl", tmp_path / "resumed.jsonl", tmp_path / "ckpt"
+    layout = [*TINY, "--nproc", "4", "--pp", "2", "--ep", "2", "--eval-every", "0"]
+    assert main(["rl", *layout, "--metrics-out", str(straight)]) == 0
+    assert main(["rl", *layout, "--metrics-out", str(resumed), "--save-dir", str(save), "--stop-at", "1"]) == 0
+    assert main(["rl", *layout, "--metrics-out", str(resumed), "--save-dir", str(save), "--resume"]) == 0
+    rows = {name: [json.loads(line) for line in path.read_text().splitlines()]
+            for name, path in (("straight", straight), ("resumed", resumed))}
+    assert [r["step"] for r in rows["resumed"]] == [0, 1, 2]
+    for got, expected in zip(rows["resumed"], rows["straight"], strict=True):
+        for key in ("reward", "completion_len", "loss", "grad_norm"):
+            assert (key in got) == (key in expected), (key, got["step"])
+            if key in expected:
+                assert got[key] == pytest.approx(expected[key], rel=1e-6), (key, got["step"])
+    # (the stopped run also evaluates at its own last step, 1)
+    assert rows["resumed"][-1]["heldout_accuracy"] == rows["straight"][-1]["heldout_accuracy"]

@@ -29,6 +29,7 @@ def run_rank(run: dict) -> None:
     from moetrain.rl.loop import RLTrainer, SFTTrainer
     from moetrain.rl.plot import plot_reward_curve
     from moetrain.rl.tasks import get_task
+    from moetrain.train.checkpoint import latest_checkpoint
     from moetrain.train.trainer import resolve_device
 
     rl_spec = RunSpec.model_validate_json(run["rl"])
@@ -39,7 +40,11 @@ def run_rank(run: dict) -> None:
     init_world("nccl" if device.type == "cuda" else "gloo", rl_spec.run.timeout_s)
     model = None
     if run["sft"] is not None:
-        sft = SFTTrainer(RunSpec.model_validate_json(run["sft"]), get_task(options.task), model_cfg=model_cfg)
+        sft_spec = RunSpec.model_validate_json(run["sft"])
+        if sft_spec.run.save_dir and latest_checkpoint(Path(sft_spec.run.save_dir)) is not None:
+            # a finished warm-up in the save dir is read back, not trained again (as in one process)
+            sft_spec = sft_spec.model_copy(update={"run": sft_spec.run.model_copy(update={"resume": True})})
+        sft = SFTTrainer(sft_spec, get_task(options.task), model_cfg=model_cfg)
         sft.console.print(sft.describe())
         sft.train()
         model = whole_model(sft.run, model_cfg)
