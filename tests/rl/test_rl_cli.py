@@ -13,7 +13,11 @@ TINY = ["--sft-steps", "2", "--sft-batch", "8", "--steps", "2", "--prompts", "2"
     (["rl", "--task", "multiply"], ("--task", "unknown task 'multiply'", "addition")),
     (["rl", "--group-size", "1"], ("--group-size",)),
     (["rl", "--top-p", "0"], ("--top-p",)),
-    (["rl", "--nproc", "2"], ("--nproc 2", "not built yet")),
+    (["rl", "--nproc", "4", "--gen-ep", "3"], ("generation layout ep3 does not divide the 4 ranks",)),
+    (["rl", "--nproc", "3", "--gen-ep", "3", "--sft-steps", "0", "--prompts", "3", "--group-size", "2"],
+     ("--gen-ep 3", "16 experts do not divide by it")),
+    (["rl", "--tp", "2"], ("--tp 2 needs several ranks",)),
+    (["rl", "--nproc", "4", "--tp", "2", "--prompts", "3", "--group-size", "2"], ("6 samples", "4 generation")),
     (["rl", "--resume"], ("--resume need --save-dir",)),
     (["rl", "--sft-steps", "-1"], ("--sft-steps -1",)),
     (["rl", "--model", "no-such-model"], ("no-such-model",)),
@@ -34,3 +38,40 @@ def test_sft_then_grpo_writes_rows_a_plot_and_checkpoints_and_refuses_another_mo
     capsys.readouterr()
     refused(capsys, ["rl", *TINY, "--model", "tiny-qwen3", "--save-dir", str(save), "--resume", "--sft-steps", "0"],
             "was written with other settings")
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_rl_fusion_on_4_ranks_trains_tp2_ep2_and_generates_in_replicas(tmp_path):
+    metrics = tmp_path / "rl.jsonl"
+    argv = ["rl", *TINY, "--nproc", "4", "--tp", "2", "--ep", "2", "--metrics-out", str(metrics),
+            "--log-dir", str(tmp_path / "logs")]
+    assert main(argv) == 0
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2] and "heldout_accuracy" in rows[-1]
+    for row in rows[1:]:
+        assert row["layout"]["tp"] == 2 and row["layout"]["ep"] == 2 and row["sync_checksums_verified"] > 0
+        assert row["switch_s"] > 0 and row["offloaded"] is False  # a CPU's memory always fits
+    assert metrics.with_suffix(".png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_rl_fusion_resumes_its_reward_curve(tmp_path):
+    """Stopped after step 1 (checkpoint of the training layout), resumed: the warm-up is read back, the
+    curve continues with the rows the uninterrupted run writes."""
+    straight, resumed, save = tmp_path / "straight.jsonl", tmp_path / "resumed.jsonl", tmp_path / "ckpt"
+    layout = [*TINY, "--nproc", "4", "--pp", "2", "--ep", "2", "--eval-every", "0"]
+    assert main(["rl", *layout, "--metrics-out", str(straight)]) == 0
+    assert main(["rl", *layout, "--metrics-out", str(resumed), "--save-dir", str(save), "--stop-at", "1"]) == 0
+    assert main(["rl", *layout, "--metrics-out", str(resumed), "--save-dir", str(save), "--resume"]) == 0
+    rows = {name: [json.loads(line) for line in path.read_text().splitlines()]
+            for name, path in (("straight", straight), ("resumed", resumed))}
+    assert [r["step"] for r in rows["resumed"]] == [0, 1, 2]
+    for got, expected in zip(rows["resumed"], rows["straight"], strict=True):
+        for key in ("reward", "completion_len", "loss", "grad_norm"):
+            assert (key in got) == (key in expected), (key, got["step"])
+            if key in expected:
+                assert got[key] == pytest.approx(expected[key], rel=1e-6), (key, got["step"])
+    # (the stopped run also evaluates at its own last step, 1)
+    assert rows["resumed"][-1]["heldout_accuracy"] == rows["straight"][-1]["heldout_accuracy"]

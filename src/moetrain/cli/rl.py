@@ -59,7 +59,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--stop-at", type=int, help="end GRPO after step K as if interrupted, saving a checkpoint")
     r.add_argument("--resume", action="store_true", default=None, help="continue GRPO from its newest checkpoint")
     r.add_argument("--quiet", action="store_true", default=None, help="no progress bar")
-    r.add_argument("--nproc", type=int, help="ranks (RL Fusion across ranks is not built yet: 1 only)")
+    add_fusion_arguments(parser)
+
+
+def add_fusion_arguments(parser: argparse.ArgumentParser) -> None:
+    f = parser.add_argument_group("RL Fusion across ranks (docs/rl_fusion.md): training layout, generation layout")
+    f.add_argument("--nproc", type=int, help="ranks on this node (= tp·pp·dp); above 1 starts torchrun")
+    for axis, text in (("tp", "tensor parallel, with sequence parallelism"), ("pp", "pipeline stages"),
+                       ("ep", "expert parallel (inside dp)"), ("etp", "expert tensor parallel")):
+        f.add_argument(f"--{axis}", type=int, help=f"training: {text} (default 1)")
+    f.add_argument("--gen-ep", type=int, default=1,
+                   help="generation: expert-parallel degree; nproc/gen-ep whole-model replicas (1: every rank)")
+    f.add_argument("--sync-bucket-mib", type=float, default=32.0, help="weight-sync bucket size (32 MiB)")
+    f.add_argument("--offload", choices=("auto", "always", "never"), default="auto",
+                   help="optimizer state and gradients to host while generating (auto: when it does not fit)")
+    f.add_argument("--log-dir", help="torchrun's log and the ranks' errors (default: a temp folder)")
 
 
 FIELD_FLAGS = {
@@ -99,7 +113,38 @@ def _spec(args: argparse.Namespace, training: dict[str, Any], run: dict[str, Any
     run = {k: v for k, v in {**run, "device": common["device"], "threads": common["threads"]}.items()
            if v is not None}
     training = {k: v for k, v in {**training, "seed": common["seed"]}.items() if v is not None}
-    return resolve_run_spec([{"model": args.model, "training": training, "run": run}], world_size=1)
+    parallel = {axis: getattr(args, axis) for axis in ("tp", "pp", "ep", "etp") if getattr(args, axis) is not None}
+    return resolve_run_spec([{"model": args.model, "training": training, "run": run, "parallel": parallel}],
+                            world_size=args.nproc or 1)
+
+
+def fusion_options(args: argparse.Namespace):
+    """The generation layout and switch of ``--nproc`` > 1 (None in one process); refuses a generation
+    layout that does not divide the world."""
+    from moetrain.rl.config import FusionOptions
+
+    nproc = args.nproc or 1
+    if nproc < 1:
+        raise UserError(f"--nproc {nproc} must be ≥ 1")
+    given = [f"--{axis} {getattr(args, axis)}" for axis in ("tp", "pp", "ep", "etp") if (getattr(args, axis) or 1) > 1]
+    if nproc == 1:
+        if given:
+            raise UserError(f"{' '.join(given)} needs several ranks: give --nproc N (= tp·pp·dp)")
+        return None
+    if args.gen_ep < 1 or args.sync_bucket_mib <= 0:
+        raise UserError(f"--gen-ep {args.gen_ep} must be ≥ 1 and --sync-bucket-mib {args.sync_bucket_mib} > 0")
+    fusion = FusionOptions(gen_ep=args.gen_ep, bucket_mib=args.sync_bucket_mib, offload=args.offload)
+    fusion.replicas(nproc)
+    return fusion
+
+
+def _fusion_layout(args: argparse.Namespace, seq_len: int) -> tuple[int, int]:
+    """(sequence length rounded up to a multiple of tp, for sequence parallelism; data-parallel degree)."""
+    tp, pp = args.tp or 1, args.pp or 1
+    nproc = args.nproc or 1
+    if nproc % (tp * pp):
+        raise UserError(f"{nproc} ranks are not a multiple of tp·pp = {tp * pp}; run tp·pp·dp ranks (--nproc)")
+    return -(-seq_len // tp) * tp, nproc // (tp * pp)
 
 
 def build_specs(args: argparse.Namespace):
@@ -111,34 +156,46 @@ def build_specs(args: argparse.Namespace):
     from moetrain.rl.tokenizer import CharTokenizer
     from moetrain.train.checks import check_run
 
-    if args.nproc not in (None, 1):
-        raise UserError(f"--nproc {args.nproc}: RL Fusion across ranks is not built yet; run moetrain rl in one "
-                        "process")
+    fusion = fusion_options(args)
     options = _options(args)
     task = get_task(options.task)
     model_cfg = policy_config(load_model_config(args.model))
     CharTokenizer().check_fits(model_cfg.vocab_size, model_cfg.name)
     max_new = options.max_new_tokens or task.max_answer_chars + 2
-    seq_len = sequence_len_for(task, max_new)
+    seq_len, dp = _fusion_layout(args, sequence_len_for(task, max_new))
     save = Path(args.save_dir).resolve() if args.save_dir else None
     if args.sft_steps < 0:
         raise UserError(f"--sft-steps {args.sft_steps} must be ≥ 0")
     sft = None
     if args.sft_steps:
         sft_save = save / "sft" if save else None
-        sft = _spec(args, {"steps": args.sft_steps, "global_batch": args.sft_batch, "micro_batch": args.sft_batch,
+        sft = _spec(args, {"steps": args.sft_steps, "global_batch": args.sft_batch,
+                           "micro_batch": max(args.sft_batch // dp, 1),
                            "seq_len": seq_len, "lr": args.sft_lr, "warmup_steps": min(20, args.sft_steps)},
                     {"save_dir": str(sft_save) if sft_save else None, "quiet": args.quiet, "cluster": "cpu"})
         check_run(sft, model_cfg)
     batch = options.prompts_per_step * options.grpo.group_size
     metrics = str(Path(args.metrics_out).resolve()) if args.metrics_out else None
-    rl = _spec(args, {"steps": args.steps, "global_batch": batch, "micro_batch": args.micro_batch or batch,
+    micro = args.micro_batch or max(batch // dp, 1)
+    rl = _spec(args, {"steps": args.steps, "global_batch": batch, "micro_batch": micro,
                       "seq_len": seq_len, "lr": args.lr, "warmup_steps": args.warmup},
                {"save_dir": str(save / "rl") if save else None, "save_every": args.save_every,
                 "stop_at": args.stop_at, "resume": args.resume, "quiet": args.quiet, "metrics_out": metrics,
                 "cluster": "cpu"})
     check_run(rl, model_cfg)
+    if fusion is not None:
+        _check_split(batch, fusion.replicas(rl.world_size))
+        experts = model_cfg.moe.num_experts if model_cfg.moe is not None else 0
+        if fusion.gen_ep > 1 and experts % fusion.gen_ep:
+            raise UserError(f"--gen-ep {fusion.gen_ep}: {model_cfg.name}'s {experts} experts do not divide by it")
     return sft, rl, options, model_cfg
+
+
+def _check_split(samples: int, replicas: int) -> None:
+    if samples % replicas:
+        raise UserError(f"{samples} samples per step (--prompts × --group-size) do not split over {replicas} "
+                        "generation replicas; make them a multiple")
+
 
 
 def _plot_path(args: argparse.Namespace) -> Path | None:
@@ -179,6 +236,8 @@ def run(args: argparse.Namespace) -> int:
     from moetrain.rl.tasks import get_task
 
     sft_spec, rl_spec, options, model_cfg = build_specs(args)
+    if rl_spec.world_size > 1:
+        return _launch(args, sft_spec, rl_spec, options, model_cfg)
     console = Console(quiet=bool(args.quiet))
     start = time.perf_counter()
     model = build_model(model_cfg, "cpu", seed=rl_spec.training.seed)
@@ -200,3 +259,22 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"reward curve: {plot}")
     console.print(f"total {(time.perf_counter() - start) / 60:.1f} min")
     return 0
+
+
+def _launch(args: argparse.Namespace, sft_spec, rl_spec, options, model_cfg) -> int:
+    """RL Fusion on ``--nproc`` ranks: torchrun (``moetrain.distributed.launch``) starts
+    ``moetrain.rl.worker`` on each, which reads the checked specs from a file (``MOETRAIN_RL_RUN``)."""
+    import json
+    import tempfile
+
+    from moetrain.distributed.launch import launch
+
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="moetrain-rl-")).resolve()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    plot = _plot_path(args)
+    run = {"sft": sft_spec.to_json() if sft_spec is not None else None, "rl": rl_spec.to_json(),
+           "options": options.model_dump_json(), "model": model_cfg.model_dump_json(),
+           "fusion": fusion_options(args).model_dump_json(), "plot": str(plot.resolve()) if plot else None}
+    payload = log_dir / "rl_run.json"
+    payload.write_text(json.dumps(run), encoding="utf-8")
+    return launch(rl_spec, log_dir, entry="moetrain.rl.worker", env={"MOETRAIN_RL_RUN": str(payload)}, command="rl")

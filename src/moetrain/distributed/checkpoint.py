@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from moetrain.config import ModelConfig, TrainingConfig
+from moetrain.distributed.placements import local_pieces
 from moetrain.distributed.step import LayoutRun
 from moetrain.errors import UserError
 from moetrain.models.transformer import build_model
@@ -121,32 +122,13 @@ def _full_model(model_cfg: ModelConfig) -> nn.Module:
 
 
 def _placements(run: LayoutRun, global_shapes: dict[str, torch.Size]):
-    """For each local tensor name: how to turn its local value into global pieces."""
-    stage, dims = run.stage, run.stage.dims
-    tp_rank = dims.local_rank("tp") if dims.parallel.tp > 1 else 0
-    ep_rank = dims.local_rank("ep") if stage.expert_table is not None else 0
-    etp_rank = dims.local_rank("etp") if stage.expert_table is not None else 0
+    """For each local tensor name: how to turn its local value into global pieces (``local_pieces``; DCP
+    keeps one of identical pieces, so replicated experts and tensors are written once)."""
+    pieces_of = local_pieces(run.stage, global_shapes)
 
     def to_global(name: str, local: torch.Tensor) -> GlobalPieces | torch.Tensor:
-        shape = global_shapes[name]
-        if stage.expert_table is not None and ".moe.experts." in f".{name}":
-            # Each slot is written as its logical expert's piece, by the table its MoE block's
-            # dispatcher uses now: after online balancing moved experts (or replicated them: DCP keeps
-            # one of identical pieces) the checkpoint is still by logical expert, loadable anywhere.
-            block = stage.model.get_submodule(name.rsplit(".experts.", 1)[0])
-            held = block.dispatcher.table.experts_by_rank[ep_rank]
-            # Under expert tensor parallelism a slot holds this rank's slice of the FFN dimension
-            # (the one dimension narrower than the global tensor's): a piece at etp_rank · width.
-            inner = tuple(etp_rank * local.shape[d] if local.shape[d] != shape[d] else 0 for d in range(1, local.ndim))
-            return GlobalPieces(shape, [(torch.Size((expert, *inner)), local[slot:slot + 1])
-                                        for slot, expert in enumerate(held) if expert >= 0])
-        if local.shape == shape:
-            return local
-        split = [d for d in range(local.ndim) if local.shape[d] != shape[d]]
-        assert len(split) == 1 and (stage.tp_kinds or {}).get(name) == "sharded", f"{name}: {local.shape} vs {shape}"
-        offsets = [0] * local.ndim
-        offsets[split[0]] = tp_rank * local.shape[split[0]]
-        return GlobalPieces(shape, [(torch.Size(offsets), local)])
+        pieces = pieces_of(name, local)
+        return local if pieces is None else GlobalPieces(global_shapes[name], pieces)
 
     return to_global
 

@@ -46,17 +46,20 @@ def _failure_line(error_dir: Path, torchrun_log: str) -> str:
     return "a rank failed before reporting (see the torchrun log)"
 
 
-def launch(spec: RunSpec, log_dir: Path | None = None) -> int:
-    """Run ``spec`` on ``spec.world_size`` ranks of this node; the exit code of the run."""
+def launch(spec: RunSpec, log_dir: Path | None = None, entry: str = "moetrain.distributed.worker",
+           env: dict[str, str] | None = None, command: str = "train") -> int:
+    """Run ``spec`` on ``spec.world_size`` ranks of this node; the exit code of the run. ``entry``: the
+    rank's module (``moetrain rl`` starts ``moetrain.rl.worker``), ``env``: more variables for it,
+    ``command``: the CLI command a failure line names."""
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="moetrain-run-"))
     error_dir = log_dir / "errors"
     error_dir.mkdir(parents=True, exist_ok=True)
     spec_file = log_dir / "run_spec.json"
     spec_file.write_text(spec.to_json(), encoding="utf-8")
     env = dict(os.environ, MOETRAIN_ERROR_DIR=str(error_dir), MOETRAIN_RUN_SPEC=str(spec_file),
-               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), **(env or {}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec.world_size}",
-           "--max-restarts=0", "--monitor-interval=0.5", "-m", "moetrain.distributed.worker"]
+           "--max-restarts=0", "--monitor-interval=0.5", "-m", entry]
     log_path = log_dir / "torchrun.log"
     start = time.monotonic()
     with open(log_path, "w") as log:
@@ -64,7 +67,7 @@ def launch(spec: RunSpec, log_dir: Path | None = None) -> int:
     if code == 0:
         return 0
     line = _failure_line(error_dir, log_path.read_text())
-    print(f"moetrain train: {line} (all ranks stopped after {time.monotonic() - start:.1f} s; "
+    print(f"moetrain {command}: {line} (all ranks stopped after {time.monotonic() - start:.1f} s; "
           f"log: {log_path})", file=sys.stderr)
     return 2 if _user_error(log_path.read_text()) else 1
 

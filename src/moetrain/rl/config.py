@@ -3,7 +3,11 @@ evaluation. Torch-free (pydantic), so the CLI validates it before anything heavy
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from moetrain.errors import UserError
 
 
 class GRPOConfig(BaseModel):
@@ -51,3 +55,25 @@ class RLOptions(BaseModel):
         if name not in TASKS:
             raise ValueError(f"unknown task {name!r}; choose one of {', '.join(TASKS)}")
         return name
+
+
+class FusionOptions(BaseModel):
+    """RL Fusion across ranks: the generation layout and the switch between it and the training layout.
+    Not part of what is learned (a run may resume under another generation layout)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    gen_ep: int = Field(default=1, ge=1)
+    """Expert-parallel degree of generation; world / gen_ep data-parallel generation replicas (1: every
+    rank a whole model, generating its share of the prompts; no pipeline, no tensor parallelism)."""
+    bucket_mib: float = Field(default=32.0, gt=0)
+    """Weight-sync buckets of at most this size."""
+    offload: Literal["auto", "always", "never"] = "auto"
+    """Optimizer state and gradients to host during generation: when generation does not fit (auto)."""
+
+    def replicas(self, world_size: int) -> int:
+        """Generation replicas of this world (the layout must divide it)."""
+        if world_size % self.gen_ep:
+            raise UserError(f"generation layout ep{self.gen_ep} does not divide the {world_size} ranks; "
+                            f"pick --gen-ep dividing --nproc")
+        return world_size // self.gen_ep

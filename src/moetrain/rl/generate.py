@@ -97,15 +97,20 @@ def filter_logits(logits_AV: torch.Tensor, top_k: int, top_p: float) -> torch.Te
 
 
 def sample(logits_AV: torch.Tensor, params: SamplingParams,
-           generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token, its log-prob under the tempered, untruncated distribution) per row."""
+           generator: torch.Generator | Sequence[torch.Generator] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token, its log-prob under the tempered, untruncated distribution) per row; ``generator``: one for
+    the batch, or one per row (a row's draws then do not depend on which rows share its batch)."""
     logits_AV = logits_AV.float()
     if params.temperature == 0:
         token_A = logits_AV.argmax(-1)
         return token_A, logits_AV.log_softmax(-1).gather(1, token_A[:, None]).squeeze(1)
     scaled_AV = logits_AV / params.temperature
     probs_AV = filter_logits(scaled_AV, params.top_k, params.top_p).softmax(-1)
-    token_A = torch.multinomial(probs_AV, 1, generator=generator).squeeze(1)
+    if isinstance(generator, Sequence):
+        token_A = torch.cat([torch.multinomial(probs_AV[row:row + 1], 1, generator=g)[0]
+                             for row, g in enumerate(generator)])
+    else:
+        token_A = torch.multinomial(probs_AV, 1, generator=generator).squeeze(1)
     return token_A, scaled_AV.log_softmax(-1).gather(1, token_A[:, None]).squeeze(1)
 
 
@@ -118,7 +123,17 @@ class RolloutEngine:
         self.layers = decoder_layers(model)
         self.num_moe_layers = len(decoder_moe_layers(model.cfg))
         self.cache_bytes = 0
-        """Bytes of the KV cache of the latest ``generate`` (freed when it returns)."""
+        """Bytes of the KV cache of the latest ``generate`` (freed when it returns, or by ``free_cache``)."""
+        self.retain_cache = False
+        self.caches: list[LayerCache] = []
+
+    def free_cache(self) -> int:
+        """Release the retained KV cache; its bytes."""
+        freed = sum(cache.num_bytes for cache in self.caches) if self.caches else 0
+        self.caches = []
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return freed
 
     @property
     def device(self) -> torch.device:
@@ -149,9 +164,11 @@ class RolloutEngine:
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                 generator: torch.Generator | None = None, max_new_tokens: Sequence[int] | None = None,
-                 weight_version: int = 0) -> Generation:
-        """Generate for every prompt; ``max_new_tokens``: a per-row limit (each at most ``params``')."""
+                 generator: torch.Generator | Sequence[torch.Generator] | None = None,
+                 max_new_tokens: Sequence[int] | None = None, weight_version: int = 0) -> Generation:
+        """Generate for every prompt; ``max_new_tokens``: a per-row limit (each at most ``params``');
+        ``generator``: one for the batch or one per prompt. With ``retain_cache`` set, the KV cache stays
+        allocated after the call until ``free_cache`` (RL Fusion frees it as a phase of its own)."""
         start = time.perf_counter()
         device, batch = self.device, len(prompts)
         limits_B = torch.tensor(max_new_tokens if max_new_tokens is not None else [params.max_new_tokens] * batch,
@@ -191,7 +208,9 @@ class RolloutEngine:
             position_A = prompt_lengths_B.clone()  # where each running row's next input token goes
             decode_steps = rows_computed = 0
             for step in range(new_slots):
-                token_A, logprob_A = sample(logits_AV, params, generator)
+                row_generators = ([generator[row] for row in active_A.tolist()] if isinstance(generator, Sequence)
+                                  else generator)
+                token_A, logprob_A = sample(logits_AV, params, row_generators)
                 tokens_BN[active_A, step] = token_A
                 logprobs_BN[active_A, step] = logprob_A
                 lengths_B[active_A] += 1
@@ -215,7 +234,10 @@ class RolloutEngine:
                 position_A = position_A + 1
                 decode_steps += 1
                 rows_computed += len(active_A)
-        caches.clear()
+        if self.retain_cache:
+            self.caches = caches
+        else:
+            caches.clear()
         return Generation([list(p) for p in prompts], tokens_BN, logprobs_BN, lengths_B, prompt_lengths_B,
                           stopped_B, record, weight_version, decode_steps, rows_computed,
                           time.perf_counter() - start)

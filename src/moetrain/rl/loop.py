@@ -1,7 +1,8 @@
 """The RL trainer: the runtime's ``Trainer`` whose batch for step s is a fresh, scored set of rollouts.
 
-One step (synchronous, colocated: generation runs on the training model's own parameters, so the
-weights it samples with are always the current ones):
+One step (synchronous, colocated: in one process generation runs on the training model's own
+parameters; across ranks, RL Fusion (``moetrain.rl.fusion``) reshards the current weights into a
+generation model per rank first, so in both cases the weights it samples with are the current ones):
 
 1. generate G samples for each of the step's prompts (``RolloutEngine``; KV cache, replay record);
 2. score them (the task's exact scorer) and normalise rewards within each group (``grpo``);
@@ -31,11 +32,13 @@ from rich.table import Table
 from moetrain.config import ModelConfig
 from moetrain.config.run import RunSpec
 from moetrain.data.packing import StepBatch
+from moetrain.distributed.layout import ParallelDims
 from moetrain.errors import UserError
 from moetrain.models.attention import build_attention_context
 from moetrain.models.transformer import MoETransformer, decoder_moe_layers, layer_replay
 from moetrain.rl.batch import Rollouts, TrainingSequences, step_batch, training_sequences
-from moetrain.rl.config import RLOptions
+from moetrain.rl.config import FusionOptions, RLOptions
+from moetrain.rl.fusion import Fusion, sample_generators
 from moetrain.rl.generate import RolloutEngine, SamplingParams
 from moetrain.rl.grpo import STAT_FIELDS, StepStats, group_advantages, token_logprobs
 from moetrain.rl.replay import RoutingRecorder, decoder_layers, routing_mismatch
@@ -67,17 +70,25 @@ def policy_logits(model: MoETransformer, input_ids_BS: torch.Tensor,
     return model.output_head(model.final_norm(x))
 
 
-def _one_rank(spec: RunSpec) -> None:
-    if spec.world_size > 1:
-        raise UserError(f"moetrain rl runs in one process for now: the layout asks for {spec.world_size} ranks; "
-                        "RL Fusion across ranks (--nproc) is not built yet")
+def _fusion_options(spec: RunSpec, fusion: FusionOptions | None) -> FusionOptions | None:
+    """RL Fusion runs when the layout has several ranks (or when asked for): refuse what it cannot train."""
+    if spec.world_size == 1 and fusion is None:
+        return None
+    parallel = spec.parallel
+    if parallel.cp > 1:
+        raise UserError(f"RL Fusion does not train with context parallelism (cp={parallel.cp}) yet; use tp, pp or ep")
+    if spec.balance.enabled:
+        raise UserError("RL Fusion does not run with online expert balancing yet (the weight sync's plan assumes a "
+                        "fixed expert placement)")
+    fusion = fusion or FusionOptions()
+    fusion.replicas(spec.world_size)
+    return fusion
 
 
 class SFTTrainer(Trainer):
     """The warm-up: the runtime's loop on ``TaskSFTDataset`` batches (answer tokens only)."""
 
     def __init__(self, spec: RunSpec, task: Task, *, model_cfg: ModelConfig, console: Console | None = None) -> None:
-        _one_rank(spec)
         self.task, self.tokenizer = task, CharTokenizer()
         super().__init__(spec, model_cfg=model_cfg, console=console)
         self.dataset = TaskSFTDataset(task, self.tokenizer, self.cfg.seq_len, self.cfg.seed)
@@ -96,11 +107,13 @@ class SFTTrainer(Trainer):
 class RLTrainer(Trainer):
     def __init__(self, spec: RunSpec, options: RLOptions, *, model_cfg: ModelConfig,
                  model: MoETransformer | None = None, reference: MoETransformer | None = None,
-                 console: Console | None = None, keep_logprobs: bool = False) -> None:
+                 console: Console | None = None, keep_logprobs: bool = False, fusion: FusionOptions | None = None,
+                 dims: ParallelDims | None = None) -> None:
         """``model``: the starting policy (e.g. the SFT warm-up's weights); ``reference``: the frozen model
         of the KL term (needed when ``options.grpo.kl_coef`` > 0). ``keep_logprobs``: keep each step's
-        trainer log-probs (``last_stats.logprobs``, tests)."""
-        _one_rank(spec)
+        trainer log-probs (``last_stats.logprobs``, tests). ``fusion``: the generation layout across ranks
+        (RL Fusion; the default one when the layout has several ranks); ``dims``: as ``Trainer``'s."""
+        fusion = _fusion_options(spec, fusion)
         if options.grpo.kl_coef and reference is None:
             raise UserError("a KL coefficient needs a reference model (the starting weights)")
         self.options, self.task, self.tokenizer = options, get_task(options.task), CharTokenizer()
@@ -109,11 +122,17 @@ class RLTrainer(Trainer):
         if options.prompts_per_step * options.grpo.group_size != expected:
             raise UserError(f"global batch {expected} must be prompts per step × group size "
                             f"({options.prompts_per_step} × {options.grpo.group_size})")
-        super().__init__(spec, model_cfg=model_cfg, model=model, console=console)
+        super().__init__(spec, dims=dims, model_cfg=model_cfg, model=model, console=console)
         self.keep_logprobs = keep_logprobs
         self.reference = reference.eval().requires_grad_(False) if reference is not None else None
-        self.engine = RolloutEngine(self.run.stage.model, self.tokenizer.pad_id, self.tokenizer.decode,
-                                    self.run.autocast_dtype)
+        self.fusion = None
+        if fusion is not None:
+            self.fusion = Fusion(self.run, model_cfg, fusion, self.tokenizer.pad_id, self.tokenizer.decode)
+            self.fusion.share(expected)  # the step's samples split over the generation replicas
+            self.engine = self.fusion.engine
+        else:
+            self.engine = RolloutEngine(self.run.stage.model, self.tokenizer.pad_id, self.tokenizer.decode,
+                                        self.run.autocast_dtype)
         self.sampling = SamplingParams(
             max_new_tokens=self.max_new_tokens, temperature=options.grpo.temperature, top_k=options.top_k,
             top_p=options.top_p, stop_token_ids=(self.tokenizer.eos_id,))
@@ -147,10 +166,16 @@ class RLTrainer(Trainer):
         return [problem for problem in problems for _ in range(group)]
 
     def rollout(self, step: int) -> Rollouts:
+        """The step's samples, scored. Sample i draws from a generator of (seed, step, i), so a sample is
+        the same whichever rank generates it (RL Fusion) and whichever samples share its batch."""
         problems = self.step_problems(step)
-        generator = torch.Generator(self.device).manual_seed(self.cfg.seed * 1_000_003 + step)
-        generation = self.engine.generate([prompt_ids(self.tokenizer, p) for p in problems], self.sampling,
-                                          generator, weight_version=self.weight_version)
+        prompts = [prompt_ids(self.tokenizer, p) for p in problems]
+        generators = sample_generators(self.cfg.seed, step, len(problems), self.device)
+        if self.fusion is not None:
+            generation, switch = self.fusion.step(self.weight_version, prompts, self.sampling, generators)
+            self._pending.update(switch.metrics)
+        else:
+            generation = self.engine.generate(prompts, self.sampling, generators, weight_version=self.weight_version)
         texts = [self.tokenizer.decode(generation.completion(row)) for row in range(len(problems))]
         rewards_B = torch.tensor([self.task.score(p, text) for p, text in zip(problems, texts)])
         grpo = self.options.grpo
@@ -161,16 +186,17 @@ class RLTrainer(Trainer):
         if self.step == 0 and not self.metrics.rows:
             # The starting policy's held-out accuracy, as the curve's step 0 (a fresh run only).
             self.metrics.log({"step": 0, "heldout_accuracy": self.evaluate()})
+        self._pending = {}
         rollouts = self.rollout(self.step)
         sequences = self.last_sequences = training_sequences(rollouts, self.cfg.seq_len, self.tokenizer.pad_id)
-        self._pending = rollout_metrics(rollouts, self.options.grpo.group_size, self.weight_version)
+        self._pending.update(rollout_metrics(rollouts, self.options.grpo.group_size, self.weight_version))
         ref_logp_BS = self.reference_logprobs(sequences) if self.reference is not None else None
         every = self.options.replay_stats_every
         if every and self.step % every == 0 and sequences.expert_ids_BSMK is not None:
             self._pending.update(self.replay_diagnostics(sequences))
         self.last_stats = StepStats.zeros(self.device, self.keep_logprobs)
         return step_batch(sequences, self.options.grpo, self.cfg.micro_batch, self.last_stats, self.options.replay,
-                          ref_logp_BS)
+                          ref_logp_BS, self.dp_rank, self.spec.parallel.dp)
 
     @torch.no_grad()
     def reference_logprobs(self, sequences: TrainingSequences) -> torch.Tensor:
@@ -188,8 +214,10 @@ class RLTrainer(Trainer):
     @torch.no_grad()
     def replay_diagnostics(self, sequences: TrainingSequences) -> dict[str, float]:
         """One forward of the current weights *without* replay: the share of tokens routed elsewhere than
-        in generation, and the train/generate log-prob gap that routing leaves."""
-        model, start = self.run.stage.model, time.perf_counter()
+        in generation, and the train/generate log-prob gap that routing leaves. Under RL Fusion on the
+        generation model, which holds the current weights whole (synced for this step)."""
+        model = self.fusion.model if self.fusion is not None else self.run.stage.model
+        start = time.perf_counter()
         chosen, gaps = [], []
         recorder = RoutingRecorder(model)
         with recorder:
@@ -219,7 +247,9 @@ class RLTrainer(Trainer):
             dist.all_reduce(stats.sums, group=world)
             dist.all_reduce(stats.gap_abs_max, op=dist.ReduceOp.MAX, group=world)
             values = torch.cat([stats.sums, stats.gap_abs_max.reshape(1)]).tolist()
-            extra.update(stats.summary(values[: len(STAT_FIELDS)], values[-1]))
+            # every TP rank of the last stage computes the objective on the whole sequence
+            sums = [v / self.spec.parallel.tp for v in values[: len(STAT_FIELDS)]]
+            extra.update(stats.summary(sums, values[-1]))
         last = min(self.cfg.steps, self.spec.run.stop_at or self.cfg.steps)
         every = self.options.eval_every
         if self.step == last or (every and self.step % every == 0):
@@ -228,23 +258,44 @@ class RLTrainer(Trainer):
 
     @torch.no_grad()
     def evaluate(self, problems: list[Problem] | None = None) -> float:
-        """Greedy accuracy on held-out problems (the fixed evaluation set by default)."""
+        """Greedy accuracy on held-out problems (the fixed evaluation set by default); under RL Fusion each
+        generation replica scores its share, on weights synced to the current version."""
         problems = problems if problems is not None else self.eval_problems
         greedy = dataclasses.replace(self.sampling, temperature=0.0, top_k=0, top_p=1.0)
+        mine = problems
+        if self.fusion is not None:
+            self.fusion.ensure_synced(self.weight_version)
+            per = -(-len(problems) // self.fusion.replicas)
+            mine = problems[self.fusion.replica * per:(self.fusion.replica + 1) * per]
         correct = 0.0
-        for start in range(0, len(problems), EVAL_BATCH):
-            chunk = problems[start:start + EVAL_BATCH]
+        for start in range(0, len(mine), EVAL_BATCH):
+            chunk = mine[start:start + EVAL_BATCH]
             generation = self.engine.generate([prompt_ids(self.tokenizer, p) for p in chunk], greedy,
                                               weight_version=self.weight_version)
             for row, problem in enumerate(chunk):
                 correct += self.task.score(problem, self.tokenizer.decode(generation.completion(row)))
+        if self.fusion is not None:
+            self.engine.free_cache()
+            total = torch.tensor([correct], dtype=torch.float64)
+            dist.all_reduce(total, group=self.fusion.group)
+            correct = float(total) / self.fusion.options.gen_ep
         return correct / max(len(problems), 1)
 
     def describe(self) -> str:
         o = self.options
         return (f"GRPO on {o.task}: {self.cfg.steps} steps × {o.prompts_per_step} prompts × {o.grpo.group_size} "
                 f"samples, ≤{self.max_new_tokens} new tokens, T={o.grpo.temperature}, router replay "
-                f"{'on' if o.replay else 'off'} · model {self.model_cfg.name} · {self.device.type}")
+                f"{'on' if o.replay else 'off'} · model {self.model_cfg.name} · {self.device.type}"
+                + self._fusion_text())
+
+    def _fusion_text(self) -> str:
+        if self.fusion is None:
+            return ""
+        p = self.spec.parallel
+        axes = ("tp", "pp", "dp", "ep", "etp")
+        train = "×".join(f"{axis}{getattr(p, axis)}" for axis in axes if getattr(p, axis) > 1)
+        return (f" · RL Fusion on {self.spec.world_size} ranks: train {train or 'dp1'}, generate in "
+                f"{self.fusion.replicas} replicas, offload {self.fusion.options.offload}")
 
     def print_summary(self) -> None:
         self.console.print(rl_summary_table(self.metrics.rows, f"{self.model_cfg.name}: GRPO on {self.options.task}"))

@@ -1,0 +1,107 @@
+"""RL Fusion's switch, phase by phase, and its share of an RL step, on 4 gloo ranks of a CPU.
+
+Each variant trains GRPO steps of ``RLTrainer`` (the ``moetrain rl --nproc 4`` loop) in one training layout
+(TP2×EP2 or PP2×EP2) and generates in 4 data-parallel replicas; rows give the switch's phases (offload,
+reshard, generate, free, restore: the slowest rank's wall time and peak resident memory), the sync's bytes
+and the whole step's time. The first step (its starting evaluation) and the last (its closing one) are left
+out; each figure is the median of the other steps. ``offload always`` moves AdamW state and gradients to
+host and back around each generation, which a CPU never needs (``auto`` skips it): it prices the copies.
+
+    python benchmarks/rl_switch.py --out benchmarks/results/rl_switch_cpu.json
+
+On a CPU the 4 ranks share the machine's cores (one thread each): times are those of a busy machine, useful
+as proportions (which phase dominates, the switch's share of the step), not as absolute speeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import statistics
+
+from _record import write_result
+from rich.console import Console
+
+from moetrain.config import ParallelConfig, TrainingConfig, load_model_config
+from moetrain.config.run import RunSpec
+from moetrain.distributed.layout import ParallelDims
+from moetrain.distributed.world import spawn
+from moetrain.rl.config import FusionOptions, GRPOConfig, RLOptions
+from moetrain.rl.loop import RLTrainer, policy_config
+from moetrain.rl.sft import sequence_len_for
+from moetrain.rl.switch import PHASES
+from moetrain.rl.tasks import get_task
+
+LAYOUTS = {"tp2_ep2": ParallelConfig(tp=2, dp=2, ep=2), "pp2_ep2": ParallelConfig(pp=2, dp=2, ep=2)}
+VARIANTS = [("tp2_ep2", "auto"), ("pp2_ep2", "auto"), ("tp2_ep2", "always")]
+
+
+def _trainer(args: argparse.Namespace, parallel: ParallelConfig, dims: ParallelDims, offload: str) -> RLTrainer:
+    model_cfg = policy_config(load_model_config(args.model))
+    task = get_task("addition")
+    seq_len = -(-sequence_len_for(task, task.max_answer_chars + 2) // parallel.tp) * parallel.tp
+    batch = args.prompts * args.group_size
+    options = RLOptions(task="addition", prompts_per_step=args.prompts, grpo=GRPOConfig(group_size=args.group_size),
+                        eval_every=0, eval_size=16)
+    cfg = TrainingConfig(steps=args.steps, global_batch=batch, micro_batch=batch // parallel.dp, seq_len=seq_len,
+                         lr=1e-3, warmup_steps=0)
+    spec = RunSpec(model=args.model, training=cfg, parallel=parallel.model_dump(exclude={"sp", "micro_batch"}),
+                   run={"device": "cpu", "cluster": "cpu", "quiet": True})
+    fusion = FusionOptions(offload=offload, bucket_mib=args.bucket_mib)
+    return RLTrainer(spec, options, model_cfg=model_cfg, console=Console(file=io.StringIO()), fusion=fusion,
+                     dims=dims)
+
+
+def _bench(rank: int, world_size: int, args: argparse.Namespace) -> list[dict]:
+    dims = {name: ParallelDims.build(parallel, rank) for name, parallel in LAYOUTS.items()}
+    results = []
+    for layout, offload in VARIANTS:
+        rows = _trainer(args, LAYOUTS[layout], dims[layout], offload).train()
+        measured = [r for r in rows if 1 < r.get("step", 0) < args.steps]
+
+        def mean(key: str, measured: list[dict] = measured) -> float:
+            # the median step: 4 ranks on a shared 2-core machine have outliers
+            return statistics.median(r[key] for r in measured)
+
+        switch, step = mean("switch_s"), mean("step_time_s")
+        results.append({
+            "train_layout": layout, "generation": "4 data-parallel replicas", "offload": offload,
+            "steps_measured": [r["step"] for r in measured],
+            "phase_s": {p: round(mean(f"switch_{p}_s"), 4) for p in PHASES},
+            "phase_peak_rss_mib": {p: round(mean(f"switch_{p}_peak_mib"), 1) for p in PHASES},
+            "switch_s": round(switch, 4), "step_s": round(step, 4), "switch_share_of_step": round(switch / step, 3),
+            "switch_without_generate_share": round((switch - mean("switch_generate_s")) / step, 3),
+            "sync_mib_sent": round(mean("sync_mib"), 2), "sync_buckets": measured[0]["sync_buckets"],
+            "sync_checksums_verified": measured[0]["sync_checksums_verified"],
+            "train_step_s": round(step - switch, 4),
+        })
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny-pangu")
+    parser.add_argument("--steps", type=int, default=8, help="GRPO steps per variant (first and last not counted)")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--bucket-mib", type=float, default=4.0)
+    parser.add_argument("--out", default="benchmarks/results/rl_switch_cpu.json")
+    args = parser.parse_args()
+    variants = spawn(_bench, 4, args)[0]
+    for v in variants:
+        phases = ", ".join(f"{p} {s * 1e3:.0f} ms" for p, s in v["phase_s"].items())
+        print(f"{v['train_layout']} offload {v['offload']}: switch {v['switch_s']:.2f} s of a {v['step_s']:.2f} s "
+              f"step ({v['switch_share_of_step']:.0%}; without generation {v['switch_without_generate_share']:.0%}): "
+              f"{phases}; sync {v['sync_mib_sent']:.1f} MiB in {v['sync_buckets']} buckets")
+    write_result(args.out, {
+        "config": {"model": args.model, "ranks": 4, "threads_per_rank": 1, "cpu_cores": os.cpu_count(),
+                   "steps": args.steps, "prompts": args.prompts, "group_size": args.group_size,
+                   "bucket_mib": args.bucket_mib, "task": "addition",
+                   "load_average_1min_after": round(os.getloadavg()[0], 2)},
+        "variants": variants,
+    })
+
+
+if __name__ == "__main__":
+    main()

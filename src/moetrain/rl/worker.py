@@ -1,0 +1,84 @@
+"""One rank of ``moetrain rl --nproc N`` (RL Fusion): what torchrun starts (``python -m moetrain.rl.worker``).
+
+``moetrain rl`` checks every flag, writes the SFT and GRPO run specs, the RL options, the policy's model
+config and the generation layout to ``rl_run.json`` and names it in ``MOETRAIN_RL_RUN``. Each rank joins
+the process group, runs the SFT warm-up in the training layout, gathers its weights whole (one weight
+sync), and trains GRPO with RL Fusion (``moetrain.rl.fusion``). A failure is one line per rank and a
+non-zero exit, as for ``moetrain train``'s ranks (``moetrain.distributed.worker``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from moetrain.distributed.worker import USER_ERROR_EXIT, _report
+from moetrain.errors import UserError
+
+
+def run_rank(run: dict) -> None:
+    import torch
+
+    from moetrain.config import ModelConfig
+    from moetrain.config.run import RunSpec
+    from moetrain.distributed.world import init_world
+    from moetrain.rl.config import FusionOptions, RLOptions
+    from moetrain.rl.fusion import whole_model
+    from moetrain.rl.loop import RLTrainer, SFTTrainer
+    from moetrain.rl.plot import plot_reward_curve
+    from moetrain.rl.tasks import get_task
+    from moetrain.train.checkpoint import latest_checkpoint
+    from moetrain.train.trainer import resolve_device
+
+    rl_spec = RunSpec.model_validate_json(run["rl"])
+    options, fusion = RLOptions.model_validate_json(run["options"]), FusionOptions.model_validate_json(run["fusion"])
+    model_cfg = ModelConfig.model_validate_json(run["model"])
+    torch.set_num_threads(rl_spec.run.threads or int(os.environ.get("OMP_NUM_THREADS", "1")))
+    device = resolve_device(rl_spec.run.device)
+    init_world("nccl" if device.type == "cuda" else "gloo", rl_spec.run.timeout_s)
+    model = None
+    if run["sft"] is not None:
+        sft_spec = RunSpec.model_validate_json(run["sft"])
+        if sft_spec.run.save_dir and latest_checkpoint(Path(sft_spec.run.save_dir)) is not None:
+            # a finished warm-up in the save dir is read back, not trained again (as in one process)
+            sft_spec = sft_spec.model_copy(update={"run": sft_spec.run.model_copy(update={"resume": True})})
+        sft = SFTTrainer(sft_spec, get_task(options.task), model_cfg=model_cfg)
+        sft.console.print(sft.describe())
+        sft.train()
+        model = whole_model(sft.run, model_cfg)
+    reference = None
+    if options.grpo.kl_coef:
+        from moetrain.models.transformer import build_model
+
+        reference = build_model(model_cfg, device, seed=rl_spec.training.seed)
+        if model is not None:
+            reference.load_state_dict(model.state_dict())
+    trainer = RLTrainer(rl_spec, options, model_cfg=model_cfg, model=model, reference=reference, fusion=fusion)
+    trainer.console.print(trainer.describe())
+    rows = trainer.train()
+    trainer.print_summary()
+    if run["plot"] and trainer.is_reporter:
+        metrics = rl_spec.run.metrics_out
+        if metrics and Path(metrics).is_file():  # after a resume: the whole curve
+            rows = [json.loads(line) for line in Path(metrics).read_text().splitlines() if line.strip()]
+        plot_reward_curve(rows, Path(run["plot"]), f"GRPO on {options.task} ({model_cfg.name})")
+        trainer.console.print(f"reward curve: {run['plot']}")
+
+
+def main() -> int:
+    import torch.distributed as dist
+
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        run_rank(json.loads(Path(os.environ["MOETRAIN_RL_RUN"]).read_text(encoding="utf-8")))
+    except BaseException as exc:  # report every cause, then let torchrun stop the others
+        _report(rank, exc)
+        os._exit(USER_ERROR_EXIT if isinstance(exc, UserError) else 1)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
