@@ -17,13 +17,17 @@ from moetrain.errors import UserError
 
 HELP = "post-train with RL: SFT warm-up on a verifiable task, then GRPO with router replay (one process)"
 
+DEFAULT_MODEL = "tiny-pangu"
 DEFAULT_SFT_STEPS = 250
 DEFAULT_STEPS = 120
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--task", default="addition", help="addition (default), sort or countdown")
-    parser.add_argument("--model", default="tiny-pangu", help="model preset name or YAML file (default tiny-pangu)")
+    parser.add_argument("--model", help="model preset name or YAML file (default tiny-pangu, or the model of --from)")
+    parser.add_argument("--from", dest="from_path", metavar="PATH",
+                        help="start from these weights: a moetrain checkpoint (save dir or step folder; its model is "
+                             "the model.yaml beside it or --model) or a Hugging Face model folder")
     s = parser.add_argument_group("SFT warm-up (on reference answers of the training split)")
     s.add_argument("--sft-steps", type=int, default=DEFAULT_SFT_STEPS, help=f"0 skips it ({DEFAULT_SFT_STEPS})")
     s.add_argument("--sft-batch", type=int, default=64, help="examples per SFT step (64)")
@@ -114,7 +118,8 @@ def _spec(args: argparse.Namespace, training: dict[str, Any], run: dict[str, Any
            if v is not None}
     training = {k: v for k, v in {**training, "seed": common["seed"]}.items() if v is not None}
     parallel = {axis: getattr(args, axis) for axis in ("tp", "pp", "ep", "etp") if getattr(args, axis) is not None}
-    return resolve_run_spec([{"model": args.model, "training": training, "run": run, "parallel": parallel}],
+    model = args.model or (args.from_path and str(Path(args.from_path).resolve())) or DEFAULT_MODEL
+    return resolve_run_spec([{"model": model, "training": training, "run": run, "parallel": parallel}],
                             world_size=args.nproc or 1)
 
 
@@ -159,7 +164,12 @@ def build_specs(args: argparse.Namespace):
     fusion = fusion_options(args)
     options = _options(args)
     task = get_task(options.task)
-    model_cfg = policy_config(load_model_config(args.model))
+    if args.from_path:
+        from moetrain.rl.start import starting_config
+
+        model_cfg = policy_config(starting_config(Path(args.from_path), args.model))
+    else:
+        model_cfg = policy_config(load_model_config(args.model or DEFAULT_MODEL))
     CharTokenizer().check_fits(model_cfg.vocab_size, model_cfg.name)
     max_new = options.max_new_tokens or task.max_answer_chars + 2
     seq_len, dp = _fusion_layout(args, sequence_len_for(task, max_new))
@@ -208,14 +218,14 @@ def _plot_path(args: argparse.Namespace) -> Path | None:
     return None
 
 
-def _warm_up(spec, task, model_cfg, console):
+def _warm_up(spec, task, model_cfg, console, model):
     """The warm-up's weights: trained now, or read back from the finished warm-up in its save dir."""
     from moetrain.rl.loop import SFTTrainer
     from moetrain.train.checkpoint import latest_checkpoint
 
     if spec.run.save_dir and latest_checkpoint(Path(spec.run.save_dir)) is not None:
         spec = spec.model_copy(update={"run": spec.run.model_copy(update={"resume": True})})
-    trainer = SFTTrainer(spec, task, model_cfg=model_cfg, console=console)
+    trainer = SFTTrainer(spec, task, model_cfg=model_cfg, model=model, console=console)
     console.print(trainer.describe())
     rows = trainer.train()
     if rows:
@@ -241,8 +251,12 @@ def run(args: argparse.Namespace) -> int:
     console = Console(quiet=bool(args.quiet))
     start = time.perf_counter()
     model = build_model(model_cfg, "cpu", seed=rl_spec.training.seed)
+    if args.from_path:
+        from moetrain.rl.start import starting_weights
+
+        model.load_state_dict(starting_weights(Path(args.from_path), args.model, model_cfg))
     if sft_spec is not None:
-        model.load_state_dict(_warm_up(sft_spec, get_task(options.task), model_cfg, console))
+        model.load_state_dict(_warm_up(sft_spec, get_task(options.task), model_cfg, console, model))
     reference = None
     if options.grpo.kl_coef:
         reference = build_model(model_cfg, "cpu")
@@ -274,7 +288,8 @@ def _launch(args: argparse.Namespace, sft_spec, rl_spec, options, model_cfg) -> 
     plot = _plot_path(args)
     run = {"sft": sft_spec.to_json() if sft_spec is not None else None, "rl": rl_spec.to_json(),
            "options": options.model_dump_json(), "model": model_cfg.model_dump_json(),
-           "fusion": fusion_options(args).model_dump_json(), "plot": str(plot.resolve()) if plot else None}
+           "fusion": fusion_options(args).model_dump_json(), "plot": str(plot.resolve()) if plot else None,
+           "from": {"path": str(Path(args.from_path).resolve()), "model": args.model} if args.from_path else None}
     payload = log_dir / "rl_run.json"
     payload.write_text(json.dumps(run), encoding="utf-8")
     return launch(rl_spec, log_dir, entry="moetrain.rl.worker", env={"MOETRAIN_RL_RUN": str(payload)}, command="rl")

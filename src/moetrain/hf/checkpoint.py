@@ -20,13 +20,14 @@ from pathlib import Path
 
 import torch.distributed.checkpoint as dcp
 import yaml
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from moetrain.config import load_model_config
 from moetrain.config.model import ModelConfig
 from moetrain.errors import UserError
 from moetrain.models.transformer import MoETransformer
-from moetrain.train.checkpoint import COMPLETE_MARKER, checkpoint_dir, latest_checkpoint
+from moetrain.train.checkpoint import COMPLETE_MARKER, checkpoint_dir, latest_checkpoint, library_cause
 
 MODEL_YAML = "model.yaml"
 MODEL_ONLY_HASH = "model-only"
@@ -56,7 +57,7 @@ def write_converted_checkpoint(model: MoETransformer, cfg: ModelConfig, save_dir
     return final
 
 
-def _step_folder(path: Path) -> Path:
+def newest_step_folder(path: Path) -> Path:
     if (path / COMPLETE_MARKER).is_file():
         return path
     newest = latest_checkpoint(path)
@@ -65,7 +66,7 @@ def _step_folder(path: Path) -> Path:
     return newest
 
 
-def _model_yaml_near(step_folder: Path) -> Path | None:
+def model_yaml_near(step_folder: Path) -> Path | None:
     for folder in (step_folder, step_folder.parent):
         if (folder / MODEL_YAML).is_file():
             return folder / MODEL_YAML
@@ -77,9 +78,9 @@ def read_checkpoint_model(path: str | Path, model: str | None = None) -> tuple[M
 
     ``model`` is a preset name or YAML; by default the ``model.yaml`` beside the checkpoint.
     """
-    step_folder = _step_folder(Path(path))
+    step_folder = newest_step_folder(Path(path))
     if model is None:
-        found = _model_yaml_near(step_folder)
+        found = model_yaml_near(step_folder)
         if found is None:
             raise UserError(f"no {MODEL_YAML} beside {step_folder}; pass --model with the preset or YAML "
                             "the run was trained with")
@@ -94,8 +95,9 @@ def read_checkpoint_model(path: str | Path, model: str | None = None) -> tuple[M
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(state, checkpoint_id=step_folder, no_dist=True)
-    except Exception as exc:  # DCP raises many types; the first line names the key or file
-        reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+    except (Exception, CheckpointException) as exc:  # DCP's own exception is a BaseException
+        cause = library_cause(exc)
+        reason = str(cause).strip().splitlines()[0][:200] if str(cause).strip() else type(cause).__name__
         raise UserError(f"cannot read the model of {step_folder} with config {model} ({reason})") from None
     net.load_state_dict(state["model"])
     return net, cfg

@@ -88,9 +88,11 @@ def _fusion_options(spec: RunSpec, fusion: FusionOptions | None) -> FusionOption
 class SFTTrainer(Trainer):
     """The warm-up: the runtime's loop on ``TaskSFTDataset`` batches (answer tokens only)."""
 
-    def __init__(self, spec: RunSpec, task: Task, *, model_cfg: ModelConfig, console: Console | None = None) -> None:
+    def __init__(self, spec: RunSpec, task: Task, *, model_cfg: ModelConfig, model: MoETransformer | None = None,
+                 console: Console | None = None) -> None:
+        """``model``: the starting weights (``moetrain rl --from``); a fresh model of the run's seed by default."""
         self.task, self.tokenizer = task, CharTokenizer()
-        super().__init__(spec, model_cfg=model_cfg, console=console)
+        super().__init__(spec, model_cfg=model_cfg, model=model, console=console)
         self.dataset = TaskSFTDataset(task, self.tokenizer, self.cfg.seq_len, self.cfg.seed)
 
     def prepare_data(self) -> None:

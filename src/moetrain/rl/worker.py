@@ -39,12 +39,18 @@ def run_rank(run: dict) -> None:
     device = resolve_device(rl_spec.run.device)
     init_world("nccl" if device.type == "cuda" else "gloo", rl_spec.run.timeout_s)
     model = None
+    if run.get("from"):
+        from moetrain.models.transformer import build_model
+        from moetrain.rl.start import starting_weights
+
+        model = build_model(model_cfg, device, seed=rl_spec.training.seed)
+        model.load_state_dict(starting_weights(Path(run["from"]["path"]), run["from"]["model"], model_cfg))
     if run["sft"] is not None:
         sft_spec = RunSpec.model_validate_json(run["sft"])
         if sft_spec.run.save_dir and latest_checkpoint(Path(sft_spec.run.save_dir)) is not None:
             # a finished warm-up in the save dir is read back, not trained again (as in one process)
             sft_spec = sft_spec.model_copy(update={"run": sft_spec.run.model_copy(update={"resume": True})})
-        sft = SFTTrainer(sft_spec, get_task(options.task), model_cfg=model_cfg)
+        sft = SFTTrainer(sft_spec, get_task(options.task), model_cfg=model_cfg, model=model)
         sft.console.print(sft.describe())
         sft.train()
         model = whole_model(sft.run, model_cfg)

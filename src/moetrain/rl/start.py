@@ -1,0 +1,70 @@
+"""The weights an RL run starts from (``moetrain rl --from PATH``): a moetrain checkpoint or a Hugging Face
+model folder.
+
+A moetrain checkpoint is a save dir of ``moetrain train`` / ``moetrain convert --from-hf`` (its newest
+complete step) or one step folder; its model is the ``model.yaml`` beside it, or ``--model`` when given
+(a checkpoint of another model is then refused in one line: DCP names the tensor that does not fit). A
+folder with ``config.json`` is read as a Hugging Face model (``moetrain.hf.load_pretrained``).
+
+The policy is the model without its multi-token-prediction modules (``loop.policy_config``): their
+weights are left behind, every other tensor must be there.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from moetrain.config import ModelConfig, load_model_config
+from moetrain.errors import UserError
+
+
+def is_hf_folder(path: Path) -> bool:
+    return (path / "config.json").is_file()
+
+
+def starting_config(path: Path, model: str | None) -> ModelConfig:
+    """The model config of the weights at ``path`` (cheap: reads the config only)."""
+    if not path.exists():
+        raise UserError(f"--from {path}: no such file or folder; give a moetrain checkpoint or a Hugging Face "
+                        "model folder")
+    if is_hf_folder(path):
+        from moetrain.hf.configs import model_config_from_hf
+        from moetrain.hf.load import read_hf_config
+
+        return model_config_from_hf(read_hf_config(path), name=path.name, source=str(path / "config.json"))
+    if model is not None:
+        return load_model_config(model)
+    from moetrain.hf.checkpoint import MODEL_YAML, model_yaml_near, newest_step_folder
+
+    found = model_yaml_near(newest_step_folder(path))
+    if found is None:
+        raise UserError(f"--from {path}: no {MODEL_YAML} beside the checkpoint; pass --model with the preset or "
+                        "YAML it was trained with")
+    return load_model_config(str(found))
+
+
+def starting_weights(path: Path, model: str | None, policy_cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The policy's state dict from the weights at ``path``."""
+    from moetrain.models.transformer import build_model
+
+    if is_hf_folder(path):
+        from moetrain.hf.load import load_pretrained
+
+        net, _ = load_pretrained(path)
+    else:
+        from moetrain.hf.checkpoint import read_checkpoint_model
+
+        net, _ = read_checkpoint_model(path, model)
+    state = net.state_dict()
+    wanted = build_model(policy_cfg, "meta").state_dict()
+    missing = [name for name in wanted if name not in state]
+    if missing:
+        raise UserError(f"--from {path}: the checkpoint lacks {len(missing)} tensors of {policy_cfg.name} "
+                        f"(first: {missing[0]}); it holds another model")
+    for name, like in wanted.items():
+        if state[name].shape != like.shape:
+            raise UserError(f"--from {path}: {name} is {tuple(state[name].shape)} in the checkpoint but "
+                            f"{tuple(like.shape)} in {policy_cfg.name}; it holds another model")
+    return {name: state[name] for name in wanted}

@@ -1,0 +1,72 @@
+"""``moetrain rl --from``: the policy starts from a moetrain checkpoint or a Hugging Face folder."""
+
+import json
+
+import pytest
+import torch
+
+from moetrain.cli import main
+from moetrain.config import load_model_config
+from moetrain.hf.checkpoint import write_converted_checkpoint
+from moetrain.hf.save import save_pretrained
+from moetrain.models.transformer import build_model
+from moetrain.rl.loop import policy_config
+from moetrain.rl.start import starting_config, starting_weights
+from refusals import refused
+
+TINY = ["--sft-steps", "0", "--steps", "1", "--prompts", "2", "--group-size", "2", "--eval-size", "4",
+        "--device", "cpu", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def pangu_checkpoint(tmp_path_factory):
+    """A converted-style checkpoint (model.yaml + step-000000) of tiny-pangu with its MTP modules."""
+    cfg = load_model_config("tiny-pangu")
+    model = build_model(cfg, "cpu", seed=7)
+    folder = tmp_path_factory.mktemp("pangu")
+    write_converted_checkpoint(model, cfg, folder)
+    return folder, {name: value.clone() for name, value in model.state_dict().items()}
+
+
+def test_a_checkpoint_gives_the_policy_every_tensor_but_the_mtp_modules(pangu_checkpoint):
+    folder, saved = pangu_checkpoint
+    cfg = policy_config(starting_config(folder, None))
+    assert cfg.num_mtp_layers == 0 and cfg.name == "tiny-pangu"
+    state = starting_weights(folder, None, cfg)
+    assert set(state) < set(saved) and all("mtp" in name for name in set(saved) - set(state))
+    for name, value in state.items():
+        assert torch.equal(value, saved[name]), name
+
+
+def test_a_hugging_face_folder_gives_the_same_weights(tmp_path):
+    cfg = policy_config(load_model_config("tiny-qwen3"))
+    model = build_model(cfg, "cpu", seed=3)
+    save_pretrained(model, tmp_path / "hf")
+    got = starting_config(tmp_path / "hf", None)
+    assert got.num_layers == cfg.num_layers and got.moe.num_experts == cfg.moe.num_experts
+    state = starting_weights(tmp_path / "hf", None, policy_config(got))
+    for name, value in model.state_dict().items():
+        assert torch.equal(state[name], value), name
+
+
+@pytest.mark.slow
+def test_moetrain_rl_starts_from_the_checkpoint(pangu_checkpoint, tmp_path):
+    folder, _ = pangu_checkpoint
+    metrics = tmp_path / "rl.jsonl"
+    assert main(["rl", *TINY, "--from", str(folder), "--metrics-out", str(metrics)]) == 0
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
+
+
+def test_a_checkpoint_of_another_model_is_refused(pangu_checkpoint, capsys):
+    folder, _ = pangu_checkpoint
+    refused(capsys, ["rl", *TINY, "--from", str(folder), "--model", "tiny-qwen3"], str(folder))
+
+
+def test_a_missing_path_and_a_checkpoint_without_its_model_are_refused(pangu_checkpoint, tmp_path, capsys):
+    refused(capsys, ["rl", *TINY, "--from", str(tmp_path / "nowhere")], "no such file or folder")
+    folder, _ = pangu_checkpoint
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "step-000000").symlink_to(folder / "step-000000", target_is_directory=True)
+    refused(capsys, ["rl", *TINY, "--from", str(bare)], "no model.yaml beside the checkpoint", "--model")
