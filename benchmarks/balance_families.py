@@ -6,7 +6,7 @@ and the spare-slot choice.
 
 Writes benchmarks/results/balance_families.json. Families (``moetrain.balance.families``): Zipf of three
 exponents, many hot experts (5 % and 20 % at 3-10×), single experts above a rank's mean load, sudden
-shifts, a slow drift, a periodic pattern, issue #28's trace, and the two recorded tiny-pangu traces.
+shifts, a slow drift, a random walk, a periodic pattern, issue #28's trace, and the two recorded tiny-pangu traces.
 Synthetic shapes: 64-256 experts, EP8-EP64, top-8, ``--tokens-per-rank`` tokens per rank and step, cost
 model of Pangu Ultra MoE 718B (its expert count set to the family's) on ``atlas-800t-a2``. Each family
 replays with experts/ep + 0, 1 (the default, the headline figures) and 2 spare slots per rank.
@@ -58,6 +58,7 @@ CASES = (
     FamilyCase("giant experts (E128, EP16)", "giant", 128, 16, {"num_giants": 2, "period": 50}),
     FamilyCase("sudden shift (E128, EP8)", "sudden_shift", 128, 8, {"period": 30}),
     FamilyCase("slow drift (E256, EP16)", "slow_drift", 256, 16),
+    FamilyCase("random walk (E256, EP16)", "random_walk", 256, 16),
     FamilyCase("periodic (E64, EP8)", "periodic", 64, 8, {"period": 40}),
     FamilyCase("issue #28 (E256, EP8)", "issue_28", 256, 8, {"period": 30}),
 )

@@ -11,8 +11,11 @@ an expert of weight 1) from which the step's token-expert counts are sampled (a 
 * ``giant``: a few single experts each above a rank's mean load (1.3–2.5× of total / ranks): no
   placement without replicas can balance them; they change identity every ``period`` steps;
 * ``sudden_shift``: the whole hot set (10 % of the experts at 6×) replaced every ``period`` steps;
-* ``slow_drift``: every expert's log-popularity follows a slow AR(1) walk (correlation 0.995 per step):
-  no step changes much, every expert drifts;
+* ``slow_drift``: every expert's log-popularity is a sine of its own period (200–800 steps): every
+  expert drifts, smoothly;
+* ``random_walk``: every expert's log-popularity follows an AR(1) walk (correlation 0.995 per step, spread
+  1): persistent skew, but each step moves every expert by about 10 % at random, which no forecast
+  can foresee;
 * ``periodic``: two hot sets that take turns, blended by a sine of period ``period``;
 * ``issue_28``: the trace of issue #28 (256 experts, EP8 in its report): 8 % of the experts hot at
   3–6×, two single experts above a rank's mean, the hot set drifting every ``period`` steps.
@@ -98,7 +101,7 @@ def _sudden_shift(shape: TraceShape, rng: np.random.Generator, period: int) -> n
     return weights
 
 
-def _slow_drift(shape: TraceShape, rng: np.random.Generator, sigma: float = 1.0, rho: float = 0.995) -> np.ndarray:
+def _random_walk(shape: TraceShape, rng: np.random.Generator, sigma: float = 1.0, rho: float = 0.995) -> np.ndarray:
     e = shape.num_experts
     log_weight = rng.normal(0.0, sigma, e)
     weights = np.empty((shape.num_steps, e))
@@ -107,6 +110,16 @@ def _slow_drift(shape: TraceShape, rng: np.random.Generator, sigma: float = 1.0,
         weights[t] = np.exp(log_weight)
         log_weight = rho * log_weight + innovation * rng.normal(size=e)
     return weights
+
+
+def _slow_drift(shape: TraceShape, rng: np.random.Generator, sigma: float = 1.0,
+                shortest: float = 200.0, longest: float = 800.0) -> np.ndarray:
+    """log-popularity of each expert: a sine of its own period (``shortest``–``longest`` steps) and phase."""
+    e = shape.num_experts
+    period = rng.uniform(shortest, longest, e)
+    phase = rng.uniform(0.0, 2.0 * np.pi, e)
+    steps = np.arange(shape.num_steps)[:, None]
+    return np.exp(sigma * np.sqrt(2.0) * np.sin(2.0 * np.pi * steps / period + phase))
 
 
 def _periodic(shape: TraceShape, rng: np.random.Generator, period: int, heat: float = 8.0) -> np.ndarray:
@@ -133,6 +146,7 @@ FAMILIES: dict[str, Callable[..., np.ndarray]] = {
     "giant": _giant,
     "sudden_shift": _sudden_shift,
     "slow_drift": _slow_drift,
+    "random_walk": _random_walk,
     "periodic": _periodic,
     "issue_28": _issue_28,
 }

@@ -57,7 +57,7 @@ PERSISTENCE_SMOOTHING = 0.1
 """Weight of the newest step in the running lag-1 statistics behind ``LayerSchedule.persistence``."""
 SHIFT_FACTOR = 4.0
 """A step whose load mix moved this many times more than the running mean change is a *shift*."""
-SHIFT_FLOOR = 0.05
+SHIFT_FLOOR = 0.02
 """...and moved at least this share of the tokens (total variation), so sampling noise is never one."""
 SHIFT_WARMUP = 3
 """Step-to-step changes seen before a shift can be called (the running mean needs a few)."""
@@ -305,23 +305,24 @@ class ReplanRule:
         # any placement can have (the even one), the trigger the candidate's own
         least_window = self.costs.ideal_overlap_window_seconds(forecast)
 
+        def score(placement: ExpertPlacement) -> float:
+            return (float(self.costs.layer_seconds(placement, forecast))
+                    + self.costs.migration_seconds(diff(current, placement), least_window) / lasting)
+
         def plan(candidates: str) -> tuple[ExpertPlacement, float]:
-            return timed_plan(
-                forecast, current.num_ranks, current.slots_per_rank, self.solver,
-                score=lambda p: float(self.costs.layer_seconds(p, forecast))
-                + self.costs.migration_seconds(diff(current, p), least_window) / lasting,
-                current=current, candidates=candidates,
-            )
+            return timed_plan(forecast, current.num_ranks, current.slots_per_rank, self.solver, score=score,
+                              current=current, candidates=candidates)
 
         # early (drift-triggered) solves offer only moves that build on the current placement ...
         candidate, solve_s = plan("incremental" if early else "all")
         seconds_candidate = float(self.costs.layer_seconds(candidate, forecast))
         # ... unless those stall far from the ideal (a local optimum a few exchanges cannot leave): then
-        # every candidate, placements from scratch too, still scored with its migration
+        # the placements from scratch join them, each still scored with its migration
         fallback = early and seconds_candidate > (1.0 + FALLBACK_GAP) * ideal
         if fallback:
-            candidate, more_s = plan("all")
+            scratch, more_s = plan("scratch")
             solve_s += more_s
+            candidate = min((candidate, scratch), key=score)
             seconds_candidate = float(self.costs.layer_seconds(candidate, forecast))
         moves = diff(current, candidate)
         saving = lasting * (seconds_current - seconds_candidate)
