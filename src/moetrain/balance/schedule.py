@@ -311,7 +311,8 @@ class ReplanRule:
 
         def plan(candidates: str) -> tuple[ExpertPlacement, float]:
             return timed_plan(forecast, current.num_ranks, current.slots_per_rank, self.solver, score=score,
-                              current=current, candidates=candidates)
+                              current=current, candidates=candidates,
+                              ranks_per_node=self.costs.cluster.devices_per_node)
 
         # early (drift-triggered) solves offer only moves that build on the current placement ...
         candidate, solve_s = plan("incremental" if early else "all")
