@@ -6,8 +6,8 @@ import pytest
 
 from moetrain.balance.placement import ExpertPlacement, diff
 from moetrain.balance.solver import (
-    bridge_replicas,
     align_to,
+    bridge_replicas,
     optimal_shares,
     plan_placement,
     replica_counts,

@@ -348,6 +348,14 @@ def solve_milp(
     return ExpertPlacement.from_slot_experts(e, table, share)
 
 
+def _holds(table: np.ndarray, num_experts: int) -> np.ndarray:
+    """[R, E] 1.0 where rank r holds expert e (a rank holds an expert at most once)."""
+    holds = np.zeros((table.shape[0], num_experts))
+    ranks, slots = np.nonzero(table != EMPTY_SLOT)
+    holds[ranks, table[ranks, slots]] = 1.0
+    return holds
+
+
 def align_to(placement: ExpertPlacement, current: ExpertPlacement) -> ExpertPlacement:
     """The same placement with ranks relabelled, and experts reordered inside each rank, so that the
     most experts stay in the slot they occupy in ``current`` (ranks are interchangeable for the
@@ -356,10 +364,7 @@ def align_to(placement: ExpertPlacement, current: ExpertPlacement) -> ExpertPlac
     new_table = placement.slot_expert.reshape(r, s)
     new_share = placement.slot_share.reshape(r, s)
     old_table = current.slot_expert.reshape(r, s)
-    overlap = np.zeros((r, r))
-    for a in range(r):
-        experts = new_table[a][new_table[a] != EMPTY_SLOT]
-        overlap[a] = np.isin(old_table, experts).sum(axis=1)
+    overlap = _holds(new_table, placement.num_experts) @ _holds(old_table, placement.num_experts).T
     rows, cols = linear_sum_assignment(-overlap)
     table = np.full((r, s), EMPTY_SLOT, dtype=np.int64)
     share = np.zeros((r, s))
