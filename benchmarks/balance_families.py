@@ -20,6 +20,7 @@ included); ideal gain the same with every rank at the mean load and no replicas;
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -118,7 +119,9 @@ def main() -> int:
     report: dict = {
         "setup": {"model": args.model, "cluster": args.cluster, "steps": args.steps, "layers": args.layers,
                   "tokens_per_rank": args.tokens_per_rank, "interval": args.interval, "horizon": args.horizon,
-                  "seed": args.seed, "gap_bound": GAP_BOUND, "gap_goal": GAP_GOAL, "spare_options": list(spare)},
+                  "seed": args.seed, "gap_bound": GAP_BOUND, "gap_goal": GAP_GOAL, "spare_options": list(spare),
+                  # solve times are host times: the machine's load (1-minute average) says how shared it was
+                  "load_average_start": os.getloadavg()[0], "cpu_count": os.cpu_count()},
         "families": {},
     }
     for index, case in enumerate(CASES):
@@ -150,6 +153,7 @@ def main() -> int:
     misses = [name for name, row in report["families"].items() if not row["meets_bound"]]
     print(f"\nsteady gap above {GAP_BOUND:.0%}: {', '.join(misses) or 'none'}")
     report["solve_ms_max_overall"] = float(np.max([row["solve_ms_max"] for row in report["families"].values()]))
+    report["setup"]["load_average_end"] = os.getloadavg()[0]
     write_result(args.out, report)
     return 0
 

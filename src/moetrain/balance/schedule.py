@@ -62,7 +62,8 @@ SHIFT_FLOOR = 0.02
 SHIFT_WARMUP = 3
 """Step-to-step changes seen before a shift can be called (the running mean needs a few)."""
 FALLBACK_GAP = 0.02
-"""An incremental plan still this far (relative step time) above the ideal asks for a global solve."""
+"""An incremental plan this much (relative to the ideal's step time) further from the ideal than the last
+solve's plan was asks for a global solve."""
 
 
 @dataclass(frozen=True)
@@ -317,9 +318,11 @@ class ReplanRule:
         # early (drift-triggered) solves offer only moves that build on the current placement ...
         candidate, solve_s = plan("incremental" if early else "all")
         seconds_candidate = float(self.costs.layer_seconds(candidate, forecast))
-        # ... unless those stall far from the ideal (a local optimum a few exchanges cannot leave): then
-        # the placements from scratch join them, each still scored with its migration
-        fallback = early and seconds_candidate > (1.0 + FALLBACK_GAP) * ideal
+        # ... unless those stall far from the ideal, and from what the last solve reached (a local optimum
+        # a few exchanges cannot leave): then the placements from scratch join them, each still scored with
+        # its migration. Where no placement gets near the ideal (a few whole experts per rank, replicas'
+        # all-reduces), the reference is as far and the incremental plan stands.
+        fallback = early and seconds_candidate - ideal > schedule.reference_excess + FALLBACK_GAP * ideal
         if fallback:
             scratch, more_s = plan("scratch")
             solve_s += more_s
