@@ -138,6 +138,7 @@ def test_an_incremental_plan_that_stalls_falls_back_to_a_global_solve():
     # the global solve replicates expert 0 on both ranks: 7.5 tokens each, the ideal
     np.testing.assert_allclose(adopted.apply_to_tokens_per_expert(loads), [7.5, 7.5])
     assert decision.gap_candidate == pytest.approx(0.0, abs=1e-9)
+    assert decision.as_dict()["fallback"] and decision.solve_cpu_ms >= 0.0 and decision.solve_ms > 0.0
     assert schedule.last_full == 0  # the fallback does not move the full re-plans' schedule
 
 

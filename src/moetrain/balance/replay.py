@@ -76,6 +76,7 @@ class ReplayResult:
 
     def summary(self) -> dict:
         solve = [d.solve_ms for d in self.decisions]
+        solve_cpu = [d.solve_cpu_ms for d in self.decisions]
         return {
             "steps": int(self.steps.size),
             "imbalance_before": float(self.imbalance_before.mean()),
@@ -97,6 +98,8 @@ class ReplayResult:
             "decisions": len(self.decisions),
             "solve_ms_mean": float(np.mean(solve)) if solve else 0.0,
             "solve_ms_max": float(np.max(solve)) if solve else 0.0,
+            "solve_cpu_ms_mean": float(np.mean(solve_cpu)) if solve_cpu else 0.0,
+            "solve_cpu_ms_max": float(np.max(solve_cpu)) if solve_cpu else 0.0,
         }
 
     def per_step(self) -> list[dict]:

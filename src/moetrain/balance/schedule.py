@@ -39,6 +39,7 @@ One rule, shared by the trace replay (``balance.replay``) and the runtime
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 
@@ -83,6 +84,7 @@ class Decision:
     """Forecast max/mean rank load with the current placement."""
     imbalance_candidate: float
     solve_ms: float
+    """Wall-clock time of the solve (both solves with a fallback)."""
     reshare: bool = False
     """Only replicas' token shares change (no weights move): applied for free."""
     early: bool = False
@@ -96,6 +98,9 @@ class Decision:
     """The candidate's forecast layer time over the ideal's, minus 1: how far from even it still is."""
     fallback: bool = False
     """The incremental search stayed more than ``FALLBACK_GAP`` above the ideal, so a global solve ran."""
+    solve_cpu_ms: float = 0.0
+    """This process's CPU time for the same solves: on a host shared with other jobs the wall clock counts
+    their time too."""
     shift: bool = False
     """The load mix jumped (see ``LayerSchedule.observe_shift``): the forecast restarted from the step's load."""
 
@@ -111,7 +116,7 @@ class Decision:
             "imbalance_candidate": round(self.imbalance_candidate, 4), "solve_ms": round(self.solve_ms, 3),
             "reshare": self.reshare, "early": self.early, "forecast_steps": self.forecast_steps,
             "lasting_steps": round(self.lasting_steps, 2), "gap_candidate": round(self.gap_candidate, 5),
-            "fallback": self.fallback, "shift": self.shift,
+            "fallback": self.fallback, "shift": self.shift, "solve_cpu_ms": round(self.solve_cpu_ms, 3),
         }
 
 
@@ -315,6 +320,7 @@ class ReplanRule:
                               current=current, candidates=candidates,
                               ranks_per_node=self.costs.cluster.devices_per_node)
 
+        cpu_start = time.process_time()
         # early (drift-triggered) solves offer only moves that build on the current placement ...
         candidate, solve_s = plan("incremental" if early else "all")
         seconds_candidate = float(self.costs.layer_seconds(candidate, forecast))
@@ -328,6 +334,7 @@ class ReplanRule:
             solve_s += more_s
             candidate = min((candidate, scratch), key=score)
             seconds_candidate = float(self.costs.layer_seconds(candidate, forecast))
+        solve_cpu_s = time.process_time() - cpu_start
         moves = diff(current, candidate)
         saving = lasting * (seconds_current - seconds_candidate)
         migration = self.costs.migration_seconds(moves, self.costs.overlap_window_seconds(candidate, forecast))
@@ -345,6 +352,7 @@ class ReplanRule:
             step=step, layer=layer, migrate=migrate, predicted_saving_s=saving, migration_s=migration,
             moves=tuple(moves), imbalance_current=float(current.imbalance(forecast)),
             imbalance_candidate=float(candidate.imbalance(forecast)), solve_ms=solve_s * 1e3,
+            solve_cpu_ms=solve_cpu_s * 1e3,
             reshare=reshare, early=early, forecast_steps=window, lasting_steps=lasting,
             gap_candidate=seconds_candidate / ideal - 1.0 if ideal > 0 else 0.0, fallback=fallback,
         )
