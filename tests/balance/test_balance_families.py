@@ -173,3 +173,25 @@ def test_spare_slots_are_recommended_where_a_single_expert_needs_a_replica():
     assert (none.memory_bytes_per_rank, one.memory_bytes_per_rank) == (0.0, per_slot)
     static = ExpertPlacement.contiguous(16, 4, 5)
     assert static.imbalance(row) == pytest.approx((6000 + 3 * 600) / 3750)
+
+
+def test_a_shift_restarts_the_forecast_in_place_and_replans_in_full():
+    # the runtime keeps one predictor state dict per layer: the restart must happen inside it
+    rule = ReplanRule(PerCopyCosts(), interval=10, horizon=50)
+    schedule, predictor = LayerSchedule(), EMAPredictor(0.9)
+    current = ExpertPlacement.contiguous(4, 2, 3)
+    steady = np.full(4, 100.0)
+    state = predictor.init_state(steady)
+    for step in range(5):
+        if step:
+            predictor.update(state, steady)
+        decision, current = rule.step(step, 0, schedule, current, predictor, state, steady)
+        assert step == 0 or decision is None  # even loads: nothing to re-plan before the interval
+    jumped = np.array([400.0, 10.0, 10.0, 10.0])  # 86 % of the tokens on expert 0 instead of 25 %
+    predictor.update(state, jumped)  # the EMA alone would forecast 0.9·100 + 0.1·400 = 130 for it
+    decision, adopted = rule.step(5, 0, schedule, current, predictor, state, jumped)
+    assert decision is not None and decision.shift and not decision.early
+    np.testing.assert_array_equal(state["level"], jumped)
+    assert schedule.last_full == 5 and schedule.forecast_noise == 0.0
+    # the full re-plan splits expert 0 over both ranks: 430 tokens, 215 each
+    np.testing.assert_allclose(adopted.apply_to_tokens_per_expert(jumped), [215.0, 215.0])
