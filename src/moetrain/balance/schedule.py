@@ -35,6 +35,13 @@ One rule, shared by the trace replay (``balance.replay``) and the runtime
    stationary or slowly drifting skew has ρ near 1 and keeps the whole horizon; a hot set that
    changes from step to step (routing noise, a router whose balance loss pulls load back) has a small ρ
    and pays for few moves.
+6. **A jump in the load mix is a shift** (``LayerSchedule.observe_shift``, issue #28): the predictor
+   restarts from the step's load, the step's miss counts neither as forecast noise nor as fading
+   skew, and a full re-plan runs at once.
+7. **Global fallback.** An incremental plan that stays ``FALLBACK_GAP`` of the ideal's time further
+   from the ideal than the last solve left the layer has stalled in a local optimum: the placements
+   from scratch are scored beside it (``Decision.fallback``), migration included, and the trigger
+   still decides.
 """
 
 from __future__ import annotations
