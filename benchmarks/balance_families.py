@@ -11,6 +11,8 @@ Synthetic shapes: 64-256 experts, EP8-EP64, top-8, ``--tokens-per-rank`` tokens 
 model of Pangu Ultra MoE 718B (its expert count set to the family's) on ``atlas-800t-a2``. Headline
 figures: experts/ep + 1 slots per rank (the default), every layer; the spare-slot sweep replays the first
 layer with experts/ep + 0, 1 and 2 slots per rank and recommends the fewest within 0.5 % of the best.
+``without_stall_remedies`` replays the same trace with the re-plan rule as it was before issue #28 (no
+shift check, no global fallback, no node-local bridging), for comparison.
 
 Definitions (``moetrain.balance.replay``): gain = Σ time static / Σ time balanced − 1 (migration
 included); ideal gain the same with every rank at the mean load and no replicas; gap = Σ time balanced /
@@ -84,12 +86,17 @@ def evaluate(trace: RoutingTrace, costs: BalanceCostModel, interval: int, horizo
     result = replay(trace, costs, predictor, interval=interval, horizon=horizon)
     replay_seconds = time.perf_counter() - start
     summary = result.summary()
+    # the same rule without the shift check, the global fallback and node-local bridging (before issue #28)
+    before = replay(trace, costs, predictor, interval=interval, horizon=horizon, stall_remedies=False).summary()
     # the sweep replays the first layer only (a third of the benchmark's time otherwise)
     first_layer = RoutingTrace(trace.steps, trace.layers[:1], trace.tokens_per_expert[:, :1], trace.name)
     choice = choose_spare_slots(first_layer, costs, predictor, spare, interval=interval, horizon=horizon)
     return {
         "experts": trace.num_experts, "ep": costs.ep, "steps": trace.num_steps, "layers": trace.num_layers,
         "predictor": predictor.name, **summary, "replay_seconds": replay_seconds,
+        "without_stall_remedies": {key: before[key] for key in (
+            "imbalance_after", "predicted_gain", "gap_to_ideal", "steady_gap_to_ideal", "migrations",
+            "migration_bytes", "solve_ms_mean", "solve_ms_max")},
         "meets_bound": summary["steady_gap_to_ideal"] <= GAP_BOUND,
         "meets_goal": summary["steady_gap_to_ideal"] <= GAP_GOAL,
         "spare_slots": {
@@ -144,10 +151,12 @@ def main() -> int:
         report["families"][f"recorded: {name} (E16, EP4)"] = {"family": "recorded", **row}
 
     print(f"\n{'family':34s} {'imb before':>10s} {'after':>6s} {'gain':>7s} {'ideal':>7s} {'gap':>6s} "
-          f"{'steady':>6s} {'migr GB':>8s} {'solve ms':>13s} {'cpu ms':>11s} {'fb':>3s} {'sh':>3s} spare")
+          f"{'steady':>6s} {'before':>6s} {'migr GB':>8s} {'solve ms':>13s} {'cpu ms':>11s} "
+          f"{'fb':>3s} {'sh':>3s} spare")
     for name, row in report["families"].items():
         print(f"{name:34s} {row['imbalance_before']:10.3f} {row['imbalance_after']:6.3f} {row['predicted_gain']:7.1%} "
               f"{row['ideal_gain']:7.1%} {row['gap_to_ideal']:6.2%} {row['steady_gap_to_ideal']:6.2%} "
+              f"{row['without_stall_remedies']['steady_gap_to_ideal']:6.2%} "
               f"{row['migration_bytes'] / 1e9:8.1f} {row['solve_ms_mean']:6.0f}/{row['solve_ms_max']:6.0f} "
               f"{row['solve_cpu_ms_mean']:5.0f}/{row['solve_cpu_ms_max']:5.0f} "
               f"{row['fallbacks']:3d} {row['shifts']:3d} {row['spare_slots']['recommended_spare_per_rank']}")

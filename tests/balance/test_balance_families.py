@@ -140,6 +140,12 @@ def test_an_incremental_plan_that_stalls_falls_back_to_a_global_solve():
     assert decision.gap_candidate == pytest.approx(0.0, abs=1e-9)
     assert decision.as_dict()["fallback"] and decision.solve_cpu_ms >= 0.0 and decision.solve_ms > 0.0
     assert schedule.last_full == 0  # the fallback does not move the full re-plans' schedule
+    # the rule as it was before issue #28 keeps the stalled plan: no replica for expert 0, 12 tokens on a rank
+    before = ReplanRule(PerCopyCosts(), interval=10, horizon=50, stall_remedies=False)
+    schedule = LayerSchedule(last_solve=0, last_full=0, life=1)
+    decision, adopted = before.step(1, 0, schedule, current, predictor, predictor.init_state(loads), loads)
+    assert decision is not None and decision.early and not decision.fallback
+    assert adopted.apply_to_tokens_per_expert(loads).max() == pytest.approx(12.0)
 
 
 def test_a_jump_in_the_load_mix_is_a_shift_and_noise_is_not():

@@ -125,6 +125,7 @@ def replay(
     interval: int = REPLAN_INTERVAL,
     horizon: int = PAYBACK_HORIZON,
     adaptive: bool = True,
+    stall_remedies: bool = True,
 ) -> ReplayResult:
     ep = costs.ep
     num_experts = trace.num_experts
@@ -134,7 +135,7 @@ def replay(
     if interval < 1 or horizon < 1:
         raise UserError(f"interval={interval} and horizon={horizon} must be >= 1")
     static = ExpertPlacement.contiguous(num_experts, ep, slots)
-    rule = ReplanRule(costs, interval, horizon, solver, adaptive=adaptive)
+    rule = ReplanRule(costs, interval, horizon, solver, adaptive=adaptive, stall_remedies=stall_remedies)
     loads = trace.tokens_per_expert.astype(float)  # [T, L, E]
     num_steps, num_layers = loads.shape[:2]
 

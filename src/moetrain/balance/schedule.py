@@ -227,6 +227,9 @@ class ReplanRule:
     trigger_margin: float = 1.0
     adaptive: bool = True
     """False: solve every ``interval`` steps only, forecasting ``interval`` steps (the fixed schedule)."""
+    stall_remedies: bool = True
+    """False: without the shift check, the global fallback and node-local bridging (rules 6 and 7 and
+    ``solver.bridge_replicas(ranks_per_node)``), the rule as it was before issue #28, for comparison."""
     _cheapest_move_s: float | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -271,7 +274,7 @@ class ReplanRule:
         next step (``current`` unless the trigger fired or the shares changed)."""
         schedule.checks += 1
         actual = np.asarray(actual, dtype=float)
-        shift = self.adaptive and schedule.observe_shift(actual)
+        shift = self.adaptive and self.stall_remedies and schedule.observe_shift(actual)
         if shift:
             # the old regime's level (and trend) forecast the new one worse than the step itself does
             predictor_state.clear()
@@ -325,7 +328,7 @@ class ReplanRule:
         def plan(candidates: str) -> tuple[ExpertPlacement, float]:
             return timed_plan(forecast, current.num_ranks, current.slots_per_rank, self.solver, score=score,
                               current=current, candidates=candidates,
-                              ranks_per_node=self.costs.cluster.devices_per_node)
+                              ranks_per_node=self.costs.cluster.devices_per_node if self.stall_remedies else None)
 
         cpu_start = time.process_time()
         # early (drift-triggered) solves offer only moves that build on the current placement ...
@@ -335,7 +338,8 @@ class ReplanRule:
         # a few exchanges cannot leave): then the placements from scratch join them, each still scored with
         # its migration. Where no placement gets near the ideal (a few whole experts per rank, replicas'
         # all-reduces), the reference is as far and the incremental plan stands.
-        fallback = early and seconds_candidate - ideal > schedule.reference_excess + FALLBACK_GAP * ideal
+        fallback = (early and self.stall_remedies
+                    and seconds_candidate - ideal > schedule.reference_excess + FALLBACK_GAP * ideal)
         if fallback:
             scratch, more_s = plan("scratch")
             solve_s += more_s
