@@ -6,6 +6,7 @@ smaller than the benchmark's (60 steps, one layer) so that the file runs in well
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -19,7 +20,7 @@ from moetrain.balance.replay import replay
 from moetrain.balance.schedule import LayerSchedule, ReplanRule
 from moetrain.balance.slots import choose_spare_slots
 from moetrain.balance.solver import plan_placement, timed_plan
-from moetrain.balance.traces import RoutingTrace
+from moetrain.balance.traces import RoutingTrace, read_trace
 from moetrain.config import load_cluster_config, load_model_config
 
 GAP_BOUND = 0.05  # the bound on the gap to the ideal, migration included
@@ -201,3 +202,13 @@ def test_a_shift_restarts_the_forecast_in_place_and_replans_in_full():
     assert schedule.last_full == 5 and schedule.forecast_noise == 0.0
     # the full re-plan splits expert 0 over both ranks: 430 tokens, 215 each
     np.testing.assert_allclose(adopted.apply_to_tokens_per_expert(jumped), [215.0, 215.0])
+
+
+@pytest.mark.parametrize("name", ["balance_trace_tiny_pangu.jsonl", "balance_trace_tiny_pangu_no_balance_loss.jsonl"])
+def test_the_recorded_traces_come_within_the_gap_bound(name):
+    trace = read_trace(Path(__file__).resolve().parents[2] / "benchmarks" / "results" / name)
+    costs = BalanceCostModel(load_model_config("tiny-pangu"), load_cluster_config("atlas-800t-a2"), 4)
+    predictor, _ = select_predictor(trace.tokens_per_expert[: trace.num_steps // 4], horizon=10)
+    result = replay(trace, costs, predictor)
+    assert 0.0 <= result.steady_gap_to_ideal <= GAP_BOUND
+    assert result.predicted_gain > 0.0
