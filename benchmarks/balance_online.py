@@ -21,8 +21,11 @@ not hide.
 
 Per step it reports the max/mean EP-rank load (token-expert rows the ranks' experts computed,
 measured from tensor shapes, summed over MoE layers) and the max/mean of the per-rank expert forward
-time (host clock around the grouped expert GEMMs, summed over layers), and checks that both runs'
-losses agree. Each gloo rank runs one torch thread (``distributed.world.spawn``).
+time (host clock around the grouped expert GEMMs, summed over layers), beside the forward time the
+balancer's cost model (the same solver and cost model as ``moetrain balance``, on the run's ``cpu``
+cluster preset) predicts for the measured loads; the busiest rank's speed-up from balancing, measured
+against predicted; and checks that both runs' losses agree. Each gloo rank runs one torch thread
+(``distributed.world.spawn``).
 
     python benchmarks/balance_online.py --out benchmarks/results/balance_online_cpu.json
 """
@@ -40,6 +43,7 @@ import torch.distributed as dist
 from _record import write_result
 from rich.console import Console
 
+from moetrain.balance.placement import EMPTY_SLOT
 from moetrain.config import ModelConfig, ParallelConfig, TrainingConfig, load_model_config
 from moetrain.config.run import RunSpec
 from moetrain.distributed.balancing import build_balanced_run, moe_layers
@@ -93,8 +97,9 @@ def _run(dims: ParallelDims, args: argparse.Namespace, balance: bool, defer: boo
                             trigger_margin=1.0 if balance else float("inf"), defer=defer)
     balancer = trainer.balancer
     trainer.run.stage.model.train()
-    losses, step_seconds, balance_seconds = [], [], []
+    losses, step_seconds, balance_seconds, ran_with = [], [], [], []
     for _ in range(args.steps):
+        ran_with.append(list(balancer.placements))  # the placements this step runs with
         batch = trainer.next_batch()
         start = time.perf_counter()
         with trainer.tracer.active():
@@ -115,12 +120,25 @@ def _run(dims: ParallelDims, args: argparse.Namespace, balance: bool, defer: boo
         "rows": per_rank[..., 0],
         "expert_seconds": per_rank[..., 1],
         "predicted_imbalance": [float(h.imbalance().mean()) for h in balancer.history],
+        "predicted_expert_seconds": [_predicted_expert_seconds(balancer, h, placements)
+                                     for h, placements in zip(balancer.history, ran_with)],
         "step_seconds": step_seconds,
         "balance_seconds": balance_seconds,
         "decisions": [d.as_dict() for d in balancer.decisions],
         "migrations": balancer.migrations,
         "migration_timings": balancer.migration_timings,
     }
+
+
+def _predicted_expert_seconds(balancer, loads, placements) -> list[float]:
+    """[R] the cost model's expert forward time per EP rank for the step's measured loads under the
+    placements it ran with, summed over MoE layers: what ``BalanceCostModel.layer_seconds`` charges the
+    expert GEMMs (forward + backward) over 3, so that it compares with the host clock around the forward."""
+    per_rank = np.zeros(loads.tokens_per_rank.shape[-1])
+    for copies, placement in zip(loads.tokens_per_rank / balancer.ep_groups_per_stage, placements):
+        experts_per_rank = (placement.slot_expert != EMPTY_SLOT).reshape(placement.num_ranks, -1).sum(axis=1)
+        per_rank += balancer.costs.expert_seconds(copies, experts_per_rank) / 3.0
+    return per_rank.tolist()
 
 
 def _bench(rank: int, world_size: int, args: argparse.Namespace) -> dict:
@@ -140,6 +158,7 @@ def _ratio(values: np.ndarray) -> np.ndarray:
 
 def _summarise(run: dict, first_migration: int | None) -> dict:
     rows, seconds = np.asarray(run["rows"]), np.asarray(run["expert_seconds"])
+    predicted = np.asarray(run["predicted_expert_seconds"])
     # steps after the first migration (decided after step s, in effect from step s+1)
     after = slice(first_migration + 1 if first_migration is not None else 0, None)
     return {
@@ -149,6 +168,7 @@ def _summarise(run: dict, first_migration: int | None) -> dict:
             {"step": step, "rows_max_over_mean": round(float(_ratio(rows[step])), 4),
              "expert_seconds_max_over_mean": round(float(_ratio(seconds[step])), 4),
              "expert_seconds_per_rank": [round(float(s), 5) for s in seconds[step]],
+             "predicted_expert_seconds_per_rank": [round(float(s), 6) for s in predicted[step]],
              "rows_per_rank": [int(r) for r in rows[step]],
              "predicted_imbalance": round(run["predicted_imbalance"][step], 4),
              "step_seconds": round(run["step_seconds"][step], 4),
@@ -158,6 +178,8 @@ def _summarise(run: dict, first_migration: int | None) -> dict:
         "rows_max_over_mean_after": float(_ratio(rows[after]).mean()),
         "expert_seconds_max_over_mean_after": float(_ratio(seconds[after]).mean()),
         "busiest_rank_expert_seconds_after": float(seconds[after].max(axis=-1).mean()),
+        # the same, predicted by the balancer's cost model (the run's cluster preset) for the measured loads
+        "predicted_busiest_rank_expert_seconds_after": float(predicted[after].max(axis=-1).mean()),
         "step_seconds_after": float(np.mean(run["step_seconds"][after])),
         "decisions": run["decisions"],
         "migration_timings": run["migration_timings"],
@@ -206,6 +228,14 @@ def main() -> None:
         print(f"{name:9s} after step {first}: rows max/mean {s['rows_max_over_mean_after']:.3f}, expert time "
               f"max/mean {s['expert_seconds_max_over_mean_after']:.3f}, busiest rank expert fwd "
               f"{s['busiest_rank_expert_seconds_after'] * 1e3:.2f} ms, step {s['step_seconds_after']:.3f} s")
+    measured = {n: summary[n]["busiest_rank_expert_seconds_after"] for n in ("static", "balanced")}
+    predicted = {n: summary[n]["predicted_busiest_rank_expert_seconds_after"] for n in ("static", "balanced")}
+    summary["busiest_rank_speedup"] = {"measured": measured["static"] / measured["balanced"],
+                                       "predicted": predicted["static"] / predicted["balanced"]}
+    print(f"busiest rank's expert forward, static → balanced: measured {measured['static'] * 1e3:.2f} → "
+          f"{measured['balanced'] * 1e3:.2f} ms (×{summary['busiest_rank_speedup']['measured']:.2f}), predicted "
+          f"{predicted['static'] * 1e3:.2f} → {predicted['balanced'] * 1e3:.2f} ms "
+          f"(×{summary['busiest_rank_speedup']['predicted']:.2f})")
     for run, parts in summary["migration_seconds_slowest_rank"].items():
         print(f"{run:14s} per migration (slowest rank): posted {parts['moved'] * 1e3:.2f} ms, weights landing "
               f"wait {parts['weights_landed'] * 1e3:.2f} ms, state landing wait {parts['landed'] * 1e3:.2f} ms")

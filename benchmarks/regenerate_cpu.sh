@@ -50,6 +50,7 @@ run balance_record_trace.py --steps 80 --no-balance-loss --out $R/balance_trace_
 run balance_traces.py --trace $R/balance_trace_tiny_pangu.jsonl --trace $R/balance_trace_tiny_pangu_no_balance_loss.jsonl
 run balance_traces.py --trace $R/balance_trace_tiny_pangu.jsonl --trace $R/balance_trace_tiny_pangu_no_balance_loss.jsonl \
     --fixed-interval --out $R/balance_traces_fixed_interval.json
+run balance_families.py
 run balance_expert_gemm.py --model tiny-pangu --ep 4 --tokens-per-rank 4096 --zipf 1.0 --device cpu --repeats 7 \
     --threads 1
 run balance_online.py --out $R/balance_online_cpu.json

@@ -33,12 +33,31 @@ def test_text_report(trace_file, capsys):
     assert "MIGRATE" in out and "predicted gain" in out
 
 
+def test_spare_slot_choice(trace_file, capsys):
+    assert main(["balance", "--trace", str(trace_file), "--ep", "4", "--cluster", "cpu", "--spare-slots", "0,1",
+                 "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    none, one = report["spare_slots"]["options"]
+    assert (none["slots_per_rank"], one["slots_per_rank"]) == (4, 5)
+    # one spare slot is the default layout: the same replay as the headline figures
+    assert one["predicted_gain"] == pytest.approx(report["predicted_gain"], rel=1e-12)
+    assert none["memory_bytes_per_rank"] == 0.0 and one["memory_bytes_per_rank"] > 0.0
+    fastest = min(report["spare_slots"]["options"], key=lambda o: o["step_seconds"])
+    recommended = report["spare_slots"]["recommended_spare_per_rank"]
+    chosen = report["spare_slots"]["options"][recommended]
+    assert chosen["step_seconds"] <= 1.005 * fastest["step_seconds"]
+    assert recommended == 0 or none["step_seconds"] > 1.005 * fastest["step_seconds"]
+    assert main(["balance", "--trace", str(trace_file), "--ep", "4", "--cluster", "cpu", "--spare-slots", "0,1"]) == 0
+    assert f"recommended: {recommended} spare slot(s) per rank" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
         (["--ep", "3"], "--ep 3 must divide the trace's 16 experts"),
         (["--ep", "4", "--predictor", "lstm"], "--predictor 'lstm': expected auto, ema:THETA"),
         (["--ep", "4", "--model", "deepseek-v3-671b"], "model 'deepseek-v3-671b' has 256 experts, the trace 16"),
+        (["--ep", "4", "--spare-slots", "1,x"], "--spare-slots '1,x': expected spare slot counts >= 0"),
         (["--ep", "4", "--slots-per-rank", "3"],
          "slots_per_rank=3 is below the 4 experts each rank must hold; use at least 4"),
     ],

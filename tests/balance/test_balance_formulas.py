@@ -104,6 +104,9 @@ class PerCopyCosts:
     def migration_seconds(self, moves, window=None):
         return self.seconds_per_move * sum(move.crosses_ranks for move in moves)
 
+    def migration_bytes(self, moves):
+        return 1e9 * sum(move.crosses_ranks for move in moves)  # 1 GB per expert sent to another rank
+
     def overlap_window_seconds(self, placement, loads):
         return OverlapWindow(0.0, 0.0)
 
@@ -132,6 +135,9 @@ def test_replay_charges_the_migration_in_the_next_step_and_gains_what_is_left() 
     assert result.predicted_gain == pytest.approx(6.0 / 4.25 - 1.0, rel=1e-12)
     assert result.gap_to_ideal == pytest.approx(4.25 / 4.0 - 1.0, rel=1e-12)
     assert result.summary()["migration_seconds_total"] == pytest.approx(0.05, rel=1e-12)
+    assert result.summary()["migration_bytes"] == 1e9  # the one move, across ranks
+    # from step 1 on: 0.45 + 8 · 0.4 = 3.65 s against 9 · 0.4 = 3.6 s
+    assert result.steady_gap_to_ideal == pytest.approx(3.65 / 3.6 - 1.0, rel=1e-12)
 
 
 def test_replay_keeps_a_placement_whose_move_would_not_pay() -> None:

@@ -7,6 +7,7 @@ import pytest
 from moetrain.balance.placement import ExpertPlacement, diff
 from moetrain.balance.solver import (
     align_to,
+    bridge_replicas,
     optimal_shares,
     plan_placement,
     replica_counts,
@@ -119,3 +120,23 @@ def test_bad_inputs():
         plan_placement(np.ones(8), 4, 2, "ilp")
     with pytest.raises(UserError, match="use --slots-per-rank >= 3"):
         plan_placement(np.ones(9), 4, 2)
+
+
+def test_bridging_pairs_ranks_inside_a_node_when_asked():
+    # 4 ranks of 2 slots (one expert and a spare each), 2 ranks per node: ranks 0-1 and 2-3.
+    # Loads 10, 2, 1, 7 (mean 5). Heavy ranks 0 and 3, light ranks 2 (1) and 1 (2), lightest first.
+    loads = np.array([10.0, 2.0, 1.0, 7.0])
+    placement = ExpertPlacement.contiguous(4, 4, 2)
+    anywhere = bridge_replicas(placement, loads)
+    # heaviest with lightest: expert 0 onto rank 2 (11 split 5.5/5.5), expert 3 onto rank 1 (9, at most
+    # 5.5 on either: the LP minimises the busiest rank only)
+    assert [r for r, _ in anywhere.replicas(0)] == [0, 2] and [r for r, _ in anywhere.replicas(3)] == [1, 3]
+    per_rank = anywhere.apply_to_tokens_per_expert(loads)
+    np.testing.assert_allclose(per_rank[[0, 2]], [5.5, 5.5], atol=1e-9)
+    assert per_rank.max() == pytest.approx(5.5) and per_rank.sum() == pytest.approx(20.0)
+    local = bridge_replicas(placement, loads, ranks_per_node=2)
+    # each heavy rank with the light rank of its own node: expert 0 onto rank 1 (12: 6/6), 3 onto 2 (8)
+    assert [r for r, _ in local.replicas(0)] == [0, 1] and [r for r, _ in local.replicas(3)] == [2, 3]
+    per_rank = local.apply_to_tokens_per_expert(loads)
+    np.testing.assert_allclose(per_rank[[0, 1]], [6.0, 6.0], atol=1e-9)
+    assert per_rank.max() == pytest.approx(6.0) and per_rank.sum() == pytest.approx(20.0)

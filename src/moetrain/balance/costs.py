@@ -207,6 +207,11 @@ class BalanceCostModel:
         per_rank = -(-self.model.moe.num_experts // self.ep)  # type: ignore[union-attr]
         return self._window(even, per_rank)
 
+    def migration_bytes(self, moves: list[Move]) -> float:
+        """Bytes a layer's moves send between ranks: weights and optimizer state of every moved slice
+        (a copy inside one rank's memory sends nothing)."""
+        return sum(move.crosses_ranks for move in moves) * self.params_per_slice * self.bytes_per_param
+
     def transfer_seconds(self, moves: list[Move], bytes_per_param: float) -> float:
         """Time to copy ``bytes_per_param`` bytes of every moved expert's parameters (one layer's moves)."""
         expert_bytes = self.params_per_slice * bytes_per_param

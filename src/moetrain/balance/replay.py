@@ -50,6 +50,8 @@ class ReplayResult:
     """[T] the part of ``seconds_after`` that migrations add (exposed copy time)."""
     decisions: list[Decision] = field(default_factory=list)
     final_placements: list[ExpertPlacement] = field(default_factory=list)
+    migration_bytes: float = 0.0
+    """Bytes the migrations sent between ranks (weights and optimizer state, all layers)."""
 
     @property
     def predicted_gain(self) -> float:
@@ -62,11 +64,19 @@ class ReplayResult:
 
     @property
     def gap_to_ideal(self) -> float:
-        """How much slower than the perfectly balanced ideal the balanced run is (0.05 = 5%)."""
+        """How much slower than the perfectly balanced ideal the balanced run is (0.05 = 5%):
+        Σ_t time with balancing (migration included) / Σ_t time with every rank at the mean load − 1,
+        equivalently (1 + ideal gain) / (1 + predicted gain) − 1."""
         return float(self.seconds_after.sum() / self.seconds_ideal.sum() - 1.0)
+
+    @property
+    def steady_gap_to_ideal(self) -> float:
+        """``gap_to_ideal`` from step 1 on: step 0 runs the static layout in any run, before a load is seen."""
+        return float(self.seconds_after[1:].sum() / self.seconds_ideal[1:].sum() - 1.0)
 
     def summary(self) -> dict:
         solve = [d.solve_ms for d in self.decisions]
+        solve_cpu = [d.solve_cpu_ms for d in self.decisions]
         return {
             "steps": int(self.steps.size),
             "imbalance_before": float(self.imbalance_before.mean()),
@@ -77,13 +87,19 @@ class ReplayResult:
             "predicted_gain": self.predicted_gain,
             "ideal_gain": self.ideal_gain,
             "gap_to_ideal": self.gap_to_ideal,
+            "steady_gap_to_ideal": self.steady_gap_to_ideal,
             "migrations": int(sum(d.migrate for d in self.decisions)),
             "migration_seconds_total": float(self.seconds_migration.sum()),
+            "migration_bytes": self.migration_bytes,
+            "fallbacks": int(sum(d.fallback for d in self.decisions)),
+            "shifts": int(sum(d.shift for d in self.decisions)),
             "reshares": int(sum(d.reshare for d in self.decisions)),
             "early_solves": int(sum(d.early for d in self.decisions)),
             "decisions": len(self.decisions),
             "solve_ms_mean": float(np.mean(solve)) if solve else 0.0,
             "solve_ms_max": float(np.max(solve)) if solve else 0.0,
+            "solve_cpu_ms_mean": float(np.mean(solve_cpu)) if solve_cpu else 0.0,
+            "solve_cpu_ms_max": float(np.max(solve_cpu)) if solve_cpu else 0.0,
         }
 
     def per_step(self) -> list[dict]:
@@ -109,6 +125,7 @@ def replay(
     interval: int = REPLAN_INTERVAL,
     horizon: int = PAYBACK_HORIZON,
     adaptive: bool = True,
+    stall_remedies: bool = True,
 ) -> ReplayResult:
     ep = costs.ep
     num_experts = trace.num_experts
@@ -118,7 +135,7 @@ def replay(
     if interval < 1 or horizon < 1:
         raise UserError(f"interval={interval} and horizon={horizon} must be >= 1")
     static = ExpertPlacement.contiguous(num_experts, ep, slots)
-    rule = ReplanRule(costs, interval, horizon, solver, adaptive=adaptive)
+    rule = ReplanRule(costs, interval, horizon, solver, adaptive=adaptive, stall_remedies=stall_remedies)
     loads = trace.tokens_per_expert.astype(float)  # [T, L, E]
     num_steps, num_layers = loads.shape[:2]
 
@@ -130,6 +147,7 @@ def replay(
     seconds_migration = np.zeros(num_steps)
     decisions: list[Decision] = []
     finals: list[ExpertPlacement] = []
+    migration_bytes = 0.0
 
     for layer in range(num_layers):
         current = static
@@ -155,9 +173,10 @@ def replay(
                     exposed = costs.migration_seconds(list(decision.moves), window)
                     seconds_after[t + 1] += exposed
                     seconds_migration[t + 1] += exposed
+                    migration_bytes += costs.migration_bytes(list(decision.moves))
                 current = adopted
         finals.append(current)
     return ReplayResult(
         trace.steps.copy(), imbalance_before, imbalance_after, seconds_before, seconds_after, seconds_ideal,
-        seconds_migration, decisions, finals,
+        seconds_migration, decisions, finals, migration_bytes,
     )

@@ -35,11 +35,20 @@ One rule, shared by the trace replay (``balance.replay``) and the runtime
    stationary or slowly drifting skew has ρ near 1 and keeps the whole horizon; a hot set that
    changes from step to step (routing noise, a router whose balance loss pulls load back) has a small ρ
    and pays for few moves.
+6. **A jump in the load mix is a shift** (``LayerSchedule.observe_shift``, issue #28): the predictor
+   restarts from the step's load, the step's miss counts neither as forecast noise nor as fading
+   skew, and a full re-plan runs at once.
+7. **Global fallback.** An incremental plan that stays ``FALLBACK_GAP`` of the ideal's time further
+   from the ideal than the last solve left the layer has stalled in a local optimum: the placements
+   from scratch are scored beside it (``Decision.fallback``), migration included, and the trigger
+   still decides.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 
@@ -54,6 +63,15 @@ NOISE_SMOOTHING = 0.2
 """Weight of the newest step in ``LayerSchedule.forecast_noise`` (a running mean over about 5 steps)."""
 PERSISTENCE_SMOOTHING = 0.1
 """Weight of the newest step in the running lag-1 statistics behind ``LayerSchedule.persistence``."""
+SHIFT_FACTOR = 4.0
+"""A step whose load mix moved this many times more than the running mean change is a *shift*."""
+SHIFT_FLOOR = 0.02
+"""...and moved at least this share of the tokens (total variation), so sampling noise is never one."""
+SHIFT_WARMUP = 3
+"""Step-to-step changes seen before a shift can be called (the running mean needs a few)."""
+FALLBACK_GAP = 0.02
+"""An incremental plan this much (relative to the ideal's step time) further from the ideal than the last
+solve's plan was asks for a global solve."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +91,7 @@ class Decision:
     """Forecast max/mean rank load with the current placement."""
     imbalance_candidate: float
     solve_ms: float
+    """Wall-clock time of the solve (both solves with a fallback)."""
     reshare: bool = False
     """Only replicas' token shares change (no weights move): applied for free."""
     early: bool = False
@@ -82,6 +101,15 @@ class Decision:
     lasting_steps: float = 0.0
     """Steps the saving was counted over (``ReplanRule.lasting_steps``: the horizon, shortened when the
     load skew does not persist)."""
+    gap_candidate: float = 0.0
+    """The candidate's forecast layer time over the ideal's, minus 1: how far from even it still is."""
+    fallback: bool = False
+    """The incremental search stayed more than ``FALLBACK_GAP`` above the ideal, so a global solve ran."""
+    solve_cpu_ms: float = 0.0
+    """This process's CPU time for the same solves: on a host shared with other jobs the wall clock counts
+    their time too."""
+    shift: bool = False
+    """The load mix jumped (see ``LayerSchedule.observe_shift``): the forecast restarted from the step's load."""
 
     @property
     def num_moves(self) -> int:
@@ -94,7 +122,8 @@ class Decision:
             "num_moves": self.num_moves, "imbalance_current": round(self.imbalance_current, 4),
             "imbalance_candidate": round(self.imbalance_candidate, 4), "solve_ms": round(self.solve_ms, 3),
             "reshare": self.reshare, "early": self.early, "forecast_steps": self.forecast_steps,
-            "lasting_steps": round(self.lasting_steps, 2),
+            "lasting_steps": round(self.lasting_steps, 2), "gap_candidate": round(self.gap_candidate, 5),
+            "fallback": self.fallback, "shift": self.shift, "solve_cpu_ms": round(self.solve_cpu_ms, 3),
         }
 
 
@@ -121,10 +150,36 @@ class LayerSchedule:
     """Running mean of the product of their norms."""
     previous_deviation: np.ndarray | None = field(default=None, compare=False)
     """The last step's deviation (compared by the state tests, not by ``==``)."""
+    step_change: float = 0.0
+    """Running mean of the step-to-step change of the load mix (total variation of the token shares)."""
+    changes: int = 0
+    """Step-to-step changes absorbed into ``step_change``."""
+    previous_share: np.ndarray | None = field(default=None, compare=False)
+    """The last step's token share per expert."""
 
-    def observe_deviation(self, tokens_per_expert: np.ndarray) -> None:
+    def observe_shift(self, tokens_per_expert: np.ndarray) -> bool:
+        """Whether this step's load mix jumped away from the last one's: its total variation
+        ½·Σ|p_t − p_{t−1}| (the share of tokens that changed expert) exceeds ``SHIFT_FACTOR`` × its running
+        mean and ``SHIFT_FLOOR``. Sampling noise and drifts move the mix a little every step and set the
+        mean; a hot set handed over at once moves it by the hot experts' share in one step. A shift is
+        not absorbed into the mean, so the next one is still seen."""
+        loads = np.asarray(tokens_per_expert, dtype=float)
+        share = loads / max(float(loads.sum()), 1e-12)
+        previous, self.previous_share = self.previous_share, share
+        if previous is None:
+            return False
+        change = 0.5 * float(np.abs(share - previous).sum())
+        if self.changes >= SHIFT_WARMUP and change > max(SHIFT_FACTOR * self.step_change, SHIFT_FLOOR):
+            return True
+        self.changes += 1
+        self.step_change += max(PERSISTENCE_SMOOTHING, 1.0 / self.changes) * (change - self.step_change)
+        return False
+
+    def observe_deviation(self, tokens_per_expert: np.ndarray, absorb: bool = True) -> None:
+        """Absorb the lag-1 pair (last step, this step) into the running statistics; ``absorb=False``
+        only makes this step the next pair's first."""
         deviation = np.asarray(tokens_per_expert, dtype=float) - float(np.mean(tokens_per_expert))
-        if self.previous_deviation is not None:
+        if self.previous_deviation is not None and absorb:
             cross = float(deviation @ self.previous_deviation)
             norm = float(np.linalg.norm(deviation) * np.linalg.norm(self.previous_deviation))
             weight = 1.0 if self.lag_norm == 0.0 else PERSISTENCE_SMOOTHING  # the first pair sets them
@@ -143,17 +198,22 @@ class LayerSchedule:
     def state_dict(self) -> dict:
         """JSON-ready: every field by name."""
         state = {f.name: getattr(self, f.name) for f in fields(self)}
-        if self.previous_deviation is not None:
-            state["previous_deviation"] = self.previous_deviation.tolist()
+        for name in _ARRAY_FIELDS:
+            if state[name] is not None:
+                state[name] = state[name].tolist()
         return state
 
     @classmethod
     def from_state_dict(cls, state: dict) -> LayerSchedule:
         """Fields missing from an older checkpoint keep their defaults."""
         values = {f.name: state[f.name] for f in fields(cls) if f.name in state}
-        if values.get("previous_deviation") is not None:
-            values["previous_deviation"] = np.array(values["previous_deviation"], dtype=float)
+        for name in _ARRAY_FIELDS:
+            if values.get(name) is not None:
+                values[name] = np.array(values[name], dtype=float)
         return cls(**values)
+
+
+_ARRAY_FIELDS = ("previous_deviation", "previous_share")
 
 
 @dataclass
@@ -167,6 +227,9 @@ class ReplanRule:
     trigger_margin: float = 1.0
     adaptive: bool = True
     """False: solve every ``interval`` steps only, forecasting ``interval`` steps (the fixed schedule)."""
+    stall_remedies: bool = True
+    """False: without the shift check, the global fallback and node-local bridging (rules 6 and 7 and
+    ``solver.bridge_replicas(ranks_per_node)``), the rule as it was before issue #28, for comparison."""
     _cheapest_move_s: float | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -210,14 +273,20 @@ class ReplanRule:
         check, and maybe solve. Returns the decision (None when no solve ran) and the placement for the
         next step (``current`` unless the trigger fired or the shares changed)."""
         schedule.checks += 1
+        actual = np.asarray(actual, dtype=float)
+        shift = self.adaptive and self.stall_remedies and schedule.observe_shift(actual)
+        if shift:
+            # the old regime's level (and trend) forecast the new one worse than the step itself does
+            predictor_state.clear()
+            predictor_state.update(predictor.init_state(actual))
         if self.adaptive:
-            schedule.observe_deviation(actual)
-        lasting = self.lasting_steps(schedule)
-        if self.adaptive and schedule.predicted_excess is not None:
-            realized = self.excess_seconds(current, np.asarray(actual, dtype=float))
+            # a shift is a new regime, not evidence that skews fade: it restarts the lag-1 pair only
+            schedule.observe_deviation(actual, absorb=not shift)
+        if self.adaptive and schedule.predicted_excess is not None and not shift:
+            realized = self.excess_seconds(current, actual)
             error = abs(realized - schedule.predicted_excess)
             schedule.forecast_noise += NOISE_SMOOTHING * (error - schedule.forecast_noise)
-        due = schedule.last_full is None or step - schedule.last_full >= self.interval
+        due = shift or schedule.last_full is None or step - schedule.last_full >= self.interval
         early = False
         if not due:
             if not self.adaptive:
@@ -225,33 +294,59 @@ class ReplanRule:
             forecast = predictor.forecast(predictor_state, self.forecast_steps(schedule))
             excess = self.excess_seconds(current, forecast)
             # what a re-plan could win back beyond the forecast's own noise, over the horizon
-            recoverable = lasting * (excess - schedule.reference_excess - schedule.forecast_noise)
+            recoverable = self.lasting_steps(schedule) * (excess - schedule.reference_excess
+                                                          - schedule.forecast_noise)
             if not recoverable > self.cheapest_move_seconds:
                 schedule.predicted_excess = excess
                 return None, current
             early = True
         if schedule.last_solve is not None and self.adaptive:
             schedule.life = min(step - schedule.last_solve, self.interval)
+        decision, adopted = self._solve(step, layer, schedule, current, predictor.forecast, predictor_state, early)
+        return replace(decision, shift=shift), adopted
+
+    def _solve(
+        self, step: int, layer: int, schedule: LayerSchedule, current: ExpertPlacement,
+        forecast_of: Callable[[dict[str, np.ndarray], int], np.ndarray], predictor_state: dict[str, np.ndarray],
+        early: bool,
+    ) -> tuple[Decision, ExpertPlacement]:
+        """Plan (incremental when ``early``, with the global fallback), then the trigger."""
+        lasting = self.lasting_steps(schedule)
         # a full re-plan serves until the next one (``interval`` steps); an incremental one until the next check
         window = self.forecast_steps(schedule) if early else min(self.interval, self.horizon)
-        forecast = predictor.forecast(predictor_state, window)
+        forecast = forecast_of(predictor_state, window)
         seconds_current = float(self.costs.layer_seconds(current, forecast))
+        ideal = float(self.costs.ideal_layer_seconds(forecast))
         # the copies travel under the next step's compute; the solver's score assumes the least compute
         # any placement can have (the even one), the trigger the candidate's own
         least_window = self.costs.ideal_overlap_window_seconds(forecast)
 
-        def plan(candidates: str) -> tuple[ExpertPlacement, float]:
-            return timed_plan(
-                forecast, current.num_ranks, current.slots_per_rank, self.solver,
-                score=lambda p: float(self.costs.layer_seconds(p, forecast))
-                + self.costs.migration_seconds(diff(current, p), least_window) / lasting,
-                current=current, candidates=candidates,
-            )
+        def score(placement: ExpertPlacement) -> float:
+            return (float(self.costs.layer_seconds(placement, forecast))
+                    + self.costs.migration_seconds(diff(current, placement), least_window) / lasting)
 
-        # early (drift-triggered) solves offer only moves that build on the current placement
+        def plan(candidates: str) -> tuple[ExpertPlacement, float]:
+            return timed_plan(forecast, current.num_ranks, current.slots_per_rank, self.solver, score=score,
+                              current=current, candidates=candidates,
+                              ranks_per_node=self.costs.cluster.devices_per_node if self.stall_remedies else None)
+
+        cpu_start = time.process_time()
+        # early (drift-triggered) solves offer only moves that build on the current placement ...
         candidate, solve_s = plan("incremental" if early else "all")
-        moves = diff(current, candidate)
         seconds_candidate = float(self.costs.layer_seconds(candidate, forecast))
+        # ... unless those stall far from the ideal, and from what the last solve reached (a local optimum
+        # a few exchanges cannot leave): then the placements from scratch join them, each still scored with
+        # its migration. Where no placement gets near the ideal (a few whole experts per rank, replicas'
+        # all-reduces), the reference is as far and the incremental plan stands.
+        fallback = (early and self.stall_remedies
+                    and seconds_candidate - ideal > schedule.reference_excess + FALLBACK_GAP * ideal)
+        if fallback:
+            scratch, more_s = plan("scratch")
+            solve_s += more_s
+            candidate = min((candidate, scratch), key=score)
+            seconds_candidate = float(self.costs.layer_seconds(candidate, forecast))
+        solve_cpu_s = time.process_time() - cpu_start
+        moves = diff(current, candidate)
         saving = lasting * (seconds_current - seconds_candidate)
         migration = self.costs.migration_seconds(moves, self.costs.overlap_window_seconds(candidate, forecast))
         # only the saving beyond the forecast's measured noise is counted on to last
@@ -259,16 +354,17 @@ class ReplanRule:
         migrate = bool(moves) and sure_saving > 0.0 and sure_saving > self.trigger_margin * migration
         reshare = not moves and saving > 0.0 and candidate != current
         adopted = candidate if (migrate or reshare) else current
-        ideal = float(self.costs.ideal_layer_seconds(forecast))
         schedule.reference_excess = (seconds_candidate if adopted is candidate else seconds_current) - ideal
         schedule.predicted_excess = schedule.reference_excess
         schedule.last_solve = step
-        if not early:
+        if not early:  # a fallback leaves the full re-plans' schedule as it was
             schedule.last_full = step
         decision = Decision(
             step=step, layer=layer, migrate=migrate, predicted_saving_s=saving, migration_s=migration,
             moves=tuple(moves), imbalance_current=float(current.imbalance(forecast)),
             imbalance_candidate=float(candidate.imbalance(forecast)), solve_ms=solve_s * 1e3,
+            solve_cpu_ms=solve_cpu_s * 1e3,
             reshare=reshare, early=early, forecast_steps=window, lasting_steps=lasting,
+            gap_candidate=seconds_candidate / ideal - 1.0 if ideal > 0 else 0.0, fallback=fallback,
         )
         return decision, adopted

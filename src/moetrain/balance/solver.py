@@ -200,7 +200,25 @@ def improve_stepwise(current: ExpertPlacement, loads: np.ndarray) -> list[Expert
     return [ExpertPlacement.from_slot_experts(loads.size, t, optimal_shares(t, loads)) for t in unique]
 
 
-def bridge_replicas(placement: ExpertPlacement, loads: np.ndarray) -> ExpertPlacement:
+def _node_local_pairs(heavy: list[int], light: list[int], ranks_per_node: int) -> list[tuple[int, int]]:
+    """Each heavy rank with the lightest unpaired light rank of its own node, where one is left, else
+    with the lightest unpaired one anywhere: a bridged expert's gradient all-reduce then stays inside a
+    node where it can (the cost model prices in-node all-reduces several times cheaper)."""
+    left = list(light)
+    pairs = []
+    for high in heavy:
+        if not left:
+            break
+        same_node = [low for low in left if low // ranks_per_node == high // ranks_per_node]
+        low = same_node[0] if same_node else left[0]
+        left.remove(low)
+        pairs.append((high, low))
+    return pairs
+
+
+def bridge_replicas(
+    placement: ExpertPlacement, loads: np.ndarray, ranks_per_node: int | None = None
+) -> ExpertPlacement:
     """The placement plus replicas that pair each rank above the mean load with one below it.
 
     Whole experts are coarse: with ``E/R`` experts per rank, packing alone leaves the busiest rank
@@ -209,7 +227,8 @@ def bridge_replicas(placement: ExpertPlacement, loads: np.ndarray) -> ExpertPlac
     on the partner) replicated onto the lightest rank with a free slot, the second heaviest onto the
     second lightest, and so on; the LP then splits each bridged expert so that the pair meets in the
     middle. One extra replica per pair: a move and a gradient all-reduce, which the caller's score
-    weighs against the time saved."""
+    weighs against the time saved. With ``ranks_per_node``, partners are sought inside the heavy
+    rank's node first (``_node_local_pairs``)."""
     loads = np.asarray(loads, dtype=float)
     num_ranks, slots = placement.num_ranks, placement.slots_per_rank
     table = placement.slot_expert.reshape(num_ranks, slots).copy()
@@ -220,7 +239,8 @@ def bridge_replicas(placement: ExpertPlacement, loads: np.ndarray) -> ExpertPlac
     heavy = [int(r) for r in np.argsort(-rank_load, kind="stable") if rank_load[r] > mean]
     light = [int(r) for r in np.argsort(rank_load, kind="stable") if rank_load[r] < mean]
     changed = False
-    for high, low in zip(heavy, light):
+    pairs = list(zip(heavy, light)) if ranks_per_node is None else _node_local_pairs(heavy, light, ranks_per_node)
+    for high, low in pairs:
         gap = rank_load[high] - rank_load[low]
         if free[low] == 0:
             # A light rank full of small experts: hand its smallest one (that the busy rank lacks)
@@ -328,6 +348,14 @@ def solve_milp(
     return ExpertPlacement.from_slot_experts(e, table, share)
 
 
+def _holds(table: np.ndarray, num_experts: int) -> np.ndarray:
+    """[R, E] 1.0 where rank r holds expert e (a rank holds an expert at most once)."""
+    holds = np.zeros((table.shape[0], num_experts))
+    ranks, slots = np.nonzero(table != EMPTY_SLOT)
+    holds[ranks, table[ranks, slots]] = 1.0
+    return holds
+
+
 def align_to(placement: ExpertPlacement, current: ExpertPlacement) -> ExpertPlacement:
     """The same placement with ranks relabelled, and experts reordered inside each rank, so that the
     most experts stay in the slot they occupy in ``current`` (ranks are interchangeable for the
@@ -336,10 +364,7 @@ def align_to(placement: ExpertPlacement, current: ExpertPlacement) -> ExpertPlac
     new_table = placement.slot_expert.reshape(r, s)
     new_share = placement.slot_share.reshape(r, s)
     old_table = current.slot_expert.reshape(r, s)
-    overlap = np.zeros((r, r))
-    for a in range(r):
-        experts = new_table[a][new_table[a] != EMPTY_SLOT]
-        overlap[a] = np.isin(old_table, experts).sum(axis=1)
+    overlap = _holds(new_table, placement.num_experts) @ _holds(old_table, placement.num_experts).T
     rows, cols = linear_sum_assignment(-overlap)
     table = np.full((r, s), EMPTY_SLOT, dtype=np.int64)
     share = np.zeros((r, s))
@@ -368,6 +393,7 @@ def plan_placement(
     score: Callable[[ExpertPlacement], float] | None = None,
     current: ExpertPlacement | None = None,
     candidates: str = "all",
+    ranks_per_node: int | None = None,
 ) -> ExpertPlacement:
     """Best placement for predicted ``loads`` [E] among a few candidates, by ``score`` (the caller's
     predicted step time, migration included; default: the busiest rank's load).
@@ -379,7 +405,8 @@ def plan_placement(
     Candidates: the solver's placement for several replica budgets (none, just enough that no replica
     exceeds the even share, half and all of the spare slots) and, for ``local`` with a ``current``
     placement, the steps of a local search started from it (few moves each). Every candidate is aligned to ``current``
-    before it is scored, so that its migration cost is the smallest its layout allows."""
+    before it is scored, so that its migration cost is the smallest its layout allows. With ``ranks_per_node``
+    (EP over several nodes), each unbridged candidate is also offered with node-local bridging replicas."""
     if solver not in SOLVERS:
         raise UserError(f"unknown solver {solver!r}; choose one of: {', '.join(SOLVERS)}")
     loads = np.maximum(np.asarray(loads, dtype=float), 0.0)
@@ -406,10 +433,14 @@ def plan_placement(
     if warm:
         assert current is not None
         pool.extend(improve_stepwise(current, loads))
+    unbridged = len(pool)
     if solver != "milp":
         pool.extend([bridged for c in pool if (bridged := bridge_replicas(c, loads)) is not c])
     if current is not None:
         pool = [align_to(c, current) for c in pool]
+    if solver != "milp" and ranks_per_node is not None and 1 < ranks_per_node < num_ranks:
+        # bridged after the relabelling, which would scatter node-local pairs over nodes again
+        pool.extend([b for c in pool[:unbridged] if (b := bridge_replicas(c, loads, ranks_per_node)) is not c])
     if score is None:
         score = lambda p: float(p.apply_to_tokens_per_expert(loads).max())
     return min(pool, key=score)

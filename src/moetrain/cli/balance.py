@@ -31,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="steps over which a migration's predicted saving must repay its cost")
     parser.add_argument("--seq-len", type=int, default=4096, help="sequence length for the attention cost")
     parser.add_argument("--a2a", choices=["flat", "hierarchical"], default="flat", help="expert all-to-all kind")
+    parser.add_argument("--spare-slots", metavar="N,N,...",
+                        help="also replay with experts/ep + N slots per rank for each N (e.g. 0,1,2) and recommend "
+                             "the fewest spare slots whose step time is within 0.5%% of the best")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
@@ -49,6 +52,29 @@ def _parse_predictor(text: str):
     raise UserError(f"--predictor {text!r}: expected auto, ema:THETA (e.g. ema:0.9) or holt:ALPHA,BETA")
 
 
+def _parse_spare(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        counts = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 0:
+        raise UserError(f"--spare-slots {text!r}: expected spare slot counts >= 0 separated by commas, e.g. 0,1,2")
+    return counts
+
+
+def _render_spare(choice) -> list[str]:
+    lines = ["spare slots per rank (replayed each; memory over all MoE layers of the model, per rank):"]
+    for o in choice.options:
+        mark = "  <- recommended" if o is choice.recommended else ""
+        lines.append(f"  {o.spare_per_rank} spare ({o.slots_per_rank} slots): gain {o.predicted_gain:+.1%}, "
+                     f"{o.gap_to_ideal:.1%} from ideal, {o.memory_bytes_per_rank / 2**30:.2f} GiB per rank{mark}")
+    lines.append(f"recommended: {choice.recommended.spare_per_rank} spare slot(s) per rank (--slots-per-rank "
+                 f"{choice.recommended.slots_per_rank}): the fewest within {choice.tolerance:.1%} of the best")
+    return lines
+
+
 def _default_model(num_experts: int) -> str:
     from moetrain.config import load_model_config, model_presets
 
@@ -63,9 +89,11 @@ def run(args: argparse.Namespace) -> int:
     from moetrain.balance.costs import BalanceCostModel
     from moetrain.balance.predict import DEFAULT_CANDIDATES, forecast_error, select_predictor
     from moetrain.balance.replay import replay
+    from moetrain.balance.slots import choose_spare_slots
     from moetrain.balance.traces import read_trace
     from moetrain.config import load_cluster_config, load_model_config
 
+    spare_options = _parse_spare(args.spare_slots)
     trace = read_trace(args.trace)
     model = load_model_config(args.model or _default_model(trace.num_experts))
     if model.moe is None or model.moe.num_experts != trace.num_experts:
@@ -93,12 +121,17 @@ def run(args: argparse.Namespace) -> int:
     summary = result.summary()
     slots = args.slots_per_rank or trace.num_experts // args.ep + 1
     migrations = [d.as_dict() for d in result.decisions if d.migrate]
+    spare = None if spare_options is None else choose_spare_slots(
+        trace, costs, predictor, spare_options, solver=args.solver, interval=args.interval, horizon=args.horizon)
     if args.json:
         print(json.dumps({
             "trace": args.trace, "model": model.name, "cluster": cluster.name, "ep": args.ep,
             "slots_per_rank": slots, "solver": args.solver, "predictor": predictor.name,
             "forecast_error": errors, **summary, "migrations": migrations,
             "decisions": [d.as_dict() for d in result.decisions],
+            **({} if spare is None else {"spare_slots": {
+                "options": [vars(o) for o in spare.options],
+                "recommended_spare_per_rank": spare.recommended.spare_per_rank}}),
         }, indent=2))
         return 0
     print(f"trace {args.trace}: {trace.num_steps} steps × {trace.num_layers} MoE layers × {trace.num_experts} experts;"
@@ -110,6 +143,8 @@ def run(args: argparse.Namespace) -> int:
           "last vs the migration time it exposes")
     for d in result.decisions:
         verdict = f"MIGRATE {d.num_moves} moves" if d.migrate else "keep"
+        verdict += " (global fallback)" if d.fallback else ""
+        verdict += " (load shift)" if d.shift else ""
         print(f"  step {d.step:5d} layer {d.layer:3d}: {d.imbalance_current:6.3f} → {d.imbalance_candidate:6.3f}, "
               f"saving {d.predicted_saving_s * 1e3:9.3g} ms over {d.lasting_steps:4.1f} steps vs cost "
               f"{d.migration_s * 1e3:9.3g} ms: "
@@ -120,5 +155,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"predicted MoE-layer time per step: {summary['step_seconds_before']:.4g}s → "
           f"{summary['step_seconds_after']:.4g}s (ideal {summary['step_seconds_ideal']:.4g}s)")
     print(f"predicted gain {summary['predicted_gain']:+.1%} (ideal {summary['ideal_gain']:+.1%}; "
-          f"{summary['gap_to_ideal']:.1%} slower than ideal); {summary['migrations']} migrations")
+          f"{summary['gap_to_ideal']:.1%} slower than ideal); {summary['migrations']} migrations "
+          f"({summary['migration_bytes'] / 1e9:.3g} GB), {summary['fallbacks']} global fallbacks, "
+          f"{summary['shifts']} load shifts")
+    if spare is not None:
+        print("\n".join(_render_spare(spare)))
     return 0
