@@ -32,7 +32,7 @@ def test_a_checkpoint_gives_the_policy_every_tensor_but_the_mtp_modules(pangu_ch
     folder, saved = pangu_checkpoint
     cfg = policy_config(starting_config(folder, None))
     assert cfg.num_mtp_layers == 0 and cfg.name == "tiny-pangu"
-    state = starting_weights(folder, None, cfg)
+    state = starting_weights(folder, cfg)
     assert set(state) < set(saved) and all("mtp" in name for name in set(saved) - set(state))
     for name, value in state.items():
         assert torch.equal(value, saved[name]), name
@@ -44,7 +44,7 @@ def test_a_hugging_face_folder_gives_the_same_weights(tmp_path):
     save_pretrained(model, tmp_path / "hf")
     got = starting_config(tmp_path / "hf", None)
     assert got.num_layers == cfg.num_layers and got.moe.num_experts == cfg.moe.num_experts
-    state = starting_weights(tmp_path / "hf", None, policy_config(got))
+    state = starting_weights(tmp_path / "hf", policy_config(got))
     for name, value in model.state_dict().items():
         assert torch.equal(state[name], value), name
 

@@ -254,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
     if args.from_path:
         from moetrain.rl.start import starting_weights
 
-        model.load_state_dict(starting_weights(Path(args.from_path), args.model, model_cfg))
+        model.load_state_dict(starting_weights(Path(args.from_path), model_cfg))
     if sft_spec is not None:
         model.load_state_dict(_warm_up(sft_spec, get_task(options.task), model_cfg, console, model))
     reference = None
@@ -289,7 +289,7 @@ def _launch(args: argparse.Namespace, sft_spec, rl_spec, options, model_cfg) -> 
     run = {"sft": sft_spec.to_json() if sft_spec is not None else None, "rl": rl_spec.to_json(),
            "options": options.model_dump_json(), "model": model_cfg.model_dump_json(),
            "fusion": fusion_options(args).model_dump_json(), "plot": str(plot.resolve()) if plot else None,
-           "from": {"path": str(Path(args.from_path).resolve()), "model": args.model} if args.from_path else None}
+           "from": {"path": str(Path(args.from_path).resolve())} if args.from_path else None}
     payload = log_dir / "rl_run.json"
     payload.write_text(json.dumps(run), encoding="utf-8")
     return launch(rl_spec, log_dir, entry="moetrain.rl.worker", env={"MOETRAIN_RL_RUN": str(payload)}, command="rl")

@@ -73,19 +73,25 @@ def model_yaml_near(step_folder: Path) -> Path | None:
     return None
 
 
-def read_checkpoint_model(path: str | Path, model: str | None = None) -> tuple[MoETransformer, ModelConfig]:
+def read_checkpoint_model(path: str | Path, model: str | None = None,
+                          cfg: ModelConfig | None = None) -> tuple[MoETransformer, ModelConfig]:
     """The model of the newest complete checkpoint under ``path`` (a save dir or one step folder).
 
-    ``model`` is a preset name or YAML; by default the ``model.yaml`` beside the checkpoint.
+    ``model`` is a preset name or YAML; by default the ``model.yaml`` beside the checkpoint. ``cfg``, when
+    given, is the model to read instead (e.g. the RL policy: the model less its MTP modules, whose tensors
+    the checkpoint may or may not hold).
     """
     step_folder = newest_step_folder(Path(path))
-    if model is None:
+    if cfg is not None:
+        model = cfg.name
+    elif model is None:
         found = model_yaml_near(step_folder)
         if found is None:
             raise UserError(f"no {MODEL_YAML} beside {step_folder}; pass --model with the preset or YAML "
                             "the run was trained with")
         model = str(found)
-    cfg = load_model_config(model)
+    if cfg is None:
+        cfg = load_model_config(model)
     net = MoETransformer(cfg, device="meta").to_empty(device="cpu")
     for module in net.modules():
         if hasattr(module, "score_bias"):

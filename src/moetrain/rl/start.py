@@ -45,7 +45,7 @@ def starting_config(path: Path, model: str | None) -> ModelConfig:
     return load_model_config(str(found))
 
 
-def starting_weights(path: Path, model: str | None, policy_cfg: ModelConfig) -> dict[str, torch.Tensor]:
+def starting_weights(path: Path, policy_cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """The policy's state dict from the weights at ``path``."""
     from moetrain.models.transformer import build_model
 
@@ -56,7 +56,7 @@ def starting_weights(path: Path, model: str | None, policy_cfg: ModelConfig) -> 
     else:
         from moetrain.hf.checkpoint import read_checkpoint_model
 
-        net, _ = read_checkpoint_model(path, model)
+        net, _ = read_checkpoint_model(path, cfg=policy_cfg)
     state = net.state_dict()
     wanted = build_model(policy_cfg, "meta").state_dict()
     missing = [name for name in wanted if name not in state]

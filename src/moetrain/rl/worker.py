@@ -44,7 +44,7 @@ def run_rank(run: dict) -> None:
         from moetrain.rl.start import starting_weights
 
         model = build_model(model_cfg, device, seed=rl_spec.training.seed)
-        model.load_state_dict(starting_weights(Path(run["from"]["path"]), run["from"]["model"], model_cfg))
+        model.load_state_dict(starting_weights(Path(run["from"]["path"]), model_cfg))
     if run["sft"] is not None:
         sft_spec = RunSpec.model_validate_json(run["sft"])
         if sft_spec.run.save_dir and latest_checkpoint(Path(sft_spec.run.save_dir)) is not None:
