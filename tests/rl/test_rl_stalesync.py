@@ -3,6 +3,7 @@
 
 import io
 import math
+import time
 
 import pytest
 import torch
@@ -16,7 +17,14 @@ from moetrain.rl.config import GRPOConfig, RLOptions, StaleSyncOptions
 from moetrain.rl.grpo import grpo_token_loss
 from moetrain.rl.loop import RLTrainer
 from moetrain.rl.sft import sequence_len_for
-from moetrain.rl.stalesync import StaleSyncJob, generation_version, pushed_versions, run_stalesync
+from moetrain.rl.stalesync import (
+    RolloutWorker,
+    StaleSyncJob,
+    StaleSyncTrainer,
+    generation_version,
+    pushed_versions,
+    run_stalesync,
+)
 from moetrain.rl.tasks import get_task
 
 TASK = get_task("addition")
@@ -135,3 +143,30 @@ def test_decoupled_loss_in_the_pipeline_matches_tis_with_one_update_per_batch():
         if "loss" in a:
             assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
             assert b["is_weight_mean"] == pytest.approx(a["is_weight_mean"], rel=1e-4)
+
+
+def test_a_dead_rollout_worker_ends_the_run_with_one_message_naming_it(monkeypatch):
+    def die(self, batch):
+        if batch == 1:
+            raise RuntimeError("generation crashed")
+        return original(self, batch)
+
+    original = RolloutWorker.generate
+    monkeypatch.setattr(RolloutWorker, "generate", die)  # the forked ranks inherit it
+    start = time.monotonic()
+    message = r"StaleSync rollout worker \(rank 0\) failed: RuntimeError: generation crashed"
+    with pytest.raises(Exception, match=message):
+        _stalesync(3, staleness=1)
+    assert time.monotonic() - start < 60
+
+
+def test_a_dead_trainer_ends_the_run_with_one_message_naming_it(monkeypatch):
+    def die(self):
+        raise RuntimeError("optimizer crashed")
+
+    monkeypatch.setattr(StaleSyncTrainer, "after_step", die)
+    start = time.monotonic()
+    # the rollout worker, waiting in the weight sync, loses its peer: the message still names the trainer
+    with pytest.raises(Exception, match=r"StaleSync trainer \(rank 1\) (failed: RuntimeError: optimizer crashed|died)"):
+        _stalesync(3, staleness=0)
+    assert time.monotonic() - start < 60

@@ -29,6 +29,7 @@ weight is min(π_prox/μ, C) (Hilton et al. 2022, "Batch size-invariance for pol
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -225,6 +226,10 @@ class StaleSyncTrainer(RLTrainer):
                                          self.options.grpo.temperature).cpu())
         return torch.cat(chunks)
 
+    def describe(self) -> str:
+        return (super().describe() + f" · StaleSync k={self.stale.staleness}, disaggregated (rank {ROLLOUT_RANK} "
+                f"generates, rank {TRAINER_RANK} trains), loss {self.stale.loss}")
+
     def after_step(self) -> dict[str, Any]:
         extra = super().after_step()
         if self.weight_version in self.pushes:
@@ -234,16 +239,46 @@ class StaleSyncTrainer(RLTrainer):
         return extra
 
 
+ROLES = {ROLLOUT_RANK: "rollout worker", TRAINER_RANK: "trainer"}
+PEER_LOST = re.compile(r"Connection (reset|closed) by peer|Socket Timeout|timed out", re.I)
+"""gloo's errors of a rank whose peer is gone (as ``distributed.launch`` recognises them)."""
+PEER_GRACE_S = 5.0
+
+
+class StaleSyncWorkerError(RuntimeError):
+    """A worker of the pipeline failed: the one message of the run names it."""
+
+
 def run_stalesync(rank: int, world_size: int, job: StaleSyncJob) -> RolloutReport | TrainerReport:
-    """One rank of the pipeline (``spawn``'s entry in tests and benchmarks; the CLI's ranks call it too)."""
-    channels = Channels.build(rank)
-    if rank == ROLLOUT_RANK:
-        return RolloutWorker(job, channels).run()
+    """One rank of the pipeline (``spawn``'s entry in tests and benchmarks; the CLI's ranks call it too).
+    A failure is raised naming the worker; its peer, left waiting on a message or a sync, is stopped by
+    the launcher (``spawn`` / torchrun end every rank when one fails) or by the group's timeout."""
+    try:
+        channels = Channels.build(rank)
+        if rank == ROLLOUT_RANK:
+            return RolloutWorker(job, channels).run()
+        return _train(job, channels)
+    except UserError:
+        raise
+    except Exception as exc:
+        peer = 1 - rank
+        if PEER_LOST.search(str(exc)):
+            # The peer died: its own report (with the cause) should be the run's message, so give the
+            # launcher time to see it first and stop this rank; otherwise this one names the dead peer.
+            time.sleep(PEER_GRACE_S)
+            raise StaleSyncWorkerError(f"StaleSync {ROLES[peer]} (rank {peer}) died: the {ROLES[rank]} (rank {rank}) "
+                                       f"lost it ({str(exc).splitlines()[0][:120]})") from exc
+        raise StaleSyncWorkerError(f"StaleSync {ROLES[rank]} (rank {rank}) failed: "
+                                   f"{type(exc).__name__}: {exc}") from exc
+
+
+def _train(job: StaleSyncJob, channels: Channels) -> TrainerReport:
     model = build_model(job.model_cfg, torch.device("cpu"), seed=job.spec.training.seed)
     if job.initial is not None:
         model.load_state_dict(job.initial)
     start = time.perf_counter()
     trainer = StaleSyncTrainer(job, channels, model=model)
+    trainer.console.print(trainer.describe())
     rows = trainer.train()
     state = {name: value.detach().clone() for name, value in trainer.run.stage.model.state_dict().items()}
     return TrainerReport(rows, trainer.trained, trainer.samples, trainer.dropped_batches, trainer.dropped_samples,
