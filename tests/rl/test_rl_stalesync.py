@@ -2,6 +2,7 @@
 ``RLTrainer`` bit for bit; no batch older than k is trained on; the decoupled loss by hand."""
 
 import io
+import json
 import math
 import time
 
@@ -10,6 +11,7 @@ import torch
 from rich.console import Console
 from rl_models import small_model
 
+from moetrain.cli import main
 from moetrain.config import TrainingConfig
 from moetrain.config.run import RunSpec
 from moetrain.distributed.world import spawn
@@ -26,6 +28,7 @@ from moetrain.rl.stalesync import (
     run_stalesync,
 )
 from moetrain.rl.tasks import get_task
+from refusals import refused
 
 TASK = get_task("addition")
 SEQ_LEN = sequence_len_for(TASK, TASK.max_answer_chars + 2)
@@ -170,3 +173,31 @@ def test_a_dead_trainer_ends_the_run_with_one_message_naming_it(monkeypatch):
     with pytest.raises(Exception, match=r"StaleSync trainer \(rank 1\) (failed: RuntimeError: optimizer crashed|died)"):
         _stalesync(3, staleness=0)
     assert time.monotonic() - start < 60
+
+
+TINY = ["--sft-steps", "2", "--sft-batch", "8", "--steps", "3", "--prompts", "2", "--group-size", "2",
+        "--eval-size", "4", "--device", "cpu", "--quiet"]
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["rl", "--staleness", "2", "--engine", "ray"], ("--engine ray", "not built yet")),
+    (["rl", "--staleness", "1", "--placement", "colocated"], ("--placement colocated", "not built yet")),
+    (["rl", "--placement", "disaggregated"], ("give --staleness K",)),
+    (["rl", "--staleness", "-1"], ("--staleness -1",)),
+    (["rl", "--staleness", "1", "--nproc", "4"], ("--nproc", "not built yet")),
+])
+def test_cli_refuses_what_is_not_built_in_one_line_exit_2(capsys, argv, expected):
+    refused(capsys, argv, *expected)
+
+
+@pytest.mark.slow
+def test_cli_runs_the_disaggregated_pipeline_on_two_ranks(tmp_path, capsys):
+    metrics = tmp_path / "rl.jsonl"
+    argv = ["rl", *TINY, "--staleness", "1", "--placement", "disaggregated", "--metrics-out", str(metrics),
+            "--log-dir", str(tmp_path / "log")]
+    assert main(argv) == 0, capsys.readouterr().err
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r]
+    assert [r["weight_version"] for r in steps] == [0, 0, 1]
+    assert [r["staleness_max"] for r in steps] == [0, 1, 1] and steps[-1]["dropped_samples"] == 0
+    assert metrics.with_suffix(".png").stat().st_size > 1000
