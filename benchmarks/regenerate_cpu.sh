@@ -62,4 +62,5 @@ run ep_overlap.py --nproc 2 --global-batch 32 --out $R/ep_overlap_cpu_2ranks.jso
 run memory_policy.py --device cpu --seq-len 256 --budget-fraction 0.3
 run step_speed.py --device cpu --steps 4 --out $R/step_speed_cpu.json
 run rl_switch.py --out $R/rl_switch_cpu.json
+run rl_stalesync.py --out $R/rl_stalesync_cpu.json
 run train_demo.py --tag cpu-1thread --quiet --threads 1
