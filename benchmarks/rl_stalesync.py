@@ -9,9 +9,11 @@ tests/rl/test_rl_stalesync.py); k ≥ 1 lets the rollout worker generate batch s
 trains step s.
 
 Throughput is trained completion tokens per second of the trainer's steps, without the first step (the
-pipeline fills; the starting evaluation) and the last (the final evaluation): the steady state. Rewards
-are the held-out greedy accuracy at the end, on the same held-out problems for every run, and the
-per-step sample reward curves are drawn side by side in one PNG.
+pipeline fills; the starting evaluation) and the last (the final evaluation): the steady state; each k
+runs ``--repeats`` times, interleaved with the others, and the fastest run is reported (the machine is
+shared; samples, losses and rewards repeat exactly). Rewards are the held-out greedy accuracy at the
+end, on the same held-out problems for every run; the per-step sample reward curves are drawn side by
+side in one PNG.
 
     python benchmarks/rl_stalesync.py --out benchmarks/results/rl_stalesync_cpu.json
 """
@@ -109,6 +111,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--eval-size", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each k; the fastest is reported")
     parser.add_argument("--out", default="benchmarks/results/rl_stalesync_cpu.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -125,11 +128,13 @@ def main() -> None:
     cfg = TrainingConfig(steps=args.steps, global_batch=batch, micro_batch=batch, seq_len=seq_len, lr=3e-4,
                          warmup_steps=0, seed=args.seed)
     spec = RunSpec(training=cfg, run={"device": "cpu", "cluster": "cpu", "quiet": True})
-    results = []
-    for k in (0, 1, 4):
-        job = StaleSyncJob(spec, options, StaleSyncOptions(staleness=k), model_cfg, initial)
-        results.append(run(job))
-        print(f"k={k}: {results[-1].tokens_per_s:.1f} tok/s, held-out {results[-1].final_reward:.3f}", flush=True)
+    tries: dict[int, list[RunResult]] = {0: [], 1: [], 4: []}
+    for _ in range(args.repeats):  # interleaved, so a burst of load on the shared machine hits every k alike
+        for k, runs in tries.items():
+            runs.append(run(StaleSyncJob(spec, options, StaleSyncOptions(staleness=k), model_cfg, initial)))
+            print(f"k={k}: {runs[-1].tokens_per_s:.1f} tok/s, held-out {runs[-1].final_reward:.3f}", flush=True)
+    # best of the repeats: the least disturbed run (the samples, losses and rewards repeat exactly)
+    results = [max(runs, key=lambda r: r.tokens_per_s) for runs in tries.values()]
     figure = Path(args.out).with_suffix(".png")
     plot(results, figure)
     sync, k1, k4 = results
@@ -139,10 +144,13 @@ def main() -> None:
         "k1_speedup": k1.tokens_per_s / sync.tokens_per_s, "k4_speedup": k4.tokens_per_s / sync.tokens_per_s,
         "figure": figure.as_posix(), "cpu_count": os.cpu_count(), "sft_warm_up_s": sft_s,
         "workload": {"model": "tiny-pangu, 4 layers, no MTP", "task": args.task, "steps": args.steps,
-                     "sft_steps": args.sft_steps, "prompts": args.prompts, "group_size": args.group_size,
+                     "sft_steps": args.sft_steps, "threads_per_process": 1, "prompts": args.prompts,
+                     "group_size": args.group_size,
                      "max_new_tokens": args.max_new_tokens, "eval_size": args.eval_size, "seed": args.seed},
         "tokens_per_s_means": "trained completion tokens / trainer step time, steps 2..N-1 (no fill, no final eval)",
         "final_reward_means": "held-out greedy accuracy after the last step (the same problems for every run)",
+        "all_tokens_per_s": {f"k{k}": [r.tokens_per_s for r in runs] for k, runs in tries.items()},
+        "repeats": args.repeats,
         "runs": [asdict(r) for r in results],
     })
 
