@@ -14,6 +14,7 @@ from rl_models import small_model
 from moetrain.cli import main
 from moetrain.config import TrainingConfig
 from moetrain.config.run import RunSpec
+from moetrain.distributed.weight_sync import SyncFault
 from moetrain.distributed.world import spawn
 from moetrain.rl.config import GRPOConfig, RLOptions, StaleSyncOptions
 from moetrain.rl.grpo import grpo_token_loss
@@ -201,3 +202,18 @@ def test_cli_runs_the_disaggregated_pipeline_on_two_ranks(tmp_path, capsys):
     assert [r["weight_version"] for r in steps] == [0, 0, 1]
     assert [r["staleness_max"] for r in steps] == [0, 1, 1] and steps[-1]["dropped_samples"] == 0
     assert metrics.with_suffix(".png").stat().st_size > 1000
+
+
+def test_a_damaged_weight_push_fails_the_run_on_its_checksum(monkeypatch):
+    # one byte of the version-1 push flipped on the rollout worker: the sync's CRC, recomputed from the
+    # generation weights, refuses it on both ranks, so nothing is generated from damaged weights
+    def damaged(self, version):
+        if version == 1:
+            self.sync.fault = SyncFault(rank=0, corrupt=0)
+        return original(self, version)
+
+    original = RolloutWorker.receive
+    monkeypatch.setattr(RolloutWorker, "receive", damaged)
+    with pytest.raises(Exception, match=r"StaleSync (rollout worker \(rank 0\)|trainer \(rank 1\)) failed: "
+                                        r"WeightSyncError: weight sync failed on rank 0"):
+        _stalesync(3, staleness=0)
