@@ -75,6 +75,7 @@ def test_schedule_generates_with_versions_at_most_k_old():
     assert list(pushed_versions(5, 2)) == [1, 2] and list(pushed_versions(3, 0)) == [1, 2]
 
 
+@pytest.mark.dist
 def test_k0_reproduces_the_synchronous_loop_bit_for_bit():
     steps = 3
     rows, samples, state = _synchronous(steps)
@@ -90,6 +91,7 @@ def test_k0_reproduces_the_synchronous_loop_bit_for_bit():
     assert all(r["staleness_max"] == 0 and r["dropped_samples"] == 0 for r in trainer.rows if "loss" in r)
 
 
+@pytest.mark.dist
 def test_a_batch_older_than_k_is_dropped_counted_and_never_trained_on():
     # batch 0 again after batch 1: it arrives when the trainer is at version 2 > k = 0
     steps = 3
@@ -102,6 +104,7 @@ def test_a_batch_older_than_k_is_dropped_counted_and_never_trained_on():
         assert torch.equal(value, trainer.final_state[name]), name
 
 
+@pytest.mark.dist
 def test_k2_trains_on_samples_at_most_two_versions_old_and_reports_staleness():
     _, trainer = _stalesync(4, staleness=2)
     assert trainer.trained == [(0, 0), (1, 0), (2, 0), (3, 1)]
@@ -138,6 +141,7 @@ def test_decoupled_loss_by_hand():
     assert grad[2] == pytest.approx(-math.exp(-1.0) * math.exp(-0.1))  # L = −r·w: −r·w, r = e^−1, w = e^−0.1
 
 
+@pytest.mark.dist
 def test_decoupled_loss_in_the_pipeline_matches_tis_with_one_update_per_batch():
     # π_prox is a forward of the weights before the step: with one update per batch it is π_old, so
     # both forms give the same step up to the forward's rounding
@@ -149,6 +153,7 @@ def test_decoupled_loss_in_the_pipeline_matches_tis_with_one_update_per_batch():
             assert b["is_weight_mean"] == pytest.approx(a["is_weight_mean"], rel=1e-4)
 
 
+@pytest.mark.dist
 def test_a_dead_rollout_worker_ends_the_run_with_one_message_naming_it(monkeypatch):
     def die(self, batch):
         if batch == 1:
@@ -164,6 +169,7 @@ def test_a_dead_rollout_worker_ends_the_run_with_one_message_naming_it(monkeypat
     assert time.monotonic() - start < 60
 
 
+@pytest.mark.dist
 def test_a_dead_trainer_ends_the_run_with_one_message_naming_it(monkeypatch):
     def die(self):
         raise RuntimeError("optimizer crashed")
@@ -204,6 +210,7 @@ def test_cli_runs_the_disaggregated_pipeline_on_two_ranks(tmp_path, capsys):
     assert metrics.with_suffix(".png").stat().st_size > 1000
 
 
+@pytest.mark.dist
 def test_a_damaged_weight_push_fails_the_run_on_its_checksum(monkeypatch):
     # one byte of the version-1 push flipped on the rollout worker: the sync's CRC, recomputed from the
     # generation weights, refuses it on both ranks, so nothing is generated from damaged weights
