@@ -64,6 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--resume", action="store_true", default=None, help="continue GRPO from its newest checkpoint")
     r.add_argument("--quiet", action="store_true", default=None, help="no progress bar")
     add_fusion_arguments(parser)
+    add_stalesync_arguments(parser)
 
 
 def add_fusion_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,6 +79,47 @@ def add_fusion_arguments(parser: argparse.ArgumentParser) -> None:
     f.add_argument("--offload", choices=("auto", "always", "never"), default="auto",
                    help="optimizer state and gradients to host while generating (auto: when it does not fit)")
     f.add_argument("--log-dir", help="torchrun's log and the ranks' errors (default: a temp folder)")
+
+
+def add_stalesync_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument_group("StaleSync: asynchronous rollout and training (docs/rl_stalesync.md)")
+    a.add_argument("--staleness", type=int, help="K: train on samples at most K weight versions old; a rollout "
+                   "worker (rank 0) and the trainer (rank 1) run concurrently (0: they alternate, as in one process)")
+    a.add_argument("--placement", choices=("colocated", "disaggregated"),
+                   help="with --staleness: separate rollout and training ranks (disaggregated, the default)")
+    a.add_argument("--engine", choices=("local", "ray"), default="local",
+                   help="with --staleness: worker processes on torch.distributed (local) or Ray actors")
+    a.add_argument("--stale-loss", choices=("tis", "decoupled"), default="tis",
+                   help="staleness correction: truncated importance weights (tis) or decoupled PPO's proximal policy")
+
+
+def stalesync_options(args: argparse.Namespace):
+    """The StaleSync options of ``--staleness`` (None without it, or for the colocated K = 0 that is the
+    synchronous loop); refuses what is not built yet."""
+    from moetrain.rl.config import StaleSyncOptions
+
+    k = args.staleness
+    if k is None:
+        if args.placement is not None or args.engine != "local":
+            raise UserError("--placement and --engine choose how StaleSync runs: give --staleness K")
+        return None
+    if k < 0:
+        raise UserError(f"--staleness {k} must be ≥ 0")
+    if args.engine == "ray":
+        raise UserError("--engine ray: StaleSync on Ray actors is not built yet; use --engine local")
+    if args.placement == "colocated":
+        if k:
+            raise UserError(f"--placement colocated with --staleness {k}: not built yet; use --placement "
+                            "disaggregated (or --staleness 0, the synchronous loop)")
+        return None
+    refused = [flag for flag, given in (("--nproc", (args.nproc or 1) > 1), ("--resume", args.resume),
+                                        ("--stop-at", args.stop_at is not None), ("--kl-coef", args.kl_coef > 0))
+               if given]
+    if refused:
+        raise UserError(f"{', '.join(refused)} with --staleness: not built yet (StaleSync runs on its own two "
+                        "ranks, rollout worker and trainer, from step 0, without a reference model)")
+    return StaleSyncOptions(staleness=k, placement="disaggregated", loss=args.stale_loss,
+                            bucket_mib=args.sync_bucket_mib)
 
 
 FIELD_FLAGS = {
@@ -245,7 +287,10 @@ def run(args: argparse.Namespace) -> int:
     from moetrain.rl.plot import plot_reward_curve
     from moetrain.rl.tasks import get_task
 
+    stale = stalesync_options(args)
     sft_spec, rl_spec, options, model_cfg = build_specs(args)
+    if stale is not None:
+        return _launch_stalesync(args, (sft_spec, rl_spec, options, model_cfg), stale)
     if rl_spec.world_size > 1:
         return _launch(args, sft_spec, rl_spec, options, model_cfg)
     console = Console(quiet=bool(args.quiet))
@@ -293,3 +338,32 @@ def _launch(args: argparse.Namespace, sft_spec, rl_spec, options, model_cfg) -> 
     payload = log_dir / "rl_run.json"
     payload.write_text(json.dumps(run), encoding="utf-8")
     return launch(rl_spec, log_dir, entry="moetrain.rl.worker", env={"MOETRAIN_RL_RUN": str(payload)}, command="rl")
+
+
+def _launch_stalesync(args: argparse.Namespace, specs, stale) -> int:
+    """StaleSync, disaggregated: the warm-up here (one process), then torchrun starts
+    ``moetrain.rl.stalesync_worker`` on two ranks (rollout worker, trainer) from its weights."""
+    import json
+    import tempfile
+
+    import torch
+    from rich.console import Console
+
+    from moetrain.distributed.launch import launch
+    from moetrain.rl.tasks import get_task
+
+    sft_spec, rl_spec, options, model_cfg = specs
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="moetrain-rl-")).resolve()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    initial = None
+    if sft_spec is not None:
+        initial = log_dir / "initial_policy.pt"
+        torch.save(_warm_up(sft_spec, get_task(options.task), model_cfg, Console(quiet=bool(args.quiet))), initial)
+    plot = _plot_path(args)
+    run = {"rl": rl_spec.to_json(), "options": options.model_dump_json(), "stale": stale.model_dump_json(),
+           "model": model_cfg.model_dump_json(), "initial": str(initial) if initial else None,
+           "plot": str(plot.resolve()) if plot else None}
+    payload = log_dir / "stalesync_run.json"
+    payload.write_text(json.dumps(run), encoding="utf-8")
+    return launch(rl_spec, log_dir, entry="moetrain.rl.stalesync_worker", env={"MOETRAIN_STALESYNC_RUN": str(payload)},
+                  command="rl", nproc=2)

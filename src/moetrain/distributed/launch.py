@@ -47,10 +47,11 @@ def _failure_line(error_dir: Path, torchrun_log: str) -> str:
 
 
 def launch(spec: RunSpec, log_dir: Path | None = None, entry: str = "moetrain.distributed.worker",
-           env: dict[str, str] | None = None, command: str = "train") -> int:
+           env: dict[str, str] | None = None, command: str = "train", nproc: int | None = None) -> int:
     """Run ``spec`` on ``spec.world_size`` ranks of this node; the exit code of the run. ``entry``: the
     rank's module (``moetrain rl`` starts ``moetrain.rl.worker``), ``env``: more variables for it,
-    ``command``: the CLI command a failure line names."""
+    ``command``: the CLI command a failure line names, ``nproc``: ranks when they are not the layout's
+    (a StaleSync run: one training rank beside a rollout worker)."""
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="moetrain-run-"))
     error_dir = log_dir / "errors"
     error_dir.mkdir(parents=True, exist_ok=True)
@@ -58,8 +59,8 @@ def launch(spec: RunSpec, log_dir: Path | None = None, entry: str = "moetrain.di
     spec_file.write_text(spec.to_json(), encoding="utf-8")
     env = dict(os.environ, MOETRAIN_ERROR_DIR=str(error_dir), MOETRAIN_RUN_SPEC=str(spec_file),
                OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), **(env or {}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec.world_size}",
-           "--max-restarts=0", "--monitor-interval=0.5", "-m", entry]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc or spec.world_size}", "--max-restarts=0", "--monitor-interval=0.5", "-m", entry]
     log_path = log_dir / "torchrun.log"
     start = time.monotonic()
     with open(log_path, "w") as log:

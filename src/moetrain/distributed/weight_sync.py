@@ -176,8 +176,8 @@ class WeightSync:
         return len(bucket.receivers) == dist.get_world_size(self.group) - 1
 
     def _transfer(self, bucket: Bucket, payload: torch.Tensor | None) -> torch.Tensor:
-        device = next(iter(self.targets.values())).pieces[0][1].device
-        if payload is None:
+        if payload is None:  # a receiver: it has targets (a pure sender, e.g. a StaleSync trainer, has none)
+            device = next(iter(self.targets.values())).pieces[0][1].device
             payload = torch.empty(bucket.nbytes + HEADER_BYTES, dtype=torch.uint8, device=device)
         owner = dist.get_global_rank(self.group, bucket.owner) if self.group is not None else bucket.owner
         if self._broadcasts(bucket):

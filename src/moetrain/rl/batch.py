@@ -76,8 +76,9 @@ def training_sequences(rollouts: Rollouts, seq_len: int, pad_id: int) -> Trainin
 
 def step_batch(sequences: TrainingSequences, cfg: GRPOConfig, micro_batch: int, stats: StepStats,
                replay: bool, ref_logp_BS: torch.Tensor | None = None, dp_rank: int = 0,
-               dp_size: int = 1) -> StepBatch:
-    """This data-parallel rank's micro-batches of the step (rows split as ``PackedDataset`` splits them)."""
+               dp_size: int = 1, old_logp_BS: torch.Tensor | None = None) -> StepBatch:
+    """This data-parallel rank's micro-batches of the step (rows split as ``PackedDataset`` splits them);
+    ``old_logp_BS``: π_old of the ratio (the decoupled loss's proximal policy), None: the trained weights."""
     labels_BS = sequences.labels_BS
     batch, seq_len = labels_BS.shape
     per_rank = batch // dp_size
@@ -85,7 +86,8 @@ def step_batch(sequences: TrainingSequences, cfg: GRPOConfig, micro_batch: int, 
     for start in range(dp_rank * per_rank, (dp_rank + 1) * per_rank, micro_batch):
         rows = slice(start, start + micro_batch)
         objective = PolicyObjective(sequences.rollout_logp_BS[rows], sequences.advantages_BS[rows], cfg, stats,
-                                    None if ref_logp_BS is None else ref_logp_BS[rows])
+                                    None if ref_logp_BS is None else ref_logp_BS[rows],
+                                    None if old_logp_BS is None else old_logp_BS[rows])
         record = sequences.expert_ids_BSMK
         micro_batches.append(MicroBatch(sequences.input_ids_BS[rows], labels_BS[rows], None,
                                         int((labels_BS[rows] != IGNORE_INDEX).sum()), objective,

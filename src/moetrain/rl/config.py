@@ -77,3 +77,21 @@ class FusionOptions(BaseModel):
             raise UserError(f"generation layout ep{self.gen_ep} does not divide the {world_size} ranks; "
                             f"pick --gen-ep dividing --nproc")
         return world_size // self.gen_ep
+
+
+class StaleSyncOptions(BaseModel):
+    """StaleSync (docs/rl_stalesync.md): rollout and training as separate workers, the trainer admitting
+    samples at most ``staleness`` weight versions old. Not part of what is learned."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    staleness: int = Field(default=0, ge=0)
+    """k: the trainer admits a sample only if current version − sample version ≤ k (0: synchronous)."""
+    placement: Literal["colocated", "disaggregated"] = "disaggregated"
+    """disaggregated: rank 0 generates, rank 1 trains (the only placement built)."""
+    loss: Literal["tis", "decoupled"] = "tis"
+    """tis: ratio against the trained weights, importance weight min(π_old/μ, C) against the behaviour
+    policy μ; decoupled: ratio against a proximal policy from a forward before the step (Hilton et al.
+    2022), weight min(π_prox/μ, C)."""
+    bucket_mib: float = Field(default=32.0, gt=0)
+    """Weight-sync buckets of at most this size."""

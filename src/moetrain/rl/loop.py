@@ -37,9 +37,9 @@ from moetrain.errors import UserError
 from moetrain.models.attention import build_attention_context
 from moetrain.models.transformer import MoETransformer, decoder_moe_layers, layer_replay
 from moetrain.rl.batch import Rollouts, TrainingSequences, step_batch, training_sequences
-from moetrain.rl.config import FusionOptions, RLOptions
+from moetrain.rl.config import FusionOptions, GRPOConfig, RLOptions
 from moetrain.rl.fusion import Fusion, sample_generators
-from moetrain.rl.generate import RolloutEngine, SamplingParams
+from moetrain.rl.generate import Generation, RolloutEngine, SamplingParams
 from moetrain.rl.grpo import STAT_FIELDS, StepStats, group_advantages, token_logprobs
 from moetrain.rl.replay import RoutingRecorder, decoder_layers, routing_mismatch
 from moetrain.rl.sft import TaskSFTDataset, prompt_ids
@@ -163,9 +163,7 @@ class RLTrainer(Trainer):
     # ----- one step's batch -----
     def step_problems(self, step: int) -> list[Problem]:
         """The step's prompts, each repeated group_size times (groups contiguous)."""
-        count, group = self.options.prompts_per_step, self.options.grpo.group_size
-        problems = [problem_at(self.task, self.cfg.seed, "rl", step * count + i) for i in range(count)]
-        return [problem for problem in problems for _ in range(group)]
+        return step_problems(self.task, self.options, self.cfg.seed, step)
 
     def rollout(self, step: int) -> Rollouts:
         """The step's samples, scored. Sample i draws from a generator of (seed, step, i), so a sample is
@@ -178,11 +176,7 @@ class RLTrainer(Trainer):
             self._pending.update(switch.metrics)
         else:
             generation = self.engine.generate(prompts, self.sampling, generators, weight_version=self.weight_version)
-        texts = [self.tokenizer.decode(generation.completion(row)) for row in range(len(problems))]
-        rewards_B = torch.tensor([self.task.score(p, text) for p, text in zip(problems, texts)])
-        grpo = self.options.grpo
-        advantages_B = group_advantages(rewards_B, grpo.group_size, grpo.scale_rewards, grpo.eps)
-        return Rollouts(problems, generation, texts, rewards_B, advantages_B)
+        return scored_rollouts(self.task, self.tokenizer, self.options.grpo, problems, generation)
 
     def next_batch(self) -> StepBatch:
         if self.step == 0 and not self.metrics.rows:
@@ -196,9 +190,15 @@ class RLTrainer(Trainer):
         every = self.options.replay_stats_every
         if every and self.step % every == 0 and sequences.expert_ids_BSMK is not None:
             self._pending.update(self.replay_diagnostics(sequences))
+        old_logp_BS = self.proximal_logprobs(sequences)
         self.last_stats = StepStats.zeros(self.device, self.keep_logprobs)
         return step_batch(sequences, self.options.grpo, self.cfg.micro_batch, self.last_stats, self.options.replay,
-                          ref_logp_BS, self.dp_rank, self.spec.parallel.dp)
+                          ref_logp_BS, self.dp_rank, self.spec.parallel.dp, old_logp_BS)
+
+    def proximal_logprobs(self, sequences: TrainingSequences) -> torch.Tensor | None:
+        """π_old of the ratio when it is not the trained weights before the step (None: it is; the
+        StaleSync trainer's decoupled loss overrides this)."""
+        return None
 
     @torch.no_grad()
     def reference_logprobs(self, sequences: TrainingSequences) -> torch.Tensor:
@@ -301,6 +301,23 @@ class RLTrainer(Trainer):
 
     def print_summary(self) -> None:
         self.console.print(rl_summary_table(self.metrics.rows, f"{self.model_cfg.name}: GRPO on {self.options.task}"))
+
+
+def step_problems(task: Task, options: RLOptions, seed: int, step: int) -> list[Problem]:
+    """The prompts of step ``step``, each repeated group_size times (groups contiguous): a function of
+    (seed, step), whichever process generates them (one process, RL Fusion, a StaleSync rollout worker)."""
+    count, group = options.prompts_per_step, options.grpo.group_size
+    problems = [problem_at(task, seed, "rl", step * count + i) for i in range(count)]
+    return [problem for problem in problems for _ in range(group)]
+
+
+def scored_rollouts(task: Task, tokenizer: CharTokenizer, grpo: GRPOConfig, problems: list[Problem],
+                    generation: Generation) -> Rollouts:
+    """The samples scored by the task's exact scorer, with their group-normalised advantages."""
+    texts = [tokenizer.decode(generation.completion(row)) for row in range(len(problems))]
+    rewards_B = torch.tensor([task.score(p, text) for p, text in zip(problems, texts)])
+    advantages_B = group_advantages(rewards_B, grpo.group_size, grpo.scale_rewards, grpo.eps)
+    return Rollouts(problems, generation, texts, rewards_B, advantages_B)
 
 
 def rollout_metrics(rollouts: Rollouts, group_size: int, current_version: int) -> dict[str, Any]:

@@ -1,0 +1,110 @@
+"""The bounded queue between a StaleSync rollout worker and its trainer: batches as tensors over
+torch.distributed point-to-point messages.
+
+A batch is the step index whose prompts and sample seeds it holds, the weight version that generated
+it, and its scored samples (token ids, rollout log-probs, router replay record, rewards, advantages).
+It travels as two messages on a process group of its own (so it never interleaves with the weight
+sync's collectives): a fixed int64 header ``[index, version, payload bytes]`` (tag 1), then the payload
+(tag 2): the generation's tensors and numbers serialised by ``torch.save`` into one uint8 tensor, so
+every value arrives bit for bit. The problems and texts are not sent: the trainer recomputes them from
+the index (problems are a function of (seed, step)) and the token ids.
+
+The sender keeps at most ``capacity`` batches in flight (sent with ``isend``, not yet received): the
+rollout worker waits for the oldest before it sends one more, so it never runs further ahead of the
+trainer than the queue holds.
+"""
+
+from __future__ import annotations
+
+import io
+from collections import deque
+from dataclasses import dataclass, fields
+
+import torch
+import torch.distributed as dist
+
+from moetrain.rl.batch import Rollouts
+from moetrain.rl.generate import Generation
+from moetrain.rl.tasks import Problem
+
+HEADER_TAG, PAYLOAD_TAG = 1, 2
+
+
+@dataclass(frozen=True)
+class QueuedBatch:
+    """One batch of the queue, as the trainer receives it."""
+
+    index: int
+    """The step whose prompts and per-sample generators produced it."""
+    version: int
+    """Optimizer steps of the weights that generated it."""
+    generation: Generation
+    rewards_B: torch.Tensor
+    advantages_B: torch.Tensor
+
+    def rollouts(self, problems: list[Problem], decode) -> Rollouts:
+        texts = [decode(self.generation.completion(row)) for row in range(len(problems))]
+        return Rollouts(problems, self.generation, texts, self.rewards_B, self.advantages_B)
+
+
+def pack(index: int, rollouts: Rollouts) -> tuple[torch.Tensor, torch.Tensor]:
+    """(header, payload) of a batch."""
+    generation = rollouts.generation
+    state = {f.name: _cpu(getattr(generation, f.name)) for f in fields(generation)}
+    state.update(rewards_B=rollouts.rewards_B.cpu(), advantages_B=rollouts.advantages_B.cpu())
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+    header = torch.tensor([index, generation.weight_version, payload.numel()], dtype=torch.int64)
+    return header, payload
+
+
+def unpack(header: torch.Tensor, payload: torch.Tensor) -> QueuedBatch:
+    index, version, _ = header.tolist()
+    state = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
+    rewards_B, advantages_B = state.pop("rewards_B"), state.pop("advantages_B")
+    return QueuedBatch(index, version, Generation(**state), rewards_B, advantages_B)
+
+
+class BatchSender:
+    """The rollout worker's end: at most ``capacity`` batches in flight to ``dst``."""
+
+    def __init__(self, group: dist.ProcessGroup, dst: int, capacity: int) -> None:
+        assert capacity >= 1
+        self.group, self.dst, self.capacity = group, dst, capacity
+        self.in_flight: deque[tuple[list[dist.Work], tuple[torch.Tensor, torch.Tensor]]] = deque()
+
+    def put(self, header: torch.Tensor, payload: torch.Tensor) -> None:
+        while len(self.in_flight) >= self.capacity:
+            self._wait_oldest()
+        works = [dist.isend(header, self.dst, group=self.group, tag=HEADER_TAG),
+                 dist.isend(payload, self.dst, group=self.group, tag=PAYLOAD_TAG)]
+        self.in_flight.append((works, (header, payload)))  # the tensors live until their sends complete
+
+    def close(self) -> None:
+        """Wait until the trainer has received every batch."""
+        while self.in_flight:
+            self._wait_oldest()
+
+    def _wait_oldest(self) -> None:
+        works, _ = self.in_flight.popleft()
+        for work in works:
+            work.wait()
+
+
+class BatchReceiver:
+    """The trainer's end: the next batch from ``src``, in the order they were sent."""
+
+    def __init__(self, group: dist.ProcessGroup, src: int) -> None:
+        self.group, self.src = group, src
+
+    def get(self) -> QueuedBatch:
+        header = torch.empty(3, dtype=torch.int64)
+        dist.recv(header, self.src, group=self.group, tag=HEADER_TAG)
+        payload = torch.empty(int(header[2]), dtype=torch.uint8)
+        dist.recv(payload, self.src, group=self.group, tag=PAYLOAD_TAG)
+        return unpack(header, payload)
+
+
+def _cpu(value):
+    return value.cpu() if isinstance(value, torch.Tensor) else value

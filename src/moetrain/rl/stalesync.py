@@ -1,0 +1,285 @@
+"""StaleSync, disaggregated: one rollout worker and one trainer on two ranks, joined by a bounded queue,
+the trainer admitting samples at most k weight versions old.
+
+Rank 0, the rollout worker, holds a whole generation model; rank 1, the trainer, is ``RLTrainer`` on a
+one-rank layout whose batch source is the queue instead of its own engine (``StaleSyncTrainer``
+overrides ``rollout``; the step, the GRPO objective, metrics and checkpoints are the runtime's).
+
+The schedule (deterministic, so a run is reproducible and k = 0 is the synchronous loop):
+
+- the rollout worker generates batch b (the prompts and per-sample generators of step b, exactly those
+  of the synchronous loop) with weights of version ``max(0, b − k)``, scores it and puts it on the queue
+  (``rollout_queue``: at most k + 1 batches in flight), tagged with that version;
+- the trainer takes the next batch, admits it only if ``current version − batch version ≤ k`` (else it
+  drops and counts it and takes the next), trains one step, and pushes its new weights (version = steps
+  taken) through the same bucketed, CRC-checked weight sync as RL Fusion
+  (``moetrain.distributed.weight_sync``), but only the versions the rollout worker will use;
+- the rollout worker receives version v just before it generates batch v + k; the sync checks every
+  bucket's version and checksum on the receiving side, so a missed or damaged push fails the run.
+
+While the trainer trains step s, the rollout worker generates batch s + k: generation and training
+overlap for k ≥ 1. By this schedule no batch is older than k when it arrives; the admission check is
+the guard that proves it (a test injects an old batch, which is dropped and never trained on).
+
+Staleness is corrected in the loss: by default the truncated importance weight min(π_old/μ, C) against
+the behaviour policy μ's rollout log-probs (``grpo``); with ``loss="decoupled"`` the ratio is taken
+against a proximal policy π_prox (the trainer's weights before the step, one extra forward) and the
+weight is min(π_prox/μ, C) (Hilton et al. 2022, "Batch size-invariance for policy optimization").
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moetrain.config import ModelConfig, ParallelConfig
+from moetrain.config.run import RunSpec
+from moetrain.distributed.layout import ParallelDims
+from moetrain.distributed.weight_sync import WeightSync
+from moetrain.errors import UserError
+from moetrain.models.transformer import MoETransformer, build_model
+from moetrain.rl.batch import Rollouts, TrainingSequences
+from moetrain.rl.config import RLOptions, StaleSyncOptions
+from moetrain.rl.fusion import generation_views, global_shapes, sample_generators, training_views
+from moetrain.rl.generate import RolloutEngine, SamplingParams
+from moetrain.rl.grpo import token_logprobs
+from moetrain.rl.loop import RLTrainer, _row_chunks, policy_logits, scored_rollouts, step_problems
+from moetrain.rl.rollout_queue import BatchReceiver, BatchSender, pack
+from moetrain.rl.sft import prompt_ids
+from moetrain.rl.tasks import get_task
+from moetrain.rl.tokenizer import CharTokenizer
+
+ROLLOUT_RANK, TRAINER_RANK = 0, 1
+
+
+def generation_version(batch: int, staleness: int) -> int:
+    """The weight version the rollout worker generates batch ``batch`` with."""
+    return max(0, batch - staleness)
+
+
+def pushed_versions(steps: int, staleness: int) -> range:
+    """The versions the trainer pushes after version 0: those some batch is generated with."""
+    return range(1, generation_version(steps - 1, staleness) + 1)
+
+
+@dataclass(frozen=True)
+class StaleSyncJob:
+    """Everything both ranks need (picklable: ``spawn`` hands it to each process)."""
+
+    spec: RunSpec
+    """The GRPO run (a one-rank layout: the trainer's)."""
+    options: RLOptions
+    stale: StaleSyncOptions
+    model_cfg: ModelConfig
+    initial: dict[str, torch.Tensor] | None = None
+    """The starting policy's weights (e.g. the SFT warm-up's); None: the model built from the seed."""
+    resend_first_after: int | None = None
+    """Test hook: after batch b, the rollout worker sends batch 0 again (an old batch the trainer must drop)."""
+
+
+@dataclass(frozen=True)
+class RolloutReport:
+    """What the rollout worker did."""
+
+    batches: int
+    generated_tokens: int
+    versions: list[int]
+    """The weight version of each generated batch."""
+    seconds: float
+
+
+@dataclass(frozen=True)
+class TrainerReport:
+    rows: list[dict[str, Any]]
+    trained: list[tuple[int, int]]
+    """(batch index, batch version) of every batch trained on, in order."""
+    samples: list[torch.Tensor]
+    """Every trained batch's generated token ids [B, N]."""
+    dropped_batches: int
+    dropped_samples: int
+    final_state: dict[str, torch.Tensor]
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Channels:
+    """The two process groups of the pipeline (each over ranks 0 and 1) and the trainer's layout."""
+
+    queue: dist.ProcessGroup
+    sync: dist.ProcessGroup
+    dims: ParallelDims
+
+    @classmethod
+    def build(cls, rank: int) -> Channels:
+        """Every rank calls this, in this order (``new_group``'s contract)."""
+        if dist.get_world_size() != 2:
+            raise UserError(f"the disaggregated StaleSync pipeline runs on 2 ranks, not {dist.get_world_size()}")
+        dims = ParallelDims.build(ParallelConfig(), rank, rank_offset=TRAINER_RANK)
+        return cls(dist.new_group([0, 1]), dist.new_group([0, 1]), dims)
+
+
+def sampling_params(options: RLOptions, max_new_tokens: int, eos_id: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=max_new_tokens, temperature=options.grpo.temperature,
+                          top_k=options.top_k, top_p=options.top_p, stop_token_ids=(eos_id,))
+
+
+class RolloutWorker:
+    """Rank 0: generate, score and queue every batch of the run with the weights the schedule names."""
+
+    def __init__(self, job: StaleSyncJob, channels: Channels) -> None:
+        self.job, self.k = job, job.stale.staleness
+        self.task, self.tokenizer = get_task(job.options.task), CharTokenizer()
+        self.device = torch.device("cpu")
+        # built from seed 0: every value is overwritten (and checked) by the version-0 sync
+        self.model: MoETransformer = build_model(job.model_cfg, self.device, seed=0).eval().requires_grad_(False)
+        shapes = global_shapes(job.model_cfg)
+        self.sync = WeightSync.plan({}, generation_views(self.model, None, shapes),
+                                    int(job.stale.bucket_mib * 2**20), channels.sync)
+        self.engine = RolloutEngine(self.model, self.tokenizer.pad_id, self.tokenizer.decode)
+        max_new = job.options.max_new_tokens or self.task.max_answer_chars + 2
+        self.sampling = sampling_params(job.options, max_new, self.tokenizer.eos_id)
+        self.sender = BatchSender(channels.queue, TRAINER_RANK, capacity=self.k + 1)
+        self.version = -1
+
+    def receive(self, version: int) -> None:
+        """The trainer's push of ``version`` (every bucket's version and CRC checked by the sync)."""
+        self.sync.run(version)
+        self.version = version
+
+    def generate(self, batch: int) -> Rollouts:
+        problems = step_problems(self.task, self.job.options, self.job.spec.training.seed, batch)
+        prompts = [prompt_ids(self.tokenizer, p) for p in problems]
+        generators = sample_generators(self.job.spec.training.seed, batch, len(problems), self.device)
+        generation = self.engine.generate(prompts, self.sampling, generators, weight_version=self.version)
+        return scored_rollouts(self.task, self.tokenizer, self.job.options.grpo, problems, generation)
+
+    def run(self) -> RolloutReport:
+        start, tokens, versions = time.perf_counter(), 0, []
+        first = None
+        for batch in range(self.job.spec.training.steps):
+            version = generation_version(batch, self.k)
+            if version != self.version:
+                self.receive(version)
+            rollouts = self.generate(batch)
+            tokens += rollouts.generation.num_generated
+            versions.append(version)
+            message = pack(batch, rollouts)
+            first = first or message
+            self.sender.put(*message)
+            if batch == self.job.resend_first_after:
+                self.sender.put(*first)
+        self.sender.close()
+        return RolloutReport(len(versions), tokens, versions, time.perf_counter() - start)
+
+
+class StaleSyncTrainer(RLTrainer):
+    """Rank 1: ``RLTrainer`` whose step batches come from the queue, admitted by their staleness."""
+
+    def __init__(self, job: StaleSyncJob, channels: Channels, model: MoETransformer | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(job.spec, job.options, model_cfg=job.model_cfg, model=model, dims=channels.dims, **kwargs)
+        self.stale = job.stale
+        shapes = global_shapes(job.model_cfg)
+        self.sync = WeightSync.plan(training_views(self.run, shapes), {}, int(job.stale.bucket_mib * 2**20),
+                                    channels.sync)
+        self.receiver = BatchReceiver(channels.queue, ROLLOUT_RANK)
+        self.pushes = pushed_versions(self.cfg.steps, job.stale.staleness)
+        self.trained: list[tuple[int, int]] = []
+        self.samples: list[torch.Tensor] = []
+        self.dropped_batches = self.dropped_samples = 0
+        self.sync.run(self.weight_version)  # version 0: the rollout worker starts from these weights
+
+    def rollout(self, step: int) -> Rollouts:
+        """The next admissible batch of the queue (older ones are dropped and counted)."""
+        k = self.stale.staleness
+        while True:
+            batch = self.receiver.get()
+            staleness = self.weight_version - batch.version
+            if staleness <= k:
+                break
+            self.dropped_batches += 1
+            self.dropped_samples += len(batch.generation.prompt_ids)
+        self.trained.append((batch.index, batch.version))
+        self.samples.append(batch.generation.tokens_BN)
+        self._pending.update(staleness_mean=float(staleness), staleness_max=staleness,
+                             dropped_batches=self.dropped_batches, dropped_samples=self.dropped_samples,
+                             batch_index=batch.index)
+        problems = step_problems(self.task, self.options, self.cfg.seed, batch.index)
+        return batch.rollouts(problems, self.tokenizer.decode)
+
+    @torch.no_grad()
+    def proximal_logprobs(self, sequences: TrainingSequences) -> torch.Tensor | None:
+        """The decoupled loss's π_prox: the current weights (before the step), with router replay."""
+        if self.stale.loss != "decoupled":
+            return None
+        model, chunks = self.run.stage.model, []
+        record = sequences.expert_ids_BSMK if self.options.replay else None
+        for rows in _row_chunks(len(sequences.labels_BS), self.cfg.micro_batch):
+            logits = policy_logits(model, sequences.input_ids_BS[rows].to(self.device),
+                                   None if record is None else record[rows].to(self.device))
+            chunks.append(token_logprobs(logits, sequences.labels_BS[rows].to(self.device),
+                                         self.options.grpo.temperature).cpu())
+        return torch.cat(chunks)
+
+    def describe(self) -> str:
+        return (super().describe() + f" · StaleSync k={self.stale.staleness}, disaggregated (rank {ROLLOUT_RANK} "
+                f"generates, rank {TRAINER_RANK} trains), loss {self.stale.loss}")
+
+    def after_step(self) -> dict[str, Any]:
+        extra = super().after_step()
+        if self.weight_version in self.pushes:
+            report = self.sync.run(self.weight_version)
+            extra.update(sync_version=report.version, sync_mib=report.bytes_sent / 2**20,
+                         sync_time_s=report.seconds)
+        return extra
+
+
+ROLES = {ROLLOUT_RANK: "rollout worker", TRAINER_RANK: "trainer"}
+PEER_LOST = re.compile(r"Connection (reset|closed) by peer|Socket Timeout|timed out", re.I)
+"""gloo's errors of a rank whose peer is gone (as ``distributed.launch`` recognises them)."""
+PEER_GRACE_S = 5.0
+
+
+class StaleSyncWorkerError(RuntimeError):
+    """A worker of the pipeline failed: the one message of the run names it."""
+
+
+def run_stalesync(rank: int, world_size: int, job: StaleSyncJob) -> RolloutReport | TrainerReport:
+    """One rank of the pipeline (``spawn``'s entry in tests and benchmarks; the CLI's ranks call it too).
+    A failure is raised naming the worker; its peer, left waiting on a message or a sync, is stopped by
+    the launcher (``spawn`` / torchrun end every rank when one fails) or by the group's timeout."""
+    try:
+        channels = Channels.build(rank)
+        if rank == ROLLOUT_RANK:
+            return RolloutWorker(job, channels).run()
+        return _train(job, channels)
+    except UserError:
+        raise
+    except Exception as exc:
+        peer = 1 - rank
+        if PEER_LOST.search(str(exc)):
+            # The peer died: its own report (with the cause) should be the run's message, so give the
+            # launcher time to see it first and stop this rank; otherwise this one names the dead peer.
+            time.sleep(PEER_GRACE_S)
+            raise StaleSyncWorkerError(f"StaleSync {ROLES[peer]} (rank {peer}) died: the {ROLES[rank]} (rank {rank}) "
+                                       f"lost it ({str(exc).splitlines()[0][:120]})") from exc
+        raise StaleSyncWorkerError(f"StaleSync {ROLES[rank]} (rank {rank}) failed: "
+                                   f"{type(exc).__name__}: {exc}") from exc
+
+
+def _train(job: StaleSyncJob, channels: Channels) -> TrainerReport:
+    model = build_model(job.model_cfg, torch.device("cpu"), seed=job.spec.training.seed)
+    if job.initial is not None:
+        model.load_state_dict(job.initial)
+    start = time.perf_counter()
+    trainer = StaleSyncTrainer(job, channels, model=model)
+    trainer.console.print(trainer.describe())
+    rows = trainer.train()
+    state = {name: value.detach().clone() for name, value in trainer.run.stage.model.state_dict().items()}
+    return TrainerReport(rows, trainer.trained, trainer.samples, trainer.dropped_batches, trainer.dropped_samples,
+                         state, time.perf_counter() - start)
