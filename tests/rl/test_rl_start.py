@@ -53,7 +53,9 @@ def test_a_hugging_face_folder_gives_the_same_weights(tmp_path):
 def test_moetrain_rl_starts_from_the_checkpoint(pangu_checkpoint, tmp_path):
     folder, _ = pangu_checkpoint
     metrics = tmp_path / "rl.jsonl"
-    assert main(["rl", *TINY, "--from", str(folder), "--metrics-out", str(metrics)]) == 0
+    # with a warm-up: it starts from the checkpoint too, and GRPO from the warm-up's weights
+    assert main(["rl", *TINY, "--sft-steps", "2", "--sft-batch", "8", "--from", str(folder),
+                 "--metrics-out", str(metrics)]) == 0
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]
 

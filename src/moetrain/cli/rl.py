@@ -295,13 +295,21 @@ def run(args: argparse.Namespace) -> int:
         return _launch(args, sft_spec, rl_spec, options, model_cfg)
     console = Console(quiet=bool(args.quiet))
     start = time.perf_counter()
-    model = build_model(model_cfg, "cpu", seed=rl_spec.training.seed)
+    start_state = None
     if args.from_path:
         from moetrain.rl.start import starting_weights
 
-        model.load_state_dict(starting_weights(Path(args.from_path), model_cfg))
+        start_state = starting_weights(Path(args.from_path), model_cfg)
+
+    def fresh_model():  # each trainer parallelizes (rewrites) the module it is given: one model each
+        model = build_model(model_cfg, "cpu", seed=rl_spec.training.seed)
+        if start_state is not None:
+            model.load_state_dict(start_state)
+        return model
+
+    model = fresh_model()
     if sft_spec is not None:
-        model.load_state_dict(_warm_up(sft_spec, get_task(options.task), model_cfg, console, model))
+        model.load_state_dict(_warm_up(sft_spec, get_task(options.task), model_cfg, console, fresh_model()))
     reference = None
     if options.grpo.kl_coef:
         reference = build_model(model_cfg, "cpu")

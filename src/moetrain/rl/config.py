@@ -52,8 +52,8 @@ class RLOptions(BaseModel):
     def _known_task(cls, name: str) -> str:
         from moetrain.rl.tasks import TASKS
 
-        if name not in TASKS:
-            raise ValueError(f"unknown task {name!r}; choose one of {', '.join(TASKS)}")
+        if name not in TASKS and not name.startswith("rg:"):  # rg: tasks are checked when loaded
+            raise ValueError(f"unknown task {name!r}; choose one of {', '.join(TASKS)} or rg:<reasoning-gym dataset>")
         return name
 
 

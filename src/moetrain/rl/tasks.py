@@ -17,6 +17,7 @@ Torch-free.
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import random
 from dataclasses import dataclass
@@ -174,9 +175,19 @@ TASKS: dict[str, Task] = {"addition": Addition(), "sort": Sort(), "countdown": C
 
 
 def get_task(name: str) -> Task:
+    """A built-in task, or ``rg:<dataset>[:options]`` from reasoning-gym (``moetrain.rl.gym_tasks``)."""
+    if name.startswith("rg:"):
+        return _gym_task(name)
     if name not in TASKS:
-        raise UserError(f"unknown task {name!r}; choose one of {', '.join(TASKS)}")
+        raise UserError(f"unknown task {name!r}; choose one of {', '.join(TASKS)} or rg:<reasoning-gym dataset>")
     return TASKS[name]
+
+
+@functools.cache
+def _gym_task(name: str) -> Task:
+    from moetrain.rl.gym_tasks import gym_task  # optional package, imported only when asked for
+
+    return gym_task(name)
 
 
 def split_of(prompt: str) -> Split:
