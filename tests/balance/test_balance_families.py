@@ -5,14 +5,13 @@ smaller than the benchmark's (60 steps, one layer) so that the file runs in well
 """
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from per_copy_costs import PerCopyCosts
 
-from moetrain.balance.costs import BalanceCostModel, OverlapWindow
+from moetrain.balance.costs import BalanceCostModel
 from moetrain.balance.families import TraceShape, family_trace
 from moetrain.balance.placement import ExpertPlacement
 from moetrain.balance.predict import EMAPredictor, select_predictor
@@ -100,29 +99,6 @@ def test_a_decision_for_256_experts_on_ep64_takes_under_a_second():
     assert placement.imbalance(loads) < 1.05
 
 
-@dataclass(frozen=True, eq=False)
-class PerCopyCosts:
-    """A layer takes 1 ms per token copy on its busiest rank; a move between ranks costs 1 µs."""
-
-    ep: int = 2
-    cluster = SimpleNamespace(devices_per_node=8)
-
-    def layer_seconds(self, placement, loads):
-        return placement.apply_to_tokens_per_expert(np.asarray(loads, dtype=float)).max(axis=-1) * 1e-3
-
-    def ideal_layer_seconds(self, loads):
-        return np.asarray(loads, dtype=float).sum(axis=-1) / self.ep * 1e-3
-
-    def migration_seconds(self, moves, window=None):
-        return 1e-6 * sum(move.crosses_ranks for move in moves)
-
-    def overlap_window_seconds(self, placement, loads):
-        return OverlapWindow(0.0, 0.0)
-
-    def ideal_overlap_window_seconds(self, loads):
-        return OverlapWindow(0.0, 0.0)
-
-
 def test_an_incremental_plan_that_stalls_falls_back_to_a_global_solve():
     # 4 experts on 2 ranks of 3 slots; expert 0 carries 12 of 15 tokens (above a rank's mean, 7.5).
     # The current placement spends both spare slots on cold experts 1 and 3 and has no free slot:
@@ -131,7 +107,7 @@ def test_an_incremental_plan_that_stalls_falls_back_to_a_global_solve():
     current = ExpertPlacement.from_slot_experts(4, np.array([[0, 1, 3], [2, 3, 1]]))
     stalled = plan_placement(loads, 2, 3, current=current, candidates="incremental")
     assert stalled.apply_to_tokens_per_expert(loads).max() == pytest.approx(12.0)
-    rule = ReplanRule(PerCopyCosts(), interval=10, horizon=50)
+    rule = ReplanRule(PerCopyCosts(seconds_per_move=1e-6), interval=10, horizon=50)
     schedule = LayerSchedule(last_solve=0, last_full=0, life=1)
     predictor = EMAPredictor(0.0)  # the forecast is the last step's load
     decision, adopted = rule.step(1, 0, schedule, current, predictor, predictor.init_state(loads), loads)
@@ -142,7 +118,7 @@ def test_an_incremental_plan_that_stalls_falls_back_to_a_global_solve():
     assert decision.as_dict()["fallback"] and decision.solve_cpu_ms >= 0.0 and decision.solve_ms > 0.0
     assert schedule.last_full == 0  # the fallback does not move the full re-plans' schedule
     # the rule as it was before issue #28 keeps the stalled plan: no replica for expert 0, 12 tokens on a rank
-    before = ReplanRule(PerCopyCosts(), interval=10, horizon=50, stall_remedies=False)
+    before = ReplanRule(PerCopyCosts(seconds_per_move=1e-6), interval=10, horizon=50, stall_remedies=False)
     schedule = LayerSchedule(last_solve=0, last_full=0, life=1)
     decision, adopted = before.step(1, 0, schedule, current, predictor, predictor.init_state(loads), loads)
     assert decision is not None and decision.early and not decision.fallback
@@ -184,7 +160,7 @@ def test_spare_slots_are_recommended_where_a_single_expert_needs_a_replica():
 
 def test_a_shift_restarts_the_forecast_in_place_and_replans_in_full():
     # the runtime keeps one predictor state dict per layer: the restart must happen inside it
-    rule = ReplanRule(PerCopyCosts(), interval=10, horizon=50)
+    rule = ReplanRule(PerCopyCosts(seconds_per_move=1e-6), interval=10, horizon=50)
     schedule, predictor = LayerSchedule(), EMAPredictor(0.9)
     current = ExpertPlacement.contiguous(4, 2, 3)
     steady = np.full(4, 100.0)

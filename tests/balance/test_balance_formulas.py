@@ -10,11 +10,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from types import SimpleNamespace
+from dataclasses import replace
 
 import numpy as np
 import pytest
+from per_copy_costs import PerCopyCosts
 
 from moetrain.balance.costs import BalanceCostModel, OverlapWindow
 from moetrain.balance.placement import Move
@@ -84,34 +84,6 @@ def test_the_all_to_all_is_priced_at_the_busiest_ranks_copies(hierarchical: bool
     costs = _costs(hierarchical_a2a=hierarchical)
     copies = np.array([2000.0, 1000, 1000, 1000, 1000, 1000, 500, 500])
     assert float(costs.alltoall_seconds(copies)) == pytest.approx(expected_s, rel=1e-12)
-
-
-@dataclass(frozen=True, eq=False)
-class PerCopyCosts:
-    """A layer takes 1 ms per token copy on its busiest rank; each expert moved between ranks costs
-    ``seconds_per_move`` whatever the compute around it."""
-
-    seconds_per_move: float = 0.05
-    ep: int = 2
-    cluster = SimpleNamespace(devices_per_node=8)
-
-    def layer_seconds(self, placement, loads):
-        return placement.apply_to_tokens_per_expert(np.asarray(loads, dtype=float)).max(axis=-1) * 1e-3
-
-    def ideal_layer_seconds(self, loads):
-        return np.asarray(loads, dtype=float).sum(axis=-1) / self.ep * 1e-3
-
-    def migration_seconds(self, moves, window=None):
-        return self.seconds_per_move * sum(move.crosses_ranks for move in moves)
-
-    def migration_bytes(self, moves):
-        return 1e9 * sum(move.crosses_ranks for move in moves)  # 1 GB per expert sent to another rank
-
-    def overlap_window_seconds(self, placement, loads):
-        return OverlapWindow(0.0, 0.0)
-
-    def ideal_overlap_window_seconds(self, loads):
-        return OverlapWindow(0.0, 0.0)
 
 
 # 4 experts on 2 ranks (3 slots each: one spare), 10 steps of the same load: experts 0 and 1 (rank 0)

@@ -10,13 +10,11 @@ one line naming the worker and a non-zero exit; torchrun then stops the other ra
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
 
-from moetrain.distributed.worker import USER_ERROR_EXIT, _report
-from moetrain.errors import UserError
+from moetrain.rl.worker import serve
 
 
 def run_rank(run: dict, rank: int) -> None:
@@ -52,16 +50,7 @@ def run_rank(run: dict, rank: int) -> None:
 
 
 def main() -> int:
-    import torch.distributed as dist
-
-    rank = int(os.environ.get("RANK", "0"))
-    try:
-        run_rank(json.loads(Path(os.environ["MOETRAIN_STALESYNC_RUN"]).read_text(encoding="utf-8")), rank)
-    except BaseException as exc:  # report every cause, then let torchrun stop the other rank
-        _report(rank, exc)
-        os._exit(USER_ERROR_EXIT if isinstance(exc, UserError) else 1)
-    dist.destroy_process_group()
-    return 0
+    return serve(run_rank, "MOETRAIN_STALESYNC_RUN")
 
 
 if __name__ == "__main__":

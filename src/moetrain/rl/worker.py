@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from moetrain.distributed.worker import USER_ERROR_EXIT, _report
@@ -73,17 +74,23 @@ def run_rank(run: dict) -> None:
         trainer.console.print(f"reward curve: {run['plot']}")
 
 
-def main() -> int:
+def serve(run_rank: Callable[[dict, int], None], payload_env: str) -> int:
+    """A rank's life under torchrun: run ``run_rank`` on the JSON payload named by ``$payload_env``; a failure is
+    one line for this rank and a non-zero exit (2 for a user error), so torchrun stops the others."""
     import torch.distributed as dist
 
     rank = int(os.environ.get("RANK", "0"))
     try:
-        run_rank(json.loads(Path(os.environ["MOETRAIN_RL_RUN"]).read_text(encoding="utf-8")))
+        run_rank(json.loads(Path(os.environ[payload_env]).read_text(encoding="utf-8")), rank)
     except BaseException as exc:  # report every cause, then let torchrun stop the others
         _report(rank, exc)
         os._exit(USER_ERROR_EXIT if isinstance(exc, UserError) else 1)
     dist.destroy_process_group()
     return 0
+
+
+def main() -> int:
+    return serve(lambda run, _rank: run_rank(run), "MOETRAIN_RL_RUN")
 
 
 if __name__ == "__main__":
