@@ -18,8 +18,8 @@ from moetrain.errors import UserError
 HELP = "post-train with RL: SFT warm-up on a verifiable task, then GRPO with router replay (one process)"
 
 DEFAULT_MODEL = "tiny-pangu"
-DEFAULT_SFT_STEPS = 250
-DEFAULT_STEPS = 120
+DEFAULT_SFT_STEPS = 350
+DEFAULT_STEPS = 150
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,10 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--sft-lr", type=float, default=3e-3, help="peak SFT learning rate (3e-3)")
     g = parser.add_argument_group("GRPO")
     g.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"GRPO optimizer steps ({DEFAULT_STEPS})")
-    g.add_argument("--prompts", type=int, default=16, help="prompts per step (16)")
+    g.add_argument("--prompts", type=int, default=32, help="prompts per step (32)")
     g.add_argument("--group-size", type=int, default=8, help="samples per prompt, G (8)")
     g.add_argument("--micro-batch", type=int, help="samples per forward/backward (default: all of a step's)")
-    g.add_argument("--lr", type=float, default=3e-4, help="peak GRPO learning rate (3e-4)")
+    g.add_argument("--lr", type=float, default=1e-4, help="peak GRPO learning rate (1e-4)")
     g.add_argument("--warmup", type=int, default=5, help="GRPO warm-up steps (5)")
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (1.0)")
     g.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")

@@ -32,7 +32,7 @@ class RLOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     task: str = "addition"
-    prompts_per_step: int = Field(default=16, gt=0)
+    prompts_per_step: int = Field(default=32, gt=0)
     """Prompts per optimizer step; the step trains on prompts_per_step × group_size samples."""
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     top_k: int = Field(default=0, ge=0)

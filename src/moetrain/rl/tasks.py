@@ -61,8 +61,8 @@ class Addition:
     max_digits: int = 3
     padded: bool = True
     """Operands zero-padded to ``max_digits`` and the sum to ``max_digits + 1`` digits: every digit then
-    sits at a fixed offset, which a tiny model finds far sooner (held-out, tiny-pangu, 300 SFT steps:
-    3-digit sums reach about 70% padded; unpadded 2-digit sums stay near 3% at 200 steps)."""
+    sits at a fixed offset, which a tiny model finds far sooner (held-out accuracy after SFT warm-ups of
+    several lengths: docs/rl.md)."""
     reversed: bool = False
     """Every number written least-significant digit first."""
     name: str = "addition"
