@@ -64,5 +64,6 @@ run memory_policy.py --device cpu --seq-len 256 --budget-fraction 0.3
 run step_speed.py --device cpu --steps 4 --out $R/step_speed_cpu.json
 run rl_switch.py --out $R/rl_switch_cpu.json
 run rl_generation.py --out $R/rl_generation_cpu.json
+run rl_learning.py --out $R/rl_learning_cpu.json
 run rl_stalesync.py --out $R/rl_stalesync_cpu.json
 run train_demo.py --tag cpu-1thread --quiet --threads 1

@@ -260,6 +260,18 @@ def _plot_path(args: argparse.Namespace) -> Path | None:
     return None
 
 
+def _starting_model(args: argparse.Namespace, model_cfg, seed: int):
+    """A fresh policy: the weights of ``--from``, else initialised from the run's seed."""
+    from moetrain.models.transformer import build_model
+
+    model = build_model(model_cfg, "cpu", seed=seed)
+    if args.from_path:
+        from moetrain.rl.start import starting_weights
+
+        model.load_state_dict(starting_weights(Path(args.from_path), model_cfg))
+    return model
+
+
 def _warm_up(spec, task, model_cfg, console, model):
     """The warm-up's weights: trained now, or read back from the finished warm-up in its save dir."""
     from moetrain.rl.loop import SFTTrainer
@@ -295,21 +307,12 @@ def run(args: argparse.Namespace) -> int:
         return _launch(args, sft_spec, rl_spec, options, model_cfg)
     console = Console(quiet=bool(args.quiet))
     start = time.perf_counter()
-    start_state = None
-    if args.from_path:
-        from moetrain.rl.start import starting_weights
-
-        start_state = starting_weights(Path(args.from_path), model_cfg)
-
-    def fresh_model():  # each trainer parallelizes (rewrites) the module it is given: one model each
-        model = build_model(model_cfg, "cpu", seed=rl_spec.training.seed)
-        if start_state is not None:
-            model.load_state_dict(start_state)
-        return model
-
-    model = fresh_model()
+    # each trainer parallelizes (rewrites) the module it is given: one model each
+    model = _starting_model(args, model_cfg, rl_spec.training.seed)
     if sft_spec is not None:
-        model.load_state_dict(_warm_up(sft_spec, get_task(options.task), model_cfg, console, fresh_model()))
+        warm = _warm_up(sft_spec, get_task(options.task), model_cfg, console,
+                        _starting_model(args, model_cfg, rl_spec.training.seed))
+        model.load_state_dict(warm)
     reference = None
     if options.grpo.kl_coef:
         reference = build_model(model_cfg, "cpu")
@@ -366,7 +369,11 @@ def _launch_stalesync(args: argparse.Namespace, specs, stale) -> int:
     initial = None
     if sft_spec is not None:
         initial = log_dir / "initial_policy.pt"
-        torch.save(_warm_up(sft_spec, get_task(options.task), model_cfg, Console(quiet=bool(args.quiet))), initial)
+        torch.save(_warm_up(sft_spec, get_task(options.task), model_cfg, Console(quiet=bool(args.quiet)),
+                            _starting_model(args, model_cfg, rl_spec.training.seed)), initial)
+    elif args.from_path:
+        initial = log_dir / "initial_policy.pt"
+        torch.save(_starting_model(args, model_cfg, rl_spec.training.seed).state_dict(), initial)
     plot = _plot_path(args)
     run = {"rl": rl_spec.to_json(), "options": options.model_dump_json(), "stale": stale.model_dump_json(),
            "model": model_cfg.model_dump_json(), "initial": str(initial) if initial else None,

@@ -20,6 +20,7 @@ refills it. A step should read only what it must, and say so where it does:
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import traceback
 from collections import Counter
@@ -70,15 +71,23 @@ def _hushed() -> Iterator[None]:
         _LOCAL.depth -= 1
 
 
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+"""``.../moetrain/``: the package's folder; a read's place is given relative to it."""
+_TORCH_OPTIM = os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "optim") + os.sep
+
+
 def _caller() -> str | None:
     """The innermost moetrain frame outside this module (where the read was written); None for a read
     inside ``torch.optim``, whose step counters live on the host by design (``capturable=False``), so
     reading them never waits for the device."""
     for frame in reversed(traceback.extract_stack()):
-        if "/torch/optim/" in frame.filename:
+        filename = os.path.abspath(frame.filename)
+        if filename.startswith(_TORCH_OPTIM):
             return None
-        if "/moetrain/" in frame.filename and not frame.filename.endswith("host_reads.py"):
-            return f"{frame.filename.rsplit('/moetrain/', 1)[-1]}:{frame.lineno}"
+        # By the package's own folder, not by a "/moetrain/" in the path: a checkout named moetrain holds
+        # its virtual environment, and torch's files, under that name too.
+        if filename.startswith(_PACKAGE) and filename != os.path.abspath(__file__):
+            return f"{filename[len(_PACKAGE):]}:{frame.lineno}"
     return "?"
 
 
