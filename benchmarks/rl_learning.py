@@ -45,7 +45,7 @@ def main() -> None:
     print(f"held-out accuracy {heldout[0][1]:.1%} (step 0) → {heldout[-1][1]:.1%} (step {heldout[-1][0]}) "
           f"in {minutes:.1f} min")
     write_result(out, {
-        "argv": argv[:1] + [a for a in argv[1:] if not a.startswith(tempfile.gettempdir())],
+        "argv": [a if not a.startswith(tempfile.gettempdir()) else "<temporary file>" for a in argv],
         "minutes_total": minutes,
         "grpo_minutes": sum(r["step_time_s"] for r in steps) / 60,
         "heldout_start": heldout[0][1], "heldout_end": heldout[-1][1],

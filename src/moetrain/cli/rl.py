@@ -307,12 +307,14 @@ def run(args: argparse.Namespace) -> int:
         return _launch(args, sft_spec, rl_spec, options, model_cfg)
     console = Console(quiet=bool(args.quiet))
     start = time.perf_counter()
-    # each trainer parallelizes (rewrites) the module it is given: one model each
-    model = _starting_model(args, model_cfg, rl_spec.training.seed)
-    if sft_spec is not None:
-        warm = _warm_up(sft_spec, get_task(options.task), model_cfg, console,
-                        _starting_model(args, model_cfg, rl_spec.training.seed))
-        model.load_state_dict(warm)
+    # Each trainer parallelizes (rewrites) the module it is given: one model each. With a warm-up, the
+    # GRPO model's weights are all the warm-up's, so only the warm-up's model reads --from.
+    if sft_spec is None:
+        model = _starting_model(args, model_cfg, rl_spec.training.seed)
+    else:
+        model = build_model(model_cfg, "cpu", seed=rl_spec.training.seed)
+        model.load_state_dict(_warm_up(sft_spec, get_task(options.task), model_cfg, console,
+                                       _starting_model(args, model_cfg, rl_spec.training.seed)))
     reference = None
     if options.grpo.kl_coef:
         reference = build_model(model_cfg, "cpu")
