@@ -32,7 +32,7 @@ from _record import write_result
 
 from moetrain.balance.costs import BalanceCostModel
 from moetrain.balance.families import TraceShape, family_trace
-from moetrain.balance.predict import select_predictor
+from moetrain.balance.predict import AdaptivePredictor
 from moetrain.balance.replay import replay
 from moetrain.balance.slots import choose_spare_slots
 from moetrain.balance.traces import RoutingTrace, read_trace
@@ -79,9 +79,7 @@ def cost_model(model_name: str, cluster_name: str, num_experts: int, ep: int) ->
 
 def evaluate(trace: RoutingTrace, costs: BalanceCostModel, interval: int, horizon: int, spare: tuple[int, ...]) -> dict:
     """Replay with the default one spare slot per rank (the headline) and the spare-slot sweep."""
-    forecast_horizon = min(interval, horizon)
-    loads = trace.tokens_per_expert
-    predictor, _ = select_predictor(loads[: max(loads.shape[0] // 4, forecast_horizon + 6)], horizon=forecast_horizon)
+    predictor = AdaptivePredictor()  # the runtime's and ``moetrain balance``'s default
     start = time.perf_counter()
     result = replay(trace, costs, predictor, interval=interval, horizon=horizon)
     replay_seconds = time.perf_counter() - start

@@ -55,7 +55,7 @@ def test_spare_slot_choice(trace_file, capsys):
     ("extra", "message"),
     [
         (["--ep", "3"], "--ep 3 must divide the trace's 16 experts"),
-        (["--ep", "4", "--predictor", "lstm"], "--predictor 'lstm': expected auto, ema:THETA"),
+        (["--ep", "4", "--predictor", "lstm"], "--predictor 'lstm': expected adaptive, auto, ema:THETA"),
         (["--ep", "4", "--model", "deepseek-v3-671b"], "model 'deepseek-v3-671b' has 256 experts, the trace 16"),
         (["--ep", "4", "--spare-slots", "1,x"], "--spare-slots '1,x': expected spare slot counts >= 0"),
         (["--ep", "4", "--slots-per-rank", "3"],

@@ -14,7 +14,7 @@ from per_copy_costs import PerCopyCosts
 from moetrain.balance.costs import BalanceCostModel
 from moetrain.balance.families import TraceShape, family_trace
 from moetrain.balance.placement import ExpertPlacement
-from moetrain.balance.predict import EMAPredictor, select_predictor
+from moetrain.balance.predict import AdaptivePredictor, EMAPredictor
 from moetrain.balance.replay import replay
 from moetrain.balance.schedule import LayerSchedule, ReplanRule
 from moetrain.balance.slots import choose_spare_slots
@@ -41,11 +41,13 @@ FAMILY_CASES = [
     ("sudden_shift", 64, 8, {"period": 30}, 7106),
     ("slow_drift", 128, 16, {}, 7107),
     ("issue_28", 128, 8, {"period": 30}, 7108),
+    ("periodic", 64, 8, {"period": 40}, 7109),
 ]
-# Families that miss the bound (see docs/balance.md, "Trace families"): a hot set cycling every 40 steps,
-# which the EMA and Holt forecasts lag, and loads that move every expert by ~10 % at random each step,
-# which no forecast foresees.
-MISSING_CASES = [("periodic", 64, 8, {"period": 40}, 7109), ("random_walk", 128, 16, {}, 7110)]
+# A family that misses the bound at this size (see docs/balance.md, "Trace families"): every expert moves by
+# ~10 % at random each step, which no forecast foresees; with 8 experts per rank the busiest of 16 ranks
+# ends ~6 % above the mean (a forecast that knew the next step would leave 0.3 %). The benchmark's shape,
+# 16 experts per rank, averages more of the noise out and stays within the bound.
+MISSING_CASES = [("random_walk", 128, 16, {}, 7110)]
 
 
 @pytest.mark.parametrize(
@@ -57,8 +59,7 @@ MISSING_CASES = [("periodic", 64, 8, {"period": 40}, 7109), ("random_walk", 128,
 def test_every_family_comes_within_the_gap_bound_of_the_ideal(family, experts, ep, params, seed):
     trace = family_trace(family, TraceShape(60, 1, experts, ep, 16384 * ep), seed=seed, **params)
     costs = _costs(experts, ep)
-    predictor, _ = select_predictor(trace.tokens_per_expert[:16], horizon=10)
-    result = replay(trace, costs, predictor)
+    result = replay(trace, costs, AdaptivePredictor())  # the runtime's predictor
     static = ExpertPlacement.contiguous(experts, ep, experts // ep + 1)
     loads = trace.tokens_per_expert[:, 0].astype(float)
     # the ideal by hand: every rank at total / ranks (the cost model's even layer, no replicas)
@@ -184,7 +185,6 @@ def test_a_shift_restarts_the_forecast_in_place_and_replans_in_full():
 def test_the_recorded_traces_come_within_the_gap_bound(name):
     trace = read_trace(Path(__file__).resolve().parents[2] / "benchmarks" / "results" / name)
     costs = BalanceCostModel(load_model_config("tiny-pangu"), load_cluster_config("atlas-800t-a2"), 4)
-    predictor, _ = select_predictor(trace.tokens_per_expert[: trace.num_steps // 4], horizon=10)
-    result = replay(trace, costs, predictor)
+    result = replay(trace, costs, AdaptivePredictor())
     assert 0.0 <= result.steady_gap_to_ideal <= GAP_BOUND
     assert result.predicted_gain > 0.0

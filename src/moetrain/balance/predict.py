@@ -4,7 +4,11 @@ Two families, both O(E) per step and per layer:
 
 * EMA (as in MindSpeed's expert placement: ``pred ← θ·pred + (1−θ)·load``) for stationary loads;
 * Holt's linear trend (double exponential smoothing: a level and a slope, each smoothed) for
-  loads that drift, e.g. an expert gaining popularity over hundreds of steps.
+  loads that drift, e.g. an expert gaining popularity over hundreds of steps;
+
+and ``AdaptivePredictor``, which runs a bank of them side by side and forecasts with the one whose
+recent forecasts were best: no choice made up front from a trace's first steps, and a switch when the
+load's behaviour changes (a stationary skew, then a hot set that cycles or wanders).
 
 ``forecast_error`` replays a trace and measures, for every step after a warm-up, the error of the
 forecast of the mean load over the next ``horizon`` steps (the steps a placement will serve):
@@ -77,9 +81,88 @@ class HoltPredictor:
         return np.maximum(state["level"] + state["slope"] * (horizon + 1) / 2.0, 0.0)
 
 
-Predictor = EMAPredictor | HoltPredictor
+SimplePredictor = EMAPredictor | HoltPredictor
 
-DEFAULT_CANDIDATES: tuple[Predictor, ...] = (
+ADAPTIVE_CANDIDATES: tuple[SimplePredictor, ...] = (
+    EMAPredictor(0.0),
+    EMAPredictor(0.5),
+    EMAPredictor(0.8),
+    EMAPredictor(0.9),
+    EMAPredictor(0.99),
+    HoltPredictor(0.3, 0.05),
+    HoltPredictor(0.5, 0.1),
+    HoltPredictor(0.8, 0.3),
+)
+"""The bank ``AdaptivePredictor`` runs: from the last step's load (θ = 0, for loads that wander at random)
+to a near-static mean (θ = 0.99), and trends from slow drifts to fast cycles (α = 0.8, β = 0.3)."""
+ERROR_SMOOTHING = 0.2
+"""Weight of the newest step in each candidate's running forecast error (a mean over about 5 steps)."""
+
+
+@dataclass(frozen=True)
+class AdaptivePredictor:
+    """Every candidate of ``candidates`` absorbs every step (each O(E)); before it does, each one's
+    one-step forecast is scored against the step's load (|forecast − load| summed over experts, over the
+    load's sum) and the score enters a running mean (``smoothing``). The forecast is the candidate's
+    with the lowest running error; ties go to the earliest candidate.
+
+    The state is flat (``"<i>.<name>"`` for candidate i's arrays, ``"error"`` [C]), so the runtime
+    checkpoints it as it does a single predictor's."""
+
+    candidates: tuple[SimplePredictor, ...] = ADAPTIVE_CANDIDATES
+    smoothing: float = ERROR_SMOOTHING
+
+    def __post_init__(self) -> None:
+        if not self.candidates:
+            raise UserError("an adaptive predictor needs at least one candidate")
+        if not 0.0 < self.smoothing <= 1.0:
+            raise UserError(f"adaptive predictor smoothing={self.smoothing} must be in (0, 1]")
+
+    @property
+    def name(self) -> str:
+        """``adaptive`` for the default bank and smoothing; otherwise both spelled out (checkpoints
+        restore a predictor's state only under the same name)."""
+        if self.candidates == ADAPTIVE_CANDIDATES and self.smoothing == ERROR_SMOOTHING:
+            return "adaptive"
+        return f"adaptive({'|'.join(p.name for p in self.candidates)};smoothing={self.smoothing:g})"
+
+    def _states(self, state: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+        split: list[dict[str, np.ndarray]] = [{} for _ in self.candidates]
+        for key, value in state.items():
+            index, dot, name = key.partition(".")
+            if dot:
+                split[int(index)][name] = value
+        return split
+
+    def init_state(self, load: np.ndarray) -> dict[str, np.ndarray]:
+        state = {"error": np.zeros(len(self.candidates))}
+        for i, candidate in enumerate(self.candidates):
+            state.update({f"{i}.{k}": v for k, v in candidate.init_state(load).items()})
+        return state
+
+    def update(self, state: dict[str, np.ndarray], load: np.ndarray) -> None:
+        load = np.asarray(load, dtype=float)
+        total = max(float(load.sum()), 1e-12)
+        errors = state["error"].copy()
+        for i, (candidate, own) in enumerate(zip(self.candidates, self._states(state))):
+            miss = float(np.abs(candidate.forecast(own, 1) - load).sum()) / total
+            errors[i] += self.smoothing * (miss - errors[i])
+            candidate.update(own, load)
+            state.update({f"{i}.{k}": v for k, v in own.items()})
+        state["error"] = errors
+
+    def chosen(self, state: dict[str, np.ndarray]) -> SimplePredictor:
+        """The candidate the forecast comes from now."""
+        return self.candidates[int(np.argmin(state["error"]))]
+
+    def forecast(self, state: dict[str, np.ndarray], horizon: int) -> np.ndarray:
+        index = int(np.argmin(state["error"]))
+        return self.candidates[index].forecast(self._states(state)[index], horizon)
+
+
+Predictor = EMAPredictor | HoltPredictor | AdaptivePredictor
+
+DEFAULT_CANDIDATES: tuple[SimplePredictor, ...] = (
     EMAPredictor(0.5),
     EMAPredictor(0.8),
     EMAPredictor(0.9),
@@ -125,7 +208,7 @@ def forecast_error(predictor: Predictor, loads: np.ndarray, horizon: int = 1, wa
 def select_predictor(
     loads: np.ndarray,
     horizon: int = 1,
-    candidates: tuple[Predictor, ...] = DEFAULT_CANDIDATES,
+    candidates: tuple[SimplePredictor, ...] = DEFAULT_CANDIDATES,
     warmup: int = 5,
 ) -> tuple[Predictor, dict[str, float]]:
     """The candidate with the lowest ``forecast_error`` on ``loads``, and every candidate's error."""

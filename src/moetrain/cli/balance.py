@@ -22,9 +22,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cluster", default="atlas-800t-a2", help="cluster preset or YAML for the cost model")
     parser.add_argument("--solver", choices=["greedy", "local", "milp"], default="local",
                         help="placement solver (milp: exact, small instances only)")
-    parser.add_argument("--predictor", default="auto",
-                        help="auto (lowest forecast error on the trace's first quarter), ema:THETA or "
-                             "holt:ALPHA,BETA")
+    parser.add_argument("--predictor", default="adaptive",
+                        help="adaptive (the runtime's: a bank of EMA and Holt forecasts, the one with the lowest "
+                             "recent error forecasts), auto (the lowest forecast error on the trace's first quarter, "
+                             "fixed), ema:THETA or holt:ALPHA,BETA")
     parser.add_argument("--interval", type=int, default=REPLAN_INTERVAL,
                         help="steps between full re-plans (cheap drift checks run every step)")
     parser.add_argument("--horizon", type=int, default=PAYBACK_HORIZON,
@@ -38,9 +39,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _parse_predictor(text: str):
-    from moetrain.balance.predict import EMAPredictor, HoltPredictor
+    from moetrain.balance.predict import AdaptivePredictor, EMAPredictor, HoltPredictor
 
     kind, _, values = text.partition(":")
+    if text == "adaptive":
+        return AdaptivePredictor()
     try:
         if kind == "ema" and values:
             return EMAPredictor(float(values))
@@ -49,7 +52,7 @@ def _parse_predictor(text: str):
             return HoltPredictor(alpha, beta)
     except ValueError:
         pass
-    raise UserError(f"--predictor {text!r}: expected auto, ema:THETA (e.g. ema:0.9) or holt:ALPHA,BETA")
+    raise UserError(f"--predictor {text!r}: expected adaptive, auto, ema:THETA (e.g. ema:0.9) or holt:ALPHA,BETA")
 
 
 def _parse_spare(text: str | None) -> tuple[int, ...] | None:
@@ -87,7 +90,7 @@ def _default_model(num_experts: int) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from moetrain.balance.costs import BalanceCostModel
-    from moetrain.balance.predict import DEFAULT_CANDIDATES, forecast_error, select_predictor
+    from moetrain.balance.predict import DEFAULT_CANDIDATES, AdaptivePredictor, forecast_error, select_predictor
     from moetrain.balance.replay import replay
     from moetrain.balance.slots import choose_spare_slots
     from moetrain.balance.traces import read_trace
@@ -117,6 +120,8 @@ def run(args: argparse.Namespace) -> int:
         errors = {p.name: forecast_error(p, loads, forecast_horizon) for p in DEFAULT_CANDIDATES}
     else:
         predictor = _parse_predictor(args.predictor)
+        if isinstance(predictor, AdaptivePredictor) and loads.shape[0] > 5 + forecast_horizon:
+            errors = {p.name: forecast_error(p, loads, forecast_horizon) for p in (*predictor.candidates, predictor)}
     result = replay(trace, costs, predictor, args.slots_per_rank, args.solver, args.interval, args.horizon)
     summary = result.summary()
     slots = args.slots_per_rank or trace.num_experts // args.ep + 1
@@ -136,7 +141,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"trace {args.trace}: {trace.num_steps} steps × {trace.num_layers} MoE layers × {trace.num_experts} experts;"
           f" ep={args.ep}, {slots} slots/rank; cost model {model.name} on {cluster.name}")
-    print(f"predictor: {predictor.name}" + (" (lowest forecast error on the first quarter)" if errors else ""))
+    if isinstance(predictor, AdaptivePredictor):
+        print(f"predictor: {predictor.name} (every candidate runs; the one with the lowest recent error forecasts)")
+    else:
+        print(f"predictor: {predictor.name}" + (" (lowest forecast error on the first quarter)" if errors else ""))
     for name, err in errors.items():
         print(f"  forecast error {name:28s} {err:.4f}  (|forecast − actual| / actual, {forecast_horizon}-step mean)")
     print("decisions (step, layer): forecast imbalance now → candidate, saving over the steps it is counted to "

@@ -37,7 +37,7 @@ from torch import nn
 from moetrain.balance.costs import BalanceCostModel
 from moetrain.balance.online import PAYBACK_HORIZON, REPLAN_INTERVAL, check_online_balance, default_slots_per_rank
 from moetrain.balance.placement import EMPTY_SLOT, ExpertPlacement, Move
-from moetrain.balance.predict import EMAPredictor, Predictor
+from moetrain.balance.predict import AdaptivePredictor, Predictor
 from moetrain.balance.schedule import Decision, LayerSchedule, ReplanRule
 from moetrain.balance.solver import SOLVERS
 from moetrain.config import ClusterConfig, ModelConfig, TrainingConfig
@@ -181,7 +181,7 @@ class OnlineExpertBalancer:
     costs: BalanceCostModel
     interval: int = REPLAN_INTERVAL
     horizon: int = PAYBACK_HORIZON
-    predictor: Predictor = field(default_factory=lambda: EMAPredictor(0.8))
+    predictor: Predictor = field(default_factory=AdaptivePredictor)
     solver: str = "local"
     trigger_margin: float = 1.0
     adaptive: bool = True
