@@ -54,8 +54,8 @@ def test_expert_tensor_parallel_ranks_move_and_reduce_their_slice_only(costs):
     table = ExpertPlacement.contiguous(256, 32, 9).slot_expert.reshape(32, 9).copy()
     table[9, 8] = 1  # a replica of expert 1 on another node
     replicated = ExpertPlacement.from_slot_experts(256, table)
-    assert sliced.replica_sync_seconds(replicated) == pytest.approx(
-        float(comm.allreduce_time(params * 2, 2, 1, costs.cluster)))
+    assert sliced.replica_sync_seconds(replicated) == pytest.approx(  # half of the 4-byte gradient, once
+        float(comm.p2p_time(params * 2, True, costs.cluster)))
     # the expert GEMM work per rank is the same: 1/etp of each expert for etp ranks' tokens
     loads = np.full(256, 1000.0)
     assert sliced.layer_seconds(ExpertPlacement.contiguous(256, 32, 9), loads) == pytest.approx(
@@ -91,7 +91,7 @@ def test_copies_hide_under_the_next_steps_compute(costs):
         assert (window.before_experts, window.layer) == pytest.approx(expected)
 
 
-def test_replicas_pay_a_gradient_all_reduce(costs):
+def test_replicas_pay_a_ring_all_reduce_of_their_gradient(costs):
     plain = ExpertPlacement.contiguous(256, 32, 9)
     table = plain.slot_expert.reshape(32, 9).copy()
     table[1, 8] = 0  # a replica of expert 0 on rank 1 (same node)
@@ -99,11 +99,21 @@ def test_replicas_pay_a_gradient_all_reduce(costs):
     replicated = ExpertPlacement.from_slot_experts(256, table)
     assert costs.replica_sync_seconds(plain) == 0.0
     grad_bytes = moe_block_params(costs.model)[1] / 256 * 4
-    in_node = float(comm.allreduce_time(grad_bytes, 2, 2, costs.cluster))
-    across = float(comm.allreduce_time(grad_bytes, 2, 1, costs.cluster))
+    # a ring of two: each replica sends 2·(2 − 1)/2 = one gradient to the other and receives one
+    in_node = float(comm.p2p_time(grad_bytes, False, costs.cluster))
+    across = float(comm.p2p_time(grad_bytes, True, costs.cluster))
     assert in_node < across
-    # rank 0 holds both experts, so it runs both all-reduces one after the other
-    assert costs.replica_sync_seconds(replicated) == pytest.approx(in_node + across)
+    # rank 0 holds both experts: one ring on its in-node link, one on the network, at once
+    assert costs.replica_sync_seconds(replicated) == pytest.approx(max(in_node, across))
+    # expert 2 on ranks 0, 1, 2, 3 of node 0 too: rank 0 now sends 2·3/4 of a gradient (expert 2) and one
+    # (expert 0) over its in-node link; the network still carries expert 1's one gradient
+    table[2, 8], table[3, 8] = 2, 2
+    table[1, 7] = 2  # rank 1 gives expert 15's slot to expert 2 ...
+    table[4, 8] = 15  # ... and expert 15 moves to rank 4
+    four = ExpertPlacement.from_slot_experts(256, table)
+    assert four.num_replicas()[2] == 4
+    assert costs.replica_sync_seconds(four) == pytest.approx(
+        max(float(comm.p2p_time(2.5 * grad_bytes, False, costs.cluster)), across))
 
 
 def test_dense_model_is_refused():

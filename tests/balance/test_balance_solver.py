@@ -103,6 +103,28 @@ def test_align_keeps_experts_in_place():
     assert len(diff(placement, shuffled)) > 0
 
 
+def test_align_by_node_keeps_node_mates_together_and_keeps_the_most_experts():
+    import itertools
+
+    # 8 experts on 4 ranks, 2 ranks per node; the new plan replicates expert 0 on ranks 0 and 1 (one node)
+    current = ExpertPlacement.from_slot_experts(8, np.array([[0, 1, 6], [2, 3, 7], [4, 5, -1], [0, 6, -1]]))
+    new = ExpertPlacement.from_slot_experts(8, np.array([[0, 4, 6], [0, 5, 7], [1, 2, -1], [3, -1, -1]]))
+    aligned = align_to(new, current, ranks_per_node=2)
+    table = aligned.slot_expert.reshape(4, 3)
+    rank_of = {tuple(sorted(set(row.tolist()) - {-1})): r for r, row in enumerate(table)}
+    mapped = [rank_of[tuple(sorted(set(row.tolist()) - {-1}))] for row in new.slot_expert.reshape(4, 3)]
+    assert mapped[0] // 2 == mapped[1] // 2 and mapped[2] // 2 == mapped[3] // 2  # node mates stay mates
+    # kept experts, against every node-preserving relabelling by brute force
+    old_sets = [set(row.tolist()) - {-1} for row in current.slot_expert.reshape(4, 3)]
+    new_sets = [set(row.tolist()) - {-1} for row in new.slot_expert.reshape(4, 3)]
+    best = max(sum(len(new_sets[r] & old_sets[perm[r]]) for r in range(4))
+               for perm in itertools.permutations(range(4))
+               if perm[0] // 2 == perm[1] // 2 and perm[2] // 2 == perm[3] // 2)
+    assert sum(len(new_sets[r] & old_sets[mapped[r]]) for r in range(4)) == best
+    loads = np.arange(1.0, 9.0)  # the same layout, relabelled: every rank's load moves with it
+    np.testing.assert_allclose(aligned.apply_to_tokens_per_expert(loads)[mapped], new.apply_to_tokens_per_expert(loads))
+
+
 def test_warm_start_moves_few_experts():
     trace = zipf_trace(2, 1, 256, 32 * 8192, 8, exponent=0.6, seed=5)
     first = plan_placement(trace.tokens_per_expert[0, 0].astype(float), 32, 9, "local")

@@ -175,3 +175,35 @@ def test_sharded_state_moves_piece_by_piece():
                     want[offset + dst_slot * slot_numel:offset + (dst_slot + 1) * slot_numel] = src
                     offset += 3 * slot_numel
             np.testing.assert_array_equal(got, want)
+
+
+def _ring_worker(rank: int, world_size: int) -> dict:
+    from moetrain.distributed.migration import sum_replica_gradients
+
+    # 6 experts on 4 ranks of 3 slots: expert 0 on all four ranks, expert 1 on three, expert 2 on two
+    # (rank 2 runs three rings at once, of 4, 3 and 2 replicas); the rest once. Each slot's gradient: a function of
+    # (expert, rank), 7 × 5 values, so that chunks of unequal length (35 over 3 or 4) are cut
+    table = np.array([[0, 2, 3], [0, 1, 4], [0, 1, 2], [0, 1, 5]])
+    placement = ExpertPlacement.from_slot_experts(6, table)
+    grads = [torch.zeros(3, 7, 5), torch.zeros(3, 2)]
+    for slot, expert in enumerate(table[rank].tolist()):
+        generator = torch.Generator().manual_seed(100 * expert + rank)
+        grads[0][slot] = torch.randn(7, 5, generator=generator)
+        grads[1][slot] = torch.randn(2, generator=generator)
+    before = [g.clone() for g in grads]
+    sum_replica_gradients(placement, grads)
+    return {"table": table, "before": before, "after": grads}
+
+
+def test_replica_gradients_are_summed_by_a_ring_and_replicas_agree_bit_for_bit():
+    results = spawn(_ring_worker, 4)
+    table = results[0]["table"]
+    for expert in range(6):
+        holders = [(rank, slot) for rank in range(4) for slot in range(3) if table[rank, slot] == expert]
+        for k in range(2):
+            # the sum computed independently, in float64
+            expected = sum(results[r]["before"][k][s].double() for r, s in holders)
+            got = [results[r]["after"][k][s] for r, s in holders]
+            for tensor in got:
+                torch.testing.assert_close(tensor.double(), expected, rtol=1e-6, atol=1e-6)
+                assert torch.equal(tensor, got[0])  # every replica the same bits

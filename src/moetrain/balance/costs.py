@@ -15,7 +15,9 @@ the stage's counts by the number of EP groups in it):
 * all-to-all: dispatch and combine, forward and backward (4 calls). Every rank sends the same volume
   (its tokens, top_k copies each) but rank r receives ``n_r`` copies, so the busiest rank decides:
   the planner's even-spread all-to-all is priced at ``max(mean, max_r n_r)`` copies per rank;
-* replicas: a replicated expert's gradient is all-reduced among its replicas once per step;
+* replicas: once per step the replicas of each replicated expert sum their gradients with a ring
+  all-reduce (``distributed.migration.sum_replica_gradients``): each replica sends 2(n − 1)/n of a
+  gradient to the next replica of the ring; the rings of a rank's experts run together;
 * the rest of the layer (attention, router, shared expert) does not depend on the placement; it is
   priced as GEMM work of the same efficiency so that gains are relative to the whole layer.
 
@@ -150,17 +152,26 @@ class BalanceCostModel:
         return 3.0 * np.asarray(forward)
 
     def replica_sync_seconds(self, placement: ExpertPlacement) -> float:
-        """Once per step: the replicas of each replicated expert all-reduce its gradient. Ranks work in
-        parallel; a rank holding several replicated experts does their all-reduces one after another."""
+        """Once per step, the replicated experts' ring all-reduces (module docstring): for each replicated
+        expert it holds, rank r sends 2(n − 1)/n of a gradient slice to the next replica of the ring
+        (replica order) and receives as much from the one before, over the in-node link when that
+        neighbour shares its node and the network otherwise. Links work concurrently, in both
+        directions; the busiest rank's busiest link direction decides, as for migrations."""
         grad_bytes = self.params_per_slice * self.grad_bytes_per_param
-        per_rank = np.zeros(placement.num_ranks)
+        # [rank, link, direction]: link 0 in-node, 1 network; direction 0 sent, 1 received
+        carried = np.zeros((placement.num_ranks, 2, 2))
         for expert in np.flatnonzero(placement.num_replicas() > 1):
-            ranks = [rank for rank, _ in placement.replicas(int(expert))]
-            nodes = {rank // self.cluster.devices_per_node for rank in ranks}
-            in_node = max(1, len(ranks) // len(nodes))
-            seconds = float(comm.allreduce_time(grad_bytes, len(ranks), in_node, self.cluster, self.efficiency))
-            per_rank[ranks] += seconds
-        return float(per_rank.max())
+            ring = [rank for rank, _ in placement.replicas(int(expert))]
+            share = 2.0 * (len(ring) - 1) / len(ring) * grad_bytes
+            for position, rank in enumerate(ring):
+                after = ring[(position + 1) % len(ring)]
+                link = 0 if self._same_node(rank, after) else 1
+                carried[rank, link, 0] += share
+                carried[after, link, 1] += share
+        busiest = carried.max(axis=(0, 2))
+        intra = float(comm.p2p_time(busiest[0], False, self.cluster, self.efficiency)) if busiest[0] else 0.0
+        inter = float(comm.p2p_time(busiest[1], True, self.cluster, self.efficiency)) if busiest[1] else 0.0
+        return max(intra, inter)
 
     def layer_seconds(self, placement: ExpertPlacement, tokens_per_expert: np.ndarray) -> np.ndarray:
         """Predicted time of one MoE layer per step, for loads [..., E] under ``placement``."""

@@ -356,16 +356,36 @@ def _holds(table: np.ndarray, num_experts: int) -> np.ndarray:
     return holds
 
 
-def align_to(placement: ExpertPlacement, current: ExpertPlacement) -> ExpertPlacement:
+def _relabel(overlap: np.ndarray, ranks_per_node: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """(new ranks, old ranks) that maximise the experts kept in place (``overlap[new, old]``); with
+    ``ranks_per_node``, whole nodes map to whole nodes (nodes first, then ranks inside each pair)."""
+    r = overlap.shape[0]
+    if ranks_per_node is None or not 1 < ranks_per_node < r or r % ranks_per_node:
+        return linear_sum_assignment(-overlap)
+    nodes = r // ranks_per_node
+    blocks = overlap.reshape(nodes, ranks_per_node, nodes, ranks_per_node)
+    node_rows, node_cols = linear_sum_assignment(-blocks.sum(axis=(1, 3)))
+    rows, cols = [], []
+    for a, b in zip(node_rows, node_cols):
+        inner_rows, inner_cols = linear_sum_assignment(-blocks[a, :, b, :])
+        rows.extend(a * ranks_per_node + inner_rows)
+        cols.extend(b * ranks_per_node + inner_cols)
+    return np.asarray(rows), np.asarray(cols)
+
+
+def align_to(
+    placement: ExpertPlacement, current: ExpertPlacement, ranks_per_node: int | None = None
+) -> ExpertPlacement:
     """The same placement with ranks relabelled, and experts reordered inside each rank, so that the
     most experts stay in the slot they occupy in ``current`` (ranks are interchangeable for the
-    objective; migration is not)."""
+    objective; migration is not). With ``ranks_per_node``, ranks that share a node keep sharing one,
+    so that replicas packed into a node keep their gradient all-reduce on the in-node links."""
     r, s = placement.num_ranks, placement.slots_per_rank
     new_table = placement.slot_expert.reshape(r, s)
     new_share = placement.slot_share.reshape(r, s)
     old_table = current.slot_expert.reshape(r, s)
     overlap = _holds(new_table, placement.num_experts) @ _holds(old_table, placement.num_experts).T
-    rows, cols = linear_sum_assignment(-overlap)
+    rows, cols = _relabel(overlap, ranks_per_node)
     table = np.full((r, s), EMPTY_SLOT, dtype=np.int64)
     share = np.zeros((r, s))
     for a, rank in zip(rows, cols):
@@ -437,7 +457,7 @@ def plan_placement(
     if solver != "milp":
         pool.extend([bridged for c in pool if (bridged := bridge_replicas(c, loads)) is not c])
     if current is not None:
-        pool = [align_to(c, current) for c in pool]
+        pool = [align_to(c, current, ranks_per_node) for c in pool]
     if solver != "milp" and ranks_per_node is not None and 1 < ranks_per_node < num_ranks:
         # bridged after the relabelling, which would scatter node-local pairs over nodes again
         pool.extend([b for c in pool[:unbridged] if (b := bridge_replicas(c, loads, ranks_per_node)) is not c])

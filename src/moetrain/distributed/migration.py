@@ -106,70 +106,60 @@ def migrate_experts(
     post_expert_moves(moves, slot_tensors, group).finish()
 
 
+def _ring_step_chunks(position: int, size: int, step: int) -> tuple[int, int, bool]:
+    """(chunk sent, chunk received, received chunk is added) at ``step`` of a ring all-reduce over
+    ``size`` replicas, for the replica at ``position``: ``size − 1`` reduce-scatter steps (receive and
+    add), then ``size − 1`` all-gather steps (receive and copy). After the reduce-scatter, the replica
+    at p holds the finished sum of chunk (p + 1) mod size."""
+    if step < size - 1:
+        return (position - step) % size, (position - step - 1) % size, True
+    step -= size - 1
+    return (position + 1 - step) % size, (position - step) % size, False
+
+
 def sum_replica_gradients(
     placement: ExpertPlacement, slot_grads: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None
 ) -> None:
     """Replace each replicated expert's gradient, on every replica, by the sum over its replicas.
 
-    Two phases over point-to-point messages: every replica sends to the expert's first replica, which
-    adds them in replica order; then the first replica sends the sum back. One fixed order gives
-    every replica the same bits, so the replicas' weights stay identical after the optimizer step.
+    A ring all-reduce per replicated expert over its replicas in replica order (reduce-scatter, then
+    all-gather; Patarasuk and Yuan 2009), on point-to-point messages: each replica sends and receives
+    2(n − 1)/n of a gradient, the least any all-reduce moves. Every chunk's sum is made once, by one
+    replica, and copied to the others, so every replica holds the same bits and the replicas' weights
+    stay identical after the optimizer step. The rings of all the experts a rank holds advance together,
+    one step at a time (``BalanceCostModel.replica_sync_seconds`` prices this).
     """
     me = dist.get_rank(group)
-    replicated = [e for e in range(placement.num_experts) if placement.num_replicas()[e] > 1]
     width = len(slot_grads)
-    gathered: dict[int, list[list[torch.Tensor]]] = {}
-    requests = []
-    for expert in replicated:
+    rings = []  # (expert, my position, ring of ranks, my chunks of each gradient)
+    counts = placement.num_replicas().tolist()
+    for expert in [e for e, count in enumerate(counts) if count > 1]:
         holders = placement.replicas(expert)
-        (owner_rank, owner_slot), others = holders[0], holders[1:]
-        for position, (rank, slot) in enumerate(others):
-            tag = (expert * placement.num_ranks + position) * width
-            if rank == me and owner_rank != me:
-                for k, grad in enumerate(slot_grads):
-                    requests.append(dist.isend(grad[slot].contiguous(), dst=_global(group, owner_rank),
-                                               group=group, tag=tag + k))
-            elif owner_rank == me:
-                buffers = [torch.empty_like(grad[owner_slot]) for grad in slot_grads]
-                if rank == me:  # cannot happen (replicas sit on distinct ranks); kept for clarity
-                    raise AssertionError("two replicas of one expert on one rank")
-                for k, buffer in enumerate(buffers):
-                    requests.append(dist.irecv(buffer, src=_global(group, rank), group=group, tag=tag + k))
-                gathered.setdefault(expert, []).append(buffers)
-    for request in requests:
-        request.wait()
-    requests = []
-    offset = placement.num_experts * placement.num_ranks * width  # phase-2 tags after phase-1 tags
-    with torch.no_grad():
-        for expert in replicated:
-            holders = placement.replicas(expert)
-            (owner_rank, owner_slot), others = holders[0], holders[1:]
-            if owner_rank == me:
-                for buffers in gathered[expert]:
-                    for grad, buffer in zip(slot_grads, buffers):
-                        grad[owner_slot].add_(buffer)
-                for position, (rank, _) in enumerate(others):
-                    tag = offset + (expert * placement.num_ranks + position) * width
-                    for k, grad in enumerate(slot_grads):
-                        requests.append(dist.isend(grad[owner_slot].contiguous(), dst=_global(group, rank),
-                                                   group=group, tag=tag + k))
-            else:
-                for position, (rank, slot) in enumerate(others):
-                    if rank != me:
-                        continue
-                    tag = offset + (expert * placement.num_ranks + position) * width
-                    for k, grad in enumerate(slot_grads):
-                        buffer = torch.empty_like(grad[slot])
-                        requests.append((dist.irecv(buffer, src=_global(group, owner_rank), group=group,
-                                                    tag=tag + k), grad, slot, buffer))
-    for item in requests:
-        if isinstance(item, tuple):
-            request, grad, slot, buffer = item
+        positions = [position for position, (rank, _) in enumerate(holders) if rank == me]
+        if positions:
+            slot = holders[positions[0]][1]
+            chunks = [torch.tensor_split(grad[slot].view(-1), len(holders)) for grad in slot_grads]
+            rings.append((expert, positions[0], [rank for rank, _ in holders], chunks))
+    steps = max((2 * (len(ring) - 1) for _, _, ring, _ in rings), default=0)
+    for step in range(steps):
+        requests, landing = [], []
+        for expert, position, ring, chunks in rings:
+            size = len(ring)
+            if step >= 2 * (size - 1):
+                continue
+            sent, received, add = _ring_step_chunks(position, size, step)
+            after, before = ring[(position + 1) % size], ring[(position - 1) % size]
+            for k in range(width):
+                tag = (expert * 2 * placement.num_ranks + step) * width + k
+                buffer = torch.empty_like(chunks[k][received])
+                requests.append(dist.isend(chunks[k][sent], dst=_global(group, after), group=group, tag=tag))
+                requests.append(dist.irecv(buffer, src=_global(group, before), group=group, tag=tag))
+                landing.append((chunks[k][received], buffer, add))
+        for request in requests:
             request.wait()
-            with torch.no_grad():
-                grad[slot].copy_(buffer)
-        else:
-            item.wait()
+        with torch.no_grad():
+            for chunk, buffer, add in landing:
+                chunk.add_(buffer) if add else chunk.copy_(buffer)
 
 
 def shard_segments(src_start: int, dst_start: int, length: int,
