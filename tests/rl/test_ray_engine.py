@@ -103,7 +103,7 @@ def _rollout_killed_at_batch_2(rank: int, world_size: int, job: StaleSyncJob):
      r"^rank 1 failed: StaleSyncWorkerError: StaleSync trainer \(rank 1\) failed: RuntimeError: optimizer crashed$"),
     (_rollout_killed_at_batch_2,
      r"^rank 0 failed: StaleSync rollout worker \(rank 0\) died: its Ray actor \(pid \d+ on [\d.]+\) exited"),
-])
+], ids=["trainer-raises", "rollout-worker-killed"])
 def test_a_dead_worker_ends_the_run_in_one_line_naming_it_and_the_checkpoint_stays_valid(
         cluster, tmp_path, inject, message):
     from moetrain.rl.ray_engine import RayRankError, run_ranks

@@ -63,6 +63,12 @@ class ActorAddress:
 class RankActor:
     """One rank (made a Ray actor by ``run_ranks``): it runs the rank's function inside the process group."""
 
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:  # Ray prefixes the actor's printed lines with it
+        return self.name
+
     def address(self) -> ActorAddress:
         import ray
 
@@ -85,10 +91,14 @@ def connected(ray: ModuleType) -> Iterator[None]:
     if ray.is_initialized():
         yield
         return
+    address = os.environ.get("RAY_ADDRESS")
     try:
-        ray.init(address="auto", log_to_driver=True)
-    except ConnectionError:
-        ray.init(num_cpus=max(2, os.cpu_count() or 1), include_dashboard=False)
+        ray.init(address=address or "auto")
+    except ConnectionError as exc:
+        if address:
+            raise UserError(f"RAY_ADDRESS={address}: cannot join that Ray cluster "
+                            f"({str(exc).splitlines()[0]})") from None
+        ray.init(address="local", num_cpus=max(2, os.cpu_count() or 1), include_dashboard=False)
     try:
         yield
     finally:
@@ -115,7 +125,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, names: Sequen
                             f"in all, {PLACE_TIMEOUT_S:.0f} s waited); give it more CPUs or free some")
         actor_cls = ray.remote(num_cpus=1, max_restarts=0)(RankActor)
         actors = [actor_cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-            group, placement_group_bundle_index=rank)).remote() for rank in range(world_size)]
+            group, placement_group_bundle_index=rank)).remote(names[rank]) for rank in range(world_size)]
         addresses = _gather(ray, [actor.address.remote() for actor in actors], names, None, PLACE_TIMEOUT_S)
         refs = [actor.run.remote(fn, rank, world_size, args, addresses[0], group_timeout_s)
                 for rank, actor in enumerate(actors)]
