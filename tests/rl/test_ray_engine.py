@@ -15,10 +15,13 @@ import torch
 from test_rl_stalesync import COMPARED, TINY, _setup
 
 from moetrain.cli import main
+from moetrain.config import load_model_config
 from moetrain.config.run import RunSpec
 from moetrain.distributed.world import spawn
 from moetrain.rl.config import StaleSyncOptions
+from moetrain.rl.loop import policy_config
 from moetrain.rl.stalesync import RolloutWorker, StaleSyncJob, StaleSyncTrainer, run_stalesync, worker_name
+from moetrain.rl.start import starting_weights
 from moetrain.train.checkpoint import latest_checkpoint, read_marker, verify_checkpoint
 from refusals import refused
 
@@ -133,15 +136,24 @@ def test_cli_without_ray_says_pip_install_ray_in_one_line_exit_2(capsys, monkeyp
 
 @needs_ray
 @pytest.mark.slow
-def test_cli_runs_the_pipeline_on_ray_actors(cluster, tmp_path, capsys):
-    metrics = tmp_path / "rl.jsonl"
-    argv = ["rl", *TINY, "--staleness", "1", "--engine", "ray", "--metrics-out", str(metrics),
-            "--save-dir", str(tmp_path / "run"), "--log-dir", str(tmp_path / "log")]
-    assert main(argv) == 0, capsys.readouterr().err
-    steps = [r for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
-    assert [r["weight_version"] for r in steps] == [0, 0, 1] and [r["staleness_max"] for r in steps] == [0, 1, 1]
-    assert read_marker(latest_checkpoint(tmp_path / "run" / "rl"))["step"] == 3
-    assert metrics.with_suffix(".png").stat().st_size > 1000
+def test_cli_k0_on_ray_actors_equals_the_cli_on_torchrun(cluster, tmp_path, capsys):
+    """The same `moetrain rl --staleness 0` run (warm-up, 3 GRPO steps) through both engines: the same
+    metrics rows and the same final checkpoint, bit for bit."""
+    runs = {}
+    for engine in ("local", "ray"):
+        out = tmp_path / engine
+        argv = ["rl", *TINY, "--staleness", "0", "--engine", engine, "--metrics-out", str(out / "rl.jsonl"),
+                "--save-dir", str(out / "run"), "--log-dir", str(out / "log")]
+        assert main(argv) == 0, capsys.readouterr().err
+        rows = [json.loads(line) for line in (out / "rl.jsonl").read_text().splitlines()]
+        runs[engine] = rows, starting_weights(out / "run" / "rl", policy_config(load_model_config("tiny-pangu")))
+    (local_rows, local_weights), (rows, weights) = runs["local"], runs["ray"]
+    assert [r.get("weight_version") for r in rows if "loss" in r] == [0, 1, 2]
+    assert [{k: r.get(k) for k in PER_STEP} for r in rows] == [{k: r.get(k) for k in PER_STEP} for r in local_rows]
+    assert weights.keys() == local_weights.keys()
+    for name, value in local_weights.items():
+        assert torch.equal(value, weights[name]), name
+    assert (tmp_path / "ray" / "rl.png").stat().st_size > 1000
 
 
 @needs_ray

@@ -80,6 +80,7 @@ class RankActor:
 
     def run(self, fn: Callable[..., Any], rank: int, world_size: int, args: tuple, master: ActorAddress,
             timeout_s: float) -> Any:
+        # LOCAL_RANK 0: Ray gives each actor its own devices (CUDA_VISIBLE_DEVICES), so its first is its own
         return run_in_world(fn, rank, world_size, args, master_addr=master.host, master_port=master.port,
                             local_rank=0, timeout_s=timeout_s)
 
