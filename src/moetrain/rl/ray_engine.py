@@ -147,7 +147,7 @@ def _gather(ray: ModuleType, refs: list, names: Sequence[str], addresses: list[A
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
             late = ", ".join(names[rank_of[ref]] for ref in pending)
-            raise RayRankError(f"{late} did not finish in {timeout_s:.0f} s", None)
+            raise RayRankError(f"{late}: no result after {timeout_s:.0f} s", None)
         ready, pending = ray.wait(pending, num_returns=1, timeout=left)
         for ref in ready:
             rank = rank_of[ref]
