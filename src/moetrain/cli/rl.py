@@ -106,7 +106,12 @@ def stalesync_options(args: argparse.Namespace):
     if k < 0:
         raise UserError(f"--staleness {k} must be ≥ 0")
     if args.engine == "ray":
-        raise UserError("--engine ray: StaleSync on Ray actors is not built yet; use --engine local")
+        if args.placement == "colocated":
+            raise UserError("--engine ray runs the disaggregated placement (a rollout actor and a trainer actor); "
+                            "--placement colocated runs in one process: drop --engine ray")
+        from moetrain.rl.ray_engine import import_ray
+
+        import_ray()  # before the warm-up: a missing Ray is one line, not a failure after minutes
     if args.placement == "colocated":
         if k:
             raise UserError(f"--placement colocated with --staleness {k}: not built yet; use --placement "
@@ -354,8 +359,9 @@ def _launch(args: argparse.Namespace, sft_spec, rl_spec, options, model_cfg) -> 
 
 
 def _launch_stalesync(args: argparse.Namespace, specs, stale) -> int:
-    """StaleSync, disaggregated: the warm-up here (one process), then torchrun starts
-    ``moetrain.rl.stalesync_worker`` on two ranks (rollout worker, trainer) from its weights."""
+    """StaleSync, disaggregated: the warm-up here (one process), then two ranks (rollout worker, trainer)
+    run ``moetrain.rl.stalesync_worker.run_rank`` from its weights: processes that torchrun starts
+    (``--engine local``), or Ray actors (``--engine ray``, ``moetrain.rl.ray_engine``)."""
     import json
     import tempfile
 
@@ -382,5 +388,9 @@ def _launch_stalesync(args: argparse.Namespace, specs, stale) -> int:
            "plot": str(plot.resolve()) if plot else None}
     payload = log_dir / "stalesync_run.json"
     payload.write_text(json.dumps(run), encoding="utf-8")
+    if args.engine == "ray":  # the actors get the payload itself (the warm-up weights stay a file: shared disk)
+        from moetrain.rl import ray_engine
+
+        return ray_engine.launch(run, rl_spec.run.timeout_s)
     return launch(rl_spec, log_dir, entry="moetrain.rl.stalesync_worker", env={"MOETRAIN_STALESYNC_RUN": str(payload)},
                   command="rl", nproc=2)

@@ -44,10 +44,15 @@ def run_rank(spec: RunSpec) -> int:
     return 0
 
 
-def _report(rank: int, exc: BaseException) -> None:
+def failure_line(rank: int, exc: BaseException) -> str:
+    """``rank R failed: cause``: the one line a failed rank reports (a user error without its type)."""
     first = str(exc).splitlines()[0] if str(exc) else ""
     cause = first if isinstance(exc, UserError) else f"{type(exc).__name__}: {first}"
-    message = f"rank {rank} failed: {cause}"
+    return f"rank {rank} failed: {cause}"
+
+
+def _report(rank: int, exc: BaseException) -> None:
+    message = failure_line(rank, exc)
     error_dir = os.environ.get("MOETRAIN_ERROR_DIR")
     if error_dir:
         Path(error_dir, f"rank{rank}.txt").write_text(message + "\n")

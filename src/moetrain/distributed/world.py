@@ -73,19 +73,30 @@ def join_world(device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> It
         dist.destroy_process_group()
 
 
-def _entry(rank: int, world_size: int, port: int, result_dir: str, fn: Callable[..., Any], args: tuple,
-           backend: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def run_in_world(fn: Callable[..., Any], rank: int, world_size: int, args: tuple, *, master_port: int,
+                 master_addr: str = "127.0.0.1", local_rank: int | None = None, backend: str = "gloo",
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> Any:
+    """One rank's life in a ``world_size``-rank group whose store rank 0 hosts at ``master_addr:master_port``:
+    join it, return ``fn(rank, world_size, *args)``, leave once every rank is done. ``spawn``'s processes
+    and the Ray engine's actors (``moetrain.rl.ray_engine``) both run this."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank if local_rank is None else local_rank),
+                      MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
     torch.set_num_threads(1)
-    init_world(backend)
+    init_world(backend, timeout_s)
     try:
         result = fn(rank, world_size, *args)
-        torch.save(result, Path(result_dir) / f"rank{rank}.pt")
         # Rank 0 hosts the store every group was built from: no rank leaves before the slowest is done.
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    return result
+
+
+def _entry(rank: int, world_size: int, port: int, result_dir: str, fn: Callable[..., Any], args: tuple,
+           backend: str) -> None:
+    result = run_in_world(fn, rank, world_size, args, master_port=port, backend=backend)
+    torch.save(result, Path(result_dir) / f"rank{rank}.pt")
 
 
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo") -> list[Any]:

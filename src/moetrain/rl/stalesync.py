@@ -245,6 +245,11 @@ PEER_LOST = re.compile(r"Connection (reset|closed) by peer|Socket Timeout|timed 
 PEER_GRACE_S = 5.0
 
 
+def worker_name(rank: int) -> str:
+    """How a failure names a rank of the pipeline: ``StaleSync rollout worker (rank 0)``."""
+    return f"StaleSync {ROLES[rank]} (rank {rank})"
+
+
 class StaleSyncWorkerError(RuntimeError):
     """A worker of the pipeline failed: the one message of the run names it."""
 
@@ -266,10 +271,9 @@ def run_stalesync(rank: int, world_size: int, job: StaleSyncJob) -> RolloutRepor
             # The peer died: its own report (with the cause) should be the run's message, so give the
             # launcher time to see it first and stop this rank; otherwise this one names the dead peer.
             time.sleep(PEER_GRACE_S)
-            raise StaleSyncWorkerError(f"StaleSync {ROLES[peer]} (rank {peer}) died: the {ROLES[rank]} (rank {rank}) "
+            raise StaleSyncWorkerError(f"{worker_name(peer)} died: the {ROLES[rank]} (rank {rank}) "
                                        f"lost it ({str(exc).splitlines()[0][:120]})") from exc
-        raise StaleSyncWorkerError(f"StaleSync {ROLES[rank]} (rank {rank}) failed: "
-                                   f"{type(exc).__name__}: {exc}") from exc
+        raise StaleSyncWorkerError(f"{worker_name(rank)} failed: {type(exc).__name__}: {exc}") from exc
 
 
 def _train(job: StaleSyncJob, channels: Channels) -> TrainerReport:

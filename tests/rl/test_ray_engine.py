@@ -1,0 +1,171 @@
+"""StaleSync on Ray actors (``--engine ray``) on a local Ray cluster: k = 0 gives what the torch.distributed
+(local) engine gives, a dead worker ends the run in one line naming it within 60 s and leaves the last
+checkpoint valid, and the CLI refuses in one line what the engine cannot run."""
+
+import json
+import os
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from test_rl_stalesync import COMPARED, TINY, _setup
+
+from moetrain.cli import main
+from moetrain.config import load_model_config
+from moetrain.config.run import RunSpec
+from moetrain.distributed.world import spawn
+from moetrain.rl.config import StaleSyncOptions
+from moetrain.rl.loop import policy_config
+from moetrain.rl.stalesync import RolloutWorker, StaleSyncJob, StaleSyncTrainer, run_stalesync, worker_name
+from moetrain.rl.start import starting_weights
+from moetrain.train.checkpoint import latest_checkpoint, read_marker, verify_checkpoint
+from refusals import refused
+
+try:
+    import ray
+except ImportError:
+    ray = None
+
+needs_ray = pytest.mark.skipif(ray is None, reason="the Ray engine's runs need ray (pip install ray)")
+NAMES = [worker_name(rank) for rank in range(2)]
+PER_STEP = (*COMPARED, "staleness_max", "dropped_samples", "batch_index")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A local Ray cluster of 2 CPUs (one actor each); the failure injections below, defined here, travel
+    to the actors by value (the actors cannot import this test module)."""
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=200 * 2**20)
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    yield
+    ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+    ray.shutdown()
+
+
+def _job(steps: int, staleness: int, save_dir: Path | None = None) -> StaleSyncJob:
+    model, options, spec = _setup(steps)
+    if save_dir is not None:
+        spec = RunSpec.model_validate({**spec.model_dump(), "run": {**spec.run.model_dump(),
+                                                                    "save_dir": str(save_dir), "save_every": 1}})
+    return StaleSyncJob(spec, options, StaleSyncOptions(staleness=staleness), model.cfg, model.state_dict())
+
+
+@needs_ray
+@pytest.mark.dist
+def test_k0_on_ray_actors_equals_the_torch_distributed_run(cluster):
+    from moetrain.rl.ray_engine import run_ranks
+
+    job = _job(3, staleness=0)
+    local_rollout, local = spawn(run_stalesync, 2, job)
+    rollout, trainer = run_ranks(run_stalesync, 2, job, names=NAMES, timeout_s=120)
+    assert rollout.versions == local_rollout.versions == [0, 1, 2]
+    assert trainer.trained == local.trained == [(0, 0), (1, 1), (2, 2)]
+    for expected, got in zip(local.samples, trainer.samples, strict=True):
+        assert torch.equal(expected, got)  # same generated tokens
+    assert [r["step"] for r in trainer.rows] == [r["step"] for r in local.rows] == [0, 1, 2, 3]  # eval at 0
+    for expected, got in zip(local.rows, trainer.rows, strict=True):
+        assert {k: got.get(k) for k in PER_STEP} == {k: expected.get(k) for k in PER_STEP}  # same losses
+    assert trainer.final_state.keys() == local.final_state.keys()
+    for name, value in local.final_state.items():
+        assert torch.equal(value, trainer.final_state[name]), name  # same weights, bit for bit
+
+
+def _trainer_raises_at_step_2(rank: int, world_size: int, job: StaleSyncJob):
+    """``run_stalesync`` with the trainer's optimizer failing after step 2 (runs in the actors)."""
+    def crash(self):
+        if self.step == 2:
+            raise RuntimeError("optimizer crashed")
+        return original(self)
+
+    original = StaleSyncTrainer.after_step
+    StaleSyncTrainer.after_step = crash
+    return run_stalesync(rank, world_size, job)
+
+
+def _rollout_killed_at_batch_2(rank: int, world_size: int, job: StaleSyncJob):
+    """``run_stalesync`` with the rollout worker's process killed (SIGKILL, as the OOM killer does) as it
+    starts batch 2, while the trainer may be writing its step-2 checkpoint."""
+    def die(self, batch):
+        if batch == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(self, batch)
+
+    original = RolloutWorker.generate
+    RolloutWorker.generate = die
+    return run_stalesync(rank, world_size, job)
+
+
+@needs_ray
+@pytest.mark.dist
+@pytest.mark.parametrize("inject, message", [
+    (_trainer_raises_at_step_2,
+     r"^rank 1 failed: StaleSyncWorkerError: StaleSync trainer \(rank 1\) failed: RuntimeError: optimizer crashed$"),
+    (_rollout_killed_at_batch_2,
+     r"^rank 0 failed: StaleSync rollout worker \(rank 0\) died: its Ray actor \(pid \d+ on [\d.]+\) exited"),
+], ids=["trainer-raises", "rollout-worker-killed"])
+def test_a_dead_worker_ends_the_run_in_one_line_naming_it_and_the_checkpoint_stays_valid(
+        cluster, tmp_path, inject, message):
+    from moetrain.rl.ray_engine import RayRankError, run_ranks
+
+    start = time.monotonic()
+    with pytest.raises(RayRankError, match=message) as failure:
+        run_ranks(inject, 2, _job(4, staleness=0, save_dir=tmp_path), names=NAMES, timeout_s=120)
+    assert time.monotonic() - start < 60
+    assert len(str(failure.value).splitlines()) == 1
+    newest = latest_checkpoint(tmp_path)
+    assert newest is not None and read_marker(newest)["step"] in (1, 2)
+    verify_checkpoint(newest)  # every file matches its checksum
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["rl", "--staleness", "0", "--placement", "colocated", "--engine", "ray"], ("--engine ray", "colocated")),
+    (["rl", "--engine", "ray"], ("give --staleness K",)),
+])
+def test_cli_refuses_what_the_ray_engine_cannot_run_in_one_line_exit_2(capsys, argv, expected):
+    refused(capsys, argv, *expected)
+
+
+def test_cli_without_ray_says_pip_install_ray_in_one_line_exit_2(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # what `import ray` meets when Ray is not installed
+    refused(capsys, ["rl", "--staleness", "1", "--engine", "ray"], "--engine ray", "pip install ray")
+
+
+@needs_ray
+@pytest.mark.slow
+def test_cli_k0_on_ray_actors_equals_the_cli_on_torchrun(cluster, tmp_path, capsys):
+    """The same `moetrain rl --staleness 0` run (warm-up, 3 GRPO steps) through both engines: the same
+    metrics rows and the same final checkpoint, bit for bit."""
+    runs = {}
+    for engine in ("local", "ray"):
+        out = tmp_path / engine
+        argv = ["rl", *TINY, "--staleness", "0", "--engine", engine, "--metrics-out", str(out / "rl.jsonl"),
+                "--save-dir", str(out / "run"), "--log-dir", str(out / "log")]
+        assert main(argv) == 0, capsys.readouterr().err
+        rows = [json.loads(line) for line in (out / "rl.jsonl").read_text().splitlines()]
+        runs[engine] = rows, starting_weights(out / "run" / "rl", policy_config(load_model_config("tiny-pangu")))
+    (local_rows, local_weights), (rows, weights) = runs["local"], runs["ray"]
+    assert [r.get("weight_version") for r in rows if "loss" in r] == [0, 1, 2]
+    assert [{k: r.get(k) for k in PER_STEP} for r in rows] == [{k: r.get(k) for k in PER_STEP} for r in local_rows]
+    assert weights.keys() == local_weights.keys()
+    for name, value in local_weights.items():
+        assert torch.equal(value, weights[name]), name
+    assert (tmp_path / "ray" / "rl.png").stat().st_size > 1000
+
+
+@needs_ray
+@pytest.mark.dist
+def test_the_cli_launch_reports_a_failed_rank_in_one_line_and_exits_1(cluster, tmp_path, capsys):
+    from moetrain.rl.ray_engine import launch
+
+    model, options, spec = _setup(2)
+    run = {"rl": spec.to_json(), "options": options.model_dump_json(), "stale": StaleSyncOptions().model_dump_json(),
+           "model": model.cfg.model_dump_json(), "initial": str(tmp_path / "missing.pt"), "plot": None}
+    assert launch(run, group_timeout_s=30) == 1  # the warm-up weights' file is gone: both ranks fail to read it
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1
+    assert re.match(r"moetrain rl: rank [01] failed: FileNotFoundError: .*missing\.pt.* \(all Ray actors stopped "
+                    r"after [\d.]+ s\)$", lines[0]), lines
