@@ -83,16 +83,16 @@ class HoltPredictor:
 
 SimplePredictor = EMAPredictor | HoltPredictor
 
-ADAPTIVE_CANDIDATES: tuple[SimplePredictor, ...] = (
-    EMAPredictor(0.0),
+DEFAULT_CANDIDATES: tuple[SimplePredictor, ...] = (
     EMAPredictor(0.5),
     EMAPredictor(0.8),
     EMAPredictor(0.9),
     EMAPredictor(0.99),
     HoltPredictor(0.3, 0.05),
     HoltPredictor(0.5, 0.1),
-    HoltPredictor(0.8, 0.3),
 )
+
+ADAPTIVE_CANDIDATES: tuple[SimplePredictor, ...] = (EMAPredictor(0.0), *DEFAULT_CANDIDATES, HoltPredictor(0.8, 0.3))
 """The bank ``AdaptivePredictor`` runs: from the last step's load (θ = 0, for loads that wander at random)
 to a near-static mean (θ = 0.99), and trends from slow drifts to fast cycles (α = 0.8, β = 0.3)."""
 ERROR_SMOOTHING = 0.2
@@ -161,16 +161,6 @@ class AdaptivePredictor:
 
 
 Predictor = EMAPredictor | HoltPredictor | AdaptivePredictor
-
-DEFAULT_CANDIDATES: tuple[SimplePredictor, ...] = (
-    EMAPredictor(0.5),
-    EMAPredictor(0.8),
-    EMAPredictor(0.9),
-    EMAPredictor(0.99),
-    HoltPredictor(0.3, 0.05),
-    HoltPredictor(0.5, 0.1),
-)
-
 
 def forecasts(predictor: Predictor, loads: np.ndarray, horizon: int) -> np.ndarray:
     """[T, ...] forecast made after seeing steps 0..t of ``loads`` [T, ...] (row t predicts the mean
