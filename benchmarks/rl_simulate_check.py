@@ -1,0 +1,187 @@
+"""``moetrain simulate --rl`` against the measured CPU RL steps, for both placements.
+
+The prediction comes from this CPU's measured rates and the planner's formulas, never from the RL step
+times: ``moetrain profile`` (GEMM rate and per-call cost, attention, memory bandwidth, MoE pass cost) plus
+two probes of the eager generation loop that the profile does not cover (``HostCosts``): the time of one
+decoder layer's forward of the runtime's model on one token (the host floor of a layer pass: Python,
+dispatcher, small kernels) and the sampler's time per logit. Those go into
+``moetrain.planner.rl_step.price_rl_step`` with the shapes of the measured workloads:
+
+- colocated (RL Fusion): ``benchmarks/rl_switch.py``'s three variants (tiny-pangu, 4 gloo ranks, training
+  TP2×EP2 or PP2×EP2, generation in 4 replicas; offload auto and always), measured in
+  ``benchmarks/results/rl_switch_cpu.json`` (median step time);
+- disaggregated (StaleSync): ``benchmarks/rl_stalesync.py``'s k = 0, 1, 4 (4-layer tiny-pangu, one
+  rollout and one training process), measured in ``benchmarks/results/rl_stalesync_cpu.json`` (trainer
+  step time = steady seconds / steady steps).
+
+The runs put one thread per rank on the machine's cores; where there are more ranks than cores (4 ranks on
+2 cores in rl_switch) every rate is divided by ranks/cores (each rank gets that share of a core). Other
+users of the machine are not modelled: the load averages at measurement time are recorded beside.
+
+    python benchmarks/rl_simulate_check.py --out benchmarks/results/rl_simulate_check_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+from _record import write_result
+
+from moetrain.config import ParallelConfig, load_cluster_config, load_model_config
+from moetrain.models.transformer import build_model
+from moetrain.planner.calibration import Calibration, load_calibration
+from moetrain.planner.generation import HostCosts
+from moetrain.planner.rl_step import RLLayout, RLWorkload, price_rl_step
+from moetrain.rl.generate import SamplingParams, sample
+from moetrain.rl.loop import policy_config
+from moetrain.rl.sft import sequence_len_for
+from moetrain.rl.tasks import get_task
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SAMPLER_ROWS = 128
+
+
+def _median_time(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def profile(repeats: int) -> Calibration:
+    """``moetrain profile`` on this CPU, one thread (the runs' threads per rank)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "cpu.yaml"
+        subprocess.run([sys.executable, "-m", "moetrain", "profile", "--cluster", "cpu", "--device", "cpu",
+                        "--threads", "1", "--repeats", str(repeats), "--out", str(out)], check=True,
+                       capture_output=True)
+        return load_calibration(out)
+
+
+def host_probe(num_layers: int, repeats: int) -> HostCosts:
+    """Per-layer forward of the runtime's model on one token, and the sampler's time per logit."""
+    model_cfg = policy_config(load_model_config("tiny-pangu")).model_copy(update={"num_layers": num_layers})
+    model = build_model(model_cfg, torch.device("cpu"), seed=0).eval().requires_grad_(False)
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    with torch.no_grad():
+        forward = _median_time(lambda: model(ids), repeats * 20)
+    logits = torch.randn(SAMPLER_ROWS, model_cfg.vocab_size)
+    generators = [torch.Generator().manual_seed(row) for row in range(SAMPLER_ROWS)]
+    params = SamplingParams(max_new_tokens=1, temperature=1.0)
+    sampling = _median_time(lambda: sample(logits, params, generators), repeats * 5)
+    return HostCosts(layer_forward_us=forward / num_layers * 1e6, probe_tokens=1,
+                     sample_ns_per_logit=sampling / logits.numel() * 1e9, host_is_device=True)
+
+
+def shared_cores(calibration: Calibration, host: HostCosts, ranks: int) -> tuple[Calibration, HostCosts]:
+    """Rates when ``ranks`` one-thread processes share the machine's cores: each gets cores/ranks of one."""
+    slow = max(ranks / (os.cpu_count() or 1), 1.0)
+    if slow == 1.0:
+        return calibration, host
+    eff = calibration.for_device("cpu")
+    cpu = {"gemm_max": eff.gemm_max / slow, "attention": eff.attention / slow, "memory": eff.memory / slow,
+           "gemm_overhead_us": eff.gemm_overhead_us * slow, "moe_overhead_us": eff.moe_overhead_us * slow}
+    scaled = replace(calibration, per_arch={**calibration.per_arch, "cpu": cpu}, held_out_fits={})
+    return scaled, replace(host, layer_forward_us=host.layer_forward_us * slow,
+                           sample_ns_per_logit=host.sample_ns_per_logit * slow)
+
+
+def _row(name: str, predicted, measured_s: float, **extra) -> dict:
+    error = (predicted.step_s - measured_s) / measured_s * 100
+    print(f"{name:34s} predicted {predicted.step_s:7.3f} s  measured {measured_s:7.3f} s  ({error:+.1f} %)")
+    return {"run": name, "predicted_step_s": predicted.step_s, "measured_step_s": measured_s, "error_pct": error,
+            "within_15pct": abs(error) <= 15.0, "predicted_phases_s": asdict(predicted.phases), **extra}
+
+
+def colocated_rows(calibration: Calibration, host: HostCosts) -> list[dict]:
+    measured = json.loads((RESULTS / "rl_switch_cpu.json").read_text())
+    config = measured["config"]
+    task = get_task(config["task"])
+    layouts = {"tp2_ep2": ParallelConfig(tp=2, dp=2, ep=2), "pp2_ep2": ParallelConfig(pp=2, dp=2, ep=2)}
+    model = policy_config(load_model_config(config["model"]))
+    batch = config["prompts"] * config["group_size"]
+    calibration, host = shared_cores(calibration, host, config["ranks"])
+    cluster = load_cluster_config("cpu")
+    rows = []
+    for variant in measured["variants"]:
+        parallel = layouts[variant["train_layout"]]
+        max_new = task.max_answer_chars + 2  # RLOptions' default; the untrained policy never stops early
+        seq_len = -(-sequence_len_for(task, max_new) // parallel.tp) * parallel.tp
+        # replay_stats_every = 1 (the default): one more forward over the samples per step
+        workload = RLWorkload(model, cluster, config["prompts"], config["group_size"], task.max_prompt_chars + 1,
+                              max_new, "fp32", logprob_forwards=1, train_seq_len=seq_len)
+        layout = RLLayout("colocated", config["ranks"], parallel.model_copy(update={"micro_batch": batch // 2}),
+                          offload=variant["offload"] == "always")
+        predicted = price_rl_step(workload, layout, calibration, host)
+        rows.append(_row(f"colocated {variant['train_layout']} offload {variant['offload']}", predicted,
+                         variant["step_s"], measured_phases_s=variant["phase_s"]))
+    return rows
+
+
+def disaggregated_rows(calibration: Calibration, host: HostCosts) -> list[dict]:
+    measured = json.loads((RESULTS / "rl_stalesync_cpu.json").read_text())
+    config = measured["workload"]
+    task = get_task(config["task"])
+    model = policy_config(load_model_config("tiny-pangu")).model_copy(update={"num_layers": 4})
+    batch = config["prompts"] * config["group_size"]
+    # Sorted answers end with the end-of-sequence token after at most max_answer_chars digits.
+    decode_steps = min(task.max_answer_chars + 1, config["max_new_tokens"])
+    workload = RLWorkload(model, load_cluster_config("cpu"), config["prompts"], config["group_size"],
+                          task.max_prompt_chars + 1, decode_steps, "fp32",
+                          train_seq_len=sequence_len_for(task, config["max_new_tokens"]))
+    calibration, host = shared_cores(calibration, host, 2)
+    rows = []
+    for run in measured["runs"]:
+        layout = RLLayout("disaggregated", 2, ParallelConfig(micro_batch=batch), rollout_devices=1,
+                          staleness=run["staleness"])
+        steps = config["steps"] - 2  # the steady steps: neither the first (fill) nor the last (evaluation)
+        predicted = price_rl_step(workload, layout, calibration, host)
+        rows.append(_row(f"disaggregated k={run['staleness']}", predicted, run["steady_seconds"] / steps,
+                         steady_steps=steps))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--out", default="benchmarks/results/rl_simulate_check_cpu.json")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    load_before = os.getloadavg()[0]
+    calibration = profile(args.repeats)
+    hosts = {layers: host_probe(layers, args.repeats) for layers in (4, 8)}
+    colocated = colocated_rows(calibration, hosts[8])
+    disaggregated = disaggregated_rows(calibration, hosts[4])
+    rows = colocated + disaggregated
+    errors = [abs(r["error_pct"]) for r in rows]
+    print(f"median |error| {statistics.median(errors):.1f} %, max {max(errors):.1f} %; "
+          f"{sum(r['within_15pct'] for r in rows)} of {len(rows)} within 15 %")
+    write_result(args.out, {
+        "measured_from": ["benchmarks/results/rl_switch_cpu.json", "benchmarks/results/rl_stalesync_cpu.json"],
+        "rates": {"cpu_efficiency": calibration.for_device("cpu").as_dict(),
+                  "host_4_layers": asdict(hosts[4]), "host_8_layers": asdict(hosts[8]), "cpu_count": os.cpu_count()},
+        "rows": rows,
+        "median_abs_error_pct": statistics.median(errors), "max_abs_error_pct": max(errors),
+        "within_15pct": sum(r["within_15pct"] for r in rows), "rows_total": len(rows),
+        "load_average_1min_before": load_before, "load_average_1min_after": os.getloadavg()[0],
+        "measured_load_average_1min": {"rl_switch_cpu.json": json.loads((RESULTS / "rl_switch_cpu.json").read_text())
+                                       ["config"].get("load_average_1min_after"),
+                                       "rl_stalesync_cpu.json": None},
+    })
+
+
+if __name__ == "__main__":
+    main()
