@@ -23,7 +23,10 @@ batches run to the token limit.
 
 The runs put one thread per rank on the machine's cores; where there are more ranks than cores (4 ranks on
 2 cores in rl_switch) every rate is divided by ranks/cores (each rank gets that share of a core). Other
-users of the machine are not modelled: the load averages at measurement time are recorded beside.
+users of the machine are not modelled: the load averages at measurement time are recorded beside, and for
+rl_switch (which recorded its load) a sensitivity row prices the same step with each rank's share taken
+from that load average instead (not the prediction: it shows how much of the gap the machine's load can
+explain).
 
     python benchmarks/rl_simulate_check.py --out benchmarks/results/rl_simulate_check_cpu.json
 """
@@ -132,6 +135,10 @@ def colocated_rows(calibration: Calibration, host: HostCosts) -> list[dict]:
     layouts = {"tp2_ep2": ParallelConfig(tp=2, dp=2, ep=2), "pp2_ep2": ParallelConfig(pp=2, dp=2, ep=2)}
     model = policy_config(load_model_config(config["model"]))
     batch = config["prompts"] * config["group_size"]
+    # Sensitivity, not the prediction: the same with every rank's share of a core taken from the load
+    # average the run recorded (runnable processes, ours and other users') instead of ranks / cores.
+    load = config.get("load_average_1min_after")
+    at_load = shared_cores(calibration, host, max(load, config["ranks"])) if load else None
     calibration, host = shared_cores(calibration, host, config["ranks"])
     cluster = load_cluster_config("cpu")
     rows = []
@@ -145,8 +152,10 @@ def colocated_rows(calibration: Calibration, host: HostCosts) -> list[dict]:
         layout = RLLayout("colocated", config["ranks"], parallel.model_copy(update={"micro_batch": batch // 2}),
                           offload=variant["offload"] == "always")
         predicted = price_rl_step(workload, layout, calibration, host)
+        loaded = price_rl_step(workload, layout, *at_load).step_s if at_load else None
         rows.append(_row(f"colocated {variant['train_layout']} offload {variant['offload']}", predicted,
-                         variant["step_s"], measured_phases_s=variant["phase_s"]))
+                         variant["step_s"], measured_phases_s=variant["phase_s"],
+                         sensitivity_step_s_at_recorded_load=loaded, recorded_load_average=load))
     return rows
 
 
