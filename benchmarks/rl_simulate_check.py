@@ -77,9 +77,9 @@ def _best_time(fn, repeats: int) -> float:
     return min(times)
 
 
-def profile(repeats: int) -> tuple[Calibration, list[dict]]:
-    """``moetrain profile`` on this CPU, one thread (the runs' threads per rank), ``PROFILES`` times: the
-    least disturbed, and every profile's CPU values."""
+def profile(repeats: int) -> list[Calibration]:
+    """``moetrain profile`` on this CPU, one thread (the runs' threads per rank), ``PROFILES`` times, the
+    least disturbed first."""
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "cpu.yaml"
@@ -88,8 +88,7 @@ def profile(repeats: int) -> tuple[Calibration, list[dict]]:
                             "--threads", "1", "--repeats", str(repeats), "--out", str(out)], check=True,
                            capture_output=True)
             runs.append(load_calibration(out))
-    measured = [run.per_arch["cpu"] for run in runs]
-    return max(runs, key=lambda run: run.per_arch["cpu"]["gemm_max"]), measured
+    return sorted(runs, key=lambda run: -run.per_arch["cpu"]["gemm_max"])
 
 
 def host_probe(num_layers: int, repeats: int) -> HostCosts:
@@ -123,7 +122,6 @@ def shared_cores(calibration: Calibration, host: HostCosts, ranks: int) -> tuple
 
 def _row(name: str, predicted, measured_s: float, **extra) -> dict:
     error = (predicted.step_s - measured_s) / measured_s * 100
-    print(f"{name:34s} predicted {predicted.step_s:7.3f} s  measured {measured_s:7.3f} s  ({error:+.1f} %)")
     return {"run": name, "predicted_step_s": predicted.step_s, "measured_step_s": measured_s, "error_pct": error,
             "within_15pct": abs(error) <= 15.0, "predicted_phases_s": asdict(predicted.phases), **extra}
 
@@ -191,15 +189,14 @@ def stalesync_decode_steps(config: dict) -> list[int]:
     return longest
 
 
-def disaggregated_rows(calibration: Calibration, host: HostCosts) -> list[dict]:
+def disaggregated_rows(calibration: Calibration, host: HostCosts, longest: list[int]) -> list[dict]:
+    """``longest``: tokens of the longest sample of each steady batch (``stalesync_decode_steps``)."""
     measured = json.loads((RESULTS / "rl_stalesync_cpu.json").read_text())
     config = measured["workload"]
     task = get_task(config["task"])
     model = policy_config(load_model_config("tiny-pangu")).model_copy(update={"num_layers": 4})
     batch = config["prompts"] * config["group_size"]
-    longest = stalesync_decode_steps(config)
     decode_steps = round(statistics.mean(longest))
-    print(f"StaleSync batches' longest samples: {longest} tokens (mean {statistics.mean(longest):.1f})")
     workload = RLWorkload(model, load_cluster_config("cpu"), config["prompts"], config["group_size"],
                           task.max_prompt_chars + 1, decode_steps, "fp32",
                           train_seq_len=sequence_len_for(task, config["max_new_tokens"]))
@@ -222,17 +219,30 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     load_before = os.getloadavg()[0]
-    calibration, profiles = profile(args.repeats)
+    calibrations = profile(args.repeats)
     hosts = {layers: host_probe(layers, args.repeats) for layers in (4, 8)}
-    colocated = colocated_rows(calibration, hosts[8])
-    disaggregated = disaggregated_rows(calibration, hosts[4])
-    rows = colocated + disaggregated
+    stalesync = json.loads((RESULTS / "rl_stalesync_cpu.json").read_text())["workload"]
+    longest = stalesync_decode_steps(stalesync)
+    print(f"StaleSync batches' longest samples: {longest} tokens (mean {statistics.mean(longest):.1f})")
+
+    def predict(calibration: Calibration) -> list[dict]:
+        return colocated_rows(calibration, hosts[8]) + disaggregated_rows(calibration, hosts[4], longest)
+
+    per_profile = [predict(c) for c in calibrations]
+    rows = per_profile[0]
+    for i, row in enumerate(rows):
+        # how far the prediction moves with the machine's load: the same row under every profile
+        row["predicted_step_s_per_profile"] = [p[i]["predicted_step_s"] for p in per_profile]
+        print(f"{row['run']:34s} predicted {row['predicted_step_s']:7.3f} s  measured {row['measured_step_s']:7.3f} s"
+              f"  ({row['error_pct']:+.1f} %; under the {len(calibrations)} profiles "
+              + ", ".join(f"{v:.3f}" for v in row["predicted_step_s_per_profile"]) + " s)")
     errors = [abs(r["error_pct"]) for r in rows]
     print(f"median |error| {statistics.median(errors):.1f} %, max {max(errors):.1f} %; "
           f"{sum(r['within_15pct'] for r in rows)} of {len(rows)} within 15 %")
     write_result(args.out, {
         "measured_from": ["benchmarks/results/rl_switch_cpu.json", "benchmarks/results/rl_stalesync_cpu.json"],
-        "rates": {"cpu_efficiency": calibration.for_device("cpu").as_dict(), "profiles": profiles,
+        "rates": {"cpu_efficiency": calibrations[0].for_device("cpu").as_dict(),
+                  "profiles": [c.per_arch["cpu"] for c in calibrations],
                   "host_4_layers": asdict(hosts[4]), "host_8_layers": asdict(hosts[8]), "cpu_count": os.cpu_count()},
         "rows": rows,
         "median_abs_error_pct": statistics.median(errors), "max_abs_error_pct": max(errors),
