@@ -21,9 +21,12 @@ generated with the warmed-up weights; no time is read) and given to the planner 
 The untrained policy of rl_switch.py never stops early (one end-of-sequence token among 2,048): its
 batches run to the token limit.
 
-The runs put one thread per rank on the machine's cores; where there are more ranks than cores (4 ranks on
-2 cores in rl_switch) every rate is divided by ranks/cores (each rank gets that share of a core). Other
-users of the machine are not modelled: the load averages at measurement time are recorded beside, and for
+The runs put one thread per rank on the machine's cores. How much compute concurrent processes get
+together is measured too (``core_capacity``: the same one-thread GEMM loop alone and in 2 or 4 processes
+at once; two SMT siblings of one physical core give about one core, not two): the 4 ranks of rl_switch
+each get capacity/4 of a core (every rate divided by 4/capacity), and StaleSync's overlapped phases
+(k ≥ 1) share the 2-process capacity (``rl_step.overlapped_time``, processor sharing). Other users of the
+machine are not modelled beyond what the capacity probe sees: the load averages are recorded beside, and for
 rl_switch (which recorded its load) a sensitivity row prices the same step with each rank's share taken
 from that load average instead (not the prediction: it shows how much of the gap the machine's load can
 explain).
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import os
 import statistics
 import subprocess
@@ -107,10 +111,44 @@ def host_probe(num_layers: int, repeats: int) -> HostCosts:
                      sample_ns_per_logit=sampling / logits.numel() * 1e9, host_is_device=True)
 
 
-def shared_cores(calibration: Calibration, host: HostCosts, ranks: int) -> tuple[Calibration, HostCosts]:
-    """Rates when ``ranks`` one-thread processes share the machine's cores: each gets cores/ranks of one."""
-    slow = max(ranks / (os.cpu_count() or 1), 1.0)
-    if slow == 1.0:
+def _matmul_loop(queue, barrier) -> None:
+    torch.set_num_threads(1)
+    a, b = torch.randn(384, 384), torch.randn(384, 384)
+    a @ b
+    barrier.wait()  # every process imported and warmed up: the loops run at once
+    start = time.perf_counter()
+    for _ in range(CAPACITY_MATMULS):
+        a @ b
+    queue.put(time.perf_counter() - start)
+
+
+CAPACITY_MATMULS = 600
+
+
+def _concurrent_time(processes: int) -> float:
+    """Mean seconds of the same one-thread GEMM loop in ``processes`` processes started together."""
+    context = mp.get_context("spawn")
+    queue, barrier = context.Queue(), context.Barrier(processes)
+    workers = [context.Process(target=_matmul_loop, args=(queue, barrier)) for _ in range(processes)]
+    for worker in workers:
+        worker.start()
+    times = [queue.get() for _ in workers]
+    for worker in workers:
+        worker.join()
+    return statistics.mean(times)
+
+
+def core_capacity(processes: int, tries: int = 2) -> float:
+    """Cores' worth of compute that ``processes`` one-thread processes get together: processes × (time of
+    the GEMM loop alone) / (its time when they run at once); the best of ``tries``. Two SMT siblings of
+    one physical core give about 1, not 2; other users of the machine take their share too."""
+    alone = min(_concurrent_time(1) for _ in range(tries))
+    return max(processes * alone / _concurrent_time(processes) for _ in range(tries))
+
+
+def shared_cores(calibration: Calibration, host: HostCosts, slow: float) -> tuple[Calibration, HostCosts]:
+    """Rates when each process gets 1/``slow`` of a core."""
+    if slow <= 1.0:
         return calibration, host
     eff = calibration.for_device("cpu")
     cpu = {"gemm_max": eff.gemm_max / slow, "attention": eff.attention / slow, "memory": eff.memory / slow,
@@ -126,7 +164,8 @@ def _row(name: str, predicted, measured_s: float, **extra) -> dict:
             "within_15pct": abs(error) <= 15.0, "predicted_phases_s": asdict(predicted.phases), **extra}
 
 
-def colocated_rows(calibration: Calibration, host: HostCosts) -> list[dict]:
+def colocated_rows(calibration: Calibration, host: HostCosts, capacity: float) -> list[dict]:
+    """``capacity``: cores' worth the runs' ranks get together (``core_capacity``)."""
     measured = json.loads((RESULTS / "rl_switch_cpu.json").read_text())
     config = measured["config"]
     task = get_task(config["task"])
@@ -136,8 +175,8 @@ def colocated_rows(calibration: Calibration, host: HostCosts) -> list[dict]:
     # Sensitivity, not the prediction: the same with every rank's share of a core taken from the load
     # average the run recorded (runnable processes, ours and other users') instead of ranks / cores.
     load = config.get("load_average_1min_after")
-    at_load = shared_cores(calibration, host, max(load, config["ranks"])) if load else None
-    calibration, host = shared_cores(calibration, host, config["ranks"])
+    at_load = shared_cores(calibration, host, max(load, config["ranks"]) / (os.cpu_count() or 1)) if load else None
+    calibration, host = shared_cores(calibration, host, config["ranks"] / capacity)
     cluster = load_cluster_config("cpu")
     rows = []
     for variant in measured["variants"]:
@@ -189,8 +228,9 @@ def stalesync_decode_steps(config: dict) -> list[int]:
     return longest
 
 
-def disaggregated_rows(calibration: Calibration, host: HostCosts, longest: list[int]) -> list[dict]:
-    """``longest``: tokens of the longest sample of each steady batch (``stalesync_decode_steps``)."""
+def disaggregated_rows(calibration: Calibration, host: HostCosts, longest: list[int], capacity: float) -> list[dict]:
+    """``longest``: tokens of the longest sample of each steady batch (``stalesync_decode_steps``);
+    ``capacity``: cores' worth the two processes get together when both compute (k ≥ 1)."""
     measured = json.loads((RESULTS / "rl_stalesync_cpu.json").read_text())
     config = measured["workload"]
     task = get_task(config["task"])
@@ -200,11 +240,10 @@ def disaggregated_rows(calibration: Calibration, host: HostCosts, longest: list[
     workload = RLWorkload(model, load_cluster_config("cpu"), config["prompts"], config["group_size"],
                           task.max_prompt_chars + 1, decode_steps, "fp32",
                           train_seq_len=sequence_len_for(task, config["max_new_tokens"]))
-    calibration, host = shared_cores(calibration, host, 2)
     rows = []
     for run in measured["runs"]:
         layout = RLLayout("disaggregated", 2, ParallelConfig(micro_batch=batch), rollout_devices=1,
-                          staleness=run["staleness"])
+                          staleness=run["staleness"], shared_cores=capacity)
         steps = config["steps"] - 2  # the steady steps: neither the first (fill) nor the last (evaluation)
         predicted = price_rl_step(workload, layout, calibration, host)
         rows.append(_row(f"disaggregated k={run['staleness']}", predicted, run["steady_seconds"] / steps,
@@ -225,8 +264,12 @@ def main() -> None:
     longest = stalesync_decode_steps(stalesync)
     print(f"StaleSync batches' longest samples: {longest} tokens (mean {statistics.mean(longest):.1f})")
 
+    capacity = {n: core_capacity(n) for n in (2, 4)}
+    print(f"cores' worth of 2 and 4 concurrent processes: {capacity[2]:.2f}, {capacity[4]:.2f}")
+
     def predict(calibration: Calibration) -> list[dict]:
-        return colocated_rows(calibration, hosts[8]) + disaggregated_rows(calibration, hosts[4], longest)
+        return (colocated_rows(calibration, hosts[8], capacity[4])
+                + disaggregated_rows(calibration, hosts[4], longest, capacity[2]))
 
     per_profile = [predict(c) for c in calibrations]
     rows = per_profile[0]
@@ -243,7 +286,8 @@ def main() -> None:
         "measured_from": ["benchmarks/results/rl_switch_cpu.json", "benchmarks/results/rl_stalesync_cpu.json"],
         "rates": {"cpu_efficiency": calibrations[0].for_device("cpu").as_dict(),
                   "profiles": [c.per_arch["cpu"] for c in calibrations],
-                  "host_4_layers": asdict(hosts[4]), "host_8_layers": asdict(hosts[8]), "cpu_count": os.cpu_count()},
+                  "host_4_layers": asdict(hosts[4]), "host_8_layers": asdict(hosts[8]), "cpu_count": os.cpu_count(),
+                  "core_capacity_2_processes": capacity[2], "core_capacity_4_processes": capacity[4]},
         "rows": rows,
         "median_abs_error_pct": statistics.median(errors), "max_abs_error_pct": max(errors),
         "within_15pct": sum(r["within_15pct"] for r in rows), "rows_total": len(rows),

@@ -139,3 +139,13 @@ def test_rl_pricing_imports_no_torch():
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "False"
+
+
+def test_overlap_on_shared_cores_is_processor_sharing():
+    from moetrain.planner.rl_step import overlapped_time
+
+    assert overlapped_time(0.3, 0.5) == 0.5  # separate devices
+    assert overlapped_time(0.3, 0.5, shared_cores=2.0) == pytest.approx(0.5)  # a core each
+    assert overlapped_time(0.3, 0.5, shared_cores=1.0) == pytest.approx(0.8)  # one core: time-sliced
+    # 1.2 cores: both at 0.6 of a core until 0.3 s of work is done (0.5 s), then 0.2 s alone at full speed
+    assert overlapped_time(0.5, 0.3, shared_cores=1.2) == pytest.approx(0.3 / 0.6 + 0.2)

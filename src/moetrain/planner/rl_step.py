@@ -18,6 +18,9 @@ rollout side generates batch s + k while the trainer trains step s, so in the st
 
     step = max(generate + reward, forwards + train) + push
 
+(on one CPU whose cores both sides share, the overlap is priced by processor sharing instead:
+``overlapped_time``).
+
 The push stays on the critical path: the runtime's weight sync is a collective that both sides join
 between two batches (``moetrain.distributed.weight_sync``); a double-buffered receiver would hide it.
 The steady state is the same for every k ≥ 1: a larger k only absorbs the jitter of variable-length
@@ -103,6 +106,9 @@ class RLLayout:
     """Colocated: optimizer state and grads to host during generation."""
     host_link_gbps: float | None = None
     """Host link per device, one way (GB/s; PCIe); None: the device memory's bandwidth (a CPU)."""
+    shared_cores: float | None = None
+    """Disaggregated on one CPU: the rollout and training processes share this many cores' worth of
+    compute (measured; SMT siblings give less than two); None: separate devices."""
 
     @property
     def train_devices(self) -> int:
@@ -224,6 +230,18 @@ def _push_time(w: RLWorkload, layout: RLLayout, eff: Efficiency) -> float:
     return max(received, sent) / (link * 1e9) + latency * 1e-6
 
 
+def overlapped_time(a: float, b: float, shared_cores: float | None = None) -> float:
+    """Two jobs that take ``a`` and ``b`` seconds alone, run at once. On separate devices: the longer. On
+    ``shared_cores`` cores' worth of compute (processor sharing, each job at most one core): both run at
+    min(1, c/2) until the shorter one's work is done, the rest of the longer at min(1, c); c = 2 gives
+    the longer, c = 1 the sum."""
+    if shared_cores is None:
+        return max(a, b)
+    short, long = sorted((a, b))
+    together, alone = min(1.0, shared_cores / 2.0), min(1.0, shared_cores)
+    return short / together + (long - short) / alone
+
+
 def price_rl_step(w: RLWorkload, layout: RLLayout, calibration: Calibration, host: HostCosts | None = None
                   ) -> RLStepPrediction:
     """One RL step of ``w`` in ``layout``; ``host``: the eager stack's host costs (measured; none by default)."""
@@ -243,7 +261,8 @@ def price_rl_step(w: RLWorkload, layout: RLLayout, calibration: Calibration, hos
         moves = _Transfers(push_s=_push_time(w, layout, eff))
         rollout_side = generation.total_s + w.reward_s
         train_side = logprob + train_s
-        both = rollout_side + train_side if layout.staleness == 0 else max(rollout_side, train_side)
+        both = (rollout_side + train_side if layout.staleness == 0
+                else overlapped_time(rollout_side, train_side, layout.shared_cores))
         step = both + moves.push_s
     phases = RLPhases(generate_s=generation.total_s, prefill_s=generation.prefill_s, decode_s=generation.decode_s,
                       reward_s=w.reward_s, logprob_s=logprob, train_s=train_s,
