@@ -31,7 +31,11 @@ rl_switch (which recorded its load) a sensitivity row prices the same step with 
 from that load average instead (not the prediction: it shows how much of the gap the machine's load can
 explain).
 
-    python benchmarks/rl_simulate_check.py --out benchmarks/results/rl_simulate_check_cpu.json
+    python benchmarks/rl_simulate_check.py --remeasure --out benchmarks/results/rl_simulate_check_cpu.json
+
+``--remeasure`` also runs rl_switch.py and rl_stalesync.py (one repeat) again right after the rates are
+measured (into a temporary folder; the committed results stay) and compares the same predictions with
+those runs, made under the same load as the rates.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -164,9 +168,9 @@ def _row(name: str, predicted, measured_s: float, **extra) -> dict:
             "within_15pct": abs(error) <= 15.0, "predicted_phases_s": asdict(predicted.phases), **extra}
 
 
-def colocated_rows(calibration: Calibration, host: HostCosts, capacity: float) -> list[dict]:
-    """``capacity``: cores' worth the runs' ranks get together (``core_capacity``)."""
-    measured = json.loads((RESULTS / "rl_switch_cpu.json").read_text())
+def colocated_rows(measured: dict, calibration: Calibration, host: HostCosts, capacity: float) -> list[dict]:
+    """``measured``: an rl_switch.py result; ``capacity``: cores' worth its ranks get together
+    (``core_capacity``)."""
     config = measured["config"]
     task = get_task(config["task"])
     layouts = {"tp2_ep2": ParallelConfig(tp=2, dp=2, ep=2), "pp2_ep2": ParallelConfig(pp=2, dp=2, ep=2)}
@@ -228,10 +232,11 @@ def stalesync_decode_steps(config: dict) -> list[int]:
     return longest
 
 
-def disaggregated_rows(calibration: Calibration, host: HostCosts, longest: list[int], capacity: float) -> list[dict]:
-    """``longest``: tokens of the longest sample of each steady batch (``stalesync_decode_steps``);
-    ``capacity``: cores' worth the two processes get together when both compute (k ≥ 1)."""
-    measured = json.loads((RESULTS / "rl_stalesync_cpu.json").read_text())
+def disaggregated_rows(measured: dict, calibration: Calibration, host: HostCosts, longest: list[int],
+                       capacity: float) -> list[dict]:
+    """``measured``: an rl_stalesync.py result; ``longest``: tokens of the longest sample of each steady
+    batch (``stalesync_decode_steps``); ``capacity``: cores' worth the two processes get together when
+    both compute (k ≥ 1)."""
     config = measured["workload"]
     task = get_task(config["task"])
     model = policy_config(load_model_config("tiny-pangu")).model_copy(update={"num_layers": 4})
@@ -251,50 +256,89 @@ def disaggregated_rows(calibration: Calibration, host: HostCosts, longest: list[
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--out", default="benchmarks/results/rl_simulate_check_cpu.json")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    load_before = os.getloadavg()[0]
-    calibrations = profile(args.repeats)
-    hosts = {layers: host_probe(layers, args.repeats) for layers in (4, 8)}
-    stalesync = json.loads((RESULTS / "rl_stalesync_cpu.json").read_text())["workload"]
-    longest = stalesync_decode_steps(stalesync)
-    print(f"StaleSync batches' longest samples: {longest} tokens (mean {statistics.mean(longest):.1f})")
+@dataclass(frozen=True)
+class Rates:
+    """Everything measured on this machine that the predictions use."""
 
-    capacity = {n: core_capacity(n) for n in (2, 4)}
-    print(f"cores' worth of 2 and 4 concurrent processes: {capacity[2]:.2f}, {capacity[4]:.2f}")
+    calibrations: list[Calibration]
+    """The profiles, the least disturbed first."""
+    hosts: dict[int, HostCosts]
+    """By the model's number of layers (StaleSync runs 4, rl_switch 8)."""
+    capacity: dict[int, float]
+    """Cores' worth of 2 and 4 concurrent processes."""
+    longest: list[int]
+    """Tokens of the longest sample of each steady StaleSync batch."""
 
+
+def compare(switch: dict, stalesync: dict, rates: Rates) -> dict:
+    """Predicted against measured for an rl_switch.py and an rl_stalesync.py result, under every profile."""
     def predict(calibration: Calibration) -> list[dict]:
-        return (colocated_rows(calibration, hosts[8], capacity[4])
-                + disaggregated_rows(calibration, hosts[4], longest, capacity[2]))
+        return (colocated_rows(switch, calibration, rates.hosts[8], rates.capacity[4])
+                + disaggregated_rows(stalesync, calibration, rates.hosts[4], rates.longest, rates.capacity[2]))
 
-    per_profile = [predict(c) for c in calibrations]
+    per_profile = [predict(c) for c in rates.calibrations]
     rows = per_profile[0]
     for i, row in enumerate(rows):
         # how far the prediction moves with the machine's load: the same row under every profile
         row["predicted_step_s_per_profile"] = [p[i]["predicted_step_s"] for p in per_profile]
         print(f"{row['run']:34s} predicted {row['predicted_step_s']:7.3f} s  measured {row['measured_step_s']:7.3f} s"
-              f"  ({row['error_pct']:+.1f} %; under the {len(calibrations)} profiles "
+              f"  ({row['error_pct']:+.1f} %; under the {len(rates.calibrations)} profiles "
               + ", ".join(f"{v:.3f}" for v in row["predicted_step_s_per_profile"]) + " s)")
     errors = [abs(r["error_pct"]) for r in rows]
     print(f"median |error| {statistics.median(errors):.1f} %, max {max(errors):.1f} %; "
           f"{sum(r['within_15pct'] for r in rows)} of {len(rows)} within 15 %")
+    return {"rows": rows, "median_abs_error_pct": statistics.median(errors), "max_abs_error_pct": max(errors),
+            "within_15pct": sum(r["within_15pct"] for r in rows), "rows_total": len(rows),
+            "measured_load_average_1min": {"rl_switch": switch["config"].get("load_average_1min_after")}}
+
+
+def remeasure(folder: Path) -> tuple[dict, dict]:
+    """rl_switch.py and rl_stalesync.py (one repeat) run again now, beside the rates, into ``folder``."""
+    results = []
+    for script, extra in (("rl_switch.py", []), ("rl_stalesync.py", ["--repeats", "1"])):
+        out = folder / script.replace(".py", ".json")
+        load = os.getloadavg()[0]
+        subprocess.run([sys.executable, str(Path(__file__).parent / script), *extra, "--out", str(out)], check=True,
+                       capture_output=True)
+        result = json.loads(out.read_text())
+        result.setdefault("config", {})["load_average_1min_before"] = load
+        results.append(result)
+    return results[0], results[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--remeasure", action="store_true",
+                        help="also run rl_switch.py and rl_stalesync.py again now and compare with those")
+    parser.add_argument("--out", default="benchmarks/results/rl_simulate_check_cpu.json")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    load_before = os.getloadavg()[0]
+    switch = json.loads((RESULTS / "rl_switch_cpu.json").read_text())
+    stalesync = json.loads((RESULTS / "rl_stalesync_cpu.json").read_text())
+    longest = stalesync_decode_steps(stalesync["workload"])
+    print(f"StaleSync batches' longest samples: {longest} tokens (mean {statistics.mean(longest):.1f})")
+    rates = Rates(profile(args.repeats), {layers: host_probe(layers, args.repeats) for layers in (4, 8)},
+                  {n: core_capacity(n) for n in (2, 4)}, longest)
+    print(f"cores' worth of 2 and 4 concurrent processes: {rates.capacity[2]:.2f}, {rates.capacity[4]:.2f}")
+    result = {"measured_from": ["benchmarks/results/rl_switch_cpu.json", "benchmarks/results/rl_stalesync_cpu.json"],
+              **compare(switch, stalesync, rates)}
+    if args.remeasure:
+        with tempfile.TemporaryDirectory() as tmp:
+            again = remeasure(Path(tmp))
+        print("against the runs made again now:")
+        result["remeasured"] = {"load_average_1min_before": [r["config"]["load_average_1min_before"] for r in again],
+                                "measured": {"rl_switch": again[0], "rl_stalesync": again[1]},
+                                **compare(*again, rates)}
     write_result(args.out, {
-        "measured_from": ["benchmarks/results/rl_switch_cpu.json", "benchmarks/results/rl_stalesync_cpu.json"],
-        "rates": {"cpu_efficiency": calibrations[0].for_device("cpu").as_dict(),
-                  "profiles": [c.per_arch["cpu"] for c in calibrations],
-                  "host_4_layers": asdict(hosts[4]), "host_8_layers": asdict(hosts[8]), "cpu_count": os.cpu_count(),
-                  "core_capacity_2_processes": capacity[2], "core_capacity_4_processes": capacity[4]},
-        "rows": rows,
-        "median_abs_error_pct": statistics.median(errors), "max_abs_error_pct": max(errors),
-        "within_15pct": sum(r["within_15pct"] for r in rows), "rows_total": len(rows),
+        **result,
+        "rates": {"cpu_efficiency": rates.calibrations[0].for_device("cpu").as_dict(),
+                  "profiles": [c.per_arch["cpu"] for c in rates.calibrations],
+                  "host_4_layers": asdict(rates.hosts[4]), "host_8_layers": asdict(rates.hosts[8]),
+                  "cpu_count": os.cpu_count(), "core_capacity_2_processes": rates.capacity[2],
+                  "core_capacity_4_processes": rates.capacity[4]},
         "load_average_1min_before": load_before, "load_average_1min_after": os.getloadavg()[0],
-        "measured_load_average_1min": {"rl_switch_cpu.json": json.loads((RESULTS / "rl_switch_cpu.json").read_text())
-                                       ["config"].get("load_average_1min_after"),
-                                       "rl_stalesync_cpu.json": None},
     })
 
 
