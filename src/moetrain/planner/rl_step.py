@@ -7,8 +7,8 @@ Colocated (RL Fusion, docs/rl_fusion.md): every device trains and generates in t
 
 - offload / restore: optimizer state (fp32 master, Adam m and v: 12 B per local parameter) and fp32 grads
   (4 B) to host memory and back over the host link (only with ``offload``);
-- reshard: each generation replica gathers the bf16 weights its devices hold from the training shards: an
-  all-gather over the training model-parallel group (tp·pp·ep·etp) of the replica's share;
+- reshard: each generating device gathers the weights it holds (bf16; fp32 for fp32 runs) from the
+  training shards: a ring all-gather over the pp·max(tp, ep·etp) devices one training replica spans;
 - free: the KV cache goes back to the allocator (no data moves: priced at zero).
 
 Disaggregated (StaleSync, docs/rl_stalesync.md): ``rollout_devices`` generate and score, the rest train
@@ -24,7 +24,7 @@ rollout side generates batch s + k while the trainer trains step s, so in the st
 The push stays on the critical path: the runtime's weight sync is a collective that both sides join
 between two batches (``moetrain.distributed.weight_sync``); a double-buffered receiver would hide it.
 The steady state is the same for every k ≥ 1: a larger k only absorbs the jitter of variable-length
-generations (the CPU runs of benchmarks/rl_stalesync.py show k = 4 ahead of k = 1 for that reason).
+generations and of the machine, which this steady-state price does not see.
 
 Training is the planner's own step for the training layout (``moetrain.planner.simulate``), on the step's
 samples as sequences of prompt + response tokens; generation is ``moetrain.planner.generation``.
