@@ -10,22 +10,25 @@ HELP = "predict step time, tokens/s, MFU, time breakdown and memory per device f
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from moetrain.cli.common import add_strategy_args
+    from moetrain.cli.simulate_rl import add_rl_arguments
     from moetrain.cli.workload import add_workload_args
 
-    add_workload_args(parser)
+    add_workload_args(parser, batch_required=False)
     add_strategy_args(parser)
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch per model replica")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.add_argument("--timeline", metavar="PNG", help="write a Gantt chart of the pipeline schedule")
+    add_rl_arguments(parser)
 
 
 def simulate_layout(args: argparse.Namespace) -> dict:
     """The prediction as a plain mapping (what --json prints)."""
     from moetrain.cli.common import output_file
-    from moetrain.cli.workload import build_workload, parallel_from_args
+    from moetrain.cli.workload import build_workload, parallel_from_args, require_batch
     from moetrain.planner.simulate import simulate_layout as predict
     from moetrain.planner.timeline import gantt_png
 
+    require_batch(args)
     if args.timeline:
         output_file(args.timeline, "--timeline", "timeline.png")
     workload, calibration = build_workload(args)
@@ -66,6 +69,10 @@ def simulate_layout(args: argparse.Namespace) -> dict:
 def run(args: argparse.Namespace) -> int:
     from moetrain.planner.calibration import accuracy_line
 
+    if args.rl:
+        from moetrain.cli.simulate_rl import run_rl
+
+        return run_rl(args)
     result = simulate_layout(args)
     if args.json:
         print(json.dumps(result, indent=2))

@@ -15,18 +15,27 @@ from moetrain.planner.workload import Workload
 PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
 
 
-def add_workload_args(parser: argparse.ArgumentParser) -> None:
+def add_workload_args(parser: argparse.ArgumentParser, batch_required: bool = True) -> None:
+    """``batch_required=False``: --seq-len and --global-batch may be left out (``simulate --rl`` derives
+    them from the RL step); the command checks them itself otherwise (``require_batch``)."""
     add_model_arg(parser)
     add_cluster_arg(parser)
     g = parser.add_argument_group("workload")
     g.add_argument("--devices", type=int, required=True, help="number of accelerators in the job")
-    g.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
-    g.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    g.add_argument("--seq-len", type=int, required=batch_required, help="tokens per sequence")
+    g.add_argument("--global-batch", type=int, required=batch_required, help="sequences per optimizer step")
     g.add_argument("--precision", choices=PRECISIONS, default="bf16", help="GEMM precision (fp8: linear layers)")
     g.add_argument("--imbalance", type=float, default=1.0,
                    help="routed-token load of the hottest EP rank over the mean (1.0 = balanced)")
     g.add_argument("--calibration", help="efficiency file from `moetrain profile` or `moetrain validate --fit` "
                    "(default: the shipped fit on published runs)")
+
+
+def require_batch(args: argparse.Namespace) -> None:
+    """The one-line error argparse would give for a missing --seq-len or --global-batch."""
+    missing = [f"--{name.replace('_', '-')}" for name in ("seq_len", "global_batch") if getattr(args, name) is None]
+    if missing:
+        raise UserError(f"the following arguments are required: {', '.join(missing)} (or --rl for an RL step)")
 
 
 def build_workload(args: argparse.Namespace) -> tuple[Workload, Calibration]:
@@ -72,4 +81,7 @@ def parallel_from_args(args: argparse.Namespace, workload: Workload, devices: in
                               zero=args.zero, micro_batch=args.micro_batch, recompute=args.recompute,
                               a2a=args.a2a, overlap=args.overlap)
     except ValueError as exc:
-        raise UserError(str(exc).splitlines()[-1].removeprefix("  Value error, ")) from None
+        # the validator's own line (newer pydantic ends the message with a link line)
+        lines = [line for line in str(exc).splitlines() if line.strip().startswith("Value error, ")]
+        line = (lines[0] if lines else str(exc).splitlines()[-1]).strip().removeprefix("Value error, ")
+        raise UserError(line.split(" [type=")[0]) from None

@@ -1,0 +1,346 @@
+"""``moetrain simulate --rl`` against the measured CPU RL steps, for both placements.
+
+The prediction comes from this CPU's measured rates and the planner's formulas, never from the RL step
+times: ``moetrain profile`` (GEMM rate and per-call cost, attention, memory bandwidth, MoE pass cost) plus
+two probes of the eager generation loop that the profile does not cover (``HostCosts``): the time of one
+decoder layer's forward of the runtime's model on one token (the host floor of a layer pass: Python,
+dispatcher, small kernels) and the sampler's time per logit. Those go into
+``moetrain.planner.rl_step.price_rl_step`` with the shapes of the measured workloads:
+
+- colocated (RL Fusion): ``benchmarks/rl_switch.py``'s three variants (tiny-pangu, 4 gloo ranks, training
+  TP2×EP2 or PP2×EP2, generation in 4 replicas; offload auto and always), measured in
+  ``benchmarks/results/rl_switch_cpu.json`` (median step time);
+- disaggregated (StaleSync): ``benchmarks/rl_stalesync.py``'s k = 0, 1, 4 (4-layer tiny-pangu, one
+  rollout and one training process), measured in ``benchmarks/results/rl_stalesync_cpu.json`` (trainer
+  step time = steady seconds / steady steps).
+
+A batch decodes until its longest sample ends, and the warmed-up policy of the StaleSync runs stops at
+its own end-of-sequence token: the decode steps of those batches are a property of the workload, not of
+the machine, so they are counted here (the SFT warm-up of rl_stalesync.py, then the steady steps' batches
+generated with the warmed-up weights; no time is read) and given to the planner as the response length.
+The untrained policy of rl_switch.py never stops early (one end-of-sequence token among 2,048): its
+batches run to the token limit.
+
+The runs put one thread per rank on the machine's cores. How much compute concurrent processes get
+together is measured too (``core_capacity``: the same one-thread GEMM loop alone and in 2 or 4 processes
+at once; two SMT siblings of one physical core give about one core, not two): the 4 ranks of rl_switch
+each get capacity/4 of a core (every rate divided by 4/capacity), and StaleSync's overlapped phases
+(k ≥ 1) share the 2-process capacity (``rl_step.overlapped_time``, processor sharing). Other users of the
+machine are not modelled beyond what the capacity probe sees: the load averages are recorded beside, and for
+rl_switch (which recorded its load) a sensitivity row prices the same step with each rank's share taken
+from that load average instead (not the prediction: it shows how much of the gap the machine's load can
+explain).
+
+    python benchmarks/rl_simulate_check.py --remeasure --out benchmarks/results/rl_simulate_check_cpu.json
+
+``--remeasure`` also runs rl_switch.py and rl_stalesync.py (one repeat) again right after the rates are
+measured (into a temporary folder; the committed results stay) and compares the same predictions with
+those runs, made under the same load as the rates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+from _record import write_result
+
+from moetrain.config import ParallelConfig, load_cluster_config, load_model_config
+from moetrain.models.transformer import build_model
+from moetrain.planner.calibration import Calibration, load_calibration
+from moetrain.planner.generation import HostCosts
+from moetrain.planner.rl_step import RLLayout, RLWorkload, price_rl_step
+from moetrain.rl.generate import SamplingParams, sample
+from moetrain.rl.loop import policy_config
+from moetrain.rl.sft import sequence_len_for
+from moetrain.rl.tasks import get_task
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SAMPLER_ROWS = 128
+
+
+PROFILES = 3
+"""The machine is shared: the rates are those of the least disturbed of this many profiles (the one with
+the fastest GEMMs; its fitted per-call costs come with it), as rl_stalesync.py reports the fastest of its
+repeats."""
+
+
+def _best_time(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def profile(repeats: int) -> list[Calibration]:
+    """``moetrain profile`` on this CPU, one thread (the runs' threads per rank), ``PROFILES`` times, the
+    least disturbed first."""
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "cpu.yaml"
+        for _ in range(PROFILES):
+            subprocess.run([sys.executable, "-m", "moetrain", "profile", "--cluster", "cpu", "--device", "cpu",
+                            "--threads", "1", "--repeats", str(repeats), "--out", str(out)], check=True,
+                           capture_output=True)
+            runs.append(load_calibration(out))
+    return sorted(runs, key=lambda run: -run.per_arch["cpu"]["gemm_max"])
+
+
+def host_probe(num_layers: int, repeats: int) -> HostCosts:
+    """Per-layer forward of the runtime's model on one token, and the sampler's time per logit (each the
+    fastest of its repeats)."""
+    model_cfg = policy_config(load_model_config("tiny-pangu")).model_copy(update={"num_layers": num_layers})
+    model = build_model(model_cfg, torch.device("cpu"), seed=0).eval().requires_grad_(False)
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    with torch.no_grad():
+        forward = _best_time(lambda: model(ids), repeats * 20)
+    logits = torch.randn(SAMPLER_ROWS, model_cfg.vocab_size)
+    generators = [torch.Generator().manual_seed(row) for row in range(SAMPLER_ROWS)]
+    params = SamplingParams(max_new_tokens=1, temperature=1.0)
+    sampling = _best_time(lambda: sample(logits, params, generators), repeats * 5)
+    return HostCosts(layer_forward_us=forward / num_layers * 1e6, probe_tokens=1,
+                     sample_ns_per_logit=sampling / logits.numel() * 1e9, host_is_device=True)
+
+
+def _matmul_loop(queue, barrier) -> None:
+    torch.set_num_threads(1)
+    a, b = torch.randn(384, 384), torch.randn(384, 384)
+    a @ b
+    barrier.wait()  # every process imported and warmed up: the loops run at once
+    start = time.perf_counter()
+    for _ in range(CAPACITY_MATMULS):
+        a @ b
+    queue.put(time.perf_counter() - start)
+
+
+CAPACITY_MATMULS = 600
+
+
+def _concurrent_time(processes: int) -> float:
+    """Mean seconds of the same one-thread GEMM loop in ``processes`` processes started together."""
+    context = mp.get_context("spawn")
+    queue, barrier = context.Queue(), context.Barrier(processes)
+    workers = [context.Process(target=_matmul_loop, args=(queue, barrier)) for _ in range(processes)]
+    for worker in workers:
+        worker.start()
+    times = [queue.get() for _ in workers]
+    for worker in workers:
+        worker.join()
+    return statistics.mean(times)
+
+
+def core_capacity(processes: int, tries: int = 2) -> float:
+    """Cores' worth of compute that ``processes`` one-thread processes get together: processes × (time of
+    the GEMM loop alone) / (its time when they run at once); the best of ``tries``. Two SMT siblings of
+    one physical core give about 1, not 2; other users of the machine take their share too."""
+    alone = min(_concurrent_time(1) for _ in range(tries))
+    return max(processes * alone / _concurrent_time(processes) for _ in range(tries))
+
+
+def shared_cores(calibration: Calibration, host: HostCosts, slow: float) -> tuple[Calibration, HostCosts]:
+    """Rates when each process gets 1/``slow`` of a core."""
+    if slow <= 1.0:
+        return calibration, host
+    eff = calibration.for_device("cpu")
+    cpu = {"gemm_max": eff.gemm_max / slow, "attention": eff.attention / slow, "memory": eff.memory / slow,
+           "gemm_overhead_us": eff.gemm_overhead_us * slow, "moe_overhead_us": eff.moe_overhead_us * slow}
+    scaled = replace(calibration, per_arch={**calibration.per_arch, "cpu": cpu}, held_out_fits={})
+    return scaled, replace(host, layer_forward_us=host.layer_forward_us * slow,
+                           sample_ns_per_logit=host.sample_ns_per_logit * slow)
+
+
+def _row(name: str, predicted, measured_s: float, **extra) -> dict:
+    error = (predicted.step_s - measured_s) / measured_s * 100
+    return {"run": name, "predicted_step_s": predicted.step_s, "measured_step_s": measured_s, "error_pct": error,
+            "within_15pct": abs(error) <= 15.0, "predicted_phases_s": asdict(predicted.phases), **extra}
+
+
+def colocated_rows(measured: dict, calibration: Calibration, host: HostCosts, capacity: float) -> list[dict]:
+    """``measured``: an rl_switch.py result; ``capacity``: cores' worth its ranks get together
+    (``core_capacity``)."""
+    config = measured["config"]
+    task = get_task(config["task"])
+    layouts = {"tp2_ep2": ParallelConfig(tp=2, dp=2, ep=2), "pp2_ep2": ParallelConfig(pp=2, dp=2, ep=2)}
+    model = policy_config(load_model_config(config["model"]))
+    batch = config["prompts"] * config["group_size"]
+    # Sensitivity, not the prediction: the same with every rank's share of a core taken from the load
+    # average the run recorded (runnable processes, ours and other users') instead of ranks / cores.
+    load = config.get("load_average_1min_after")
+    at_load = shared_cores(calibration, host, max(load, config["ranks"]) / (os.cpu_count() or 1)) if load else None
+    calibration, host = shared_cores(calibration, host, config["ranks"] / capacity)
+    cluster = load_cluster_config("cpu")
+    rows = []
+    for variant in measured["variants"]:
+        parallel = layouts[variant["train_layout"]]
+        max_new = task.max_answer_chars + 2  # RLOptions' default; the untrained policy never stops early
+        seq_len = -(-sequence_len_for(task, max_new) // parallel.tp) * parallel.tp
+        # replay_stats_every = 1 (the default): one more forward over the samples per step
+        workload = RLWorkload(model, cluster, config["prompts"], config["group_size"], task.max_prompt_chars + 1,
+                              max_new, "fp32", logprob_forwards=1, train_seq_len=seq_len)
+        layout = RLLayout("colocated", config["ranks"], parallel.model_copy(update={"micro_batch": batch // 2}),
+                          offload=variant["offload"] == "always")
+        predicted = price_rl_step(workload, layout, calibration, host)
+        loaded = price_rl_step(workload, layout, *at_load).step_s if at_load else None
+        rows.append(_row(f"colocated {variant['train_layout']} offload {variant['offload']}", predicted,
+                         variant["step_s"], measured_phases_s=variant["phase_s"],
+                         sensitivity_step_s_at_recorded_load=loaded, recorded_load_average=load))
+    return rows
+
+
+def stalesync_decode_steps(config: dict) -> list[int]:
+    """Tokens of the longest sample of each steady batch of rl_stalesync.py's workload, generated with the
+    SFT warm-up's weights (the RL steps move them little: the held-out accuracy stays within 0.6)."""
+    from rl_stalesync import warm_up
+
+    from moetrain.rl.config import GRPOConfig, RLOptions
+    from moetrain.rl.fusion import sample_generators
+    from moetrain.rl.generate import RolloutEngine
+    from moetrain.rl.loop import step_problems
+    from moetrain.rl.sft import prompt_ids
+    from moetrain.rl.tokenizer import CharTokenizer
+
+    task, tokenizer = get_task(config["task"]), CharTokenizer()
+    model_cfg = policy_config(load_model_config("tiny-pangu")).model_copy(update={"num_layers": 4})
+    initial = warm_up(config["task"], model_cfg, sequence_len_for(task, config["max_new_tokens"]),
+                      config["sft_steps"], config["seed"])
+    model = build_model(model_cfg, torch.device("cpu"), seed=0)
+    model.load_state_dict(initial)
+    engine = RolloutEngine(model.eval().requires_grad_(False), tokenizer.pad_id)
+    options = RLOptions(task=config["task"], prompts_per_step=config["prompts"],
+                        grpo=GRPOConfig(group_size=config["group_size"]), max_new_tokens=config["max_new_tokens"])
+    params = SamplingParams(max_new_tokens=config["max_new_tokens"], temperature=1.0,
+                            stop_token_ids=(tokenizer.eos_id,))
+    longest = []
+    for step in range(1, config["steps"] - 1):
+        problems = step_problems(task, options, config["seed"], step)
+        generation = engine.generate([prompt_ids(tokenizer, p) for p in problems], params,
+                                     sample_generators(config["seed"], step, len(problems), torch.device("cpu")))
+        longest.append(int(generation.lengths_B.max()))
+    return longest
+
+
+def disaggregated_rows(measured: dict, calibration: Calibration, host: HostCosts, longest: list[int],
+                       capacity: float) -> list[dict]:
+    """``measured``: an rl_stalesync.py result; ``longest``: tokens of the longest sample of each steady
+    batch (``stalesync_decode_steps``); ``capacity``: cores' worth the two processes get together when
+    both compute (k ≥ 1)."""
+    config = measured["workload"]
+    task = get_task(config["task"])
+    model = policy_config(load_model_config("tiny-pangu")).model_copy(update={"num_layers": 4})
+    batch = config["prompts"] * config["group_size"]
+    decode_steps = round(statistics.mean(longest))
+    workload = RLWorkload(model, load_cluster_config("cpu"), config["prompts"], config["group_size"],
+                          task.max_prompt_chars + 1, decode_steps, "fp32",
+                          train_seq_len=sequence_len_for(task, config["max_new_tokens"]))
+    rows = []
+    for run in measured["runs"]:
+        layout = RLLayout("disaggregated", 2, ParallelConfig(micro_batch=batch), rollout_devices=1,
+                          staleness=run["staleness"], shared_cores=capacity)
+        steps = config["steps"] - 2  # the steady steps: neither the first (fill) nor the last (evaluation)
+        predicted = price_rl_step(workload, layout, calibration, host)
+        rows.append(_row(f"disaggregated k={run['staleness']}", predicted, run["steady_seconds"] / steps,
+                         steady_steps=steps, decode_steps=decode_steps, longest_sample_per_batch=longest))
+    return rows
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Everything measured on this machine that the predictions use."""
+
+    calibrations: list[Calibration]
+    """The profiles, the least disturbed first."""
+    hosts: dict[int, HostCosts]
+    """By the model's number of layers (StaleSync runs 4, rl_switch 8)."""
+    capacity: dict[int, float]
+    """Cores' worth of 2 and 4 concurrent processes."""
+    longest: list[int]
+    """Tokens of the longest sample of each steady StaleSync batch."""
+
+
+def compare(switch: dict, stalesync: dict, rates: Rates) -> dict:
+    """Predicted against measured for an rl_switch.py and an rl_stalesync.py result, under every profile."""
+    def predict(calibration: Calibration) -> list[dict]:
+        return (colocated_rows(switch, calibration, rates.hosts[8], rates.capacity[4])
+                + disaggregated_rows(stalesync, calibration, rates.hosts[4], rates.longest, rates.capacity[2]))
+
+    per_profile = [predict(c) for c in rates.calibrations]
+    rows = per_profile[0]
+    for i, row in enumerate(rows):
+        # how far the prediction moves with the machine's load: the same row under every profile
+        row["predicted_step_s_per_profile"] = [p[i]["predicted_step_s"] for p in per_profile]
+        print(f"{row['run']:34s} predicted {row['predicted_step_s']:7.3f} s  measured {row['measured_step_s']:7.3f} s"
+              f"  ({row['error_pct']:+.1f} %; under the {len(rates.calibrations)} profiles "
+              + ", ".join(f"{v:.3f}" for v in row["predicted_step_s_per_profile"]) + " s)")
+    errors = [abs(r["error_pct"]) for r in rows]
+    print(f"median |error| {statistics.median(errors):.1f} %, max {max(errors):.1f} %; "
+          f"{sum(r['within_15pct'] for r in rows)} of {len(rows)} within 15 %")
+    return {"rows": rows, "median_abs_error_pct": statistics.median(errors), "max_abs_error_pct": max(errors),
+            "within_15pct": sum(r["within_15pct"] for r in rows), "rows_total": len(rows),
+            "measured_load_average_1min": {"rl_switch": switch["config"].get("load_average_1min_after")}}
+
+
+def remeasure(folder: Path) -> tuple[dict, dict]:
+    """rl_switch.py and rl_stalesync.py (one repeat) run again now, beside the rates, into ``folder``."""
+    results = []
+    for script, extra in (("rl_switch.py", []), ("rl_stalesync.py", ["--repeats", "1"])):
+        out = folder / script.replace(".py", ".json")
+        load = os.getloadavg()[0]
+        subprocess.run([sys.executable, str(Path(__file__).parent / script), *extra, "--out", str(out)], check=True,
+                       capture_output=True)
+        result = json.loads(out.read_text())
+        result.setdefault("config", {})["load_average_1min_before"] = load
+        results.append(result)
+    return results[0], results[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--remeasure", action="store_true",
+                        help="also run rl_switch.py and rl_stalesync.py again now and compare with those")
+    parser.add_argument("--out", default="benchmarks/results/rl_simulate_check_cpu.json")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    load_before = os.getloadavg()[0]
+    switch = json.loads((RESULTS / "rl_switch_cpu.json").read_text())
+    stalesync = json.loads((RESULTS / "rl_stalesync_cpu.json").read_text())
+    longest = stalesync_decode_steps(stalesync["workload"])
+    print(f"StaleSync batches' longest samples: {longest} tokens (mean {statistics.mean(longest):.1f})")
+    rates = Rates(profile(args.repeats), {layers: host_probe(layers, args.repeats) for layers in (4, 8)},
+                  {n: core_capacity(n) for n in (2, 4)}, longest)
+    print(f"cores' worth of 2 and 4 concurrent processes: {rates.capacity[2]:.2f}, {rates.capacity[4]:.2f}")
+    result = {"measured_from": ["benchmarks/results/rl_switch_cpu.json", "benchmarks/results/rl_stalesync_cpu.json"],
+              **compare(switch, stalesync, rates)}
+    if args.remeasure:
+        with tempfile.TemporaryDirectory() as tmp:
+            again = remeasure(Path(tmp))
+        print("against the runs made again now:")
+        result["remeasured"] = {"load_average_1min_before": [r["config"]["load_average_1min_before"] for r in again],
+                                "measured": {"rl_switch": again[0], "rl_stalesync": again[1]},
+                                **compare(*again, rates)}
+    write_result(args.out, {
+        **result,
+        "rates": {"cpu_efficiency": rates.calibrations[0].for_device("cpu").as_dict(),
+                  "profiles": [c.per_arch["cpu"] for c in rates.calibrations],
+                  "host_4_layers": asdict(rates.hosts[4]), "host_8_layers": asdict(rates.hosts[8]),
+                  "cpu_count": os.cpu_count(), "core_capacity_2_processes": rates.capacity[2],
+                  "core_capacity_4_processes": rates.capacity[4]},
+        "load_average_1min_before": load_before, "load_average_1min_after": os.getloadavg()[0],
+    })
+
+
+if __name__ == "__main__":
+    main()

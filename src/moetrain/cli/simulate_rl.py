@@ -1,0 +1,145 @@
+"""``moetrain simulate --rl``: the flags of an RL step and its rendering (the pricing is
+``moetrain.planner.rl_step``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+
+from moetrain.errors import UserError
+
+PLACEMENTS = ("colocated", "disaggregated", "both")
+
+
+def add_rl_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("RL step (--rl; docs/rl_simulate.md): generation, reward, training, weight "
+                                  "transfer for the placements of `moetrain rl`; --tp/--pp/--ep/... are the "
+                                  "training layout")
+    g.add_argument("--rl", action="store_true", help="price one RL step instead of a pre-training step")
+    g.add_argument("--placement", default="both", metavar="{" + ",".join(PLACEMENTS) + "}",
+                   help="colocated (RL Fusion switch), disaggregated (StaleSync) or both (default)")
+    g.add_argument("--staleness", type=int, default=0,
+                   help="K of disaggregated StaleSync: 0 alternates, K ≥ 1 overlaps generation and training (0)")
+    g.add_argument("--prompts", type=int, default=32, help="prompts per step (32)")
+    g.add_argument("--group-size", type=int, default=8, help="samples per prompt, G (8)")
+    g.add_argument("--prompt-len", type=int, help="prompt tokens per sample")
+    g.add_argument("--response-len", type=int, help="generated tokens per sample (the batch's longest answers)")
+    g.add_argument("--rollout-devices", type=int,
+                   help="disaggregated: devices that generate; the rest train (default: half)")
+    g.add_argument("--gen-ep", type=int, default=1,
+                   help="devices per generation replica, experts split over them (1: a whole model each)")
+    g.add_argument("--offload", action="store_true",
+                   help="colocated: optimizer state and grads to host while generating, and back")
+    g.add_argument("--host-link-gbps", type=float,
+                   help="host link per device, one way, GB/s (for --offload; default on a CPU: its memory)")
+    g.add_argument("--logprob-forwards", type=int, default=0,
+                   help="extra forwards over the samples per step: reference (KL), proximal policy (0)")
+    g.add_argument("--graphs", action="store_true",
+                   help="generation runs captured graphs (an inference engine): no per-MoE-pass host cost")
+    g.add_argument("--reward-s", type=float, default=0.0, help="seconds to score a step's samples (0)")
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.placement not in PLACEMENTS:
+        raise UserError(f"--placement {args.placement!r}: choose one of {', '.join(PLACEMENTS)}")
+    for flag in ("prompt_len", "response_len"):
+        if getattr(args, flag) is None:
+            raise UserError(f"--rl needs --{flag.replace('_', '-')} (tokens per sample)")
+    for flag in ("prompts", "group_size", "prompt_len", "response_len", "gen_ep", "devices"):
+        if getattr(args, flag) <= 0:
+            raise UserError(f"--{flag.replace('_', '-')} must be positive (got {getattr(args, flag)})")
+    for flag in ("staleness", "logprob_forwards", "reward_s"):
+        if getattr(args, flag) < 0:
+            raise UserError(f"--{flag.replace('_', '-')} cannot be negative (got {getattr(args, flag)})")
+    if args.host_link_gbps is not None and args.host_link_gbps <= 0:
+        raise UserError(f"--host-link-gbps must be positive (got {args.host_link_gbps})")
+
+
+def _layouts(args: argparse.Namespace, workload) -> list:
+    """The ``RLLayout`` of each asked placement (the training layout from the strategy flags)."""
+    from moetrain.cli.workload import parallel_from_args
+    from moetrain.planner.rl_step import RLLayout
+    from moetrain.planner.workload import Workload
+
+    training = Workload(workload.model, workload.cluster, workload.seq_len, workload.samples, workload.precision)
+    placements = ("colocated", "disaggregated") if args.placement == "both" else (args.placement,)
+    if args.offload and args.host_link_gbps is None and workload.cluster.device != "cpu":
+        raise UserError("--offload on an accelerator needs --host-link-gbps (the host link, e.g. 25 for PCIe 4 x16)")
+    layouts = []
+    for placement in placements:
+        rollout = 0
+        if placement == "disaggregated":
+            rollout = args.rollout_devices if args.rollout_devices is not None else args.devices // 2
+            if not 0 < rollout < args.devices:
+                raise UserError(f"--rollout-devices {rollout} must leave devices to train and to generate "
+                                f"(1 to {args.devices - 1} of --devices {args.devices})")
+        try:
+            parallel = parallel_from_args(args, training, args.devices - rollout)
+        except UserError as exc:  # the batch is the step's samples here, not a flag of its own
+            raise UserError(f"{placement} training on {args.devices - rollout} devices: "
+                            + str(exc).replace("--global-batch", "--prompts × --group-size =")) from None
+        layouts.append(RLLayout(placement, args.devices, parallel, args.gen_ep, rollout,
+                                args.staleness if placement == "disaggregated" else 0, args.offload,
+                                args.host_link_gbps))
+    return layouts
+
+
+def simulate_rl(args: argparse.Namespace) -> dict:
+    """The predictions as a plain mapping (what --json prints)."""
+    from moetrain.cli.workload import build_workload
+    from moetrain.planner.generation import HostCosts
+    from moetrain.planner.rl_step import RLWorkload, price_rl_step
+
+    _check(args)
+    args.seq_len = args.prompt_len + args.response_len
+    args.global_batch = args.prompts * args.group_size
+    base, calibration = build_workload(args)
+    workload = RLWorkload(base.model, base.cluster, args.prompts, args.group_size, args.prompt_len,
+                          args.response_len, base.precision, args.logprob_forwards, args.reward_s)
+    host = HostCosts(moe_pass_us=0.0 if args.graphs else None)
+    predictions = [price_rl_step(workload, layout, calibration, host) for layout in _layouts(args, workload)]
+    rows = [{**{k: v for k, v in asdict(p).items() if k != "phases"}, "phases_s": asdict(p.phases)}
+            for p in predictions]
+    return {
+        "model": base.model.name, "cluster": base.cluster.name, "devices": args.devices,
+        "prompts": args.prompts, "group_size": args.group_size, "prompt_len": args.prompt_len,
+        "response_len": args.response_len, "precision": base.precision, "graphs": args.graphs,
+        "training_layout": _layouts_text(args),
+        "predictions": rows,
+        "faster": min(rows, key=lambda r: r["step_s"])["placement"],
+    }
+
+
+def _layouts_text(args: argparse.Namespace) -> str:
+    return f"tp{args.tp} pp{args.pp} ep{args.ep} etp{args.etp} cp{args.cp} zero{args.zero} mb{args.micro_batch}"
+
+
+PHASE_NAMES = {"generate_s": "generate (prefill + decode)", "reward_s": "reward", "logprob_s": "log-prob forwards",
+               "train_s": "train", "offload_s": "offload", "reshard_s": "reshard", "restore_s": "restore",
+               "push_s": "weight push"}
+
+
+def run_rl(args: argparse.Namespace) -> int:
+    result = simulate_rl(args)
+    if args.json:
+        print(json.dumps(result, indent=2, default=float))
+        return 0
+    print(f"RL step of {result['model']} on {result['devices']} × {result['cluster']}: {result['prompts']} prompts × "
+          f"{result['group_size']} samples, {result['prompt_len']} + {result['response_len']} tokens; training "
+          f"{result['training_layout']}")
+    for row in result["predictions"]:
+        name = row["placement"] + (f", k = {row['staleness']}" if row["placement"] == "disaggregated" else "")
+        split = (f"{row['generating_devices']} generate ({row['replicas']} replicas), {row['train_devices']} train"
+                 if row["placement"] == "disaggregated" else f"all {row['devices']} devices, {row['replicas']} "
+                 "generation replicas")
+        print(f"\n{name}: {split}")
+        print(f"  step {row['step_s']:.4g} s   {row['generated_tokens_per_s']:.4g} generated tokens/s   "
+              f"{row['tokens_per_s']:.4g} tokens/s   decode {'memory' if row['decode_memory_bound'] else 'compute'}"
+              f"-bound{'' if row['train_fits_memory'] else '   TRAINING DOES NOT FIT'}")
+        for key, label in PHASE_NAMES.items():
+            if row["phases_s"][key] > 0:
+                print(f"  {label:32s} {row['phases_s'][key]:10.4g} s")
+    if len(result["predictions"]) > 1:
+        print(f"\nfaster: {result['faster']}")
+    return 0

@@ -1,0 +1,276 @@
+"""One RL step (``moetrain simulate --rl``): generation, reward, extra log-prob forwards, training and the
+weight transfer, priced for the two placements of ``moetrain rl``, so a user can choose before booking.
+
+Colocated (RL Fusion, docs/rl_fusion.md): every device trains and generates in turn. A step is the sum
+
+    offload → reshard → generate → (free) → restore, then reward, log-prob forwards, train
+
+- offload / restore: optimizer state (fp32 master, Adam m and v: 12 B per local parameter) and fp32 grads
+  (4 B) to host memory and back over the host link (only with ``offload``);
+- reshard: each generating device gathers the weights it holds (bf16; fp32 for fp32 runs) from the
+  training shards: a ring all-gather over the pp·max(tp, ep·etp) devices one training replica spans;
+- free: the KV cache goes back to the allocator (no data moves: priced at zero).
+
+Disaggregated (StaleSync, docs/rl_stalesync.md): ``rollout_devices`` generate and score, the rest train
+and push the new weights (bf16, or the precision's width) to the rollout replicas after each update. With
+staleness k = 0 the two sides alternate: step = generate + reward + forwards + train + push. With k ≥ 1 the
+rollout side generates batch s + k while the trainer trains step s, so in the steady state
+
+    step = max(generate + reward, forwards + train) + push
+
+(on one CPU whose cores both sides share, the overlap is priced by processor sharing instead:
+``overlapped_time``).
+
+The push stays on the critical path: the runtime's weight sync is a collective that both sides join
+between two batches (``moetrain.distributed.weight_sync``); a double-buffered receiver would hide it.
+The steady state is the same for every k ≥ 1: a larger k only absorbs the jitter of variable-length
+generations and of the machine, which this steady-state price does not see.
+
+Training is the planner's own step for the training layout (``moetrain.planner.simulate``), on the step's
+samples as sequences of prompt + response tokens; generation is ``moetrain.planner.generation``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from moetrain.config.cluster import ClusterConfig
+from moetrain.config.model import ModelConfig
+from moetrain.config.parallel import ParallelConfig
+from moetrain.costs.params import count_params
+from moetrain.errors import UserError
+from moetrain.planner.calibration import Calibration, Efficiency
+from moetrain.planner.comm import allgather_time, ranks_per_node
+from moetrain.planner.compute import memory_time
+from moetrain.planner.generation import GenerationTimes, HostCosts, generation_time
+from moetrain.planner.simulate import simulate_layout
+from moetrain.planner.workload import Workload
+
+# Optimizer state and gradients offloaded per local parameter: fp32 master, Adam m and v, fp32 grad.
+OFFLOAD_BYTES_PER_PARAM = 16.0
+
+Placement = Literal["colocated", "disaggregated"]
+
+
+@dataclass(frozen=True)
+class RLWorkload:
+    """What one RL step does, whatever the placement."""
+
+    model: ModelConfig
+    cluster: ClusterConfig
+    prompts: int
+    """Prompts per step."""
+    samples_per_prompt: int
+    """GRPO's group size."""
+    prompt_len: int
+    response_len: int
+    """Tokens generated per sample (the decode steps of a batch: give its longest answers)."""
+    precision: str = "bf16"
+    logprob_forwards: int = 0
+    """Forwards over the step's samples besides training's own: a reference model (KL), a proximal
+    policy (decoupled loss), routing diagnostics."""
+    reward_s: float = 0.0
+    """Seconds to score the step's samples (a reward model or a verifier), on the generating side."""
+    train_seq_len: int | None = None
+    """Tokens per trained sequence when the trainer pads to a fixed length; None: prompt + response."""
+
+    @property
+    def samples(self) -> int:
+        return self.prompts * self.samples_per_prompt
+
+    @property
+    def seq_len(self) -> int:
+        return self.train_seq_len or self.prompt_len + self.response_len
+
+    @property
+    def generated_tokens(self) -> int:
+        return self.samples * self.response_len
+
+
+@dataclass(frozen=True)
+class RLLayout:
+    """Devices and layouts of one placement."""
+
+    placement: Placement
+    devices: int
+    """All devices of the job."""
+    train: ParallelConfig
+    """The training layout (its dp: what the training devices leave)."""
+    gen_devices_per_replica: int = 1
+    """Devices holding one generation replica (its experts split over them)."""
+    rollout_devices: int = 0
+    """Disaggregated: devices that generate (the other ``devices − rollout_devices`` train)."""
+    staleness: int = 0
+    offload: bool = False
+    """Colocated: optimizer state and grads to host during generation."""
+    host_link_gbps: float | None = None
+    """Host link per device, one way (GB/s; PCIe); None: the device memory's bandwidth (a CPU)."""
+    shared_cores: float | None = None
+    """Disaggregated on one CPU: the rollout and training processes share this many cores' worth of
+    compute (measured; SMT siblings give less than two); None: separate devices."""
+
+    @property
+    def train_devices(self) -> int:
+        return self.devices - self.rollout_devices if self.placement == "disaggregated" else self.devices
+
+    @property
+    def generating_devices(self) -> int:
+        return self.rollout_devices if self.placement == "disaggregated" else self.devices
+
+    @property
+    def replicas(self) -> int:
+        return self.generating_devices // self.gen_devices_per_replica
+
+
+@dataclass(frozen=True)
+class RLPhases:
+    """Seconds of each phase of one step (each on the devices that run it)."""
+
+    generate_s: float
+    prefill_s: float
+    decode_s: float
+    reward_s: float
+    logprob_s: float
+    train_s: float
+    offload_s: float = 0.0
+    reshard_s: float = 0.0
+    restore_s: float = 0.0
+    push_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class RLStepPrediction:
+    placement: Placement
+    staleness: int
+    devices: int
+    train_devices: int
+    generating_devices: int
+    replicas: int
+    phases: RLPhases
+    step_s: float
+    generated_tokens_per_s: float
+    tokens_per_s: float
+    """Prompt and generated tokens per second (what the trainer trains on)."""
+    decode_memory_bound: bool
+    train_fits_memory: bool
+
+
+def _check(w: RLWorkload, layout: RLLayout) -> None:
+    if layout.placement == "disaggregated" and not 0 < layout.rollout_devices < layout.devices:
+        raise UserError(f"disaggregated needs rollout devices between 1 and {layout.devices - 1} "
+                        f"(got {layout.rollout_devices}); set --rollout-devices")
+    if layout.generating_devices % layout.gen_devices_per_replica:
+        raise UserError(f"{layout.gen_devices_per_replica} devices per generation replica do not divide the "
+                        f"{layout.generating_devices} generating devices; change --gen-ep")
+    if layout.train.world_size != layout.train_devices:
+        raise UserError(f"the training layout covers {layout.train.world_size} devices, not the "
+                        f"{layout.train_devices} that train; change --tp/--pp/--ep or the device split")
+    if w.samples % layout.replicas:
+        raise UserError(f"{w.samples} samples per step do not split over {layout.replicas} generation replicas; "
+                        "change --prompts, --group-size or --gen-ep")
+
+
+def _training(w: RLWorkload, layout: RLLayout, calibration: Calibration):
+    workload = Workload(w.model, w.cluster, w.seq_len, w.samples, w.precision,
+                        grad_bytes=2.0 if w.precision == "fp16" else 4.0)
+    return simulate_layout(workload, layout.train, layout.train_devices, calibration)
+
+
+def _generation(w: RLWorkload, layout: RLLayout, eff: Efficiency, host: HostCosts) -> GenerationTimes:
+    workload = Workload(w.model, w.cluster, w.seq_len, w.samples, w.precision)
+    return generation_time(workload, w.samples // layout.replicas, layout.gen_devices_per_replica, w.prompt_len,
+                           w.response_len, eff, host)
+
+
+def weight_bytes(w: RLWorkload) -> float:
+    """Bytes of the whole model's weights as generation holds them (the training precision's width)."""
+    return count_params(w.model).total * (4.0 if w.precision == "fp32" else 2.0)
+
+
+def _shards(train: ParallelConfig) -> int:
+    """Devices one training replica's weights are split over: pipeline stages times the wider of the
+    dense (tp) and the expert (ep·etp) split."""
+    return train.pp * max(train.tp, train.ep * train.etp)
+
+
+def _host_copy_time(num_bytes: float, w: RLWorkload, layout: RLLayout, eff: Efficiency) -> float:
+    if layout.host_link_gbps is None:  # host memory is device memory: a copy reads and writes
+        return float(memory_time(2.0 * num_bytes, w.cluster, eff))
+    return num_bytes / (layout.host_link_gbps * 1e9)
+
+
+@dataclass(frozen=True)
+class _Transfers:
+    offload_s: float = 0.0
+    reshard_s: float = 0.0
+    restore_s: float = 0.0
+    push_s: float = 0.0
+
+
+def _colocated_transfers(w: RLWorkload, layout: RLLayout, eff: Efficiency) -> _Transfers:
+    shards = _shards(layout.train)
+    local_params = count_params(w.model).total / shards
+    offload = (_host_copy_time(OFFLOAD_BYTES_PER_PARAM * local_params, w, layout, eff) if layout.offload else 0.0)
+    gathered = weight_bytes(w) / layout.gen_devices_per_replica  # what each generating device holds
+    group = min(shards, layout.devices)
+    in_node = ranks_per_node(group, 1, w.cluster.devices_per_node)
+    reshard = float(allgather_time(gathered, group, in_node, w.cluster, eff)) if group > 1 else 0.0
+    return _Transfers(offload_s=offload, reshard_s=reshard, restore_s=offload)
+
+
+def _push_time(w: RLWorkload, layout: RLLayout, eff: Efficiency) -> float:
+    """Every rollout device receives its replica's share; the training devices send replicas × the weights
+    between them; the slower side sets the time (one link each, the network when the job spans nodes)."""
+    cross_node = layout.devices > w.cluster.devices_per_node
+    link = (w.cluster.inter_node_gbps * eff.bus_inter if cross_node else w.cluster.intra_node_gbps * eff.bus_intra)
+    latency = w.cluster.inter_node_latency_us if cross_node else w.cluster.intra_node_latency_us
+    received = weight_bytes(w) / layout.gen_devices_per_replica
+    sent = layout.replicas * weight_bytes(w) / layout.train_devices
+    return max(received, sent) / (link * 1e9) + latency * 1e-6
+
+
+def overlapped_time(a: float, b: float, shared_cores: float | None = None) -> float:
+    """Two jobs that take ``a`` and ``b`` seconds alone, run at once. On separate devices: the longer. On
+    ``shared_cores`` cores' worth of compute (processor sharing, each job at most one core): both run at
+    min(1, c/2) until the shorter one's work is done, the rest of the longer at min(1, c); c = 2 gives
+    the longer, c = 1 the sum."""
+    if shared_cores is None:
+        return max(a, b)
+    short, long = sorted((a, b))
+    together, alone = min(1.0, shared_cores / 2.0), min(1.0, shared_cores)
+    return short / together + (long - short) / alone
+
+
+def price_rl_step(w: RLWorkload, layout: RLLayout, calibration: Calibration, host: HostCosts | None = None
+                  ) -> RLStepPrediction:
+    """One RL step of ``w`` in ``layout``; ``host``: the eager stack's host costs (measured; none by default)."""
+    _check(w, layout)
+    host = host or HostCosts()
+    eff = calibration.for_device(w.cluster.device)
+    training = _training(w, layout, calibration)
+    train_s, fits = float(training.step_time_s), bool(training.fits_memory)
+    generation = _generation(w, layout, eff, host)
+    # A forward over the samples costs a third of training's forward + backward (backward = 2 forwards).
+    logprob = w.logprob_forwards * (train_s - float(training.optimizer_s)) / 3.0
+    if layout.placement == "colocated":
+        moves = _colocated_transfers(w, layout, eff)
+        step = (generation.total_s + w.reward_s + logprob + train_s
+                + moves.offload_s + moves.reshard_s + moves.restore_s)
+    else:
+        moves = _Transfers(push_s=_push_time(w, layout, eff))
+        rollout_side = generation.total_s + w.reward_s
+        train_side = logprob + train_s
+        both = (rollout_side + train_side if layout.staleness == 0
+                else overlapped_time(rollout_side, train_side, layout.shared_cores))
+        step = both + moves.push_s
+    phases = RLPhases(generate_s=generation.total_s, prefill_s=generation.prefill_s, decode_s=generation.decode_s,
+                      reward_s=w.reward_s, logprob_s=logprob, train_s=train_s,
+                      offload_s=moves.offload_s, reshard_s=moves.reshard_s, restore_s=moves.restore_s,
+                      push_s=moves.push_s)
+    return RLStepPrediction(
+        placement=layout.placement, staleness=layout.staleness, devices=layout.devices,
+        train_devices=layout.train_devices, generating_devices=layout.generating_devices, replicas=layout.replicas,
+        phases=phases, step_s=step, generated_tokens_per_s=w.generated_tokens / step,
+        tokens_per_s=w.samples * (w.prompt_len + w.response_len) / step,
+        decode_memory_bound=generation.decode_memory_bound, train_fits_memory=fits)

@@ -1,0 +1,151 @@
+"""``moetrain simulate --rl``: the RL step's pricing (``moetrain.planner.rl_step``, ``.generation``) on cases
+whose answer is known by hand, the staleness rule, the placements' ordering, and the CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from moetrain.cli import main
+from moetrain.config import ParallelConfig, load_cluster_config, load_model_config
+from moetrain.config.cluster import ClusterConfig
+from moetrain.config.model import ModelConfig
+from moetrain.planner.calibration import Calibration, Efficiency, load_calibration
+from moetrain.planner.generation import SAMPLING_PASSES, HostCosts, generation_time
+from moetrain.planner.rl_step import RLLayout, RLWorkload, price_rl_step
+from moetrain.planner.workload import Workload
+
+# A dense GQA model small enough to count by hand: per layer q 64·64, k and v 64·32 each, o 64·64, two norms
+# of 64, SwiGLU 3·64·256 = 4096 + 2048 + 2048 + 4096 + 128 + 49152 = 61568 parameters.
+DENSE = ModelConfig.model_validate({
+    "name": "dense-toy", "vocab_size": 1000, "hidden_size": 64, "num_layers": 2, "dense_ffn_hidden": 256,
+    "attention": {"kind": "gqa", "num_heads": 4, "num_kv_heads": 2, "head_dim": 16}})
+LAYER_PARAMS = 61568
+# Compute so fast that every decode kernel waits for memory: 1 TB/s at full efficiency.
+FAST = ClusterConfig(name="fast", device="toy", peak_tflops_bf16=1e9, hbm_gb=80, hbm_bandwidth_tbps=1.0,
+                     devices_per_node=8, intra_node_gbps=100, inter_node_gbps=50)
+IDEAL = Efficiency(gemm_max=1.0, gemm_overhead_us=0.0, moe_overhead_us=0.0, attention=1.0, memory=1.0)
+
+
+def test_decode_step_is_bytes_over_bandwidth():
+    rows, prompt, response = 4, 10, 6
+    times = generation_time(Workload(DENSE, FAST, prompt + response, rows), rows, 1, prompt, response, IDEAL)
+    context = prompt + response / 2  # the mean context over the decode steps
+    kv = rows * context * 2 * 2 * 16 * 2  # K and V, 2 kv heads of 16, bf16
+    layers = 2 * (LAYER_PARAMS * 2 + kv)
+    head = 64 * 1000 * 2
+    sampling = SAMPLING_PASSES * 2 * 4 * rows * 1000
+    assert times.decode_memory_bound
+    assert times.decode_step_s == pytest.approx((layers + head + sampling) / 1e12, rel=1e-9)
+    # N new tokens: N draws, N − 1 decode forwards (the prefill's head gives the first token)
+    assert times.decode_s == pytest.approx((response - 1) * (layers + head) / 1e12 + response * sampling / 1e12,
+                                           rel=1e-9)
+
+
+def test_host_floor_adds_on_a_cpu_and_hides_on_an_accelerator():
+    w = Workload(DENSE, FAST, 16, 4)
+    bare = generation_time(w, 4, 1, 10, 6, IDEAL)
+    cpu = generation_time(w, 4, 1, 10, 6, IDEAL, HostCosts(layer_forward_us=100.0, host_is_device=True))
+    gpu = generation_time(w, 4, 1, 10, 6, IDEAL, HostCosts(layer_forward_us=100.0))
+    # 2 layers × 100 µs per forward; the device's own time (ns here) is below the floor on the accelerator
+    assert cpu.decode_step_s - bare.decode_step_s == pytest.approx(2 * 100e-6, rel=1e-3)
+    head_and_sampling = bare.decode_step_s - 2 * (LAYER_PARAMS * 2 + 4 * 13 * 128) / 1e12
+    assert gpu.decode_step_s == pytest.approx(2 * 100e-6 + head_and_sampling, rel=1e-6)
+
+
+def _tiny(prompts: int = 16, **kwargs) -> RLWorkload:
+    return RLWorkload(load_model_config("tiny-pangu"), load_cluster_config("cpu"), prompts, 8, 16, 8, "fp32", **kwargs)
+
+
+def _calibration() -> Calibration:
+    return load_calibration()
+
+
+@pytest.mark.parametrize("staleness", [1, 4])
+def test_staleness_pipelines_generation_and_training(staleness: int):
+    w, cal = _tiny(), _calibration()
+    layout = RLLayout("disaggregated", 2, ParallelConfig(micro_batch=16), rollout_devices=1)
+    sync = price_rl_step(w, layout, cal)
+    stale = price_rl_step(w, RLLayout("disaggregated", 2, ParallelConfig(micro_batch=16), rollout_devices=1,
+                                      staleness=staleness), cal)
+    ph = sync.phases
+    assert sync.step_s == pytest.approx(ph.generate_s + ph.reward_s + ph.logprob_s + ph.train_s + ph.push_s)
+    assert stale.step_s == pytest.approx(max(ph.generate_s + ph.reward_s, ph.logprob_s + ph.train_s) + ph.push_s)
+    assert stale.step_s < sync.step_s
+    assert stale.generated_tokens_per_s == pytest.approx(128 * 8 / stale.step_s)
+
+
+def test_colocated_is_the_sum_of_its_phases():
+    p = price_rl_step(_tiny(logprob_forwards=1, reward_s=0.01),
+                      RLLayout("colocated", 2, ParallelConfig(dp=2, micro_batch=16), offload=True), _calibration())
+    ph = p.phases
+    assert ph.offload_s > 0 and ph.offload_s == ph.restore_s and ph.push_s == 0
+    assert p.step_s == pytest.approx(ph.offload_s + ph.reshard_s + ph.generate_s + ph.restore_s + ph.reward_s
+                                     + ph.logprob_s + ph.train_s)
+
+
+def test_placements_order_where_the_answer_is_obvious():
+    w, cal = _tiny(), _calibration()
+    colocated = price_rl_step(w, RLLayout("colocated", 2, ParallelConfig(dp=2, micro_batch=16)), cal)
+    alternating = price_rl_step(w, RLLayout("disaggregated", 2, ParallelConfig(micro_batch=16), rollout_devices=1),
+                                cal)
+    # Alternating on half the devices each does the same work at half the speed: colocated wins.
+    assert colocated.step_s < alternating.step_s
+    # An offload over a very slow host link costs colocated more than everything else: pipelined wins.
+    slow = RLLayout("colocated", 2, ParallelConfig(dp=2, micro_batch=16), offload=True, host_link_gbps=1e-4)
+    pipelined = RLLayout("disaggregated", 2, ParallelConfig(micro_batch=16), rollout_devices=1, staleness=1)
+    assert price_rl_step(w, pipelined, cal).step_s < price_rl_step(w, slow, cal).step_s
+
+
+TINY_RL = ["simulate", "--rl", "--model", "tiny-pangu", "--cluster", "cpu", "--devices", "2", "--prompts", "16",
+           "--group-size", "8", "--prompt-len", "16", "--response-len", "8", "--precision", "fp32",
+           "--micro-batch", "64"]
+
+
+def test_cli_json_prices_both_placements(capsys: pytest.CaptureFixture[str]):
+    assert main([*TINY_RL, "--staleness", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    rows = {row["placement"]: row for row in out["predictions"]}
+    assert set(rows) == {"colocated", "disaggregated"}
+    assert rows["disaggregated"]["staleness"] == 2 and rows["colocated"]["staleness"] == 0
+    assert out["faster"] == min(rows.values(), key=lambda r: r["step_s"])["placement"]
+    assert rows["colocated"]["phases_s"]["train_s"] > 0 and rows["disaggregated"]["phases_s"]["push_s"] > 0
+
+
+@pytest.mark.parametrize("extra,expected", [
+    (["--placement", "nowhere"], "--placement 'nowhere': choose one of colocated, disaggregated, both"),
+    (["--rollout-devices", "2"], "--rollout-devices 2 must leave devices to train and to generate"),
+    (["--staleness", "-1"], "--staleness cannot be negative"),
+    (["--gen-ep", "3"], "3 devices per generation replica do not divide"),
+])
+def test_cli_errors_are_one_line_exit_2(capsys: pytest.CaptureFixture[str], extra: list[str], expected: str):
+    assert main([*TINY_RL, *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and expected in err
+
+
+def test_cli_needs_the_response_length(capsys: pytest.CaptureFixture[str]):
+    at = TINY_RL.index("--response-len")
+    argv = TINY_RL[:at] + TINY_RL[at + 2:]
+    assert main(argv) == 2
+    assert "--rl needs --response-len" in capsys.readouterr().err
+
+
+def test_rl_pricing_imports_no_torch():
+    code = ("import sys, moetrain.planner.rl_step, moetrain.planner.generation, moetrain.cli.simulate_rl; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "False"
+
+
+def test_overlap_on_shared_cores_is_processor_sharing():
+    from moetrain.planner.rl_step import overlapped_time
+
+    assert overlapped_time(0.3, 0.5) == 0.5  # separate devices
+    assert overlapped_time(0.3, 0.5, shared_cores=2.0) == pytest.approx(0.5)  # a core each
+    assert overlapped_time(0.3, 0.5, shared_cores=1.0) == pytest.approx(0.8)  # one core: time-sliced
+    # 1.2 cores: both at 0.6 of a core until 0.3 s of work is done (0.5 s), then 0.2 s alone at full speed
+    assert overlapped_time(0.5, 0.3, shared_cores=1.2) == pytest.approx(0.3 / 0.6 + 0.2)
