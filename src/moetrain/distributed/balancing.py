@@ -405,7 +405,10 @@ class OnlineExpertBalancer:
                 weights = [getattr(block.experts, name).data for name in EXPERT_WEIGHTS]
                 pending = post_expert_moves(moves, weights, self.ep_group, tag_offset=tag)
                 tag += len(moves) * len(weights)
-                hook = block.experts.register_forward_pre_hook(lambda module, args, index=index: self._land(index))
+                # first among the experts' pre-hooks: the wait for the weights is migration time (timed in
+                # ``migration_timings``), not the expert forward that ``LoadTelemetry`` times after it
+                hook = block.experts.register_forward_pre_hook(lambda module, args, index=index: self._land(index),
+                                                               prepend=True)
                 self._pending_weights[index] = (pending, hook)
             where = {}
             for bucket in self.optimizer.buckets:
