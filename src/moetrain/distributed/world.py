@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import os
 import socket
 import sys
@@ -95,6 +96,8 @@ def run_in_world(fn: Callable[..., Any], rank: int, world_size: int, args: tuple
 
 def _entry(rank: int, world_size: int, port: int, result_dir: str, fn: Callable[..., Any], args: tuple,
            backend: str) -> None:
+    # what a forked child inherits is never the child's to collect (see ``spawn``)
+    gc.freeze()
     result = run_in_world(fn, rank, world_size, args, master_port=port, backend=backend)
     torch.save(result, Path(result_dir) / f"rank{rank}.pt")
 
@@ -107,6 +110,11 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "g
         # run single-threaded, so no OpenMP pool of the parent is touched after the fork.
         # CUDA cannot be used in a forked child, hence spawn for NCCL.
         method = "fork" if sys.platform == "linux" and backend == "gloo" else "spawn"
+        if method == "fork":
+            # A process group that only a reference cycle still holds (an earlier in-process run's) must be
+            # freed here, where its threads run: freed in a forked child, its destructor waits forever on
+            # threads the child does not have (a test hung that way in CI).
+            gc.collect()
         mp.start_processes(_entry, args=(world_size, free_port(), result_dir, fn, args, backend), nprocs=world_size,
                            join=True, start_method=method)
         return [torch.load(Path(result_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]

@@ -1,0 +1,46 @@
+"""``spawn`` on a process that already ran a one-rank group: a forked child must not free the parent's groups."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = [pytest.mark.dist]
+
+# A one-rank gloo world with a subgroup that, after the world is destroyed, only a reference cycle holds (as
+# an in-process run can leave behind), then ``spawn`` of two ranks whose function runs a cycle collection.
+# Freed in a forked child, the subgroup's destructor waits forever on threads that only the parent has.
+SCRIPT = textwrap.dedent("""
+    import gc
+    import torch.distributed as dist
+    from moetrain.distributed.world import spawn
+
+    gc.disable()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    holder = type("Holder", (), {})()
+    holder.group, holder.me = dist.new_group([0]), holder
+    dist.destroy_process_group()
+    del holder
+
+    def collect(rank, world_size):
+        gc.collect()
+        return rank
+
+    print(spawn(collect, 2), flush=True)
+""")
+
+
+def test_spawn_after_an_in_process_group_does_not_hang():
+    process = subprocess.Popen([sys.executable, "-c", SCRIPT], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)
+    try:
+        out, err = process.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)  # the forked ranks too
+        process.communicate()
+        pytest.fail("spawn hung: a forked rank freed a process group inherited from its parent")
+    assert process.returncode == 0, err
+    assert out.strip() == "[0, 1]"
