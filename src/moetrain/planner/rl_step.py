@@ -41,7 +41,7 @@ from moetrain.config.parallel import ParallelConfig
 from moetrain.costs.params import count_params
 from moetrain.errors import UserError
 from moetrain.planner.calibration import Calibration, Efficiency
-from moetrain.planner.comm import allgather_time, ranks_per_node
+from moetrain.planner.comm import allgather_time, p2p_time, ranks_per_node
 from moetrain.planner.compute import memory_time
 from moetrain.planner.generation import GenerationTimes, HostCosts, generation_time
 from moetrain.planner.simulate import simulate_layout
@@ -223,11 +223,9 @@ def _push_time(w: RLWorkload, layout: RLLayout, eff: Efficiency) -> float:
     """Every rollout device receives its replica's share; the training devices send replicas × the weights
     between them; the slower side sets the time (one link each, the network when the job spans nodes)."""
     cross_node = layout.devices > w.cluster.devices_per_node
-    link = (w.cluster.inter_node_gbps * eff.bus_inter if cross_node else w.cluster.intra_node_gbps * eff.bus_intra)
-    latency = w.cluster.inter_node_latency_us if cross_node else w.cluster.intra_node_latency_us
     received = weight_bytes(w) / layout.gen_devices_per_replica
     sent = layout.replicas * weight_bytes(w) / layout.train_devices
-    return max(received, sent) / (link * 1e9) + latency * 1e-6
+    return float(p2p_time(max(received, sent), cross_node, w.cluster, eff))
 
 
 def overlapped_time(a: float, b: float, shared_cores: float | None = None) -> float:
