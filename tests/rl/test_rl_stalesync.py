@@ -187,7 +187,6 @@ TINY = ["--sft-steps", "2", "--sft-batch", "8", "--steps", "3", "--prompts", "2"
 
 
 @pytest.mark.parametrize("argv, expected", [
-    (["rl", "--staleness", "1", "--placement", "colocated"], ("--placement colocated", "not built yet")),
     (["rl", "--placement", "disaggregated"], ("give --staleness K",)),
     (["rl", "--staleness", "-1"], ("--staleness -1",)),
     (["rl", "--staleness", "1", "--nproc", "4"], ("--nproc", "not built yet")),

@@ -86,7 +86,8 @@ def add_stalesync_arguments(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--staleness", type=int, help="K: train on samples at most K weight versions old; a rollout "
                    "worker (rank 0) and the trainer (rank 1) run concurrently (0: they alternate, as in one process)")
     a.add_argument("--placement", choices=("colocated", "disaggregated"),
-                   help="with --staleness: separate rollout and training ranks (disaggregated, the default)")
+                   help="with --staleness: separate rollout and training ranks (disaggregated, the default), or "
+                        "the same ranks, generating the next batch during each update (colocated)")
     a.add_argument("--engine", choices=("local", "ray"), default="local",
                    help="with --staleness: worker processes on torch.distributed (local) or Ray actors")
     a.add_argument("--stale-loss", choices=("tis", "decoupled"), default="tis",
@@ -113,10 +114,15 @@ def stalesync_options(args: argparse.Namespace):
 
         import_ray()  # before the warm-up: a missing Ray is one line, not a failure after minutes
     if args.placement == "colocated":
-        if k:
-            raise UserError(f"--placement colocated with --staleness {k}: not built yet; use --placement "
-                            "disaggregated (or --staleness 0, the synchronous loop)")
-        return None
+        if not k:
+            return None  # the synchronous loop
+        from moetrain.rl.colocated import check_colocated
+        from moetrain.rl.config import FusionOptions
+
+        stale = StaleSyncOptions(staleness=k, placement="colocated", loss=args.stale_loss,
+                                 bucket_mib=args.sync_bucket_mib)
+        check_colocated(stale, FusionOptions(gen_ep=args.gen_ep, offload=args.offload))
+        return stale
     refused = [flag for flag, given in (("--nproc", (args.nproc or 1) > 1), ("--resume", args.resume),
                                         ("--stop-at", args.stop_at is not None), ("--kl-coef", args.kl_coef > 0))
                if given]
@@ -300,16 +306,16 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from moetrain.models.transformer import build_model
-    from moetrain.rl.loop import RLTrainer
+    from moetrain.rl.colocated import rl_trainer
     from moetrain.rl.plot import plot_reward_curve
     from moetrain.rl.tasks import get_task
 
     stale = stalesync_options(args)
     sft_spec, rl_spec, options, model_cfg = build_specs(args)
-    if stale is not None:
+    if stale is not None and stale.placement == "disaggregated":
         return _launch_stalesync(args, (sft_spec, rl_spec, options, model_cfg), stale)
     if rl_spec.world_size > 1:
-        return _launch(args, sft_spec, rl_spec, options, model_cfg)
+        return _launch(args, sft_spec, rl_spec, options, model_cfg, stale)
     console = Console(quiet=bool(args.quiet))
     start = time.perf_counter()
     # Each trainer parallelizes (rewrites) the module it is given: one model each. With a warm-up, the
@@ -324,7 +330,8 @@ def run(args: argparse.Namespace) -> int:
     if options.grpo.kl_coef:
         reference = build_model(model_cfg, "cpu")
         reference.load_state_dict(model.state_dict())
-    trainer = RLTrainer(rl_spec, options, model_cfg=model_cfg, model=model, reference=reference, console=console)
+    trainer = rl_trainer(rl_spec, options, stale, model_cfg=model_cfg, model=model, reference=reference,
+                         console=console)
     console.print(trainer.describe())
     rows = trainer.train()
     trainer.print_summary()
@@ -338,7 +345,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _launch(args: argparse.Namespace, sft_spec, rl_spec, options, model_cfg) -> int:
+def _launch(args: argparse.Namespace, sft_spec, rl_spec, options, model_cfg, stale) -> int:
     """RL Fusion on ``--nproc`` ranks: torchrun (``moetrain.distributed.launch``) starts
     ``moetrain.rl.worker`` on each, which reads the checked specs from a file (``MOETRAIN_RL_RUN``)."""
     import json
@@ -352,6 +359,7 @@ def _launch(args: argparse.Namespace, sft_spec, rl_spec, options, model_cfg) -> 
     run = {"sft": sft_spec.to_json() if sft_spec is not None else None, "rl": rl_spec.to_json(),
            "options": options.model_dump_json(), "model": model_cfg.model_dump_json(),
            "fusion": fusion_options(args).model_dump_json(), "plot": str(plot.resolve()) if plot else None,
+           "stale": stale.model_dump_json() if stale is not None else None,
            "from": {"path": str(Path(args.from_path).resolve())} if args.from_path else None}
     payload = log_dir / "rl_run.json"
     payload.write_text(json.dumps(run), encoding="utf-8")

@@ -88,7 +88,8 @@ class StaleSyncOptions(BaseModel):
     staleness: int = Field(default=0, ge=0)
     """k: the trainer admits a sample only if current version − sample version ≤ k (0: synchronous)."""
     placement: Literal["colocated", "disaggregated"] = "disaggregated"
-    """disaggregated: rank 0 generates, rank 1 trains (the only placement built)."""
+    """disaggregated: rank 0 generates, rank 1 trains; colocated: RL Fusion's ranks, each generating the next
+    batch while the current one trains (``moetrain.rl.colocated``)."""
     loss: Literal["tis", "decoupled"] = "tis"
     """tis: ratio against the trained weights, importance weight min(π_old/μ, C) against the behaviour
     policy μ; decoupled: ratio against a proximal policy from a forward before the step (Hilton et al.

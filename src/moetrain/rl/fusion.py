@@ -143,13 +143,22 @@ class Fusion:
     def generate(self, prompts: list[list[int]], params: SamplingParams, generators: list[torch.Generator] | None,
                  version: int) -> Generation:
         """Every row of ``prompts`` (this rank generates its share; the rows are gathered)."""
+        return self.gather(self.generate_share(prompts, params, generators, version))
+
+    def generate_share(self, prompts: list[list[int]], params: SamplingParams,
+                       generators: list[torch.Generator] | None, version: int) -> Generation:
+        """This rank's rows of ``prompts``, generated with the weights of ``version``. With ``gen_ep`` = 1 no
+        collective runs here (the colocated StaleSync trainer runs it beside the training step)."""
         if self.synced_version != version:
             raise WeightSyncError(f"generation weights are at version {self.synced_version}, training at {version}: "
                                   "a sync was missed")
         rows = self.share(len(prompts))
-        local = self.engine.generate([prompts[i] for i in rows], params,
-                                     None if generators is None else [generators[i] for i in rows],
-                                     weight_version=version)
+        return self.engine.generate([prompts[i] for i in rows], params,
+                                    None if generators is None else [generators[i] for i in rows],
+                                    weight_version=version)
+
+    def gather(self, local: Generation) -> Generation:
+        """Every replica's rows, in order, on every rank."""
         # the ranks of one EP group generate the same rows (in lockstep: the experts' all-to-all): one copy each
         return gather_generations(local, self.group, every=self.options.gen_ep)
 

@@ -200,15 +200,20 @@ class RLTrainer(Trainer):
         StaleSync trainer's decoupled loss overrides this)."""
         return None
 
-    @torch.no_grad()
     def reference_logprobs(self, sequences: TrainingSequences) -> torch.Tensor:
         assert self.reference is not None
+        return self.sequence_logprobs(self.reference, sequences)
+
+    @torch.no_grad()
+    def sequence_logprobs(self, model: MoETransformer, sequences: TrainingSequences) -> torch.Tensor:
+        """[B, S] log-probs of the samples' tokens under ``model`` (a whole one), by micro-batches, with
+        generation's experts when the run replays them."""
         chunks = []
         replay = sequences.expert_ids_BSMK if self.options.replay else None
         for rows in _row_chunks(len(sequences.labels_BS), self.cfg.micro_batch):
             ids = sequences.input_ids_BS[rows].to(self.device)
             record = None if replay is None else replay[rows].to(self.device)
-            logits = policy_logits(self.reference, ids, record)
+            logits = policy_logits(model, ids, record)
             chunks.append(token_logprobs(logits, sequences.labels_BS[rows].to(self.device),
                                          self.options.grpo.temperature).cpu())
         return torch.cat(chunks)

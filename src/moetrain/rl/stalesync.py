@@ -47,8 +47,7 @@ from moetrain.rl.batch import Rollouts, TrainingSequences
 from moetrain.rl.config import RLOptions, StaleSyncOptions
 from moetrain.rl.fusion import generation_views, global_shapes, sample_generators, training_views
 from moetrain.rl.generate import RolloutEngine, SamplingParams
-from moetrain.rl.grpo import token_logprobs
-from moetrain.rl.loop import RLTrainer, _row_chunks, policy_logits, scored_rollouts, step_problems
+from moetrain.rl.loop import RLTrainer, scored_rollouts, step_problems
 from moetrain.rl.rollout_queue import BatchReceiver, BatchSender, pack
 from moetrain.rl.sft import prompt_ids
 from moetrain.rl.tasks import get_task
@@ -212,19 +211,9 @@ class StaleSyncTrainer(RLTrainer):
         problems = step_problems(self.task, self.options, self.cfg.seed, batch.index)
         return batch.rollouts(problems, self.tokenizer.decode)
 
-    @torch.no_grad()
     def proximal_logprobs(self, sequences: TrainingSequences) -> torch.Tensor | None:
         """The decoupled loss's π_prox: the current weights (before the step), with router replay."""
-        if self.stale.loss != "decoupled":
-            return None
-        model, chunks = self.run.stage.model, []
-        record = sequences.expert_ids_BSMK if self.options.replay else None
-        for rows in _row_chunks(len(sequences.labels_BS), self.cfg.micro_batch):
-            logits = policy_logits(model, sequences.input_ids_BS[rows].to(self.device),
-                                   None if record is None else record[rows].to(self.device))
-            chunks.append(token_logprobs(logits, sequences.labels_BS[rows].to(self.device),
-                                         self.options.grpo.temperature).cpu())
-        return torch.cat(chunks)
+        return self.sequence_logprobs(self.run.stage.model, sequences) if self.stale.loss == "decoupled" else None
 
     def describe(self) -> str:
         return (super().describe() + f" · StaleSync k={self.stale.staleness}, disaggregated (rank {ROLLOUT_RANK} "

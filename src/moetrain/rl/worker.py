@@ -25,9 +25,10 @@ def run_rank(run: dict) -> None:
     from moetrain.config import ModelConfig
     from moetrain.config.run import RunSpec
     from moetrain.distributed.world import init_world
-    from moetrain.rl.config import FusionOptions, RLOptions
+    from moetrain.rl.colocated import rl_trainer
+    from moetrain.rl.config import FusionOptions, RLOptions, StaleSyncOptions
     from moetrain.rl.fusion import whole_model
-    from moetrain.rl.loop import RLTrainer, SFTTrainer
+    from moetrain.rl.loop import SFTTrainer
     from moetrain.rl.plot import plot_reward_curve
     from moetrain.rl.tasks import get_task
     from moetrain.train.checkpoint import latest_checkpoint
@@ -62,7 +63,8 @@ def run_rank(run: dict) -> None:
         reference = build_model(model_cfg, device, seed=rl_spec.training.seed)
         if model is not None:
             reference.load_state_dict(model.state_dict())
-    trainer = RLTrainer(rl_spec, options, model_cfg=model_cfg, model=model, reference=reference, fusion=fusion)
+    stale = StaleSyncOptions.model_validate_json(run["stale"]) if run.get("stale") else None
+    trainer = rl_trainer(rl_spec, options, stale, model_cfg=model_cfg, model=model, reference=reference, fusion=fusion)
     trainer.console.print(trainer.describe())
     rows = trainer.train()
     trainer.print_summary()

@@ -1,0 +1,183 @@
+"""StaleSync, colocated: RL Fusion's switch with the next batch's generation overlapping this step's update.
+
+The same ranks train and generate (``moetrain.rl.fusion``: a generation model per rank beside its share
+of the training layout). Synchronously, step s reshards version s into the generation model, generates
+batch s and trains on it: generation and training take turns. With a staleness bound k ≥ 1 the
+generation of batch s + 1 runs *during* step s's update instead, with the weights of version s that the
+reshard has just copied into the generation model (the update writes only the training tensors):
+
+    step s:  [reshard v_s] → [diagnostics] → launch: generate batch s+1 with v_s ──────────┐ (a thread)
+             train on batch s (generated with v_{s-1}) ───────────────────────────────────┤ (this thread)
+             wait for batch s+1, gather its rows from every rank ◄─────────────────────────┘
+
+so every batch after the first is one version old (staleness 1 ≤ k), the schedule of the disaggregated
+pipeline at k = 1 (``stalesync.generation_version(b, 1)``): a test holds the two placements to the same
+samples, losses and weights, bit for bit. Running further ahead than one batch gains nothing here: the
+devices that would generate batch s + 2 are busy with batch s + 1.
+
+Where the overlap runs, and where it does not:
+
+- generation keeps its KV cache and weights resident beside the training state, so the overlap needs the
+  memory of both: ``--offload always`` is refused; under ``auto`` a step whose generation would not fit
+  (``offload_decision``) generates synchronously with offload instead (``overlapped`` = False in its row);
+- the generating thread runs no collective (``gen_ep`` = 1: every rank generates its share on a whole
+  model; the rows are gathered by the training thread after the step), so the two threads never
+  interleave calls on one process group; on a GPU it queues its kernels on a stream of its own;
+- a checkpoint is a synchronisation point: the batch after a checkpoint step is generated with the
+  saved weights, after it (not ahead of it), so a run resumed from that checkpoint continues the
+  uninterrupted one bit for bit (when it stops at a checkpoint step of the uninterrupted run).
+
+The trainer admits a batch only if current version − batch version ≤ k and drops (and counts) an older
+one; by this schedule none is older than 1. Staleness is corrected in the loss as in the disaggregated
+placement (truncated importance weights against the rollout log-probs; ``grpo``).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from moetrain.config import ModelConfig
+from moetrain.config.run import RunSpec
+from moetrain.errors import UserError
+from moetrain.rl.batch import Rollouts, TrainingSequences
+from moetrain.rl.config import FusionOptions, RLOptions, StaleSyncOptions
+from moetrain.rl.fusion import sample_generators
+from moetrain.rl.generate import Generation
+from moetrain.rl.loop import RLTrainer, scored_rollouts
+from moetrain.rl.offload import offload_decision
+from moetrain.rl.sft import prompt_ids
+from moetrain.train.checkpoint import should_save
+
+
+def check_colocated(stale: StaleSyncOptions, fusion: FusionOptions) -> None:
+    """Refuse what the overlapped colocated step cannot run (before any rank starts)."""
+    if stale.staleness < 1:
+        raise UserError("--placement colocated with --staleness 0 is the synchronous loop: drop --staleness")
+    if fusion.gen_ep > 1:
+        raise UserError(f"--placement colocated with --staleness generates beside the update on a whole model per "
+                        f"rank: use --gen-ep 1, not {fusion.gen_ep}")
+    if fusion.offload == "always":
+        raise UserError("--placement colocated with --staleness keeps generation and training resident together: "
+                        "--offload always cannot overlap them; use --offload auto (or --staleness 0)")
+
+
+class ColocatedStaleSyncTrainer(RLTrainer):
+    """``RLTrainer`` under RL Fusion whose next batch is generated while the current one trains."""
+
+    def __init__(self, spec: RunSpec, options: RLOptions, stale: StaleSyncOptions, *, model_cfg: ModelConfig,
+                 fusion: FusionOptions | None = None, **kwargs: Any) -> None:
+        """As ``RLTrainer``'s; ``fusion`` defaults to whole-model generation on every rank (in one process too:
+        the generation model is then a second copy of the weights, which the overlap needs)."""
+        fusion = fusion or FusionOptions()
+        check_colocated(stale, fusion)
+        super().__init__(spec, options, model_cfg=model_cfg, fusion=fusion, **kwargs)
+        assert self.fusion is not None
+        self.stale = stale
+        self.last_step = min(self.cfg.steps, spec.run.stop_at or self.cfg.steps)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moetrain-rollout")
+        self._side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._ahead: Future[Generation] | None = None
+        self._ahead_step: int | None = None
+        self._ready: Generation | None = None
+        """The next step's rows of this rank, generated during the last update."""
+        self.dropped_batches = self.dropped_samples = 0
+
+    # ----- the batch of a step -----
+    def rollout(self, step: int) -> Rollouts:
+        fusion = self.fusion
+        assert fusion is not None
+        generation = None
+        if self._ready is not None and self._ahead_step == step:
+            local, self._ready, self._ahead_step = self._ready, None, None
+            generation = fusion.gather(local)
+            if self.weight_version - generation.weight_version > self.stale.staleness:
+                self.dropped_batches += 1  # not by this schedule; the bound is checked all the same
+                self.dropped_samples += len(generation.prompt_ids)
+                generation = None
+        overlapped = generation is not None
+        if generation is None:
+            rollouts = super().rollout(step)  # the synchronous switch, with the current weights
+        else:
+            rollouts = scored_rollouts(self.task, self.tokenizer, self.options.grpo, self.step_problems(step),
+                                       generation)
+        start = time.perf_counter()
+        fusion.ensure_synced(self.weight_version)  # the current weights: diagnostics now, the next batch after
+        staleness = self.weight_version - rollouts.generation.weight_version
+        self._pending.update(overlapped=overlapped, reshard_s=time.perf_counter() - start,
+                             staleness_mean=float(staleness), staleness_max=staleness,
+                             dropped_batches=self.dropped_batches, dropped_samples=self.dropped_samples)
+        return rollouts
+
+    def proximal_logprobs(self, sequences: TrainingSequences) -> torch.Tensor | None:
+        """The decoupled loss's π_prox: the current weights, whole in the generation model (synced above)."""
+        assert self.fusion is not None
+        return self.sequence_logprobs(self.fusion.model, sequences) if self.stale.loss == "decoupled" else None
+
+    def next_batch(self):
+        batch = super().next_batch()
+        if self.runs_ahead(self.step):
+            self._launch(self.step + 1)
+        return batch
+
+    def runs_ahead(self, step: int) -> bool:
+        """Whether batch ``step`` + 1 is generated during step ``step``: not after the last step, not across a
+        checkpoint, and not when generation would need the optimizer state offloaded."""
+        following = step + 1
+        if following >= self.last_step:
+            return False
+        if self.spec.run.save_dir is not None and should_save(following, self.last_step, self.spec.run.save_every):
+            return False
+        assert self.fusion is not None
+        return not offload_decision(self.fusion.options.offload, self.device, self.fusion.need_bytes()).offload
+
+    def _launch(self, step: int) -> None:
+        assert self.fusion is not None
+        problems = self.step_problems(step)
+        prompts = [prompt_ids(self.tokenizer, p) for p in problems]
+        generators = sample_generators(self.cfg.seed, step, len(problems), self.device)
+        version = self.weight_version
+        if self._side_stream is not None:
+            self._side_stream.wait_stream(torch.cuda.current_stream(self.device))  # the reshard's copies
+        self._ahead = self._executor.submit(self._generate_share, prompts, generators, version)
+        self._ahead_step = step
+
+    def _generate_share(self, prompts: list[list[int]], generators: list[torch.Generator], version: int) -> Generation:
+        assert self.fusion is not None
+        if self._side_stream is None:
+            return self.fusion.generate_share(prompts, self.sampling, generators, version)
+        with torch.cuda.stream(self._side_stream):
+            return self.fusion.generate_share(prompts, self.sampling, generators, version)
+
+    # ----- after the update -----
+    def after_step(self) -> dict[str, Any]:
+        if self._ahead is not None:
+            start = time.perf_counter()
+            self._ready, self._ahead = self._ahead.result(), None
+            if self._side_stream is not None:
+                torch.cuda.current_stream(self.device).wait_stream(self._side_stream)
+            assert self.fusion is not None
+            self.fusion.engine.free_cache()
+            self._pending.update(overlap_wait_s=time.perf_counter() - start, next_gen_time_s=self._ready.seconds)
+        return super().after_step()
+
+    def close(self) -> None:
+        if self._ahead is not None:  # a failed step: let the generation end before the ranks part
+            self._ahead.exception()
+            self._ahead = None
+        self._executor.shutdown(wait=True)
+        super().close()
+
+    def describe(self) -> str:
+        return (super().describe() + f" · StaleSync k={self.stale.staleness}, colocated (the next batch generates "
+                f"during each update), loss {self.stale.loss}")
+
+
+def rl_trainer(spec: RunSpec, options: RLOptions, stale: StaleSyncOptions | None, **kwargs: Any) -> RLTrainer:
+    """The GRPO trainer of a colocated run: synchronous (``stale`` None) or overlapped (k ≥ 1)."""
+    if stale is None:
+        return RLTrainer(spec, options, **kwargs)
+    return ColocatedStaleSyncTrainer(spec, options, stale, **kwargs)
