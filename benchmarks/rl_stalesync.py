@@ -6,7 +6,8 @@ default, so rewards move). Generations have variable length: sorted answers of 3
 limit (``--max-new-tokens``) well above them, rows ending at their end-of-sequence token. k = 0 is the
 synchronous loop (rollout and training alternate; bit for bit the one-process ``RLTrainer``,
 tests/rl/test_rl_stalesync.py); k ≥ 1 lets the rollout worker generate batch s + k while the trainer
-trains step s.
+trains step s. ``colocated_k1`` is the colocated placement (``moetrain.rl.colocated``): one process whose
+second thread generates batch s + 1 while the first trains step s (the schedule of k = 1, bit for bit).
 
 Throughput is trained completion tokens per second of the trainer's steps, without the first step (the
 pipeline fills; the starting evaluation) and the last (the final evaluation): the steady state; each k
@@ -34,6 +35,8 @@ from rich.console import Console
 from moetrain.config import TrainingConfig, load_model_config
 from moetrain.config.run import RunSpec
 from moetrain.distributed.world import spawn
+from moetrain.models.transformer import build_model
+from moetrain.rl.colocated import ColocatedStaleSyncTrainer
 from moetrain.rl.config import GRPOConfig, RLOptions, StaleSyncOptions
 from moetrain.rl.loop import SFTTrainer, policy_config
 from moetrain.rl.sft import sequence_len_for
@@ -44,6 +47,7 @@ from moetrain.rl.tasks import get_task
 @dataclass
 class RunResult:
     staleness: int
+    placement: str
     tokens_per_s: float
     steady_tokens: float
     steady_seconds: float
@@ -66,17 +70,29 @@ def warm_up(task: str, model_cfg, seq_len: int, steps: int, seed: int) -> dict[s
     return {name: value.detach().clone() for name, value in trainer.run.stage.model.state_dict().items()}
 
 
+def _colocated(rank: int, world_size: int, job: StaleSyncJob) -> list[dict]:
+    """One process: the trainer thread and the thread generating the next batch (one intra-op thread each)."""
+    model = build_model(job.model_cfg, torch.device("cpu"), seed=job.spec.training.seed)
+    model.load_state_dict(job.initial)
+    trainer = ColocatedStaleSyncTrainer(job.spec, job.options, job.stale, model_cfg=job.model_cfg, model=model,
+                                        console=Console(file=io.StringIO()))
+    return trainer.train()
+
+
 def run(job: StaleSyncJob) -> RunResult:
     start = time.perf_counter()
-    _, trainer = spawn(run_stalesync, 2, job)
+    if job.stale.placement == "colocated":
+        (rows,) = spawn(_colocated, 1, job)
+    else:
+        rows = spawn(run_stalesync, 2, job)[1].rows
     wall = time.perf_counter() - start
-    steps = [r for r in trainer.rows if "loss" in r]
+    steps = [r for r in rows if "loss" in r]
     steady = steps[1:-1]
     tokens, seconds = sum(r["completion_tokens"] for r in steady), sum(r["step_time_s"] for r in steady)
-    return RunResult(job.stale.staleness, tokens / seconds, tokens, seconds, wall, steps[-1]["heldout_accuracy"],
-                     sum(r["reward"] for r in steps) / len(steps),
+    return RunResult(job.stale.staleness, job.stale.placement, tokens / seconds, tokens, seconds, wall,
+                     steps[-1]["heldout_accuracy"], sum(r["reward"] for r in steps) / len(steps),
                      sum(r["staleness_mean"] for r in steps) / len(steps), max(r["staleness_max"] for r in steps),
-                     trainer.dropped_samples, [r["reward"] for r in steps])
+                     steps[-1]["dropped_samples"], [r["reward"] for r in steps])
 
 
 def plot(results: list[RunResult], path: Path) -> None:
@@ -88,6 +104,7 @@ def plot(results: list[RunResult], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for result in results:
         name = "synchronous" if result.staleness == 0 else f"k = {result.staleness}"
+        name += ", colocated" if result.placement == "colocated" else ""
         ax.plot(range(1, len(result.rewards) + 1), result.rewards, lw=1.5,
                 label=f"{name}: {result.tokens_per_s:.0f} tok/s, held-out {result.final_reward:.1%}")
     ax.set_xlabel("GRPO step")
@@ -95,7 +112,8 @@ def plot(results: list[RunResult], path: Path) -> None:
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
-    ax.set_title("StaleSync on CPU: 1 rollout + 1 training process, 1 thread each")
+    ax.set_title("StaleSync on CPU: 1 rollout + 1 training process (colocated: 2 threads of 1), 1 core each",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -128,20 +146,25 @@ def main() -> None:
     cfg = TrainingConfig(steps=args.steps, global_batch=batch, micro_batch=batch, seq_len=seq_len, lr=3e-4,
                          warmup_steps=0, seed=args.seed)
     spec = RunSpec(training=cfg, run={"device": "cpu", "cluster": "cpu", "quiet": True})
-    tries: dict[int, list[RunResult]] = {0: [], 1: [], 4: []}
+    kinds = {"k0": StaleSyncOptions(staleness=0), "k1": StaleSyncOptions(staleness=1),
+             "k4": StaleSyncOptions(staleness=4),
+             "colocated_k1": StaleSyncOptions(staleness=1, placement="colocated")}
+    tries: dict[str, list[RunResult]] = {kind: [] for kind in kinds}
     for _ in range(args.repeats):  # interleaved, so a burst of load on the shared machine hits every k alike
-        for k, runs in tries.items():
-            runs.append(run(StaleSyncJob(spec, options, StaleSyncOptions(staleness=k), model_cfg, initial)))
-            print(f"k={k}: {runs[-1].tokens_per_s:.1f} tok/s, held-out {runs[-1].final_reward:.3f}", flush=True)
+        for kind, runs in tries.items():
+            runs.append(run(StaleSyncJob(spec, options, kinds[kind], model_cfg, initial)))
+            print(f"{kind}: {runs[-1].tokens_per_s:.1f} tok/s, held-out {runs[-1].final_reward:.3f}", flush=True)
     # best of the repeats: the least disturbed run (the samples, losses and rewards repeat exactly)
     results = [max(runs, key=lambda r: r.tokens_per_s) for runs in tries.values()]
     figure = Path(args.out).with_suffix(".png")
     plot(results, figure)
-    sync, k1, k4 = results
+    sync, k1, k4, colocated = results
     write_result(args.out, {
         "sync_tokens_per_s": sync.tokens_per_s, "k1_tokens_per_s": k1.tokens_per_s, "k4_tokens_per_s": k4.tokens_per_s,
         "sync_final_reward": sync.final_reward, "k1_final_reward": k1.final_reward, "k4_final_reward": k4.final_reward,
         "k1_speedup": k1.tokens_per_s / sync.tokens_per_s, "k4_speedup": k4.tokens_per_s / sync.tokens_per_s,
+        "colocated_k1_tokens_per_s": colocated.tokens_per_s, "colocated_k1_final_reward": colocated.final_reward,
+        "colocated_k1_speedup": colocated.tokens_per_s / sync.tokens_per_s,
         "figure": figure.as_posix(), "cpu_count": os.cpu_count(), "sft_warm_up_s": sft_s,
         "workload": {"model": "tiny-pangu, 4 layers, no MTP", "task": args.task, "steps": args.steps,
                      "sft_steps": args.sft_steps, "threads_per_process": 1, "prompts": args.prompts,
@@ -149,7 +172,7 @@ def main() -> None:
                      "max_new_tokens": args.max_new_tokens, "eval_size": args.eval_size, "seed": args.seed},
         "tokens_per_s_means": "trained completion tokens / trainer step time, steps 2..N-1 (no fill, no final eval)",
         "final_reward_means": "held-out greedy accuracy after the last step (the same problems for every run)",
-        "all_tokens_per_s": {f"k{k}": [r.tokens_per_s for r in runs] for k, runs in tries.items()},
+        "all_tokens_per_s": {kind: [r.tokens_per_s for r in runs] for kind, runs in tries.items()},
         "repeats": args.repeats,
         "runs": [asdict(r) for r in results],
     })
