@@ -64,6 +64,16 @@ def test_colocated_k1_is_the_disaggregated_pipeline_at_k1_bit_for_bit(decoupled)
     assert all("overlap_wait_s" in r for r in steps_rows[:-1]) and trainer.dropped_samples == 0
 
 
+@pytest.mark.dist
+def test_with_checkpoints_both_placements_keep_the_same_synchronisation_points(tmp_path):
+    # a checkpoint after step 2: batch 2 is generated with the saved weights in both placements
+    run = {"save_dir": str(tmp_path / "colocated"), "save_every": 2}
+    _, rows, state = _colocated(4, spec_update=run)
+    rollout, disaggregated = _stalesync(4, staleness=1, run_update={**run, "save_dir": str(tmp_path / "pipeline")})
+    assert rollout.versions == [0, 0, 2, 2]
+    _assert_same_run(rows, state, disaggregated.rows, disaggregated.final_state)
+
+
 def test_a_larger_bound_runs_the_same_one_batch_ahead_schedule():
     # the devices that would generate two batches ahead are busy with the next one: k = 3 is k = 1
     _, rows1, state1 = _colocated(3, staleness=1)

@@ -4,6 +4,7 @@
 import io
 import json
 import math
+import shutil
 import time
 
 import pytest
@@ -22,10 +23,9 @@ from moetrain.rl.loop import RLTrainer
 from moetrain.rl.sft import sequence_len_for
 from moetrain.rl.stalesync import (
     RolloutWorker,
+    Schedule,
     StaleSyncJob,
     StaleSyncTrainer,
-    generation_version,
-    pushed_versions,
     run_stalesync,
 )
 from moetrain.rl.tasks import get_task
@@ -63,16 +63,25 @@ def _synchronous(steps: int):
     return rows, trainer.samples, {k: v.detach().clone() for k, v in trainer.run.stage.model.state_dict().items()}
 
 
-def _stalesync(steps: int, staleness: int, decoupled: bool = False, **job):
+def _stalesync(steps: int, staleness: int, decoupled: bool = False, run_update: dict | None = None, **job):
     model, options, spec = _setup(steps)
+    if run_update:
+        spec = spec.model_copy(update={"run": spec.run.model_copy(update=run_update)})
     stale = StaleSyncOptions(staleness=staleness, loss="decoupled" if decoupled else "tis")
     job = StaleSyncJob(spec, options, stale, model.cfg, model.state_dict(), **job)
     return spawn(run_stalesync, 2, job)
 
 
-def test_schedule_generates_with_versions_at_most_k_old():
-    assert [generation_version(b, 2) for b in range(5)] == [0, 0, 0, 1, 2]
-    assert list(pushed_versions(5, 2)) == [1, 2] and list(pushed_versions(3, 0)) == [1, 2]
+def test_schedule_generates_with_versions_at_most_k_old_and_not_across_a_checkpoint():
+    assert [Schedule(2, last=5).version(b) for b in range(5)] == [0, 0, 0, 1, 2]
+    assert Schedule(2, last=5).pushed() == [1, 2] and Schedule(0, last=3).pushed() == [1, 2]
+    # checkpoints after steps 3 and 6: batches 3 and 6 come from the saved weights (versions 3 and 6)
+    every3 = Schedule(2, last=8, save_every=3)
+    assert [every3.version(b) for b in range(8)] == [0, 0, 0, 3, 3, 3, 6, 6]
+    assert every3.pushed() == [3, 6]
+    # resumed at step 3: what the uninterrupted run generates from there
+    assert [Schedule(2, last=8, start=3, save_every=3).version(b) for b in range(3, 8)] == [3, 3, 3, 6, 6]
+    assert Schedule(2, last=8, start=3, save_every=3).pushed() == [6]
 
 
 @pytest.mark.dist
@@ -112,6 +121,25 @@ def test_k2_trains_on_samples_at_most_two_versions_old_and_reports_staleness():
     assert [r["staleness_max"] for r in steps] == [0, 1, 2, 2]
     assert all(r["step"] - 1 - v <= 2 for r, (_, v) in zip(steps, trainer.trained))
     assert trainer.dropped_samples == 0
+
+
+@pytest.mark.dist
+def test_resumed_from_a_checkpoint_the_pipeline_continues_the_uninterrupted_run_bit_for_bit(tmp_path):
+    save = tmp_path / "ckpt"
+    rollout, trainer = _stalesync(5, staleness=2, run_update={"save_dir": str(save), "save_every": 2})
+    # checkpoints after steps 2 and 4 are synchronisation points: batches 2 and 4 use the saved weights
+    assert rollout.versions == [0, 0, 2, 2, 4]
+    assert [r["staleness_max"] for r in trainer.rows if "loss" in r] == [0, 1, 0, 1, 0]
+    shutil.rmtree(save)
+    _stalesync(5, staleness=2, run_update={"save_dir": str(save), "save_every": 2, "stop_at": 2})
+    rollout_resumed, resumed = _stalesync(5, staleness=2, run_update={"save_dir": str(save), "save_every": 2,
+                                                                       "resume": True})
+    assert rollout_resumed.versions == [2, 2, 4] and resumed.trained == [(2, 2), (3, 2), (4, 4)]
+    expected = [r for r in trainer.rows if r["step"] > 2]
+    for want, got in zip(expected, resumed.rows, strict=True):
+        assert {k: got.get(k) for k in COMPARED} == {k: want.get(k) for k in COMPARED}
+    for name, value in trainer.final_state.items():
+        assert torch.equal(value, resumed.final_state[name]), name
 
 
 def test_decoupled_loss_by_hand():
@@ -196,15 +224,17 @@ def test_cli_refuses_what_is_not_built_in_one_line_exit_2(capsys, argv, expected
 
 
 @pytest.mark.slow
-def test_cli_runs_the_disaggregated_pipeline_on_two_ranks(tmp_path, capsys):
+def test_cli_runs_the_disaggregated_pipeline_on_two_ranks_and_resumes_it(tmp_path, capsys):
     metrics = tmp_path / "rl.jsonl"
     argv = ["rl", *TINY, "--staleness", "1", "--placement", "disaggregated", "--metrics-out", str(metrics),
-            "--log-dir", str(tmp_path / "log")]
-    assert main(argv) == 0, capsys.readouterr().err
+            "--log-dir", str(tmp_path / "log"), "--save-dir", str(tmp_path / "run")]
+    assert main([*argv, "--stop-at", "2"]) == 0, capsys.readouterr().err
+    assert main([*argv, "--resume"]) == 0, capsys.readouterr().err
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     steps = [r for r in rows if "loss" in r]
-    assert [r["weight_version"] for r in steps] == [0, 0, 1]
-    assert [r["staleness_max"] for r in steps] == [0, 1, 1] and steps[-1]["dropped_samples"] == 0
+    # the resumed step 3 generates with the checkpoint's weights (version 2): staleness 0 there
+    assert [r["step"] for r in steps] == [1, 2, 3] and [r["weight_version"] for r in steps] == [0, 0, 2]
+    assert [r["staleness_max"] for r in steps] == [0, 1, 0] and steps[-1]["dropped_samples"] == 0
     assert metrics.with_suffix(".png").stat().st_size > 1000
 
 

@@ -123,12 +123,11 @@ def stalesync_options(args: argparse.Namespace):
                                  bucket_mib=args.sync_bucket_mib)
         check_colocated(stale, FusionOptions(gen_ep=args.gen_ep, offload=args.offload))
         return stale
-    refused = [flag for flag, given in (("--nproc", (args.nproc or 1) > 1), ("--resume", args.resume),
-                                        ("--stop-at", args.stop_at is not None), ("--kl-coef", args.kl_coef > 0))
+    refused = [flag for flag, given in (("--nproc", (args.nproc or 1) > 1), ("--kl-coef", args.kl_coef > 0))
                if given]
     if refused:
         raise UserError(f"{', '.join(refused)} with --staleness: not built yet (StaleSync runs on its own two "
-                        "ranks, rollout worker and trainer, from step 0, without a reference model)")
+                        "ranks, rollout worker and trainer, without a reference model)")
     return StaleSyncOptions(staleness=k, placement="disaggregated", loss=args.stale_loss,
                             bucket_mib=args.sync_bucket_mib)
 

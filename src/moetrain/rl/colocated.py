@@ -11,7 +11,7 @@ reshard has just copied into the generation model (the update writes only the tr
              wait for batch s+1, gather its rows from every rank ◄─────────────────────────┘
 
 so every batch after the first is one version old (staleness 1 ≤ k), the schedule of the disaggregated
-pipeline at k = 1 (``stalesync.generation_version(b, 1)``): a test holds the two placements to the same
+pipeline at k = 1 (``stalesync.Schedule``): a test holds the two placements to the same
 samples, losses and weights, bit for bit. Running further ahead than one batch gains nothing here: the
 devices that would generate batch s + 2 are busy with batch s + 1.
 

@@ -7,14 +7,18 @@ overrides ``rollout``; the step, the GRPO objective, metrics and checkpoints are
 
 The schedule (deterministic, so a run is reproducible and k = 0 is the synchronous loop):
 
+- the trainer tells the rollout worker the step it starts at (0, or a resumed checkpoint's) and pushes
+  those weights;
 - the rollout worker generates batch b (the prompts and per-sample generators of step b, exactly those
-  of the synchronous loop) with weights of version ``max(0, b − k)``, scores it and puts it on the queue
-  (``rollout_queue``: at most k + 1 batches in flight), tagged with that version;
+  of the synchronous loop) with weights of version ``max(b − k, start)`` (``Schedule``; and, when the
+  run saves checkpoints, never older than the newest checkpoint step ≤ b: a checkpoint is a
+  synchronisation point, so a resumed run generates what the uninterrupted one did), scores it and puts
+  it on the queue (``rollout_queue``: at most k + 1 batches in flight), tagged with that version;
 - the trainer takes the next batch, admits it only if ``current version − batch version ≤ k`` (else it
   drops and counts it and takes the next), trains one step, and pushes its new weights (version = steps
   taken) through the same bucketed, CRC-checked weight sync as RL Fusion
   (``moetrain.distributed.weight_sync``), but only the versions the rollout worker will use;
-- the rollout worker receives version v just before it generates batch v + k; the sync checks every
+- the rollout worker receives version v just before it generates the first batch that needs it; the sync checks every
   bucket's version and checksum on the receiving side, so a missed or damaged push fails the run.
 
 While the trainer trains step s, the rollout worker generates batch s + k: generation and training
@@ -54,16 +58,38 @@ from moetrain.rl.tasks import get_task
 from moetrain.rl.tokenizer import CharTokenizer
 
 ROLLOUT_RANK, TRAINER_RANK = 0, 1
+START_TAG = 3
+"""The trainer's first step, sent to the rollout worker on the queue's group (the batches use tags 1, 2)."""
 
 
-def generation_version(batch: int, staleness: int) -> int:
-    """The weight version the rollout worker generates batch ``batch`` with."""
-    return max(0, batch - staleness)
+@dataclass(frozen=True)
+class Schedule:
+    """Which weight version generates each batch ``start .. last − 1`` of a run: at most ``staleness``
+    versions old, and never older than the step the run started from or the newest checkpoint step at
+    or before the batch. Checkpoints are synchronisation points (the batch after one is generated with
+    the saved weights), so a run resumed from one generates exactly what the uninterrupted run did."""
 
+    staleness: int
+    last: int
+    """The run ends after this step (``--steps``, or ``--stop-at``)."""
+    start: int = 0
+    """The step the run starts at (after a resume: the checkpoint's)."""
+    save_every: int = 0
+    """Checkpoint steps inside the run (0: none, or no save dir)."""
 
-def pushed_versions(steps: int, staleness: int) -> range:
-    """The versions the trainer pushes after version 0: those some batch is generated with."""
-    return range(1, generation_version(steps - 1, staleness) + 1)
+    @classmethod
+    def of_run(cls, staleness: int, spec: RunSpec, start: int) -> Schedule:
+        run = spec.run
+        last = min(spec.training.steps, run.stop_at or spec.training.steps)
+        return cls(staleness, last, start, run.save_every if run.save_dir is not None else 0)
+
+    def version(self, batch: int) -> int:
+        checkpoint = batch // self.save_every * self.save_every if self.save_every else 0
+        return max(self.start, checkpoint, batch - self.staleness)
+
+    def pushed(self) -> list[int]:
+        """The versions the trainer pushes after the starting one: those some batch is generated with."""
+        return sorted({self.version(b) for b in range(self.start, self.last)} - {self.start})
 
 
 @dataclass(frozen=True)
@@ -142,8 +168,15 @@ class RolloutWorker:
         self.engine = RolloutEngine(self.model, self.tokenizer.pad_id, self.tokenizer.decode)
         max_new = job.options.max_new_tokens or self.task.max_answer_chars + 2
         self.sampling = sampling_params(job.options, max_new, self.tokenizer.eos_id)
+        self.channels = channels
         self.sender = BatchSender(channels.queue, TRAINER_RANK, capacity=self.k + 1)
         self.version = -1
+
+    def starting_step(self) -> int:
+        """The trainer's first step (0, or the step of the checkpoint it resumed from)."""
+        step = torch.empty(1, dtype=torch.int64)
+        dist.recv(step, TRAINER_RANK, group=self.channels.queue, tag=START_TAG)
+        return int(step)
 
     def receive(self, version: int) -> None:
         """The trainer's push of ``version`` (every bucket's version and CRC checked by the sync)."""
@@ -160,8 +193,9 @@ class RolloutWorker:
     def run(self) -> RolloutReport:
         start, tokens, versions = time.perf_counter(), 0, []
         first = None
-        for batch in range(self.job.spec.training.steps):
-            version = generation_version(batch, self.k)
+        schedule = Schedule.of_run(self.k, self.job.spec, self.starting_step())
+        for batch in range(schedule.start, schedule.last):
+            version = schedule.version(batch)
             if version != self.version:
                 self.receive(version)
             rollouts = self.generate(batch)
@@ -186,15 +220,25 @@ class StaleSyncTrainer(RLTrainer):
         shapes = global_shapes(job.model_cfg)
         self.sync = WeightSync.plan(training_views(self.run, shapes), {}, int(job.stale.bucket_mib * 2**20),
                                     channels.sync)
+        self.channels = channels
         self.receiver = BatchReceiver(channels.queue, ROLLOUT_RANK)
-        self.pushes = pushed_versions(self.cfg.steps, job.stale.staleness)
+        self.pushes: list[int] | None = None
         self.trained: list[tuple[int, int]] = []
         self.samples: list[torch.Tensor] = []
         self.dropped_batches = self.dropped_samples = 0
-        self.sync.run(self.weight_version)  # version 0: the rollout worker starts from these weights
+
+    def start_pipeline(self) -> None:
+        """Before the first step (after a resume's load): tell the rollout worker where the run starts and
+        push the starting weights, the version its first batch is generated with."""
+        dist.send(torch.tensor([self.step], dtype=torch.int64), ROLLOUT_RANK, group=self.channels.queue,
+                  tag=START_TAG)
+        self.pushes = Schedule.of_run(self.stale.staleness, self.spec, self.step).pushed()
+        self.sync.run(self.weight_version)
 
     def rollout(self, step: int) -> Rollouts:
         """The next admissible batch of the queue (older ones are dropped and counted)."""
+        if self.pushes is None:
+            self.start_pipeline()
         k = self.stale.staleness
         while True:
             batch = self.receiver.get()
@@ -221,7 +265,7 @@ class StaleSyncTrainer(RLTrainer):
 
     def after_step(self) -> dict[str, Any]:
         extra = super().after_step()
-        if self.weight_version in self.pushes:
+        if self.pushes is not None and self.weight_version in self.pushes:
             report = self.sync.run(self.weight_version)
             extra.update(sync_version=report.version, sync_mib=report.bytes_sent / 2**20,
                          sync_time_s=report.seconds)

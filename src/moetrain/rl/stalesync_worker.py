@@ -10,6 +10,7 @@ one line naming the worker and a non-zero exit; torchrun then stops the other ra
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -44,7 +45,10 @@ def run_rank(run: dict, rank: int) -> None:
         console.print(rl_summary_table(report.rows, title))
         console.print(f"batches dropped as too old: {report.dropped_batches} ({report.dropped_samples} samples)")
         if run["plot"]:
-            plot_reward_curve(report.rows, Path(run["plot"]), title)
+            rows, metrics = report.rows, spec.run.metrics_out
+            if metrics and Path(metrics).is_file():  # after a resume: the whole curve
+                rows = [json.loads(line) for line in Path(metrics).read_text().splitlines() if line.strip()]
+            plot_reward_curve(rows, Path(run["plot"]), title)
             console.print(f"reward curve: {run['plot']}")
     dist.barrier()  # rank 0 hosts the store: no rank leaves before the other is done
 
