@@ -92,6 +92,9 @@ def add_stalesync_arguments(parser: argparse.ArgumentParser) -> None:
                    help="with --staleness: worker processes on torch.distributed (local) or Ray actors")
     a.add_argument("--stale-loss", choices=("tis", "decoupled"), default="tis",
                    help="staleness correction: truncated importance weights (tis) or decoupled PPO's proximal policy")
+    a.add_argument("--reward-worker", action="store_true",
+                   help="disaggregated: score on a rank of its own (with --kl-coef the reference model always "
+                        "runs on one)")
 
 
 def stalesync_options(args: argparse.Namespace):
@@ -101,8 +104,8 @@ def stalesync_options(args: argparse.Namespace):
 
     k = args.staleness
     if k is None:
-        if args.placement is not None or args.engine != "local":
-            raise UserError("--placement and --engine choose how StaleSync runs: give --staleness K")
+        if args.placement is not None or args.engine != "local" or args.reward_worker:
+            raise UserError("--placement, --engine and --reward-worker choose how StaleSync runs: give --staleness K")
         return None
     if k < 0:
         raise UserError(f"--staleness {k} must be ≥ 0")
@@ -113,6 +116,9 @@ def stalesync_options(args: argparse.Namespace):
         from moetrain.rl.ray_engine import import_ray
 
         import_ray()  # before the warm-up: a missing Ray is one line, not a failure after minutes
+    if args.reward_worker and args.placement == "colocated":
+        raise UserError("--reward-worker is a rank of the disaggregated pipeline: drop it or use --placement "
+                        "disaggregated")
     if args.placement == "colocated":
         if not k:
             return None  # the synchronous loop
@@ -123,13 +129,11 @@ def stalesync_options(args: argparse.Namespace):
                                  bucket_mib=args.sync_bucket_mib)
         check_colocated(stale, FusionOptions(gen_ep=args.gen_ep, offload=args.offload))
         return stale
-    refused = [flag for flag, given in (("--nproc", (args.nproc or 1) > 1), ("--kl-coef", args.kl_coef > 0))
-               if given]
-    if refused:
-        raise UserError(f"{', '.join(refused)} with --staleness: not built yet (StaleSync runs on its own two "
-                        "ranks, rollout worker and trainer, without a reference model)")
+    if (args.nproc or 1) > 1:
+        raise UserError("--nproc with the disaggregated --staleness: not built yet (the pipeline runs on ranks of "
+                        "its own: rollout worker, reward and reference workers, trainer); drop --nproc")
     return StaleSyncOptions(staleness=k, placement="disaggregated", loss=args.stale_loss,
-                            bucket_mib=args.sync_bucket_mib)
+                            bucket_mib=args.sync_bucket_mib, reward_worker=args.reward_worker)
 
 
 FIELD_FLAGS = {
@@ -399,5 +403,7 @@ def _launch_stalesync(args: argparse.Namespace, specs, stale) -> int:
         from moetrain.rl import ray_engine
 
         return ray_engine.launch(run, rl_spec.run.timeout_s)
+    from moetrain.rl.stalesync import Pipeline
+
     return launch(rl_spec, log_dir, entry="moetrain.rl.stalesync_worker", env={"MOETRAIN_STALESYNC_RUN": str(payload)},
-                  command="rl", nproc=2)
+                  command="rl", nproc=Pipeline.of(stale, options).world_size)

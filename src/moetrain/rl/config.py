@@ -96,3 +96,6 @@ class StaleSyncOptions(BaseModel):
     2022), weight min(π_prox/μ, C)."""
     bucket_mib: float = Field(default=32.0, gt=0)
     """Weight-sync buckets of at most this size."""
+    reward_worker: bool = False
+    """Disaggregated: score on a rank of its own between the rollout worker and the trainer (else the
+    rollout worker scores). A KL reference (``grpo.kl_coef`` > 0) always runs on a rank of its own."""

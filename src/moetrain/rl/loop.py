@@ -107,6 +107,9 @@ class SFTTrainer(Trainer):
 
 
 class RLTrainer(Trainer):
+    receives_reference = False
+    """The batches bring the reference log-probs (a StaleSync reference worker's) instead of a model here."""
+
     def __init__(self, spec: RunSpec, options: RLOptions, *, model_cfg: ModelConfig,
                  model: MoETransformer | None = None, reference: MoETransformer | None = None,
                  console: Console | None = None, keep_logprobs: bool = False, fusion: FusionOptions | None = None,
@@ -116,7 +119,7 @@ class RLTrainer(Trainer):
         trainer log-probs (``last_stats.logprobs``, tests). ``fusion``: the generation layout across ranks
         (RL Fusion; the default one when the layout has several ranks); ``dims``: as ``Trainer``'s."""
         fusion = _fusion_options(spec, fusion)
-        if options.grpo.kl_coef and reference is None:
+        if options.grpo.kl_coef and reference is None and not self.receives_reference:
             raise UserError("a KL coefficient needs a reference model (the starting weights)")
         self.options, self.task, self.tokenizer = options, get_task(options.task), CharTokenizer()
         self.tokenizer.check_fits(model_cfg.vocab_size, model_cfg.name)
@@ -186,7 +189,8 @@ class RLTrainer(Trainer):
         rollouts = self.rollout(self.step)
         sequences = self.last_sequences = training_sequences(rollouts, self.cfg.seq_len, self.tokenizer.pad_id)
         self._pending.update(rollout_metrics(rollouts, self.options.grpo.group_size, self.weight_version))
-        ref_logp_BS = self.reference_logprobs(sequences) if self.reference is not None else None
+        has_reference = self.reference is not None or self.receives_reference
+        ref_logp_BS = self.reference_logprobs(sequences) if has_reference else None
         every = self.options.replay_stats_every
         if every and self.step % every == 0 and sequences.expert_ids_BSMK is not None:
             self._pending.update(self.replay_diagnostics(sequences))
@@ -204,19 +208,10 @@ class RLTrainer(Trainer):
         assert self.reference is not None
         return self.sequence_logprobs(self.reference, sequences)
 
-    @torch.no_grad()
     def sequence_logprobs(self, model: MoETransformer, sequences: TrainingSequences) -> torch.Tensor:
-        """[B, S] log-probs of the samples' tokens under ``model`` (a whole one), by micro-batches, with
-        generation's experts when the run replays them."""
-        chunks = []
-        replay = sequences.expert_ids_BSMK if self.options.replay else None
-        for rows in _row_chunks(len(sequences.labels_BS), self.cfg.micro_batch):
-            ids = sequences.input_ids_BS[rows].to(self.device)
-            record = None if replay is None else replay[rows].to(self.device)
-            logits = policy_logits(model, ids, record)
-            chunks.append(token_logprobs(logits, sequences.labels_BS[rows].to(self.device),
-                                         self.options.grpo.temperature).cpu())
-        return torch.cat(chunks)
+        """[B, S] log-probs of the samples' tokens under ``model`` (a whole one), by this run's micro-batches,
+        with generation's experts when the run replays them."""
+        return sequence_logprobs(model, sequences, self.options, self.cfg.micro_batch, self.device)
 
     @torch.no_grad()
     def replay_diagnostics(self, sequences: TrainingSequences) -> dict[str, float]:
@@ -306,6 +301,21 @@ class RLTrainer(Trainer):
 
     def print_summary(self) -> None:
         self.console.print(rl_summary_table(self.metrics.rows, f"{self.model_cfg.name}: GRPO on {self.options.task}"))
+
+
+@torch.no_grad()
+def sequence_logprobs(model: MoETransformer, sequences: TrainingSequences, options: RLOptions, micro_batch: int,
+                      device: torch.device) -> torch.Tensor:
+    """[B, S] log-probs of the samples' tokens under a whole ``model``, ``micro_batch`` rows at a time, with
+    generation's experts when ``options.replay`` (a reference, a proximal policy: no gradient)."""
+    chunks = []
+    replay = sequences.expert_ids_BSMK if options.replay else None
+    for rows in _row_chunks(len(sequences.labels_BS), micro_batch):
+        ids = sequences.input_ids_BS[rows].to(device)
+        record = None if replay is None else replay[rows].to(device)
+        logits = policy_logits(model, ids, record)
+        chunks.append(token_logprobs(logits, sequences.labels_BS[rows].to(device), options.grpo.temperature).cpu())
+    return torch.cat(chunks)
 
 
 def step_problems(task: Task, options: RLOptions, seed: int, step: int) -> list[Problem]:

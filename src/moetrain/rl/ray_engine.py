@@ -174,13 +174,17 @@ def cli_rank(rank: int, world_size: int, run: dict) -> None:
 def launch(run: dict, group_timeout_s: float, command: str = "rl") -> int:
     """The CLI's StaleSync run on Ray actors (the payload torchrun's ranks read from a file, given whole);
     the exit code, with a failure printed as one line (the local launcher's format)."""
-    from moetrain.rl.stalesync import TRAINER_RANK, worker_name
+    from moetrain.rl.config import RLOptions, StaleSyncOptions
+    from moetrain.rl.stalesync import Pipeline
 
+    pipeline = Pipeline.of(StaleSyncOptions.model_validate_json(run["stale"]),
+                           RLOptions.model_validate_json(run["options"]))
     ray = import_ray()
     start = time.monotonic()
     with connected(ray):
         try:
-            run_ranks(cli_rank, TRAINER_RANK + 1, run, names=[worker_name(r) for r in range(TRAINER_RANK + 1)],
+            run_ranks(cli_rank, pipeline.world_size, run,
+                      names=[pipeline.worker_name(r) for r in range(pipeline.world_size)],
                       group_timeout_s=group_timeout_s)
         except RayRankError as exc:
             print(f"moetrain {command}: {exc} (all Ray actors stopped after {time.monotonic() - start:.1f} s)",

@@ -1,13 +1,15 @@
-"""The bounded queue between a StaleSync rollout worker and its trainer: batches as tensors over
-torch.distributed point-to-point messages.
+"""The bounded queues between the stages of a StaleSync pipeline (rollout worker, reward and reference
+workers, trainer): batches as tensors over torch.distributed point-to-point messages.
 
 A batch is the step index whose prompts and sample seeds it holds, the weight version that generated
 it, and its scored samples (token ids, rollout log-probs, router replay record, rewards, advantages).
 It travels as two messages on a process group of its own (so it never interleaves with the weight
 sync's collectives): a fixed int64 header ``[index, version, payload bytes]`` (tag 1), then the payload
-(tag 2): the generation's tensors and numbers serialised by ``torch.save`` into one uint8 tensor, so
-every value arrives bit for bit. The problems and texts are not sent: the trainer recomputes them from
-the index (problems are a function of (seed, step)) and the token ids.
+(tag 2): the generation's tensors and numbers, and what the stages added (rewards and advantages, the
+reference log-probs), serialised by ``torch.save`` into one uint8 tensor, so every value arrives bit
+for bit. A header of index −1 alone ends a stream that a stage forwards without counting batches. The
+problems and texts are not sent: the receiver recomputes them from the index (problems are a function
+of (seed, step)) and the token ids.
 
 The sender keeps at most ``capacity`` batches in flight (sent with ``isend``, not yet received): the
 rollout worker waits for the oldest before it sends one more, so it never runs further ahead of the
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import io
 from collections import deque
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.distributed as dist
@@ -28,42 +30,54 @@ from moetrain.rl.generate import Generation
 from moetrain.rl.tasks import Problem
 
 HEADER_TAG, PAYLOAD_TAG = 1, 2
+END_INDEX = -1
+"""A header with this index ends the stream: no batch follows."""
 
 
 @dataclass(frozen=True)
 class QueuedBatch:
-    """One batch of the queue, as the trainer receives it."""
+    """One batch of the queue: what the stages before the trainer have made of it so far."""
 
     index: int
     """The step whose prompts and per-sample generators produced it."""
     version: int
     """Optimizer steps of the weights that generated it."""
     generation: Generation
-    rewards_B: torch.Tensor
-    advantages_B: torch.Tensor
+    rewards_B: torch.Tensor | None = None
+    """The scorer's rewards (None until a reward stage has scored the batch)."""
+    advantages_B: torch.Tensor | None = None
+    ref_logp_BS: torch.Tensor | None = None
+    """The reference model's log-probs of the samples' tokens (a reference worker's; the KL term)."""
+
+    def scored(self, rollouts: Rollouts) -> QueuedBatch:
+        return replace(self, rewards_B=rollouts.rewards_B, advantages_B=rollouts.advantages_B)
 
     def rollouts(self, problems: list[Problem], decode) -> Rollouts:
+        assert self.rewards_B is not None and self.advantages_B is not None, "an unscored batch"
         texts = [decode(self.generation.completion(row)) for row in range(len(problems))]
         return Rollouts(problems, self.generation, texts, self.rewards_B, self.advantages_B)
 
 
-def pack(index: int, rollouts: Rollouts) -> tuple[torch.Tensor, torch.Tensor]:
+def pack(batch: QueuedBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """(header, payload) of a batch."""
-    generation = rollouts.generation
+    generation = batch.generation
     state = {f.name: _cpu(getattr(generation, f.name)) for f in fields(generation)}
-    state.update(rewards_B=rollouts.rewards_B.cpu(), advantages_B=rollouts.advantages_B.cpu())
+    state.update({name: _cpu(getattr(batch, name)) for name in EXTRAS})
     buffer = io.BytesIO()
     torch.save(state, buffer)
     payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-    header = torch.tensor([index, generation.weight_version, payload.numel()], dtype=torch.int64)
+    header = torch.tensor([batch.index, batch.version, payload.numel()], dtype=torch.int64)
     return header, payload
+
+
+EXTRAS = ("rewards_B", "advantages_B", "ref_logp_BS")
 
 
 def unpack(header: torch.Tensor, payload: torch.Tensor) -> QueuedBatch:
     index, version, _ = header.tolist()
     state = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
-    rewards_B, advantages_B = state.pop("rewards_B"), state.pop("advantages_B")
-    return QueuedBatch(index, version, Generation(**state), rewards_B, advantages_B)
+    extras = {name: state.pop(name) for name in EXTRAS}
+    return QueuedBatch(index, version, Generation(**state), **extras)
 
 
 class BatchSender:
@@ -81,8 +95,12 @@ class BatchSender:
                  dist.isend(payload, self.dst, group=self.group, tag=PAYLOAD_TAG)]
         self.in_flight.append((works, (header, payload)))  # the tensors live until their sends complete
 
-    def close(self) -> None:
-        """Wait until the trainer has received every batch."""
+    def close(self, end_mark: bool = False) -> None:
+        """Wait until the next stage has received every batch; with ``end_mark``, tell it first that no
+        batch follows (a reward or reference stage, which does not count the run's batches)."""
+        if end_mark:
+            header = torch.tensor([END_INDEX, 0, 0], dtype=torch.int64)
+            self.in_flight.append(([dist.isend(header, self.dst, group=self.group, tag=HEADER_TAG)], (header,)))
         while self.in_flight:
             self._wait_oldest()
 
@@ -98,9 +116,12 @@ class BatchReceiver:
     def __init__(self, group: dist.ProcessGroup, src: int) -> None:
         self.group, self.src = group, src
 
-    def get(self) -> QueuedBatch:
+    def get(self) -> QueuedBatch | None:
+        """The next batch; None after the previous stage's end mark."""
         header = torch.empty(3, dtype=torch.int64)
         dist.recv(header, self.src, group=self.group, tag=HEADER_TAG)
+        if int(header[0]) == END_INDEX:
+            return None
         payload = torch.empty(int(header[2]), dtype=torch.uint8)
         dist.recv(payload, self.src, group=self.group, tag=PAYLOAD_TAG)
         return unpack(header, payload)

@@ -52,8 +52,9 @@ from moetrain.rl.config import RLOptions, StaleSyncOptions
 from moetrain.rl.fusion import generation_views, global_shapes, sample_generators, training_views
 from moetrain.rl.generate import RolloutEngine, SamplingParams
 from moetrain.rl.loop import RLTrainer, scored_rollouts, step_problems
-from moetrain.rl.rollout_queue import BatchReceiver, BatchSender, pack
+from moetrain.rl.rollout_queue import BatchReceiver, BatchSender, QueuedBatch, pack
 from moetrain.rl.sft import prompt_ids
+from moetrain.rl.stalesync_stages import StageReport, middle_stage
 from moetrain.rl.tasks import get_task
 from moetrain.rl.tokenizer import CharTokenizer
 
@@ -93,6 +94,45 @@ class Schedule:
 
 
 @dataclass(frozen=True)
+class Pipeline:
+    """The ranks of a run in the order a batch visits them: the rollout worker (rank 0), a reward worker
+    and a reference worker when the run has them (ranks 2, 3), the trainer (rank 1)."""
+
+    reward: bool = False
+    reference: bool = False
+
+    @classmethod
+    def of(cls, stale: StaleSyncOptions, options: RLOptions) -> Pipeline:
+        return cls(stale.reward_worker, options.grpo.kl_coef > 0)
+
+    @property
+    def order(self) -> tuple[str, ...]:
+        middle = (("reward worker",) if self.reward else ()) + (("reference worker",) if self.reference else ())
+        return ("rollout worker", *middle, "trainer")
+
+    @property
+    def world_size(self) -> int:
+        return len(self.order)
+
+    def rank(self, stage: str) -> int:
+        position = self.order.index(stage)
+        return {0: ROLLOUT_RANK, len(self.order) - 1: TRAINER_RANK}.get(position, position + 1)
+
+    def stage(self, rank: int) -> str:
+        return next(stage for stage in self.order if self.rank(stage) == rank)
+
+    def next_rank(self, stage: str) -> int:
+        return self.rank(self.order[self.order.index(stage) + 1])
+
+    def previous_rank(self, stage: str) -> int:
+        return self.rank(self.order[self.order.index(stage) - 1])
+
+    def worker_name(self, rank: int) -> str:
+        """How a failure names a rank: ``StaleSync rollout worker (rank 0)``."""
+        return f"StaleSync {self.stage(rank)} (rank {rank})"
+
+
+@dataclass(frozen=True)
 class StaleSyncJob:
     """Everything both ranks need (picklable: ``spawn`` hands it to each process)."""
 
@@ -105,6 +145,10 @@ class StaleSyncJob:
     """The starting policy's weights (e.g. the SFT warm-up's); None: the model built from the seed."""
     resend_first_after: int | None = None
     """Test hook: after batch b, the rollout worker sends batch 0 again (an old batch the trainer must drop)."""
+
+    @property
+    def pipeline(self) -> Pipeline:
+        return Pipeline.of(self.stale, self.options)
 
 
 @dataclass(frozen=True)
@@ -133,19 +177,23 @@ class TrainerReport:
 
 @dataclass(frozen=True)
 class Channels:
-    """The two process groups of the pipeline (each over ranks 0 and 1) and the trainer's layout."""
+    """The two process groups of the pipeline (the queue's over every rank, the weight sync's over the
+    rollout worker and the trainer) and the trainer's layout."""
 
     queue: dist.ProcessGroup
     sync: dist.ProcessGroup
     dims: ParallelDims
+    pipeline: Pipeline
 
     @classmethod
-    def build(cls, rank: int) -> Channels:
+    def build(cls, rank: int, pipeline: Pipeline) -> Channels:
         """Every rank calls this, in this order (``new_group``'s contract)."""
-        if dist.get_world_size() != 2:
-            raise UserError(f"the disaggregated StaleSync pipeline runs on 2 ranks, not {dist.get_world_size()}")
+        if dist.get_world_size() != pipeline.world_size:
+            raise UserError(f"the disaggregated StaleSync pipeline ({', '.join(pipeline.order)}) runs on "
+                            f"{pipeline.world_size} ranks, not {dist.get_world_size()}")
         dims = ParallelDims.build(ParallelConfig(), rank, rank_offset=TRAINER_RANK)
-        return cls(dist.new_group([0, 1]), dist.new_group([0, 1]), dims)
+        everyone = list(range(pipeline.world_size))
+        return cls(dist.new_group(everyone), dist.new_group([ROLLOUT_RANK, TRAINER_RANK]), dims, pipeline)
 
 
 def sampling_params(options: RLOptions, max_new_tokens: int, eos_id: int) -> SamplingParams:
@@ -169,7 +217,8 @@ class RolloutWorker:
         max_new = job.options.max_new_tokens or self.task.max_answer_chars + 2
         self.sampling = sampling_params(job.options, max_new, self.tokenizer.eos_id)
         self.channels = channels
-        self.sender = BatchSender(channels.queue, TRAINER_RANK, capacity=self.k + 1)
+        self.scores = not channels.pipeline.reward  # else the reward worker does
+        self.sender = BatchSender(channels.queue, channels.pipeline.next_rank("rollout worker"), capacity=self.k + 1)
         self.version = -1
 
     def starting_step(self) -> int:
@@ -183,12 +232,16 @@ class RolloutWorker:
         self.sync.run(version)
         self.version = version
 
-    def generate(self, batch: int) -> Rollouts:
+    def generate(self, batch: int) -> QueuedBatch:
         problems = step_problems(self.task, self.job.options, self.job.spec.training.seed, batch)
         prompts = [prompt_ids(self.tokenizer, p) for p in problems]
         generators = sample_generators(self.job.spec.training.seed, batch, len(problems), self.device)
         generation = self.engine.generate(prompts, self.sampling, generators, weight_version=self.version)
-        return scored_rollouts(self.task, self.tokenizer, self.job.options.grpo, problems, generation)
+        queued = QueuedBatch(batch, self.version, generation)
+        if self.scores:
+            queued = queued.scored(scored_rollouts(self.task, self.tokenizer, self.job.options.grpo, problems,
+                                                   generation))
+        return queued
 
     def run(self) -> RolloutReport:
         start, tokens, versions = time.perf_counter(), 0, []
@@ -198,15 +251,15 @@ class RolloutWorker:
             version = schedule.version(batch)
             if version != self.version:
                 self.receive(version)
-            rollouts = self.generate(batch)
-            tokens += rollouts.generation.num_generated
+            queued = self.generate(batch)
+            tokens += queued.generation.num_generated
             versions.append(version)
-            message = pack(batch, rollouts)
+            message = pack(queued)
             first = first or message
             self.sender.put(*message)
             if batch == self.job.resend_first_after:
                 self.sender.put(*first)
-        self.sender.close()
+        self.sender.close(end_mark=self.sender.dst != TRAINER_RANK)
         return RolloutReport(len(versions), tokens, versions, time.perf_counter() - start)
 
 
@@ -215,13 +268,15 @@ class StaleSyncTrainer(RLTrainer):
 
     def __init__(self, job: StaleSyncJob, channels: Channels, model: MoETransformer | None = None,
                  **kwargs: Any) -> None:
+        self.receives_reference = channels.pipeline.reference
         super().__init__(job.spec, job.options, model_cfg=job.model_cfg, model=model, dims=channels.dims, **kwargs)
         self.stale = job.stale
         shapes = global_shapes(job.model_cfg)
         self.sync = WeightSync.plan(training_views(self.run, shapes), {}, int(job.stale.bucket_mib * 2**20),
                                     channels.sync)
         self.channels = channels
-        self.receiver = BatchReceiver(channels.queue, ROLLOUT_RANK)
+        self.receiver = BatchReceiver(channels.queue, channels.pipeline.previous_rank("trainer"))
+        self._reference_logp: torch.Tensor | None = None
         self.pushes: list[int] | None = None
         self.trained: list[tuple[int, int]] = []
         self.samples: list[torch.Tensor] = []
@@ -242,6 +297,7 @@ class StaleSyncTrainer(RLTrainer):
         k = self.stale.staleness
         while True:
             batch = self.receiver.get()
+            assert batch is not None, "the rollout stream ended before the run's last step"
             staleness = self.weight_version - batch.version
             if staleness <= k:
                 break
@@ -252,16 +308,24 @@ class StaleSyncTrainer(RLTrainer):
         self._pending.update(staleness_mean=float(staleness), staleness_max=staleness,
                              dropped_batches=self.dropped_batches, dropped_samples=self.dropped_samples,
                              batch_index=batch.index)
+        self._reference_logp = batch.ref_logp_BS
         problems = step_problems(self.task, self.options, self.cfg.seed, batch.index)
         return batch.rollouts(problems, self.tokenizer.decode)
+
+    def reference_logprobs(self, sequences: TrainingSequences) -> torch.Tensor:
+        """The reference worker's log-probs of this batch."""
+        assert self._reference_logp is not None, "a batch without the reference worker's log-probs"
+        return self._reference_logp
 
     def proximal_logprobs(self, sequences: TrainingSequences) -> torch.Tensor | None:
         """The decoupled loss's π_prox: the current weights (before the step), with router replay."""
         return self.sequence_logprobs(self.run.stage.model, sequences) if self.stale.loss == "decoupled" else None
 
     def describe(self) -> str:
-        return (super().describe() + f" · StaleSync k={self.stale.staleness}, disaggregated (rank {ROLLOUT_RANK} "
-                f"generates, rank {TRAINER_RANK} trains), loss {self.stale.loss}")
+        pipeline = self.channels.pipeline
+        ranks = " → ".join(f"{stage} (rank {pipeline.rank(stage)})" for stage in pipeline.order)
+        return (super().describe()
+                + f" · StaleSync k={self.stale.staleness}, disaggregated: {ranks}, loss {self.stale.loss}")
 
     def after_step(self) -> dict[str, Any]:
         extra = super().after_step()
@@ -272,41 +336,46 @@ class StaleSyncTrainer(RLTrainer):
         return extra
 
 
-ROLES = {ROLLOUT_RANK: "rollout worker", TRAINER_RANK: "trainer"}
 PEER_LOST = re.compile(r"Connection (reset|closed) by peer|Socket Timeout|timed out", re.I)
 """gloo's errors of a rank whose peer is gone (as ``distributed.launch`` recognises them)."""
 PEER_GRACE_S = 5.0
 
 
-def worker_name(rank: int) -> str:
+def worker_name(rank: int, pipeline: Pipeline | None = None) -> str:
     """How a failure names a rank of the pipeline: ``StaleSync rollout worker (rank 0)``."""
-    return f"StaleSync {ROLES[rank]} (rank {rank})"
+    return (pipeline or Pipeline()).worker_name(rank)
 
 
 class StaleSyncWorkerError(RuntimeError):
     """A worker of the pipeline failed: the one message of the run names it."""
 
 
-def run_stalesync(rank: int, world_size: int, job: StaleSyncJob) -> RolloutReport | TrainerReport:
+def run_stalesync(rank: int, world_size: int, job: StaleSyncJob) -> RolloutReport | TrainerReport | StageReport:
     """One rank of the pipeline (``spawn``'s entry in tests and benchmarks; the CLI's ranks call it too).
-    A failure is raised naming the worker; its peer, left waiting on a message or a sync, is stopped by
+    A failure is raised naming the worker; its peers, left waiting on a message or a sync, are stopped by
     the launcher (``spawn`` / torchrun end every rank when one fails) or by the group's timeout."""
+    pipeline = job.pipeline
     try:
-        channels = Channels.build(rank)
-        if rank == ROLLOUT_RANK:
+        channels = Channels.build(rank, pipeline)
+        stage = pipeline.stage(rank)
+        if stage == "rollout worker":
             return RolloutWorker(job, channels).run()
-        return _train(job, channels)
+        if stage == "trainer":
+            return _train(job, channels)
+        return middle_stage(stage, job, channels).run()
     except UserError:
         raise
     except Exception as exc:
-        peer = 1 - rank
+        me = pipeline.stage(rank) if rank < pipeline.world_size else f"rank {rank}"
         if PEER_LOST.search(str(exc)):
-            # The peer died: its own report (with the cause) should be the run's message, so give the
-            # launcher time to see it first and stop this rank; otherwise this one names the dead peer.
+            # A peer died: its own report (with the cause) should be the run's message, so give the
+            # launcher time to see it first and stop this rank; otherwise this one names the lost peer
+            # (the other rank of a two-rank pipeline; "a peer" in a longer one).
             time.sleep(PEER_GRACE_S)
-            raise StaleSyncWorkerError(f"{worker_name(peer)} died: the {ROLES[rank]} (rank {rank}) "
-                                       f"lost it ({str(exc).splitlines()[0][:120]})") from exc
-        raise StaleSyncWorkerError(f"{worker_name(rank)} failed: {type(exc).__name__}: {exc}") from exc
+            peer = pipeline.worker_name(1 - rank) if pipeline.world_size == 2 else "a StaleSync peer"
+            raise StaleSyncWorkerError(f"{peer} died: the {me} (rank {rank}) lost it "
+                                       f"({str(exc).splitlines()[0][:120]})") from exc
+        raise StaleSyncWorkerError(f"{pipeline.worker_name(rank)} failed: {type(exc).__name__}: {exc}") from exc
 
 
 def _train(job: StaleSyncJob, channels: Channels) -> TrainerReport:

@@ -1,0 +1,96 @@
+"""The disaggregated pipeline with a reward worker and a reference worker on ranks of their own
+(``moetrain.rl.stalesync_stages``): k = 0 is the synchronous one-process ``RLTrainer`` with its KL
+reference bit for bit; staleness stays bounded with four stages; a dead stage is named."""
+
+import io
+import time
+
+import pytest
+import torch
+from rich.console import Console
+from test_rl_stalesync import COMPARED, _RecordingTrainer, _setup
+
+from moetrain.distributed.world import spawn
+from moetrain.models.transformer import build_model
+from moetrain.rl.config import StaleSyncOptions
+from moetrain.rl.stalesync import Pipeline, StaleSyncJob, run_stalesync
+from moetrain.rl.stalesync_stages import RewardWorker, StageReport
+from refusals import refused
+
+KL = 0.05
+
+
+def _with_kl(steps: int):
+    model, options, spec = _setup(steps)
+    return model, options.model_copy(update={"grpo": options.grpo.model_copy(update={"kl_coef": KL})}), spec
+
+
+def _pipeline(steps: int, staleness: int, reward_worker: bool = True, kl: bool = True):
+    model, options, spec = _with_kl(steps) if kl else _setup(steps)
+    stale = StaleSyncOptions(staleness=staleness, reward_worker=reward_worker)
+    job = StaleSyncJob(spec, options, stale, model.cfg, model.state_dict())
+    return spawn(run_stalesync, job.pipeline.world_size, job)
+
+
+def test_the_pipeline_orders_its_ranks_rollout_reward_reference_trainer():
+    pipeline = Pipeline(reward=True, reference=True)
+    assert pipeline.order == ("rollout worker", "reward worker", "reference worker", "trainer")
+    assert [pipeline.rank(s) for s in pipeline.order] == [0, 2, 3, 1]
+    assert pipeline.next_rank("rollout worker") == 2 and pipeline.next_rank("reference worker") == 1
+    assert pipeline.previous_rank("trainer") == 3 and pipeline.worker_name(3) == "StaleSync reference worker (rank 3)"
+    assert Pipeline(reference=True).rank("reference worker") == 2 and Pipeline().world_size == 2
+
+
+@pytest.mark.dist
+def test_k0_with_reward_and_reference_workers_is_the_synchronous_loop_with_its_reference_bit_for_bit():
+    steps = 3
+    model, options, spec = _with_kl(steps)
+    reference = build_model(model.cfg, "cpu")
+    reference.load_state_dict(model.state_dict())
+    sync = _RecordingTrainer(spec, options, model_cfg=model.cfg, model=model, reference=reference,
+                             console=Console(file=io.StringIO()))
+    rows = sync.train()
+    state = {k: v.detach().clone() for k, v in sync.run.stage.model.state_dict().items()}
+    reports = _pipeline(steps, staleness=0)
+    rollout, trainer, reward, ref = reports
+    assert rollout.versions == [0, 1, 2] and trainer.trained == [(0, 0), (1, 1), (2, 2)]
+    assert reward == StageReport("reward worker", 3, reward.busy_s)
+    assert (ref.stage, ref.batches) == ("reference worker", 3)
+    for expected, got in zip(sync.samples, trainer.samples, strict=True):
+        assert torch.equal(expected, got)
+    compared = (*COMPARED, "kl")
+    for expected, got in zip(rows, trainer.rows, strict=True):
+        assert {k: got.get(k) for k in compared} == {k: expected.get(k) for k in compared}
+    assert any(r.get("kl", 0) != 0 for r in rows)  # the KL term is live, not zero
+    for name, value in state.items():
+        assert torch.equal(value, trainer.final_state[name]), name
+
+
+@pytest.mark.dist
+def test_k2_with_a_reward_worker_keeps_the_bound():
+    rollout, trainer, reward = _pipeline(4, staleness=2, kl=False)
+    assert rollout.versions == [0, 0, 0, 1] and trainer.trained == [(0, 0), (1, 0), (2, 0), (3, 1)]
+    assert [r["staleness_max"] for r in trainer.rows if "loss" in r] == [0, 1, 2, 2] and reward.batches == 4
+
+
+@pytest.mark.dist
+def test_a_dead_reward_worker_ends_the_run_with_one_message_naming_it(monkeypatch):
+    def die(self, batch):
+        if batch.index == 1:
+            raise RuntimeError("scorer crashed")
+        return original(self, batch)
+
+    original = RewardWorker.process
+    monkeypatch.setattr(RewardWorker, "process", die)
+    start = time.monotonic()
+    with pytest.raises(Exception, match=r"StaleSync reward worker \(rank 2\) failed: RuntimeError: scorer crashed"):
+        _pipeline(3, staleness=1, kl=False)
+    assert time.monotonic() - start < 60
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["rl", "--reward-worker"], ("give --staleness K",)),
+    (["rl", "--staleness", "1", "--placement", "colocated", "--reward-worker"], ("--reward-worker", "disaggregated")),
+])
+def test_cli_refuses_a_reward_worker_where_it_cannot_run(capsys, argv, expected):
+    refused(capsys, argv, *expected)
