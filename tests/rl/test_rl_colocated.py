@@ -17,7 +17,7 @@ from moetrain.config import ParallelConfig
 from moetrain.config.run import RunSpec
 from moetrain.distributed.layout import ParallelDims
 from moetrain.distributed.world import spawn
-from moetrain.rl.colocated import ColocatedStaleSyncTrainer
+from moetrain.rl.colocated import ColocatedStaleSyncTrainer, fits_beside_update
 from moetrain.rl.config import StaleSyncOptions
 from refusals import refused
 
@@ -134,6 +134,13 @@ def test_on_two_ranks_ep2_with_two_generation_replicas_it_is_the_one_process_run
             for key in ("loss", "grad_norm"):
                 if key in e:
                     assert g[key] == pytest.approx(e[key], rel=1e-4, abs=1e-6), key
+
+
+def test_generation_runs_beside_the_update_only_where_both_fit():
+    gib = 2**30
+    # 10 GiB free, 90 % usable: a 3 GiB cache beside a 6 GiB update fits, beside 6.5 GiB it does not
+    assert fits_beside_update(3 * gib, 6 * gib, 10 * gib)
+    assert not fits_beside_update(3 * gib, int(6.5 * gib), 10 * gib)
 
 
 @pytest.mark.parametrize("argv, expected", [

@@ -18,8 +18,10 @@ devices that would generate batch s + 2 are busy with batch s + 1.
 Where the overlap runs, and where it does not:
 
 - generation keeps its KV cache and weights resident beside the training state, so the overlap needs the
-  memory of both: ``--offload always`` is refused; under ``auto`` a step whose generation would not fit
-  (``offload_decision``) generates synchronously with offload instead (``overlapped`` = False in its row);
+  memory of both: ``--offload always`` is refused; on a GPU the first update runs alone to measure what it
+  allocates, and a later step runs ahead only when the last KV cache and that fit in the free memory
+  (``fits_beside_update``); otherwise the next step generates synchronously (with the offload that
+  ``--offload auto`` decides), and its row says ``overlapped`` = False;
 - the generating thread runs no collective (``gen_ep`` = 1: every rank generates its share on a whole
   model; the rows are gathered by the training thread after the step), so the two threads never
   interleave calls on one process group; on a GPU it queues its kernels on a stream of its own;
@@ -48,7 +50,7 @@ from moetrain.rl.config import FusionOptions, RLOptions, StaleSyncOptions
 from moetrain.rl.fusion import sample_generators
 from moetrain.rl.generate import Generation
 from moetrain.rl.loop import RLTrainer, scored_rollouts
-from moetrain.rl.offload import offload_decision
+from moetrain.rl.offload import FREE_MARGIN
 from moetrain.rl.sft import prompt_ids
 from moetrain.train.checkpoint import should_save
 
@@ -63,6 +65,12 @@ def check_colocated(stale: StaleSyncOptions, fusion: FusionOptions) -> None:
     if fusion.offload == "always":
         raise UserError("--placement colocated with --staleness keeps generation and training resident together: "
                         "--offload always cannot overlap them; use --offload auto (or --staleness 0)")
+
+
+def fits_beside_update(generation_bytes: int, update_bytes: int, free_bytes: int) -> bool:
+    """Whether generation's KV cache fits in the device memory free before the update together with what
+    the update allocates on top (measured at the last update; with the margin of ``offload``)."""
+    return generation_bytes + update_bytes <= FREE_MARGIN * free_bytes
 
 
 class ColocatedStaleSyncTrainer(RLTrainer):
@@ -84,6 +92,9 @@ class ColocatedStaleSyncTrainer(RLTrainer):
         self._ahead_step: int | None = None
         self._ready: Generation | None = None
         """The next step's rows of this rank, generated during the last update."""
+        self._update_bytes: int | None = None
+        """On a GPU: the last update's peak memory above what was allocated before it."""
+        self._allocated_before_update = 0
         self.dropped_batches = self.dropped_samples = 0
 
     # ----- the batch of a step -----
@@ -121,18 +132,26 @@ class ColocatedStaleSyncTrainer(RLTrainer):
         batch = super().next_batch()
         if self.runs_ahead(self.step):
             self._launch(self.step + 1)
+        if self.device.type == "cuda":  # what the update (and a generation beside it) takes on top
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._allocated_before_update = torch.cuda.memory_allocated(self.device)
         return batch
 
     def runs_ahead(self, step: int) -> bool:
         """Whether batch ``step`` + 1 is generated during step ``step``: not after the last step, not across a
-        checkpoint, and not when generation would need the optimizer state offloaded."""
+        checkpoint, and only where generation fits beside the update."""
         following = step + 1
         if following >= self.last_step:
             return False
         if self.spec.run.save_dir is not None and should_save(following, self.last_step, self.spec.run.save_every):
             return False
+        if self.device.type != "cuda":
+            return True  # a CPU's memory is the host's: it fits (as ``offload_decision`` says)
+        if self._update_bytes is None:
+            return False  # the first update runs alone, so that its memory is measured
         assert self.fusion is not None
-        return not offload_decision(self.fusion.options.offload, self.device, self.fusion.need_bytes()).offload
+        free = torch.cuda.mem_get_info(self.device)[0]
+        return fits_beside_update(self.fusion.need_bytes(), self._update_bytes, free)
 
     def _launch(self, step: int) -> None:
         assert self.fusion is not None
@@ -154,6 +173,8 @@ class ColocatedStaleSyncTrainer(RLTrainer):
 
     # ----- after the update -----
     def after_step(self) -> dict[str, Any]:
+        if self.device.type == "cuda":
+            self._update_bytes = torch.cuda.max_memory_allocated(self.device) - self._allocated_before_update
         if self._ahead is not None:
             start = time.perf_counter()
             self._ready, self._ahead = self._ahead.result(), None
