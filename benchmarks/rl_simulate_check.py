@@ -58,15 +58,21 @@ from _record import write_result
 from moetrain.config import ParallelConfig, load_cluster_config, load_model_config
 from moetrain.models.transformer import build_model
 from moetrain.planner.calibration import Calibration, load_calibration
+from moetrain.planner.comm import LinkFit, fit_link
 from moetrain.planner.generation import HostCosts
-from moetrain.planner.rl_step import RLLayout, RLWorkload, price_rl_step
+from moetrain.planner.rl_step import RLLayout, RLWorkload, SyncRates, price_rl_step
 from moetrain.rl.generate import SamplingParams, sample
 from moetrain.rl.loop import policy_config
 from moetrain.rl.sft import sequence_len_for
 from moetrain.rl.tasks import get_task
+from moetrain.train.profiler import profile_collectives, profile_sync_rates
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SAMPLER_ROWS = 128
+COLOCATED_RANKS = 4
+"""rl_switch.py's ranks: the collective probe runs at that world size."""
+STALESYNC_BUCKET_MIB = 32.0
+"""rl_stalesync.py's weight-sync bucket (``StaleSyncOptions``' default) when its result does not say."""
 
 
 PROFILES = 3
@@ -162,15 +168,52 @@ def shared_cores(calibration: Calibration, host: HostCosts, slow: float) -> tupl
                            sample_ns_per_logit=host.sample_ns_per_logit * slow)
 
 
+def shared_sync(rates: dict, slow: float) -> SyncRates:
+    """The weight sync's copy and CRC rates (``profile_sync_rates``) when each process gets 1/``slow`` of a
+    core."""
+    slow = max(slow, 1.0)
+    return SyncRates(rates["copy_bytes_per_s"] / slow, rates["crc_bytes_per_s"] / slow)
+
+
+def link_fit(collectives: list[dict]) -> LinkFit:
+    """The in-node link of the ranks' gloo collectives: latency and bandwidth fitted to the measured
+    all-reduces, all-gathers and all-to-alls (``profile_collectives``). The one-way sends are measured
+    beside but not fitted: back to back they stream (no round trip), which no per-message latency of a
+    collective describes; the fit's error on them is recorded."""
+    fit = fit_link([m for m in collectives if m["kind"] != "send_recv"])
+    sends = [m for m in collectives if m["kind"] == "send_recv"]
+    return replace(fit, residual_pct={**fit.residual_pct, **fit_residuals(fit, sends)})
+
+
+def fit_residuals(fit: LinkFit, measurements: list[dict]) -> dict[str, float]:
+    from moetrain.planner.comm import collective_terms
+
+    out = {}
+    for m in measurements:
+        latencies, share = collective_terms(m["kind"], m["group"])
+        formula = latencies * fit.latency_us * 1e-6 + share * m["bytes"] / (fit.gbps * 1e9)
+        out[f"{m['kind']}/{m['group']}/{m['bytes']}"] = (formula - m["seconds"]) / m["seconds"] * 100
+    return out
+
+
+def with_link(calibration: Calibration) -> Calibration:
+    """The calibration for a measured link: the fit's bandwidth is what the collectives reached (bus
+    efficiency 1)."""
+    cpu = {**calibration.per_arch.get("cpu", {}), "bus_intra": 1.0}
+    return replace(calibration, per_arch={**calibration.per_arch, "cpu": cpu})
+
+
 def _row(name: str, predicted, measured_s: float, **extra) -> dict:
     error = (predicted.step_s - measured_s) / measured_s * 100
     return {"run": name, "predicted_step_s": predicted.step_s, "measured_step_s": measured_s, "error_pct": error,
             "within_15pct": abs(error) <= 15.0, "predicted_phases_s": asdict(predicted.phases), **extra}
 
 
-def colocated_rows(measured: dict, calibration: Calibration, host: HostCosts, capacity: float) -> list[dict]:
+def colocated_rows(measured: dict, calibration: Calibration, host: HostCosts, capacity: float, link: LinkFit,
+                   sync_rates: dict) -> list[dict]:
     """``measured``: an rl_switch.py result; ``capacity``: cores' worth its ranks get together
-    (``core_capacity``)."""
+    (``core_capacity``); ``link``: the ranks' gloo collectives (``link_fit``); ``sync_rates``: the weight
+    sync's copy and CRC rates on one core (``profile_sync_rates``)."""
     config = measured["config"]
     task = get_task(config["task"])
     layouts = {"tp2_ep2": ParallelConfig(tp=2, dp=2, ep=2), "pp2_ep2": ParallelConfig(pp=2, dp=2, ep=2)}
@@ -179,21 +222,27 @@ def colocated_rows(measured: dict, calibration: Calibration, host: HostCosts, ca
     # Sensitivity, not the prediction: the same with every rank's share of a core taken from the load
     # average the run recorded (runnable processes, ours and other users') instead of ranks / cores.
     load = config.get("load_average_1min_after")
-    at_load = shared_cores(calibration, host, max(load, config["ranks"]) / (os.cpu_count() or 1)) if load else None
-    calibration, host = shared_cores(calibration, host, config["ranks"] / capacity)
-    cluster = load_cluster_config("cpu")
+    calibration = with_link(calibration)
+    load_slow = max(load, config["ranks"]) / (os.cpu_count() or 1) if load else None
+    at_load = shared_cores(calibration, host, load_slow) if load_slow else None
+    slow = config["ranks"] / capacity
+    calibration, host = shared_cores(calibration, host, slow)
+    sync = shared_sync(sync_rates, slow)
+    cluster = link.cluster(load_cluster_config("cpu"))
     rows = []
     for variant in measured["variants"]:
         parallel = layouts[variant["train_layout"]]
         max_new = task.max_answer_chars + 2  # RLOptions' default; the untrained policy never stops early
         seq_len = -(-sequence_len_for(task, max_new) // parallel.tp) * parallel.tp
         # replay_stats_every = 1 (the default): one more forward over the samples per step
+        # the replay diagnostics forward runs on the generation model, whole on every rank
         workload = RLWorkload(model, cluster, config["prompts"], config["group_size"], task.max_prompt_chars + 1,
-                              max_new, "fp32", logprob_forwards=1, train_seq_len=seq_len)
+                              max_new, "fp32", logprob_forwards=1, train_seq_len=seq_len, logprob_on_generation=True)
         layout = RLLayout("colocated", config["ranks"], parallel.model_copy(update={"micro_batch": batch // 2}),
-                          offload=variant["offload"] == "always")
-        predicted = price_rl_step(workload, layout, calibration, host)
-        loaded = price_rl_step(workload, layout, *at_load).step_s if at_load else None
+                          offload=variant["offload"] == "always", sync_bucket_bytes=config["bucket_mib"] * 2**20)
+        predicted = price_rl_step(workload, layout, calibration, host, sync)
+        loaded = (price_rl_step(workload, layout, *at_load, shared_sync(sync_rates, load_slow)).step_s
+                  if at_load else None)
         rows.append(_row(f"colocated {variant['train_layout']} offload {variant['offload']}", predicted,
                          variant["step_s"], measured_phases_s=variant["phase_s"],
                          sensitivity_step_s_at_recorded_load=loaded, recorded_load_average=load))
@@ -233,10 +282,12 @@ def stalesync_decode_steps(config: dict) -> list[int]:
 
 
 def disaggregated_rows(measured: dict, calibration: Calibration, host: HostCosts, longest: list[int],
-                       capacity: float) -> list[dict]:
+                       capacity: float, sync_rates: dict) -> list[dict]:
     """``measured``: an rl_stalesync.py result; ``longest``: tokens of the longest sample of each steady
     batch (``stalesync_decode_steps``); ``capacity``: cores' worth the two processes get together when
-    both compute (k ≥ 1)."""
+    both compute (k ≥ 1); ``sync_rates``: the weight sync's copy and CRC rates on one core (the push runs
+    between two batches, each side on its own core). The link stays the preset's (two processes: not
+    probed)."""
     config = measured["workload"]
     task = get_task(config["task"])
     model = policy_config(load_model_config("tiny-pangu")).model_copy(update={"num_layers": 4})
@@ -248,9 +299,10 @@ def disaggregated_rows(measured: dict, calibration: Calibration, host: HostCosts
     rows = []
     for run in measured["runs"]:
         layout = RLLayout("disaggregated", 2, ParallelConfig(micro_batch=batch), rollout_devices=1,
-                          staleness=run["staleness"], shared_cores=capacity)
+                          staleness=run["staleness"], shared_cores=capacity,
+                          sync_bucket_bytes=config.get("bucket_mib", STALESYNC_BUCKET_MIB) * 2**20)
         steps = config["steps"] - 2  # the steady steps: neither the first (fill) nor the last (evaluation)
-        predicted = price_rl_step(workload, layout, calibration, host)
+        predicted = price_rl_step(workload, layout, calibration, host, shared_sync(sync_rates, 1.0))
         rows.append(_row(f"disaggregated k={run['staleness']}", predicted, run["steady_seconds"] / steps,
                          steady_steps=steps, decode_steps=decode_steps, longest_sample_per_batch=longest))
     return rows
@@ -268,13 +320,22 @@ class Rates:
     """Cores' worth of 2 and 4 concurrent processes."""
     longest: list[int]
     """Tokens of the longest sample of each steady StaleSync batch."""
+    collectives: list[dict]
+    """Gloo collectives on rl_switch's 4 ranks (``profile_collectives``)."""
+    sync: dict
+    """The weight sync's copy and CRC rates on one core (``profile_sync_rates``)."""
+
+    @property
+    def link(self) -> LinkFit:
+        return link_fit(self.collectives)
 
 
 def compare(switch: dict, stalesync: dict, rates: Rates) -> dict:
     """Predicted against measured for an rl_switch.py and an rl_stalesync.py result, under every profile."""
     def predict(calibration: Calibration) -> list[dict]:
-        return (colocated_rows(switch, calibration, rates.hosts[8], rates.capacity[4])
-                + disaggregated_rows(stalesync, calibration, rates.hosts[4], rates.longest, rates.capacity[2]))
+        return (colocated_rows(switch, calibration, rates.hosts[8], rates.capacity[4], rates.link, rates.sync)
+                + disaggregated_rows(stalesync, calibration, rates.hosts[4], rates.longest, rates.capacity[2],
+                                     rates.sync))
 
     per_profile = [predict(c) for c in rates.calibrations]
     rows = per_profile[0]
@@ -320,8 +381,13 @@ def main() -> None:
     longest = stalesync_decode_steps(stalesync["workload"])
     print(f"StaleSync batches' longest samples: {longest} tokens (mean {statistics.mean(longest):.1f})")
     rates = Rates(profile(args.repeats), {layers: host_probe(layers, args.repeats) for layers in (4, 8)},
-                  {n: core_capacity(n) for n in (2, 4)}, longest)
+                  {n: core_capacity(n) for n in (2, 4)}, longest, profile_collectives(COLOCATED_RANKS),
+                  profile_sync_rates(args.repeats))
     print(f"cores' worth of 2 and 4 concurrent processes: {rates.capacity[2]:.2f}, {rates.capacity[4]:.2f}")
+    link = rates.link
+    print(f"gloo link of {COLOCATED_RANKS} ranks: {link.latency_us:.0f} µs per message step, {link.gbps:.2f} GB/s; "
+          f"weight sync per core: copy {rates.sync['copy_bytes_per_s'] / 1e9:.2f} GB/s, "
+          f"CRC-32 {rates.sync['crc_bytes_per_s'] / 1e9:.2f} GB/s")
     result = {"measured_from": ["benchmarks/results/rl_switch_cpu.json", "benchmarks/results/rl_stalesync_cpu.json"],
               **compare(switch, stalesync, rates)}
     if args.remeasure:
@@ -337,7 +403,9 @@ def main() -> None:
                   "profiles": [c.per_arch["cpu"] for c in rates.calibrations],
                   "host_4_layers": asdict(rates.hosts[4]), "host_8_layers": asdict(rates.hosts[8]),
                   "cpu_count": os.cpu_count(), "core_capacity_2_processes": rates.capacity[2],
-                  "core_capacity_4_processes": rates.capacity[4]},
+                  "core_capacity_4_processes": rates.capacity[4],
+                  "collectives_4_ranks": rates.collectives, "link_4_ranks": asdict(link),
+                  "weight_sync_per_core": rates.sync},
         "load_average_1min_before": load_before, "load_average_1min_after": os.getloadavg()[0],
     })
 
