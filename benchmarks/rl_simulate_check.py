@@ -14,6 +14,14 @@ dispatcher, small kernels) and the sampler's time per logit. Those go into
   rollout and one training process), measured in ``benchmarks/results/rl_stalesync_cpu.json`` (trainer
   step time = steady seconds / steady steps).
 
+The colocated runs' transfers and collectives are priced from two more probes (``moetrain.train.profiler``):
+gloo collectives at rl_switch's 4 ranks, one thread each (all-reduce, all-gather, all-to-all on the world
+and on both pairs at once, one-way sends; ``profile_collectives``), to which the planner's link formulas
+are fitted (``planner.comm.fit_link``: a latency and a bandwidth, fed in as the ``cpu`` cluster's in-node
+link), and the weight sync's copy and CRC-32 rates on one core (``profile_sync_rates``), divided like
+every other rate by each rank's share of a core. The replay diagnostics forward is priced where the
+runtime runs it: on each rank's generation model, over every sample (``logprob_on_generation``).
+
 A batch decodes until its longest sample ends, and the warmed-up policy of the StaleSync runs stops at
 its own end-of-sequence token: the decode steps of those batches are a property of the workload, not of
 the machine, so they are counted here (the SFT warm-up of rl_stalesync.py, then the steady steps' batches
@@ -121,25 +129,37 @@ def host_probe(num_layers: int, repeats: int) -> HostCosts:
                      sample_ns_per_logit=sampling / logits.numel() * 1e9, host_is_device=True)
 
 
-def _matmul_loop(queue, barrier) -> None:
+def _matmul_loop(queue, barrier, work: str = "gemm") -> None:
     torch.set_num_threads(1)
-    a, b = torch.randn(384, 384), torch.randn(384, 384)
-    a @ b
-    barrier.wait()  # every process imported and warmed up: the loops run at once
-    start = time.perf_counter()
-    for _ in range(CAPACITY_MATMULS):
-        a @ b
+    if work == "gemm":
+        a, b = torch.randn(384, 384), torch.randn(384, 384)
+        step, count = (lambda: a @ b), CAPACITY_MATMULS
+    else:  # the runtime's eager forward: many small kernels, Python and dispatcher
+        model_cfg = policy_config(load_model_config("tiny-pangu"))
+        model = build_model(model_cfg, torch.device("cpu"), seed=0).eval().requires_grad_(False)
+        ids = torch.zeros(*EAGER_PROBE_SHAPE, dtype=torch.long)
+        step, count = (lambda: model(ids)), CAPACITY_FORWARDS
+    with torch.no_grad():
+        step()
+        barrier.wait()  # every process imported and warmed up: the loops run at once
+        start = time.perf_counter()
+        for _ in range(count):
+            step()
     queue.put(time.perf_counter() - start)
 
 
 CAPACITY_MATMULS = 600
+CAPACITY_FORWARDS = 60
+EAGER_PROBE_SHAPE = (32, 4)
+"""Rows × tokens of the eager-forward capacity probe (rl_switch's rows per replica)."""
 
 
-def _concurrent_time(processes: int) -> float:
-    """Mean seconds of the same one-thread GEMM loop in ``processes`` processes started together."""
+def _concurrent_time(processes: int, work: str = "gemm") -> float:
+    """Mean seconds of the same one-thread loop (``work``: "gemm" or "forward") in ``processes`` processes
+    started together."""
     context = mp.get_context("spawn")
     queue, barrier = context.Queue(), context.Barrier(processes)
-    workers = [context.Process(target=_matmul_loop, args=(queue, barrier)) for _ in range(processes)]
+    workers = [context.Process(target=_matmul_loop, args=(queue, barrier, work)) for _ in range(processes)]
     for worker in workers:
         worker.start()
     times = [queue.get() for _ in workers]
@@ -148,12 +168,14 @@ def _concurrent_time(processes: int) -> float:
     return statistics.mean(times)
 
 
-def core_capacity(processes: int, tries: int = 2) -> float:
+def core_capacity(processes: int, tries: int = 2, work: str = "gemm") -> float:
     """Cores' worth of compute that ``processes`` one-thread processes get together: processes × (time of
     the GEMM loop alone) / (its time when they run at once); the best of ``tries``. Two SMT siblings of
-    one physical core give about 1, not 2; other users of the machine take their share too."""
-    alone = min(_concurrent_time(1) for _ in range(tries))
-    return max(processes * alone / _concurrent_time(processes) for _ in range(tries))
+    one physical core give about 1, not 2; other users of the machine take their share too. ``work`` =
+    "forward": the same with the runtime's eager forward instead of a GEMM (recorded beside, not used:
+    whether co-running processes slow small-kernel work more than GEMMs)."""
+    alone = min(_concurrent_time(1, work) for _ in range(tries))
+    return max(processes * alone / _concurrent_time(processes, work) for _ in range(tries))
 
 
 def shared_cores(calibration: Calibration, host: HostCosts, slow: float) -> tuple[Calibration, HostCosts]:
@@ -383,7 +405,9 @@ def main() -> None:
     rates = Rates(profile(args.repeats), {layers: host_probe(layers, args.repeats) for layers in (4, 8)},
                   {n: core_capacity(n) for n in (2, 4)}, longest, profile_collectives(COLOCATED_RANKS),
                   profile_sync_rates(args.repeats))
-    print(f"cores' worth of 2 and 4 concurrent processes: {rates.capacity[2]:.2f}, {rates.capacity[4]:.2f}")
+    eager_capacity = core_capacity(4, work="forward")
+    print(f"cores' worth of 2 and 4 concurrent processes: {rates.capacity[2]:.2f}, {rates.capacity[4]:.2f} "
+          f"(4 processes of the eager forward: {eager_capacity:.2f}, recorded, not used)")
     link = rates.link
     print(f"gloo link of {COLOCATED_RANKS} ranks: {link.latency_us:.0f} µs per message step, {link.gbps:.2f} GB/s; "
           f"weight sync per core: copy {rates.sync['copy_bytes_per_s'] / 1e9:.2f} GB/s, "
@@ -404,6 +428,7 @@ def main() -> None:
                   "host_4_layers": asdict(rates.hosts[4]), "host_8_layers": asdict(rates.hosts[8]),
                   "cpu_count": os.cpu_count(), "core_capacity_2_processes": rates.capacity[2],
                   "core_capacity_4_processes": rates.capacity[4],
+                  "core_capacity_eager_forward_4_processes": eager_capacity,
                   "collectives_4_ranks": rates.collectives, "link_4_ranks": asdict(link),
                   "weight_sync_per_core": rates.sync},
         "load_average_1min_before": load_before, "load_average_1min_after": os.getloadavg()[0],

@@ -8,7 +8,10 @@ Colocated (RL Fusion, docs/rl_fusion.md): every device trains and generates in t
 - offload / restore: optimizer state (fp32 master, Adam m and v: 12 B per local parameter) and fp32 grads
   (4 B) to host memory and back over the host link (only with ``offload``);
 - reshard: each generating device gathers the weights it holds (bf16; fp32 for fp32 runs) from the
-  training shards: a ring all-gather over the pp·max(tp, ep·etp) devices one training replica spans;
+  training shards: a ring all-gather over the pp·max(tp, ep·etp) devices one training replica spans, one
+  more latency per bucket beyond the ring's steps (``RLLayout.sync_bucket_bytes``), and with measured
+  ``SyncRates`` the sync's host work (a copy and a CRC-32 of every byte on each side) and its closing
+  all-reduce;
 - free: the KV cache goes back to the allocator (no data moves: priced at zero).
 
 Disaggregated (StaleSync, docs/rl_stalesync.md): ``rollout_devices`` generate and score, the rest train
