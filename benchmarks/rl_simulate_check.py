@@ -30,9 +30,10 @@ The untrained policy of rl_switch.py never stops early (one end-of-sequence toke
 batches run to the token limit.
 
 The runs put one thread per rank on the machine's cores. How much compute concurrent processes get
-together is measured too (``core_capacity``: the same one-thread GEMM loop alone and in 2 or 4 processes
-at once; two SMT siblings of one physical core give about one core, not two): the 4 ranks of rl_switch
-each get capacity/4 of a core (every rate divided by 4/capacity), and StaleSync's overlapped phases
+together is measured too (``core_capacity``: the same one-thread loop of the runtime's forward of the
+run's model alone and in 2 or 4 processes at once, so that what the processes share besides the cores,
+the last-level cache, is seen; two SMT siblings of one physical core give about one core, not two): the 4
+ranks of rl_switch each get capacity/4 of a core (every rate divided by 4/capacity), and StaleSync's overlapped phases
 (k ≥ 1) share the 2-process capacity (``rl_step.overlapped_time``, processor sharing). Other users of the
 machine are not modelled beyond what the capacity probe sees: the load averages are recorded beside, and for
 rl_switch (which recorded its load) a sensitivity row prices the same step with each rank's share taken
@@ -129,15 +130,16 @@ def host_probe(num_layers: int, repeats: int) -> HostCosts:
                      sample_ns_per_logit=sampling / logits.numel() * 1e9, host_is_device=True)
 
 
-def _matmul_loop(queue, barrier, work: str = "gemm") -> None:
+def _matmul_loop(queue, barrier, work: tuple[int, int] | None = None) -> None:
     torch.set_num_threads(1)
-    if work == "gemm":
+    if work is None:
         a, b = torch.randn(384, 384), torch.randn(384, 384)
         step, count = (lambda: a @ b), CAPACITY_MATMULS
-    else:  # the runtime's eager forward: many small kernels, Python and dispatcher
-        model_cfg = policy_config(load_model_config("tiny-pangu"))
+    else:  # the runtime's eager forward of the run's model (layers, rows) on CAPACITY_TOKENS tokens per row
+        layers, rows = work
+        model_cfg = policy_config(load_model_config("tiny-pangu")).model_copy(update={"num_layers": layers})
         model = build_model(model_cfg, torch.device("cpu"), seed=0).eval().requires_grad_(False)
-        ids = torch.zeros(*EAGER_PROBE_SHAPE, dtype=torch.long)
+        ids = torch.zeros(rows, CAPACITY_TOKENS, dtype=torch.long)
         step, count = (lambda: model(ids)), CAPACITY_FORWARDS
     with torch.no_grad():
         step()
@@ -149,14 +151,17 @@ def _matmul_loop(queue, barrier, work: str = "gemm") -> None:
 
 
 CAPACITY_MATMULS = 600
-CAPACITY_FORWARDS = 60
-EAGER_PROBE_SHAPE = (32, 4)
-"""Rows × tokens of the eager-forward capacity probe (rl_switch's rows per replica)."""
+CAPACITY_FORWARDS = 40
+CAPACITY_TOKENS = 4
+CAPACITY_WORK = {2: (4, 128), 4: (8, 32)}
+"""The forward the capacity of n processes is measured with: (layers, rows) of the run with n processes
+(StaleSync's 4-layer model and its 128-row batch; rl_switch's 8-layer model and 32 rows per replica). The
+GEMM loop's capacity (a working set that fits each core's cache) is recorded beside."""
 
 
-def _concurrent_time(processes: int, work: str = "gemm") -> float:
-    """Mean seconds of the same one-thread loop (``work``: "gemm" or "forward") in ``processes`` processes
-    started together."""
+def _concurrent_time(processes: int, work: tuple[int, int] | None = None) -> float:
+    """Mean seconds of the same one-thread loop (a GEMM, or with ``work`` = (layers, rows) the runtime's
+    forward) in ``processes`` processes started together."""
     context = mp.get_context("spawn")
     queue, barrier = context.Queue(), context.Barrier(processes)
     workers = [context.Process(target=_matmul_loop, args=(queue, barrier, work)) for _ in range(processes)]
@@ -168,12 +173,14 @@ def _concurrent_time(processes: int, work: str = "gemm") -> float:
     return statistics.mean(times)
 
 
-def core_capacity(processes: int, tries: int = 2, work: str = "gemm") -> float:
+def core_capacity(processes: int, tries: int = 2, work: tuple[int, int] | None = None) -> float:
     """Cores' worth of compute that ``processes`` one-thread processes get together: processes × (time of
-    the GEMM loop alone) / (its time when they run at once); the best of ``tries``. Two SMT siblings of
-    one physical core give about 1, not 2; other users of the machine take their share too. ``work`` =
-    "forward": the same with the runtime's eager forward instead of a GEMM (recorded beside, not used:
-    whether co-running processes slow small-kernel work more than GEMMs)."""
+    the loop alone) / (its time when they run at once); the best of ``tries``. The loop is the runtime's
+    eager forward of the run's model (``work`` = (layers, rows); a GEMM loop without): each process then
+    brings its model's weights and activations, as the runs' processes do, so the probe sees what they
+    share besides the cores (the last-level cache: 4 ranks' models do not fit in it together where one
+    does). Two SMT siblings of one physical core give about 1, not 2; other users of the machine take their
+    share too."""
     alone = min(_concurrent_time(1, work) for _ in range(tries))
     return max(processes * alone / _concurrent_time(processes, work) for _ in range(tries))
 
@@ -403,11 +410,12 @@ def main() -> None:
     longest = stalesync_decode_steps(stalesync["workload"])
     print(f"StaleSync batches' longest samples: {longest} tokens (mean {statistics.mean(longest):.1f})")
     rates = Rates(profile(args.repeats), {layers: host_probe(layers, args.repeats) for layers in (4, 8)},
-                  {n: core_capacity(n) for n in (2, 4)}, longest, profile_collectives(COLOCATED_RANKS),
-                  profile_sync_rates(args.repeats))
-    eager_capacity = core_capacity(4, work="forward")
-    print(f"cores' worth of 2 and 4 concurrent processes: {rates.capacity[2]:.2f}, {rates.capacity[4]:.2f} "
-          f"(4 processes of the eager forward: {eager_capacity:.2f}, recorded, not used)")
+                  {n: core_capacity(n, work=CAPACITY_WORK[n]) for n in (2, 4)}, longest,
+                  profile_collectives(COLOCATED_RANKS), profile_sync_rates(args.repeats))
+    gemm_capacity = {n: core_capacity(n) for n in (2, 4)}
+    print(f"cores' worth of 2 and 4 concurrent processes (the runs' forwards): {rates.capacity[2]:.2f}, "
+          f"{rates.capacity[4]:.2f}; of a GEMM loop (recorded, not used): {gemm_capacity[2]:.2f}, "
+          f"{gemm_capacity[4]:.2f}")
     link = rates.link
     print(f"gloo link of {COLOCATED_RANKS} ranks: {link.latency_us:.0f} µs per message step, {link.gbps:.2f} GB/s; "
           f"weight sync per core: copy {rates.sync['copy_bytes_per_s'] / 1e9:.2f} GB/s, "
@@ -428,7 +436,9 @@ def main() -> None:
                   "host_4_layers": asdict(rates.hosts[4]), "host_8_layers": asdict(rates.hosts[8]),
                   "cpu_count": os.cpu_count(), "core_capacity_2_processes": rates.capacity[2],
                   "core_capacity_4_processes": rates.capacity[4],
-                  "core_capacity_eager_forward_4_processes": eager_capacity,
+                  "capacity_work_layers_rows": CAPACITY_WORK,
+                  "core_capacity_gemm_2_processes": gemm_capacity[2],
+                  "core_capacity_gemm_4_processes": gemm_capacity[4],
                   "collectives_4_ranks": rates.collectives, "link_4_ranks": asdict(link),
                   "weight_sync_per_core": rates.sync},
         "load_average_1min_before": load_before, "load_average_1min_after": os.getloadavg()[0],
