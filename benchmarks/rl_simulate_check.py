@@ -69,7 +69,7 @@ from moetrain.models.transformer import build_model
 from moetrain.planner.calibration import Calibration, load_calibration
 from moetrain.planner.comm import LinkFit, fit_link
 from moetrain.planner.generation import HostCosts
-from moetrain.planner.rl_step import RLLayout, RLWorkload, SyncRates, price_rl_step
+from moetrain.planner.rl_step import RLLayout, RLWorkload, SyncRates, price_rl_step, training_prediction
 from moetrain.rl.generate import SamplingParams, sample
 from moetrain.rl.loop import policy_config
 from moetrain.rl.sft import sequence_len_for
@@ -255,6 +255,7 @@ def colocated_rows(measured: dict, calibration: Calibration, host: HostCosts, ca
     load_slow = max(load, config["ranks"]) / (os.cpu_count() or 1) if load else None
     at_load = shared_cores(calibration, host, load_slow) if load_slow else None
     slow = config["ranks"] / capacity
+    one_core, one_core_host = calibration, host
     calibration, host = shared_cores(calibration, host, slow)
     sync = shared_sync(sync_rates, slow)
     cluster = link.cluster(load_cluster_config("cpu"))
@@ -269,11 +270,16 @@ def colocated_rows(measured: dict, calibration: Calibration, host: HostCosts, ca
                               max_new, "fp32", logprob_forwards=1, train_seq_len=seq_len, logprob_on_generation=True)
         layout = RLLayout("colocated", config["ranks"], parallel.model_copy(update={"micro_batch": batch // 2}),
                           offload=variant["offload"] == "always", sync_bucket_bytes=config["bucket_mib"] * 2**20)
-        predicted = price_rl_step(workload, layout, calibration, host, sync)
+        # Training: a rank blocked in a collective or a pipeline's idle stage takes no CPU (gloo waits
+        # without spinning), so the ranks that compute share the capacity: on average ranks × (1 − the
+        # pipeline's bubble fraction) of them (all of them without a pipeline).
+        busy = config["ranks"] * (1.0 - float(training_prediction(workload, layout, calibration).bubble_fraction))
+        train_calibration, _ = shared_cores(one_core, one_core_host, busy / capacity)
+        predicted = price_rl_step(workload, layout, calibration, host, sync, train_calibration)
         loaded = (price_rl_step(workload, layout, *at_load, shared_sync(sync_rates, load_slow)).step_s
                   if at_load else None)
         rows.append(_row(f"colocated {variant['train_layout']} offload {variant['offload']}", predicted,
-                         variant["step_s"], measured_phases_s=variant["phase_s"],
+                         variant["step_s"], measured_phases_s=variant["phase_s"], training_busy_ranks=busy,
                          sensitivity_step_s_at_recorded_load=loaded, recorded_load_average=load))
     return rows
 

@@ -144,3 +144,35 @@ def test_collective_probe_rows_and_sync_rates():
         profile_collectives(3)
     rates = profile_sync_rates(repeats=1, num_bytes=1 << 16)
     assert rates["copy_bytes_per_s"] > 0 and rates["crc_bytes_per_s"] > 0
+
+
+def test_profile_comm_writes_a_cluster_with_the_fitted_link(tmp_path, capsys):
+    from moetrain.cli import main
+    from moetrain.config import load_cluster_config
+    from moetrain.planner.calibration import load_calibration
+
+    out, cluster_out = tmp_path / "cpu.yaml", tmp_path / "cpu-link.yaml"
+    assert main(["profile", "--cluster", "cpu", "--device", "cpu", "--repeats", "1", "--threads", "1",
+                 "--out", str(out), "--comm-ranks", "2", "--comm-out", str(cluster_out)]) == 0
+    assert "weight sync per core" in capsys.readouterr().out
+    cluster = load_cluster_config(str(cluster_out))
+    assert cluster.name == "cpu-2-ranks" and cluster.intra_node_gbps > 0 and cluster.intra_node_latency_us >= 0
+    assert load_calibration(out).for_device("cpu").bus_intra == 1.0
+    assert main(["profile", "--comm-ranks", "3", "--out", str(out)]) == 2
+    assert "even number" in capsys.readouterr().err
+
+
+def test_training_calibration_prices_training_only():
+    # a training calibration at half the GEMM rate: the training phase is the planner's step under it, the
+    # generation and transfers stay those of the step's calibration
+    from dataclasses import replace
+
+    from moetrain.planner.rl_step import training_prediction
+
+    w, layout = _workload(), RLLayout("colocated", 4, ParallelConfig(tp=2, dp=2, micro_batch=2))
+    slower = Calibration(replace(IDEAL, gemm_max=0.5), {})
+    base = price_rl_step(w, layout, _calibration())
+    mixed = price_rl_step(w, layout, _calibration(), train_calibration=slower)
+    assert mixed.phases.train_s == pytest.approx(float(training_prediction(w, layout, slower).step_time_s))
+    assert mixed.phases.train_s > base.phases.train_s
+    assert (mixed.phases.generate_s, mixed.phases.reshard_s) == (base.phases.generate_s, base.phases.reshard_s)

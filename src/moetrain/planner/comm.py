@@ -208,4 +208,4 @@ def fit_link(measurements: list[dict]) -> LinkFit:
     predicted = design @ np.array([latency, per_byte])
     residual = {f"{m['kind']}/{m['group']}/{m['bytes']}": float((p - t) / t * 100)
                 for m, p, t in zip(measurements, predicted, seconds)}
-    return LinkFit(float(latency) * 1e6, 1e-9 / per_byte if per_byte > 0 else float("inf"), residual)
+    return LinkFit(float(latency) * 1e6, float(1e-9 / per_byte) if per_byte > 0 else float("inf"), residual)

@@ -200,7 +200,8 @@ def _check(w: RLWorkload, layout: RLLayout) -> None:
                         "change --prompts, --group-size or --gen-ep")
 
 
-def _training(w: RLWorkload, layout: RLLayout, calibration: Calibration):
+def training_prediction(w: RLWorkload, layout: RLLayout, calibration: Calibration):
+    """The planner's step for the training layout on the step's samples (``LayoutPrediction``)."""
     workload = Workload(w.model, w.cluster, w.seq_len, w.samples, w.precision,
                         grad_bytes=2.0 if w.precision == "fp16" else 4.0)
     return simulate_layout(workload, layout.train, layout.train_devices, calibration)
@@ -312,13 +313,17 @@ def overlapped_time(a: float, b: float, shared_cores: float | None = None) -> fl
 
 
 def price_rl_step(w: RLWorkload, layout: RLLayout, calibration: Calibration, host: HostCosts | None = None,
-                  sync: SyncRates | None = None) -> RLStepPrediction:
+                  sync: SyncRates | None = None, train_calibration: Calibration | None = None) -> RLStepPrediction:
     """One RL step of ``w`` in ``layout``; ``host``: the eager stack's host costs (measured; none by default);
-    ``sync``: the weight sync's host work per byte (measured; the link alone by default)."""
+    ``sync``: the weight sync's host work per byte (measured; the link alone by default);
+    ``train_calibration``: the training step's rates when they differ from the other phases' (processes
+    sharing a CPU's cores: a pipeline stage that waits leaves its share to the stages that compute, so
+    the training layout's ranks compute faster than when every rank computes at once, as in generation);
+    ``calibration`` by default."""
     _check(w, layout)
     host = host or HostCosts()
     eff = calibration.for_device(w.cluster.device)
-    training = _training(w, layout, calibration)
+    training = training_prediction(w, layout, train_calibration or calibration)
     train_s, fits = float(training.step_time_s), bool(training.fits_memory)
     generation = _generation(w, layout, eff, host)
     gather = 0.0
