@@ -276,12 +276,45 @@ def colocated_rows(measured: dict, calibration: Calibration, host: HostCosts, ca
         busy = config["ranks"] * (1.0 - float(training_prediction(workload, layout, calibration).bubble_fraction))
         train_calibration, _ = shared_cores(one_core, one_core_host, busy / capacity)
         predicted = price_rl_step(workload, layout, calibration, host, sync, train_calibration)
+        alone = price_rl_step(workload, layout, one_core, one_core_host).phases.generate_s
         loaded = (price_rl_step(workload, layout, *at_load, shared_sync(sync_rates, load_slow)).step_s
                   if at_load else None)
         rows.append(_row(f"colocated {variant['train_layout']} offload {variant['offload']}", predicted,
                          variant["step_s"], measured_phases_s=variant["phase_s"], training_busy_ranks=busy,
+                         generation_priced_one_core_s=alone,
                          sensitivity_step_s_at_recorded_load=loaded, recorded_load_average=load))
     return rows
+
+
+def generation_alone(config: dict, repeats: int) -> float:
+    """A diagnostic, not used by the prediction: seconds of one rl_switch replica's generation (its share of
+    step 2's rows, the 8-layer policy, the engine as RL Fusion runs it) in one process alone, the fastest of
+    ``repeats``. Beside the planner's generation at one core (``generation_priced_one_core_s`` of the
+    colocated rows) it shows the engine's own work that the price does not see."""
+    from moetrain.rl.config import GRPOConfig, RLOptions
+    from moetrain.rl.fusion import sample_generators
+    from moetrain.rl.generate import RolloutEngine
+    from moetrain.rl.loop import step_problems
+    from moetrain.rl.sft import prompt_ids
+    from moetrain.rl.tokenizer import CharTokenizer
+
+    task, tokenizer, cpu = get_task(config["task"]), CharTokenizer(), torch.device("cpu")
+    model = build_model(policy_config(load_model_config(config["model"])), cpu, seed=0)
+    engine = RolloutEngine(model.eval().requires_grad_(False), tokenizer.pad_id, tokenizer.decode)
+    engine.retain_cache = True
+    options = RLOptions(task=config["task"], prompts_per_step=config["prompts"],
+                        grpo=GRPOConfig(group_size=config["group_size"]))
+    problems = step_problems(task, options, 0, 2)
+    rows = len(problems) // config["ranks"]
+    prompts = [prompt_ids(tokenizer, p) for p in problems[:rows]]
+    params = SamplingParams(max_new_tokens=task.max_answer_chars + 2, temperature=1.0,
+                            stop_token_ids=(tokenizer.eos_id,))
+
+    def run() -> None:
+        engine.generate(prompts, params, sample_generators(0, 2, rows, cpu))
+        engine.free_cache()
+
+    return _best_time(run, repeats)
 
 
 def stalesync_decode_steps(config: dict) -> list[int]:
@@ -426,6 +459,8 @@ def main() -> None:
     print(f"gloo link of {COLOCATED_RANKS} ranks: {link.latency_us:.0f} µs per message step, {link.gbps:.2f} GB/s; "
           f"weight sync per core: copy {rates.sync['copy_bytes_per_s'] / 1e9:.2f} GB/s, "
           f"CRC-32 {rates.sync['crc_bytes_per_s'] / 1e9:.2f} GB/s")
+    alone = generation_alone(switch["config"], args.repeats)
+    print(f"one rl_switch replica's generation alone: {alone:.3f} s (a diagnostic)")
     result = {"measured_from": ["benchmarks/results/rl_switch_cpu.json", "benchmarks/results/rl_stalesync_cpu.json"],
               **compare(switch, stalesync, rates)}
     if args.remeasure:
@@ -446,7 +481,7 @@ def main() -> None:
                   "core_capacity_gemm_2_processes": gemm_capacity[2],
                   "core_capacity_gemm_4_processes": gemm_capacity[4],
                   "collectives_4_ranks": rates.collectives, "link_4_ranks": asdict(link),
-                  "weight_sync_per_core": rates.sync},
+                  "weight_sync_per_core": rates.sync, "generation_alone_one_replica_s": alone},
         "load_average_1min_before": load_before, "load_average_1min_after": os.getloadavg()[0],
     })
 

@@ -137,9 +137,9 @@ class RLLayout:
 
 @dataclass(frozen=True)
 class SyncRates:
-    """The weight sync's host work per byte (measured: ``moetrain profile --comm``). Every synced byte is
-    packed into a bucket by its owner (one copy, one CRC-32) and written into the generation weights by
-    its receiver (one copy, one CRC-32 recomputed from them: ``distributed.weight_sync``)."""
+    """The weight sync's host work per byte (measured: ``moetrain profile --comm-ranks``). Every synced
+    byte is packed into a bucket by its owner (one copy, one CRC-32) and written into the generation
+    weights by its receiver (one copy, one CRC-32 recomputed from them: ``distributed.weight_sync``)."""
 
     copy_bytes_per_s: float
     crc_bytes_per_s: float
