@@ -14,6 +14,14 @@ dispatcher, small kernels) and the sampler's time per logit. Those go into
   rollout and one training process), measured in ``benchmarks/results/rl_stalesync_cpu.json`` (trainer
   step time = steady seconds / steady steps).
 
+The colocated runs' transfers and collectives are priced from two more probes (``moetrain.train.profiler``):
+gloo collectives at rl_switch's 4 ranks, one thread each (all-reduce, all-gather, all-to-all on the world
+and on both pairs at once, one-way sends; ``profile_collectives``), to which the planner's link formulas
+are fitted (``planner.comm.fit_link``: a latency and a bandwidth, fed in as the ``cpu`` cluster's in-node
+link), and the weight sync's copy and CRC-32 rates on one core (``profile_sync_rates``), divided like
+every other rate by each rank's share of a core. The replay diagnostics forward is priced where the
+runtime runs it: on each rank's generation model, over every sample (``logprob_on_generation``).
+
 A batch decodes until its longest sample ends, and the warmed-up policy of the StaleSync runs stops at
 its own end-of-sequence token: the decode steps of those batches are a property of the workload, not of
 the machine, so they are counted here (the SFT warm-up of rl_stalesync.py, then the steady steps' batches
@@ -22,9 +30,10 @@ The untrained policy of rl_switch.py never stops early (one end-of-sequence toke
 batches run to the token limit.
 
 The runs put one thread per rank on the machine's cores. How much compute concurrent processes get
-together is measured too (``core_capacity``: the same one-thread GEMM loop alone and in 2 or 4 processes
-at once; two SMT siblings of one physical core give about one core, not two): the 4 ranks of rl_switch
-each get capacity/4 of a core (every rate divided by 4/capacity), and StaleSync's overlapped phases
+together is measured too (``core_capacity``: the same one-thread loop of the runtime's forward of the
+run's model alone and in 2 or 4 processes at once, so that what the processes share besides the cores,
+the last-level cache, is seen; two SMT siblings of one physical core give about one core, not two): the 4
+ranks of rl_switch each get capacity/4 of a core (every rate divided by 4/capacity), and StaleSync's overlapped phases
 (k ≥ 1) share the 2-process capacity (``rl_step.overlapped_time``, processor sharing). Other users of the
 machine are not modelled beyond what the capacity probe sees: the load averages are recorded beside, and for
 rl_switch (which recorded its load) a sensitivity row prices the same step with each rank's share taken
@@ -58,15 +67,21 @@ from _record import write_result
 from moetrain.config import ParallelConfig, load_cluster_config, load_model_config
 from moetrain.models.transformer import build_model
 from moetrain.planner.calibration import Calibration, load_calibration
+from moetrain.planner.comm import LinkFit, fit_link
 from moetrain.planner.generation import HostCosts
-from moetrain.planner.rl_step import RLLayout, RLWorkload, price_rl_step
+from moetrain.planner.rl_step import RLLayout, RLWorkload, SyncRates, price_rl_step, training_prediction
 from moetrain.rl.generate import SamplingParams, sample
 from moetrain.rl.loop import policy_config
 from moetrain.rl.sft import sequence_len_for
 from moetrain.rl.tasks import get_task
+from moetrain.train.profiler import profile_collectives, profile_sync_rates
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SAMPLER_ROWS = 128
+COLOCATED_RANKS = 4
+"""rl_switch.py's ranks: the collective probe runs at that world size."""
+STALESYNC_BUCKET_MIB = 32.0
+"""rl_stalesync.py's weight-sync bucket (``StaleSyncOptions``' default) when its result does not say."""
 
 
 PROFILES = 3
@@ -115,25 +130,41 @@ def host_probe(num_layers: int, repeats: int) -> HostCosts:
                      sample_ns_per_logit=sampling / logits.numel() * 1e9, host_is_device=True)
 
 
-def _matmul_loop(queue, barrier) -> None:
+def _matmul_loop(queue, barrier, work: tuple[int, int] | None = None) -> None:
     torch.set_num_threads(1)
-    a, b = torch.randn(384, 384), torch.randn(384, 384)
-    a @ b
-    barrier.wait()  # every process imported and warmed up: the loops run at once
-    start = time.perf_counter()
-    for _ in range(CAPACITY_MATMULS):
-        a @ b
+    if work is None:
+        a, b = torch.randn(384, 384), torch.randn(384, 384)
+        step, count = (lambda: a @ b), CAPACITY_MATMULS
+    else:  # the runtime's eager forward of the run's model (layers, rows) on CAPACITY_TOKENS tokens per row
+        layers, rows = work
+        model_cfg = policy_config(load_model_config("tiny-pangu")).model_copy(update={"num_layers": layers})
+        model = build_model(model_cfg, torch.device("cpu"), seed=0).eval().requires_grad_(False)
+        ids = torch.zeros(rows, CAPACITY_TOKENS, dtype=torch.long)
+        step, count = (lambda: model(ids)), CAPACITY_FORWARDS
+    with torch.no_grad():
+        step()
+        barrier.wait()  # every process imported and warmed up: the loops run at once
+        start = time.perf_counter()
+        for _ in range(count):
+            step()
     queue.put(time.perf_counter() - start)
 
 
 CAPACITY_MATMULS = 600
+CAPACITY_FORWARDS = 40
+CAPACITY_TOKENS = 4
+CAPACITY_WORK = {2: (4, 128), 4: (8, 32)}
+"""The forward the capacity of n processes is measured with: (layers, rows) of the run with n processes
+(StaleSync's 4-layer model and its 128-row batch; rl_switch's 8-layer model and 32 rows per replica). The
+GEMM loop's capacity (a working set that fits each core's cache) is recorded beside."""
 
 
-def _concurrent_time(processes: int) -> float:
-    """Mean seconds of the same one-thread GEMM loop in ``processes`` processes started together."""
+def _concurrent_time(processes: int, work: tuple[int, int] | None = None) -> float:
+    """Mean seconds of the same one-thread loop (a GEMM, or with ``work`` = (layers, rows) the runtime's
+    forward) in ``processes`` processes started together."""
     context = mp.get_context("spawn")
     queue, barrier = context.Queue(), context.Barrier(processes)
-    workers = [context.Process(target=_matmul_loop, args=(queue, barrier)) for _ in range(processes)]
+    workers = [context.Process(target=_matmul_loop, args=(queue, barrier, work)) for _ in range(processes)]
     for worker in workers:
         worker.start()
     times = [queue.get() for _ in workers]
@@ -142,12 +173,16 @@ def _concurrent_time(processes: int) -> float:
     return statistics.mean(times)
 
 
-def core_capacity(processes: int, tries: int = 2) -> float:
+def core_capacity(processes: int, tries: int = 2, work: tuple[int, int] | None = None) -> float:
     """Cores' worth of compute that ``processes`` one-thread processes get together: processes × (time of
-    the GEMM loop alone) / (its time when they run at once); the best of ``tries``. Two SMT siblings of
-    one physical core give about 1, not 2; other users of the machine take their share too."""
-    alone = min(_concurrent_time(1) for _ in range(tries))
-    return max(processes * alone / _concurrent_time(processes) for _ in range(tries))
+    the loop alone) / (its time when they run at once); the best of ``tries``. The loop is the runtime's
+    eager forward of the run's model (``work`` = (layers, rows); a GEMM loop without): each process then
+    brings its model's weights and activations, as the runs' processes do, so the probe sees what they
+    share besides the cores (the last-level cache: 4 ranks' models do not fit in it together where one
+    does). Two SMT siblings of one physical core give about 1, not 2; other users of the machine take their
+    share too."""
+    alone = min(_concurrent_time(1, work) for _ in range(tries))
+    return max(processes * alone / _concurrent_time(processes, work) for _ in range(tries))
 
 
 def shared_cores(calibration: Calibration, host: HostCosts, slow: float) -> tuple[Calibration, HostCosts]:
@@ -162,15 +197,52 @@ def shared_cores(calibration: Calibration, host: HostCosts, slow: float) -> tupl
                            sample_ns_per_logit=host.sample_ns_per_logit * slow)
 
 
+def shared_sync(rates: dict, slow: float) -> SyncRates:
+    """The weight sync's copy and CRC rates (``profile_sync_rates``) when each process gets 1/``slow`` of a
+    core."""
+    slow = max(slow, 1.0)
+    return SyncRates(rates["copy_bytes_per_s"] / slow, rates["crc_bytes_per_s"] / slow)
+
+
+def link_fit(collectives: list[dict]) -> LinkFit:
+    """The in-node link of the ranks' gloo collectives: latency and bandwidth fitted to the measured
+    all-reduces, all-gathers and all-to-alls (``profile_collectives``). The one-way sends are measured
+    beside but not fitted: back to back they stream (no round trip), which no per-message latency of a
+    collective describes; the fit's error on them is recorded."""
+    fit = fit_link([m for m in collectives if m["kind"] != "send_recv"])
+    sends = [m for m in collectives if m["kind"] == "send_recv"]
+    return replace(fit, residual_pct={**fit.residual_pct, **fit_residuals(fit, sends)})
+
+
+def fit_residuals(fit: LinkFit, measurements: list[dict]) -> dict[str, float]:
+    from moetrain.planner.comm import collective_terms
+
+    out = {}
+    for m in measurements:
+        latencies, share = collective_terms(m["kind"], m["group"])
+        formula = latencies * fit.latency_us * 1e-6 + share * m["bytes"] / (fit.gbps * 1e9)
+        out[f"{m['kind']}/{m['group']}/{m['bytes']}"] = (formula - m["seconds"]) / m["seconds"] * 100
+    return out
+
+
+def with_link(calibration: Calibration) -> Calibration:
+    """The calibration for a measured link: the fit's bandwidth is what the collectives reached (bus
+    efficiency 1)."""
+    cpu = {**calibration.per_arch.get("cpu", {}), "bus_intra": 1.0}
+    return replace(calibration, per_arch={**calibration.per_arch, "cpu": cpu})
+
+
 def _row(name: str, predicted, measured_s: float, **extra) -> dict:
     error = (predicted.step_s - measured_s) / measured_s * 100
     return {"run": name, "predicted_step_s": predicted.step_s, "measured_step_s": measured_s, "error_pct": error,
             "within_15pct": abs(error) <= 15.0, "predicted_phases_s": asdict(predicted.phases), **extra}
 
 
-def colocated_rows(measured: dict, calibration: Calibration, host: HostCosts, capacity: float) -> list[dict]:
+def colocated_rows(measured: dict, calibration: Calibration, host: HostCosts, capacity: float, link: LinkFit,
+                   sync_rates: dict) -> list[dict]:
     """``measured``: an rl_switch.py result; ``capacity``: cores' worth its ranks get together
-    (``core_capacity``)."""
+    (``core_capacity``); ``link``: the ranks' gloo collectives (``link_fit``); ``sync_rates``: the weight
+    sync's copy and CRC rates on one core (``profile_sync_rates``)."""
     config = measured["config"]
     task = get_task(config["task"])
     layouts = {"tp2_ep2": ParallelConfig(tp=2, dp=2, ep=2), "pp2_ep2": ParallelConfig(pp=2, dp=2, ep=2)}
@@ -179,25 +251,70 @@ def colocated_rows(measured: dict, calibration: Calibration, host: HostCosts, ca
     # Sensitivity, not the prediction: the same with every rank's share of a core taken from the load
     # average the run recorded (runnable processes, ours and other users') instead of ranks / cores.
     load = config.get("load_average_1min_after")
-    at_load = shared_cores(calibration, host, max(load, config["ranks"]) / (os.cpu_count() or 1)) if load else None
-    calibration, host = shared_cores(calibration, host, config["ranks"] / capacity)
-    cluster = load_cluster_config("cpu")
+    calibration = with_link(calibration)
+    load_slow = max(load, config["ranks"]) / (os.cpu_count() or 1) if load else None
+    at_load = shared_cores(calibration, host, load_slow) if load_slow else None
+    slow = config["ranks"] / capacity
+    one_core, one_core_host = calibration, host
+    calibration, host = shared_cores(calibration, host, slow)
+    sync = shared_sync(sync_rates, slow)
+    cluster = link.cluster(load_cluster_config("cpu"))
     rows = []
     for variant in measured["variants"]:
         parallel = layouts[variant["train_layout"]]
         max_new = task.max_answer_chars + 2  # RLOptions' default; the untrained policy never stops early
         seq_len = -(-sequence_len_for(task, max_new) // parallel.tp) * parallel.tp
         # replay_stats_every = 1 (the default): one more forward over the samples per step
+        # the replay diagnostics forward runs on the generation model, whole on every rank
         workload = RLWorkload(model, cluster, config["prompts"], config["group_size"], task.max_prompt_chars + 1,
-                              max_new, "fp32", logprob_forwards=1, train_seq_len=seq_len)
+                              max_new, "fp32", logprob_forwards=1, train_seq_len=seq_len, logprob_on_generation=True)
         layout = RLLayout("colocated", config["ranks"], parallel.model_copy(update={"micro_batch": batch // 2}),
-                          offload=variant["offload"] == "always")
-        predicted = price_rl_step(workload, layout, calibration, host)
-        loaded = price_rl_step(workload, layout, *at_load).step_s if at_load else None
+                          offload=variant["offload"] == "always", sync_bucket_bytes=config["bucket_mib"] * 2**20)
+        # Training: a rank blocked in a collective or a pipeline's idle stage takes no CPU (gloo waits
+        # without spinning), so the ranks that compute share the capacity: on average ranks × (1 − the
+        # pipeline's bubble fraction) of them (all of them without a pipeline).
+        busy = config["ranks"] * (1.0 - float(training_prediction(workload, layout, calibration).bubble_fraction))
+        train_calibration, _ = shared_cores(one_core, one_core_host, busy / capacity)
+        predicted = price_rl_step(workload, layout, calibration, host, sync, train_calibration)
+        alone = price_rl_step(workload, layout, one_core, one_core_host).phases.generate_s
+        loaded = (price_rl_step(workload, layout, *at_load, shared_sync(sync_rates, load_slow)).step_s
+                  if at_load else None)
         rows.append(_row(f"colocated {variant['train_layout']} offload {variant['offload']}", predicted,
-                         variant["step_s"], measured_phases_s=variant["phase_s"],
+                         variant["step_s"], measured_phases_s=variant["phase_s"], training_busy_ranks=busy,
+                         generation_priced_one_core_s=alone,
                          sensitivity_step_s_at_recorded_load=loaded, recorded_load_average=load))
     return rows
+
+
+def generation_alone(config: dict, repeats: int) -> float:
+    """A diagnostic, not used by the prediction: seconds of one rl_switch replica's generation (its share of
+    step 2's rows, the 8-layer policy, the engine as RL Fusion runs it) in one process alone, the fastest of
+    ``repeats``. Beside the planner's generation at one core (``generation_priced_one_core_s`` of the
+    colocated rows) it shows the engine's own work that the price does not see."""
+    from moetrain.rl.config import GRPOConfig, RLOptions
+    from moetrain.rl.fusion import sample_generators
+    from moetrain.rl.generate import RolloutEngine
+    from moetrain.rl.loop import step_problems
+    from moetrain.rl.sft import prompt_ids
+    from moetrain.rl.tokenizer import CharTokenizer
+
+    task, tokenizer, cpu = get_task(config["task"]), CharTokenizer(), torch.device("cpu")
+    model = build_model(policy_config(load_model_config(config["model"])), cpu, seed=0)
+    engine = RolloutEngine(model.eval().requires_grad_(False), tokenizer.pad_id, tokenizer.decode)
+    engine.retain_cache = True
+    options = RLOptions(task=config["task"], prompts_per_step=config["prompts"],
+                        grpo=GRPOConfig(group_size=config["group_size"]))
+    problems = step_problems(task, options, 0, 2)
+    rows = len(problems) // config["ranks"]
+    prompts = [prompt_ids(tokenizer, p) for p in problems[:rows]]
+    params = SamplingParams(max_new_tokens=task.max_answer_chars + 2, temperature=1.0,
+                            stop_token_ids=(tokenizer.eos_id,))
+
+    def run() -> None:
+        engine.generate(prompts, params, sample_generators(0, 2, rows, cpu))
+        engine.free_cache()
+
+    return _best_time(run, repeats)
 
 
 def stalesync_decode_steps(config: dict) -> list[int]:
@@ -233,10 +350,12 @@ def stalesync_decode_steps(config: dict) -> list[int]:
 
 
 def disaggregated_rows(measured: dict, calibration: Calibration, host: HostCosts, longest: list[int],
-                       capacity: float) -> list[dict]:
+                       capacity: float, sync_rates: dict) -> list[dict]:
     """``measured``: an rl_stalesync.py result; ``longest``: tokens of the longest sample of each steady
     batch (``stalesync_decode_steps``); ``capacity``: cores' worth the two processes get together when
-    both compute (k ≥ 1)."""
+    both compute (k ≥ 1); ``sync_rates``: the weight sync's copy and CRC rates on one core (the push runs
+    between two batches, each side on its own core). The link stays the preset's (two processes: not
+    probed)."""
     config = measured["workload"]
     task = get_task(config["task"])
     model = policy_config(load_model_config("tiny-pangu")).model_copy(update={"num_layers": 4})
@@ -248,9 +367,10 @@ def disaggregated_rows(measured: dict, calibration: Calibration, host: HostCosts
     rows = []
     for run in measured["runs"]:
         layout = RLLayout("disaggregated", 2, ParallelConfig(micro_batch=batch), rollout_devices=1,
-                          staleness=run["staleness"], shared_cores=capacity)
+                          staleness=run["staleness"], shared_cores=capacity,
+                          sync_bucket_bytes=config.get("bucket_mib", STALESYNC_BUCKET_MIB) * 2**20)
         steps = config["steps"] - 2  # the steady steps: neither the first (fill) nor the last (evaluation)
-        predicted = price_rl_step(workload, layout, calibration, host)
+        predicted = price_rl_step(workload, layout, calibration, host, shared_sync(sync_rates, 1.0))
         rows.append(_row(f"disaggregated k={run['staleness']}", predicted, run["steady_seconds"] / steps,
                          steady_steps=steps, decode_steps=decode_steps, longest_sample_per_batch=longest))
     return rows
@@ -268,13 +388,22 @@ class Rates:
     """Cores' worth of 2 and 4 concurrent processes."""
     longest: list[int]
     """Tokens of the longest sample of each steady StaleSync batch."""
+    collectives: list[dict]
+    """Gloo collectives on rl_switch's 4 ranks (``profile_collectives``)."""
+    sync: dict
+    """The weight sync's copy and CRC rates on one core (``profile_sync_rates``)."""
+
+    @property
+    def link(self) -> LinkFit:
+        return link_fit(self.collectives)
 
 
 def compare(switch: dict, stalesync: dict, rates: Rates) -> dict:
     """Predicted against measured for an rl_switch.py and an rl_stalesync.py result, under every profile."""
     def predict(calibration: Calibration) -> list[dict]:
-        return (colocated_rows(switch, calibration, rates.hosts[8], rates.capacity[4])
-                + disaggregated_rows(stalesync, calibration, rates.hosts[4], rates.longest, rates.capacity[2]))
+        return (colocated_rows(switch, calibration, rates.hosts[8], rates.capacity[4], rates.link, rates.sync)
+                + disaggregated_rows(stalesync, calibration, rates.hosts[4], rates.longest, rates.capacity[2],
+                                     rates.sync))
 
     per_profile = [predict(c) for c in rates.calibrations]
     rows = per_profile[0]
@@ -320,8 +449,18 @@ def main() -> None:
     longest = stalesync_decode_steps(stalesync["workload"])
     print(f"StaleSync batches' longest samples: {longest} tokens (mean {statistics.mean(longest):.1f})")
     rates = Rates(profile(args.repeats), {layers: host_probe(layers, args.repeats) for layers in (4, 8)},
-                  {n: core_capacity(n) for n in (2, 4)}, longest)
-    print(f"cores' worth of 2 and 4 concurrent processes: {rates.capacity[2]:.2f}, {rates.capacity[4]:.2f}")
+                  {n: core_capacity(n, work=CAPACITY_WORK[n]) for n in (2, 4)}, longest,
+                  profile_collectives(COLOCATED_RANKS), profile_sync_rates(args.repeats))
+    gemm_capacity = {n: core_capacity(n) for n in (2, 4)}
+    print(f"cores' worth of 2 and 4 concurrent processes (the runs' forwards): {rates.capacity[2]:.2f}, "
+          f"{rates.capacity[4]:.2f}; of a GEMM loop (recorded, not used): {gemm_capacity[2]:.2f}, "
+          f"{gemm_capacity[4]:.2f}")
+    link = rates.link
+    print(f"gloo link of {COLOCATED_RANKS} ranks: {link.latency_us:.0f} µs per message step, {link.gbps:.2f} GB/s; "
+          f"weight sync per core: copy {rates.sync['copy_bytes_per_s'] / 1e9:.2f} GB/s, "
+          f"CRC-32 {rates.sync['crc_bytes_per_s'] / 1e9:.2f} GB/s")
+    alone = generation_alone(switch["config"], args.repeats)
+    print(f"one rl_switch replica's generation alone: {alone:.3f} s (a diagnostic)")
     result = {"measured_from": ["benchmarks/results/rl_switch_cpu.json", "benchmarks/results/rl_stalesync_cpu.json"],
               **compare(switch, stalesync, rates)}
     if args.remeasure:
@@ -337,7 +476,12 @@ def main() -> None:
                   "profiles": [c.per_arch["cpu"] for c in rates.calibrations],
                   "host_4_layers": asdict(rates.hosts[4]), "host_8_layers": asdict(rates.hosts[8]),
                   "cpu_count": os.cpu_count(), "core_capacity_2_processes": rates.capacity[2],
-                  "core_capacity_4_processes": rates.capacity[4]},
+                  "core_capacity_4_processes": rates.capacity[4],
+                  "capacity_work_layers_rows": CAPACITY_WORK,
+                  "core_capacity_gemm_2_processes": gemm_capacity[2],
+                  "core_capacity_gemm_4_processes": gemm_capacity[4],
+                  "collectives_4_ranks": rates.collectives, "link_4_ranks": asdict(link),
+                  "weight_sync_per_core": rates.sync, "generation_alone_one_replica_s": alone},
         "load_average_1min_before": load_before, "load_average_1min_after": os.getloadavg()[0],
     })
 

@@ -82,9 +82,9 @@ def test_colocated_is_the_sum_of_its_phases():
     p = price_rl_step(_tiny(logprob_forwards=1, reward_s=0.01),
                       RLLayout("colocated", 2, ParallelConfig(dp=2, micro_batch=16), offload=True), _calibration())
     ph = p.phases
-    assert ph.offload_s > 0 and ph.offload_s == ph.restore_s and ph.push_s == 0
-    assert p.step_s == pytest.approx(ph.offload_s + ph.reshard_s + ph.generate_s + ph.restore_s + ph.reward_s
-                                     + ph.logprob_s + ph.train_s)
+    assert ph.offload_s > 0 and ph.offload_s == ph.restore_s and ph.push_s == 0 and ph.gather_s > 0
+    assert p.step_s == pytest.approx(ph.offload_s + ph.reshard_s + ph.generate_s + ph.gather_s + ph.restore_s
+                                     + ph.reward_s + ph.logprob_s + ph.train_s)
 
 
 def test_placements_order_where_the_answer_is_obvious():

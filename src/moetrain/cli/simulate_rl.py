@@ -117,7 +117,7 @@ def _layouts_text(args: argparse.Namespace) -> str:
 
 PHASE_NAMES = {"generate_s": "generate (prefill + decode)", "reward_s": "reward", "logprob_s": "log-prob forwards",
                "train_s": "train", "offload_s": "offload", "reshard_s": "reshard", "restore_s": "restore",
-               "push_s": "weight push"}
+               "push_s": "weight push", "gather_s": "rows gathered"}
 
 
 def run_rl(args: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ The expert-balancing code also imports ``alltoall_time`` and ``expert_compute_ti
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
@@ -29,9 +30,12 @@ __all__ = [
     "allgather_time",
     "allreduce_time",
     "alltoall_time",
+    "LinkFit",
     "alltoall_volume",
+    "collective_terms",
     "efficiency_for",
     "expert_compute_time",
+    "fit_link",
     "gemm_time",
     "p2p_time",
     "ranks_per_node",
@@ -149,3 +153,59 @@ def p2p_time(num_bytes, cross_node, cluster: ClusterConfig, efficiency: Efficien
     intra, inter, lat_intra, lat_inter = _links(cluster, eff)
     num_bytes = np.asarray(num_bytes, dtype=float)
     return np.where(cross_node, num_bytes / inter + lat_inter, num_bytes / intra + lat_intra)
+
+
+# ----- a link measured on this machine (``moetrain profile --comm``) -----
+def collective_terms(kind: str, group: int) -> tuple[float, float]:
+    """(latencies, share of the bytes on the link) of one collective as the formulas above price it, so
+    that time = latencies · latency + share · bytes / bandwidth (in-node, ``bytes`` as each function takes
+    them): a ring all-gather or reduce-scatter crosses group − 1 steps carrying (g−1)/g of its output, an
+    all-reduce twice that, an all-to-all one latency and the (g−1)/g of its bytes that leave the rank, a
+    send one latency and all of its bytes."""
+    g = float(group)
+    if kind in ("all_gather", "reduce_scatter"):
+        return g - 1.0, (g - 1.0) / g
+    if kind == "all_reduce":
+        return 2.0 * (g - 1.0), 2.0 * (g - 1.0) / g
+    if kind == "all_to_all":
+        return 1.0, (g - 1.0) / g
+    if kind == "send_recv":
+        return 1.0, 1.0
+    raise ValueError(f"unknown collective {kind!r}")
+
+
+@dataclass(frozen=True)
+class LinkFit:
+    """A link's latency and bandwidth fitted to measured collectives."""
+
+    latency_us: float
+    gbps: float
+    """Bandwidth the formulas see (bus efficiency included: use with ``bus_intra`` = 1)."""
+    residual_pct: dict[str, float]
+    """Per measurement (``kind/group/bytes``): (formula − measured) / measured, in %."""
+
+    def cluster(self, cluster: ClusterConfig) -> ClusterConfig:
+        """``cluster`` with this link as its in-node link."""
+        return cluster.model_copy(update={"intra_node_gbps": self.gbps, "intra_node_latency_us": self.latency_us})
+
+
+def fit_link(measurements: list[dict]) -> LinkFit:
+    """Latency and bandwidth for which ``collective_terms`` best reproduce ``measurements`` (each
+    {kind, group, bytes, seconds}; least squares on the relative error, so that small messages weigh as much
+    as large ones; both kept non-negative)."""
+    if not measurements:
+        raise ValueError("no collective measurements to fit")
+    terms = [collective_terms(m["kind"], m["group"]) for m in measurements]
+    seconds = np.array([m["seconds"] for m in measurements], dtype=float)
+    design = np.array([[lat, share * m["bytes"]] for (lat, share), m in zip(terms, measurements)], dtype=float)
+    weighted = design / seconds[:, None]
+    (latency, per_byte), *_ = np.linalg.lstsq(weighted, np.ones_like(seconds), rcond=None)
+    if per_byte <= 0 or latency < 0:  # refit the one term alone
+        column = 0 if per_byte <= 0 else 1
+        only = weighted[:, column]
+        value = float(only @ np.ones_like(seconds) / (only @ only))
+        latency, per_byte = (value, 0.0) if column == 0 else (0.0, value)
+    predicted = design @ np.array([latency, per_byte])
+    residual = {f"{m['kind']}/{m['group']}/{m['bytes']}": float((p - t) / t * 100)
+                for m, p, t in zip(measurements, predicted, seconds)}
+    return LinkFit(float(latency) * 1e6, float(1e-9 / per_byte) if per_byte > 0 else float("inf"), residual)

@@ -165,19 +165,43 @@ def _decode_step(w: Workload, rows: int, devices: int, context: float, eff: Effi
     return _Decode(total, head, sampling, memory_bound)
 
 
+def _layers_forward(w: Workload, rows: int, devices: int, seq_len: int, eff: Efficiency, host: HostCosts) -> float:
+    """Every decoder layer's forward of ``rows`` sequences of ``seq_len`` tokens on a replica of ``devices``
+    devices (each its share of the rows), with the host floor of each layer pass."""
+    rows_per_device = max(rows // devices, 1)
+    total = 0.0
+    for moe_layer, count in _layer_kinds(w.model):
+        if count:
+            device = _layer_forward(w, seq_len, rows_per_device, devices, eff, moe_layer)
+            probe = _layer_forward(w, 1, host.probe_tokens, 1, eff, moe_layer) if host.host_is_device else 0.0
+            total += count * _host_layer(device, probe, host)
+    return total
+
+
+def forward_time(w: Workload, rows: int, devices: int, seq_len: int, eff: Efficiency,
+                 host: HostCosts | None = None, chunk_rows: int | None = None) -> float:
+    """A log-prob forward of ``rows`` whole sequences of ``seq_len`` tokens on one generation replica of
+    ``devices`` devices, in chunks of ``chunk_rows`` rows (all at once by default): per chunk every layer
+    (as the prefill), the output head on every token, and the log-softmax over the logits
+    (``SAMPLING_PASSES`` fp32 passes: read and write)."""
+    host = host or HostCosts()
+    eff = host.efficiency(eff)
+    chunk = min(chunk_rows or rows, rows)
+    chunks = -(-rows // chunk)
+    tokens = max(chunk // devices, 1) * seq_len
+    h, vocab = w.model.hidden_size, w.model.vocab_size
+    head = float(gemm_time(2.0 * h * vocab * tokens, 1, w.cluster, eff, w.precision))
+    softmax = float(memory_time(SAMPLING_PASSES * 2 * 4.0 * tokens * vocab, w.cluster, eff))
+    return chunks * (_layers_forward(w, chunk, devices, seq_len, eff, host) + head + softmax)
+
+
 def generation_time(w: Workload, rows: int, devices: int, prompt_len: int, response_len: int, eff: Efficiency,
                     host: HostCosts | None = None) -> GenerationTimes:
     """``rows`` samples of ``response_len`` new tokens after prompts of ``prompt_len`` on one replica of
     ``devices`` devices (``w``: model, cluster and precision; its batch fields are not used)."""
-    rows_per_device = max(rows // devices, 1)
     host = host or HostCosts()
     eff = host.efficiency(eff)
-    prefill = 0.0
-    for moe_layer, count in _layer_kinds(w.model):
-        if count:
-            device = _layer_forward(w, prompt_len, rows_per_device, devices, eff, moe_layer)
-            probe = _layer_forward(w, 1, host.probe_tokens, 1, eff, moe_layer) if host.host_is_device else 0.0
-            prefill += count * _host_layer(device, probe, host)
+    prefill = _layers_forward(w, rows, devices, prompt_len, eff, host)
     # The prefill's head runs on each row's last prompt token only (one decode step's head); it gives the
     # first token, so N new tokens take N draws but N - 1 decode forwards (the last token is not fed back).
     decode = _decode_step(w, rows, devices, prompt_len + response_len / 2.0, eff, host)

@@ -8,7 +8,10 @@ Colocated (RL Fusion, docs/rl_fusion.md): every device trains and generates in t
 - offload / restore: optimizer state (fp32 master, Adam m and v: 12 B per local parameter) and fp32 grads
   (4 B) to host memory and back over the host link (only with ``offload``);
 - reshard: each generating device gathers the weights it holds (bf16; fp32 for fp32 runs) from the
-  training shards: a ring all-gather over the pp·max(tp, ep·etp) devices one training replica spans;
+  training shards: a ring all-gather over the pp·max(tp, ep·etp) devices one training replica spans, one
+  more latency per bucket beyond the ring's steps (``RLLayout.sync_bucket_bytes``), and with measured
+  ``SyncRates`` the sync's host work (a copy and a CRC-32 of every byte on each side) and its closing
+  all-reduce;
 - free: the KV cache goes back to the allocator (no data moves: priced at zero).
 
 Disaggregated (StaleSync, docs/rl_stalesync.md): ``rollout_devices`` generate and score, the rest train
@@ -33,6 +36,7 @@ samples as sequences of prompt + response tokens; generation is ``moetrain.plann
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import ceil
 from typing import Literal
 
 from moetrain.config.cluster import ClusterConfig
@@ -41,9 +45,9 @@ from moetrain.config.parallel import ParallelConfig
 from moetrain.costs.params import count_params
 from moetrain.errors import UserError
 from moetrain.planner.calibration import Calibration, Efficiency
-from moetrain.planner.comm import allgather_time, p2p_time, ranks_per_node
+from moetrain.planner.comm import allgather_time, allreduce_time, p2p_time, ranks_per_node
 from moetrain.planner.compute import memory_time
-from moetrain.planner.generation import GenerationTimes, HostCosts, generation_time
+from moetrain.planner.generation import GenerationTimes, HostCosts, forward_time, generation_time
 from moetrain.planner.simulate import simulate_layout
 from moetrain.planner.workload import Workload
 
@@ -74,6 +78,11 @@ class RLWorkload:
     """Seconds to score the step's samples (a reward model or a verifier), on the generating side."""
     train_seq_len: int | None = None
     """Tokens per trained sequence when the trainer pads to a fixed length; None: prompt + response."""
+    logprob_on_generation: bool = False
+    """Colocated: the log-prob forwards run on every generation replica's model, each over all of the
+    step's samples (moetrain's RL Fusion: its replay diagnostics forward runs on the generation model,
+    whole on every rank, in chunks of the training micro-batch); False: in the training layout, a third of
+    training's forward + backward."""
 
     @property
     def samples(self) -> int:
@@ -109,6 +118,9 @@ class RLLayout:
     shared_cores: float | None = None
     """Disaggregated on one CPU: the rollout and training processes share this many cores' worth of
     compute (measured; SMT siblings give less than two); None: separate devices."""
+    sync_bucket_bytes: float | None = None
+    """The weight sync's bucket size: each bucket a device receives is one message, one latency (None:
+    the ring's latencies only)."""
 
     @property
     def train_devices(self) -> int:
@@ -121,6 +133,20 @@ class RLLayout:
     @property
     def replicas(self) -> int:
         return self.generating_devices // self.gen_devices_per_replica
+
+
+@dataclass(frozen=True)
+class SyncRates:
+    """The weight sync's host work per byte (measured: ``moetrain profile --comm-ranks``). Every synced
+    byte is packed into a bucket by its owner (one copy, one CRC-32) and written into the generation
+    weights by its receiver (one copy, one CRC-32 recomputed from them: ``distributed.weight_sync``)."""
+
+    copy_bytes_per_s: float
+    crc_bytes_per_s: float
+
+    def seconds(self, num_bytes: float) -> float:
+        """One copy and one CRC-32 of ``num_bytes``."""
+        return num_bytes / self.copy_bytes_per_s + num_bytes / self.crc_bytes_per_s
 
 
 @dataclass(frozen=True)
@@ -137,6 +163,9 @@ class RLPhases:
     reshard_s: float = 0.0
     restore_s: float = 0.0
     push_s: float = 0.0
+    gather_s: float = 0.0
+    """Colocated, several replicas: every rank gathers the generated rows (token ids, log-probs, replay
+    record) from the others."""
 
 
 @dataclass(frozen=True)
@@ -171,7 +200,8 @@ def _check(w: RLWorkload, layout: RLLayout) -> None:
                         "change --prompts, --group-size or --gen-ep")
 
 
-def _training(w: RLWorkload, layout: RLLayout, calibration: Calibration):
+def training_prediction(w: RLWorkload, layout: RLLayout, calibration: Calibration):
+    """The planner's step for the training layout on the step's samples (``LayoutPrediction``)."""
     workload = Workload(w.model, w.cluster, w.seq_len, w.samples, w.precision,
                         grad_bytes=2.0 if w.precision == "fp16" else 4.0)
     return simulate_layout(workload, layout.train, layout.train_devices, calibration)
@@ -208,24 +238,66 @@ class _Transfers:
     push_s: float = 0.0
 
 
-def _colocated_transfers(w: RLWorkload, layout: RLLayout, eff: Efficiency) -> _Transfers:
+def _buckets(num_bytes: float, layout: RLLayout) -> float:
+    """Messages of the weight sync for ``num_bytes`` (0 without a bucket size)."""
+    return float(ceil(num_bytes / layout.sync_bucket_bytes)) if layout.sync_bucket_bytes else 0.0
+
+
+def _colocated_transfers(w: RLWorkload, layout: RLLayout, eff: Efficiency, sync: SyncRates | None) -> _Transfers:
+    """The reshard on one generating device: the ring all-gather of what it holds over the training
+    shards, one more latency for each bucket beyond the ring's steps, and the sync's host work (it
+    writes and checks every byte it holds, and packs as many as it writes: 2 × its bytes), then the
+    world's all-reduce that agrees on success."""
     shards = _shards(layout.train)
     local_params = count_params(w.model).total / shards
     offload = (_host_copy_time(OFFLOAD_BYTES_PER_PARAM * local_params, w, layout, eff) if layout.offload else 0.0)
     gathered = weight_bytes(w) / layout.gen_devices_per_replica  # what each generating device holds
     group = min(shards, layout.devices)
     in_node = ranks_per_node(group, 1, w.cluster.devices_per_node)
-    reshard = float(allgather_time(gathered, group, in_node, w.cluster, eff)) if group > 1 else 0.0
+    reshard = 0.0
+    if group > 1:
+        reshard = float(allgather_time(gathered, group, in_node, w.cluster, eff))
+        extra = max(_buckets(gathered * (group - 1) / group, layout) - (group - 1), 0.0)
+        reshard += extra * float(p2p_time(0.0, bool(in_node < group), w.cluster, eff))
+    if sync is not None:
+        reshard += sync.seconds(2.0 * gathered) + _agreement(w, layout.devices, eff)
     return _Transfers(offload_s=offload, reshard_s=reshard, restore_s=offload)
 
 
-def _push_time(w: RLWorkload, layout: RLLayout, eff: Efficiency) -> float:
+def _agreement(w: RLWorkload, devices: int, eff: Efficiency) -> float:
+    """The sync's last step: one all-reduce of a flag over every rank of the sync."""
+    in_node = ranks_per_node(devices, 1, w.cluster.devices_per_node)
+    return float(allreduce_time(8.0, devices, in_node, w.cluster, eff))
+
+
+def _push_time(w: RLWorkload, layout: RLLayout, eff: Efficiency, sync: SyncRates | None) -> float:
     """Every rollout device receives its replica's share; the training devices send replicas × the weights
-    between them; the slower side sets the time (one link each, the network when the job spans nodes)."""
+    between them; the slower side sets the time (one link each, the network when the job spans nodes),
+    one latency per bucket beyond the first. With ``sync``: the sender packs and the receiver writes and
+    checks every byte, one bucket after the other (2 × the bytes), then the agreement's all-reduce."""
     cross_node = layout.devices > w.cluster.devices_per_node
     received = weight_bytes(w) / layout.gen_devices_per_replica
     sent = layout.replicas * weight_bytes(w) / layout.train_devices
-    return float(p2p_time(max(received, sent), cross_node, w.cluster, eff))
+    moved = max(received, sent)
+    push = float(p2p_time(moved, cross_node, w.cluster, eff))
+    push += max(_buckets(moved, layout) - 1.0, 0.0) * float(p2p_time(0.0, cross_node, w.cluster, eff))
+    if sync is not None:
+        push += sync.seconds(2.0 * received) + _agreement(w, layout.devices, eff)
+    return push
+
+
+def _gather_time(w: RLWorkload, layout: RLLayout, eff: Efficiency) -> float:
+    """Colocated: every rank gathers the generated rows of every replica (the runtime's object all-gather:
+    one all-gather of the sizes, one of the rows: token ids (8 B), log-probs (4 B) and, for MoE models,
+    the replay record (8 B per token, MoE layer and routed expert))."""
+    if layout.replicas <= 1:
+        return 0.0
+    moe = w.model.moe
+    per_token = 12.0 + (8.0 * w.model.num_moe_layers * moe.router.top_k if moe is not None else 0.0)
+    rows_bytes = w.samples * (w.prompt_len + w.response_len) * per_token
+    in_node = ranks_per_node(layout.devices, 1, w.cluster.devices_per_node)
+    return float(allgather_time(rows_bytes, layout.devices, in_node, w.cluster, eff)
+                 + allgather_time(8.0 * layout.devices, layout.devices, in_node, w.cluster, eff))
 
 
 def overlapped_time(a: float, b: float, shared_cores: float | None = None) -> float:
@@ -240,23 +312,35 @@ def overlapped_time(a: float, b: float, shared_cores: float | None = None) -> fl
     return short / together + (long - short) / alone
 
 
-def price_rl_step(w: RLWorkload, layout: RLLayout, calibration: Calibration, host: HostCosts | None = None
-                  ) -> RLStepPrediction:
-    """One RL step of ``w`` in ``layout``; ``host``: the eager stack's host costs (measured; none by default)."""
+def price_rl_step(w: RLWorkload, layout: RLLayout, calibration: Calibration, host: HostCosts | None = None,
+                  sync: SyncRates | None = None, train_calibration: Calibration | None = None) -> RLStepPrediction:
+    """One RL step of ``w`` in ``layout``; ``host``: the eager stack's host costs (measured; none by default);
+    ``sync``: the weight sync's host work per byte (measured; the link alone by default);
+    ``train_calibration``: the training step's rates when they differ from the other phases' (processes
+    sharing a CPU's cores: a pipeline stage that waits leaves its share to the stages that compute, so
+    the training layout's ranks compute faster than when every rank computes at once, as in generation);
+    ``calibration`` by default."""
     _check(w, layout)
     host = host or HostCosts()
     eff = calibration.for_device(w.cluster.device)
-    training = _training(w, layout, calibration)
+    training = training_prediction(w, layout, train_calibration or calibration)
     train_s, fits = float(training.step_time_s), bool(training.fits_memory)
     generation = _generation(w, layout, eff, host)
-    # A forward over the samples costs a third of training's forward + backward (backward = 2 forwards).
-    logprob = w.logprob_forwards * (train_s - float(training.optimizer_s)) / 3.0
+    gather = 0.0
+    if layout.placement == "colocated" and w.logprob_on_generation:
+        per_replica = Workload(w.model, w.cluster, w.seq_len, w.samples, w.precision)
+        logprob = w.logprob_forwards * forward_time(per_replica, w.samples, layout.gen_devices_per_replica,
+                                                    w.seq_len, eff, host, layout.train.micro_batch)
+    else:
+        # A forward over the samples costs a third of training's forward + backward (backward = 2 forwards).
+        logprob = w.logprob_forwards * (train_s - float(training.optimizer_s)) / 3.0
     if layout.placement == "colocated":
-        moves = _colocated_transfers(w, layout, eff)
-        step = (generation.total_s + w.reward_s + logprob + train_s
+        moves = _colocated_transfers(w, layout, eff, sync)
+        gather = _gather_time(w, layout, eff)
+        step = (generation.total_s + gather + w.reward_s + logprob + train_s
                 + moves.offload_s + moves.reshard_s + moves.restore_s)
     else:
-        moves = _Transfers(push_s=_push_time(w, layout, eff))
+        moves = _Transfers(push_s=_push_time(w, layout, eff, sync))
         rollout_side = generation.total_s + w.reward_s
         train_side = logprob + train_s
         both = (rollout_side + train_side if layout.staleness == 0
@@ -265,7 +349,7 @@ def price_rl_step(w: RLWorkload, layout: RLLayout, calibration: Calibration, hos
     phases = RLPhases(generate_s=generation.total_s, prefill_s=generation.prefill_s, decode_s=generation.decode_s,
                       reward_s=w.reward_s, logprob_s=logprob, train_s=train_s,
                       offload_s=moves.offload_s, reshard_s=moves.reshard_s, restore_s=moves.restore_s,
-                      push_s=moves.push_s)
+                      push_s=moves.push_s, gather_s=gather)
     return RLStepPrediction(
         placement=layout.placement, staleness=layout.staleness, devices=layout.devices,
         train_devices=layout.train_devices, generating_devices=layout.generating_devices, replicas=layout.replicas,

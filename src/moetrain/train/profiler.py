@@ -206,3 +206,88 @@ def _host_issue_times(model_cfg: ModelConfig, device: str, repeats: int) -> dict
     times["optimizer_s"] = _timed(optimizer_step, repeats, device)
     times["tokens"] = HOST_PROBE_TOKENS
     return times
+
+
+# ----- collectives and the weight sync's host work (``moetrain profile --comm``) -----
+# Message sizes of the collective probe: latency-bound to bandwidth-bound on a CPU's gloo over loopback.
+COMM_BYTES = (4 << 10, 64 << 10, 512 << 10, 4 << 20)
+COMM_KINDS = ("all_reduce", "all_gather", "all_to_all", "send_recv")
+SYNC_PROBE_BYTES = 4 << 20
+
+
+def _comm_ranks(rank: int, world_size: int, sizes: tuple[int, ...], repeats: int, calls: int) -> list[dict]:
+    """This rank's seconds per collective: each kind and size on the whole world and on disjoint pairs
+    (every pair at once, as a 2-way TP/EP/DP group of a layout runs beside the others), ``calls`` back to
+    back per timing (as a step issues them), the median of ``repeats`` timings."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    world = dist.group.WORLD
+    pairs = [dist.new_group([r, r + 1]) for r in range(0, world_size - 1, 2)]  # every rank creates every group
+    mine = pairs[rank // 2]
+    rows = []
+    groups = [(world, world_size)] + ([(mine, 2)] if world_size > 2 else [])  # 2 ranks: the pair is the world
+    for group, group_size in groups:
+        for kind in COMM_KINDS:
+            if kind == "send_recv" and group_size != world_size:
+                continue  # a send is between two ranks whatever the group
+            for size in sizes:
+                n = size // 4
+                if kind == "all_reduce":
+                    buf = torch.zeros(n)
+                    op = lambda buf=buf, group=group: dist.all_reduce(buf, group=group)  # noqa: E731
+                elif kind == "all_gather":  # the gathered output is ``size`` bytes
+                    out, part = torch.zeros(n - n % group_size), torch.zeros(n // group_size)
+                    op = lambda out=out, part=part, group=group: dist.all_gather_into_tensor(out, part, group=group)  # noqa: E731
+                elif kind == "all_to_all":  # each rank sends ``size`` bytes, all destinations together
+                    src, dst = torch.zeros(n - n % group_size), torch.zeros(n - n % group_size)
+                    op = lambda src=src, dst=dst, group=group: dist.all_to_all_single(dst, src, group=group)  # noqa: E731
+                else:  # one way, even rank to odd rank, every pair at once
+                    buf, peer = torch.zeros(n), rank ^ 1
+                    op = ((lambda buf=buf, peer=peer: dist.send(buf, peer)) if rank % 2 == 0
+                          else (lambda buf=buf, peer=peer: dist.recv(buf, peer)))
+                op()
+                times = []
+                for _ in range(repeats):
+                    dist.barrier()
+                    start = time.perf_counter()
+                    for _ in range(calls):
+                        op()
+                    times.append((time.perf_counter() - start) / calls)
+                rows.append({"kind": kind, "group": group_size, "bytes": size, "seconds": float(np.median(times))})
+    dist.barrier()
+    return rows
+
+
+def profile_collectives(world_size: int, sizes: tuple[int, ...] = COMM_BYTES, repeats: int = 5,
+                        calls: int = 10) -> list[dict]:
+    """Gloo collectives on ``world_size`` local ranks of one thread each (the layout's own processes):
+    {kind, group, bytes, seconds} per measurement, the slowest rank's time. Bytes as the planner's
+    formulas take them (``planner.comm``): the all-reduce's buffer, the all-gather's gathered output, what
+    one rank sends in an all-to-all, one send."""
+    from moetrain.distributed.world import spawn
+    from moetrain.errors import UserError
+
+    if world_size < 2 or world_size % 2:
+        raise UserError(f"the collective probe runs on an even number of ranks, 2 or more (got {world_size})")
+    per_rank = spawn(_comm_ranks, world_size, tuple(sizes), repeats, calls)
+    rows = []
+    for i, row in enumerate(per_rank[0]):
+        rows.append({**row, "seconds": max(r[i]["seconds"] for r in per_rank)})
+    return rows
+
+
+def profile_sync_rates(repeats: int = 5, num_bytes: int = SYNC_PROBE_BYTES) -> dict:
+    """The weight sync's host work per byte on one thread (``distributed.weight_sync``): a copy (the mean of
+    a bucket packed into a fresh tensor and a box written into existing weights) and a CRC-32 (the sync's
+    own ``_crc``: the bytes to host, then zlib), as bytes per second."""
+    from moetrain.distributed.weight_sync import _crc
+
+    src = torch.randint(0, 255, (num_bytes,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    pack = _timed(lambda: torch.cat([src, src[:16]]), repeats, "cpu")  # into a fresh bucket, as ``_pack``
+    write = _timed(lambda: dst.copy_(src), repeats, "cpu")  # into existing weights, as ``_receive``
+    crc = _timed(lambda: _crc([src]), repeats, "cpu")
+    copy = (pack + write) / 2.0  # a synced byte is copied once each way
+    return {"bytes": num_bytes, "pack_seconds": pack, "write_seconds": write, "crc_seconds": crc,
+            "copy_bytes_per_s": num_bytes / copy, "crc_bytes_per_s": num_bytes / crc}
