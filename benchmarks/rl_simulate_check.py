@@ -57,6 +57,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -183,6 +184,39 @@ def core_capacity(processes: int, tries: int = 2, work: tuple[int, int] | None =
     share too."""
     alone = min(_concurrent_time(1, work) for _ in range(tries))
     return max(processes * alone / _concurrent_time(processes, work) for _ in range(tries))
+
+
+def threads_capacity(work: tuple[int, int], tries: int = 2) -> float:
+    """Cores' worth of compute two threads of one process get together, each running the forward loop of a
+    model of its own (``work`` = (layers, rows)), as the colocated run's generating and training threads
+    do: 2 × (the loop's time alone) / (its mean time when both run at once); the best of ``tries``. The
+    interpreter's lock is what the two threads share besides the cores."""
+    layers, rows = work
+    model_cfg = policy_config(load_model_config("tiny-pangu")).model_copy(update={"num_layers": layers})
+    models = [build_model(model_cfg, torch.device("cpu"), seed=i).eval().requires_grad_(False) for i in range(2)]
+    ids = torch.zeros(rows, CAPACITY_TOKENS, dtype=torch.long)
+
+    def loop(model, times: list[float], barrier: threading.Barrier) -> None:
+        with torch.no_grad():
+            model(ids)
+            barrier.wait()
+            start = time.perf_counter()
+            for _ in range(CAPACITY_FORWARDS):
+                model(ids)
+            times.append(time.perf_counter() - start)
+
+    def together(count: int) -> float:
+        times: list[float] = []
+        barrier = threading.Barrier(count)
+        threads = [threading.Thread(target=loop, args=(models[i], times, barrier)) for i in range(count)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return statistics.mean(times)
+
+    alone = min(together(1) for _ in range(tries))
+    return max(2 * alone / together(2) for _ in range(tries))
 
 
 def shared_cores(calibration: Calibration, host: HostCosts, slow: float) -> tuple[Calibration, HostCosts]:
@@ -349,13 +383,13 @@ def stalesync_decode_steps(config: dict) -> list[int]:
     return longest
 
 
-def disaggregated_rows(measured: dict, calibration: Calibration, host: HostCosts, longest: list[int],
-                       capacity: float, sync_rates: dict) -> list[dict]:
+def stalesync_rows(measured: dict, calibration: Calibration, host: HostCosts, longest: list[int],
+                   capacity: float, thread_capacity: float, sync_rates: dict) -> list[dict]:
     """``measured``: an rl_stalesync.py result; ``longest``: tokens of the longest sample of each steady
     batch (``stalesync_decode_steps``); ``capacity``: cores' worth the two processes get together when
-    both compute (k ≥ 1); ``sync_rates``: the weight sync's copy and CRC rates on one core (the push runs
-    between two batches, each side on its own core). The link stays the preset's (two processes: not
-    probed)."""
+    both compute (k ≥ 1); ``thread_capacity``: the same for the two threads of the colocated run's one
+    process; ``sync_rates``: the weight sync's copy and CRC rates on one core (the push runs between two
+    batches, each side on its own core). The link stays the preset's (two processes: not probed)."""
     config = measured["workload"]
     task = get_task(config["task"])
     model = policy_config(load_model_config("tiny-pangu")).model_copy(update={"num_layers": 4})
@@ -365,13 +399,21 @@ def disaggregated_rows(measured: dict, calibration: Calibration, host: HostCosts
                           task.max_prompt_chars + 1, decode_steps, "fp32",
                           train_seq_len=sequence_len_for(task, config["max_new_tokens"]))
     rows = []
+    bucket = config.get("bucket_mib", STALESYNC_BUCKET_MIB) * 2**20
     for run in measured["runs"]:
-        layout = RLLayout("disaggregated", 2, ParallelConfig(micro_batch=batch), rollout_devices=1,
-                          staleness=run["staleness"], shared_cores=capacity,
-                          sync_bucket_bytes=config.get("bucket_mib", STALESYNC_BUCKET_MIB) * 2**20)
+        if run.get("placement", "disaggregated") == "colocated":
+            # one process: its generating thread and its training thread share the thread capacity; the
+            # reshard is a local copy (and check) of the weights into the generation model
+            layout = RLLayout("colocated", 1, ParallelConfig(micro_batch=batch), staleness=run["staleness"],
+                              shared_cores=thread_capacity, sync_bucket_bytes=bucket)
+            name = f"colocated k={run['staleness']} (one process, two threads)"
+        else:
+            layout = RLLayout("disaggregated", 2, ParallelConfig(micro_batch=batch), rollout_devices=1,
+                              staleness=run["staleness"], shared_cores=capacity, sync_bucket_bytes=bucket)
+            name = f"disaggregated k={run['staleness']}"
         steps = config["steps"] - 2  # the steady steps: neither the first (fill) nor the last (evaluation)
         predicted = price_rl_step(workload, layout, calibration, host, shared_sync(sync_rates, 1.0))
-        rows.append(_row(f"disaggregated k={run['staleness']}", predicted, run["steady_seconds"] / steps,
+        rows.append(_row(name, predicted, run["steady_seconds"] / steps,
                          steady_steps=steps, decode_steps=decode_steps, longest_sample_per_batch=longest))
     return rows
 
@@ -386,6 +428,8 @@ class Rates:
     """By the model's number of layers (StaleSync runs 4, rl_switch 8)."""
     capacity: dict[int, float]
     """Cores' worth of 2 and 4 concurrent processes."""
+    thread_capacity: float
+    """Cores' worth of 2 concurrent threads of one process (the colocated StaleSync run)."""
     longest: list[int]
     """Tokens of the longest sample of each steady StaleSync batch."""
     collectives: list[dict]
@@ -402,8 +446,8 @@ def compare(switch: dict, stalesync: dict, rates: Rates) -> dict:
     """Predicted against measured for an rl_switch.py and an rl_stalesync.py result, under every profile."""
     def predict(calibration: Calibration) -> list[dict]:
         return (colocated_rows(switch, calibration, rates.hosts[8], rates.capacity[4], rates.link, rates.sync)
-                + disaggregated_rows(stalesync, calibration, rates.hosts[4], rates.longest, rates.capacity[2],
-                                     rates.sync))
+                + stalesync_rows(stalesync, calibration, rates.hosts[4], rates.longest, rates.capacity[2],
+                                 rates.thread_capacity, rates.sync))
 
     per_profile = [predict(c) for c in rates.calibrations]
     rows = per_profile[0]
@@ -449,12 +493,13 @@ def main() -> None:
     longest = stalesync_decode_steps(stalesync["workload"])
     print(f"StaleSync batches' longest samples: {longest} tokens (mean {statistics.mean(longest):.1f})")
     rates = Rates(profile(args.repeats), {layers: host_probe(layers, args.repeats) for layers in (4, 8)},
-                  {n: core_capacity(n, work=CAPACITY_WORK[n]) for n in (2, 4)}, longest,
+                  {n: core_capacity(n, work=CAPACITY_WORK[n]) for n in (2, 4)},
+                  threads_capacity(CAPACITY_WORK[2]), longest,
                   profile_collectives(COLOCATED_RANKS), profile_sync_rates(args.repeats))
     gemm_capacity = {n: core_capacity(n) for n in (2, 4)}
     print(f"cores' worth of 2 and 4 concurrent processes (the runs' forwards): {rates.capacity[2]:.2f}, "
-          f"{rates.capacity[4]:.2f}; of a GEMM loop (recorded, not used): {gemm_capacity[2]:.2f}, "
-          f"{gemm_capacity[4]:.2f}")
+          f"{rates.capacity[4]:.2f}; of 2 threads of one process: {rates.thread_capacity:.2f}; of a GEMM loop "
+          f"(recorded, not used): {gemm_capacity[2]:.2f}, {gemm_capacity[4]:.2f}")
     link = rates.link
     print(f"gloo link of {COLOCATED_RANKS} ranks: {link.latency_us:.0f} µs per message step, {link.gbps:.2f} GB/s; "
           f"weight sync per core: copy {rates.sync['copy_bytes_per_s'] / 1e9:.2f} GB/s, "
@@ -477,6 +522,7 @@ def main() -> None:
                   "host_4_layers": asdict(rates.hosts[4]), "host_8_layers": asdict(rates.hosts[8]),
                   "cpu_count": os.cpu_count(), "core_capacity_2_processes": rates.capacity[2],
                   "core_capacity_4_processes": rates.capacity[4],
+                  "core_capacity_2_threads": rates.thread_capacity,
                   "capacity_work_layers_rows": CAPACITY_WORK,
                   "core_capacity_gemm_2_processes": gemm_capacity[2],
                   "core_capacity_gemm_4_processes": gemm_capacity[4],

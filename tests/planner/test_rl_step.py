@@ -13,9 +13,10 @@ from moetrain.cli import main
 from moetrain.config import ParallelConfig, load_cluster_config, load_model_config
 from moetrain.config.cluster import ClusterConfig
 from moetrain.config.model import ModelConfig
+from moetrain.errors import UserError
 from moetrain.planner.calibration import Calibration, Efficiency, load_calibration
 from moetrain.planner.generation import SAMPLING_PASSES, HostCosts, generation_time
-from moetrain.planner.rl_step import RLLayout, RLWorkload, price_rl_step
+from moetrain.planner.rl_step import RLLayout, RLWorkload, colocated_overlap, price_rl_step
 from moetrain.planner.workload import Workload
 
 # A dense GQA model small enough to count by hand: per layer q 64·64, k and v 64·32 each, o 64·64, two norms
@@ -110,7 +111,7 @@ def test_cli_json_prices_both_placements(capsys: pytest.CaptureFixture[str]):
     out = json.loads(capsys.readouterr().out)
     rows = {row["placement"]: row for row in out["predictions"]}
     assert set(rows) == {"colocated", "disaggregated"}
-    assert rows["disaggregated"]["staleness"] == 2 and rows["colocated"]["staleness"] == 0
+    assert rows["disaggregated"]["staleness"] == 2 and rows["colocated"]["staleness"] == 2
     assert out["faster"] == min(rows.values(), key=lambda r: r["step_s"])["placement"]
     assert rows["colocated"]["phases_s"]["train_s"] > 0 and rows["disaggregated"]["phases_s"]["push_s"] > 0
 
@@ -149,3 +150,25 @@ def test_overlap_on_shared_cores_is_processor_sharing():
     assert overlapped_time(0.3, 0.5, shared_cores=1.0) == pytest.approx(0.8)  # one core: time-sliced
     # 1.2 cores: both at 0.6 of a core until 0.3 s of work is done (0.5 s), then 0.2 s alone at full speed
     assert overlapped_time(0.5, 0.3, shared_cores=1.2) == pytest.approx(0.3 / 0.6 + 0.2)
+
+
+def test_colocated_overlap_fills_only_the_device_time_generation_leaves_idle():
+    # an accelerator: 3 s of generation of which 1 s keeps the device busy (2 s of host floor), 1.5 s of update
+    assert colocated_overlap(3.0, 1.0, 1.5) == 3.0  # the update fits in the host's 2 s
+    assert colocated_overlap(3.0, 1.0, 2.5) == 3.5  # 1 s + 2.5 s of device work, one after the other
+    # one CPU, two threads with 1.5 cores' worth between them: both at 0.75 until 1.5 s of update is done
+    # (2 s), then generation's last 1.5 s alone at one core: 3.5 s
+    assert colocated_overlap(3.0, 1.0, 1.5, shared_cores=1.5) == pytest.approx(3.5)
+
+
+def test_colocated_k1_composes_its_serial_phases_with_the_overlap():
+    w, cal, train = _tiny(logprob_forwards=1, reward_s=0.01), _calibration(), ParallelConfig(dp=2, micro_batch=16)
+    host = HostCosts(layer_forward_us=2000.0, probe_tokens=1)  # an eager host floor of 2 ms per layer pass
+    sync = price_rl_step(w, RLLayout("colocated", 2, train), cal, host)
+    k1 = price_rl_step(w, RLLayout("colocated", 2, train, staleness=1), cal, host)
+    ph, bare = k1.phases, price_rl_step(w, RLLayout("colocated", 2, train), cal).phases
+    serial = ph.reshard_s + ph.gather_s + ph.reward_s + ph.logprob_s
+    assert k1.step_s == pytest.approx(serial + max(ph.generate_s, bare.generate_s + ph.train_s))
+    assert k1.step_s < sync.step_s == pytest.approx(serial + ph.generate_s + ph.train_s)
+    with pytest.raises(UserError, match="drop --offload"):
+        price_rl_step(w, RLLayout("colocated", 2, train, staleness=1, offload=True), cal)

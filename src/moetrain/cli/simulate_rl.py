@@ -20,7 +20,8 @@ def add_rl_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--placement", default="both", metavar="{" + ",".join(PLACEMENTS) + "}",
                    help="colocated (RL Fusion switch), disaggregated (StaleSync) or both (default)")
     g.add_argument("--staleness", type=int, default=0,
-                   help="K of disaggregated StaleSync: 0 alternates, K ≥ 1 overlaps generation and training (0)")
+                   help="StaleSync's K: 0 alternates generation and training, K ≥ 1 overlaps them (disaggregated: "
+                        "on separate devices; colocated: the next batch beside each update) (0)")
     g.add_argument("--prompts", type=int, default=32, help="prompts per step (32)")
     g.add_argument("--group-size", type=int, default=8, help="samples per prompt, G (8)")
     g.add_argument("--prompt-len", type=int, help="prompt tokens per sample")
@@ -80,7 +81,7 @@ def _layouts(args: argparse.Namespace, workload) -> list:
             raise UserError(f"{placement} training on {args.devices - rollout} devices: "
                             + str(exc).replace("--global-batch", "--prompts × --group-size =")) from None
         layouts.append(RLLayout(placement, args.devices, parallel, args.gen_ep, rollout,
-                                args.staleness if placement == "disaggregated" else 0, args.offload,
+                                args.staleness, args.offload,
                                 args.host_link_gbps))
     return layouts
 
@@ -129,7 +130,8 @@ def run_rl(args: argparse.Namespace) -> int:
           f"{result['group_size']} samples, {result['prompt_len']} + {result['response_len']} tokens; training "
           f"{result['training_layout']}")
     for row in result["predictions"]:
-        name = row["placement"] + (f", k = {row['staleness']}" if row["placement"] == "disaggregated" else "")
+        shown = row["placement"] == "disaggregated" or row["staleness"] > 0
+        name = row["placement"] + (f", k = {row['staleness']}" if shown else "")
         split = (f"{row['generating_devices']} generate ({row['replicas']} replicas), {row['train_devices']} train"
                  if row["placement"] == "disaggregated" else f"all {row['devices']} devices, {row['replicas']} "
                  "generation replicas")

@@ -14,6 +14,11 @@ Colocated (RL Fusion, docs/rl_fusion.md): every device trains and generates in t
   all-reduce;
 - free: the KV cache goes back to the allocator (no data moves: priced at zero).
 
+With staleness k ≥ 1 (``moetrain.rl.colocated``) the next batch generates during the update, on the same
+devices, one version old: step = reshard + gather + reward + forwards + overlap(generate, train), where
+the overlap (``colocated_overlap``) fills only the device time generation leaves idle (on a CPU whose
+cores the two threads share: processor sharing). No offload, one whole model per device.
+
 Disaggregated (StaleSync, docs/rl_stalesync.md): ``rollout_devices`` generate and score, the rest train
 and push the new weights (bf16, or the precision's width) to the rollout replicas after each update. With
 staleness k = 0 the two sides alternate: step = generate + reward + forwards + train + push. With k ≥ 1 the
@@ -116,8 +121,9 @@ class RLLayout:
     host_link_gbps: float | None = None
     """Host link per device, one way (GB/s; PCIe); None: the device memory's bandwidth (a CPU)."""
     shared_cores: float | None = None
-    """Disaggregated on one CPU: the rollout and training processes share this many cores' worth of
-    compute (measured; SMT siblings give less than two); None: separate devices."""
+    """On one CPU, where the two overlapped sides (disaggregated: the rollout and training processes;
+    colocated with k ≥ 1: a process's generating and training threads) share this many cores' worth of
+    compute (measured; SMT siblings give less than two); None: separate devices, or one accelerator."""
     sync_bucket_bytes: float | None = None
     """The weight sync's bucket size: each bucket a device receives is one message, one latency (None:
     the ring's latencies only)."""
@@ -189,6 +195,10 @@ def _check(w: RLWorkload, layout: RLLayout) -> None:
     if layout.placement == "disaggregated" and not 0 < layout.rollout_devices < layout.devices:
         raise UserError(f"disaggregated needs rollout devices between 1 and {layout.devices - 1} "
                         f"(got {layout.rollout_devices}); set --rollout-devices")
+    overlapped_colocated = layout.placement == "colocated" and layout.staleness > 0
+    if overlapped_colocated and (layout.offload or layout.gen_devices_per_replica > 1):
+        raise UserError("colocated with staleness k ≥ 1 generates beside the update on a whole model per device, "
+                        "with both resident: drop --offload and use --gen-ep 1 (or staleness 0)")
     if layout.generating_devices % layout.gen_devices_per_replica:
         raise UserError(f"{layout.gen_devices_per_replica} devices per generation replica do not divide the "
                         f"{layout.generating_devices} generating devices; change --gen-ep")
@@ -312,6 +322,19 @@ def overlapped_time(a: float, b: float, shared_cores: float | None = None) -> fl
     return short / together + (long - short) / alone
 
 
+def colocated_overlap(generation_s: float, generation_device_s: float, train_s: float,
+                      shared_cores: float | None = None) -> float:
+    """Generation of the next batch beside the update on the same devices (colocated, k ≥ 1). On a CPU whose
+    cores the two threads share (``shared_cores``): processor sharing (``overlapped_time``). On an
+    accelerator both run on one device: its work adds up, and only generation's host time beyond its device
+    time (an eager stack's per-layer floor) is idle device time the update can fill:
+    max(generation, generation's device time + update). That a decode step leaves compute idle while it
+    reads memory, and an update the reverse, is not priced: the overlap of the two is taken as none."""
+    if shared_cores is not None:
+        return overlapped_time(generation_s, train_s, shared_cores)
+    return max(generation_s, generation_device_s + train_s)
+
+
 def price_rl_step(w: RLWorkload, layout: RLLayout, calibration: Calibration, host: HostCosts | None = None,
                   sync: SyncRates | None = None, train_calibration: Calibration | None = None) -> RLStepPrediction:
     """One RL step of ``w`` in ``layout``; ``host``: the eager stack's host costs (measured; none by default);
@@ -337,8 +360,12 @@ def price_rl_step(w: RLWorkload, layout: RLLayout, calibration: Calibration, hos
     if layout.placement == "colocated":
         moves = _colocated_transfers(w, layout, eff, sync)
         gather = _gather_time(w, layout, eff)
-        step = (generation.total_s + gather + w.reward_s + logprob + train_s
-                + moves.offload_s + moves.reshard_s + moves.restore_s)
+        serial = gather + w.reward_s + logprob + moves.reshard_s
+        if layout.staleness:  # the next batch generates beside the update (moetrain.rl.colocated)
+            device_s = _generation(w, layout, eff, HostCosts()).total_s  # without the host's floor
+            step = serial + colocated_overlap(generation.total_s, device_s, train_s, layout.shared_cores)
+        else:
+            step = serial + generation.total_s + train_s + moves.offload_s + moves.restore_s
     else:
         moves = _Transfers(push_s=_push_time(w, layout, eff, sync))
         rollout_side = generation.total_s + w.reward_s
