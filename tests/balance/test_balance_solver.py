@@ -8,6 +8,7 @@ from moetrain.balance.placement import ExpertPlacement, diff
 from moetrain.balance.solver import (
     align_to,
     bridge_replicas,
+    group_replicas_by_node,
     optimal_shares,
     plan_placement,
     replica_counts,
@@ -162,3 +163,59 @@ def test_bridging_pairs_ranks_inside_a_node_when_asked():
     per_rank = local.apply_to_tokens_per_expert(loads)
     np.testing.assert_allclose(per_rank[[0, 1]], [6.0, 6.0], atol=1e-9)
     assert per_rank.max() == pytest.approx(6.0) and per_rank.sum() == pytest.approx(20.0)
+
+
+def test_grouping_gathers_each_replicated_experts_ranks_into_one_node():
+    # 8 ranks of 2 slots, 4 ranks per node (ranks 0-3, 4-7), experts 0-7 one per rank, 8 spare slots.
+    # Expert 0 (rank 0) has a replica on rank 5 and expert 2 (rank 2) replicas on ranks 6 and 7: both
+    # rings cross the node boundary. Linked ranks: {0, 5} and {2, 6, 7}, the other three stand alone.
+    table = np.array([[0, -1], [1, -1], [2, -1], [3, -1], [4, -1], [5, 0], [6, 2], [7, 2]])
+    placement = ExpertPlacement.from_slot_experts(8, table)
+    loads = np.array([8.0, 3.0, 9.0, 2.0, 5.0, 1.0, 4.0, 6.0])
+    grouped = group_replicas_by_node(placement, ranks_per_node=4)
+    for expert in (0, 2):
+        nodes = {rank // 4 for rank, _ in grouped.replicas(expert)}
+        assert len(nodes) == 1, (expert, grouped.replicas(expert))
+    assert [len(grouped.replicas(e)) for e in range(8)] == [2, 1, 3, 1, 1, 1, 1, 1]
+    # ranks are only relabelled: the same multiset of per-rank loads (expert 0 is 4 + 4 on its two ranks,
+    # expert 2 is 3 + 3 + 3 on its three: equal shares by default), by hand
+    by_hand = sorted([4.0, 3.0, 3.0, 2.0, 5.0, 1.0 + 4.0, 4.0 + 3.0, 6.0 + 3.0])
+    np.testing.assert_allclose(sorted(grouped.apply_to_tokens_per_expert(loads)), by_hand)
+    np.testing.assert_allclose(sorted(placement.apply_to_tokens_per_expert(loads)), by_hand)
+    # the largest component (3 ranks) and the pair cannot share a 4-rank node: 3 + 1 single, 2 + 2 singles
+    linked = {rank for expert in (0, 2) for rank, _ in grouped.replicas(expert)}
+    assert sorted(sum(rank // 4 == node for rank in linked) for node in range(2)) == [2, 3]
+    # nothing replicated, or one node only: unchanged
+    plain = ExpertPlacement.contiguous(8, 8, 2)
+    assert group_replicas_by_node(plain, 4) is plain
+    assert group_replicas_by_node(placement, 8) is placement
+
+
+def test_grouping_moves_the_replicas_all_reduce_onto_the_in_node_links():
+    from moetrain.balance.costs import BalanceCostModel
+    from moetrain.config import load_cluster_config, load_model_config
+    from moetrain.costs.params import moe_block_params
+    from moetrain.planner import comm
+
+    model = load_model_config("pangu-ultra-moe-718b")
+    model = model.model_copy(update={"moe": model.moe.model_copy(update={"num_experts": 64})})
+    costs = BalanceCostModel(model, load_cluster_config("atlas-800t-a2"), 16)  # 2 nodes of 8 NPUs
+    table = np.full((16, 5), -1)
+    table[:, :4] = np.arange(64).reshape(16, 4)
+    table[9, 4] = 0  # expert 0 (rank 0, node 0) replicated on rank 9 (node 1)
+    table[10, 4] = 4  # expert 4 (rank 1, node 0) replicated on rank 10 (node 1)
+    placement = ExpertPlacement.from_slot_experts(64, table)
+    grad = moe_block_params(model)[1] / 64 * 4  # fp32 gradient of one expert
+    # before: each ring of two sends one gradient each way over the network
+    assert costs.replica_sync_seconds(placement) == pytest.approx(float(comm.p2p_time(grad, True, costs.cluster)))
+    grouped = group_replicas_by_node(placement, 8)
+    # after: both rings inside a node, one gradient per rank over the in-node link
+    assert costs.replica_sync_seconds(grouped) == pytest.approx(float(comm.p2p_time(grad, False, costs.cluster)))
+    loads = np.arange(1.0, 65.0)
+    np.testing.assert_allclose(np.sort(grouped.apply_to_tokens_per_expert(loads)),
+                               np.sort(placement.apply_to_tokens_per_expert(loads)))
+    # the planner offers the grouped layout and its cost model (sync included) prefers it
+    current = placement
+    best = plan_placement(loads, 16, 5, score=lambda p: float(costs.layer_seconds(p, loads)), current=current,
+                          ranks_per_node=8)
+    assert float(costs.layer_seconds(best, loads)) <= float(costs.layer_seconds(grouped, loads)) + 1e-12
