@@ -219,3 +219,45 @@ def test_grouping_moves_the_replicas_all_reduce_onto_the_in_node_links():
     best = plan_placement(loads, 16, 5, score=lambda p: float(costs.layer_seconds(p, loads)), current=current,
                           ranks_per_node=8)
     assert float(costs.layer_seconds(best, loads)) <= float(costs.layer_seconds(grouped, loads)) + 1e-12
+
+
+def test_shares_leave_the_ranks_that_do_not_decide_the_maximum_at_or_below_the_mean():
+    # 3 ranks of 2 slots; expert 0 (12 tokens) on ranks 0 and 1, expert 2 (3) on rank 1, expert 1 (15) alone
+    # on rank 2: the busiest rank is rank 2 at 15 whatever the shares, so every split s of expert 0 with
+    # 12·s <= 15 and 3 + 12·(1 − s) <= 15 is a least maximum. The mean is 30 / 3 = 10: both linked ranks
+    # get to it or below exactly when 12·s <= 10 and 15 − 12·s <= 10, i.e. 5/12 <= s <= 5/6.
+    table = np.array([[0, -1], [0, 2], [1, -1]])
+    loads = np.array([12.0, 15.0, 3.0])
+    share = optimal_shares(table, loads, settle=True)
+    s = share[0]
+    assert 5 / 12 - 1e-9 <= s <= 5 / 6 + 1e-9
+    assert share[2] == pytest.approx(1.0 - s) and share[3] == 1.0 and share[4] == 1.0
+    per_rank = ExpertPlacement.from_slot_experts(3, table, share.reshape(3, 2)).apply_to_tokens_per_expert(loads)
+    assert per_rank.max() == pytest.approx(15.0) and per_rank[:2].max() <= 10.0 + 1e-9
+
+
+def test_spread_bridging_partners_ranks_outside_the_rings_first():
+    # 6 ranks of 3 slots. Expert 0 (8 tokens) is split 4 / 4 over ranks 0 and 3 (one ring). Rank loads:
+    # 7, 12, 5, 4.5, 8, 6 (mean 42.5 / 6 = 7.08): heavy ranks 1 and 4, light ranks 3, 2, 5, 0 (lightest
+    # first), of which 3 and 0 are in expert 0's ring.
+    loads = np.array([8.0, 3.0, 9.0, 5.0, 3.0, 0.5, 8.0, 6.0])
+    table = np.array([[0, 1, -1], [2, 4, -1], [3, -1, -1], [0, 5, -1], [6, -1, -1], [7, -1, -1]])
+    share = np.where(table == 0, 0.5, np.where(table >= 0, 1.0, 0.0))
+    placement = ExpertPlacement.from_slot_experts(8, table, share)
+    plain = bridge_replicas(placement, loads)
+    spread = bridge_replicas(placement, loads, spread=True)
+
+    def rings_per_rank(p):
+        return [sum(1 for e in set(p.slot_expert[3 * r:3 * r + 3].tolist()) if e >= 0 and p.num_replicas()[e] > 1)
+                for r in range(6)]
+
+    # plain: rank 1 with rank 3 (expert 2 onto it: rank 3 now in two rings), rank 4 with rank 2 (expert 6)
+    assert [r for r, _ in plain.replicas(2)] == [1, 3] and [r for r, _ in plain.replicas(6)] == [2, 4]
+    assert rings_per_rank(plain) == [1, 1, 1, 2, 1, 0]
+    # spread: rank 1 with rank 2, rank 4 with rank 5, the ranks outside rings: no rank in two rings
+    assert [r for r, _ in spread.replicas(2)] == [1, 2] and [r for r, _ in spread.replicas(6)] == [4, 5]
+    assert rings_per_rank(spread) == [1, 1, 1, 1, 1, 1]
+    # by hand: plain links ranks 0, 1, 3 (experts 0, 2: 8 + 3 + 9 + 3 + 0.5 = 23.5 over three ranks) and
+    # 2, 4 (13 over two); spread links 1, 2 (17 over two), 4, 5 (14) and 0, 3 (11.5)
+    assert plain.apply_to_tokens_per_expert(loads).max() == pytest.approx(23.5 / 3)
+    assert spread.apply_to_tokens_per_expert(loads).max() == pytest.approx(8.5)
