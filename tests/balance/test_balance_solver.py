@@ -8,6 +8,7 @@ from moetrain.balance.placement import ExpertPlacement, diff
 from moetrain.balance.solver import (
     align_to,
     bridge_replicas,
+    group_replicas_by_node,
     optimal_shares,
     plan_placement,
     replica_counts,
@@ -162,3 +163,101 @@ def test_bridging_pairs_ranks_inside_a_node_when_asked():
     per_rank = local.apply_to_tokens_per_expert(loads)
     np.testing.assert_allclose(per_rank[[0, 1]], [6.0, 6.0], atol=1e-9)
     assert per_rank.max() == pytest.approx(6.0) and per_rank.sum() == pytest.approx(20.0)
+
+
+def test_grouping_gathers_each_replicated_experts_ranks_into_one_node():
+    # 8 ranks of 2 slots, 4 ranks per node (ranks 0-3, 4-7), experts 0-7 one per rank, 8 spare slots.
+    # Expert 0 (rank 0) has a replica on rank 5 and expert 2 (rank 2) replicas on ranks 6 and 7: both
+    # rings cross the node boundary. Linked ranks: {0, 5} and {2, 6, 7}, the other three stand alone.
+    table = np.array([[0, -1], [1, -1], [2, -1], [3, -1], [4, -1], [5, 0], [6, 2], [7, 2]])
+    placement = ExpertPlacement.from_slot_experts(8, table)
+    loads = np.array([8.0, 3.0, 9.0, 2.0, 5.0, 1.0, 4.0, 6.0])
+    grouped = group_replicas_by_node(placement, ranks_per_node=4)
+    for expert in (0, 2):
+        nodes = {rank // 4 for rank, _ in grouped.replicas(expert)}
+        assert len(nodes) == 1, (expert, grouped.replicas(expert))
+    assert [len(grouped.replicas(e)) for e in range(8)] == [2, 1, 3, 1, 1, 1, 1, 1]
+    # ranks are only relabelled: the same multiset of per-rank loads (expert 0 is 4 + 4 on its two ranks,
+    # expert 2 is 3 + 3 + 3 on its three: equal shares by default), by hand
+    by_hand = sorted([4.0, 3.0, 3.0, 2.0, 5.0, 1.0 + 4.0, 4.0 + 3.0, 6.0 + 3.0])
+    np.testing.assert_allclose(sorted(grouped.apply_to_tokens_per_expert(loads)), by_hand)
+    np.testing.assert_allclose(sorted(placement.apply_to_tokens_per_expert(loads)), by_hand)
+    # the largest component (3 ranks) and the pair cannot share a 4-rank node: 3 + 1 single, 2 + 2 singles
+    linked = {rank for expert in (0, 2) for rank, _ in grouped.replicas(expert)}
+    assert sorted(sum(rank // 4 == node for rank in linked) for node in range(2)) == [2, 3]
+    # nothing replicated, or one node only: unchanged
+    plain = ExpertPlacement.contiguous(8, 8, 2)
+    assert group_replicas_by_node(plain, 4) is plain
+    assert group_replicas_by_node(placement, 8) is placement
+
+
+def test_grouping_moves_the_replicas_all_reduce_onto_the_in_node_links():
+    from moetrain.balance.costs import BalanceCostModel
+    from moetrain.config import load_cluster_config, load_model_config
+    from moetrain.costs.params import moe_block_params
+    from moetrain.planner import comm
+
+    model = load_model_config("pangu-ultra-moe-718b")
+    model = model.model_copy(update={"moe": model.moe.model_copy(update={"num_experts": 64})})
+    costs = BalanceCostModel(model, load_cluster_config("atlas-800t-a2"), 16)  # 2 nodes of 8 NPUs
+    table = np.full((16, 5), -1)
+    table[:, :4] = np.arange(64).reshape(16, 4)
+    table[9, 4] = 0  # expert 0 (rank 0, node 0) replicated on rank 9 (node 1)
+    table[10, 4] = 4  # expert 4 (rank 1, node 0) replicated on rank 10 (node 1)
+    placement = ExpertPlacement.from_slot_experts(64, table)
+    grad = moe_block_params(model)[1] / 64 * 4  # fp32 gradient of one expert
+    # before: each ring of two sends one gradient each way over the network
+    assert costs.replica_sync_seconds(placement) == pytest.approx(float(comm.p2p_time(grad, True, costs.cluster)))
+    grouped = group_replicas_by_node(placement, 8)
+    # after: both rings inside a node, one gradient per rank over the in-node link
+    assert costs.replica_sync_seconds(grouped) == pytest.approx(float(comm.p2p_time(grad, False, costs.cluster)))
+    loads = np.arange(1.0, 65.0)
+    np.testing.assert_allclose(np.sort(grouped.apply_to_tokens_per_expert(loads)),
+                               np.sort(placement.apply_to_tokens_per_expert(loads)))
+    # the planner offers the grouped layout and its cost model (sync included) prefers it
+    current = placement
+    best = plan_placement(loads, 16, 5, score=lambda p: float(costs.layer_seconds(p, loads)), current=current,
+                          ranks_per_node=8)
+    assert float(costs.layer_seconds(best, loads)) <= float(costs.layer_seconds(grouped, loads)) + 1e-12
+
+
+def test_shares_leave_the_ranks_that_do_not_decide_the_maximum_at_or_below_the_mean():
+    # 3 ranks of 2 slots; expert 0 (12 tokens) on ranks 0 and 1, expert 2 (3) on rank 1, expert 1 (15) alone
+    # on rank 2: the busiest rank is rank 2 at 15 whatever the shares, so every split s of expert 0 with
+    # 12·s <= 15 and 3 + 12·(1 − s) <= 15 is a least maximum. The mean is 30 / 3 = 10: both linked ranks
+    # get to it or below exactly when 12·s <= 10 and 15 − 12·s <= 10, i.e. 5/12 <= s <= 5/6.
+    table = np.array([[0, -1], [0, 2], [1, -1]])
+    loads = np.array([12.0, 15.0, 3.0])
+    share = optimal_shares(table, loads, settle=True)
+    s = share[0]
+    assert 5 / 12 - 1e-9 <= s <= 5 / 6 + 1e-9
+    assert share[2] == pytest.approx(1.0 - s) and share[3] == 1.0 and share[4] == 1.0
+    per_rank = ExpertPlacement.from_slot_experts(3, table, share.reshape(3, 2)).apply_to_tokens_per_expert(loads)
+    assert per_rank.max() == pytest.approx(15.0) and per_rank[:2].max() <= 10.0 + 1e-9
+
+
+def test_spread_bridging_partners_ranks_outside_the_rings_first():
+    # 6 ranks of 3 slots. Expert 0 (8 tokens) is split 4 / 4 over ranks 0 and 3 (one ring). Rank loads:
+    # 7, 12, 5, 4.5, 8, 6 (mean 42.5 / 6 = 7.08): heavy ranks 1 and 4, light ranks 3, 2, 5, 0 (lightest
+    # first), of which 3 and 0 are in expert 0's ring.
+    loads = np.array([8.0, 3.0, 9.0, 5.0, 3.0, 0.5, 8.0, 6.0])
+    table = np.array([[0, 1, -1], [2, 4, -1], [3, -1, -1], [0, 5, -1], [6, -1, -1], [7, -1, -1]])
+    share = np.where(table == 0, 0.5, np.where(table >= 0, 1.0, 0.0))
+    placement = ExpertPlacement.from_slot_experts(8, table, share)
+    plain = bridge_replicas(placement, loads)
+    spread = bridge_replicas(placement, loads, spread=True)
+
+    def rings_per_rank(p):
+        return [sum(1 for e in set(p.slot_expert[3 * r:3 * r + 3].tolist()) if e >= 0 and p.num_replicas()[e] > 1)
+                for r in range(6)]
+
+    # plain: rank 1 with rank 3 (expert 2 onto it: rank 3 now in two rings), rank 4 with rank 2 (expert 6)
+    assert [r for r, _ in plain.replicas(2)] == [1, 3] and [r for r, _ in plain.replicas(6)] == [2, 4]
+    assert rings_per_rank(plain) == [1, 1, 1, 2, 1, 0]
+    # spread: rank 1 with rank 2, rank 4 with rank 5, the ranks outside rings: no rank in two rings
+    assert [r for r, _ in spread.replicas(2)] == [1, 2] and [r for r, _ in spread.replicas(6)] == [4, 5]
+    assert rings_per_rank(spread) == [1, 1, 1, 1, 1, 1]
+    # by hand: plain links ranks 0, 1, 3 (experts 0, 2: 8 + 3 + 9 + 3 + 0.5 = 23.5 over three ranks) and
+    # 2, 4 (13 over two); spread links 1, 2 (17 over two), 4, 5 (14) and 0, 3 (11.5)
+    assert plain.apply_to_tokens_per_expert(loads).max() == pytest.approx(23.5 / 3)
+    assert spread.apply_to_tokens_per_expert(loads).max() == pytest.approx(8.5)

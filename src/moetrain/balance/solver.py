@@ -12,12 +12,20 @@ Solvers:
   "redundant experts" step of DeepSeek's EPLB), then longest-processing-time-first packing (Graham
   1969): heaviest replica to the lightest rank with a free slot that does not already hold it;
 * ``local``: greedy, then moves and swaps out of the busiest rank while they lower the maximum;
-* both finish with the exact token shares among an expert's replicas (a small LP, HiGHS);
+* both finish with the exact token shares among an expert's replicas (a small LP, HiGHS; among the
+  shares that reach the least maximum, those with the least load above the mean, so that linked ranks
+  that do not decide the maximum keep room for a load that comes out other than forecast);
 * ``milp``: the exact mixed-integer program (which expert on which rank, with shares), for small
   instances, to measure how far the fast solvers are from optimal.
 
 Finally ranks are relabelled (an assignment problem) so that as many experts as possible stay where
 they are, which is what migration pays for.
+
+Replicas' gradient all-reduces (a ring per replicated expert, the busiest rank's busiest link decides) are
+the other cost of replication. Two candidate variants keep them small: bridging that partners light ranks
+outside the existing rings first (``bridge_replicas(spread=True)``), so that no rank sends a gradient share
+for two rings, and, with EP over several nodes, the best candidates with the ranks their replicas link
+gathered into one node (``group_replicas_by_node``), so the rings run over the in-node links.
 """
 
 from __future__ import annotations
@@ -83,9 +91,11 @@ def _pack_lpt(loads: np.ndarray, counts: np.ndarray, num_ranks: int, slots_per_r
     return table
 
 
-def optimal_shares(table: np.ndarray, loads: np.ndarray) -> np.ndarray:
+def optimal_shares(table: np.ndarray, loads: np.ndarray, settle: bool = True) -> np.ndarray:
     """[R·S] token shares among replicas that minimise the busiest rank for a fixed slot table (an LP
-    over the replicated experts' shares; single-replica experts keep share 1)."""
+    over the replicated experts' shares; single-replica experts keep share 1). With ``settle``, a second
+    LP picks, among the shares that reach that least maximum, ones with the least load above the mean
+    (sum over ranks): linked ranks that do not decide the maximum then sit below it, not at it."""
     num_experts = loads.size
     flat = table.reshape(-1)
     slots_per_rank = table.shape[1]
@@ -121,10 +131,55 @@ def optimal_shares(table: np.ndarray, loads: np.ndarray) -> np.ndarray:
     if result.status != 0:
         return share  # equal shares are always feasible
     x = np.clip(result.x[:n], 0.0, 1.0)
+    if settle:
+        # Many share vectors reach the least maximum: the linked ranks that do not decide it may sit at it
+        # too, and then look as busy as the one that does (to ``bridge_replicas`` and to the next solve).
+        # Among them, the one with the least load above the mean: rank loads <= the maximum just found,
+        # minimise sum_r u_r with u_r >= load_r - mean.
+        num_ranks = table.shape[0]
+        peak = result.x[n]
+        mean = (loads.sum() / num_ranks) / scale
+        rank_rows = coo_matrix((loads[flat[var_slots]] / scale, (ranks, np.arange(n))), shape=(num_ranks, n))
+        a_peak = coo_matrix(rank_rows).tocsr()
+        a_excess = coo_matrix((np.concatenate([rank_rows.data, -np.ones(num_ranks)]),
+                               (np.concatenate([rank_rows.row, np.arange(num_ranks)]),
+                                np.concatenate([rank_rows.col, n + np.arange(num_ranks)]))),
+                              shape=(num_ranks, n + num_ranks)).tocsr()
+        from scipy.sparse import hstack, vstack
+
+        a_two = vstack([hstack([a_peak, coo_matrix((num_ranks, num_ranks))]), a_excess]).tocsr()
+        b_two = np.concatenate([peak - fixed / scale, mean - fixed / scale])
+        a_eq_two = coo_matrix((np.ones(n), (expert_row, np.arange(n))), shape=(uniq.size, n + num_ranks)).tocsr()
+        second = linprog(np.concatenate([np.zeros(n), np.ones(num_ranks)]), A_ub=a_two, b_ub=b_two, A_eq=a_eq_two,
+                         b_eq=np.ones(uniq.size), bounds=[(0.0, 1.0)] * n + [(0.0, None)] * num_ranks,
+                         method="highs")
+        if second.status == 0:
+            x = _no_higher_peak(x, np.clip(second.x[:n], 0.0, 1.0), rank_rows.tocsr(), fixed / scale, expert_row)
     # renormalise per expert (removes LP round-off) so the placement validates exactly
     totals = np.bincount(expert_row, weights=x, minlength=uniq.size)
     share[var_slots] = x / totals[expert_row]
     return share
+
+
+def _no_higher_peak(first: np.ndarray, second: np.ndarray, rank_rows, fixed: np.ndarray,
+                    expert_row: np.ndarray) -> np.ndarray:
+    """``second`` moved back towards ``first`` (a convex combination: still shares that sum to 1) just
+    enough that no rank ends above ``first``'s busiest: the settling LP meets its bound only to the
+    solver's tolerance, and the least maximum must not rise by that either."""
+
+    def rank_loads(x):
+        totals = np.bincount(expert_row, weights=x, minlength=expert_row.max() + 1)
+        return rank_rows @ (x / totals[expert_row]) + fixed
+
+    low, high = rank_loads(first), rank_loads(second)
+    peak = low.max()
+    over = high > peak
+    if not over.any():
+        return second
+    step = float(np.min((peak - low[over]) / (high[over] - low[over])))
+    step = max(0.0, min(1.0, step))
+    mixed = first + step * (second - first)
+    return mixed if rank_loads(mixed).max() <= peak else first
 
 
 def _rank_loads(table: np.ndarray, slot_load: np.ndarray) -> np.ndarray:
@@ -186,6 +241,9 @@ def improve(table: np.ndarray, share: np.ndarray, loads: np.ndarray) -> ExpertPl
     return ExpertPlacement.from_slot_experts(loads.size, table, optimal_shares(table, loads))
 
 
+GROUPED_CANDIDATES = 3
+"""How many of the best-scoring candidates ``plan_placement`` also offers with ``group_replicas_by_node``."""
+
 # Exchange counts at which a warm-started search offers its placement as a candidate: a few moves
 # may already take most of the gain, and the caller's score (migration included) decides.
 WARM_SNAPSHOTS = (1, 2, 4, 8, 16)
@@ -217,7 +275,7 @@ def _node_local_pairs(heavy: list[int], light: list[int], ranks_per_node: int) -
 
 
 def bridge_replicas(
-    placement: ExpertPlacement, loads: np.ndarray, ranks_per_node: int | None = None
+    placement: ExpertPlacement, loads: np.ndarray, ranks_per_node: int | None = None, spread: bool = False
 ) -> ExpertPlacement:
     """The placement plus replicas that pair each rank above the mean load with one below it.
 
@@ -228,7 +286,11 @@ def bridge_replicas(
     second lightest, and so on; the LP then splits each bridged expert so that the pair meets in the
     middle. One extra replica per pair: a move and a gradient all-reduce, which the caller's score
     weighs against the time saved. With ``ranks_per_node``, partners are sought inside the heavy
-    rank's node first (``_node_local_pairs``)."""
+    rank's node first (``_node_local_pairs``).
+
+    With ``spread``, light ranks that hold no replicated expert are partnered first: a rank in two rings
+    sends a gradient share for each (``BalanceCostModel.replica_sync_seconds``: the busiest rank decides),
+    and the lightest ranks are often those holding a small replica of a giant expert."""
     loads = np.asarray(loads, dtype=float)
     num_ranks, slots = placement.num_ranks, placement.slots_per_rank
     table = placement.slot_expert.reshape(num_ranks, slots).copy()
@@ -238,6 +300,11 @@ def bridge_replicas(
     free = (table == EMPTY_SLOT).sum(axis=1)
     heavy = [int(r) for r in np.argsort(-rank_load, kind="stable") if rank_load[r] > mean]
     light = [int(r) for r in np.argsort(rank_load, kind="stable") if rank_load[r] < mean]
+    if spread:
+        counts = np.bincount(table[table != EMPTY_SLOT], minlength=loads.size)
+        in_ring = (counts[np.maximum(table, 0)] > 1) & (table != EMPTY_SLOT)
+        linked = in_ring.any(axis=1)
+        light = [r for r in light if not linked[r]] + [r for r in light if linked[r]]
     changed = False
     pairs = list(zip(heavy, light)) if ranks_per_node is None else _node_local_pairs(heavy, light, ranks_per_node)
     for high, low in pairs:
@@ -270,6 +337,82 @@ def bridge_replicas(
     if not changed:
         return placement
     return ExpertPlacement.from_slot_experts(loads.size, table, optimal_shares(table, loads))
+
+
+def _replica_components(table: np.ndarray) -> list[list[int]]:
+    """Ranks linked by replicated experts (two ranks holding replicas of one expert are linked), as
+    connected components, each in ring order (breadth first from its lowest rank, neighbours by rank)."""
+    num_ranks = table.shape[0]
+    parent = list(range(num_ranks))
+
+    def root(rank: int) -> int:
+        while parent[rank] != rank:
+            parent[rank] = parent[parent[rank]]
+            rank = parent[rank]
+        return rank
+
+    holders: dict[int, list[int]] = {}
+    for rank, expert in zip(*np.nonzero(table != EMPTY_SLOT)):
+        holders.setdefault(int(table[rank, expert]), []).append(int(rank))
+    neighbours: list[set[int]] = [set() for _ in range(num_ranks)]
+    for ranks in holders.values():
+        for a, b in zip(ranks, ranks[1:]):
+            parent[root(a)] = root(b)
+            neighbours[a].add(b)
+            neighbours[b].add(a)
+    members: dict[int, list[int]] = {}
+    for rank in range(num_ranks):
+        members.setdefault(root(rank), []).append(rank)
+    components = []
+    for ranks in members.values():
+        order, seen, queue = [], {ranks[0]}, [ranks[0]]
+        while queue:
+            rank = queue.pop(0)
+            order.append(rank)
+            for other in sorted(neighbours[rank] - seen):
+                seen.add(other)
+                queue.append(other)
+        components.append(order)
+    return components
+
+
+def group_replicas_by_node(placement: ExpertPlacement, ranks_per_node: int) -> ExpertPlacement:
+    """The same placement with its ranks permuted so that ranks sharing a replicated expert share a node
+    where they fit: every rank keeps its experts and shares, so every rank's load is unchanged, but the
+    replicas' ring all-reduces run over the in-node links (``BalanceCostModel.replica_sync_seconds``
+    prices those about twice cheaper than the network) instead of crossing nodes.
+
+    The ranks linked by replicas form connected components; the largest go first, each into the node
+    with the most free ranks (first-fit decreasing bin packing, bins of ``ranks_per_node``); a component
+    larger than a node, or one no node has room for, is cut in ring order over the emptiest nodes. The
+    caller's ``align_to(..., ranks_per_node)`` then maps these nodes onto the current ones (whole nodes to
+    whole nodes), so the grouping survives the relabelling that keeps migration small."""
+    r, s = placement.num_ranks, placement.slots_per_rank
+    if not 1 < ranks_per_node < r or r % ranks_per_node:
+        return placement
+    table = placement.slot_expert.reshape(r, s)
+    components = sorted(_replica_components(table), key=len, reverse=True)
+    if len(components) == r:  # no replicas: nothing to group
+        return placement
+    nodes: list[list[int]] = [[] for _ in range(r // ranks_per_node)]
+    for component in components:
+        left = list(component)
+        while left:
+            room = [ranks_per_node - len(node) for node in nodes]
+            fits = [i for i, free in enumerate(room) if free >= len(left)]
+            # the fullest node it fits in keeps big holes for big components; else the emptiest node
+            if fits:
+                target = min(fits, key=lambda i: (room[i], i))
+            else:
+                target = max(range(len(nodes)), key=lambda i: (room[i], -i))
+            take = min(room[target], len(left))
+            nodes[target].extend(left[:take])
+            left = left[take:]
+    order = np.array([rank for node in nodes for rank in node], dtype=np.int64)
+    if np.array_equal(order, np.arange(r)):
+        return placement
+    share = placement.slot_share.reshape(r, s)
+    return ExpertPlacement.from_slot_experts(placement.num_experts, table[order], share[order])
 
 
 def solve_fixed_replicas(
@@ -349,10 +492,11 @@ def solve_milp(
 
 
 def _holds(table: np.ndarray, num_experts: int) -> np.ndarray:
-    """[R, E] 1.0 where rank r holds expert e (a rank holds an expert at most once)."""
-    holds = np.zeros((table.shape[0], num_experts))
+    """[R, E] 1 where rank r holds expert e (a rank holds an expert at most once; integers: the overlap
+    product below then stays off BLAS, whose threads cost more to wake than this small product takes)."""
+    holds = np.zeros((table.shape[0], num_experts), dtype=np.int64)
     ranks, slots = np.nonzero(table != EMPTY_SLOT)
-    holds[ranks, table[ranks, slots]] = 1.0
+    holds[ranks, table[ranks, slots]] = 1
     return holds
 
 
@@ -455,7 +599,13 @@ def plan_placement(
         pool.extend(improve_stepwise(current, loads))
     unbridged = len(pool)
     if solver != "milp":
-        pool.extend([bridged for c in pool if (bridged := bridge_replicas(c, loads)) is not c])
+        plain = [bridge_replicas(c, loads) for c in pool]
+        # the same with light partners outside the replicas' rings first, where that changes the pairs
+        spread = [bridge_replicas(c, loads, spread=True) for c in pool]
+        spread = [d for c, b, d in zip(pool, plain, spread)
+                  if d is not c and not np.array_equal(d.slot_expert, b.slot_expert)]
+        pool.extend([b for c, b in zip(pool, plain) if b is not c])
+        pool.extend(spread)
     if current is not None:
         pool = [align_to(c, current, ranks_per_node) for c in pool]
     if solver != "milp" and ranks_per_node is not None and 1 < ranks_per_node < num_ranks:
@@ -463,7 +613,16 @@ def plan_placement(
         pool.extend([b for c in pool[:unbridged] if (b := bridge_replicas(c, loads, ranks_per_node)) is not c])
     if score is None:
         score = lambda p: float(p.apply_to_tokens_per_expert(loads).max())
-    return min(pool, key=score)
+    scores = [score(c) for c in pool]
+    if solver == "milp" or ranks_per_node is None or not 1 < ranks_per_node < num_ranks:
+        return pool[int(np.argmin(scores))]
+    # the best few again with the ranks their replicas link gathered into nodes (the replicas' all-reduces
+    # then run in-node), aligned to ``current`` again; only the best few, to keep the solve time
+    best = [pool[i] for i in np.argsort(scores, kind="stable")[:GROUPED_CANDIDATES]]
+    grouped = [g for c in best if (g := group_replicas_by_node(c, ranks_per_node)) is not c]
+    if current is not None:
+        grouped = [align_to(g, current, ranks_per_node) for g in grouped]
+    return min([best[0], *grouped], key=score)
 
 
 def timed_plan(*args, **kwargs) -> tuple[ExpertPlacement, float]:
