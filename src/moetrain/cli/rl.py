@@ -83,8 +83,8 @@ def add_fusion_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_stalesync_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument_group("StaleSync: asynchronous rollout and training (docs/rl_stalesync.md)")
-    a.add_argument("--staleness", type=int, help="K: train on samples at most K weight versions old; a rollout "
-                   "worker (rank 0) and the trainer (rank 1) run concurrently (0: they alternate, as in one process)")
+    a.add_argument("--staleness", type=int, help="K: train on samples at most K weight versions old, generation "
+                   "running beside training (--placement); 0: they alternate, as in one process")
     a.add_argument("--placement", choices=("colocated", "disaggregated"),
                    help="with --staleness: separate rollout and training ranks (disaggregated, the default), or "
                         "the same ranks, generating the next batch during each update (colocated)")
