@@ -63,6 +63,7 @@ run ep_overlap.py --nproc 2 --global-batch 32 --out $R/ep_overlap_cpu_2ranks.jso
 run memory_policy.py --device cpu --seq-len 256 --budget-fraction 0.3
 run step_speed.py --device cpu --steps 4 --out $R/step_speed_cpu.json
 run rl_switch.py --out $R/rl_switch_cpu.json
+run rl_switch.py --ranks 2 --out $R/rl_switch_cpu_2ranks.json
 run rl_generation.py --out $R/rl_generation_cpu.json
 run rl_learning.py --out $R/rl_learning_cpu.json
 run rl_stalesync.py --out $R/rl_stalesync_cpu.json

@@ -9,13 +9,15 @@ dispatcher, small kernels) and the sampler's time per logit. Those go into
 
 - colocated (RL Fusion): ``benchmarks/rl_switch.py``'s three variants (tiny-pangu, 4 gloo ranks, training
   TP2×EP2 or PP2×EP2, generation in 4 replicas; offload auto and always), measured in
-  ``benchmarks/results/rl_switch_cpu.json`` (median step time);
-- disaggregated (StaleSync): ``benchmarks/rl_stalesync.py``'s k = 0, 1, 4 (4-layer tiny-pangu, one
+  ``benchmarks/results/rl_switch_cpu.json`` (median step time), and its two variants on 2 ranks, one per
+  core (training EP2 or TP2, generation in 2 replicas), in ``rl_switch_cpu_2ranks.json``;
+- colocated StaleSync (k = 1: the next batch generated beside each update, one process, two threads) and
+  disaggregated StaleSync: ``benchmarks/rl_stalesync.py``'s runs (k = 0, 1, 4: 4-layer tiny-pangu, one
   rollout and one training process), measured in ``benchmarks/results/rl_stalesync_cpu.json`` (trainer
   step time = steady seconds / steady steps).
 
 The colocated runs' transfers and collectives are priced from two more probes (``moetrain.train.profiler``):
-gloo collectives at rl_switch's 4 ranks, one thread each (all-reduce, all-gather, all-to-all on the world
+gloo collectives at rl_switch's 4 ranks (and 2), one thread each (all-reduce, all-gather, all-to-all on the world
 and on both pairs at once, one-way sends; ``profile_collectives``), to which the planner's link formulas
 are fitted (``planner.comm.fit_link``: a latency and a bandwidth, fed in as the ``cpu`` cluster's in-node
 link), and the weight sync's copy and CRC-32 rates on one core (``profile_sync_rates``), divided like
@@ -158,6 +160,8 @@ CAPACITY_WORK = {2: (4, 128), 4: (8, 32)}
 """The forward the capacity of n processes is measured with: (layers, rows) of the run with n processes
 (StaleSync's 4-layer model and its 128-row batch; rl_switch's 8-layer model and 32 rows per replica). The
 GEMM loop's capacity (a working set that fits each core's cache) is recorded beside."""
+SWITCH_2_RANKS_WORK = (8, 64)
+"""rl_switch's 2-rank run: the 8-layer model, 64 rows per replica."""
 
 
 def _concurrent_time(processes: int, work: tuple[int, int] | None = None) -> float:
@@ -279,7 +283,8 @@ def colocated_rows(measured: dict, calibration: Calibration, host: HostCosts, ca
     sync's copy and CRC rates on one core (``profile_sync_rates``)."""
     config = measured["config"]
     task = get_task(config["task"])
-    layouts = {"tp2_ep2": ParallelConfig(tp=2, dp=2, ep=2), "pp2_ep2": ParallelConfig(pp=2, dp=2, ep=2)}
+    layouts = {"tp2_ep2": ParallelConfig(tp=2, dp=2, ep=2), "pp2_ep2": ParallelConfig(pp=2, dp=2, ep=2),
+               "ep2": ParallelConfig(dp=2, ep=2), "tp2": ParallelConfig(tp=2)}
     model = policy_config(load_model_config(config["model"]))
     batch = config["prompts"] * config["group_size"]
     # Sensitivity, not the prediction: the same with every rank's share of a core taken from the load
@@ -302,7 +307,8 @@ def colocated_rows(measured: dict, calibration: Calibration, host: HostCosts, ca
         # the replay diagnostics forward runs on the generation model, whole on every rank
         workload = RLWorkload(model, cluster, config["prompts"], config["group_size"], task.max_prompt_chars + 1,
                               max_new, "fp32", logprob_forwards=1, train_seq_len=seq_len, logprob_on_generation=True)
-        layout = RLLayout("colocated", config["ranks"], parallel.model_copy(update={"micro_batch": batch // 2}),
+        train = parallel.model_copy(update={"micro_batch": batch // parallel.dp})
+        layout = RLLayout("colocated", config["ranks"], train,
                           offload=variant["offload"] == "always", sync_bucket_bytes=config["bucket_mib"] * 2**20)
         # Training: a rank blocked in a collective or a pipeline's idle stage takes no CPU (gloo waits
         # without spinning), so the ranks that compute share the capacity: on average ranks × (1 − the
@@ -313,7 +319,8 @@ def colocated_rows(measured: dict, calibration: Calibration, host: HostCosts, ca
         alone = price_rl_step(workload, layout, one_core, one_core_host).phases.generate_s
         loaded = (price_rl_step(workload, layout, *at_load, shared_sync(sync_rates, load_slow)).step_s
                   if at_load else None)
-        rows.append(_row(f"colocated {variant['train_layout']} offload {variant['offload']}", predicted,
+        rows.append(_row(f"colocated {variant['train_layout']} offload {variant['offload']} ({config['ranks']} ranks)",
+                         predicted,
                          variant["step_s"], measured_phases_s=variant["phase_s"], training_busy_ranks=busy,
                          generation_priced_one_core_s=alone,
                          sensitivity_step_s_at_recorded_load=loaded, recorded_load_average=load))
@@ -436,16 +443,27 @@ class Rates:
     """Gloo collectives on rl_switch's 4 ranks (``profile_collectives``)."""
     sync: dict
     """The weight sync's copy and CRC rates on one core (``profile_sync_rates``)."""
+    switch_2_ranks_capacity: float
+    """Cores' worth of rl_switch's 2 ranks (the 8-layer forward at 64 rows)."""
+    collectives_2_ranks: list[dict]
+    """Gloo collectives on 2 ranks."""
 
     @property
     def link(self) -> LinkFit:
         return link_fit(self.collectives)
 
+    @property
+    def link_2_ranks(self) -> LinkFit:
+        return link_fit(self.collectives_2_ranks)
 
-def compare(switch: dict, stalesync: dict, rates: Rates) -> dict:
-    """Predicted against measured for an rl_switch.py and an rl_stalesync.py result, under every profile."""
+
+def compare(switch: dict, switch_2_ranks: dict, stalesync: dict, rates: Rates) -> dict:
+    """Predicted against measured for rl_switch.py's results (4 and 2 ranks) and an rl_stalesync.py result,
+    under every profile."""
     def predict(calibration: Calibration) -> list[dict]:
         return (colocated_rows(switch, calibration, rates.hosts[8], rates.capacity[4], rates.link, rates.sync)
+                + colocated_rows(switch_2_ranks, calibration, rates.hosts[8], rates.switch_2_ranks_capacity,
+                                 rates.link_2_ranks, rates.sync)
                 + stalesync_rows(stalesync, calibration, rates.hosts[4], rates.longest, rates.capacity[2],
                                  rates.thread_capacity, rates.sync))
 
@@ -454,7 +472,7 @@ def compare(switch: dict, stalesync: dict, rates: Rates) -> dict:
     for i, row in enumerate(rows):
         # how far the prediction moves with the machine's load: the same row under every profile
         row["predicted_step_s_per_profile"] = [p[i]["predicted_step_s"] for p in per_profile]
-        print(f"{row['run']:34s} predicted {row['predicted_step_s']:7.3f} s  measured {row['measured_step_s']:7.3f} s"
+        print(f"{row['run']:44s} predicted {row['predicted_step_s']:7.3f} s  measured {row['measured_step_s']:7.3f} s"
               f"  ({row['error_pct']:+.1f} %; under the {len(rates.calibrations)} profiles "
               + ", ".join(f"{v:.3f}" for v in row["predicted_step_s_per_profile"]) + " s)")
     errors = [abs(r["error_pct"]) for r in rows]
@@ -462,21 +480,24 @@ def compare(switch: dict, stalesync: dict, rates: Rates) -> dict:
           f"{sum(r['within_15pct'] for r in rows)} of {len(rows)} within 15 %")
     return {"rows": rows, "median_abs_error_pct": statistics.median(errors), "max_abs_error_pct": max(errors),
             "within_15pct": sum(r["within_15pct"] for r in rows), "rows_total": len(rows),
-            "measured_load_average_1min": {"rl_switch": switch["config"].get("load_average_1min_after")}}
+            "measured_load_average_1min": {name: run["config"].get("load_average_1min_after") for name, run in
+                                           (("rl_switch", switch), ("rl_switch_2_ranks", switch_2_ranks))}}
 
 
-def remeasure(folder: Path) -> tuple[dict, dict]:
-    """rl_switch.py and rl_stalesync.py (one repeat) run again now, beside the rates, into ``folder``."""
+def remeasure(folder: Path) -> tuple[dict, dict, dict]:
+    """rl_switch.py (4 and 2 ranks) and rl_stalesync.py (one repeat) run again now, beside the rates, into
+    ``folder``."""
     results = []
-    for script, extra in (("rl_switch.py", []), ("rl_stalesync.py", ["--repeats", "1"])):
-        out = folder / script.replace(".py", ".json")
+    for script, extra in (("rl_switch.py", []), ("rl_switch.py", ["--ranks", "2"]),
+                          ("rl_stalesync.py", ["--repeats", "1"])):
+        out = folder / f"{script.replace('.py', '')}{'_'.join(extra)}.json"
         load = os.getloadavg()[0]
         subprocess.run([sys.executable, str(Path(__file__).parent / script), *extra, "--out", str(out)], check=True,
                        capture_output=True)
         result = json.loads(out.read_text())
         result.setdefault("config", {})["load_average_1min_before"] = load
         results.append(result)
-    return results[0], results[1]
+    return results[0], results[1], results[2]
 
 
 def main() -> None:
@@ -489,13 +510,15 @@ def main() -> None:
     torch.set_num_threads(1)
     load_before = os.getloadavg()[0]
     switch = json.loads((RESULTS / "rl_switch_cpu.json").read_text())
+    switch_2_ranks = json.loads((RESULTS / "rl_switch_cpu_2ranks.json").read_text())
     stalesync = json.loads((RESULTS / "rl_stalesync_cpu.json").read_text())
     longest = stalesync_decode_steps(stalesync["workload"])
     print(f"StaleSync batches' longest samples: {longest} tokens (mean {statistics.mean(longest):.1f})")
     rates = Rates(profile(args.repeats), {layers: host_probe(layers, args.repeats) for layers in (4, 8)},
                   {n: core_capacity(n, work=CAPACITY_WORK[n]) for n in (2, 4)},
                   threads_capacity(CAPACITY_WORK[2]), longest,
-                  profile_collectives(COLOCATED_RANKS), profile_sync_rates(args.repeats))
+                  profile_collectives(COLOCATED_RANKS), profile_sync_rates(args.repeats),
+                  core_capacity(2, work=SWITCH_2_RANKS_WORK), profile_collectives(2))
     gemm_capacity = {n: core_capacity(n) for n in (2, 4)}
     print(f"cores' worth of 2 and 4 concurrent processes (the runs' forwards): {rates.capacity[2]:.2f}, "
           f"{rates.capacity[4]:.2f}; of 2 threads of one process: {rates.thread_capacity:.2f}; of a GEMM loop "
@@ -506,14 +529,16 @@ def main() -> None:
           f"CRC-32 {rates.sync['crc_bytes_per_s'] / 1e9:.2f} GB/s")
     alone = generation_alone(switch["config"], args.repeats)
     print(f"one rl_switch replica's generation alone: {alone:.3f} s (a diagnostic)")
-    result = {"measured_from": ["benchmarks/results/rl_switch_cpu.json", "benchmarks/results/rl_stalesync_cpu.json"],
-              **compare(switch, stalesync, rates)}
+    result = {"measured_from": [f"benchmarks/results/{name}.json"
+                                for name in ("rl_switch_cpu", "rl_switch_cpu_2ranks", "rl_stalesync_cpu")],
+              **compare(switch, switch_2_ranks, stalesync, rates)}
     if args.remeasure:
         with tempfile.TemporaryDirectory() as tmp:
             again = remeasure(Path(tmp))
         print("against the runs made again now:")
         result["remeasured"] = {"load_average_1min_before": [r["config"]["load_average_1min_before"] for r in again],
-                                "measured": {"rl_switch": again[0], "rl_stalesync": again[1]},
+                                "measured": {"rl_switch": again[0], "rl_switch_2_ranks": again[1],
+                                             "rl_stalesync": again[2]},
                                 **compare(*again, rates)}
     write_result(args.out, {
         **result,
@@ -527,6 +552,8 @@ def main() -> None:
                   "core_capacity_gemm_2_processes": gemm_capacity[2],
                   "core_capacity_gemm_4_processes": gemm_capacity[4],
                   "collectives_4_ranks": rates.collectives, "link_4_ranks": asdict(link),
+                  "core_capacity_rl_switch_2_ranks": rates.switch_2_ranks_capacity,
+                  "collectives_2_ranks": rates.collectives_2_ranks, "link_2_ranks": asdict(rates.link_2_ranks),
                   "weight_sync_per_core": rates.sync, "generation_alone_one_replica_s": alone},
         "load_average_1min_before": load_before, "load_average_1min_after": os.getloadavg()[0],
     })

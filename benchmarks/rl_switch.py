@@ -1,16 +1,19 @@
-"""RL Fusion's switch, phase by phase, and its share of an RL step, on 4 gloo ranks of a CPU.
+"""RL Fusion's switch, phase by phase, and its share of an RL step, on 4 (or 2) gloo ranks of a CPU.
 
 Each variant trains GRPO steps of ``RLTrainer`` (the ``moetrain rl --nproc 4`` loop) in one training layout
-(TP2×EP2 or PP2×EP2) and generates in 4 data-parallel replicas; rows give the switch's phases (offload,
-reshard, generate, free, restore: the slowest rank's wall time and peak resident memory), the sync's bytes
-and the whole step's time. The first step (its starting evaluation) and the last (its closing one) are left
-out; each figure is the median of the other steps. ``offload always`` moves AdamW state and gradients to
-host and back around each generation, which a CPU never needs (``auto`` skips it): it prices the copies.
+(TP2×EP2 or PP2×EP2; with ``--ranks 2``, EP2 or TP2) and generates in 4 (2) data-parallel replicas; rows give
+the switch's phases (offload, reshard, generate, free, restore: the slowest rank's wall time and peak resident
+memory), the sync's bytes and the whole step's time. The first step (its starting evaluation) and the last
+(its closing one) are left out; each figure is the median of the other steps. ``offload always`` moves AdamW
+state and gradients to host and back around each generation, which a CPU never needs (``auto`` skips it): it
+prices the copies.
 
     python benchmarks/rl_switch.py --out benchmarks/results/rl_switch_cpu.json
+    python benchmarks/rl_switch.py --ranks 2 --out benchmarks/results/rl_switch_cpu_2ranks.json
 
-On a CPU the 4 ranks share the machine's cores (one thread each): times are those of a busy machine, useful
-as proportions (which phase dominates, the switch's share of the step), not as absolute speeds.
+On the 2-core machine 4 ranks share the cores two by two (one thread each): times are those of a busy
+machine, useful as proportions (which phase dominates, the switch's share of the step), not as absolute
+speeds; 2 ranks get a core each.
 """
 
 from __future__ import annotations
@@ -33,8 +36,11 @@ from moetrain.rl.sft import sequence_len_for
 from moetrain.rl.switch import PHASES
 from moetrain.rl.tasks import get_task
 
-LAYOUTS = {"tp2_ep2": ParallelConfig(tp=2, dp=2, ep=2), "pp2_ep2": ParallelConfig(pp=2, dp=2, ep=2)}
-VARIANTS = [("tp2_ep2", "auto"), ("pp2_ep2", "auto"), ("tp2_ep2", "always")]
+LAYOUTS = {"tp2_ep2": ParallelConfig(tp=2, dp=2, ep=2), "pp2_ep2": ParallelConfig(pp=2, dp=2, ep=2),
+           "ep2": ParallelConfig(dp=2, ep=2), "tp2": ParallelConfig(tp=2)}
+VARIANTS = {4: [("tp2_ep2", "auto"), ("pp2_ep2", "auto"), ("tp2_ep2", "always")],
+            2: [("ep2", "auto"), ("tp2", "auto")]}
+"""The variants of a world of 4 ranks (two per core on the 2-core machine) and of 2 (one per core)."""
 
 
 def _trainer(args: argparse.Namespace, parallel: ParallelConfig, dims: ParallelDims, offload: str) -> RLTrainer:
@@ -54,9 +60,11 @@ def _trainer(args: argparse.Namespace, parallel: ParallelConfig, dims: ParallelD
 
 
 def _bench(rank: int, world_size: int, args: argparse.Namespace) -> list[dict]:
-    dims = {name: ParallelDims.build(parallel, rank) for name, parallel in LAYOUTS.items()}
+    variants = VARIANTS[world_size]
+    used = dict.fromkeys(layout for layout, _ in variants)
+    dims = {name: ParallelDims.build(LAYOUTS[name], rank) for name in used}
     results = []
-    for layout, offload in VARIANTS:
+    for layout, offload in variants:
         rows = _trainer(args, LAYOUTS[layout], dims[layout], offload).train()
         measured = [r for r in rows if 1 < r.get("step", 0) < args.steps]
 
@@ -86,16 +94,18 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--bucket-mib", type=float, default=4.0)
+    parser.add_argument("--ranks", type=int, choices=sorted(VARIANTS), default=4,
+                        help="4: TP2×EP2 and PP2×EP2, two ranks per core; 2: EP2 and TP2, one rank per core")
     parser.add_argument("--out", default="benchmarks/results/rl_switch_cpu.json")
     args = parser.parse_args()
-    variants = spawn(_bench, 4, args)[0]
+    variants = spawn(_bench, args.ranks, args)[0]
     for v in variants:
         phases = ", ".join(f"{p} {s * 1e3:.0f} ms" for p, s in v["phase_s"].items())
         print(f"{v['train_layout']} offload {v['offload']}: switch {v['switch_s']:.2f} s of a {v['step_s']:.2f} s "
               f"step ({v['switch_share_of_step']:.0%}; without generation {v['switch_without_generate_share']:.0%}): "
               f"{phases}; sync {v['sync_mib_sent']:.1f} MiB in {v['sync_buckets']} buckets")
     write_result(args.out, {
-        "config": {"model": args.model, "ranks": 4, "threads_per_rank": 1, "cpu_cores": os.cpu_count(),
+        "config": {"model": args.model, "ranks": args.ranks, "threads_per_rank": 1, "cpu_cores": os.cpu_count(),
                    "steps": args.steps, "prompts": args.prompts, "group_size": args.group_size,
                    "bucket_mib": args.bucket_mib, "task": "addition",
                    "load_average_1min_after": round(os.getloadavg()[0], 2)},
