@@ -133,24 +133,35 @@ def host_probe(num_layers: int, repeats: int) -> HostCosts:
                      sample_ns_per_logit=sampling / logits.numel() * 1e9, host_is_device=True)
 
 
+def _forward_step(work: tuple[int, int], seed: int = 0):
+    """The runtime's eager forward of the run's model (``work`` = (layers, rows)) on CAPACITY_TOKENS tokens
+    per row, as a call."""
+    layers, rows = work
+    model_cfg = policy_config(load_model_config("tiny-pangu")).model_copy(update={"num_layers": layers})
+    model = build_model(model_cfg, torch.device("cpu"), seed=seed).eval().requires_grad_(False)
+    ids = torch.zeros(rows, CAPACITY_TOKENS, dtype=torch.long)
+    return lambda: model(ids)
+
+
+def _timed_loop(step, count: int, barrier) -> float:
+    """Seconds of ``count`` calls of ``step`` after a warm-up, started when every worker is at ``barrier``."""
+    with torch.no_grad():
+        step()
+        barrier.wait()  # every worker imported and warmed up: the loops run at once
+        start = time.perf_counter()
+        for _ in range(count):
+            step()
+    return time.perf_counter() - start
+
+
 def _matmul_loop(queue, barrier, work: tuple[int, int] | None = None) -> None:
     torch.set_num_threads(1)
     if work is None:
         a, b = torch.randn(384, 384), torch.randn(384, 384)
         step, count = (lambda: a @ b), CAPACITY_MATMULS
-    else:  # the runtime's eager forward of the run's model (layers, rows) on CAPACITY_TOKENS tokens per row
-        layers, rows = work
-        model_cfg = policy_config(load_model_config("tiny-pangu")).model_copy(update={"num_layers": layers})
-        model = build_model(model_cfg, torch.device("cpu"), seed=0).eval().requires_grad_(False)
-        ids = torch.zeros(rows, CAPACITY_TOKENS, dtype=torch.long)
-        step, count = (lambda: model(ids)), CAPACITY_FORWARDS
-    with torch.no_grad():
-        step()
-        barrier.wait()  # every process imported and warmed up: the loops run at once
-        start = time.perf_counter()
-        for _ in range(count):
-            step()
-    queue.put(time.perf_counter() - start)
+    else:
+        step, count = _forward_step(work), CAPACITY_FORWARDS
+    queue.put(_timed_loop(step, count, barrier))
 
 
 CAPACITY_MATMULS = 600
@@ -195,24 +206,15 @@ def threads_capacity(work: tuple[int, int], tries: int = 2) -> float:
     model of its own (``work`` = (layers, rows)), as the colocated run's generating and training threads
     do: 2 × (the loop's time alone) / (its mean time when both run at once); the best of ``tries``. The
     interpreter's lock is what the two threads share besides the cores."""
-    layers, rows = work
-    model_cfg = policy_config(load_model_config("tiny-pangu")).model_copy(update={"num_layers": layers})
-    models = [build_model(model_cfg, torch.device("cpu"), seed=i).eval().requires_grad_(False) for i in range(2)]
-    ids = torch.zeros(rows, CAPACITY_TOKENS, dtype=torch.long)
+    steps = [_forward_step(work, seed=i) for i in range(2)]
 
-    def loop(model, times: list[float], barrier: threading.Barrier) -> None:
-        with torch.no_grad():
-            model(ids)
-            barrier.wait()
-            start = time.perf_counter()
-            for _ in range(CAPACITY_FORWARDS):
-                model(ids)
-            times.append(time.perf_counter() - start)
+    def loop(step, times: list[float], barrier: threading.Barrier) -> None:
+        times.append(_timed_loop(step, CAPACITY_FORWARDS, barrier))
 
     def together(count: int) -> float:
         times: list[float] = []
         barrier = threading.Barrier(count)
-        threads = [threading.Thread(target=loop, args=(models[i], times, barrier)) for i in range(count)]
+        threads = [threading.Thread(target=loop, args=(steps[i], times, barrier)) for i in range(count)]
         for thread in threads:
             thread.start()
         for thread in threads:

@@ -20,7 +20,7 @@ from moetrain.config.run import RunSpec
 from moetrain.distributed.world import spawn
 from moetrain.rl.config import StaleSyncOptions
 from moetrain.rl.loop import policy_config
-from moetrain.rl.stalesync import RolloutWorker, StaleSyncJob, StaleSyncTrainer, run_stalesync, worker_name
+from moetrain.rl.stalesync import Pipeline, RolloutWorker, StaleSyncJob, StaleSyncTrainer, run_stalesync
 from moetrain.rl.start import starting_weights
 from moetrain.train.checkpoint import latest_checkpoint, read_marker, verify_checkpoint
 from refusals import refused
@@ -31,7 +31,7 @@ except ImportError:
     ray = None
 
 needs_ray = pytest.mark.skipif(ray is None, reason="the Ray engine's runs need ray (pip install ray)")
-NAMES = [worker_name(rank) for rank in range(2)]
+NAMES = [Pipeline().worker_name(rank) for rank in range(2)]
 PER_STEP = (*COMPARED, "staleness_max", "dropped_samples", "batch_index")
 
 

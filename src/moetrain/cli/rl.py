@@ -116,24 +116,23 @@ def stalesync_options(args: argparse.Namespace):
         from moetrain.rl.ray_engine import import_ray
 
         import_ray()  # before the warm-up: a missing Ray is one line, not a failure after minutes
-    if args.reward_worker and args.placement == "colocated":
+    placement = args.placement or "disaggregated"
+    if args.reward_worker and placement == "colocated":
         raise UserError("--reward-worker is a rank of the disaggregated pipeline: drop it or use --placement "
                         "disaggregated")
-    if args.placement == "colocated":
-        if not k:
-            return None  # the synchronous loop
+    if placement == "colocated" and not k:
+        return None  # the synchronous loop
+    if placement == "disaggregated" and (args.nproc or 1) > 1:
+        raise UserError("--nproc with the disaggregated --staleness: not built yet (the pipeline runs on ranks of "
+                        "its own: rollout worker, reward and reference workers, trainer); drop --nproc")
+    stale = StaleSyncOptions(staleness=k, placement=placement, loss=args.stale_loss, bucket_mib=args.sync_bucket_mib,
+                             reward_worker=args.reward_worker)
+    if placement == "colocated":
         from moetrain.rl.colocated import check_colocated
         from moetrain.rl.config import FusionOptions
 
-        stale = StaleSyncOptions(staleness=k, placement="colocated", loss=args.stale_loss,
-                                 bucket_mib=args.sync_bucket_mib)
         check_colocated(stale, FusionOptions(gen_ep=args.gen_ep, offload=args.offload))
-        return stale
-    if (args.nproc or 1) > 1:
-        raise UserError("--nproc with the disaggregated --staleness: not built yet (the pipeline runs on ranks of "
-                        "its own: rollout worker, reward and reference workers, trainer); drop --nproc")
-    return StaleSyncOptions(staleness=k, placement="disaggregated", loss=args.stale_loss,
-                            bucket_mib=args.sync_bucket_mib, reward_worker=args.reward_worker)
+    return stale
 
 
 FIELD_FLAGS = {

@@ -52,7 +52,7 @@ from moetrain.rl.generate import Generation
 from moetrain.rl.loop import RLTrainer, scored_rollouts
 from moetrain.rl.offload import FREE_MARGIN
 from moetrain.rl.sft import prompt_ids
-from moetrain.train.checkpoint import should_save
+from moetrain.rl.stalesync import Schedule
 
 
 def check_colocated(stale: StaleSyncOptions, fusion: FusionOptions) -> None:
@@ -85,7 +85,8 @@ class ColocatedStaleSyncTrainer(RLTrainer):
         super().__init__(spec, options, model_cfg=model_cfg, fusion=fusion, **kwargs)
         assert self.fusion is not None
         self.stale = stale
-        self.last_step = min(self.cfg.steps, spec.run.stop_at or self.cfg.steps)
+        # one batch ahead (k = 1 whatever the bound: see the module's docstring), checkpoints as sync points
+        self.schedule = Schedule.of_run(1, spec, start=0)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moetrain-rollout")
         self._side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._ahead: Future[Generation] | None = None
@@ -141,10 +142,8 @@ class ColocatedStaleSyncTrainer(RLTrainer):
         """Whether batch ``step`` + 1 is generated during step ``step``: not after the last step, not across a
         checkpoint, and only where generation fits beside the update."""
         following = step + 1
-        if following >= self.last_step:
-            return False
-        if self.spec.run.save_dir is not None and should_save(following, self.last_step, self.spec.run.save_every):
-            return False
+        if following >= self.schedule.last or self.schedule.version(following) != step:
+            return False  # the run ends, or the batch after a checkpoint: generated after it, from its weights
         if self.device.type != "cuda":
             return True  # a CPU's memory is the host's: it fits (as ``offload_decision`` says)
         if self._update_bytes is None:

@@ -341,11 +341,6 @@ PEER_LOST = re.compile(r"Connection (reset|closed) by peer|Socket Timeout|timed 
 PEER_GRACE_S = 5.0
 
 
-def worker_name(rank: int, pipeline: Pipeline | None = None) -> str:
-    """How a failure names a rank of the pipeline: ``StaleSync rollout worker (rank 0)``."""
-    return (pipeline or Pipeline()).worker_name(rank)
-
-
 class StaleSyncWorkerError(RuntimeError):
     """A worker of the pipeline failed: the one message of the run names it."""
 

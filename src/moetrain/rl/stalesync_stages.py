@@ -19,6 +19,7 @@ the weights: the reference is fixed, and the scorer reads only the samples.
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -45,7 +46,7 @@ class StageReport:
     """Seconds spent on its own work (not waiting for batches or for room in the next queue)."""
 
 
-class Stage:
+class Stage(ABC):
     """A rank that takes batches from the stage before it, adds its part, and passes them on."""
 
     name = ""
@@ -57,8 +58,9 @@ class Stage:
         self.sender = BatchSender(channels.queue, pipeline.next_rank(self.name), capacity=job.stale.staleness + 1)
         self.ends_stream = pipeline.order[pipeline.order.index(self.name) + 1] != "trainer"
 
+    @abstractmethod
     def process(self, batch: QueuedBatch) -> QueuedBatch:
-        raise NotImplementedError
+        """The batch with this stage's part added."""
 
     def run(self) -> StageReport:
         batches, busy = 0, 0.0
