@@ -404,12 +404,16 @@ def stalesync_rows(measured: dict, calibration: Calibration, host: HostCosts, lo
     model = policy_config(load_model_config("tiny-pangu")).model_copy(update={"num_layers": 4})
     batch = config["prompts"] * config["group_size"]
     decode_steps = round(statistics.mean(longest))
-    workload = RLWorkload(model, load_cluster_config("cpu"), config["prompts"], config["group_size"],
-                          task.max_prompt_chars + 1, decode_steps, "fp32",
-                          train_seq_len=sequence_len_for(task, config["max_new_tokens"]))
     rows = []
     bucket = config.get("bucket_mib", STALESYNC_BUCKET_MIB) * 2**20
+    steps = config["steps"] - 2  # the steady steps: neither the first (fill) nor the last (evaluation)
     for run in measured["runs"]:
+        # the trainer's head runs on the completion tokens: their mean count, as the run counted them
+        completion = run["steady_tokens"] / (steps * batch)
+        workload = RLWorkload(model, load_cluster_config("cpu"), config["prompts"], config["group_size"],
+                              task.max_prompt_chars + 1, decode_steps, "fp32",
+                              train_seq_len=sequence_len_for(task, config["max_new_tokens"]),
+                              completion_len=completion)
         if run.get("placement", "disaggregated") == "colocated":
             # one process: its generating thread and its training thread share the thread capacity; the
             # reshard is a local copy (and check) of the weights into the generation model
@@ -420,10 +424,10 @@ def stalesync_rows(measured: dict, calibration: Calibration, host: HostCosts, lo
             layout = RLLayout("disaggregated", 2, ParallelConfig(micro_batch=batch), rollout_devices=1,
                               staleness=run["staleness"], shared_cores=capacity, sync_bucket_bytes=bucket)
             name = f"disaggregated k={run['staleness']}"
-        steps = config["steps"] - 2  # the steady steps: neither the first (fill) nor the last (evaluation)
         predicted = price_rl_step(workload, layout, calibration, host, shared_sync(sync_rates, 1.0))
         rows.append(_row(name, predicted, run["steady_seconds"] / steps,
-                         steady_steps=steps, decode_steps=decode_steps, longest_sample_per_batch=longest))
+                         steady_steps=steps, decode_steps=decode_steps, longest_sample_per_batch=longest,
+                         mean_completion_tokens=completion))
     return rows
 
 

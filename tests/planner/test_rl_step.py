@@ -172,3 +172,39 @@ def test_colocated_k1_composes_its_serial_phases_with_the_overlap():
     assert k1.step_s < sync.step_s == pytest.approx(serial + ph.generate_s + ph.train_s)
     with pytest.raises(UserError, match="drop --offload"):
         price_rl_step(w, RLLayout("colocated", 2, train, staleness=1, offload=True), cal)
+
+
+def test_training_runs_the_head_on_the_completion_tokens_only():
+    # The trainer scores completions only (rl.grpo.PolicyObjective): of 24 positions per sequence, the head
+    # and its loss run on 6; the rest of the step does not change.
+    from moetrain.planner.compute import gemm_time, memory_time
+    from moetrain.planner.rl_step import training_prediction
+
+    cal = _calibration()
+    layout = RLLayout("disaggregated", 2, ParallelConfig(micro_batch=128), rollout_devices=1)
+    full = _tiny(train_seq_len=24, completion_len=24.0)
+    scored = _tiny(train_seq_len=24, completion_len=6.0)
+    assert full.model.num_mtp_layers == 1  # whose head predicts at every position, in both
+    assert (full.head_share, scored.head_share) == (1.0, 0.25)
+    eff = cal.for_device(full.cluster.device)
+    vocab, hidden, tokens = full.model.vocab_size, full.model.hidden_size, 128 * 24
+
+    def head(t: float) -> float:  # forward + backward (3 GEMMs, 3 passes over the fp32 logits)
+        return float(3 * gemm_time(2.0 * hidden * vocab * t, 1, full.cluster, eff, "fp32")
+                     + 3 * memory_time(3 * 4.0 * vocab * t, full.cluster, eff))
+
+    saved = (float(training_prediction(full, layout, cal).step_time_s)
+             - float(training_prediction(scored, layout, cal).step_time_s))
+    assert saved == pytest.approx(head(tokens) - head(tokens * 0.25), rel=1e-9)
+    assert _tiny(train_seq_len=24).head_share == 8 / 24  # by default every sample runs to response_len
+
+
+def test_a_logprob_forward_runs_the_head_on_the_scored_tokens_only():
+    from moetrain.planner.generation import forward_time
+
+    w = Workload(DENSE, FAST, 16, 4)
+    full, quarter = (forward_time(w, 4, 1, 16, IDEAL, head_share=share) for share in (1.0, 0.25))
+    tokens = 4 * 16  # rows × positions
+    head = 2 * 64 * 1000 * tokens / 1e21  # 2·h·V multiply-adds per token at 1e9 TFLOP/s
+    softmax = SAMPLING_PASSES * 2 * 4 * tokens * 1000 / 1e12  # fp32 passes over the logits at 1 TB/s
+    assert full - quarter == pytest.approx(0.75 * (head + softmax), rel=1e-9)

@@ -6,7 +6,15 @@ import pytest
 import torch
 
 from moetrain.rl.config import GRPOConfig
-from moetrain.rl.grpo import group_advantages, grpo_loss, grpo_token_loss, token_logprobs
+from moetrain.rl.grpo import (
+    PolicyObjective,
+    StepStats,
+    group_advantages,
+    grpo_loss,
+    grpo_token_loss,
+    label_positions,
+    token_logprobs,
+)
 
 CFG = GRPOConfig(group_size=4, clip_low=0.2, clip_high=0.28, is_cap=2.0)
 
@@ -58,6 +66,41 @@ def test_clip_truncation_and_kl_by_hand():
     # clipped tokens keep only the KL gradient; token 1 keeps −A·r·w = r; token 3 −A·w = −2
     kl_grad0 = 0.1 * (1 - math.exp(-0.2))  # d/dlogp of exp(ref − logp) − (ref − logp) − 1
     torch.testing.assert_close(logp.grad, torch.tensor([kl_grad0, r, 0.0, -2.0]))
+
+
+def test_label_positions_are_the_flat_row_major_label_slots():
+    labels = torch.tensor([[-100, 5, 6, -100], [-100, -100, -100, 7], [1, -100, -100, -100]])
+    assert label_positions(labels).tolist() == [1, 2, 7, 8]
+
+
+def test_the_objective_on_label_positions_equals_the_loss_on_full_sequences():
+    # the step computes the head only at the completion tokens: same loss, gradient and statistics as
+    # GRPO on the full [B, S, V] logits with the label mask
+    generator = torch.Generator().manual_seed(0)
+    logits_BSV = torch.randn(3, 5, 11, generator=generator, dtype=torch.float64)
+    labels_BS = torch.tensor([[-100, -100, 3, 4, -100], [-100, 7, 1, 2, 9], [-100, -100, -100, -100, 0]])
+    rollout_BS = -torch.rand(3, 5, generator=generator, dtype=torch.float64)
+    advantages_BS = torch.tensor([[0.5] * 5, [-1.0] * 5, [2.0] * 5], dtype=torch.float64)
+    ref_BS = -torch.rand(3, 5, generator=generator, dtype=torch.float64)
+    cfg = CFG.model_copy(update={"kl_coef": 0.05, "temperature": 0.7})
+    mask_BS = labels_BS != -100
+
+    full = logits_BSV.clone().requires_grad_(True)
+    terms = grpo_token_loss(token_logprobs(full, labels_BS, cfg.temperature), rollout_BS, advantages_BS, mask_BS,
+                            cfg, ref_logp_BS=ref_BS)
+    terms.loss_BS.sum().backward()
+
+    stats = StepStats.zeros(torch.device("cpu"), keep_logprobs=True)
+    objective = PolicyObjective.of_rows(labels_BS, rollout_BS, advantages_BS, cfg, stats, ref_BS)
+    assert objective.index_T.tolist() == [2, 3, 6, 7, 8, 9, 14]
+    picked = logits_BSV.clone().requires_grad_(True)
+    loss = objective.loss_sum(picked.reshape(-1, 11).index_select(0, objective.index_T))
+    loss.backward()
+    torch.testing.assert_close(loss, terms.loss_BS.sum())
+    torch.testing.assert_close(picked.grad, full.grad)
+    assert picked.grad[~mask_BS].abs().sum() == 0  # nothing flows to a prompt or padding position
+    assert stats.sums[0].item() == 7  # the scored tokens
+    torch.testing.assert_close(stats.logprobs[0], token_logprobs(logits_BSV, labels_BS, 0.7)[mask_BS])
 
 
 def test_token_logprobs_are_tempered_and_masked():

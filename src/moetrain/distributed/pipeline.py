@@ -42,14 +42,17 @@ from moetrain.train.precision import autocast
 
 class TokenObjective(Protocol):
     """A per-token objective that replaces next-token cross-entropy on the last chunk (RL: the policy loss
-    of ``moetrain.rl.grpo``). It carries its own per-token tensors over the micro-batch's full sequences."""
+    of ``moetrain.rl.grpo``). It scores only some tokens of the micro-batch's full sequences, whose flat
+    positions it names; the head runs at those positions only."""
+
+    index_T: torch.Tensor
+    """Flat (row-major) positions in the micro-batch's [B, S] sequences of the T tokens it scores."""
 
     def to(self, device: torch.device) -> TokenObjective: ...
 
-    def loss_sum(self, logits_BSV: torch.Tensor, labels_BS: torch.Tensor,
-                 local: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """The summed loss over this rank's label tokens (the step divides it by the global label count);
-        ``local`` takes this rank's tokens of a full-sequence [B, S, ...] tensor (context parallelism)."""
+    def loss_sum(self, logits_TV: torch.Tensor) -> torch.Tensor:
+        """The summed loss over the scored tokens, from their logits (the step divides it by the global
+        label count)."""
         ...
 
 
@@ -139,12 +142,15 @@ def chunk_forward(model: MoETransformer, chunk: Chunk, x: torch.Tensor | None, m
     # The loss exactly as MoETransformer.forward computes it.
     normalizer = step.loss_normalizer
     full = lambda h: gather_sequence(h, tp_group) if tp_group is not None else h
-    logits = model.output_head(model.final_norm(full(x)))
     if mb.objective is not None:
-        lm_loss = mb.objective.loss_sum(logits, local(mb.labels), local) / normalizer
+        # the head at the scored tokens only (their positions are of full sequences: RL runs without CP)
+        assert cp is None, "a token objective scores full sequences; context parallelism is refused for RL"
+        hidden_BSD = full(x)
+        hidden_TD = hidden_BSD.reshape(-1, hidden_BSD.shape[-1]).index_select(0, mb.objective.index_T)
+        lm_loss = mb.objective.loss_sum(model.output_head(model.final_norm(hidden_TD))) / normalizer
     else:
-        lm_loss = token_loss_sum(logits, local(mb.labels)) / normalizer
-    mtp_loss = logits.new_zeros((), dtype=torch.float32)
+        lm_loss = token_loss_sum(model.output_head(model.final_norm(full(x))), local(mb.labels)) / normalizer
+    mtp_loss = lm_loss.new_zeros((), dtype=torch.float32)
     hidden, next_ids, next_labels = x, mb.input_ids, mb.labels
     for mtp_index, module in enumerate(model.mtp):
         next_ids = shift_left(next_ids, 0)

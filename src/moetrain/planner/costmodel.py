@@ -182,10 +182,15 @@ def _end_times(w: Workload, s: Strategies, eff: Efficiency, body_time) -> _Ends:
     tp = s.tp.astype(float)
     t_att = s.micro_batch * w.seq_len / s.cp
     t_split = np.where(s.sp, t_att / tp, t_att)
-    head_gemm = gemm_time(2.0 * h * model.vocab_size * t_att / tp, 1, cluster, eff, w.precision)
-    head_elem = memory_time(3 * 4.0 * model.vocab_size * t_att / tp, cluster, eff)
-    head = 3.0 * head_gemm + 3.0 * head_elem
-    mtp = model.num_mtp_layers * (body_time + head + 3.0 * gemm_time(4.0 * h * h * t_att / tp, 1, cluster, eff))
+
+    def head_time(tokens):  # forward and backward: 3 GEMMs, 3 passes over the fp32 logits
+        return (3.0 * gemm_time(2.0 * h * model.vocab_size * tokens / tp, 1, cluster, eff, w.precision)
+                + 3.0 * memory_time(3 * 4.0 * model.vocab_size * tokens / tp, cluster, eff))
+
+    head = head_time(t_att * w.head_share)  # the loss's head (the scored positions)
+    # an MTP module's head predicts at every position
+    mtp = model.num_mtp_layers * (body_time + head_time(t_att) + 3.0 * gemm_time(4.0 * h * h * t_att / tp, 1,
+                                                                                   cluster, eff))
     return _Ends(memory_time(3 * t_split * h * w.activation_bytes, cluster, eff), head, mtp)
 
 

@@ -179,16 +179,16 @@ def _layers_forward(w: Workload, rows: int, devices: int, seq_len: int, eff: Eff
 
 
 def forward_time(w: Workload, rows: int, devices: int, seq_len: int, eff: Efficiency,
-                 host: HostCosts | None = None, chunk_rows: int | None = None) -> float:
+                 host: HostCosts | None = None, chunk_rows: int | None = None, head_share: float = 1.0) -> float:
     """A log-prob forward of ``rows`` whole sequences of ``seq_len`` tokens on one generation replica of
     ``devices`` devices, in chunks of ``chunk_rows`` rows (all at once by default): per chunk every layer
-    (as the prefill), the output head on every token, and the log-softmax over the logits
-    (``SAMPLING_PASSES`` fp32 passes: read and write)."""
+    (as the prefill), the output head on the scored tokens (``head_share`` of them: the completions), and
+    the log-softmax over their logits (``SAMPLING_PASSES`` fp32 passes: read and write)."""
     host = host or HostCosts()
     eff = host.efficiency(eff)
     chunk = min(chunk_rows or rows, rows)
     chunks = -(-rows // chunk)
-    tokens = max(chunk // devices, 1) * seq_len
+    tokens = max(chunk // devices, 1) * seq_len * head_share
     h, vocab = w.model.hidden_size, w.model.vocab_size
     head = float(gemm_time(2.0 * h * vocab * tokens, 1, w.cluster, eff, w.precision))
     softmax = float(memory_time(SAMPLING_PASSES * 2 * 4.0 * tokens * vocab, w.cluster, eff))

@@ -83,6 +83,9 @@ class RLWorkload:
     """Seconds to score the step's samples (a reward model or a verifier), on the generating side."""
     train_seq_len: int | None = None
     """Tokens per trained sequence when the trainer pads to a fixed length; None: prompt + response."""
+    completion_len: float | None = None
+    """Mean tokens per completion: the tokens the trainer's loss and the log-prob forwards score, where
+    they run the output head (``rl.grpo.PolicyObjective``); None: ``response_len`` (no sample stops early)."""
     logprob_on_generation: bool = False
     """Colocated: the log-prob forwards run on every generation replica's model, each over all of the
     step's samples (moetrain's RL Fusion: its replay diagnostics forward runs on the generation model,
@@ -96,6 +99,11 @@ class RLWorkload:
     @property
     def seq_len(self) -> int:
         return self.train_seq_len or self.prompt_len + self.response_len
+
+    @property
+    def head_share(self) -> float:
+        """Share of a trained sequence's positions at which the head runs: its completion tokens."""
+        return min((self.completion_len or self.response_len) / self.seq_len, 1.0)
 
     @property
     def generated_tokens(self) -> int:
@@ -212,7 +220,7 @@ def _check(w: RLWorkload, layout: RLLayout) -> None:
 
 def training_prediction(w: RLWorkload, layout: RLLayout, calibration: Calibration):
     """The planner's step for the training layout on the step's samples (``LayoutPrediction``)."""
-    workload = Workload(w.model, w.cluster, w.seq_len, w.samples, w.precision,
+    workload = Workload(w.model, w.cluster, w.seq_len, w.samples, w.precision, head_share=w.head_share,
                         grad_bytes=2.0 if w.precision == "fp16" else 4.0)
     return simulate_layout(workload, layout.train, layout.train_devices, calibration)
 
@@ -353,7 +361,7 @@ def price_rl_step(w: RLWorkload, layout: RLLayout, calibration: Calibration, hos
     if layout.placement == "colocated" and w.logprob_on_generation:
         per_replica = Workload(w.model, w.cluster, w.seq_len, w.samples, w.precision)
         logprob = w.logprob_forwards * forward_time(per_replica, w.samples, layout.gen_devices_per_replica,
-                                                    w.seq_len, eff, host, layout.train.micro_batch)
+                                                    w.seq_len, eff, host, layout.train.micro_batch, w.head_share)
     else:
         # A forward over the samples costs a third of training's forward + backward (backward = 2 forwards).
         logprob = w.logprob_forwards * (train_s - float(training.optimizer_s)) / 3.0

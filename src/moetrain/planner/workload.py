@@ -21,6 +21,9 @@ class Workload:
     """Sequences per optimizer step."""
     precision: str = "bf16"
     """GEMM precision: bf16, fp16, fp8 (linear layers only) or fp32 (CPU runs)."""
+    head_share: float = 1.0
+    """Share of the sequence positions at which the output head and the loss run: 1 for language
+    modelling; RL scores only the completion tokens (``RLWorkload.head_share``)."""
     imbalance: float = 1.0
     """Routed-token load of the hottest EP rank over the mean (1.0 = perfectly balanced)."""
     flash_attention: bool = True

@@ -85,9 +85,10 @@ def step_batch(sequences: TrainingSequences, cfg: GRPOConfig, micro_batch: int, 
     micro_batches = []
     for start in range(dp_rank * per_rank, (dp_rank + 1) * per_rank, micro_batch):
         rows = slice(start, start + micro_batch)
-        objective = PolicyObjective(sequences.rollout_logp_BS[rows], sequences.advantages_BS[rows], cfg, stats,
-                                    None if ref_logp_BS is None else ref_logp_BS[rows],
-                                    None if old_logp_BS is None else old_logp_BS[rows])
+        objective = PolicyObjective.of_rows(labels_BS[rows], sequences.rollout_logp_BS[rows],
+                                            sequences.advantages_BS[rows], cfg, stats,
+                                            None if ref_logp_BS is None else ref_logp_BS[rows],
+                                            None if old_logp_BS is None else old_logp_BS[rows])
         record = sequences.expert_ids_BSMK
         micro_batches.append(MicroBatch(sequences.input_ids_BS[rows], labels_BS[rows], None,
                                         int((labels_BS[rows] != IGNORE_INDEX).sum()), objective,

@@ -54,7 +54,7 @@ def token_logprobs(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, temperatur
 
 @dataclass(frozen=True)
 class TokenLoss:
-    """Per-token terms of the loss (all [B, S], zero outside the mask)."""
+    """Per-token terms of the loss (each of the log-probs' shape, [B, S] or [T]; zero outside the mask)."""
 
     loss_BS: torch.Tensor
     ratio_BS: torch.Tensor
@@ -109,7 +109,8 @@ class StepStats:
     sums: torch.Tensor
     gap_abs_max: torch.Tensor
     logprobs: list[torch.Tensor] | None = None
-    """When a list: every micro-batch's trainer log-probs [B, S] (tests of the train/generate gap)."""
+    """When a list: every micro-batch's trainer log-probs of its completion tokens [T] (tests of the
+    train/generate gap)."""
 
     @classmethod
     def zeros(cls, device: torch.device, keep_logprobs: bool = False) -> StepStats:
@@ -143,27 +144,48 @@ class StepStats:
 @dataclass
 class PolicyObjective:
     """GRPO as the runtime's per-token objective (``distributed.pipeline.TokenObjective``) of one
-    micro-batch. Per-token tensors cover the micro-batch's full sequences [B, S] and are zero where the
-    label is ignored (prompt, padding)."""
+    micro-batch. It scores only the micro-batch's completion tokens: ``index_T`` holds their flat
+    positions in its [B, S] sequences (row-major), and every per-token tensor is [T], in that order. The
+    runtime computes the output head at those positions only: a completion is a few tokens of a sequence
+    that is mostly prompt and padding, and the head with its log-softmax over the vocabulary is the
+    largest single piece of a small policy's step."""
 
-    rollout_logp_BS: torch.Tensor
-    advantages_BS: torch.Tensor
+    index_T: torch.Tensor
+    labels_T: torch.Tensor
+    rollout_logp_T: torch.Tensor
+    advantages_T: torch.Tensor
     cfg: GRPOConfig
     stats: StepStats
-    ref_logp_BS: torch.Tensor | None = None
-    old_logp_BS: torch.Tensor | None = None
+    ref_logp_T: torch.Tensor | None = None
+    old_logp_T: torch.Tensor | None = None
+
+    @classmethod
+    def of_rows(cls, labels_BS: torch.Tensor, rollout_logp_BS: torch.Tensor, advantages_BS: torch.Tensor,
+                cfg: GRPOConfig, stats: StepStats, ref_logp_BS: torch.Tensor | None = None,
+                old_logp_BS: torch.Tensor | None = None) -> PolicyObjective:
+        """From full-sequence [B, S] host tensors (the label positions are found here, on the host, before
+        the step: inside it they would be a data-dependent shape)."""
+        index_T = label_positions(labels_BS)
+        take = lambda t_BS: None if t_BS is None else t_BS.reshape(-1).index_select(0, index_T)
+        return cls(index_T, take(labels_BS), take(rollout_logp_BS), take(advantages_BS), cfg, stats,
+                   take(ref_logp_BS), take(old_logp_BS))
 
     def to(self, device: torch.device) -> PolicyObjective:
         move = lambda t: None if t is None else t.to(device, non_blocking=True)
-        return replace(self, rollout_logp_BS=move(self.rollout_logp_BS), advantages_BS=move(self.advantages_BS),
-                       ref_logp_BS=move(self.ref_logp_BS), old_logp_BS=move(self.old_logp_BS))
+        return replace(self, index_T=move(self.index_T), labels_T=move(self.labels_T),
+                       rollout_logp_T=move(self.rollout_logp_T), advantages_T=move(self.advantages_T),
+                       ref_logp_T=move(self.ref_logp_T), old_logp_T=move(self.old_logp_T))
 
-    def loss_sum(self, logits_BSV: torch.Tensor, labels_BS: torch.Tensor, local) -> torch.Tensor:
-        mask_BS = labels_BS != IGNORE_INDEX
-        logp_BS = token_logprobs(logits_BSV, labels_BS, self.cfg.temperature)
-        optional = lambda t: None if t is None else local(t)
-        rollout_BS = local(self.rollout_logp_BS)
-        terms = grpo_token_loss(logp_BS, rollout_BS, local(self.advantages_BS), mask_BS, self.cfg,
-                                optional(self.old_logp_BS), optional(self.ref_logp_BS))
-        self.stats.add(logp_BS, rollout_BS, mask_BS, terms)
+    def loss_sum(self, logits_TV: torch.Tensor) -> torch.Tensor:
+        """The summed loss over the scored tokens, from their logits [T, V] (rows in ``index_T``'s order)."""
+        mask_T = torch.ones_like(self.labels_T, dtype=torch.bool)
+        logp_T = token_logprobs(logits_TV, self.labels_T, self.cfg.temperature)
+        terms = grpo_token_loss(logp_T, self.rollout_logp_T, self.advantages_T, mask_T, self.cfg, self.old_logp_T,
+                                self.ref_logp_T)
+        self.stats.add(logp_T, self.rollout_logp_T, mask_T, terms)
         return terms.loss_BS.sum()
+
+
+def label_positions(labels_BS: torch.Tensor) -> torch.Tensor:
+    """Flat (row-major) positions of the label tokens of [B, S] labels: int64 [T]."""
+    return (labels_BS.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)

@@ -40,7 +40,7 @@ from moetrain.rl.batch import Rollouts, TrainingSequences, step_batch, training_
 from moetrain.rl.config import FusionOptions, GRPOConfig, RLOptions
 from moetrain.rl.fusion import Fusion, sample_generators
 from moetrain.rl.generate import Generation, RolloutEngine, SamplingParams
-from moetrain.rl.grpo import STAT_FIELDS, StepStats, group_advantages, token_logprobs
+from moetrain.rl.grpo import STAT_FIELDS, StepStats, group_advantages, label_positions, token_logprobs
 from moetrain.rl.replay import RoutingRecorder, decoder_layers, routing_mismatch
 from moetrain.rl.sft import TaskSFTDataset, prompt_ids
 from moetrain.rl.tasks import Problem, Task, get_task, heldout_problems, problem_at
@@ -58,16 +58,24 @@ def policy_config(model_cfg: ModelConfig) -> ModelConfig:
     return model_cfg.model_copy(update={"num_mtp_layers": 0})
 
 
-def policy_logits(model: MoETransformer, input_ids_BS: torch.Tensor,
-                  expert_ids_BSMK: torch.Tensor | None = None) -> torch.Tensor:
-    """The training forward of full sequences (plain or one-rank parallelized model), with optional
-    router replay: the same layer calls as ``MoETransformer.forward`` and the step's ``chunk_forward``."""
+def policy_logprobs(model: MoETransformer, input_ids_BS: torch.Tensor, labels_BS: torch.Tensor, temperature: float,
+                    expert_ids_BSMK: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, S] log-probs of the label tokens under ``model`` (a plain or one-rank parallelized model; 0 at
+    ignored labels), by the training forward's layer calls (those of ``MoETransformer.forward`` and the
+    step's ``chunk_forward``) with optional router replay. ``labels_BS`` stays on the host: the head runs
+    at its label positions only (``grpo.label_positions``), as in the training step."""
     ctx = build_attention_context(input_ids_BS, None)
     column = {layer: col for col, layer in enumerate(decoder_moe_layers(model.cfg))}
     x = model.embed(input_ids_BS)
     for index, layer in enumerate(decoder_layers(model)):
         x, _, _ = layer(x, ctx, layer_replay(expert_ids_BSMK, column.get(index)))
-    return model.output_head(model.final_norm(x))
+    index_T = label_positions(labels_BS)
+    device_index_T = index_T.to(x.device)
+    hidden_TD = x.reshape(-1, x.shape[-1]).index_select(0, device_index_T)
+    logits_TV = model.output_head(model.final_norm(hidden_TD))
+    labels_T = labels_BS.reshape(-1).index_select(0, index_T).to(x.device)
+    logp_T = token_logprobs(logits_TV, labels_T, temperature)
+    return logp_T.new_zeros(labels_BS.numel()).index_copy_(0, device_index_T, logp_T).view(labels_BS.shape)
 
 
 def _fusion_options(spec: RunSpec, fusion: FusionOptions | None) -> FusionOptions | None:
@@ -224,13 +232,11 @@ class RLTrainer(Trainer):
         recorder = RoutingRecorder(model)
         with recorder:
             for rows in _row_chunks(len(sequences.labels_BS), self.cfg.micro_batch):
-                ids = sequences.input_ids_BS[rows].to(self.device)
-                labels = sequences.labels_BS[rows].to(self.device)
-                logits = policy_logits(model, ids)
+                ids, labels = sequences.input_ids_BS[rows].to(self.device), sequences.labels_BS[rows]
+                logp = policy_logprobs(model, ids, labels, self.options.grpo.temperature)
                 chosen.append(recorder.take(*ids.shape).cpu())
-                gap = (token_logprobs(logits, labels, self.options.grpo.temperature).cpu()
-                       - sequences.rollout_logp_BS[rows]).abs()
-                gaps.append(gap[labels.cpu() != -100])
+                gap = (logp.cpu() - sequences.rollout_logp_BS[rows]).abs()
+                gaps.append(gap[labels != -100])
         record = sequences.expert_ids_BSMK
         assert record is not None
         stats = routing_mismatch(record, torch.cat(chosen), sequences.input_ids_BS != self.tokenizer.pad_id)
@@ -313,8 +319,7 @@ def sequence_logprobs(model: MoETransformer, sequences: TrainingSequences, optio
     for rows in _row_chunks(len(sequences.labels_BS), micro_batch):
         ids = sequences.input_ids_BS[rows].to(device)
         record = None if replay is None else replay[rows].to(device)
-        logits = policy_logits(model, ids, record)
-        chunks.append(token_logprobs(logits, sequences.labels_BS[rows].to(device), options.grpo.temperature).cpu())
+        chunks.append(policy_logprobs(model, ids, sequences.labels_BS[rows], options.grpo.temperature, record).cpu())
     return torch.cat(chunks)
 
 
