@@ -128,7 +128,9 @@ def test_logprob_forward_on_the_generation_model():
     rl = RLWorkload(DENSE, SLOW_LINK, 4, 2, 10, 6, "fp32", logprob_forwards=2, logprob_on_generation=True)
     layout = RLLayout("colocated", 4, ParallelConfig(dp=4, micro_batch=2))
     priced = price_rl_step(rl, layout, _calibration())
-    assert priced.phases.logprob_s == pytest.approx(2 * forward_time(w, 8, 1, 16, eff, chunk_rows=2), rel=1e-9)
+    # the head on the 6 completion tokens of each 16-token sequence only
+    assert priced.phases.logprob_s == pytest.approx(2 * forward_time(w, 8, 1, 16, eff, chunk_rows=2,
+                                                                     head_share=6 / 16), rel=1e-9)
 
 
 def test_collective_probe_rows_and_sync_rates():

@@ -21,9 +21,6 @@ class Workload:
     """Sequences per optimizer step."""
     precision: str = "bf16"
     """GEMM precision: bf16, fp16, fp8 (linear layers only) or fp32 (CPU runs)."""
-    head_share: float = 1.0
-    """Share of the sequence positions at which the output head and the loss run: 1 for language
-    modelling; RL scores only the completion tokens (``RLWorkload.head_share``)."""
     imbalance: float = 1.0
     """Routed-token load of the hottest EP rank over the mean (1.0 = perfectly balanced)."""
     flash_attention: bool = True
@@ -63,6 +60,9 @@ class Workload:
     """FP8 runs keep the quantised copy of each linear layer's input for the weight gradient, at 1 byte
     instead of 2 (Transformer Engine; DeepSeek-V3 §3.3.2 caches them in FP8). False for torchao's Float8
     linears, which save the high-precision input and quantise it again in the backward."""
+    head_share: float = 1.0
+    """Share of the sequence positions at which the output head and the loss run: 1 for language
+    modelling; RL scores only the completion tokens (``RLWorkload.head_share``)."""
 
     @property
     def activation_bytes(self) -> float:
