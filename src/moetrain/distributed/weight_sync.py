@@ -22,11 +22,17 @@ box it needs was written at this version. A mismatch, a stale version or a missi
 names the bucket, the tensor and the box; every rank learns of it (one all-reduce) and raises, after all
 buckets have moved, so no peer is left waiting in a collective.
 
+A rank that only sends (a StaleSync trainer, which holds no generation tensors) can push in the
+background (``WeightSync.start``): its buckets are packed at once (copies, with their CRCs), so the
+training weights may change as soon as it returns, and a thread sends them and takes part in the
+agreement; ``SyncInFlight.wait`` returns the report or raises what the sync raised.
+
 Legend: none (tensors are addressed by name and global box).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 import zlib
 from collections.abc import Callable
@@ -164,6 +170,35 @@ class WeightSync:
         return SyncReport(version, len(self.buckets), sent, received, local, verified,
                           time.perf_counter() - start)
 
+    @torch.no_grad()
+    def start(self, version: int) -> SyncInFlight:
+        """Push ``version`` from a rank that receives nothing: pack every bucket it owns now, then send them
+        and agree on the outcome (``run``'s all-reduce) on a thread, beside the caller's next work."""
+        if self.targets:
+            raise ValueError("a rank that receives generation weights syncs with run(), not in the background")
+        start = time.perf_counter()
+        packed = [(bucket, self._pack(bucket, version)) for bucket in self.buckets if bucket.owner == self.rank]
+        in_flight = SyncInFlight(version, time.perf_counter() - start)
+
+        def send() -> None:
+            try:
+                sent = local = 0
+                for bucket, payload in packed:
+                    if bucket.is_local:
+                        local += bucket.nbytes
+                        continue
+                    self._transfer(bucket, payload)
+                    sent += bucket.nbytes * (1 if self._broadcasts(bucket) else len(bucket.receivers))
+                _agree_on_failure([], self.rank, self.group)
+                in_flight.outcome = SyncReport(version, len(self.buckets), sent, 0, local, 0,
+                                               time.perf_counter() - start)
+            except BaseException as exc:  # handed to the caller by wait()
+                in_flight.outcome = exc
+
+        in_flight.thread = threading.Thread(target=send, name=f"weight-sync-{version}", daemon=True)
+        in_flight.thread.start()
+        return in_flight
+
     # ----- one bucket -----
     def _pack(self, bucket: Bucket, version: int) -> torch.Tensor:
         parts = [_bytes(_box_view(self.sources[item.name], item.src_piece, item.box)) for item in bucket.items]
@@ -235,6 +270,26 @@ class WeightSync:
                                    f"{_describe(item.box)} not written at version {version}")
                     break
         return missing
+
+
+@dataclass
+class SyncInFlight:
+    """A background push (``WeightSync.start``)."""
+
+    version: int
+    pack_s: float
+    """Seconds the caller spent packing the buckets (copies and CRCs) before the thread took over."""
+    thread: threading.Thread | None = None
+    outcome: SyncReport | BaseException | None = None
+
+    def wait(self) -> SyncReport:
+        """Block until the push has landed and every rank agreed; its report, or what it raised."""
+        assert self.thread is not None
+        self.thread.join()
+        if isinstance(self.outcome, BaseException):
+            raise self.outcome
+        assert self.outcome is not None
+        return self.outcome
 
 
 def build_plan(held: list[list[tuple[Region, str]]], needed: list[list[Region]], bucket_bytes: int) -> list[Bucket]:

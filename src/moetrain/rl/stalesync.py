@@ -44,7 +44,7 @@ import torch.distributed as dist
 from moetrain.config import ModelConfig, ParallelConfig
 from moetrain.config.run import RunSpec
 from moetrain.distributed.layout import ParallelDims
-from moetrain.distributed.weight_sync import WeightSync
+from moetrain.distributed.weight_sync import SyncInFlight, WeightSync
 from moetrain.errors import UserError
 from moetrain.models.transformer import MoETransformer, build_model
 from moetrain.rl.batch import Rollouts, TrainingSequences
@@ -278,6 +278,7 @@ class StaleSyncTrainer(RLTrainer):
         self.receiver = BatchReceiver(channels.queue, channels.pipeline.previous_rank("trainer"))
         self._reference_logp: torch.Tensor | None = None
         self.pushes: list[int] | None = None
+        self.in_flight: SyncInFlight | None = None
         self.trained: list[tuple[int, int]] = []
         self.samples: list[torch.Tensor] = []
         self.dropped_batches = self.dropped_samples = 0
@@ -328,12 +329,24 @@ class StaleSyncTrainer(RLTrainer):
                 + f" · StaleSync k={self.stale.staleness}, disaggregated: {ranks}, loss {self.stale.loss}")
 
     def after_step(self) -> dict[str, Any]:
+        """Push the new weights when the rollout worker will use them: packed now, sent in the background
+        while the next step trains (the previous push lands first, so pushes arrive in order)."""
         extra = super().after_step()
         if self.pushes is not None and self.weight_version in self.pushes:
-            report = self.sync.run(self.weight_version)
-            extra.update(sync_version=report.version, sync_mib=report.bytes_sent / 2**20,
-                         sync_time_s=report.seconds)
+            start = time.perf_counter()
+            extra.update(self.push_landed())
+            self.in_flight = self.sync.start(self.weight_version)
+            extra.update(sync_version=self.weight_version, sync_pack_s=self.in_flight.pack_s,
+                         sync_time_s=time.perf_counter() - start)
         return extra
+
+    def push_landed(self) -> dict[str, Any]:
+        """Wait for the push in flight, if any (raising what it raised); its figures for the metrics row."""
+        if self.in_flight is None:
+            return {}
+        report, self.in_flight = self.in_flight.wait(), None
+        return {"sync_landed_version": report.version, "sync_mib": report.bytes_sent / 2**20,
+                "sync_landed_s": report.seconds}
 
 
 PEER_LOST = re.compile(r"Connection (reset|closed) by peer|Socket Timeout|timed out", re.I)
@@ -381,6 +394,7 @@ def _train(job: StaleSyncJob, channels: Channels) -> TrainerReport:
     trainer = StaleSyncTrainer(job, channels, model=model)
     trainer.console.print(trainer.describe())
     rows = trainer.train()
+    trainer.push_landed()  # the last push reaches the rollout worker before this rank leaves
     state = {name: value.detach().clone() for name, value in trainer.run.stage.model.state_dict().items()}
     return TrainerReport(rows, trainer.trained, trainer.samples, trainer.dropped_batches, trainer.dropped_samples,
                          state, time.perf_counter() - start)
