@@ -74,7 +74,8 @@ def test_staleness_pipelines_generation_and_training(staleness: int):
                                       staleness=staleness), cal)
     ph = sync.phases
     assert sync.step_s == pytest.approx(ph.generate_s + ph.reward_s + ph.logprob_s + ph.train_s + ph.push_s)
-    assert stale.step_s == pytest.approx(max(ph.generate_s + ph.reward_s, ph.logprob_s + ph.train_s) + ph.push_s)
+    # the push travels in the background: without the sync's host rates nothing of it is the trainer's
+    assert stale.step_s == pytest.approx(max(ph.generate_s + ph.reward_s + ph.push_s, ph.logprob_s + ph.train_s))
     assert stale.step_s < sync.step_s
     assert stale.generated_tokens_per_s == pytest.approx(128 * 8 / stale.step_s)
 
@@ -208,3 +209,18 @@ def test_a_logprob_forward_runs_the_head_on_the_scored_tokens_only():
     head = 2 * 64 * 1000 * tokens / 1e21  # 2·h·V multiply-adds per token at 1e9 TFLOP/s
     softmax = SAMPLING_PASSES * 2 * 4 * tokens * 1000 / 1e12  # fp32 passes over the logits at 1 TB/s
     assert full - quarter == pytest.approx(0.75 * (head + softmax), rel=1e-9)
+
+
+def test_a_background_push_costs_the_trainer_its_packing_and_the_rollout_side_the_rest():
+    from moetrain.planner.rl_step import SyncRates, weight_bytes
+
+    w, cal = _tiny(), _calibration()
+    rates = SyncRates(copy_bytes_per_s=40e9, crc_bytes_per_s=4e9)
+    sync0, stale = (price_rl_step(w, RLLayout("disaggregated", 2, ParallelConfig(micro_batch=16), rollout_devices=1,
+                                              staleness=k, shared_cores=2.0), cal, sync=rates) for k in (0, 1))
+    ph = stale.phases
+    pack = weight_bytes(w) * (1 / 40e9 + 1 / 4e9)  # one copy and one CRC of the whole model, one replica
+    assert ph.push_s == sync0.phases.push_s and ph.push_s > 2 * pack  # the receiver writes and checks too
+    assert sync0.step_s == pytest.approx(ph.generate_s + ph.train_s + ph.push_s)
+    assert ph.train_s > ph.generate_s + ph.push_s  # training is the longer side here
+    assert stale.step_s == pytest.approx(ph.train_s + pack, rel=1e-9)

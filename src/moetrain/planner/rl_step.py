@@ -177,6 +177,8 @@ class RLPhases:
     reshard_s: float = 0.0
     restore_s: float = 0.0
     push_s: float = 0.0
+    """Disaggregated: the whole weight push (with k ≥ 1 the trainer's step pays only its packing; the rest
+    runs before the rollout side's next generation)."""
     gather_s: float = 0.0
     """Colocated, several replicas: every rank gathers the generated rows (token ids, log-probs, replay
     record) from the others."""
@@ -304,6 +306,13 @@ def _push_time(w: RLWorkload, layout: RLLayout, eff: Efficiency, sync: SyncRates
     return push
 
 
+def _pack_time(w: RLWorkload, layout: RLLayout, sync: SyncRates | None) -> float:
+    """A training device's packing of its share of a push (one copy and one CRC-32 of each byte it sends)."""
+    if sync is None:
+        return 0.0
+    return sync.seconds(layout.replicas * weight_bytes(w) / layout.train_devices)
+
+
 def _gather_time(w: RLWorkload, layout: RLLayout, eff: Efficiency) -> float:
     """Colocated: every rank gathers the generated rows of every replica (the runtime's object all-gather:
     one all-gather of the sizes, one of the rows: token ids (8 B), log-probs (4 B) and, for MoE models,
@@ -378,9 +387,13 @@ def price_rl_step(w: RLWorkload, layout: RLLayout, calibration: Calibration, hos
         moves = _Transfers(push_s=_push_time(w, layout, eff, sync))
         rollout_side = generation.total_s + w.reward_s
         train_side = logprob + train_s
-        both = (rollout_side + train_side if layout.staleness == 0
-                else overlapped_time(rollout_side, train_side, layout.shared_cores))
-        step = both + moves.push_s
+        if layout.staleness == 0:
+            step = rollout_side + train_side + moves.push_s
+        else:
+            # The trainer pushes in the background (``WeightSync.start``): its step pays the packing; the
+            # transfer and the receiver's check run before the rollout side's next generation.
+            pack = _pack_time(w, layout, sync)
+            step = overlapped_time(rollout_side + moves.push_s - pack, train_side + pack, layout.shared_cores)
     phases = RLPhases(generate_s=generation.total_s, prefill_s=generation.prefill_s, decode_s=generation.decode_s,
                       reward_s=w.reward_s, logprob_s=logprob, train_s=train_s,
                       offload_s=moves.offload_s, reshard_s=moves.reshard_s, restore_s=moves.restore_s,
