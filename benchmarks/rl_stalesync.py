@@ -17,6 +17,10 @@ end, on the same held-out problems for every run; the per-step sample reward cur
 side in one PNG.
 
     python benchmarks/rl_stalesync.py --out benchmarks/results/rl_stalesync_cpu.json
+    python benchmarks/rl_stalesync.py --compile --out benchmarks/results/rl_stalesync_cpu_compiled.json
+
+With ``--compile`` the trainer's decoder layers are compiled (the first step, which compiles, is not in
+the steady state); generation stays eager.
 """
 
 from __future__ import annotations
@@ -130,9 +134,15 @@ def main() -> None:
     parser.add_argument("--eval-size", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=2, help="runs of each k; the fastest is reported")
+    parser.add_argument("--compile", action="store_true",
+                        help="compile the trainer's decoder layers (moetrain rl --compile); generation stays eager")
     parser.add_argument("--out", default="benchmarks/results/rl_stalesync_cpu.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.compile:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.compile_threads = 1  # the ranks are forked: compile in each, not in a worker pool
     task = get_task(args.task)
     model_cfg = policy_config(load_model_config("tiny-pangu")).model_copy(update={"num_layers": 4})
     seq_len = sequence_len_for(task, args.max_new_tokens)
@@ -145,7 +155,7 @@ def main() -> None:
     batch = args.prompts * args.group_size
     cfg = TrainingConfig(steps=args.steps, global_batch=batch, micro_batch=batch, seq_len=seq_len, lr=3e-4,
                          warmup_steps=0, seed=args.seed)
-    spec = RunSpec(training=cfg, run={"device": "cpu", "cluster": "cpu", "quiet": True})
+    spec = RunSpec(training=cfg, run={"device": "cpu", "cluster": "cpu", "quiet": True, "compile": args.compile})
     kinds = {"k0": StaleSyncOptions(staleness=0), "k1": StaleSyncOptions(staleness=1),
              "k4": StaleSyncOptions(staleness=4),
              "colocated_k1": StaleSyncOptions(staleness=1, placement="colocated")}
@@ -169,7 +179,8 @@ def main() -> None:
         "workload": {"model": "tiny-pangu, 4 layers, no MTP", "task": args.task, "steps": args.steps,
                      "sft_steps": args.sft_steps, "threads_per_process": 1, "prompts": args.prompts,
                      "group_size": args.group_size,
-                     "max_new_tokens": args.max_new_tokens, "eval_size": args.eval_size, "seed": args.seed},
+                     "max_new_tokens": args.max_new_tokens, "eval_size": args.eval_size, "seed": args.seed,
+                     "trainer_compiled": args.compile},
         "tokens_per_s_means": "trained completion tokens / trainer step time, steps 2..N-1 (no fill, no final eval)",
         "final_reward_means": "held-out greedy accuracy after the last step (the same problems for every run)",
         "all_tokens_per_s": {kind: [r.tokens_per_s for r in runs] for kind, runs in tries.items()},

@@ -75,3 +75,15 @@ def test_rl_fusion_resumes_its_reward_curve(tmp_path):
                 assert got[key] == pytest.approx(expected[key], rel=1e-6), (key, got["step"])
     # (the stopped run also evaluates at its own last step, 1)
     assert rows["resumed"][-1]["heldout_accuracy"] == rows["straight"][-1]["heldout_accuracy"]
+
+
+@pytest.mark.parametrize("flag, expected", [([], None), (["--compile"], True), (["--no-compile"], False)])
+def test_compile_reaches_both_trainers_specs(flag, expected):
+    import argparse
+
+    from moetrain.cli.rl import add_arguments, build_specs
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    sft, rl, _, _ = build_specs(parser.parse_args([*TINY, *flag]))
+    assert sft.run.compile is expected and rl.run.compile is expected

@@ -79,3 +79,18 @@ def test_sft_warm_up_trains_on_answers_only():
         assert trainer.tokenizer.decode(labels) == trainer.tokenizer.decode(labels[:-1]) and labels[-1] == 2
         assert len(labels) == TASK.max_answer_chars + 1  # padded sum + EOS
     assert len(trainer.train()) == 2
+
+
+@pytest.mark.slow
+def test_compiled_layers_train_grpo_like_eager_ones():
+    # torch.compile per decoder layer (on by default on CUDA) with router replay and the GRPO objective:
+    # the same rewards (the same samples) and the same losses to rounding (inductor reorders fp32 sums)
+    torch.set_num_threads(1)
+    eager = _trainer(steps=2).train()
+    compiled_trainer = _trainer(steps=2, compile=True)
+    assert compiled_trainer.compiled_layers > 0
+    compiled = compiled_trainer.train()
+    assert [r.get("reward") for r in compiled] == [r.get("reward") for r in eager]
+    for a, b in zip(eager[1:], compiled[1:], strict=True):
+        for key in ("loss", "grad_norm", "nll", "logp_gap_mean"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key

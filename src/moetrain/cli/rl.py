@@ -56,6 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--seed", type=int, help="seed of weights, problems and sampling")
     r.add_argument("--device", help="cpu, cuda, cuda:N or auto")
     r.add_argument("--threads", type=int, help="CPU threads for torch")
+    r.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile each decoder layer of the trained model (default: on for CUDA, off for CPU)")
     r.add_argument("--metrics-out", help="write one JSON row per GRPO step (step, reward, accuracy, ...)")
     r.add_argument("--plot", help="reward-curve PNG (default: beside --metrics-out, else in --save-dir)")
     r.add_argument("--save-dir", help="checkpoints: DIR/sft (warm-up) and DIR/rl (GRPO)")
@@ -169,8 +171,8 @@ def _spec(args: argparse.Namespace, training: dict[str, Any], run: dict[str, Any
     from moetrain.config.run import resolve_run_spec
 
     common = {"device": args.device, "threads": args.threads, "seed": args.seed}
-    run = {k: v for k, v in {**run, "device": common["device"], "threads": common["threads"]}.items()
-           if v is not None}
+    run = {k: v for k, v in {**run, "device": common["device"], "threads": common["threads"],
+                             "compile": args.compile}.items() if v is not None}
     training = {k: v for k, v in {**training, "seed": common["seed"]}.items() if v is not None}
     parallel = {axis: getattr(args, axis) for axis in ("tp", "pp", "ep", "etp") if getattr(args, axis) is not None}
     model = args.model or (args.from_path and str(Path(args.from_path).resolve())) or DEFAULT_MODEL
