@@ -343,7 +343,8 @@ def data_parallel_traffic(w: Workload, s: Strategies, eff: Efficiency, params: L
 
     g_d, a_d = shard_traffic(params.dense, params.dense_dp, dense_in_node)
     g_e, a_e = shard_traffic(params.experts, params.expert_dp, exp_in_node)
-    grad_sync = g_d + g_e
+    # ZeRO's reduce-scatter run as an all-reduce (``reduce_scatter_by_all_reduce``) costs two ring passes
+    grad_sync = (g_d + g_e) * np.where((s.zero >= 1) & w.reduce_scatter_by_all_reduce, 2.0, 1.0)
     param_gather = a_d + a_e
     per_step_comm = np.where(s.zero == 0, 2.0 * grad_sync, grad_sync + param_gather)
     z3_every_micro = zero3_every_micro_batch(s)

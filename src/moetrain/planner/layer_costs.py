@@ -278,6 +278,10 @@ def layer_costs(w: Workload, s: Strategies, eff: Efficiency, moe_layer: bool, nu
     # all-reduce) around attention and around the FFN, each of the full t_att × h activation.
     tp_in_node = ranks_per_node(s.tp, 1, cluster.devices_per_node)
     one_tp = allgather_time(tok.att * model.hidden_size * w.activation_bytes, s.tp, tp_in_node, cluster, eff)
+    if w.reduce_scatter_by_all_reduce:
+        # sequence parallel: of each all-gather + reduce-scatter pair, the reduce-scatter runs as an
+        # all-reduce (two ring passes): 3 passes for the pair instead of 2
+        one_tp = one_tp * np.where(s.sp, 1.5, 1.0)
     parts = dict(attention=attn.proj + attn.core, router=ffn.router, experts=ffn.experts,
                  shared_experts=np.broadcast_to(ffn.shared_time, tok.att.shape) if is_moe else 0.0,
                  dense_ffn=ffn.dense_ffn, elementwise=elem)
