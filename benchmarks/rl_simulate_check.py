@@ -117,9 +117,15 @@ def profile(repeats: int) -> list[Calibration]:
     return sorted(runs, key=lambda run: -run.per_arch["cpu"]["gemm_max"])
 
 
+ENGINE_PROBE_ROWS = 16
+"""The engine's decode step is probed at 1 row and at this many (its own work grows with the rows)."""
+ENGINE_PROBE_STEPS = 8
+"""Decode steps the engine probe times beyond a generation of one token (after a prompt of as many)."""
+
+
 def host_probe(num_layers: int, repeats: int) -> HostCosts:
-    """Per-layer forward of the runtime's model on one token, and the sampler's time per logit (each the
-    fastest of its repeats)."""
+    """Per-layer forward of the runtime's model on one token, the sampler's time per logit, and the
+    generation engine's own work per decode step (``engine_probe``), each the fastest of its repeats."""
     model_cfg = policy_config(load_model_config("tiny-pangu")).model_copy(update={"num_layers": num_layers})
     model = build_model(model_cfg, torch.device("cpu"), seed=0).eval().requires_grad_(False)
     ids = torch.zeros(1, 1, dtype=torch.long)
@@ -129,8 +135,50 @@ def host_probe(num_layers: int, repeats: int) -> HostCosts:
     generators = [torch.Generator().manual_seed(row) for row in range(SAMPLER_ROWS)]
     params = SamplingParams(max_new_tokens=1, temperature=1.0)
     sampling = _best_time(lambda: sample(logits, params, generators), repeats * 5)
+    step_us, row_us = engine_probe(model, repeats)
     return HostCosts(layer_forward_us=forward / num_layers * 1e6, probe_tokens=1,
-                     sample_ns_per_logit=sampling / logits.numel() * 1e9, host_is_device=True)
+                     sample_ns_per_logit=sampling / logits.numel() * 1e9, host_is_device=True,
+                     engine_step_us=step_us, engine_row_us=row_us)
+
+
+def engine_probe(model, repeats: int) -> tuple[float, float]:
+    """The rollout engine's own work per decode step beyond the model's forward and the draw, as (µs per
+    step, µs per row), from its decode step at 1 row and at ``ENGINE_PROBE_ROWS``: at each size, a
+    generation of 1 + ``ENGINE_PROBE_STEPS`` tokens less one of 1 token, over the steps, less the model's
+    forward of those rows on one token and the sampler's draw for them. Each the fastest of ``repeats``
+    rounds, the timings of a round taken one after the other (a passing load then touches all of them)."""
+    from moetrain.rl.fusion import sample_generators
+    from moetrain.rl.generate import RolloutEngine
+
+    cpu, vocab = torch.device("cpu"), model.cfg.vocab_size
+    engine = RolloutEngine(model, pad_id=0)
+    prompt = list(range(1, ENGINE_PROBE_STEPS + 1))
+
+    def timers(rows: int) -> dict:
+        prompts = [prompt] * rows
+        short, long = (SamplingParams(max_new_tokens=n, temperature=1.0)  # no stop id: every step runs
+                       for n in (1, 1 + ENGINE_PROBE_STEPS))
+        ids, logits = torch.zeros(rows, 1, dtype=torch.long), torch.randn(rows, vocab)
+        generators = [torch.Generator().manual_seed(row) for row in range(rows)]
+        return {"short": lambda: engine.generate(prompts, short, sample_generators(0, 0, rows, cpu)),
+                "long": lambda: engine.generate(prompts, long, sample_generators(0, 0, rows, cpu)),
+                "forward": lambda: model(ids), "draw": lambda: sample(logits, short, generators)}
+
+    def own_work(rows: int) -> float:
+        calls = timers(rows)
+        best = dict.fromkeys(calls, float("inf"))
+        with torch.no_grad():
+            for _ in range(repeats + 1):  # the first round warms up
+                for name, call in calls.items():
+                    start = time.perf_counter()
+                    call()
+                    best[name] = min(best[name], time.perf_counter() - start)
+        step = (best["long"] - best["short"]) / ENGINE_PROBE_STEPS
+        return max(step - best["forward"] - best["draw"], 0.0)
+
+    one, several = own_work(1), own_work(ENGINE_PROBE_ROWS)
+    per_row = max(several - one, 0.0) / (ENGINE_PROBE_ROWS - 1)
+    return max(one - per_row, 0.0) * 1e6, per_row * 1e6
 
 
 def _forward_step(work: tuple[int, int], seed: int = 0):
@@ -234,7 +282,8 @@ def shared_cores(calibration: Calibration, host: HostCosts, slow: float) -> tupl
            "gemm_overhead_us": eff.gemm_overhead_us * slow, "moe_overhead_us": eff.moe_overhead_us * slow}
     scaled = replace(calibration, per_arch={**calibration.per_arch, "cpu": cpu}, held_out_fits={})
     return scaled, replace(host, layer_forward_us=host.layer_forward_us * slow,
-                           sample_ns_per_logit=host.sample_ns_per_logit * slow)
+                           sample_ns_per_logit=host.sample_ns_per_logit * slow,
+                           engine_step_us=host.engine_step_us * slow, engine_row_us=host.engine_row_us * slow)
 
 
 def shared_sync(rates: dict, slow: float) -> SyncRates:
@@ -278,6 +327,26 @@ def _row(name: str, predicted, measured_s: float, **extra) -> dict:
             "within_15pct": abs(error) <= 15.0, "predicted_phases_s": asdict(predicted.phases), **extra}
 
 
+# The RL Fusion step's phases as rl_switch.py records them (the switch's, then the step's other parts), each
+# with the predicted phases that price it: the runtime's generate phase gathers the rows too.
+COLOCATED_PHASES = {"offload": ("offload_s",), "reshard": ("reshard_s",), "generate": ("generate_s", "gather_s"),
+                    "restore": ("restore_s",), "score": ("reward_s",), "replay_forward": ("logprob_s",),
+                    "train_step": ("train_s",)}
+
+
+def phase_comparison(phases, measured: dict[str, float]) -> dict[str, dict]:
+    """Predicted against measured seconds of each phase the run measured (``phases``: ``RLPhases``)."""
+    out = {}
+    for name, parts in COLOCATED_PHASES.items():
+        if name not in measured:
+            continue
+        predicted = sum(getattr(phases, part) for part in parts)
+        seen = measured[name]
+        out[name] = {"predicted_s": predicted, "measured_s": seen,
+                     "predicted_over_measured": predicted / seen if seen > 0 else None}
+    return out
+
+
 def colocated_rows(measured: dict, calibration: Calibration, host: HostCosts, capacity: float, link: LinkFit,
                    sync_rates: dict) -> list[dict]:
     """``measured``: an rl_switch.py result; ``capacity``: cores' worth its ranks get together
@@ -285,8 +354,9 @@ def colocated_rows(measured: dict, calibration: Calibration, host: HostCosts, ca
     sync's copy and CRC rates on one core (``profile_sync_rates``)."""
     config = measured["config"]
     task = get_task(config["task"])
-    layouts = {"tp2_ep2": ParallelConfig(tp=2, dp=2, ep=2), "pp2_ep2": ParallelConfig(pp=2, dp=2, ep=2),
-               "ep2": ParallelConfig(dp=2, ep=2), "tp2": ParallelConfig(tp=2)}
+    # the runtime runs tp > 1 with sequence parallelism only
+    layouts = {"tp2_ep2": ParallelConfig(tp=2, sp=True, dp=2, ep=2), "pp2_ep2": ParallelConfig(pp=2, dp=2, ep=2),
+               "ep2": ParallelConfig(dp=2, ep=2), "tp2": ParallelConfig(tp=2, sp=True)}
     model = policy_config(load_model_config(config["model"]))
     batch = config["prompts"] * config["group_size"]
     # Sensitivity, not the prediction: the same with every rank's share of a core taken from the load
@@ -321,9 +391,12 @@ def colocated_rows(measured: dict, calibration: Calibration, host: HostCosts, ca
         alone = price_rl_step(workload, layout, one_core, one_core_host).phases.generate_s
         loaded = (price_rl_step(workload, layout, *at_load, shared_sync(sync_rates, load_slow)).step_s
                   if at_load else None)
+        # the switch's phases and, where the run recorded them, the step's other parts
+        measured_phases = {**variant["phase_s"], **variant.get("step_phase_s", {})}
         rows.append(_row(f"colocated {variant['train_layout']} offload {variant['offload']} ({config['ranks']} ranks)",
                          predicted,
-                         variant["step_s"], measured_phases_s=variant["phase_s"], training_busy_ranks=busy,
+                         variant["step_s"], measured_phases_s=measured_phases,
+                         phases=phase_comparison(predicted.phases, measured_phases), training_busy_ranks=busy,
                          generation_priced_one_core_s=alone,
                          sensitivity_step_s_at_recorded_load=loaded, recorded_load_average=load))
     return rows
@@ -477,6 +550,11 @@ def compare(switch: dict, switch_2_ranks: dict, stalesync: dict, rates: Rates) -
         print(f"{row['run']:44s} predicted {row['predicted_step_s']:7.3f} s  measured {row['measured_step_s']:7.3f} s"
               f"  ({row['error_pct']:+.1f} %; under the {len(rates.calibrations)} profiles "
               + ", ".join(f"{v:.3f}" for v in row["predicted_step_s_per_profile"]) + " s)")
+    for row in rows:
+        if row.get("phases"):
+            print(f"    {row['run']}: " + ", ".join(
+                f"{name} {p['predicted_s'] * 1e3:.0f}/{p['measured_s'] * 1e3:.0f} ms"
+                for name, p in row["phases"].items() if p["measured_s"] > 0) + " (predicted/measured)")
     errors = [abs(r["error_pct"]) for r in rows]
     print(f"median |error| {statistics.median(errors):.1f} %, max {max(errors):.1f} %; "
           f"{sum(r['within_15pct'] for r in rows)} of {len(rows)} within 15 %")
