@@ -99,6 +99,40 @@ def test_runtime_reduce_scatter_runs_as_an_all_reduce():
     assert comm(dp, True)["data_parallel"].exposed_s == pytest.approx(comm(dp, True)["data_parallel"].total_s)
 
 
+def test_project_tensor_parallel_by_hand():
+    # this project's TP: in an MoE layer only attention is a TP region (an all-gather and a reduce-scatter in
+    # the forward, again in the backward), the routers all-gather fp32 logits and scores and all-reduce the
+    # int64 counts (forward only); Megatron's also splits the shared expert (2 more per pass)
+    import numpy as np
+
+    from moetrain.planner.layer_costs import layer_costs
+    from moetrain.planner.simulate import simulate_layout
+    from moetrain.planner.strategy import Strategies
+
+    model = load_model_config("tiny-pangu")
+    cluster = ClusterConfig(name="link", device="toy", peak_tflops_bf16=1e9, hbm_gb=80, hbm_bandwidth_tbps=1e6,
+                            devices_per_node=8, intra_node_gbps=1.0, inter_node_gbps=1.0, intra_node_latency_us=0.0)
+    strategies = Strategies.from_parallel([ParallelConfig(tp=2, sp=True, micro_batch=4)])
+
+    def tp_comm(flag: bool) -> float:
+        w = Workload(model, cluster, 16, 4, "fp32", project_tensor_parallel=flag)
+        eff = Efficiency(gemm_max=1.0, gemm_overhead_us=0.0, moe_overhead_us=0.0, attention=1.0, memory=1.0,
+                         bus_intra=1.0)
+        return float(np.ravel(layer_costs(w, strategies, eff, True, 1.0).tp_comm)[0])
+
+    tokens, experts = 4 * 16, model.moe.num_experts
+    one = 0.5 * tokens * model.hidden_size * 4 / 1e9  # one all-gather of the [tokens, hidden] fp32 activation
+    router = (2 * 0.5 * tokens * experts * 4 + 2 * 0.5 * experts * 8) / 1e9
+    assert model.moe.num_shared_experts
+    assert tp_comm(False) == pytest.approx(4 * one * 2, rel=1e-9)
+    assert tp_comm(True) == pytest.approx(2 * one * 2 + router, rel=1e-9)
+    # the output head runs whole on every TP rank: twice the head of a vocabulary split over tp = 2
+    head = {flag: simulate_layout(Workload(DENSE, FAST, 16, 8, project_tensor_parallel=flag),
+                                  ParallelConfig(tp=2, sp=True, micro_batch=8), 2, Calibration(IDEAL, {}))
+            .compute_s["head"] for flag in (False, True)}
+    assert head[True] == pytest.approx(2 * head[False], rel=1e-9)
+
+
 def _tiny(prompts: int = 16, **kwargs) -> RLWorkload:
     return RLWorkload(load_model_config("tiny-pangu"), load_cluster_config("cpu"), prompts, 8, 16, 8, "fp32", **kwargs)
 

@@ -176,14 +176,16 @@ class _Ends:
 
 
 def _end_times(w: Workload, s: Strategies, eff: Efficiency, body_time) -> _Ends:
-    """Output head and loss, vocabulary split over tp; MTP adds a layer, a projection and the head again."""
+    """Output head and loss, vocabulary split over tp (this project's runtime: whole on every TP rank, over the
+    gathered sequence); MTP adds a layer, a projection and the head again."""
     model, cluster = w.model, w.cluster
     h = model.hidden_size
     tp = s.tp.astype(float)
     t_att = s.micro_batch * w.seq_len / s.cp
     t_split = np.where(s.sp, t_att / tp, t_att)
-    head_gemm = gemm_time(2.0 * h * model.vocab_size * t_att / tp, 1, cluster, eff, w.precision)
-    head_elem = memory_time(3 * 4.0 * model.vocab_size * t_att / tp, cluster, eff)
+    head_split = 1.0 if w.project_tensor_parallel else tp
+    head_gemm = gemm_time(2.0 * h * model.vocab_size * t_att / head_split, 1, cluster, eff, w.precision)
+    head_elem = memory_time(3 * 4.0 * model.vocab_size * t_att / head_split, cluster, eff)
     head = 3.0 * head_gemm + 3.0 * head_elem
     mtp = model.num_mtp_layers * (body_time + head + 3.0 * gemm_time(4.0 * h * h * t_att / tp, 1, cluster, eff))
     return _Ends(memory_time(3 * t_split * h * w.activation_bytes, cluster, eff), head, mtp)

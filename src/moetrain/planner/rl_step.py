@@ -214,11 +214,12 @@ def _check(w: RLWorkload, layout: RLLayout) -> None:
 def training_prediction(w: RLWorkload, layout: RLLayout, calibration: Calibration):
     """The planner's step for the training layout on the step's samples (``LayoutPrediction``), as this
     project's runtime trains it (``moetrain rl``): ZeRO reduces the gradients in the optimizer step, after
-    the backward (nothing hides them), the tensor-parallel collectives are synchronous, and a
-    reduce-scatter runs as an all-reduce (``Workload.reduce_scatter_by_all_reduce``)."""
+    the backward (nothing hides them), the tensor-parallel collectives are synchronous, a reduce-scatter
+    runs as an all-reduce (``Workload.reduce_scatter_by_all_reduce``) and tensor parallelism is the
+    project's (``Workload.project_tensor_parallel``: whole head and shared expert, the routers' gathers)."""
     workload = Workload(w.model, w.cluster, w.seq_len, w.samples, w.precision,
                         grad_bytes=2.0 if w.precision == "fp16" else 4.0, overlap_grad_comm=False,
-                        overlap_tp_comm=False, reduce_scatter_by_all_reduce=True)
+                        overlap_tp_comm=False, reduce_scatter_by_all_reduce=True, project_tensor_parallel=True)
     return simulate_layout(workload, layout.train, layout.train_devices, calibration)
 
 
