@@ -2,9 +2,11 @@
 
 The prediction comes from this CPU's measured rates and the planner's formulas, never from the RL step
 times: ``moetrain profile`` (GEMM rate and per-call cost, attention, memory bandwidth, MoE pass cost) plus
-two probes of the eager generation loop that the profile does not cover (``HostCosts``): the time of one
+three probes of the eager generation loop that the profile does not cover (``HostCosts``): the time of one
 decoder layer's forward of the runtime's model on one token (the host floor of a layer pass: Python,
-dispatcher, small kernels) and the sampler's time per logit. Those go into
+dispatcher, small kernels), the sampler's time per logit, and the rollout engine's own work per decode
+step beyond those (``engine_probe``: its decode step at 1 and 16 rows less the model's forward and the draw
+of the same rows). Those go into
 ``moetrain.planner.rl_step.price_rl_step`` with the shapes of the measured workloads:
 
 - colocated (RL Fusion): ``benchmarks/rl_switch.py``'s three variants (tiny-pangu, 4 gloo ranks, training
@@ -43,6 +45,10 @@ from that load average instead (not the prediction: it shows how much of the gap
 explain).
 
     python benchmarks/rl_simulate_check.py --remeasure --out benchmarks/results/rl_simulate_check_cpu.json
+
+The colocated rows compare phase by phase too (``phases``): the switch's phases and the step's other parts
+that rl_switch.py records (scoring, the replay diagnostics forward, the training step proper) against the
+predicted phases that price them.
 
 ``--remeasure`` also runs rl_switch.py and rl_stalesync.py (one repeat) again right after the rates are
 measured (into a temporary folder; the committed results stay) and compares the same predictions with
