@@ -439,9 +439,11 @@ def generation_alone(config: dict, repeats: int) -> float:
     return _best_time(run, repeats)
 
 
-def stalesync_decode_steps(config: dict) -> list[int]:
+def stalesync_decode_steps(config: dict) -> tuple[list[int], list[float]]:
     """Tokens of the longest sample of each steady batch of rl_stalesync.py's workload, generated with the
-    SFT warm-up's weights (the RL steps move them little: the held-out accuracy stays within 0.6)."""
+    SFT warm-up's weights (the RL steps move them little: the held-out accuracy stays within 0.6), and the
+    mean share of each batch's rows still running in its decode steps (the engine's ``rows_computed`` over
+    decode steps × rows: a row that stopped leaves the batch)."""
     from rl_stalesync import warm_up
 
     from moetrain.rl.config import GRPOConfig, RLOptions
@@ -462,30 +464,34 @@ def stalesync_decode_steps(config: dict) -> list[int]:
                         grpo=GRPOConfig(group_size=config["group_size"]), max_new_tokens=config["max_new_tokens"])
     params = SamplingParams(max_new_tokens=config["max_new_tokens"], temperature=1.0,
                             stop_token_ids=(tokenizer.eos_id,))
-    longest = []
+    longest, running = [], []
     for step in range(1, config["steps"] - 1):
         problems = step_problems(task, options, config["seed"], step)
         generation = engine.generate([prompt_ids(tokenizer, p) for p in problems], params,
                                      sample_generators(config["seed"], step, len(problems), torch.device("cpu")))
         longest.append(int(generation.lengths_B.max()))
-    return longest
+        running.append(generation.rows_computed / max(generation.decode_steps, 1) / len(problems))
+    return longest, running
 
 
 def stalesync_rows(measured: dict, calibration: Calibration, host: HostCosts, longest: list[int],
-                   capacity: float, thread_capacity: float, sync_rates: dict) -> list[dict]:
-    """``measured``: an rl_stalesync.py result; ``longest``: tokens of the longest sample of each steady
-    batch (``stalesync_decode_steps``); ``capacity``: cores' worth the two processes get together when
-    both compute (k ≥ 1); ``thread_capacity``: the same for the two threads of the colocated run's one
-    process; ``sync_rates``: the weight sync's copy and CRC rates on one core (the push runs between two
-    batches, each side on its own core). The link stays the preset's (two processes: not probed)."""
+                   capacity: float, thread_capacity: float, sync_rates: dict,
+                   running: list[float] | None = None) -> list[dict]:
+    """``measured``: an rl_stalesync.py result; ``longest``, ``running``: tokens of the longest sample of each
+    steady batch and the share of its rows running per decode step (``stalesync_decode_steps``);
+    ``capacity``: cores' worth the two processes get together when both compute (k ≥ 1);
+    ``thread_capacity``: the same for the two threads of the colocated run's one process; ``sync_rates``:
+    the weight sync's copy and CRC rates on one core (the push runs between two batches, each side on its
+    own core). The link stays the preset's (two processes: not probed)."""
     config = measured["workload"]
     task = get_task(config["task"])
     model = policy_config(load_model_config("tiny-pangu")).model_copy(update={"num_layers": 4})
     batch = config["prompts"] * config["group_size"]
     decode_steps = round(statistics.mean(longest))
+    share = statistics.mean(running) if running else 1.0
     workload = RLWorkload(model, load_cluster_config("cpu"), config["prompts"], config["group_size"],
                           task.max_prompt_chars + 1, decode_steps, "fp32",
-                          train_seq_len=sequence_len_for(task, config["max_new_tokens"]))
+                          train_seq_len=sequence_len_for(task, config["max_new_tokens"]), decode_running_share=share)
     rows = []
     bucket = config.get("bucket_mib", STALESYNC_BUCKET_MIB) * 2**20
     for run in measured["runs"]:
@@ -502,7 +508,8 @@ def stalesync_rows(measured: dict, calibration: Calibration, host: HostCosts, lo
         steps = config["steps"] - 2  # the steady steps: neither the first (fill) nor the last (evaluation)
         predicted = price_rl_step(workload, layout, calibration, host, shared_sync(sync_rates, 1.0))
         rows.append(_row(name, predicted, run["steady_seconds"] / steps,
-                         steady_steps=steps, decode_steps=decode_steps, longest_sample_per_batch=longest))
+                         steady_steps=steps, decode_steps=decode_steps, longest_sample_per_batch=longest,
+                         decode_running_share=share))
     return rows
 
 
@@ -528,6 +535,8 @@ class Rates:
     """Cores' worth of rl_switch's 2 ranks (the 8-layer forward at 64 rows)."""
     collectives_2_ranks: list[dict]
     """Gloo collectives on 2 ranks."""
+    running: tuple[float, ...] = ()
+    """Share of each steady StaleSync batch's rows running per decode step (empty: all of them)."""
 
     @property
     def link(self) -> LinkFit:
@@ -546,7 +555,7 @@ def compare(switch: dict, switch_2_ranks: dict, stalesync: dict, rates: Rates) -
                 + colocated_rows(switch_2_ranks, calibration, rates.hosts[8], rates.switch_2_ranks_capacity,
                                  rates.link_2_ranks, rates.sync)
                 + stalesync_rows(stalesync, calibration, rates.hosts[4], rates.longest, rates.capacity[2],
-                                 rates.thread_capacity, rates.sync))
+                                 rates.thread_capacity, rates.sync, list(rates.running)))
 
     per_profile = [predict(c) for c in rates.calibrations]
     rows = per_profile[0]
@@ -598,13 +607,14 @@ def main() -> None:
     switch = json.loads((RESULTS / "rl_switch_cpu.json").read_text())
     switch_2_ranks = json.loads((RESULTS / "rl_switch_cpu_2ranks.json").read_text())
     stalesync = json.loads((RESULTS / "rl_stalesync_cpu.json").read_text())
-    longest = stalesync_decode_steps(stalesync["workload"])
-    print(f"StaleSync batches' longest samples: {longest} tokens (mean {statistics.mean(longest):.1f})")
+    longest, running = stalesync_decode_steps(stalesync["workload"])
+    print(f"StaleSync batches' longest samples: {longest} tokens (mean {statistics.mean(longest):.1f}); rows "
+          f"running per decode step: {statistics.mean(running):.2f} of each batch")
     rates = Rates(profile(args.repeats), {layers: host_probe(layers, args.repeats) for layers in (4, 8)},
                   {n: core_capacity(n, work=CAPACITY_WORK[n]) for n in (2, 4)},
                   threads_capacity(CAPACITY_WORK[2]), longest,
                   profile_collectives(COLOCATED_RANKS), profile_sync_rates(args.repeats),
-                  core_capacity(2, work=SWITCH_2_RANKS_WORK), profile_collectives(2))
+                  core_capacity(2, work=SWITCH_2_RANKS_WORK), profile_collectives(2), tuple(running))
     gemm_capacity = {n: core_capacity(n) for n in (2, 4)}
     print(f"cores' worth of 2 and 4 concurrent processes (the runs' forwards): {rates.capacity[2]:.2f}, "
           f"{rates.capacity[4]:.2f}; of 2 threads of one process: {rates.thread_capacity:.2f}; of a GEMM loop "

@@ -74,6 +74,22 @@ def test_engine_work_adds_per_decode_forward_on_a_cpu():
     assert gpu.decode_s == generation_time(w, 4, 1, 10, 6, IDEAL, HostCosts(layer_forward_us=100.0)).decode_s
 
 
+def test_decode_priced_at_the_running_rows():
+    # 8 rows of which half run on average: each decode step is the 4-row step; the prefill stays at 8 rows
+    w = Workload(DENSE, FAST, 16, 8)
+    host = HostCosts(layer_forward_us=100.0, host_is_device=True, engine_step_us=30.0, engine_row_us=5.0)
+    half = generation_time(w, 8, 1, 10, 6, IDEAL, host, running_share=0.5)
+    four = generation_time(w, 4, 1, 10, 6, IDEAL, host)
+    assert half.decode_s == pytest.approx(four.decode_s, rel=1e-12)
+    assert half.prefill_s == generation_time(w, 8, 1, 10, 6, IDEAL, host).prefill_s
+    with pytest.raises(ValueError, match="running share"):
+        generation_time(w, 8, 1, 10, 6, IDEAL, host, running_share=0.0)
+    rl = RLWorkload(DENSE, FAST, 4, 2, 10, 6, "fp32", decode_running_share=0.5)
+    priced = price_rl_step(rl, RLLayout("colocated", 1, ParallelConfig(micro_batch=8)), Calibration(IDEAL, {}), host)
+    assert priced.phases.decode_s == pytest.approx(
+        generation_time(Workload(DENSE, FAST, 16, 8, "fp32"), 4, 1, 10, 6, IDEAL, host).decode_s, rel=1e-12)
+
+
 def test_runtime_reduce_scatter_runs_as_an_all_reduce():
     # moetrain's runtime reduce-scatters by an all-reduce (gloo): with sequence parallelism each
     # all-gather + reduce-scatter pair costs 3 ring passes instead of 2; ZeRO-1's gradient reduction 2 instead of 1

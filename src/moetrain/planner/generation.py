@@ -214,15 +214,21 @@ def forward_time(w: Workload, rows: int, devices: int, seq_len: int, eff: Effici
 
 
 def generation_time(w: Workload, rows: int, devices: int, prompt_len: int, response_len: int, eff: Efficiency,
-                    host: HostCosts | None = None) -> GenerationTimes:
+                    host: HostCosts | None = None, running_share: float = 1.0) -> GenerationTimes:
     """``rows`` samples of ``response_len`` new tokens after prompts of ``prompt_len`` on one replica of
-    ``devices`` devices (``w``: model, cluster and precision; its batch fields are not used)."""
+    ``devices`` devices (``w``: model, cluster and precision; its batch fields are not used).
+    ``running_share``: the mean share of the rows still running in a decode step (a row that stopped
+    leaves the batch, and the engine computes the running rows only): each decode step is priced at
+    round(share × rows) rows (1: every row runs to ``response_len``)."""
+    if not 0.0 < running_share <= 1.0:
+        raise ValueError(f"running share {running_share} must be in (0, 1]")
     host = host or HostCosts()
     eff = host.efficiency(eff)
     prefill = _layers_forward(w, rows, devices, prompt_len, eff, host)
     # The prefill's head runs on each row's last prompt token only (one decode step's head); it gives the
     # first token, so N new tokens take N draws but N - 1 decode forwards (the last token is not fed back).
-    decode = _decode_step(w, rows, devices, prompt_len + response_len / 2.0, eff, host)
+    running = max(round(running_share * rows), 1)
+    decode = _decode_step(w, running, devices, prompt_len + response_len / 2.0, eff, host)
     forwards = max(response_len - 1, 0)
     return GenerationTimes(prefill_s=prefill + decode.head_s,
                            decode_s=(forwards * (decode.layers_s + decode.head_s + decode.engine_s)

@@ -84,6 +84,10 @@ class RLWorkload:
     """Seconds to score the step's samples (a reward model or a verifier), on the generating side."""
     train_seq_len: int | None = None
     """Tokens per trained sequence when the trainer pads to a fixed length; None: prompt + response."""
+    decode_running_share: float = 1.0
+    """Mean share of a batch's rows still running in a decode step (rows that stop early leave the batch;
+    counted by generating the workload's batches: the engine's ``rows_computed`` over decode steps × rows);
+    1: every row runs to ``response_len``."""
     logprob_on_generation: bool = False
     """Colocated: the log-prob forwards run on every generation replica's model, each over all of the
     step's samples (moetrain's RL Fusion: its replay diagnostics forward runs on the generation model,
@@ -226,7 +230,7 @@ def training_prediction(w: RLWorkload, layout: RLLayout, calibration: Calibratio
 def _generation(w: RLWorkload, layout: RLLayout, eff: Efficiency, host: HostCosts) -> GenerationTimes:
     workload = Workload(w.model, w.cluster, w.seq_len, w.samples, w.precision)
     return generation_time(workload, w.samples // layout.replicas, layout.gen_devices_per_replica, w.prompt_len,
-                           w.response_len, eff, host)
+                           w.response_len, eff, host, w.decode_running_share)
 
 
 def weight_bytes(w: RLWorkload) -> float:
