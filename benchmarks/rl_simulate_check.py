@@ -22,8 +22,10 @@ The colocated runs' transfers and collectives are priced from two more probes (`
 gloo collectives at rl_switch's 4 ranks (and 2), one thread each (all-reduce, all-gather, all-to-all on the world
 and on both pairs at once, one-way sends; ``profile_collectives``), to which the planner's link formulas
 are fitted (``planner.comm.fit_link``: a latency and a bandwidth, fed in as the ``cpu`` cluster's in-node
-link), and the weight sync's copy and CRC-32 rates on one core (``profile_sync_rates``), divided like
-every other rate by each rank's share of a core. The replay diagnostics forward is priced where the
+link), and the weight sync's rate on one core (``profile_sync_rates``: one buffer's copy and CRC-32;
+``profile_weight_sync``: the whole sync of the run's model in one process, per-box work included), at one
+process's share of the cores (the sync's buckets run one after the other: one rank works while the others
+wait). The replay diagnostics forward is priced where the
 runtime runs it: on each rank's generation model, over every sample (``logprob_on_generation``).
 
 A batch decodes until its longest sample ends, and the warmed-up policy of the StaleSync runs stops at
@@ -83,7 +85,7 @@ from moetrain.rl.generate import SamplingParams, sample
 from moetrain.rl.loop import policy_config
 from moetrain.rl.sft import sequence_len_for
 from moetrain.rl.tasks import get_task
-from moetrain.train.profiler import profile_collectives, profile_sync_rates
+from moetrain.train.profiler import profile_collectives, profile_sync_rates, profile_weight_sync
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SAMPLER_ROWS = 128
@@ -292,11 +294,14 @@ def shared_cores(calibration: Calibration, host: HostCosts, slow: float) -> tupl
                            engine_step_us=host.engine_step_us * slow, engine_row_us=host.engine_row_us * slow)
 
 
-def shared_sync(rates: dict, slow: float) -> SyncRates:
-    """The weight sync's copy and CRC rates (``profile_sync_rates``) when each process gets 1/``slow`` of a
-    core."""
+def shared_sync(rates: dict, slow: float, layers: int) -> SyncRates:
+    """The weight sync's rates when each process gets 1/``slow`` of a core: the copy and CRC rates of one
+    buffer (``profile_sync_rates``) and, where measured, the whole sync's own rate on the ``layers``-layer
+    model (``profile_weight_sync``)."""
     slow = max(slow, 1.0)
-    return SyncRates(rates["copy_bytes_per_s"] / slow, rates["crc_bytes_per_s"] / slow)
+    whole = rates.get(f"whole_sync_{layers}_layers")
+    return SyncRates(rates["copy_bytes_per_s"] / slow, rates["crc_bytes_per_s"] / slow,
+                     whole["host_bytes_per_s"] / slow if whole else None)
 
 
 def link_fit(collectives: list[dict]) -> LinkFit:
@@ -353,6 +358,17 @@ def phase_comparison(phases, measured: dict[str, float]) -> dict[str, dict]:
     return out
 
 
+def sync_probes(repeats: int) -> dict:
+    """The weight sync's rates on one core: one buffer's copy and CRC-32 (``profile_sync_rates``) and the
+    whole sync of rl_switch's 8-layer and rl_stalesync's 4-layer policy in one process
+    (``profile_weight_sync``: per-box work included)."""
+    policy = policy_config(load_model_config("tiny-pangu"))
+    return {**profile_sync_rates(repeats),
+            **{f"whole_sync_{layers}_layers": profile_weight_sync(policy.model_copy(update={"num_layers": layers}),
+                                                                   repeats)
+               for layers in (8, 4)}}
+
+
 def colocated_rows(measured: dict, calibration: Calibration, host: HostCosts, capacity: float, link: LinkFit,
                    sync_rates: dict) -> list[dict]:
     """``measured``: an rl_switch.py result; ``capacity``: cores' worth its ranks get together
@@ -374,7 +390,9 @@ def colocated_rows(measured: dict, calibration: Calibration, host: HostCosts, ca
     slow = config["ranks"] / capacity
     one_core, one_core_host = calibration, host
     calibration, host = shared_cores(calibration, host, slow)
-    sync = shared_sync(sync_rates, slow)
+    # The sync's buckets run one after the other (``rl_step._colocated_transfers``): one rank packs or writes
+    # while the others wait in gloo, taking no CPU, so the sync runs at one process's rates.
+    sync = shared_sync(sync_rates, 1.0 / min(1.0, capacity), 8)
     cluster = link.cluster(load_cluster_config("cpu"))
     rows = []
     for variant in measured["variants"]:
@@ -395,7 +413,7 @@ def colocated_rows(measured: dict, calibration: Calibration, host: HostCosts, ca
         train_calibration, _ = shared_cores(one_core, one_core_host, busy / capacity)
         predicted = price_rl_step(workload, layout, calibration, host, sync, train_calibration)
         alone = price_rl_step(workload, layout, one_core, one_core_host).phases.generate_s
-        loaded = (price_rl_step(workload, layout, *at_load, shared_sync(sync_rates, load_slow)).step_s
+        loaded = (price_rl_step(workload, layout, *at_load, shared_sync(sync_rates, load_slow, 8)).step_s
                   if at_load else None)
         # the switch's phases and, where the run recorded them, the step's other parts
         measured_phases = {**variant["phase_s"], **variant.get("step_phase_s", {})}
@@ -506,7 +524,7 @@ def stalesync_rows(measured: dict, calibration: Calibration, host: HostCosts, lo
                               staleness=run["staleness"], shared_cores=capacity, sync_bucket_bytes=bucket)
             name = f"disaggregated k={run['staleness']}"
         steps = config["steps"] - 2  # the steady steps: neither the first (fill) nor the last (evaluation)
-        predicted = price_rl_step(workload, layout, calibration, host, shared_sync(sync_rates, 1.0))
+        predicted = price_rl_step(workload, layout, calibration, host, shared_sync(sync_rates, 1.0, 4))
         rows.append(_row(name, predicted, run["steady_seconds"] / steps,
                          steady_steps=steps, decode_steps=decode_steps, longest_sample_per_batch=longest,
                          decode_running_share=share))
@@ -613,7 +631,7 @@ def main() -> None:
     rates = Rates(profile(args.repeats), {layers: host_probe(layers, args.repeats) for layers in (4, 8)},
                   {n: core_capacity(n, work=CAPACITY_WORK[n]) for n in (2, 4)},
                   threads_capacity(CAPACITY_WORK[2]), longest,
-                  profile_collectives(COLOCATED_RANKS), profile_sync_rates(args.repeats),
+                  profile_collectives(COLOCATED_RANKS), sync_probes(args.repeats),
                   core_capacity(2, work=SWITCH_2_RANKS_WORK), profile_collectives(2), tuple(running))
     gemm_capacity = {n: core_capacity(n) for n in (2, 4)}
     print(f"cores' worth of 2 and 4 concurrent processes (the runs' forwards): {rates.capacity[2]:.2f}, "
@@ -622,7 +640,8 @@ def main() -> None:
     link = rates.link
     print(f"gloo link of {COLOCATED_RANKS} ranks: {link.latency_us:.0f} µs per message step, {link.gbps:.2f} GB/s; "
           f"weight sync per core: copy {rates.sync['copy_bytes_per_s'] / 1e9:.2f} GB/s, "
-          f"CRC-32 {rates.sync['crc_bytes_per_s'] / 1e9:.2f} GB/s")
+          f"CRC-32 {rates.sync['crc_bytes_per_s'] / 1e9:.2f} GB/s; the whole sync of the 8-layer model "
+          f"{rates.sync['whole_sync_8_layers']['host_bytes_per_s'] / 1e9:.2f} GB/s packed or written")
     alone = generation_alone(switch["config"], args.repeats)
     print(f"one rl_switch replica's generation alone: {alone:.3f} s (a diagnostic)")
     result = {"measured_from": [f"benchmarks/results/{name}.json"

@@ -133,6 +133,25 @@ def test_push_is_send_buckets_host_work_and_agreement_by_hand():
     assert priced.push_s == pytest.approx(send + host + agreement, rel=1e-9)
 
 
+def test_sync_host_rate_of_the_whole_sync_replaces_the_buffer_rates():
+    # measured on the model's own sync: 2 GB/s of packed or written bytes, whatever the copy and CRC rates
+    rates = SyncRates(copy_bytes_per_s=10e9, crc_bytes_per_s=1e9, host_bytes_per_s=2e9)
+    assert rates.seconds(1e6) == pytest.approx(0.5e-3, rel=1e-12)
+    layout = RLLayout("colocated", 2, ParallelConfig(dp=2, micro_batch=4))
+    priced = price_rl_step(_workload(), layout, _calibration(), sync=rates).phases
+    agreement = 2 * (0.5 * 8 / 1e9 + 100e-6)
+    # data parallel: each of the 2 devices packs and writes its own whole model, one after the other
+    assert priced.reshard_s == pytest.approx(2 * 2 * WEIGHTS_FP32 / 2e9 + agreement, rel=1e-9)
+
+
+def test_whole_sync_probe_of_a_small_model():
+    from moetrain.train.profiler import profile_weight_sync
+
+    probe = profile_weight_sync(DENSE, repeats=1, bucket_bytes=1 << 18)
+    assert probe["bytes"] == WEIGHTS_FP32 and probe["boxes"] >= 10 and probe["buckets"] >= 4
+    assert probe["host_bytes_per_s"] == pytest.approx(2 * WEIGHTS_FP32 / probe["seconds"])
+
+
 def test_rows_gather_by_hand():
     # 8 samples of 10 + 6 tokens, 12 B per token (int64 id, fp32 log-prob; no MoE: no replay record),
     # all-gathered over 4 ranks, then the sizes (8 B per rank)

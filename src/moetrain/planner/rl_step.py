@@ -154,9 +154,15 @@ class SyncRates:
 
     copy_bytes_per_s: float
     crc_bytes_per_s: float
+    host_bytes_per_s: float | None = None
+    """Bytes one side packs (or writes) per second as the sync runs on the model itself, its per-box and
+    per-bucket work included (``train.profiler.profile_weight_sync``); None: the copy and CRC-32 rates of
+    one large buffer alone."""
 
     def seconds(self, num_bytes: float) -> float:
-        """One copy and one CRC-32 of ``num_bytes``."""
+        """One copy and one CRC-32 of ``num_bytes`` (one side's work: a pack or a write)."""
+        if self.host_bytes_per_s is not None:
+            return num_bytes / self.host_bytes_per_s
         return num_bytes / self.copy_bytes_per_s + num_bytes / self.crc_bytes_per_s
 
 
