@@ -2,9 +2,11 @@
 
 The prediction comes from this CPU's measured rates and the planner's formulas, never from the RL step
 times: ``moetrain profile`` (GEMM rate and per-call cost, attention, memory bandwidth, MoE pass cost) plus
-two probes of the eager generation loop that the profile does not cover (``HostCosts``): the time of one
+three probes of the eager generation loop that the profile does not cover (``HostCosts``): the time of one
 decoder layer's forward of the runtime's model on one token (the host floor of a layer pass: Python,
-dispatcher, small kernels) and the sampler's time per logit. Those go into
+dispatcher, small kernels), the sampler's time per logit, and the rollout engine's own work per decode
+step beyond those (``engine_probe``: its decode step at 1 and 16 rows less the model's forward and the draw
+of the same rows). Those go into
 ``moetrain.planner.rl_step.price_rl_step`` with the shapes of the measured workloads:
 
 - colocated (RL Fusion): ``benchmarks/rl_switch.py``'s three variants (tiny-pangu, 4 gloo ranks, training
@@ -20,8 +22,10 @@ The colocated runs' transfers and collectives are priced from two more probes (`
 gloo collectives at rl_switch's 4 ranks (and 2), one thread each (all-reduce, all-gather, all-to-all on the world
 and on both pairs at once, one-way sends; ``profile_collectives``), to which the planner's link formulas
 are fitted (``planner.comm.fit_link``: a latency and a bandwidth, fed in as the ``cpu`` cluster's in-node
-link), and the weight sync's copy and CRC-32 rates on one core (``profile_sync_rates``), divided like
-every other rate by each rank's share of a core. The replay diagnostics forward is priced where the
+link), and the weight sync's rate on one core (``profile_sync_rates``: one buffer's copy and CRC-32;
+``profile_weight_sync``: the whole sync of the run's model in one process, per-box work included), at one
+process's share of the cores (the sync's buckets run one after the other: one rank works while the others
+wait). The replay diagnostics forward is priced where the
 runtime runs it: on each rank's generation model, over every sample (``logprob_on_generation``).
 
 A batch decodes until its longest sample ends, and the warmed-up policy of the StaleSync runs stops at
@@ -43,6 +47,10 @@ from that load average instead (not the prediction: it shows how much of the gap
 explain).
 
     python benchmarks/rl_simulate_check.py --remeasure --out benchmarks/results/rl_simulate_check_cpu.json
+
+The colocated rows compare phase by phase too (``phases``): the switch's phases and the step's other parts
+that rl_switch.py records (scoring, the replay diagnostics forward, the training step proper) against the
+predicted phases that price them.
 
 ``--remeasure`` also runs rl_switch.py and rl_stalesync.py (one repeat) again right after the rates are
 measured (into a temporary folder; the committed results stay) and compares the same predictions with
@@ -77,7 +85,7 @@ from moetrain.rl.generate import SamplingParams, sample
 from moetrain.rl.loop import policy_config
 from moetrain.rl.sft import sequence_len_for
 from moetrain.rl.tasks import get_task
-from moetrain.train.profiler import profile_collectives, profile_sync_rates
+from moetrain.train.profiler import profile_collectives, profile_sync_rates, profile_weight_sync
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SAMPLER_ROWS = 128
@@ -117,9 +125,15 @@ def profile(repeats: int) -> list[Calibration]:
     return sorted(runs, key=lambda run: -run.per_arch["cpu"]["gemm_max"])
 
 
+ENGINE_PROBE_ROWS = 16
+"""The engine's decode step is probed at 1 row and at this many (its own work grows with the rows)."""
+ENGINE_PROBE_STEPS = 8
+"""Decode steps the engine probe times beyond a generation of one token (after a prompt of as many)."""
+
+
 def host_probe(num_layers: int, repeats: int) -> HostCosts:
-    """Per-layer forward of the runtime's model on one token, and the sampler's time per logit (each the
-    fastest of its repeats)."""
+    """Per-layer forward of the runtime's model on one token, the sampler's time per logit, and the
+    generation engine's own work per decode step (``engine_probe``), each the fastest of its repeats."""
     model_cfg = policy_config(load_model_config("tiny-pangu")).model_copy(update={"num_layers": num_layers})
     model = build_model(model_cfg, torch.device("cpu"), seed=0).eval().requires_grad_(False)
     ids = torch.zeros(1, 1, dtype=torch.long)
@@ -129,8 +143,50 @@ def host_probe(num_layers: int, repeats: int) -> HostCosts:
     generators = [torch.Generator().manual_seed(row) for row in range(SAMPLER_ROWS)]
     params = SamplingParams(max_new_tokens=1, temperature=1.0)
     sampling = _best_time(lambda: sample(logits, params, generators), repeats * 5)
+    step_us, row_us = engine_probe(model, repeats)
     return HostCosts(layer_forward_us=forward / num_layers * 1e6, probe_tokens=1,
-                     sample_ns_per_logit=sampling / logits.numel() * 1e9, host_is_device=True)
+                     sample_ns_per_logit=sampling / logits.numel() * 1e9, host_is_device=True,
+                     engine_step_us=step_us, engine_row_us=row_us)
+
+
+def engine_probe(model, repeats: int) -> tuple[float, float]:
+    """The rollout engine's own work per decode step beyond the model's forward and the draw, as (µs per
+    step, µs per row), from its decode step at 1 row and at ``ENGINE_PROBE_ROWS``: at each size, a
+    generation of 1 + ``ENGINE_PROBE_STEPS`` tokens less one of 1 token, over the steps, less the model's
+    forward of those rows on one token and the sampler's draw for them. Each the fastest of ``repeats``
+    rounds, the timings of a round taken one after the other (a passing load then touches all of them)."""
+    from moetrain.rl.fusion import sample_generators
+    from moetrain.rl.generate import RolloutEngine
+
+    cpu, vocab = torch.device("cpu"), model.cfg.vocab_size
+    engine = RolloutEngine(model, pad_id=0)
+    prompt = list(range(1, ENGINE_PROBE_STEPS + 1))
+
+    def timers(rows: int) -> dict:
+        prompts = [prompt] * rows
+        short, long = (SamplingParams(max_new_tokens=n, temperature=1.0)  # no stop id: every step runs
+                       for n in (1, 1 + ENGINE_PROBE_STEPS))
+        ids, logits = torch.zeros(rows, 1, dtype=torch.long), torch.randn(rows, vocab)
+        generators = [torch.Generator().manual_seed(row) for row in range(rows)]
+        return {"short": lambda: engine.generate(prompts, short, sample_generators(0, 0, rows, cpu)),
+                "long": lambda: engine.generate(prompts, long, sample_generators(0, 0, rows, cpu)),
+                "forward": lambda: model(ids), "draw": lambda: sample(logits, short, generators)}
+
+    def own_work(rows: int) -> float:
+        calls = timers(rows)
+        best = dict.fromkeys(calls, float("inf"))
+        with torch.no_grad():
+            for _ in range(repeats + 1):  # the first round warms up
+                for name, call in calls.items():
+                    start = time.perf_counter()
+                    call()
+                    best[name] = min(best[name], time.perf_counter() - start)
+        step = (best["long"] - best["short"]) / ENGINE_PROBE_STEPS
+        return max(step - best["forward"] - best["draw"], 0.0)
+
+    one, several = own_work(1), own_work(ENGINE_PROBE_ROWS)
+    per_row = max(several - one, 0.0) / (ENGINE_PROBE_ROWS - 1)
+    return max(one - per_row, 0.0) * 1e6, per_row * 1e6
 
 
 def _forward_step(work: tuple[int, int], seed: int = 0):
@@ -234,14 +290,18 @@ def shared_cores(calibration: Calibration, host: HostCosts, slow: float) -> tupl
            "gemm_overhead_us": eff.gemm_overhead_us * slow, "moe_overhead_us": eff.moe_overhead_us * slow}
     scaled = replace(calibration, per_arch={**calibration.per_arch, "cpu": cpu}, held_out_fits={})
     return scaled, replace(host, layer_forward_us=host.layer_forward_us * slow,
-                           sample_ns_per_logit=host.sample_ns_per_logit * slow)
+                           sample_ns_per_logit=host.sample_ns_per_logit * slow,
+                           engine_step_us=host.engine_step_us * slow, engine_row_us=host.engine_row_us * slow)
 
 
-def shared_sync(rates: dict, slow: float) -> SyncRates:
-    """The weight sync's copy and CRC rates (``profile_sync_rates``) when each process gets 1/``slow`` of a
-    core."""
+def shared_sync(rates: dict, slow: float, layers: int) -> SyncRates:
+    """The weight sync's rates when each process gets 1/``slow`` of a core: the copy and CRC rates of one
+    buffer (``profile_sync_rates``) and, where measured, the whole sync's own rate on the ``layers``-layer
+    model (``profile_weight_sync``)."""
     slow = max(slow, 1.0)
-    return SyncRates(rates["copy_bytes_per_s"] / slow, rates["crc_bytes_per_s"] / slow)
+    whole = rates.get(f"whole_sync_{layers}_layers")
+    return SyncRates(rates["copy_bytes_per_s"] / slow, rates["crc_bytes_per_s"] / slow,
+                     whole["host_bytes_per_s"] / slow if whole else None)
 
 
 def link_fit(collectives: list[dict]) -> LinkFit:
@@ -278,6 +338,37 @@ def _row(name: str, predicted, measured_s: float, **extra) -> dict:
             "within_15pct": abs(error) <= 15.0, "predicted_phases_s": asdict(predicted.phases), **extra}
 
 
+# The RL Fusion step's phases as rl_switch.py records them (the switch's, then the step's other parts), each
+# with the predicted phases that price it: the runtime's generate phase gathers the rows too.
+COLOCATED_PHASES = {"offload": ("offload_s",), "reshard": ("reshard_s",), "generate": ("generate_s", "gather_s"),
+                    "restore": ("restore_s",), "score": ("reward_s",), "replay_forward": ("logprob_s",),
+                    "train_step": ("train_s",)}
+
+
+def phase_comparison(phases, measured: dict[str, float]) -> dict[str, dict]:
+    """Predicted against measured seconds of each phase the run measured (``phases``: ``RLPhases``)."""
+    out = {}
+    for name, parts in COLOCATED_PHASES.items():
+        if name not in measured:
+            continue
+        predicted = sum(getattr(phases, part) for part in parts)
+        seen = measured[name]
+        out[name] = {"predicted_s": predicted, "measured_s": seen,
+                     "predicted_over_measured": predicted / seen if seen > 0 else None}
+    return out
+
+
+def sync_probes(repeats: int) -> dict:
+    """The weight sync's rates on one core: one buffer's copy and CRC-32 (``profile_sync_rates``) and the
+    whole sync of rl_switch's 8-layer and rl_stalesync's 4-layer policy in one process
+    (``profile_weight_sync``: per-box work included)."""
+    policy = policy_config(load_model_config("tiny-pangu"))
+    return {**profile_sync_rates(repeats),
+            **{f"whole_sync_{layers}_layers": profile_weight_sync(policy.model_copy(update={"num_layers": layers}),
+                                                                   repeats)
+               for layers in (8, 4)}}
+
+
 def colocated_rows(measured: dict, calibration: Calibration, host: HostCosts, capacity: float, link: LinkFit,
                    sync_rates: dict) -> list[dict]:
     """``measured``: an rl_switch.py result; ``capacity``: cores' worth its ranks get together
@@ -285,8 +376,9 @@ def colocated_rows(measured: dict, calibration: Calibration, host: HostCosts, ca
     sync's copy and CRC rates on one core (``profile_sync_rates``)."""
     config = measured["config"]
     task = get_task(config["task"])
-    layouts = {"tp2_ep2": ParallelConfig(tp=2, dp=2, ep=2), "pp2_ep2": ParallelConfig(pp=2, dp=2, ep=2),
-               "ep2": ParallelConfig(dp=2, ep=2), "tp2": ParallelConfig(tp=2)}
+    # the runtime runs tp > 1 with sequence parallelism only
+    layouts = {"tp2_ep2": ParallelConfig(tp=2, sp=True, dp=2, ep=2), "pp2_ep2": ParallelConfig(pp=2, dp=2, ep=2),
+               "ep2": ParallelConfig(dp=2, ep=2), "tp2": ParallelConfig(tp=2, sp=True)}
     model = policy_config(load_model_config(config["model"]))
     batch = config["prompts"] * config["group_size"]
     # Sensitivity, not the prediction: the same with every rank's share of a core taken from the load
@@ -298,7 +390,9 @@ def colocated_rows(measured: dict, calibration: Calibration, host: HostCosts, ca
     slow = config["ranks"] / capacity
     one_core, one_core_host = calibration, host
     calibration, host = shared_cores(calibration, host, slow)
-    sync = shared_sync(sync_rates, slow)
+    # The sync's buckets run one after the other (``rl_step._colocated_transfers``): one rank packs or writes
+    # while the others wait in gloo, taking no CPU, so the sync runs at one process's rates.
+    sync = shared_sync(sync_rates, 1.0 / min(1.0, capacity), 8)
     cluster = link.cluster(load_cluster_config("cpu"))
     rows = []
     for variant in measured["variants"]:
@@ -319,11 +413,14 @@ def colocated_rows(measured: dict, calibration: Calibration, host: HostCosts, ca
         train_calibration, _ = shared_cores(one_core, one_core_host, busy / capacity)
         predicted = price_rl_step(workload, layout, calibration, host, sync, train_calibration)
         alone = price_rl_step(workload, layout, one_core, one_core_host).phases.generate_s
-        loaded = (price_rl_step(workload, layout, *at_load, shared_sync(sync_rates, load_slow)).step_s
+        loaded = (price_rl_step(workload, layout, *at_load, shared_sync(sync_rates, load_slow, 8)).step_s
                   if at_load else None)
+        # the switch's phases and, where the run recorded them, the step's other parts
+        measured_phases = {**variant["phase_s"], **variant.get("step_phase_s", {})}
         rows.append(_row(f"colocated {variant['train_layout']} offload {variant['offload']} ({config['ranks']} ranks)",
                          predicted,
-                         variant["step_s"], measured_phases_s=variant["phase_s"], training_busy_ranks=busy,
+                         variant["step_s"], measured_phases_s=measured_phases,
+                         phases=phase_comparison(predicted.phases, measured_phases), training_busy_ranks=busy,
                          generation_priced_one_core_s=alone,
                          sensitivity_step_s_at_recorded_load=loaded, recorded_load_average=load))
     return rows
@@ -360,9 +457,11 @@ def generation_alone(config: dict, repeats: int) -> float:
     return _best_time(run, repeats)
 
 
-def stalesync_decode_steps(config: dict) -> list[int]:
+def stalesync_decode_steps(config: dict) -> tuple[list[int], list[float]]:
     """Tokens of the longest sample of each steady batch of rl_stalesync.py's workload, generated with the
-    SFT warm-up's weights (the RL steps move them little: the held-out accuracy stays within 0.6)."""
+    SFT warm-up's weights (the RL steps move them little: the held-out accuracy stays within 0.6), and the
+    mean share of each batch's rows still running in its decode steps (the engine's ``rows_computed`` over
+    decode steps × rows: a row that stopped leaves the batch)."""
     from rl_stalesync import warm_up
 
     from moetrain.rl.config import GRPOConfig, RLOptions
@@ -383,27 +482,31 @@ def stalesync_decode_steps(config: dict) -> list[int]:
                         grpo=GRPOConfig(group_size=config["group_size"]), max_new_tokens=config["max_new_tokens"])
     params = SamplingParams(max_new_tokens=config["max_new_tokens"], temperature=1.0,
                             stop_token_ids=(tokenizer.eos_id,))
-    longest = []
+    longest, running = [], []
     for step in range(1, config["steps"] - 1):
         problems = step_problems(task, options, config["seed"], step)
         generation = engine.generate([prompt_ids(tokenizer, p) for p in problems], params,
                                      sample_generators(config["seed"], step, len(problems), torch.device("cpu")))
         longest.append(int(generation.lengths_B.max()))
-    return longest
+        running.append(generation.rows_computed / max(generation.decode_steps, 1) / len(problems))
+    return longest, running
 
 
 def stalesync_rows(measured: dict, calibration: Calibration, host: HostCosts, longest: list[int],
-                   capacity: float, thread_capacity: float, sync_rates: dict) -> list[dict]:
-    """``measured``: an rl_stalesync.py result; ``longest``: tokens of the longest sample of each steady
-    batch (``stalesync_decode_steps``); ``capacity``: cores' worth the two processes get together when
-    both compute (k ≥ 1); ``thread_capacity``: the same for the two threads of the colocated run's one
-    process; ``sync_rates``: the weight sync's copy and CRC rates on one core (the push runs between two
-    batches, each side on its own core). The link stays the preset's (two processes: not probed)."""
+                   capacity: float, thread_capacity: float, sync_rates: dict,
+                   running: list[float] | None = None) -> list[dict]:
+    """``measured``: an rl_stalesync.py result; ``longest``, ``running``: tokens of the longest sample of each
+    steady batch and the share of its rows running per decode step (``stalesync_decode_steps``);
+    ``capacity``: cores' worth the two processes get together when both compute (k ≥ 1);
+    ``thread_capacity``: the same for the two threads of the colocated run's one process; ``sync_rates``:
+    the weight sync's copy and CRC rates on one core (the push runs between two batches, each side on its
+    own core). The link stays the preset's (two processes: not probed)."""
     config = measured["workload"]
     task = get_task(config["task"])
     model = policy_config(load_model_config("tiny-pangu")).model_copy(update={"num_layers": 4})
     batch = config["prompts"] * config["group_size"]
     decode_steps = round(statistics.mean(longest))
+    share = statistics.mean(running) if running else 1.0
     rows = []
     bucket = config.get("bucket_mib", STALESYNC_BUCKET_MIB) * 2**20
     steps = config["steps"] - 2  # the steady steps: neither the first (fill) nor the last (evaluation)
@@ -413,7 +516,7 @@ def stalesync_rows(measured: dict, calibration: Calibration, host: HostCosts, lo
         workload = RLWorkload(model, load_cluster_config("cpu"), config["prompts"], config["group_size"],
                               task.max_prompt_chars + 1, decode_steps, "fp32",
                               train_seq_len=sequence_len_for(task, config["max_new_tokens"]),
-                              completion_len=completion)
+                              completion_len=completion, decode_running_share=share)
         if run.get("placement", "disaggregated") == "colocated":
             # one process: its generating thread and its training thread share the thread capacity; the
             # reshard is a local copy (and check) of the weights into the generation model
@@ -424,10 +527,10 @@ def stalesync_rows(measured: dict, calibration: Calibration, host: HostCosts, lo
             layout = RLLayout("disaggregated", 2, ParallelConfig(micro_batch=batch), rollout_devices=1,
                               staleness=run["staleness"], shared_cores=capacity, sync_bucket_bytes=bucket)
             name = f"disaggregated k={run['staleness']}"
-        predicted = price_rl_step(workload, layout, calibration, host, shared_sync(sync_rates, 1.0))
+        predicted = price_rl_step(workload, layout, calibration, host, shared_sync(sync_rates, 1.0, 4))
         rows.append(_row(name, predicted, run["steady_seconds"] / steps,
                          steady_steps=steps, decode_steps=decode_steps, longest_sample_per_batch=longest,
-                         mean_completion_tokens=completion))
+                         decode_running_share=share, mean_completion_tokens=completion))
     return rows
 
 
@@ -453,6 +556,8 @@ class Rates:
     """Cores' worth of rl_switch's 2 ranks (the 8-layer forward at 64 rows)."""
     collectives_2_ranks: list[dict]
     """Gloo collectives on 2 ranks."""
+    running: tuple[float, ...] = ()
+    """Share of each steady StaleSync batch's rows running per decode step (empty: all of them)."""
 
     @property
     def link(self) -> LinkFit:
@@ -471,7 +576,7 @@ def compare(switch: dict, switch_2_ranks: dict, stalesync: dict, rates: Rates) -
                 + colocated_rows(switch_2_ranks, calibration, rates.hosts[8], rates.switch_2_ranks_capacity,
                                  rates.link_2_ranks, rates.sync)
                 + stalesync_rows(stalesync, calibration, rates.hosts[4], rates.longest, rates.capacity[2],
-                                 rates.thread_capacity, rates.sync))
+                                 rates.thread_capacity, rates.sync, list(rates.running)))
 
     per_profile = [predict(c) for c in rates.calibrations]
     rows = per_profile[0]
@@ -481,6 +586,11 @@ def compare(switch: dict, switch_2_ranks: dict, stalesync: dict, rates: Rates) -
         print(f"{row['run']:44s} predicted {row['predicted_step_s']:7.3f} s  measured {row['measured_step_s']:7.3f} s"
               f"  ({row['error_pct']:+.1f} %; under the {len(rates.calibrations)} profiles "
               + ", ".join(f"{v:.3f}" for v in row["predicted_step_s_per_profile"]) + " s)")
+    for row in rows:
+        if row.get("phases"):
+            print(f"    {row['run']}: " + ", ".join(
+                f"{name} {p['predicted_s'] * 1e3:.0f}/{p['measured_s'] * 1e3:.0f} ms"
+                for name, p in row["phases"].items() if p["measured_s"] > 0) + " (predicted/measured)")
     errors = [abs(r["error_pct"]) for r in rows]
     print(f"median |error| {statistics.median(errors):.1f} %, max {max(errors):.1f} %; "
           f"{sum(r['within_15pct'] for r in rows)} of {len(rows)} within 15 %")
@@ -518,13 +628,14 @@ def main() -> None:
     switch = json.loads((RESULTS / "rl_switch_cpu.json").read_text())
     switch_2_ranks = json.loads((RESULTS / "rl_switch_cpu_2ranks.json").read_text())
     stalesync = json.loads((RESULTS / "rl_stalesync_cpu.json").read_text())
-    longest = stalesync_decode_steps(stalesync["workload"])
-    print(f"StaleSync batches' longest samples: {longest} tokens (mean {statistics.mean(longest):.1f})")
+    longest, running = stalesync_decode_steps(stalesync["workload"])
+    print(f"StaleSync batches' longest samples: {longest} tokens (mean {statistics.mean(longest):.1f}); rows "
+          f"running per decode step: {statistics.mean(running):.2f} of each batch")
     rates = Rates(profile(args.repeats), {layers: host_probe(layers, args.repeats) for layers in (4, 8)},
                   {n: core_capacity(n, work=CAPACITY_WORK[n]) for n in (2, 4)},
                   threads_capacity(CAPACITY_WORK[2]), longest,
-                  profile_collectives(COLOCATED_RANKS), profile_sync_rates(args.repeats),
-                  core_capacity(2, work=SWITCH_2_RANKS_WORK), profile_collectives(2))
+                  profile_collectives(COLOCATED_RANKS), sync_probes(args.repeats),
+                  core_capacity(2, work=SWITCH_2_RANKS_WORK), profile_collectives(2), tuple(running))
     gemm_capacity = {n: core_capacity(n) for n in (2, 4)}
     print(f"cores' worth of 2 and 4 concurrent processes (the runs' forwards): {rates.capacity[2]:.2f}, "
           f"{rates.capacity[4]:.2f}; of 2 threads of one process: {rates.thread_capacity:.2f}; of a GEMM loop "
@@ -532,7 +643,8 @@ def main() -> None:
     link = rates.link
     print(f"gloo link of {COLOCATED_RANKS} ranks: {link.latency_us:.0f} µs per message step, {link.gbps:.2f} GB/s; "
           f"weight sync per core: copy {rates.sync['copy_bytes_per_s'] / 1e9:.2f} GB/s, "
-          f"CRC-32 {rates.sync['crc_bytes_per_s'] / 1e9:.2f} GB/s")
+          f"CRC-32 {rates.sync['crc_bytes_per_s'] / 1e9:.2f} GB/s; the whole sync of the 8-layer model "
+          f"{rates.sync['whole_sync_8_layers']['host_bytes_per_s'] / 1e9:.2f} GB/s packed or written")
     alone = generation_alone(switch["config"], args.repeats)
     print(f"one rl_switch replica's generation alone: {alone:.3f} s (a diagnostic)")
     result = {"measured_from": [f"benchmarks/results/{name}.json"

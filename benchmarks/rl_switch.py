@@ -3,10 +3,11 @@
 Each variant trains GRPO steps of ``RLTrainer`` (the ``moetrain rl --nproc 4`` loop) in one training layout
 (TP2×EP2 or PP2×EP2; with ``--ranks 2``, EP2 or TP2) and generates in 4 (2) data-parallel replicas; rows give
 the switch's phases (offload, reshard, generate, free, restore: the slowest rank's wall time and peak resident
-memory), the sync's bytes and the whole step's time. The first step (its starting evaluation) and the last
-(its closing one) are left out; each figure is the median of the other steps. ``offload always`` moves AdamW
-state and gradients to host and back around each generation, which a CPU never needs (``auto`` skips it): it
-prices the copies.
+memory), the sync's bytes, the whole step's time and its other parts as the runtime logs them
+(``step_phase_s``: scoring, the replay diagnostics forward, the training step proper, what follows it). The
+first step (its starting evaluation) and the last (its closing one) are left out; each figure is the median of
+the other steps. ``offload always`` moves AdamW state and gradients to host and back around each generation,
+which a CPU never needs (``auto`` skips it): it prices the copies.
 
     python benchmarks/rl_switch.py --out benchmarks/results/rl_switch_cpu.json
     python benchmarks/rl_switch.py --ranks 2 --out benchmarks/results/rl_switch_cpu_2ranks.json
@@ -59,6 +60,24 @@ def _trainer(args: argparse.Namespace, parallel: ParallelConfig, dims: ParallelD
                      dims=dims)
 
 
+STEP_PHASES = {"switch": "switch_s", "score": "score_time_s", "replay_forward": "replay_stats_time_s",
+               "train_step": "train_step_time_s", "after_step": "after_step_time_s"}
+"""The step's parts as the runtime's rows log them (the slowest rank's switch; the reporting rank's others):
+the switch (offload → reshard → generate and gather → free → restore), scoring the samples, the replay
+diagnostics forward (on the generation model), the training step proper (forward, backward and optimizer of
+every micro-batch, once the batch is ready) and what follows it (the objective's all-reduce)."""
+
+
+def step_phases(rows: list[dict]) -> dict[str, float]:
+    """The median of each part of the step over ``rows``, and of what is left of the step beside them
+    (building the training sequences and micro-batches, logging)."""
+    median = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
+    phases = {name: round(median(key), 4) for name, key in STEP_PHASES.items()}
+    phases["rest"] = round(statistics.median(r["step_time_s"] - sum(r[key] for key in STEP_PHASES.values())
+                                             for r in rows), 4)
+    return phases
+
+
 def _bench(rank: int, world_size: int, args: argparse.Namespace) -> list[dict]:
     variants = VARIANTS[world_size]
     used = dict.fromkeys(layout for layout, _ in variants)
@@ -83,6 +102,7 @@ def _bench(rank: int, world_size: int, args: argparse.Namespace) -> list[dict]:
             "sync_mib_sent": round(mean("sync_mib"), 2), "sync_buckets": measured[0]["sync_buckets"],
             "sync_checksums_verified": measured[0]["sync_checksums_verified"],
             "train_step_s": round(step - switch, 4),
+            "step_phase_s": step_phases(measured),
         })
     return results
 
@@ -103,7 +123,8 @@ def main() -> None:
         phases = ", ".join(f"{p} {s * 1e3:.0f} ms" for p, s in v["phase_s"].items())
         print(f"{v['train_layout']} offload {v['offload']}: switch {v['switch_s']:.2f} s of a {v['step_s']:.2f} s "
               f"step ({v['switch_share_of_step']:.0%}; without generation {v['switch_without_generate_share']:.0%}): "
-              f"{phases}; sync {v['sync_mib_sent']:.1f} MiB in {v['sync_buckets']} buckets")
+              f"{phases}; sync {v['sync_mib_sent']:.1f} MiB in {v['sync_buckets']} buckets; step: "
+              + ", ".join(f"{p} {s * 1e3:.0f} ms" for p, s in v["step_phase_s"].items()))
     write_result(args.out, {
         "config": {"model": args.model, "ranks": args.ranks, "threads_per_rank": 1, "cpu_cores": os.cpu_count(),
                    "steps": args.steps, "prompts": args.prompts, "group_size": args.group_size,

@@ -76,20 +76,50 @@ def _calibration() -> Calibration:
     return Calibration(IDEAL, {})
 
 
-def test_reshard_is_ring_buckets_host_work_and_agreement_by_hand():
-    # 4 devices, training TP2 × DP2: the weights are split over 2 shards; each device generates with a whole
-    # model (W = 1,004,800 B) and gathers the half it does not hold, in buckets of W/8: ceil(W/2 / (W/8)) = 4.
+def test_reshard_is_the_sync_serial_bucket_chain_by_hand():
+    # 4 devices, training TP2 × DP2: the (dense) weights are split over 2 shards, so each device already holds
+    # W/2 and every weight is lacked by some device. Each generates with a whole model (W = 1,004,800 B). The
+    # sync walks its buckets one after the other: W crosses the link once, in buckets of W/8 (8 messages, one
+    # latency each), and every bucket is packed and written (a copy and a CRC-32 each side): the 4 devices'
+    # own halves in their turn and the W lacked.
     layout = RLLayout("colocated", 4, ParallelConfig(tp=2, dp=2, micro_batch=2), sync_bucket_bytes=WEIGHTS_FP32 / 8)
     w = _workload()
-    ring = 0.5 * WEIGHTS_FP32 / 1e9 + 1 * 100e-6  # (g−1)/g of W over 1 GB/s, g − 1 = 1 latency
-    buckets = 3 * 100e-6  # 4 buckets, one more latency for each beyond the ring's one step
-    host = 2 * WEIGHTS_FP32 * (1 / 10e9 + 1 / 1e9)  # packed and written: a copy and a CRC-32 each
+    link = WEIGHTS_FP32 / 1e9 + 8 * 100e-6
+    host = 2 * (4 * WEIGHTS_FP32 / 2 + WEIGHTS_FP32) * (1 / 10e9 + 1 / 1e9)
     agreement = 2 * (0.75 * 8 / 1e9 + 3 * 100e-6)  # all-reduce of one 8-byte flag over the 4 ranks
     priced = price_rl_step(w, layout, _calibration(), sync=RATES).phases
-    assert priced.reshard_s == pytest.approx(ring + buckets + host + agreement, rel=1e-9)
-    # without the rates and the bucket size: the ring alone, as before
+    assert priced.reshard_s == pytest.approx(link + host + agreement, rel=1e-9)
+    # without the rates and the bucket size: the lacked bytes as one message
     assert price_rl_step(w, RLLayout("colocated", 4, ParallelConfig(tp=2, dp=2, micro_batch=2)),
-                         _calibration()).phases.reshard_s == pytest.approx(ring, rel=1e-9)
+                         _calibration()).phases.reshard_s == pytest.approx(WEIGHTS_FP32 / 1e9 + 100e-6, rel=1e-9)
+    # data parallel only: every device holds the whole model; nothing crosses the link, each device copies
+    # and checks its own weights in its turn
+    dp = price_rl_step(w, RLLayout("colocated", 4, ParallelConfig(dp=4, micro_batch=2)), _calibration(),
+                       sync=RATES).phases
+    assert dp.reshard_s == pytest.approx(2 * 4 * WEIGHTS_FP32 * (1 / 10e9 + 1 / 1e9) + agreement, rel=1e-9)
+
+
+def test_reshard_bytes_split_dense_over_tp_and_experts_over_ep():
+    from moetrain.config import load_model_config
+    from moetrain.costs.params import count_params
+    from moetrain.planner.rl_step import _reshard_bytes
+
+    model = load_model_config("tiny-pangu")
+    counts = count_params(model)
+    dense, experts = (counts.total - counts.experts) * 4.0, counts.experts * 4.0
+    w = RLWorkload(model, SLOW_LINK, 4, 2, 10, 6, "fp32")
+
+    def held(parallel: ParallelConfig, devices: int, gen_ep: int = 1) -> tuple[float, float]:
+        return _reshard_bytes(w, RLLayout("colocated", devices, parallel, gen_devices_per_replica=gen_ep))
+
+    # EP2: the dense weights are on both devices, half the experts on each; only the experts move
+    assert held(ParallelConfig(dp=2, ep=2), 2) == pytest.approx((dense + experts / 2, experts))
+    # TP2 (experts not split: etp 1): half the dense weights on each, every expert; only the dense weights move
+    assert held(ParallelConfig(tp=2, sp=True), 2) == pytest.approx((dense / 2 + experts, dense))
+    # PP2 × EP2: both split over the stages, the experts also over EP
+    assert held(ParallelConfig(pp=2, dp=2, ep=2), 4) == pytest.approx((dense / 2 + experts / 4, dense + experts))
+    # generation in EP2 replicas over an EP2 training layout: each device's generation experts are its own
+    assert held(ParallelConfig(dp=2, ep=2), 2, gen_ep=2) == pytest.approx((dense + experts / 2, 0.0))
 
 
 def test_push_is_send_buckets_host_work_and_agreement_by_hand():
@@ -101,6 +131,25 @@ def test_push_is_send_buckets_host_work_and_agreement_by_hand():
     agreement = 2 * (0.5 * 8 / 1e9 + 1 * 100e-6)
     priced = price_rl_step(_workload(), layout, _calibration(), sync=RATES).phases
     assert priced.push_s == pytest.approx(send + host + agreement, rel=1e-9)
+
+
+def test_sync_host_rate_of_the_whole_sync_replaces_the_buffer_rates():
+    # measured on the model's own sync: 2 GB/s of packed or written bytes, whatever the copy and CRC rates
+    rates = SyncRates(copy_bytes_per_s=10e9, crc_bytes_per_s=1e9, host_bytes_per_s=2e9)
+    assert rates.seconds(1e6) == pytest.approx(0.5e-3, rel=1e-12)
+    layout = RLLayout("colocated", 2, ParallelConfig(dp=2, micro_batch=4))
+    priced = price_rl_step(_workload(), layout, _calibration(), sync=rates).phases
+    agreement = 2 * (0.5 * 8 / 1e9 + 100e-6)
+    # data parallel: each of the 2 devices packs and writes its own whole model, one after the other
+    assert priced.reshard_s == pytest.approx(2 * 2 * WEIGHTS_FP32 / 2e9 + agreement, rel=1e-9)
+
+
+def test_whole_sync_probe_of_a_small_model():
+    from moetrain.train.profiler import profile_weight_sync
+
+    probe = profile_weight_sync(DENSE, repeats=1, bucket_bytes=1 << 18)
+    assert probe["bytes"] == WEIGHTS_FP32 and probe["boxes"] >= 10 and probe["buckets"] >= 4
+    assert probe["host_bytes_per_s"] == pytest.approx(2 * WEIGHTS_FP32 / probe["seconds"])
 
 
 def test_rows_gather_by_hand():

@@ -57,6 +57,98 @@ def test_host_floor_adds_on_a_cpu_and_hides_on_an_accelerator():
     assert gpu.decode_step_s == pytest.approx(2 * 100e-6 + head_and_sampling, rel=1e-6)
 
 
+def test_engine_work_adds_per_decode_forward_on_a_cpu():
+    # 4 rows, 6 new tokens: 5 decode forwards, each with the engine's 30 µs + 4 rows × 5 µs on a CPU
+    w = Workload(DENSE, FAST, 16, 4)
+    base = HostCosts(layer_forward_us=100.0, host_is_device=True)
+    bare = generation_time(w, 4, 1, 10, 6, IDEAL, base)
+    engine = HostCosts(layer_forward_us=100.0, host_is_device=True, engine_step_us=30.0, engine_row_us=5.0)
+    timed = generation_time(w, 4, 1, 10, 6, IDEAL, engine)
+    assert engine.engine_step_s(4) == pytest.approx(50e-6)
+    assert timed.decode_s - bare.decode_s == pytest.approx(5 * 50e-6, rel=1e-9)
+    assert timed.decode_step_s - bare.decode_step_s == pytest.approx(50e-6, rel=1e-9)
+    assert timed.prefill_s == bare.prefill_s
+    # on an accelerator the host issues it while the device runs the step: no change
+    gpu = generation_time(w, 4, 1, 10, 6, IDEAL, HostCosts(layer_forward_us=100.0, engine_step_us=30.0,
+                                                           engine_row_us=5.0))
+    assert gpu.decode_s == generation_time(w, 4, 1, 10, 6, IDEAL, HostCosts(layer_forward_us=100.0)).decode_s
+
+
+def test_decode_priced_at_the_running_rows():
+    # 8 rows of which half run on average: each decode step is the 4-row step; the prefill stays at 8 rows
+    w = Workload(DENSE, FAST, 16, 8)
+    host = HostCosts(layer_forward_us=100.0, host_is_device=True, engine_step_us=30.0, engine_row_us=5.0)
+    half = generation_time(w, 8, 1, 10, 6, IDEAL, host, running_share=0.5)
+    four = generation_time(w, 4, 1, 10, 6, IDEAL, host)
+    assert half.decode_s == pytest.approx(four.decode_s, rel=1e-12)
+    assert half.prefill_s == generation_time(w, 8, 1, 10, 6, IDEAL, host).prefill_s
+    with pytest.raises(ValueError, match="running share"):
+        generation_time(w, 8, 1, 10, 6, IDEAL, host, running_share=0.0)
+    rl = RLWorkload(DENSE, FAST, 4, 2, 10, 6, "fp32", decode_running_share=0.5)
+    priced = price_rl_step(rl, RLLayout("colocated", 1, ParallelConfig(micro_batch=8)), Calibration(IDEAL, {}), host)
+    assert priced.phases.decode_s == pytest.approx(
+        generation_time(Workload(DENSE, FAST, 16, 8, "fp32"), 4, 1, 10, 6, IDEAL, host).decode_s, rel=1e-12)
+
+
+def test_runtime_reduce_scatter_runs_as_an_all_reduce():
+    # moetrain's runtime reduce-scatters by an all-reduce (gloo): with sequence parallelism each
+    # all-gather + reduce-scatter pair costs 3 ring passes instead of 2; ZeRO-1's gradient reduction 2 instead of 1
+    from moetrain.planner.simulate import simulate_layout
+
+    cluster = ClusterConfig(name="link", device="toy", peak_tflops_bf16=1e9, hbm_gb=80, hbm_bandwidth_tbps=1e6,
+                            devices_per_node=8, intra_node_gbps=1.0, inter_node_gbps=1.0, intra_node_latency_us=0.0)
+    calibration = Calibration(IDEAL, {})
+
+    def comm(parallel: ParallelConfig, flag: bool) -> dict:
+        w = Workload(DENSE, cluster, 16, 8, "fp32", overlap_grad_comm=False, reduce_scatter_by_all_reduce=flag)
+        return simulate_layout(w, parallel, parallel.world_size, calibration).communication_s
+
+    tp = ParallelConfig(tp=2, sp=True, micro_batch=8)
+    assert comm(tp, True)["tensor_parallel"].total_s == pytest.approx(
+        1.5 * comm(tp, False)["tensor_parallel"].total_s, rel=1e-9)
+    # ZeRO-1 over 2 ranks: gradients (4 B) reduce-scattered, parameters (2 B) all-gathered: 4 + 2 units of the
+    # ring, 2·4 + 2 with the all-reduce
+    dp = ParallelConfig(dp=2, micro_batch=4)
+    assert comm(dp, True)["data_parallel"].total_s == pytest.approx(
+        10 / 6 * comm(dp, False)["data_parallel"].total_s, rel=1e-9)
+    # and nothing hides it: moetrain reduces after the backward
+    assert comm(dp, True)["data_parallel"].exposed_s == pytest.approx(comm(dp, True)["data_parallel"].total_s)
+
+
+def test_project_tensor_parallel_by_hand():
+    # this project's TP: in an MoE layer only attention is a TP region (an all-gather and a reduce-scatter in
+    # the forward, again in the backward), the routers all-gather fp32 logits and scores and all-reduce the
+    # int64 counts (forward only); Megatron's also splits the shared expert (2 more per pass)
+    import numpy as np
+
+    from moetrain.planner.layer_costs import layer_costs
+    from moetrain.planner.simulate import simulate_layout
+    from moetrain.planner.strategy import Strategies
+
+    model = load_model_config("tiny-pangu")
+    cluster = ClusterConfig(name="link", device="toy", peak_tflops_bf16=1e9, hbm_gb=80, hbm_bandwidth_tbps=1e6,
+                            devices_per_node=8, intra_node_gbps=1.0, inter_node_gbps=1.0, intra_node_latency_us=0.0)
+    strategies = Strategies.from_parallel([ParallelConfig(tp=2, sp=True, micro_batch=4)])
+
+    def tp_comm(flag: bool) -> float:
+        w = Workload(model, cluster, 16, 4, "fp32", project_tensor_parallel=flag)
+        eff = Efficiency(gemm_max=1.0, gemm_overhead_us=0.0, moe_overhead_us=0.0, attention=1.0, memory=1.0,
+                         bus_intra=1.0)
+        return float(np.ravel(layer_costs(w, strategies, eff, True, 1.0).tp_comm)[0])
+
+    tokens, experts = 4 * 16, model.moe.num_experts
+    one = 0.5 * tokens * model.hidden_size * 4 / 1e9  # one all-gather of the [tokens, hidden] fp32 activation
+    router = (2 * 0.5 * tokens * experts * 4 + 2 * 0.5 * experts * 8) / 1e9
+    assert model.moe.num_shared_experts
+    assert tp_comm(False) == pytest.approx(4 * one * 2, rel=1e-9)
+    assert tp_comm(True) == pytest.approx(2 * one * 2 + router, rel=1e-9)
+    # the output head runs whole on every TP rank: twice the head of a vocabulary split over tp = 2
+    head = {flag: simulate_layout(Workload(DENSE, FAST, 16, 8, project_tensor_parallel=flag),
+                                  ParallelConfig(tp=2, sp=True, micro_batch=8), 2, Calibration(IDEAL, {}))
+            .compute_s["head"] for flag in (False, True)}
+    assert head[True] == pytest.approx(2 * head[False], rel=1e-9)
+
+
 def _tiny(prompts: int = 16, **kwargs) -> RLWorkload:
     return RLWorkload(load_model_config("tiny-pangu"), load_cluster_config("cpu"), prompts, 8, 16, 8, "fp32", **kwargs)
 

@@ -52,6 +52,13 @@ def test_rows_carry_reward_accuracy_versions_and_a_starting_evaluation(tmp_path)
     assert [r["weight_version"] for r in written[1:]] == [0, 1]
     assert "heldout_accuracy" in written[-1]  # the last step is always evaluated
     assert rows == written
+    # the step's parts, as the planner's check compares them phase by phase (rl_switch.py)
+    for row in written[1:]:
+        parts = ("batch_time_s", "train_step_time_s", "after_step_time_s", "score_time_s", "stats_time_s")
+        assert all(row[key] >= 0 for key in parts)
+        assert row["batch_time_s"] + row["train_step_time_s"] + row["after_step_time_s"] <= row["step_time_s"]
+        assert row["score_time_s"] <= row["batch_time_s"] and row["stats_time_s"] <= row["after_step_time_s"]
+    assert written[-1]["eval_time_s"] <= written[-1]["after_step_time_s"] and "eval_time_s" not in written[1]
 
 
 @pytest.mark.slow

@@ -176,16 +176,18 @@ class _Ends:
 
 
 def _end_times(w: Workload, s: Strategies, eff: Efficiency, body_time) -> _Ends:
-    """Output head and loss, vocabulary split over tp; MTP adds a layer, a projection and the head again."""
+    """Output head and loss, vocabulary split over tp (this project's runtime: whole on every TP rank, over the
+    gathered sequence); MTP adds a layer, a projection and the head again."""
     model, cluster = w.model, w.cluster
     h = model.hidden_size
     tp = s.tp.astype(float)
     t_att = s.micro_batch * w.seq_len / s.cp
     t_split = np.where(s.sp, t_att / tp, t_att)
+    head_split = 1.0 if w.project_tensor_parallel else tp  # this project's TP runs the head whole
 
     def head_time(tokens):  # forward and backward: 3 GEMMs, 3 passes over the fp32 logits
-        return (3.0 * gemm_time(2.0 * h * model.vocab_size * tokens / tp, 1, cluster, eff, w.precision)
-                + 3.0 * memory_time(3 * 4.0 * model.vocab_size * tokens / tp, cluster, eff))
+        return (3.0 * gemm_time(2.0 * h * model.vocab_size * tokens / head_split, 1, cluster, eff, w.precision)
+                + 3.0 * memory_time(3 * 4.0 * model.vocab_size * tokens / head_split, cluster, eff))
 
     head = head_time(t_att * w.head_share)  # the loss's head (the scored positions)
     # an MTP module's head predicts at every position
@@ -348,7 +350,8 @@ def data_parallel_traffic(w: Workload, s: Strategies, eff: Efficiency, params: L
 
     g_d, a_d = shard_traffic(params.dense, params.dense_dp, dense_in_node)
     g_e, a_e = shard_traffic(params.experts, params.expert_dp, exp_in_node)
-    grad_sync = g_d + g_e
+    # ZeRO's reduce-scatter run as an all-reduce (``reduce_scatter_by_all_reduce``) costs two ring passes
+    grad_sync = (g_d + g_e) * np.where((s.zero >= 1) & w.reduce_scatter_by_all_reduce, 2.0, 1.0)
     param_gather = a_d + a_e
     per_step_comm = np.where(s.zero == 0, 2.0 * grad_sync, grad_sync + param_gather)
     z3_every_micro = zero3_every_micro_batch(s)

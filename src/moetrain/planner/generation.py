@@ -19,7 +19,10 @@ E·(1 − (1 − k/E)^B) distinct experts. Prefill is the same forward on rows �
 An eager stack also spends host time per layer pass (Python, dispatcher, kernel launches), which on small
 models dominates: ``HostCosts`` holds it as measured (``benchmarks/rl_simulate_check.py`` measures it on
 a CPU, where the host *is* the device and the two add; on an accelerator the device waits only for what
-the host takes beyond the device's own time).
+the host takes beyond the device's own time). The engine adds work of its own between two decode
+forwards (the rows' bookkeeping, the KV cache's slots, the replay record): ``HostCosts.engine_step_us``
++ ``engine_row_us`` per row, measured as the engine's decode step at one row and at a few rows less the
+model's own forward and the draw at the same rows; on a CPU it adds to each decode forward.
 """
 
 from __future__ import annotations
@@ -54,10 +57,20 @@ class HostCosts:
     """Sampler time per row and vocabulary entry (0: ``SAMPLING_PASSES`` memory passes instead)."""
     host_is_device: bool = False
     """A CPU: host and device are the same cores, so host time adds to the device's instead of hiding it."""
+    engine_step_us: float = 0.0
+    """The generation engine's own work per decode step beyond its layers' forwards and the draw (the
+    rows' bookkeeping, the KV cache's slots, the replay record, stop checks), at one row."""
+    engine_row_us: float = 0.0
+    """... and per row of the step (the same work grows with the rows still running)."""
     moe_pass_us: float | None = None
     """Fixed cost of a generation MoE layer pass; None: the calibration's ``moe_overhead_us`` (an eager
     stack's dropless token-count sync and kernel chain, as in training); 0: captured graphs with
     fixed-size expert buffers (inference engines: vLLM, SGLang, MindIE), where it does not arise."""
+
+    def engine_step_s(self, rows: int) -> float:
+        """The engine's own work in one decode step of ``rows`` rows (on a CPU it adds to the device's; on
+        an accelerator the host issues it while the device runs the step's layers)."""
+        return (self.engine_step_us + self.engine_row_us * rows) * 1e-6
 
     def efficiency(self, eff: Efficiency) -> Efficiency:
         """``eff`` with the generation's MoE pass cost."""
@@ -136,10 +149,12 @@ class _Decode:
     head_s: float
     sampling_s: float
     memory_bound: bool
+    engine_s: float = 0.0
+    """The engine's own work (``HostCosts.engine_step_s``) where it adds to the step's time."""
 
     @property
     def step_s(self) -> float:
-        return self.layers_s + self.head_s + self.sampling_s
+        return self.layers_s + self.head_s + self.sampling_s + self.engine_s
 
 
 def _decode_step(w: Workload, rows: int, devices: int, context: float, eff: Efficiency, host: HostCosts) -> _Decode:
@@ -162,7 +177,10 @@ def _decode_step(w: Workload, rows: int, devices: int, context: float, eff: Effi
     logits = rows_per_device * vocab
     sampling = (host.sample_ns_per_logit * 1e-9 * logits if host.sample_ns_per_logit
                 else float(memory_time(SAMPLING_PASSES * 2 * 4.0 * logits, w.cluster, eff)))
-    return _Decode(total, head, sampling, memory_bound)
+    # The engine's bookkeeping runs on the host between two forwards: on a CPU it adds; on an accelerator
+    # it is issued while the device runs the step (the per-layer floor above already bounds the host).
+    engine = host.engine_step_s(rows_per_device) if host.host_is_device else 0.0
+    return _Decode(total, head, sampling, memory_bound, engine)
 
 
 def _layers_forward(w: Workload, rows: int, devices: int, seq_len: int, eff: Efficiency, host: HostCosts) -> float:
@@ -196,17 +214,24 @@ def forward_time(w: Workload, rows: int, devices: int, seq_len: int, eff: Effici
 
 
 def generation_time(w: Workload, rows: int, devices: int, prompt_len: int, response_len: int, eff: Efficiency,
-                    host: HostCosts | None = None) -> GenerationTimes:
+                    host: HostCosts | None = None, running_share: float = 1.0) -> GenerationTimes:
     """``rows`` samples of ``response_len`` new tokens after prompts of ``prompt_len`` on one replica of
-    ``devices`` devices (``w``: model, cluster and precision; its batch fields are not used)."""
+    ``devices`` devices (``w``: model, cluster and precision; its batch fields are not used).
+    ``running_share``: the mean share of the rows still running in a decode step (a row that stopped
+    leaves the batch, and the engine computes the running rows only): each decode step is priced at
+    round(share × rows) rows (1: every row runs to ``response_len``)."""
+    if not 0.0 < running_share <= 1.0:
+        raise ValueError(f"running share {running_share} must be in (0, 1]")
     host = host or HostCosts()
     eff = host.efficiency(eff)
     prefill = _layers_forward(w, rows, devices, prompt_len, eff, host)
     # The prefill's head runs on each row's last prompt token only (one decode step's head); it gives the
     # first token, so N new tokens take N draws but N - 1 decode forwards (the last token is not fed back).
-    decode = _decode_step(w, rows, devices, prompt_len + response_len / 2.0, eff, host)
+    running = max(round(running_share * rows), 1)
+    decode = _decode_step(w, running, devices, prompt_len + response_len / 2.0, eff, host)
     forwards = max(response_len - 1, 0)
     return GenerationTimes(prefill_s=prefill + decode.head_s,
-                           decode_s=forwards * (decode.layers_s + decode.head_s) + response_len * decode.sampling_s,
+                           decode_s=(forwards * (decode.layers_s + decode.head_s + decode.engine_s)
+                                     + response_len * decode.sampling_s),
                            decode_step_s=decode.step_s, sampling_s=response_len * decode.sampling_s,
                            decode_memory_bound=decode.memory_bound)

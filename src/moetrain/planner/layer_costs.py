@@ -21,7 +21,14 @@ from moetrain.config.model import MLAConfig
 from moetrain.costs.flops import attention_core_flops, attention_projection_flops
 from moetrain.costs.params import mlp_params
 from moetrain.planner.calibration import Efficiency
-from moetrain.planner.comm import allgather_time, alltoall_time, alltoall_volume, p2p_time, ranks_per_node
+from moetrain.planner.comm import (
+    allgather_time,
+    allreduce_time,
+    alltoall_time,
+    alltoall_volume,
+    p2p_time,
+    ranks_per_node,
+)
 from moetrain.planner.compute import attention_time, expert_compute_time, gemm_time, memory_time, mlp_matrix_count
 from moetrain.planner.strategy import Strategies
 from moetrain.planner.workload import Workload
@@ -105,6 +112,9 @@ class _FeedForward:
     num_kernels: int
     """Non-GEMM kernels the block adds to a layer pass (router top-k, permutes)."""
     num_tp_collectives: float
+    router_tp_comm: object = 0.0
+    """Forward collectives of the routers' balance losses over the tensor-parallel group (this project's
+    runtime: ``Workload.project_tensor_parallel``)."""
     one_a2a: object = 0.0
     """Dispatch or combine, forward, with the expert-tensor-parallel gathers."""
     shared_time: object = 0.0
@@ -215,12 +225,19 @@ def _moe_block(w: Workload, s: Strategies, eff: Efficiency, tok: _Tokens) -> _Fe
     # scatters them after.
     etp_in_node = ranks_per_node(s.etp, 1, cluster.devices_per_node)
     one_a2a = one_a2a + 2.0 * allgather_time(routed_mean * h * act * s.etp, s.etp, etp_in_node, cluster, eff)
+    router_tp = 0.0
+    if w.project_tensor_parallel:
+        # the balance losses see the whole group's tokens: the fp32 logits and scores all-gathered, the
+        # per-expert counts (int64) all-reduced
+        tp_in_node = ranks_per_node(s.tp, 1, cluster.devices_per_node)
+        router_tp = (2.0 * allgather_time(tok.att * moe.num_experts * 4.0, s.tp, tp_in_node, cluster, eff)
+                     + allreduce_time(moe.num_experts * 8.0, s.tp, tp_in_node, cluster, eff))
     return _FeedForward(
         time=router + experts + shared + eff.moe_overhead_us * 1e-6, elementwise_bytes=elementwise, num_kernels=12,
-        # attention's gather and scatter, and the shared expert's when there is one (the routed experts
-        # exchange their tokens through the all-to-all instead)
-        num_tp_collectives=2.0 + (2.0 if moe.num_shared_experts else 0.0),
-        one_a2a=one_a2a, shared_time=shared, router=router, experts=experts)
+        # attention's gather and scatter, and the shared expert's when there is one and it is split over tp
+        # (the routed experts exchange their tokens through the all-to-all instead)
+        num_tp_collectives=2.0 + (2.0 if moe.num_shared_experts and not w.project_tensor_parallel else 0.0),
+        router_tp_comm=router_tp, one_a2a=one_a2a, shared_time=shared, router=router, experts=experts)
 
 
 def _dense_block(w: Workload, eff: Efficiency, tok: _Tokens) -> _FeedForward:
@@ -278,10 +295,15 @@ def layer_costs(w: Workload, s: Strategies, eff: Efficiency, moe_layer: bool, nu
     # all-reduce) around attention and around the FFN, each of the full t_att × h activation.
     tp_in_node = ranks_per_node(s.tp, 1, cluster.devices_per_node)
     one_tp = allgather_time(tok.att * model.hidden_size * w.activation_bytes, s.tp, tp_in_node, cluster, eff)
+    if w.reduce_scatter_by_all_reduce:
+        # sequence parallel: of each all-gather + reduce-scatter pair, the reduce-scatter runs as an
+        # all-reduce (two ring passes): 3 passes for the pair instead of 2
+        one_tp = one_tp * np.where(s.sp, 1.5, 1.0)
     parts = dict(attention=attn.proj + attn.core, router=ffn.router, experts=ffn.experts,
                  shared_experts=np.broadcast_to(ffn.shared_time, tok.att.shape) if is_moe else 0.0,
                  dense_ffn=ffn.dense_ffn, elementwise=elem)
-    costs = LayerCosts(fwd, bwd, recompute, ffn.num_tp_collectives * one_tp * (2.0 + full_share),
+    tp_comm = ffn.num_tp_collectives * one_tp * (2.0 + full_share) + ffn.router_tp_comm * (1.0 + full_share)
+    costs = LayerCosts(fwd, bwd, recompute, tp_comm,
                        _cp_exposed(w, s, eff, tok, attn), **parts)
     if not is_moe:
         return costs

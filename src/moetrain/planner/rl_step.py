@@ -7,10 +7,11 @@ Colocated (RL Fusion, docs/rl_fusion.md): every device trains and generates in t
 
 - offload / restore: optimizer state (fp32 master, Adam m and v: 12 B per local parameter) and fp32 grads
   (4 B) to host memory and back over the host link (only with ``offload``);
-- reshard: each generating device gathers the weights it holds (bf16; fp32 for fp32 runs) from the
-  training shards: a ring all-gather over the pp·max(tp, ep·etp) devices one training replica spans, one
-  more latency per bucket beyond the ring's steps (``RLLayout.sync_bucket_bytes``), and with measured
-  ``SyncRates`` the sync's host work (a copy and a CRC-32 of every byte on each side) and its closing
+- reshard: each generating device receives the weights it lacks (bf16; fp32 for fp32 runs) from the
+  training shards, bucket after bucket in the sync's one global order (``_colocated_transfers``): each
+  lacked byte crosses the link once, one latency per bucket (``RLLayout.sync_bucket_bytes``), and with
+  measured ``SyncRates`` the sync's host work (a copy and a CRC-32 of every bucket by its owner and by its
+  receivers, one bucket after the other, the boxes a device already holds included) and its closing
   all-reduce;
 - free: the KV cache goes back to the allocator (no data moves: priced at zero).
 
@@ -86,6 +87,10 @@ class RLWorkload:
     completion_len: float | None = None
     """Mean tokens per completion: the tokens the trainer's loss and the log-prob forwards score, where
     they run the output head (``rl.grpo.PolicyObjective``); None: ``response_len`` (no sample stops early)."""
+    decode_running_share: float = 1.0
+    """Mean share of a batch's rows still running in a decode step (rows that stop early leave the batch;
+    counted by generating the workload's batches: the engine's ``rows_computed`` over decode steps × rows);
+    1: every row runs to ``response_len``."""
     logprob_on_generation: bool = False
     """Colocated: the log-prob forwards run on every generation replica's model, each over all of the
     step's samples (moetrain's RL Fusion: its replay diagnostics forward runs on the generation model,
@@ -157,9 +162,15 @@ class SyncRates:
 
     copy_bytes_per_s: float
     crc_bytes_per_s: float
+    host_bytes_per_s: float | None = None
+    """Bytes one side packs (or writes) per second as the sync runs on the model itself, its per-box and
+    per-bucket work included (``train.profiler.profile_weight_sync``); None: the copy and CRC-32 rates of
+    one large buffer alone."""
 
     def seconds(self, num_bytes: float) -> float:
-        """One copy and one CRC-32 of ``num_bytes``."""
+        """One copy and one CRC-32 of ``num_bytes`` (one side's work: a pack or a write)."""
+        if self.host_bytes_per_s is not None:
+            return num_bytes / self.host_bytes_per_s
         return num_bytes / self.copy_bytes_per_s + num_bytes / self.crc_bytes_per_s
 
 
@@ -221,16 +232,23 @@ def _check(w: RLWorkload, layout: RLLayout) -> None:
 
 
 def training_prediction(w: RLWorkload, layout: RLLayout, calibration: Calibration):
-    """The planner's step for the training layout on the step's samples (``LayoutPrediction``)."""
-    workload = Workload(w.model, w.cluster, w.seq_len, w.samples, w.precision, head_share=w.head_share,
-                        grad_bytes=2.0 if w.precision == "fp16" else 4.0)
+    """The planner's step for the training layout on the step's samples (``LayoutPrediction``), as this
+    project's runtime trains it (``moetrain rl``): ZeRO reduces the gradients in the optimizer step, after
+    the backward (nothing hides them), the tensor-parallel collectives are synchronous, a reduce-scatter
+    runs as an all-reduce (``Workload.reduce_scatter_by_all_reduce``), tensor parallelism is the
+    project's (``Workload.project_tensor_parallel``: whole head and shared expert, the routers' gathers)
+    and the head runs on the completion tokens only (``Workload.head_share``)."""
+    workload = Workload(w.model, w.cluster, w.seq_len, w.samples, w.precision,
+                        grad_bytes=2.0 if w.precision == "fp16" else 4.0, overlap_grad_comm=False,
+                        overlap_tp_comm=False, reduce_scatter_by_all_reduce=True, project_tensor_parallel=True,
+                        head_share=w.head_share)
     return simulate_layout(workload, layout.train, layout.train_devices, calibration)
 
 
 def _generation(w: RLWorkload, layout: RLLayout, eff: Efficiency, host: HostCosts) -> GenerationTimes:
     workload = Workload(w.model, w.cluster, w.seq_len, w.samples, w.precision)
     return generation_time(workload, w.samples // layout.replicas, layout.gen_devices_per_replica, w.prompt_len,
-                           w.response_len, eff, host)
+                           w.response_len, eff, host, w.decode_running_share)
 
 
 def weight_bytes(w: RLWorkload) -> float:
@@ -263,24 +281,52 @@ def _buckets(num_bytes: float, layout: RLLayout) -> float:
     return float(ceil(num_bytes / layout.sync_bucket_bytes)) if layout.sync_bucket_bytes else 0.0
 
 
+def _split_bytes(w: RLWorkload) -> tuple[float, float]:
+    """(dense, routed-expert) bytes of the whole model's weights as generation holds them."""
+    counts = count_params(w.model)
+    width = weight_bytes(w) / counts.total
+    return (counts.total - counts.experts) * width, counts.experts * width
+
+
+def _reshard_bytes(w: RLWorkload, layout: RLLayout) -> tuple[float, float]:
+    """(bytes one generating device already holds from training, bytes of the weights some generating device
+    lacks). Training splits the dense weights over pp·tp devices and the routed experts over pp·ep·etp; a
+    generation replica holds the dense weights whole and the experts split over its devices (whose shares
+    are contiguous, as the training shares: a generation share within a training share is local)."""
+    train, per_replica = layout.train, layout.gen_devices_per_replica
+    dense, experts = _split_bytes(w)
+    dense_split, expert_split = train.pp * train.tp, train.pp * train.ep * train.etp
+    local = dense / dense_split + experts / max(expert_split, per_replica)
+    lacked = (dense if dense_split > 1 else 0.0) + (experts if expert_split > per_replica else 0.0)
+    return local, lacked
+
+
 def _colocated_transfers(w: RLWorkload, layout: RLLayout, eff: Efficiency, sync: SyncRates | None) -> _Transfers:
-    """The reshard on one generating device: the ring all-gather of what it holds over the training
-    shards, one more latency for each bucket beyond the ring's steps, and the sync's host work (it
-    writes and checks every byte it holds, and packs as many as it writes: 2 × its bytes), then the
-    world's all-reduce that agrees on success."""
+    """The reshard as the runtime's weight sync runs it (``distributed.weight_sync``): every rank walks the
+    same list of buckets in one global order (each owner's buckets together), a bucket's owner packs it (a
+    copy and a CRC-32 of its bytes), sends it once (a broadcast to every receiver), and its receivers write
+    and check it (a copy and a CRC-32), before anyone moves to the next bucket; a device's boxes that it
+    already holds go through the same pack and write as a bucket of its own, in its turn. So the buckets
+    run one after the other on the whole world:
+
+        reshard = lacked / link + buckets(lacked) · latency                  (each bucket one message)
+                  + (devices · local + lacked) · 2 · (1 / copy rate + 1 / CRC-32 rate)   (with ``SyncRates``)
+                  + all-reduce of an 8-byte flag over every device                      (the agreement)
+
+    where ``local`` is what each device already holds and ``lacked`` what some device lacks
+    (``_reshard_bytes``): each lacked byte is packed and sent once, and written by its receivers at once."""
     shards = _shards(layout.train)
     local_params = count_params(w.model).total / shards
     offload = (_host_copy_time(OFFLOAD_BYTES_PER_PARAM * local_params, w, layout, eff) if layout.offload else 0.0)
-    gathered = weight_bytes(w) / layout.gen_devices_per_replica  # what each generating device holds
-    group = min(shards, layout.devices)
-    in_node = ranks_per_node(group, 1, w.cluster.devices_per_node)
+    local, lacked = _reshard_bytes(w, layout)
+    cross_node = layout.devices > w.cluster.devices_per_node
     reshard = 0.0
-    if group > 1:
-        reshard = float(allgather_time(gathered, group, in_node, w.cluster, eff))
-        extra = max(_buckets(gathered * (group - 1) / group, layout) - (group - 1), 0.0)
-        reshard += extra * float(p2p_time(0.0, bool(in_node < group), w.cluster, eff))
+    if lacked > 0:
+        messages = max(_buckets(lacked, layout), 1.0)
+        reshard = float(p2p_time(lacked, cross_node, w.cluster, eff))
+        reshard += (messages - 1.0) * float(p2p_time(0.0, cross_node, w.cluster, eff))
     if sync is not None:
-        reshard += sync.seconds(2.0 * gathered) + _agreement(w, layout.devices, eff)
+        reshard += sync.seconds(2.0 * (layout.devices * local + lacked)) + _agreement(w, layout.devices, eff)
     return _Transfers(offload_s=offload, reshard_s=reshard, restore_s=offload)
 
 

@@ -34,6 +34,18 @@ class Workload:
     """The framework can hide tensor-parallel collectives under GEMMs (Transformer Engine userbuffers,
     torch AsyncTP); ``Efficiency.tp_overlap`` says how much it hides. False for stacks whose TP
     all-reduces are synchronous (Megatron-LM 2021, Megatron-DeepSpeed)."""
+    reduce_scatter_by_all_reduce: bool = False
+    """The framework reduce-scatters with an all-reduce of the whole buffer and keeps its shard (this
+    project's runtime: ZeRO's gradient reduction, ``distributed.zero``, and the sequence-parallel exits,
+    ``distributed.comm``, as gloo has no reduce-scatter): each such reduce-scatter costs an all-reduce,
+    twice its ring price. False for stacks with a reduce-scatter (NCCL, HCCL)."""
+    project_tensor_parallel: bool = False
+    """Tensor parallelism as this project's runtime applies it (``distributed.tp``): in an MoE layer only
+    attention is a tensor-parallel region (the shared expert, like the routed ones, runs whole on the
+    rank's own sequence shard: no collectives of its own), the routers' balance losses all-gather their
+    logits and scores over the group (and all-reduce the counts), and the output head runs whole on the
+    gathered sequence on every rank (its vocabulary is not split). False: Megatron-style, the shared
+    expert split like a dense FFN and the head's vocabulary over tp."""
     comm_overlap_stated: tuple[str, ...] = ()
     """Traffic the run's source says is overlapped with compute ("DP", "TP", "PP"): such traffic uses its
     whole physical overlap window (DP: the passes that produce or consume it; TP: the layer's compute)

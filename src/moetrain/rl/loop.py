@@ -187,7 +187,10 @@ class RLTrainer(Trainer):
             self._pending.update(switch.metrics)
         else:
             generation = self.engine.generate(prompts, self.sampling, generators, weight_version=self.weight_version)
-        return scored_rollouts(self.task, self.tokenizer, self.options.grpo, problems, generation)
+        start = time.perf_counter()
+        rollouts = scored_rollouts(self.task, self.tokenizer, self.options.grpo, problems, generation)
+        self._pending["score_time_s"] = time.perf_counter() - start
+        return rollouts
 
     def next_batch(self) -> StepBatch:
         if self.step == 0 and not self.metrics.rows:
@@ -248,6 +251,7 @@ class RLTrainer(Trainer):
     # ----- after the step -----
     def after_step(self) -> dict[str, Any]:
         extra = {**super().after_step(), **self._pending}
+        start = time.perf_counter()
         stats = self.last_stats
         if stats is not None:
             # One read of the objective's sums (all-reduced, so every rank logs the same row).
@@ -260,8 +264,11 @@ class RLTrainer(Trainer):
             extra.update(stats.summary(sums, values[-1]))
         last = min(self.cfg.steps, self.spec.run.stop_at or self.cfg.steps)
         every = self.options.eval_every
+        extra["stats_time_s"] = time.perf_counter() - start
         if self.step == last or (every and self.step % every == 0):
+            start = time.perf_counter()
             extra["heldout_accuracy"] = self.evaluate()
+            extra["eval_time_s"] = time.perf_counter() - start
         return extra
 
     @torch.no_grad()

@@ -277,6 +277,31 @@ def profile_collectives(world_size: int, sizes: tuple[int, ...] = COMM_BYTES, re
     return rows
 
 
+def _whole_sync(rank: int, world_size: int, model_cfg: ModelConfig, bucket_bytes: int, repeats: int) -> dict:
+    from moetrain.distributed.weight_sync import WeightSync, tensor_views
+    from moetrain.models.transformer import build_model
+
+    torch.set_num_threads(1)
+    models = [build_model(model_cfg, torch.device("cpu"), seed=seed) for seed in (0, 1)]
+    views = [tensor_views({n: v.detach() for n, v in m.state_dict(keep_vars=True).items()}, None) for m in models]
+    sync = WeightSync.plan(views[0], views[1], bucket_bytes, torch.distributed.group.WORLD)
+    num_bytes = sum(bucket.nbytes for bucket in sync.buckets)
+    seconds = _timed(lambda: sync.run(0), repeats, "cpu")
+    return {"bytes": num_bytes, "boxes": sum(len(bucket.items) for bucket in sync.buckets),
+            "buckets": len(sync.buckets), "seconds": seconds, "host_bytes_per_s": 2.0 * num_bytes / seconds}
+
+
+def profile_weight_sync(model_cfg: ModelConfig, repeats: int = 5, bucket_bytes: int = SYNC_PROBE_BYTES) -> dict:
+    """The weight sync's host work as it runs on the runtime's model (``distributed.weight_sync``): one rank
+    syncs a whole model into another copy, every box local, so every byte is packed into a bucket and
+    written into the other copy, each with its CRC-32, box by box, with the sync's per-box and per-bucket
+    work (views, copies, the header, the checks) included; one thread. ``host_bytes_per_s``: bytes packed
+    or written per second (2 × the model's bytes over the sync's time), the rate of one side's work."""
+    from moetrain.distributed.world import spawn
+
+    return spawn(_whole_sync, 1, model_cfg, bucket_bytes, repeats)[0]
+
+
 def profile_sync_rates(repeats: int = 5, num_bytes: int = SYNC_PROBE_BYTES) -> dict:
     """The weight sync's host work per byte on one thread (``distributed.weight_sync``): a copy (the mean of
     a bucket packed into a fresh tensor and a box written into existing weights) and a CRC-32 (the sync's

@@ -294,10 +294,15 @@ class Trainer:
             self.fault(self.step, "step")
             start = time.perf_counter()
             batch = self.next_batch()
+            batch_done = time.perf_counter()
             with self.tracer.active():
                 result = train_step(self.run, self.step, batch)
             self.step += 1
+            step_done = time.perf_counter()
             extra = self.after_step()
+            # the step's parts as the host sees them (no added sync: on an accelerator the host may run ahead)
+            extra.update(batch_time_s=batch_done - start, train_step_time_s=step_done - batch_done,
+                         after_step_time_s=time.perf_counter() - step_done)
             row = self.log(result, batch.global_tokens, time.perf_counter() - start, extra)
             progress.update(self.step, row)
             if should_save(self.step, last_step, self.spec.run.save_every):
