@@ -5,7 +5,13 @@ from moetrain.balance.costs import BalanceCostModel, OverlapWindow
 from moetrain.balance.placement import ExpertPlacement, Move
 from moetrain.balance.predict import EMAPredictor, HoltPredictor
 from moetrain.balance.replay import replay
-from moetrain.balance.schedule import LayerSchedule, ReplanRule
+from moetrain.balance.schedule import (
+    COUNT_NOISE_GATE,
+    NOISE_SMOOTHING,
+    LayerSchedule,
+    ReplanRule,
+    count_noise_samples,
+)
 from moetrain.balance.traces import drifting_trace
 from moetrain.config import load_cluster_config, load_model_config
 
@@ -75,3 +81,54 @@ def test_savings_are_counted_on_for_as_long_as_the_skew_persists(costs):
     half = LayerSchedule(lag_cross=1.0, lag_norm=2.0)
     assert half.persistence == 0.5
     assert rule.lasting_steps(half) == pytest.approx((1 - 0.5 ** 50) / 0.5)
+
+
+def test_count_noise_draws_scatter_like_a_count_around_the_forecast():
+    # a count with mean m scatters by √m: 4 ± 2 · z, 100 ± 10 · z, 0 stays 0
+    forecast = np.array([0.0, 4.0, 100.0])
+    draws = count_noise_samples(forecast, num_samples=8, seed=3)
+    z = np.random.default_rng(3).standard_normal((8, 3))
+    np.testing.assert_allclose(draws[:, 0], 0.0)
+    np.testing.assert_allclose(draws[:, 1], np.maximum(4.0 + 2.0 * z[:, 1], 0.0))
+    np.testing.assert_allclose(draws[:, 2], 100.0 + 10.0 * z[:, 2])
+    # the same seed gives the same draws (every candidate of a solve is priced on the same loads)
+    np.testing.assert_array_equal(draws, count_noise_samples(forecast, num_samples=8, seed=3))
+    # many draws of a large count: mean m and spread √m
+    many = count_noise_samples(np.array([10_000.0]), num_samples=20_000)[:, 0]
+    assert many.mean() == pytest.approx(10_000.0, abs=2.0)
+    assert many.std() == pytest.approx(100.0, rel=0.03)
+
+
+def test_count_noise_prices_the_candidates_only_where_it_is_the_forecasts_error(costs):
+    placement = ExpertPlacement.contiguous(256, 16, 17)
+    loads = np.full(256, 512.0)
+    loads[:16] = 4096.0  # rank 0's experts are hot
+    predictor = EMAPredictor(0.0)
+    rule = ReplanRule(costs, interval=10, horizon=50)
+    # the step-time scatter the counts alone cause on this placement; the gate is 1.5 times it
+    count = float(np.mean(np.abs(costs.layer_seconds(placement, count_noise_samples(loads))
+                                 - costs.layer_seconds(placement, loads))))
+    assert count > 0.0
+
+    # the check first folds this step's miss into the forecast noise (new = 0.8 · old + 0.2 · miss); a schedule
+    # that predicted this step's excess exactly misses by 0, so it enters the solve at 0.8 × what it held
+    exact = rule.excess_seconds(placement, loads)
+
+    def measured(noise: float) -> LayerSchedule:
+        return LayerSchedule(predicted_excess=exact, forecast_noise=noise / (1.0 - NOISE_SMOOTHING))
+
+    def solve(schedule: LayerSchedule, stall_remedies: bool = True) -> bool:
+        rule = ReplanRule(costs, interval=10, horizon=50, stall_remedies=stall_remedies)
+        decision, _ = rule.step(0, 0, schedule, placement, predictor, predictor.init_state(loads), loads)
+        assert decision is not None
+        return decision.count_noise
+
+    # before a first plan no forecast error has been measured: the forecast prices the candidates
+    assert not solve(LayerSchedule())
+    assert COUNT_NOISE_GATE == 1.5
+    # measured error within 1.5 times the counts' scatter: priced under count noise
+    assert solve(measured(1.45 * count))
+    # beyond it (a walk, a drift): on the forecast, as before
+    assert not solve(measured(1.55 * count))
+    # and never in the rule as it was before issue #28
+    assert not solve(measured(0.0), stall_remedies=False)

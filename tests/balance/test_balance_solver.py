@@ -12,6 +12,7 @@ from moetrain.balance.solver import (
     optimal_shares,
     plan_placement,
     replica_counts,
+    rings_cross_nodes,
     solve_fixed_replicas,
     solve_milp,
 )
@@ -261,3 +262,27 @@ def test_spread_bridging_partners_ranks_outside_the_rings_first():
     # 2, 4 (13 over two); spread links 1, 2 (17 over two), 4, 5 (14) and 0, 3 (11.5)
     assert plain.apply_to_tokens_per_expert(loads).max() == pytest.approx(23.5 / 3)
     assert spread.apply_to_tokens_per_expert(loads).max() == pytest.approx(8.5)
+
+
+def test_replica_counts_keep_each_expert_within_max_replicas():
+    loads = np.array([10.0, 1, 1, 1])
+    # uncapped, the 5 extra replicas go to the largest per-replica load: expert 0 at 10, 5, 3.33 (then it is
+    # on all 4 ranks), then experts 1 and 2 at 1 each
+    assert replica_counts(loads, 4, budget=5, stop_at_even=False).tolist() == [4, 2, 2, 1]
+    # at most 2 replicas each: expert 0 once (10 → 5), then experts 1, 2, 3; the fifth replica has nowhere to go
+    assert replica_counts(loads, 4, budget=5, stop_at_even=False, max_replicas=2).tolist() == [2, 2, 2, 2]
+    assert replica_counts(loads, 4, budget=5, stop_at_even=False, max_replicas=1).tolist() == [1, 1, 1, 1]
+
+
+def test_rings_cross_nodes_when_an_experts_replicas_sit_in_two_nodes():
+    # 4 ranks of 2 slots, nodes {0, 1} and {2, 3}; expert 0 has two replicas
+    in_node = ExpertPlacement.from_slot_experts(6, np.array([[0, 1], [0, 2], [3, 4], [5, -1]]),
+                                                np.array([[0.5, 1.0], [0.5, 1.0], [1.0, 1.0], [1.0, 0.0]]))
+    across = ExpertPlacement.from_slot_experts(6, np.array([[1, 2], [0, 3], [0, 4], [5, -1]]),
+                                               np.array([[1.0, 1.0], [0.5, 1.0], [0.5, 1.0], [1.0, 0.0]]))
+    assert not rings_cross_nodes(in_node, 2)
+    assert rings_cross_nodes(across, 2)
+    # one node of 4 holds every ring
+    assert not rings_cross_nodes(across, 4)
+    # no replicas, no rings
+    assert not rings_cross_nodes(ExpertPlacement.contiguous(8, 4, 2), 2)

@@ -42,6 +42,15 @@ One rule, shared by the trace replay (``balance.replay``) and the runtime
    from the ideal than the last solve left the layer has stalled in a local optimum: the placements
    from scratch are scored beside it (``Decision.fallback``), migration included, and the trigger
    still decides.
+8. **Count noise, where it is the forecast's error.** A step's tokens per expert are counts: even a perfect
+   forecast of the mean misses them by about its square root. A placement with many ranks at its maximum
+   loses more to that than one whose maximum is a single rank. Where the measured forecast noise is at most
+   ``COUNT_NOISE_GATE`` (1.5) × what the count noise alone causes (stationary loads; it is measured from the first
+   plan on), candidates and the trigger's
+   saving are priced as the cost model's mean over ``COUNT_NOISE_SAMPLES`` loads drawn around the forecast
+   (``count_noise_samples``), not on the forecast itself (``Decision.count_noise``). Where the forecast
+   misses by more (a walk, a drift, a router's own noise), the draws would price the wrong noise, and the
+   forecast alone prices the candidates as before.
 """
 
 from __future__ import annotations
@@ -72,6 +81,20 @@ SHIFT_WARMUP = 3
 FALLBACK_GAP = 0.02
 """An incremental plan this much (relative to the ideal's step time) further from the ideal than the last
 solve's plan was asks for a global solve."""
+COUNT_NOISE_SAMPLES = 8
+"""Loads drawn around the forecast when candidates are priced under count noise (rule 8)."""
+COUNT_NOISE_GATE = 1.5
+"""Count noise prices the candidates while the measured forecast noise is at most this many times the step-time
+noise that the count noise alone causes on the current placement."""
+
+
+def count_noise_samples(forecast: np.ndarray, num_samples: int = COUNT_NOISE_SAMPLES, seed: int = 0) -> np.ndarray:
+    """[num_samples, E] loads drawn around ``forecast`` [E] with a count's spread: forecast + √forecast · z,
+    z standard normal (the normal limit of a Poisson count with that mean), clipped at 0. A fixed ``seed``:
+    every candidate of a solve is priced on the same draws, and a solve is repeatable."""
+    mean = np.maximum(np.asarray(forecast, dtype=float), 0.0)
+    z = np.random.default_rng(seed).standard_normal((num_samples, mean.size))
+    return np.maximum(mean + np.sqrt(mean) * z, 0.0)
 
 
 @dataclass(frozen=True)
@@ -110,6 +133,8 @@ class Decision:
     their time too."""
     shift: bool = False
     """The load mix jumped (see ``LayerSchedule.observe_shift``): the forecast restarted from the step's load."""
+    count_noise: bool = False
+    """Candidates and the saving were priced under count noise (rule 8 of the module docstring)."""
 
     @property
     def num_moves(self) -> int:
@@ -124,6 +149,7 @@ class Decision:
             "reshare": self.reshare, "early": self.early, "forecast_steps": self.forecast_steps,
             "lasting_steps": round(self.lasting_steps, 2), "gap_candidate": round(self.gap_candidate, 5),
             "fallback": self.fallback, "shift": self.shift, "solve_cpu_ms": round(self.solve_cpu_ms, 3),
+            "count_noise": self.count_noise,
         }
 
 
@@ -228,8 +254,9 @@ class ReplanRule:
     adaptive: bool = True
     """False: solve every ``interval`` steps only, forecasting ``interval`` steps (the fixed schedule)."""
     stall_remedies: bool = True
-    """False: without the shift check, the global fallback and node-local bridging (rules 6 and 7 and
-    ``solver.bridge_replicas(ranks_per_node)``), the rule as it was before issue #28, for comparison."""
+    """False: without the shift check, the global fallback, the count-noise pricing and the solver's node-aware
+    candidates (rules 6-8; ``plan_placement`` gets no ``ranks_per_node``), the rule as it was before issue #28,
+    for comparison."""
     _cheapest_move_s: float | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -320,10 +347,21 @@ class ReplanRule:
         # the copies travel under the next step's compute; the solver's score assumes the least compute
         # any placement can have (the even one), the trigger the candidate's own
         least_window = self.costs.ideal_overlap_window_seconds(forecast)
+        # rule 8: where the forecast's measured error is about what the counts' own scatter causes, price
+        # the loads a step will bring (draws around the forecast), not their mean
+        draws = count_noise_samples(forecast)
+        count_noise = bool(
+            self.adaptive and self.stall_remedies
+            and schedule.predicted_excess is not None  # a forecast error measured at all (not before the first plan)
+            and schedule.forecast_noise <= COUNT_NOISE_GATE * float(
+                np.mean(np.abs(self.costs.layer_seconds(current, draws) - seconds_current))))
+        priced_on = draws if count_noise else forecast
+
+        def seconds(placement: ExpertPlacement) -> float:
+            return float(np.mean(self.costs.layer_seconds(placement, priced_on)))
 
         def score(placement: ExpertPlacement) -> float:
-            return (float(self.costs.layer_seconds(placement, forecast))
-                    + self.costs.migration_seconds(diff(current, placement), least_window) / lasting)
+            return seconds(placement) + self.costs.migration_seconds(diff(current, placement), least_window) / lasting
 
         def plan(candidates: str) -> tuple[ExpertPlacement, float]:
             return timed_plan(forecast, current.num_ranks, current.slots_per_rank, self.solver, score=score,
@@ -347,7 +385,7 @@ class ReplanRule:
             seconds_candidate = float(self.costs.layer_seconds(candidate, forecast))
         solve_cpu_s = time.process_time() - cpu_start
         moves = diff(current, candidate)
-        saving = lasting * (seconds_current - seconds_candidate)
+        saving = lasting * (seconds(current) - seconds(candidate))
         migration = self.costs.migration_seconds(moves, self.costs.overlap_window_seconds(candidate, forecast))
         # only the saving beyond the forecast's measured noise is counted on to last
         sure_saving = saving - lasting * schedule.forecast_noise
@@ -366,5 +404,6 @@ class ReplanRule:
             solve_cpu_ms=solve_cpu_s * 1e3,
             reshare=reshare, early=early, forecast_steps=window, lasting_steps=lasting,
             gap_candidate=seconds_candidate / ideal - 1.0 if ideal > 0 else 0.0, fallback=fallback,
+            count_noise=count_noise,
         )
         return decision, adopted

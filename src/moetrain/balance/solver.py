@@ -24,8 +24,10 @@ they are, which is what migration pays for.
 Replicas' gradient all-reduces (a ring per replicated expert, the busiest rank's busiest link decides) are
 the other cost of replication. Two candidate variants keep them small: bridging that partners light ranks
 outside the existing rings first (``bridge_replicas(spread=True)``), so that no rank sends a gradient share
-for two rings, and, with EP over several nodes, the best candidates with the ranks their replicas link
-gathered into one node (``group_replicas_by_node``), so the rings run over the in-node links.
+for two rings, and, with EP over several nodes, every candidate whose rings cross nodes with the ranks its
+replicas link gathered into one node (``group_replicas_by_node``), so the rings run over the in-node links.
+With EP over several nodes the larger replica budgets are also offered with no expert on more ranks than a
+node has (``replica_counts(max_replicas=...)``): a longer ring cannot stay in a node.
 """
 
 from __future__ import annotations
@@ -51,16 +53,20 @@ def _check_sizes(num_experts: int, num_ranks: int, slots_per_rank: int) -> None:
         )
 
 
-def replica_counts(loads: np.ndarray, num_ranks: int, budget: int, stop_at_even: bool = True) -> np.ndarray:
+def replica_counts(
+    loads: np.ndarray, num_ranks: int, budget: int, stop_at_even: bool = True, max_replicas: int | None = None
+) -> np.ndarray:
     """[E] replicas per expert: one each, then up to ``budget`` extra replicas, each for the expert
-    whose per-replica load is largest (no expert on more than ``num_ranks`` ranks). With
-    ``stop_at_even`` it stops once no replica carries more than the even per-rank share; beyond that
-    point replicas still help by making the packing finer, at the price of gradient all-reduces."""
+    whose per-replica load is largest (no expert on more than ``num_ranks`` ranks, nor on more than
+    ``max_replicas``). With ``stop_at_even`` it stops once no replica carries more than the even per-rank
+    share; beyond that point replicas still help by making the packing finer, at the price of gradient
+    all-reduces."""
     loads = np.asarray(loads, dtype=float)
     counts = np.ones(loads.size, dtype=np.int64)
     even = loads.sum() / num_ranks
+    most = num_ranks if max_replicas is None else max(1, min(num_ranks, max_replicas))
     for _ in range(budget):
-        per_replica = np.where(counts < num_ranks, loads / counts, -1.0)
+        per_replica = np.where(counts < most, loads / counts, -1.0)
         hottest = int(np.argmax(per_replica))
         if per_replica[hottest] < 0 or (stop_at_even and per_replica[hottest] <= even):
             break
@@ -241,9 +247,6 @@ def improve(table: np.ndarray, share: np.ndarray, loads: np.ndarray) -> ExpertPl
     return ExpertPlacement.from_slot_experts(loads.size, table, optimal_shares(table, loads))
 
 
-GROUPED_CANDIDATES = 3
-"""How many of the best-scoring candidates ``plan_placement`` also offers with ``group_replicas_by_node``."""
-
 # Exchange counts at which a warm-started search offers its placement as a candidate: a few moves
 # may already take most of the gain, and the caller's score (migration included) decides.
 WARM_SNAPSHOTS = (1, 2, 4, 8, 16)
@@ -374,6 +377,19 @@ def _replica_components(table: np.ndarray) -> list[list[int]]:
                 queue.append(other)
         components.append(order)
     return components
+
+
+def rings_cross_nodes(placement: ExpertPlacement, ranks_per_node: int) -> bool:
+    """Whether some replicated expert has replicas on ranks of two nodes (its ring all-reduce then has
+    hops on the network), nodes being blocks of ``ranks_per_node`` consecutive ranks."""
+    ranks = np.arange(placement.num_ranks * placement.slots_per_rank) // placement.slots_per_rank
+    used = placement.slot_expert != EMPTY_SLOT
+    experts, nodes = placement.slot_expert[used], ranks[used] // ranks_per_node
+    lowest = np.full(placement.num_experts, np.iinfo(np.int64).max)
+    highest = np.full(placement.num_experts, -1)
+    np.minimum.at(lowest, experts, nodes)
+    np.maximum.at(highest, experts, nodes)
+    return bool((highest > lowest).any())
 
 
 def group_replicas_by_node(placement: ExpertPlacement, ranks_per_node: int) -> ExpertPlacement:
@@ -570,7 +586,9 @@ def plan_placement(
     exceeds the even share, half and all of the spare slots) and, for ``local`` with a ``current``
     placement, the steps of a local search started from it (few moves each). Every candidate is aligned to ``current``
     before it is scored, so that its migration cost is the smallest its layout allows. With ``ranks_per_node``
-    (EP over several nodes), each unbridged candidate is also offered with node-local bridging replicas."""
+    (EP over several nodes), each unbridged candidate is also offered with node-local bridging replicas, the two
+    larger budgets with at most ``ranks_per_node`` replicas per expert, and every candidate whose replicas'
+    rings cross nodes with its linked ranks grouped into nodes (``group_replicas_by_node``)."""
     if solver not in SOLVERS:
         raise UserError(f"unknown solver {solver!r}; choose one of: {', '.join(SOLVERS)}")
     loads = np.maximum(np.asarray(loads, dtype=float), 0.0)
@@ -580,6 +598,7 @@ def plan_placement(
     if candidates not in ("all", "incremental", "scratch"):
         raise UserError(f"unknown candidate set {candidates!r}; choose all, incremental or scratch")
     incremental = candidates == "incremental"
+    multi_node = ranks_per_node is not None and 1 < ranks_per_node < num_ranks and num_ranks % ranks_per_node == 0
     if incremental and (current is None or solver == "milp"):
         raise UserError("an incremental plan needs the current placement and the greedy or local solver")
     warm = current is not None and candidates != "scratch" and (solver == "local" or incremental)
@@ -589,11 +608,18 @@ def plan_placement(
         pool = [solve_milp(loads, num_ranks, slots_per_rank)]
     else:
         needed = int(replica_counts(loads, num_ranks, spare).sum()) - num_experts
-        pool = [
-            solve_fixed_replicas(loads, num_ranks, slots_per_rank,
-                                 replica_counts(loads, num_ranks, budget, stop_at_even=budget <= needed), solver)
-            for budget in sorted({0, needed, max(needed, spare // 2), spare})
-        ]
+        budgets = sorted({0, needed, max(needed, spare // 2), spare})
+        counts = [replica_counts(loads, num_ranks, budget, stop_at_even=budget <= needed) for budget in budgets]
+        if multi_node:
+            # the large budgets again with no expert on more ranks than a node has: a ring that fits in a
+            # node runs on the in-node links; one over two nodes puts its hops on the network
+            assert ranks_per_node is not None
+            for budget in budgets[-2:]:
+                capped = replica_counts(loads, num_ranks, budget, stop_at_even=budget <= needed,
+                                        max_replicas=ranks_per_node)
+                if not any(np.array_equal(capped, c) for c in counts):
+                    counts.append(capped)
+        pool = [solve_fixed_replicas(loads, num_ranks, slots_per_rank, c, solver) for c in counts]
     if warm:
         assert current is not None
         pool.extend(improve_stepwise(current, loads))
@@ -614,15 +640,24 @@ def plan_placement(
     if score is None:
         score = lambda p: float(p.apply_to_tokens_per_expert(loads).max())
     scores = [score(c) for c in pool]
-    if solver == "milp" or ranks_per_node is None or not 1 < ranks_per_node < num_ranks:
-        return pool[int(np.argmin(scores))]
-    # the best few again with the ranks their replicas link gathered into nodes (the replicas' all-reduces
-    # then run in-node), aligned to ``current`` again; only the best few, to keep the solve time
-    best = [pool[i] for i in np.argsort(scores, kind="stable")[:GROUPED_CANDIDATES]]
-    grouped = [g for c in best if (g := group_replicas_by_node(c, ranks_per_node)) is not c]
+    best = pool[int(np.argmin(scores))]
+    if solver == "milp" or not multi_node:
+        return best
+    assert ranks_per_node is not None
+    # every candidate whose replicas' rings cross nodes again with the ranks they link gathered into nodes (the
+    # all-reduces then run in-node), aligned to ``current`` again. All of them, not the best few: a candidate's
+    # network rings can rank it low before the grouping (bridging pairs the heaviest rank with the lightest
+    # anywhere) and first after it.
+    grouped: list[ExpertPlacement] = []
+    for candidate in pool:
+        if not rings_cross_nodes(candidate, ranks_per_node):
+            continue
+        g = group_replicas_by_node(candidate, ranks_per_node)
+        if g is not candidate and not any(np.array_equal(g.slot_expert, h.slot_expert) for h in grouped):
+            grouped.append(g)
     if current is not None:
         grouped = [align_to(g, current, ranks_per_node) for g in grouped]
-    return min([best[0], *grouped], key=score)
+    return min([best, *grouped], key=score)
 
 
 def timed_plan(*args, **kwargs) -> tuple[ExpertPlacement, float]:
