@@ -17,7 +17,7 @@ end, on the same held-out problems for every run; the per-step sample reward cur
 side in one PNG.
 
     python benchmarks/rl_stalesync.py --out benchmarks/results/rl_stalesync_cpu.json
-    python benchmarks/rl_stalesync.py --compile --out benchmarks/results/rl_stalesync_cpu_compiled.json
+    python benchmarks/rl_stalesync.py --compile --out /tmp/rl_stalesync_compiled.json
 
 With ``--compile`` the trainer's decoder layers are compiled (the first step, which compiles, is not in
 the steady state); generation stays eager.
