@@ -530,7 +530,8 @@ def stalesync_rows(measured: dict, calibration: Calibration, host: HostCosts, lo
         predicted = price_rl_step(workload, layout, calibration, host, shared_sync(sync_rates, 1.0, 4))
         rows.append(_row(name, predicted, run["steady_seconds"] / steps,
                          steady_steps=steps, decode_steps=decode_steps, longest_sample_per_batch=longest,
-                         decode_running_share=share, mean_completion_tokens=completion))
+                         decode_running_share=share, mean_completion_tokens=completion,
+                         measured_phases_s=run.get("trainer_step_parts_s")))
     return rows
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import io
 import os
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -63,6 +64,10 @@ class RunResult:
     staleness_max: int
     dropped_samples: int
     rewards: list[float]
+    trainer_step_parts_s: dict[str, float]
+    """Medians over the steady steps of the trainer's rows: ``batch`` (waiting for and building the batch),
+    ``train_step`` (forward, backward, optimizer), ``after_step`` (statistics, the push's packing); and
+    ``generate``, the batch's generation on the rollout side (on the second thread when colocated)."""
 
 
 def warm_up(task: str, model_cfg, seq_len: int, steps: int, seed: int) -> dict[str, torch.Tensor]:
@@ -93,10 +98,13 @@ def run(job: StaleSyncJob) -> RunResult:
     steps = [r for r in rows if "loss" in r]
     steady = steps[1:-1]
     tokens, seconds = sum(r["completion_tokens"] for r in steady), sum(r["step_time_s"] for r in steady)
+    parts = {"batch": "batch_time_s", "train_step": "train_step_time_s", "after_step": "after_step_time_s",
+             "generate": "gen_time_s"}
+    medians = {name: statistics.median(r[key] for r in steady) for name, key in parts.items()}
     return RunResult(job.stale.staleness, job.stale.placement, tokens / seconds, tokens, seconds, wall,
                      steps[-1]["heldout_accuracy"], sum(r["reward"] for r in steps) / len(steps),
                      sum(r["staleness_mean"] for r in steps) / len(steps), max(r["staleness_max"] for r in steps),
-                     steps[-1]["dropped_samples"], [r["reward"] for r in steps])
+                     steps[-1]["dropped_samples"], [r["reward"] for r in steps], medians)
 
 
 def plot(results: list[RunResult], path: Path) -> None:
