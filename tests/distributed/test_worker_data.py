@@ -127,7 +127,7 @@ def test_ep2_checkpoint_resumes_in_the_single_process_trainer(runs: Path) -> Non
     _assert_close(resumed[0], single[2], "resumed step 3")
 
 
-TIMINGS = ("step_time_s", "tokens_per_s", "mfu")
+TIMINGS = ("step_time_s", "tokens_per_s", "mfu", "batch_time_s", "train_step_time_s", "after_step_time_s")
 
 
 @pytest.mark.slow
