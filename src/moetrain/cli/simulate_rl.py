@@ -61,9 +61,8 @@ def _layouts(args: argparse.Namespace, workload) -> list:
     """The ``RLLayout`` of each asked placement (the training layout from the strategy flags)."""
     from moetrain.cli.workload import parallel_from_args
     from moetrain.planner.rl_step import RLLayout
-    from moetrain.planner.workload import Workload
 
-    training = Workload(workload.model, workload.cluster, workload.seq_len, workload.samples, workload.precision)
+    training = workload.samples_workload
     placements = ("colocated", "disaggregated") if args.placement == "both" else (args.placement,)
     if args.offload and args.host_link_gbps is None and workload.cluster.device != "cpu":
         raise UserError("--offload on an accelerator needs --host-link-gbps (the host link, e.g. 25 for PCIe 4 x16)")

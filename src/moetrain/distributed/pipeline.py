@@ -145,9 +145,7 @@ def chunk_forward(model: MoETransformer, chunk: Chunk, x: torch.Tensor | None, m
     if mb.objective is not None:
         # the head at the scored tokens only (their positions are of full sequences: RL runs without CP)
         assert cp is None, "a token objective scores full sequences; context parallelism is refused for RL"
-        hidden_BSD = full(x)
-        hidden_TD = hidden_BSD.reshape(-1, hidden_BSD.shape[-1]).index_select(0, mb.objective.index_T)
-        lm_loss = mb.objective.loss_sum(model.output_head(model.final_norm(hidden_TD))) / normalizer
+        lm_loss = mb.objective.loss_sum(model.logits_at(full(x), mb.objective.index_T)) / normalizer
     else:
         lm_loss = token_loss_sum(model.output_head(model.final_norm(full(x))), local(mb.labels)) / normalizer
     mtp_loss = lm_loss.new_zeros((), dtype=torch.float32)

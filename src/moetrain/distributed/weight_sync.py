@@ -155,11 +155,11 @@ class WeightSync:
             payload = self._pack(bucket, version) if self.rank == bucket.owner else None
             if bucket.is_local:
                 local += bucket.nbytes
+            elif self.rank == bucket.owner:
+                sent += self._send(bucket, payload)
+                continue
             else:
                 payload = self._transfer(bucket, payload)
-                if self.rank == bucket.owner:
-                    sent += bucket.nbytes * (1 if self._broadcasts(bucket) else len(bucket.receivers))
-                    continue
                 received += bucket.nbytes
             assert payload is not None
             failure = self._receive(bucket, payload, version)
@@ -186,9 +186,8 @@ class WeightSync:
                 for bucket, payload in packed:
                     if bucket.is_local:
                         local += bucket.nbytes
-                        continue
-                    self._transfer(bucket, payload)
-                    sent += bucket.nbytes * (1 if self._broadcasts(bucket) else len(bucket.receivers))
+                    else:
+                        sent += self._send(bucket, payload)
                 _agree_on_failure([], self.rank, self.group)
                 in_flight.outcome = SyncReport(version, len(self.buckets), sent, 0, local, 0,
                                                time.perf_counter() - start)
@@ -205,6 +204,12 @@ class WeightSync:
         payload = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
         header = torch.tensor([version, _crc(parts)], dtype=torch.int64).view(torch.uint8).to(payload.device)
         return torch.cat([payload, header])
+
+    def _send(self, bucket: Bucket, payload: torch.Tensor) -> int:
+        """The owner's side of a bucket that travels: its payload bytes sent (a broadcast counted once, a
+        point-to-point bucket once per receiver)."""
+        self._transfer(bucket, payload)
+        return bucket.nbytes * (1 if self._broadcasts(bucket) else len(bucket.receivers))
 
     def _broadcasts(self, bucket: Bucket) -> bool:
         # remote receivers never include the owner (it holds the box)

@@ -140,6 +140,13 @@ class MoETransformer(nn.Module):
     def output_head(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.embed.weight) if self.cfg.tie_embeddings else self.head(x)
 
+    def logits_at(self, hidden_BSD: torch.Tensor, index_T: torch.Tensor) -> torch.Tensor:
+        """[T, V] logits of the last layer's output at flat (row-major) positions ``index_T`` only: the
+        final norm and the head are per token, so the other positions need neither (RL scores its
+        completion tokens only)."""
+        hidden_TD = hidden_BSD.reshape(-1, hidden_BSD.shape[-1]).index_select(0, index_T)
+        return self.output_head(self.final_norm(hidden_TD))
+
     @torch.no_grad()
     def init_weights(self) -> None:
         """TinyInit or normal init; norm gains 1, sandwich post-norm gains c/sqrt(L). Uses torch's RNG."""

@@ -106,6 +106,11 @@ class RLWorkload:
         return self.train_seq_len or self.prompt_len + self.response_len
 
     @property
+    def samples_workload(self) -> Workload:
+        """The step's samples as the planner's workload (model, cluster, trained length, batch, precision)."""
+        return Workload(self.model, self.cluster, self.seq_len, self.samples, self.precision)
+
+    @property
     def head_share(self) -> float:
         """Share of a trained sequence's positions at which the head runs: its completion tokens."""
         return min((self.completion_len or self.response_len) / self.seq_len, 1.0)
@@ -246,9 +251,8 @@ def training_prediction(w: RLWorkload, layout: RLLayout, calibration: Calibratio
 
 
 def _generation(w: RLWorkload, layout: RLLayout, eff: Efficiency, host: HostCosts) -> GenerationTimes:
-    workload = Workload(w.model, w.cluster, w.seq_len, w.samples, w.precision)
-    return generation_time(workload, w.samples // layout.replicas, layout.gen_devices_per_replica, w.prompt_len,
-                           w.response_len, eff, host, w.decode_running_share)
+    return generation_time(w.samples_workload, w.samples // layout.replicas, layout.gen_devices_per_replica,
+                           w.prompt_len, w.response_len, eff, host, w.decode_running_share)
 
 
 def weight_bytes(w: RLWorkload) -> float:
@@ -414,8 +418,7 @@ def price_rl_step(w: RLWorkload, layout: RLLayout, calibration: Calibration, hos
     generation = _generation(w, layout, eff, host)
     gather = 0.0
     if layout.placement == "colocated" and w.logprob_on_generation:
-        per_replica = Workload(w.model, w.cluster, w.seq_len, w.samples, w.precision)
-        logprob = w.logprob_forwards * forward_time(per_replica, w.samples, layout.gen_devices_per_replica,
+        logprob = w.logprob_forwards * forward_time(w.samples_workload, w.samples, layout.gen_devices_per_replica,
                                                     w.seq_len, eff, host, layout.train.micro_batch, w.head_share)
     else:
         # A forward over the samples costs a third of training's forward + backward (backward = 2 forwards).

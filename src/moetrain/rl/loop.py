@@ -71,10 +71,8 @@ def policy_logprobs(model: MoETransformer, input_ids_BS: torch.Tensor, labels_BS
         x, _, _ = layer(x, ctx, layer_replay(expert_ids_BSMK, column.get(index)))
     index_T = label_positions(labels_BS)
     device_index_T = index_T.to(x.device)
-    hidden_TD = x.reshape(-1, x.shape[-1]).index_select(0, device_index_T)
-    logits_TV = model.output_head(model.final_norm(hidden_TD))
     labels_T = labels_BS.reshape(-1).index_select(0, index_T).to(x.device)
-    logp_T = token_logprobs(logits_TV, labels_T, temperature)
+    logp_T = token_logprobs(model.logits_at(x, device_index_T), labels_T, temperature)
     return logp_T.new_zeros(labels_BS.numel()).index_copy_(0, device_index_T, logp_T).view(labels_BS.shape)
 
 
