@@ -33,10 +33,13 @@ def test_trainer_logprobs_of_generated_tokens_equal_the_rollout_engines_with_rep
     trainer = _trainer(steps=1, keep_logprobs=True)
     rows = trainer.train()
     sequences = trainer.last_sequences
-    logprobs_T = torch.cat(trainer.last_stats.logprobs)  # the completion tokens, row-major over the batch
+    logprobs_T = torch.cat(trainer.last_stats.logprobs)  # the completion tokens, micro-batch by micro-batch
+    chunks = trainer.batching.chunks(sequences.labels_BS)
+    rollout_T = torch.cat([chunk.cut(sequences.rollout_logp_BS)[chunk.cut(sequences.labels_BS) != -100]
+                           for chunk in chunks])
     mask = sequences.labels_BS != -100
-    assert mask.sum() > 16 and logprobs_T.shape == (int(mask.sum()),)
-    gap = (logprobs_T - sequences.rollout_logp_BS[mask]).abs().max().item()
+    assert mask.sum() > 16 and logprobs_T.shape == (int(mask.sum()),) == rollout_T.shape
+    gap = (logprobs_T - rollout_T).abs().max().item()
     assert gap < 1e-5
     assert rows[-1]["logp_gap_max"] < 1e-5 and rows[-1]["replay_token_mismatch"] == 0.0
     assert rows[-1]["is_weight_mean"] == pytest.approx(1.0, abs=1e-5)

@@ -50,6 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-replay", action="store_true", help="train with the routers' own experts")
     g.add_argument("--replay-stats-every", type=int, default=1,
                    help="steps between forwards without replay that measure routing mismatch (0: never)")
+    g.add_argument("--group-by-length", action=argparse.BooleanOptionalAction, default=True,
+                   help="micro-batches of samples of like length, each cut to its longest (default: on)")
     g.add_argument("--eval-every", type=int, default=20, help="held-out accuracy every N steps (20; 0: end only)")
     g.add_argument("--eval-size", type=int, default=256, help="held-out problems (256)")
     r = parser.add_argument_group("run")
@@ -157,7 +159,8 @@ def _options(args: argparse.Namespace):
     try:
         return RLOptions(task=args.task, prompts_per_step=args.prompts, grpo=grpo, top_k=args.top_k,
                          top_p=args.top_p, max_new_tokens=args.max_new_tokens, replay=not args.no_replay,
-                         replay_stats_every=args.replay_stats_every, eval_every=args.eval_every,
+                         replay_stats_every=args.replay_stats_every, group_by_length=args.group_by_length,
+                         eval_every=args.eval_every,
                          eval_size=args.eval_size)
     except ValidationError as exc:
         parts = []

@@ -75,7 +75,9 @@ class StepContext:
     loss_normalizer: torch.Tensor
     aux_loss_scale: float
     micro_batches: list[MicroBatch]
-    hidden_shape: tuple[int, ...]
+    hidden_shapes: list[tuple[int, ...]]
+    """Per micro-batch, the activation a stage sends on (micro-batches may differ in length: RL cuts each
+    to its longest sample)."""
     dtype: torch.dtype
     device: torch.device
     loss_sum: torch.Tensor
@@ -186,8 +188,8 @@ class Executor:
     def _tag(self, micro_batch: int, chunk_index: int, backward: bool) -> int:
         return (micro_batch * self.num_chunks + chunk_index) * 2 + int(backward)
 
-    def _recv(self, step: StepContext, src: int, tag: int) -> torch.Tensor:
-        buffer = torch.empty(step.hidden_shape, dtype=step.dtype, device=step.device)
+    def _recv(self, step: StepContext, src: int, micro_batch: int, tag: int) -> torch.Tensor:
+        buffer = torch.empty(step.hidden_shapes[micro_batch], dtype=step.dtype, device=step.device)
         with span("pp_recv", "comm"):
             dist.recv(buffer, src=src, tag=tag)
         return buffer
@@ -202,7 +204,7 @@ class Executor:
         chunk = self.stage.chunks[action.chunk]
         if chunk.is_first:
             return None
-        x = self._recv(step, self.prev_rank, self._tag(action.micro_batch, chunk.index - 1, False))
+        x = self._recv(step, self.prev_rank, action.micro_batch, self._tag(action.micro_batch, chunk.index - 1, False))
         return x.requires_grad_(True)
 
     def receive_grad(self, action: Action, step: StepContext) -> torch.Tensor | None:
@@ -210,7 +212,7 @@ class Executor:
         chunk = self.stage.chunks[action.chunk]
         if chunk.is_last:
             return None
-        return self._recv(step, self.next_rank, self._tag(action.micro_batch, chunk.index, True))
+        return self._recv(step, self.next_rank, action.micro_batch, self._tag(action.micro_batch, chunk.index, True))
 
     def forward(self, action: Action, step: StepContext, x: torch.Tensor | None) -> None:
         chunk = self.stage.chunks[action.chunk]

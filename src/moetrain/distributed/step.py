@@ -107,7 +107,7 @@ class StepResult:
 
 
 def _step_context(run: LayoutRun, batch: StepBatch) -> StepContext:
-    parallel, device, cfg = run.dims.parallel, run.device, run.cfg
+    parallel, device = run.dims.parallel, run.device
     micro_batches = [
         MicroBatch(m.input_ids.to(device, non_blocking=True), m.labels.to(device, non_blocking=True),
                    None if m.document_ids is None else m.document_ids.to(device, non_blocking=True),
@@ -119,7 +119,8 @@ def _step_context(run: LayoutRun, batch: StepBatch) -> StepContext:
         # a fill, not torch.tensor(...): a copy from pageable host memory would wait for the device
         loss_normalizer=torch.full((), max(batch.global_label_tokens, 1), device=device),
         aux_loss_scale=1.0 / (len(micro_batches) * parallel.dp), micro_batches=micro_batches,
-        hidden_shape=(cfg.micro_batch, cfg.seq_len // (parallel.tp * parallel.cp), run.model_cfg.hidden_size),
+        hidden_shapes=[(rows, positions // (parallel.tp * parallel.cp), run.model_cfg.hidden_size)
+                       for rows, positions in (m.input_ids.shape for m in micro_batches)],
         dtype=torch.float32, device=device, loss_sum=torch.zeros((), device=device),
         tp_group=run.dims.get_group("tp") if parallel.tp > 1 else None,
         loss_parts=torch.zeros(3, device=device), tokens_per_expert={},

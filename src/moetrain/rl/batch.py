@@ -7,6 +7,14 @@ batch, is the completion-token count GRPO's token-level mean divides by. At each
 token's rollout log-prob and its sample's advantage. The replay record's position axis is the
 sequence's, so it is cut (or padded with -1) to ``seq_len`` as it is.
 
+No forward computes the padding after a chunk's longest sample (``length_chunks``): each micro-batch, and
+each chunk of a log-prob forward, is cut to its longest sample's inputs (rounded up to what the layout
+splits), and with ``group_by_length`` the rows are taken shortest first, so that rows of like length
+share a micro-batch (``Batching.chunks``). Attention is causal and routing per token, so a kept position's output is
+the same as in the padded row; what changes is the router's balance statistics, which no longer count
+the cut padding. The loss is GRPO's token-level sum over the global normaliser, so neither the cut nor
+the grouping changes it beyond rounding.
+
 Legend: B samples, S sequence slots, N generated slots, M decoder MoE layers, K top-k.
 """
 
@@ -74,23 +82,88 @@ def training_sequences(rollouts: Rollouts, seq_len: int, pad_id: int) -> Trainin
     return TrainingSequences(input_BS, labels_BS, logp_BS, advantages_BS, record)
 
 
-def step_batch(sequences: TrainingSequences, cfg: GRPOConfig, micro_batch: int, stats: StepStats,
-               replay: bool, ref_logp_BS: torch.Tensor | None = None, dp_rank: int = 0,
-               dp_size: int = 1, old_logp_BS: torch.Tensor | None = None) -> StepBatch:
-    """This data-parallel rank's micro-batches of the step (rows split as ``PackedDataset`` splits them);
-    ``old_logp_BS``: π_old of the ratio (the decoupled loss's proximal policy), None: the trained weights."""
+@dataclass(frozen=True)
+class Chunk:
+    """Rows of a batch computed together, and the positions they need."""
+
+    rows: torch.Tensor
+    """int64 row indices into the batch, in the order they are computed."""
+    length: int
+    """Positions kept: the longest row's inputs, rounded up to the granule (at most the batch's length)."""
+
+    def cut(self, t_BS: torch.Tensor | None) -> torch.Tensor | None:
+        """``t_BS``'s chunk: its rows, its first ``length`` positions."""
+        return None if t_BS is None else t_BS.index_select(0, self.rows)[:, : self.length]
+
+
+def input_lengths(labels_BS: torch.Tensor) -> torch.Tensor:
+    """Per row, the positions a forward needs: up to the last label (int64 [B]; 0 for a row without one)."""
+    positions_BS = torch.arange(labels_BS.shape[1]).expand_as(labels_BS)
+    return torch.where(labels_BS != IGNORE_INDEX, positions_BS + 1, 0).amax(dim=1)
+
+
+def length_chunks(lengths_B: torch.Tensor, rows: range, size: int, seq_len: int, granule: int = 1,
+                  group_by_length: bool = False) -> list[Chunk]:
+    """``rows`` of a batch of ``seq_len`` positions in chunks of ``size``, each cut to its longest row
+    rounded up to a multiple of ``granule`` (what the layout splits a sequence into: tp with sequence
+    parallelism; ``seq_len`` is one); rows shortest first when ``group_by_length`` (a stable sort: ties
+    keep their order)."""
+    index = torch.tensor(list(rows), dtype=torch.long)
+    if group_by_length:
+        index = index[torch.sort(lengths_B[index], stable=True).indices]
+    chunks = []
+    for start in range(0, len(index), size):
+        part = index[start:start + size]
+        longest = max(int(lengths_B[part].max()), 1)
+        chunks.append(Chunk(part, min(-(-longest // granule) * granule, seq_len)))
+    return chunks
+
+
+@dataclass(frozen=True)
+class Batching:
+    """How a step's rows become micro-batches."""
+
+    micro_batch: int
+    granule: int = 1
+    """Kept positions are a multiple of this (the layout's tensor-parallel split)."""
+    group_by_length: bool = True
+    dp_rank: int = 0
+    dp_size: int = 1
+
+    def chunks(self, labels_BS: torch.Tensor, dp_rank: int | None = None) -> list[Chunk]:
+        """Data-parallel rank ``dp_rank``'s micro-batches (this rank's by default). Grouped by length: the
+        global batch's rows shortest first, in micro-batches dealt to the ranks in turn, so that every
+        layout trains the micro-batches of the one-process run (the same rows together: the router's
+        balance statistics are per micro-batch) and the ranks get like lengths. Otherwise its block of
+        rows, as ``PackedDataset`` splits them."""
+        rank = self.dp_rank if dp_rank is None else dp_rank
+        batch, seq_len = labels_BS.shape
+        lengths_B = input_lengths(labels_BS)
+        if self.group_by_length:
+            every = length_chunks(lengths_B, range(batch), self.micro_batch, seq_len, self.granule, True)
+            return every[rank::self.dp_size]
+        per_rank = batch // self.dp_size
+        return length_chunks(lengths_B, range(rank * per_rank, (rank + 1) * per_rank), self.micro_batch, seq_len,
+                             self.granule)
+
+
+def step_batch(sequences: TrainingSequences, cfg: GRPOConfig, batching: Batching, stats: StepStats,
+               replay: bool, ref_logp_BS: torch.Tensor | None = None,
+               old_logp_BS: torch.Tensor | None = None) -> StepBatch:
+    """This data-parallel rank's micro-batches of the step (``Batching``); ``old_logp_BS``: π_old of the
+    ratio (the decoupled loss's proximal policy), None: the trained weights. The step's token count is
+    what every rank computes, padding within a micro-batch included."""
     labels_BS = sequences.labels_BS
-    batch, seq_len = labels_BS.shape
-    per_rank = batch // dp_size
     micro_batches = []
-    for start in range(dp_rank * per_rank, (dp_rank + 1) * per_rank, micro_batch):
-        rows = slice(start, start + micro_batch)
-        objective = PolicyObjective.of_rows(labels_BS[rows], sequences.rollout_logp_BS[rows],
-                                            sequences.advantages_BS[rows], cfg, stats,
-                                            None if ref_logp_BS is None else ref_logp_BS[rows],
-                                            None if old_logp_BS is None else old_logp_BS[rows])
+    for chunk in batching.chunks(labels_BS):
+        labels = chunk.cut(labels_BS)
+        objective = PolicyObjective.of_rows(labels, chunk.cut(sequences.rollout_logp_BS),
+                                            chunk.cut(sequences.advantages_BS), cfg, stats,
+                                            chunk.cut(ref_logp_BS), chunk.cut(old_logp_BS))
         record = sequences.expert_ids_BSMK
-        micro_batches.append(MicroBatch(sequences.input_ids_BS[rows], labels_BS[rows], None,
-                                        int((labels_BS[rows] != IGNORE_INDEX).sum()), objective,
-                                        record[rows] if replay and record is not None else None))
-    return StepBatch(micro_batches, int((labels_BS != IGNORE_INDEX).sum()), batch * seq_len)
+        micro_batches.append(MicroBatch(chunk.cut(sequences.input_ids_BS), labels, None,
+                                        int((labels != IGNORE_INDEX).sum()), objective,
+                                        chunk.cut(record) if replay and record is not None else None))
+    computed = sum(len(c.rows) * c.length for rank in range(batching.dp_size)
+                   for c in batching.chunks(labels_BS, rank))
+    return StepBatch(micro_batches, int((labels_BS != IGNORE_INDEX).sum()), computed)

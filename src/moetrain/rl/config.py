@@ -43,6 +43,9 @@ class RLOptions(BaseModel):
     """Train with the experts generation chose (router replay)."""
     replay_stats_every: int = Field(default=1, ge=0)
     """Every this many steps, one extra forward without replay measures the routing mismatch (0: never)."""
+    group_by_length: bool = True
+    """Micro-batches of rows of like length (shortest first within each rank's rows): each is cut to its
+    longest sample, so the shorter ones compute less padding (``rl.batch.length_chunks``)."""
     eval_every: int = Field(default=10, ge=0)
     """Held-out accuracy every this many steps (0: only at the end); always before the first step."""
     eval_size: int = Field(default=256, gt=0)

@@ -47,7 +47,10 @@ def group_advantages(rewards_B: torch.Tensor, group_size: int, scale_rewards: bo
 
 def token_logprobs(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log softmax(logits / T) of each label token in fp32; 0 where the label is ignored."""
-    logp_BSV = (logits_BSV.float() / temperature).log_softmax(dim=-1)
+    logits_BSV = logits_BSV.float()
+    if temperature != 1.0:  # x / 1.0 is x: skip a pass over the logits (and its backward)
+        logits_BSV = logits_BSV / temperature
+    logp_BSV = logits_BSV.log_softmax(dim=-1)
     logp_BS = logp_BSV.gather(-1, labels_BS.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     return logp_BS.masked_fill(labels_BS == IGNORE_INDEX, 0.0)
 

@@ -36,7 +36,16 @@ from moetrain.distributed.layout import ParallelDims
 from moetrain.errors import UserError
 from moetrain.models.attention import build_attention_context
 from moetrain.models.transformer import MoETransformer, decoder_moe_layers, layer_replay
-from moetrain.rl.batch import Rollouts, TrainingSequences, step_batch, training_sequences
+from moetrain.rl.batch import (
+    Batching,
+    Chunk,
+    Rollouts,
+    TrainingSequences,
+    input_lengths,
+    length_chunks,
+    step_batch,
+    training_sequences,
+)
 from moetrain.rl.config import FusionOptions, GRPOConfig, RLOptions
 from moetrain.rl.fusion import Fusion, sample_generators
 from moetrain.rl.generate import Generation, RolloutEngine, SamplingParams
@@ -205,8 +214,19 @@ class RLTrainer(Trainer):
             self._pending.update(self.replay_diagnostics(sequences))
         old_logp_BS = self.proximal_logprobs(sequences)
         self.last_stats = StepStats.zeros(self.device, self.keep_logprobs)
-        return step_batch(sequences, self.options.grpo, self.cfg.micro_batch, self.last_stats, self.options.replay,
-                          ref_logp_BS, self.dp_rank, self.spec.parallel.dp, old_logp_BS)
+        return step_batch(sequences, self.options.grpo, self.batching, self.last_stats, self.options.replay,
+                          ref_logp_BS, old_logp_BS)
+
+    @property
+    def batching(self) -> Batching:
+        """The step's micro-batches: this rank's rows, cut to their longest sample in multiples of the
+        layout's sequence split (tp: sequence parallelism; RL refuses context parallelism)."""
+        parallel = self.spec.parallel
+        return Batching(self.cfg.micro_batch, parallel.tp, self.options.group_by_length, self.dp_rank, parallel.dp)
+
+    def forward_chunks(self, sequences: TrainingSequences) -> list[Chunk]:
+        """The chunks of this run's whole-model log-prob forwards (``forward_chunks``)."""
+        return forward_chunks(sequences, self.cfg.micro_batch, self.options.group_by_length)
 
     def proximal_logprobs(self, sequences: TrainingSequences) -> torch.Tensor | None:
         """π_old of the ratio when it is not the trained weights before the step (None: it is; the
@@ -229,18 +249,19 @@ class RLTrainer(Trainer):
         generation model, which holds the current weights whole (synced for this step)."""
         model = self.fusion.model if self.fusion is not None else self.run.stage.model
         start = time.perf_counter()
-        chosen, gaps = [], []
+        gaps = []
         recorder = RoutingRecorder(model)
-        with recorder:
-            for rows in _row_chunks(len(sequences.labels_BS), self.cfg.micro_batch):
-                ids, labels = sequences.input_ids_BS[rows].to(self.device), sequences.labels_BS[rows]
-                logp = policy_logprobs(model, ids, labels, self.options.grpo.temperature)
-                chosen.append(recorder.take(*ids.shape).cpu())
-                gap = (logp.cpu() - sequences.rollout_logp_BS[rows]).abs()
-                gaps.append(gap[labels != -100])
         record = sequences.expert_ids_BSMK
         assert record is not None
-        stats = routing_mismatch(record, torch.cat(chosen), sequences.input_ids_BS != self.tokenizer.pad_id)
+        chosen = torch.full_like(record, -1)  # positions after a chunk's longest row are padding: not compared
+        with recorder:
+            for chunk in self.forward_chunks(sequences):
+                ids, labels = chunk.cut(sequences.input_ids_BS).to(self.device), chunk.cut(sequences.labels_BS)
+                logp = policy_logprobs(model, ids, labels, self.options.grpo.temperature)
+                chosen[chunk.rows, : chunk.length] = recorder.take(*ids.shape).cpu()
+                gap = (logp.cpu() - chunk.cut(sequences.rollout_logp_BS)).abs()
+                gaps.append(gap[labels != -100])
+        stats = routing_mismatch(record, chosen, sequences.input_ids_BS != self.tokenizer.pad_id)
         gap = torch.cat(gaps)
         return {"replay_layer_mismatch": stats.layer_mismatch, "replay_token_mismatch": stats.token_mismatch,
                 "logp_gap_no_replay_mean": float(gap.mean()), "logp_gap_no_replay_max": float(gap.max()),
@@ -319,13 +340,22 @@ def sequence_logprobs(model: MoETransformer, sequences: TrainingSequences, optio
                       device: torch.device) -> torch.Tensor:
     """[B, S] log-probs of the samples' tokens under a whole ``model``, ``micro_batch`` rows at a time, with
     generation's experts when ``options.replay`` (a reference, a proximal policy: no gradient)."""
-    chunks = []
     replay = sequences.expert_ids_BSMK if options.replay else None
-    for rows in _row_chunks(len(sequences.labels_BS), micro_batch):
-        ids = sequences.input_ids_BS[rows].to(device)
-        record = None if replay is None else replay[rows].to(device)
-        chunks.append(policy_logprobs(model, ids, sequences.labels_BS[rows], options.grpo.temperature, record).cpu())
-    return torch.cat(chunks)
+    logp_BS = torch.zeros(sequences.labels_BS.shape)
+    for chunk in forward_chunks(sequences, micro_batch, options.group_by_length):
+        record = chunk.cut(replay)
+        logp = policy_logprobs(model, chunk.cut(sequences.input_ids_BS).to(device), chunk.cut(sequences.labels_BS),
+                               options.grpo.temperature, None if record is None else record.to(device))
+        logp_BS[chunk.rows, : chunk.length] = logp.cpu()
+    return logp_BS
+
+
+def forward_chunks(sequences: TrainingSequences, micro_batch: int, group_by_length: bool) -> list[Chunk]:
+    """The chunks of a whole model's forward over the samples (a log-prob forward): ``micro_batch`` rows,
+    each chunk cut to its longest sample (``batch.length_chunks``)."""
+    labels_BS = sequences.labels_BS
+    return length_chunks(input_lengths(labels_BS), range(len(labels_BS)), micro_batch, labels_BS.shape[1],
+                         group_by_length=group_by_length)
 
 
 def step_problems(task: Task, options: RLOptions, seed: int, step: int) -> list[Problem]:
@@ -360,10 +390,6 @@ def rollout_metrics(rollouts: Rollouts, group_size: int, current_version: int) -
         "weight_version": generation.weight_version,
         "staleness": current_version - generation.weight_version,
     }
-
-
-def _row_chunks(rows: int, size: int) -> list[slice]:
-    return [slice(start, start + size) for start in range(0, rows, size)]
 
 
 def rl_summary_table(rows: list[dict[str, Any]], title: str) -> Table:
