@@ -1,7 +1,7 @@
 """Micro-batches of an RL step: cut to their longest sample, grouped by length, the same in every layout."""
 
 import torch
-from tests.rl.rl_models import small_model
+from rl_models import small_model
 
 from moetrain.rl.batch import Batching, TrainingSequences, input_lengths, length_chunks, step_batch
 from moetrain.rl.config import GRPOConfig
