@@ -398,7 +398,8 @@ def colocated_rows(measured: dict, calibration: Calibration, host: HostCosts, ca
     for variant in measured["variants"]:
         parallel = layouts[variant["train_layout"]]
         max_new = task.max_answer_chars + 2  # RLOptions' default; the untrained policy never stops early
-        seq_len = -(-sequence_len_for(task, max_new) // parallel.tp) * parallel.tp
+        seq_len = trained_len(variant.get("trained_tokens_per_step"), batch, sequence_len_for(task, max_new),
+                              parallel.tp)
         # replay_stats_every = 1 (the default): one more forward over the samples per step
         # the replay diagnostics forward runs on the generation model, whole on every rank
         workload = RLWorkload(model, cluster, config["prompts"], config["group_size"], task.max_prompt_chars + 1,
@@ -492,6 +493,17 @@ def stalesync_decode_steps(config: dict) -> tuple[list[int], list[float]]:
     return longest, running
 
 
+def trained_len(tokens_per_step: float | None, samples: int, padded: int, granule: int = 1) -> int:
+    """Positions per trained sequence, as the trainer computed them: its micro-batches are cut to their
+    longest sample (``rl.batch.length_chunks``), so a step computes ``tokens_per_step`` of them (what the run
+    recorded: its rows' ``tokens``) over its samples, rounded up to the layout's split; ``padded`` where
+    the run did not record it (a run before the cut)."""
+    full = -(-padded // granule) * granule
+    if not tokens_per_step:
+        return full
+    return min(-(-round(tokens_per_step / samples) // granule) * granule, full)
+
+
 def stalesync_rows(measured: dict, calibration: Calibration, host: HostCosts, longest: list[int],
                    capacity: float, thread_capacity: float, sync_rates: dict,
                    running: list[float] | None = None) -> list[dict]:
@@ -515,16 +527,18 @@ def stalesync_rows(measured: dict, calibration: Calibration, host: HostCosts, lo
         completion = run["steady_tokens"] / (steps * batch)
         workload = RLWorkload(model, load_cluster_config("cpu"), config["prompts"], config["group_size"],
                               task.max_prompt_chars + 1, decode_steps, "fp32",
-                              train_seq_len=sequence_len_for(task, config["max_new_tokens"]),
+                              train_seq_len=trained_len(run.get("trained_tokens_per_step"), batch,
+                                                        sequence_len_for(task, config["max_new_tokens"])),
                               completion_len=completion, decode_running_share=share)
+        micro = ParallelConfig(micro_batch=config.get("micro_batch", batch))
         if run.get("placement", "disaggregated") == "colocated":
             # one process: its generating thread and its training thread share the thread capacity; the
             # reshard is a local copy (and check) of the weights into the generation model
-            layout = RLLayout("colocated", 1, ParallelConfig(micro_batch=batch), staleness=run["staleness"],
+            layout = RLLayout("colocated", 1, micro, staleness=run["staleness"],
                               shared_cores=thread_capacity, sync_bucket_bytes=bucket)
             name = f"colocated k={run['staleness']} (one process, two threads)"
         else:
-            layout = RLLayout("disaggregated", 2, ParallelConfig(micro_batch=batch), rollout_devices=1,
+            layout = RLLayout("disaggregated", 2, micro, rollout_devices=1,
                               staleness=run["staleness"], shared_cores=capacity, sync_bucket_bytes=bucket)
             name = f"disaggregated k={run['staleness']}"
         predicted = price_rl_step(workload, layout, calibration, host, shared_sync(sync_rates, 1.0, 4))

@@ -68,6 +68,9 @@ class RunResult:
     """Medians over the steady steps of the trainer's rows: ``batch`` (waiting for and building the batch),
     ``train_step`` (forward, backward, optimizer), ``after_step`` (statistics, the push's packing); and
     ``generate``, the batch's generation on the rollout side (on the second thread when colocated)."""
+    trained_tokens_per_step: float
+    """Mean over the steady steps of the positions the trainer computed (its micro-batches, each cut to its
+    longest sample: ``rl.batch.length_chunks``)."""
 
 
 def warm_up(task: str, model_cfg, seq_len: int, steps: int, seed: int) -> dict[str, torch.Tensor]:
@@ -104,7 +107,8 @@ def run(job: StaleSyncJob) -> RunResult:
     return RunResult(job.stale.staleness, job.stale.placement, tokens / seconds, tokens, seconds, wall,
                      steps[-1]["heldout_accuracy"], sum(r["reward"] for r in steps) / len(steps),
                      sum(r["staleness_mean"] for r in steps) / len(steps), max(r["staleness_max"] for r in steps),
-                     steps[-1]["dropped_samples"], [r["reward"] for r in steps], medians)
+                     steps[-1]["dropped_samples"], [r["reward"] for r in steps], medians,
+                     statistics.mean(r["tokens"] for r in steady))
 
 
 def plot(results: list[RunResult], path: Path) -> None:
@@ -139,6 +143,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--micro-batch", type=int, default=64,
+                        help="samples per forward/backward of the trainer: grouped by length, each cut to its "
+                             "longest (64: two micro-batches of the 128 samples)")
     parser.add_argument("--eval-size", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=2, help="runs of each k; the fastest is reported")
@@ -161,7 +168,7 @@ def main() -> None:
                         max_new_tokens=args.max_new_tokens, eval_every=0, eval_size=args.eval_size,
                         replay_stats_every=0)
     batch = args.prompts * args.group_size
-    cfg = TrainingConfig(steps=args.steps, global_batch=batch, micro_batch=batch, seq_len=seq_len, lr=3e-4,
+    cfg = TrainingConfig(steps=args.steps, global_batch=batch, micro_batch=args.micro_batch, seq_len=seq_len, lr=3e-4,
                          warmup_steps=0, seed=args.seed)
     spec = RunSpec(training=cfg, run={"device": "cpu", "cluster": "cpu", "quiet": True, "compile": args.compile})
     kinds = {"k0": StaleSyncOptions(staleness=0), "k1": StaleSyncOptions(staleness=1),
@@ -186,7 +193,7 @@ def main() -> None:
         "figure": figure.as_posix(), "cpu_count": os.cpu_count(), "sft_warm_up_s": sft_s,
         "workload": {"model": "tiny-pangu, 4 layers, no MTP", "task": args.task, "steps": args.steps,
                      "sft_steps": args.sft_steps, "threads_per_process": 1, "prompts": args.prompts,
-                     "group_size": args.group_size,
+                     "group_size": args.group_size, "micro_batch": args.micro_batch,
                      "max_new_tokens": args.max_new_tokens, "eval_size": args.eval_size, "seed": args.seed,
                      "trainer_compiled": args.compile},
         "tokens_per_s_means": "trained completion tokens / trainer step time, steps 2..N-1 (no fill, no final eval)",

@@ -102,6 +102,7 @@ def _bench(rank: int, world_size: int, args: argparse.Namespace) -> list[dict]:
             "sync_mib_sent": round(mean("sync_mib"), 2), "sync_buckets": measured[0]["sync_buckets"],
             "sync_checksums_verified": measured[0]["sync_checksums_verified"],
             "train_step_s": round(step - switch, 4),
+            "trained_tokens_per_step": mean("tokens"),
             "step_phase_s": step_phases(measured),
         })
     return results
