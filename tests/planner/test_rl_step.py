@@ -221,6 +221,23 @@ def test_cli_errors_are_one_line_exit_2(capsys: pytest.CaptureFixture[str], extr
     assert "\n" not in err and expected in err
 
 
+def test_cli_completion_length_prices_the_trained_positions_it_leaves(capsys: pytest.CaptureFixture[str]):
+    """Samples that stop early: the head on their completions, the step on prompt + their mean length."""
+    assert main([*TINY_RL, "--placement", "disaggregated", "--json"]) == 0
+    padded = json.loads(capsys.readouterr().out)["predictions"][0]["phases_s"]
+    assert main([*TINY_RL, "--placement", "disaggregated", "--completion-len", "4", "--json"]) == 0
+    short = json.loads(capsys.readouterr().out)["predictions"][0]["phases_s"]
+    # the same step on 128 samples of 16 + 4 positions: what --response-len 4 prices for training
+    at = TINY_RL.index("--response-len")
+    assert main([*TINY_RL[:at], "--response-len", "4", *TINY_RL[at + 2:], "--placement", "disaggregated",
+                 "--json"]) == 0
+    four = json.loads(capsys.readouterr().out)["predictions"][0]["phases_s"]
+    assert short["train_s"] == pytest.approx(four["train_s"]) and short["train_s"] < padded["train_s"]
+    assert short["generate_s"] == pytest.approx(padded["generate_s"])  # generation still runs to the limit
+    assert main([*TINY_RL, "--completion-len", "9"]) == 2
+    assert "--completion-len 9 must be in (0, --response-len 8]" in capsys.readouterr().err
+
+
 def test_cli_needs_the_response_length(capsys: pytest.CaptureFixture[str]):
     at = TINY_RL.index("--response-len")
     argv = TINY_RL[:at] + TINY_RL[at + 2:]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import asdict
 
 from moetrain.errors import UserError
@@ -26,6 +27,10 @@ def add_rl_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--group-size", type=int, default=8, help="samples per prompt, G (8)")
     g.add_argument("--prompt-len", type=int, help="prompt tokens per sample")
     g.add_argument("--response-len", type=int, help="generated tokens per sample (the batch's longest answers)")
+    g.add_argument("--completion-len", type=float,
+                   help="mean generated tokens per sample, where samples stop early: the trainer's head runs on "
+                        "them, and its micro-batches, grouped by length and cut to their longest (moetrain rl's "
+                        "default), hold about prompt + this many positions per sample (default: --response-len)")
     g.add_argument("--rollout-devices", type=int,
                    help="disaggregated: devices that generate; the rest train (default: half)")
     g.add_argument("--gen-ep", type=int, default=1,
@@ -50,6 +55,9 @@ def _check(args: argparse.Namespace) -> None:
     for flag in ("prompts", "group_size", "prompt_len", "response_len", "gen_ep", "devices"):
         if getattr(args, flag) <= 0:
             raise UserError(f"--{flag.replace('_', '-')} must be positive (got {getattr(args, flag)})")
+    if args.completion_len is not None and not 0 < args.completion_len <= args.response_len:
+        raise UserError(f"--completion-len {args.completion_len:g} must be in (0, --response-len {args.response_len}]: "
+                        "the mean of the samples' generated tokens")
     for flag in ("staleness", "logprob_forwards", "reward_s"):
         if getattr(args, flag) < 0:
             raise UserError(f"--{flag.replace('_', '-')} cannot be negative (got {getattr(args, flag)})")
@@ -95,8 +103,10 @@ def simulate_rl(args: argparse.Namespace) -> dict:
     args.seq_len = args.prompt_len + args.response_len
     args.global_batch = args.prompts * args.group_size
     base, calibration = build_workload(args)
+    trained = None if args.completion_len is None else args.prompt_len + math.ceil(args.completion_len)
     workload = RLWorkload(base.model, base.cluster, args.prompts, args.group_size, args.prompt_len,
-                          args.response_len, base.precision, args.logprob_forwards, args.reward_s)
+                          args.response_len, base.precision, args.logprob_forwards, args.reward_s,
+                          train_seq_len=trained, completion_len=args.completion_len)
     host = HostCosts(moe_pass_us=0.0 if args.graphs else None)
     predictions = [price_rl_step(workload, layout, calibration, host) for layout in _layouts(args, workload)]
     rows = [{**{k: v for k, v in asdict(p).items() if k != "phases"}, "phases_s": asdict(p.phases)}
@@ -104,7 +114,8 @@ def simulate_rl(args: argparse.Namespace) -> dict:
     return {
         "model": base.model.name, "cluster": base.cluster.name, "devices": args.devices,
         "prompts": args.prompts, "group_size": args.group_size, "prompt_len": args.prompt_len,
-        "response_len": args.response_len, "precision": base.precision, "graphs": args.graphs,
+        "response_len": args.response_len, "completion_len": args.completion_len, "precision": base.precision,
+        "graphs": args.graphs,
         "training_layout": _layouts_text(args),
         "predictions": rows,
         "faster": min(rows, key=lambda r: r["step_s"])["placement"],
