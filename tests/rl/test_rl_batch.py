@@ -1,5 +1,6 @@
 """Micro-batches of an RL step: cut to their longest sample, grouped by length, the same in every layout."""
 
+import pytest
 import torch
 from rl_models import small_model
 
@@ -52,6 +53,8 @@ def test_every_layout_trains_the_one_process_runs_micro_batches():
     assert [[c.rows.tolist() for c in rank] for rank in ranks] == [[[5, 1], [0, 7]], [[3, 6], [2, 4]]]
     ungrouped = Batching(micro_batch=2, group_by_length=False, dp_rank=1, dp_size=2).chunks(labels)
     assert [c.rows.tolist() for c in ungrouped] == [[4, 5], [6, 7]]  # the rank's block, as before
+    with pytest.raises(ValueError, match="3 micro-batches of 2 do not deal evenly to 2 data-parallel ranks"):
+        Batching(micro_batch=2, dp_size=2).chunks(labels[:6])
 
 
 def test_a_cut_micro_batch_scores_its_tokens_as_the_padded_rows_do():

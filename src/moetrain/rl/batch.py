@@ -10,10 +10,10 @@ sequence's, so it is cut (or padded with -1) to ``seq_len`` as it is.
 No forward computes the padding after a chunk's longest sample (``length_chunks``): each micro-batch, and
 each chunk of a log-prob forward, is cut to its longest sample's inputs (rounded up to what the layout
 splits), and with ``group_by_length`` the rows are taken shortest first, so that rows of like length
-share a micro-batch (``Batching.chunks``). Attention is causal and routing per token, so a kept position's output is
-the same as in the padded row; what changes is the router's balance statistics, which no longer count
-the cut padding. The loss is GRPO's token-level sum over the global normaliser, so neither the cut nor
-the grouping changes it beyond rounding.
+share a micro-batch (``Batching.chunks``). Attention is causal and routing per token, so a kept
+position's output is the same as in the padded row; what changes is the router's balance statistics,
+which no longer count the cut padding. The loss is GRPO's token-level sum over the global normaliser,
+so neither the cut nor the grouping changes it beyond rounding.
 
 Legend: B samples, S sequence slots, N generated slots, M decoder MoE layers, K top-k.
 """
@@ -105,9 +105,9 @@ def input_lengths(labels_BS: torch.Tensor) -> torch.Tensor:
 def length_chunks(lengths_B: torch.Tensor, rows: range, size: int, seq_len: int, granule: int = 1,
                   group_by_length: bool = False) -> list[Chunk]:
     """``rows`` of a batch of ``seq_len`` positions in chunks of ``size``, each cut to its longest row
-    rounded up to a multiple of ``granule`` (what the layout splits a sequence into: tp with sequence
-    parallelism; ``seq_len`` is one); rows shortest first when ``group_by_length`` (a stable sort: ties
-    keep their order)."""
+    rounded up to a multiple of ``granule`` (the parts the layout splits a sequence into: tp with sequence
+    parallelism; ``seq_len`` is a multiple of it), at most ``seq_len``; rows shortest first when
+    ``group_by_length`` (a stable sort: ties keep their order)."""
     index = torch.tensor(list(rows), dtype=torch.long)
     if group_by_length:
         index = index[torch.sort(lengths_B[index], stable=True).indices]
@@ -141,6 +141,9 @@ class Batching:
         lengths_B = input_lengths(labels_BS)
         if self.group_by_length:
             every = length_chunks(lengths_B, range(batch), self.micro_batch, seq_len, self.granule, True)
+            if len(every) % self.dp_size:  # the ranks step through their micro-batches together (EP, PP)
+                raise ValueError(f"{len(every)} micro-batches of {self.micro_batch} do not deal evenly to "
+                                 f"{self.dp_size} data-parallel ranks")
             return every[rank::self.dp_size]
         per_rank = batch // self.dp_size
         return length_chunks(lengths_B, range(rank * per_rank, (rank + 1) * per_rank), self.micro_batch, seq_len,

@@ -44,8 +44,9 @@ class RLOptions(BaseModel):
     replay_stats_every: int = Field(default=1, ge=0)
     """Every this many steps, one extra forward without replay measures the routing mismatch (0: never)."""
     group_by_length: bool = True
-    """Micro-batches of rows of like length (shortest first within each rank's rows): each is cut to its
-    longest sample, so the shorter ones compute less padding (``rl.batch.length_chunks``)."""
+    """Micro-batches of samples of like length (the step's samples shortest first, the micro-batches dealt
+    to the data-parallel ranks in turn); each micro-batch is cut to its longest sample either way, so the
+    shorter ones compute less padding (``rl.batch.Batching``)."""
     eval_every: int = Field(default=10, ge=0)
     """Held-out accuracy every this many steps (0: only at the end); always before the first step."""
     eval_size: int = Field(default=256, gt=0)
