@@ -93,7 +93,7 @@ class Chunk:
 
     def cut(self, t_BS: torch.Tensor | None) -> torch.Tensor | None:
         """``t_BS``'s chunk: its rows, its first ``length`` positions."""
-        return None if t_BS is None else t_BS.index_select(0, self.rows)[:, : self.length]
+        return None if t_BS is None else t_BS[:, : self.length].index_select(0, self.rows)
 
 
 def input_lengths(labels_BS: torch.Tensor) -> torch.Tensor:
@@ -130,13 +130,12 @@ class Batching:
     dp_rank: int = 0
     dp_size: int = 1
 
-    def chunks(self, labels_BS: torch.Tensor, dp_rank: int | None = None) -> list[Chunk]:
-        """Data-parallel rank ``dp_rank``'s micro-batches (this rank's by default). Grouped by length: the
-        global batch's rows shortest first, in micro-batches dealt to the ranks in turn, so that every
-        layout trains the micro-batches of the one-process run (the same rows together: the router's
-        balance statistics are per micro-batch) and the ranks get like lengths. Otherwise its block of
-        rows, as ``PackedDataset`` splits them."""
-        rank = self.dp_rank if dp_rank is None else dp_rank
+    def deal(self, labels_BS: torch.Tensor) -> list[list[Chunk]]:
+        """Every data-parallel rank's micro-batches. Grouped by length: the global batch's rows shortest
+        first, in micro-batches dealt to the ranks in turn, so that every layout trains the micro-batches
+        of the one-process run (the same rows together: the router's balance statistics are per
+        micro-batch) and the ranks get like lengths. Otherwise each rank's block of rows, as
+        ``PackedDataset`` splits them."""
         batch, seq_len = labels_BS.shape
         lengths_B = input_lengths(labels_BS)
         if self.group_by_length:
@@ -144,10 +143,14 @@ class Batching:
             if len(every) % self.dp_size:  # the ranks step through their micro-batches together (EP, PP)
                 raise ValueError(f"{len(every)} micro-batches of {self.micro_batch} do not deal evenly to "
                                  f"{self.dp_size} data-parallel ranks")
-            return every[rank::self.dp_size]
+            return [every[rank::self.dp_size] for rank in range(self.dp_size)]
         per_rank = batch // self.dp_size
-        return length_chunks(lengths_B, range(rank * per_rank, (rank + 1) * per_rank), self.micro_batch, seq_len,
-                             self.granule)
+        return [length_chunks(lengths_B, range(rank * per_rank, (rank + 1) * per_rank), self.micro_batch, seq_len,
+                              self.granule) for rank in range(self.dp_size)]
+
+    def chunks(self, labels_BS: torch.Tensor) -> list[Chunk]:
+        """This rank's micro-batches (``deal``)."""
+        return self.deal(labels_BS)[self.dp_rank]
 
 
 def step_batch(sequences: TrainingSequences, cfg: GRPOConfig, batching: Batching, stats: StepStats,
@@ -157,16 +160,15 @@ def step_batch(sequences: TrainingSequences, cfg: GRPOConfig, batching: Batching
     ratio (the decoupled loss's proximal policy), None: the trained weights. The step's token count is
     what every rank computes, padding within a micro-batch included."""
     labels_BS = sequences.labels_BS
+    record = sequences.expert_ids_BSMK if replay else None
+    dealt = batching.deal(labels_BS)
     micro_batches = []
-    for chunk in batching.chunks(labels_BS):
+    for chunk in dealt[batching.dp_rank]:
         labels = chunk.cut(labels_BS)
         objective = PolicyObjective.of_rows(labels, chunk.cut(sequences.rollout_logp_BS),
                                             chunk.cut(sequences.advantages_BS), cfg, stats,
                                             chunk.cut(ref_logp_BS), chunk.cut(old_logp_BS))
-        record = sequences.expert_ids_BSMK
         micro_batches.append(MicroBatch(chunk.cut(sequences.input_ids_BS), labels, None,
-                                        int((labels != IGNORE_INDEX).sum()), objective,
-                                        chunk.cut(record) if replay and record is not None else None))
-    computed = sum(len(c.rows) * c.length for rank in range(batching.dp_size)
-                   for c in batching.chunks(labels_BS, rank))
+                                        int((labels != IGNORE_INDEX).sum()), objective, chunk.cut(record)))
+    computed = sum(len(chunk.rows) * chunk.length for chunks in dealt for chunk in chunks)
     return StepBatch(micro_batches, int((labels_BS != IGNORE_INDEX).sum()), computed)

@@ -41,8 +41,6 @@ from moetrain.rl.batch import (
     Chunk,
     Rollouts,
     TrainingSequences,
-    input_lengths,
-    length_chunks,
     step_batch,
     training_sequences,
 )
@@ -224,9 +222,6 @@ class RLTrainer(Trainer):
         parallel = self.spec.parallel
         return Batching(self.cfg.micro_batch, parallel.tp, self.options.group_by_length, self.dp_rank, parallel.dp)
 
-    def forward_chunks(self, sequences: TrainingSequences) -> list[Chunk]:
-        """The chunks of this run's whole-model log-prob forwards (``forward_chunks``)."""
-        return forward_chunks(sequences, self.cfg.micro_batch, self.options.group_by_length)
 
     def proximal_logprobs(self, sequences: TrainingSequences) -> torch.Tensor | None:
         """π_old of the ratio when it is not the trained weights before the step (None: it is; the
@@ -255,7 +250,7 @@ class RLTrainer(Trainer):
         assert record is not None
         chosen = torch.full_like(record, -1)  # positions after a chunk's longest row are padding: not compared
         with recorder:
-            for chunk in self.forward_chunks(sequences):
+            for chunk in forward_chunks(sequences, self.cfg.micro_batch, self.options.group_by_length):
                 ids, labels = chunk.cut(sequences.input_ids_BS).to(self.device), chunk.cut(sequences.labels_BS)
                 logp = policy_logprobs(model, ids, labels, self.options.grpo.temperature)
                 chosen[chunk.rows, : chunk.length] = recorder.take(*ids.shape).cpu()
@@ -351,11 +346,9 @@ def sequence_logprobs(model: MoETransformer, sequences: TrainingSequences, optio
 
 
 def forward_chunks(sequences: TrainingSequences, micro_batch: int, group_by_length: bool) -> list[Chunk]:
-    """The chunks of a whole model's forward over the samples (a log-prob forward): ``micro_batch`` rows,
-    each chunk cut to its longest sample (``batch.length_chunks``)."""
-    labels_BS = sequences.labels_BS
-    return length_chunks(input_lengths(labels_BS), range(len(labels_BS)), micro_batch, labels_BS.shape[1],
-                         group_by_length=group_by_length)
+    """The chunks of a whole model's forward over all the samples (a log-prob forward): the micro-batches
+    of the one-process run (``Batching``: ``micro_batch`` rows, each chunk cut to its longest sample)."""
+    return Batching(micro_batch, group_by_length=group_by_length).chunks(sequences.labels_BS)
 
 
 def step_problems(task: Task, options: RLOptions, seed: int, step: int) -> list[Problem]:
