@@ -1,7 +1,9 @@
 """``moetrain simulate --rl`` against the measured CPU RL steps, for both placements.
 
 The prediction comes from this CPU's measured rates and the planner's formulas, never from the RL step
-times: ``moetrain profile`` (GEMM rate and per-call cost, attention, memory bandwidth, MoE pass cost) plus
+times: ``moetrain profile`` of the runs' policy (GEMM rate and per-call cost, attention, memory bandwidth,
+MoE pass cost, and the time of the policy's forward + backward and optimizer step at a 16-token batch,
+whose excess over the device work priced for it adds to every layer pass of training on a CPU) plus
 three probes of the eager generation loop that the profile does not cover (``HostCosts``): the time of one
 decoder layer's forward of the runtime's model on one token (the host floor of a layer pass: Python,
 dispatcher, small kernels), the sampler's time per logit, and the rollout engine's own work per decode
@@ -73,6 +75,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
+import yaml
 from _record import write_result
 
 from moetrain.config import ParallelConfig, load_cluster_config, load_model_config
@@ -111,16 +114,23 @@ def _best_time(fn, repeats: int) -> float:
     return min(times)
 
 
-def profile(repeats: int) -> list[Calibration]:
-    """``moetrain profile`` on this CPU, one thread (the runs' threads per rank), ``PROFILES`` times, the
-    least disturbed first."""
+def policy_model(num_layers: int):
+    """The runs' policy: tiny-pangu without MTP, with ``num_layers`` layers (StaleSync 4, rl_switch 8)."""
+    return policy_config(load_model_config("tiny-pangu")).model_copy(update={"num_layers": num_layers})
+
+
+def profile(repeats: int, num_layers: int) -> list[Calibration]:
+    """``moetrain profile`` on this CPU, one thread (the runs' threads per rank), of the runs' policy with
+    ``num_layers`` layers (its host time per layer pass and per optimizer step are that model's), ``PROFILES``
+    times, the least disturbed first."""
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "cpu.yaml"
+        out, model = Path(tmp) / "cpu.yaml", Path(tmp) / "policy.yaml"
+        model.write_text(yaml.safe_dump(policy_model(num_layers).model_dump(mode="json")))
         for _ in range(PROFILES):
             subprocess.run([sys.executable, "-m", "moetrain", "profile", "--cluster", "cpu", "--device", "cpu",
-                            "--threads", "1", "--repeats", str(repeats), "--out", str(out)], check=True,
-                           capture_output=True)
+                            "--model", str(model), "--threads", "1", "--repeats", str(repeats), "--out", str(out)],
+                           check=True, capture_output=True)
             runs.append(load_calibration(out))
     return sorted(runs, key=lambda run: -run.per_arch["cpu"]["gemm_max"])
 
@@ -134,7 +144,7 @@ ENGINE_PROBE_STEPS = 8
 def host_probe(num_layers: int, repeats: int) -> HostCosts:
     """Per-layer forward of the runtime's model on one token, the sampler's time per logit, and the
     generation engine's own work per decode step (``engine_probe``), each the fastest of its repeats."""
-    model_cfg = policy_config(load_model_config("tiny-pangu")).model_copy(update={"num_layers": num_layers})
+    model_cfg = policy_model(num_layers)
     model = build_model(model_cfg, torch.device("cpu"), seed=0).eval().requires_grad_(False)
     ids = torch.zeros(1, 1, dtype=torch.long)
     with torch.no_grad():
@@ -193,7 +203,7 @@ def _forward_step(work: tuple[int, int], seed: int = 0):
     """The runtime's eager forward of the run's model (``work`` = (layers, rows)) on CAPACITY_TOKENS tokens
     per row, as a call."""
     layers, rows = work
-    model_cfg = policy_config(load_model_config("tiny-pangu")).model_copy(update={"num_layers": layers})
+    model_cfg = policy_model(layers)
     model = build_model(model_cfg, torch.device("cpu"), seed=seed).eval().requires_grad_(False)
     ids = torch.zeros(rows, CAPACITY_TOKENS, dtype=torch.long)
     return lambda: model(ids)
@@ -287,7 +297,9 @@ def shared_cores(calibration: Calibration, host: HostCosts, slow: float) -> tupl
         return calibration, host
     eff = calibration.for_device("cpu")
     cpu = {"gemm_max": eff.gemm_max / slow, "attention": eff.attention / slow, "memory": eff.memory / slow,
-           "gemm_overhead_us": eff.gemm_overhead_us * slow, "moe_overhead_us": eff.moe_overhead_us * slow}
+           "gemm_overhead_us": eff.gemm_overhead_us * slow, "moe_overhead_us": eff.moe_overhead_us * slow,
+           "host_layer_us": eff.host_layer_us * slow, "host_optimizer_ms": eff.host_optimizer_ms * slow,
+           "host_probe_tokens": eff.host_probe_tokens}
     scaled = replace(calibration, per_arch={**calibration.per_arch, "cpu": cpu}, held_out_fits={})
     return scaled, replace(host, layer_forward_us=host.layer_forward_us * slow,
                            sample_ns_per_logit=host.sample_ns_per_logit * slow,
@@ -362,11 +374,8 @@ def sync_probes(repeats: int) -> dict:
     """The weight sync's rates on one core: one buffer's copy and CRC-32 (``profile_sync_rates``) and the
     whole sync of rl_switch's 8-layer and rl_stalesync's 4-layer policy in one process
     (``profile_weight_sync``: per-box work included)."""
-    policy = policy_config(load_model_config("tiny-pangu"))
     return {**profile_sync_rates(repeats),
-            **{f"whole_sync_{layers}_layers": profile_weight_sync(policy.model_copy(update={"num_layers": layers}),
-                                                                   repeats)
-               for layers in (8, 4)}}
+            **{f"whole_sync_{layers}_layers": profile_weight_sync(policy_model(layers), repeats) for layers in (8, 4)}}
 
 
 def colocated_rows(measured: dict, calibration: Calibration, host: HostCosts, capacity: float, link: LinkFit,
@@ -473,7 +482,7 @@ def stalesync_decode_steps(config: dict) -> tuple[list[int], list[float]]:
     from moetrain.rl.tokenizer import CharTokenizer
 
     task, tokenizer = get_task(config["task"]), CharTokenizer()
-    model_cfg = policy_config(load_model_config("tiny-pangu")).model_copy(update={"num_layers": 4})
+    model_cfg = policy_model(4)
     initial = warm_up(config["task"], model_cfg, sequence_len_for(task, config["max_new_tokens"]),
                       config["sft_steps"], config["seed"])
     model = build_model(model_cfg, torch.device("cpu"), seed=0)
@@ -515,7 +524,7 @@ def stalesync_rows(measured: dict, calibration: Calibration, host: HostCosts, lo
     own core). The link stays the preset's (two processes: not probed)."""
     config = measured["workload"]
     task = get_task(config["task"])
-    model = policy_config(load_model_config("tiny-pangu")).model_copy(update={"num_layers": 4})
+    model = policy_model(4)
     batch = config["prompts"] * config["group_size"]
     decode_steps = round(statistics.mean(longest))
     share = statistics.mean(running) if running else 1.0
@@ -553,8 +562,9 @@ def stalesync_rows(measured: dict, calibration: Calibration, host: HostCosts, lo
 class Rates:
     """Everything measured on this machine that the predictions use."""
 
-    calibrations: list[Calibration]
-    """The profiles, the least disturbed first."""
+    calibrations: dict[int, list[Calibration]]
+    """The profiles of the policy by its number of layers (StaleSync runs 4, rl_switch 8), the least
+    disturbed first."""
     hosts: dict[int, HostCosts]
     """By the model's number of layers (StaleSync runs 4, rl_switch 8)."""
     capacity: dict[int, float]
@@ -586,20 +596,21 @@ class Rates:
 def compare(switch: dict, switch_2_ranks: dict, stalesync: dict, rates: Rates) -> dict:
     """Predicted against measured for rl_switch.py's results (4 and 2 ranks) and an rl_stalesync.py result,
     under every profile."""
-    def predict(calibration: Calibration) -> list[dict]:
-        return (colocated_rows(switch, calibration, rates.hosts[8], rates.capacity[4], rates.link, rates.sync)
-                + colocated_rows(switch_2_ranks, calibration, rates.hosts[8], rates.switch_2_ranks_capacity,
+    def predict(index: int) -> list[dict]:
+        eight, four = rates.calibrations[8][index], rates.calibrations[4][index]
+        return (colocated_rows(switch, eight, rates.hosts[8], rates.capacity[4], rates.link, rates.sync)
+                + colocated_rows(switch_2_ranks, eight, rates.hosts[8], rates.switch_2_ranks_capacity,
                                  rates.link_2_ranks, rates.sync)
-                + stalesync_rows(stalesync, calibration, rates.hosts[4], rates.longest, rates.capacity[2],
+                + stalesync_rows(stalesync, four, rates.hosts[4], rates.longest, rates.capacity[2],
                                  rates.thread_capacity, rates.sync, list(rates.running)))
 
-    per_profile = [predict(c) for c in rates.calibrations]
+    per_profile = [predict(i) for i in range(PROFILES)]
     rows = per_profile[0]
     for i, row in enumerate(rows):
         # how far the prediction moves with the machine's load: the same row under every profile
         row["predicted_step_s_per_profile"] = [p[i]["predicted_step_s"] for p in per_profile]
         print(f"{row['run']:44s} predicted {row['predicted_step_s']:7.3f} s  measured {row['measured_step_s']:7.3f} s"
-              f"  ({row['error_pct']:+.1f} %; under the {len(rates.calibrations)} profiles "
+              f"  ({row['error_pct']:+.1f} %; under the {PROFILES} profiles "
               + ", ".join(f"{v:.3f}" for v in row["predicted_step_s_per_profile"]) + " s)")
     for row in rows:
         if row.get("phases"):
@@ -646,7 +657,8 @@ def main() -> None:
     longest, running = stalesync_decode_steps(stalesync["workload"])
     print(f"StaleSync batches' longest samples: {longest} tokens (mean {statistics.mean(longest):.1f}); rows "
           f"running per decode step: {statistics.mean(running):.2f} of each batch")
-    rates = Rates(profile(args.repeats), {layers: host_probe(layers, args.repeats) for layers in (4, 8)},
+    rates = Rates({layers: profile(args.repeats, layers) for layers in (4, 8)},
+                  {layers: host_probe(layers, args.repeats) for layers in (4, 8)},
                   {n: core_capacity(n, work=CAPACITY_WORK[n]) for n in (2, 4)},
                   threads_capacity(CAPACITY_WORK[2]), longest,
                   profile_collectives(COLOCATED_RANKS), sync_probes(args.repeats),
@@ -675,8 +687,10 @@ def main() -> None:
                                 **compare(*again, rates)}
     write_result(args.out, {
         **result,
-        "rates": {"cpu_efficiency": rates.calibrations[0].for_device("cpu").as_dict(),
-                  "profiles": [c.per_arch["cpu"] for c in rates.calibrations],
+        "rates": {"cpu_efficiency": {f"policy_{layers}_layers": runs[0].for_device("cpu").as_dict()
+                                     for layers, runs in rates.calibrations.items()},
+                  "profiles": {f"policy_{layers}_layers": [c.per_arch["cpu"] for c in runs]
+                               for layers, runs in rates.calibrations.items()},
                   "host_4_layers": asdict(rates.hosts[4]), "host_8_layers": asdict(rates.hosts[8]),
                   "cpu_count": os.cpu_count(), "core_capacity_2_processes": rates.capacity[2],
                   "core_capacity_4_processes": rates.capacity[4],

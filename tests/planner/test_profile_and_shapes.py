@@ -21,6 +21,8 @@ def test_profile_writes_a_loadable_calibration(tmp_path: Path, capsys: pytest.Ca
                  "--out", str(out)]) == 0
     measured = load_calibration(out).for_device("cpu")
     assert measured.gemm_max > 0 and measured.attention > 0 and measured.memory > 0
+    # the runtime model's host time at a tiny batch, which on a CPU adds to every layer pass
+    assert measured.host_layer_us > 0 and measured.host_optimizer_ms > 0 and measured.host_probe_tokens == 16
     capsys.readouterr()
     assert main(["simulate", "--model", "tiny-pangu", "--cluster", "cpu", "--devices", "1", "--seq-len", "128",
                  "--global-batch", "16", "--micro-batch", "4", "--precision", "fp32", "--calibration", str(out),
@@ -81,3 +83,36 @@ def test_host_floor_bounds_each_layer_pass_and_the_optimizer() -> None:
     # The wait is everything the host adds to the device-bound step.
     assert float(out.host_wait_s[0]) == pytest.approx(float(out.step_time_s[0] - base.step_time_s[0]),
                                                          rel=1e-9)
+
+
+def test_on_a_cpu_the_host_time_adds_beyond_the_probe_work() -> None:
+    """Where the host is the device (a CPU), the measured host time of a layer pass is not a floor: what it
+    has beyond the device work priced at its own tokens adds to every pass, however large the pass."""
+    from dataclasses import replace
+
+    import numpy as np
+
+    from moetrain.config import ParallelConfig, load_cluster_config
+    from moetrain.planner.costmodel import evaluate
+    from moetrain.planner.strategy import Strategies
+    from moetrain.planner.workload import Workload
+
+    model = load_model_config("tiny-pangu")
+    cpu = load_cluster_config("cpu")
+    assert cpu.host_is_device and not load_cluster_config("h100-sxm-80gb").host_is_device
+    # seq 512: each pass's device work is far above 10 ms, where a GPU's floor would add nothing
+    workload = Workload(model, cpu, seq_len=512, global_batch=16, precision="fp32")
+    strategy = Strategies.from_parallel([ParallelConfig(micro_batch=4)])
+    device_only = load_calibration().for_device("cpu")
+    base = evaluate(workload, strategy, device_only)
+    measured = replace(device_only, host_layer_us=10_000.0, host_probe_tokens=16.0)
+    slower = replace(measured, host_layer_us=11_000.0)
+    out, slow = evaluate(workload, strategy, measured), evaluate(workload, strategy, slower)
+    num_micro, layer_passes = 16 // 4, model.num_layers + model.num_mtp_layers
+    np.testing.assert_allclose(slow.step_time_s - out.step_time_s, num_micro * layer_passes * 1e-3, rtol=1e-9)
+    assert float(out.step_time_s[0]) > float(base.step_time_s[0])
+    assert float(out.host_wait_s[0]) == pytest.approx(float(out.step_time_s[0] - base.step_time_s[0]), rel=1e-9)
+    # A host time below the device work priced at the probe's 16 tokens (the MoE pass alone is priced
+    # hundreds of microseconds) adds nothing: the measurement held only that work.
+    below = replace(device_only, host_layer_us=1.0)
+    assert float(evaluate(workload, strategy, below).step_time_s[0]) == pytest.approx(float(base.step_time_s[0]))

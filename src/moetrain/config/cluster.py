@@ -32,6 +32,12 @@ class ClusterConfig(BaseModel):
     def hbm_bytes(self) -> float:
         return self.hbm_gb * 1e9
 
+    @property
+    def host_is_device(self) -> bool:
+        """The CPU computes: the host's time to issue the work (Python, dispatcher) is spent on the same
+        cores as the work, so it adds to it instead of hiding behind it."""
+        return self.device == "cpu"
+
     def peak_flops(self, precision: str = "bf16") -> float:
         """Peak dense FLOP/s per device for ``precision`` (fp8 falls back to bf16 where absent)."""
         if precision == "fp8" and self.peak_tflops_fp8:

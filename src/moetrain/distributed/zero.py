@@ -175,7 +175,8 @@ class ZeroAdamW:
         for bucket in self.buckets:
             reduced = self._reduce(bucket)
             grads += reduced
-            squares += [g.double().pow(2).sum() * bucket.norm_share for g in reduced]
+            if not self.local_only:  # one process takes the norm of its own gradients below
+                squares += [g.double().pow(2).sum() * bucket.norm_share for g in reduced]
         if self.local_only:
             grad_norm = torch.nn.utils.get_total_norm([p.grad for _, p in self.named if p.grad is not None])
             if norm_sq_correction is not None:

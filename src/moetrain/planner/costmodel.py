@@ -21,10 +21,11 @@ uses the causal half (fused kernels skip masked blocks).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
+from moetrain.config.parallel import ParallelConfig
 from moetrain.costs.flops import model_forward_flops, training_flops_per_token
 from moetrain.planner.calibration import Efficiency
 from moetrain.planner.comm import allgather_time, p2p_time, ranks_per_node
@@ -154,16 +155,35 @@ def _exposed_tp(w: Workload, eff: Efficiency, layer: LayerCosts):
     return (1.0 - (eff.tp_overlap if w.overlap_tp_comm else 0.0)) * layer.tp_comm
 
 
-def _pass_times(w: Workload, s: Strategies, eff: Efficiency, layer: LayerCosts | None) -> _PassTimes:
+def _pass_times(w: Workload, s: Strategies, eff: Efficiency, layer: LayerCosts | None,
+                moe_layer: bool) -> _PassTimes:
     """Host floor: an eager stack issues every kernel of a layer pass from Python; when the kernels are
     small the device waits for the host, so a layer pass takes max(device, host). Full recompute issues
-    the forward a second time."""
+    the forward a second time. Where the host is the device (a CPU) the two add instead: the pass costs
+    its device time plus what the measured host time has beyond the device work priced at the
+    measurement's tokens (``_host_excess``)."""
     if layer is None:
         return _PassTimes(0.0, 0.0, 0.0)
-    host_pass = eff.host_layer_us * 1e-6 * (1.0 + HOST_FORWARD_SHARE * full_recompute_share(s.recompute))
+    host_share = 1.0 + HOST_FORWARD_SHARE * full_recompute_share(s.recompute)
     without_a2a = layer.compute + _exposed_tp(w, eff, layer) + layer.cp_exposed
     device = without_a2a + layer.a2a_exposed
+    if w.cluster.host_is_device:
+        excess = _host_excess(w, len(s), eff, moe_layer) * host_share
+        return _PassTimes(device, device + excess, without_a2a + excess)
+    host_pass = eff.host_layer_us * 1e-6 * host_share
     return _PassTimes(device, np.maximum(device, host_pass), np.maximum(without_a2a, host_pass))
+
+
+def _host_excess(w: Workload, n: int, eff: Efficiency, moe_layer: bool):
+    """Seconds the measured host time of a layer pass (``host_layer_us``, at ``host_probe_tokens`` tokens on
+    one device) has beyond the device work the model prices for that same pass: the per-operator cost that
+    the device terms do not hold (Python, dispatcher, autograd), which on a CPU adds to every pass."""
+    if eff.host_layer_us <= 0.0:
+        return 0.0
+    probe = replace(w, seq_len=max(int(round(eff.host_probe_tokens)), 1), global_batch=1)
+    one_device = Strategies.from_parallel([ParallelConfig(micro_batch=1)] * n)
+    priced = layer_costs(probe, one_device, eff, moe_layer=moe_layer, num_micro=1).compute
+    return np.maximum(eff.host_layer_us * 1e-6 - priced, 0.0)
 
 
 @dataclass(frozen=True)
@@ -300,7 +320,8 @@ def pipeline_times(w: Workload, s: Strategies, eff: Efficiency, dense: LayerCost
     costs (None when every layer is an MoE layer); ``body``: the costs of most layers (MoE layers in an
     MoE model)."""
     model = w.model
-    dense_pass, body_pass = _pass_times(w, s, eff, dense), _pass_times(w, s, eff, body)
+    dense_pass = _pass_times(w, s, eff, dense, moe_layer=False)
+    body_pass = _pass_times(w, s, eff, body, moe_layer=w.model.moe is not None)
     ends = _end_times(w, s, eff, body_pass.time)
     st = _stages(w, s, eff, dense_pass, body_pass, ends)
     bubble = _bubble(w, s, st, num_micro)

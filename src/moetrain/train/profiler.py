@@ -128,13 +128,14 @@ def profile_device(cluster: ClusterConfig, model: ModelConfig, device: str, repe
         moe_overhead_us = max(t - ideal, 0.0) * 3 * 1e6
         measured["grouped_gemm"] = {"experts": experts, "tokens_per_expert": tokens_per_expert, "seconds": t}
 
-    # Host issue time of the runtime's own model (GPU only: on a CPU the host is the device).
-    host = None
+    # Host time of the runtime's own model at a tiny batch. On a GPU it is the host's issue time, a floor
+    # under each pass; on a CPU, where the host is the device, the cost model adds what it has beyond the
+    # device work it prices at these tokens (``costmodel._host_excess``).
+    host = _host_issue_times(model, device, repeats)
     if kind == "cuda":
-        host = _host_issue_times(model, device, repeats)
         torch.cuda.empty_cache()  # the probe model's memory goes back before the training run
-        if host is not None:
-            measured["host"] = host
+    if host is not None:
+        measured["host"] = host
 
     # Collectives, when launched under torchrun with more than one rank.
     bus = {}
@@ -160,12 +161,13 @@ def profile_device(cluster: ClusterConfig, model: ModelConfig, device: str, repe
         layer_passes = model.num_layers + model.num_mtp_layers
         efficiencies["host_layer_us"] = host["forward_backward_s"] / layer_passes * 1e6
         efficiencies["host_optimizer_ms"] = host["optimizer_s"] * 1e3
+        efficiencies["host_probe_tokens"] = float(host["tokens"])
     return measured, efficiencies
 
 
 # Runtime models up to this many parameters are built for the host-time measurement (16 B per parameter
 # for weights, gradients and AdamW moments must fit beside the training run that follows).
-HOST_PROBE_MAX_PARAMS = 3e9
+HOST_PROBE_MAX_PARAMS = {"cuda": 3e9, "cpu": 2e8}
 HOST_PROBE_TOKENS = 16
 
 
@@ -174,14 +176,15 @@ def _host_issue_times(model_cfg: ModelConfig, device: str, repeats: int) -> dict
     runtime's model, and one optimizer step, measured on a batch of ``HOST_PROBE_TOKENS`` tokens: the
     device finishes each of those kernels faster than eager PyTorch issues the next, so the elapsed time
     is the host's (Python, dispatcher, kernel launches), which sets a floor under every step however small
-    the kernels. None for models too large to build here."""
+    the kernels. On a CPU the same time holds the (small) work too, and the host's part adds to every
+    pass. None for models too large to build here."""
     from moetrain.config.training import TrainingConfig
     from moetrain.costs.params import count_params
     from moetrain.models.transformer import build_model
     from moetrain.train.optim import build_optimizer, clip_gradients
     from moetrain.train.precision import autocast, autocast_dtype
 
-    if count_params(model_cfg).total_with_mtp > HOST_PROBE_MAX_PARAMS:
+    if count_params(model_cfg).total_with_mtp > HOST_PROBE_MAX_PARAMS[_kind(device)]:
         return None
     cfg = TrainingConfig()  # the trainer's defaults: its precision rule, clipping and AdamW
     model = build_model(model_cfg, device=device, seed=0)
