@@ -50,6 +50,7 @@ def simulate_layout(args: argparse.Namespace) -> dict:
         "bubble_fraction": p.bubble_fraction,
         "optimizer_s": p.optimizer_s,
         "host_wait_s": p.host_wait_s,
+        "host_is_device": workload.cluster.host_is_device,
         "compute_s": p.compute_s,
         "communication_s": {name: ({} if t.total_s is None else {"total_s": t.total_s}) | {"exposed_s": t.exposed_s}
                             for name, t in p.communication_s.items()},
@@ -99,7 +100,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"  {'pipeline bubble':34s} {'':10s}  {result['bubble_s']:10.4g}  ({result['bubble_fraction']:.1%})")
     print(f"  {'optimizer step':34s} {'':10s}  {result['optimizer_s']:10.4g}")
     if result["host_wait_s"] > 0:
-        print(f"  {'device waiting for the host':34s} {'':10s}  {result['host_wait_s']:10.4g}")
+        # on a CPU the host's own work (Python, dispatch, autograd) adds to the kernels' instead of idling them
+        host = "host work beyond the kernels" if result["host_is_device"] else "device waiting for the host"
+        print(f"  {host:34s} {'':10s}  {result['host_wait_s']:10.4g}")
     print("\nmemory per device (GiB)")
     for name, value in result["memory_gib"].items():
         print(f"  {name:34s} {value:10.2f}")
