@@ -227,3 +227,32 @@ def test_training_calibration_prices_training_only():
     assert mixed.phases.train_s == pytest.approx(float(training_prediction(w, layout, slower).step_time_s))
     assert mixed.phases.train_s > base.phases.train_s
     assert (mixed.phases.generate_s, mixed.phases.reshard_s) == (base.phases.generate_s, base.phases.reshard_s)
+
+
+def test_expert_count_exchange_is_one_gather_per_moe_forward_by_hand():
+    """This project's dispatch gathers every EP rank's int64 count per expert before each forward
+    dispatch: a ring all-gather of ep × experts × 8 bytes per MoE layer and micro-batch, on top of the
+    all-to-all (no overlap here, so all of it shows)."""
+    from dataclasses import replace
+
+    from moetrain.config import load_cluster_config, load_model_config
+    from moetrain.planner.costmodel import evaluate
+    from moetrain.planner.strategy import Strategies
+
+    model, cluster = load_model_config("tiny-pangu"), load_cluster_config("cpu")
+    eff = Calibration(Efficiency(), {}).for_device("cpu")
+    workload = Workload(model, cluster, seq_len=64, global_batch=8, precision="fp32")
+    ep2 = Strategies.from_parallel([ParallelConfig(dp=2, ep=2, micro_batch=2)])
+    counted = replace(workload, expert_count_exchange=True)
+    without, with_counts = evaluate(workload, ep2, eff), evaluate(counted, ep2, eff)
+    ep, experts = 2, model.moe.num_experts
+    gather = ((ep - 1) / ep * ep * experts * 8.0 / (cluster.intra_node_gbps * 1e9 * eff.bus_intra)
+              + (ep - 1) * cluster.intra_node_latency_us * 1e-6)
+    micro_batches = 8 // (2 * 2)
+    moe_passes = model.num_moe_layers + model.num_mtp_layers  # the MTP module's block is an MoE layer too
+    added = float(with_counts.step_time_s[0] - without.step_time_s[0])
+    assert added == pytest.approx(micro_batches * moe_passes * gather, rel=1e-9)
+    # one EP rank has nobody to gather from
+    one = Strategies.from_parallel([ParallelConfig(micro_batch=2)])
+    alone = float(evaluate(workload, one, eff).step_time_s[0])
+    assert float(evaluate(counted, one, eff).step_time_s[0]) == pytest.approx(alone)

@@ -117,6 +117,8 @@ class _FeedForward:
     runtime: ``Workload.project_tensor_parallel``)."""
     one_a2a: object = 0.0
     """Dispatch or combine, forward, with the expert-tensor-parallel gathers."""
+    count_exchange: object = 0.0
+    """The forward's gather of the per-expert token counts before its dispatch (``Workload.expert_count_exchange``)."""
     shared_time: object = 0.0
     router: object = 0.0
     experts: object = 0.0
@@ -221,6 +223,11 @@ def _moe_block(w: Workload, s: Strategies, eff: Efficiency, tok: _Tokens) -> _Fe
                            eff, w.precision)
     send = alltoall_volume(t_moe, h, k, act) * w.imbalance
     one_a2a = alltoall_time(send, s.ep, cluster.devices_per_node, cluster, s.a2a == 1, k, s.etp, eff)
+    counts = 0.0
+    if w.expert_count_exchange:
+        # every EP rank's int64 count per expert, gathered before the forward's dispatch
+        ep_in_node = ranks_per_node(s.ep, s.etp, cluster.devices_per_node)
+        counts = np.where(s.ep > 1, allgather_time(s.ep * moe.num_experts * 8.0, s.ep, ep_in_node, cluster, eff), 0.0)
     # Expert tensor parallelism gathers the routed tokens inside the etp group before the experts and
     # scatters them after.
     etp_in_node = ranks_per_node(s.etp, 1, cluster.devices_per_node)
@@ -237,7 +244,8 @@ def _moe_block(w: Workload, s: Strategies, eff: Efficiency, tok: _Tokens) -> _Fe
         # attention's gather and scatter, and the shared expert's when there is one and it is split over tp
         # (the routed experts exchange their tokens through the all-to-all instead)
         num_tp_collectives=2.0 + (2.0 if moe.num_shared_experts and not w.project_tensor_parallel else 0.0),
-        router_tp_comm=router_tp, one_a2a=one_a2a, shared_time=shared, router=router, experts=experts)
+        router_tp_comm=router_tp, one_a2a=one_a2a, count_exchange=counts, shared_time=shared, router=router,
+        experts=experts)
 
 
 def _dense_block(w: Workload, eff: Efficiency, tok: _Tokens) -> _FeedForward:
@@ -307,8 +315,9 @@ def layer_costs(w: Workload, s: Strategies, eff: Efficiency, moe_layer: bool, nu
                        _cp_exposed(w, s, eff, tok, attn), **parts)
     if not is_moe:
         return costs
-    # dispatch + combine in the forward, and again in the backward and in a full recompute
-    total_a2a = 2.0 * ffn.one_a2a * (2.0 + full_share)
+    # dispatch + combine in the forward, and again in the backward and in a full recompute; the counts'
+    # gather before each forward dispatch (the recompute's too)
+    total_a2a = 2.0 * ffn.one_a2a * (2.0 + full_share) + ffn.count_exchange * (1.0 + full_share)
     # Overlapped F&B pairing (SPEC §2): in the steady state each all-to-all runs under the other
     # micro-batch's compute; in warm-up/cool-down only the shared expert hides the dispatch.
     paired = paired_share(s.pp, s.vpp, num_micro * s.vpp, w.bidirectional_pairing)

@@ -241,12 +241,13 @@ def training_prediction(w: RLWorkload, layout: RLLayout, calibration: Calibratio
     project's runtime trains it (``moetrain rl``): ZeRO reduces the gradients in the optimizer step, after
     the backward (nothing hides them), the tensor-parallel collectives are synchronous, a reduce-scatter
     runs as an all-reduce (``Workload.reduce_scatter_by_all_reduce``), tensor parallelism is the
-    project's (``Workload.project_tensor_parallel``: whole head and shared expert, the routers' gathers)
-    and the head runs on the completion tokens only (``Workload.head_share``)."""
+    project's (``Workload.project_tensor_parallel``: whole head and shared expert, the routers' gathers),
+    the dispatch gathers the per-expert counts first (``Workload.expert_count_exchange``) and the head runs on
+    the completion tokens only (``Workload.head_share``)."""
     workload = Workload(w.model, w.cluster, w.seq_len, w.samples, w.precision,
                         grad_bytes=2.0 if w.precision == "fp16" else 4.0, overlap_grad_comm=False,
                         overlap_tp_comm=False, reduce_scatter_by_all_reduce=True, project_tensor_parallel=True,
-                        head_share=w.head_share)
+                        head_share=w.head_share, expert_count_exchange=True)
     return simulate_layout(workload, layout.train, layout.train_devices, calibration)
 
 

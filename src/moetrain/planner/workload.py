@@ -75,6 +75,11 @@ class Workload:
     head_share: float = 1.0
     """Share of the sequence positions at which the output head and the loss run: 1 for language
     modelling; RL scores only the completion tokens (``RLWorkload.head_share``)."""
+    expert_count_exchange: bool = False
+    """The dispatcher gathers every EP rank's per-expert token counts in a collective of its own before
+    each dispatch (this project's runtime, ``distributed.ep``: one all-gather per MoE layer forward, which
+    sizes the all-to-all). False: the published runs, whose count synchronisation the fitted
+    ``moe_overhead_us`` holds."""
 
     @property
     def activation_bytes(self) -> float:
