@@ -61,6 +61,34 @@ def test_fit_link_recovers_latency_and_bandwidth():
     assert cluster.inter_node_gbps == 1.0  # only the in-node link is measured
 
 
+def test_each_collective_kind_gets_its_own_fitted_link():
+    """gloo's all-reduce costs far more per message than its all-gather: each kind with two sizes or more is
+    fitted on its own measurements and priced on its own link. By hand, on 2 ranks: all-reduce at 1 ms and
+    2 GB/s (2 latencies, the whole buffer over the link: 2 ms + 1e6 / 2e9 = 2.5 ms for 1 MB), all-gather at
+    100 µs and 1 GB/s (100 µs + 0.5 · 1e6 / 1e9 = 600 µs for 1 MB)."""
+    from moetrain.planner.comm import allgather_time, allreduce_time
+
+    def reduce(size):
+        return 2 * 1e-3 + size / 2e9
+
+    def gather(size):
+        return 100e-6 + 0.5 * size / 1e9
+
+    rows = ([{"kind": "all_reduce", "group": 2, "bytes": b, "seconds": reduce(b)} for b in (1e4, 1e6)]
+            + [{"kind": "all_gather", "group": 2, "bytes": b, "seconds": gather(b)} for b in (1e4, 1e6)]
+            + [{"kind": "all_to_all", "group": 2, "bytes": 1e6, "seconds": 1e-3}])  # one size: no fit of its own
+    fit = fit_link(rows)
+    assert set(fit.kinds) == {"all_reduce", "all_gather"}
+    assert (fit.kinds["all_reduce"].latency_us, fit.kinds["all_reduce"].gbps) == pytest.approx((1000.0, 2.0))
+    assert (fit.kinds["all_gather"].latency_us, fit.kinds["all_gather"].gbps) == pytest.approx((100.0, 1.0))
+    cluster = fit.cluster(SLOW_LINK)
+    assert allreduce_time(1e6, 2, 2, cluster) == pytest.approx(2.5e-3)
+    assert allgather_time(1e6, 2, 2, cluster) == pytest.approx(600e-6)
+    # the all-to-all, with no link of its own, is priced on the overall fit
+    assert "all_to_all" not in cluster.collective_links
+    assert cluster.intra_node_latency_us == pytest.approx(fit.latency_us)
+
+
 def test_fit_link_keeps_latency_non_negative():
     # pure bandwidth (0 µs, 1 GB/s): sends of 1 and 2 MB in 1 and 2 ms
     fit = fit_link([{"kind": "send_recv", "group": 2, "bytes": 1e6, "seconds": 1e-3},
@@ -208,6 +236,8 @@ def test_profile_comm_writes_a_cluster_with_the_fitted_link(tmp_path, capsys):
     assert "weight sync per core" in capsys.readouterr().out
     cluster = load_cluster_config(str(cluster_out))
     assert cluster.name == "cpu-2-ranks" and cluster.intra_node_gbps > 0 and cluster.intra_node_latency_us >= 0
+    # each collective kind probed at four sizes has its own link in the file
+    assert set(cluster.collective_links) == {"all_reduce", "all_gather", "all_to_all"}
     assert load_calibration(out).for_device("cpu").bus_intra == 1.0
     assert main(["profile", "--comm-ranks", "3", "--out", str(out)]) == 2
     assert "even number" in capsys.readouterr().err

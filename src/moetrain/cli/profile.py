@@ -73,7 +73,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"calibration for {cluster.device} ({arch_of(cluster.device)}) written to {args.out}")
         if args.comm_ranks is not None:
             sync = measured["weight_sync"]
-            print(f"gloo on {args.comm_ranks} ranks: {link.latency_us:.0f} µs per message step, {link.gbps:.3g} GB/s; "
+            kinds = ", ".join(f"{kind} {fit.latency_us:.0f} µs and {fit.gbps:.3g} GB/s"
+                              for kind, fit in link.kinds.items())
+            print(f"gloo on {args.comm_ranks} ranks: {link.latency_us:.0f} µs per message step, {link.gbps:.3g} GB/s "
+                  f"({kinds}); "
                   f"weight sync per core: copy {sync['copy_bytes_per_s'] / 1e9:.3g} GB/s, CRC-32 "
                   f"{sync['crc_bytes_per_s'] / 1e9:.3g} GB/s"
                   + (f"; cluster written to {args.comm_out}" if args.comm_out else ""))

@@ -6,7 +6,23 @@ one direction, per device, in GB/s (10^9 bytes/s); HBM in GB (10^9 bytes) as ven
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
+
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "all_to_all")
+
+
+class CollectiveLink(BaseModel):
+    """The in-node link as one kind of collective sees it, fitted to that kind's measured times
+    (``moetrain profile --comm-ranks``): gloo's all-reduce, for one, runs an algorithm of its own whose
+    per-message cost is several times an all-gather's."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    latency_us: float = Field(ge=0)
+    gbps: float = Field(gt=0)
+    """Bandwidth the collective reached (bus efficiency included)."""
 
 
 class ClusterConfig(BaseModel):
@@ -26,6 +42,10 @@ class ClusterConfig(BaseModel):
     """Per-device, one-way network bandwidth between nodes (InfiniBand, RoCE)."""
     intra_node_latency_us: float = Field(default=3.0, ge=0)
     inter_node_latency_us: float = Field(default=10.0, ge=0)
+    collective_links: dict[Literal["all_reduce", "all_gather", "all_to_all"], CollectiveLink] = Field(
+        default_factory=dict)
+    """Measured in-node links by collective kind; a kind given here is priced on its own link instead of
+    ``intra_node_*`` (and the calibration's ``bus_intra``). Empty for the presets."""
     notes: str = ""
 
     @property

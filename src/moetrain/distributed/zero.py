@@ -175,8 +175,10 @@ class ZeroAdamW:
         for bucket in self.buckets:
             reduced = self._reduce(bucket)
             grads += reduced
-            if not self.local_only:  # one process takes the norm of its own gradients below
-                squares += [g.double().pow(2).sum() * bucket.norm_share for g in reduced]
+            if not self.local_only and reduced:  # one process takes the norm of its own gradients below
+                # one fused norm per tensor, squared and summed in float64 (not a float64 copy of every gradient)
+                norms = torch.stack(torch._foreach_norm(reduced)).double()
+                squares.append(norms.pow(2).sum() * bucket.norm_share)
         if self.local_only:
             grad_norm = torch.nn.utils.get_total_norm([p.grad for _, p in self.named if p.grad is not None])
             if norm_sq_correction is not None:

@@ -15,12 +15,12 @@ The expert-balancing code also imports ``alltoall_time`` and ``expert_compute_ti
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import numpy as np
 
-from moetrain.config.cluster import ClusterConfig
+from moetrain.config.cluster import COLLECTIVE_KINDS, ClusterConfig, CollectiveLink
 from moetrain.planner.calibration import Efficiency, load_calibration
 
 # Re-exported (see __all__): one import site for communication and expert compute times.
@@ -60,13 +60,19 @@ def ranks_per_node(group, stride, devices_per_node):
     return np.minimum(group, per_node)
 
 
-def _links(cluster: ClusterConfig, eff: Efficiency) -> tuple[float, float, float, float]:
-    intra = cluster.intra_node_gbps * 1e9 * eff.bus_intra
+def _links(cluster: ClusterConfig, eff: Efficiency, kind: str | None = None) -> tuple[float, float, float, float]:
+    """(in-node bandwidth, network bandwidth, in-node latency, network latency) for a collective of ``kind``:
+    its measured in-node link where the cluster has one (``ClusterConfig.collective_links``)."""
     inter = cluster.inter_node_gbps * 1e9 * eff.bus_inter
+    measured = cluster.collective_links.get(kind) if kind else None
+    if measured is not None:
+        return measured.gbps * 1e9, inter, measured.latency_us * 1e-6, cluster.inter_node_latency_us * 1e-6
+    intra = cluster.intra_node_gbps * 1e9 * eff.bus_intra
     return intra, inter, cluster.intra_node_latency_us * 1e-6, cluster.inter_node_latency_us * 1e-6
 
 
-def allgather_time(total_bytes, group, in_node, cluster: ClusterConfig, efficiency: Efficiency | None = None):
+def allgather_time(total_bytes, group, in_node, cluster: ClusterConfig, efficiency: Efficiency | None = None,
+                   kind: str = "all_gather"):
     """Ring all-gather whose gathered output is ``total_bytes`` on every rank (same cost: reduce-scatter
     of an input of that size). ``in_node`` = members per node (see ``ranks_per_node``).
 
@@ -76,7 +82,7 @@ def allgather_time(total_bytes, group, in_node, cluster: ClusterConfig, efficien
     8 per node crossing nodes over 8 × 25 GB/s NICs sees ~200 GB/s bus bandwidth (what NCCL tests
     report on DGX A100), a group with one member per node sees one NIC."""
     eff = efficiency_for(cluster, efficiency)
-    intra, inter, lat_intra, lat_inter = _links(cluster, eff)
+    intra, inter, lat_intra, lat_inter = _links(cluster, eff, kind)
     group = np.maximum(np.asarray(group, dtype=float), 1.0)
     q = np.minimum(np.asarray(in_node, dtype=float), group)
     crosses = q < group
@@ -90,8 +96,9 @@ reduce_scatter_time = allgather_time
 
 
 def allreduce_time(total_bytes, group, in_node, cluster: ClusterConfig, efficiency: Efficiency | None = None):
-    """Ring all-reduce = reduce-scatter + all-gather of the same buffer."""
-    return 2.0 * allgather_time(total_bytes, group, in_node, cluster, efficiency)
+    """Ring all-reduce = reduce-scatter + all-gather of the same buffer (on the all-reduce's own link where
+    the cluster has one measured)."""
+    return 2.0 * allgather_time(total_bytes, group, in_node, cluster, efficiency, kind="all_reduce")
 
 
 def alltoall_volume(tokens, hidden: int, top_k: int, dtype_bytes: float = 2.0):
@@ -127,7 +134,7 @@ def alltoall_time(
         stride: distance between consecutive EP ranks (the expert tensor-parallel size).
     """
     eff = efficiency_for(cluster, efficiency)
-    intra, inter, lat_intra, lat_inter = _links(cluster, eff)
+    intra, inter, lat_intra, lat_inter = _links(cluster, eff, "all_to_all")
     ep = np.maximum(np.asarray(ep, dtype=float), 1.0)
     q = np.asarray(ranks_per_node(ep, stride, devices_per_node), dtype=float)
     nodes = ep / q
@@ -176,25 +183,27 @@ def collective_terms(kind: str, group: int) -> tuple[float, float]:
 
 @dataclass(frozen=True)
 class LinkFit:
-    """A link's latency and bandwidth fitted to measured collectives."""
+    """A link's latency and bandwidth fitted to measured collectives: over all of them, and for each kind
+    of collective on its own measurements (``kinds``), which is what the formulas price that kind with."""
 
     latency_us: float
     gbps: float
     """Bandwidth the formulas see (bus efficiency included: use with ``bus_intra`` = 1)."""
     residual_pct: dict[str, float]
-    """Per measurement (``kind/group/bytes``): (formula − measured) / measured, in %."""
+    """Per measurement (``kind/group/bytes``): (formula − measured) / measured, in %, with its kind's link."""
+    kinds: dict[str, LinkFit] = field(default_factory=dict)
+    """The fit of each collective kind with measurements of two sizes or more (``COLLECTIVE_KINDS``)."""
 
     def cluster(self, cluster: ClusterConfig) -> ClusterConfig:
-        """``cluster`` with this link as its in-node link."""
-        return cluster.model_copy(update={"intra_node_gbps": self.gbps, "intra_node_latency_us": self.latency_us})
+        """``cluster`` with this link as its in-node link, and each fitted kind's as that kind's."""
+        links = {kind: CollectiveLink(latency_us=fit.latency_us, gbps=fit.gbps) for kind, fit in self.kinds.items()}
+        return cluster.model_copy(update={"intra_node_gbps": self.gbps, "intra_node_latency_us": self.latency_us,
+                                          "collective_links": links})
 
 
-def fit_link(measurements: list[dict]) -> LinkFit:
-    """Latency and bandwidth for which ``collective_terms`` best reproduce ``measurements`` (each
-    {kind, group, bytes, seconds}; least squares on the relative error, so that small messages weigh as much
-    as large ones; both kept non-negative)."""
-    if not measurements:
-        raise ValueError("no collective measurements to fit")
+def _fit_one(measurements: list[dict]) -> tuple[float, float, dict[str, float]]:
+    """(latency µs, bandwidth GB/s, residuals %) for which ``collective_terms`` best reproduce
+    ``measurements``: least squares on the relative error, both terms kept non-negative."""
     terms = [collective_terms(m["kind"], m["group"]) for m in measurements]
     seconds = np.array([m["seconds"] for m in measurements], dtype=float)
     design = np.array([[lat, share * m["bytes"]] for (lat, share), m in zip(terms, measurements)], dtype=float)
@@ -208,4 +217,35 @@ def fit_link(measurements: list[dict]) -> LinkFit:
     predicted = design @ np.array([latency, per_byte])
     residual = {f"{m['kind']}/{m['group']}/{m['bytes']}": float((p - t) / t * 100)
                 for m, p, t in zip(measurements, predicted, seconds)}
-    return LinkFit(float(latency) * 1e6, float(1e-9 / per_byte) if per_byte > 0 else float("inf"), residual)
+    return float(latency) * 1e6, float(1e-9 / per_byte) if per_byte > 0 else float("inf"), residual
+
+
+def fit_link(measurements: list[dict]) -> LinkFit:
+    """Latency and bandwidth for which ``collective_terms`` best reproduce ``measurements`` (each
+    {kind, group, bytes, seconds}; least squares on the relative error, so that small messages weigh as much
+    as large ones; both kept non-negative), over all of them and for each kind alone. A kind whose own fit
+    finds no bandwidth term (every size latency-bound) takes the overall bandwidth."""
+    if not measurements:
+        raise ValueError("no collective measurements to fit")
+    latency, gbps, residual = _fit_one(measurements)
+    kinds = {}
+    for kind in COLLECTIVE_KINDS:
+        own = [m for m in measurements if m["kind"] == kind]
+        if len({m["bytes"] for m in own}) < 2:
+            continue
+        kind_latency, kind_gbps, kind_residual = _fit_one(own)
+        if not np.isfinite(kind_gbps):
+            kind_gbps = gbps
+            kind_residual = _fit_residuals(own, kind_latency, kind_gbps)
+        kinds[kind] = LinkFit(kind_latency, kind_gbps, kind_residual)
+        residual.update(kind_residual)
+    return LinkFit(latency, gbps, residual, kinds)
+
+
+def _fit_residuals(measurements: list[dict], latency_us: float, gbps: float) -> dict[str, float]:
+    out = {}
+    for m in measurements:
+        latencies, share = collective_terms(m["kind"], m["group"])
+        formula = latencies * latency_us * 1e-6 + share * m["bytes"] / (gbps * 1e9)
+        out[f"{m['kind']}/{m['group']}/{m['bytes']}"] = float((formula - m["seconds"]) / m["seconds"] * 100)
+    return out
