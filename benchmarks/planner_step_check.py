@@ -83,7 +83,7 @@ def main() -> None:
         "seq_len": args.seq_len,
         "global_batch": args.global_batch,
         "micro_batch": args.micro_batch,
-        "simulated": {k: simulated[k] for k in ("compute_s", "optimizer_s", "bubble_s", "memory_gib")},
+        "simulated": {k: simulated[k] for k in ("compute_s", "optimizer_s", "bubble_s", "host_wait_s", "memory_gib")},
         "measured_step_time_s": measured,
         "measured_steps_s": measured_steps,
         "simulated_step_time_s": simulated["step_time_s"],
