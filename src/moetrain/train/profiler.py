@@ -39,7 +39,9 @@ def _kind(device: str) -> str:
 
 
 def _timed(fn, repeats: int, device: str) -> float:
-    """Median seconds per call of ``fn``."""
+    """Seconds per call of ``fn``: the median of the repeats on a GPU; on a CPU their minimum, since there
+    the probes share the cores with whatever else runs (a burst of another process, or of the virtual
+    machine's host, can cover most of a probe's repeats), and interference only ever adds time."""
     kind = _kind(device)
     calls = CALLS_PER_TIMING[kind]
     fn()  # warm-up (allocations, kernel selection)
@@ -53,7 +55,7 @@ def _timed(fn, repeats: int, device: str) -> float:
         if kind == "cuda":
             torch.cuda.synchronize()
         times.append((time.perf_counter() - start) / calls)
-    return float(np.median(times))
+    return float(np.median(times) if kind == "cuda" else np.min(times))
 
 
 def profile_device(cluster: ClusterConfig, model: ModelConfig, device: str, repeats: int) -> tuple[dict, dict]:
