@@ -84,6 +84,8 @@ def test_each_collective_kind_gets_its_own_fitted_link():
     cluster = fit.cluster(SLOW_LINK)
     assert allreduce_time(1e6, 2, 2, cluster) == pytest.approx(2.5e-3)
     assert allgather_time(1e6, 2, 2, cluster) == pytest.approx(600e-6)
+    # a cluster with measured links stays a key (workloads group by their cluster)
+    assert {cluster: 1}[fit.cluster(SLOW_LINK)] == 1
     # the all-to-all, with no link of its own, is priced on the overall fit
     assert "all_to_all" not in cluster.collective_links
     assert cluster.intra_node_latency_us == pytest.approx(fit.latency_us)

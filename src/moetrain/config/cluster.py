@@ -48,6 +48,11 @@ class ClusterConfig(BaseModel):
     ``intra_node_*`` (and the calibration's ``bus_intra``). Empty for the presets."""
     notes: str = ""
 
+    def __hash__(self) -> int:
+        # frozen, and used as a key (workloads group by it): the links' mapping hashes as its sorted items
+        return hash(tuple((name, tuple(sorted(value.items())) if isinstance(value, dict) else value)
+                          for name, value in self.__dict__.items()))
+
     @property
     def hbm_bytes(self) -> float:
         return self.hbm_gb * 1e9

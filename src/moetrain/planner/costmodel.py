@@ -168,22 +168,22 @@ def _pass_times(w: Workload, s: Strategies, eff: Efficiency, layer: LayerCosts |
     without_a2a = layer.compute + _exposed_tp(w, eff, layer) + layer.cp_exposed
     device = without_a2a + layer.a2a_exposed
     if w.cluster.host_is_device:
-        excess = _host_excess(w, len(s), eff, moe_layer) * host_share
+        excess = _host_excess(w, eff, moe_layer) * host_share
         return _PassTimes(device, device + excess, without_a2a + excess)
     host_pass = eff.host_layer_us * 1e-6 * host_share
     return _PassTimes(device, np.maximum(device, host_pass), np.maximum(without_a2a, host_pass))
 
 
-def _host_excess(w: Workload, n: int, eff: Efficiency, moe_layer: bool):
+def _host_excess(w: Workload, eff: Efficiency, moe_layer: bool):
     """Seconds the measured host time of a layer pass (``host_layer_us``, at ``host_probe_tokens`` tokens on
     one device) has beyond the device work the model prices for that same pass: the per-operator cost that
     the device terms do not hold (Python, dispatcher, autograd), which on a CPU adds to every pass."""
     if eff.host_layer_us <= 0.0:
         return 0.0
     probe = replace(w, seq_len=max(int(round(eff.host_probe_tokens)), 1), global_batch=1)
-    one_device = Strategies.from_parallel([ParallelConfig(micro_batch=1)] * n)
+    one_device = Strategies.from_parallel([ParallelConfig(micro_batch=1)])  # the same for every candidate
     priced = layer_costs(probe, one_device, eff, moe_layer=moe_layer, num_micro=1).compute
-    return np.maximum(eff.host_layer_us * 1e-6 - priced, 0.0)
+    return float(np.maximum(eff.host_layer_us * 1e-6 - priced[0], 0.0))
 
 
 @dataclass(frozen=True)
