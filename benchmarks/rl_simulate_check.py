@@ -81,7 +81,7 @@ from _record import write_result
 from moetrain.config import ParallelConfig, load_cluster_config, load_model_config
 from moetrain.models.transformer import build_model
 from moetrain.planner.calibration import Calibration, load_calibration
-from moetrain.planner.comm import LinkFit, fit_link
+from moetrain.planner.comm import LinkFit, fit_link, link_residuals
 from moetrain.planner.generation import HostCosts
 from moetrain.planner.rl_step import RLLayout, RLWorkload, SyncRates, price_rl_step, training_prediction
 from moetrain.rl.generate import SamplingParams, sample
@@ -296,10 +296,11 @@ def shared_cores(calibration: Calibration, host: HostCosts, slow: float) -> tupl
     if slow <= 1.0:
         return calibration, host
     eff = calibration.for_device("cpu")
-    cpu = {"gemm_max": eff.gemm_max / slow, "attention": eff.attention / slow, "memory": eff.memory / slow,
-           "gemm_overhead_us": eff.gemm_overhead_us * slow, "moe_overhead_us": eff.moe_overhead_us * slow,
-           "host_layer_us": eff.host_layer_us * slow, "host_optimizer_ms": eff.host_optimizer_ms * slow,
-           "host_probe_tokens": eff.host_probe_tokens}
+    # every other value (the measured link's bus efficiency of 1 among them) stays the device's
+    cpu = {**eff.as_dict(), "gemm_max": eff.gemm_max / slow, "attention": eff.attention / slow,
+           "memory": eff.memory / slow, "gemm_overhead_us": eff.gemm_overhead_us * slow,
+           "moe_overhead_us": eff.moe_overhead_us * slow, "host_layer_us": eff.host_layer_us * slow,
+           "host_optimizer_ms": eff.host_optimizer_ms * slow}
     scaled = replace(calibration, per_arch={**calibration.per_arch, "cpu": cpu}, held_out_fits={})
     return scaled, replace(host, layer_forward_us=host.layer_forward_us * slow,
                            sample_ns_per_logit=host.sample_ns_per_logit * slow,
@@ -323,18 +324,7 @@ def link_fit(collectives: list[dict]) -> LinkFit:
     collective describes; the fit's error on them is recorded."""
     fit = fit_link([m for m in collectives if m["kind"] != "send_recv"])
     sends = [m for m in collectives if m["kind"] == "send_recv"]
-    return replace(fit, residual_pct={**fit.residual_pct, **fit_residuals(fit, sends)})
-
-
-def fit_residuals(fit: LinkFit, measurements: list[dict]) -> dict[str, float]:
-    from moetrain.planner.comm import collective_terms
-
-    out = {}
-    for m in measurements:
-        latencies, share = collective_terms(m["kind"], m["group"])
-        formula = latencies * fit.latency_us * 1e-6 + share * m["bytes"] / (fit.gbps * 1e9)
-        out[f"{m['kind']}/{m['group']}/{m['bytes']}"] = (formula - m["seconds"]) / m["seconds"] * 100
-    return out
+    return replace(fit, residual_pct={**fit.residual_pct, **link_residuals(sends, fit.latency_us, fit.gbps)})
 
 
 def with_link(calibration: Calibration) -> Calibration:

@@ -160,8 +160,7 @@ def _options(args: argparse.Namespace):
         return RLOptions(task=args.task, prompts_per_step=args.prompts, grpo=grpo, top_k=args.top_k,
                          top_p=args.top_p, max_new_tokens=args.max_new_tokens, replay=not args.no_replay,
                          replay_stats_every=args.replay_stats_every, group_by_length=args.group_by_length,
-                         eval_every=args.eval_every,
-                         eval_size=args.eval_size)
+                         eval_every=args.eval_every, eval_size=args.eval_size)
     except ValidationError as exc:
         parts = []
         for item in exc.errors():

@@ -6,11 +6,12 @@ one direction, per device, in GB/s (10^9 bytes/s); HBM in GB (10^9 bytes) as ven
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
-COLLECTIVE_KINDS = ("all_reduce", "all_gather", "all_to_all")
+CollectiveKind = Literal["all_reduce", "all_gather", "all_to_all"]
+COLLECTIVE_KINDS: tuple[str, ...] = get_args(CollectiveKind)
 
 
 class CollectiveLink(BaseModel):
@@ -42,8 +43,7 @@ class ClusterConfig(BaseModel):
     """Per-device, one-way network bandwidth between nodes (InfiniBand, RoCE)."""
     intra_node_latency_us: float = Field(default=3.0, ge=0)
     inter_node_latency_us: float = Field(default=10.0, ge=0)
-    collective_links: dict[Literal["all_reduce", "all_gather", "all_to_all"], CollectiveLink] = Field(
-        default_factory=dict)
+    collective_links: dict[CollectiveKind, CollectiveLink] = Field(default_factory=dict)
     """Measured in-node links by collective kind; a kind given here is priced on its own link instead of
     ``intra_node_*`` (and the calibration's ``bus_intra``). Empty for the presets."""
     notes: str = ""

@@ -37,6 +37,7 @@ __all__ = [
     "expert_compute_time",
     "fit_link",
     "gemm_time",
+    "link_residuals",
     "p2p_time",
     "ranks_per_node",
     "reduce_scatter_time",
@@ -201,9 +202,20 @@ class LinkFit:
                                           "collective_links": links})
 
 
-def _fit_one(measurements: list[dict]) -> tuple[float, float, dict[str, float]]:
-    """(latency µs, bandwidth GB/s, residuals %) for which ``collective_terms`` best reproduce
-    ``measurements``: least squares on the relative error, both terms kept non-negative."""
+def link_residuals(measurements: list[dict], latency_us: float, gbps: float) -> dict[str, float]:
+    """Per measurement (``kind/group/bytes``): (formula − measured) / measured, in %, on a link of
+    ``latency_us`` and ``gbps``."""
+    out = {}
+    for m in measurements:
+        latencies, share = collective_terms(m["kind"], m["group"])
+        formula = latencies * latency_us * 1e-6 + share * m["bytes"] / (gbps * 1e9)
+        out[f"{m['kind']}/{m['group']}/{m['bytes']}"] = float((formula - m["seconds"]) / m["seconds"] * 100)
+    return out
+
+
+def _fit_one(measurements: list[dict]) -> tuple[float, float]:
+    """(latency µs, bandwidth GB/s) for which ``collective_terms`` best reproduce ``measurements``: least
+    squares on the relative error, both terms kept non-negative (an infinite bandwidth: no byte term)."""
     terms = [collective_terms(m["kind"], m["group"]) for m in measurements]
     seconds = np.array([m["seconds"] for m in measurements], dtype=float)
     design = np.array([[lat, share * m["bytes"]] for (lat, share), m in zip(terms, measurements)], dtype=float)
@@ -214,10 +226,7 @@ def _fit_one(measurements: list[dict]) -> tuple[float, float, dict[str, float]]:
         only = weighted[:, column]
         value = float(only @ np.ones_like(seconds) / (only @ only))
         latency, per_byte = (value, 0.0) if column == 0 else (0.0, value)
-    predicted = design @ np.array([latency, per_byte])
-    residual = {f"{m['kind']}/{m['group']}/{m['bytes']}": float((p - t) / t * 100)
-                for m, p, t in zip(measurements, predicted, seconds)}
-    return float(latency) * 1e6, float(1e-9 / per_byte) if per_byte > 0 else float("inf"), residual
+    return float(latency) * 1e6, float(1e-9 / per_byte) if per_byte > 0 else float("inf")
 
 
 def fit_link(measurements: list[dict]) -> LinkFit:
@@ -227,25 +236,15 @@ def fit_link(measurements: list[dict]) -> LinkFit:
     finds no bandwidth term (every size latency-bound) takes the overall bandwidth."""
     if not measurements:
         raise ValueError("no collective measurements to fit")
-    latency, gbps, residual = _fit_one(measurements)
+    latency, gbps = _fit_one(measurements)
+    residual = link_residuals(measurements, latency, gbps)
     kinds = {}
     for kind in COLLECTIVE_KINDS:
         own = [m for m in measurements if m["kind"] == kind]
         if len({m["bytes"] for m in own}) < 2:
             continue
-        kind_latency, kind_gbps, kind_residual = _fit_one(own)
-        if not np.isfinite(kind_gbps):
-            kind_gbps = gbps
-            kind_residual = _fit_residuals(own, kind_latency, kind_gbps)
-        kinds[kind] = LinkFit(kind_latency, kind_gbps, kind_residual)
-        residual.update(kind_residual)
+        kind_latency, kind_gbps = _fit_one(own)
+        kind_gbps = kind_gbps if np.isfinite(kind_gbps) else gbps
+        kinds[kind] = LinkFit(kind_latency, kind_gbps, link_residuals(own, kind_latency, kind_gbps))
+        residual.update(kinds[kind].residual_pct)
     return LinkFit(latency, gbps, residual, kinds)
-
-
-def _fit_residuals(measurements: list[dict], latency_us: float, gbps: float) -> dict[str, float]:
-    out = {}
-    for m in measurements:
-        latencies, share = collective_terms(m["kind"], m["group"])
-        formula = latencies * latency_us * 1e-6 + share * m["bytes"] / (gbps * 1e9)
-        out[f"{m['kind']}/{m['group']}/{m['bytes']}"] = float((formula - m["seconds"]) / m["seconds"] * 100)
-    return out

@@ -222,7 +222,6 @@ class RLTrainer(Trainer):
         parallel = self.spec.parallel
         return Batching(self.cfg.micro_batch, parallel.tp, self.options.group_by_length, self.dp_rank, parallel.dp)
 
-
     def proximal_logprobs(self, sequences: TrainingSequences) -> torch.Tensor | None:
         """π_old of the ratio when it is not the trained weights before the step (None: it is; the
         StaleSync trainer's decoupled loss overrides this)."""
