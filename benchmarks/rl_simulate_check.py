@@ -88,6 +88,7 @@ from moetrain.rl.generate import SamplingParams, sample
 from moetrain.rl.loop import policy_config
 from moetrain.rl.sft import sequence_len_for
 from moetrain.rl.tasks import get_task
+from moetrain.train.host_memory import keep_freed_host_memory
 from moetrain.train.profiler import profile_collectives, profile_sync_rates, profile_weight_sync
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -222,6 +223,7 @@ def _timed_loop(step, count: int, barrier) -> float:
 
 def _matmul_loop(queue, barrier, work: tuple[int, int] | None = None) -> None:
     torch.set_num_threads(1)
+    keep_freed_host_memory()  # as the runs' processes
     if work is None:
         a, b = torch.randn(384, 384), torch.randn(384, 384)
         step, count = (lambda: a @ b), CAPACITY_MATMULS
@@ -640,6 +642,7 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/rl_simulate_check_cpu.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    keep_freed_host_memory()  # the probes below run in this process: under the runs' allocator
     load_before = os.getloadavg()[0]
     switch = json.loads((RESULTS / "rl_switch_cpu.json").read_text())
     switch_2_ranks = json.loads((RESULTS / "rl_switch_cpu_2ranks.json").read_text())

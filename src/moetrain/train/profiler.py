@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from moetrain.config.cluster import ClusterConfig
 from moetrain.config.model import ModelConfig
 from moetrain.planner.compute import attention_head_dim_factor
+from moetrain.train.host_memory import keep_freed_host_memory
 
 # (m, n, k). The first two (overhead-bound) give the fixed cost per call, the last three (rate-bound)
 # the asymptotic speed; a GPU needs far larger shapes than a CPU core to reach its rate.
@@ -61,6 +62,8 @@ def _timed(fn, repeats: int, device: str) -> float:
 def profile_device(cluster: ClusterConfig, model: ModelConfig, device: str, repeats: int) -> tuple[dict, dict]:
     """(raw measurements, fitted efficiencies) for ``cluster``'s peaks on ``device``."""
     kind = _kind(device)
+    if kind == "cpu":
+        keep_freed_host_memory()  # the runtime's CPU processes do: the probes run under the same allocator
     dtype = torch.float32 if kind == "cpu" else torch.bfloat16
     peak = cluster.peak_flops("bf16")
     measured: dict = {"device": torch.cuda.get_device_name(device) if kind == "cuda" else device,
@@ -227,6 +230,7 @@ def _comm_ranks(rank: int, world_size: int, sizes: tuple[int, ...], repeats: int
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    keep_freed_host_memory()  # as the runtime's ranks
     world = dist.group.WORLD
     pairs = [dist.new_group([r, r + 1]) for r in range(0, world_size - 1, 2)]  # every rank creates every group
     mine = pairs[rank // 2]
@@ -287,6 +291,7 @@ def _whole_sync(rank: int, world_size: int, model_cfg: ModelConfig, bucket_bytes
     from moetrain.models.transformer import build_model
 
     torch.set_num_threads(1)
+    keep_freed_host_memory()
     models = [build_model(model_cfg, torch.device("cpu"), seed=seed) for seed in (0, 1)]
     views = [tensor_views({n: v.detach() for n, v in m.state_dict(keep_vars=True).items()}, None) for m in models]
     sync = WeightSync.plan(views[0], views[1], bucket_bytes, torch.distributed.group.WORLD)
@@ -313,6 +318,7 @@ def profile_sync_rates(repeats: int = 5, num_bytes: int = SYNC_PROBE_BYTES) -> d
     own ``_crc``: the bytes to host, then zlib), as bytes per second."""
     from moetrain.distributed.weight_sync import _crc
 
+    keep_freed_host_memory()  # as the runtime's CPU processes, which run the sync
     src = torch.randint(0, 255, (num_bytes,), dtype=torch.uint8)
     dst = torch.empty_like(src)
     pack = _timed(lambda: torch.cat([src, src[:16]]), repeats, "cpu")  # into a fresh bucket, as ``_pack``

@@ -39,6 +39,7 @@ from moetrain.errors import UserError
 from moetrain.models.transformer import MoETransformer
 from moetrain.train.checkpoint import is_model_only, latest_checkpoint, read_marker, run_identity, should_save
 from moetrain.train.checks import check_run
+from moetrain.train.host_memory import keep_freed_host_memory
 from moetrain.train.metrics import (
     MetricsLogger,
     RoutingTraceWriter,
@@ -73,6 +74,8 @@ class Trainer:
         self.device = resolve_device(spec.run.device)
         if spec.run.threads is not None:
             torch.set_num_threads(spec.run.threads)
+        if self.device.type == "cpu":
+            keep_freed_host_memory()  # activations live in host memory: reuse it step after step
         if self.device.type == "cpu" and torch.get_num_threads() > 1:
             # With several threads the CPU backward of the token permutation (an accumulating
             # index_put) adds in thread order; deterministic mode fixes the order so that a resumed run
