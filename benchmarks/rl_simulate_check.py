@@ -40,9 +40,13 @@ batches run to the token limit.
 The runs put one thread per rank on the machine's cores. How much compute concurrent processes get
 together is measured too (``core_capacity``: the same one-thread loop of the runtime's forward of the
 run's model alone and in 2 or 4 processes at once, so that what the processes share besides the cores,
-the last-level cache, is seen; two SMT siblings of one physical core give about one core, not two): the 4
-ranks of rl_switch each get capacity/4 of a core (every rate divided by 4/capacity), and StaleSync's overlapped phases
-(k ≥ 1) share the 2-process capacity (``rl_step.overlapped_time``, processor sharing). Other users of the
+the last-level cache, is seen; two SMT siblings of one physical core give about one core, not two), each
+process on its own and paced (all meeting after every forward, as a layout's ranks meet in their
+collectives: the slowest sets the pace, which on a virtual machine whose cores run at different speeds
+is below the shared capacity): the 4 ranks of rl_switch each get the paced capacity/4 of a core (every rate
+divided by 4/capacity; its phases all end where the ranks meet), and StaleSync's overlapped phases (k ≥ 1),
+two processes that do not wait for each other, share the 2-process capacity on their own
+(``rl_step.overlapped_time``, processor sharing). Other users of the
 machine are not modelled beyond what the capacity probe sees: the load averages are recorded beside, and for
 rl_switch (which recorded its load) a sensitivity row prices the same step with each rank's share taken
 from that load average instead (not the prediction: it shows how much of the gap the machine's load can
@@ -210,18 +214,21 @@ def _forward_step(work: tuple[int, int], seed: int = 0):
     return lambda: model(ids)
 
 
-def _timed_loop(step, count: int, barrier) -> float:
-    """Seconds of ``count`` calls of ``step`` after a warm-up, started when every worker is at ``barrier``."""
+def _timed_loop(step, count: int, barrier, paced: bool = False) -> float:
+    """Seconds of ``count`` calls of ``step`` after a warm-up, started when every worker is at ``barrier``;
+    ``paced``: every worker waits at the barrier after each call, as ranks that meet in a collective do."""
     with torch.no_grad():
         step()
         barrier.wait()  # every worker imported and warmed up: the loops run at once
         start = time.perf_counter()
         for _ in range(count):
             step()
+            if paced:
+                barrier.wait()
     return time.perf_counter() - start
 
 
-def _matmul_loop(queue, barrier, work: tuple[int, int] | None = None) -> None:
+def _matmul_loop(queue, barrier, work: tuple[int, int] | None = None, paced: bool = False) -> None:
     torch.set_num_threads(1)
     keep_freed_host_memory()  # as the runs' processes
     if work is None:
@@ -229,7 +236,7 @@ def _matmul_loop(queue, barrier, work: tuple[int, int] | None = None) -> None:
         step, count = (lambda: a @ b), CAPACITY_MATMULS
     else:
         step, count = _forward_step(work), CAPACITY_FORWARDS
-    queue.put(_timed_loop(step, count, barrier))
+    queue.put(_timed_loop(step, count, barrier, paced))
 
 
 CAPACITY_MATMULS = 600
@@ -243,12 +250,12 @@ SWITCH_2_RANKS_WORK = (8, 64)
 """rl_switch's 2-rank run: the 8-layer model, 64 rows per replica."""
 
 
-def _concurrent_time(processes: int, work: tuple[int, int] | None = None) -> float:
+def _concurrent_time(processes: int, work: tuple[int, int] | None = None, paced: bool = False) -> float:
     """Mean seconds of the same one-thread loop (a GEMM, or with ``work`` = (layers, rows) the runtime's
-    forward) in ``processes`` processes started together."""
+    forward) in ``processes`` processes started together (``paced``: meeting after every call)."""
     context = mp.get_context("spawn")
     queue, barrier = context.Queue(), context.Barrier(processes)
-    workers = [context.Process(target=_matmul_loop, args=(queue, barrier, work)) for _ in range(processes)]
+    workers = [context.Process(target=_matmul_loop, args=(queue, barrier, work, paced)) for _ in range(processes)]
     for worker in workers:
         worker.start()
     times = [queue.get() for _ in workers]
@@ -257,16 +264,30 @@ def _concurrent_time(processes: int, work: tuple[int, int] | None = None) -> flo
     return statistics.mean(times)
 
 
-def core_capacity(processes: int, tries: int = 2, work: tuple[int, int] | None = None) -> float:
-    """Cores' worth of compute that ``processes`` one-thread processes get together: processes × (time of
-    the loop alone) / (its time when they run at once); the best of ``tries``. The loop is the runtime's
-    eager forward of the run's model (``work`` = (layers, rows); a GEMM loop without): each process then
-    brings its model's weights and activations, as the runs' processes do, so the probe sees what they
-    share besides the cores (the last-level cache: 4 ranks' models do not fit in it together where one
-    does). Two SMT siblings of one physical core give about 1, not 2; other users of the machine take their
-    share too."""
+@dataclass(frozen=True)
+class Capacity:
+    """Cores' worth of compute that concurrent one-thread processes get together."""
+
+    shared: float
+    """Each process on its own: processes × (the loop's time alone) / (its mean time when they run at once)."""
+    paced: float
+    """Processes that wait for each other after every call, as the ranks of one training layout meet in
+    their collectives: the slowest of them sets every call's pace. On a virtual machine whose cores run
+    at different speeds (another tenant on a core's sibling thread) this is well below ``shared``."""
+
+
+def core_capacity(processes: int, tries: int = 2, work: tuple[int, int] | None = None) -> Capacity:
+    """Cores' worth of compute that ``processes`` one-thread processes get together, on their own and paced
+    (``Capacity``): processes × (time of the loop alone) / (its time when they run at once); each the best of
+    ``tries``. The loop is the runtime's eager forward of the run's model (``work`` = (layers, rows); a GEMM
+    loop without): each process then brings its model's weights and activations, as the runs' processes
+    do, so the probe sees what they share besides the cores (the last-level cache: 4 ranks' models do not
+    fit in it together where one does). Two SMT siblings of one physical core give about 1, not 2; other
+    users of the machine take their share too."""
     alone = min(_concurrent_time(1, work) for _ in range(tries))
-    return max(processes * alone / _concurrent_time(processes, work) for _ in range(tries))
+    best = lambda paced: max(processes * alone / _concurrent_time(processes, work, paced)  # noqa: E731
+                             for _ in range(tries))
+    return Capacity(best(False), best(True))
 
 
 def threads_capacity(work: tuple[int, int], tries: int = 2) -> float:
@@ -370,7 +391,7 @@ def sync_probes(repeats: int) -> dict:
             **{f"whole_sync_{layers}_layers": profile_weight_sync(policy_model(layers), repeats) for layers in (8, 4)}}
 
 
-def colocated_rows(measured: dict, calibration: Calibration, host: HostCosts, capacity: float, link: LinkFit,
+def colocated_rows(measured: dict, calibration: Calibration, host: HostCosts, capacity: Capacity, link: LinkFit,
                    sync_rates: dict) -> list[dict]:
     """``measured``: an rl_switch.py result; ``capacity``: cores' worth its ranks get together
     (``core_capacity``); ``link``: the ranks' gloo collectives (``link_fit``); ``sync_rates``: the weight
@@ -388,12 +409,14 @@ def colocated_rows(measured: dict, calibration: Calibration, host: HostCosts, ca
     calibration = with_link(calibration)
     load_slow = max(load, config["ranks"]) / (os.cpu_count() or 1) if load else None
     at_load = shared_cores(calibration, host, load_slow) if load_slow else None
-    slow = config["ranks"] / capacity
+    # Every phase of the step ends where the ranks meet (the rows' gather, the sync, the training's
+    # collectives): they move at the pace of the slowest, the paced capacity.
+    slow = config["ranks"] / capacity.paced
     one_core, one_core_host = calibration, host
     calibration, host = shared_cores(calibration, host, slow)
     # The sync's buckets run one after the other (``rl_step._colocated_transfers``): one rank packs or writes
     # while the others wait in gloo, taking no CPU, so the sync runs at one process's rates.
-    sync = shared_sync(sync_rates, 1.0 / min(1.0, capacity), 8)
+    sync = shared_sync(sync_rates, 1.0 / min(1.0, capacity.shared), 8)
     cluster = link.cluster(load_cluster_config("cpu"))
     rows = []
     for variant in measured["variants"]:
@@ -412,7 +435,7 @@ def colocated_rows(measured: dict, calibration: Calibration, host: HostCosts, ca
         # without spinning), so the ranks that compute share the capacity: on average ranks × (1 − the
         # pipeline's bubble fraction) of them (all of them without a pipeline).
         busy = config["ranks"] * (1.0 - float(training_prediction(workload, layout, calibration).bubble_fraction))
-        train_calibration, _ = shared_cores(one_core, one_core_host, busy / capacity)
+        train_calibration, _ = shared_cores(one_core, one_core_host, busy / capacity.paced)
         predicted = price_rl_step(workload, layout, calibration, host, sync, train_calibration)
         alone = price_rl_step(workload, layout, one_core, one_core_host).phases.generate_s
         loaded = (price_rl_step(workload, layout, *at_load, shared_sync(sync_rates, load_slow, 8)).step_s
@@ -559,7 +582,7 @@ class Rates:
     disturbed first."""
     hosts: dict[int, HostCosts]
     """By the model's number of layers (StaleSync runs 4, rl_switch 8)."""
-    capacity: dict[int, float]
+    capacity: dict[int, Capacity]
     """Cores' worth of 2 and 4 concurrent processes."""
     thread_capacity: float
     """Cores' worth of 2 concurrent threads of one process (the colocated StaleSync run)."""
@@ -569,7 +592,7 @@ class Rates:
     """Gloo collectives on rl_switch's 4 ranks (``profile_collectives``)."""
     sync: dict
     """The weight sync's copy and CRC rates on one core (``profile_sync_rates``)."""
-    switch_2_ranks_capacity: float
+    switch_2_ranks_capacity: Capacity
     """Cores' worth of rl_switch's 2 ranks (the 8-layer forward at 64 rows)."""
     collectives_2_ranks: list[dict]
     """Gloo collectives on 2 ranks."""
@@ -593,7 +616,7 @@ def compare(switch: dict, switch_2_ranks: dict, stalesync: dict, rates: Rates) -
         return (colocated_rows(switch, eight, rates.hosts[8], rates.capacity[4], rates.link, rates.sync)
                 + colocated_rows(switch_2_ranks, eight, rates.hosts[8], rates.switch_2_ranks_capacity,
                                  rates.link_2_ranks, rates.sync)
-                + stalesync_rows(stalesync, four, rates.hosts[4], rates.longest, rates.capacity[2],
+                + stalesync_rows(stalesync, four, rates.hosts[4], rates.longest, rates.capacity[2].shared,
                                  rates.thread_capacity, rates.sync, list(rates.running)))
 
     per_profile = [predict(i) for i in range(PROFILES)]
@@ -657,9 +680,11 @@ def main() -> None:
                   profile_collectives(COLOCATED_RANKS), sync_probes(args.repeats),
                   core_capacity(2, work=SWITCH_2_RANKS_WORK), profile_collectives(2), tuple(running))
     gemm_capacity = {n: core_capacity(n) for n in (2, 4)}
-    print(f"cores' worth of 2 and 4 concurrent processes (the runs' forwards): {rates.capacity[2]:.2f}, "
-          f"{rates.capacity[4]:.2f}; of 2 threads of one process: {rates.thread_capacity:.2f}; of a GEMM loop "
-          f"(recorded, not used): {gemm_capacity[2]:.2f}, {gemm_capacity[4]:.2f}")
+    print(f"cores' worth of 2 and 4 concurrent processes (the runs' forwards; on their own / paced): "
+          f"{rates.capacity[2].shared:.2f} / {rates.capacity[2].paced:.2f}, {rates.capacity[4].shared:.2f} / "
+          f"{rates.capacity[4].paced:.2f}; rl_switch's 2 ranks {rates.switch_2_ranks_capacity.shared:.2f} / "
+          f"{rates.switch_2_ranks_capacity.paced:.2f}; of 2 threads of one process: {rates.thread_capacity:.2f}; "
+          f"of a GEMM loop (recorded, not used): {gemm_capacity[2].shared:.2f}, {gemm_capacity[4].shared:.2f}")
     link = rates.link
     print(f"gloo link of {COLOCATED_RANKS} ranks: {link.latency_us:.0f} µs per message step, {link.gbps:.2f} GB/s; "
           f"weight sync per core: copy {rates.sync['copy_bytes_per_s'] / 1e9:.2f} GB/s, "
@@ -685,14 +710,14 @@ def main() -> None:
                   "profiles": {f"policy_{layers}_layers": [c.per_arch["cpu"] for c in runs]
                                for layers, runs in rates.calibrations.items()},
                   "host_4_layers": asdict(rates.hosts[4]), "host_8_layers": asdict(rates.hosts[8]),
-                  "cpu_count": os.cpu_count(), "core_capacity_2_processes": rates.capacity[2],
-                  "core_capacity_4_processes": rates.capacity[4],
+                  "cpu_count": os.cpu_count(), "core_capacity_2_processes": asdict(rates.capacity[2]),
+                  "core_capacity_4_processes": asdict(rates.capacity[4]),
                   "core_capacity_2_threads": rates.thread_capacity,
                   "capacity_work_layers_rows": CAPACITY_WORK,
-                  "core_capacity_gemm_2_processes": gemm_capacity[2],
-                  "core_capacity_gemm_4_processes": gemm_capacity[4],
+                  "core_capacity_gemm_2_processes": asdict(gemm_capacity[2]),
+                  "core_capacity_gemm_4_processes": asdict(gemm_capacity[4]),
                   "collectives_4_ranks": rates.collectives, "link_4_ranks": asdict(link),
-                  "core_capacity_rl_switch_2_ranks": rates.switch_2_ranks_capacity,
+                  "core_capacity_rl_switch_2_ranks": asdict(rates.switch_2_ranks_capacity),
                   "collectives_2_ranks": rates.collectives_2_ranks, "link_2_ranks": asdict(rates.link_2_ranks),
                   "weight_sync_per_core": rates.sync, "generation_alone_one_replica_s": alone},
         "load_average_1min_before": load_before, "load_average_1min_after": os.getloadavg()[0],
