@@ -40,12 +40,14 @@ batches run to the token limit.
 The runs put one thread per rank on the machine's cores. How much compute concurrent processes get
 together is measured too (``core_capacity``: the same one-thread loop of the runtime's forward of the
 run's model alone and in 2 or 4 processes at once, so that what the processes share besides the cores,
-the last-level cache, is seen; two SMT siblings of one physical core give about one core, not two), each
-process on its own and paced (all meeting after every forward, as a layout's ranks meet in their
-collectives: the slowest sets the pace, which on a virtual machine whose cores run at different speeds
-is below the shared capacity): the 4 ranks of rl_switch each get the paced capacity/4 of a core (every rate
-divided by 4/capacity; its phases all end where the ranks meet), and StaleSync's overlapped phases (k ≥ 1),
-two processes that do not wait for each other, share the 2-process capacity on their own
+the last-level cache, is seen; two SMT siblings of one physical core give about one core, not two), three
+ways (``Capacity``): by the processes' mean time, by the slowest of them, and paced (all meeting after
+every forward, as a layout's ranks meet in their collectives: the slowest sets every call's pace; on a
+virtual machine whose cores run at different speeds these two are below the mean). The ranks of
+rl_switch generate and run the routing forward each on its own until they meet to gather: each gets the
+slowest-process capacity / ranks of a core (every rate divided by ranks/capacity); their training meets in
+every layer, at the paced capacity. StaleSync's overlapped phases (k ≥ 1), two processes that do not wait
+for each other, share the 2-process capacity by the mean
 (``rl_step.overlapped_time``, processor sharing). Other users of the
 machine are not modelled beyond what the capacity probe sees: the load averages are recorded beside, and for
 rl_switch (which recorded its load) a sensitivity row prices the same step with each rank's share taken
@@ -250,9 +252,9 @@ SWITCH_2_RANKS_WORK = (8, 64)
 """rl_switch's 2-rank run: the 8-layer model, 64 rows per replica."""
 
 
-def _concurrent_time(processes: int, work: tuple[int, int] | None = None, paced: bool = False) -> float:
-    """Mean seconds of the same one-thread loop (a GEMM, or with ``work`` = (layers, rows) the runtime's
-    forward) in ``processes`` processes started together (``paced``: meeting after every call)."""
+def _concurrent_times(processes: int, work: tuple[int, int] | None = None, paced: bool = False) -> list[float]:
+    """Seconds of the same one-thread loop (a GEMM, or with ``work`` = (layers, rows) the runtime's forward)
+    in each of ``processes`` processes started together (``paced``: meeting after every call)."""
     context = mp.get_context("spawn")
     queue, barrier = context.Queue(), context.Barrier(processes)
     workers = [context.Process(target=_matmul_loop, args=(queue, barrier, work, paced)) for _ in range(processes)]
@@ -261,7 +263,7 @@ def _concurrent_time(processes: int, work: tuple[int, int] | None = None, paced:
     times = [queue.get() for _ in workers]
     for worker in workers:
         worker.join()
-    return statistics.mean(times)
+    return times
 
 
 @dataclass(frozen=True)
@@ -270,6 +272,9 @@ class Capacity:
 
     shared: float
     """Each process on its own: processes × (the loop's time alone) / (its mean time when they run at once)."""
+    slowest: float
+    """The same run, by its slowest process: what independent processes that meet once at the end (the
+    generation replicas before their rows' gather) get, the last of them setting the end."""
     paced: float
     """Processes that wait for each other after every call, as the ranks of one training layout meet in
     their collectives: the slowest of them sets every call's pace. On a virtual machine whose cores run
@@ -284,10 +289,11 @@ def core_capacity(processes: int, tries: int = 2, work: tuple[int, int] | None =
     do, so the probe sees what they share besides the cores (the last-level cache: 4 ranks' models do not
     fit in it together where one does). Two SMT siblings of one physical core give about 1, not 2; other
     users of the machine take their share too."""
-    alone = min(_concurrent_time(1, work) for _ in range(tries))
-    best = lambda paced: max(processes * alone / _concurrent_time(processes, work, paced)  # noqa: E731
-                             for _ in range(tries))
-    return Capacity(best(False), best(True))
+    alone = min(_concurrent_times(1, work)[0] for _ in range(tries))
+    free = [_concurrent_times(processes, work) for _ in range(tries)]
+    paced = max(processes * alone / statistics.mean(_concurrent_times(processes, work, True)) for _ in range(tries))
+    return Capacity(max(processes * alone / statistics.mean(times) for times in free),
+                    max(processes * alone / max(times) for times in free), paced)
 
 
 def threads_capacity(work: tuple[int, int], tries: int = 2) -> float:
@@ -409,9 +415,9 @@ def colocated_rows(measured: dict, calibration: Calibration, host: HostCosts, ca
     calibration = with_link(calibration)
     load_slow = max(load, config["ranks"]) / (os.cpu_count() or 1) if load else None
     at_load = shared_cores(calibration, host, load_slow) if load_slow else None
-    # Every phase of the step ends where the ranks meet (the rows' gather, the sync, the training's
-    # collectives): they move at the pace of the slowest, the paced capacity.
-    slow = config["ranks"] / capacity.paced
+    # Generation and the forwards run on every rank on its own and end where the ranks meet (the rows'
+    # gather): the slowest rank sets the end. Training meets in every layer's collectives (paced, below).
+    slow = config["ranks"] / capacity.slowest
     one_core, one_core_host = calibration, host
     calibration, host = shared_cores(calibration, host, slow)
     # The sync's buckets run one after the other (``rl_step._colocated_transfers``): one rank packs or writes
@@ -680,10 +686,10 @@ def main() -> None:
                   profile_collectives(COLOCATED_RANKS), sync_probes(args.repeats),
                   core_capacity(2, work=SWITCH_2_RANKS_WORK), profile_collectives(2), tuple(running))
     gemm_capacity = {n: core_capacity(n) for n in (2, 4)}
-    print(f"cores' worth of 2 and 4 concurrent processes (the runs' forwards; on their own / paced): "
-          f"{rates.capacity[2].shared:.2f} / {rates.capacity[2].paced:.2f}, {rates.capacity[4].shared:.2f} / "
-          f"{rates.capacity[4].paced:.2f}; rl_switch's 2 ranks {rates.switch_2_ranks_capacity.shared:.2f} / "
-          f"{rates.switch_2_ranks_capacity.paced:.2f}; of 2 threads of one process: {rates.thread_capacity:.2f}; "
+    shown = lambda c: f"{c.shared:.2f} / {c.slowest:.2f} / {c.paced:.2f}"  # noqa: E731
+    print(f"cores' worth of 2 and 4 concurrent processes (the runs' forwards; on their own / by the slowest / "
+          f"paced): {shown(rates.capacity[2])}, {shown(rates.capacity[4])}; rl_switch's 2 ranks "
+          f"{shown(rates.switch_2_ranks_capacity)}; of 2 threads of one process: {rates.thread_capacity:.2f}; "
           f"of a GEMM loop (recorded, not used): {gemm_capacity[2].shared:.2f}, {gemm_capacity[4].shared:.2f}")
     link = rates.link
     print(f"gloo link of {COLOCATED_RANKS} ranks: {link.latency_us:.0f} µs per message step, {link.gbps:.2f} GB/s; "
