@@ -45,10 +45,11 @@ ways (``Capacity``): by the processes' mean time, by the slowest of them, and pa
 every forward, as a layout's ranks meet in their collectives: the slowest sets every call's pace; on a
 virtual machine whose cores run at different speeds these two are below the mean). The ranks of
 rl_switch generate and run the routing forward each on its own until they meet to gather: each gets the
-slowest-process capacity / ranks of a core (every rate divided by ranks/capacity); their training meets in
-every layer, at the paced capacity. StaleSync's overlapped phases (k ≥ 1), two processes that do not wait
-for each other, share the 2-process capacity by the mean
-(``rl_step.overlapped_time``, processor sharing). Other users of the
+slowest-process capacity / ranks of a core (every rate divided by ranks/capacity) of the same probe with
+each process generating its replica's rows (``replica_generation``: the engine's host work shares the
+cores otherwise than a forward); their training meets in every layer, at the forward's paced capacity.
+StaleSync's overlapped phases (k ≥ 1), two processes that do not wait for each other, share the 2-process
+capacity by the mean (``rl_step.overlapped_time``, processor sharing). Other users of the
 machine are not modelled beyond what the capacity probe sees: the load averages are recorded beside, and for
 rl_switch (which recorded its load) a sensitivity row prices the same step with each rank's share taken
 from that load average instead (not the prediction: it shows how much of the gap the machine's load can
@@ -77,7 +78,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -230,12 +231,14 @@ def _timed_loop(step, count: int, barrier, paced: bool = False) -> float:
     return time.perf_counter() - start
 
 
-def _matmul_loop(queue, barrier, work: tuple[int, int] | None = None, paced: bool = False) -> None:
+def _matmul_loop(queue, barrier, work: tuple[int, int] | dict | None = None, paced: bool = False) -> None:
     torch.set_num_threads(1)
     keep_freed_host_memory()  # as the runs' processes
     if work is None:
         a, b = torch.randn(384, 384), torch.randn(384, 384)
         step, count = (lambda: a @ b), CAPACITY_MATMULS
+    elif isinstance(work, dict):  # an rl_switch run's config: one replica's generation
+        step, count = replica_generation(work), CAPACITY_GENERATIONS
     else:
         step, count = _forward_step(work), CAPACITY_FORWARDS
     queue.put(_timed_loop(step, count, barrier, paced))
@@ -243,6 +246,7 @@ def _matmul_loop(queue, barrier, work: tuple[int, int] | None = None, paced: boo
 
 CAPACITY_MATMULS = 600
 CAPACITY_FORWARDS = 40
+CAPACITY_GENERATIONS = 6
 CAPACITY_TOKENS = 4
 CAPACITY_WORK = {2: (4, 128), 4: (8, 32)}
 """The forward the capacity of n processes is measured with: (layers, rows) of the run with n processes
@@ -252,9 +256,10 @@ SWITCH_2_RANKS_WORK = (8, 64)
 """rl_switch's 2-rank run: the 8-layer model, 64 rows per replica."""
 
 
-def _concurrent_times(processes: int, work: tuple[int, int] | None = None, paced: bool = False) -> list[float]:
-    """Seconds of the same one-thread loop (a GEMM, or with ``work`` = (layers, rows) the runtime's forward)
-    in each of ``processes`` processes started together (``paced``: meeting after every call)."""
+def _concurrent_times(processes: int, work: tuple[int, int] | dict | None = None, paced: bool = False) -> list[float]:
+    """Seconds of the same one-thread loop (a GEMM; with ``work`` = (layers, rows) the runtime's forward; with
+    an rl_switch run's config one replica's generation) in each of ``processes`` processes started together
+    (``paced``: meeting after every call)."""
     context = mp.get_context("spawn")
     queue, barrier = context.Queue(), context.Barrier(processes)
     workers = [context.Process(target=_matmul_loop, args=(queue, barrier, work, paced)) for _ in range(processes)]
@@ -281,7 +286,7 @@ class Capacity:
     at different speeds (another tenant on a core's sibling thread) this is well below ``shared``."""
 
 
-def core_capacity(processes: int, tries: int = 2, work: tuple[int, int] | None = None) -> Capacity:
+def core_capacity(processes: int, tries: int = 2, work: tuple[int, int] | dict | None = None) -> Capacity:
     """Cores' worth of compute that ``processes`` one-thread processes get together, on their own and paced
     (``Capacity``): processes × (time of the loop alone) / (its time when they run at once); each the best of
     ``tries``. The loop is the runtime's eager forward of the run's model (``work`` = (layers, rows); a GEMM
@@ -397,11 +402,12 @@ def sync_probes(repeats: int) -> dict:
             **{f"whole_sync_{layers}_layers": profile_weight_sync(policy_model(layers), repeats) for layers in (8, 4)}}
 
 
-def colocated_rows(measured: dict, calibration: Calibration, host: HostCosts, capacity: Capacity, link: LinkFit,
-                   sync_rates: dict) -> list[dict]:
-    """``measured``: an rl_switch.py result; ``capacity``: cores' worth its ranks get together
-    (``core_capacity``); ``link``: the ranks' gloo collectives (``link_fit``); ``sync_rates``: the weight
-    sync's copy and CRC rates on one core (``profile_sync_rates``)."""
+def colocated_rows(measured: dict, calibration: Calibration, host: HostCosts, capacities: tuple[Capacity, Capacity],
+                   link: LinkFit, sync_rates: dict) -> list[dict]:
+    """``measured``: an rl_switch.py result; ``capacities``: cores' worth its ranks get together running the
+    model's forward and generating (``core_capacity``); ``link``: the ranks' gloo collectives (``link_fit``);
+    ``sync_rates``: the weight sync's copy and CRC rates on one core (``profile_sync_rates``)."""
+    capacity, generating = capacities
     config = measured["config"]
     task = get_task(config["task"])
     # the runtime runs tp > 1 with sequence parallelism only
@@ -415,9 +421,11 @@ def colocated_rows(measured: dict, calibration: Calibration, host: HostCosts, ca
     calibration = with_link(calibration)
     load_slow = max(load, config["ranks"]) / (os.cpu_count() or 1) if load else None
     at_load = shared_cores(calibration, host, load_slow) if load_slow else None
-    # Generation and the forwards run on every rank on its own and end where the ranks meet (the rows'
-    # gather): the slowest rank sets the end. Training meets in every layer's collectives (paced, below).
-    slow = config["ranks"] / capacity.slowest
+    # Generation and the routing forward run on every rank's generation model on its own and end where the
+    # ranks meet (the rows' gather): the slowest rank sets the end, at what the ranks get generating (more
+    # host work than a forward: with more processes than cores it shares them worse). Training meets in
+    # every layer's collectives (the forward's paced capacity, below).
+    slow = config["ranks"] / generating.slowest
     one_core, one_core_host = calibration, host
     calibration, host = shared_cores(calibration, host, slow)
     # The sync's buckets run one after the other (``rl_step._colocated_transfers``): one rank packs or writes
@@ -457,11 +465,9 @@ def colocated_rows(measured: dict, calibration: Calibration, host: HostCosts, ca
     return rows
 
 
-def generation_alone(config: dict, repeats: int) -> float:
-    """A diagnostic, not used by the prediction: seconds of one rl_switch replica's generation (its share of
-    step 2's rows, the 8-layer policy, the engine as RL Fusion runs it) in one process alone, the fastest of
-    ``repeats``. Beside the planner's generation at one core (``generation_priced_one_core_s`` of the
-    colocated rows) it shows the engine's own work that the price does not see."""
+def replica_generation(config: dict):
+    """One rl_switch replica's generation as a call: its share of step 2's rows (``config``: the run's, with
+    its ranks), the 8-layer policy, the engine as RL Fusion runs it."""
     from moetrain.rl.config import GRPOConfig, RLOptions
     from moetrain.rl.fusion import sample_generators
     from moetrain.rl.generate import RolloutEngine
@@ -485,7 +491,15 @@ def generation_alone(config: dict, repeats: int) -> float:
         engine.generate(prompts, params, sample_generators(0, 2, rows, cpu))
         engine.free_cache()
 
-    return _best_time(run, repeats)
+    return run
+
+
+def generation_alone(config: dict, repeats: int) -> float:
+    """A diagnostic, not used by the prediction: seconds of one rl_switch replica's generation
+    (``replica_generation``) in one process alone, the fastest of ``repeats``. Beside the planner's generation
+    at one core (``generation_priced_one_core_s`` of the colocated rows) it shows the engine's own work that
+    the price does not see."""
+    return _best_time(replica_generation(config), repeats)
 
 
 def stalesync_decode_steps(config: dict) -> tuple[list[int], list[float]]:
@@ -604,6 +618,8 @@ class Rates:
     """Gloo collectives on 2 ranks."""
     running: tuple[float, ...] = ()
     """Share of each steady StaleSync batch's rows running per decode step (empty: all of them)."""
+    generation_capacity: dict[int, Capacity] = field(default_factory=dict)
+    """Cores' worth of rl_switch's 4 and 2 ranks each generating its replica's rows (``replica_generation``)."""
 
     @property
     def link(self) -> LinkFit:
@@ -619,8 +635,10 @@ def compare(switch: dict, switch_2_ranks: dict, stalesync: dict, rates: Rates) -
     under every profile."""
     def predict(index: int) -> list[dict]:
         eight, four = rates.calibrations[8][index], rates.calibrations[4][index]
-        return (colocated_rows(switch, eight, rates.hosts[8], rates.capacity[4], rates.link, rates.sync)
-                + colocated_rows(switch_2_ranks, eight, rates.hosts[8], rates.switch_2_ranks_capacity,
+        return (colocated_rows(switch, eight, rates.hosts[8], (rates.capacity[4], rates.generation_capacity[4]),
+                               rates.link, rates.sync)
+                + colocated_rows(switch_2_ranks, eight, rates.hosts[8],
+                                 (rates.switch_2_ranks_capacity, rates.generation_capacity[2]),
                                  rates.link_2_ranks, rates.sync)
                 + stalesync_rows(stalesync, four, rates.hosts[4], rates.longest, rates.capacity[2].shared,
                                  rates.thread_capacity, rates.sync, list(rates.running)))
@@ -679,17 +697,21 @@ def main() -> None:
     longest, running = stalesync_decode_steps(stalesync["workload"])
     print(f"StaleSync batches' longest samples: {longest} tokens (mean {statistics.mean(longest):.1f}); rows "
           f"running per decode step: {statistics.mean(running):.2f} of each batch")
+    generating = {config["ranks"]: core_capacity(config["ranks"], work=config)
+                  for config in (switch["config"], switch_2_ranks["config"])}
     rates = Rates({layers: profile(args.repeats, layers) for layers in (4, 8)},
                   {layers: host_probe(layers, args.repeats) for layers in (4, 8)},
                   {n: core_capacity(n, work=CAPACITY_WORK[n]) for n in (2, 4)},
                   threads_capacity(CAPACITY_WORK[2]), longest,
                   profile_collectives(COLOCATED_RANKS), sync_probes(args.repeats),
-                  core_capacity(2, work=SWITCH_2_RANKS_WORK), profile_collectives(2), tuple(running))
+                  core_capacity(2, work=SWITCH_2_RANKS_WORK), profile_collectives(2), tuple(running), generating)
     gemm_capacity = {n: core_capacity(n) for n in (2, 4)}
     shown = lambda c: f"{c.shared:.2f} / {c.slowest:.2f} / {c.paced:.2f}"  # noqa: E731
     print(f"cores' worth of 2 and 4 concurrent processes (the runs' forwards; on their own / by the slowest / "
           f"paced): {shown(rates.capacity[2])}, {shown(rates.capacity[4])}; rl_switch's 2 ranks "
-          f"{shown(rates.switch_2_ranks_capacity)}; of 2 threads of one process: {rates.thread_capacity:.2f}; "
+          f"{shown(rates.switch_2_ranks_capacity)}; rl_switch's 4 and 2 ranks generating "
+          f"{shown(rates.generation_capacity[4])}, {shown(rates.generation_capacity[2])}; "
+          f"of 2 threads of one process: {rates.thread_capacity:.2f}; "
           f"of a GEMM loop (recorded, not used): {gemm_capacity[2].shared:.2f}, {gemm_capacity[4].shared:.2f}")
     link = rates.link
     print(f"gloo link of {COLOCATED_RANKS} ranks: {link.latency_us:.0f} µs per message step, {link.gbps:.2f} GB/s; "
@@ -724,6 +746,7 @@ def main() -> None:
                   "core_capacity_gemm_4_processes": asdict(gemm_capacity[4]),
                   "collectives_4_ranks": rates.collectives, "link_4_ranks": asdict(link),
                   "core_capacity_rl_switch_2_ranks": asdict(rates.switch_2_ranks_capacity),
+                  "core_capacity_generating": {ranks: asdict(c) for ranks, c in rates.generation_capacity.items()},
                   "collectives_2_ranks": rates.collectives_2_ranks, "link_2_ranks": asdict(rates.link_2_ranks),
                   "weight_sync_per_core": rates.sync, "generation_alone_one_replica_s": alone},
         "load_average_1min_before": load_before, "load_average_1min_after": os.getloadavg()[0],
