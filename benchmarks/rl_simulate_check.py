@@ -231,7 +231,7 @@ def _timed_loop(step, count: int, barrier, paced: bool = False) -> float:
     return time.perf_counter() - start
 
 
-def _matmul_loop(queue, barrier, work: tuple[int, int] | dict | None = None, paced: bool = False) -> None:
+def _capacity_worker(queue, barrier, work: tuple[int, int] | dict | None = None, paced: bool = False) -> None:
     torch.set_num_threads(1)
     keep_freed_host_memory()  # as the runs' processes
     if work is None:
@@ -262,7 +262,7 @@ def _concurrent_times(processes: int, work: tuple[int, int] | dict | None = None
     (``paced``: meeting after every call)."""
     context = mp.get_context("spawn")
     queue, barrier = context.Queue(), context.Barrier(processes)
-    workers = [context.Process(target=_matmul_loop, args=(queue, barrier, work, paced)) for _ in range(processes)]
+    workers = [context.Process(target=_capacity_worker, args=(queue, barrier, work, paced)) for _ in range(processes)]
     for worker in workers:
         worker.start()
     times = [queue.get() for _ in workers]

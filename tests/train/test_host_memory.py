@@ -46,3 +46,30 @@ def test_freed_memory_stays_in_the_process():
 def test_switches_are_set_once_and_say_whether_they_took():
     assert keep_freed_host_memory() is GLIBC
     assert keep_freed_host_memory() is GLIBC  # cached: the second call changes nothing
+
+
+# The same step on a rank that ``spawn`` starts from a process that never set the switches: ranks join
+# through ``init_world`` (spawn, torchrun, Ray actors), which sets them for a CPU rank.
+RANK = """
+import torch
+from moetrain.distributed.world import spawn
+def resident_mib():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+def step(rank, world_size):
+    buffers = [torch.empty(mib * 2**18).fill_(1.0) for mib in (1, 3, 8, 2, 12, 5, 30, 7) * 2]
+    peak = resident_mib()
+    del buffers
+    return peak, resident_mib()
+if __name__ == "__main__":
+    ((peak, after),) = spawn(step, 1)
+    print(peak, after)
+"""
+
+
+@pytest.mark.skipif(not GLIBC, reason="the switches are glibc's")
+def test_a_cpu_rank_keeps_its_freed_memory(tmp_path):
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True)
+    peak, after = map(float, done.stdout.split()[-2:])
+    assert peak - after < 8

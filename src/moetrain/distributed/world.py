@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from moetrain.train.host_memory import keep_freed_host_memory
+
 DEFAULT_TIMEOUT_S = 60.0
 """Collective timeout: a rank stuck waiting for a dead peer gives up after this long."""
 
@@ -35,7 +37,8 @@ def free_port() -> int:
 
 
 def init_world(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int, torch.device]:
-    """Join the process group torchrun (or ``spawn``) described in the environment."""
+    """Join the process group torchrun (or ``spawn``, or a Ray actor) described in the environment; a CPU
+    rank keeps the host memory it frees (``moetrain.train.host_memory``)."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -45,6 +48,7 @@ def init_world(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S)
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
+        keep_freed_host_memory()  # a CPU rank: its activations live in host memory, reused step after step
     if not dist.is_initialized():
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s),

@@ -57,7 +57,6 @@ from moetrain.rl.sft import prompt_ids
 from moetrain.rl.stalesync_stages import StageReport, middle_stage
 from moetrain.rl.tasks import get_task
 from moetrain.rl.tokenizer import CharTokenizer
-from moetrain.train.host_memory import keep_freed_host_memory
 
 ROLLOUT_RANK, TRAINER_RANK = 0, 1
 START_TAG = 3
@@ -209,7 +208,6 @@ class RolloutWorker:
         self.job, self.k = job, job.stale.staleness
         self.task, self.tokenizer = get_task(job.options.task), CharTokenizer()
         self.device = torch.device("cpu")
-        keep_freed_host_memory()  # as the trainer's process does (``moetrain.train.host_memory``)
         # built from seed 0: every value is overwritten (and checked) by the version-0 sync
         self.model: MoETransformer = build_model(job.model_cfg, self.device, seed=0).eval().requires_grad_(False)
         shapes = global_shapes(job.model_cfg)

@@ -230,7 +230,6 @@ def _comm_ranks(rank: int, world_size: int, sizes: tuple[int, ...], repeats: int
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    keep_freed_host_memory()  # as the runtime's ranks
     world = dist.group.WORLD
     pairs = [dist.new_group([r, r + 1]) for r in range(0, world_size - 1, 2)]  # every rank creates every group
     mine = pairs[rank // 2]
@@ -291,7 +290,6 @@ def _whole_sync(rank: int, world_size: int, model_cfg: ModelConfig, bucket_bytes
     from moetrain.models.transformer import build_model
 
     torch.set_num_threads(1)
-    keep_freed_host_memory()
     models = [build_model(model_cfg, torch.device("cpu"), seed=seed) for seed in (0, 1)]
     views = [tensor_views({n: v.detach() for n, v in m.state_dict(keep_vars=True).items()}, None) for m in models]
     sync = WeightSync.plan(views[0], views[1], bucket_bytes, torch.distributed.group.WORLD)
