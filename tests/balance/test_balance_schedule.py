@@ -132,3 +132,20 @@ def test_count_noise_prices_the_candidates_only_where_it_is_the_forecasts_error(
     assert not solve(measured(1.55 * count))
     # and never in the rule as it was before issue #28
     assert not solve(measured(0.0), stall_remedies=False)
+
+
+@pytest.mark.parametrize(("ep", "priced_under_count_noise"), [(8, False), (16, True)])
+def test_count_noise_prices_the_candidates_only_over_more_than_one_node(ep, priced_under_count_noise):
+    # h100-sxm-80gb has 8 GPUs per node: EP8 is one node, EP16 two; rank 0's experts are hot, and the schedule
+    # predicted this step's excess exactly (no forecast error at all, well within the gate)
+    costs = BalanceCostModel(load_model_config("deepseek-v3-671b"), load_cluster_config("h100-sxm-80gb"), ep)
+    assert costs.cluster.devices_per_node == 8
+    placement = ExpertPlacement.contiguous(256, ep, 256 // ep + 1)
+    loads = np.full(256, 512.0)
+    loads[: 256 // ep] = 4096.0
+    predictor = EMAPredictor(0.0)
+    rule = ReplanRule(costs, interval=10, horizon=50)
+    schedule = LayerSchedule(predicted_excess=rule.excess_seconds(placement, loads), forecast_noise=0.0)
+    decision, _ = rule.step(0, 0, schedule, placement, predictor, predictor.init_state(loads), loads)
+    assert decision is not None
+    assert decision.count_noise is priced_under_count_noise
