@@ -64,6 +64,13 @@ predicted phases that price them.
 ``--remeasure`` also runs rl_switch.py and rl_stalesync.py (one repeat) again right after the rates are
 measured (into a temporary folder; the committed results stay) and compares the same predictions with
 those runs, made under the same load as the rates.
+
+The machine's speed is a measurement too (``speed_reference``: a fixed one-thread forward, seconds per
+call), taken between the probes and right before and after each run made again: on a virtual machine
+whose speed moves by a fifth within minutes, a prediction from probes that caught it fast and a run that
+caught it slow differ by that much whatever the formulas. Each run made again is also compared with the
+prediction carried to the speed it saw (predicted × the run's reference / the probes' median reference;
+``*_at_run_speed``), beside the prediction itself, which stays the check's figure.
 """
 
 from __future__ import annotations
@@ -79,6 +86,7 @@ import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -120,6 +128,30 @@ def _best_time(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return min(times)
+
+
+SPEED_REFERENCE_WORK = (8, 32)
+"""The speed reference's forward: (layers, rows) of rl_switch's policy and one replica's rows."""
+SPEED_REFERENCE_CALLS = 15
+
+
+@cache
+def _speed_reference_step():
+    return _forward_step(SPEED_REFERENCE_WORK)
+
+
+def speed_reference() -> float:
+    """The machine's speed now: the median seconds of ``SPEED_REFERENCE_CALLS`` calls of a fixed one-thread
+    forward (``SPEED_REFERENCE_WORK``) in this process, after a warm-up call. Higher is slower."""
+    step = _speed_reference_step()
+    with torch.no_grad():
+        step()
+        times = []
+        for _ in range(SPEED_REFERENCE_CALLS):
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def policy_model(num_layers: int):
@@ -630,9 +662,27 @@ class Rates:
         return link_fit(self.collectives_2_ranks)
 
 
-def compare(switch: dict, switch_2_ranks: dict, stalesync: dict, rates: Rates) -> dict:
+def run_speed_ratio(run: dict, probe_speed: float | None) -> float | None:
+    """How much slower the machine ran during ``run`` (a result made again here, with its speed reference
+    before and after) than during the probes: the mean of its two references over the probes' median."""
+    references = run.get("config", {}).get("speed_reference_s")
+    if probe_speed is None or not references:
+        return None
+    return statistics.mean(references) / probe_speed
+
+
+def carry_to_run_speed(row: dict, ratio: float) -> None:
+    """The row's prediction carried to the speed its run saw (every rate scaled alike), beside the prediction."""
+    carried = row["predicted_step_s"] * ratio
+    error = (carried - row["measured_step_s"]) / row["measured_step_s"] * 100
+    row.update(speed_ratio=ratio, predicted_at_run_speed_s=carried, error_at_run_speed_pct=error,
+               within_15pct_at_run_speed=abs(error) <= 15.0)
+
+
+def compare(switch: dict, switch_2_ranks: dict, stalesync: dict, rates: Rates,
+            probe_speed: float | None = None) -> dict:
     """Predicted against measured for rl_switch.py's results (4 and 2 ranks) and an rl_stalesync.py result,
-    under every profile."""
+    under every profile; for runs that carry a speed reference, also at the speed each run saw."""
     def predict(index: int) -> list[dict]:
         eight, four = rates.calibrations[8][index], rates.calibrations[4][index]
         return (colocated_rows(switch, eight, rates.hosts[8], (rates.capacity[4], rates.generation_capacity[4]),
@@ -645,12 +695,21 @@ def compare(switch: dict, switch_2_ranks: dict, stalesync: dict, rates: Rates) -
 
     per_profile = [predict(i) for i in range(PROFILES)]
     rows = per_profile[0]
+    # one row per rl_switch variant (4 ranks, then 2) and per rl_stalesync run, in that order
+    measured_by_row = ([switch] * len(switch["variants"]) + [switch_2_ranks] * len(switch_2_ranks["variants"])
+                       + [stalesync] * len(stalesync["runs"]))
+    assert len(measured_by_row) == len(rows)
     for i, row in enumerate(rows):
         # how far the prediction moves with the machine's load: the same row under every profile
         row["predicted_step_s_per_profile"] = [p[i]["predicted_step_s"] for p in per_profile]
+        ratio = run_speed_ratio(measured_by_row[i], probe_speed)
+        carried = ""
+        if ratio is not None:
+            carry_to_run_speed(row, ratio)
+            carried = f"; at the run's speed (×{ratio:.2f}) {row['error_at_run_speed_pct']:+.1f} %"
         print(f"{row['run']:44s} predicted {row['predicted_step_s']:7.3f} s  measured {row['measured_step_s']:7.3f} s"
               f"  ({row['error_pct']:+.1f} %; under the {PROFILES} profiles "
-              + ", ".join(f"{v:.3f}" for v in row["predicted_step_s_per_profile"]) + " s)")
+              + ", ".join(f"{v:.3f}" for v in row["predicted_step_s_per_profile"]) + f" s{carried})")
     for row in rows:
         if row.get("phases"):
             print(f"    {row['run']}: " + ", ".join(
@@ -659,24 +718,35 @@ def compare(switch: dict, switch_2_ranks: dict, stalesync: dict, rates: Rates) -
     errors = [abs(r["error_pct"]) for r in rows]
     print(f"median |error| {statistics.median(errors):.1f} %, max {max(errors):.1f} %; "
           f"{sum(r['within_15pct'] for r in rows)} of {len(rows)} within 15 %")
+    at_speed = {}
+    if all("error_at_run_speed_pct" in r for r in rows):
+        carried = [abs(r["error_at_run_speed_pct"]) for r in rows]
+        at_speed = {"median_abs_error_at_run_speed_pct": statistics.median(carried),
+                    "max_abs_error_at_run_speed_pct": max(carried),
+                    "within_15pct_at_run_speed": sum(r["within_15pct_at_run_speed"] for r in rows)}
+        print(f"at each run's speed: median |error| {statistics.median(carried):.1f} %, max {max(carried):.1f} %; "
+              f"{at_speed['within_15pct_at_run_speed']} of {len(rows)} within 15 %")
     return {"rows": rows, "median_abs_error_pct": statistics.median(errors), "max_abs_error_pct": max(errors),
-            "within_15pct": sum(r["within_15pct"] for r in rows), "rows_total": len(rows),
+            "within_15pct": sum(r["within_15pct"] for r in rows), "rows_total": len(rows), **at_speed,
             "measured_load_average_1min": {name: run["config"].get("load_average_1min_after") for name, run in
                                            (("rl_switch", switch), ("rl_switch_2_ranks", switch_2_ranks))}}
 
 
 def remeasure(folder: Path) -> tuple[dict, dict, dict]:
     """rl_switch.py (4 and 2 ranks) and rl_stalesync.py (one repeat) run again now, beside the rates, into
-    ``folder``."""
+    ``folder``; each with the machine's speed reference right before and right after it."""
     results = []
     for script, extra in (("rl_switch.py", []), ("rl_switch.py", ["--ranks", "2"]),
                           ("rl_stalesync.py", ["--repeats", "1"])):
         out = folder / f"{script.replace('.py', '')}{'_'.join(extra)}.json"
         load = os.getloadavg()[0]
+        before = speed_reference()
         subprocess.run([sys.executable, str(Path(__file__).parent / script), *extra, "--out", str(out)], check=True,
                        capture_output=True)
+        after = speed_reference()
         result = json.loads(out.read_text())
         result.setdefault("config", {})["load_average_1min_before"] = load
+        result["config"]["speed_reference_s"] = [before, after]
         results.append(result)
     return results[0], results[1], results[2]
 
@@ -697,14 +767,24 @@ def main() -> None:
     longest, running = stalesync_decode_steps(stalesync["workload"])
     print(f"StaleSync batches' longest samples: {longest} tokens (mean {statistics.mean(longest):.1f}); rows "
           f"running per decode step: {statistics.mean(running):.2f} of each batch")
+    # the machine's speed between the probes (see the module docstring)
+    probe_speeds = [speed_reference()]
     generating = {config["ranks"]: core_capacity(config["ranks"], work=config)
                   for config in (switch["config"], switch_2_ranks["config"])}
-    rates = Rates({layers: profile(args.repeats, layers) for layers in (4, 8)},
-                  {layers: host_probe(layers, args.repeats) for layers in (4, 8)},
-                  {n: core_capacity(n, work=CAPACITY_WORK[n]) for n in (2, 4)},
-                  threads_capacity(CAPACITY_WORK[2]), longest,
-                  profile_collectives(COLOCATED_RANKS), sync_probes(args.repeats),
-                  core_capacity(2, work=SWITCH_2_RANKS_WORK), profile_collectives(2), tuple(running), generating)
+    probe_speeds.append(speed_reference())
+    calibrations = {layers: profile(args.repeats, layers) for layers in (4, 8)}
+    probe_speeds.append(speed_reference())
+    hosts = {layers: host_probe(layers, args.repeats) for layers in (4, 8)}
+    capacity = {n: core_capacity(n, work=CAPACITY_WORK[n]) for n in (2, 4)}
+    probe_speeds.append(speed_reference())
+    thread_capacity, collectives = threads_capacity(CAPACITY_WORK[2]), profile_collectives(COLOCATED_RANKS)
+    sync = sync_probes(args.repeats)
+    probe_speeds.append(speed_reference())
+    switch_2_ranks_capacity, collectives_2_ranks = core_capacity(2, work=SWITCH_2_RANKS_WORK), profile_collectives(2)
+    probe_speeds.append(speed_reference())
+    probe_speed = statistics.median(probe_speeds)
+    rates = Rates(calibrations, hosts, capacity, thread_capacity, longest, collectives, sync,
+                  switch_2_ranks_capacity, collectives_2_ranks, tuple(running), generating)
     gemm_capacity = {n: core_capacity(n) for n in (2, 4)}
     shown = lambda c: f"{c.shared:.2f} / {c.slowest:.2f} / {c.paced:.2f}"  # noqa: E731
     print(f"cores' worth of 2 and 4 concurrent processes (the runs' forwards; on their own / by the slowest / "
@@ -730,7 +810,7 @@ def main() -> None:
         result["remeasured"] = {"load_average_1min_before": [r["config"]["load_average_1min_before"] for r in again],
                                 "measured": {"rl_switch": again[0], "rl_switch_2_ranks": again[1],
                                              "rl_stalesync": again[2]},
-                                **compare(*again, rates)}
+                                **compare(*again, rates, probe_speed)}
     write_result(args.out, {
         **result,
         "rates": {"cpu_efficiency": {f"policy_{layers}_layers": runs[0].for_device("cpu").as_dict()
@@ -748,7 +828,8 @@ def main() -> None:
                   "core_capacity_rl_switch_2_ranks": asdict(rates.switch_2_ranks_capacity),
                   "core_capacity_generating": {ranks: asdict(c) for ranks, c in rates.generation_capacity.items()},
                   "collectives_2_ranks": rates.collectives_2_ranks, "link_2_ranks": asdict(rates.link_2_ranks),
-                  "weight_sync_per_core": rates.sync, "generation_alone_one_replica_s": alone},
+                  "weight_sync_per_core": rates.sync, "generation_alone_one_replica_s": alone,
+                  "speed_reference_s_during_probes": probe_speeds, "speed_reference_s_probes_median": probe_speed},
         "load_average_1min_before": load_before, "load_average_1min_after": os.getloadavg()[0],
     })
 
