@@ -229,6 +229,8 @@ def _comm_ranks(rank: int, world_size: int, sizes: tuple[int, ...], repeats: int
     back per timing (as a step issues them), the median of ``repeats`` timings."""
     import torch.distributed as dist
 
+    # the flat all-gather: ``all_gather_single`` since torch 2.13 (the old name warns there), the old name before
+    all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     torch.set_num_threads(1)
     world = dist.group.WORLD
     pairs = [dist.new_group([r, r + 1]) for r in range(0, world_size - 1, 2)]  # every rank creates every group
@@ -246,7 +248,7 @@ def _comm_ranks(rank: int, world_size: int, sizes: tuple[int, ...], repeats: int
                     op = lambda buf=buf, group=group: dist.all_reduce(buf, group=group)  # noqa: E731
                 elif kind == "all_gather":  # the gathered output is ``size`` bytes
                     out, part = torch.zeros(n - n % group_size), torch.zeros(n // group_size)
-                    op = lambda out=out, part=part, group=group: dist.all_gather_into_tensor(out, part, group=group)  # noqa: E731
+                    op = lambda out=out, part=part, group=group: all_gather_flat(out, part, group=group)  # noqa: E731
                 elif kind == "all_to_all":  # each rank sends ``size`` bytes, all destinations together
                     src, dst = torch.zeros(n - n % group_size), torch.zeros(n - n % group_size)
                     op = lambda src=src, dst=dst, group=group: dist.all_to_all_single(dst, src, group=group)  # noqa: E731
