@@ -120,14 +120,19 @@ the fastest GEMMs; its fitted per-call costs come with it), as rl_stalesync.py r
 repeats."""
 
 
-def _best_time(fn, repeats: int) -> float:
+def _call_times(fn, repeats: int) -> list[float]:
+    """Seconds of each of ``repeats`` calls of ``fn``, after a warm-up call."""
     fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return min(times)
+    return times
+
+
+def _best_time(fn, repeats: int) -> float:
+    return min(_call_times(fn, repeats))
 
 
 SPEED_REFERENCE_WORK = (8, 32)
@@ -143,15 +148,8 @@ def _speed_reference_step():
 def speed_reference() -> float:
     """The machine's speed now: the median seconds of ``SPEED_REFERENCE_CALLS`` calls of a fixed one-thread
     forward (``SPEED_REFERENCE_WORK``) in this process, after a warm-up call. Higher is slower."""
-    step = _speed_reference_step()
     with torch.no_grad():
-        step()
-        times = []
-        for _ in range(SPEED_REFERENCE_CALLS):
-            start = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        return statistics.median(_call_times(_speed_reference_step(), SPEED_REFERENCE_CALLS))
 
 
 def policy_model(num_layers: int):
