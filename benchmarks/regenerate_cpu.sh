@@ -68,5 +68,7 @@ run rl_generation.py --out $R/rl_generation_cpu.json
 run rl_learning.py --out $R/rl_learning_cpu.json
 run rl_stalesync.py --out $R/rl_stalesync_cpu.json
 run rl_simulate_check.py --remeasure --out $R/rl_simulate_check_cpu.json
+run rl_simulate_check.py --remeasure --out $R/rl_simulate_check_cpu_repeat.json
+run rl_simulate_check.py --remeasure --rounds 3 --out $R/rl_simulate_check_cpu_rounds.json
 run rl_simulate_pangu.py --out $R/rl_simulate_pangu.json
 run train_demo.py --tag cpu-1thread --quiet --threads 1

@@ -71,6 +71,14 @@ whose speed moves by a fifth within minutes, a prediction from probes that caugh
 caught it slow differ by that much whatever the formulas. Each run made again is also compared with the
 prediction carried to the speed it saw (predicted × the run's reference / the probes' median reference;
 ``*_at_run_speed``), beside the prediction itself, which stays the check's figure.
+
+``--rounds N`` repeats the whole pass (the probes, and with ``--remeasure`` the runs made again) N times,
+so that probes and runs meet the machine at several moments, and compares each row's median prediction
+over the rounds with the committed run and with the median of its runs made again (``over_rounds``; every
+round is kept under ``rounds``).
+
+    python benchmarks/rl_simulate_check.py --remeasure --rounds 3 \
+        --out benchmarks/results/rl_simulate_check_cpu_rounds.json
 """
 
 from __future__ import annotations
@@ -749,40 +757,44 @@ def remeasure(folder: Path) -> tuple[dict, dict, dict]:
     return results[0], results[1], results[2]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--remeasure", action="store_true",
-                        help="also run rl_switch.py and rl_stalesync.py again now and compare with those")
-    parser.add_argument("--out", default="benchmarks/results/rl_simulate_check_cpu.json")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    keep_freed_host_memory()  # the probes below run in this process: under the runs' allocator
-    load_before = os.getloadavg()[0]
-    switch = json.loads((RESULTS / "rl_switch_cpu.json").read_text())
-    switch_2_ranks = json.loads((RESULTS / "rl_switch_cpu_2ranks.json").read_text())
-    stalesync = json.loads((RESULTS / "rl_stalesync_cpu.json").read_text())
-    longest, running = stalesync_decode_steps(stalesync["workload"])
-    print(f"StaleSync batches' longest samples: {longest} tokens (mean {statistics.mean(longest):.1f}); rows "
-          f"running per decode step: {statistics.mean(running):.2f} of each batch")
-    # the machine's speed between the probes (see the module docstring)
+@dataclass(frozen=True)
+class CommittedRuns:
+    """The committed RL results the check prices, and the StaleSync batches' decode shape."""
+
+    switch: dict
+    switch_2_ranks: dict
+    stalesync: dict
+    longest: list[int]
+    running: list[float]
+
+
+def measure_rates(committed: CommittedRuns, repeats: int) -> tuple[Rates, list[float]]:
+    """Every probe the prediction uses, with the machine's speed reference between them (see the module
+    docstring)."""
     probe_speeds = [speed_reference()]
     generating = {config["ranks"]: core_capacity(config["ranks"], work=config)
-                  for config in (switch["config"], switch_2_ranks["config"])}
+                  for config in (committed.switch["config"], committed.switch_2_ranks["config"])}
     probe_speeds.append(speed_reference())
-    calibrations = {layers: profile(args.repeats, layers) for layers in (4, 8)}
+    calibrations = {layers: profile(repeats, layers) for layers in (4, 8)}
     probe_speeds.append(speed_reference())
-    hosts = {layers: host_probe(layers, args.repeats) for layers in (4, 8)}
+    hosts = {layers: host_probe(layers, repeats) for layers in (4, 8)}
     capacity = {n: core_capacity(n, work=CAPACITY_WORK[n]) for n in (2, 4)}
     probe_speeds.append(speed_reference())
     thread_capacity, collectives = threads_capacity(CAPACITY_WORK[2]), profile_collectives(COLOCATED_RANKS)
-    sync = sync_probes(args.repeats)
+    sync = sync_probes(repeats)
     probe_speeds.append(speed_reference())
     switch_2_ranks_capacity, collectives_2_ranks = core_capacity(2, work=SWITCH_2_RANKS_WORK), profile_collectives(2)
     probe_speeds.append(speed_reference())
+    rates = Rates(calibrations, hosts, capacity, thread_capacity, committed.longest, collectives, sync,
+                  switch_2_ranks_capacity, collectives_2_ranks, tuple(committed.running), generating)
+    return rates, probe_speeds
+
+
+def check_round(committed: CommittedRuns, repeats: int, remeasure_runs: bool) -> dict:
+    """One pass: the rates, the prediction against the committed runs and (``remeasure_runs``) against the
+    same benchmarks run again right after."""
+    rates, probe_speeds = measure_rates(committed, repeats)
     probe_speed = statistics.median(probe_speeds)
-    rates = Rates(calibrations, hosts, capacity, thread_capacity, longest, collectives, sync,
-                  switch_2_ranks_capacity, collectives_2_ranks, tuple(running), generating)
     gemm_capacity = {n: core_capacity(n) for n in (2, 4)}
     shown = lambda c: f"{c.shared:.2f} / {c.slowest:.2f} / {c.paced:.2f}"  # noqa: E731
     print(f"cores' worth of 2 and 4 concurrent processes (the runs' forwards; on their own / by the slowest / "
@@ -796,12 +808,12 @@ def main() -> None:
           f"weight sync per core: copy {rates.sync['copy_bytes_per_s'] / 1e9:.2f} GB/s, "
           f"CRC-32 {rates.sync['crc_bytes_per_s'] / 1e9:.2f} GB/s; the whole sync of the 8-layer model "
           f"{rates.sync['whole_sync_8_layers']['host_bytes_per_s'] / 1e9:.2f} GB/s packed or written")
-    alone = generation_alone(switch["config"], args.repeats)
+    alone = generation_alone(committed.switch["config"], repeats)
     print(f"one rl_switch replica's generation alone: {alone:.3f} s (a diagnostic)")
     result = {"measured_from": [f"benchmarks/results/{name}.json"
                                 for name in ("rl_switch_cpu", "rl_switch_cpu_2ranks", "rl_stalesync_cpu")],
-              **compare(switch, switch_2_ranks, stalesync, rates)}
-    if args.remeasure:
+              **compare(committed.switch, committed.switch_2_ranks, committed.stalesync, rates)}
+    if remeasure_runs:
         with tempfile.TemporaryDirectory() as tmp:
             again = remeasure(Path(tmp))
         print("against the runs made again now:")
@@ -809,28 +821,83 @@ def main() -> None:
                                 "measured": {"rl_switch": again[0], "rl_switch_2_ranks": again[1],
                                              "rl_stalesync": again[2]},
                                 **compare(*again, rates, probe_speed)}
-    write_result(args.out, {
-        **result,
-        "rates": {"cpu_efficiency": {f"policy_{layers}_layers": runs[0].for_device("cpu").as_dict()
-                                     for layers, runs in rates.calibrations.items()},
-                  "profiles": {f"policy_{layers}_layers": [c.per_arch["cpu"] for c in runs]
-                               for layers, runs in rates.calibrations.items()},
-                  "host_4_layers": asdict(rates.hosts[4]), "host_8_layers": asdict(rates.hosts[8]),
-                  "cpu_count": os.cpu_count(), "core_capacity_2_processes": asdict(rates.capacity[2]),
-                  "core_capacity_4_processes": asdict(rates.capacity[4]),
-                  "core_capacity_2_threads": rates.thread_capacity,
-                  "capacity_work_layers_rows": CAPACITY_WORK,
-                  "core_capacity_gemm_2_processes": asdict(gemm_capacity[2]),
-                  "core_capacity_gemm_4_processes": asdict(gemm_capacity[4]),
-                  "collectives_4_ranks": rates.collectives, "link_4_ranks": asdict(link),
-                  "core_capacity_rl_switch_2_ranks": asdict(rates.switch_2_ranks_capacity),
-                  "core_capacity_generating": {ranks: asdict(c) for ranks, c in rates.generation_capacity.items()},
-                  "collectives_2_ranks": rates.collectives_2_ranks, "link_2_ranks": asdict(rates.link_2_ranks),
-                  "weight_sync_per_core": rates.sync, "generation_alone_one_replica_s": alone,
-                  "speed_reference_s_during_probes": probe_speeds, "speed_reference_s_probes_median": probe_speed},
-        "load_average_1min_before": load_before, "load_average_1min_after": os.getloadavg()[0],
-    })
+    result["rates"] = {
+        "cpu_efficiency": {f"policy_{layers}_layers": runs[0].for_device("cpu").as_dict()
+                           for layers, runs in rates.calibrations.items()},
+        "profiles": {f"policy_{layers}_layers": [c.per_arch["cpu"] for c in runs]
+                     for layers, runs in rates.calibrations.items()},
+        "host_4_layers": asdict(rates.hosts[4]), "host_8_layers": asdict(rates.hosts[8]),
+        "cpu_count": os.cpu_count(), "core_capacity_2_processes": asdict(rates.capacity[2]),
+        "core_capacity_4_processes": asdict(rates.capacity[4]),
+        "core_capacity_2_threads": rates.thread_capacity,
+        "capacity_work_layers_rows": CAPACITY_WORK,
+        "core_capacity_gemm_2_processes": asdict(gemm_capacity[2]),
+        "core_capacity_gemm_4_processes": asdict(gemm_capacity[4]),
+        "collectives_4_ranks": rates.collectives, "link_4_ranks": asdict(link),
+        "core_capacity_rl_switch_2_ranks": asdict(rates.switch_2_ranks_capacity),
+        "core_capacity_generating": {ranks: asdict(c) for ranks, c in rates.generation_capacity.items()},
+        "collectives_2_ranks": rates.collectives_2_ranks, "link_2_ranks": asdict(rates.link_2_ranks),
+        "weight_sync_per_core": rates.sync, "generation_alone_one_replica_s": alone,
+        "speed_reference_s_during_probes": probe_speeds, "speed_reference_s_probes_median": probe_speed}
+    return result
 
+
+def over_rounds(rounds: list[dict]) -> dict:
+    """Each row's median prediction over the rounds against the committed run and against the median of its
+    runs made again: rounds of probes and runs interleaved, so that a machine whose speed moves between
+    minutes meets both in each."""
+    rows = []
+    for i, row in enumerate(rounds[0]["rows"]):
+        predicted = statistics.median(r["rows"][i]["predicted_step_s"] for r in rounds)
+        entry = {"run": row["run"], "predicted_step_s": predicted, "measured_step_s": row["measured_step_s"],
+                 "error_pct": (predicted - row["measured_step_s"]) / row["measured_step_s"] * 100}
+        if all("remeasured" in r for r in rounds):
+            again = statistics.median(r["remeasured"]["rows"][i]["measured_step_s"] for r in rounds)
+            entry.update(measured_again_step_s=again, error_again_pct=(predicted - again) / again * 100)
+        rows.append(entry)
+    summary = {"rows": rows, "within_15pct": sum(abs(r["error_pct"]) <= 15.0 for r in rows), "rows_total": len(rows)}
+    if all("error_again_pct" in r for r in rows):
+        summary["within_15pct_again"] = sum(abs(r["error_again_pct"]) <= 15.0 for r in rows)
+    print(f"over {len(rounds)} rounds (median prediction; against the committed runs, then the median of the runs "
+          "made again):")
+    for r in rows:
+        again = (f"; {r['measured_again_step_s']:.3f} s ({r['error_again_pct']:+.1f} %)"
+                 if "error_again_pct" in r else "")
+        print(f"{r['run']:44s} predicted {r['predicted_step_s']:7.3f} s  measured {r['measured_step_s']:7.3f} s "
+              f"({r['error_pct']:+.1f} %){again}")
+    print(f"{summary['within_15pct']} of {len(rows)} within 15 %"
+          + (f", {summary['within_15pct_again']} of {len(rows)} against the runs made again"
+             if "within_15pct_again" in summary else ""))
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--remeasure", action="store_true",
+                        help="also run rl_switch.py and rl_stalesync.py again now and compare with those")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="probes (and, with --remeasure, runs) this many times over, compared by their medians")
+    parser.add_argument("--out", default="benchmarks/results/rl_simulate_check_cpu.json")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    keep_freed_host_memory()  # the probes below run in this process: under the runs' allocator
+    load_before = os.getloadavg()[0]
+    switch = json.loads((RESULTS / "rl_switch_cpu.json").read_text())
+    switch_2_ranks = json.loads((RESULTS / "rl_switch_cpu_2ranks.json").read_text())
+    stalesync = json.loads((RESULTS / "rl_stalesync_cpu.json").read_text())
+    longest, running = stalesync_decode_steps(stalesync["workload"])
+    print(f"StaleSync batches' longest samples: {longest} tokens (mean {statistics.mean(longest):.1f}); rows "
+          f"running per decode step: {statistics.mean(running):.2f} of each batch")
+    committed = CommittedRuns(switch, switch_2_ranks, stalesync, longest, running)
+    rounds = []
+    for index in range(args.rounds):
+        if args.rounds > 1:
+            print(f"round {index + 1} of {args.rounds}")
+        rounds.append(check_round(committed, args.repeats, args.remeasure))
+    result = rounds[0] if args.rounds == 1 else {"rounds": rounds, "over_rounds": over_rounds(rounds)}
+    write_result(args.out, {**result, "load_average_1min_before": load_before,
+                            "load_average_1min_after": os.getloadavg()[0]})
 
 if __name__ == "__main__":
     main()
