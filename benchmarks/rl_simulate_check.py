@@ -406,10 +406,23 @@ def with_link(calibration: Calibration) -> Calibration:
     return replace(calibration, per_arch={**calibration.per_arch, "cpu": cpu})
 
 
+BOUND_PCT = 15.0
+"""Issue #26's bound on the prediction's error."""
+
+
+def error_pct(predicted_s: float, measured_s: float) -> float:
+    """The prediction's error, in percent of the measured time (negative: priced short)."""
+    return (predicted_s - measured_s) / measured_s * 100
+
+
+def within_bound(error: float) -> bool:
+    return abs(error) <= BOUND_PCT
+
+
 def _row(name: str, predicted, measured_s: float, **extra) -> dict:
-    error = (predicted.step_s - measured_s) / measured_s * 100
+    error = error_pct(predicted.step_s, measured_s)
     return {"run": name, "predicted_step_s": predicted.step_s, "measured_step_s": measured_s, "error_pct": error,
-            "within_15pct": abs(error) <= 15.0, "predicted_phases_s": asdict(predicted.phases), **extra}
+            "within_15pct": within_bound(error), "predicted_phases_s": asdict(predicted.phases), **extra}
 
 
 # The RL Fusion step's phases as rl_switch.py records them (the switch's, then the step's other parts), each
@@ -680,9 +693,9 @@ def run_speed_ratio(run: dict, probe_speed: float | None) -> float | None:
 def carry_to_run_speed(row: dict, ratio: float) -> None:
     """The row's prediction carried to the speed its run saw (every rate scaled alike), beside the prediction."""
     carried = row["predicted_step_s"] * ratio
-    error = (carried - row["measured_step_s"]) / row["measured_step_s"] * 100
+    error = error_pct(carried, row["measured_step_s"])
     row.update(speed_ratio=ratio, predicted_at_run_speed_s=carried, error_at_run_speed_pct=error,
-               within_15pct_at_run_speed=abs(error) <= 15.0)
+               within_15pct_at_run_speed=within_bound(error))
 
 
 def compare(switch: dict, switch_2_ranks: dict, stalesync: dict, rates: Rates,
@@ -850,14 +863,14 @@ def over_rounds(rounds: list[dict]) -> dict:
     for i, row in enumerate(rounds[0]["rows"]):
         predicted = statistics.median(r["rows"][i]["predicted_step_s"] for r in rounds)
         entry = {"run": row["run"], "predicted_step_s": predicted, "measured_step_s": row["measured_step_s"],
-                 "error_pct": (predicted - row["measured_step_s"]) / row["measured_step_s"] * 100}
+                 "error_pct": error_pct(predicted, row["measured_step_s"])}
         if all("remeasured" in r for r in rounds):
             again = statistics.median(r["remeasured"]["rows"][i]["measured_step_s"] for r in rounds)
-            entry.update(measured_again_step_s=again, error_again_pct=(predicted - again) / again * 100)
+            entry.update(measured_again_step_s=again, error_again_pct=error_pct(predicted, again))
         rows.append(entry)
-    summary = {"rows": rows, "within_15pct": sum(abs(r["error_pct"]) <= 15.0 for r in rows), "rows_total": len(rows)}
+    summary = {"rows": rows, "within_15pct": sum(within_bound(r["error_pct"]) for r in rows), "rows_total": len(rows)}
     if all("error_again_pct" in r for r in rows):
-        summary["within_15pct_again"] = sum(abs(r["error_again_pct"]) <= 15.0 for r in rows)
+        summary["within_15pct_again"] = sum(within_bound(r["error_again_pct"]) for r in rows)
     print(f"over {len(rounds)} rounds (median prediction; against the committed runs, then the median of the runs "
           "made again):")
     for r in rows:
