@@ -46,5 +46,6 @@ def test_experts_follow_the_mlp_structure() -> None:
         return float(activation_bytes_per_layer(model, 64, 2, dtype_bytes=2.0, moe_layer=True)["experts"])
 
     offsets = moe_model.moe.num_experts * 4  # the grouped GEMMs' int32 block offsets, one per expert
-    assert experts("swiglu") == routed * width * 4 * 2 + offsets
-    assert experts("gelu") == routed * width * 2 * 2 + offsets
+    output = routed * moe_model.hidden_size * 2  # the expert output, kept by the weighted combine
+    assert experts("swiglu") == routed * width * 4 * 2 + offsets + output
+    assert experts("gelu") == routed * width * 2 * 2 + offsets + output

@@ -13,8 +13,8 @@ Facts of the implementation the formulas encode:
   pre-norm's output is kept again by the projections that read it, a post-norm's is not (it only
   enters the residual add).
 - The router keeps fp32 copies of its input and weight (bf16 runs), scores, top-k ids, gathered
-  weights and what the balance and z losses need; the combine keeps the expert output in fp32 and
-  the weighted rows.
+  weights and what the balance and z losses need; the dispatch keeps the sort order, its inverse and
+  the permuted tokens; the combine keeps the expert output and the gating weights.
 - Core attention: fused kernels (``flash``) keep q, k, v, the output and one fp32 log-sum-exp per
   row; torch's math fallback (used on CPU when the QK and V head dims differ) keeps scaled q and k,
   the fp32 probabilities (S² per head) and a contiguous v, all fp32.
@@ -340,21 +340,18 @@ def _moe(parts: _Parts, model: ModelConfig, t_moe, tp, etp, d, opts, imbalance, 
         if r.device_balance_coef:
             router = router + r.num_device_groups * FP32_BYTES
         parts.add("router", router)
-    # dispatch: sort order and token index (int64), permuted gating weights, permuted tokens;
-    # combine: the expert output in fp32 (a copy unless fp32) and the weighted rows
-    parts.add("dispatch", routed * (2 * INDEX_BYTES + FP32_BYTES), swap)
+    # the combine keeps the gating weights (fp32, token order; made by the router)
+    parts.add("router", t_moe * k * FP32_BYTES)
+    # dispatch: the sort order and its inverse (int64), the permuted tokens
+    parts.add("dispatch", routed * 2 * INDEX_BYTES, swap)
     if "permute" not in opts:
         parts.add("dispatch", routed * h * d, swap)
-    if not fp32:
-        parts.add("dispatch", routed * h * FP32_BYTES, swap)
-    parts.add("dispatch", routed * h * d, swap)
     if not fp32 and moe.num_shared_experts == 0 and "norm" not in opts and (
             "permute" in opts or "router" in opts):
         parts.add("dispatch", t_moe * h * d)  # the MoE input, otherwise kept only as fp32 copies
     _mlp(parts, "experts", routed, moe.expert_ffn_hidden / np.asarray(etp, dtype=float), d, model.gated_ffn,
          "activation" in opts, swap)
-    if fp32:
-        parts.add("experts", routed * h * d, swap)  # expert output, kept by the combine's fp32 product
+    parts.add("experts", routed * h * d, swap)  # expert output, kept by the combine (the weights' gradient)
     if moe.num_shared_experts:
         _mlp(parts, "shared_expert", t_moe, moe.shared_ffn_hidden / tp, d, model.gated_ffn, "activation" in opts,
              swap)

@@ -41,7 +41,7 @@ from moetrain.distributed.comm import PendingExchange, all_to_all, all_to_all_st
 from moetrain.distributed.host_reads import host_read
 from moetrain.distributed.overlap import wait_comm
 from moetrain.distributed.trace import record_async, span
-from moetrain.models.dispatch import PermuteMeta, unpermute
+from moetrain.models.dispatch import PermuteMeta, permute_by, unpermute
 from moetrain.models.experts import GroupedExperts
 from moetrain.models.router import Routing, count_tokens_per_expert
 
@@ -189,14 +189,11 @@ class AllToAllDispatcher:
     def start_dispatch(self, x_TD: torch.Tensor, routing: Routing) -> PendingDispatch:
         table, rank = self.table, self.ep_rank
         num_ranks, slots = table.num_ranks, table.slots_per_rank
-        top_k = routing.expert_ids_TK.shape[1]
         phys_TK = table.physical_slots(routing.expert_ids_TK)
         counts = count_tokens_per_expert(phys_TK, table.num_slots)
         parts, work = _start_count_exchange(counts, self.count_group or self.group)
         with span("permute"):
-            order_P = torch.argsort(phys_TK.reshape(-1), stable=True)
-            token_index_P = order_P // top_k
-            rows_PD = x_TD[token_index_P]
+            rows_PD, permuted = permute_by(x_TD, phys_TK, routing.weights_TK)
         member_counts_GS = None
         if self.count_group is None:
             slot_counts = _read_counts(parts, work).reshape(num_ranks, num_ranks, slots)  # [src, dst, slot]
@@ -213,7 +210,7 @@ class AllToAllDispatcher:
         from_canonical_t = _to_device(inverse_permutation(to_canonical), x_TD.device)
         tokens_per_local = torch.from_numpy(slot_counts[:, rank].sum(0)).to(x_TD.device)
         meta = FlatDispatchMeta(
-            PermuteMeta(token_index_P, routing.weights_TK.reshape(-1)[order_P], x_TD.shape[0]),
+            permuted,
             in_splits, out_splits, to_canonical_t, from_canonical_t,
         )
         return PendingDispatch(exchange, lambda received: (received[to_canonical_t], tokens_per_local, meta),
