@@ -75,3 +75,15 @@ def test_parallel_config_rejects_layouts_that_do_not_divide():
         ParallelConfig(tp=2, dp=2, ep=3)
     assert ParallelConfig(tp=2, dp=4, ep=8, pp=2).edp == 1
     assert ParallelConfig(tp=2, dp=4, pp=2).world_size == 16
+
+
+def test_a_gpu_is_priced_by_the_preset_its_name_says():
+    from moetrain.config import cluster_for_device, load_cluster_config
+
+    assert cluster_for_device("NVIDIA H200") == "h200-sxm-141gb"
+    assert cluster_for_device("NVIDIA H100 80GB HBM3") == "h100-sxm-80gb"
+    assert cluster_for_device("NVIDIA GB200") == "gb200"  # not the B200 its name contains
+    assert cluster_for_device("NVIDIA B200") == "b200"
+    assert cluster_for_device("cpu") == "cpu"
+    assert cluster_for_device("Tesla T4") == "h100-sxm-80gb"  # a name not listed
+    assert load_cluster_config(cluster_for_device("NVIDIA H200")).hbm_gb == 141

@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from moetrain.cli.common import output_file
-    from moetrain.config import load_cluster_config, load_model_config
+    from moetrain.config import cluster_for_device, load_cluster_config, load_model_config
     from moetrain.errors import UserError
     from moetrain.planner.calibration import Calibration, arch_of, load_calibration
     from moetrain.train.profiler import profile_device
@@ -52,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError("--device cuda asked for, but torch sees no GPU; use --device cpu")
-    cluster_name = args.cluster or ("cpu" if device == "cpu" else "h100-sxm-80gb")
+    cluster_name = args.cluster or cluster_for_device(
+        "cpu" if device == "cpu" else torch.cuda.get_device_name(torch.device(device)))
     cluster = load_cluster_config(cluster_name)
     model = load_model_config(args.model)
     measured, efficiencies = profile_device(cluster, model, device, args.repeats)

@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="a run.yaml with model, training, parallel, run, memory, balance sections")
     parser.add_argument("--plan", help="a plan.yaml written by `moetrain plan --out` (layout, micro-batch, recompute)")
     parser.add_argument("--model", help="model preset name or YAML file (default tiny-pangu)")
-    parser.add_argument("--cluster", help="cluster preset for MFU (default: cpu on CPU, h100-sxm-80gb on GPU)")
+    parser.add_argument("--cluster", help="cluster preset for MFU (default: cpu on CPU, else the GPU's own preset)")
     g = parser.add_argument_group("schedule and batch (defaults: moetrain.config.TrainingConfig)")
     g.add_argument("--steps", type=int, help="total optimizer steps of the run (sets the lr schedule)")
     g.add_argument("--global-batch", type=int, help="sequences per optimizer step")

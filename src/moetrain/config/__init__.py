@@ -4,6 +4,7 @@ from moetrain.config.cluster import ClusterConfig
 from moetrain.config.model import GQAConfig, MLAConfig, ModelConfig, MoEConfig, RouterConfig
 from moetrain.config.parallel import ParallelConfig
 from moetrain.config.presets import (
+    cluster_for_device,
     cluster_presets,
     load_cluster_config,
     load_model_config,
@@ -21,6 +22,7 @@ __all__ = [
     "ParallelConfig",
     "RouterConfig",
     "TrainingConfig",
+    "cluster_for_device",
     "cluster_presets",
     "load_cluster_config",
     "load_model_config",

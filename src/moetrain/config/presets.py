@@ -71,6 +71,23 @@ def load_cluster_config(name_or_path: str) -> ClusterConfig:
     return _load("cluster", name_or_path, ClusterConfig)
 
 
+# Words of a GPU's name (``torch.cuda.get_device_name``) → the cluster preset of that device, most
+# specific first. A GPU none names is priced as an H100.
+_CLUSTER_OF_GPU_NAME: tuple[tuple[str, str], ...] = (
+    ("GB200", "gb200"), ("B200", "b200"), ("H200", "h200-sxm-141gb"), ("H800", "h800-sxm-80gb"),
+    ("H100", "h100-sxm-80gb"), ("A100", "a100-sxm-80gb"),
+)
+
+
+def cluster_for_device(device_name: str) -> str:
+    """The cluster preset whose peaks describe a device: ``cpu`` for a CPU, else by the GPU's name
+    (``NVIDIA H200`` → ``h200-sxm-141gb``), an H100 for a name not listed."""
+    if device_name == "cpu":
+        return "cpu"
+    upper = device_name.upper()
+    return next((preset for word, preset in _CLUSTER_OF_GPU_NAME if word in upper), "h100-sxm-80gb")
+
+
 def load_plan_file(path: str) -> dict:
     """Read a plan written by ``moetrain plan``; returns its mapping with ``parallel`` validated."""
     p = Path(path)

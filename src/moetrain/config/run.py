@@ -31,7 +31,8 @@ class RunOptions(BaseModel):
     threads: int | None = Field(default=None, ge=1)
     """CPU threads of torch in each rank (default: torch's choice in one process, 1 per rank under torchrun)."""
     cluster: str = "auto"
-    """Cluster preset (or YAML file) whose peak FLOP/s the MFU divides by; auto: cpu on CPU, h100-sxm-80gb on GPU."""
+    """Cluster preset (or YAML file) whose peak FLOP/s the MFU divides by; auto: cpu on CPU, on a GPU the preset
+    of its name (``moetrain.config.cluster_for_device``: an H200 is h200-sxm-141gb)."""
     data: str | None = None
     """The user's .txt/.jsonl file or folder; None: the embedded Shakespeare corpus."""
     synthetic_data: bool = False

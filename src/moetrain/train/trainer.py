@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from rich.console import Console
 
-from moetrain.config import ClusterConfig, ModelConfig, load_cluster_config, load_model_config
+from moetrain.config import ClusterConfig, ModelConfig, cluster_for_device, load_cluster_config, load_model_config
 from moetrain.config.run import RunSpec
 from moetrain.costs.flops import training_flops_per_token
 from moetrain.costs.params import count_params
@@ -159,7 +159,7 @@ class Trainer:
     def resolve_cluster(self) -> ClusterConfig:
         name = self.spec.run.cluster
         if name == "auto":
-            name = "h100-sxm-80gb" if self.device.type == "cuda" else "cpu"
+            name = cluster_for_device(torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu")
         return load_cluster_config(name)
 
     def build_run(self, model: MoETransformer | None) -> LayoutRun:
