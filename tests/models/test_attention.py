@@ -68,3 +68,49 @@ def test_gqa_eager_equals_sdpa():
     x = torch.randn(2, 6, 32)
     ctx = build_attention_context(torch.zeros(2, 6, dtype=torch.long), None)
     assert torch.allclose(eager(x, ctx), sdpa(x, ctx), atol=1e-5)
+
+
+def _documents(rows: list[list[int]]) -> torch.Tensor:
+    """Document ids from per-row document lengths."""
+    return torch.tensor([[doc for doc, length in enumerate(lengths) for _ in range(length)] for lengths in rows])
+
+
+def test_block_document_mask_equals_the_dense_one():
+    """FlexAttention tiles (forward only: it has no CPU backward) against the dense boolean mask, for MLA
+    (192/128-style unequal QK and V head dims) and grouped-query attention, over rows of several documents
+    and of one; tiles of 128, so 300 positions put boundaries inside tiles and a partial last tile."""
+    docs = _documents([[120, 5, 175], [300], [1, 298, 1]])
+    ids = torch.zeros(docs.shape, dtype=torch.long)
+    dense = build_attention_context(ids, docs)
+    block = build_attention_context(ids, docs, document_mask="block")
+    assert block.mask_B1SS is None and block.block_mask is not None
+    assert torch.equal(block.positions_BS, dense.positions_BS)
+    x = torch.randn(3, 300, 32)
+    gqa = GQA(32, GQAConfig(num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True), 1e-6, 1e4, "sdpa")
+    with torch.no_grad():
+        for module in (_mla("sdpa"), _mla("eager"), gqa):
+            torch.testing.assert_close(module(x, block), module(x, dense), atol=2e-5, rtol=1e-4)
+
+
+def test_block_mask_keeps_exactly_the_causal_same_document_pairs():
+    """The tiles' mask function, evaluated on every (query, key) pair, is causal ∧ same document."""
+    from moetrain.models.attention import document_block_mask
+
+    docs = _documents([[3, 4, 1], [8]])
+    mask_mod = document_block_mask(docs).mask_mod
+    q, k = torch.arange(8).view(8, 1), torch.arange(8).view(1, 8)
+    for b in range(2):
+        expected = (q >= k) & (docs[b].view(8, 1) == docs[b].view(1, 8))
+        assert torch.equal(mask_mod(torch.tensor(b), torch.tensor(0), q, k), expected)
+
+
+def test_rows_inside_one_document_are_plain_causal_attention():
+    """Rows that each lie inside one document are plain causal attention at positions 0..S-1: the
+    context without documents equals the masked one (so the data loader drops their documents)."""
+    ids = torch.zeros(2, 6, dtype=torch.long)
+    masked = build_attention_context(ids, torch.zeros(2, 6, dtype=torch.long))
+    plain = build_attention_context(ids, None)
+    assert torch.equal(masked.positions_BS, plain.positions_BS)
+    x = torch.randn(2, 6, 32)
+    m = _mla("sdpa")
+    torch.testing.assert_close(m(x, masked), m(x, plain), atol=1e-6, rtol=1e-5)

@@ -32,7 +32,7 @@ FLAG_FIELDS: dict[str, tuple[str, str]] = {
     "trace_routing": ("run", "trace_routing"), "save_dir": ("run", "save_dir"), "save_every": ("run", "save_every"),
     "stop_at": ("run", "stop_at"), "resume": ("run", "resume"), "quiet": ("run", "quiet"),
     "ranks_per_node": ("run", "ranks_per_node"), "trace_dir": ("run", "trace_dir"), "log_dir": ("run", "log_dir"),
-    "compile": ("run", "compile"),
+    "compile": ("run", "compile"), "document_mask": ("run", "document_mask"),
     "tp": ("parallel", "tp"), "pp": ("parallel", "pp"), "vpp": ("parallel", "vpp"), "ep": ("parallel", "ep"),
     "etp": ("parallel", "etp"), "cp": ("parallel", "cp"), "zero": ("parallel", "zero"),
     "overlap": ("parallel", "overlap"),
@@ -75,6 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--quiet", action="store_true", default=None, help="no progress bar")
     r.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile each decoder layer (default: on for CUDA, off for CPU)")
+    r.add_argument("--document-mask", choices=["auto", "dense", "block"],
+                   help="how attention masks packed documents: block = FlexAttention tiles (CUDA), dense = a "
+                        "boolean mask (default auto: block on CUDA, dense on CPU)")
     r.add_argument("--trace-dir", help="write each rank's compute/communication timeline (Chrome trace) here")
     d = parser.add_argument_group("layout (see docs/distributed.md); one process when every degree is 1")
     d.add_argument("--log-dir", help="several ranks: torchrun's log and the ranks' errors (default: a temp folder)")

@@ -19,6 +19,7 @@ from moetrain.config.parallel import ParallelConfig
 from moetrain.config.training import TrainingConfig
 
 MemoryPolicyName = Literal["none", "full", "selective", "auto"]
+DocumentMaskChoice = Literal["auto", "dense", "block"]
 
 
 class RunOptions(BaseModel):
@@ -60,6 +61,9 @@ class RunOptions(BaseModel):
     compile: bool | None = None
     """``torch.compile`` each decoder layer (None: on for CUDA, off for CPU, where compiling a small model
     takes longer than it saves)."""
+    document_mask: DocumentMaskChoice = "auto"
+    """How attention masks packed documents: ``block`` (FlexAttention tiles, CUDA only: it has no CPU
+    backward), ``dense`` (a boolean mask), ``auto`` (block on CUDA, dense on CPU)."""
 
 
 class MemoryOptions(BaseModel):

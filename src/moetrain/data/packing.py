@@ -138,6 +138,9 @@ class PackedDataset:
             )
         samples = [self.sample(i) for i in self.global_batch_indices(step, global_batch)]
         inputs, labels, documents = (torch.from_numpy(np.stack(part)) for part in zip(*samples))
+        # A row inside one document needs no document mask: it is plain causal attention at positions
+        # 0..S-1 (``moetrain.models.attention``), so a micro-batch of such rows carries no documents.
+        crosses_document = (documents != 0).any(dim=1)  # a row's ids start at 0: all 0 is one document
         global_label_tokens = int((labels != IGNORE_INDEX).sum())
         per_rank = global_batch // dp_size
         micro_batches = []
@@ -147,7 +150,7 @@ class PackedDataset:
             micro_batches.append(MicroBatch(
                 input_ids=inputs[rows],
                 labels=micro_labels,
-                document_ids=documents[rows],
+                document_ids=documents[rows] if bool(crosses_document[rows].any()) else None,
                 num_label_tokens=int((micro_labels != IGNORE_INDEX).sum()),
             ))
         return StepBatch(micro_batches, global_label_tokens, global_tokens=global_batch * self.seq_len)

@@ -27,7 +27,7 @@ from moetrain.distributed.overlap import flush_weight_grads, run_pair, set_split
 from moetrain.distributed.parallelize import Chunk, StageModel
 from moetrain.distributed.tp import gather_sequence, split_sequence
 from moetrain.distributed.trace import span
-from moetrain.models.attention import AttentionContext, build_attention_context
+from moetrain.models.attention import AttentionContext, DocumentMask, build_attention_context
 from moetrain.models.transformer import (
     IGNORE_INDEX,
     MoETransformer,
@@ -93,6 +93,8 @@ class StepContext:
     layer index (MTP module j as ``num_layers + j``)."""
     autocast_dtype: torch.dtype | None = None
     """Forward passes run under autocast to this dtype (None: the parameters' dtype)."""
+    document_mask: DocumentMask = "dense"
+    """How attention masks packed documents (``moetrain.models.attention``); context parallelism is dense."""
 
 
 def _record_counts(step: StepContext, layer: int, counts: torch.Tensor | None) -> None:
@@ -221,7 +223,7 @@ class Executor:
         if cp is not None:
             attn_ctx = cp.attention_context(mb.input_ids, mb.document_ids)
         else:
-            attn_ctx = build_attention_context(mb.input_ids, mb.document_ids)
+            attn_ctx = build_attention_context(mb.input_ids, mb.document_ids, document_mask=step.document_mask)
         with span(f"F{chunk.index}", "compute"), autocast(step.autocast_dtype, step.device.type):
             out, aux = chunk_forward(self.stage.model, chunk, x, mb, attn_ctx, step, cp)
         if chunk.is_last:

@@ -30,7 +30,7 @@ from moetrain.distributed.parallelize import StageModel, model_moe_blocks, paral
 from moetrain.distributed.pipeline import Executor, MicroBatch, StepContext
 from moetrain.distributed.trace import span
 from moetrain.distributed.zero import build_sharded_optimizer
-from moetrain.models.attention import AttentionBackend
+from moetrain.models.attention import AttentionBackend, DocumentMask
 from moetrain.models.transformer import MoETransformer, build_model
 from moetrain.schedules import interleaved_1f1b, overlapped
 from moetrain.train.optim import lr_multiplier
@@ -50,6 +50,8 @@ class LayoutRun:
     autocast_dtype: torch.dtype | None = None
     moe_layers: list[int] = field(default_factory=list)
     """MoE layer indices in count-row order (``moe_layer_indices``)."""
+    document_mask: DocumentMask = "dense"
+    """How attention masks packed documents: a dense boolean mask or FlexAttention tiles (CUDA)."""
 
     @property
     def dims(self) -> ParallelDims:
@@ -124,7 +126,7 @@ def _step_context(run: LayoutRun, batch: StepBatch) -> StepContext:
         dtype=torch.float32, device=device, loss_sum=torch.zeros((), device=device),
         tp_group=run.dims.get_group("tp") if parallel.tp > 1 else None,
         loss_parts=torch.zeros(3, device=device), tokens_per_expert={},
-        autocast_dtype=run.autocast_dtype,
+        autocast_dtype=run.autocast_dtype, document_mask=run.document_mask,
     )
 
 

@@ -10,6 +10,17 @@ Two backends compute the same function:
 - ``sdpa`` hands torch's fused ``scaled_dot_product_attention`` one concatenated q and k (it takes one
   QK tensor) and V with its own head dim; memory-efficient kernels avoid the S×S score matrix.
 
+Packed documents (``document_ids``) are masked one of two ways, chosen when the context is built:
+- ``dense``: a boolean [B, 1, S, S] mask handed to the kernel. Fused kernels given an arbitrary mask
+  read it in full and skip nothing; on an H100 cuDNN's backward with it ran 4.5× its forward
+  (``benchmarks/results/gpu_step_profile_small_compiled.json``).
+- ``block``: a FlexAttention ``BlockMask`` (causal ∧ same document) whose empty tiles the kernel
+  skips, compiled by Inductor (``torch.compile`` of ``flex_attention``, inside a compiled layer or on
+  its own). FlexAttention has no CPU backward, so it is a CUDA choice.
+Either way a row inside one document needs no mask at all: it is plain causal attention at positions
+0..S-1, the fused causal kernel's fast path, so the data loader gives a micro-batch of such rows no
+documents (``moetrain.data.packing``).
+
 Under context parallelism (``moetrain.distributed.cp``) a layer computes the queries of its share of
 the sequence only; ``AttentionContext.gather_kv`` brings the keys' sources of the whole sequence, and
 the mask and positions come from the full sequence (``build_attention_context`` with token indices).
@@ -18,6 +29,7 @@ the mask and positions come from the full sequence (``build_attention_context`` 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -25,12 +37,14 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from moetrain.config.model import GQAConfig, MLAConfig, YarnRopeConfig
 from moetrain.models.norm import RMSNorm
 from moetrain.models.rope import apply_rope, rope_cos_sin, yarn_softmax_scale_factor
 
 AttentionBackend = Literal["sdpa", "eager"]
+DocumentMask = Literal["dense", "block"]
 
 
 @dataclass(frozen=True)
@@ -47,17 +61,31 @@ class AttentionContext:
     gather_kv: Callable[[torch.Tensor], torch.Tensor] | None = None
     """Context parallelism: gathers a per-token key/value tensor [B, S_local, X] into the keys' order
     [B, S_keys, X] (its backward returns each rank the summed gradient of its own tokens)."""
+    block_mask: BlockMask | None = None
+    """The document mask as FlexAttention tiles (``document_mask="block"``); then ``mask_B1SS`` is None
+    and the core attention runs ``flex_attention``."""
+
+
+def document_block_mask(document_ids_BS: torch.Tensor) -> BlockMask:
+    """Causal ∧ same-document mask as FlexAttention tiles of 128×128 (one mask shared by all heads)."""
+    batch, seq = document_ids_BS.shape
+
+    def causal_same_document(b, h, q_index, kv_index):
+        return (q_index >= kv_index) & (document_ids_BS[b, q_index] == document_ids_BS[b, kv_index])
+
+    return create_block_mask(causal_same_document, batch, None, seq, seq, device=document_ids_BS.device)
 
 
 def build_attention_context(
     input_ids_BS: torch.Tensor, document_ids_BS: torch.Tensor | None,
     query_index_S: torch.Tensor | None = None, key_index_S: torch.Tensor | None = None,
-    gather_kv: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    gather_kv: Callable[[torch.Tensor], torch.Tensor] | None = None, document_mask: DocumentMask = "dense",
 ) -> AttentionContext:
     """The context of full sequences ``input_ids_BS`` (and their documents). With ``query_index_S``
     the layer computes only the queries at those sequence indices, against keys at ``key_index_S``
     (in the order ``gather_kv`` delivers them): positions and the causal + document mask are taken
-    from the full sequence, so each token keeps its true position (context parallelism)."""
+    from the full sequence, so each token keeps its true position (context parallelism, which always
+    masks ``dense``). ``document_mask``: how the document mask is handed to the kernel (module doc)."""
     from moetrain.models.rope import positions_from_documents
 
     batch, seq = input_ids_BS.shape
@@ -66,6 +94,9 @@ def build_attention_context(
         if document_ids_BS is None:
             positions = torch.arange(seq, device=device).expand(batch, seq)
             return AttentionContext(positions, None)
+        if document_mask == "block":
+            return AttentionContext(positions_from_documents(document_ids_BS), None,
+                                    block_mask=document_block_mask(document_ids_BS))
         causal = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
         same_doc = document_ids_BS.unsqueeze(2) == document_ids_BS.unsqueeze(1)
         return AttentionContext(positions_from_documents(document_ids_BS), (same_doc & causal).unsqueeze(1))
@@ -89,6 +120,18 @@ def _masked_softmax_scores(scores_BHSS: torch.Tensor, mask_B1SS: torch.Tensor | 
     return scores_BHSS.softmax(dim=-1)
 
 
+_compiled_flex_attention: Callable | None = None
+
+
+def _flex_attention() -> Callable:
+    """``flex_attention`` as Inductor compiles it. Uncompiled it is a reference that builds the S×S
+    scores (and has no backward on CPU); inside a compiled layer dynamo inlines the compiled function."""
+    global _compiled_flex_attention
+    if _compiled_flex_attention is None:
+        _compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex_attention
+
+
 def core_attention(
     q_BHSD: torch.Tensor,
     k_BGSD: torch.Tensor,
@@ -99,6 +142,13 @@ def core_attention(
 ) -> torch.Tensor:
     """softmax(q·kᵀ·scale + mask)·v with GQA broadcasting (G divides H); returns [B, H, S, V]."""
     heads, groups = q_BHSD.shape[1], k_BGSD.shape[1]
+    if ctx.block_mask is not None:
+        kwargs = {"block_mask": ctx.block_mask, "scale": scale, "enable_gqa": groups != heads}
+        if q_BHSD.device.type != "cpu":
+            return _flex_attention()(q_BHSD, k_BGSD, v_BGSV, **kwargs)
+        with warnings.catch_warnings():  # a CPU has only the reference (forward only; tests compare it)
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+            return flex_attention(q_BHSD, k_BGSD, v_BGSV, **kwargs)
     if backend == "sdpa":
         return F.scaled_dot_product_attention(
             q_BHSD, k_BGSD, v_BGSV,
@@ -173,7 +223,7 @@ class MLA(nn.Module):
         q_nope, q_rope = q_nope_BSHN.transpose(1, 2), q_rope_BSHR.transpose(1, 2)
         k_nope, k_rope = k_nope_BSHN.transpose(1, 2), k_rope_BS1R.transpose(1, 2)
         v = v_BSHV.transpose(1, 2)
-        if self.backend == "eager":
+        if self.backend == "eager" and ctx.block_mask is None:
             return q_nope, q_rope, k_nope, k_rope, v
         q = torch.cat([q_nope, q_rope], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(-1, cfg.num_heads, -1, -1)], dim=-1)
@@ -182,13 +232,13 @@ class MLA(nn.Module):
     def attend(self, qkv: tuple[torch.Tensor, ...], ctx: AttentionContext) -> torch.Tensor:
         """Core attention over ``project_up``'s output; returns [B, S, H·V], the o_proj input."""
         cfg = self.cfg
-        if self.backend == "eager":
+        if self.backend == "eager" and ctx.block_mask is None:
             q_nope, q_rope, k_nope, k_rope, v = qkv
             scores = (q_nope @ k_nope.transpose(-1, -2) + q_rope @ k_rope.transpose(-1, -2)) * self.scale
             out_BHSV = _masked_softmax_scores(scores, ctx.mask_B1SS).to(v.dtype) @ v
         else:
             q, k, v = qkv
-            out_BHSV = core_attention(q, k, v, ctx, self.scale, "sdpa")
+            out_BHSV = core_attention(q, k, v, ctx, self.scale, "sdpa")  # flex when ctx holds a block mask
         batch, seq = out_BHSV.shape[0], out_BHSV.shape[2]
         return out_BHSV.transpose(1, 2).reshape(batch, seq, cfg.num_heads * cfg.v_head_dim)
 

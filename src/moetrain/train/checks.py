@@ -56,6 +56,9 @@ def _check_combinations(spec: RunSpec, model_cfg: ModelConfig) -> None:
     if run.compile and spec.memory.policy in ("selective", "auto"):
         raise UserError(f"--compile runs with the memory policy none or full, not {spec.memory.policy}: its "
                         "saved-tensor hooks cannot be compiled yet; drop --compile or use --policy full")
+    if run.document_mask == "block" and run.device == "cpu":
+        raise UserError("--document-mask block runs FlexAttention, which has no backward on cpu; "
+                        "use --document-mask dense (or auto)")
     if parallel.zero >= 2 and parallel.overlap:
         raise UserError(f"ZeRO-{parallel.zero} does not run with the overlapped schedule yet; "
                         "use zero 1 or drop --overlap")

@@ -62,6 +62,16 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def resolve_document_mask(choice: str, device: torch.device) -> str:
+    """auto → FlexAttention tiles on CUDA, a dense mask elsewhere (FlexAttention has no CPU backward)."""
+    if choice == "auto":
+        return "block" if device.type == "cuda" else "dense"
+    if choice == "block" and device.type != "cuda":
+        raise UserError(f"--document-mask block runs FlexAttention, which has no backward on {device.type}; "
+                        "use --document-mask dense (or auto)")
+    return choice
+
+
 class Trainer:
     def __init__(self, spec: RunSpec, *, dims: ParallelDims | None = None, model_cfg: ModelConfig | None = None,
                  model: MoETransformer | None = None, console: Console | None = None) -> None:
@@ -111,6 +121,7 @@ class Trainer:
         self.balancer = None
         self.run = self.build_run(model)
         self.run.autocast_dtype = autocast_dtype(cfg.dtype, self.device.type)
+        self.run.document_mask = resolve_document_mask(spec.run.document_mask, self.device)
         self.memory_policy = self.apply_memory_policy()
         self.compiled_layers = self.apply_compile()
         self.step = 0
@@ -373,4 +384,4 @@ def _injected_fault(rank: int):
     return fault
 
 
-__all__ = ["Trainer", "resolve_device"]
+__all__ = ["Trainer", "resolve_device", "resolve_document_mask"]
