@@ -144,6 +144,26 @@ def measure_activations(model: nn.Module, input_ids: torch.Tensor, labels: torch
     return measured
 
 
+def measure_saved_bytes(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> int:
+    """Run one forward and backward; return the bytes of the distinct storages autograd kept for backward,
+    parameters excluded (keeping a weight costs nothing). Counted by saved-tensor hooks, which also see
+    what a compiled function keeps (it saves its tensors at its boundary, outside the graph), where
+    ``ActivationMeter`` sees eager operators only. No part names: a compiled layer's tensors have none."""
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = model(input_ids, labels=labels).loss
+    loss.backward()
+    return sum(kept.values())
+
+
 def time_steps(step: Callable[[], None], repeats: int, warmup: int = 1,
                device: torch.device | None = None) -> float:
     """Median seconds of ``step`` over ``repeats`` runs after ``warmup`` runs."""

@@ -34,14 +34,29 @@ def budget_bytes(options: MemoryOptions, baseline_bytes: float) -> float | None:
     return None
 
 
+COMPILED_EXCLUDED = frozenset({"swap_attention", "swap_moe"})
+"""Options compiled layers do not run (``moetrain.memory.runtime.COMPILED_OPTIONS``)."""
+
+
+def excluded_options(compiled: bool, expert_parallel: bool) -> frozenset[str]:
+    """What the runtime cannot install: compiled layers run no swap, and recompute the permutation only
+    where it is local (under expert parallelism the tokens come from other ranks)."""
+    if not compiled:
+        return frozenset()
+    return COMPILED_EXCLUDED | ({"permute"} if expert_parallel else frozenset())
+
+
 def choose_plan(model_cfg: ModelConfig, options: MemoryOptions, seq_len: int, micro_batch: int, dtype_bytes: float,
-                device_type: str, speed: DeviceSpeed | None = None) -> PolicyResult:
-    """The plan of the whole model (decoder layers, then MTP layers) that the options ask for."""
+                device_type: str, speed: DeviceSpeed | None = None,
+                excluded: frozenset[str] = frozenset()) -> PolicyResult:
+    """The plan of the whole model (decoder layers, then MTP layers) that the options ask for, from the
+    options the runtime can install (``excluded_options``)."""
     flash = uses_flash_attention(model_cfg, device_type)
     speed = speed or NOMINAL_SPEED["cuda" if device_type == "cuda" else "cpu"]
     probe = choose_memory_plan(model_cfg, seq_len, micro_batch, "none", None, speed, dtype_bytes, flash)
     budget = budget_bytes(options, probe.baseline_bytes)
-    return choose_memory_plan(model_cfg, seq_len, micro_batch, options.policy, budget, speed, dtype_bytes, flash)
+    return choose_memory_plan(model_cfg, seq_len, micro_batch, options.policy, budget, speed, dtype_bytes, flash,
+                              excluded)
 
 
 def held_layers_plan(plan: MemoryPlan, held: list[int]) -> MemoryPlan:

@@ -156,7 +156,10 @@ class _Costs:
         return sum(self.option_s(moe, o) for o in options if o not in inside_attention)
 
 
-def _applicable(model: ModelConfig, moe: bool, option: str, speed: DeviceSpeed) -> bool:
+def _applicable(model: ModelConfig, moe: bool, option: str, speed: DeviceSpeed,
+                excluded: frozenset[str] = frozenset()) -> bool:
+    if option in excluded:
+        return False
     if option == "mla_up" and not isinstance(model.attention, MLAConfig):
         return False
     if option in ("permute", "router", "swap_moe") and not (moe and model.moe is not None):
@@ -166,9 +169,10 @@ def _applicable(model: ModelConfig, moe: bool, option: str, speed: DeviceSpeed) 
 
 def choose_memory_plan(model: ModelConfig, seq_len: int, micro_batch: int, policy: PolicyName,
                        budget_bytes: float | None, speed: DeviceSpeed, dtype_bytes: float = 2.0,
-                       flash: bool = True) -> PolicyResult:
+                       flash: bool = True, excluded: frozenset[str] = frozenset()) -> PolicyResult:
     """The plan for ``policy`` and the activation budget (bytes for the whole model on one device, or
-    None for no budget), with its predicted bytes and added seconds per micro-batch."""
+    None for no budget), with its predicted bytes and added seconds per micro-batch. ``excluded``:
+    options the runtime cannot install here (compiled layers run no swap, for one)."""
     if policy not in POLICIES:
         raise ValueError(f"unknown memory policy {policy!r}; choose one of {list(POLICIES)}")
     costs = _Costs(model, seq_len, micro_batch, dtype_bytes, flash, speed)
@@ -186,7 +190,7 @@ def choose_memory_plan(model: ModelConfig, seq_len: int, micro_batch: int, polic
     baseline = total(sets)
     fits = lambda: budget_bytes is None or total(sets) <= budget_bytes  # noqa: E731
     if policy == "selective":
-        sets = [frozenset(o for o in SELECTIVE_OPTIONS if _applicable(model, kinds[i], o, speed))
+        sets = [frozenset(o for o in SELECTIVE_OPTIONS if _applicable(model, kinds[i], o, speed, excluded))
                 for i in range(blocks)]
     elif policy == "full":
         # whole-layer recompute, on as few layers as the budget needs (all without a budget)
@@ -195,13 +199,13 @@ def choose_memory_plan(model: ModelConfig, seq_len: int, micro_batch: int, polic
                 break
             sets[i] = frozenset({"layer"})
     elif policy == "auto" and budget_bytes is not None:
-        sets = _greedy(model, costs, kinds, sets, budget_bytes, total, speed)
+        sets = _greedy(model, costs, kinds, sets, budget_bytes, total, speed, excluded)
     plan = MemoryPlan(tuple(sets))
     return PolicyResult(plan, baseline, total(sets), budget_bytes, added(sets), fits(), plan.summary())
 
 
 def _greedy(model, costs: _Costs, kinds: list[bool], sets: list[frozenset[str]], budget: float, total,
-            speed: DeviceSpeed) -> list[frozenset[str]]:
+            speed: DeviceSpeed, excluded: frozenset[str]) -> list[frozenset[str]]:
     added_order: list[tuple[str, bool]] = []
     while total(sets) > budget:
         best: tuple[float, str, bool] | None = None
@@ -209,7 +213,7 @@ def _greedy(model, costs: _Costs, kinds: list[bool], sets: list[frozenset[str]],
             # the least-optioned layer of this kind stands for the kind
             base = min((sets[i] for i in range(len(sets)) if kinds[i] == moe), key=len)
             for option in ALL_OPTIONS:
-                if option in base or not _applicable(model, moe, option, speed):
+                if option in base or not _applicable(model, moe, option, speed, excluded):
                     continue
                 saved = costs.bytes(moe, base)[0] - costs.bytes(moe, base | {option})[0]
                 if saved <= 0:

@@ -19,6 +19,15 @@ Three mechanisms, all on public autograd APIs (no forked autograd, no flags insi
 
 Recomputation is deterministic given bit-identical inputs, so gradients equal the plain model's
 bit for bit wherever the kernels are deterministic (``torch.use_deterministic_algorithms``).
+
+**Compiled layers** (``apply_memory_policy(..., compiled=True)``, before ``torch.compile``): saved-tensor
+hooks cannot be traced, and they are not needed. Inductor's partitioner decides what a compiled layer
+keeps for backward, and it does not keep the output of a checkpointed region: it recomputes the region
+in backward from the region's inputs (``tests/memory`` measures it). So each recompute option is only
+its checkpoint wrapper, with no output registration: ``norm``, ``activation`` and ``mla_up`` wrap their
+producer, ``router``, ``attention`` and ``layer`` their block, and ``permute`` the gather of tokens into
+expert order (local dispatch only: under expert parallelism the tokens come from other ranks). Swap
+options stay eager-only (``compiled_options``).
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from moetrain.costs.activations import ALL_OPTIONS
+from moetrain.memory.options import COMPILED_EXCLUDED
 from moetrain.memory.policy import MemoryPlan
 
 # Operators whose outputs a recomputing checkpoint keeps: routing decisions and communication.
@@ -251,6 +261,10 @@ def _override(obj, name: str, wrapper: Callable, installed: list) -> None:
     installed.append((obj, name))
 
 
+COMPILED_OPTIONS: frozenset[str] = frozenset(ALL_OPTIONS) - COMPILED_EXCLUDED
+"""Options a compiled layer runs (``compiled=True``)."""
+
+
 def _producer_wrapper(manager: SavedTensorManager, internals_checkpoint: bool = True):
     def wrap(original: Callable) -> Callable:
         @functools.wraps(original)
@@ -285,6 +299,23 @@ class _DiscardedDispatch:
         if torch.is_grad_enabled():
             self.manager.register_producer(self.rebuild, self.args, out[0])
         return out
+
+
+def _recomputed_gather(original: Callable) -> Callable:
+    """A local dispatch whose permuted tokens are recomputed (compiled layers): the gather into expert
+    order is redone under a checkpoint from the block's input; the first gather is then unused, and the
+    compiler drops it."""
+    from moetrain.models.dispatch import ReadyDispatch, gather_token_rows
+
+    @functools.wraps(original)
+    def start_dispatch(x_TD, routing):
+        pending = original(x_TD, routing)
+        if not torch.is_grad_enabled():
+            return pending
+        _, tokens_per_expert, meta = pending.finish()
+        tokens_PD = recompute(gather_token_rows, x_TD, meta.permute.token_index_P, meta.permute.inverse_P)
+        return ReadyDispatch((tokens_PD, tokens_per_expert, meta))
+    return start_dispatch
 
 
 def _recomputed_dispatch(manager: SavedTensorManager, original: Callable) -> Callable:
@@ -327,15 +358,21 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
-def apply_memory_policy(model: nn.Module, plan: MemoryPlan, min_swap_numel: int | None = None) -> AppliedPolicy:
+def apply_memory_policy(model: nn.Module, plan: MemoryPlan, min_swap_numel: int | None = None,
+                        compiled: bool = False) -> AppliedPolicy:
     """Install the plan's options on each decoder layer of ``model`` (a ``MoETransformer``).
 
     Call after the expert-parallel dispatcher is installed (``permute`` wraps whichever dispatcher
     the MoE block has). ``min_swap_numel``: smaller saved tensors stay on the device (default 2**16
-    elements on CUDA, 0 on CPU). Returns a handle whose ``remove()`` restores the plain model."""
+    elements on CUDA, 0 on CPU). ``compiled``: the layers will be compiled afterwards (checkpoint
+    wrappers only, ``COMPILED_OPTIONS``). Returns a handle whose ``remove()`` restores the plain model."""
     layers = decoder_layers(model)
     if len(plan.layer_options) != len(layers):
         raise ValueError(f"the plan has {len(plan.layer_options)} layers, the model {len(layers)}")
+    if compiled:
+        unsupported = sorted(set().union(*plan.layer_options) - COMPILED_OPTIONS)
+        if unsupported:
+            raise ValueError(f"{unsupported} cannot run in compiled layers; choose from {sorted(COMPILED_OPTIONS)}")
     device = next(model.parameters()).device
     if min_swap_numel is None:
         min_swap_numel = 2**16 if device.type == "cuda" else 0
@@ -345,8 +382,59 @@ def apply_memory_policy(model: nn.Module, plan: MemoryPlan, min_swap_numel: int 
     for index, (layer, options) in enumerate(zip(layers, plan.layer_options)):
         unknown = set(options) - set(ALL_OPTIONS)
         assert not unknown, unknown
-        _apply_to_layer(layer, index, frozenset(options), manager, applied)
+        if compiled:
+            _apply_to_compiled_layer(layer, frozenset(options), applied)
+        else:
+            _apply_to_layer(layer, index, frozenset(options), manager, applied)
     return applied
+
+
+def _mlps(layer: nn.Module) -> list[nn.Module]:
+    moe = getattr(layer, "moe", None)
+    if moe is None:
+        return [layer.ffn] if hasattr(layer, "ffn") else []
+    return [moe.experts] + ([moe.shared_expert] if moe.shared_expert is not None else [])
+
+
+def _apply_to_compiled_layer(layer: nn.Module, options: frozenset[str], applied: AppliedPolicy) -> None:
+    """Checkpoint wrappers only: the compiler recomputes what they wrap (module doc)."""
+    if "layer" in options:
+        _override(layer, "forward", _recompute_wrapper, applied.overrides)
+        return
+    attention = layer.attention
+    if "attention" in options:
+        _override(attention, "forward", _recompute_wrapper, applied.overrides)
+    elif "mla_up" in options and hasattr(attention, "project_up"):
+        _override(attention, "project_up", _recompute_wrapper, applied.overrides)
+    if "norm" in options:
+        names = ["attn_norm", "attn_post_norm", "ffn_norm", "ffn_post_norm"]
+        if "attention" not in options and "mla_up" not in options:
+            names += [f"attention.{name}" for name in ("q_norm", "kv_norm", "k_norm")]
+        for name in names:
+            module = layer.get_submodule(name) if _has_submodule(layer, name) else None
+            if module is not None:
+                _override(module, "forward", _recompute_wrapper, applied.overrides)
+    moe = getattr(layer, "moe", None)
+    if moe is not None and "router" in options:
+        _override(moe.router, "forward", _recompute_wrapper, applied.overrides)
+    if moe is not None and "permute" in options:
+        from moetrain.models.dispatch import LocalDispatcher
+
+        if not isinstance(moe.dispatcher, LocalDispatcher):
+            raise ValueError("permute recompute in compiled layers needs the local dispatcher (expert parallelism "
+                             "keeps the tokens of other ranks: run it eager)")
+        _override(moe.dispatcher, "start_dispatch", _recomputed_gather, applied.overrides)
+    if "activation" in options:
+        for mlp in _mlps(layer):
+            _override(mlp.act, "forward", _recompute_wrapper, applied.overrides)
+
+
+def _has_submodule(module: nn.Module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
 
 
 def _apply_to_layer(layer: nn.Module, index: int, options: frozenset[str], manager: SavedTensorManager,
@@ -399,9 +487,8 @@ def _apply_to_layer(layer: nn.Module, index: int, options: frozenset[str], manag
             if hasattr(layer, name):
                 _override(getattr(layer, name), "forward", producer, applied.overrides)
     moe = getattr(layer, "moe", None)
-    mlps = [layer.ffn] if hasattr(layer, "ffn") else []
+    mlps = _mlps(layer)
     if moe is not None:
-        mlps = [moe.experts] + ([moe.shared_expert] if moe.shared_expert is not None else [])
         if "swap_moe" in options:
             region(moe, True)
             region(moe.router, False)

@@ -53,9 +53,6 @@ def _check_combinations(spec: RunSpec, model_cfg: ModelConfig) -> None:
         raise UserError("--synthetic-data and --data exclude each other; drop one")
     if run.trace_routing and model_cfg.moe is None:
         raise UserError(f"--trace-routing needs an MoE model; {model_cfg.name} has no MoE layers")
-    if run.compile and spec.memory.policy in ("selective", "auto"):
-        raise UserError(f"--compile runs with the memory policy none or full, not {spec.memory.policy}: its "
-                        "saved-tensor hooks cannot be compiled yet; drop --compile or use --policy full")
     if run.document_mask == "block" and run.device == "cpu":
         raise UserError("--document-mask block runs FlexAttention, which has no backward on cpu; "
                         "use --document-mask dense (or auto)")

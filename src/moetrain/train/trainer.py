@@ -185,36 +185,40 @@ class Trainer:
                                                 model=model, slots_per_rank=balance.slots_per_rank, **tuning)
         return run
 
+    def will_compile(self) -> bool:
+        """``--compile`` as asked; by default on CUDA only."""
+        wanted = self.spec.run.compile
+        return self.device.type == "cuda" if wanted is None else wanted
+
     def apply_memory_policy(self):
-        """Install the recompute/swap options of the layers this rank holds (``moetrain.memory``)."""
+        """Install the recompute/swap options of the layers this rank holds (``moetrain.memory``): the
+        checkpoint wrappers alone when the layers will be compiled (no swap there), else the eager hooks."""
         options = self.spec.memory
         if options.policy == "none":
             return None
-        from moetrain.memory.options import choose_plan, held_layers_plan
+        from moetrain.memory.options import choose_plan, excluded_options, held_layers_plan
         from moetrain.memory.runtime import apply_memory_policy
 
         model = self.run.stage.model
+        compiled = self.will_compile()
         dtype_bytes = 2.0 if self.run.autocast_dtype is not None else 4.0
+        excluded = excluded_options(compiled, self.spec.parallel.ep > 1)
         result = choose_plan(self.model_cfg, options, self.cfg.seq_len, self.cfg.micro_batch, dtype_bytes,
-                             self.device.type)
+                             self.device.type, excluded=excluded)
         held = [int(index) for index in model.layers] + [self.model_cfg.num_layers + j for j in range(len(model.mtp))]
-        applied = apply_memory_policy(model, held_layers_plan(result.plan, held))
+        applied = apply_memory_policy(model, held_layers_plan(result.plan, held), compiled=compiled)
         chosen = ", ".join(f"{name}×{count}" for name, count in sorted(result.options.items())) or "nothing"
-        self.console.print(f"memory policy {options.policy}: {chosen}; activations "
-                           f"{result.activation_bytes / 2**20:,.1f} of {result.baseline_bytes / 2**20:,.1f} MiB "
-                           "per micro-batch (analytic, whole model)")
+        kept, baseline = result.activation_bytes / 2**20, result.baseline_bytes / 2**20
+        self.console.print(f"memory policy {options.policy}{' (compiled layers)' if compiled else ''}: {chosen}; "
+                           f"activations {kept:,.1f} of {baseline:,.1f} MiB per micro-batch, predicted "
+                           f"+{result.added_time_s * 1e3:,.1f} ms per micro-batch (analytic, whole model, nominal "
+                           "device speed)")
         return applied
 
     def apply_compile(self) -> int:
         """Compile the layers this rank holds when the spec asks (default: on CUDA); after the memory
-        policy, whose recompute wrappers the compiled layers then trace through."""
-        wanted = self.spec.run.compile
-        if not (self.device.type == "cuda" if wanted is None else wanted):
-            return 0
-        if self.spec.memory.policy in ("selective", "auto"):
-            # the default on CUDA yields to these policies (an explicit --compile is refused by check_run)
-            self.console.print(f"not compiling: the {self.spec.memory.policy} memory policy's saved-tensor hooks "
-                               "cannot be compiled yet")
+        policy, whose checkpoint wrappers the compiled layers then trace through."""
+        if not self.will_compile():
             return 0
         from moetrain.distributed.parallelize import apply_compile
 
