@@ -37,6 +37,20 @@ def machine() -> dict:
     return info
 
 
+def device_tag() -> str:
+    """A short name of this machine's accelerator for result file names: ``h200``, ``h100``, ... (the
+    words of the GPU's name that a model number starts), or ``cpu``."""
+    try:
+        import torch
+    except ImportError:
+        return "cpu"
+    if not torch.cuda.is_available():
+        return "cpu"
+    words = torch.cuda.get_device_name().replace("NVIDIA", "").split()
+    model = next((w for w in words if any(c.isdigit() for c in w)), words[0] if words else "gpu")
+    return model.lower()
+
+
 def commit() -> str:
     """The checkout's commit, with ``-dirty`` when code differs from it (changed or new files outside
     ``benchmarks/results/``: a benchmark rewriting its results, or another's, leaves the code as

@@ -44,6 +44,47 @@ def busy_seconds(prof: profile) -> float:
     return total * 1e-6  # µs → s
 
 
+KERNEL_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    # (kind, words of a CUDA kernel's name), first match wins; matched case-insensitively
+    ("attention", ("flash", "fmha", "sdpa", "cudnn", "flex_attention", "attention")),
+    ("grouped_gemm", ("groupproblemshape", "ptrarray", "grouped")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "wgmma")),
+    ("optimizer", ("adam", "multi_tensor_apply")),
+    ("copy", ("memcpy", "memset")),
+)
+"""Kinds of device time, for comparing a measured step with the simulator's terms: core attention,
+the experts' grouped GEMMs, the other (dense) GEMMs, the optimizer, copies, and everything else
+(element-wise and reduction kernels: norms, activations, permutations, losses)."""
+
+
+def kernel_kind(name: str) -> str:
+    lower = name.lower()
+    return next((kind for kind, words in KERNEL_KINDS if any(w in lower for w in words)), "elementwise")
+
+
+def _kernels(prof: profile):
+    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def device_ms_by_kind(prof: profile) -> dict[str, float]:
+    """Device milliseconds of the profiled kernels by ``kernel_kind`` (overlaps counted per kernel)."""
+    totals: dict[str, float] = {}
+    for event in _kernels(prof):
+        kind = kernel_kind(event.name)
+        totals[kind] = totals.get(kind, 0.0) + (event.time_range.end - event.time_range.start) / 1e3
+    return {kind: round(ms, 3) for kind, ms in sorted(totals.items(), key=lambda kv: -kv[1])}
+
+
+def top_kernels(prof: profile, limit: int) -> list[dict]:
+    """The device kernels with the most time: name (cut to 160 characters), kind, calls, milliseconds."""
+    by_name: dict[str, list[float]] = {}
+    for event in _kernels(prof):
+        by_name.setdefault(event.name, []).append((event.time_range.end - event.time_range.start) / 1e3)
+    rows = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:limit]
+    return [{"name": name[:160], "kind": kernel_kind(name), "calls": len(ms), "device_ms": round(sum(ms), 3)}
+            for name, ms in rows]
+
+
 def top_ops(prof: profile, key: str, limit: int) -> list[dict]:
     rows = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:limit]
     return [{"name": e.key, "calls": e.count, "self_device_ms": e.self_device_time_total / 1e3,

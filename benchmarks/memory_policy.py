@@ -7,9 +7,14 @@ fraction, with the device↔host bandwidth measured for the policy's swap costs.
 CPU (fp32, tiny-pangu, a smoke run): bytes kept for backward (``ActivationMeter``) and step time.
 
     python benchmarks/memory_policy.py --device cpu --model tiny-pangu --seq-len 256 --budget-fraction 0.3
-    python benchmarks/memory_policy.py --device cuda --budget-fraction 0.3     # writes memory_gpu.json
+    python benchmarks/memory_policy.py --device cuda --budget-fraction 0.3     # writes memory_<gpu>.json
+    python benchmarks/memory_policy.py --device cuda --compile                 # writes memory_<gpu>_compiled.json
 
-Writes ``benchmarks/results/memory_<device>.json`` with the command, commit and machine.
+``--compile`` compiles every decoder layer (``moetrain.distributed.parallelize.apply_compile``) with the
+policy's checkpoint wrappers inside (``apply_memory_policy(..., compiled=True)``); compiled layers run no
+swap, so ``auto`` chooses among the recompute options and the swap run is left out. Each model is compiled
+afresh, and its first step (the compilation) is a warm-up step. Writes
+``benchmarks/results/memory_<device>[_compiled].json`` with the command, commit and machine.
 """
 
 from __future__ import annotations
@@ -17,19 +22,21 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _record import write_result  # noqa: E402
+from _record import device_tag, write_result  # noqa: E402
 from gpu_step_profile import busy_seconds  # noqa: E402
 
 from moetrain.config import load_model_config
 from moetrain.config.model import ModelConfig
 from moetrain.costs.flops import training_flops_per_token
-from moetrain.memory.measure import measure_activations, time_steps
-from moetrain.memory.options import uses_flash_attention
+from moetrain.distributed.parallelize import apply_compile
+from moetrain.memory.measure import measure_activations, measure_saved_bytes, time_steps
+from moetrain.memory.options import COMPILED_EXCLUDED, uses_flash_attention
 from moetrain.memory.policy import DeviceSpeed, MemoryPlan, choose_memory_plan, num_blocks
 from moetrain.memory.runtime import apply_memory_policy
 from moetrain.models import build_model
@@ -56,6 +63,9 @@ def main() -> int:
     parser.add_argument("--micro-batch", type=int, default=None)
     parser.add_argument("--budget-fraction", type=float, default=0.3)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--compile", action="store_true", help="compiled layers (no swap)")
+    parser.add_argument("--policies", default="selective,full,auto,swap",
+                        help="policies measured beside none (swap too on CUDA, eager only)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     cuda = args.device == "cuda"
@@ -69,13 +79,16 @@ def main() -> int:
     ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0)).to(device)
 
     def build():
+        torch._dynamo.reset()  # a fresh compilation per model (guards on the last one would fall back to eager)
         model = build_model(cfg, device=device, seed=0)
         return model.to(dtype)
 
     def measure(plan) -> dict:
         model = build()
         if plan is not None:
-            apply_memory_policy(model, plan)
+            apply_memory_policy(model, plan, compiled=args.compile)
+        if args.compile:
+            apply_compile(model)
 
         def step() -> None:
             model.zero_grad(set_to_none=True)
@@ -106,6 +119,8 @@ def main() -> int:
                 profiled = time.perf_counter() - begin
             return {"activation_bytes": kept, "peak_above_weights_and_grads_bytes": peak, "step_time_s": seconds,
                     "device_busy_fraction": busy_seconds(prof) / profiled}
+        if args.compile:  # the dispatch-mode meter sees eager operators only
+            return {"activation_bytes": measure_saved_bytes(model, ids, ids), "step_time_s": seconds}
         return {"activation_bytes": measure_activations(model, ids, ids).total_bytes, "step_time_s": seconds}
 
     def host_link_bytes_per_s() -> float:
@@ -130,25 +145,36 @@ def main() -> int:
     probe = choose_memory_plan(cfg, seq, batch, "none", None, speed, dtype_bytes, flash)
     budget = args.budget_fraction * probe.baseline_bytes
     runs = {"none": {**baseline, "predicted_activation_bytes": probe.activation_bytes}}
-    for policy in ("selective", "full", "auto"):
-        result = choose_memory_plan(cfg, seq, batch, policy, budget, speed, dtype_bytes, flash)
-        runs[policy] = {**measure(result.plan), "options": result.options,
-                        "predicted_activation_bytes": result.activation_bytes}
-    if cuda:  # every layer's attention and MoE tensors to host memory: what swap alone saves and costs
+    excluded = COMPILED_EXCLUDED if args.compile else frozenset()
+    failed: dict[str, str] = {}
+    for policy in [p for p in args.policies.split(",") if p != "swap"]:
+        result = choose_memory_plan(cfg, seq, batch, policy, budget, speed, dtype_bytes, flash, excluded)
+        try:
+            measured = measure(result.plan)
+        except Exception as exc:  # noqa: BLE001 - a policy that fails is recorded; the next one runs
+            traceback.print_exc()
+            failed[policy] = f"{type(exc).__name__}: {str(exc).strip()[:400]}"
+            continue
+        runs[policy] = {**measured, "options": result.options, "predicted_activation_bytes": result.activation_bytes,
+                        "predicted_added_s": result.added_time_s}
+    if cuda and not args.compile and "swap" in args.policies.split(","):
+        # every layer's attention and MoE tensors to host memory: what swap alone saves and costs
         swap = MemoryPlan.uniform(("swap_attention", "swap_moe"), num_blocks(cfg))
         runs["swap"] = {**measure(swap), "options": swap.summary()}
     for run in runs.values():
         run["activation_ratio"] = run["activation_bytes"] / baseline["activation_bytes"]
         run["step_time_ratio"] = run["step_time_s"] / baseline["step_time_s"]
     record = {
-        "model": cfg.name, "seq_len": seq, "micro_batch": batch,
+        "model": cfg.name, "seq_len": seq, "micro_batch": batch, "compiled": args.compile,
         "dtype": str(dtype).removeprefix("torch."), "budget_fraction": args.budget_fraction,
         "measure": ("allocated after forward above weights and gradients (peak through backward beside it)" if cuda
                     else "bytes kept for backward (ActivationMeter)"),
         "host_link_gb_per_s": host_link / 1e9 if host_link else None,
         "runs": runs,
+        "failed": failed,
     }
-    write_result(args.out or f"benchmarks/results/memory_{'gpu' if cuda else 'cpu'}.json", record)
+    suffix = "_compiled" if args.compile else ""
+    write_result(args.out or f"benchmarks/results/memory_{device_tag()}{suffix}.json", record)
     for name, run in runs.items():
         busy = f"  device busy {run['device_busy_fraction']:.0%}" if "device_busy_fraction" in run else ""
         print(f"{name:9} activation {run['activation_ratio']:.3f}  step time {run['step_time_ratio']:.3f}{busy}  "

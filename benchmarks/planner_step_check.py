@@ -6,9 +6,17 @@ the measured step time with ``moetrain simulate`` using the profiled calibration
     python benchmarks/planner_step_check.py --device cuda --model benchmarks/data/pangu-shaped-small.yaml \
         --seq-len 4096 --global-batch 8 --micro-batch 1 --steps 8
 
+    python benchmarks/planner_step_check.py --device cuda --model benchmarks/data/pangu-shaped-small.yaml \
+        --seq-len 4096 --global-batch 8 --measured benchmarks/results/step_speed_h200.json \
+        --variant compiled:8:block                        # the step measured there, not trained again
+
 The trainer's defaults (moetrain.config.TrainingConfig: global batch 16, micro-batch 4, seq 128) are
 passed explicitly to both sides so that they describe the same step: fp32 on CPU, bf16 autocast on
-CUDA (``--precision bf16`` for the simulator). Writes
+CUDA (``--precision bf16`` for the simulator). ``--measured`` takes the measured step from a
+``step_speed.py`` result (its variant's micro-batch and median step) instead of training again, and with
+it the device time by kind of kernel, which the check sets against the simulator's terms (``terms``:
+the experts' grouped GEMMs; attention with the dense GEMMs of projections, router, shared experts and
+head; element-wise kernels; the optimizer; what the device did not fill). Writes
 ``benchmarks/results/planner_step_check_<device>[_<model>].json``.
 """
 
@@ -25,12 +33,38 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _record import write_result  # noqa: E402
+from _record import device_tag, write_result  # noqa: E402
 
 
 def _moetrain(*args: str) -> str:
     return subprocess.run([sys.executable, "-m", "moetrain", *args], check=True, capture_output=True,
                           text=True).stdout
+
+
+def measured_step(path: str, variants: str) -> dict:
+    """The row of a ``step_speed.py`` result of the first of ``variants`` (comma list) that it holds."""
+    rows = {row["variant"]: row for row in json.loads(Path(path).read_text())["variants"]}
+    for variant in variants.split(","):
+        if variant in rows:
+            return rows[variant]
+    raise SystemExit(f"{path} has none of the variants {variants!r}; it has {sorted(rows)}")
+
+
+def compare_terms(simulated: dict, measured_s: float, device_ms_by_kind: dict[str, float]) -> list[dict]:
+    """Simulated seconds per step against the measured device time of the kinds of kernel that run them."""
+    compute = simulated["compute_s"]
+    kinds = {kind: ms / 1e3 for kind, ms in device_ms_by_kind.items()}
+    busy = sum(kinds.values())
+    rows = [
+        ("experts (grouped GEMMs)", compute["experts"], kinds.get("grouped_gemm", 0.0)),
+        ("attention and dense GEMMs",
+         compute["attention"] + compute["router"] + compute["shared_experts"] + compute["head"],
+         kinds.get("attention", 0.0) + kinds.get("gemm", 0.0)),
+        ("element-wise", compute["elementwise"], kinds.get("elementwise", 0.0) + kinds.get("copy", 0.0)),
+        ("optimizer", simulated["optimizer_s"], kinds.get("optimizer", 0.0)),
+        ("device idle (host-bound)", simulated.get("host_wait_s", 0.0), max(0.0, measured_s - busy)),
+    ]
+    return [{"term": term, "simulated_s": sim, "measured_s": meas, "miss_s": sim - meas} for term, sim, meas in rows]
 
 
 def main() -> None:
@@ -48,14 +82,27 @@ def main() -> None:
                         help="moetrain profile runs; the least disturbed (fastest GEMMs) prices the step (default: "
                              "3 on CPU, 1 on CUDA)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--cluster", default=None, help="peaks the profile refers to (cpu, or h100-sxm-80gb on CUDA)")
+    parser.add_argument("--cluster", default=None, help="peaks the profile refers to (default: cpu, or the GPU's own "
+                                                        "preset)")
+    parser.add_argument("--measured", default=None, help="a step_speed.py result holding the measured step")
+    parser.add_argument("--variant", default=None, help="with --measured: its variant (e.g. compiled:8:block; a comma "
+                                                        "list: the first the result holds)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     cuda = args.device == "cuda"
-    cluster = args.cluster or ("h100-sxm-80gb" if cuda else "cpu")
+    if cuda:
+        import torch
+
+        from moetrain.config import cluster_for_device
+
+        device_cluster = cluster_for_device(torch.cuda.get_device_name())
+    cluster = args.cluster or (device_cluster if cuda else "cpu")
+    measured_row = measured_step(args.measured, args.variant) if args.measured else None
+    if measured_row is not None:
+        args.micro_batch = measured_row["micro_batch"]
     dtype = "bf16" if cuda else "fp32"
     model_tag = "" if args.model == "tiny-pangu" else "_" + Path(args.model).stem
-    out = args.out or f"benchmarks/results/planner_step_check_{'gpu' if cuda else 'cpu'}{model_tag}.json"
+    out = args.out or f"benchmarks/results/planner_step_check_{device_tag()}{model_tag}.json"
 
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "metrics.jsonl"
@@ -70,12 +117,15 @@ def main() -> None:
                                               str(args.threads), "--json"))
             profiles.append((measured_i, out_i))
         profile, calibration = max(profiles, key=lambda p: p[0]["efficiencies"]["gemm_max"])
-        _moetrain("train", "--model", args.model, "--cluster", cluster, "--steps", str(args.steps), "--global-batch",
-                  str(args.global_batch), "--micro-batch", str(args.micro_batch), "--seq-len", str(args.seq_len),
-                  "--device", args.device, "--dtype", dtype, "--threads", str(args.threads), "--metrics-out",
-                  str(metrics), "--quiet")
-        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-        measured_steps = [r["step_time_s"] for r in rows[args.skip:]]
+        if measured_row is not None:
+            measured_steps = measured_row["steps_s"][1:]  # the first step compiles
+        else:
+            _moetrain("train", "--model", args.model, "--cluster", cluster, "--steps", str(args.steps),
+                      "--global-batch", str(args.global_batch), "--micro-batch", str(args.micro_batch), "--seq-len",
+                      str(args.seq_len), "--device", args.device, "--dtype", dtype, "--threads", str(args.threads),
+                      "--metrics-out", str(metrics), "--quiet")
+            rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+            measured_steps = [r["step_time_s"] for r in rows[args.skip:]]
         simulated = json.loads(_moetrain(
             "simulate", "--model", args.model, "--cluster", cluster, "--devices", "1", "--seq-len", str(args.seq_len),
             "--global-batch", str(args.global_batch), "--micro-batch", str(args.micro_batch), "--precision", dtype,
@@ -84,6 +134,12 @@ def main() -> None:
     measured = statistics.median(measured_steps)
     error = (simulated["step_time_s"] - measured) / measured * 100
     print(f"measured median step {measured:.4f} s, simulated {simulated['step_time_s']:.4f} s ({error:+.1f}%)")
+    terms = []
+    if measured_row is not None and measured_row.get("device_ms_by_kind"):
+        terms = compare_terms(simulated, measured, measured_row["device_ms_by_kind"])
+        for t in terms:
+            print(f"  {t['term']:28s} simulated {t['simulated_s'] * 1e3:8.1f} ms  measured "
+                  f"{t['measured_s'] * 1e3:8.1f} ms  miss {t['miss_s'] * 1e3:+8.1f} ms")
     write_result(out, {
         "model": args.model,
         "device": args.device,
@@ -93,10 +149,12 @@ def main() -> None:
         "global_batch": args.global_batch,
         "micro_batch": args.micro_batch,
         "simulated": {k: simulated[k] for k in ("compute_s", "optimizer_s", "bubble_s", "host_wait_s", "memory_gib")},
+        "measured_from": f"{args.measured} {measured_row['variant']}" if measured_row else "moetrain train (this run)",
         "measured_step_time_s": measured,
         "measured_steps_s": measured_steps,
         "simulated_step_time_s": simulated["step_time_s"],
         "error_pct": error,
+        "terms": terms,
         "threads": args.threads,
         "load_average_1min_before": load_before,
         "load_average_1min_after": os.getloadavg()[0],

@@ -7,6 +7,11 @@ model's full forward over the sequence so far and keeps the last position's logi
 the same tokens (checked, and recorded as ``same_tokens``); the figure is generated tokens per second.
 
     python benchmarks/rl_generation.py --out benchmarks/results/rl_generation_cpu.json
+    python benchmarks/rl_generation.py --device cuda --model benchmarks/data/pangu-shaped-small.yaml \
+        --batch 64 --prompt-len 64 --lengths 128,512 --repeats 1      # → rl_generation_<gpu>.json
+
+On CUDA the model runs in bf16 (its weights cast, as the RL loop's generation model is), and the two may
+part ways where bf16 rounding changes a greedy choice (``same_tokens`` says so).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
-from _record import write_result
+from _record import device_tag, write_result
 
 from moetrain.config import load_model_config
 from moetrain.models.transformer import build_model
@@ -57,10 +62,12 @@ def measure(model, prompt_BP: torch.Tensor, new_tokens: int, repeats: int) -> Le
         cached = min(cached, time.perf_counter() - start)
         start = time.perf_counter()
         tokens_BN = recompute_generate(model, prompt_BP, new_tokens)
+        if tokens_BN.is_cuda:
+            torch.cuda.synchronize()
         recomputed = min(recomputed, time.perf_counter() - start)
     generated = prompt_BP.shape[0] * new_tokens
     return LengthResult(new_tokens, cached, recomputed, generated / cached, generated / recomputed,
-                        recomputed / cached, bool(torch.equal(generation.tokens_BN, tokens_BN)),
+                        recomputed / cached, bool(torch.equal(generation.tokens_BN.cpu(), tokens_BN.cpu())),
                         engine.cache_bytes / 2**20)
 
 
@@ -72,22 +79,25 @@ def main() -> None:
     parser.add_argument("--lengths", default="32,128,512", help="new tokens per row, comma-separated")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--out", help="JSON path (default on CUDA: benchmarks/results/rl_generation_<gpu>.json)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     cfg = policy_config(load_model_config(args.model))
-    model = build_model(cfg, "cpu", seed=0).eval()
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    model = build_model(cfg, args.device, seed=0).to(dtype).eval()
     prompt_BP = torch.randint(4, cfg.vocab_size, (args.batch, args.prompt_len),
-                              generator=torch.Generator().manual_seed(0))
+                              generator=torch.Generator().manual_seed(0)).to(args.device)
     rows = []
     for new_tokens in (int(n) for n in args.lengths.split(",")):
         row = measure(model, prompt_BP, new_tokens, args.repeats)
         rows.append(row)
         print(f"{new_tokens:4d} new tokens: cache {row.cached_tokens_per_s:8.0f} tok/s, recompute "
               f"{row.recompute_tokens_per_s:8.0f} tok/s, ×{row.speedup:.1f}, same tokens {row.same_tokens}")
-    if args.out:
-        write_result(args.out, {"model": cfg.name, "batch": args.batch, "prompt_len": args.prompt_len,
-                                "threads": args.threads, "dtype": "float32",
+    out = args.out or (f"benchmarks/results/rl_generation_{device_tag()}.json" if args.device == "cuda" else None)
+    if out:
+        write_result(out, {"model": cfg.name, "batch": args.batch, "prompt_len": args.prompt_len,
+                                "threads": args.threads, "dtype": str(dtype).removeprefix("torch."),
                                 "load_average_1min": os.getloadavg()[0],
                                 "results": [asdict(r) for r in rows]})
 

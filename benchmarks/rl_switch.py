@@ -11,6 +11,13 @@ which a CPU never needs (``auto`` skips it): it prices the copies.
 
     python benchmarks/rl_switch.py --out benchmarks/results/rl_switch_cpu.json
     python benchmarks/rl_switch.py --ranks 2 --out benchmarks/results/rl_switch_cpu_2ranks.json
+    python benchmarks/rl_switch.py --device cuda --model benchmarks/data/pangu-shaped-small.yaml \
+        --steps 4                                                   # → rl_switch_<gpu>.json
+
+On one GPU (``--device cuda``) the training and generation layouts are both the one device: the switch
+is the offload of AdamW state and gradients to pinned host memory (``always``; ``auto`` skips it where
+generation fits beside them), the weight copy into the generation model, generation with its KV cache
+and the way back, timed phase by phase in one process.
 
 On the 2-core machine 4 ranks share the cores two by two (one thread each): times are those of a busy
 machine, useful as proportions (which phase dominates, the switch's share of the step), not as absolute
@@ -24,7 +31,7 @@ import io
 import os
 import statistics
 
-from _record import write_result
+from _record import device_tag, write_result
 from rich.console import Console
 
 from moetrain.config import ParallelConfig, TrainingConfig, load_model_config
@@ -39,12 +46,14 @@ from moetrain.rl.tasks import get_task
 
 LAYOUTS = {"tp2_ep2": ParallelConfig(tp=2, dp=2, ep=2), "pp2_ep2": ParallelConfig(pp=2, dp=2, ep=2),
            "ep2": ParallelConfig(dp=2, ep=2), "tp2": ParallelConfig(tp=2)}
+LAYOUTS["one"] = ParallelConfig()
 VARIANTS = {4: [("tp2_ep2", "auto"), ("pp2_ep2", "auto"), ("tp2_ep2", "always")],
-            2: [("ep2", "auto"), ("tp2", "auto")]}
-"""The variants of a world of 4 ranks (two per core on the 2-core machine) and of 2 (one per core)."""
+            2: [("ep2", "auto"), ("tp2", "auto")], 1: [("one", "always"), ("one", "auto")]}
+"""The variants of a world of 4 ranks (two per core on the 2-core machine), of 2 (one per core) and of one
+process (one GPU)."""
 
 
-def _trainer(args: argparse.Namespace, parallel: ParallelConfig, dims: ParallelDims, offload: str) -> RLTrainer:
+def _trainer(args: argparse.Namespace, parallel: ParallelConfig, dims: ParallelDims | None, offload: str) -> RLTrainer:
     model_cfg = policy_config(load_model_config(args.model))
     task = get_task("addition")
     seq_len = -(-sequence_len_for(task, task.max_answer_chars + 2) // parallel.tp) * parallel.tp
@@ -54,7 +63,7 @@ def _trainer(args: argparse.Namespace, parallel: ParallelConfig, dims: ParallelD
     cfg = TrainingConfig(steps=args.steps, global_batch=batch, micro_batch=batch // parallel.dp, seq_len=seq_len,
                          lr=1e-3, warmup_steps=0)
     spec = RunSpec(model=args.model, training=cfg, parallel=parallel.model_dump(exclude={"sp", "micro_batch"}),
-                   run={"device": "cpu", "cluster": "cpu", "quiet": True})
+                   run={"device": args.device, "quiet": True, "compile": False})  # RL's lengths vary step to step
     fusion = FusionOptions(offload=offload, bucket_mib=args.bucket_mib)
     return RLTrainer(spec, options, model_cfg=model_cfg, console=Console(file=io.StringIO()), fusion=fusion,
                      dims=dims)
@@ -81,7 +90,8 @@ def step_phases(rows: list[dict]) -> dict[str, float]:
 def _bench(rank: int, world_size: int, args: argparse.Namespace) -> list[dict]:
     variants = VARIANTS[world_size]
     used = dict.fromkeys(layout for layout, _ in variants)
-    dims = {name: ParallelDims.build(LAYOUTS[name], rank) for name in used}
+    # one process makes its own one-rank world (the trainer's), as ``moetrain rl`` does
+    dims = {name: ParallelDims.build(LAYOUTS[name], rank) if world_size > 1 else None for name in used}
     results = []
     for layout, offload in variants:
         rows = _trainer(args, LAYOUTS[layout], dims[layout], offload).train()
@@ -93,7 +103,7 @@ def _bench(rank: int, world_size: int, args: argparse.Namespace) -> list[dict]:
 
         switch, step = mean("switch_s"), mean("step_time_s")
         results.append({
-            "train_layout": layout, "generation": "4 data-parallel replicas", "offload": offload,
+            "train_layout": layout, "generation": f"{world_size} data-parallel replica(s)", "offload": offload,
             "steps_measured": [r["step"] for r in measured],
             "phase_s": {p: round(mean(f"switch_{p}_s"), 4) for p in PHASES},
             "phase_peak_rss_mib": {p: round(mean(f"switch_{p}_peak_mib"), 1) for p in PHASES},
@@ -115,19 +125,29 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--bucket-mib", type=float, default=4.0)
-    parser.add_argument("--ranks", type=int, choices=sorted(VARIANTS), default=4,
-                        help="4: TP2×EP2 and PP2×EP2, two ranks per core; 2: EP2 and TP2, one rank per core")
-    parser.add_argument("--out", default="benchmarks/results/rl_switch_cpu.json")
+    parser.add_argument("--ranks", type=int, choices=sorted(VARIANTS), default=None,
+                        help="4: TP2×EP2 and PP2×EP2, two ranks per core; 2: EP2 and TP2, one rank per core; "
+                             "1: one process (default 4 on CPU, 1 on CUDA)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/rl_switch_cpu.json, "
+                                                    "on CUDA rl_switch_<gpu>.json)")
     args = parser.parse_args()
-    variants = spawn(_bench, args.ranks, args)[0]
+    args.ranks = args.ranks or (1 if args.device == "cuda" else 4)
+    if args.device == "cuda" and args.ranks != 1:
+        raise SystemExit("--device cuda runs one process (--ranks 1): this benchmark spawns gloo ranks on CPUs only")
+    variants = _bench(0, 1, args) if args.ranks == 1 else spawn(_bench, args.ranks, args)[0]
     for v in variants:
         phases = ", ".join(f"{p} {s * 1e3:.0f} ms" for p, s in v["phase_s"].items())
         print(f"{v['train_layout']} offload {v['offload']}: switch {v['switch_s']:.2f} s of a {v['step_s']:.2f} s "
               f"step ({v['switch_share_of_step']:.0%}; without generation {v['switch_without_generate_share']:.0%}): "
               f"{phases}; sync {v['sync_mib_sent']:.1f} MiB in {v['sync_buckets']} buckets; step: "
               + ", ".join(f"{p} {s * 1e3:.0f} ms" for p, s in v["step_phase_s"].items()))
-    write_result(args.out, {
-        "config": {"model": args.model, "ranks": args.ranks, "threads_per_rank": 1, "cpu_cores": os.cpu_count(),
+    out = args.out or ("benchmarks/results/rl_switch_cpu.json" if args.device == "cpu"
+                       else f"benchmarks/results/rl_switch_{device_tag()}.json")
+    write_result(out, {
+        "config": {"model": args.model, "ranks": args.ranks, "device": args.device, "compiled": False,
+                   "threads_per_rank": 1,
+                   "cpu_cores": os.cpu_count(),
                    "steps": args.steps, "prompts": args.prompts, "group_size": args.group_size,
                    "bucket_mib": args.bucket_mib, "task": "addition",
                    "load_average_1min_after": round(os.getloadavg()[0], 2)},

@@ -1,18 +1,22 @@
 """Speed of the training step users run, eager against compiled, on one device.
 
     python benchmarks/step_speed.py --device cuda --model benchmarks/data/pangu-shaped-small.yaml \\
-        --seq-len 4096 --global-batch 8 --micro-batch 1 --out benchmarks/results/step_speed_h100.json
+        --seq-len 4096 --global-batch 8 --variants compiled:8:block,compiled:1:dense    # → step_speed_<gpu>.json
     python benchmarks/step_speed.py --device cpu --steps 6 --out benchmarks/results/step_speed_cpu.json
 
-For each variant (``--variants eager,compiled``) it builds ``moetrain.train.Trainer`` from the run spec
-``moetrain train`` would (bf16 autocast on CUDA, fp32 on CPU, the embedded corpus) and steps it as its loop
-does (``distributed.step.train_step``). Reports per variant: the first step (compilation included), the
-median of the other steps, tokens/s and MFU (the trainer's own formula), peak device memory, the
-operators dispatched per step (torch.profiler: top-level ``aten::`` calls on the host) and the device
-kernels per step (CUDA), the host reads per step (``HostReadCounter``, eager only: declared by reason
-and undeclared), and on CUDA whether a whole step passes under ``torch.cuda.set_sync_debug_mode("error")``
-(the step's declared reads lift it). ``--synthetic-data`` trains on counting sequences of one document
-each, so attention runs plain causal instead of with the corpus's document mask.
+A variant is ``eager`` or ``compiled``, optionally with its micro-batch and document mask
+(``compiled:8:block``: micro-batches of 8 sequences, FlexAttention tiles; the defaults are ``--micro-batch``
+and ``auto``). For each it builds ``moetrain.train.Trainer`` from the run spec ``moetrain train`` would (bf16
+autocast on CUDA, fp32 on CPU, the embedded corpus) and steps it as its loop does
+(``distributed.step.train_step``). Reports per variant: the first step (compilation included), the median of
+the other steps, tokens/s and MFU (the trainer's own formula, against the GPU's own cluster preset), peak
+device memory, the operators dispatched per step (torch.profiler: top-level ``aten::`` calls on the host),
+and from one profiled step the device kernels, the device time by kind of kernel
+(``gpu_step_profile.kernel_kind``) and the kernels with the most device time (CUDA); the host reads per
+step (``HostReadCounter``, eager only: declared by reason and undeclared), and on CUDA whether a whole
+step passes under ``torch.cuda.set_sync_debug_mode("error")`` (the step's declared reads lift it).
+``--synthetic-data`` trains on counting sequences of one document each, so attention runs plain causal
+instead of with the corpus's document mask.
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _record import write_result  # noqa: E402
+from _record import device_tag, write_result  # noqa: E402
+from gpu_step_profile import device_ms_by_kind, top_kernels  # noqa: E402
 
 from moetrain.config.run import RunSpec  # noqa: E402
 from moetrain.distributed.host_reads import HostReadCounter  # noqa: E402
@@ -42,9 +47,31 @@ from moetrain.distributed.step import train_step  # noqa: E402
 from moetrain.train import Trainer  # noqa: E402
 
 
+@dataclass(frozen=True)
+class Variant:
+    mode: str
+    """eager or compiled"""
+    micro_batch: int
+    document_mask: str
+    """auto, dense or block (``moetrain.models.attention``)"""
+
+    @property
+    def name(self) -> str:
+        return f"{self.mode}:{self.micro_batch}:{self.document_mask}"
+
+    @classmethod
+    def parse(cls, text: str, micro_batch: int) -> Variant:
+        mode, *rest = text.split(":")
+        if mode not in ("eager", "compiled") or len(rest) > 2:
+            raise SystemExit(f"--variants: {text!r} is not eager|compiled[:micro_batch[:auto|dense|block]]")
+        return cls(mode, int(rest[0]) if rest else micro_batch, rest[1] if len(rest) > 1 else "auto")
+
+
 @dataclass
 class VariantResult:
     variant: str
+    micro_batch: int
+    document_mask: str
     first_step_s: float
     median_step_s: float
     steps_s: list[float]
@@ -58,6 +85,9 @@ class VariantResult:
     sync_debug_error_passes: bool | None = None
     sync_debug_message: str | None = None
     losses: list[float] = field(default_factory=list)
+    device_ms_by_kind: dict[str, float] = field(default_factory=dict)
+    """One profiled step's device time by kind of kernel (CUDA)."""
+    top_kernels: list[dict] = field(default_factory=list)
 
 
 def _sync(device: str) -> None:
@@ -78,13 +108,13 @@ def _top_level_ops(prof: profile) -> int:
                and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")))
 
 
-def run_variant(name: str, args: argparse.Namespace) -> VariantResult:
+def run_variant(variant: Variant, args: argparse.Namespace) -> VariantResult:
     device = args.device
+    torch._dynamo.reset()  # each variant compiles afresh (no guard fails over to eager across variants)
     spec = RunSpec(model=args.model, training={"steps": args.steps + 3, "global_batch": args.global_batch,
-                                               "micro_batch": args.micro_batch, "seq_len": args.seq_len},
-                   run={"device": device, "quiet": True, "compile": name == "compiled",
-                        "synthetic_data": args.synthetic_data,
-                        "cluster": "h100-sxm-80gb" if device == "cuda" else "cpu"})
+                                               "micro_batch": variant.micro_batch, "seq_len": args.seq_len},
+                   run={"device": device, "quiet": True, "compile": variant.mode == "compiled",
+                        "synthetic_data": args.synthetic_data, "document_mask": variant.document_mask})
     trainer = Trainer(spec, console=Console(file=io.StringIO()))
     trainer.run.stage.model.train()
     if device == "cuda":
@@ -99,7 +129,8 @@ def run_variant(name: str, args: argparse.Namespace) -> VariantResult:
     median = statistics.median(times[1:])
     tokens = args.global_batch * args.seq_len
     result = VariantResult(
-        name, times[0], median, times, tokens / median, tokens / median * trainer.flops_per_token / trainer.peak_flops,
+        variant.name, variant.micro_batch, trainer.run.document_mask, times[0], median, times, tokens / median,
+        tokens / median * trainer.flops_per_token / trainer.peak_flops,
         torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None, 0.0, None, losses=losses)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=activities) as prof:
@@ -108,6 +139,9 @@ def run_variant(name: str, args: argparse.Namespace) -> VariantResult:
     if device == "cuda":
         result.device_kernels_per_step = sum(1 for e in prof.events()
                                              if e.device_type == torch.autograd.DeviceType.CUDA)
+        result.device_ms_by_kind = device_ms_by_kind(prof)
+        result.top_kernels = top_kernels(prof, 30)
+    name = variant.mode
     if name == "eager":
         counter = HostReadCounter()
         losses.append(_step(trainer, counter))
@@ -140,32 +174,53 @@ def main() -> None:
     p.add_argument("--global-batch", type=int, default=16)
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=8, help="timed steps per variant (the first includes compiling)")
-    p.add_argument("--variants", default="eager,compiled")
+    p.add_argument("--variants", default="eager,compiled",
+                   help="comma list of eager|compiled[:micro_batch[:auto|dense|block]]")
     p.add_argument("--synthetic-data", action="store_true",
                    help="counting sequences, one document each: plain causal attention, no document mask")
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/step_speed_<device>.json; "
+                                                "- writes none)")
     args = p.parse_args()
     load_before = os.getloadavg()[0]
-    results = [run_variant(name, args) for name in args.variants.split(",")]
-    print(f"{'variant':10s} {'first s':>8s} {'median s':>9s} {'tok/s':>10s} {'MFU':>6s} {'peak GiB':>9s} "
-          f"{'host ops':>9s} {'kernels':>8s} {'reads':>22s} {'sync-debug':>10s}")
+    variants = [Variant.parse(text, args.micro_batch) for text in args.variants.split(",")]
+    out = args.out or f"benchmarks/results/step_speed_{device_tag()}.json"
+    results, failed = [], []
+    for variant in variants:
+        try:
+            results.append(run_variant(variant, args))
+            print_row(results[-1])
+        except Exception as exc:  # noqa: BLE001 - a variant that fails is recorded; the next one runs
+            traceback.print_exc()
+            failed.append({"variant": variant.name, "error": f"{type(exc).__name__}: {str(exc).strip()[:400]}"})
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+        if out != "-":  # after every variant: a run cut short keeps the variants it finished
+            write_result(out, {"model": args.model, "device": args.device, "seq_len": args.seq_len,
+                               "data": "synthetic (no document mask)" if args.synthetic_data else "shakespeare",
+                               "global_batch": args.global_batch, "load_average_1min_before": load_before,
+                               "load_average_1min_after": os.getloadavg()[0],
+                               "variants": [asdict(r) for r in results], "failed_variants": failed})
+    print(HEADER)
     for r in results:
-        reads = f"{sum(r.host_reads_declared.values())} decl/{len(r.host_reads_undeclared)} undecl" \
-            if r.variant == "eager" else "-"
-        print(f"{r.variant:10s} {r.first_step_s:8.2f} {r.median_step_s:9.4f} {r.tokens_per_s:10,.0f} {r.mfu:6.1%} "
-              f"{r.peak_memory_gib or 0:9.2f} {r.host_ops_per_step:9.0f} {r.device_kernels_per_step or 0:8.0f} "
-              f"{reads:>22s} {str(r.sync_debug_error_passes):>10s}")
-        if r.sync_debug_message:
-            print(f"  sync debug: {r.sync_debug_message}")
-        if r.host_reads_undeclared:
-            print(f"  undeclared reads: {sorted(set(r.host_reads_undeclared))}")
-    if args.out:
-        write_result(args.out, {"model": args.model, "device": args.device, "seq_len": args.seq_len,
-                                "data": "synthetic (no document mask)" if args.synthetic_data else "shakespeare",
-                                "global_batch": args.global_batch, "micro_batch": args.micro_batch,
-                                "load_average_1min_before": load_before,
-                                "load_average_1min_after": os.getloadavg()[0],
-                                "variants": [asdict(r) for r in results]})
+        print_row(r)
+
+
+HEADER = (f"{'variant':18s} {'first s':>8s} {'median s':>9s} {'tok/s':>10s} {'MFU':>6s} {'peak GiB':>9s} "
+          f"{'host ops':>9s} {'kernels':>8s} {'reads':>22s} {'sync-debug':>10s}")
+
+
+def print_row(r: VariantResult) -> None:
+    reads = f"{sum(r.host_reads_declared.values())} decl/{len(r.host_reads_undeclared)} undecl" \
+        if r.variant.startswith("eager") else "-"
+    print(f"{r.variant:18s} {r.first_step_s:8.2f} {r.median_step_s:9.4f} {r.tokens_per_s:10,.0f} {r.mfu:6.1%} "
+          f"{r.peak_memory_gib or 0:9.2f} {r.host_ops_per_step:9.0f} {r.device_kernels_per_step or 0:8.0f} "
+          f"{reads:>22s} {str(r.sync_debug_error_passes):>10s}")
+    if r.sync_debug_message:
+        print(f"  sync debug: {r.sync_debug_message}")
+    if r.host_reads_undeclared:
+        print(f"  undeclared reads: {sorted(set(r.host_reads_undeclared))}")
+    if r.device_ms_by_kind:
+        print("  device ms by kind: " + ", ".join(f"{k} {v:.1f}" for k, v in r.device_ms_by_kind.items()))
 
 
 if __name__ == "__main__":

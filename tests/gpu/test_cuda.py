@@ -217,3 +217,52 @@ def test_profile_measures_the_host_issue_floor_on_cuda():
     assert efficiencies["host_layer_us"] > 0 and efficiencies["host_optimizer_ms"] > 0
     # a kernel launch costs microseconds, so an eager layer pass of tens of kernels costs well above 10 µs
     assert efficiencies["host_layer_us"] > 10
+
+
+def test_block_document_mask_on_cuda_equals_the_dense_mask_forward_and_backward():
+    """FlexAttention tiles, compiled (the CUDA default), against SDPA with the dense boolean mask: MLA's head
+    dims (192 query-key, 128 value) in bf16, rows of several documents (boundaries inside tiles) and of one."""
+    from moetrain.models.attention import build_attention_context, core_attention
+
+    torch.manual_seed(0)
+    batch, heads, seq = 2, 8, 1024
+    lengths = [[300, 500, 224], [1024]]
+    docs = torch.tensor([[d for d, n in enumerate(row) for _ in range(n)] for row in lengths], device="cuda")
+    ids = torch.zeros(batch, seq, dtype=torch.long, device="cuda")
+    q, k = (torch.randn(batch, heads, seq, 192, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(2))
+    v = torch.randn(batch, heads, seq, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(batch, heads, seq, 128, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for mask in ("dense", "block"):
+        ctx = build_attention_context(ids, docs, document_mask=mask)
+        out = core_attention(q, k, v, ctx, 192**-0.5, "sdpa")
+        results.append((out, *torch.autograd.grad(out, (q, k, v), grad)))
+    for dense, block in zip(*results):
+        assert _rel_err(block.float(), dense.float()) < 1e-2
+
+
+def test_compiled_memory_policy_on_cuda_keeps_less_and_the_gradients():
+    """The recompute options in compiled layers (checkpoint wrappers; the compiler recomputes their outputs)
+    keep fewer bytes than the compiled model without them, with the eager model's gradients."""
+    from moetrain.costs.activations import SELECTIVE_OPTIONS
+    from moetrain.distributed.parallelize import apply_compile
+    from moetrain.memory.measure import measure_saved_bytes
+
+    cfg = load_model_config("tiny-pangu")
+    ids = _ids(cfg.vocab_size, "cuda", seq=256)
+    _, eager_grads = _loss_and_grads(build_model(cfg, device="cuda", seed=0), ids)
+    kept = {}
+    for options in ((), tuple(sorted(SELECTIVE_OPTIONS))):
+        torch._dynamo.reset()
+        model = build_model(cfg, device="cuda", seed=0)
+        if options:
+            apply_memory_policy(model, MemoryPlan.uniform(options, num_blocks(cfg)), compiled=True)
+        apply_compile(model)
+        model(ids, labels=ids).loss.backward()  # the compilation
+        model.zero_grad(set_to_none=True)
+        kept[options] = measure_saved_bytes(model, ids, ids)
+        grads = {k: p.grad.detach().float().cpu() for k, p in model.named_parameters() if p.grad is not None}
+        worst = max((_rel_err(grads[k], eager_grads[k]), k) for k in eager_grads)
+        assert worst[0] < 1e-4, (options, worst)
+    assert kept[tuple(sorted(SELECTIVE_OPTIONS))] < 0.85 * kept[()]
