@@ -220,8 +220,9 @@ def test_profile_measures_the_host_issue_floor_on_cuda():
 
 
 def test_block_document_mask_on_cuda_equals_the_dense_mask_forward_and_backward():
-    """FlexAttention tiles, compiled (the CUDA default), against SDPA with the dense boolean mask: MLA's head
-    dims (192 query-key, 128 value) in bf16, rows of several documents (boundaries inside tiles) and of one."""
+    """FlexAttention tiles, compiled as in a compiled layer (eagerly flex_attention is an unfused reference),
+    against SDPA with the dense boolean mask: MLA's head dims (192 query-key, 128 value) in bf16, rows of
+    several documents (boundaries inside tiles) and of one."""
     from moetrain.models.attention import build_attention_context, core_attention
 
     torch.manual_seed(0)
@@ -233,10 +234,11 @@ def test_block_document_mask_on_cuda_equals_the_dense_mask_forward_and_backward(
             for _ in range(2))
     v = torch.randn(batch, heads, seq, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn(batch, heads, seq, 128, device="cuda", dtype=torch.bfloat16)
+    attend = torch.compile(lambda q, k, v, ctx: core_attention(q, k, v, ctx, 192**-0.5, "sdpa"))
     results = []
     for mask in ("dense", "block"):
         ctx = build_attention_context(ids, docs, document_mask=mask)
-        out = core_attention(q, k, v, ctx, 192**-0.5, "sdpa")
+        out = attend(q, k, v, ctx)
         results.append((out, *torch.autograd.grad(out, (q, k, v), grad)))
     for dense, block in zip(*results):
         assert _rel_err(block.float(), dense.float()) < 1e-2

@@ -76,8 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile each decoder layer (default: on for CUDA, off for CPU)")
     r.add_argument("--document-mask", choices=["auto", "dense", "block"],
-                   help="how attention masks packed documents: block = FlexAttention tiles (CUDA), dense = a "
-                        "boolean mask (default auto: block on CUDA, dense on CPU)")
+                   help="how attention masks packed documents: block = FlexAttention tiles (compiled CUDA layers), "
+                        "dense = a boolean mask (default auto: block where layers compile on CUDA, else dense)")
     r.add_argument("--trace-dir", help="write each rank's compute/communication timeline (Chrome trace) here")
     d = parser.add_argument_group("layout (see docs/distributed.md); one process when every degree is 1")
     d.add_argument("--log-dir", help="several ranks: torchrun's log and the ranks' errors (default: a temp folder)")

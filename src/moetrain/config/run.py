@@ -62,8 +62,9 @@ class RunOptions(BaseModel):
     """``torch.compile`` each decoder layer (None: on for CUDA, off for CPU, where compiling a small model
     takes longer than it saves)."""
     document_mask: DocumentMaskChoice = "auto"
-    """How attention masks packed documents: ``block`` (FlexAttention tiles, CUDA only: it has no CPU
-    backward), ``dense`` (a boolean mask), ``auto`` (block on CUDA, dense on CPU)."""
+    """How attention masks packed documents: ``block`` (FlexAttention tiles, in compiled CUDA layers only: the
+    compiler generates its kernel, and it has no CPU backward), ``dense`` (a boolean mask), ``auto`` (block
+    in compiled CUDA layers, else dense)."""
 
 
 class MemoryOptions(BaseModel):

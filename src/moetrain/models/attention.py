@@ -15,8 +15,10 @@ Packed documents (``document_ids``) are masked one of two ways, chosen when the 
   read it in full and skip nothing; on an H100 cuDNN's backward with it ran 4.5× its forward
   (``benchmarks/results/gpu_step_profile_small_compiled.json``).
 - ``block``: a FlexAttention ``BlockMask`` (causal ∧ same document) whose empty tiles the kernel
-  skips, compiled by Inductor (``torch.compile`` of ``flex_attention``, inside a compiled layer or on
-  its own). FlexAttention has no CPU backward, so it is a CUDA choice.
+  skips. Inductor generates that kernel inside a compiled layer; called eagerly ``flex_attention`` is
+  an unfused reference that builds the S×S scores (on an H200 an eager step of 8×4096 tokens ran out
+  of memory, ``benchmarks/results/step_speed_h200.json``). It has no CPU backward either, so it is the
+  choice of compiled CUDA layers.
 Either way a row inside one document needs no mask at all: it is plain causal attention at positions
 0..S-1, the fused causal kernel's fast path, so the data loader gives a micro-batch of such rows no
 documents (``moetrain.data.packing``).
@@ -120,18 +122,6 @@ def _masked_softmax_scores(scores_BHSS: torch.Tensor, mask_B1SS: torch.Tensor | 
     return scores_BHSS.softmax(dim=-1)
 
 
-_compiled_flex_attention: Callable | None = None
-
-
-def _flex_attention() -> Callable:
-    """``flex_attention`` as Inductor compiles it. Uncompiled it is a reference that builds the S×S
-    scores (and has no backward on CPU); inside a compiled layer dynamo inlines the compiled function."""
-    global _compiled_flex_attention
-    if _compiled_flex_attention is None:
-        _compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex_attention
-
-
 def core_attention(
     q_BHSD: torch.Tensor,
     k_BGSD: torch.Tensor,
@@ -143,12 +133,13 @@ def core_attention(
     """softmax(q·kᵀ·scale + mask)·v with GQA broadcasting (G divides H); returns [B, H, S, V]."""
     heads, groups = q_BHSD.shape[1], k_BGSD.shape[1]
     if ctx.block_mask is not None:
-        kwargs = {"block_mask": ctx.block_mask, "scale": scale, "enable_gqa": groups != heads}
-        if q_BHSD.device.type != "cpu":
-            return _flex_attention()(q_BHSD, k_BGSD, v_BGSV, **kwargs)
-        with warnings.catch_warnings():  # a CPU has only the reference (forward only; tests compare it)
+        # Inside a compiled layer the compiler generates the fused kernel; called eagerly flex_attention is
+        # an unfused reference that materialises the scores (CPU tests compare it; the runtime uses block
+        # masks in compiled layers only, ``resolve_document_mask``).
+        with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-            return flex_attention(q_BHSD, k_BGSD, v_BGSV, **kwargs)
+            return flex_attention(q_BHSD, k_BGSD, v_BGSV, block_mask=ctx.block_mask, scale=scale,
+                                  enable_gqa=groups != heads)
     if backend == "sdpa":
         return F.scaled_dot_product_attention(
             q_BHSD, k_BGSD, v_BGSV,
