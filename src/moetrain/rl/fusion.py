@@ -189,10 +189,11 @@ class Fusion:
         """The switch in a metrics row: the slowest rank's phase times and peaks, the world's bytes."""
         fields = self.switch.metrics()
         keys = sorted(k for k, v in fields.items() if isinstance(v, float))
-        slowest = torch.tensor([fields[k] for k in keys], dtype=torch.float64)
+        device = self.engine.device  # the group's device: NCCL takes device tensors only
+        slowest = torch.tensor([fields[k] for k in keys], dtype=torch.float64, device=device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self.group)
         fields.update(zip(keys, slowest.tolist()))
-        sent = torch.tensor([report.bytes_sent, report.checksums_verified], dtype=torch.float64)
+        sent = torch.tensor([report.bytes_sent, report.checksums_verified], dtype=torch.float64, device=device)
         dist.all_reduce(sent, group=self.group)
         fields.update(sync_mib=float(sent[0]) / 2**20, sync_buckets=report.buckets,
                       sync_checksums_verified=int(sent[1]), sync_version=report.version)

@@ -304,7 +304,8 @@ class RLTrainer(Trainer):
                 correct += self.task.score(problem, self.tokenizer.decode(generation.completion(row)))
         if self.fusion is not None:
             self.engine.free_cache()
-            total = torch.tensor([correct], dtype=torch.float64)
+            # on the device the group communicates on (NCCL takes device tensors only)
+            total = torch.tensor([correct], dtype=torch.float64, device=self.device)
             dist.all_reduce(total, group=self.fusion.group)
             correct = float(total) / self.fusion.options.gen_ep
         return correct / max(len(problems), 1)
