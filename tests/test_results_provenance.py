@@ -15,7 +15,7 @@ import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 RESULTS = BENCHMARKS / "results"
-GPU = re.compile(r"(^gpu_|_gpu|_cuda|_h100)")
+GPU = re.compile(r"(^gpu_|_gpu|_cuda|_(?:gb|[abh])\d{3}(?:_|$))")  # a GPU's tag: _h100, _h200, _b200 ...
 # GPU records written before the machine was an object (a device name), kept as measured: GPU results
 # are rerun on a GPU machine only (benchmarks/gpu_suite.sh).
 MACHINE_AS_NAME = {"memory_gpu_seq8192.json"}
