@@ -21,7 +21,7 @@ from moetrain.planner.workload import Workload
 
 QWEN = ["--model", "qwen3-30b-a3b", "--cluster", "h100-sxm-80gb", "--devices", "64", "--seq-len", "4096",
         "--global-batch", "256"]
-MIXTRAL = ["--model", "mixtral-8x7b", "--cluster", "h100-sxm-80gb", "--devices", "64", "--seq-len", "4096",
+MIXTRAL = ["--model", "mixtral-8x7b", "--cluster", "h100-sxm-80gb", "--devices", "32", "--seq-len", "4096",
            "--global-batch", "512"]
 
 
@@ -76,7 +76,7 @@ def test_a_plan_says_what_the_runtime_limits_cost(tmp_path, capsys) -> None:
     plan = yaml.safe_load(out.read_text())
     assert runtime_limits(ParallelConfig(**plan["parallel"]), 32, 512, 8) == []
     # the cost model's favourite pairs the hierarchical all-to-all with etp 4, which the runtime cannot run
-    assert "runtime limits: the fastest layout overall (tp4 sp pp2 vpp4 ep4 etp4" in text
+    assert "runtime limits: the fastest layout overall (tp4 sp pp2 vpp3 ep4 etp4" in text
     assert "the hierarchical all-to-all with etp 4: the runtime runs it with etp 1 only" in plan["runtime_limits"]
     assert "--any-layout ranks every layout" in text
 
