@@ -6,8 +6,8 @@
 #     bash benchmarks/gpu_suite.sh --dry-run            # rehearsal on a CPU: every step at tiny sizes
 #     bash benchmarks/gpu_suite.sh step_speed memory    # chosen steps only
 #
-# Order (what matters most first): tests/gpu, the step's speed (compiled with FlexAttention tiles, compiled
-# with the dense mask, eager), the MoE layer beside torchtitan and Megatron-Core, the memory policies in
+# Order (what matters most first): tests/gpu, the step's speed (compiled with FlexAttention tiles, eager
+# with the dense mask, compiled with the dense mask), the MoE layer beside torchtitan and Megatron-Core, the memory policies in
 # compiled layers, the simulator against the measured step, RL generation with the KV cache, RL Fusion's
 # switch by phase. The GPU benchmarks left out of the slot (moe_layer.py, gpu_attention_probe.py,
 # gpu_attention_layout.py, gpu_step_profile.py, balance_expert_gemm.py, train_demo.py) run on their own.
@@ -60,14 +60,14 @@ print("torch", torch.__version__, "cuda", torch.version.cuda, "device",
 EOF
     [ $DRY = 1 ] || nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv
 }
-tests() { $PY -m pytest tests/gpu -q -p no:cacheprovider -rfE; }
+tests() { $PY -m pytest tests/gpu -q -p no:cacheprovider -rfE --durations=10; }
 step_speed() {
     if [ $DRY = 1 ]; then
         $PY benchmarks/step_speed.py --device cpu --seq-len 64 --global-batch 8 --steps 3 \
             --variants compiled:8:dense,eager:8:dense --out "$RESULTS/step_speed_$TAG.json"
     else
         $PY benchmarks/step_speed.py --device cuda --model $SMALL --seq-len 4096 --global-batch 8 --steps 6 \
-            --variants compiled:8:block,eager:8:block,compiled:8:dense --out "$RESULTS/step_speed_$TAG.json"
+            --variants compiled:8:block,eager:8:dense,compiled:8:dense --out "$RESULTS/step_speed_$TAG.json"
     fi
 }
 peers() {
@@ -108,7 +108,7 @@ rl_generation() {
     if [ $DRY = 1 ]; then
         $PY benchmarks/rl_generation.py --lengths 8,16 --repeats 1 --out "$RESULTS/rl_generation_$TAG.json"
     else
-        $PY benchmarks/rl_generation.py --device cuda --model $SMALL --batch 64 --prompt-len 64 --lengths 128,512 \
+        $PY benchmarks/rl_generation.py --device cuda --model $SMALL --batch 64 --prompt-len 64 --lengths 128,256 \
             --repeats 1 --out "$RESULTS/rl_generation_$TAG.json"
     fi
 }
@@ -121,8 +121,10 @@ rl_switch() {
 }
 
 # name, limit in seconds, least time worth starting it with
-PLAN=("preflight 30 10" "tests 100 40" "step_speed 220 90" "peers 100 40" "memory 120 50" "simulator 60 20"
-      "rl_generation 50 20" "rl_switch 60 25")
+# (measured on an H200 at 7b5f6aa: tests 112 s, step_speed 113 s, peers 49 s, memory 102 s, simulator 35 s,
+# rl_generation at 128 and 256 new tokens 20 s)
+PLAN=("preflight 30 10" "tests 140 60" "step_speed 150 90" "peers 70 40" "memory 120 60" "simulator 50 20"
+      "rl_generation 40 20" "rl_switch 60 25")
 [ ${#steps[@]} -eq 0 ] && for entry in "${PLAN[@]}"; do steps+=("${entry%% *}"); done
 
 pack() {
