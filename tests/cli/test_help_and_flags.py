@@ -21,7 +21,7 @@ def _shows_a_default(action: argparse.Action) -> bool:
     """Whether argparse holds a default that a reader needs told (not "not given", not an off switch)."""
     if not action.option_strings or isinstance(action, argparse._HelpAction) or action.default is argparse.SUPPRESS:
         return False
-    return action.default is not None and (action.default is not False
+    return action.default not in (None, "") and (action.default is not False
                                            or isinstance(action, argparse.BooleanOptionalAction))
 
 

@@ -117,6 +117,9 @@ RUN_TOKENS = 10**12 * 16 * 128
         (["train", "--nproc", "99999"],
          f"--nproc 99999 asks for 99,999 ranks (processes) on this machine, which has {CORES} core"
          f"{'s' * (CORES > 1)}; give at most {PROCESSES_PER_CORE * CORES} ({PROCESSES_PER_CORE} per core)"),
+        (["rl", "--nproc", "99999"],
+         f"--nproc 99999 asks for 99,999 ranks (processes) on this machine, which has {CORES} core"
+         f"{'s' * (CORES > 1)}; give at most {PROCESSES_PER_CORE * CORES} ({PROCESSES_PER_CORE} per core)"),
         (["train", "--threads", "100000"],
          f"--threads 100000 asks for 100,000 threads per rank on this machine, which has {CORES} core"
          f"{'s' * (CORES > 1)}; give at most {PROCESSES_PER_CORE * CORES} ({PROCESSES_PER_CORE} per core)"),

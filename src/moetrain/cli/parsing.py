@@ -95,7 +95,7 @@ class DefaultsFormatter(argparse.HelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         default = action.default
-        if (not action.option_strings or "default" in text or default is None or default is argparse.SUPPRESS
+        if (not action.option_strings or "default" in text or default in (None, "") or default is argparse.SUPPRESS
                 or (default is False and not isinstance(action, argparse.BooleanOptionalAction))
                 or isinstance(action, argparse._HelpAction | argparse._VersionAction)):
             return text

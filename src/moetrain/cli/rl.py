@@ -13,6 +13,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from moetrain.config import limits
 from moetrain.errors import UserError
 
 HELP = ("post-train with RL: SFT warm-up on a verifiable task, then GRPO with router replay; one process, "
@@ -24,6 +25,8 @@ DEFAULT_STEPS = 150
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from moetrain.config import TrainingConfig
+
     parser.add_argument("--task", default="addition", help="addition, sort or countdown")
     parser.add_argument("--model", help="model preset name or YAML file (default tiny-pangu, or the model of --from)")
     parser.add_argument("--from", dest="from_path", metavar="PATH",
@@ -56,9 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-every", type=int, default=20, help="held-out accuracy every N steps (0: at the end only)")
     g.add_argument("--eval-size", type=int, default=256, help="held-out problems")
     r = parser.add_argument_group("run")
-    r.add_argument("--seed", type=int, help="seed of weights, problems and sampling")
-    r.add_argument("--device", help="cpu, cuda, cuda:N or auto")
-    r.add_argument("--threads", type=int, help="CPU threads for torch")
+    r.add_argument("--seed", type=int,
+                   help=f"seed of weights, problems and sampling (default: {TrainingConfig().seed})")
+    r.add_argument("--device", help="cpu, cuda, cuda:N or auto (default: auto, cuda when available)")
+    r.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's; 1 per rank)")
     r.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile each decoder layer of the trained model (default: on for CUDA, off for CPU)")
     r.add_argument("--metrics-out", help="write one JSON row per GRPO step (step, reward, accuracy, ...)")
@@ -191,6 +195,7 @@ def fusion_options(args: argparse.Namespace):
     nproc = args.nproc or 1
     if nproc < 1:
         raise UserError(f"--nproc {nproc} must be ≥ 1")
+    limits.check_processes(nproc, "--nproc", "ranks (processes)")
     given = [f"--{axis} {getattr(args, axis)}" for axis in ("tp", "pp", "ep", "etp") if (getattr(args, axis) or 1) > 1]
     if nproc == 1:
         if given:
@@ -312,12 +317,17 @@ def run(args: argparse.Namespace) -> int:
 
     from rich.console import Console
 
+    from moetrain.status import say, status_console
+
+    stale = stalesync_options(args)
+    fusion_options(args)  # the flag checks that need no torch, before the line below
+    # importing torch, the checks that need it and building the policy take seconds (a minute when busy)
+    say(status_console(bool(args.quiet)), "setting up: torch, the run's checks, the policy model…")
     from moetrain.models.transformer import build_model
     from moetrain.rl.colocated import rl_trainer
     from moetrain.rl.plot import plot_reward_curve
     from moetrain.rl.tasks import get_task
 
-    stale = stalesync_options(args)
     sft_spec, rl_spec, options, model_cfg = build_specs(args)
     if stale is not None and stale.placement == "disaggregated":
         return _launch_stalesync(args, (sft_spec, rl_spec, options, model_cfg), stale)
@@ -405,6 +415,9 @@ def _launch_stalesync(args: argparse.Namespace, specs, stale) -> int:
     payload.write_text(json.dumps(run), encoding="utf-8")
     if args.engine == "ray":  # the actors get the payload itself (the warm-up weights stay a file: shared disk)
         from moetrain.rl import ray_engine
+        from moetrain.status import say, status_console
+
+        say(status_console(bool(args.quiet)), "starting Ray and its actors (rollout worker, trainer)…")
 
         return ray_engine.launch(run, rl_spec.run.timeout_s)
     from moetrain.rl.stalesync import Pipeline

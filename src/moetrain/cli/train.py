@@ -217,11 +217,14 @@ def checked_spec(args: argparse.Namespace, world_size: int | None = None):
 
 
 def run(args: argparse.Namespace) -> int:
+    from moetrain.status import say, status_console
+
     spec = checked_spec(args)
     if spec.world_size > 1:
         from moetrain.distributed.launch import launch
 
         return launch(spec, Path(spec.run.log_dir) if spec.run.log_dir else None)
+    say(status_console(spec.run.quiet), "setting up: torch, the data, the model…")
     from moetrain.train.trainer import Trainer
 
     trainer = Trainer(spec)
@@ -244,8 +247,10 @@ def worker_main(argv: list[str] | None = None) -> int:
 
             spec = RunSpec.model_validate_json(Path(payload).read_text(encoding="utf-8"))
         else:
-            parser = argparse.ArgumentParser(prog="python -m moetrain.distributed.worker",
-                                             description="one rank of a moetrain run (started by torchrun)")
+            from moetrain.cli.parsing import CommandParser, DefaultsFormatter
+
+            parser = CommandParser(prog="python -m moetrain.distributed.worker", formatter_class=DefaultsFormatter,
+                                   description="one rank of a moetrain run (started by torchrun)")
             add_arguments(parser)
             spec = checked_spec(parser.parse_args(argv), world_size=int(os.environ.get("WORLD_SIZE", "1")))
     except UserError as exc:

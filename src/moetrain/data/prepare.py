@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rich.console import Console
 from tokenizers import Tokenizer
 
 from moetrain.data.corpus import corpus_hash, load_corpus
@@ -23,13 +24,15 @@ class PreparedData:
     dataset: PackedDataset
 
 
-def prepare_data(data: str | None, vocab_size: int, seq_len: int, seed: int) -> PreparedData:
-    """Everything the trainer needs from the data side, built (or loaded from the cache) in one call."""
-    name, documents = load_corpus(data)
-    tokenizer = load_or_train_tokenizer(documents, vocab_size)
+def prepare_data(data: str | None, vocab_size: int, seq_len: int, seed: int,
+                 console: Console | None = None) -> PreparedData:
+    """Everything the trainer needs from the data side, built (or loaded from the cache) in one call. The
+    slow first-time phases (download, tokenizer training, tokenizing) say what they do on ``console``."""
+    name, documents = load_corpus(data, console)
+    tokenizer = load_or_train_tokenizer(documents, vocab_size, console)
     if tokenizer.get_vocab_size() > vocab_size:
         raise UserError(f"tokenizer has {tokenizer.get_vocab_size()} tokens but the model only {vocab_size}")
-    stream = load_or_tokenize(documents, tokenizer)
+    stream = load_or_tokenize(documents, tokenizer, console)
     record_corpus_size(data, vocab_size, len(stream.tokens))
     return PreparedData(name, corpus_hash(documents), len(documents), tokenizer,
                         PackedDataset(stream, seq_len, seed))
