@@ -28,3 +28,15 @@ def snapshot(root: Path) -> dict[str, bytes]:
     if root.is_file():
         return {root.name: root.read_bytes()}
     return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def refused_within(capsys: pytest.CaptureFixture[str], argv: list[str], message: str, seconds: float = 1.0) -> None:
+    """``refused`` with the whole message: ``moetrain <command>: error: <message>`` exactly, returned within
+    ``seconds`` of wall time (the check runs before any corpus, model or search work)."""
+    import time
+
+    start = time.monotonic()
+    line = refused(capsys, argv)
+    elapsed = time.monotonic() - start
+    assert line == f"moetrain {argv[0]}: error: {message}", line
+    assert elapsed < seconds, f"refused after {elapsed:.2f} s"

@@ -14,7 +14,7 @@ def trace_file(tmp_path):
 
 
 def test_json_report(trace_file, capsys):
-    assert main(["balance", "--trace", str(trace_file), "--ep", "4", "--cluster", "cpu", "--json"]) == 0
+    assert main(["balance", "--trace-routing", str(trace_file), "--ep", "4", "--cluster", "cpu", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["model"] == "tiny-pangu"  # the preset with the trace's 16 experts
     assert report["slots_per_rank"] == 5
@@ -26,7 +26,7 @@ def test_json_report(trace_file, capsys):
 
 
 def test_text_report(trace_file, capsys):
-    assert main(["balance", "--trace", str(trace_file), "--ep", "4", "--slots-per-rank", "6",
+    assert main(["balance", "--trace-routing", str(trace_file), "--ep", "4", "--slots-per-rank", "6",
                  "--predictor", "ema:0.9", "--solver", "greedy", "--cluster", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "predictor: ema(theta=0.9)" in out
@@ -34,7 +34,7 @@ def test_text_report(trace_file, capsys):
 
 
 def test_spare_slot_choice(trace_file, capsys):
-    assert main(["balance", "--trace", str(trace_file), "--ep", "4", "--cluster", "cpu", "--spare-slots", "0,1",
+    assert main(["balance", "--trace-routing", str(trace_file), "--ep", "4", "--cluster", "cpu", "--spare-slots", "0,1",
                  "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     none, one = report["spare_slots"]["options"]
@@ -47,7 +47,8 @@ def test_spare_slot_choice(trace_file, capsys):
     chosen = report["spare_slots"]["options"][recommended]
     assert chosen["step_seconds"] <= 1.005 * fastest["step_seconds"]
     assert recommended == 0 or none["step_seconds"] > 1.005 * fastest["step_seconds"]
-    assert main(["balance", "--trace", str(trace_file), "--ep", "4", "--cluster", "cpu", "--spare-slots", "0,1"]) == 0
+    assert main(["balance", "--trace-routing", str(trace_file), "--ep", "4", "--cluster", "cpu",
+                 "--spare-slots", "0,1"]) == 0
     assert f"recommended: {recommended} spare slot(s) per rank" in capsys.readouterr().out
 
 
@@ -63,6 +64,6 @@ def test_spare_slot_choice(trace_file, capsys):
     ],
 )
 def test_errors_exit_2_with_one_line(trace_file, capsys, extra, message):
-    assert main(["balance", "--trace", str(trace_file), *extra]) == 2
+    assert main(["balance", "--trace-routing", str(trace_file), *extra]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err

@@ -21,7 +21,8 @@ def _private_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest
 
 
 def _train(data: Path, metrics: Path) -> list[str]:
-    return ["train", "--data", str(data), "--steps", "2", "--global-batch", "4", "--micro-batch", "2",
+    # a batch of one sequence: a lone bad file of a few bytes could not hold more, and that would be refused first
+    return ["train", "--data", str(data), "--steps", "2", "--global-batch", "1", "--micro-batch", "1",
             "--seq-len", "32", "--threads", "1", "--quiet", "--metrics-out", str(metrics)]
 
 

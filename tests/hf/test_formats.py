@@ -126,9 +126,6 @@ def test_missing_folder_pieces(tmp_path) -> None:
 
 
 def test_export_refuses_what_no_family_represents(tmp_path) -> None:
-    pangu = build_model(load_model_config("tiny-pangu"), device="meta")
-    with pytest.raises(UserError, match="norm_style='sandwich' has no Hugging Face family"):
-        save_pretrained(pangu, tmp_path / "x")
     scaled = load_model_config("tiny-mixtral").model_copy(deep=True)
     router = scaled.moe.router.model_copy(update={"scaling_factor": 2.0})
     scaled = scaled.model_copy(update={"moe": scaled.moe.model_copy(update={"router": router})})

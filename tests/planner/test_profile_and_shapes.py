@@ -25,7 +25,7 @@ def test_profile_writes_a_loadable_calibration(tmp_path: Path, capsys: pytest.Ca
     assert measured.host_layer_us > 0 and measured.host_optimizer_ms > 0 and measured.host_probe_tokens == 16
     capsys.readouterr()
     assert main(["simulate", "--model", "tiny-pangu", "--cluster", "cpu", "--devices", "1", "--seq-len", "128",
-                 "--global-batch", "16", "--micro-batch", "4", "--precision", "fp32", "--calibration", str(out),
+                 "--global-batch", "16", "--micro-batch", "4", "--dtype", "fp32", "--calibration", str(out),
                  "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["step_time_s"] > 0
 

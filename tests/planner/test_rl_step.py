@@ -195,7 +195,7 @@ def test_placements_order_where_the_answer_is_obvious():
 
 
 TINY_RL = ["simulate", "--rl", "--model", "tiny-pangu", "--cluster", "cpu", "--devices", "2", "--prompts", "16",
-           "--group-size", "8", "--prompt-len", "16", "--response-len", "8", "--precision", "fp32",
+           "--group-size", "8", "--prompt-len", "16", "--response-len", "8", "--dtype", "fp32",
            "--micro-batch", "64"]
 
 

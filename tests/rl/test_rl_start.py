@@ -71,4 +71,4 @@ def test_a_missing_path_and_a_checkpoint_without_its_model_are_refused(pangu_che
     bare = tmp_path / "bare"
     bare.mkdir()
     (bare / "step-000000").symlink_to(folder / "step-000000", target_is_directory=True)
-    refused(capsys, ["rl", *TINY, "--from", str(bare)], "no model.yaml beside the checkpoint", "--model")
+    refused(capsys, ["rl", *TINY, "--from", str(bare)], f"--from {bare}: ", "records no model", "pass --model")

@@ -4,7 +4,9 @@ Each subcommand lives in its own module of this package with three names: ``HELP
 ``add_arguments(parser)`` and ``run(args) -> int``. Command modules import torch (and anything
 heavy) inside ``run`` only, so ``moetrain plan`` starts in milliseconds on a machine without torch.
 Bad input raises ``UserError`` (or ``ValueError`` from a config); ``main`` prints it as one line and
-returns exit code 2, with no traceback.
+returns exit code 2, with no traceback. A flag argparse itself refuses (``--steps abc``, an unknown flag)
+gets the same one line (``CommandParser``), and every ``--help`` shows each option's default
+(``DefaultsFormatter``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import importlib
 import os
 import sys
 
+from moetrain.cli.parsing import CommandParser, DefaultsFormatter
 from moetrain.errors import UserError
 
 # name on the command line → module under moetrain.cli
@@ -32,8 +35,10 @@ COMMANDS: dict[str, str] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moetrain", description="Train large mixture-of-experts models.")
+    parser = CommandParser(prog="moetrain", description="Train large mixture-of-experts models.",
+                           formatter_class=DefaultsFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    parser.commands = {}
     for name, module_name in COMMANDS.items():
         try:
             module = importlib.import_module(f"moetrain.cli.{module_name}")
@@ -41,15 +46,19 @@ def build_parser() -> argparse.ArgumentParser:
             if exc.name != f"moetrain.cli.{module_name}":
                 raise
             continue
-        command = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        command = sub.add_parser(name, help=module.HELP, description=module.HELP, formatter_class=DefaultsFormatter)
         module.add_arguments(command)
         command.set_defaults(_run=module.run)
+        parser.commands[name] = command
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a usage error already printed as one line (2)
+        return exc.code if isinstance(exc.code, int) else 2
     try:
         code = int(args._run(args) or 0)
         sys.stdout.flush()  # a reader that closed the pipe shows here, not at interpreter exit

@@ -7,13 +7,16 @@ import argparse
 import json
 
 from moetrain.balance.online import PAYBACK_HORIZON, REPLAN_INTERVAL
+from moetrain.cli.parsing import add_renamed_flag
 from moetrain.errors import UserError
 
 HELP = "replay a routing trace through expert-load prediction, placement and migration; predicted gain"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--trace", required=True, help="routing trace JSONL (moetrain train --trace-routing F)")
+    trace = parser.add_argument("--trace-routing", required=True, metavar="FILE",
+                                help="routing trace JSONL, as `moetrain train --trace-routing FILE` writes it")
+    add_renamed_flag(parser, "--trace", trace)
     parser.add_argument("--ep", type=int, required=True, help="expert-parallel size (ranks sharing the experts)")
     parser.add_argument("--slots-per-rank", type=int,
                         help="expert slots per rank (default experts/ep + 1: one spare for a hot expert's replica)")
@@ -26,10 +29,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="adaptive (the runtime's: a bank of EMA and Holt forecasts, the one with the lowest "
                              "recent error forecasts), auto (the lowest forecast error on the trace's first quarter, "
                              "fixed), ema:THETA or holt:ALPHA,BETA")
-    parser.add_argument("--interval", type=int, default=REPLAN_INTERVAL,
-                        help="steps between full re-plans (cheap drift checks run every step)")
-    parser.add_argument("--horizon", type=int, default=PAYBACK_HORIZON,
-                        help="steps over which a migration's predicted saving must repay its cost")
+    interval = parser.add_argument("--balance-interval", type=int, default=REPLAN_INTERVAL,
+                                   help="steps between full re-plans (cheap drift checks run every step)")
+    add_renamed_flag(parser, "--interval", interval)
+    horizon = parser.add_argument("--balance-horizon", type=int, default=PAYBACK_HORIZON,
+                                  help="steps over which a migration's predicted saving must repay its cost")
+    add_renamed_flag(parser, "--horizon", horizon)
     parser.add_argument("--seq-len", type=int, default=4096, help="sequence length for the attention cost")
     parser.add_argument("--a2a", choices=["flat", "hierarchical"], default="flat", help="expert all-to-all kind")
     parser.add_argument("--spare-slots", metavar="N,N,...",
@@ -97,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     from moetrain.config import load_cluster_config, load_model_config
 
     spare_options = _parse_spare(args.spare_slots)
-    trace = read_trace(args.trace)
+    trace = read_trace(args.trace_routing)
     model = load_model_config(args.model or _default_model(trace.num_experts))
     if model.moe is None or model.moe.num_experts != trace.num_experts:
         have = model.moe.num_experts if model.moe else 0
@@ -108,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     cluster = load_cluster_config(args.cluster)
     costs = BalanceCostModel(model, cluster, args.ep, hierarchical_a2a=args.a2a == "hierarchical",
                              seq_len=args.seq_len)
-    forecast_horizon = min(args.interval, args.horizon)
+    forecast_horizon = min(args.balance_interval, args.balance_horizon)
     loads = trace.tokens_per_expert
     errors = {}
     if args.predictor == "auto":
@@ -122,15 +127,17 @@ def run(args: argparse.Namespace) -> int:
         predictor = _parse_predictor(args.predictor)
         if isinstance(predictor, AdaptivePredictor) and loads.shape[0] > 5 + forecast_horizon:
             errors = {p.name: forecast_error(p, loads, forecast_horizon) for p in (*predictor.candidates, predictor)}
-    result = replay(trace, costs, predictor, args.slots_per_rank, args.solver, args.interval, args.horizon)
+    result = replay(trace, costs, predictor, args.slots_per_rank, args.solver, args.balance_interval,
+                    args.balance_horizon)
     summary = result.summary()
     slots = args.slots_per_rank or trace.num_experts // args.ep + 1
     migrations = [d.as_dict() for d in result.decisions if d.migrate]
     spare = None if spare_options is None else choose_spare_slots(
-        trace, costs, predictor, spare_options, solver=args.solver, interval=args.interval, horizon=args.horizon)
+        trace, costs, predictor, spare_options, solver=args.solver, interval=args.balance_interval,
+        horizon=args.balance_horizon)
     if args.json:
         print(json.dumps({
-            "trace": args.trace, "model": model.name, "cluster": cluster.name, "ep": args.ep,
+            "trace": args.trace_routing, "model": model.name, "cluster": cluster.name, "ep": args.ep,
             "slots_per_rank": slots, "solver": args.solver, "predictor": predictor.name,
             "forecast_error": errors, **summary, "migrations": migrations,
             "decisions": [d.as_dict() for d in result.decisions],
@@ -139,8 +146,8 @@ def run(args: argparse.Namespace) -> int:
                 "recommended_spare_per_rank": spare.recommended.spare_per_rank}}),
         }, indent=2))
         return 0
-    print(f"trace {args.trace}: {trace.num_steps} steps × {trace.num_layers} MoE layers × {trace.num_experts} experts;"
-          f" ep={args.ep}, {slots} slots/rank; cost model {model.name} on {cluster.name}")
+    print(f"trace {args.trace_routing}: {trace.num_steps} steps × {trace.num_layers} MoE layers × "
+          f"{trace.num_experts} experts; ep={args.ep}, {slots} slots/rank; cost model {model.name} on {cluster.name}")
     if isinstance(predictor, AdaptivePredictor):
         print(f"predictor: {predictor.name} (every candidate runs; the one with the lowest recent error forecasts)")
     else:

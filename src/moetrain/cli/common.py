@@ -64,7 +64,8 @@ def add_memory_policy_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("memory policy (recompute and swap)")
     # No argparse choices: a bad --policy is a one-line UserError (exit 2) like every other bad value.
     g.add_argument("--policy", metavar="{" + ",".join(POLICIES) + "}",
-                   help="none | full (whole layers) | selective (fine-grained recompute) | auto (budgeted greedy)")
+                   help="none | full (whole layers) | selective (fine-grained recompute) | auto (budgeted greedy) "
+                        "(default: none)")
     budget = g.add_mutually_exclusive_group()
     budget.add_argument("--budget-fraction", type=float, default=None,
                         help="activation budget as a fraction of the no-recompute activation bytes")

@@ -3,15 +3,18 @@
     moetrain convert --from-hf DIR --to CKPT_DIR      # then: moetrain train --model CKPT_DIR/model.yaml
                                                       #       --save-dir CKPT_DIR --resume ...
     moetrain convert --to-hf CKPT_DIR --out DIR       # newest checkpoint → config.json + safetensors
+                                                      # (+ modeling code for Pangu-style models)
 """
 
 from __future__ import annotations
 
 import argparse
 
+from moetrain.cli.parsing import add_renamed_flag
 from moetrain.errors import UserError
 
-HELP = "convert Hugging Face checkpoints (deepseek_v3, qwen3_moe, mixtral) to and from moetrain checkpoints"
+HELP = ("convert Hugging Face checkpoints (deepseek_v3, qwen3_moe, mixtral, and Pangu-style moetrain_pangu with its "
+        "own modeling code) to and from moetrain checkpoints")
 
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -23,11 +26,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            help="moetrain checkpoint folder (a --save-dir, or one step-NNNNNN folder in it)")
     parser.add_argument("--to", metavar="CKPT_DIR", help="with --from-hf: the new (empty) checkpoint folder")
     parser.add_argument("--out", metavar="DIR", help="with --to-hf: the Hugging Face folder to write")
-    parser.add_argument("--model", help="with --to-hf: the run's model preset or YAML (default: the model.yaml "
-                                        "beside the checkpoint)")
+    parser.add_argument("--model", help="with --to-hf: the run's model preset or YAML (default: the model the "
+                                        "checkpoint records)")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
                         help="with --to-hf: weight dtype written (default: the checkpoint's, fp32)")
-    parser.add_argument("--max-shard-gb", type=float, default=5.0, help="with --to-hf: safetensors shard size")
+    shard = parser.add_argument("--max-shard-gib", type=float, default=5.0,
+                                help="with --to-hf: safetensors shard size in GiB")
+    add_renamed_flag(parser, "--max-shard-gb", shard)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -41,8 +46,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--to-hf needs --out DIR (the Hugging Face folder to write)")
     if args.to:
         raise UserError("--to goes with --from-hf; with --to-hf give --out")
-    if args.max_shard_gb <= 0:
-        raise UserError(f"--max-shard-gb {args.max_shard_gb} must be > 0")
+    if args.max_shard_gib <= 0:
+        raise UserError(f"--max-shard-gib {args.max_shard_gib} must be > 0")
     return _to_hf(args)
 
 
@@ -60,11 +65,16 @@ def _from_hf(args: argparse.Namespace) -> int:
 def _to_hf(args: argparse.Namespace) -> int:
     import torch
 
-    from moetrain.hf import save_pretrained
+    from moetrain.hf import pangu, save_pretrained
     from moetrain.hf.checkpoint import read_checkpoint_model
+    from moetrain.hf.configs import hf_family_for
 
     model, cfg = read_checkpoint_model(args.to_hf, args.model)
     dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype else None
-    out = save_pretrained(model, args.out, dtype=dtype, max_shard_bytes=int(args.max_shard_gb * 1024**3))
-    print(f"wrote {out} ({cfg.name})")
+    out = save_pretrained(model, args.out, dtype=dtype, max_shard_bytes=int(args.max_shard_gib * 1024**3))
+    family = hf_family_for(cfg)
+    print(f"wrote {out} ({cfg.name}, Hugging Face family {family})")
+    if family == pangu.FAMILY:
+        print("  its modeling code is in the folder: load it with "
+              f"AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)")
     return 0

@@ -29,9 +29,13 @@ def plan_layouts(args: argparse.Namespace) -> tuple[dict, dict]:
     from moetrain.config.parallel import runtime_limits
     from moetrain.errors import UserError
     from moetrain.planner.search import search
+    from moetrain.status import say, status_console
 
     workload, calibration = build_workload(args)
     device = workload.cluster.device
+    # a search of a large model takes seconds; with --json, stdout is the answer alone
+    say(status_console(quiet=args.json), f"searching the layouts of {workload.model.name} on {args.devices:,} × "
+        f"{workload.cluster.name}…")
     result = search(workload, args.devices, calibration.for_device(device), top_k=max(args.top, 1),
                     held_out=calibration.held_out_for_device(device), runnable_only=not args.any_layout)
     if len(result.top) == 0:
@@ -81,6 +85,11 @@ def plan_layouts(args: argparse.Namespace) -> tuple[dict, dict]:
     return summary, plan
 
 
+def on_off(flag: bool) -> str:
+    """A switch of the layout as the tables print it (sequence parallelism, overlap)."""
+    return "on" if flag else "off"
+
+
 def run(args: argparse.Namespace) -> int:
     if args.search_model:
         return _run_model_search(args)
@@ -108,9 +117,9 @@ def run(args: argparse.Namespace) -> int:
           f"{'mb':>3} {'recompute':>9} {'a2a':>12} {'ovl':>4} {'step s':>9} {'MFU':>6} {'GiB':>6}")
     for i, row in enumerate(summary["top"], 1):
         p = row["parallel"]
-        print(f"{i:>2} {p['tp']:>3} {int(p['sp']):>3} {p['pp']:>3} {p['vpp']:>3} {p['ep']:>4} {p['etp']:>3} "
+        print(f"{i:>2} {p['tp']:>3} {on_off(p['sp']):>3} {p['pp']:>3} {p['vpp']:>3} {p['ep']:>4} {p['etp']:>3} "
               f"{p['cp']:>3} {p['dp']:>5} {p['zero']:>4} {p['micro_batch']:>3} {p['recompute']:>9} {p['a2a']:>12} "
-              f"{int(p['overlap']):>4} {row['step_time_s']:>9.4g} {row['mfu']:>6.1%} {row['memory_gib']:>6.1f}")
+              f"{on_off(p['overlap']):>4} {row['step_time_s']:>9.4g} {row['mfu']:>6.1%} {row['memory_gib']:>6.1f}")
     print("\nwhy the winner wins:")
     for line in summary["why"]:
         print(f"  {line}")

@@ -13,9 +13,11 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from moetrain.config import limits
 from moetrain.errors import UserError
 
-HELP = "post-train with RL: SFT warm-up on a verifiable task, then GRPO with router replay (one process)"
+HELP = ("post-train with RL: SFT warm-up on a verifiable task, then GRPO with router replay; one process, "
+        "or --nproc N ranks (RL Fusion) and --staleness K (StaleSync)")
 
 DEFAULT_MODEL = "tiny-pangu"
 DEFAULT_SFT_STEPS = 350
@@ -23,41 +25,44 @@ DEFAULT_STEPS = 150
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--task", default="addition", help="addition (default), sort or countdown")
+    from moetrain.config import TrainingConfig
+
+    parser.add_argument("--task", default="addition", help="addition, sort or countdown")
     parser.add_argument("--model", help="model preset name or YAML file (default tiny-pangu, or the model of --from)")
     parser.add_argument("--from", dest="from_path", metavar="PATH",
                         help="start from these weights: a moetrain checkpoint (save dir or step folder; its model is "
                              "the model.yaml beside it or --model) or a Hugging Face model folder")
     s = parser.add_argument_group("SFT warm-up (on reference answers of the training split)")
-    s.add_argument("--sft-steps", type=int, default=DEFAULT_SFT_STEPS, help=f"0 skips it ({DEFAULT_SFT_STEPS})")
-    s.add_argument("--sft-batch", type=int, default=64, help="examples per SFT step (64)")
-    s.add_argument("--sft-lr", type=float, default=3e-3, help="peak SFT learning rate (3e-3)")
+    s.add_argument("--sft-steps", type=int, default=DEFAULT_SFT_STEPS, help="0 skips it")
+    s.add_argument("--sft-batch", type=int, default=64, help="examples per SFT step")
+    s.add_argument("--sft-lr", type=float, default=3e-3, help="peak SFT learning rate")
     g = parser.add_argument_group("GRPO")
-    g.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"GRPO optimizer steps ({DEFAULT_STEPS})")
-    g.add_argument("--prompts", type=int, default=32, help="prompts per step (32)")
-    g.add_argument("--group-size", type=int, default=8, help="samples per prompt, G (8)")
+    g.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="GRPO optimizer steps")
+    g.add_argument("--prompts", type=int, default=32, help="prompts per step")
+    g.add_argument("--group-size", type=int, default=8, help="samples per prompt, G")
     g.add_argument("--micro-batch", type=int, help="samples per forward/backward (default: all of a step's)")
-    g.add_argument("--lr", type=float, default=1e-4, help="peak GRPO learning rate (1e-4)")
-    g.add_argument("--warmup", type=int, default=5, help="GRPO warm-up steps (5)")
-    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (1.0)")
+    g.add_argument("--lr", type=float, default=1e-4, help="peak GRPO learning rate")
+    g.add_argument("--warmup", type=int, default=5, help="GRPO warm-up steps")
+    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     g.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0: all)")
     g.add_argument("--max-new-tokens", type=int, help="per sample (default: the task's longest answer + 2)")
-    g.add_argument("--clip-low", type=float, default=0.2, help="ε_low of the ratio clip (0.2)")
-    g.add_argument("--clip-high", type=float, default=0.28, help="ε_high of the ratio clip (0.28)")
-    g.add_argument("--is-cap", type=float, default=2.0, help="truncation of the importance weights (2.0)")
+    g.add_argument("--clip-low", type=float, default=0.2, help="ε_low of the ratio clip")
+    g.add_argument("--clip-high", type=float, default=0.28, help="ε_high of the ratio clip")
+    g.add_argument("--is-cap", type=float, default=2.0, help="truncation of the importance weights")
     g.add_argument("--kl-coef", type=float, default=0.0, help="KL to the warm-up model (0: no reference)")
     g.add_argument("--no-replay", action="store_true", help="train with the routers' own experts")
     g.add_argument("--replay-stats-every", type=int, default=1,
                    help="steps between forwards without replay that measure routing mismatch (0: never)")
     g.add_argument("--group-by-length", action=argparse.BooleanOptionalAction, default=True,
                    help="micro-batches of samples of like length, each cut to its longest (default: on)")
-    g.add_argument("--eval-every", type=int, default=20, help="held-out accuracy every N steps (20; 0: end only)")
-    g.add_argument("--eval-size", type=int, default=256, help="held-out problems (256)")
+    g.add_argument("--eval-every", type=int, default=20, help="held-out accuracy every N steps (0: at the end only)")
+    g.add_argument("--eval-size", type=int, default=256, help="held-out problems")
     r = parser.add_argument_group("run")
-    r.add_argument("--seed", type=int, help="seed of weights, problems and sampling")
-    r.add_argument("--device", help="cpu, cuda, cuda:N or auto")
-    r.add_argument("--threads", type=int, help="CPU threads for torch")
+    r.add_argument("--seed", type=int,
+                   help=f"seed of weights, problems and sampling (default: {TrainingConfig().seed})")
+    r.add_argument("--device", help="cpu, cuda, cuda:N or auto (default: auto, cuda when available)")
+    r.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's; 1 per rank)")
     r.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile each decoder layer of the trained model (default: on for CUDA, off for CPU)")
     r.add_argument("--metrics-out", help="write one JSON row per GRPO step (step, reward, accuracy, ...)")
@@ -76,7 +81,7 @@ def add_fusion_arguments(parser: argparse.ArgumentParser) -> None:
     f.add_argument("--nproc", type=int, help="ranks on this node (= tp·pp·dp); above 1 starts torchrun")
     for axis, text in (("tp", "tensor parallel, with sequence parallelism"), ("pp", "pipeline stages"),
                        ("ep", "expert parallel (inside dp)"), ("etp", "expert tensor parallel")):
-        f.add_argument(f"--{axis}", type=int, help=f"training: {text} (default 1)")
+        f.add_argument(f"--{axis}", type=int, help=f"training: {text} (default: 1)")
     f.add_argument("--gen-ep", type=int, default=1,
                    help="generation: expert-parallel degree; nproc/gen-ep whole-model replicas (1: every rank)")
     f.add_argument("--sync-bucket-mib", type=float, default=32.0, help="weight-sync bucket size (32 MiB)")
@@ -190,6 +195,7 @@ def fusion_options(args: argparse.Namespace):
     nproc = args.nproc or 1
     if nproc < 1:
         raise UserError(f"--nproc {nproc} must be ≥ 1")
+    limits.check_processes(nproc, "--nproc", "ranks (processes)")
     given = [f"--{axis} {getattr(args, axis)}" for axis in ("tp", "pp", "ep", "etp") if (getattr(args, axis) or 1) > 1]
     if nproc == 1:
         if given:
@@ -311,12 +317,17 @@ def run(args: argparse.Namespace) -> int:
 
     from rich.console import Console
 
+    from moetrain.status import say, status_console
+
+    stale = stalesync_options(args)
+    fusion_options(args)  # the flag checks that need no torch, before the line below
+    # importing torch, the checks that need it and building the policy take seconds (a minute when busy)
+    say(status_console(bool(args.quiet)), "setting up: torch, the run's checks, the policy model…")
     from moetrain.models.transformer import build_model
     from moetrain.rl.colocated import rl_trainer
     from moetrain.rl.plot import plot_reward_curve
     from moetrain.rl.tasks import get_task
 
-    stale = stalesync_options(args)
     sft_spec, rl_spec, options, model_cfg = build_specs(args)
     if stale is not None and stale.placement == "disaggregated":
         return _launch_stalesync(args, (sft_spec, rl_spec, options, model_cfg), stale)
@@ -404,6 +415,9 @@ def _launch_stalesync(args: argparse.Namespace, specs, stale) -> int:
     payload.write_text(json.dumps(run), encoding="utf-8")
     if args.engine == "ray":  # the actors get the payload itself (the warm-up weights stay a file: shared disk)
         from moetrain.rl import ray_engine
+        from moetrain.status import say, status_console
+
+        say(status_console(bool(args.quiet)), "starting Ray and its actors (rollout worker, trainer)…")
 
         return ray_engine.launch(run, rl_spec.run.timeout_s)
     from moetrain.rl.stalesync import Pipeline

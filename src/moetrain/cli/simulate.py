@@ -13,6 +13,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from moetrain.cli.simulate_rl import add_rl_arguments
     from moetrain.cli.workload import add_workload_args
 
+    # --seq-len and --global-batch are required unless --rl derives them: say so in the usage line, which
+    # argparse would otherwise print with both in brackets, as if they were optional.
+    parser.usage = ("moetrain simulate --model M --cluster C --devices N (--seq-len L --global-batch B | --rl "
+                    "--prompt-len P --response-len R) [layout flags] [--json] [--timeline PNG]")
     add_workload_args(parser, batch_required=False)
     add_strategy_args(parser)
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch per model replica")
@@ -61,8 +65,13 @@ def simulate_layout(args: argparse.Namespace) -> dict:
         "step_time_s_held_out_fits": p.step_time_s_held_out_fits,
     }
     if args.timeline:
-        gantt_png(p.timeline, args.timeline, f"{workload.model.name} on {args.devices} × {workload.cluster.name}: "
-                  f"step {p.step_time_s:.3f} s")
+        from moetrain.status import phase, status_console
+
+        # stderr with --json, whose stdout is the answer alone
+        with phase(status_console(stderr=args.json), f"rendering the timeline ({len(p.timeline.spans):,} spans) to "
+                   f"{args.timeline}", "rendered the timeline"):
+            gantt_png(p.timeline, args.timeline, f"{workload.model.name} on {args.devices} × "
+                      f"{workload.cluster.name}: step {p.step_time_s:.3f} s")
         result["timeline_png"] = args.timeline
     return result
 
@@ -81,7 +90,10 @@ def run(args: argparse.Namespace) -> int:
     p = result["parallel"]
     print(f"{result['model']} on {result['devices']} × {result['cluster']}, seq {result['seq_len']}, "
           f"global batch {result['global_batch']}")
-    print("layout: " + " ".join(f"{k}={v}" for k, v in p.items()) + f"  (m={result['micro_batches_per_pipeline']})")
+    from moetrain.cli.plan import on_off
+
+    layout = " ".join(f"{k}={on_off(v) if isinstance(v, bool) else v}" for k, v in p.items())
+    print(f"layout: {layout}  (m={result['micro_batches_per_pipeline']})")
     print(f"step time   {result['step_time_s']:.4g} s    tokens/s {result['tokens_per_s']:.4g} "
           f"({result['tokens_per_s_per_device']:.4g} per device)    MFU {result['mfu']:.1%}")
     if line := accuracy_line(result["calibration_accuracy"]):

@@ -19,12 +19,12 @@ def add_rl_arguments(parser: argparse.ArgumentParser) -> None:
                                   "training layout")
     g.add_argument("--rl", action="store_true", help="price one RL step instead of a pre-training step")
     g.add_argument("--placement", default="both", metavar="{" + ",".join(PLACEMENTS) + "}",
-                   help="colocated (RL Fusion switch), disaggregated (StaleSync) or both (default)")
+                   help="colocated (RL Fusion switch), disaggregated (StaleSync) or both")
     g.add_argument("--staleness", type=int, default=0,
                    help="StaleSync's K: 0 alternates generation and training, K ≥ 1 overlaps them (disaggregated: "
-                        "on separate devices; colocated: the next batch beside each update) (0)")
-    g.add_argument("--prompts", type=int, default=32, help="prompts per step (32)")
-    g.add_argument("--group-size", type=int, default=8, help="samples per prompt, G (8)")
+                        "on separate devices; colocated: the next batch beside each update)")
+    g.add_argument("--prompts", type=int, default=32, help="prompts per step")
+    g.add_argument("--group-size", type=int, default=8, help="samples per prompt, G")
     g.add_argument("--prompt-len", type=int, help="prompt tokens per sample")
     g.add_argument("--response-len", type=int, help="generated tokens per sample (the batch's longest answers)")
     g.add_argument("--completion-len", type=float,
@@ -40,10 +40,10 @@ def add_rl_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host-link-gbps", type=float,
                    help="host link per device, one way, GB/s (for --offload; default on a CPU: its memory)")
     g.add_argument("--logprob-forwards", type=int, default=0,
-                   help="extra forwards over the samples per step: reference (KL), proximal policy (0)")
+                   help="extra forwards over the samples per step: reference (KL), proximal policy")
     g.add_argument("--graphs", action="store_true",
                    help="generation runs captured graphs (an inference engine): no per-MoE-pass host cost")
-    g.add_argument("--reward-s", type=float, default=0.0, help="seconds to score a step's samples (0)")
+    g.add_argument("--reward-s", type=float, default=0.0, help="seconds to score a step's samples")
 
 
 def _check(args: argparse.Namespace) -> None:

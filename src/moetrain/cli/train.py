@@ -15,7 +15,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from moetrain.balance.online import PAYBACK_HORIZON, REPLAN_INTERVAL
 from moetrain.cli.common import add_memory_policy_args, memory_flags
+from moetrain.config import limits
 from moetrain.errors import UserError
 
 HELP = "train a model (one process on CPU/GPU, or --nproc N ranks in any layout); resumable, with per-step metrics"
@@ -47,7 +49,7 @@ LAYOUT_FLAGS = ("tp", "pp", "vpp", "ep", "etp", "cp", "zero", "overlap", "hierar
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="a run.yaml with model, training, parallel, run, memory, balance sections")
     parser.add_argument("--plan", help="a plan.yaml written by `moetrain plan --out` (layout, micro-batch, recompute)")
-    parser.add_argument("--model", help="model preset name or YAML file (default tiny-pangu)")
+    parser.add_argument("--model", help="model preset name or YAML file")
     parser.add_argument("--cluster", help="cluster preset for MFU (default: cpu on CPU, else the GPU's own preset)")
     g = parser.add_argument_group("schedule and batch (defaults: moetrain.config.TrainingConfig)")
     g.add_argument("--steps", type=int, help="total optimizer steps of the run (sets the lr schedule)")
@@ -86,8 +88,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        ("vpp", "virtual stages per pipeline rank"), ("ep", "expert parallel (inside dp)"),
                        ("etp", "expert tensor parallel (splits each expert's FFN)"),
                        ("cp", "context parallel (splits each sequence)")):
-        d.add_argument(f"--{axis}", type=int, help=f"{text} (default 1)")
-    d.add_argument("--zero", type=int, help="ZeRO stage over data parallelism: 1 (default), 2 or 3 (FSDP2)")
+        d.add_argument(f"--{axis}", type=int, help=text)
+    d.add_argument("--zero", type=int, help="ZeRO stage over data parallelism: 1, 2 or 3 (FSDP2)")
     d.add_argument("--hierarchical-a2a", action="store_true", default=None,
                    help="two-hop expert all-to-all (inter-node, intra-node)")
     d.add_argument("--ranks-per-node", type=int, help="node size for the hierarchical all-to-all")
@@ -96,10 +98,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     b = parser.add_argument_group("online expert balancing (docs/balance.md)")
     b.add_argument("--online-balance", action="store_true", default=None,
                    help="migrate and replicate hot experts across EP ranks while training (needs --ep > 1)")
-    b.add_argument("--balance-interval", type=int, help="steps between full re-plans (10)")
-    b.add_argument("--balance-horizon", type=int, help="steps over which a migration must repay its cost (50)")
-    b.add_argument("--slots-per-rank", type=int, help="expert slots per EP rank (experts/ep + 1)")
+    b.add_argument("--balance-interval", type=int, help=f"steps between full re-plans (default: {REPLAN_INTERVAL})")
+    b.add_argument("--balance-horizon", type=int,
+                   help=f"steps over which a migration must repay its cost (default: {PAYBACK_HORIZON})")
+    b.add_argument("--slots-per-rank", type=int, help="expert slots per EP rank (default: experts/ep + 1)")
     add_memory_policy_args(parser)
+    _show_spec_defaults(parser)
+
+
+def _show_spec_defaults(parser: argparse.ArgumentParser) -> None:
+    """Write the run spec's defaults into the help of the flags that set its fields: the flags themselves
+    default to "not given", so that a config file or a plan can set the field first."""
+    from moetrain.cli.parsing import format_default
+    from moetrain.config.run import RunSpec
+
+    spec = RunSpec()
+    defaults = {flag: getattr(getattr(spec, section), field) for flag, (section, field) in FLAG_FIELDS.items()}
+    defaults["model"] = spec.model
+    for action in parser._actions:
+        value = defaults.get(action.dest)
+        if value is not None and value is not False and "default" not in (action.help or ""):
+            action.help = f"{action.help} (default: {format_default(value)})"
 
 
 def _flag_source(args: argparse.Namespace) -> dict[str, Any]:
@@ -146,6 +165,7 @@ def build_spec(args: argparse.Namespace, world_size: int | None = None):
     from moetrain.config.run import resolve_run_spec, spec_source_from_plan
 
     sources = [_file_source(args.config, "--config")] if args.config else []
+    names = [Path(args.config).name] if args.config else []
     flags = _flag_source(args)
     if args.plan:
         given = [f"--{name.replace('_', '-')}" for name in LAYOUT_FLAGS if getattr(args, name) is not None]
@@ -154,10 +174,13 @@ def build_spec(args: argparse.Namespace, world_size: int | None = None):
         if sources and "parallel" in sources[0]:
             raise UserError(f"--plan and {args.config}'s parallel section both set the layout; drop one")
         sources.append(spec_source_from_plan(load_plan_file(args.plan)))
+        names.append(Path(args.plan).name)
     sources.append(flags)
+    names.append(FLAGS_SOURCE)
     if args.nproc is not None:
         if args.nproc < 1:
             raise UserError(f"--nproc {args.nproc} must be ≥ 1")
+        limits.check_processes(args.nproc, "--nproc", "ranks (processes)")
         if world_size is not None and world_size != args.nproc:
             raise UserError(f"--nproc {args.nproc} but torchrun started {world_size} ranks; drop --nproc")
         world_size = args.nproc
@@ -167,35 +190,44 @@ def build_spec(args: argparse.Namespace, world_size: int | None = None):
         if given:
             raise UserError(f"{' '.join(given)} needs several ranks: give --nproc N (= tp·cp·pp·dp)")
     try:
-        spec = resolve_run_spec(sources, world_size)
+        spec = resolve_run_spec(sources, world_size, names)
     except UserError as exc:
         raise UserError(_named_by_flag(str(exc))) from None
     return spec
 
 
+FLAGS_SOURCE = "flags"
+"""How ``resolve_run_spec`` names the flags' values in an error; ``_named_by_flag`` then names the flag."""
+
+
 def _named_by_flag(message: str) -> str:
-    """``run spec: balance.interval: ...`` → ``--balance-interval: ...``: name the flag the user typed."""
+    """``flags: balance.interval: ...`` → ``--balance-interval: ...``: name the flag the user typed."""
     for flag, (section, field) in FLAG_FIELDS.items():
-        message = message.replace(f"run spec: {section}.{field}:", f"--{flag.replace('_', '-')}:")
-    return message
+        message = message.replace(f"{FLAGS_SOURCE}: {section}.{field}:", f"--{flag.replace('_', '-')}:")
+    return message.replace(f"{FLAGS_SOURCE}: ", "run spec: ")  # a section the flags filled (batch arithmetic)
 
 
 def checked_spec(args: argparse.Namespace, world_size: int | None = None):
     """``build_spec`` and every check that needs no process group (``moetrain.train.checks``)."""
     from moetrain.config import load_model_config
-    from moetrain.train.checks import check_run
+    from moetrain.train.checks import check_corpus, check_run
 
     spec = build_spec(args, world_size)
-    check_run(spec, load_model_config(spec.model))
+    model_cfg = load_model_config(spec.model)
+    check_run(spec, model_cfg)
+    check_corpus(spec, model_cfg)
     return spec
 
 
 def run(args: argparse.Namespace) -> int:
+    from moetrain.status import say, status_console
+
     spec = checked_spec(args)
     if spec.world_size > 1:
         from moetrain.distributed.launch import launch
 
         return launch(spec, Path(spec.run.log_dir) if spec.run.log_dir else None)
+    say(status_console(spec.run.quiet), "setting up: torch, the data, the model…")
     from moetrain.train.trainer import Trainer
 
     trainer = Trainer(spec)
@@ -218,8 +250,10 @@ def worker_main(argv: list[str] | None = None) -> int:
 
             spec = RunSpec.model_validate_json(Path(payload).read_text(encoding="utf-8"))
         else:
-            parser = argparse.ArgumentParser(prog="python -m moetrain.distributed.worker",
-                                             description="one rank of a moetrain run (started by torchrun)")
+            from moetrain.cli.parsing import CommandParser, DefaultsFormatter
+
+            parser = CommandParser(prog="python -m moetrain.distributed.worker", formatter_class=DefaultsFormatter,
+                                   description="one rank of a moetrain run (started by torchrun)")
             add_arguments(parser)
             spec = checked_spec(parser.parse_args(argv), world_size=int(os.environ.get("WORLD_SIZE", "1")))
     except UserError as exc:

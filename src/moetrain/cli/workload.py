@@ -7,7 +7,8 @@ from __future__ import annotations
 import argparse
 
 from moetrain.cli.common import add_cluster_arg, add_model_arg
-from moetrain.config import ParallelConfig, load_cluster_config, load_model_config
+from moetrain.cli.parsing import add_renamed_flag
+from moetrain.config import ParallelConfig, limits, load_cluster_config, load_model_config
 from moetrain.errors import UserError
 from moetrain.planner.calibration import Calibration, load_calibration
 from moetrain.planner.workload import Workload
@@ -22,9 +23,12 @@ def add_workload_args(parser: argparse.ArgumentParser, batch_required: bool = Tr
     add_cluster_arg(parser)
     g = parser.add_argument_group("workload")
     g.add_argument("--devices", type=int, required=True, help="number of accelerators in the job")
-    g.add_argument("--seq-len", type=int, required=batch_required, help="tokens per sequence")
-    g.add_argument("--global-batch", type=int, required=batch_required, help="sequences per optimizer step")
-    g.add_argument("--precision", choices=PRECISIONS, default="bf16", help="GEMM precision (fp8: linear layers)")
+    needed = "" if batch_required else " (required, except with --rl, which derives it from the RL step)"
+    g.add_argument("--seq-len", type=int, required=batch_required, help="tokens per sequence" + needed)
+    g.add_argument("--global-batch", type=int, required=batch_required, help="sequences per optimizer step" + needed)
+    dtype = g.add_argument("--dtype", choices=PRECISIONS, default="bf16",
+                           help="GEMM precision (fp8: linear layers only)")
+    add_renamed_flag(g, "--precision", dtype)
     g.add_argument("--imbalance", type=float, default=1.0,
                    help="routed-token load of the hottest EP rank over the mean (1.0 = balanced)")
     g.add_argument("--calibration", help="efficiency file from `moetrain profile` or `moetrain validate --fit` "
@@ -46,11 +50,14 @@ def build_workload(args: argparse.Namespace) -> tuple[Workload, Calibration]:
             raise UserError(f"--{name.replace('_', '-')} must be positive (got {getattr(args, name)})")
     if args.imbalance < 1.0:
         raise UserError(f"--imbalance is max/mean load and cannot be below 1.0 (got {args.imbalance})")
+    limits.check_devices(args.devices)
     model = load_model_config(args.model)
+    limits.check_seq_len(args.seq_len, model.max_seq_len, model.name)
+    limits.check_batch_tokens(args.global_batch, args.seq_len)
     cluster = load_cluster_config(args.cluster)
     calibration = load_calibration(args.calibration)
-    workload = Workload(model, cluster, args.seq_len, args.global_batch, args.precision, args.imbalance,
-                        grad_bytes=2.0 if args.precision == "fp16" else 4.0)
+    workload = Workload(model, cluster, args.seq_len, args.global_batch, args.dtype, args.imbalance,
+                        grad_bytes=2.0 if args.dtype == "fp16" else 4.0)
     return workload, calibration
 
 

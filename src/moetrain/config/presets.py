@@ -59,7 +59,7 @@ def _load(kind: str, name_or_path: str, schema: type[ConfigT]) -> ConfigT:
     try:
         return schema.model_validate(data)
     except ValidationError as exc:
-        raise UserError(describe_validation_error(source, exc)) from None
+        raise UserError(describe_validation_error(source, exc, schema)) from None
 
 
 def load_model_config(name_or_path: str) -> ModelConfig:
@@ -100,5 +100,5 @@ def load_plan_file(path: str) -> dict:
     try:
         data["parallel"] = ParallelConfig.model_validate(data["parallel"])
     except ValidationError as exc:
-        raise UserError(describe_validation_error(path, exc)) from None
+        raise UserError(describe_validation_error(path, exc, ParallelConfig, section="parallel")) from None
     return data

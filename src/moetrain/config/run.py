@@ -198,10 +198,12 @@ def spec_source_from_plan(plan: dict[str, Any]) -> dict[str, Any]:
     return source
 
 
-def resolve_run_spec(sources: list[dict[str, Any]], world_size: int | None = None) -> RunSpec:
+def resolve_run_spec(sources: list[dict[str, Any]], world_size: int | None = None,
+                     names: list[str] | None = None) -> RunSpec:
     """Merge the sources into a validated ``RunSpec``; ``world_size`` (``--nproc``, or torchrun's
     ``WORLD_SIZE``) fills ``parallel.dp`` when no source sets it and must agree when one does.
-    Raises ``UserError`` (one line) on any bad field."""
+    Raises ``UserError`` (one line) on any bad field, naming the source that set it (``names``, one per
+    source: a file name, or what the caller calls its flags) and, for an unknown key, the valid ones."""
     from pydantic import ValidationError
 
     from moetrain.errors import UserError, describe_validation_error
@@ -220,4 +222,27 @@ def resolve_run_spec(sources: list[dict[str, Any]], world_size: int | None = Non
     try:
         return RunSpec(**merged)
     except ValidationError as exc:
-        raise UserError(describe_validation_error("run spec", exc)) from None
+        def origin(loc: tuple[str, ...]) -> str | None:
+            # the last source that set this field (a later one overrides an earlier one); a section that
+            # several sources filled is named as the run spec's
+            setting = [i for i, source in enumerate(sources) if _holds(source, loc)]
+            if not names or not setting or (len(setting) > 1 and isinstance(_at(sources[setting[-1]], loc), dict)):
+                return None
+            return names[setting[-1]]
+
+        raise UserError(describe_validation_error("run spec", exc, RunSpec, origin)) from None
+
+
+def _holds(source: dict[str, Any], loc: tuple[str, ...]) -> bool:
+    node: Any = source
+    for key in loc:
+        if not isinstance(node, dict) or key not in node:
+            return False
+        node = node[key]
+    return True
+
+
+def _at(source: dict[str, Any], loc: tuple[str, ...]) -> Any:
+    for key in loc:
+        source = source[key]
+    return source

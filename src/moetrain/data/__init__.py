@@ -1,45 +1,30 @@
 """Data pipeline: corpus (embedded Shakespeare or the user's files) → cached BPE tokenizer → packed
-sequences with document boundaries → deterministic, resumable per-step batches for any DP layout."""
+sequences with document boundaries → deterministic, resumable per-step batches for any DP layout.
+
+Names load on first use: the corpus and its size (``corpus``, ``size``) are torch-free, so the checks that
+run before a training run starts (``moetrain.train.checks``) read them without importing torch.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from tokenizers import Tokenizer
-
-from moetrain.data.corpus import Document, cache_dir, corpus_hash, load_corpus
-from moetrain.data.packing import IGNORE_INDEX, MicroBatch, PackedDataset, StepBatch, load_or_tokenize
-from moetrain.data.tokenizer import load_or_train_tokenizer
-from moetrain.errors import UserError
-
-
-@dataclass(frozen=True)
-class PreparedData:
-    corpus_name: str
-    corpus_hash: str
-    num_documents: int
-    tokenizer: Tokenizer
-    dataset: PackedDataset
+_LAZY = {
+    "IGNORE_INDEX": "moetrain.data.packing",
+    "MicroBatch": "moetrain.data.packing",
+    "PackedDataset": "moetrain.data.packing",
+    "StepBatch": "moetrain.data.packing",
+    "Document": "moetrain.data.corpus",
+    "cache_dir": "moetrain.data.corpus",
+    "PreparedData": "moetrain.data.prepare",
+    "prepare_data": "moetrain.data.prepare",
+}
 
 
-def prepare_data(data: str | None, vocab_size: int, seq_len: int, seed: int) -> PreparedData:
-    """Everything the trainer needs from the data side, built (or loaded from the cache) in one call."""
-    name, documents = load_corpus(data)
-    tokenizer = load_or_train_tokenizer(documents, vocab_size)
-    if tokenizer.get_vocab_size() > vocab_size:
-        raise UserError(f"tokenizer has {tokenizer.get_vocab_size()} tokens but the model only {vocab_size}")
-    stream = load_or_tokenize(documents, tokenizer)
-    return PreparedData(name, corpus_hash(documents), len(documents), tokenizer,
-                        PackedDataset(stream, seq_len, seed))
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'moetrain.data' has no attribute {name!r}")
 
 
-__all__ = [
-    "IGNORE_INDEX",
-    "Document",
-    "MicroBatch",
-    "PackedDataset",
-    "PreparedData",
-    "StepBatch",
-    "cache_dir",
-    "prepare_data",
-]
+__all__ = list(_LAZY)

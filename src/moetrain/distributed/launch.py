@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from moetrain.config.run import RunSpec
+from moetrain.status import say, status_console
 
 _PEER_LOST = re.compile(r"Connection (reset|closed) by peer|Socket Timeout|timed out", re.I)
 
@@ -62,6 +63,8 @@ def launch(spec: RunSpec, log_dir: Path | None = None, entry: str = "moetrain.di
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc or spec.world_size}", "--max-restarts=0", "--monitor-interval=0.5", "-m", entry]
     log_path = log_dir / "torchrun.log"
+    say(status_console(spec.run.quiet), f"starting {nproc or spec.world_size} ranks under torchrun (each imports "
+        f"torch, joins the others and builds its part; log: {log_path})…")
     start = time.monotonic()
     with open(log_path, "w") as log:
         code = subprocess.call(cmd, env=env, stderr=log)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from moetrain.config.run import RunSpec
 from moetrain.errors import UserError
+from moetrain.status import say, status_console
 
 USER_ERROR_EXIT = 2
 
@@ -33,6 +34,8 @@ def run_rank(spec: RunSpec) -> int:
     try:
         device = resolve_device(spec.run.device)
         rank, _, _ = init_world("nccl" if device.type == "cuda" else "gloo", spec.run.timeout_s)
+        say(status_console(spec.run.quiet or rank != 0), f"all {dist.get_world_size()} ranks joined; "
+            "preparing the data and each rank's part of the model…")
         trainer = Trainer(spec)
         trainer.console.print(trainer.describe())
         trainer.train()

@@ -8,7 +8,9 @@ trainer loads the weights and starts at step 0 with a fresh optimizer; DCP resha
 into whatever parallel layout the run uses.
 
 ``read_checkpoint_model`` is the inverse for ``convert --to-hf``: the model part of the newest
-complete checkpoint (converted or written by the trainer).
+complete checkpoint (converted or written by the trainer), of the model the checkpoint records (the
+trainer's ``COMPLETE`` marker holds the run's whole model config; a converted checkpoint has
+``model.yaml`` beside it), so no ``--model`` is needed.
 """
 
 from __future__ import annotations
@@ -73,25 +75,50 @@ def model_yaml_near(step_folder: Path) -> Path | None:
     return None
 
 
+def recorded_model_config(step_folder: Path) -> ModelConfig | None:
+    """The model config a trainer's checkpoint records in its ``COMPLETE`` marker (None for markers written
+    before the run identity was stored, and for converted checkpoints, which have ``model.yaml``)."""
+    try:
+        marker = json.loads((step_folder / COMPLETE_MARKER).read_text(encoding="utf-8"))
+        recorded = marker["identity"]["model"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    try:
+        return ModelConfig.model_validate(recorded)
+    except ValueError as exc:
+        first = str(exc).strip().splitlines()[0]
+        raise UserError(f"{step_folder / COMPLETE_MARKER}: the recorded model config does not validate ({first}); "
+                        "pass --model with the preset or YAML the run was trained with") from None
+
+
+def checkpoint_model_config(step_folder: Path, model: str | None = None) -> tuple[ModelConfig, str]:
+    """(config, where it came from): ``model`` (a preset or YAML) when given, else the ``model.yaml`` beside
+    the checkpoint, else the config its marker records."""
+    if model is not None:
+        return load_model_config(model), model
+    found = model_yaml_near(step_folder)
+    if found is not None:
+        return load_model_config(str(found)), str(found)
+    recorded = recorded_model_config(step_folder)
+    if recorded is None:
+        raise UserError(f"{step_folder} records no model (a checkpoint from before run identities, with no "
+                        f"{MODEL_YAML} beside it); pass --model with the preset or YAML the run was trained with")
+    return recorded, f"the model recorded in {step_folder / COMPLETE_MARKER}"
+
+
 def read_checkpoint_model(path: str | Path, model: str | None = None,
                           cfg: ModelConfig | None = None) -> tuple[MoETransformer, ModelConfig]:
     """The model of the newest complete checkpoint under ``path`` (a save dir or one step folder).
 
-    ``model`` is a preset name or YAML; by default the ``model.yaml`` beside the checkpoint. ``cfg``, when
-    given, is the model to read instead (e.g. the RL policy: the model less its MTP modules, whose tensors
-    the checkpoint may or may not hold).
+    ``model`` is a preset name or YAML; by default the checkpoint's own (``checkpoint_model_config``).
+    ``cfg``, when given, is the model to read instead (e.g. the RL policy: the model less its MTP modules,
+    whose tensors the checkpoint may or may not hold).
     """
     step_folder = newest_step_folder(Path(path))
     if cfg is not None:
         model = cfg.name
-    elif model is None:
-        found = model_yaml_near(step_folder)
-        if found is None:
-            raise UserError(f"no {MODEL_YAML} beside {step_folder}; pass --model with the preset or YAML "
-                            "the run was trained with")
-        model = str(found)
-    if cfg is None:
-        cfg = load_model_config(model)
+    else:
+        cfg, model = checkpoint_model_config(step_folder, model)
     net = MoETransformer(cfg, device="meta").to_empty(device="cpu")
     for module in net.modules():
         if hasattr(module, "score_bias"):

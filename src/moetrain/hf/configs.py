@@ -1,4 +1,6 @@
-"""Hugging Face ``config.json`` ↔ moetrain ``ModelConfig`` for deepseek_v3, qwen3_moe and mixtral.
+"""Hugging Face ``config.json`` ↔ moetrain ``ModelConfig`` for deepseek_v3, qwen3_moe, mixtral and
+moetrain_pangu (moetrain's own modeling code, for the MLA models the others cannot compute:
+``moetrain.hf.pangu``).
 
 Torch-free, like the rest of the configs. Every field of the reference config that changes the
 function the model computes is either mapped or refused with a one-line ``UserError`` naming it;
@@ -18,12 +20,14 @@ from pydantic import ValidationError
 
 from moetrain.config.model import GQAConfig, MLAConfig, ModelConfig
 from moetrain.errors import UserError, describe_validation_error
+from moetrain.hf import pangu
 
-FAMILIES: tuple[str, ...] = ("deepseek_v3", "qwen3_moe", "mixtral")
+FAMILIES: tuple[str, ...] = ("deepseek_v3", "qwen3_moe", "mixtral", pangu.FAMILY)
 ARCHITECTURES: dict[str, str] = {
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    pangu.FAMILY: pangu.ARCHITECTURE,
 }
 # DeepSeek-V3's q and kv latent norms are built with a fixed eps of 1e-6 in the reference code; our
 # MLA uses the model's norm_eps for them, so only that value is exact.
@@ -199,7 +203,8 @@ def _mixtral(hf: dict[str, Any], name: str) -> dict[str, Any]:
     }
 
 
-_FROM_HF = {"deepseek_v3": _deepseek_v3, "qwen3_moe": _qwen3_moe, "mixtral": _mixtral}
+_FROM_HF = {"deepseek_v3": _deepseek_v3, "qwen3_moe": _qwen3_moe, "mixtral": _mixtral,
+            pangu.FAMILY: pangu.model_fields_from_pangu}
 
 
 def family_of(hf: dict[str, Any], source: str = "config.json") -> str:
@@ -228,23 +233,21 @@ def model_config_from_hf(hf: dict[str, Any], name: str = "hf-model", source: str
 # ----- the other way: moetrain → config.json -----
 
 def hf_family_for(cfg: ModelConfig) -> str:
-    """The reference family that computes exactly what ``cfg`` does; refuses what none of them can."""
-    if cfg.norm_style != "pre":
-        raise UserError(f"model {cfg.name}: norm_style={cfg.norm_style!r} has no Hugging Face family here; "
-                        "only pre-norm models can be exported")
+    """The family that computes exactly what ``cfg`` does: a transformers family where one does (so the
+    folder needs no code of its own), else moetrain_pangu for MLA models; refuses what none can."""
     if not cfg.gated_ffn:
         raise UserError(f"model {cfg.name}: ffn_act={cfg.ffn_act!r} cannot be exported; only swiglu")
-    if cfg.moe is None:
-        raise UserError(f"model {cfg.name}: dense models (no moe section) cannot be exported to an MoE family")
-    router = cfg.moe.router
     if isinstance(cfg.attention, MLAConfig):
-        if router.score_function != "sigmoid":
-            raise UserError(f"model {cfg.name}: deepseek_v3 routing is sigmoid; score_function="
-                            f"{router.score_function!r} cannot be exported")
-        if cfg.norm_eps != _MLA_LATENT_NORM_EPS:
-            raise UserError(f"model {cfg.name}: deepseek_v3 export needs norm_eps={_MLA_LATENT_NORM_EPS} "
-                            f"(its latent norms use it); got {cfg.norm_eps}")
-        return "deepseek_v3"
+        router = cfg.moe.router if cfg.moe is not None else None
+        deepseek = (cfg.norm_style == "pre" and router is not None and router.score_function == "sigmoid"
+                    and cfg.norm_eps == _MLA_LATENT_NORM_EPS)  # its latent norms fix eps at 1e-6
+        return "deepseek_v3" if deepseek else pangu.FAMILY
+    if cfg.norm_style != "pre":
+        raise UserError(f"model {cfg.name}: norm_style={cfg.norm_style!r} with GQA attention has no Hugging Face "
+                        "family here; only MLA models export with sandwich norm (as moetrain_pangu)")
+    if cfg.moe is None:
+        raise UserError(f"model {cfg.name}: dense GQA models (no moe section) cannot be exported to an MoE family")
+    router = cfg.moe.router
     family = "qwen3_moe" if cfg.attention.qk_norm else "mixtral"
     problems = []
     if router.score_function != "softmax":
@@ -300,6 +303,8 @@ def _common_to_hf(cfg: ModelConfig, family: str) -> dict[str, Any]:
 def hf_config_from_model(cfg: ModelConfig, dtype_name: str = "float32") -> dict[str, Any]:
     """config.json for the family ``hf_family_for(cfg)``; ``model_config_from_hf`` inverts it."""
     family = hf_family_for(cfg)
+    if family == pangu.FAMILY:
+        return pangu.pangu_config_from_model(cfg, dtype_name)
     assert cfg.moe is not None
     router, attn = cfg.moe.router, cfg.attention
     out = {**_common_to_hf(cfg, family), "dtype": dtype_name, "num_experts_per_tok": router.top_k}

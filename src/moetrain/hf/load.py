@@ -119,7 +119,7 @@ def load_pretrained(
     path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
     backend: AttentionBackend = "sdpa", name: str | None = None,
 ) -> tuple[MoETransformer, ModelConfig]:
-    """(model, config) from a Hugging Face folder of family deepseek_v3, qwen3_moe or mixtral.
+    """(model, config) from a Hugging Face folder of family deepseek_v3, qwen3_moe, mixtral or moetrain_pangu.
 
     ``dtype`` is the parameter dtype (fp32 master weights by default; checkpoint tensors are cast as
     they stream). The router's score bias stays fp32.
@@ -139,7 +139,9 @@ def load_pretrained(
     for module in model.modules():  # buffers are not in every checkpoint: start them from zero
         if hasattr(module, "score_bias"):
             module.score_bias = torch.zeros(module.score_bias.shape, dtype=torch.float32, device=device)
-    filler = _Filler(model, cfg, family, rope_interleave=bool(hf.get("rope_interleave", True)))
+    # DeepSeek-V3 checkpoints keep rotary pairs interleaved unless they say otherwise; moetrain_pangu rotates halves
+    interleaved = family == "deepseek_v3" and bool(hf.get("rope_interleave", True))
+    filler = _Filler(model, cfg, family, rope_interleave=interleaved)
     with torch.no_grad():
         for file in files:
             with safe_open(str(file), framework="pt", device="cpu") as shard:

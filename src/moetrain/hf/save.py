@@ -1,7 +1,9 @@
 """Write a moetrain model as a Hugging Face folder that transformers (and serving engines) load.
 
 Layout: ``config.json`` plus ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` shards
-with ``model.safetensors.index.json`` when the weights exceed ``max_shard_bytes``. Experts are written
+with ``model.safetensors.index.json`` when the weights exceed ``max_shard_bytes``; for the moetrain_pangu
+family also its modeling code (``configuration_moetrain_pangu.py``, ``modeling_moetrain_pangu.py``), which
+transformers runs with ``trust_remote_code=True``. Experts are written
 one module each (``experts.{e}.gate_proj.weight``), the layout of published checkpoints and of
 transformers' own ``save_pretrained``. Shards are planned from shapes first, then each shard's
 tensors are produced, written and freed, so only one shard is held besides the model.
@@ -10,6 +12,7 @@ tensors are produced, written and freed, so only one shard is held besides the m
 from __future__ import annotations
 
 import json
+from importlib import resources
 from pathlib import Path
 
 import torch
@@ -17,6 +20,7 @@ from torch import nn
 
 from moetrain.config.model import ModelConfig
 from moetrain.errors import UserError
+from moetrain.hf import pangu
 from moetrain.hf.configs import hf_config_from_model, hf_family_for
 from moetrain.hf.weights import TensorSpec, tensor_specs
 
@@ -49,14 +53,15 @@ def save_pretrained(model: nn.Module, path: str | Path, dtype: torch.dtype | Non
                     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
     """Write ``model`` (a ``MoETransformer``) to ``path``; ``dtype`` defaults to the parameters' dtype.
 
-    The family follows from the config: MLA → deepseek_v3, GQA with q/k norm → qwen3_moe, GQA
-    without → mixtral; configs none of them can represent are refused with the field at fault.
+    The family follows from the config: MLA → deepseek_v3 where it computes the same function, else
+    moetrain_pangu (sandwich norm, other norm eps, softmax routing, dense); GQA with q/k norm → qwen3_moe,
+    GQA without → mixtral; configs none of them can represent are refused with the field at fault.
     """
     from safetensors.torch import save_file
 
     cfg: ModelConfig = model.cfg
     family = hf_family_for(cfg)
-    if cfg.num_mtp_layers:
+    if cfg.num_mtp_layers and family != pangu.FAMILY:
         # Dropping MTP does not change the logits; say so instead of failing an export for serving.
         print(f"note: {cfg.num_mtp_layers} multi-token-prediction module(s) are not exported")
     state = {k: _full(v).detach() for k, v in model.state_dict().items()}
@@ -91,4 +96,8 @@ def save_pretrained(model: nn.Module, path: str | Path, dtype: torch.dtype | Non
         (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     hf_config = hf_config_from_model(cfg, _DTYPE_NAMES[dtype])
     (path / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+    if family == pangu.FAMILY:
+        code = resources.files("moetrain.hf.remote_code")
+        for name in pangu.REMOTE_CODE_FILES:
+            (path / name).write_text(code.joinpath(name).read_text(encoding="utf-8"), encoding="utf-8")
     return path

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from moetrain.config.model import MLAConfig, ModelConfig
+from moetrain.hf.pangu import FAMILY as PANGU_FAMILY
 
 
 @dataclass(frozen=True)
@@ -72,8 +73,8 @@ def _kv_down_rows(attn: MLAConfig) -> torch.Tensor:
     return rows
 
 
-def _attention_specs(cfg: ModelConfig, i: int, hf_prefix: str, rope_interleave: bool) -> Iterator[TensorSpec]:
-    ours, attn = f"layers.{i}.attention", cfg.attention
+def _attention_specs(cfg: ModelConfig, ours: str, hf_prefix: str, rope_interleave: bool) -> Iterator[TensorSpec]:
+    attn = cfg.attention
     if isinstance(attn, MLAConfig):
         q_rows = _q_rows(attn) if rope_interleave else None
         kv_rows = _kv_down_rows(attn) if rope_interleave else None
@@ -100,6 +101,7 @@ _EXPERT_NAMES = {
     "mixtral": ("w1", "w3", "w2"),
     "qwen3_moe": ("gate_proj", "up_proj", "down_proj"),
     "deepseek_v3": ("gate_proj", "up_proj", "down_proj"),
+    PANGU_FAMILY: ("gate_proj", "up_proj", "down_proj"),
 }
 
 
@@ -107,15 +109,16 @@ def moe_prefix(family: str, i: int) -> str:
     return f"model.layers.{i}.block_sparse_moe" if family == "mixtral" else f"model.layers.{i}.mlp"
 
 
-def _ffn_specs(cfg: ModelConfig, family: str, i: int) -> Iterator[TensorSpec]:
-    if not cfg.is_moe_layer(i):
+def _ffn_specs(cfg: ModelConfig, family: str, ours_layer: str, hf_layer: str, moe: bool) -> Iterator[TensorSpec]:
+    if not moe:
         for ours, hf in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
-            yield TensorSpec(f"model.layers.{i}.mlp.{hf}.weight", f"layers.{i}.ffn.{ours}.weight")
+            yield TensorSpec(f"{hf_layer}.mlp.{hf}.weight", f"{ours_layer}.ffn.{ours}.weight")
         return
     assert cfg.moe is not None
-    hf, ours = moe_prefix(family, i), f"layers.{i}.moe"
+    hf = f"{hf_layer}.block_sparse_moe" if family == "mixtral" else f"{hf_layer}.mlp"
+    ours = f"{ours_layer}.moe"
     yield TensorSpec(f"{hf}.gate.weight", f"{ours}.router.weight")
-    if family == "deepseek_v3":
+    if family == "deepseek_v3" or (family == PANGU_FAMILY and cfg.moe.router.score_bias):
         yield TensorSpec(f"{hf}.gate.e_score_correction_bias", f"{ours}.router.score_bias")
     gate, up, down = _EXPERT_NAMES[family]
     for e in range(cfg.moe.num_experts):
@@ -127,17 +130,38 @@ def _ffn_specs(cfg: ModelConfig, family: str, i: int) -> Iterator[TensorSpec]:
             yield TensorSpec(f"{hf}.shared_experts.{hf_name}.weight", f"{ours}.shared_expert.{ours_name}.weight")
 
 
+def _layer_specs(cfg: ModelConfig, family: str, ours: str, hf: str, moe: bool,
+                 rope_interleave: bool) -> Iterator[TensorSpec]:
+    """One decoder layer: ours ``layers.{i}`` (or an MTP module's ``mtp.{j}.layer``), theirs ``hf``."""
+    yield TensorSpec(f"{hf}.input_layernorm.weight", f"{ours}.attn_norm.weight")
+    yield from _attention_specs(cfg, f"{ours}.attention", f"{hf}.self_attn", rope_interleave)
+    yield TensorSpec(f"{hf}.post_attention_layernorm.weight", f"{ours}.ffn_norm.weight")
+    if cfg.norm_style == "sandwich":  # moetrain_pangu only (hf_family_for)
+        yield TensorSpec(f"{hf}.attention_output_layernorm.weight", f"{ours}.attn_post_norm.weight")
+        yield TensorSpec(f"{hf}.mlp_output_layernorm.weight", f"{ours}.ffn_post_norm.weight")
+    yield from _ffn_specs(cfg, family, ours, hf, moe)
+
+
+def _mtp_specs(cfg: ModelConfig, family: str, j: int) -> Iterator[TensorSpec]:
+    """Multi-token-prediction module j (moetrain_pangu keeps them; the other families drop them)."""
+    ours, hf = f"mtp.{j}", f"model.mtp_layers.{j}"
+    for part in ("hidden_norm", "embed_norm", "proj", "final_norm"):
+        yield TensorSpec(f"{hf}.{part}.weight", f"{ours}.{part}.weight")
+    yield from _layer_specs(cfg, family, f"{ours}.layer", f"{hf}.layer", cfg.moe is not None, False)
+
+
 def tensor_specs(cfg: ModelConfig, family: str, rope_interleave: bool = False) -> list[TensorSpec]:
     """Every checkpoint tensor of ``cfg`` in the per-expert layout, in checkpoint order."""
     specs = [TensorSpec("model.embed_tokens.weight", "embed.weight")]
     for i in range(cfg.num_layers):
-        specs.append(TensorSpec(f"model.layers.{i}.input_layernorm.weight", f"layers.{i}.attn_norm.weight"))
-        specs.extend(_attention_specs(cfg, i, f"model.layers.{i}.self_attn", rope_interleave))
-        specs.append(TensorSpec(f"model.layers.{i}.post_attention_layernorm.weight", f"layers.{i}.ffn_norm.weight"))
-        specs.extend(_ffn_specs(cfg, family, i))
+        specs.extend(_layer_specs(cfg, family, f"layers.{i}", f"model.layers.{i}", cfg.is_moe_layer(i),
+                                  rope_interleave))
     specs.append(TensorSpec("model.norm.weight", "final_norm.weight"))
     if not cfg.tie_embeddings:
         specs.append(TensorSpec("lm_head.weight", "head.weight"))
+    if family == PANGU_FAMILY:
+        for j in range(cfg.num_mtp_layers):
+            specs.extend(_mtp_specs(cfg, family, j))
     return specs
 
 

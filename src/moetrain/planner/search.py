@@ -7,6 +7,7 @@ calibration carries its cross-validation's fits, under each of those fits as wel
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from dataclasses import dataclass, field, fields
 
@@ -154,7 +155,9 @@ class SearchResult:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of n in increasing order, found up to its square root (n may be a device count)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def enumerate_strategies(w: Workload, devices: int, space: SearchSpace):

@@ -186,32 +186,62 @@ def stage_costs_from_model(stages: StageTimes, index: int, pp: int, vpp: int) ->
     return StageCosts(share * total, (1 - share) * total, a2a / 2, a2a / 2, hide / 2, hide / 2, 0.0)
 
 
-def gantt_png(result: TimelineResult, path: str, title: str = "") -> None:
-    """Gantt chart: per rank a compute lane (F blue, B green, FB purple) and an all-to-all lane."""
-    import matplotlib
+GANTT_COLOURS = {"F": "#4C72B0", "B": "#55A868", "FB": "#8172B2", "a2a-hidden": "#CCCCCC", "a2a-exposed": "#DD8452"}
+GANTT_LABELS = {"F": "forward", "B": "backward", "FB": "forward + backward paired (overlap)",
+                "a2a-hidden": "all-to-all hidden under compute", "a2a-exposed": "all-to-all exposed (stalls the rank)"}
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    num_ranks = max((s.rank for s in result.spans), default=0) + 1
-    fig, ax = plt.subplots(figsize=(12, 1.0 + 0.6 * num_ranks))
-    colours = {"F": "#4C72B0", "B": "#55A868", "FB": "#8172B2"}
+def gantt_bars(result: TimelineResult) -> dict[tuple[int, str], list[tuple[float, float]]]:
+    """(rank, kind) → the (start, width) bars of that rank's lane, kind one of ``GANTT_COLOURS``: drawn as one
+    collection each, since a call per bar costs matplotlib a rescale each (minutes for thousands of bars)."""
+    bars: dict[tuple[int, str], list[tuple[float, float]]] = {}
     for span in result.spans:
         width = span.end - span.start
         if width <= 0:
             continue
-        y = (num_ranks - 1 - span.rank) * 2
         if span.lane == "compute":
             kind = "FB" if "|" in span.label else span.label[0]
-            ax.broken_barh([(span.start, width)], (y + 0.55, 0.9), facecolors=colours[kind], edgecolor="white",
-                           linewidth=0.3)
         else:
-            colour = "#DD8452" if span.lane == "a2a-exposed" else "#CCCCCC"
-            ax.broken_barh([(span.start, width)], (y + 0.1, 0.4), facecolors=colour)
-    ax.set_yticks([(num_ranks - 1 - r) * 2 + 1 for r in range(num_ranks)])
-    ax.set_yticklabels([f"rank {r}" for r in range(num_ranks)])
-    ax.set_xlabel("seconds (compute lane above; all-to-all lane below: grey hidden, orange exposed)")
-    ax.set_title(title or f"pipeline timeline, step {result.step_time_s:.3f} s")
-    fig.tight_layout()
+            kind = span.lane
+        bars.setdefault((span.rank, kind), []).append((span.start, width))
+    return bars
+
+
+def gantt_png(result: TimelineResult, path: str, title: str = "") -> None:
+    """Write ``gantt_figure`` as a PNG."""
+    import matplotlib.pyplot as plt
+
+    fig = gantt_figure(result, title)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def gantt_figure(result: TimelineResult, title: str = ""):
+    """Gantt chart: per rank a compute lane (F blue, B green, FB purple) above an all-to-all lane (grey
+    hidden, orange exposed), with a legend of the kinds drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    num_ranks = max((s.rank for s in result.spans), default=0) + 1
+    height = 1.6 + 0.6 * num_ranks
+    fig, ax = plt.subplots(figsize=(12, height))
+    bars = gantt_bars(result)
+    for (rank, kind), ranges in bars.items():
+        y = (num_ranks - 1 - rank) * 2
+        if kind.startswith("a2a"):
+            ax.broken_barh(ranges, (y + 0.1, 0.4), facecolors=GANTT_COLOURS[kind])
+        else:
+            ax.broken_barh(ranges, (y + 0.55, 0.9), facecolors=GANTT_COLOURS[kind], edgecolor="white", linewidth=0.3)
+    ax.set_yticks([(num_ranks - 1 - r) * 2 + 1 for r in range(num_ranks)])
+    ax.set_yticklabels([f"rank {r}" for r in range(num_ranks)])
+    ax.set_xlabel("seconds (per rank: compute lane above, all-to-all lane below)")
+    ax.set_title(title or f"pipeline timeline, step {result.step_time_s:.3f} s")
+    drawn = {kind for _, kind in bars}
+    handles = [Patch(facecolor=colour, label=GANTT_LABELS[kind]) for kind, colour in GANTT_COLOURS.items()
+               if kind in drawn]
+    fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 3), frameon=False)
+    fig.tight_layout(rect=(0, 0.45 / height, 1, 1))  # half an inch at the bottom for the legend
+    return fig

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from moetrain.rl.worker import serve
+from moetrain.status import say, status_console
 
 
 def run_rank(run: dict, rank: int) -> None:
@@ -36,6 +37,8 @@ def run_rank(run: dict, rank: int) -> None:
     model_cfg = ModelConfig.model_validate_json(run["model"])
     torch.set_num_threads(spec.run.threads or int(os.environ.get("OMP_NUM_THREADS", "1")))
     init_world("gloo", spec.run.timeout_s)
+    say(status_console(spec.run.quiet or rank != 0), f"all {dist.get_world_size()} StaleSync ranks joined; "
+        "building the models…")
     initial = torch.load(run["initial"], weights_only=True) if run["initial"] else None
     job = StaleSyncJob(spec, options, StaleSyncOptions.model_validate_json(run["stale"]), model_cfg, initial)
     report = run_stalesync(rank, dist.get_world_size(), job)

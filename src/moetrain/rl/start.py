@@ -2,8 +2,9 @@
 model folder.
 
 A moetrain checkpoint is a save dir of ``moetrain train`` / ``moetrain convert --from-hf`` (its newest
-complete step) or one step folder; its model is the ``model.yaml`` beside it, or ``--model`` when given
-(a checkpoint of another model is then refused in one line: DCP names the tensor that does not fit). A
+complete step) or one step folder; its model is ``--model`` when given (a checkpoint of another model is
+then refused in one line: DCP names the tensor that does not fit), else the ``model.yaml`` beside it, else
+the model its marker records (``moetrain.hf.checkpoint.checkpoint_model_config``). A
 folder with ``config.json`` is read as a Hugging Face model (``moetrain.hf.load_pretrained``).
 
 The policy is the model without its multi-token-prediction modules (``loop.policy_config``): their
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from moetrain.config import ModelConfig, load_model_config
+from moetrain.config import ModelConfig
 from moetrain.errors import UserError
 
 
@@ -34,15 +35,12 @@ def starting_config(path: Path, model: str | None) -> ModelConfig:
         from moetrain.hf.load import read_hf_config
 
         return model_config_from_hf(read_hf_config(path), name=path.name, source=str(path / "config.json"))
-    if model is not None:
-        return load_model_config(model)
-    from moetrain.hf.checkpoint import MODEL_YAML, model_yaml_near, newest_step_folder
+    from moetrain.hf.checkpoint import checkpoint_model_config, newest_step_folder
 
-    found = model_yaml_near(newest_step_folder(path))
-    if found is None:
-        raise UserError(f"--from {path}: no {MODEL_YAML} beside the checkpoint; pass --model with the preset or "
-                        "YAML it was trained with")
-    return load_model_config(str(found))
+    try:
+        return checkpoint_model_config(newest_step_folder(path), model)[0]
+    except UserError as exc:
+        raise UserError(f"--from {path}: {exc}") from None
 
 
 def starting_weights(path: Path, policy_cfg: ModelConfig) -> dict[str, torch.Tensor]:

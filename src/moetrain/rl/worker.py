@@ -17,6 +17,7 @@ from pathlib import Path
 
 from moetrain.distributed.worker import USER_ERROR_EXIT, _report
 from moetrain.errors import UserError
+from moetrain.status import say, status_console
 
 
 def run_rank(run: dict) -> None:
@@ -39,7 +40,9 @@ def run_rank(run: dict) -> None:
     model_cfg = ModelConfig.model_validate_json(run["model"])
     torch.set_num_threads(rl_spec.run.threads or int(os.environ.get("OMP_NUM_THREADS", "1")))
     device = resolve_device(rl_spec.run.device)
-    init_world("nccl" if device.type == "cuda" else "gloo", rl_spec.run.timeout_s)
+    rank, world_size, _ = init_world("nccl" if device.type == "cuda" else "gloo", rl_spec.run.timeout_s)
+    say(status_console(rl_spec.run.quiet or rank != 0), f"all {world_size} ranks joined; building the policy, then "
+        "the warm-up and GRPO in the training layout…")
     model = None
     if run.get("from"):
         from moetrain.models.transformer import build_model

@@ -2,7 +2,9 @@
 
 ``moetrain train`` calls ``check_run`` before it trains in one process or starts torchrun; the worker
 that users start with torchrun themselves calls it too, so a bad run is one line (exit 2) either way.
-Torch-free: layout arithmetic, flag combinations, and the files the run will write.
+Torch-free: layout arithmetic, sizes against what they mean (the model's positions, the corpus, the
+largest runs and this machine's cores: ``moetrain.config.limits``), flag combinations, and the files the
+run will write. ``check_corpus`` (pre-training only, not RL) sets the global batch against the corpus.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from moetrain.balance.online import check_online_balance
-from moetrain.config import ModelConfig, ParallelConfig
+from moetrain.config import ModelConfig, ParallelConfig, limits
 from moetrain.config.run import RunSpec
 from moetrain.distributed.layout import validate_layout
 from moetrain.errors import UserError
@@ -19,6 +21,10 @@ from moetrain.errors import UserError
 def check_run(spec: RunSpec, model_cfg: ModelConfig) -> None:
     """Refuse what cannot run, naming the flag and how to mend it; create the output folders."""
     training, parallel, run = spec.training, spec.parallel, spec.run
+    limits.check_batch_tokens(training.global_batch, training.seq_len)
+    limits.check_run_tokens(training.steps, training.global_batch, training.seq_len)
+    if run.threads is not None:
+        limits.check_processes(run.threads, "--threads", "threads per rank")
     validate_layout(parallel, model_cfg, spec.world_size, training.global_batch, training.micro_batch,
                     run.ranks_per_node)
     check_seq_len(training.seq_len, parallel, model_cfg)
@@ -32,15 +38,36 @@ def check_run(spec: RunSpec, model_cfg: ModelConfig) -> None:
 def check_seq_len(seq_len: int, parallel: ParallelConfig, model_cfg: ModelConfig) -> None:
     """The model's positions must reach the sequence; context parallelism cuts each sequence into 2·cp
     load-balanced chunks, and sequence parallelism splits each rank's share over the tp ranks."""
-    if seq_len > model_cfg.max_seq_len:
-        raise UserError(f"--seq-len {seq_len} exceeds {model_cfg.name}'s max_seq_len {model_cfg.max_seq_len}; "
-                        "lower --seq-len or use a model whose max_seq_len reaches it")
+    limits.check_seq_len(seq_len, model_cfg.max_seq_len, model_cfg.name)
     if parallel.cp > 1 and seq_len % (2 * parallel.cp):
         raise UserError(f"--seq-len {seq_len} does not split into 2·cp = {2 * parallel.cp} context-parallel "
                         f"chunks; make it a multiple of {2 * parallel.cp}")
     if parallel.tp > 1 and (seq_len // parallel.cp) % parallel.tp:
         share = "" if parallel.cp == 1 else f" of each cp={parallel.cp} share ({seq_len // parallel.cp} tokens)"
         raise UserError(f"--seq-len {seq_len} does not split over tp={parallel.tp} sequence shards{share}")
+
+
+def check_corpus(spec: RunSpec, model_cfg: ModelConfig) -> None:
+    """The corpus must hold a global batch of sequences: refused with the numbers before the corpus is
+    fetched or tokenized (``moetrain.data.size``: the count recorded by an earlier run, else a bound)."""
+    run, training = spec.run, spec.training
+    if run.synthetic_data:
+        return
+    from moetrain.data.corpus import check_data_path
+    from moetrain.data.size import corpus_size
+
+    if run.data is not None:
+        check_data_path(run.data)
+    size = corpus_size(run.data, model_cfg.vocab_size)
+    sequences = size.sequences(training.seq_len)
+    if sequences < 1 and size.exact:  # by the bound alone, a file's own defect (not UTF-8, say) names it better
+        raise UserError(f"the corpus has {size.tokens:,} tokens, fewer than one sequence of --seq-len "
+                        f"{training.seq_len} + 1; add text or lower --seq-len")
+    if 0 < sequences < training.global_batch:
+        holds = "has" if size.exact else "holds at most"
+        raise UserError(f"--global-batch {training.global_batch} but the corpus {holds} {sequences:,} sequences of "
+                        f"{training.seq_len} tokens; lower --global-batch to at most {sequences:,}, or add text "
+                        "(--data)")
 
 
 def _check_combinations(spec: RunSpec, model_cfg: ModelConfig) -> None:

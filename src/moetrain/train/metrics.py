@@ -142,10 +142,12 @@ def moe_layer_labels(model_cfg: ModelConfig) -> list[str]:
     return [f"MoE layer {i}" if i < model_cfg.num_layers else f"MTP layer {i}" for i in moe_layer_indices(model_cfg)]
 
 
-def summary_table(rows: list[dict[str, Any]], title: str, model_cfg: ModelConfig | None = None) -> Table:
+def summary_table(rows: list[dict[str, Any]], title: str, model_cfg: ModelConfig | None = None,
+                  show_mfu: bool = True) -> Table:
     """First/last loss, throughput, MFU and per-layer expert load over the run's logged steps. With the
     run's ``model_cfg`` the load rows name their layer (MTP blocks as such); without it they are numbered
-    ``MoE block 0, 1, ...`` in metrics order, which says nothing of the layer."""
+    ``MoE block 0, 1, ...`` in metrics order, which says nothing of the layer. ``show_mfu`` False leaves MFU
+    out (a CPU run: its peak is nominal, so the figure would mean nothing; tokens/s says the speed)."""
     table = Table(title=title, show_header=True, header_style="bold")
     table.add_column("metric")
     table.add_column("value", justify="right")
@@ -159,7 +161,8 @@ def summary_table(rows: list[dict[str, Any]], title: str, model_cfg: ModelConfig
     table.add_row("first loss", f"{rows[0]['loss']:.4f}")
     table.add_row("last loss", f"{rows[-1]['loss']:.4f}")
     table.add_row("tokens/s", f"{tokens / seconds:,.0f}" if seconds > 0 else "n/a")
-    table.add_row("mean MFU", f"{sum(r['mfu'] for r in timed) / len(timed):.2%}")
+    if show_mfu:
+        table.add_row("mean MFU", f"{sum(r['mfu'] for r in timed) / len(timed):.2%}")
     loads = [r["expert_load_max_over_mean"] for r in timed if r["expert_load_max_over_mean"]]
     if loads:
         num_blocks = len(loads[0])

@@ -167,7 +167,8 @@ class Trainer:
         if self.spec.run.synthetic_data:
             return None
         args = (self.spec.run.data, self.model_cfg.vocab_size, self.cfg.seq_len, self.cfg.seed)
-        data = prepare_data(*args) if self.is_reporter else None
+        status = None if self.spec.run.quiet else self.console  # the first run's download and tokenizer say so
+        data = prepare_data(*args, console=status) if self.is_reporter else None
         dist.barrier(group=self.dims.get_group("world"))
         return data if data is not None else prepare_data(*args)
 
@@ -369,7 +370,9 @@ class Trainer:
         title = f"{self.model_cfg.name}: {len(self.metrics.rows)} steps on {self.device.type}"
         if self.spec.world_size > 1:
             title += f" × {self.spec.world_size} ranks"
-        self.console.print(summary_table(self.metrics.rows, title, model_cfg=self.model_cfg))
+        # no MFU on a CPU: the cpu preset's peak is nominal (the metrics rows keep the relative figure)
+        self.console.print(summary_table(self.metrics.rows, title, model_cfg=self.model_cfg,
+                                         show_mfu=self.device.type != "cpu"))
 
 
 def _injected_fault(rank: int):

@@ -1,0 +1,61 @@
+"""Bounds on sizes that no real run reaches, so that a typo (a few zeros too many) is refused in one line
+before any work instead of running for hours: the planner's search and timeline, a training step's batch
+and a process per rank all grow with these numbers.
+
+Each bound sits well above the largest published value of its kind and is stated with it; the checks
+raise ``UserError`` naming the flag, the number and the mend. Torch-free.
+"""
+
+from __future__ import annotations
+
+import os
+
+from moetrain.errors import UserError
+
+MAX_DEVICES = 2**20
+"""1,048,576 accelerators: about ten times the largest training clusters announced (~100k GPUs)."""
+MAX_TOKENS_PER_STEP = 2**27
+"""134,217,728 tokens in one optimizer step: twice the largest published batch (DeepSeek-V3's 15,360
+sequences of 4,096 tokens, 62.9M tokens)."""
+MAX_RUN_TOKENS = 10**15
+"""Tokens a whole run trains on: 25 times the longest published pre-training runs (about 40T tokens)."""
+PROCESSES_PER_CORE = 8
+"""Ranks or threads one CPU core may carry: beyond it they only wait for each other."""
+
+
+def check_devices(devices: int, flag: str = "--devices") -> None:
+    if devices > MAX_DEVICES:
+        raise UserError(f"{flag} {devices} is beyond any cluster (the planner takes up to {MAX_DEVICES:,} "
+                        "accelerators, ten times the largest built); check the number")
+
+
+def check_batch_tokens(global_batch: int, seq_len: int) -> None:
+    tokens = global_batch * seq_len
+    if tokens > MAX_TOKENS_PER_STEP:
+        raise UserError(f"--global-batch {global_batch} × --seq-len {seq_len} = {tokens:,} tokens per step, "
+                        f"more than {MAX_TOKENS_PER_STEP:,} (twice the largest published batch, DeepSeek-V3's 62.9M "
+                        "tokens); lower --global-batch")
+
+
+def check_run_tokens(steps: int, global_batch: int, seq_len: int) -> None:
+    tokens = steps * global_batch * seq_len
+    if tokens > MAX_RUN_TOKENS:
+        raise UserError(f"--steps {steps} × --global-batch {global_batch} × --seq-len {seq_len} = {tokens:.2e} "
+                        f"tokens, more than {MAX_RUN_TOKENS:.0e} (25 times the longest published pre-training run); "
+                        "lower --steps")
+
+
+def check_seq_len(seq_len: int, max_seq_len: int, model_name: str) -> None:
+    """Rotary positions (and the model's trained context) end at ``max_seq_len``."""
+    if seq_len > max_seq_len:
+        raise UserError(f"--seq-len {seq_len} exceeds {model_name}'s max_seq_len {max_seq_len} (its rotary "
+                        "range); lower --seq-len or use a model whose max_seq_len reaches it")
+
+
+def check_processes(count: int, flag: str, what: str) -> None:
+    """``count`` processes or threads on this machine: refused beyond ``PROCESSES_PER_CORE`` per core."""
+    cores = os.cpu_count() or 1
+    limit = PROCESSES_PER_CORE * cores
+    if count > limit:
+        raise UserError(f"{flag} {count} asks for {count:,} {what} on this machine, which has {cores} core"
+                        f"{'s' * (cores > 1)}; give at most {limit} ({PROCESSES_PER_CORE} per core)")

