@@ -62,7 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--seed", type=int,
                    help=f"seed of weights, problems and sampling (default: {TrainingConfig().seed})")
     r.add_argument("--device", help="cpu, cuda, cuda:N or auto (default: auto, cuda when available)")
-    r.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's; 1 per rank)")
+    r.add_argument("--threads", type=int,
+                   help="CPU threads for torch (default: the free cores, shared among the ranks)")
     r.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile each decoder layer of the trained model (default: on for CUDA, off for CPU)")
     r.add_argument("--metrics-out", help="write one JSON row per GRPO step (step, reward, accuracy, ...)")

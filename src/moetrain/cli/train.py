@@ -65,7 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--synthetic-data", action="store_true", default=None,
                    help="counting sequences instead of a corpus (benchmarks)")
     r.add_argument("--device", help="cpu, cuda, cuda:N or auto (cuda when available)")
-    r.add_argument("--threads", type=int, help="CPU threads for torch in each rank (default: torch's; 1 per rank)")
+    r.add_argument("--threads", type=int,
+                   help="CPU threads for torch in each rank (default: the free cores, shared among the ranks)")
     r.add_argument("--metrics-out", help="write one JSON row per step to this file")
     r.add_argument("--tensorboard", metavar="DIR",
                    help="also write the metrics as TensorBoard scalars here (pip install 'moetrain[tensorboard]')")

@@ -30,7 +30,8 @@ class RunOptions(BaseModel):
     device: str = "auto"
     """cpu, cuda, cuda:N or auto (cuda when available). Each rank of a multi-rank CUDA run takes its local GPU."""
     threads: int | None = Field(default=None, ge=1)
-    """CPU threads of torch in each rank (default: torch's choice in one process, 1 per rank under torchrun)."""
+    """CPU threads of torch in each rank (default: the free cores this process may use, shared among the ranks,
+    at least one each; ``OMP_NUM_THREADS`` where set: ``moetrain.threads``)."""
     cluster: str = "auto"
     """Cluster preset (or YAML file) whose peak FLOP/s the MFU divides by; auto: cpu on CPU, on a GPU the preset
     of its name (``moetrain.config.cluster_for_device``: an H200 is h200-sxm-141gb)."""

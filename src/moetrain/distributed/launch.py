@@ -28,6 +28,7 @@ from pathlib import Path
 
 from moetrain.config.run import RunSpec
 from moetrain.status import say, status_console
+from moetrain.threads import ThreadChoice, choose_threads
 
 _PEER_LOST = re.compile(r"Connection (reset|closed) by peer|Socket Timeout|timed out", re.I)
 
@@ -58,12 +59,18 @@ def launch(spec: RunSpec, log_dir: Path | None = None, entry: str = "moetrain.di
     error_dir.mkdir(parents=True, exist_ok=True)
     spec_file = log_dir / "run_spec.json"
     spec_file.write_text(spec.to_json(), encoding="utf-8")
+    ranks = nproc or spec.world_size
+    # the free cores shared among the ranks (one thread each where they share cores); a GPU rank needs one
+    on_cpu = not spec.run.device.startswith("cuda")
+    threads = choose_threads(spec.run.threads, ranks) if on_cpu else ThreadChoice(1, "GPU ranks")
     env = dict(os.environ, MOETRAIN_ERROR_DIR=str(error_dir), MOETRAIN_RUN_SPEC=str(spec_file),
-               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), **(env or {}))
+               OMP_NUM_THREADS=str(threads.threads), **(env or {}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc or spec.world_size}", "--max-restarts=0", "--monitor-interval=0.5", "-m", entry]
+           f"--nproc-per-node={ranks}", "--max-restarts=0", "--monitor-interval=0.5", "-m", entry]
     log_path = log_dir / "torchrun.log"
-    say(status_console(spec.run.quiet), f"starting {nproc or spec.world_size} ranks under torchrun (each imports "
+    per_rank = f"{threads.threads} thread{'s' * (threads.threads > 1)} each ({threads.reason}), " \
+        if on_cpu else ""
+    say(status_console(spec.run.quiet), f"starting {ranks} ranks under torchrun ({per_rank}each imports "
         f"torch, joins the others and builds its part; log: {log_path})…")
     start = time.monotonic()
     with open(log_path, "w") as log:

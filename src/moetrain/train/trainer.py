@@ -37,6 +37,7 @@ from moetrain.distributed.trace import Tracer
 from moetrain.distributed.world import join_world
 from moetrain.errors import UserError
 from moetrain.models.transformer import MoETransformer
+from moetrain.threads import ThreadChoice, choose_threads
 from moetrain.train.checkpoint import is_model_only, latest_checkpoint, read_marker, run_identity, should_save
 from moetrain.train.checks import check_run
 from moetrain.train.host_memory import keep_freed_host_memory
@@ -86,7 +87,12 @@ class Trainer:
         self.model_cfg = model_cfg or load_model_config(spec.model)
         check_run(spec, self.model_cfg)  # the same checks as before any rank started (cheap, torch-free)
         self.device = resolve_device(spec.run.device)
-        if spec.run.threads is not None:
+        self.threads: ThreadChoice | None = None
+        if self.device.type == "cpu" and dims is None:
+            # a lone process chooses here; the ranks of a launch get theirs from the launcher
+            self.threads = choose_threads(spec.run.threads, ranks=spec.world_size)
+            torch.set_num_threads(self.threads.threads)
+        elif spec.run.threads is not None:
             torch.set_num_threads(spec.run.threads)
         if self.device.type == "cpu":
             keep_freed_host_memory()  # activations live in host memory: reuse it step after step
@@ -356,7 +362,8 @@ class Trainer:
         else:
             data = f"synthetic counting sequences of {self.cfg.seq_len}"
         num_threads = torch.get_num_threads()
-        threads = f", {num_threads} thread{'s' * (num_threads > 1)}" if self.device.type == "cpu" else ""
+        why = f" ({self.threads.reason})" if self.threads is not None else ""
+        threads = f", {num_threads} thread{'s' * (num_threads > 1)}{why}" if self.device.type == "cpu" else ""
         p = self.spec.parallel
         degrees = [f"{axis}{getattr(p, axis)}" for axis in ("tp", "cp", "pp", "vpp", "dp", "ep", "etp")
                    if getattr(p, axis) > 1]
