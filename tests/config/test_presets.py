@@ -87,3 +87,16 @@ def test_a_gpu_is_priced_by_the_preset_its_name_says():
     assert cluster_for_device("cpu") == "cpu"
     assert cluster_for_device("Tesla T4") == "h100-sxm-80gb"  # a name not listed
     assert load_cluster_config(cluster_for_device("NVIDIA H200")).hbm_gb == 141
+
+
+def test_ranks_beyond_a_hosts_cores_share_them():
+    from moetrain.config import load_cluster_config
+
+    cpu = load_cluster_config("cpu")  # a 2-core host, nominally
+    four = cpu.for_ranks(4)
+    assert (four.peak_tflops_bf16, four.hbm_bandwidth_tbps, four.hbm_gb, four.core_share) == (0.05, 0.01, 6.0, 0.5)
+    two = cpu.for_ranks(2)  # a core each: only the memory is split
+    assert (two.peak_tflops_bf16, two.hbm_bandwidth_tbps, two.hbm_gb, two.core_share) == (0.1, 0.02, 12.0, 1.0)
+    assert cpu.for_ranks(1) == cpu and four.for_ranks(4) == four and four.unshared().peak_tflops_bf16 == 0.1
+    h100 = load_cluster_config("h100-sxm-80gb")  # devices with compute and memory of their own
+    assert h100.for_ranks(8) == h100

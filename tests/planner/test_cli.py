@@ -195,3 +195,19 @@ def test_a_reader_that_closes_the_pipe_stops_the_command_quietly(tmp_path: Path)
     stderr = proc.stderr.read().decode()
     assert proc.wait(timeout=300) == 141
     assert stderr == ""
+
+
+def test_ranks_sharing_a_hosts_cores_compute_no_faster_together(capsys):
+    """dp2 on a 2-core host gives each rank a core for half the batch; dp4 gives each rank half a core for
+    a quarter of it: the same compute per step, but for the fixed cost per GEMM of the calibration, which
+    the ranks' fewer micro-batches pay less often (priced as four devices of their own, dp4 would take
+    half of dp2's time)."""
+    import json
+
+    from moetrain.cli import main
+
+    compute = {}
+    for devices in (2, 4):
+        assert main(["simulate", *TINY, "--devices", str(devices), "--micro-batch", "4", "--json"]) == 0
+        compute[devices] = json.loads(capsys.readouterr().out)["compute_s"]
+    assert sum(compute[4].values()) == pytest.approx(sum(compute[2].values()), rel=0.05)

@@ -54,7 +54,9 @@ def build_workload(args: argparse.Namespace) -> tuple[Workload, Calibration]:
     model = load_model_config(args.model)
     limits.check_seq_len(args.seq_len, model.max_seq_len, model.name)
     limits.check_batch_tokens(args.global_batch, args.seq_len)
+    # ranks on one host share its cores and memory (the ``cpu`` cluster); other devices are their own
     cluster = load_cluster_config(args.cluster)
+    cluster = cluster.for_ranks(min(args.devices, cluster.devices_per_node))
     calibration = load_calibration(args.calibration)
     workload = Workload(model, cluster, args.seq_len, args.global_batch, args.dtype, args.imbalance,
                         grad_bytes=2.0 if args.dtype == "fp16" else 4.0)

@@ -43,6 +43,13 @@ class ClusterConfig(BaseModel):
     """Per-device, one-way network bandwidth between nodes (InfiniBand, RoCE)."""
     intra_node_latency_us: float = Field(default=3.0, ge=0)
     inter_node_latency_us: float = Field(default=10.0, ge=0)
+    host_cores: int | None = Field(default=None, gt=0)
+    """Where the devices are ranks computing on one host's cores (``cpu``): the cores of a node. Ranks beyond
+    them share the cores, and every rank shares the node's memory (``for_ranks``). None: each device has
+    compute and memory of its own."""
+    core_share: float = Field(default=1.0, gt=0, le=1)
+    """Of a core's time, the share each rank gets where ranks outnumber ``host_cores`` (set by
+    ``for_ranks``; the peaks above are already scaled by it)."""
     collective_links: dict[CollectiveKind, CollectiveLink] = Field(default_factory=dict)
     """Measured in-node links by collective kind; a kind given here is priced on its own link instead of
     ``intra_node_*`` (and the calibration's ``bus_intra``). Empty for the presets."""
@@ -62,6 +69,33 @@ class ClusterConfig(BaseModel):
         """The CPU computes: the host's time to issue the work (Python, dispatcher) is spent on the same
         cores as the work, so it adds to it instead of hiding behind it."""
         return self.device == "cpu"
+
+    def for_ranks(self, ranks_on_node: int) -> ClusterConfig:
+        """The devices as ``ranks_on_node`` ranks of one host see them: with ``host_cores``, the node's
+        memory split among them, and compute and memory bandwidth split too where they outnumber the
+        cores (each then has ``host_cores / ranks_on_node`` of a core's time). Unchanged without it."""
+        if self.host_cores is None or ranks_on_node <= 1 or self.core_share < 1.0:
+            return self  # a host cluster for one rank, or already split
+        share = min(1.0, self.host_cores / ranks_on_node)
+        return self.model_copy(update={
+            "peak_tflops_bf16": self.peak_tflops_bf16 * share,
+            "peak_tflops_fp8": None if self.peak_tflops_fp8 is None else self.peak_tflops_fp8 * share,
+            "hbm_bandwidth_tbps": self.hbm_bandwidth_tbps * share,
+            "hbm_gb": self.hbm_gb / ranks_on_node,
+            "core_share": share,
+        })
+
+    def unshared(self) -> ClusterConfig:
+        """The host as one rank with the cores to itself (the inverse of ``for_ranks``' compute split)."""
+        if self.core_share == 1.0:
+            return self
+        share = self.core_share
+        return self.model_copy(update={
+            "peak_tflops_bf16": self.peak_tflops_bf16 / share,
+            "peak_tflops_fp8": None if self.peak_tflops_fp8 is None else self.peak_tflops_fp8 / share,
+            "hbm_bandwidth_tbps": self.hbm_bandwidth_tbps / share,
+            "core_share": 1.0,
+        })
 
     def peak_flops(self, precision: str = "bf16") -> float:
         """Peak dense FLOP/s per device for ``precision`` (fp8 falls back to bf16 where absent)."""

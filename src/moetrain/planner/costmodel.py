@@ -177,13 +177,16 @@ def _pass_times(w: Workload, s: Strategies, eff: Efficiency, layer: LayerCosts |
 def _host_excess(w: Workload, eff: Efficiency, moe_layer: bool):
     """Seconds the measured host time of a layer pass (``host_layer_us``, at ``host_probe_tokens`` tokens on
     one device) has beyond the device work the model prices for that same pass: the per-operator cost that
-    the device terms do not hold (Python, dispatcher, autograd), which on a CPU adds to every pass."""
+    the device terms do not hold (Python, dispatcher, autograd), which on a CPU adds to every pass. Where
+    ranks share the host's cores (``ClusterConfig.core_share``), the probe ran with a core of its own: its
+    excess is priced on the unshared host and stretched by the share, as the ranks' host work takes turns
+    on the cores like their compute."""
     if eff.host_layer_us <= 0.0:
         return 0.0
-    probe = replace(w, seq_len=max(int(round(eff.host_probe_tokens)), 1), global_batch=1)
+    probe = replace(w, cluster=w.cluster.unshared(), seq_len=max(int(round(eff.host_probe_tokens)), 1), global_batch=1)
     one_device = Strategies.from_parallel([ParallelConfig(micro_batch=1)])  # the same for every candidate
     priced = layer_costs(probe, one_device, eff, moe_layer=moe_layer, num_micro=1).compute
-    return float(np.maximum(eff.host_layer_us * 1e-6 - priced[0], 0.0))
+    return float(np.maximum(eff.host_layer_us * 1e-6 - priced[0], 0.0)) / w.cluster.core_share
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,10 @@ Run from the repository root, with shared/validation/calibration.csv beside the 
 It was run at commit 3e5f929, before ``costmodel.evaluate`` became typed functions, and rerun once since:
 when the activation formula began to count the grouped GEMMs' int32 block offsets (4 bytes per local
 expert and MoE layer), which moved 25 ``memory_gib`` values by under 1e-6 GiB and no time or winner.
-Rerun it only when a prediction is meant to change, and say why in the commit.
+Since then: when the MoE combine stopped keeping an fp32 copy of the expert output (the smaller MoE
+activations moved three validate rows and the MoE searches' memory and winners), and when ranks
+beyond a CPU host's cores began to share them (the 4-rank tiny-pangu search). Rerun it only when a
+prediction is meant to change, and say why in the commit.
 """
 
 from __future__ import annotations
