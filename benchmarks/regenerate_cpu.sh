@@ -7,7 +7,8 @@
 #
 # From the repository root or anywhere; $PYTHON (default python) must import torch and the project's
 # dependencies; shared/validation/calibration.csv must lie beside the checkout (or inside it).
-# GPU results (*_cuda, *_gpu*, *_h100, gpu_*) come from benchmarks/gpu_suite.sh on a GPU machine.
+# GPU results (*_cuda, *_gpu*, *_h100, *_h200, gpu_*: named by the GPU) come from benchmarks/gpu_suite.sh
+# on a GPU machine.
 # Not rerun here: planner_screen_vs_timeline_3a11047.json, the same benchmark at an older commit
 # (the model before the paired-schedule fix), kept as the "before" its docs compare with.
 set -euo pipefail

@@ -30,6 +30,9 @@ class ThreadChoice:
     """Threads of each rank."""
     reason: str
     """Why, in a few words for the run's first line."""
+    from_environment: bool = False
+    """``OMP_NUM_THREADS`` set by the user: torch already runs that many (or what the program set since),
+    so a process leaves its thread count as it is."""
 
 
 def usable_cores() -> int:
@@ -75,7 +78,7 @@ def choose_threads(requested: int | None, ranks: int = 1, cores: int | None = No
         return ThreadChoice(requested, f"--threads {requested}")
     env = os.environ.get("OMP_NUM_THREADS", "")
     if env.isdigit() and int(env) > 0:
-        return ThreadChoice(int(env), f"OMP_NUM_THREADS={env}")
+        return ThreadChoice(int(env), f"OMP_NUM_THREADS={env}", from_environment=True)
     cores = cores if cores is not None else usable_cores()
     busy = busy if busy is not None else busy_cores()
     free = max(1, int(cores - busy + 0.5))

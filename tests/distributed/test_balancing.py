@@ -321,7 +321,7 @@ def test_physical_slots_split_tokens_by_replica_share() -> None:
     (["--nproc", "4", "--ep", "4", "--online-balance", "--slots-per-rank", "3"],
      "--slots-per-rank 3 cannot hold 16 experts on 4 ranks; give at least 4 (default 5: one spare slot for replicas)"),
     (["--nproc", "4", "--ep", "4", "--online-balance", "--balance-interval", "0"],
-     "--balance-interval: Input should be greater than 0"),
+     "--balance-interval: Input should be greater than 0, got 0"),
     (["--nproc", "4", "--ep", "4", "--slots-per-rank", "5"],
      "run spec: balance: interval, horizon and slots_per_rank tune online balancing; enable it or drop them"),
     (["--nproc", "4", "--ep", "4", "--online-balance", "--zero", "2"],

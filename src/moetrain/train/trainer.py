@@ -91,7 +91,8 @@ class Trainer:
         if self.device.type == "cpu" and dims is None:
             # a lone process chooses here; the ranks of a launch get theirs from the launcher
             self.threads = choose_threads(spec.run.threads, ranks=spec.world_size)
-            torch.set_num_threads(self.threads.threads)
+            if not self.threads.from_environment:
+                torch.set_num_threads(self.threads.threads)
         elif spec.run.threads is not None:
             torch.set_num_threads(spec.run.threads)
         if self.device.type == "cpu":
