@@ -4,9 +4,9 @@ import pytest
 import torch
 from rl_models import small_model
 
-from moetrain.rl.batch import Batching, TrainingSequences, input_lengths, length_chunks, step_batch
+from moetrain.rl.batch import Batching, TrainingSequences, input_lengths, length_chunks, step_batch, trained_rows
 from moetrain.rl.config import GRPOConfig
-from moetrain.rl.grpo import StepStats
+from moetrain.rl.grpo import StepStats, grpo_token_loss
 from moetrain.rl.loop import policy_logprobs
 
 IGNORE = -100
@@ -74,3 +74,54 @@ def test_a_cut_micro_batch_scores_its_tokens_as_the_padded_rows_do():
         assert micro.num_label_tokens == int((sequences.labels_BS[rows] != IGNORE).sum())
         # the objective's tokens are the rows' labels, in the cut micro-batch's row-major order
         torch.testing.assert_close(micro.objective.labels_T, micro.labels[micro.labels != IGNORE])
+
+
+def test_filtered_steps_train_the_groups_whose_rewards_differ():
+    # groups of 4: mixed, all wrong, all right, mixed
+    rewards = torch.tensor([1., 0, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 1, 0, 0])
+    assert trained_rows(rewards, 4, micro_batch=16).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert trained_rows(torch.zeros(8), 4, micro_batch=8) is None  # no group differs: keep the step whole
+    assert trained_rows(torch.tensor([1., 0, 0, 1]), 2, micro_batch=4) is None  # every group differs
+
+
+def test_filtered_rows_still_deal_evenly_to_the_ranks():
+    rewards = torch.tensor([1., 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0])  # one mixed group of 4
+    # 2 ranks, micro-batches of 4: the first uniform group is added back, so 2 micro-batches deal
+    assert trained_rows(rewards, 4, micro_batch=4, dp_size=2, micro_batch_multiple=2).tolist() == list(range(8))
+    # ... to 2 ranks × 2 interleaved stages, 4 micro-batches: the first two uniform groups are added back
+    assert trained_rows(rewards, 4, micro_batch=4, dp_size=2, micro_batch_multiple=4).tolist() == list(range(16))
+    # 3 rows do not split over 2 ranks: groups of 3 come back until the rows do
+    rewards_of_3 = torch.tensor([1., 0, 0, 0, 0, 0, 1, 1, 1, 0, 0, 0])
+    assert trained_rows(rewards_of_3, 3, micro_batch=3, dp_size=2, micro_batch_multiple=2).tolist() == list(range(6))
+
+
+def test_a_filtered_step_has_the_same_policy_gradient_up_to_the_token_normaliser():
+    """Uniform groups have zero advantage: dropping them changes only the loss's normaliser (DAPO's
+    token-level mean over the trained tokens)."""
+    seq_len = 12
+    sequences = _sequences([6, 12, 4, 9], [(3, 6), (5, 12), (1, 4), (4, 9)], seq_len)
+    advantages = sequences.advantages_BS.clone()
+    advantages[2:] = 0.0  # the second group of 2 is uniform
+    sequences = TrainingSequences(sequences.input_ids_BS, sequences.labels_BS, sequences.rollout_logp_BS,
+                                  advantages, None)
+    rows = trained_rows(torch.tensor([1., 0, 1, 1]), 2, micro_batch=4)
+    assert rows.tolist() == [0, 1]
+    model = small_model(vocab_size=64)
+    cfg = GRPOConfig(group_size=2)
+
+    def policy_gradient(seqs: TrainingSequences) -> tuple[torch.Tensor, int]:
+        """The gradient of the step's summed GRPO loss, through the objective each micro-batch carries."""
+        batch = step_batch(seqs, cfg, Batching(micro_batch=4), StepStats.zeros("cpu"), replay=False)
+        model.zero_grad()
+        for micro in batch.micro_batches:
+            objective = micro.objective
+            logp_T = policy_logprobs(model, micro.input_ids, micro.labels, 1.0)[micro.labels != IGNORE]
+            ones_T = torch.ones_like(logp_T, dtype=torch.bool)
+            terms = grpo_token_loss(logp_T, objective.rollout_logp_T, objective.advantages_T, ones_T, cfg)
+            terms.loss_BS.sum().backward()
+        return model.embed.weight.grad.clone(), batch.global_label_tokens
+
+    whole, whole_tokens = policy_gradient(sequences)
+    kept, kept_tokens = policy_gradient(sequences.select(rows))
+    assert (whole_tokens, kept_tokens) == (3 + 7 + 3 + 5, 3 + 7)
+    torch.testing.assert_close(kept, whole, rtol=1e-4, atol=1e-7)  # both are sums; the runtime divides after

@@ -20,6 +20,8 @@ TINY = ["--sft-steps", "2", "--sft-batch", "8", "--steps", "2", "--prompts", "2"
     (["rl", "--nproc", "4", "--tp", "2", "--prompts", "3", "--group-size", "2"], ("6 samples", "4 generation")),
     (["rl", "--resume"], ("--resume need --save-dir",)),
     (["rl", "--sft-steps", "-1"], ("--sft-steps -1",)),
+    (["rl", "--sft-target", "1.5"], ("--sft-target: Input should be less than or equal to 1",)),
+    (["rl", "--sft-check-every", "0"], ("--sft-check-every: Input should be greater than 0",)),
     (["rl", "--model", "no-such-model"], ("no-such-model",)),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, expected):

@@ -15,13 +15,15 @@ from typing import Any
 
 from moetrain.config import limits
 from moetrain.errors import UserError
+from moetrain.rl.config import WarmupCriterion
 
 HELP = ("post-train with RL: SFT warm-up on a verifiable task, then GRPO with router replay; one process, "
         "or --nproc N ranks (RL Fusion) and --staleness K (StaleSync)")
 
 DEFAULT_MODEL = "tiny-pangu"
-DEFAULT_SFT_STEPS = 350
-DEFAULT_STEPS = 150
+DEFAULT_SFT_STEPS = 600
+"""The warm-up's step cap (and the horizon of its learning-rate schedule); the criterion stops it sooner."""
+DEFAULT_STEPS = 200
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,7 +35,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="start from these weights: a moetrain checkpoint (save dir or step folder; its model is "
                              "the model.yaml beside it or --model) or a Hugging Face model folder")
     s = parser.add_argument_group("SFT warm-up (on reference answers of the training split)")
-    s.add_argument("--sft-steps", type=int, default=DEFAULT_SFT_STEPS, help="0 skips it")
+    s.add_argument("--sft-steps", type=int, default=DEFAULT_SFT_STEPS,
+                   help="most SFT steps: the warm-up stops sooner when it reaches --sft-target; 0 skips it")
+    s.add_argument("--sft-target", type=float, default=WarmupCriterion().target,
+                   help="greedy validation accuracy at which the warm-up stops (0: every --sft-steps step)")
+    s.add_argument("--sft-check-every", type=int, default=WarmupCriterion().check_every,
+                   help="SFT steps between validation checks")
     s.add_argument("--sft-batch", type=int, default=64, help="examples per SFT step")
     s.add_argument("--sft-lr", type=float, default=3e-3, help="peak SFT learning rate")
     g = parser.add_argument_group("GRPO")
@@ -41,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prompts", type=int, default=32, help="prompts per step")
     g.add_argument("--group-size", type=int, default=8, help="samples per prompt, G")
     g.add_argument("--micro-batch", type=int, help="samples per forward/backward (default: all of a step's)")
-    g.add_argument("--lr", type=float, default=1e-4, help="peak GRPO learning rate")
+    g.add_argument("--lr", type=float, default=3e-4, help="peak GRPO learning rate")
     g.add_argument("--warmup", type=int, default=5, help="GRPO warm-up steps")
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     g.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
@@ -51,8 +58,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--clip-high", type=float, default=0.28, help="ε_high of the ratio clip")
     g.add_argument("--is-cap", type=float, default=2.0, help="truncation of the importance weights")
     g.add_argument("--kl-coef", type=float, default=0.0, help="KL to the warm-up model (0: no reference)")
+    g.add_argument("--filter-groups", action=argparse.BooleanOptionalAction, default=True,
+                   help="train only on groups whose rewards differ: the others have zero advantage (DAPO's "
+                        "dynamic-sampling filter, without over-sampling) (default: on)")
     g.add_argument("--no-replay", action="store_true", help="train with the routers' own experts")
-    g.add_argument("--replay-stats-every", type=int, default=1,
+    g.add_argument("--replay-stats-every", type=int, default=10,
                    help="steps between forwards without replay that measure routing mismatch (0: never)")
     g.add_argument("--group-by-length", action=argparse.BooleanOptionalAction, default=True,
                    help="micro-batches of samples of like length, each cut to its longest (default: on)")
@@ -155,6 +165,17 @@ FIELD_FLAGS = {
 """RL option → the flag that sets it, so a refusal names what the user typed."""
 
 
+def warmup_criterion(args: argparse.Namespace) -> WarmupCriterion:
+    """When the SFT warm-up stops (``--sft-target``, ``--sft-check-every``; ``--sft-steps`` is the cap)."""
+    from pydantic import ValidationError
+
+    try:
+        return WarmupCriterion(target=args.sft_target, check_every=args.sft_check_every)
+    except ValidationError as exc:
+        flags = {"target": "--sft-target", "check_every": "--sft-check-every"}
+        raise UserError("; ".join(f"{flags[str(item['loc'][0])]}: {item['msg']}" for item in exc.errors())) from None
+
+
 def _options(args: argparse.Namespace):
     from pydantic import ValidationError
 
@@ -165,6 +186,7 @@ def _options(args: argparse.Namespace):
     try:
         return RLOptions(task=args.task, prompts_per_step=args.prompts, grpo=grpo, top_k=args.top_k,
                          top_p=args.top_p, max_new_tokens=args.max_new_tokens, replay=not args.no_replay,
+                         filter_groups=args.filter_groups,
                          replay_stats_every=args.replay_stats_every, group_by_length=args.group_by_length,
                          eval_every=args.eval_every, eval_size=args.eval_size)
     except ValidationError as exc:
@@ -296,19 +318,23 @@ def _starting_model(args: argparse.Namespace, model_cfg, seed: int):
     return model
 
 
-def _warm_up(spec, task, model_cfg, console, model):
+def _warm_up(spec, task, model_cfg, console, model, criterion, eval_size: int):
     """The warm-up's weights: trained now, or read back from the finished warm-up in its save dir."""
     from moetrain.rl.loop import SFTTrainer
+    from moetrain.status import say
     from moetrain.train.checkpoint import latest_checkpoint
 
     if spec.run.save_dir and latest_checkpoint(Path(spec.run.save_dir)) is not None:
         spec = spec.model_copy(update={"run": spec.run.model_copy(update={"resume": True})})
-    trainer = SFTTrainer(spec, task, model_cfg=model_cfg, model=model, console=console)
+    trainer = SFTTrainer(spec, task, model_cfg=model_cfg, model=model, console=console, criterion=criterion,
+                         eval_size=eval_size)
     console.print(trainer.describe())
     rows = trainer.train()
     if rows:
         console.print(f"SFT: loss {rows[0]['loss']:.3f} → {rows[-1]['loss']:.3f} in "
                       f"{sum(r['step_time_s'] for r in rows) / 60:.1f} min")
+    if trainer.decision is not None:
+        say(console, trainer.decision.describe())  # one line, never wrapped: what the criterion decided
     return {name: value.detach().clone() for name, value in trainer.run.stage.model.state_dict().items()}
 
 
@@ -322,6 +348,7 @@ def run(args: argparse.Namespace) -> int:
 
     stale = stalesync_options(args)
     fusion_options(args)  # the flag checks that need no torch, before the line below
+    warmup_criterion(args)
     # importing torch, the checks that need it and building the policy take seconds (a minute when busy)
     say(status_console(bool(args.quiet)), "setting up: torch, the run's checks, the policy model…")
     from moetrain.models.transformer import build_model
@@ -343,7 +370,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         model = build_model(model_cfg, "cpu", seed=rl_spec.training.seed)
         model.load_state_dict(_warm_up(sft_spec, get_task(options.task), model_cfg, console,
-                                       _starting_model(args, model_cfg, rl_spec.training.seed)))
+                                       _starting_model(args, model_cfg, rl_spec.training.seed),
+                                       warmup_criterion(args), options.eval_size))
     reference = None
     if options.grpo.kl_coef:
         reference = build_model(model_cfg, "cpu")
@@ -375,6 +403,7 @@ def _launch(args: argparse.Namespace, sft_spec, rl_spec, options, model_cfg, sta
     log_dir.mkdir(parents=True, exist_ok=True)
     plot = _plot_path(args)
     run = {"sft": sft_spec.to_json() if sft_spec is not None else None, "rl": rl_spec.to_json(),
+           "warmup": warmup_criterion(args).model_dump_json(),
            "options": options.model_dump_json(), "model": model_cfg.model_dump_json(),
            "fusion": fusion_options(args).model_dump_json(), "plot": str(plot.resolve()) if plot else None,
            "stale": stale.model_dump_json() if stale is not None else None,
@@ -404,7 +433,8 @@ def _launch_stalesync(args: argparse.Namespace, specs, stale) -> int:
     if sft_spec is not None:
         initial = log_dir / "initial_policy.pt"
         torch.save(_warm_up(sft_spec, get_task(options.task), model_cfg, Console(quiet=bool(args.quiet)),
-                            _starting_model(args, model_cfg, rl_spec.training.seed)), initial)
+                            _starting_model(args, model_cfg, rl_spec.training.seed), warmup_criterion(args),
+                            options.eval_size), initial)
     elif args.from_path:
         initial = log_dir / "initial_policy.pt"
         torch.save(_starting_model(args, model_cfg, rl_spec.training.seed).state_dict(), initial)

@@ -55,6 +55,12 @@ class TrainingSequences:
     advantages_BS: torch.Tensor
     expert_ids_BSMK: torch.Tensor | None
 
+    def select(self, rows: torch.Tensor) -> TrainingSequences:
+        """These rows only (``trained_rows``)."""
+        take = lambda t: None if t is None else t.index_select(0, rows)
+        return TrainingSequences(take(self.input_ids_BS), take(self.labels_BS), take(self.rollout_logp_BS),
+                                 take(self.advantages_BS), take(self.expert_ids_BSMK))
+
 
 def training_sequences(rollouts: Rollouts, seq_len: int, pad_id: int) -> TrainingSequences:
     generation = rollouts.generation
@@ -80,6 +86,32 @@ def training_sequences(rollouts: Rollouts, seq_len: int, pad_id: int) -> Trainin
             pad = record.new_full((batch, seq_len - record.shape[1], *record.shape[2:]), -1)
             record = torch.cat([record, pad], dim=1)
     return TrainingSequences(input_BS, labels_BS, logp_BS, advantages_BS, record)
+
+
+def trained_rows(rewards_B: torch.Tensor, group_size: int, micro_batch: int, dp_size: int = 1,
+                 micro_batch_multiple: int = 1) -> torch.Tensor | None:
+    """The rows a step trains on when groups whose rewards are all equal are filtered out (None: every row).
+
+    Such a group's advantages are all 0: its samples add nothing to the policy gradient, only tokens to the
+    loss normaliser and compute to the step. DAPO (Yu et al. 2025, §3.2, "dynamic sampling") drops them
+    and samples more prompts until the batch is full; here they are only dropped, so the step trains on
+    fewer rows and the token-level mean is over the informative ones. Every row is kept when no group or
+    every group differs. Across ranks, uniform groups are added back (in order) until the rows deal
+    evenly: a multiple of ``dp_size`` rows in a number of micro-batches that ``micro_batch_multiple``
+    divides (the data-parallel ranks, and interleaved pipeline stages, step through them together)."""
+    groups_PG = rewards_B.view(-1, group_size)
+    keep_P = groups_PG.amax(dim=1) > groups_PG.amin(dim=1)
+    if bool(keep_P.all()) or not bool(keep_P.any()):
+        return None
+    uniform = (~keep_P).nonzero().flatten().tolist()
+
+    def deals(num_groups: int) -> bool:
+        rows = num_groups * group_size
+        return rows % dp_size == 0 and -(-rows // micro_batch) % micro_batch_multiple == 0
+
+    while not deals(int(keep_P.sum())):
+        keep_P[uniform.pop(0)] = True  # the whole batch deals (the run's checks), so this ends
+    return keep_P.repeat_interleave(group_size).nonzero().flatten()
 
 
 @dataclass(frozen=True)

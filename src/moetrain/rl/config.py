@@ -41,6 +41,9 @@ class RLOptions(BaseModel):
     """Generated tokens per sample at most (default: the task's longest answer + 2)."""
     replay: bool = True
     """Train with the experts generation chose (router replay)."""
+    filter_groups: bool = False
+    """Train only on the groups whose rewards differ (``batch.trained_rows``; DAPO's dynamic-sampling
+    filter without the over-sampling): the others have zero advantage and no policy gradient."""
     replay_stats_every: int = Field(default=1, ge=0)
     """Every this many steps, one extra forward without replay measures the routing mismatch (0: never)."""
     group_by_length: bool = True
@@ -59,6 +62,25 @@ class RLOptions(BaseModel):
         if name not in TASKS and not name.startswith("rg:"):  # rg: tasks are checked when loaded
             raise ValueError(f"unknown task {name!r}; choose one of {', '.join(TASKS)} or rg:<reasoning-gym dataset>")
         return name
+
+
+class WarmupCriterion(BaseModel):
+    """When the SFT warm-up stops (``moetrain.rl.warmup``): at the first check whose validation accuracy
+    reaches ``target``, else at the step cap. Part of what the warm-up learns (a saved warm-up is reused
+    only under the same criterion)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    target: float = Field(default=0.3, ge=0, le=1)
+    """Greedy validation accuracy at which the warm-up stops (0: no checks, every step of the cap)."""
+    check_every: int = Field(default=10, gt=0)
+    """SFT steps between checks."""
+    val_size: int = Field(default=256, gt=0)
+    """Validation problems: held out from training, none of them in the evaluation set."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.target > 0
 
 
 class FusionOptions(BaseModel):

@@ -20,8 +20,10 @@ StaleSync issue trains on older samples and bounds that number).
 
 from __future__ import annotations
 
-import dataclasses
+import json
 import time
+from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,9 +44,10 @@ from moetrain.rl.batch import (
     Rollouts,
     TrainingSequences,
     step_batch,
+    trained_rows,
     training_sequences,
 )
-from moetrain.rl.config import FusionOptions, GRPOConfig, RLOptions
+from moetrain.rl.config import FusionOptions, GRPOConfig, RLOptions, WarmupCriterion
 from moetrain.rl.fusion import Fusion, sample_generators
 from moetrain.rl.generate import Generation, RolloutEngine, SamplingParams
 from moetrain.rl.grpo import STAT_FIELDS, StepStats, group_advantages, label_positions, token_logprobs
@@ -52,10 +55,13 @@ from moetrain.rl.replay import RoutingRecorder, decoder_layers, routing_mismatch
 from moetrain.rl.sft import TaskSFTDataset, prompt_ids
 from moetrain.rl.tasks import Problem, Task, get_task, heldout_problems, problem_at
 from moetrain.rl.tokenizer import CharTokenizer
+from moetrain.rl.warmup import WarmupCheck, WarmupDecision, decide, warmup_validation
 from moetrain.train.checkpoint import run_identity
 from moetrain.train.trainer import Trainer
 
 EVAL_BATCH = 256
+WARMUP_DECISION_FILE = "warmup.json"
+"""Beside the warm-up's checkpoints: where its criterion stopped it (``warmup.WarmupDecision``)."""
 
 
 def policy_config(model_cfg: ModelConfig) -> ModelConfig:
@@ -99,23 +105,83 @@ def _fusion_options(spec: RunSpec, fusion: FusionOptions | None) -> FusionOption
 
 
 class SFTTrainer(Trainer):
-    """The warm-up: the runtime's loop on ``TaskSFTDataset`` batches (answer tokens only)."""
+    """The warm-up: the runtime's loop on ``TaskSFTDataset`` batches (answer tokens only), stopped by a
+    measured criterion (``moetrain.rl.warmup``) when one is given, else after every step."""
 
     def __init__(self, spec: RunSpec, task: Task, *, model_cfg: ModelConfig, model: MoETransformer | None = None,
-                 console: Console | None = None) -> None:
-        """``model``: the starting weights (``moetrain rl --from``); a fresh model of the run's seed by default."""
+                 console: Console | None = None, criterion: WarmupCriterion | None = None,
+                 eval_size: int = RLOptions().eval_size) -> None:
+        """``model``: the starting weights (``moetrain rl --from``); a fresh model of the run's seed by default.
+        ``criterion``: when to stop before ``spec.training.steps`` (the cap); ``eval_size``: the GRPO run's
+        evaluation set, which the validation problems avoid."""
         self.task, self.tokenizer = task, CharTokenizer()
+        self.criterion = criterion if criterion is not None and criterion.enabled else None
+        self.decision: WarmupDecision | None = None
         super().__init__(spec, model_cfg=model_cfg, model=model, console=console)
         self.dataset = TaskSFTDataset(task, self.tokenizer, self.cfg.seq_len, self.cfg.seed)
+        self.validation = (warmup_validation(task, self.cfg.seed, self.criterion, eval_size)
+                           if self.criterion is not None else [])
 
     def prepare_data(self) -> None:
         return None
 
     def identity(self) -> dict[str, Any]:
-        return run_identity(self.model_cfg, self.cfg, f"sft:{self.task.name}")
+        criterion = f":{self.criterion.model_dump_json()}" if self.criterion is not None else ""
+        return run_identity(self.model_cfg, self.cfg, f"sft:{self.task.name}{criterion}")
+
+    def finished(self) -> bool:
+        return self.decision is not None
+
+    def after_step(self) -> dict[str, Any]:
+        extra = super().after_step()
+        criterion = self.criterion
+        if criterion is not None and (self.step % criterion.check_every == 0 or self.step == self.cfg.steps):
+            start = time.perf_counter()
+            check = WarmupCheck(self.step, self.validation_accuracy())
+            self.decision = decide(check, criterion, self.cfg.steps)
+            extra.update(validation_accuracy=check.accuracy, check_time_s=time.perf_counter() - start)
+        return extra
+
+    @torch.no_grad()
+    def validation_accuracy(self) -> float:
+        """Greedy accuracy on the validation problems. Across ranks every rank holds the whole model (one
+        weight sync) and scores its share; the counts are summed, so every rank takes the same decision."""
+        world = self.spec.world_size
+        if world == 1:
+            model, share = self.run.stage.model, self.validation
+        else:
+            from moetrain.rl.fusion import whole_model
+
+            model, rank = whole_model(self.run, self.model_cfg), self.dims.rank
+            share = self.validation[rank::world]
+        engine = RolloutEngine(model, self.tokenizer.pad_id, self.tokenizer.decode, self.run.autocast_dtype)
+        correct = greedy_correct(engine, self.task, self.tokenizer, share, self.task.max_answer_chars + 2)
+        if world > 1:
+            total = torch.tensor([correct], dtype=torch.float64, device=self.device)
+            dist.all_reduce(total, group=self.dims.get_group("world"))
+            correct = float(total)
+        return correct / len(self.validation)
+
+    def save(self) -> Path | None:
+        """The checkpoint, and beside it the criterion's decision: a later run reuses the warm-up as finished."""
+        path = super().save()
+        if path is not None and self.decision is not None and self.is_reporter:
+            (Path(self.spec.run.save_dir) / WARMUP_DECISION_FILE).write_text(json.dumps(asdict(self.decision)))
+        return path
+
+    def load(self) -> bool:
+        loaded = super().load()
+        record = Path(self.spec.run.save_dir) / WARMUP_DECISION_FILE
+        if loaded and self.criterion is not None and record.is_file():
+            decision = WarmupDecision(**json.loads(record.read_text()))
+            self.decision = decision if decision.step == self.step else None
+        return loaded
 
     def describe(self) -> str:
-        return (f"SFT warm-up on {self.task.name}: {self.cfg.steps} steps × {self.cfg.global_batch} examples, "
+        stop = "" if self.criterion is None else (
+            f" at most, stopping when validation accuracy reaches {self.criterion.target:.0%} (checked every "
+            f"{self.criterion.check_every} steps on {len(self.validation)} held-out problems)")
+        return (f"SFT warm-up on {self.task.name}: {self.cfg.steps} steps × {self.cfg.global_batch} examples{stop}, "
                 f"model {self.model_cfg.name}, {self.device.type}")
 
 
@@ -211,9 +277,24 @@ class RLTrainer(Trainer):
         if every and self.step % every == 0 and sequences.expert_ids_BSMK is not None:
             self._pending.update(self.replay_diagnostics(sequences))
         old_logp_BS = self.proximal_logprobs(sequences)
+        rows = self.trained_rows(rollouts)
+        if rows is not None:
+            take = lambda t_BS: None if t_BS is None else t_BS.index_select(0, rows)
+            sequences, ref_logp_BS, old_logp_BS = sequences.select(rows), take(ref_logp_BS), take(old_logp_BS)
+            self.last_sequences = sequences
+        self._pending["trained_frac"] = 1.0 if rows is None else len(rows) / len(rollouts.problems)
         self.last_stats = StepStats.zeros(self.device, self.keep_logprobs)
         return step_batch(sequences, self.options.grpo, self.batching, self.last_stats, self.options.replay,
                           ref_logp_BS, old_logp_BS)
+
+    def trained_rows(self, rollouts: Rollouts) -> torch.Tensor | None:
+        """The step's rows to train on: those of groups whose rewards differ, with ``filter_groups``
+        (``batch.trained_rows``); None: every row."""
+        if not self.options.filter_groups:
+            return None
+        parallel = self.spec.parallel
+        return trained_rows(rollouts.rewards_B, self.options.grpo.group_size, self.cfg.micro_batch, parallel.dp,
+                            parallel.dp * (parallel.pp if parallel.vpp > 1 else 1))
 
     @property
     def batching(self) -> Batching:
@@ -289,19 +370,13 @@ class RLTrainer(Trainer):
         """Greedy accuracy on held-out problems (the fixed evaluation set by default); under RL Fusion each
         generation replica scores its share, on weights synced to the current version."""
         problems = problems if problems is not None else self.eval_problems
-        greedy = dataclasses.replace(self.sampling, temperature=0.0, top_k=0, top_p=1.0)
         mine = problems
         if self.fusion is not None:
             self.fusion.ensure_synced(self.weight_version)
             per = -(-len(problems) // self.fusion.replicas)
             mine = problems[self.fusion.replica * per:(self.fusion.replica + 1) * per]
-        correct = 0.0
-        for start in range(0, len(mine), EVAL_BATCH):
-            chunk = mine[start:start + EVAL_BATCH]
-            generation = self.engine.generate([prompt_ids(self.tokenizer, p) for p in chunk], greedy,
-                                              weight_version=self.weight_version)
-            for row, problem in enumerate(chunk):
-                correct += self.task.score(problem, self.tokenizer.decode(generation.completion(row)))
+        correct = greedy_correct(self.engine, self.task, self.tokenizer, mine, self.max_new_tokens,
+                                 self.weight_version)
         if self.fusion is not None:
             self.engine.free_cache()
             # on the device the group communicates on (NCCL takes device tensors only)
@@ -343,6 +418,20 @@ def sequence_logprobs(model: MoETransformer, sequences: TrainingSequences, optio
                                options.grpo.temperature, None if record is None else record.to(device))
         logp_BS[chunk.rows, : chunk.length] = logp.cpu()
     return logp_BS
+
+
+@torch.no_grad()
+def greedy_correct(engine: RolloutEngine, task: Task, tokenizer: CharTokenizer, problems: list[Problem],
+                   max_new_tokens: int, weight_version: int = 0) -> float:
+    """How many of ``problems`` the engine's model answers right, greedily (``EVAL_BATCH`` at a time)."""
+    greedy = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=(tokenizer.eos_id,))
+    correct = 0.0
+    for start in range(0, len(problems), EVAL_BATCH):
+        chunk = problems[start:start + EVAL_BATCH]
+        generation = engine.generate([prompt_ids(tokenizer, p) for p in chunk], greedy, weight_version=weight_version)
+        for row, problem in enumerate(chunk):
+            correct += task.score(problem, tokenizer.decode(generation.completion(row)))
+    return correct
 
 
 def forward_chunks(sequences: TrainingSequences, micro_batch: int, group_by_length: bool) -> list[Chunk]:

@@ -27,7 +27,7 @@ def run_rank(run: dict) -> None:
     from moetrain.config.run import RunSpec
     from moetrain.distributed.world import init_world
     from moetrain.rl.colocated import rl_trainer
-    from moetrain.rl.config import FusionOptions, RLOptions, StaleSyncOptions
+    from moetrain.rl.config import FusionOptions, RLOptions, StaleSyncOptions, WarmupCriterion
     from moetrain.rl.fusion import whole_model
     from moetrain.rl.loop import SFTTrainer
     from moetrain.rl.plot import plot_reward_curve
@@ -55,9 +55,13 @@ def run_rank(run: dict) -> None:
         if sft_spec.run.save_dir and latest_checkpoint(Path(sft_spec.run.save_dir)) is not None:
             # a finished warm-up in the save dir is read back, not trained again (as in one process)
             sft_spec = sft_spec.model_copy(update={"run": sft_spec.run.model_copy(update={"resume": True})})
-        sft = SFTTrainer(sft_spec, get_task(options.task), model_cfg=model_cfg, model=model)
+        criterion = WarmupCriterion.model_validate_json(run["warmup"]) if run.get("warmup") else None
+        sft = SFTTrainer(sft_spec, get_task(options.task), model_cfg=model_cfg, model=model, criterion=criterion,
+                         eval_size=options.eval_size)
         sft.console.print(sft.describe())
         sft.train()
+        if sft.decision is not None:
+            say(sft.console, sft.decision.describe())
         model = whole_model(sft.run, model_cfg)
     reference = None
     if options.grpo.kl_coef:

@@ -319,8 +319,8 @@ class Trainer:
         return self.metrics.rows
 
     def _steps(self, last_step: int, progress: TrainingProgress) -> None:
-        """Step until ``last_step``: batch → the step → metrics row → checkpoint."""
-        while self.step < last_step:
+        """Step until ``last_step`` or until ``finished()``: batch → the step → metrics row → checkpoint."""
+        while self.step < last_step and not self.finished():
             self.fault(self.step, "step")
             start = time.perf_counter()
             batch = self.next_batch()
@@ -335,8 +335,13 @@ class Trainer:
                          after_step_time_s=time.perf_counter() - step_done)
             row = self.log(result, batch.global_tokens, time.perf_counter() - start, extra)
             progress.update(self.step, row)
-            if should_save(self.step, last_step, self.spec.run.save_every):
+            if should_save(self.step, last_step, self.spec.run.save_every) or self.finished():
                 self.save()
+
+    def finished(self) -> bool:
+        """Whether the run is done before its last step (a measured stopping criterion; checked before
+        each step and after it, where a True also saves the checkpoint). Never, by default."""
+        return False
 
     def after_step(self) -> dict[str, Any]:
         """The balancer's decision after the step (its metrics join the row)."""
