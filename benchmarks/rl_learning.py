@@ -7,10 +7,11 @@ held-out accuracy at GRPO step 0 and at the end (greedy, on problems the policy 
 gain in points, the training reward of the first and last fifth of the steps, wall-clock minutes, and
 the machine's 1-minute load average (at the start, the end, and the mean of samples every 10 s): the
 machine may be shared, and a busy one makes minutes longer, not accuracies different. The figure holds
-every run's held-out curve.
+every run's held-out curve. Then the quick try of docs/quickstart.md (``moetrain rl --task sort --steps 40
+--eval-every 10``, on the threads it chooses) once per seed: reward of the first and last fifth, minutes.
 
     python benchmarks/rl_learning.py --out benchmarks/results/rl_learning_cpu.json
-    python benchmarks/rl_learning.py --out /tmp/x.json --threads 1 --seeds 1234 -- --steps 60   # flags after --
+    python benchmarks/rl_learning.py --out /tmp/x.json --threads 1 --seeds 1234 --quick-try-seeds -- --steps 60
     python benchmarks/rl_learning.py --out /tmp/x.json --threads 1 --seeds 1234 --variant default= \
         --variant "lr 1e-4=--lr 1e-4"                 # one run per variant: a label and its flags
 """
@@ -33,6 +34,10 @@ from _record import ROOT, write_result
 
 GAIN_POINTS = 10.0
 """What the demo promises (issue 45): at least this many points of held-out accuracy from GRPO."""
+DEMO = ["--task", "addition"]
+QUICK_TRY = ["--task", "sort", "--steps", "40", "--eval-every", "10"]
+"""docs/quickstart.md's quick try: under 2 minutes, the reward rising (sort's warm-up is some 30 steps)."""
+QUICK_TRY_MINUTES = 2.0
 
 
 class LoadSampler:
@@ -61,11 +66,12 @@ class LoadSampler:
                 "max": max(self.samples)}
 
 
-def one_run(threads: int, seed: int, flags: list[str], work: Path) -> dict:
-    """One ``moetrain rl --task addition`` run in a process of its own, and what it measured."""
+def one_run(threads: int | None, seed: int, flags: list[str], work: Path) -> dict:
+    """One ``moetrain rl`` run in a process of its own, and what it measured (threads None: the count the
+    run chooses for the machine)."""
     metrics, save = work / "rl.jsonl", work / "ckpt"
-    argv = ["rl", "--task", "addition", "--threads", str(threads), "--seed", str(seed),
-            "--metrics-out", str(metrics), "--save-dir", str(save), "--plot", str(work / "rl.png"), *flags]
+    argv = ["rl", *flags[:2], *(["--threads", str(threads)] if threads else []), "--seed", str(seed),
+            "--metrics-out", str(metrics), "--save-dir", str(save), "--plot", str(work / "rl.png"), *flags[2:]]
     with LoadSampler() as load:
         start = time.perf_counter()
         done = subprocess.run([sys.executable, "-m", "moetrain", *argv], cwd=ROOT, capture_output=True, text=True)
@@ -125,6 +131,22 @@ def summary(runs: list[dict]) -> dict:
             "load_average_mean_median": statistics.median(r["load_average_1min"]["mean"] for r in runs)}
 
 
+def quick_try(seeds: list[int]) -> dict:
+    """The documented quick try, once per seed, on the threads each run chooses."""
+    runs = []
+    for seed in seeds:
+        with tempfile.TemporaryDirectory() as tmp:
+            run = one_run(None, seed, QUICK_TRY, Path(tmp))
+        runs.append({k: v for k, v in run.items() if k != "warmup" or v})
+        print(f"quick try seed {seed}: reward {run['reward_first_fifth']:.3f} → {run['reward_last_fifth']:.3f} "
+              f"(first → last fifth), held-out {run['heldout_start']:.1%} → {run['heldout_end']:.1%} "
+              f"in {run['minutes']:.1f} min", flush=True)
+    return {"flags": QUICK_TRY, "runs": runs, "summary": {
+        "reward_rose_in_every_run": all(r["reward_last_fifth"] > r["reward_first_fifth"] for r in runs),
+        f"every_run_under_{QUICK_TRY_MINUTES:g}_minutes": all(r["minutes"] < QUICK_TRY_MINUTES for r in runs),
+        "minutes_max": max(r["minutes"] for r in runs)}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
@@ -132,6 +154,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[1234, 3, 4])
     parser.add_argument("--variant", action="append", metavar="LABEL=FLAGS",
                         help="a run per variant, with these `moetrain rl` flags (default: one, with none)")
+    parser.add_argument("--quick-try-seeds", type=int, nargs="*", default=[1234, 3, 4],
+                        help="seeds of the quick try's runs (none: skip it)")
     parser.add_argument("flags", nargs="*", help="more `moetrain rl` flags for every run (after --)")
     args = parser.parse_args()
     out = Path(args.out)
@@ -142,19 +166,23 @@ def main() -> None:
             for seed in args.seeds:
                 with tempfile.TemporaryDirectory() as tmp:
                     run = {"variant": label, "variant_flags": flags,
-                           **one_run(threads, seed, [*flags, *args.flags], Path(tmp))}
+                           **one_run(threads, seed, [*DEMO, *flags, *args.flags], Path(tmp))}
                 runs.append(run)
                 stop = run["warmup"] or {}
                 print(f"{label or 'threads'} {threads} seed {seed}: warm-up stopped at step {stop.get('step')} "
                       f"({stop.get('reason')}); held-out {run['heldout_start']:.1%} → {run['heldout_end']:.1%} "
                       f"({run['gain_points']:+.1f} pts) in {run['minutes']:.1f} min, "
                       f"load {run['load_average_1min']['mean']:.2f}", flush=True)
+    if args.quick_try_seeds:
+        result_quick = quick_try(args.quick_try_seeds)
     figure = out.with_suffix(".png")
     plot_runs(runs, figure)
     result = {"flags": args.flags, "summary": summary(runs)}
     if len(variants) > 1:
         result["summary_by_variant"] = {label: summary([r for r in runs if r["variant"] == label])
                                         for label, _ in variants}
+    if args.quick_try_seeds:
+        result["quick_try"] = result_quick
     print(json.dumps({k: v for k, v in result.items() if k.startswith("summary")}, indent=2))
     write_result(out, {**result, "runs": runs, "figure": figure.as_posix()})
 
