@@ -67,6 +67,7 @@ run rl_switch.py --out $R/rl_switch_cpu.json
 run rl_switch.py --ranks 2 --out $R/rl_switch_cpu_2ranks.json
 run rl_generation.py --out $R/rl_generation_cpu.json
 run rl_learning.py --out $R/rl_learning_cpu.json
+run rl_learning.py --quick-try --out $R/rl_quick_try_cpu.json
 run rl_stalesync.py --out $R/rl_stalesync_cpu.json
 run rl_simulate_check.py --remeasure --out $R/rl_simulate_check_cpu.json
 run rl_simulate_check.py --remeasure --out $R/rl_simulate_check_cpu_repeat.json
