@@ -30,8 +30,9 @@ Where the overlap runs, and where it does not:
   uninterrupted one bit for bit (when it stops at a checkpoint step of the uninterrupted run).
 
 The trainer admits a batch only if current version − batch version ≤ k and drops (and counts) an older
-one; by this schedule none is older than 1. Staleness is corrected in the loss as in the disaggregated
-placement (truncated importance weights against the rollout log-probs; ``grpo``).
+one (``admission.StalenessGate``, the disaggregated placement's gate too); by this schedule none is older
+than 1. Staleness is corrected in the loss as in the disaggregated placement (truncated importance weights
+against the rollout log-probs; ``grpo``).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ import torch
 from moetrain.config import ModelConfig
 from moetrain.config.run import RunSpec
 from moetrain.errors import UserError
+from moetrain.rl.admission import StalenessGate
 from moetrain.rl.batch import Rollouts, TrainingSequences
 from moetrain.rl.config import FusionOptions, RLOptions, StaleSyncOptions
 from moetrain.rl.fusion import sample_generators
@@ -96,7 +98,15 @@ class ColocatedStaleSyncTrainer(RLTrainer):
         self._update_bytes: int | None = None
         """On a GPU: the last update's peak memory above what was allocated before it."""
         self._allocated_before_update = 0
-        self.dropped_batches = self.dropped_samples = 0
+        self.gate = StalenessGate(stale.staleness)
+
+    @property
+    def dropped_batches(self) -> int:
+        return self.gate.stats().dropped_batches
+
+    @property
+    def dropped_samples(self) -> int:
+        return self.gate.stats().dropped_samples
 
     # ----- the batch of a step -----
     def rollout(self, step: int) -> Rollouts:
@@ -106,22 +116,20 @@ class ColocatedStaleSyncTrainer(RLTrainer):
         if self._ready is not None and self._ahead_step == step:
             local, self._ready, self._ahead_step = self._ready, None, None
             generation = fusion.gather(local)
-            if self.weight_version - generation.weight_version > self.stale.staleness:
-                self.dropped_batches += 1  # not by this schedule; the bound is checked all the same
-                self.dropped_samples += len(generation.prompt_ids)
-                generation = None
+            if not self.gate.admit(self.weight_version, generation.sample_versions):
+                generation = None  # not by this schedule; the bound is checked all the same
         overlapped = generation is not None
         if generation is None:
             rollouts = super().rollout(step)  # the synchronous switch, with the current weights
+            admitted = self.gate.admit(self.weight_version, rollouts.generation.sample_versions)
+            assert admitted, "a batch of the current weights is 0 versions old"
         else:
             rollouts = scored_rollouts(self.task, self.tokenizer, self.options.grpo, self.step_problems(step),
                                        generation)
         start = time.perf_counter()
         fusion.ensure_synced(self.weight_version)  # the current weights: diagnostics now, the next batch after
-        staleness = self.weight_version - rollouts.generation.weight_version
-        self._pending.update(overlapped=overlapped, reshard_s=time.perf_counter() - start,
-                             staleness_mean=float(staleness), staleness_max=staleness,
-                             dropped_batches=self.dropped_batches, dropped_samples=self.dropped_samples)
+        self._pending.update(overlapped=overlapped, reshard_s=time.perf_counter() - start)
+        self._pending.update(self.gate.stats().row())
         return rollouts
 
     def proximal_logprobs(self, sequences: TrainingSequences) -> torch.Tensor | None:

@@ -82,6 +82,12 @@ class Generation:
     def num_generated(self) -> int:
         return int(self.lengths_B.sum())
 
+    @property
+    def sample_versions(self) -> list[int]:
+        """Each sample's oldest weight version, what admission judges (``admission``): one version
+        generates the whole batch today."""
+        return [self.weight_version] * len(self.prompt_ids)
+
 
 def filter_logits(logits_AV: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """Logits outside the top-k and outside the top-p nucleus set to -inf (the most likely token always stays)."""

@@ -49,6 +49,11 @@ class QueuedBatch:
     ref_logp_BS: torch.Tensor | None = None
     """The reference model's log-probs of the samples' tokens (a reference worker's; the KL term)."""
 
+    @property
+    def sample_versions(self) -> list[int]:
+        """Each sample's weight version, as the header tags the batch (what admission judges)."""
+        return [self.version] * len(self.generation.prompt_ids)
+
     def scored(self, rollouts: Rollouts) -> QueuedBatch:
         return replace(self, rewards_B=rollouts.rewards_B, advantages_B=rollouts.advantages_B)
 

@@ -15,9 +15,10 @@ The schedule (deterministic, so a run is reproducible and k = 0 is the synchrono
   synchronisation point, so a resumed run generates what the uninterrupted one did), scores it and puts
   it on the queue (``rollout_queue``: at most k + 1 batches in flight), tagged with that version;
 - the trainer takes the next batch, admits it only if ``current version − batch version ≤ k`` (else it
-  drops and counts it and takes the next), trains one step, and pushes its new weights (version = steps
-  taken) through the same bucketed, CRC-checked weight sync as RL Fusion
-  (``moetrain.distributed.weight_sync``), but only the versions the rollout worker will use;
+  drops and counts it and takes the next; ``admission.StalenessGate``, shared with the colocated
+  placement), trains one step, and pushes its new weights (version = steps taken) through the same
+  bucketed, CRC-checked weight sync as RL Fusion (``moetrain.distributed.weight_sync``), but only the
+  versions the rollout worker will use;
 - the rollout worker receives version v just before it generates the first batch that needs it; the sync checks every
   bucket's version and checksum on the receiving side, so a missed or damaged push fails the run.
 
@@ -47,6 +48,7 @@ from moetrain.distributed.layout import ParallelDims
 from moetrain.distributed.weight_sync import SyncInFlight, WeightSync
 from moetrain.errors import UserError
 from moetrain.models.transformer import MoETransformer, build_model
+from moetrain.rl.admission import AdmissionStats, StalenessGate
 from moetrain.rl.batch import Rollouts, TrainingSequences
 from moetrain.rl.config import RLOptions, StaleSyncOptions
 from moetrain.rl.fusion import generation_views, global_shapes, sample_generators, training_views
@@ -169,10 +171,18 @@ class TrainerReport:
     """(batch index, batch version) of every batch trained on, in order."""
     samples: list[torch.Tensor]
     """Every trained batch's generated token ids [B, N]."""
-    dropped_batches: int
-    dropped_samples: int
+    admission: AdmissionStats
+    """The admission gate's counts and staleness histogram over the run."""
     final_state: dict[str, torch.Tensor]
     seconds: float
+
+    @property
+    def dropped_batches(self) -> int:
+        return self.admission.dropped_batches
+
+    @property
+    def dropped_samples(self) -> int:
+        return self.admission.dropped_samples
 
 
 @dataclass(frozen=True)
@@ -281,7 +291,7 @@ class StaleSyncTrainer(RLTrainer):
         self.in_flight: SyncInFlight | None = None
         self.trained: list[tuple[int, int]] = []
         self.samples: list[torch.Tensor] = []
-        self.dropped_batches = self.dropped_samples = 0
+        self.gate = StalenessGate(job.stale.staleness)
 
     def start_pipeline(self) -> None:
         """Before the first step (after a resume's load): tell the rollout worker where the run starts and
@@ -295,20 +305,14 @@ class StaleSyncTrainer(RLTrainer):
         """The next admissible batch of the queue (older ones are dropped and counted)."""
         if self.pushes is None:
             self.start_pipeline()
-        k = self.stale.staleness
         while True:
             batch = self.receiver.get()
             assert batch is not None, "the rollout stream ended before the run's last step"
-            staleness = self.weight_version - batch.version
-            if staleness <= k:
+            if self.gate.admit(self.weight_version, batch.sample_versions):
                 break
-            self.dropped_batches += 1
-            self.dropped_samples += len(batch.generation.prompt_ids)
         self.trained.append((batch.index, batch.version))
         self.samples.append(batch.generation.tokens_BN)
-        self._pending.update(staleness_mean=float(staleness), staleness_max=staleness,
-                             dropped_batches=self.dropped_batches, dropped_samples=self.dropped_samples,
-                             batch_index=batch.index)
+        self._pending.update(self.gate.stats().row(), batch_index=batch.index)
         self._reference_logp = batch.ref_logp_BS
         problems = step_problems(self.task, self.options, self.cfg.seed, batch.index)
         return batch.rollouts(problems, self.tokenizer.decode)
@@ -396,5 +400,5 @@ def _train(job: StaleSyncJob, channels: Channels) -> TrainerReport:
     rows = trainer.train()
     trainer.push_landed()  # the last push reaches the rollout worker before this rank leaves
     state = {name: value.detach().clone() for name, value in trainer.run.stage.model.state_dict().items()}
-    return TrainerReport(rows, trainer.trained, trainer.samples, trainer.dropped_batches, trainer.dropped_samples,
-                         state, time.perf_counter() - start)
+    return TrainerReport(rows, trainer.trained, trainer.samples, trainer.gate.stats(), state,
+                         time.perf_counter() - start)
