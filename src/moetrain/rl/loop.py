@@ -182,7 +182,7 @@ class SFTTrainer(Trainer):
             f" at most, stopping when validation accuracy reaches {self.criterion.target:.0%} (checked every "
             f"{self.criterion.check_every} steps on {len(self.validation)} held-out problems)")
         return (f"SFT warm-up on {self.task.name}: {self.cfg.steps} steps × {self.cfg.global_batch} examples{stop}, "
-                f"model {self.model_cfg.name}, {self.device.type}")
+                f"model {self.model_cfg.name} · {self.device_text()}")
 
 
 class RLTrainer(Trainer):
@@ -389,7 +389,7 @@ class RLTrainer(Trainer):
         o = self.options
         return (f"GRPO on {o.task}: {self.cfg.steps} steps × {o.prompts_per_step} prompts × {o.grpo.group_size} "
                 f"samples, ≤{self.max_new_tokens} new tokens, T={o.grpo.temperature}, router replay "
-                f"{'on' if o.replay else 'off'} · model {self.model_cfg.name} · {self.device.type}"
+                f"{'on' if o.replay else 'off'} · model {self.model_cfg.name} · {self.device_text()}"
                 + self._fusion_text())
 
     def _fusion_text(self) -> str:

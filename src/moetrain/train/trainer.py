@@ -367,9 +367,6 @@ class Trainer:
                     f"{len(dataset.stream.tokens):,} tokens, {dataset.num_samples:,} sequences of {dataset.seq_len}")
         else:
             data = f"synthetic counting sequences of {self.cfg.seq_len}"
-        num_threads = torch.get_num_threads()
-        why = f" ({self.threads.reason})" if self.threads is not None else ""
-        threads = f", {num_threads} thread{'s' * (num_threads > 1)}{why}" if self.device.type == "cpu" else ""
         p = self.spec.parallel
         degrees = [f"{axis}{getattr(p, axis)}" for axis in ("tp", "cp", "pp", "vpp", "dp", "ep", "etp")
                    if getattr(p, axis) > 1]
@@ -377,7 +374,15 @@ class Trainer:
                   f"{', overlapped' if p.overlap else ''}") if self.spec.world_size > 1 else ""
         return (f"{data} · model {self.model_cfg.name}: {counts.total / 1e6:.2f}M parameters "
                 f"({counts.active / 1e6:.2f}M active) · {self.cfg.steps} steps × {self.cfg.global_batch} sequences · "
-                f"{self.device.type}{threads}{', compiled' if self.compiled_layers else ''}{layout}")
+                f"{self.device_text()}{', compiled' if self.compiled_layers else ''}{layout}")
+
+    def device_text(self) -> str:
+        """Where the run computes: the device, and on a CPU the threads and why that many."""
+        if self.device.type != "cpu":
+            return self.device.type
+        num_threads = torch.get_num_threads()
+        why = f" ({self.threads.reason})" if self.threads is not None else ""
+        return f"cpu, {num_threads} thread{'s' * (num_threads > 1)}{why}"
 
     def print_summary(self) -> None:
         title = f"{self.model_cfg.name}: {len(self.metrics.rows)} steps on {self.device.type}"
