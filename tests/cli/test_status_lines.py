@@ -108,3 +108,17 @@ def test_a_cpu_summary_leaves_mfu_out():
 
     assert "mean MFU" in text() and "10.00%" in text()
     assert "MFU" not in text(show_mfu=False) and "1,280" in text(show_mfu=False)
+
+
+def test_plan_and_simulate_give_tokens_per_s_on_a_cpu_and_mfu_on_a_gpu(tmp_path, capsys):
+    workload = ["--model", "tiny-pangu", "--seq-len", "128", "--global-batch", "16", "--devices", "2"]
+    assert main(["plan", *workload, "--cluster", "cpu", "--out", str(tmp_path / "plan.yaml")]) == 0
+    table = capsys.readouterr().out.splitlines()
+    header = next(line for line in table if line.lstrip().startswith("#"))
+    assert "tokens/s" in header.split() and "MFU" not in "\n".join(table)
+    winner = table[table.index(header) + 1].split()
+    assert float(winner[-2].replace(",", "")) == pytest.approx(16 * 128 / float(winner[-3]), rel=1e-3)
+    assert main(["simulate", *workload, "--cluster", "cpu", "--ep", "2"]) == 0
+    assert "MFU" not in capsys.readouterr().out
+    assert main(["simulate", *workload, "--cluster", "h100-sxm-80gb", "--ep", "2"]) == 0
+    assert "MFU" in capsys.readouterr().out

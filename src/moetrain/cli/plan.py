@@ -68,6 +68,7 @@ def plan_layouts(args: argparse.Namespace) -> tuple[dict, dict]:
     if limit_line:
         plan["runtime_limits"] = limit_line
     summary = {
+        "device": workload.cluster.device,
         "candidates_evaluated": result.candidates_evaluated,
         "feasible": result.feasible,
         "seconds": result.seconds,
@@ -113,13 +114,17 @@ def run(args: argparse.Namespace) -> int:
           f"({summary['feasible']:,} fit memory{' and run' if summary['runnable_only'] else ''}{runnable})")
     if line := accuracy_line(summary["calibration_accuracy"]):
         print(line)
+    # a CPU's peak FLOP/s is only nominal: its rows say tokens/s, not an MFU against it
+    cpu = summary["device"] == "cpu"
     print(f"{'#':>2} {'tp':>3} {'sp':>3} {'pp':>3} {'vpp':>3} {'ep':>4} {'etp':>3} {'cp':>3} {'dp':>5} {'zero':>4} "
-          f"{'mb':>3} {'recompute':>9} {'a2a':>12} {'ovl':>4} {'step s':>9} {'MFU':>6} {'GiB':>6}")
+          f"{'mb':>3} {'recompute':>9} {'a2a':>12} {'ovl':>4} {'step s':>9} {'tokens/s' if cpu else 'MFU':>8} "
+          f"{'GiB':>6}")
     for i, row in enumerate(summary["top"], 1):
         p = row["parallel"]
+        rate = f"{row['tokens_per_s']:>8,.0f}" if cpu else f"{row['mfu']:>8.1%}"
         print(f"{i:>2} {p['tp']:>3} {on_off(p['sp']):>3} {p['pp']:>3} {p['vpp']:>3} {p['ep']:>4} {p['etp']:>3} "
               f"{p['cp']:>3} {p['dp']:>5} {p['zero']:>4} {p['micro_batch']:>3} {p['recompute']:>9} {p['a2a']:>12} "
-              f"{on_off(p['overlap']):>4} {row['step_time_s']:>9.4g} {row['mfu']:>6.1%} {row['memory_gib']:>6.1f}")
+              f"{on_off(p['overlap']):>4} {row['step_time_s']:>9.4g} {rate} {row['memory_gib']:>6.1f}")
     print("\nwhy the winner wins:")
     for line in summary["why"]:
         print(f"  {line}")

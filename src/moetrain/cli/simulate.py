@@ -41,6 +41,7 @@ def simulate_layout(args: argparse.Namespace) -> dict:
     result = {
         "model": workload.model.name,
         "cluster": workload.cluster.name,
+        "device": workload.cluster.device,
         "devices": args.devices,
         "seq_len": workload.seq_len,
         "global_batch": workload.global_batch,
@@ -95,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
     layout = " ".join(f"{k}={on_off(v) if isinstance(v, bool) else v}" for k, v in p.items())
     print(f"layout: {layout}  (m={result['micro_batches_per_pipeline']})")
     print(f"step time   {result['step_time_s']:.4g} s    tokens/s {result['tokens_per_s']:.4g} "
-          f"({result['tokens_per_s_per_device']:.4g} per device)    MFU {result['mfu']:.1%}")
+          f"({result['tokens_per_s_per_device']:.4g} per device)"
+          + ("" if result.get("device") == "cpu" else f"    MFU {result['mfu']:.1%}"))  # a CPU's peak is nominal
     if line := accuracy_line(result["calibration_accuracy"]):
         print(line)
     if held := result["step_time_s_held_out_fits"]:
