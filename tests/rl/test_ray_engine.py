@@ -20,6 +20,7 @@ from moetrain.config.run import RunSpec
 from moetrain.distributed.world import spawn
 from moetrain.rl.config import StaleSyncOptions
 from moetrain.rl.loop import policy_config
+from moetrain.rl.spec import resolve_rl_spec
 from moetrain.rl.stalesync import Pipeline, RolloutWorker, StaleSyncJob, StaleSyncTrainer, run_stalesync
 from moetrain.rl.start import starting_weights
 from moetrain.train.checkpoint import latest_checkpoint, read_marker, verify_checkpoint
@@ -161,10 +162,11 @@ def test_cli_k0_on_ray_actors_equals_the_cli_on_torchrun(cluster, tmp_path, caps
 def test_the_cli_launch_reports_a_failed_rank_in_one_line_and_exits_1(cluster, tmp_path, capsys):
     from moetrain.rl.ray_engine import launch
 
-    model, options, spec = _setup(2)
-    run = {"rl": spec.to_json(), "options": options.model_dump_json(), "stale": StaleSyncOptions().model_dump_json(),
-           "model": model.cfg.model_dump_json(), "initial": str(tmp_path / "missing.pt"), "plot": None}
-    assert launch(run, group_timeout_s=30) == 1  # the warm-up weights' file is gone: both ranks fail to read it
+    spec = resolve_rl_spec([{"sft": {"steps": 0}, "rl": {"prompts_per_step": 2, "grpo": {"group_size": 2}},
+                             "trainer": {"training": {"steps": 2}, "run": {"device": "cpu", "quiet": True}},
+                             "stalesync": {"staleness": 0}, "initial_weights": str(tmp_path / "missing.pt")}],
+                           ["test"])
+    assert launch(spec, group_timeout_s=30) == 1  # the warm-up weights' file is gone: both ranks fail to read it
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1
     assert re.match(r"moetrain rl: rank [01] failed: FileNotFoundError: .*missing\.pt.* \(all Ray actors stopped "

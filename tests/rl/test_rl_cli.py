@@ -83,9 +83,10 @@ def test_rl_fusion_resumes_its_reward_curve(tmp_path):
 def test_compile_reaches_both_trainers_specs(flag, expected):
     import argparse
 
-    from moetrain.cli.rl import add_arguments, build_specs
+    from moetrain.cli.rl import add_arguments, build_rl_spec
+    from moetrain.rl.run import build_rl_run
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    sft, rl, _, _ = build_specs(parser.parse_args([*TINY, *flag]))
-    assert sft.run.compile is expected and rl.run.compile is expected
+    run = build_rl_run(build_rl_spec(parser.parse_args([*TINY, *flag])))
+    assert run.sft.run.compile is expected and run.grpo.run.compile is expected

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from moetrain.errors import UserError
 
@@ -102,3 +103,22 @@ def memory_options(args: argparse.Namespace):
         return MemoryOptions(**memory_flags(args))
     except ValidationError as exc:  # the validator's own line ("--policy auto needs a budget: ...")
         raise UserError(exc.errors()[0]["msg"].removeprefix("Value error, ")) from None
+
+
+def yaml_source(path: str, flag: str, sections: str) -> dict[str, Any]:
+    """The mapping of sections in the YAML file ``path`` (given by ``flag``); unreadable is one line."""
+    import yaml
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+        data = yaml.safe_load(text)
+    except FileNotFoundError:
+        raise UserError(f"{flag} {path}: no such file") from None
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{flag} {path} is not UTF-8 text (byte {exc.start}); save it as UTF-8 YAML") from None
+    except (OSError, yaml.YAMLError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"{flag} {path} is not readable YAML ({first}); fix the file") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{flag} {path} must hold a mapping of sections ({sections})")
+    return data

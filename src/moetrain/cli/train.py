@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from moetrain.balance.online import PAYBACK_HORIZON, REPLAN_INTERVAL
-from moetrain.cli.common import add_memory_policy_args, memory_flags
+from moetrain.cli.common import add_memory_policy_args, memory_flags, yaml_source
 from moetrain.config import limits
 from moetrain.errors import UserError
 
@@ -141,31 +141,15 @@ def _flag_source(args: argparse.Namespace) -> dict[str, Any]:
     return source
 
 
-def _file_source(path: str, flag: str) -> dict[str, Any]:
-    import yaml
-
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-        data = yaml.safe_load(text)
-    except FileNotFoundError:
-        raise UserError(f"{flag} {path}: no such file") from None
-    except UnicodeDecodeError as exc:
-        raise UserError(f"{flag} {path} is not UTF-8 text (byte {exc.start}); save it as UTF-8 YAML") from None
-    except (OSError, yaml.YAMLError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UserError(f"{flag} {path} is not readable YAML ({first}); fix the file") from None
-    if not isinstance(data, dict):
-        raise UserError(f"{flag} {path} must hold a mapping of sections (model, training, parallel, run, ...)")
-    return data
-
-
 def build_spec(args: argparse.Namespace, world_size: int | None = None):
     """The run spec of these flags (plus ``--config`` and ``--plan``); ``world_size``: torchrun's, for
     the worker (``--nproc`` otherwise)."""
     from moetrain.config import load_plan_file
     from moetrain.config.run import resolve_run_spec, spec_source_from_plan
 
-    sources = [_file_source(args.config, "--config")] if args.config else []
+    sources = [yaml_source(args.config, "--config", "model, training, parallel, run, ...")] if args.config else []
+    if sources:
+        _refuse_rl_spec(sources[0], args.config)
     names = [Path(args.config).name] if args.config else []
     flags = _flag_source(args)
     if args.plan:
@@ -195,6 +179,17 @@ def build_spec(args: argparse.Namespace, world_size: int | None = None):
     except UserError as exc:
         raise UserError(_named_by_flag(str(exc))) from None
     return spec
+
+
+def _refuse_rl_spec(data: dict[str, Any], path: str) -> None:
+    """An RL run spec (``moetrain rl --config``) given to ``moetrain train`` is one line naming its kind."""
+    from moetrain.rl.spec import RLRunSpec
+
+    rl_only = sorted(set(data) & (set(RLRunSpec.model_fields) - {"model"}))
+    if rl_only and not set(data) & {"training", "parallel", "run", "memory", "balance"}:
+        raise UserError(f"--config {path} is an RL run spec (its {', '.join(rl_only)}: moetrain rl --config), not a "
+                        "training run spec; moetrain train --config takes sections model, training, parallel, run, "
+                        "memory, balance")
 
 
 FLAGS_SOURCE = "flags"

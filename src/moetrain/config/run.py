@@ -130,6 +130,8 @@ class RunSpec(BaseModel):
             return data
         data = dict(data)
         parallel = data.get("parallel", {})
+        if not isinstance(parallel, dict | BaseModel) or not isinstance(data.get("training", {}), dict | BaseModel):
+            return data  # not a section: the field's own validation names it
         parallel = parallel.model_dump(exclude_unset=True) if isinstance(parallel, BaseModel) else dict(parallel)
         training = data.get("training", {})
         training = training.model_dump() if isinstance(training, BaseModel) else dict(training)
@@ -210,16 +212,8 @@ def resolve_run_spec(sources: list[dict[str, Any]], world_size: int | None = Non
     from moetrain.errors import UserError, describe_validation_error
 
     merged = merge_sources(*sources)
-    parallel = merged.setdefault("parallel", {})
-    base = parallel.get("tp", 1) * parallel.get("cp", 1) * parallel.get("pp", 1)
     if world_size is not None:
-        if world_size % base:
-            raise UserError(f"{world_size} ranks are not a multiple of tp·cp·pp = {base}; "
-                            "run tp·cp·pp·dp ranks (--nproc)")
-        if "dp" in parallel and parallel["dp"] * base != world_size:
-            raise UserError(f"the layout's tp·cp·pp·dp is {parallel['dp'] * base} but {world_size} ranks run it; "
-                            "drop dp (it follows the rank count) or run that many ranks")
-        parallel["dp"] = world_size // base
+        fill_data_parallel(merged.setdefault("parallel", {}), world_size)
     try:
         return RunSpec(**merged)
     except ValidationError as exc:
@@ -232,6 +226,20 @@ def resolve_run_spec(sources: list[dict[str, Any]], world_size: int | None = Non
             return names[setting[-1]]
 
         raise UserError(describe_validation_error("run spec", exc, RunSpec, origin)) from None
+
+
+def fill_data_parallel(parallel: dict[str, Any], world_size: int) -> None:
+    """Set ``parallel["dp"]`` to what ``world_size`` ranks leave after tp·cp·pp; a given dp must agree."""
+    from moetrain.errors import UserError
+
+    base = parallel.get("tp", 1) * parallel.get("cp", 1) * parallel.get("pp", 1)
+    if world_size % base:
+        raise UserError(f"{world_size} ranks are not a multiple of tp·cp·pp = {base}; "
+                        "run tp·cp·pp·dp ranks (--nproc)")
+    if "dp" in parallel and parallel["dp"] * base != world_size:
+        raise UserError(f"the layout's tp·cp·pp·dp is {parallel['dp'] * base} but {world_size} ranks run it; "
+                        "drop dp (it follows the rank count) or run that many ranks")
+    parallel["dp"] = world_size // base
 
 
 def _holds(source: dict[str, Any], loc: tuple[str, ...]) -> bool:

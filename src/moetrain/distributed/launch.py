@@ -2,7 +2,8 @@
 
 ``moetrain train`` has validated the run spec (``moetrain.train.checks``) before this is called:
 nothing starts for a layout that does not divide the model or the world. ``launch`` writes the spec
-to ``run_spec.json`` in the run's log folder, names it in ``MOETRAIN_RUN_SPEC`` and runs
+to ``run_spec.json`` in the run's log folder (``moetrain rl``: its RL spec, ``rl_spec.json``, named in
+``MOETRAIN_RL_SPEC``), names it in ``MOETRAIN_RUN_SPEC`` and runs
 ``torchrun --standalone --nproc-per-node N --max-restarts 0 -m moetrain.distributed.worker``. With no
 restarts, torchrun's agent stops every rank as soon as one exits non-zero or dies from a signal;
 collectives also time out (60 s by default) so no rank waits for ever on a dead peer. The launcher
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from moetrain.config.run import RunSpec
@@ -48,23 +50,34 @@ def _failure_line(error_dir: Path, torchrun_log: str) -> str:
     return "a rank failed before reporting (see the torchrun log)"
 
 
+@dataclass(frozen=True)
+class SpecFile:
+    """The one file every rank reads its run from, and the variable that names it."""
+
+    path: Path
+    env: str
+
+
 def launch(spec: RunSpec, log_dir: Path | None = None, entry: str = "moetrain.distributed.worker",
-           env: dict[str, str] | None = None, command: str = "train", nproc: int | None = None) -> int:
+           spec_file: SpecFile | None = None, command: str = "train", nproc: int | None = None) -> int:
     """Run ``spec`` on ``spec.world_size`` ranks of this node; the exit code of the run. ``entry``: the
-    rank's module (``moetrain rl`` starts ``moetrain.rl.worker``), ``env``: more variables for it,
-    ``command``: the CLI command a failure line names, ``nproc``: ranks when they are not the layout's
-    (a StaleSync run: one training rank beside a rollout worker)."""
+    rank's module (``moetrain rl`` starts ``moetrain.rl.worker``), ``spec_file``: what its ranks read
+    (default: ``spec`` itself, written to ``run_spec.json``, named in ``MOETRAIN_RUN_SPEC``; ``spec`` then
+    gives only the threads, the device and the progress), ``command``: the CLI command a failure line
+    names, ``nproc``: ranks when they are not the layout's (a StaleSync run: one training rank beside a
+    rollout worker)."""
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="moetrain-run-"))
     error_dir = log_dir / "errors"
     error_dir.mkdir(parents=True, exist_ok=True)
-    spec_file = log_dir / "run_spec.json"
-    spec_file.write_text(spec.to_json(), encoding="utf-8")
+    if spec_file is None:
+        spec_file = SpecFile(log_dir / "run_spec.json", "MOETRAIN_RUN_SPEC")
+        spec_file.path.write_text(spec.to_json(), encoding="utf-8")
     ranks = nproc or spec.world_size
     # the free cores shared among the ranks (one thread each where they share cores); a GPU rank needs one
     on_cpu = not spec.run.device.startswith("cuda")
     threads = choose_threads(spec.run.threads, ranks) if on_cpu else ThreadChoice(1, "GPU ranks")
-    env = dict(os.environ, MOETRAIN_ERROR_DIR=str(error_dir), MOETRAIN_RUN_SPEC=str(spec_file),
-               OMP_NUM_THREADS=str(threads.threads), **(env or {}))
+    env = dict(os.environ, MOETRAIN_ERROR_DIR=str(error_dir), OMP_NUM_THREADS=str(threads.threads),
+               **{spec_file.env: str(spec_file.path)})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={ranks}", "--max-restarts=0", "--monitor-interval=0.5", "-m", entry]
     log_path = log_dir / "torchrun.log"

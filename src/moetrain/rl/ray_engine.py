@@ -4,9 +4,9 @@ Ray is only the launcher and the placement layer. The driver (the ``moetrain rl`
 CPU per rank in a placement group, starts one actor per rank in it, asks rank 0's actor for its node's
 address and a free port, and has every actor run ``moetrain.distributed.world.run_in_world``: the
 function ``spawn``'s processes run, which joins the torch.distributed (gloo) group at that address and
-then runs the rank's code, the same code the local engine runs (``run_stalesync`` in tests, the
-torchrun entry ``stalesync_worker.run_rank`` from the CLI). Batches and weights travel over that group,
-never through Ray; the driver only waits on the actors' return values.
+then runs the rank's code, the same code the local engine runs (``run_stalesync`` in tests; from the
+CLI, the torchrun entry ``moetrain.rl.worker.run_rank`` on the run's spec). Batches and weights travel
+over that group, never through Ray; the driver only waits on the actors' return values.
 
 A failure ends the run: the first actor whose task raises, or whose process dies, is reported in one
 line naming its worker (``rank 0 failed: StaleSync rollout worker (rank 0) failed: ...`` or ``... died:
@@ -23,11 +23,14 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moetrain.distributed.worker import failure_line
 from moetrain.distributed.world import DEFAULT_TIMEOUT_S, run_in_world
 from moetrain.errors import UserError
+
+if TYPE_CHECKING:
+    from moetrain.rl.spec import RLRunSpec
 
 PLACE_TIMEOUT_S = 60.0
 """How long the driver waits for the cluster to place every actor before it gives up."""
@@ -164,26 +167,25 @@ def _gather(ray: ModuleType, refs: list, names: Sequence[str], addresses: list[A
     return [values[rank] for rank in range(len(refs))]
 
 
-def cli_rank(rank: int, world_size: int, run: dict) -> None:
-    """A rank of ``moetrain rl --staleness K --engine ray``: the torchrun entry's ``run_rank``, unchanged."""
-    from moetrain.rl.stalesync_worker import run_rank
+def cli_rank(rank: int, world_size: int, spec: RLRunSpec) -> None:
+    """A rank of ``moetrain rl --staleness K --engine ray``: torchrun's ranks' ``run_rank``, unchanged."""
+    from moetrain.rl.worker import run_rank
 
-    run_rank(run, rank)
+    run_rank(spec, rank)
 
 
-def launch(run: dict, group_timeout_s: float, command: str = "rl") -> int:
-    """The CLI's StaleSync run on Ray actors (the payload torchrun's ranks read from a file, given whole);
-    the exit code, with a failure printed as one line (the local launcher's format)."""
-    from moetrain.rl.config import RLOptions, StaleSyncOptions
+def launch(spec: RLRunSpec, group_timeout_s: float, command: str = "rl") -> int:
+    """The CLI's StaleSync run on Ray actors (the spec torchrun's ranks read from a file, given whole); the
+    exit code, with a failure printed as one line (the local launcher's format)."""
     from moetrain.rl.stalesync import Pipeline
 
-    pipeline = Pipeline.of(StaleSyncOptions.model_validate_json(run["stale"]),
-                           RLOptions.model_validate_json(run["options"]))
+    assert spec.stalesync is not None
+    pipeline = Pipeline.of(spec.stalesync, spec.rl)
     ray = import_ray()
     start = time.monotonic()
     with connected(ray):
         try:
-            run_ranks(cli_rank, pipeline.world_size, run,
+            run_ranks(cli_rank, pipeline.world_size, spec,
                       names=[pipeline.worker_name(r) for r in range(pipeline.world_size)],
                       group_timeout_s=group_timeout_s)
         except RayRankError as exc:

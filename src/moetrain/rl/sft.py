@@ -15,8 +15,12 @@ import torch
 
 from moetrain.data.packing import IGNORE_INDEX, MicroBatch, StepBatch
 from moetrain.errors import UserError
-from moetrain.rl.tasks import Problem, Task, problem_at
+from moetrain.rl.tasks import Problem, Task, problem_at, sequence_len_for
 from moetrain.rl.tokenizer import CharTokenizer
+
+__all__ = ["TaskSFTDataset", "prompt_ids", "sequence_len_for", "sft_sequence"]
+"""``sequence_len_for`` lives in the torch-free ``tasks`` (the RL run spec derives the sequence length
+with it); it is still importable from here."""
 
 
 def prompt_ids(tokenizer: CharTokenizer, problem: Problem) -> list[int]:
@@ -28,11 +32,6 @@ def sft_sequence(tokenizer: CharTokenizer, problem: Problem) -> tuple[list[int],
     """(BOS prompt answer EOS, number of prompt tokens)."""
     prompt = prompt_ids(tokenizer, problem)
     return prompt + tokenizer.encode(problem.answer) + [tokenizer.eos_id], len(prompt)
-
-
-def sequence_len_for(task: Task, max_new_tokens: int) -> int:
-    """Input tokens of the longest sample: BOS, prompt and completion, less the last token (never an input)."""
-    return 1 + task.max_prompt_chars + max_new_tokens - 1
 
 
 class TaskSFTDataset:

@@ -183,6 +183,11 @@ def get_task(name: str) -> Task:
     return TASKS[name]
 
 
+def sequence_len_for(task: Task, max_new_tokens: int) -> int:
+    """Input tokens of the longest sample: BOS, prompt and completion, less the last token (never an input)."""
+    return 1 + task.max_prompt_chars + max_new_tokens - 1
+
+
 @functools.cache
 def _gym_task(name: str) -> Task:
     from moetrain.rl.gym_tasks import gym_task  # optional package, imported only when asked for

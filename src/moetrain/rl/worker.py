@@ -1,105 +1,108 @@
-"""One rank of ``moetrain rl --nproc N`` (RL Fusion): what torchrun starts (``python -m moetrain.rl.worker``).
+"""One rank of a multi-process ``moetrain rl`` run: what torchrun starts (``python -m moetrain.rl.worker``)
+and what each Ray actor runs (``moetrain.rl.ray_engine``).
 
-``moetrain rl`` checks every flag, writes the SFT and GRPO run specs, the RL options, the policy's model
-config and the generation layout to ``rl_run.json`` and names it in ``MOETRAIN_RL_RUN``. Each rank joins
-the process group, runs the SFT warm-up in the training layout, gathers its weights whole (one weight
-sync), and trains GRPO with RL Fusion (``moetrain.rl.fusion``). A failure is one line per rank and a
-non-zero exit, as for ``moetrain train``'s ranks (``moetrain.distributed.worker``).
+``moetrain rl`` checks the run spec and writes it, the one payload of every rank, to ``rl_spec.json``
+in the run's log folder, named in ``MOETRAIN_RL_SPEC`` (``moetrain.rl.spec``). Each rank builds its run
+from it (``moetrain.rl.run.build_rl_run``), then plays its part:
+
+- RL Fusion (and colocated StaleSync) on ``--nproc N`` ranks: join the process group, run the SFT
+  warm-up in the training layout, gather its weights whole (one weight sync), train GRPO;
+- the disaggregated StaleSync pipeline: the rank's worker (rank 0 the rollout worker, rank 1 the
+  trainer, which writes the metrics rows and the reward curve; ranks 2, 3 the reward and reference
+  workers), from the warm-up weights the CLI's process wrote (``initial_weights``).
+
+A failure is one line per rank and a non-zero exit (2 for a user error), as for ``moetrain train``'s
+ranks (``moetrain.distributed.worker``); torchrun then stops the other ranks.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 from moetrain.distributed.worker import USER_ERROR_EXIT, _report
 from moetrain.errors import UserError
+from moetrain.rl.run import RLRun, build_rl_run, starting_model, train_grpo, warm_up, whole_curve
+from moetrain.rl.spec import SPEC_ENV, RLRunSpec, read_spec
 from moetrain.status import say, status_console
 
 
-def run_rank(run: dict) -> None:
+def run_rank(spec: RLRunSpec, rank: int) -> None:
+    """Rank ``rank``'s part of the run of ``spec`` (the process group is joined here when it is not yet)."""
     import torch
 
-    from moetrain.config import ModelConfig
-    from moetrain.config.run import RunSpec
+    run = build_rl_run(spec)
+    torch.set_num_threads(run.grpo.run.threads or int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if spec.disaggregated:
+        _pipeline_rank(run, rank)
+    else:
+        _fusion_rank(run)
+
+
+def _fusion_rank(run: RLRun) -> None:
     from moetrain.distributed.world import init_world
-    from moetrain.rl.colocated import rl_trainer
-    from moetrain.rl.config import FusionOptions, RLOptions, StaleSyncOptions, WarmupCriterion
+    from moetrain.models.transformer import build_model
     from moetrain.rl.fusion import whole_model
-    from moetrain.rl.loop import SFTTrainer
-    from moetrain.rl.plot import plot_reward_curve
-    from moetrain.rl.tasks import get_task
-    from moetrain.train.checkpoint import latest_checkpoint
     from moetrain.train.trainer import resolve_device
 
-    rl_spec = RunSpec.model_validate_json(run["rl"])
-    options, fusion = RLOptions.model_validate_json(run["options"]), FusionOptions.model_validate_json(run["fusion"])
-    model_cfg = ModelConfig.model_validate_json(run["model"])
-    torch.set_num_threads(rl_spec.run.threads or int(os.environ.get("OMP_NUM_THREADS", "1")))
-    device = resolve_device(rl_spec.run.device)
-    rank, world_size, _ = init_world("nccl" if device.type == "cuda" else "gloo", rl_spec.run.timeout_s)
-    say(status_console(rl_spec.run.quiet or rank != 0), f"all {world_size} ranks joined; building the policy, then "
-        "the warm-up and GRPO in the training layout…")
-    model = None
-    if run.get("from"):
-        from moetrain.models.transformer import build_model
-        from moetrain.rl.start import starting_weights
-
-        model = build_model(model_cfg, device, seed=rl_spec.training.seed)
-        model.load_state_dict(starting_weights(Path(run["from"]["path"]), model_cfg))
-    if run["sft"] is not None:
-        sft_spec = RunSpec.model_validate_json(run["sft"])
-        if sft_spec.run.save_dir and latest_checkpoint(Path(sft_spec.run.save_dir)) is not None:
-            # a finished warm-up in the save dir is read back, not trained again (as in one process)
-            sft_spec = sft_spec.model_copy(update={"run": sft_spec.run.model_copy(update={"resume": True})})
-        criterion = WarmupCriterion.model_validate_json(run["warmup"]) if run.get("warmup") else None
-        sft = SFTTrainer(sft_spec, get_task(options.task), model_cfg=model_cfg, model=model, criterion=criterion,
-                         eval_size=options.eval_size)
-        sft.console.print(sft.describe())
-        sft.train()
-        if sft.decision is not None:
-            say(sft.console, sft.decision.describe())
-        model = whole_model(sft.run, model_cfg)
+    device = resolve_device(run.grpo.run.device)
+    rank, world_size, _ = init_world("nccl" if device.type == "cuda" else "gloo", run.grpo.run.timeout_s)
+    say(status_console(run.grpo.run.quiet or rank != 0), f"all {world_size} ranks joined; building the policy, "
+        "then the warm-up and GRPO in the training layout…")
+    # the ranks initialise a policy from the seed themselves: only given weights are built here
+    model = starting_model(run, device) if run.spec.initial_weights or run.spec.start_from else None
+    if run.sft is not None:
+        model = whole_model(warm_up(run, model).run, run.model_cfg)
     reference = None
-    if options.grpo.kl_coef:
-        from moetrain.models.transformer import build_model
-
-        reference = build_model(model_cfg, device, seed=rl_spec.training.seed)
+    if run.options.grpo.kl_coef:
+        reference = build_model(run.model_cfg, device, seed=run.grpo.training.seed)
         if model is not None:
             reference.load_state_dict(model.state_dict())
-    stale = StaleSyncOptions.model_validate_json(run["stale"]) if run.get("stale") else None
-    trainer = rl_trainer(rl_spec, options, stale, model_cfg=model_cfg, model=model, reference=reference, fusion=fusion)
-    trainer.console.print(trainer.describe())
-    rows = trainer.train()
-    trainer.print_summary()
-    if run["plot"] and trainer.is_reporter:
-        metrics = rl_spec.run.metrics_out
-        if metrics and Path(metrics).is_file():  # after a resume: the whole curve
-            rows = [json.loads(line) for line in Path(metrics).read_text().splitlines() if line.strip()]
-        plot_reward_curve(rows, Path(run["plot"]), f"GRPO on {options.task} ({model_cfg.name})")
-        trainer.console.print(f"reward curve: {run['plot']}")
+    train_grpo(run, model, reference)
 
 
-def serve(run_rank: Callable[[dict, int], None], payload_env: str) -> int:
-    """A rank's life under torchrun: run ``run_rank`` on the JSON payload named by ``$payload_env``; a failure is
-    one line for this rank and a non-zero exit (2 for a user error), so torchrun stops the others."""
+def _pipeline_rank(run: RLRun, rank: int) -> None:
+    import torch
+    import torch.distributed as dist
+    from rich.console import Console
+
+    from moetrain.distributed.world import init_world
+    from moetrain.rl.loop import rl_summary_table
+    from moetrain.rl.plot import plot_reward_curve
+    from moetrain.rl.stalesync import StaleSyncJob, TrainerReport, run_stalesync
+
+    assert run.stale is not None
+    init_world("gloo", run.grpo.run.timeout_s)
+    say(status_console(run.grpo.run.quiet or rank != 0), f"all {dist.get_world_size()} StaleSync ranks joined; "
+        "building the models…")
+    initial = torch.load(run.spec.initial_weights, weights_only=True) if run.spec.initial_weights else None
+    job = StaleSyncJob(run.grpo, run.options, run.stale, run.model_cfg, initial)
+    report = run_stalesync(rank, dist.get_world_size(), job)
+    if isinstance(report, TrainerReport):
+        console = Console()
+        title = f"{run.model_cfg.name}: GRPO on {run.options.task}, StaleSync k={run.stale.staleness}"
+        console.print(rl_summary_table(report.rows, title))
+        console.print(f"batches dropped as too old: {report.dropped_batches} ({report.dropped_samples} samples)")
+        if run.spec.plot:
+            plot_reward_curve(whole_curve(report.rows, run.grpo), Path(run.spec.plot), title)
+            console.print(f"reward curve: {run.spec.plot}")
+    dist.barrier()  # rank 0 hosts the store: no rank leaves before the others are done
+
+
+def main() -> int:
+    """torchrun's entry: the spec file named in ``MOETRAIN_RL_SPEC``; a failure is one line for this rank and
+    a non-zero exit (2 for a user error), so torchrun stops the others."""
     import torch.distributed as dist
 
     rank = int(os.environ.get("RANK", "0"))
     try:
-        run_rank(json.loads(Path(os.environ[payload_env]).read_text(encoding="utf-8")), rank)
+        run_rank(read_spec(Path(os.environ[SPEC_ENV])), rank)
     except BaseException as exc:  # report every cause, then let torchrun stop the others
         _report(rank, exc)
         os._exit(USER_ERROR_EXIT if isinstance(exc, UserError) else 1)
     dist.destroy_process_group()
     return 0
-
-
-def main() -> int:
-    return serve(lambda run, _rank: run_rank(run), "MOETRAIN_RL_RUN")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,275 @@
+"""One RL run from its spec: what every process of ``moetrain rl`` builds and runs.
+
+``build_rl_run(spec)`` turns an ``RLRunSpec`` into the run every process of it runs: the policy's model
+config, the warm-up's and GRPO's ``RunSpec``s (each checked by ``check_run``) and every other check that
+needs no process group. The CLI's process calls ``run_rl(spec)``, which trains here (one process) or
+starts the ranks on the spec's one file: torchrun's ranks (``moetrain.rl.worker``, for RL Fusion and for
+the disaggregated StaleSync pipeline) or Ray's actors (``moetrain.rl.ray_engine``); each rank calls
+``moetrain.rl.worker.run_rank(spec, rank)``, which builds its run here too.
+
+The disaggregated pipeline's ranks start from weights: the warm-up (and ``start_from``'s weights) runs in
+the CLI's process first, and the ranks get the same spec with ``initial_weights`` naming the file of its
+weights.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from moetrain.config import ModelConfig
+from moetrain.config.run import RunSpec, resolve_run_spec
+from moetrain.errors import UserError
+from moetrain.rl.config import FusionOptions, RLOptions, StaleSyncOptions
+from moetrain.rl.spec import DEFAULT_MODEL, SPEC_ENV, RLRunSpec, write_spec
+
+if TYPE_CHECKING:
+    import torch
+    from rich.console import Console
+
+    from moetrain.models.transformer import MoETransformer
+    from moetrain.rl.loop import RLTrainer
+
+SFT_RUN_FIELDS = ("device", "threads", "cluster", "quiet", "compile", "timeout_s", "document_mask",
+                  "ranks_per_node")
+"""The trainer's run options the warm-up runs with too (its outputs, checkpoints and resume are GRPO's)."""
+
+
+@dataclass(frozen=True)
+class RLRun:
+    """A checked run: its spec, the policy's model config, the warm-up's run (None: no warm-up) and GRPO's."""
+
+    spec: RLRunSpec
+    model_cfg: ModelConfig
+    sft: RunSpec | None
+    grpo: RunSpec
+
+    @property
+    def options(self) -> RLOptions:
+        return self.spec.rl
+
+    @property
+    def fusion(self) -> FusionOptions | None:
+        """The generation layout of a multi-rank colocated run (None in one process)."""
+        return self.spec.generation if self.grpo.world_size > 1 else None
+
+    @property
+    def stale(self) -> StaleSyncOptions | None:
+        """StaleSync's options; None for the synchronous loop (which colocated k = 0 is)."""
+        stale = self.spec.stalesync
+        if stale is None or (stale.placement == "colocated" and not stale.staleness):
+            return None
+        return stale
+
+
+def build_rl_run(spec: RLRunSpec) -> RLRun:
+    """The run of ``spec``, every check done: what each process of the run builds first."""
+    from moetrain.config import load_model_config
+    from moetrain.rl.loop import policy_config
+    from moetrain.rl.tokenizer import CharTokenizer
+    from moetrain.train.checks import check_run
+
+    stale = spec.stalesync
+    if stale is not None and stale.placement == "colocated" and stale.staleness:
+        from moetrain.rl.colocated import check_colocated
+
+        check_colocated(stale, spec.generation)
+    if spec.start_from:
+        from moetrain.rl.start import starting_config
+
+        model_cfg = policy_config(starting_config(Path(spec.start_from), spec.model))
+    else:
+        model_cfg = policy_config(load_model_config(spec.model or DEFAULT_MODEL))
+    CharTokenizer().check_fits(model_cfg.vocab_size, model_cfg.name)
+    sft = _sft_spec(spec) if spec.sft.steps and spec.initial_weights is None else None
+    if sft is not None:
+        check_run(sft, model_cfg)
+    grpo = _grpo_spec(spec)
+    check_run(grpo, model_cfg)
+    if grpo.world_size > 1:
+        replicas = spec.rollout.replicas
+        assert replicas is not None  # the spec fills the pool in
+        if spec.samples_per_step % replicas:
+            raise UserError(f"{spec.samples_per_step} samples per step (--prompts × --group-size) do not split over "
+                            f"{replicas} generation replicas; make them a multiple")
+        experts = model_cfg.moe.num_experts if model_cfg.moe is not None else 0
+        gen_ep = spec.generation.gen_ep
+        if gen_ep > 1 and experts % gen_ep:
+            raise UserError(f"--gen-ep {gen_ep}: {model_cfg.name}'s {experts} experts do not divide by it")
+    return RLRun(spec, model_cfg, sft, grpo)
+
+
+def _sft_spec(spec: RLRunSpec) -> RunSpec:
+    """The warm-up's run: the trainer's layout, device and seed, the warm-up's own batch and schedule."""
+    trainer, sft = spec.trainer, spec.sft
+    run: dict[str, Any] = {field: getattr(trainer.run, field) for field in SFT_RUN_FIELDS}
+    if trainer.run.save_dir:
+        run["save_dir"] = str(Path(trainer.run.save_dir) / "sft")
+    training = {"steps": sft.steps, "global_batch": sft.batch, "micro_batch": max(sft.batch // trainer.parallel.dp, 1),
+                "seq_len": trainer.training.seq_len, "lr": sft.lr, "warmup_steps": min(20, sft.steps),
+                "seed": trainer.training.seed, "dtype": trainer.training.dtype}
+    parallel = trainer.parallel.model_dump(exclude={"sp", "micro_batch"})
+    return resolve_run_spec([{"model": trainer.model, "training": training, "run": run, "parallel": parallel}])
+
+
+def _grpo_spec(spec: RLRunSpec) -> RunSpec:
+    """The trainer's run, saving under ``save_dir/rl`` (the warm-up saves beside it)."""
+    trainer = spec.trainer
+    if not trainer.run.save_dir:
+        return trainer
+    return trainer.model_copy(update={"run": trainer.run.model_copy(
+        update={"save_dir": str(Path(trainer.run.save_dir) / "rl")})})
+
+
+def run_rl(spec: RLRunSpec) -> int:
+    """The run in the CLI's process: trained here (one process), or on ranks that torchrun or Ray starts."""
+    if spec.engine == "ray":
+        from moetrain.rl.ray_engine import import_ray
+
+        import_ray()  # before the warm-up: a missing Ray is one line, not a failure after minutes
+    run = build_rl_run(spec)
+    if spec.disaggregated:
+        return _launch_pipeline(run)
+    if run.grpo.world_size > 1:
+        from moetrain.distributed.launch import SpecFile, launch
+
+        log_dir = _log_dir(run)
+        return launch(run.grpo, log_dir, "moetrain.rl.worker", SpecFile(write_spec(spec, log_dir), SPEC_ENV), "rl")
+    from rich.console import Console
+
+    console = Console(quiet=run.grpo.run.quiet)
+    start = time.perf_counter()
+    model = _policy_in_one_process(run, console)
+    reference = None
+    if run.options.grpo.kl_coef:
+        from moetrain.models.transformer import build_model
+
+        reference = build_model(run.model_cfg, "cpu")
+        reference.load_state_dict(model.state_dict())
+    train_grpo(run, model, reference, console)
+    console.print(f"total {(time.perf_counter() - start) / 60:.1f} min")
+    return 0
+
+
+def _log_dir(run: RLRun) -> Path:
+    log_dir = Path(run.grpo.run.log_dir or tempfile.mkdtemp(prefix="moetrain-rl-")).resolve()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    return log_dir
+
+
+def starting_model(run: RLRun, device: str | torch.device = "cpu") -> MoETransformer:
+    """A fresh policy: the spec's initial weights, else ``start_from``'s, else initialised from the seed."""
+    import torch
+
+    from moetrain.models.transformer import build_model
+
+    model = build_model(run.model_cfg, device, seed=run.grpo.training.seed)
+    if run.spec.initial_weights:
+        model.load_state_dict(torch.load(run.spec.initial_weights, weights_only=True))
+    elif run.spec.start_from:
+        from moetrain.rl.start import starting_weights
+
+        model.load_state_dict(starting_weights(Path(run.spec.start_from), run.model_cfg))
+    return model
+
+
+def warm_up(run: RLRun, model: MoETransformer | None, console: Console | None = None):
+    """The SFT warm-up trainer of ``run`` after training (or reading back the finished warm-up in its save
+    dir) from ``model`` (None: initialised from the seed)."""
+    from moetrain.rl.loop import SFTTrainer
+    from moetrain.rl.tasks import get_task
+    from moetrain.status import say
+    from moetrain.train.checkpoint import latest_checkpoint
+
+    spec = run.sft
+    assert spec is not None
+    if spec.run.save_dir and latest_checkpoint(Path(spec.run.save_dir)) is not None:
+        # a finished warm-up in the save dir is read back, not trained again
+        spec = spec.model_copy(update={"run": spec.run.model_copy(update={"resume": True})})
+    trainer = SFTTrainer(spec, get_task(run.options.task), model_cfg=run.model_cfg, model=model, console=console,
+                         criterion=run.spec.sft.criterion, eval_size=run.options.eval_size)
+    trainer.console.print(trainer.describe())
+    rows = trainer.train()
+    if rows:
+        trainer.console.print(f"SFT: loss {rows[0]['loss']:.3f} → {rows[-1]['loss']:.3f} in "
+                              f"{sum(r['step_time_s'] for r in rows) / 60:.1f} min")
+    if trainer.decision is not None:
+        say(trainer.console, trainer.decision.describe())  # one line, never wrapped: what the criterion decided
+    return trainer
+
+
+def _policy_in_one_process(run: RLRun, console: Console) -> MoETransformer:
+    """GRPO's starting policy in one process. Each trainer parallelizes (rewrites) the module it is given:
+    one model each; with a warm-up, the GRPO model's weights are all the warm-up's."""
+    if run.sft is None:
+        return starting_model(run)
+    from moetrain.models.transformer import build_model
+
+    trainer = warm_up(run, starting_model(run), console)
+    model = build_model(run.model_cfg, "cpu", seed=run.grpo.training.seed)
+    model.load_state_dict({name: value.detach().clone()
+                           for name, value in trainer.run.stage.model.state_dict().items()})
+    return model
+
+
+def train_grpo(run: RLRun, model: MoETransformer | None, reference: MoETransformer | None,
+               console: Console | None = None) -> RLTrainer:
+    """GRPO, synchronous or colocated StaleSync, from ``model``; the summary and, on the reporting rank, the
+    reward curve (the whole curve after a resume)."""
+    from moetrain.rl.colocated import rl_trainer
+    from moetrain.rl.plot import plot_reward_curve
+
+    trainer = rl_trainer(run.grpo, run.options, run.stale, model_cfg=run.model_cfg, model=model, reference=reference,
+                         console=console, fusion=run.fusion)
+    trainer.console.print(trainer.describe())
+    rows = trainer.train()
+    trainer.print_summary()
+    if run.spec.plot and trainer.is_reporter:
+        plot_reward_curve(whole_curve(rows, run.grpo), Path(run.spec.plot),
+                          f"GRPO on {run.options.task} ({run.model_cfg.name})")
+        trainer.console.print(f"reward curve: {run.spec.plot}")
+    return trainer
+
+
+def whole_curve(rows: list[dict[str, Any]], grpo: RunSpec) -> list[dict[str, Any]]:
+    """The rows of the metrics file when there is one (after a resume it holds the earlier steps too)."""
+    metrics = grpo.run.metrics_out
+    if metrics and Path(metrics).is_file():
+        return [json.loads(line) for line in Path(metrics).read_text().splitlines() if line.strip()]
+    return rows
+
+
+def _launch_pipeline(run: RLRun) -> int:
+    """StaleSync, disaggregated: the warm-up here (one process), then the pipeline's ranks from its weights:
+    processes that torchrun starts (engine local) or Ray actors (engine ray)."""
+    import torch
+    from rich.console import Console
+
+    log_dir = _log_dir(run)
+    spec = run.spec
+    if run.sft is not None or spec.start_from:
+        initial = log_dir / "initial_policy.pt"
+        model = starting_model(run)
+        if run.sft is not None:
+            trainer = warm_up(run, model, Console(quiet=run.grpo.run.quiet))
+            state = {name: value.detach().clone() for name, value in trainer.run.stage.model.state_dict().items()}
+        else:
+            state = model.state_dict()
+        torch.save(state, initial)
+        spec = spec.model_copy(update={"initial_weights": str(initial)})
+    if spec.engine == "ray":
+        from moetrain.rl import ray_engine
+        from moetrain.status import say, status_console
+
+        say(status_console(run.grpo.run.quiet), "starting Ray and its actors (rollout worker, trainer)…")
+        return ray_engine.launch(spec, run.grpo.run.timeout_s)
+    from moetrain.distributed.launch import SpecFile, launch
+    from moetrain.rl.stalesync import Pipeline
+
+    assert spec.stalesync is not None
+    return launch(run.grpo, log_dir, "moetrain.rl.worker", SpecFile(write_spec(spec, log_dir), SPEC_ENV), "rl",
+                  nproc=Pipeline.of(spec.stalesync, run.options).world_size)
