@@ -261,6 +261,7 @@ def _launch_pipeline(run: RLRun) -> int:
             state = model.state_dict()
         torch.save(state, initial)
         spec = spec.model_copy(update={"initial_weights": str(initial)})
+    spec_file = write_spec(spec, log_dir)  # what torchrun's ranks read; beside the log, a record of a Ray run too
     if spec.engine == "ray":
         from moetrain.rl import ray_engine
         from moetrain.status import say, status_console
@@ -271,5 +272,5 @@ def _launch_pipeline(run: RLRun) -> int:
     from moetrain.rl.stalesync import Pipeline
 
     assert spec.stalesync is not None
-    return launch(run.grpo, log_dir, "moetrain.rl.worker", SpecFile(write_spec(spec, log_dir), SPEC_ENV), "rl",
+    return launch(run.grpo, log_dir, "moetrain.rl.worker", SpecFile(spec_file, SPEC_ENV), "rl",
                   nproc=Pipeline.of(spec.stalesync, run.options).world_size)
