@@ -62,9 +62,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
+from enum import StrEnum
 
 import numpy as np
 
+from moetrain.balance.bound import ImbalanceBound, imbalance_bound
 from moetrain.balance.costs import BalanceCostModel, OverlapWindow
 from moetrain.balance.online import PAYBACK_HORIZON, REPLAN_INTERVAL
 from moetrain.balance.placement import ExpertPlacement, Move, diff
@@ -90,6 +92,33 @@ COUNT_NOISE_SAMPLES = 8
 COUNT_NOISE_GATE = 1.5
 """Count noise prices the candidates while the measured forecast noise is at most this many times the step-time
 noise that the count noise alone causes on the current placement."""
+AT_BOUND_TOLERANCE = 0.01
+"""A kept placement whose forecast max/mean is within this fraction of the lower bound counts as at the bound."""
+
+
+class KeepReason(StrEnum):
+    """Why a solve kept the current placement (``Decision.keep_reason``): a closed set."""
+
+    BELOW_THRESHOLD = "below the threshold"
+    """The candidate moves weights and saves time, but not more than the forecast noise over the same steps
+    (``Decision.noise_s``): the saving may be noise, and the trigger counts only what lasts beyond it."""
+    COST_EXCEEDS_SAVING = "cost exceeds saving"
+    """The saving beyond the noise does not exceed ``trigger_margin`` × the migration time."""
+    AT_BOUND = "no better candidate: at the bound"
+    """No candidate saves time, and the current placement is within ``AT_BOUND_TOLERANCE`` of the lower bound
+    (``Decision.bound``): nothing better exists."""
+    STUCK = "no better candidate: stuck above the bound"
+    """No candidate saves time, yet the lower bound leaves room: the solver's candidates miss a better one."""
+
+
+def keep_reason(moves: bool, saving_s: float, noise_s: float, imbalance_current: float,
+                bound: ImbalanceBound) -> KeepReason:
+    """The reason for a solve that neither migrates nor reshares (rules 4 and 5 of the module docstring)."""
+    if moves and saving_s > 0.0:
+        return KeepReason.BELOW_THRESHOLD if saving_s <= noise_s else KeepReason.COST_EXCEEDS_SAVING
+    if imbalance_current <= bound.value * (1.0 + AT_BOUND_TOLERANCE):
+        return KeepReason.AT_BOUND
+    return KeepReason.STUCK
 
 
 def count_noise_samples(forecast: np.ndarray, num_samples: int = COUNT_NOISE_SAMPLES, seed: int = 0) -> np.ndarray:
@@ -139,10 +168,21 @@ class Decision:
     """The load mix jumped (see ``LayerSchedule.observe_shift``): the forecast restarted from the step's load."""
     count_noise: bool = False
     """Candidates and the saving were priced under count noise (rule 8 of the module docstring)."""
+    noise_s: float = 0.0
+    """The part of a saving the trigger discounts as forecast noise: ``lasting_steps`` × the forecast noise."""
+    bound: ImbalanceBound | None = None
+    """Lower bound on the forecast max/mean of any placement with these slots (``balance.bound``)."""
+    keep_reason: KeepReason | None = None
+    """Why the current placement stays (None when the decision migrates or reshares)."""
 
     @property
     def num_moves(self) -> int:
         return len(self.moves)
+
+    @property
+    def outcome(self) -> str:
+        """``migrate``, ``reshare`` (new token shares, no weights move: applied) or ``keep``."""
+        return "migrate" if self.migrate else "reshare" if self.reshare else "keep"
 
     def as_dict(self) -> dict:
         return {
@@ -153,7 +193,10 @@ class Decision:
             "reshare": self.reshare, "early": self.early, "forecast_steps": self.forecast_steps,
             "lasting_steps": round(self.lasting_steps, 2), "gap_candidate": round(self.gap_candidate, 5),
             "fallback": self.fallback, "shift": self.shift, "solve_cpu_ms": round(self.solve_cpu_ms, 3),
-            "count_noise": self.count_noise,
+            "count_noise": self.count_noise, "outcome": self.outcome, "noise_s": self.noise_s,
+            "keep_reason": None if self.keep_reason is None else self.keep_reason.value,
+            "bound": None if self.bound is None else round(self.bound.value, 4),
+            "bound_kind": None if self.bound is None else self.bound.kind,
         }
 
 
@@ -397,6 +440,10 @@ class ReplanRule:
         migrate = bool(moves) and sure_saving > 0.0 and sure_saving > self.trigger_margin * migration
         reshare = not moves and saving > 0.0 and candidate != current
         adopted = candidate if (migrate or reshare) else current
+        imbalance_current = float(current.imbalance(forecast))
+        bound = imbalance_bound(forecast, current.num_ranks, current.slots_per_rank)
+        noise = lasting * schedule.forecast_noise
+        reason = None if adopted is candidate else keep_reason(bool(moves), saving, noise, imbalance_current, bound)
         schedule.reference_excess = (seconds_candidate if adopted is candidate else seconds_current) - ideal
         schedule.predicted_excess = schedule.reference_excess
         schedule.last_solve = step
@@ -404,11 +451,11 @@ class ReplanRule:
             schedule.last_full = step
         decision = Decision(
             step=step, layer=layer, migrate=migrate, predicted_saving_s=saving, migration_s=migration,
-            moves=tuple(moves), imbalance_current=float(current.imbalance(forecast)),
+            moves=tuple(moves), imbalance_current=imbalance_current,
             imbalance_candidate=float(candidate.imbalance(forecast)), solve_ms=solve_s * 1e3,
             solve_cpu_ms=solve_cpu_s * 1e3,
             reshare=reshare, early=early, forecast_steps=window, lasting_steps=lasting,
             gap_candidate=seconds_candidate / ideal - 1.0 if ideal > 0 else 0.0, fallback=fallback,
-            count_noise=count_noise,
+            count_noise=count_noise, noise_s=noise, bound=bound, keep_reason=reason,
         )
         return decision, adopted

@@ -83,6 +83,31 @@ def _render_spare(choice) -> list[str]:
     return lines
 
 
+def _verdict(d) -> str:
+    """What a decision did and, for a keep, why (``schedule.KeepReason``)."""
+    from moetrain.balance.schedule import KeepReason
+
+    if d.outcome == "migrate":
+        return f"MIGRATE {d.num_moves} moves"
+    if d.outcome == "reshare":
+        return "reshare (new token shares, no weights move)"
+    why = {KeepReason.BELOW_THRESHOLD: f"saving within the forecast noise of {d.noise_s * 1e3:.3g} ms over those steps",
+           KeepReason.COST_EXCEEDS_SAVING: f"saving beyond the forecast noise ({d.noise_s * 1e3:.3g} ms) below "
+                                           "the migration time"}.get(d.keep_reason)
+    if d.keep_reason is None:
+        return "keep"
+    return f"keep, {d.keep_reason.value}" + (f": {why}" if why else "")
+
+
+def decision_line(d) -> str:
+    """One decision as the CLI prints it: forecast max/mean now → candidate (lower bound), saving vs cost, verdict."""
+    bound = "" if d.bound is None else f" (bound {d.bound.value:.3f}, {d.bound.kind})"
+    flags = (" (global fallback)" if d.fallback else "") + (" (load shift)" if d.shift else "")
+    return (f"step {d.step:5d} layer {d.layer:3d}: {d.imbalance_current:6.3f} → {d.imbalance_candidate:6.3f}{bound}, "
+            f"saving {d.predicted_saving_s * 1e3:9.3g} ms over {d.lasting_steps:4.1f} steps vs cost "
+            f"{d.migration_s * 1e3:9.3g} ms: {_verdict(d)}{flags}  (solve {d.solve_ms:.1f} ms)")
+
+
 def _default_model(num_experts: int) -> str:
     from moetrain.config import load_model_config, model_presets
 
@@ -154,17 +179,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"predictor: {predictor.name}" + (" (lowest forecast error on the first quarter)" if errors else ""))
     for name, err in errors.items():
         print(f"  forecast error {name:28s} {err:.4f}  (|forecast − actual| / actual, {forecast_horizon}-step mean)")
-    print("decisions (step, layer): forecast imbalance now → candidate, saving over the steps it is counted to "
-          "last vs the migration time it exposes")
+    print("decisions (step, layer): forecast imbalance now → candidate (lower bound on any placement's, and what "
+          "decides it), saving over the steps it is counted to last vs the migration time it exposes; a keep says "
+          "why")
     for d in result.decisions:
-        verdict = f"MIGRATE {d.num_moves} moves" if d.migrate else "keep"
-        verdict += " (global fallback)" if d.fallback else ""
-        verdict += " (load shift)" if d.shift else ""
-        print(f"  step {d.step:5d} layer {d.layer:3d}: {d.imbalance_current:6.3f} → {d.imbalance_candidate:6.3f}, "
-              f"saving {d.predicted_saving_s * 1e3:9.3g} ms over {d.lasting_steps:4.1f} steps vs cost "
-              f"{d.migration_s * 1e3:9.3g} ms: "
-              f"{verdict}  "
-              f"(solve {d.solve_ms:.1f} ms)")
+        print(f"  {decision_line(d)}")
     print(f"imbalance (mean max/mean EP-rank load): {summary['imbalance_before']:.3f} → "
           f"{summary['imbalance_after']:.3f}")
     print(f"predicted MoE-layer time per step: {summary['step_seconds_before']:.4g}s → "
