@@ -126,3 +126,21 @@ def test_a_reshare_is_not_printed_as_keep():
                  imbalance_current=1.02, imbalance_candidate=1.0, solve_ms=1.0, reshare=True, lasting_steps=47.6)
     line = decision_line(d)
     assert "saving       4.9 ms over 47.6 steps vs cost         0 ms: reshare" in line and "keep" not in line
+
+
+@pytest.mark.xfail(strict=True, reason="issue 43: an incremental plan cannot free a stale replica's slot")
+def test_an_incremental_plan_replicates_a_new_giant_when_stale_replicas_fill_the_spare_slots():
+    # the issue's "candidates go 1.80 → 1.79": the warm local search only moves and swaps slots, and bridging needs
+    # a free slot, so while replicas of formerly hot experts fill every spare slot no incremental candidate
+    # replicates the new giant (about 2.13 here); the placements from scratch do (1.00)
+    num_experts, slots = 256, 33
+    loads = np.roll(_giant_on_one_node(num_experts), 200)  # the giant is expert 200, on rank 6
+    table = ExpertPlacement.contiguous(num_experts, 8, slots).slot_expert.reshape(8, slots).copy()
+    table[1:, slots - 1] = 5  # expert 5 (rank 0's) on every other rank
+    table[0, slots - 1] = 40  # and expert 40 (rank 1's) on rank 0: no empty slot left
+    current = ExpertPlacement.from_slot_experts(num_experts, table, np.where(np.isin(table, [5]), 1 / 8,
+                                                                              np.where(np.isin(table, [40]), 0.5, 1.0)))
+    scratch = plan_placement(loads, 8, slots, current=current, candidates="scratch", ranks_per_node=8)
+    assert float(scratch.imbalance(loads)) < 1.15
+    incremental = plan_placement(loads, 8, slots, current=current, candidates="incremental", ranks_per_node=8)
+    assert float(incremental.imbalance(loads)) < 1.15
