@@ -43,6 +43,7 @@ run planner_fit_variants.py
 run planner_screen_vs_timeline.py
 run planner_speed.py
 run planner_step_check.py
+run plan_train_check.py --out $R/plan_train_check_cpu.json
 
 # Expert, data and pipeline balance: recorded routing traces first, then what reads them.
 run balance_data_pipeline.py
