@@ -153,9 +153,14 @@ class ReplicaSyncedOptimizer:
         self.inner.zero_grad()
 
     def step(self, lr: float) -> torch.Tensor:
+        grad_norm = self.reduce_gradients()
+        self.inner.apply_update(lr, grad_norm)
+        return grad_norm
+
+    def reduce_gradients(self) -> torch.Tensor:
         self.balancer.finish_migration()  # the moved experts' optimizer state, in flight since the last step
         correction = self.balancer.sum_replica_gradients()
-        return self.inner.step(lr, norm_sq_correction=correction)
+        return self.inner.reduce_gradients(norm_sq_correction=correction)
 
     def moments_by_name(self) -> tuple[dict[str, dict[str, torch.Tensor]], torch.Tensor]:
         self.balancer.finish_migration()

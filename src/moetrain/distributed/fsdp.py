@@ -183,9 +183,16 @@ class FullyShardedAdamW:
 
     @torch.no_grad()
     def step(self, lr: float, norm_sq_correction: torch.Tensor | None = None) -> torch.Tensor:
-        """Sum the shared embedding over ``embed`` (the rest was reduce-scattered in each backward),
-        clip by the global norm, update this rank's shards; returns the global gradient norm (the same
-        on every rank). ``norm_sq_correction``: as ``ZeroAdamW.step``."""
+        """``reduce_gradients`` then ``apply_update``; returns the global gradient norm."""
+        grad_norm = self.reduce_gradients(norm_sq_correction)
+        self.apply_update(lr, grad_norm)
+        return grad_norm
+
+    @torch.no_grad()
+    def reduce_gradients(self, norm_sq_correction: torch.Tensor | None = None) -> torch.Tensor:
+        """Sum the shared embedding over ``embed`` (the rest was reduce-scattered in each backward) and
+        return the global gradient norm (the same on every rank). ``norm_sq_correction``: as
+        ``ZeroAdamW.reduce_gradients``."""
         for _, p in self.named:
             if p.grad is None:  # as ZeroAdamW: a parameter without gradient gets a zero one
                 p.grad = torch.zeros_like(p)
@@ -198,7 +205,12 @@ class FullyShardedAdamW:
         if norm_sq_correction is not None:
             total_sq = total_sq + norm_sq_correction
         dist.all_reduce(total_sq, group=self.dims.get_group("world"))
-        grad_norm = total_sq.sqrt().float()
+        return total_sq.sqrt().float()
+
+    @torch.no_grad()
+    def apply_update(self, lr: float, grad_norm: torch.Tensor) -> None:
+        """Clip by the global norm and update this rank's shards (AdamW is elementwise)."""
+        grads = [p.grad.to_local() for _, p in self.named]
         if self.cfg.grad_clip > 0:
             # Same rule as torch.nn.utils.clip_grad_norm_: scale by max_norm/(norm + 1e-6), at most 1.
             scale = (self.cfg.grad_clip / (grad_norm + 1e-6)).clamp(max=1.0)
@@ -208,7 +220,12 @@ class FullyShardedAdamW:
         self.optimizer.step()
         if self.stage == 2:
             self._reshard()
-        return grad_norm
+
+    def discard_update(self) -> None:
+        """Instead of ``apply_update``: leave parameters and moments as they were, and reshard as an
+        update would (stage 2), so that the next step starts from the same state either way."""
+        if self.stage == 2:
+            self._reshard()
 
     @torch.no_grad()
     def moments_by_name(self) -> tuple[dict[str, dict[str, torch.Tensor]], torch.Tensor]:

@@ -15,6 +15,7 @@ of it (with the gradient norm and the per-layer load), so its metrics are identi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -100,6 +101,8 @@ class StepResult:
     """Per MoE layer: the most-loaded expert's tokens over the mean."""
     tokens_per_expert: list[list[int]]
     """Per MoE layer (``LayoutRun.moe_layers`` order): the global batch's tokens routed to each expert."""
+    skipped: bool = False
+    """The loss or the gradient norm was not finite: the step changed nothing (``train_step``)."""
 
     def metrics(self) -> dict[str, float | list[float]]:
         """The fields of a metrics row (``tokens_per_expert`` goes to the routing trace instead)."""
@@ -108,7 +111,7 @@ class StepResult:
                 "expert_load_max_over_mean": self.expert_load_max_over_mean}
 
 
-def _step_context(run: LayoutRun, batch: StepBatch) -> StepContext:
+def _step_context(run: LayoutRun, batch: StepBatch, loss_scale: float = 1.0) -> StepContext:
     parallel, device = run.dims.parallel, run.device
     micro_batches = [
         MicroBatch(m.input_ids.to(device, non_blocking=True), m.labels.to(device, non_blocking=True),
@@ -117,9 +120,12 @@ def _step_context(run: LayoutRun, batch: StepBatch) -> StepContext:
                    None if m.expert_ids is None else m.expert_ids.to(device, non_blocking=True))
         for m in batch.micro_batches
     ]
+    normalizer: float = max(batch.global_label_tokens, 1)
+    if loss_scale != 1.0:  # an injected fault (``moetrain.train.faults``): NaN, or a spike, in loss and gradient
+        normalizer = normalizer / loss_scale
     return StepContext(
         # a fill, not torch.tensor(...): a copy from pageable host memory would wait for the device
-        loss_normalizer=torch.full((), max(batch.global_label_tokens, 1), device=device),
+        loss_normalizer=torch.full((), normalizer, device=device),
         aux_loss_scale=1.0 / (len(micro_batches) * parallel.dp), micro_batches=micro_batches,
         hidden_shapes=[(rows, positions // (parallel.tp * parallel.cp), run.model_cfg.hidden_size)
                        for rows, positions in (m.input_ids.shape for m in micro_batches)],
@@ -130,18 +136,22 @@ def _step_context(run: LayoutRun, batch: StepBatch) -> StepContext:
     )
 
 
-def train_step(run: LayoutRun, step: int, batch: StepBatch) -> StepResult:
-    """Optimizer step ``step`` (0-based: it sets the learning rate) of this rank on its ``batch``."""
+def train_step(run: LayoutRun, step: int, batch: StepBatch, loss_scale: float = 1.0) -> StepResult:
+    """Optimizer step ``step`` (0-based: it sets the learning rate) of this rank on its ``batch``.
+
+    A step whose loss or gradient norm is not finite changes nothing (``StepResult.skipped``): no
+    update of the weights, the AdamW moments or the routers' biases. ``loss_scale`` multiplies this
+    rank's loss (fault injection only: NaN, or a spike)."""
     dims, cfg = run.dims, run.cfg
     parallel = dims.parallel
-    ctx = _step_context(run, batch)
+    ctx = _step_context(run, batch, loss_scale)
     schedule = overlapped if parallel.overlap else interleaved_1f1b
     actions = schedule(parallel.pp, parallel.vpp, len(ctx.micro_batches), dims.pp_rank)
     lr = cfg.lr * lr_multiplier(step, cfg)
     run.optimizer.zero_grad()
     run.executor.run(actions, ctx)
     with span("optimizer", "compute"):
-        grad_norm = run.optimizer.step(lr)
+        grad_norm = run.optimizer.reduce_gradients()
     # Each rank counts the tokens it routed (its replica, its sequence shard under TP/CP, its stage's
     # layers): the world sum is the global count. Loss terms are computed whole on every TP rank.
     layers = run.moe_layers
@@ -154,19 +164,28 @@ def train_step(run: LayoutRun, step: int, batch: StepBatch) -> StepResult:
     packed = torch.cat([ctx.loss_sum.double().reshape(1), ctx.loss_parts.double(), counts.flatten()])
     dist.all_reduce(packed, group=dims.get_group("world"))
     global_counts = packed[4:].view(len(layers), num_experts)
-    load = packed.new_zeros(0)
-    if layers:
-        # The aux-loss-free bias step (a no-op for routers without a score bias), from global counts.
-        for row, block in run.held_moe_blocks:
-            block.router.update_bias(global_counts[row])
-        load = global_counts.amax(-1) / global_counts.mean(-1).clamp(min=1e-9)
-    with host_read("step metrics"):  # the step's one read
+    load = global_counts.amax(-1) / global_counts.mean(-1).clamp(min=1e-9) if layers else packed.new_zeros(0)
+    # The step's one read comes before the update, which it decides: the host waits for the backward
+    # here rather than after the update (on a GPU the update's launch is no longer hidden behind it).
+    with host_read("step metrics"):
         values = torch.cat([packed, grad_norm.double().reshape(1).to(packed.device), load]).tolist()
     loss, lm_loss, mtp_loss, aux_loss = (v / parallel.tp for v in values[:4])
     num_counts = len(layers) * num_experts
+    # Both values are world sums (a non-finite term on any rank makes the sum non-finite), read from the
+    # same all-reduced tensors on every rank: the ranks take the same decision and never diverge.
+    skipped = not (math.isfinite(loss) and math.isfinite(values[4 + num_counts]))
+    if skipped:
+        run.optimizer.discard_update()
+    else:
+        with span("optimizer", "compute"):
+            run.optimizer.apply_update(lr, grad_norm)
+        # The aux-loss-free bias step (a no-op for routers without a score bias), from global counts.
+        for row, block in run.held_moe_blocks:
+            block.router.update_bias(global_counts[row])
     flat_counts = [int(v) for v in values[4:4 + num_counts]]
     return StepResult(
         loss=loss, lm_loss=lm_loss, mtp_loss=mtp_loss, aux_loss=aux_loss, lr=lr,
         grad_norm=values[4 + num_counts], expert_load_max_over_mean=values[5 + num_counts:],
         tokens_per_expert=[flat_counts[i * num_experts:(i + 1) * num_experts] for i in range(len(layers))],
+        skipped=skipped,
     )

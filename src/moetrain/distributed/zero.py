@@ -144,6 +144,8 @@ class ZeroAdamW:
         # parameters in model order), so the run is bit for bit the single-process trainer's.
         self.local_only = dist.get_world_size(dims.get_group("world")) == 1 and not any(
             b.shard is not None for b in self.buckets)
+        self._pending_grads: list[torch.Tensor] = []
+        """The gradients ``reduce_gradients`` reduced, which ``apply_update`` clips and applies."""
 
     def zero_grad(self) -> None:
         for bucket in self.buckets:
@@ -168,9 +170,18 @@ class ZeroAdamW:
     @torch.no_grad()
     def step(self, lr: float, norm_sq_correction: torch.Tensor | None = None) -> torch.Tensor:
         """Reduce gradients, clip by the global norm, update this rank's shards, gather the parameters.
-        Returns the global gradient norm (on device). ``norm_sq_correction`` (this rank's share, float64)
-        is added to the squared norm before it is summed over ranks: expert replicas hold the same
-        summed gradient, so all but one are taken back out (``moetrain.distributed.balancing``)."""
+        Returns the global gradient norm (on device). ``norm_sq_correction``: as ``reduce_gradients``."""
+        grad_norm = self.reduce_gradients(norm_sq_correction)
+        self.apply_update(lr, grad_norm)
+        return grad_norm
+
+    @torch.no_grad()
+    def reduce_gradients(self, norm_sq_correction: torch.Tensor | None = None) -> torch.Tensor:
+        """The first half of ``step``: reduce the gradients and return the global gradient norm (on
+        device, the same on every rank), so that the caller can decide whether to update at all (the
+        trainer skips a step whose norm is not finite). ``norm_sq_correction`` (this rank's share,
+        float64) is added to the squared norm before it is summed over ranks: expert replicas hold the
+        same summed gradient, so all but one are taken back out (``moetrain.distributed.balancing``)."""
         grads, squares = [], []
         for bucket in self.buckets:
             reduced = self._reduce(bucket)
@@ -179,16 +190,23 @@ class ZeroAdamW:
                 # one fused norm per tensor, squared and summed in float64 (not a float64 copy of every gradient)
                 norms = torch.stack(torch._foreach_norm(reduced)).double()
                 squares.append(norms.pow(2).sum() * bucket.norm_share)
+        self._pending_grads = grads
         if self.local_only:
             grad_norm = torch.nn.utils.get_total_norm([p.grad for _, p in self.named if p.grad is not None])
             if norm_sq_correction is not None:
                 grad_norm = (grad_norm.double().pow(2) + norm_sq_correction).sqrt().float()
-        else:
-            total_sq = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64)
-            if norm_sq_correction is not None:
-                total_sq = total_sq + norm_sq_correction
-            dist.all_reduce(total_sq, group=self.dims.get_group("world"))
-            grad_norm = total_sq.sqrt().float()
+            return grad_norm
+        total_sq = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64)
+        if norm_sq_correction is not None:
+            total_sq = total_sq + norm_sq_correction
+        dist.all_reduce(total_sq, group=self.dims.get_group("world"))
+        return total_sq.sqrt().float()
+
+    @torch.no_grad()
+    def apply_update(self, lr: float, grad_norm: torch.Tensor) -> None:
+        """The second half of ``step``: clip the reduced gradients by ``grad_norm``, update this rank's
+        shards, gather the parameters."""
+        grads, self._pending_grads = self._pending_grads, []
         if self.cfg.grad_clip > 0 and grads:
             # Same rule as torch.nn.utils.clip_grad_norm_: scale by max_norm/(norm + 1e-6), at most 1.
             scale = (self.cfg.grad_clip / (grad_norm + 1e-6)).clamp(max=1.0)
@@ -204,7 +222,10 @@ class ZeroAdamW:
                 dist.all_gather(parts, bucket.shard.detach(), group=bucket.group)
             for p, value in zip(bucket.params, _unflatten(torch.cat(parts), bucket.names, bucket.params).values()):
                 p.copy_(value)
-        return grad_norm
+
+    def discard_update(self) -> None:
+        """Instead of ``apply_update``: drop the reduced gradients; parameters and moments stay as they were."""
+        self._pending_grads = []
 
     def _gathered(self, bucket: _Bucket, shard: torch.Tensor) -> dict[str, torch.Tensor]:
         parts = [torch.empty_like(shard) for _ in range(bucket.group_size)]
