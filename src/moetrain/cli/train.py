@@ -40,6 +40,8 @@ FLAG_FIELDS: dict[str, tuple[str, str]] = {
     "overlap": ("parallel", "overlap"),
     "online_balance": ("balance", "enabled"), "balance_interval": ("balance", "interval"),
     "balance_horizon": ("balance", "horizon"), "slots_per_rank": ("balance", "slots_per_rank"),
+    "spike_factor": ("guards", "spike_factor"), "spike_window": ("guards", "spike_window"),
+    "max_bad_steps": ("guards", "max_bad_steps"),
 }
 PATH_FLAGS = ("data", "metrics_out", "tensorboard", "trace_routing", "save_dir", "trace_dir", "log_dir")
 """Made absolute, so every rank (and a resumed run started elsewhere) reads the same files."""
@@ -47,7 +49,8 @@ LAYOUT_FLAGS = ("tp", "pp", "vpp", "ep", "etp", "cp", "zero", "overlap", "hierar
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="a run.yaml with model, training, parallel, run, memory, balance sections")
+    parser.add_argument("--config", help="a run.yaml with model, training, parallel, run, memory, balance, guards "
+                        "sections")
     parser.add_argument("--plan", help="a plan.yaml written by `moetrain plan --out` (layout, micro-batch, recompute)")
     parser.add_argument("--model", help="model preset name or YAML file")
     parser.add_argument("--cluster", help="cluster preset for MFU (default: cpu on CPU, else the GPU's own preset)")
@@ -103,6 +106,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     b.add_argument("--balance-horizon", type=int,
                    help=f"steps over which a migration must repay its cost (default: {PAYBACK_HORIZON})")
     b.add_argument("--slots-per-rank", type=int, help="expert slots per EP rank (default: experts/ep + 1)")
+    s = parser.add_argument_group("bad steps (docs/training.md); a non-finite loss or gradient norm is always skipped")
+    s.add_argument("--spike-factor", type=float,
+                   help="roll back to the last checkpoint when a loss exceeds F × the median of recent ones "
+                        "(default: off)")
+    s.add_argument("--spike-window", type=int, help="recent finite losses the spike median is taken over")
+    s.add_argument("--max-bad-steps", type=int, help="roll back after this many skipped steps in a row")
     add_memory_policy_args(parser)
     _show_spec_defaults(parser)
 

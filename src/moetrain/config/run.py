@@ -107,6 +107,23 @@ class BalanceOptions(BaseModel):
         return self
 
 
+class GuardOptions(BaseModel):
+    """Bad-step guards (``moetrain.train.guards``): a step whose loss or gradient norm is not finite is
+    always skipped; these decide when the run rolls back to its last checkpoint instead."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    spike_factor: float | None = Field(default=None, gt=1)
+    """Roll back when a step's loss exceeds this multiple of the median of the last ``spike_window``
+    finite losses. None (the default): never; what counts as a spike depends on the run (a fast early
+    descent, a small noisy batch), so the user sets it from their own curves."""
+    spike_window: int = Field(default=20, ge=1)
+    """Finite losses the median is taken over; no step is judged a spike before there are this many."""
+    max_bad_steps: int = Field(default=5, ge=1)
+    """Roll back after this many skipped (non-finite) steps in a row: one is noise, a run of them means
+    the weights or the data went bad."""
+
+
 class RunSpec(BaseModel):
     """Model, training, parallel layout and run options of one run."""
 
@@ -121,6 +138,7 @@ class RunSpec(BaseModel):
     run: RunOptions = Field(default_factory=RunOptions)
     memory: MemoryOptions = Field(default_factory=MemoryOptions)
     balance: BalanceOptions = Field(default_factory=BalanceOptions)
+    guards: GuardOptions = Field(default_factory=GuardOptions)
 
     @model_validator(mode="before")
     @classmethod

@@ -40,6 +40,8 @@ from moetrain.models.transformer import MoETransformer
 from moetrain.threads import ThreadChoice, choose_threads
 from moetrain.train.checkpoint import is_model_only, latest_checkpoint, read_marker, run_identity, should_save
 from moetrain.train.checks import check_run
+from moetrain.train.faults import injected_faults
+from moetrain.train.guards import BadStepGuard, Verdict
 from moetrain.train.host_memory import keep_freed_host_memory
 from moetrain.train.metrics import (
     MetricsLogger,
@@ -150,7 +152,8 @@ class Trainer:
         if paths.trace_routing and self.is_reporter:
             self.routing_trace = RoutingTraceWriter(Path(paths.trace_routing), self.run.moe_layers, resume=paths.resume)
         self.tracer = Tracer(self.dims.rank)
-        self.fault = _injected_fault(self.dims.rank)
+        self.fault = injected_faults(self.dims.rank)
+        self.guard = BadStepGuard(spec.guards)
 
     # ----- building -----
     def check_memory(self) -> None:
@@ -270,8 +273,6 @@ class Trainer:
                "tokens_per_s": tokens_per_s, "mfu": mfu,
                "layout": {**self.spec.parallel.model_dump(), "global_batch": self.cfg.global_batch}, **extra}
         self.metrics.log(row)
-        if not (row["loss"] == row["loss"] and abs(row["loss"]) != float("inf")):
-            raise UserError(f"loss became {row['loss']} at step {self.step}; lower --lr or raise --warmup")
         return row
 
     def save(self) -> Path | None:
@@ -288,6 +289,12 @@ class Trainer:
         path = latest_checkpoint(Path(self.spec.run.save_dir))
         if path is None:
             return False
+        self.restore(path)
+        self.console.print(f"resumed from {path} (step {self.step})")
+        return True
+
+    def restore(self, path: Path) -> None:
+        """Load the checkpoint at ``path`` (a resume, or a rollback): weights, moments, step."""
         if self.balancer is not None:  # adopt the saved placement first: slots then load their experts
             saved = read_expert_placement(path)
             restored = saved is not None and self.balancer.load_state_dict(saved)
@@ -295,8 +302,6 @@ class Trainer:
                                "no expert placement of this EP size in the checkpoint; starting from the "
                                "contiguous one")
         self.step = load_checkpoint(path, self.run, self.model_cfg, identity=self.identity())
-        self.console.print(f"resumed from {path} (step {self.step})")
-        return True
 
     def train(self) -> list[dict[str, Any]]:
         """The loop: run (or resume) until ``steps`` or ``stop_at``; returns the metrics rows of this run."""
@@ -326,17 +331,55 @@ class Trainer:
             batch = self.next_batch()
             batch_done = time.perf_counter()
             with self.tracer.active():
-                result = train_step(self.run, self.step, batch)
+                result = train_step(self.run, self.step, batch, self.fault.loss_scale(self.step))
             self.step += 1
             step_done = time.perf_counter()
             extra = self.after_step()
             # the step's parts as the host sees them (no added sync: on an accelerator the host may run ahead)
             extra.update(batch_time_s=batch_done - start, train_step_time_s=step_done - batch_done,
                          after_step_time_s=time.perf_counter() - step_done)
+            verdict = self.guard.judge(self.step, result.loss, result.grad_norm, result.skipped)
+            extra.update(self.verdict_fields(verdict, result.skipped))
             row = self.log(result, batch.global_tokens, time.perf_counter() - start, extra)
             progress.update(self.step, row)
+            if verdict.action == "roll_back":
+                self.roll_back(verdict)  # it saves the rolled-back state under the current step
+                continue
             if should_save(self.step, last_step, self.spec.run.save_every) or self.finished():
                 self.save()
+
+    def verdict_fields(self, verdict: Verdict, skipped: bool) -> dict[str, Any]:
+        """A bad step's fields of the metrics row, and its console line."""
+        fields: dict[str, Any] = {}
+        if skipped:
+            count = self.guard.skipped_steps
+            # the batch (0-based, ``PackedDataset.step_batch``) is consumed: the next step reads the next one
+            fields.update(skipped=True, batch=self.step - 1, skipped_steps=count)
+            self.console.print(f"step {self.step} skipped ({verdict.reason}): no update from batch {self.step - 1}; "
+                               f"{count} step{'s' * (count > 1)} skipped so far", markup=False, highlight=False)
+        if verdict.action == "roll_back":
+            fields["roll_back"] = verdict.reason
+        return fields
+
+    def roll_back(self, verdict: Verdict) -> None:
+        """Restore the newest complete checkpoint and move the data position past the batches trained on
+        since: the next step reads the batch after the bad step's, from the checkpoint's weights. The
+        learning rate follows the data position (the schedule is a function of the batches consumed,
+        as a skipped step's is). The rolled-back state is saved at once under the current step, so a
+        restart resumes past the skipped batches instead of training on them again."""
+        bad_step = self.step
+        save_dir = self.spec.run.save_dir
+        path = latest_checkpoint(Path(save_dir)) if save_dir else None
+        if path is None or is_model_only(path):
+            raise UserError(f"step {bad_step}: {verdict.reason}; no checkpoint to roll back to (save some with "
+                            "--save-dir and --save-every K, or lower --lr)")
+        self.restore(path)
+        restored = self.step
+        self.guard.rolled_back(restored)
+        self.step = bad_step
+        self.console.print(f"step {bad_step}: {verdict.reason}; rolled back to {path.name} (step {restored}), "
+                           f"skipping batches {restored}–{bad_step - 1}", markup=False, highlight=False)
+        self.save()
 
     def finished(self) -> bool:
         """Whether the run is done before its last step (a measured stopping criterion; checked before
@@ -391,26 +434,6 @@ class Trainer:
         # no MFU on a CPU: the cpu preset's peak is nominal (the metrics rows keep the relative figure)
         self.console.print(summary_table(self.metrics.rows, title, model_cfg=self.model_cfg,
                                          show_mfu=self.device.type != "cpu"))
-
-
-def _injected_fault(rank: int):
-    """``MOETRAIN_FAULT=rank:step:raise|kill[:save]`` fails one rank at one step, before it (default) or
-    as it saves the checkpoint after it (tests of the failure path)."""
-    spec = os.environ.get("MOETRAIN_FAULT")
-    if not spec:
-        return lambda step, phase: None
-    fault_rank, fault_step, kind, *where = spec.split(":")
-    fault_phase = where[0] if where else "step"
-
-    def fault(step: int, phase: str) -> None:
-        if int(fault_rank) == rank and int(fault_step) == step and phase == fault_phase:
-            if kind == "kill":
-                import signal
-
-                os.kill(os.getpid(), signal.SIGKILL)
-            raise RuntimeError(f"injected fault at step {step}")
-
-    return fault
 
 
 __all__ = ["Trainer", "resolve_device", "resolve_document_mask"]
