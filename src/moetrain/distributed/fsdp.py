@@ -46,7 +46,7 @@ from moetrain.distributed.layout import ParallelDims
 from moetrain.distributed.parallelize import last_stage_holds_embedding
 from moetrain.distributed.tp import ParamKind
 from moetrain.distributed.trace import span
-from moetrain.distributed.zero import MOMENTS, kind_rules, param_kind
+from moetrain.distributed.zero import MOMENTS, clip_and_set_lr, kind_rules, param_kind, world_norm
 from moetrain.errors import UserError
 
 
@@ -201,22 +201,13 @@ class FullyShardedAdamW:
                 dist.all_reduce(p.grad.to_local(), group=self.dims.get_group("embed"))
         grads = [p.grad.to_local() for _, p in self.named]
         squares = [g.double().pow(2).sum() * self.norm_share[name] for (name, _), g in zip(self.named, grads)]
-        total_sq = torch.stack(squares).sum()
-        if norm_sq_correction is not None:
-            total_sq = total_sq + norm_sq_correction
-        dist.all_reduce(total_sq, group=self.dims.get_group("world"))
-        return total_sq.sqrt().float()
+        return world_norm(squares, norm_sq_correction, self.dims.get_group("world"))
 
     @torch.no_grad()
     def apply_update(self, lr: float, grad_norm: torch.Tensor) -> None:
         """Clip by the global norm and update this rank's shards (AdamW is elementwise)."""
         grads = [p.grad.to_local() for _, p in self.named]
-        if self.cfg.grad_clip > 0:
-            # Same rule as torch.nn.utils.clip_grad_norm_: scale by max_norm/(norm + 1e-6), at most 1.
-            scale = (self.cfg.grad_clip / (grad_norm + 1e-6)).clamp(max=1.0)
-            torch._foreach_mul_(grads, scale.to(grads[0].device))
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        clip_and_set_lr(self.optimizer, grads, grad_norm, self.cfg.grad_clip, lr)
         self.optimizer.step()
         if self.stage == 2:
             self._reshard()

@@ -101,6 +101,26 @@ def _unflatten(flat: torch.Tensor, names: list[str], params: list[nn.Parameter])
     return out
 
 
+
+def world_norm(squares: list[torch.Tensor], norm_sq_correction: torch.Tensor | None, group) -> torch.Tensor:
+    """The global gradient norm from this rank's weighted squared norms (float64), summed over ``group``."""
+    total_sq = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64)
+    if norm_sq_correction is not None:
+        total_sq = total_sq + norm_sq_correction
+    dist.all_reduce(total_sq, group=group)
+    return total_sq.sqrt().float()
+
+def clip_and_set_lr(optimizer: torch.optim.Optimizer, grads: list[torch.Tensor], grad_norm: torch.Tensor,
+                    max_norm: float, lr: float) -> None:
+    """Scale ``grads`` by the global ``grad_norm`` as ``torch.nn.utils.clip_grad_norm_`` does
+    (max_norm/(norm + 1e-6), at most 1; 0: no clipping) and set the step's learning rate: the update's
+    preamble in every sharded optimizer (this one, ``fsdp.FullyShardedAdamW``)."""
+    if max_norm > 0 and grads:
+        scale = (max_norm / (grad_norm + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_(grads, scale.to(grads[0].device))
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
 class ZeroAdamW:
     def __init__(self, model: nn.Module, dims: ParallelDims, cfg: TrainingConfig,
                  tp_kinds: dict[str, ParamKind] | None = None, keep_flat: bool = False) -> None:
@@ -196,23 +216,14 @@ class ZeroAdamW:
             if norm_sq_correction is not None:
                 grad_norm = (grad_norm.double().pow(2) + norm_sq_correction).sqrt().float()
             return grad_norm
-        total_sq = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64)
-        if norm_sq_correction is not None:
-            total_sq = total_sq + norm_sq_correction
-        dist.all_reduce(total_sq, group=self.dims.get_group("world"))
-        return total_sq.sqrt().float()
+        return world_norm(squares, norm_sq_correction, self.dims.get_group("world"))
 
     @torch.no_grad()
     def apply_update(self, lr: float, grad_norm: torch.Tensor) -> None:
         """The second half of ``step``: clip the reduced gradients by ``grad_norm``, update this rank's
         shards, gather the parameters."""
         grads, self._pending_grads = self._pending_grads, []
-        if self.cfg.grad_clip > 0 and grads:
-            # Same rule as torch.nn.utils.clip_grad_norm_: scale by max_norm/(norm + 1e-6), at most 1.
-            scale = (self.cfg.grad_clip / (grad_norm + 1e-6)).clamp(max=1.0)
-            torch._foreach_mul_(grads, scale.to(grads[0].device))
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        clip_and_set_lr(self.optimizer, grads, grad_norm, self.cfg.grad_clip, lr)
         self.optimizer.step()
         for bucket in self.buckets:
             if bucket.shard is None:
