@@ -92,11 +92,25 @@ def test_a_gpu_is_priced_by_the_preset_its_name_says():
 def test_ranks_beyond_a_hosts_cores_share_them():
     from moetrain.config import load_cluster_config
 
-    cpu = load_cluster_config("cpu")  # a 2-core host, nominally
+    cpu = load_cluster_config("cpu").model_copy(update={"shared_host_slowdown": 1.0})  # a 2-core host, nominally
     four = cpu.for_ranks(4)
     assert (four.peak_tflops_bf16, four.hbm_bandwidth_tbps, four.hbm_gb, four.core_share) == (0.05, 0.01, 6.0, 0.5)
     two = cpu.for_ranks(2)  # a core each: only the memory is split
     assert (two.peak_tflops_bf16, two.hbm_bandwidth_tbps, two.hbm_gb, two.core_share) == (0.1, 0.02, 12.0, 1.0)
     assert cpu.for_ranks(1) == cpu and four.for_ranks(4) == four and four.unshared().peak_tflops_bf16 == 0.1
+
+
+def test_ranks_that_keep_every_core_busy_pay_the_shared_host_slowdown():
+    from moetrain.config import load_cluster_config
+
+    cpu = load_cluster_config("cpu").model_copy(update={"shared_host_slowdown": 1.25})
+    two = cpu.for_ranks(2)  # every core busy: the measured slowdown whole
+    assert (two.peak_tflops_bf16, two.hbm_bandwidth_tbps, two.core_share) == pytest.approx((0.08, 0.016, 0.8))
+    four = cpu.for_ranks(4)  # half a core each, and slowed
+    assert (four.peak_tflops_bf16, four.core_share) == pytest.approx((0.04, 0.4))
+    assert two.unshared().peak_tflops_bf16 == pytest.approx(0.1) and cpu.for_ranks(1) == cpu
+    eight = load_cluster_config("cpu").model_copy(update={"host_cores": 8, "shared_host_slowdown": 1.7})
+    # 3 ranks on 8 cores keep 2 of the 7 other cores busy: 2/7 of the slowdown
+    assert eight.for_ranks(3).core_share == pytest.approx(1.0 / (1.0 + 0.7 * 2 / 7))
     h100 = load_cluster_config("h100-sxm-80gb")  # devices with compute and memory of their own
     assert h100.for_ranks(8) == h100

@@ -211,3 +211,25 @@ def test_ranks_sharing_a_hosts_cores_compute_no_faster_together(capsys):
         assert main(["simulate", *TINY, "--devices", str(devices), "--micro-batch", "4", "--json"]) == 0
         compute[devices] = json.loads(capsys.readouterr().out)["compute_s"]
     assert sum(compute[4].values()) == pytest.approx(sum(compute[2].values()), rel=0.05)
+
+
+def test_cpu_ranks_are_priced_as_this_runtime_trains_them(capsys: pytest.CaptureFixture[str]) -> None:
+    """On CPU ranks (gloo, which only this runtime drives) simulate prices the runtime: ZeRO reduces after
+    the backward, so none of the data-parallel traffic hides; tiny-pangu's q/k and v head dims differ, so
+    torch's CPU attention materialises the scores. On GPUs the published stacks' overlap stays."""
+    from moetrain.config import load_cluster_config, load_model_config
+    from moetrain.planner.workload import runtime_workload
+
+    def simulate(cluster: str) -> dict:
+        assert main(["simulate", "--model", "tiny-pangu", "--seq-len", "128", "--global-batch", "16",
+                     "--micro-batch", "8", "--devices", "2", "--cluster", cluster, "--zero", "1", "--json"]) == 0
+        return json.loads(capsys.readouterr().out)["communication_s"]["data_parallel"]
+
+    cpu = simulate("cpu")
+    assert cpu["total_s"] > 0 and cpu["exposed_s"] == cpu["total_s"]
+    gpu = simulate("h100-sxm-80gb")
+    assert gpu["exposed_s"] < gpu["total_s"]
+    tiny, cpu_cluster = load_model_config("tiny-pangu"), load_cluster_config("cpu")
+    assert tiny.attention.qk_head_dim != tiny.attention.v_head_dim
+    assert not runtime_workload(tiny, cpu_cluster, 128, 16).flash_attention
+    assert runtime_workload(tiny, load_cluster_config("h100-sxm-80gb"), 128, 16).flash_attention

@@ -103,7 +103,8 @@ def test_on_a_cpu_the_host_time_adds_beyond_the_probe_work() -> None:
     # seq 512: each pass's device work is far above 10 ms, where a GPU's floor would add nothing
     workload = Workload(model, cpu, seq_len=512, global_batch=16, precision="fp32")
     strategy = Strategies.from_parallel([ParallelConfig(micro_batch=4)])
-    device_only = load_calibration().for_device("cpu")
+    device_only = replace(load_calibration().for_device("cpu"), host_layer_us=0.0, host_wide_layer_us=0.0,
+                          host_optimizer_ms=0.0)
     base = evaluate(workload, strategy, device_only)
     measured = replace(device_only, host_layer_us=10_000.0, host_probe_tokens=16.0)
     slower = replace(measured, host_layer_us=11_000.0)
@@ -116,3 +117,50 @@ def test_on_a_cpu_the_host_time_adds_beyond_the_probe_work() -> None:
     # hundreds of microseconds) adds nothing: the measurement held only that work.
     below = replace(device_only, host_layer_us=1.0)
     assert float(evaluate(workload, strategy, below).step_time_s[0]) == pytest.approx(float(base.step_time_s[0]))
+
+
+def test_on_a_cpu_the_host_excess_is_the_line_through_both_probes() -> None:
+    """With a second probe on a wide micro-batch, the excess of a pass is the line through the two probes'
+    excesses, taken at the pass's tokens: a wide probe 1 ms slower adds (2048 − 16) / (512 − 16) ms to
+    every pass of 4 × 512 tokens, and nothing more to a pass of the narrow probe's own 16 tokens."""
+    from dataclasses import replace
+
+    import numpy as np
+
+    from moetrain.config import ParallelConfig, load_cluster_config
+    from moetrain.planner.costmodel import evaluate
+    from moetrain.planner.strategy import Strategies
+    from moetrain.planner.workload import Workload
+
+    model, cpu = load_model_config("tiny-pangu"), load_cluster_config("cpu")
+    probes = replace(load_calibration().for_device("cpu"), host_layer_us=10_000.0, host_probe_tokens=16.0,
+                     host_wide_layer_us=40_000.0, host_wide_batch=4.0, host_wide_seq=128.0)
+    slower = replace(probes, host_wide_layer_us=41_000.0)
+    layer_passes = model.num_layers + model.num_mtp_layers
+    wide = Workload(model, cpu, seq_len=512, global_batch=16, precision="fp32")
+    strategy = Strategies.from_parallel([ParallelConfig(micro_batch=4)])
+    gained = evaluate(wide, strategy, slower).step_time_s - evaluate(wide, strategy, probes).step_time_s
+    np.testing.assert_allclose(gained, 4 * layer_passes * 1e-3 * (2048 - 16) / (512 - 16), rtol=1e-9)
+    narrow = Workload(model, cpu, seq_len=16, global_batch=4, precision="fp32")
+    one = Strategies.from_parallel([ParallelConfig(micro_batch=1)])
+    unchanged = evaluate(narrow, one, slower).step_time_s - evaluate(narrow, one, probes).step_time_s
+    np.testing.assert_allclose(unchanged, 0.0, atol=1e-12)
+
+
+def test_the_shipped_fit_carries_the_cpu_profile_in_every_fit() -> None:
+    """The published runs hold no CPU: the shipped CPU profile is the ``cpu`` architecture of the default
+    calibration and of each held-out fit, and a GPU's efficiencies do not change with it."""
+    import yaml
+
+    from moetrain.planner.calibration import calibration_from_dict
+
+    shipped = load_calibration()
+    cpu = shipped.for_device("cpu")
+    assert cpu.host_layer_us > 0 and cpu.host_wide_layer_us > cpu.host_layer_us and cpu.bus_intra == 1.0
+    profiled = shipped.per_arch["cpu"]
+    assert {"gemm_max", "memory", "host_wide_layer_us"} <= set(profiled) and shipped.held_out_fits
+    for fit in shipped.held_out_fits.values():  # the profiled values, whatever source a fit leaves out
+        assert {k: getattr(fit.for_device("cpu"), k) for k in profiled} == {k: getattr(cpu, k) for k in profiled}
+    text = (Path(__file__).parents[2] / "src/moetrain/planner/calibration_default.yaml").read_text()
+    fit_alone = calibration_from_dict(yaml.safe_load(text), "calibration_default.yaml")
+    assert shipped.for_device("H100") == fit_alone.for_device("H100")

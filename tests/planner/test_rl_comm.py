@@ -271,7 +271,8 @@ def test_expert_count_exchange_is_one_gather_per_moe_forward_by_hand():
     from moetrain.planner.costmodel import evaluate
     from moetrain.planner.strategy import Strategies
 
-    model, cluster = load_model_config("tiny-pangu"), load_cluster_config("cpu")
+    model = load_model_config("tiny-pangu")
+    cluster = load_cluster_config("cpu").model_copy(update={"collective_links": {}})  # the plain in-node link
     eff = Calibration(Efficiency(), {}).for_device("cpu")
     workload = Workload(model, cluster, seq_len=64, global_batch=8, precision="fp32")
     ep2 = Strategies.from_parallel([ParallelConfig(dp=2, ep=2, micro_batch=2)])

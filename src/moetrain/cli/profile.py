@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     model = load_model_config(args.model)
     measured, efficiencies = profile_device(cluster, model, device, args.repeats)
     if args.comm_ranks is not None:
-        link = _profile_link(args, cluster, measured)
+        link = _profile_link(args, cluster, model, measured)
         efficiencies["bus_intra"] = 1.0  # the fitted bandwidth is what the collectives reached
     base = load_calibration()
     per_arch = dict(base.per_arch)
@@ -76,28 +76,36 @@ def run(args: argparse.Namespace) -> int:
             sync = measured["weight_sync"]
             kinds = ", ".join(f"{kind} {fit.latency_us:.0f} µs and {fit.gbps:.3g} GB/s"
                               for kind, fit in link.kinds.items())
+            shared = measured.get("shared_host")
             print(f"gloo on {args.comm_ranks} ranks: {link.latency_us:.0f} µs per message step, {link.gbps:.3g} GB/s "
                   f"({kinds}); "
-                  f"weight sync per core: copy {sync['copy_bytes_per_s'] / 1e9:.3g} GB/s, CRC-32 "
+                  + (f"{shared['ranks']} ranks computing at once: {shared['slowdown']:.2f}× their time alone; "
+                     if shared else "")
+                  + f"weight sync per core: copy {sync['copy_bytes_per_s'] / 1e9:.3g} GB/s, CRC-32 "
                   f"{sync['crc_bytes_per_s'] / 1e9:.3g} GB/s"
                   + (f"; cluster written to {args.comm_out}" if args.comm_out else ""))
     return 0
 
 
-def _profile_link(args: argparse.Namespace, cluster, measured: dict):
-    """Collectives and the sync's rates into ``measured``; the fitted link (and its cluster file)."""
+def _profile_link(args: argparse.Namespace, cluster, model, measured: dict):
+    """Collectives, the sync's rates and (ranks on a CPU host) how the ranks slow each other into
+    ``measured``; the fitted link (and its cluster file)."""
     from dataclasses import asdict
 
     import yaml
 
     from moetrain.planner.comm import fit_link
-    from moetrain.train.profiler import profile_collectives, profile_sync_rates
+    from moetrain.train.profiler import profile_collectives, profile_shared_host, profile_sync_rates
 
     collectives = profile_collectives(args.comm_ranks, repeats=args.repeats)
     link = fit_link([m for m in collectives if m["kind"] != "send_recv"])  # sends stream: no round trip
     measured.update(collectives=collectives, link=asdict(link), weight_sync=profile_sync_rates(args.repeats))
+    update = {"name": f"{cluster.name}-{args.comm_ranks}-ranks"}
+    if cluster.host_cores is not None:  # ranks computing on one host's cores
+        measured["shared_host"] = profile_shared_host(model, min(args.comm_ranks, cluster.host_cores), args.repeats)
+        update["shared_host_slowdown"] = measured["shared_host"]["slowdown"]
     if args.comm_out is not None:
-        fitted = link.cluster(cluster).model_copy(update={"name": f"{cluster.name}-{args.comm_ranks}-ranks"})
+        fitted = link.cluster(cluster).model_copy(update=update)
         with open(args.comm_out, "w", encoding="utf-8") as f:
             f.write(f"# {cluster.name} with its in-node link fitted to gloo collectives on {args.comm_ranks} local "
                     "ranks (moetrain profile --comm-ranks)\n")

@@ -11,7 +11,7 @@ from moetrain.cli.parsing import add_renamed_flag
 from moetrain.config import ParallelConfig, limits, load_cluster_config, load_model_config
 from moetrain.errors import UserError
 from moetrain.planner.calibration import Calibration, load_calibration
-from moetrain.planner.workload import Workload
+from moetrain.planner.workload import Workload, runtime_workload
 
 PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
 
@@ -58,8 +58,14 @@ def build_workload(args: argparse.Namespace) -> tuple[Workload, Calibration]:
     cluster = load_cluster_config(args.cluster)
     cluster = cluster.for_ranks(min(args.devices, cluster.devices_per_node))
     calibration = load_calibration(args.calibration)
-    workload = Workload(model, cluster, args.seq_len, args.global_batch, args.dtype, args.imbalance,
-                        grad_bytes=2.0 if args.dtype == "fp16" else 4.0)
+    if cluster.host_is_device:
+        # CPU ranks run on gloo, which only this project's runtime drives: price it as it trains
+        workload = runtime_workload(model, cluster, args.seq_len, args.global_batch, args.dtype, args.imbalance)
+    else:
+        # accelerators: the published stacks' semantics the shipped fit was made on (Megatron-Core-like
+        # overlap and collectives)
+        workload = Workload(model, cluster, args.seq_len, args.global_batch, args.dtype, args.imbalance,
+                            grad_bytes=2.0 if args.dtype == "fp16" else 4.0)
     return workload, calibration
 
 

@@ -48,8 +48,12 @@ class ClusterConfig(BaseModel):
     them share the cores, and every rank shares the node's memory (``for_ranks``). None: each device has
     compute and memory of its own."""
     core_share: float = Field(default=1.0, gt=0, le=1)
-    """Of a core's time, the share each rank gets where ranks outnumber ``host_cores`` (set by
-    ``for_ranks``; the peaks above are already scaled by it)."""
+    """Of a core's time, the share each rank gets where ranks outnumber ``host_cores``, over the shared
+    host's slowdown (set by ``for_ranks``; the peaks above are already scaled by it)."""
+    shared_host_slowdown: float = Field(default=1.0, ge=1.0)
+    """With ``host_cores``: a rank's compute time when ranks keep every core busy over its time alone (the
+    cores share the host's memory bandwidth, caches and clock). Measured by ``moetrain profile
+    --comm-ranks N``; 1: ranks do not slow each other."""
     collective_links: dict[CollectiveKind, CollectiveLink] = Field(default_factory=dict)
     """Measured in-node links by collective kind; a kind given here is priced on its own link instead of
     ``intra_node_*`` (and the calibration's ``bus_intra``). Empty for the presets."""
@@ -73,10 +77,13 @@ class ClusterConfig(BaseModel):
     def for_ranks(self, ranks_on_node: int) -> ClusterConfig:
         """The devices as ``ranks_on_node`` ranks of one host see them: with ``host_cores``, the node's
         memory split among them, and compute and memory bandwidth split too where they outnumber the
-        cores (each then has ``host_cores / ranks_on_node`` of a core's time). Unchanged without it."""
+        cores (each then has ``host_cores / ranks_on_node`` of a core's time), and slowed by
+        ``shared_host_slowdown`` as they share the host. Unchanged without it."""
         if self.host_cores is None or ranks_on_node <= 1 or self.core_share < 1.0:
             return self  # a host cluster for one rank, or already split
-        share = min(1.0, self.host_cores / ranks_on_node)
+        # the slowdown was measured with every core busy: ranks that leave cores idle pay its share
+        busy = 1.0 if self.host_cores <= 1 else min(1.0, (ranks_on_node - 1) / (self.host_cores - 1))
+        share = min(1.0, self.host_cores / ranks_on_node) / (1.0 + (self.shared_host_slowdown - 1.0) * busy)
         return self.model_copy(update={
             "peak_tflops_bf16": self.peak_tflops_bf16 * share,
             "peak_tflops_fp8": None if self.peak_tflops_fp8 is None else self.peak_tflops_fp8 * share,

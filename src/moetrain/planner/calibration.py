@@ -56,7 +56,8 @@ PER_ARCH_PARAMS: tuple[str, ...] = ("gemm_max",)
 # optimizer update, the per-step cost the model does price, is memory traffic
 # (``costmodel.OPTIMIZER_BYTES_PER_PARAM``). The host issue times stay zero for the published runs (their
 # kernels are large, so the device is the bottleneck); ``moetrain profile`` measures them where they matter.
-NOT_FITTED: tuple[str, ...] = ("step_overhead_ms", "host_layer_us", "host_optimizer_ms", "host_probe_tokens")
+NOT_FITTED: tuple[str, ...] = ("step_overhead_ms", "host_layer_us", "host_optimizer_ms", "host_probe_tokens",
+                               "host_wide_layer_us", "host_wide_batch", "host_wide_seq")
 
 
 
@@ -108,6 +109,14 @@ class Efficiency:
     CPU: ``ClusterConfig.host_is_device``) the host time adds to the device's instead of bounding it from
     below, and the device work the cost model prices at these tokens is already inside the measurement, so
     it is not counted twice (``costmodel._pass_times``)."""
+    host_wide_layer_us: float = 0.0
+    """Where the host is the device: the same measurement as ``host_layer_us`` on a wide micro-batch
+    (``host_wide_batch`` sequences of ``host_wide_seq`` tokens, the size CPU runs train at). What it has
+    beyond the priced device work grows with the tokens (kernels the model prices at a large-GEMM rate run
+    slower at a small model's skinny shapes; a fallback attention), so the two measurements give that excess
+    as a line in the tokens of a pass (``costmodel._host_excess``). 0: not measured (a constant excess)."""
+    host_wide_batch: float = 4.0
+    host_wide_seq: float = 128.0
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -205,10 +214,11 @@ def calibration_from_dict(data: dict, source: str) -> Calibration:
 
 
 def load_calibration(path: str | Path | None = None) -> Calibration:
-    """The shipped default (fitted on shared/validation/calibration.csv) or a user's file."""
+    """The shipped default (fitted on shared/validation/calibration.csv, with the shipped CPU profile as
+    the ``cpu`` architecture) or a user's file."""
     if path is None:
         text = (resources.files("moetrain.planner") / "calibration_default.yaml").read_text()
-        return calibration_from_dict(yaml.safe_load(text) or {}, "calibration_default.yaml")
+        return with_shipped_cpu(calibration_from_dict(yaml.safe_load(text) or {}, "calibration_default.yaml"))
     p = Path(path)
     if not p.is_file():
         raise UserError(f"calibration file {str(path)!r} does not exist; write one with `moetrain profile --out FILE`")
@@ -219,6 +229,19 @@ def load_calibration(path: str | Path | None = None) -> Calibration:
     if not isinstance(data, dict):
         raise UserError(f"{path}: expected a mapping with 'global' and 'per_arch' sections")
     return calibration_from_dict(data, str(path))
+
+
+def with_shipped_cpu(calibration: Calibration) -> Calibration:
+    """``calibration`` with the shipped CPU profile (``calibration_cpu.yaml``) as its ``cpu`` architecture,
+    in it and in each held-out fit: the published runs hold no CPU, so the fit on them says nothing of
+    one, and leaving a source out changes nothing there."""
+    text = (resources.files("moetrain.planner") / "calibration_cpu.yaml").read_text()
+    cpu = calibration_from_dict(yaml.safe_load(text) or {}, "calibration_cpu.yaml").per_arch["cpu"]
+
+    def add(fit: Calibration) -> Calibration:
+        return replace(fit, per_arch={**fit.per_arch, "cpu": dict(cpu)})
+
+    return replace(add(calibration), held_out_fits={k: add(v) for k, v in calibration.held_out_fits.items()})
 
 
 def default_calibration() -> Calibration:

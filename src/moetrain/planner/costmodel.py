@@ -168,25 +168,41 @@ def _pass_times(w: Workload, s: Strategies, eff: Efficiency, layer: LayerCosts |
     without_a2a = layer.compute + _exposed_tp(w, eff, layer) + layer.cp_exposed
     device = without_a2a + layer.a2a_exposed
     if w.cluster.host_is_device:
-        excess = _host_excess(w, eff, moe_layer) * host_share
+        excess = _host_excess(w, s, eff, moe_layer) * host_share
         return _PassTimes(device, device + excess, without_a2a + excess)
     host_pass = eff.host_layer_us * 1e-6 * host_share
     return _PassTimes(device, np.maximum(device, host_pass), np.maximum(without_a2a, host_pass))
 
 
-def _host_excess(w: Workload, eff: Efficiency, moe_layer: bool):
-    """Seconds the measured host time of a layer pass (``host_layer_us``, at ``host_probe_tokens`` tokens on
-    one device) has beyond the device work the model prices for that same pass: the per-operator cost that
-    the device terms do not hold (Python, dispatcher, autograd), which on a CPU adds to every pass. Where
-    ranks share the host's cores (``ClusterConfig.core_share``), the probe ran with a core of its own: its
-    excess is priced on the unshared host and stretched by the share, as the ranks' host work takes turns
-    on the cores like their compute."""
+def _host_excess(w: Workload, s: Strategies, eff: Efficiency, moe_layer: bool):
+    """Seconds the measured time of a layer pass (``host_layer_us``, at ``host_probe_tokens`` tokens on one
+    device) has beyond the device work the model prices for that same pass: the per-operator cost that the
+    device terms do not hold (Python, dispatcher, autograd), which on a CPU adds to every pass. With a
+    second measurement on a wide micro-batch (``host_wide_layer_us``) the excess is the line through the
+    two, taken at the tokens a rank's pass computes (``micro_batch · seq_len / (cp · tp)``), never below
+    zero. Where ranks share the host's cores (``ClusterConfig.core_share``), the probes ran with a core of
+    their own: the excess is priced on the unshared host and stretched by the share, as the ranks' host
+    work takes turns on the cores like their compute."""
     if eff.host_layer_us <= 0.0:
         return 0.0
-    probe = replace(w, cluster=w.cluster.unshared(), seq_len=max(int(round(eff.host_probe_tokens)), 1), global_batch=1)
-    one_device = Strategies.from_parallel([ParallelConfig(micro_batch=1)])  # the same for every candidate
+    narrow_tokens = max(int(round(eff.host_probe_tokens)), 1)
+    narrow = _probe_excess(w, eff, moe_layer, eff.host_layer_us, batch=1, seq=narrow_tokens)
+    if eff.host_wide_layer_us <= 0.0:
+        return narrow / w.cluster.core_share
+    batch, seq = max(int(round(eff.host_wide_batch)), 1), max(int(round(eff.host_wide_seq)), 1)
+    wide = _probe_excess(w, eff, moe_layer, eff.host_wide_layer_us, batch=batch, seq=seq)
+    per_token = (wide - narrow) / (batch * seq - narrow_tokens)
+    tokens = s.micro_batch * w.seq_len / (s.cp * s.tp)
+    return np.maximum(narrow + per_token * (tokens - narrow_tokens), 0.0) / w.cluster.core_share
+
+
+def _probe_excess(w: Workload, eff: Efficiency, moe_layer: bool, measured_us: float, batch: int, seq: int) -> float:
+    """A probe's measured seconds per layer pass less the device work priced for the same pass: one rank
+    with the host's cores, ``batch`` sequences of ``seq`` tokens in one micro-batch."""
+    probe = replace(w, cluster=w.cluster.unshared(), seq_len=seq, global_batch=batch)
+    one_device = Strategies.from_parallel([ParallelConfig(micro_batch=batch)])  # the same for every candidate
     priced = layer_costs(probe, one_device, eff, moe_layer=moe_layer, num_micro=1).compute
-    return float(np.maximum(eff.host_layer_us * 1e-6 - priced[0], 0.0)) / w.cluster.core_share
+    return float(np.maximum(measured_us * 1e-6 - priced[0], 0.0))
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,7 @@ from moetrain.planner.comm import allgather_time, allreduce_time, p2p_time, rank
 from moetrain.planner.compute import memory_time
 from moetrain.planner.generation import GenerationTimes, HostCosts, forward_time, generation_time
 from moetrain.planner.simulate import simulate_layout
-from moetrain.planner.workload import Workload
+from moetrain.planner.workload import Workload, runtime_workload
 
 # Optimizer state and gradients offloaded per local parameter: fp32 master, Adam m and v, fp32 grad.
 OFFLOAD_BYTES_PER_PARAM = 16.0
@@ -244,10 +244,7 @@ def training_prediction(w: RLWorkload, layout: RLLayout, calibration: Calibratio
     project's (``Workload.project_tensor_parallel``: whole head and shared expert, the routers' gathers),
     the dispatch gathers the per-expert counts first (``Workload.expert_count_exchange``) and the head runs on
     the completion tokens only (``Workload.head_share``)."""
-    workload = Workload(w.model, w.cluster, w.seq_len, w.samples, w.precision,
-                        grad_bytes=2.0 if w.precision == "fp16" else 4.0, overlap_grad_comm=False,
-                        overlap_tp_comm=False, reduce_scatter_by_all_reduce=True, project_tensor_parallel=True,
-                        head_share=w.head_share, expert_count_exchange=True)
+    workload = runtime_workload(w.model, w.cluster, w.seq_len, w.samples, w.precision, head_share=w.head_share)
     return simulate_layout(workload, layout.train, layout.train_devices, calibration)
 
 

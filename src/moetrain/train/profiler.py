@@ -167,6 +167,9 @@ def profile_device(cluster: ClusterConfig, model: ModelConfig, device: str, repe
         efficiencies["host_layer_us"] = host["forward_backward_s"] / layer_passes * 1e6
         efficiencies["host_optimizer_ms"] = host["optimizer_s"] * 1e3
         efficiencies["host_probe_tokens"] = float(host["tokens"])
+        if "wide_forward_backward_s" in host:
+            efficiencies["host_wide_layer_us"] = host["wide_forward_backward_s"] / layer_passes * 1e6
+            efficiencies["host_wide_batch"], efficiencies["host_wide_seq"] = map(float, host["wide_shape"])
     return measured, efficiencies
 
 
@@ -174,6 +177,9 @@ def profile_device(cluster: ClusterConfig, model: ModelConfig, device: str, repe
 # for weights, gradients and AdamW moments must fit beside the training run that follows).
 HOST_PROBE_MAX_PARAMS = {"cuda": 3e9, "cpu": 2e8}
 HOST_PROBE_TOKENS = 16
+# On a CPU, a second probe at the micro-batch CPU runs train at: (sequences, tokens each), the tokens
+# capped at the model's context.
+HOST_WIDE_PROBE = (4, 128)
 
 
 def _host_issue_times(model_cfg: ModelConfig, device: str, repeats: int) -> dict | None:
@@ -213,7 +219,57 @@ def _host_issue_times(model_cfg: ModelConfig, device: str, repeats: int) -> dict
                                                                                           device)}
     times["optimizer_s"] = _timed(optimizer_step, repeats, device)
     times["tokens"] = HOST_PROBE_TOKENS
+    if kind == "cpu":  # where the host is the device, the excess grows with the tokens: measure a wide pass
+        wide_pass, times["wide_shape"] = _wide_pass(model, model_cfg, device, dtype)
+        times["wide_forward_backward_s"] = _timed(wide_pass, repeats, device)
     return times
+
+
+def _wide_pass(model, model_cfg: ModelConfig, device: str, dtype) -> tuple:
+    """(a forward and backward of ``model`` on ``HOST_WIDE_PROBE``'s micro-batch, its (sequences, tokens))."""
+    from moetrain.train.precision import autocast
+
+    batch, seq = HOST_WIDE_PROBE[0], min(HOST_WIDE_PROBE[1], model_cfg.max_seq_len)
+    ids = torch.randint(0, model_cfg.vocab_size, (batch, seq), device=device)
+
+    def forward_backward():
+        with autocast(dtype, _kind(device)):
+            loss = model(ids, labels=ids).loss
+        loss.backward()
+
+    return forward_backward, (batch, seq)
+
+
+def _wide_pass_seconds(rank: int, world_size: int, model_cfg: ModelConfig, repeats: int) -> float:
+    """This rank's seconds per wide pass (``_wide_pass``) while every rank runs ``repeats`` of them back to
+    back, started together (one thread per rank, the model built here), as training keeps the cores busy."""
+    from moetrain.models.transformer import build_model
+
+    torch.set_num_threads(1)
+    keep_freed_host_memory()
+    model = build_model(model_cfg, device="cpu", seed=0)
+    wide_pass, _ = _wide_pass(model, model_cfg, "cpu", None)
+    wide_pass()  # warm-up
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        wide_pass()
+    return (time.perf_counter() - start) / repeats
+
+
+def profile_shared_host(model_cfg: ModelConfig, ranks: int, repeats: int = 5) -> dict:
+    """How ranks computing on one host's cores slow each other (memory bandwidth, caches and clock are the
+    host's): the wide pass of the runtime's model on one rank alone, then on ``ranks`` ranks at once, then
+    alone again (the two alone runs bracket the together run against the machine's drift). ``slowdown``:
+    the slowest rank's time together over the mean time alone, at least 1."""
+    from moetrain.distributed.world import spawn
+
+    alone = [spawn(_wide_pass_seconds, 1, model_cfg, repeats)[0]]
+    together = max(spawn(_wide_pass_seconds, ranks, model_cfg, repeats))
+    alone.append(spawn(_wide_pass_seconds, 1, model_cfg, repeats)[0])
+    return {"ranks": ranks, "alone_s": alone, "together_s": together,
+            "slowdown": max(together / float(np.mean(alone)), 1.0)}
 
 
 # ----- collectives and the weight sync's host work (``moetrain profile --comm``) -----

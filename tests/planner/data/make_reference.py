@@ -10,7 +10,8 @@ when the activation formula began to count the grouped GEMMs' int32 block offset
 expert and MoE layer), which moved 25 ``memory_gib`` values by under 1e-6 GiB and no time or winner.
 Since then: when the MoE combine stopped keeping an fp32 copy of the expert output (the smaller MoE
 activations moved three validate rows and the MoE searches' memory and winners), and when ranks
-beyond a CPU host's cores began to share them (the 4-rank tiny-pangu search). Rerun it only when a
+beyond a CPU host's cores began to share them (the 4-rank tiny-pangu search), and when CPU ranks began
+to be priced as this runtime trains them with the shipped CPU profile (the same search). Rerun it only when a
 prediction is meant to change, and say why in the commit.
 """
 
