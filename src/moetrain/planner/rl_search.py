@@ -334,6 +334,9 @@ def explain(result: RLSearchResult) -> list[str]:
     if other is not None:
         lines.append(f"placement {lay.placement}: the best {other.layout.placement} ({other.split()}, "
                      f"{other.generation()}, k = {other.staleness}) takes {other.step_s / best.step_s:.2f}x the step")
+    elif lay.placement == "disaggregated" and any(r.startswith("colocated") for r in result.left_out):
+        lines.append("placement disaggregated: no colocated job fits (generation does not fit beside the training "
+                     "state; --offload with --host-link-gbps prices moving that state to host)")
     ph = p.phases
     rollout_side = ph.generate_s + ph.reward_s
     train_side = ph.logprob_s + ph.train_s
@@ -361,8 +364,9 @@ def explain(result: RLSearchResult) -> list[str]:
     if other_k is not None:
         k_line += f": the best with k = {other_k.staleness} takes {other_k.step_s / best.step_s:.2f}x the step"
     if larger:
-        k_line += (f"; k = {min(larger)}…{max(larger)} price the same in the steady state (a larger k only absorbs "
-                   "jitter), so the smallest is kept")
+        span = f"{min(larger)}…{max(larger)}" if max(larger) > min(larger) else f"{min(larger)}"
+        k_line += (f"; k = {span} prices the same in the steady state (a larger k only absorbs jitter), so the "
+                   "smallest is kept")
     lines.append(k_line)
     lines.append(f"trainer {best.trainer()}: the training search's best of {best.trainer_layouts_searched:,} "
                  f"layouts on {lay.train_devices} devices ({ph.train_s:.4g} s per step"
