@@ -103,7 +103,9 @@ def test_a_large_plan_says_what_is_not_runnable_yet(tmp_path, capsys):
                  "--top", "3", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "not runnable by today's moetrain rl" in printed and "span nodes of 8" in printed
-    assert "# not runnable yet:" in out.read_text()
+    assert "# not runnable yet:" in out.read_text() and "# run it" not in out.read_text()
+    refused(capsys, ["rl", "--plan", str(out)], f"--plan {out} is not runnable yet: 64 devices span nodes of 8",
+            "planned it all the same")
 
 
 

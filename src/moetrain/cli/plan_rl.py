@@ -13,6 +13,9 @@ from typing import Any
 from moetrain.errors import UserError
 
 DEFAULT_OUT = "rl.yaml"
+NOT_RUNNABLE = "not runnable yet: "
+"""How the plan file's header comment names what today's ``moetrain rl`` cannot run (``moetrain rl --plan``
+refuses the file with the first)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,7 +70,8 @@ def plan_file(args: argparse.Namespace, candidate) -> dict[str, Any]:
     lay = candidate.layout
     trainer = spec_source_from_plan({"parallel": lay.train.model_dump(), "cluster": args.cluster})
     trainer["parallel"].pop("sp", None)  # the run spec decides it from tp
-    trainer["run"] = {"cluster": args.cluster, **trainer.get("run", {})}
+    cluster = str(Path(args.cluster).resolve()) if Path(args.cluster).is_file() else args.cluster
+    trainer["run"] = {"cluster": cluster, **trainer.get("run", {})}
     rl: dict[str, Any] = {"prompts_per_step": args.prompts, "max_new_tokens": args.response_len,
                           "grpo": {"group_size": args.group_size}}
     if args.task:
@@ -92,8 +96,9 @@ def _header(args: argparse.Namespace, candidate, result, out: str) -> str:
              f"predicted on {args.devices} × {args.cluster} ({args.dtype}, {args.prompt_len} prompt + "
              f"{args.response_len} generated tokens per sample): step {p.step_s:.4g} s, "
              f"{p.tokens_per_s:,.0f} tokens/s, {p.generated_tokens_per_s:,.0f} generated tokens/s"]
-    lines += [f"not runnable yet: {reason}" for reason in candidate.not_runnable]
-    lines.append(f"run it: moetrain rl --plan {out} (flags other than the layout's override it)")
+    lines += [f"{NOT_RUNNABLE}{reason}" for reason in candidate.not_runnable]
+    if not candidate.not_runnable:
+        lines.append(f"run it: moetrain rl --plan {out} (flags other than the layout's override it)")
     return "".join(f"# {line}\n" for line in lines)
 
 

@@ -239,6 +239,14 @@ def _plan_source(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, 
         raise UserError(f"--plan already sets the layout; drop {', '.join(given)} (or drop --plan)")
     plan = plan_source(yaml_source(args.plan, "--plan", "model, rl, trainer, generation, rollout, stalesync"),
                        f"--plan {args.plan}")
+    from moetrain.cli.plan_rl import NOT_RUNNABLE
+
+    header = Path(args.plan).read_text(encoding="utf-8").splitlines()
+    missing = [line.removeprefix("# " + NOT_RUNNABLE) for line in header if line.startswith("# " + NOT_RUNNABLE)]
+    if missing:
+        raise UserError(f"--plan {args.plan} is not runnable yet: {missing[0]}"
+                        f"{f' (and {len(missing) - 1} more, in its header)' if len(missing) > 1 else ''}; "
+                        "moetrain plan --rl planned it all the same")
     trainer = config.get("trainer")
     both = [name for name in PLAN_SECTIONS if name in config and name != "trainer" and name in plan]
     if isinstance(trainer, dict) and "parallel" in trainer and "trainer" in plan:
