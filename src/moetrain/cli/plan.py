@@ -6,14 +6,20 @@ import argparse
 import json
 from dataclasses import asdict
 
+from moetrain.errors import UserError
+
 HELP = "search TP/SP/PP/VPP/EP/ETP/CP/DP, ZeRO, micro-batch, recompute, all-to-all and overlap; write a plan"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from moetrain.cli import plan_rl
     from moetrain.cli.workload import add_workload_args
 
-    add_workload_args(parser)
+    parser.usage = ("moetrain plan --model M --cluster C --devices N (--seq-len L --global-batch B | --rl "
+                    "--prompt-len P --response-len R) [--top K] [--out FILE] [--json]")
+    add_workload_args(parser, batch_required=False)
     parser.add_argument("--top", type=int, default=5, help="how many layouts to print")
-    parser.add_argument("--out", default="plan.yaml", help="where to write the winner's plan file")
+    parser.add_argument("--out", help="where to write the winner's plan file (default: plan.yaml; with --rl, "
+                        f"{plan_rl.DEFAULT_OUT})")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--any-layout", action="store_true",
                         help="rank every layout the cost model prices, also those `moetrain train` cannot run yet")
@@ -21,13 +27,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="compare model shapes (experts, hidden, depth) near --param-budget by throughput")
     parser.add_argument("--param-budget", type=float,
                         help="total parameters in billions for --search-model (default: the model's own)")
+    plan_rl.add_arguments(parser)
 
 
 def plan_layouts(args: argparse.Namespace) -> tuple[dict, dict]:
     """(the --json mapping, the plan file mapping)."""
     from moetrain.cli.workload import build_workload
     from moetrain.config.parallel import runtime_limits
-    from moetrain.errors import UserError
     from moetrain.planner.search import search
     from moetrain.status import say, status_console
 
@@ -92,8 +98,18 @@ def on_off(flag: bool) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from moetrain.cli.workload import require_batch
+
+    if args.rl:
+        if args.search_model:
+            raise UserError("--search-model compares pre-training model shapes: drop it or --rl")
+        from moetrain.cli import plan_rl
+
+        return plan_rl.run(args)
+    require_batch(args)
     if args.search_model:
         return _run_model_search(args)
+    args.out = args.out or "plan.yaml"
     import yaml
 
     from moetrain.cli.common import output_file

@@ -1,7 +1,8 @@
 """``moetrain rl``: SFT warm-up on a task's format, then GRPO with router replay, on the training runtime.
 
-The flags and an optional ``--config rl.yaml`` become one validated ``RLRunSpec`` (``moetrain.rl.spec``):
-defaults < config file < flags, field by field, as for ``moetrain train``. This module only parses: the
+The flags, an optional ``--config rl.yaml`` and an optional ``--plan rl.yaml`` (what ``moetrain plan --rl``
+writes) become one validated ``RLRunSpec`` (``moetrain.rl.spec``): defaults < config file < plan < flags,
+field by field, as for ``moetrain train`` (whose layout flags a plan also refuses). This module only parses: the
 run is built from the spec and run by ``moetrain.rl.run.run_rl``, in this process or on the ranks it
 starts, each of which reads the same spec. With ``--save-dir D`` the warm-up saves under ``D/sft`` (a
 later run reuses it instead of training again) and GRPO under ``D/rl``; ``--resume`` continues GRPO from
@@ -56,7 +57,8 @@ FLAGS_SOURCE = "flags"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="an rl.yaml: the RL run spec's sections (model, sft, rl, trainer, "
                         "generation, rollout, stalesync, engine, plot); flags override it (docs/rl.md)")
-    parser.add_argument("--plan", help="not built yet: an RL plan of `moetrain plan --rl`")
+    parser.add_argument("--plan", help="an rl.yaml written by `moetrain plan --rl` (trainer layout, generation "
+                        "layout, rollout pool, placement and k); other flags override it (docs/rl_plan.md)")
     parser.add_argument("--task", help="addition, sort, countdown or rg:<reasoning-gym dataset>")
     parser.add_argument("--model", help="model preset name or YAML file (default tiny-pangu, or the model of --from)")
     parser.add_argument("--from", dest="from_path", metavar="PATH",
@@ -188,19 +190,19 @@ def _flag_source(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def build_rl_spec(args: argparse.Namespace):
-    """The RL run spec of these flags and ``--config``: defaults < config < flags."""
+    """The RL run spec of these flags, ``--config`` and ``--plan``: defaults < config < plan < flags."""
     from moetrain.cli.common import yaml_source
     from moetrain.rl.spec import check_spec_kind, resolve_rl_spec
 
-    if args.plan:
-        raise UserError(f"--plan {args.plan}: planning an RL run (moetrain plan --rl) is not built yet; give the "
-                        "run's layout with --config rl.yaml or the flags")
     sources, names = [], []
     if args.config:
         sources.append(yaml_source(args.config, "--config", "model, sft, rl, trainer, generation, rollout, ..."))
         names.append(Path(args.config).name)
         check_spec_kind(sources[0], f"--config {args.config}")
-    has_stalesync = args.staleness is not None or bool(sources and sources[0].get("stalesync") is not None)
+    if args.plan:
+        sources.append(_plan_source(args, sources[0] if sources else {}))
+        names.append(Path(args.plan).name)
+    has_stalesync = args.staleness is not None or any(source.get("stalesync") is not None for source in sources)
     given = [f"--{flag.replace('_', '-')}" for flag in STALESYNC_FLAGS if getattr(args, flag) not in (None, "local")]
     if given and not has_stalesync:
         raise UserError(f"{', '.join(given)} choose{'s' * (len(given) == 1)} how StaleSync runs: give --staleness K")
@@ -220,6 +222,38 @@ def build_rl_spec(args: argparse.Namespace):
         return resolve_rl_spec(sources, names, world_size=nproc)
     except UserError as exc:
         raise UserError(_named_by_flag(str(exc))) from None
+
+
+PLAN_FLAGS = ("tp", "pp", "ep", "etp", "gen_ep", "offload", "placement", "staleness")
+"""Flags that set what an RL plan sets (the layout): refused beside ``--plan``, as ``moetrain train`` refuses its
+layout flags beside a plan."""
+
+
+def _plan_source(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any]:
+    """``--plan``'s sections, after refusing the flags and the ``--config`` sections that set the layout too."""
+    from moetrain.cli.common import yaml_source
+    from moetrain.rl.spec import PLAN_SECTIONS, plan_source
+
+    given = [f"--{flag.replace('_', '-')}" for flag in PLAN_FLAGS if getattr(args, flag) is not None]
+    if given:
+        raise UserError(f"--plan already sets the layout; drop {', '.join(given)} (or drop --plan)")
+    plan = plan_source(yaml_source(args.plan, "--plan", "model, rl, trainer, generation, rollout, stalesync"),
+                       f"--plan {args.plan}")
+    from moetrain.cli.plan_rl import NOT_RUNNABLE
+
+    header = Path(args.plan).read_text(encoding="utf-8").splitlines()
+    missing = [line.removeprefix("# " + NOT_RUNNABLE) for line in header if line.startswith("# " + NOT_RUNNABLE)]
+    if missing:
+        raise UserError(f"--plan {args.plan} is not runnable yet: {missing[0]}"
+                        f"{f' (and {len(missing) - 1} more, in its header)' if len(missing) > 1 else ''}; "
+                        "moetrain plan --rl planned it all the same")
+    trainer = config.get("trainer")
+    both = [name for name in PLAN_SECTIONS if name in config and name != "trainer" and name in plan]
+    if isinstance(trainer, dict) and "parallel" in trainer and "trainer" in plan:
+        both.insert(0, "trainer.parallel")
+    if both:
+        raise UserError(f"--plan and {args.config}'s {', '.join(both)} both set the layout; drop one")
+    return plan
 
 
 def _named_by_flag(message: str) -> str:

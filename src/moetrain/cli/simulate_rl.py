@@ -23,6 +23,16 @@ def add_rl_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--staleness", type=int, default=0,
                    help="StaleSync's K: 0 alternates generation and training, K ≥ 1 overlaps them (disaggregated: "
                         "on separate devices; colocated: the next batch beside each update)")
+    add_rl_workload_arguments(g)
+    g.add_argument("--rollout-devices", type=int,
+                   help="disaggregated: devices that generate; the rest train (default: half)")
+    g.add_argument("--gen-ep", type=int, default=1,
+                   help="devices per generation replica, experts split over them (1: a whole model each)")
+
+
+def add_rl_workload_arguments(g) -> None:
+    """The RL step's workload (prompts, lengths, extra forwards, reward, generation engine, offload): the
+    flags ``moetrain simulate --rl`` and ``moetrain plan --rl`` share."""
     g.add_argument("--prompts", type=int, default=32, help="prompts per step")
     g.add_argument("--group-size", type=int, default=8, help="samples per prompt, G")
     g.add_argument("--prompt-len", type=int, help="prompt tokens per sample")
@@ -31,10 +41,6 @@ def add_rl_arguments(parser: argparse.ArgumentParser) -> None:
                    help="mean generated tokens per sample, where samples stop early: the trainer's head runs on "
                         "them, and its micro-batches, grouped by length and cut to their longest (moetrain rl's "
                         "default), hold about prompt + this many positions per sample (default: --response-len)")
-    g.add_argument("--rollout-devices", type=int,
-                   help="disaggregated: devices that generate; the rest train (default: half)")
-    g.add_argument("--gen-ep", type=int, default=1,
-                   help="devices per generation replica, experts split over them (1: a whole model each)")
     g.add_argument("--offload", action="store_true",
                    help="colocated: optimizer state and grads to host while generating, and back")
     g.add_argument("--host-link-gbps", type=float,
@@ -47,18 +53,24 @@ def add_rl_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
+    check_rl_workload(args, positive=("gen_ep",), non_negative=("staleness",))
+
+
+def check_rl_workload(args: argparse.Namespace, positive: tuple[str, ...] = (),
+                      non_negative: tuple[str, ...] = ()) -> None:
+    """The checks of ``add_rl_workload_arguments``' flags (and of ``positive`` and ``non_negative`` more)."""
     if args.placement not in PLACEMENTS:
         raise UserError(f"--placement {args.placement!r}: choose one of {', '.join(PLACEMENTS)}")
     for flag in ("prompt_len", "response_len"):
         if getattr(args, flag) is None:
             raise UserError(f"--rl needs --{flag.replace('_', '-')} (tokens per sample)")
-    for flag in ("prompts", "group_size", "prompt_len", "response_len", "gen_ep", "devices"):
-        if getattr(args, flag) <= 0:
+    for flag in ("prompts", "group_size", "prompt_len", "response_len", "devices", *positive):
+        if getattr(args, flag) is not None and getattr(args, flag) <= 0:
             raise UserError(f"--{flag.replace('_', '-')} must be positive (got {getattr(args, flag)})")
     if args.completion_len is not None and not 0 < args.completion_len <= args.response_len:
         raise UserError(f"--completion-len {args.completion_len:g} must be in (0, --response-len {args.response_len}]: "
                         "the mean of the samples' generated tokens")
-    for flag in ("staleness", "logprob_forwards", "reward_s"):
+    for flag in ("logprob_forwards", "reward_s", *non_negative):
         if getattr(args, flag) < 0:
             raise UserError(f"--{flag.replace('_', '-')} cannot be negative (got {getattr(args, flag)})")
     if args.host_link_gbps is not None and args.host_link_gbps <= 0:
@@ -93,13 +105,11 @@ def _layouts(args: argparse.Namespace, workload) -> list:
     return layouts
 
 
-def simulate_rl(args: argparse.Namespace) -> dict:
-    """The predictions as a plain mapping (what --json prints)."""
+def build_rl_workload(args: argparse.Namespace):
+    """(the ``RLWorkload`` of the flags, the calibration to price it with)."""
     from moetrain.cli.workload import build_workload
-    from moetrain.planner.generation import HostCosts
-    from moetrain.planner.rl_step import RLWorkload, price_rl_step
+    from moetrain.planner.rl_step import RLWorkload
 
-    _check(args)
     args.seq_len = args.prompt_len + args.response_len
     args.global_batch = args.prompts * args.group_size
     base, calibration = build_workload(args)
@@ -107,14 +117,24 @@ def simulate_rl(args: argparse.Namespace) -> dict:
     workload = RLWorkload(base.model, base.cluster, args.prompts, args.group_size, args.prompt_len,
                           args.response_len, base.precision, args.logprob_forwards, args.reward_s,
                           train_seq_len=trained, completion_len=args.completion_len)
+    return workload, calibration
+
+
+def simulate_rl(args: argparse.Namespace) -> dict:
+    """The predictions as a plain mapping (what --json prints)."""
+    from moetrain.planner.generation import HostCosts
+    from moetrain.planner.rl_step import price_rl_step
+
+    _check(args)
+    workload, calibration = build_rl_workload(args)
     host = HostCosts(moe_pass_us=0.0 if args.graphs else None)
     predictions = [price_rl_step(workload, layout, calibration, host) for layout in _layouts(args, workload)]
     rows = [{**{k: v for k, v in asdict(p).items() if k != "phases"}, "phases_s": asdict(p.phases)}
             for p in predictions]
     return {
-        "model": base.model.name, "cluster": base.cluster.name, "devices": args.devices,
+        "model": workload.model.name, "cluster": workload.cluster.name, "devices": args.devices,
         "prompts": args.prompts, "group_size": args.group_size, "prompt_len": args.prompt_len,
-        "response_len": args.response_len, "completion_len": args.completion_len, "precision": base.precision,
+        "response_len": args.response_len, "completion_len": args.completion_len, "precision": workload.precision,
         "graphs": args.graphs,
         "training_layout": _layouts_text(args),
         "predictions": rows,

@@ -96,6 +96,10 @@ def load_plan_file(path: str) -> dict:
     text = read_text(p, f"plan file {path}", "save it as UTF-8 or write it again with `moetrain plan`")
     data = _read_yaml(text, path)
     if "parallel" not in data:
+        rl = sorted(set(data) & {"trainer", "generation", "rollout", "stalesync", "sft", "rl"})
+        if rl:
+            raise UserError(f"{path} is an RL plan or spec (its {', '.join(rl)}: moetrain plan --rl), not a training "
+                            f"plan; run it with moetrain rl --plan {path}")
         raise UserError(f"{path}: no 'parallel' section; is this a plan written by `moetrain plan`?")
     try:
         data["parallel"] = ParallelConfig.model_validate(data["parallel"])

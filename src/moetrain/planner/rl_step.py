@@ -244,8 +244,13 @@ def training_prediction(w: RLWorkload, layout: RLLayout, calibration: Calibratio
     project's (``Workload.project_tensor_parallel``: whole head and shared expert, the routers' gathers),
     the dispatch gathers the per-expert counts first (``Workload.expert_count_exchange``) and the head runs on
     the completion tokens only (``Workload.head_share``)."""
-    workload = runtime_workload(w.model, w.cluster, w.seq_len, w.samples, w.precision, head_share=w.head_share)
-    return simulate_layout(workload, layout.train, layout.train_devices, calibration)
+    return simulate_layout(training_workload(w), layout.train, layout.train_devices, calibration)
+
+
+def training_workload(w: RLWorkload) -> Workload:
+    """The step's samples as the training runtime of ``moetrain rl`` trains them (``training_prediction``):
+    what the RL planner's trainer search (``moetrain.planner.rl_search``) ranks layouts on."""
+    return runtime_workload(w.model, w.cluster, w.seq_len, w.samples, w.precision, head_share=w.head_share)
 
 
 def _generation(w: RLWorkload, layout: RLLayout, eff: Efficiency, host: HostCosts) -> GenerationTimes:
@@ -401,17 +406,19 @@ def colocated_overlap(generation_s: float, generation_device_s: float, train_s: 
 
 
 def price_rl_step(w: RLWorkload, layout: RLLayout, calibration: Calibration, host: HostCosts | None = None,
-                  sync: SyncRates | None = None, train_calibration: Calibration | None = None) -> RLStepPrediction:
+                  sync: SyncRates | None = None, train_calibration: Calibration | None = None,
+                  training=None) -> RLStepPrediction:
     """One RL step of ``w`` in ``layout``; ``host``: the eager stack's host costs (measured; none by default);
     ``sync``: the weight sync's host work per byte (measured; the link alone by default);
     ``train_calibration``: the training step's rates when they differ from the other phases' (processes
     sharing a CPU's cores: a pipeline stage that waits leaves its share to the stages that compute, so
     the training layout's ranks compute faster than when every rank computes at once, as in generation);
-    ``calibration`` by default."""
+    ``calibration`` by default; ``training``: the layout's ``training_prediction`` when the caller has it
+    already (a search pricing one training layout under many splits)."""
     _check(w, layout)
     host = host or HostCosts()
     eff = calibration.for_device(w.cluster.device)
-    training = training_prediction(w, layout, train_calibration or calibration)
+    training = training or training_prediction(w, layout, train_calibration or calibration)
     train_s, fits = float(training.step_time_s), bool(training.fits_memory)
     generation = _generation(w, layout, eff, host)
     gather = 0.0

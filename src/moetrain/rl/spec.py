@@ -317,6 +317,27 @@ def check_spec_kind(data: dict[str, Any], where: str) -> None:
                         f"{', '.join(RLRunSpec.model_fields)} (a training run's sections go under trainer)")
 
 
+PLAN_SECTIONS = ("trainer", "generation", "rollout", "stalesync")
+"""What an RL plan (``moetrain plan --rl``) sets: the layout of the run. Flags and a ``--config`` that set them
+too are refused beside ``--plan`` (as ``moetrain train --plan`` refuses layout flags)."""
+TRAINING_PLAN_KEYS = frozenset({"parallel", "predicted", "runtime_support"})
+"""Top-level keys of a training plan.yaml (``moetrain plan`` without ``--rl``)."""
+
+
+def plan_source(data: dict[str, Any], where: str) -> dict[str, Any]:
+    """An RL plan's sections as a source of ``resolve_rl_spec`` (between ``--config`` and the flags); a file
+    of another kind (a training plan.yaml, a training run.yaml) is one line naming its kind."""
+    if "parallel" in data and set(data) & TRAINING_PLAN_KEYS - {"parallel"}:
+        raise UserError(f"{where} is a training plan (moetrain plan without --rl: its "
+                        f"{', '.join(sorted(set(data) & TRAINING_PLAN_KEYS))}): run it with moetrain train --plan, "
+                        "or write an RL plan with moetrain plan --rl")
+    check_spec_kind(data, where)
+    if not set(data) & set(PLAN_SECTIONS):
+        raise UserError(f"{where} sets no layout ({', '.join(PLAN_SECTIONS)}): give it as --config, or write an RL "
+                        "plan with moetrain plan --rl")
+    return data
+
+
 def write_spec(spec: RLRunSpec, folder: Path) -> Path:
     """The spec as the one file every process of the run reads."""
     path = folder / SPEC_FILE

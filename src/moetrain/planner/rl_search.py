@@ -1,0 +1,374 @@
+"""The RL job's plan (``moetrain plan --rl``): how to split the devices between rollout and training, how many
+rollout replicas of which generation layout, the trainer's layout and the staleness k, each priced with the
+RL step model of ``moetrain simulate --rl`` (``moetrain.planner.rl_step``).
+
+The search walks
+
+    placement ∈ {colocated, disaggregated}
+    × rollout devices R (disaggregated: a grid of 1 … D − 1; colocated: all D generate, all D train)
+    × devices per generation replica g (divisors of the expert count; R / g replicas)
+    × k ∈ {0, 1, …, max_staleness}
+
+and takes the trainer's layout on the D − R training devices (all D colocated) from the training search
+(``moetrain.planner.search``, on the step's samples as ``moetrain rl`` trains them: ``rl_step.training_workload``),
+once per training device count: the same candidates and cost model as ``moetrain plan``, not a second one.
+
+Memory: a generation replica holds the dense weights whole and its share of the routed experts, plus the KV
+cache of its rows at full length; disaggregated, that alone must fit a rollout device; colocated, it sits
+beside the training state (weights, grads and optimizer; with k ≥ 1 the update's activations too, as both
+run at once; with offload only the weights stay). The trainer's layout fits by the training search's own
+check.
+
+In the steady state the step model prices every k ≥ 1 the same (``rl_step``: a larger k only absorbs the
+jitter of variable-length generations, which a steady-state price does not see), so the search prices k = 0
+and k = 1 and carries k = 1's price to the larger k; among equal steps the smallest k wins (staleness costs
+learning, not speed). Torch-free, like the rest of the planner.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field, replace
+
+from moetrain.config.parallel import ParallelConfig, runtime_limits
+from moetrain.costs.params import count_params
+from moetrain.errors import UserError
+from moetrain.planner.calibration import Calibration
+from moetrain.planner.device_memory import GIB
+from moetrain.planner.generation import HostCosts, kv_cache_bytes_per_token
+from moetrain.planner.rl_step import (
+    Placement,
+    RLLayout,
+    RLStepPrediction,
+    RLWorkload,
+    price_rl_step,
+    training_workload,
+    weight_bytes,
+)
+from moetrain.planner.search import MEMORY_LIMIT_FRACTION, SearchSpace, describe, search
+from moetrain.planner.simulate import LayoutPrediction, simulate_layout
+from moetrain.planner.strategy import Strategies
+
+SPLIT_POINTS = 16
+"""About how many rollout/training splits a large job is searched at (a grid of powers of two apart)."""
+
+
+@dataclass(frozen=True)
+class RLSearchOptions:
+    placements: tuple[Placement, ...] = ("colocated", "disaggregated")
+    max_staleness: int = 2
+    """Largest k searched (k = 0, 1, …, this)."""
+    rollout_devices: int | None = None
+    """Fix the disaggregated split (None: search it)."""
+    gen_devices_per_replica: int | None = None
+    """Fix the generation layout (None: search it)."""
+    offload: bool = False
+    """Colocated: optimizer state and grads to host while generating (``RLLayout.offload``)."""
+    host_link_gbps: float | None = None
+    runnable_trainer_only: bool = True
+    """Rank only trainer layouts that ``moetrain rl``'s trainer runs (``runtime_limits`` empty, no context
+    parallelism); off: every layout the cost model prices."""
+    split_points: int = SPLIT_POINTS
+
+
+@dataclass(frozen=True)
+class RLCandidate:
+    """One priced way to run the job."""
+
+    layout: RLLayout
+    prediction: RLStepPrediction
+    trainer_layouts_searched: int
+    """Layouts the training search scored on this candidate's training devices."""
+    generation_gib: float
+    """Per generating device: the replica's weights share and its rows' KV cache."""
+    device_gib: float
+    """Per device at its fullest: generation's (disaggregated rollout device) or, colocated, generation's beside
+    the training state."""
+    not_runnable: tuple[str, ...] = ()
+    """Why today's ``moetrain rl`` cannot run it yet (empty: it runs as planned)."""
+
+    @property
+    def step_s(self) -> float:
+        return self.prediction.step_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.prediction.tokens_per_s
+
+    @property
+    def staleness(self) -> int:
+        return self.layout.staleness
+
+    def split(self) -> str:
+        lay = self.layout
+        if lay.placement == "colocated":
+            return f"colocated: all {lay.devices} train and generate"
+        return f"{lay.rollout_devices} generate / {lay.train_devices} train"
+
+    def generation(self) -> str:
+        lay = self.layout
+        return f"{lay.replicas} × gen-ep {lay.gen_devices_per_replica}"
+
+    def trainer(self) -> str:
+        return describe(Strategies.from_parallel([self.layout.train]), 0)
+
+
+@dataclass
+class RLSearchResult:
+    ranked: list[RLCandidate]
+    """Every priced candidate, best first."""
+    seconds: float
+    trainer_searches: int
+    trainer_layouts_evaluated: int
+    left_out: dict[str, int] = field(default_factory=dict)
+    """Candidates not priced, by the reason (generation does not fit, no trainer layout fits, …)."""
+    why: list[str] = field(default_factory=list)
+
+    @property
+    def winner(self) -> RLCandidate:
+        return self.ranked[0]
+
+
+def generation_bytes(w: RLWorkload, devices_per_replica: int, rows: int) -> float:
+    """One generating device's bytes: the dense weights whole, its share of the routed experts, and the KV
+    cache of its share of the replica's ``rows`` at their full length (prompt + response)."""
+    counts = count_params(w.model)
+    width = weight_bytes(w) / counts.total
+    weights = (counts.total - counts.experts) * width + counts.experts * width / devices_per_replica
+    per_token = kv_cache_bytes_per_token(w.model, w.samples_workload.activation_bytes) * w.model.num_layers
+    return weights + math.ceil(rows / devices_per_replica) * (w.prompt_len + w.response_len) * per_token
+
+
+def replica_sizes(w: RLWorkload, max_devices: int) -> list[int]:
+    """Devices per generation replica the runtime can build: divisors of the expert count (its experts split
+    evenly over them); 1 for a dense model."""
+    moe = w.model.moe
+    if moe is None:
+        return [1]
+    return [g for g in range(1, min(moe.num_experts, max_devices) + 1) if moe.num_experts % g == 0]
+
+
+def rollout_grid(devices: int, points: int = SPLIT_POINTS) -> list[int]:
+    """Rollout device counts searched for a disaggregated job of ``devices``: every count up to ``points``
+    devices, else multiples of the power of two nearest devices / points (so that the training side keeps
+    counts with many divisors)."""
+    step = 1 if devices <= points else 2 ** round(math.log2(devices / points))
+    return list(range(step, devices, step))
+
+
+def rl_runtime_limits(w: RLWorkload, layout: RLLayout) -> list[str]:
+    """Why today's ``moetrain rl`` cannot run ``layout``: one sentence each; empty when it runs. What the
+    runtime runs: RL Fusion and colocated StaleSync on one node's ranks in any trainer layout the training
+    runtime runs without context parallelism, ``ranks / gen_ep`` replicas; the disaggregated pipeline as one
+    rollout rank beside a one-rank trainer."""
+    limits = []
+    per_node = w.cluster.devices_per_node
+    if layout.devices > per_node:
+        limits.append(f"{layout.devices} devices span nodes of {per_node}: moetrain rl starts its ranks on one node "
+                      "(several nodes: not built yet)")
+    if layout.placement == "disaggregated" and (layout.rollout_devices > 1 or layout.train_devices > 1):
+        limits.append(f"disaggregated with {layout.rollout_devices} rollout and {layout.train_devices} training "
+                      "devices: the pipeline runs one rollout rank beside a one-rank trainer today (rollout pools "
+                      "and trainer groups: not built yet)")
+    train = layout.train
+    if train.cp > 1:
+        limits.append(f"trainer cp {train.cp}: RL does not train with context parallelism yet")
+    limits += [f"trainer: {reason}" for reason in runtime_limits(train, w.model.num_layers, w.samples, per_node)]
+    return limits
+
+
+@dataclass
+class _Trainer:
+    """The training search's best layout on one device count, and its step as ``rl_step`` prices it."""
+
+    parallel: ParallelConfig | None
+    prediction: LayoutPrediction | None
+    evaluated: int
+
+
+def search_rl(w: RLWorkload, devices: int, calibration: Calibration, host: HostCosts | None = None,
+              options: RLSearchOptions | None = None) -> RLSearchResult:
+    """Every split, generation layout, trainer layout and k of ``w`` on ``devices``, priced and ranked
+    (fastest step first; equal steps: smaller k, colocated, fewer rollout devices). Raises ``UserError``
+    when the options leave nothing to search or nothing fits."""
+    options = options or RLSearchOptions()
+    start = time.perf_counter()
+    host = host or HostCosts()
+    check_options(devices, options)
+    eff = calibration.for_device(w.cluster.device)
+    trainers: dict[int, _Trainer] = {}
+    space = SearchSpace(cp=(1,)) if options.runnable_trainer_only else SearchSpace()
+
+    def trainer(count: int) -> _Trainer:
+        if count not in trainers:
+            found = search(training_workload(w), count, eff, space, top_k=1, timeline_top=1,
+                           time_every_choice=False, runnable_only=options.runnable_trainer_only)
+            if not found.ranked:
+                trainers[count] = _Trainer(None, None, found.candidates_evaluated)
+            else:
+                parallel = found.ranked[0].parallel
+                trainers[count] = _Trainer(parallel, simulate_layout(training_workload(w), parallel, count,
+                                                                     calibration), found.candidates_evaluated)
+        return trainers[count]
+
+    limit = MEMORY_LIMIT_FRACTION * w.cluster.hbm_bytes
+    ranked: list[RLCandidate] = []
+    left_out: dict[str, int] = {}
+
+    def leave(reason: str) -> None:
+        left_out[reason] = left_out.get(reason, 0) + 1
+
+    for placement, rollout in _splits(devices, options):
+        generating = devices if placement == "colocated" else rollout
+        sizes = ([options.gen_devices_per_replica] if options.gen_devices_per_replica
+                 else replica_sizes(w, generating))
+        for g in sizes:
+            if generating % g:
+                continue
+            replicas = generating // g
+            if w.samples % replicas:
+                leave("the step's samples do not split over the replicas")
+                continue
+            gen_bytes = generation_bytes(w, g, w.samples // replicas)
+            if gen_bytes > limit:
+                leave("a generation replica does not fit its devices")
+                continue
+            train_devices = devices - rollout if placement == "disaggregated" else devices
+            chosen = trainer(train_devices)
+            if chosen.parallel is None or chosen.prediction is None:
+                leave("no trainer layout fits the training devices")
+                continue
+            memory = chosen.prediction.memory_gib
+            for k in range(min(options.max_staleness, 1) + 1):
+                if placement == "colocated" and k and (g > 1 or options.offload):
+                    continue  # rl_step: colocated k ≥ 1 generates on a whole model per device beside the update
+                device_bytes = gen_bytes
+                if placement == "colocated":
+                    kept = ("weights",) if options.offload else ("weights", "grads", "optimizer")
+                    resident = memory["total"] if k else sum(memory[part] for part in kept)
+                    device_bytes += resident * GIB
+                if device_bytes > limit:
+                    leave("colocated: generation does not fit beside the training state")
+                    continue
+                layout = RLLayout(placement, devices, chosen.parallel, g, rollout, k,
+                                  options.offload and placement == "colocated", options.host_link_gbps)
+                prediction = price_rl_step(w, layout, calibration, host, training=chosen.prediction)
+                candidate = RLCandidate(layout, prediction, chosen.evaluated, gen_bytes / GIB, device_bytes / GIB,
+                                        tuple(rl_runtime_limits(w, layout)))
+                ranked.append(candidate)
+                if k == 1:  # every k ≥ 1 prices the same in the steady state (module docstring)
+                    ranked += [replace(candidate, layout=replace(layout, staleness=more),
+                                       prediction=replace(prediction, staleness=more))
+                               for more in range(2, options.max_staleness + 1)]
+    seconds = time.perf_counter() - start
+    result = RLSearchResult(sorted(ranked, key=_rank_key), seconds, len(trainers),
+                            sum(t.evaluated for t in trainers.values()), left_out)
+    if not ranked:
+        raise UserError(_nothing_fits(w, devices, left_out))
+    result.why = explain(result)
+    return result
+
+
+def _rank_key(c: RLCandidate) -> tuple:
+    lay = c.layout
+    return (c.step_s, lay.staleness, lay.placement != "colocated", lay.rollout_devices, lay.gen_devices_per_replica)
+
+
+def check_options(devices: int, options: RLSearchOptions) -> None:
+    """Refuse options that leave nothing to search, before any search (one line each)."""
+    if devices < 1:
+        raise UserError(f"--devices {devices} must be positive")
+    if options.max_staleness < 0:
+        raise UserError(f"--max-staleness {options.max_staleness} cannot be negative")
+    if not options.placements:
+        raise UserError("no placement to search")
+    if options.rollout_devices is not None:
+        if "disaggregated" not in options.placements:
+            raise UserError("--rollout-devices fixes the disaggregated split: drop it or search --placement "
+                            "disaggregated")
+        if not 0 < options.rollout_devices < devices:
+            raise UserError(f"--rollout-devices {options.rollout_devices} of --devices {devices} leaves "
+                            f"{'no trainer' if options.rollout_devices >= devices else 'nothing to generate'}: "
+                            f"give 1 to {devices - 1}")
+    if options.placements == ("disaggregated",) and devices < 2:
+        raise UserError(f"disaggregated needs a rollout device and a training device: --devices {devices} is too "
+                        "few (give 2 or more, or --placement colocated)")
+    if options.gen_devices_per_replica is not None and options.gen_devices_per_replica < 1:
+        raise UserError(f"--gen-ep {options.gen_devices_per_replica} must be positive")
+
+
+def _splits(devices: int, options: RLSearchOptions) -> list[tuple[Placement, int]]:
+    splits: list[tuple[Placement, int]] = []
+    if "colocated" in options.placements and options.rollout_devices is None:
+        splits.append(("colocated", 0))
+    if "disaggregated" in options.placements and devices >= 2:
+        grid = ([options.rollout_devices] if options.rollout_devices is not None
+                else rollout_grid(devices, options.split_points))
+        splits += [("disaggregated", r) for r in grid]
+    return splits
+
+
+def _nothing_fits(w: RLWorkload, devices: int, left_out: dict[str, int]) -> str:
+    reasons = "; ".join(f"{reason} ({n})" for reason, n in sorted(left_out.items(), key=lambda kv: -kv[1]))
+    smallest = min((g for g in replica_sizes(w, 10**9) if generation_bytes(w, g, 1) <= MEMORY_LIMIT_FRACTION
+                    * w.cluster.hbm_bytes), default=None)
+    need = (f"; one generation replica alone needs {smallest} devices of {w.cluster.hbm_bytes / GIB:.0f} GiB"
+            if smallest and smallest > 1 else "")
+    return (f"no way to run {w.model.name}'s RL step fits {devices} × {w.cluster.name}: "
+            f"{reasons or 'nothing to price'}{need}; add devices (or shorten the step: fewer prompts, shorter "
+            "responses)")
+
+
+def explain(result: RLSearchResult) -> list[str]:
+    """Why the winner wins: against the best candidate with another placement, split, generation layout and
+    k, each as the ratio of its step to the winner's and the phases that decide it."""
+    ranked, best = result.ranked, result.winner
+    lay, p = best.layout, best.prediction
+    lines = []
+
+    def best_where(test) -> RLCandidate | None:
+        return next((c for c in ranked if test(c)), None)
+
+    other = best_where(lambda c: c.layout.placement != lay.placement)
+    if other is not None:
+        lines.append(f"placement {lay.placement}: the best {other.layout.placement} ({other.split()}, "
+                     f"{other.generation()}, k = {other.staleness}) takes {other.step_s / best.step_s:.2f}x the step")
+    elif lay.placement == "disaggregated" and any(r.startswith("colocated") for r in result.left_out):
+        lines.append("placement disaggregated: no colocated job fits (generation does not fit beside the training "
+                     "state; --offload with --host-link-gbps prices moving that state to host)")
+    ph = p.phases
+    rollout_side = ph.generate_s + ph.reward_s
+    train_side = ph.logprob_s + ph.train_s
+    if lay.placement == "disaggregated":
+        fewer = best_where(lambda c: c.layout.placement == "disaggregated"
+                           and c.layout.rollout_devices < lay.rollout_devices)
+        more = best_where(lambda c: c.layout.placement == "disaggregated"
+                          and c.layout.rollout_devices > lay.rollout_devices)
+        around = ", ".join(f"{c.layout.rollout_devices} generating: {c.step_s / best.step_s:.2f}x"
+                           for c in (fewer, more) if c is not None)
+        lines.append(f"split {best.split()}: rollout side {rollout_side:.4g} s (generate + reward), trainer "
+                     f"{train_side:.4g} s (log-prob forwards + train), push {ph.push_s:.3g} s"
+                     + (f"; best with {around}" if around else ""))
+    else:
+        lines.append(f"colocated: generate {ph.generate_s:.4g} s, train {ph.train_s:.4g} s, reshard "
+                     f"{ph.reshard_s:.3g} s on all {lay.devices} devices")
+    gen = best_where(lambda c: c.layout.placement == lay.placement
+                     and c.layout.gen_devices_per_replica != lay.gen_devices_per_replica)
+    if gen is not None:
+        lines.append(f"generation {best.generation()}: the best with gen-ep {gen.layout.gen_devices_per_replica} "
+                     f"takes {gen.step_s / best.step_s:.2f}x the step")
+    other_k = best_where(lambda c: (c.staleness == 0) != (lay.staleness == 0))
+    larger = [c.staleness for c in ranked if c.step_s == best.step_s and c.staleness > lay.staleness]
+    k_line = f"k = {lay.staleness}"
+    if other_k is not None:
+        k_line += f": the best with k = {other_k.staleness} takes {other_k.step_s / best.step_s:.2f}x the step"
+    if larger:
+        span = f"{min(larger)}…{max(larger)}" if max(larger) > min(larger) else f"{min(larger)}"
+        k_line += (f"; k = {span} prices the same in the steady state (a larger k only absorbs jitter), so the "
+                   "smallest is kept")
+    lines.append(k_line)
+    lines.append(f"trainer {best.trainer()}: the training search's best of {best.trainer_layouts_searched:,} "
+                 f"layouts on {lay.train_devices} devices ({ph.train_s:.4g} s per step"
+                 f"{'' if p.train_fits_memory else ', DOES NOT FIT'})")
+    return lines

@@ -1,0 +1,128 @@
+"""``moetrain plan --rl``'s search (``moetrain.planner.rl_search``): the split, the generation layout and k it
+picks against a brute force over every one of them, the steady-state rule that carries k = 1's price to larger
+k, what today's runtime runs, and what nothing fits."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+
+from moetrain.config import load_cluster_config, load_model_config
+from moetrain.errors import UserError
+from moetrain.planner.calibration import load_calibration
+from moetrain.planner.generation import HostCosts
+from moetrain.planner.rl_search import (
+    RLSearchOptions,
+    generation_bytes,
+    rl_runtime_limits,
+    rollout_grid,
+    search_rl,
+)
+from moetrain.planner.rl_step import RLLayout, RLWorkload, price_rl_step, training_workload
+from moetrain.planner.search import SearchSpace, search
+
+CALIBRATION = load_calibration(None)
+CLOUDMATRIX = str(Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "cloudmatrix-384-die.yaml")
+
+
+def _workload(model: str = "tiny-qwen3", cluster: str = "h100-sxm-80gb", prompts: int = 32, group: int = 8,
+              prompt_len: int = 128, response_len: int = 256) -> RLWorkload:
+    return RLWorkload(load_model_config(model), load_cluster_config(cluster), prompts, group, prompt_len, response_len)
+
+
+def _brute_force(w: RLWorkload, devices: int, max_k: int, host: HostCosts):
+    """Every placement, split, generation replica size and k, each priced from scratch by ``price_rl_step``
+    with the training search's best layout on its training devices; the fastest, ties to the smaller k, then
+    colocated, then fewer rollout devices, then smaller replicas."""
+    eff = CALIBRATION.for_device(w.cluster.device)
+    experts = w.model.moe.num_experts
+    best, trainers = None, {}
+    splits = [("colocated", 0)] + [("disaggregated", r) for r in range(1, devices)]
+    for (placement, rollout), g, k in itertools.product(splits, range(1, experts + 1), range(max_k + 1)):
+        train_devices = devices - rollout if placement == "disaggregated" else devices
+        if train_devices not in trainers:
+            trainers[train_devices] = search(training_workload(w), train_devices, eff, SearchSpace(cp=(1,)),
+                                             top_k=1, timeline_top=1, time_every_choice=False).ranked
+        if experts % g or not trainers[train_devices]:
+            continue
+        layout = RLLayout(placement, devices, trainers[train_devices][0].parallel, g, rollout, k)
+        try:
+            step = price_rl_step(w, layout, CALIBRATION, host).step_s
+        except UserError:  # g does not divide the generating devices, the samples do not split, colocated k ≥ 1
+            continue
+        key = (step, k, placement != "colocated", rollout, g)
+        if best is None or key < best:
+            best = key
+    return best
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_the_search_picks_the_brute_force_best(graphs):
+    w, devices = _workload(), 8
+    host = HostCosts(moe_pass_us=0.0 if graphs else None)
+    result = search_rl(w, devices, CALIBRATION, host, RLSearchOptions(max_staleness=2))
+    assert not any("fit" in reason for reason in result.left_out)  # memory never binds: the brute force has no check
+    step, k, disaggregated, rollout, g = _brute_force(w, devices, 2, host)
+    win = result.winner.layout
+    assert (win.placement == "disaggregated", win.rollout_devices, win.gen_devices_per_replica, win.staleness) == \
+        (disaggregated, rollout, g, k)
+    assert result.winner.step_s == pytest.approx(step, rel=1e-12)
+    steps = [c.step_s for c in result.ranked]
+    assert steps == sorted(steps)
+
+
+def test_every_k_from_one_up_prices_the_same_and_the_smallest_is_kept():
+    w = _workload()
+    result = search_rl(w, 8, CALIBRATION, options=RLSearchOptions(placements=("disaggregated",), rollout_devices=4,
+                                                                  gen_devices_per_replica=1, max_staleness=4))
+    by_k = {c.staleness: c for c in result.ranked}
+    assert sorted(by_k) == [0, 1, 2, 3, 4]
+    layout = by_k[1].layout
+    for k in (2, 3, 4):  # the carried price is what rl_step gives for that k
+        direct = price_rl_step(w, RLLayout(layout.placement, 8, layout.train, 1, 4, k), CALIBRATION)
+        assert by_k[k].step_s == pytest.approx(direct.step_s, rel=1e-12)
+    assert result.winner.staleness == (1 if by_k[1].step_s < by_k[0].step_s else 0)
+    assert any("prices the same" in line for line in result.why)
+
+
+def test_two_devices_plan_what_the_runtime_runs():
+    w = _workload("tiny-pangu", "cpu", 16, 8, 16, 8)
+    result = search_rl(w, 2, CALIBRATION)
+    assert {c.layout.placement for c in result.ranked} == {"colocated", "disaggregated"}
+    assert all(not c.not_runnable for c in result.ranked)
+    bigger = RLLayout("disaggregated", 4, result.ranked[0].layout.train.model_copy(update={"dp": 2}), 1, 2, 1)
+    assert any("one rollout rank" in reason for reason in rl_runtime_limits(w, bigger))
+
+
+def test_the_grid_keeps_small_jobs_whole_and_large_ones_in_powers_of_two():
+    assert rollout_grid(2) == [1]
+    assert rollout_grid(12) == list(range(1, 12))
+    assert rollout_grid(768) == list(range(64, 768, 64))
+
+
+def test_a_replica_holds_the_dense_weights_whole_and_its_share_of_the_experts():
+    w = _workload("pangu-ultra-moe-718b", CLOUDMATRIX, 1, 1, 0, 1)
+    one, two = generation_bytes(w, 32, 0), generation_bytes(w, 64, 0)
+    # halving the share of the routed experts saves half of a 32-device share of them
+    from moetrain.costs.params import count_params
+
+    experts = count_params(w.model).experts * 2.0
+    assert one - two == pytest.approx(experts / 64, rel=1e-9)
+
+
+@pytest.mark.parametrize(("options", "devices", "expected"), [
+    (RLSearchOptions(rollout_devices=2), 2, "leaves no trainer"),
+    (RLSearchOptions(placements=("disaggregated",)), 1, "too few"),
+    (RLSearchOptions(max_staleness=-1), 2, "cannot be negative"),
+])
+def test_options_that_leave_nothing_to_search_are_refused(options, devices, expected):
+    with pytest.raises(UserError, match=expected):
+        search_rl(_workload("tiny-pangu", "cpu", 16, 8, 16, 8), devices, CALIBRATION, options=options)
+
+
+def test_too_few_devices_for_the_smallest_job_names_what_it_needs():
+    w = _workload("pangu-ultra-moe-718b", CLOUDMATRIX, 96, 16, 1024, 4096)
+    with pytest.raises(UserError, match="fits 8 × cloudmatrix-384-die.*one generation replica alone needs 64 devices"):
+        search_rl(w, 8, CALIBRATION)
