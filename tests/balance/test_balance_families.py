@@ -44,7 +44,7 @@ FAMILY_CASES = [
     ("periodic", 64, 8, {"period": 40}, 7109),
     ("random_walk", 256, 16, {}, 7114),  # the benchmark's shape: 16 experts per rank
 ]
-# A family that misses the bound at this size (see docs/balance.md, "Trace families"): every expert moves by
+# A family that misses the bound at this size (see benchmarks/notes/balance.md, "Trace families"): every expert moves by
 # ~10 % at random each step, which no forecast foresees; with 8 experts per rank the busiest of 16 ranks
 # ends ~6 % above the mean. The benchmark's shape, 16 experts per rank (above), averages more of the noise
 # out and stays within the bound.
