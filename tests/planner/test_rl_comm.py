@@ -6,6 +6,7 @@ generation model (``planner.rl_step``), each against values computed by hand; an
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -235,8 +236,12 @@ def test_profile_comm_writes_a_cluster_with_the_fitted_link(tmp_path, capsys):
     out, cluster_out = tmp_path / "cpu.yaml", tmp_path / "cpu-link.yaml"
     assert main(["profile", "--cluster", "cpu", "--device", "cpu", "--repeats", "1", "--threads", "1",
                  "--out", str(out), "--comm-ranks", "2", "--comm-out", str(cluster_out)]) == 0
-    assert "weight sync per core" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "weight sync per core" in printed
     cluster = load_cluster_config(str(cluster_out))
+    # how 2 ranks computing at once slow each other, measured and written into the cluster
+    slowdown = float(re.search(r"2 ranks computing at once: ([0-9.]+)×", printed).group(1))
+    assert cluster.shared_host_slowdown >= 1.0 and cluster.shared_host_slowdown == pytest.approx(slowdown, abs=0.006)
     assert cluster.name == "cpu-2-ranks" and cluster.intra_node_gbps > 0 and cluster.intra_node_latency_us >= 0
     # each collective kind probed at four sizes has its own link in the file
     assert set(cluster.collective_links) == {"all_reduce", "all_gather", "all_to_all"}

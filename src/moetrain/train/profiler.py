@@ -258,18 +258,22 @@ def _wide_pass_seconds(rank: int, world_size: int, model_cfg: ModelConfig, repea
     return (time.perf_counter() - start) / repeats
 
 
-def profile_shared_host(model_cfg: ModelConfig, ranks: int, repeats: int = 5) -> dict:
+def profile_shared_host(model_cfg: ModelConfig, ranks: int, repeats: int = 5, rounds: int = 3) -> dict:
     """How ranks computing on one host's cores slow each other (memory bandwidth, caches and clock are the
-    host's): the wide pass of the runtime's model on one rank alone, then on ``ranks`` ranks at once, then
-    alone again (the two alone runs bracket the together run against the machine's drift). ``slowdown``:
-    the slowest rank's time together over the mean time alone, at least 1."""
+    host's): the wide pass of the runtime's model on one rank alone, then on ``ranks`` ranks at once,
+    ``rounds`` times, and alone once more. Each together run is set against the mean of the two alone runs
+    around it (a virtual machine's speed drifts by a fifth within minutes); ``slowdown`` is the median of
+    those ratios (the slowest rank's time together over the time alone), at least 1."""
     from moetrain.distributed.world import spawn
 
     alone = [spawn(_wide_pass_seconds, 1, model_cfg, repeats)[0]]
-    together = max(spawn(_wide_pass_seconds, ranks, model_cfg, repeats))
-    alone.append(spawn(_wide_pass_seconds, 1, model_cfg, repeats)[0])
-    return {"ranks": ranks, "alone_s": alone, "together_s": together,
-            "slowdown": max(together / float(np.mean(alone)), 1.0)}
+    together = []
+    for _ in range(rounds):
+        together.append(max(spawn(_wide_pass_seconds, ranks, model_cfg, repeats)))
+        alone.append(spawn(_wide_pass_seconds, 1, model_cfg, repeats)[0])
+    ratios = [t / ((before + after) / 2) for t, before, after in zip(together, alone[:-1], alone[1:], strict=True)]
+    return {"ranks": ranks, "alone_s": alone, "together_s": together, "ratios": ratios,
+            "slowdown": max(float(np.median(ratios)), 1.0)}
 
 
 # ----- collectives and the weight sync's host work (``moetrain profile --comm``) -----
