@@ -20,8 +20,9 @@ from moetrain.config.run import RunSpec
 from moetrain.distributed.world import spawn
 from moetrain.rl.config import StaleSyncOptions
 from moetrain.rl.loop import policy_config
+from moetrain.rl.roles import Roles
 from moetrain.rl.spec import resolve_rl_spec
-from moetrain.rl.stalesync import Pipeline, RolloutWorker, StaleSyncJob, StaleSyncTrainer, run_stalesync
+from moetrain.rl.stalesync import RolloutWorker, StaleSyncJob, StaleSyncTrainer, run_stalesync
 from moetrain.rl.start import starting_weights
 from moetrain.train.checkpoint import latest_checkpoint, read_marker, verify_checkpoint
 from refusals import refused
@@ -32,7 +33,7 @@ except ImportError:
     ray = None
 
 needs_ray = pytest.mark.skipif(ray is None, reason="the Ray engine's runs need ray (pip install ray)")
-NAMES = [Pipeline().worker_name(rank) for rank in range(2)]
+NAMES = [Roles().worker_name(rank) for rank in range(2)]
 PER_STEP = (*COMPARED, "staleness_max", "dropped_samples", "batch_index")
 
 

@@ -269,8 +269,6 @@ def _launch_pipeline(run: RLRun) -> int:
         say(status_console(run.grpo.run.quiet), "starting Ray and its actors (rollout worker, trainer)…")
         return ray_engine.launch(spec, run.grpo.run.timeout_s)
     from moetrain.distributed.launch import SpecFile, launch
-    from moetrain.rl.stalesync import Pipeline
 
-    assert spec.stalesync is not None
     return launch(run.grpo, log_dir, "moetrain.rl.worker", SpecFile(spec_file, SPEC_ENV), "rl",
-                  nproc=Pipeline.of(spec.stalesync, run.options).world_size)
+                  nproc=spec.roles.world_size)
