@@ -91,10 +91,10 @@ def _trainer_raises_at_step_2(rank: int, world_size: int, job: StaleSyncJob):
 def _rollout_killed_at_batch_2(rank: int, world_size: int, job: StaleSyncJob):
     """``run_stalesync`` with the rollout worker's process killed (SIGKILL, as the OOM killer does) as it
     starts batch 2, while the trainer may be writing its step-2 checkpoint."""
-    def die(self, batch):
+    def die(self, batch, *rest):
         if batch == 2:
             os.kill(os.getpid(), signal.SIGKILL)
-        return original(self, batch)
+        return original(self, batch, *rest)
 
     original = RolloutWorker.generate
     RolloutWorker.generate = die

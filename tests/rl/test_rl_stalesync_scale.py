@@ -146,7 +146,9 @@ def test_k2_with_partial_rollouts_tokens_span_two_versions_and_none_is_older_tha
     assert [Schedule(2, 5, partial=True).resume_version(b) for b in range(5)] == [None, None, 1, 2, 3]
     for trainer in trainers:
         steps = [r for r in trainer.rows if "loss" in r]
-        assert [r["staleness_max"] for r in steps] == [0, 1, 2, 2, 2]
+        assert [r["staleness_max"] for r in steps] == [0, 1, 2, 2, 2]  # by the oldest token
+        # batches 2-4 were resumed one version later: their newest tokens are 1 version old
+        assert [r.get("newest_token_version") for r in steps[2:]] == [1, 2, 3]
         assert trainer.admission.run_staleness_max <= 2 and trainer.dropped_batches == 0
     _assert_replicas_hold_the_trainers_weights(replicas, trainers, [0, 1, 2, 3])
     _assert_bytes_are_each_ranks_share(replicas, trainers)
@@ -236,3 +238,21 @@ def test_nproc_is_the_replicas_ranks_and_the_trainers_layout():
 def test_cli_refuses_a_pool_that_cannot_run_in_one_line_exit_2(capsys, argv, expected):
     base = ["rl", "--prompts", "4"] + ([] if "--staleness" in argv else ["--staleness", "1"])
     refused(capsys, [*base, *argv], *expected)
+
+
+@pytest.mark.slow
+def test_cli_runs_two_replicas_beside_a_tp2_trainer_through_torchrun(tmp_path, capsys):
+    import json
+
+    from test_rl_stalesync import TINY
+
+    from moetrain.cli import main
+
+    metrics = tmp_path / "rl.jsonl"
+    argv = ["rl", *TINY, "--staleness", "1", "--nproc", "4", "--rollout-replicas", "2", "--tp", "2",
+            "--metrics-out", str(metrics), "--log-dir", str(tmp_path / "log")]
+    assert main(argv) == 0, capsys.readouterr().err
+    steps = [r for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
+    assert [r["weight_version"] for r in steps] == [0, 0, 1] and [r["staleness_max"] for r in steps] == [0, 1, 1]
+    pushed = [r for r in steps if "sync_received_mib" in r]
+    assert pushed and all(r["sync_received_mib"] == [r["sync_replica_share_mib"]] * 2 for r in pushed)

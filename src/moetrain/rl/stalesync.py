@@ -94,11 +94,10 @@ class Schedule:
     """Partial rollouts: a batch may finish on the weights its successor starts with (``resume_version``)."""
 
     @classmethod
-    def of_run(cls, stale: StaleSyncOptions, spec: RunSpec, start: int) -> Schedule:
+    def of_run(cls, staleness: int, spec: RunSpec, start: int, partial: bool = False) -> Schedule:
         run = spec.run
         last = min(spec.training.steps, run.stop_at or spec.training.steps)
-        return cls(stale.staleness, last, start, run.save_every if run.save_dir is not None else 0,
-                   stale.partial_rollouts)
+        return cls(staleness, last, start, run.save_every if run.save_dir is not None else 0, partial)
 
     def version(self, batch: int) -> int:
         checkpoint = batch // self.save_every * self.save_every if self.save_every else 0
@@ -283,7 +282,8 @@ class RolloutWorker:
     def run(self) -> RolloutReport:
         start, tokens, versions = time.perf_counter(), 0, []
         first = None
-        schedule = Schedule.of_run(self.job.stale, self.job.spec, self.starting_step())
+        stale = self.job.stale
+        schedule = Schedule.of_run(stale.staleness, self.job.spec, self.starting_step(), stale.partial_rollouts)
         for batch in range(schedule.start, schedule.last):
             version = schedule.version(batch)
             if version != self.version:
@@ -342,7 +342,7 @@ class StaleSyncTrainer(RLTrainer):
             for replica in self.channels.roles.replica_ranks:
                 dist.send(torch.tensor([self.step], dtype=torch.int64), replica, group=self.channels.queue,
                           tag=START_TAG)
-        self.pushes = Schedule.of_run(self.stale, self.spec, self.step).pushed()
+        self.pushes = Schedule.of_run(self.stale.staleness, self.spec, self.step, self.stale.partial_rollouts).pushed()
         self.record_slices(self.weight_version)
         self.push_reports.append(self.sync.run(self.weight_version))
 
@@ -377,6 +377,9 @@ class StaleSyncTrainer(RLTrainer):
         self.trained.append((batch.index, batch.version))
         self.samples.append(batch.generation.tokens_BN)
         self._pending.update(self.gate.stats().row(), batch_index=batch.index)
+        versions_BN = batch.generation.token_versions_BN
+        if versions_BN is not None:  # a partial rollout: the newest weights any of its tokens came from
+            self._pending["newest_token_version"] = int(versions_BN.max())
         self._reference_logp = batch.ref_logp_BS
         problems = step_problems(self.task, self.options, self.cfg.seed, batch.index)
         return batch.rollouts(problems, self.tokenizer.decode)
