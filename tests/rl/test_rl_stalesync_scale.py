@@ -5,12 +5,14 @@ size the run.
 Each run here is a few steps of a 4-layer tiny-pangu on 3 or 4 gloo ranks."""
 
 import io
+import shutil
+from dataclasses import replace
 
 import pytest
 import torch
 from rich.console import Console
 from rl_models import small_model
-from test_rl_stalesync import COMPARED, SEQ_LEN, _setup
+from test_rl_stalesync import COMPARED, SEQ_LEN, _setup, _synchronous
 
 from moetrain.config import ParallelConfig
 from moetrain.config.run import RunSpec
@@ -107,6 +109,8 @@ def _assert_bytes_are_each_ranks_share(replicas, trainers):
 @pytest.mark.dist
 @pytest.mark.parametrize("parallel", [TP2, EP2], ids=["tp2", "ep2"])
 def test_k0_with_two_replicas_and_a_two_rank_trainer_is_the_synchronous_loop_bit_for_bit(parallel):
+    """Bit for bit against the synchronous loop in the trainer's layout (RL Fusion on its ranks); against
+    the one-process loop the samples are bit for bit too, the losses equal to the layout's rounding."""
     steps = 3
     expected = spawn(_synchronous_in_layout, 2, steps, parallel)
     replicas, trainers = _run(_job(steps, 0, parallel, replicas=2, record_weights=True))
@@ -122,6 +126,34 @@ def test_k0_with_two_replicas_and_a_two_rank_trainer_is_the_synchronous_loop_bit
             assert torch.equal(value, trainer.final_state[name]), name  # same weights, shard by shard
     _assert_replicas_hold_the_trainers_weights(replicas, trainers, [0, 1, 2])
     _assert_bytes_are_each_ranks_share(replicas, trainers)
+    # against one process: the same samples bit for bit; the losses differ by the layout's reductions only
+    one_rows, one_samples, _ = _synchronous(steps)
+    assert all(torch.equal(a, b) for a, b in zip(one_samples, trainers[0].samples, strict=True))
+    for want, got in zip(one_rows, trainers[0].rows, strict=True):
+        if "loss" in want:
+            assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_resumed_from_a_checkpoint_two_replicas_and_a_tp2_trainer_continue_the_uninterrupted_run(tmp_path):
+    def job(**run):
+        plain = _job(4, 2, TP2, replicas=2)
+        return replace(plain, spec=plain.spec.model_copy(update={"run": plain.spec.run.model_copy(update=run)}))
+
+    save = tmp_path / "ckpt"
+    replicas, full = _run(job(save_dir=str(save), save_every=2))
+    assert [r.versions for r in replicas] == [[0, 0, 2, 2]] * 2  # the batch after a checkpoint: its weights
+    shutil.rmtree(save)
+    _run(job(save_dir=str(save), save_every=2, stop_at=2))
+    replicas, resumed = _run(job(save_dir=str(save), save_every=2, resume=True))
+    assert [r.versions for r in replicas] == [[2, 2]] * 2
+    for whole, part in zip(full, resumed, strict=True):  # each trainer rank
+        assert part.trained == [(2, 2), (3, 2)]
+        for want, got in zip([r for r in whole.rows if r["step"] > 2], part.rows, strict=True):
+            assert {k: got.get(k) for k in COMPARED} == {k: want.get(k) for k in COMPARED}
+        for name, value in whole.final_state.items():
+            assert torch.equal(value, part.final_state[name]), name
 
 
 @pytest.mark.dist

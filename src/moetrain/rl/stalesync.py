@@ -403,6 +403,9 @@ class StaleSyncTrainer(RLTrainer):
             self.fusion.ensure_synced(self.weight_version)
         return super().replay_diagnostics(sequences)
 
+    def _fusion_text(self) -> str:
+        return ""  # a sharded trainer's whole model per rank only evaluates: the roles below say who generates
+
     def describe(self) -> str:
         roles = self.channels.roles
         replicas = (f"{roles.replicas} rollout replicas (ranks 0–{roles.replicas - 1})" if roles.replicas > 1
