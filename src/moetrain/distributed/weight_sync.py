@@ -241,10 +241,11 @@ class WeightSync:
         if self._broadcasts(bucket):
             dist.broadcast(payload, src=owner, group=self.group)
         elif self.rank == bucket.owner:
-            for receiver in bucket.receivers:
-                if receiver != self.rank:
-                    peer = dist.get_global_rank(self.group, receiver) if self.group is not None else receiver
-                    dist.send(payload, dst=peer, group=self.group)
+            # to every receiver at once (the sends overlap, e.g. across StaleSync's rollout replicas)
+            peers = [dist.get_global_rank(self.group, r) if self.group is not None else r
+                     for r in bucket.receivers if r != self.rank]
+            for work in [dist.isend(payload, dst=peer, group=self.group) for peer in peers]:
+                work.wait()
         else:
             dist.recv(payload, src=owner, group=self.group)
         return payload
