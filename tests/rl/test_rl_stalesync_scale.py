@@ -99,7 +99,7 @@ def _assert_bytes_are_each_ranks_share(replicas, trainers):
     copies = 1 if len(trainers) == 1 else len(replicas)
     ideal_sent = copies * replicas[0].ideal_sync_bytes / len(trainers)
     for trainer in trainers:
-        for push in trainer.pushes:
+        for push in trainer.push_reports:
             assert abs(push.bytes_sent - ideal_sent) <= 0.1 * ideal_sent, (push.bytes_sent, ideal_sent)
     row = next(r for r in trainers[0].rows if "sync_received_mib" in r)
     assert row["sync_received_mib"] == [replicas[0].ideal_sync_bytes / 2**20] * len(replicas)

@@ -174,7 +174,7 @@ class TrainerReport:
     final_state: dict[str, torch.Tensor]
     """This rank's trained tensors (its shards in a multi-rank layout)."""
     seconds: float
-    pushes: list[SyncReport]
+    push_reports: list[SyncReport]
     """Every push of this rank (bytes sent, seconds)."""
     pushed_slices: dict[int, list[tuple[str, tuple[int, ...], torch.Tensor]]] = field(default_factory=dict)
     """``record_weights``: per pushed version, this rank's slices (tensor name, global offsets, values)."""
