@@ -92,8 +92,10 @@ def test_two_devices_plan_what_the_runtime_runs():
     result = search_rl(w, 2, CALIBRATION)
     assert {c.layout.placement for c in result.ranked} == {"colocated", "disaggregated"}
     assert all(not c.not_runnable for c in result.ranked)
-    bigger = RLLayout("disaggregated", 4, result.ranked[0].layout.train.model_copy(update={"dp": 2}), 1, 2, 1)
-    assert any("one rollout rank" in reason for reason in rl_runtime_limits(w, bigger))
+    train_dp2 = result.ranked[0].layout.train.model_copy(update={"dp": 2})
+    assert not rl_runtime_limits(w, RLLayout("disaggregated", 4, train_dp2, 1, 2, 1))  # 2 replicas, a DP2 trainer
+    wide = RLLayout("disaggregated", 4, train_dp2, 2, 2, 1)  # one replica of 2 devices
+    assert any("replicas of several ranks: not built yet" in reason for reason in rl_runtime_limits(w, wide))
 
 
 def test_the_grid_keeps_small_jobs_whole_and_large_ones_in_powers_of_two():

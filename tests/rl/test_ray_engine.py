@@ -20,8 +20,9 @@ from moetrain.config.run import RunSpec
 from moetrain.distributed.world import spawn
 from moetrain.rl.config import StaleSyncOptions
 from moetrain.rl.loop import policy_config
+from moetrain.rl.roles import Roles
 from moetrain.rl.spec import resolve_rl_spec
-from moetrain.rl.stalesync import Pipeline, RolloutWorker, StaleSyncJob, StaleSyncTrainer, run_stalesync
+from moetrain.rl.stalesync import RolloutWorker, StaleSyncJob, StaleSyncTrainer, run_stalesync
 from moetrain.rl.start import starting_weights
 from moetrain.train.checkpoint import latest_checkpoint, read_marker, verify_checkpoint
 from refusals import refused
@@ -32,7 +33,7 @@ except ImportError:
     ray = None
 
 needs_ray = pytest.mark.skipif(ray is None, reason="the Ray engine's runs need ray (pip install ray)")
-NAMES = [Pipeline().worker_name(rank) for rank in range(2)]
+NAMES = [Roles().worker_name(rank) for rank in range(2)]
 PER_STEP = (*COMPARED, "staleness_max", "dropped_samples", "batch_index")
 
 
@@ -90,10 +91,10 @@ def _trainer_raises_at_step_2(rank: int, world_size: int, job: StaleSyncJob):
 def _rollout_killed_at_batch_2(rank: int, world_size: int, job: StaleSyncJob):
     """``run_stalesync`` with the rollout worker's process killed (SIGKILL, as the OOM killer does) as it
     starts batch 2, while the trainer may be writing its step-2 checkpoint."""
-    def die(self, batch):
+    def die(self, batch, *rest):
         if batch == 2:
             os.kill(os.getpid(), signal.SIGKILL)
-        return original(self, batch)
+        return original(self, batch, *rest)
 
     original = RolloutWorker.generate
     RolloutWorker.generate = die

@@ -154,7 +154,7 @@ def test_what_the_flags_cannot_give_is_one_line(capsys, argv, expected):
 @pytest.mark.parametrize(("text", "expected"), [
     ("rollout: {replicas: 2}\n", ("rollout.replicas 2: not built yet", "1 here")),
     ("rollout: {ranks_per_replica: 2}\nstalesync: {staleness: 1}\n",
-     ("rollout.ranks_per_replica 2: not built yet", "one rollout worker")),
+     ("rollout.ranks_per_replica 2: not built yet", "a whole model on one rank")),
     ("trainer: {training: {global_batch: 5}}\n", ("trainer.training.global_batch 5: RL sets it to 256",)),
     ("trainer: {model: tiny-qwen3}\n", ("trainer.model tiny-qwen3", "set once, at the top")),
     ("trainer: {training: {micro_batch: 7}}\n",

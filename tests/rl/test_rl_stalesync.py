@@ -183,10 +183,10 @@ def test_decoupled_loss_in_the_pipeline_matches_tis_with_one_update_per_batch():
 
 @pytest.mark.dist
 def test_a_dead_rollout_worker_ends_the_run_with_one_message_naming_it(monkeypatch):
-    def die(self, batch):
+    def die(self, batch, *rest):
         if batch == 1:
             raise RuntimeError("generation crashed")
-        return original(self, batch)
+        return original(self, batch, *rest)
 
     original = RolloutWorker.generate
     monkeypatch.setattr(RolloutWorker, "generate", die)  # the forked ranks inherit it
@@ -217,7 +217,7 @@ TINY = ["--sft-steps", "2", "--sft-batch", "8", "--steps", "3", "--prompts", "2"
 @pytest.mark.parametrize("argv, expected", [
     (["rl", "--placement", "disaggregated"], ("give --staleness K",)),
     (["rl", "--staleness", "-1"], ("--staleness -1",)),
-    (["rl", "--staleness", "1", "--nproc", "4"], ("--nproc", "not built yet")),
+    (["rl", "--staleness", "1", "--nproc", "2", "--rollout-replicas", "2"], ("--nproc 2", "leaves no trainer rank")),
 ])
 def test_cli_refuses_what_is_not_built_in_one_line_exit_2(capsys, argv, expected):
     refused(capsys, argv, *expected)

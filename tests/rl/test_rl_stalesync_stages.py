@@ -13,7 +13,8 @@ from test_rl_stalesync import COMPARED, _RecordingTrainer, _setup
 from moetrain.distributed.world import spawn
 from moetrain.models.transformer import build_model
 from moetrain.rl.config import StaleSyncOptions
-from moetrain.rl.stalesync import Pipeline, StaleSyncJob, run_stalesync
+from moetrain.rl.roles import Roles
+from moetrain.rl.stalesync import StaleSyncJob, run_stalesync
 from moetrain.rl.stalesync_stages import RewardWorker, StageReport
 from refusals import refused
 
@@ -29,16 +30,16 @@ def _pipeline(steps: int, staleness: int, reward_worker: bool = True, kl: bool =
     model, options, spec = _with_kl(steps) if kl else _setup(steps)
     stale = StaleSyncOptions(staleness=staleness, reward_worker=reward_worker)
     job = StaleSyncJob(spec, options, stale, model.cfg, model.state_dict())
-    return spawn(run_stalesync, job.pipeline.world_size, job)
+    return spawn(run_stalesync, job.roles.world_size, job)
 
 
 def test_the_pipeline_orders_its_ranks_rollout_reward_reference_trainer():
-    pipeline = Pipeline(reward=True, reference=True)
+    pipeline = Roles(reward=True, reference=True)
     assert pipeline.order == ("rollout worker", "reward worker", "reference worker", "trainer")
     assert [pipeline.rank(s) for s in pipeline.order] == [0, 2, 3, 1]
     assert pipeline.next_rank("rollout worker") == 2 and pipeline.next_rank("reference worker") == 1
     assert pipeline.previous_rank("trainer") == 3 and pipeline.worker_name(3) == "StaleSync reference worker (rank 3)"
-    assert Pipeline(reference=True).rank("reference worker") == 2 and Pipeline().world_size == 2
+    assert Roles(reference=True).rank("reference worker") == 2 and Roles().world_size == 2
 
 
 @pytest.mark.dist

@@ -47,8 +47,9 @@ FLAG_FIELDS: dict[str, tuple[str, ...]] = {
     "offload": ("generation", "offload"),
     "staleness": ("stalesync", "staleness"), "placement": ("stalesync", "placement"),
     "stale_loss": ("stalesync", "loss"), "reward_worker": ("stalesync", "reward_worker"), "engine": ("engine",),
+    "rollout_replicas": ("rollout", "replicas"), "partial_rollouts": ("stalesync", "partial_rollouts"),
 }
-STALESYNC_FLAGS = ("placement", "engine", "stale_loss", "reward_worker")
+STALESYNC_FLAGS = ("placement", "engine", "stale_loss", "reward_worker", "rollout_replicas", "partial_rollouts")
 """Flags that choose how StaleSync runs: they need ``--staleness`` (or a config's stalesync section)."""
 FLAGS_SOURCE = "flags"
 """How ``resolve_rl_spec`` names the flags' values in an error; ``_named_by_flag`` then names the flag."""
@@ -122,7 +123,8 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_fusion_arguments(parser: argparse.ArgumentParser) -> None:
     f = parser.add_argument_group("RL Fusion across ranks (docs/rl_fusion.md): training layout, generation layout")
-    f.add_argument("--nproc", type=int, help="ranks on this node (= tp·pp·dp); above 1 starts torchrun")
+    f.add_argument("--nproc", type=int, help="ranks on this node (= tp·pp·dp; disaggregated --staleness: the "
+                   "rollout replicas' ranks + the trainer's tp·pp·dp); above 1 starts torchrun")
     for axis, text in (("tp", "tensor parallel, with sequence parallelism"), ("pp", "pipeline stages"),
                        ("ep", "expert parallel (inside dp)"), ("etp", "expert tensor parallel")):
         f.add_argument(f"--{axis}", type=int, help=f"training: {text}")
@@ -146,6 +148,11 @@ def _add_stalesync_arguments(parser: argparse.ArgumentParser) -> None:
                    help="with --staleness: worker processes on torch.distributed (local) or Ray actors")
     a.add_argument("--stale-loss", choices=("tis", "decoupled"),
                    help="staleness correction: truncated importance weights (tis) or decoupled PPO's proximal policy")
+    a.add_argument("--rollout-replicas", type=int,
+                   help="disaggregated: rollout replicas, a whole model on one rank each, beside the trainer's ranks")
+    a.add_argument("--partial-rollouts", action="store_true", default=None,
+                   help="disaggregated: interrupt a generation halfway when newer weights are due and resume it on "
+                        "them; samples are admitted by their oldest token's version")
     a.add_argument("--reward-worker", action="store_true", default=None,
                    help="disaggregated: score on a rank of its own (with --kl-coef the reference model always "
                         "runs on one)")

@@ -53,6 +53,11 @@ HEADER_BYTES = 16
 class WeightSyncError(RuntimeError):
     """A missed, partial or corrupted sync: generation would run on weights that are not the trained ones."""
 
+    def __init__(self, message: str, failed_rank: int | None = None) -> None:
+        super().__init__(message)
+        self.failed_rank = failed_rank
+        """The group rank whose check failed (None: a plan that cannot be built)."""
+
 
 @dataclass(frozen=True)
 class TensorView:
@@ -198,6 +203,19 @@ class WeightSync:
         in_flight.thread.start()
         return in_flight
 
+    def planned_bytes(self) -> tuple[list[int], list[int]]:
+        """(payload bytes each rank of the group sends, bytes each receives) per sync, by the plan: a
+        broadcast counted once for its owner, a point-to-point bucket once per receiver; local copies not."""
+        world = dist.get_world_size(self.group)
+        sent, received = [0] * world, [0] * world
+        for bucket in self.buckets:
+            if bucket.is_local:
+                continue
+            sent[bucket.owner] += bucket.nbytes * (1 if self._broadcasts(bucket) else len(bucket.receivers))
+            for receiver in bucket.receivers:
+                received[receiver] += bucket.nbytes
+        return sent, received
+
     # ----- one bucket -----
     def _pack(self, bucket: Bucket, version: int) -> torch.Tensor:
         parts = [_bytes(_box_view(self.sources[item.name], item.src_piece, item.box)) for item in bucket.items]
@@ -223,10 +241,11 @@ class WeightSync:
         if self._broadcasts(bucket):
             dist.broadcast(payload, src=owner, group=self.group)
         elif self.rank == bucket.owner:
-            for receiver in bucket.receivers:
-                if receiver != self.rank:
-                    peer = dist.get_global_rank(self.group, receiver) if self.group is not None else receiver
-                    dist.send(payload, dst=peer, group=self.group)
+            # to every receiver at once (the sends overlap, e.g. across StaleSync's rollout replicas)
+            peers = [dist.get_global_rank(self.group, r) if self.group is not None else r
+                     for r in bucket.receivers if r != self.rank]
+            for work in [dist.isend(payload, dst=peer, group=self.group) for peer in peers]:
+                work.wait()
         else:
             dist.recv(payload, src=owner, group=self.group)
         return payload
@@ -424,14 +443,19 @@ def _describe(box: Box) -> str:
 
 
 def _agree_on_failure(failures: list[str], rank: int, group: dist.ProcessGroup | None) -> None:
-    """Every rank raises when one failed (the lowest failing rank is named)."""
+    """Every rank raises when one failed, each with the lowest failing rank's first failure (so whichever
+    rank's error a launcher shows, it names the rank, the bucket and the tensor)."""
     flag = torch.tensor([rank if failures else dist.get_world_size(group)], dtype=torch.int64)
     backend_device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
     flag = flag.to(backend_device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     first = int(flag)
+    if first == dist.get_world_size(group):
+        return
+    text = [failures[0] if rank == first else None]
+    dist.broadcast_object_list(text, src=dist.get_global_rank(group, first) if group is not None else first,
+                               group=group)
     if failures:
         raise WeightSyncError(f"weight sync failed on rank {rank}: {failures[0]}"
-                              + (f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""))
-    if first < dist.get_world_size(group):
-        raise WeightSyncError(f"weight sync failed on rank {first} (see its error)")
+                              + (f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""), rank)
+    raise WeightSyncError(f"weight sync failed on rank {first} (see its error): {text[0]}", first)

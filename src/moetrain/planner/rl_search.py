@@ -160,17 +160,19 @@ def rollout_grid(devices: int, points: int = SPLIT_POINTS) -> list[int]:
 def rl_runtime_limits(w: RLWorkload, layout: RLLayout) -> list[str]:
     """Why today's ``moetrain rl`` cannot run ``layout``: one sentence each; empty when it runs. What the
     runtime runs: RL Fusion and colocated StaleSync on one node's ranks in any trainer layout the training
-    runtime runs without context parallelism, ``ranks / gen_ep`` replicas; the disaggregated pipeline as one
-    rollout rank beside a one-rank trainer."""
+    runtime runs without context parallelism, ``ranks / gen_ep`` replicas; the disaggregated pipeline as
+    rollout replicas of one rank each beside a trainer group in such a layout."""
     limits = []
     per_node = w.cluster.devices_per_node
     if layout.devices > per_node:
         limits.append(f"{layout.devices} devices span nodes of {per_node}: moetrain rl starts its ranks on one node "
                       "(several nodes: not built yet)")
-    if layout.placement == "disaggregated" and (layout.rollout_devices > 1 or layout.train_devices > 1):
-        limits.append(f"disaggregated with {layout.rollout_devices} rollout and {layout.train_devices} training "
-                      "devices: the pipeline runs one rollout rank beside a one-rank trainer today (rollout pools "
-                      "and trainer groups: not built yet)")
+    if layout.placement == "disaggregated" and layout.gen_devices_per_replica > 1:
+        limits.append(f"disaggregated rollout replicas of {layout.gen_devices_per_replica} devices: a replica is a "
+                      "whole model on one rank today (replicas of several ranks: not built yet)")
+    if layout.placement == "disaggregated" and w.prompts % layout.replicas:
+        limits.append(f"{w.prompts} prompts per step do not split over {layout.replicas} rollout replicas (each "
+                      "generates whole groups)")
     train = layout.train
     if train.cp > 1:
         limits.append(f"trainer cp {train.cp}: RL does not train with context parallelism yet")

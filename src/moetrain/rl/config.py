@@ -114,8 +114,8 @@ class StaleSyncOptions(BaseModel):
     staleness: int = Field(default=0, ge=0)
     """k: the trainer admits a sample only if current version − sample version ≤ k (0: synchronous)."""
     placement: Literal["colocated", "disaggregated"] = "disaggregated"
-    """disaggregated: rank 0 generates, rank 1 trains; colocated: RL Fusion's ranks, each generating the next
-    batch while the current one trains (``moetrain.rl.colocated``)."""
+    """disaggregated: rollout replicas and a trainer group on ranks of their own; colocated: RL Fusion's
+    ranks, each generating the next batch while the current one trains (``moetrain.rl.colocated``)."""
     loss: Literal["tis", "decoupled"] = "tis"
     """tis: ratio against the trained weights, importance weight min(π_old/μ, C) against the behaviour
     policy μ; decoupled: ratio against a proximal policy from a forward before the step (Hilton et al.
@@ -125,3 +125,6 @@ class StaleSyncOptions(BaseModel):
     reward_worker: bool = False
     """Disaggregated: score on a rank of its own between the rollout worker and the trainer (else the
     rollout worker scores). A KL reference (``grpo.kl_coef`` > 0) always runs on a rank of its own."""
+    partial_rollouts: bool = False
+    """Disaggregated: a batch is interrupted halfway through its token budget when newer weights are due
+    and resumed on them; its samples are admitted by their oldest token's version (``partial_rollout``)."""

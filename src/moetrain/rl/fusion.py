@@ -17,7 +17,7 @@ generates a sample, and beside which others, does not change its draws.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -33,7 +33,7 @@ from moetrain.distributed.weight_sync import SyncReport, TensorView, WeightSync,
 from moetrain.errors import UserError
 from moetrain.models.transformer import MoETransformer, build_model
 from moetrain.rl.config import FusionOptions
-from moetrain.rl.generate import Generation, RolloutEngine, SamplingParams
+from moetrain.rl.generate import Generation, RolloutEngine, SamplingParams, concat_generations
 from moetrain.rl.offload import HostOffload, offload_decision
 from moetrain.rl.switch import Switch
 
@@ -206,18 +206,5 @@ def gather_generations(local: Generation, group: dist.ProcessGroup, every: int =
     everyone: list = [None] * dist.get_world_size(group)
     mine = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in local.__dict__.items()}
     dist.all_gather_object(everyone, mine, group=group)
-    parts = everyone[::every]
-    slots = max(p["expert_ids_BSMK"].shape[1] for p in parts) if local.expert_ids_BSMK is not None else 0
-
-    def record(part: dict) -> torch.Tensor:
-        ids = part["expert_ids_BSMK"]
-        pad = ids.new_full((ids.shape[0], slots - ids.shape[1], *ids.shape[2:]), -1)
-        return torch.cat([ids, pad], dim=1)
-
-    cat = lambda key: torch.cat([p[key] for p in parts])
-    return Generation(
-        [prompt for p in parts for prompt in p["prompt_ids"]], cat("tokens_BN"), cat("logprobs_BN"),
-        cat("lengths_B"), cat("prompt_lengths_B"), cat("stopped_B"),
-        torch.cat([record(p) for p in parts]) if slots else None, local.weight_version,
-        max(p["decode_steps"] for p in parts), sum(p["rows_computed"] for p in parts),
-        max(p["seconds"] for p in parts))
+    parts = [Generation(**part) for part in everyone[::every]]
+    return replace(concat_generations(parts), weight_version=local.weight_version)

@@ -74,6 +74,9 @@ class Generation:
     rows_computed: int
     """Sum over decode steps of the rows each computed: finished rows are not computed."""
     seconds: float
+    token_versions_BN: torch.Tensor | None = None
+    """int64 [B, N]: the weight version that sampled each token, when a partial rollout spans several
+    (``partial_rollout``); None: ``weight_version`` sampled every token."""
 
     def completion(self, row: int) -> list[int]:
         return self.tokens_BN[row, : int(self.lengths_B[row])].tolist()
@@ -84,9 +87,35 @@ class Generation:
 
     @property
     def sample_versions(self) -> list[int]:
-        """Each sample's oldest weight version, what admission judges (``admission``): one version
-        generates the whole batch today."""
-        return [self.weight_version] * len(self.prompt_ids)
+        """Each sample's oldest token's weight version, what admission judges (``admission``)."""
+        if self.token_versions_BN is None:
+            return [self.weight_version] * len(self.prompt_ids)
+        return [int(self.token_versions_BN[row, : max(int(self.lengths_B[row]), 1)].min())
+                for row in range(len(self.prompt_ids))]
+
+
+def concat_generations(parts: Sequence[Generation]) -> Generation:
+    """The rows of ``parts`` in order, as one generation (replicas' shares of one batch): replay records
+    padded with -1 to the widest prompt; the first part's version; the slowest part's time."""
+    first = parts[0]
+    slots = max(p.expert_ids_BSMK.shape[1] for p in parts) if first.expert_ids_BSMK is not None else 0
+
+    def record(part: Generation) -> torch.Tensor:
+        ids = part.expert_ids_BSMK
+        assert ids is not None
+        pad = ids.new_full((ids.shape[0], slots - ids.shape[1], *ids.shape[2:]), -1)
+        return torch.cat([ids, pad], dim=1)
+
+    cat = lambda key: torch.cat([getattr(p, key) for p in parts])
+    versions = None
+    if any(p.token_versions_BN is not None for p in parts):
+        versions = torch.cat([p.token_versions_BN if p.token_versions_BN is not None
+                              else torch.full_like(p.tokens_BN, p.weight_version) for p in parts])
+    return Generation(
+        [prompt for p in parts for prompt in p.prompt_ids], cat("tokens_BN"), cat("logprobs_BN"), cat("lengths_B"),
+        cat("prompt_lengths_B"), cat("stopped_B"), torch.cat([record(p) for p in parts]) if slots else None,
+        first.weight_version, max(p.decode_steps for p in parts), sum(p.rows_computed for p in parts),
+        max(p.seconds for p in parts), versions)
 
 
 def filter_logits(logits_AV: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

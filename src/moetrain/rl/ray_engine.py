@@ -177,16 +177,12 @@ def cli_rank(rank: int, world_size: int, spec: RLRunSpec) -> None:
 def launch(spec: RLRunSpec, group_timeout_s: float, command: str = "rl") -> int:
     """The CLI's StaleSync run on Ray actors (the spec torchrun's ranks read from a file, given whole); the
     exit code, with a failure printed as one line (the local launcher's format)."""
-    from moetrain.rl.stalesync import Pipeline
-
-    assert spec.stalesync is not None
-    pipeline = Pipeline.of(spec.stalesync, spec.rl)
+    roles = spec.roles
     ray = import_ray()
     start = time.monotonic()
     with connected(ray):
         try:
-            run_ranks(cli_rank, pipeline.world_size, spec,
-                      names=[pipeline.worker_name(r) for r in range(pipeline.world_size)],
+            run_ranks(cli_rank, roles.world_size, spec, names=[roles.worker_name(r) for r in range(roles.world_size)],
                       group_timeout_s=group_timeout_s)
         except RayRankError as exc:
             print(f"moetrain {command}: {exc} (all Ray actors stopped after {time.monotonic() - start:.1f} s)",

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from moetrain.rl.batch import Rollouts
-from moetrain.rl.generate import Generation
+from moetrain.rl.generate import Generation, concat_generations
 from moetrain.rl.tasks import Problem
 
 HEADER_TAG, PAYLOAD_TAG = 1, 2
@@ -51,8 +51,21 @@ class QueuedBatch:
 
     @property
     def sample_versions(self) -> list[int]:
-        """Each sample's weight version, as the header tags the batch (what admission judges)."""
-        return [self.version] * len(self.generation.prompt_ids)
+        """Each sample's oldest token's weight version (what admission judges): the header's version, or
+        an older one than a partial rollout's later tokens."""
+        return self.generation.sample_versions
+
+    @classmethod
+    def joined(cls, parts: list[QueuedBatch]) -> QueuedBatch:
+        """One batch from the replicas' shares of it, in replica order (rows are contiguous shares)."""
+        first = parts[0]
+        assert all(p.index == first.index and p.version == first.version for p in parts), \
+            f"shares of different batches: {[(p.index, p.version) for p in parts]}"
+        if len(parts) == 1:
+            return first
+        cat = lambda key: None if getattr(first, key) is None else torch.cat([getattr(p, key) for p in parts])
+        return QueuedBatch(first.index, first.version, concat_generations([p.generation for p in parts]),
+                           cat("rewards_B"), cat("advantages_B"), cat("ref_logp_BS"))
 
     def scored(self, rollouts: Rollouts) -> QueuedBatch:
         return replace(self, rewards_B=rollouts.rewards_B, advantages_B=rollouts.advantages_B)
@@ -130,6 +143,20 @@ class BatchReceiver:
         payload = torch.empty(int(header[2]), dtype=torch.uint8)
         dist.recv(payload, self.src, group=self.group, tag=PAYLOAD_TAG)
         return unpack(header, payload)
+
+
+def broadcast_batch(batch: QueuedBatch | None, group: dist.ProcessGroup, src: int) -> QueuedBatch:
+    """Deal a batch from global rank ``src`` (which passes it) to every rank of ``group`` (the trainer
+    group: each builds the whole batch, as the runtime's layouts expect, and slices its own rows)."""
+    if batch is not None:
+        header, payload = pack(batch)
+    else:
+        header = torch.empty(3, dtype=torch.int64)
+    dist.broadcast(header, src, group=group)
+    if batch is None:
+        payload = torch.empty(int(header[2]), dtype=torch.uint8)
+    dist.broadcast(payload, src, group=group)
+    return batch if batch is not None else unpack(header, payload)
 
 
 def _cpu(value):

@@ -104,15 +104,17 @@ def build_rl_run(spec: RLRunSpec) -> RLRun:
 
 
 def _sft_spec(spec: RLRunSpec) -> RunSpec:
-    """The warm-up's run: the trainer's layout, device and seed, the warm-up's own batch and schedule."""
+    """The warm-up's run: the trainer's layout, device and seed, the warm-up's own batch and schedule. A
+    disaggregated run warms up in the CLI's one process, before its ranks start: a one-rank layout."""
     trainer, sft = spec.trainer, spec.sft
     run: dict[str, Any] = {field: getattr(trainer.run, field) for field in SFT_RUN_FIELDS}
     if trainer.run.save_dir:
         run["save_dir"] = str(Path(trainer.run.save_dir) / "sft")
-    training = {"steps": sft.steps, "global_batch": sft.batch, "micro_batch": max(sft.batch // trainer.parallel.dp, 1),
+    dp = 1 if spec.disaggregated else trainer.parallel.dp
+    training = {"steps": sft.steps, "global_batch": sft.batch, "micro_batch": max(sft.batch // dp, 1),
                 "seq_len": trainer.training.seq_len, "lr": sft.lr, "warmup_steps": min(20, sft.steps),
                 "seed": trainer.training.seed, "dtype": trainer.training.dtype}
-    parallel = trainer.parallel.model_dump(exclude={"sp", "micro_batch"})
+    parallel = {} if spec.disaggregated else trainer.parallel.model_dump(exclude={"sp", "micro_batch"})
     return resolve_run_spec([{"model": trainer.model, "training": training, "run": run, "parallel": parallel}])
 
 
@@ -269,8 +271,6 @@ def _launch_pipeline(run: RLRun) -> int:
         say(status_console(run.grpo.run.quiet), "starting Ray and its actors (rollout worker, trainer)…")
         return ray_engine.launch(spec, run.grpo.run.timeout_s)
     from moetrain.distributed.launch import SpecFile, launch
-    from moetrain.rl.stalesync import Pipeline
 
-    assert spec.stalesync is not None
     return launch(run.grpo, log_dir, "moetrain.rl.worker", SpecFile(spec_file, SPEC_ENV), "rl",
-                  nproc=Pipeline.of(spec.stalesync, run.options).world_size)
+                  nproc=spec.roles.world_size)

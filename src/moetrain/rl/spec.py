@@ -30,6 +30,7 @@ from moetrain.config.parallel import ParallelConfig
 from moetrain.config.run import RunSpec, fill_data_parallel, merge_sources
 from moetrain.errors import UserError, describe_validation_error
 from moetrain.rl.config import FusionOptions, GRPOConfig, RLOptions, StaleSyncOptions, WarmupCriterion
+from moetrain.rl.roles import Roles
 
 DEFAULT_MODEL = "tiny-pangu"
 SPEC_ENV = "MOETRAIN_RL_SPEC"
@@ -53,10 +54,11 @@ class WarmupSpec(BaseModel):
 
 
 class RolloutPool(BaseModel):
-    """The generation replicas. Today's pool follows from the placement and the generation layout: under
-    RL Fusion (and colocated StaleSync) every training rank generates, ``ranks / generation.gen_ep``
-    replicas of ``gen_ep`` ranks each; the disaggregated pipeline has one rollout worker of one rank.
-    Left empty, the spec fills them in; a pool sized otherwise is not built yet and is refused."""
+    """The generation replicas. Under RL Fusion (and colocated StaleSync) every training rank generates,
+    ``ranks / generation.gen_ep`` replicas of ``gen_ep`` ranks each, and the pool follows from that. The
+    disaggregated pipeline runs ``replicas`` rollout replicas of one rank each (a whole model) on ranks of
+    their own, beside the trainer group. Left empty, the spec fills them in; a pool sized otherwise is not
+    built yet and is refused."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -153,6 +155,13 @@ class RLRunSpec(BaseModel):
         return self.stalesync is not None and self.stalesync.placement == "disaggregated"
 
     @property
+    def roles(self) -> Roles:
+        """The disaggregated run's groups on its ranks (``moetrain.rl.roles``)."""
+        assert self.stalesync is not None and self.rollout.replicas is not None
+        return Roles(self.stalesync.reward_worker, self.rl.grpo.kl_coef > 0, self.rollout.replicas,
+                     self.trainer.world_size)
+
+    @property
     def model_name(self) -> str:
         """What the trainer's run spec names: the model, else the starting weights', else the default."""
         return self.model or self.start_from or DEFAULT_MODEL
@@ -217,16 +226,22 @@ def _trainer_run(spec: RLRunSpec) -> RunSpec:
 
 
 def _rollout_pool(spec: RLRunSpec) -> RolloutPool:
-    """The pool today's placements run; a given size must be it."""
-    if spec.disaggregated:
-        replicas, ranks, how = 1, 1, "the disaggregated pipeline has one rollout worker of one rank"
-    else:
-        world = spec.trainer.world_size
-        ranks = spec.generation.gen_ep if world > 1 else 1
-        replicas = spec.generation.replicas(world) if world > 1 else 1
-        how = (f"every one of the {world} training ranks generates: ranks / generation.gen_ep replicas "
-               f"of gen_ep ranks")
+    """The pool the placement runs; a given size must be one it runs."""
     pool = spec.rollout
+    if spec.disaggregated:
+        replicas = pool.replicas or 1
+        if (pool.ranks_per_replica or 1) != 1:
+            raise ValueError(f"rollout.ranks_per_replica {pool.ranks_per_replica}: not built yet (a disaggregated "
+                             "rollout replica is a whole model on one rank); drop it")
+        if spec.rl.prompts_per_step % replicas:
+            raise ValueError(f"rollout.replicas {replicas}: the {spec.rl.prompts_per_step} prompts per step do not "
+                             "split over them (each replica generates and scores whole groups); make the prompts "
+                             "a multiple")
+        return RolloutPool(replicas=replicas, ranks_per_replica=1)
+    world = spec.trainer.world_size
+    ranks = spec.generation.gen_ep if world > 1 else 1
+    replicas = spec.generation.replicas(world) if world > 1 else 1
+    how = f"every one of the {world} training ranks generates: ranks / generation.gen_ep replicas of gen_ep ranks"
     for field, value in (("replicas", replicas), ("ranks_per_replica", ranks)):
         given = getattr(pool, field)
         if given is not None and given != value:
@@ -258,10 +273,15 @@ def _check_placement(spec: RLRunSpec) -> None:
     if stale.reward_worker and stale.placement == "colocated":
         raise UserError("--reward-worker is a rank of the disaggregated pipeline: drop it or use --placement "
                         "disaggregated")
-    if stale.placement == "disaggregated" and spec.trainer.world_size > 1:
-        raise UserError(f"--nproc {spec.trainer.world_size} (a trainer of {spec.trainer.world_size} ranks) with the "
-                        "disaggregated --staleness: not built yet (the pipeline runs on ranks of its own: rollout "
-                        "worker, reward and reference workers, a one-rank trainer); drop --nproc")
+    if stale.partial_rollouts and stale.placement == "colocated":
+        raise UserError("--partial-rollouts interrupts the disaggregated replicas' generations: drop it or use "
+                        "--placement disaggregated")
+    middle = stale.reward_worker or spec.rl.grpo.kl_coef > 0
+    groups = (spec.rollout.replicas, spec.trainer.world_size)
+    if stale.placement == "disaggregated" and middle and groups != (1, 1):
+        raise UserError(f"--reward-worker / --kl-coef with {groups[0]} rollout replica(s) and a trainer group of "
+                        f"{groups[1]} rank(s): not built yet (reward and reference workers run between one rollout "
+                        "worker and a one-rank trainer)")
 
 
 def default_plot(trainer: RunSpec) -> str | None:
@@ -288,7 +308,12 @@ def resolve_rl_spec(sources: list[dict[str, Any]], names: list[str], world_size:
     source: a file name, or what the caller calls its flags) and, for an unknown key, the valid ones."""
     merged = merge_sources(*copy.deepcopy(sources))  # filled in below: the sources stay as given
     if world_size is not None:
-        fill_data_parallel(merged.setdefault("trainer", {}).setdefault("parallel", {}), world_size)
+        trainer_ranks = world_size - _pipeline_ranks_beside_trainer(merged)
+        if trainer_ranks < 1:
+            raise UserError(f"--nproc {world_size} leaves no trainer rank beside the disaggregated run's "
+                            f"{world_size - trainer_ranks} rollout (and reward, reference) ranks; give more ranks "
+                            "or fewer --rollout-replicas")
+        fill_data_parallel(merged.setdefault("trainer", {}).setdefault("parallel", {}), trainer_ranks)
     for path in PATH_FIELDS:
         parent = _at(merged, path[:-1])
         if isinstance(parent, dict) and isinstance(parent.get(path[-1]), str):
@@ -306,6 +331,22 @@ def resolve_rl_spec(sources: list[dict[str, Any]], names: list[str], world_size:
                        setter(tuple(item["msg"].removeprefix("Value error, ").split(" ")[0].split(".")))
                        for item in exc.errors()])
         raise UserError(describe_validation_error("RL run spec", exc, RLRunSpec, lambda _loc: next(blamed))) from None
+
+
+def _pipeline_ranks_beside_trainer(merged: dict[str, Any]) -> int:
+    """The ranks of a disaggregated run (a merged source) that are not the trainer group's: its rollout
+    replicas, a reward and a reference worker (0 for the other placements: every rank trains)."""
+    stale = merged.get("stalesync")
+    if not isinstance(stale, dict) or stale.get("placement", "disaggregated") != "disaggregated":
+        return 0
+    pool = merged.get("rollout") if isinstance(merged.get("rollout"), dict) else {}
+    replicas, ranks = pool.get("replicas") or 1, pool.get("ranks_per_replica") or 1
+    grpo = merged.get("rl", {}).get("grpo", {}) if isinstance(merged.get("rl"), dict) else {}
+    kl = grpo.get("kl_coef", 0) if isinstance(grpo, dict) else 0
+    counts = [replicas, ranks, kl]
+    if not all(isinstance(n, int | float) and not isinstance(n, bool) for n in counts):
+        return 0  # the spec's own check names the bad field
+    return int(replicas * ranks) + bool(stale.get("reward_worker")) + (kl > 0)
 
 
 def check_spec_kind(data: dict[str, Any], where: str) -> None:

@@ -1,5 +1,5 @@
 """The StaleSync pipeline's middle stages: a reward worker and a reference worker, each a rank of its own
-between the rollout worker and the trainer (``moetrain.rl.stalesync.Pipeline``).
+between the rollout worker and the trainer (``moetrain.rl.roles.Roles``).
 
 Each stage takes the next batch from the stage before it, adds what it computes, and passes it on
 through a bounded queue of its own (``rollout_queue``: at most k + 1 batches in flight), so the four
@@ -53,7 +53,7 @@ class Stage(ABC):
 
     def __init__(self, job: StaleSyncJob, channels: Channels) -> None:
         self.job, self.task, self.tokenizer = job, get_task(job.options.task), CharTokenizer()
-        pipeline = channels.pipeline
+        pipeline = channels.roles
         self.receiver = BatchReceiver(channels.queue, pipeline.previous_rank(self.name))
         self.sender = BatchSender(channels.queue, pipeline.next_rank(self.name), capacity=job.stale.staleness + 1)
         self.ends_stream = pipeline.order[pipeline.order.index(self.name) + 1] != "trainer"

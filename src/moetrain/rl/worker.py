@@ -7,9 +7,9 @@ from it (``moetrain.rl.run.build_rl_run``), then plays its part:
 
 - RL Fusion (and colocated StaleSync) on ``--nproc N`` ranks: join the process group, run the SFT
   warm-up in the training layout, gather its weights whole (one weight sync), train GRPO;
-- the disaggregated StaleSync pipeline: the rank's worker (rank 0 the rollout worker, rank 1 the
-  trainer, which writes the metrics rows and the reward curve; ranks 2, 3 the reward and reference
-  workers), from the warm-up weights the CLI's process wrote (``initial_weights``).
+- the disaggregated StaleSync pipeline: the rank's role (``moetrain.rl.roles``: rollout replicas first,
+  then the trainer group, whose first rank writes the metrics rows and the reward curve, then the
+  reward and reference workers), from the warm-up weights the CLI's process wrote (``initial_weights``).
 
 A failure is one line per rank and a non-zero exit (2 for a user error), as for ``moetrain train``'s
 ranks (``moetrain.distributed.worker``); torchrun then stops the other ranks.
@@ -77,9 +77,9 @@ def _pipeline_rank(run: RLRun, rank: int) -> None:
     say(status_console(run.grpo.run.quiet or rank != 0), f"all {dist.get_world_size()} StaleSync ranks joined; "
         "building the models…")
     initial = torch.load(run.spec.initial_weights, weights_only=True) if run.spec.initial_weights else None
-    job = StaleSyncJob(run.grpo, run.options, run.stale, run.model_cfg, initial)
+    job = StaleSyncJob(run.grpo, run.options, run.stale, run.model_cfg, initial, replicas=run.spec.roles.replicas)
     report = run_stalesync(rank, dist.get_world_size(), job)
-    if isinstance(report, TrainerReport):
+    if isinstance(report, TrainerReport) and rank == job.roles.first_trainer:  # the group's rows are one
         console = Console()
         title = f"{run.model_cfg.name}: GRPO on {run.options.task}, StaleSync k={run.stale.staleness}"
         console.print(rl_summary_table(report.rows, title))

@@ -1,0 +1,290 @@
+"""StaleSync beyond two ranks: rollout replicas and a trainer group in its own layout (``roles``), the
+weight sync from the trainer's layout to every replica, partial rollouts, and the spec and CLI that
+size the run.
+
+Each run here is a few steps of a 4-layer tiny-pangu on 3 or 4 gloo ranks."""
+
+import io
+import shutil
+from dataclasses import replace
+
+import pytest
+import torch
+from rich.console import Console
+from rl_models import small_model
+from test_rl_stalesync import COMPARED, SEQ_LEN, _setup, _synchronous
+
+from moetrain.config import ParallelConfig
+from moetrain.config.run import RunSpec
+from moetrain.distributed.layout import ParallelDims
+from moetrain.distributed.weight_sync import SyncFault
+from moetrain.distributed.world import spawn
+from moetrain.rl import stalesync
+from moetrain.rl.admission import StalenessGate
+from moetrain.rl.config import StaleSyncOptions
+from moetrain.rl.generate import RolloutEngine
+from moetrain.rl.loop import RLTrainer
+from moetrain.rl.partial_rollout import generate_with_resume, interrupt_point
+from moetrain.rl.roles import Roles
+from moetrain.rl.spec import resolve_rl_spec
+from moetrain.rl.stalesync import RolloutWorker, Schedule, StaleSyncJob, run_stalesync
+from moetrain.rl.tokenizer import CharTokenizer
+from refusals import refused
+
+TP2 = {"tp": 2}
+EP2 = {"dp": 2, "ep": 2}
+DP2 = {"dp": 2}
+
+
+def _layout_spec(steps: int, parallel: dict) -> RunSpec:
+    _, _, spec = _setup(steps)
+    seq_len = -(-SEQ_LEN // 2) * 2  # a multiple of tp
+    return RunSpec(training=spec.training.model_copy(update={"seq_len": seq_len}), parallel=parallel, run=spec.run)
+
+
+def _synchronous_in_layout(rank: int, world_size: int, steps: int, parallel: dict):
+    """The synchronous loop in the trainer's layout (RL Fusion: each rank generates its share)."""
+    model, options, _ = _setup(steps)
+    spec = _layout_spec(steps, parallel)
+    dims = ParallelDims.build(ParallelConfig(**parallel), rank)
+    trainer = RLTrainer(spec, options, model_cfg=model.cfg, model=model, dims=dims, console=Console(file=io.StringIO()))
+    samples = []
+    original = trainer.rollout
+
+    def recording(step):
+        rollouts = original(step)
+        samples.append(rollouts.generation.tokens_BN.clone())
+        return rollouts
+
+    trainer.rollout = recording
+    rows = trainer.train()
+    state = {k: v.detach().clone() for k, v in trainer.run.stage.model.state_dict().items()}
+    return rows, samples, state
+
+
+def _job(steps: int, staleness: int, parallel: dict | None, replicas: int, partial: bool = False, **hooks):
+    model, options, spec = _setup(steps)
+    if parallel:
+        spec = _layout_spec(steps, parallel)
+    stale = StaleSyncOptions(staleness=staleness, partial_rollouts=partial)
+    return StaleSyncJob(spec, options, stale, model.cfg, model.state_dict(), replicas=replicas, **hooks)
+
+
+def _run(job: StaleSyncJob):
+    reports = spawn(run_stalesync, job.roles.world_size, job)
+    return reports[:job.replicas], reports[job.replicas:]
+
+
+def _assert_replicas_hold_the_trainers_weights(replicas, trainers, pushed: list[int]):
+    """After every sync, each replica's weights are the trainer group's, assembled from the slices each
+    trainer rank held when it pushed: bit for bit."""
+    for version in pushed:
+        for replica in replicas:
+            whole = replica.synced_states[version]
+            covered = {name: torch.zeros_like(value, dtype=torch.bool) for name, value in whole.items()}
+            for trainer in trainers:
+                for name, offsets, piece in trainer.pushed_slices[version]:
+                    box = tuple(slice(o, o + n) for o, n in zip(offsets, piece.shape))
+                    assert torch.equal(whole[name][box], piece), (version, name, offsets)
+                    covered[name][box] = True
+            assert all(bool(mask.all()) for mask in covered.values()), version
+
+
+def _assert_bytes_are_each_ranks_share(replicas, trainers):
+    """Each replica receives exactly its share (the whole model) per sync; the trainer ranks share the
+    sending, each within 10 % of an even split."""
+    for replica in replicas:
+        assert all(sync.bytes_received == replica.ideal_sync_bytes for sync in replica.syncs)
+    # one trainer rank broadcasts (each bucket sent once); several send to each replica point to point
+    copies = 1 if len(trainers) == 1 else len(replicas)
+    ideal_sent = copies * replicas[0].ideal_sync_bytes / len(trainers)
+    for trainer in trainers:
+        for push in trainer.push_reports:
+            assert abs(push.bytes_sent - ideal_sent) <= 0.1 * ideal_sent, (push.bytes_sent, ideal_sent)
+    row = next(r for r in trainers[0].rows if "sync_received_mib" in r)
+    assert row["sync_received_mib"] == [replicas[0].ideal_sync_bytes / 2**20] * len(replicas)
+    assert row["sync_replica_share_mib"] == replicas[0].ideal_sync_bytes / 2**20
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("parallel", [TP2, EP2], ids=["tp2", "ep2"])
+def test_k0_with_two_replicas_and_a_two_rank_trainer_is_the_synchronous_loop_bit_for_bit(parallel):
+    """Bit for bit against the synchronous loop in the trainer's layout (RL Fusion on its ranks); against
+    the one-process loop the samples are bit for bit too, the losses equal to the layout's rounding."""
+    steps = 3
+    expected = spawn(_synchronous_in_layout, 2, steps, parallel)
+    replicas, trainers = _run(_job(steps, 0, parallel, replicas=2, record_weights=True))
+    assert [r.versions for r in replicas] == [[0, 1, 2]] * 2
+    for (rows, samples, state), trainer in zip(expected, trainers, strict=True):
+        assert trainer.trained == [(0, 0), (1, 1), (2, 2)]
+        for want, got in zip(samples, trainer.samples, strict=True):
+            assert torch.equal(want, got)  # same samples
+        for want, got in zip(rows, trainer.rows, strict=True):
+            assert {k: got.get(k) for k in COMPARED} == {k: want.get(k) for k in COMPARED}  # same losses
+        assert state.keys() == trainer.final_state.keys()
+        for name, value in state.items():
+            assert torch.equal(value, trainer.final_state[name]), name  # same weights, shard by shard
+    _assert_replicas_hold_the_trainers_weights(replicas, trainers, [0, 1, 2])
+    _assert_bytes_are_each_ranks_share(replicas, trainers)
+    # against one process: the same samples bit for bit; the losses differ by the layout's reductions only
+    one_rows, one_samples, _ = _synchronous(steps)
+    assert all(torch.equal(a, b) for a, b in zip(one_samples, trainers[0].samples, strict=True))
+    for want, got in zip(one_rows, trainers[0].rows, strict=True):
+        if "loss" in want:
+            assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_resumed_from_a_checkpoint_two_replicas_and_a_tp2_trainer_continue_the_uninterrupted_run(tmp_path):
+    def job(**run):
+        plain = _job(4, 2, TP2, replicas=2)
+        return replace(plain, spec=plain.spec.model_copy(update={"run": plain.spec.run.model_copy(update=run)}))
+
+    save = tmp_path / "ckpt"
+    replicas, full = _run(job(save_dir=str(save), save_every=2))
+    assert [r.versions for r in replicas] == [[0, 0, 2, 2]] * 2  # the batch after a checkpoint: its weights
+    shutil.rmtree(save)
+    _run(job(save_dir=str(save), save_every=2, stop_at=2))
+    replicas, resumed = _run(job(save_dir=str(save), save_every=2, resume=True))
+    assert [r.versions for r in replicas] == [[2, 2]] * 2
+    for whole, part in zip(full, resumed, strict=True):  # each trainer rank
+        assert part.trained == [(2, 2), (3, 2)]
+        for want, got in zip([r for r in whole.rows if r["step"] > 2], part.rows, strict=True):
+            assert {k: got.get(k) for k in COMPARED} == {k: want.get(k) for k in COMPARED}
+        for name, value in whole.final_state.items():
+            assert torch.equal(value, part.final_state[name]), name
+
+
+@pytest.mark.dist
+def test_k2_two_replicas_drop_a_batch_exactly_k_plus_1_old_and_train_none_older():
+    # batch 0 sent again by both replicas after batch 2: it reaches the trainer at version 3 = k + 1
+    replicas, trainers = _run(_job(5, 2, None, replicas=2, resend_first_after=2, record_weights=True))
+    (trainer,) = trainers
+    assert trainer.dropped_batches == 1 and trainer.dropped_samples == 16  # both replicas' shares, as one batch
+    assert trainer.trained == [(0, 0), (1, 0), (2, 0), (3, 1), (4, 2)]
+    steps = [r for r in trainer.rows if "loss" in r]
+    assert [r["staleness_max"] for r in steps] == [0, 1, 2, 2, 2]
+    assert trainer.admission.staleness_counts[-1] > 0 and len(trainer.admission.staleness_counts) == 3
+    _assert_replicas_hold_the_trainers_weights(replicas, trainers, [0, 1, 2])
+    _assert_bytes_are_each_ranks_share(replicas, trainers)
+
+
+@pytest.mark.dist
+def test_k2_with_partial_rollouts_tokens_span_two_versions_and_none_is_older_than_k():
+    replicas, trainers = _run(_job(5, 2, DP2, replicas=1, partial=True, record_weights=True))
+    # batch b starts on version b − 2 and is resumed on b − 1 (batch 0 and 1 start on 0, resume on 0 / 1)
+    assert Schedule(2, 5, partial=True).pushed() == [1, 2, 3]
+    assert [Schedule(2, 5, partial=True).resume_version(b) for b in range(5)] == [None, None, 1, 2, 3]
+    for trainer in trainers:
+        steps = [r for r in trainer.rows if "loss" in r]
+        assert [r["staleness_max"] for r in steps] == [0, 1, 2, 2, 2]  # by the oldest token
+        # batches 2-4 were resumed one version later: their newest tokens are 1 version old
+        assert [r.get("newest_token_version") for r in steps[2:]] == [1, 2, 3]
+        assert trainer.admission.run_staleness_max <= 2 and trainer.dropped_batches == 0
+    _assert_replicas_hold_the_trainers_weights(replicas, trainers, [0, 1, 2, 3])
+    _assert_bytes_are_each_ranks_share(replicas, trainers)
+
+
+def test_a_partial_rollout_resumes_on_the_new_weights_and_is_judged_by_its_oldest_token():
+    model = small_model()
+    tokenizer = CharTokenizer()
+    engine = RolloutEngine(model, tokenizer.pad_id, tokenizer.decode)
+    from moetrain.rl.stalesync import sampling_params
+
+    params = sampling_params(_setup(1)[1], 8, eos_id=-1)  # no stop id: every sample runs to its budget
+    prompts = [[5, 6, 7], [8, 9]]
+    generators = lambda: [torch.Generator().manual_seed(i) for i in range(2)]
+    whole = engine.generate(prompts, params, generators(), weight_version=3)
+    newer = small_model(seed=1).state_dict()
+
+    def resume():
+        model.load_state_dict(newer)
+        return 4
+
+    partial = generate_with_resume(engine, prompts, params, generators(), 3, resume)
+    half = interrupt_point(8)
+    assert partial.token_versions_BN.tolist() == [[3] * half + [4] * (8 - half)] * 2
+    assert torch.equal(partial.tokens_BN[:, :half], whole.tokens_BN[:, :half])  # the first part: the old weights
+    assert partial.sample_versions == [3, 3] and partial.weight_version == 3
+    # the oldest token decides: at version 6, k = 2, these samples are 3 versions old
+    gate = StalenessGate(2)
+    assert not gate.admit(6, partial.sample_versions) and gate.admit(5, partial.sample_versions)
+
+
+@pytest.mark.dist
+def test_a_skipped_bucket_on_a_replica_is_one_error_naming_the_replica_and_the_bucket(monkeypatch):
+    def skipping(self, version):
+        if version == 1 and self.replica == 1:
+            self.sync.fault = SyncFault(rank=1, drop=0)
+        return original(self, version)
+
+    original = RolloutWorker.receive
+    monkeypatch.setattr(RolloutWorker, "receive", skipping)
+    with pytest.raises(Exception, match=r"StaleSync rollout replica 1 \(rank 1\) failed: WeightSyncError: .*bucket 0 "
+                                        r".*not written at version 1"):
+        _run(_job(3, 0, None, replicas=2))
+
+
+@pytest.mark.dist
+def test_a_lost_replica_is_one_error_naming_it(monkeypatch):
+    import os
+
+    def vanish(self, batch, *rest):
+        if batch == 1 and self.replica == 1:
+            os._exit(0)  # gone without a word: its peers must name it
+        return original(self, batch, *rest)
+
+    original = RolloutWorker.generate
+    monkeypatch.setattr(RolloutWorker, "generate", vanish)
+    monkeypatch.setattr(stalesync, "PEER_GRACE_S", 0.2)
+    with pytest.raises(Exception, match=r"StaleSync rollout replica 1 \(rank 1\) died: the trainer \(rank 2\) lost it"):
+        _run(_job(3, 0, None, replicas=2))
+
+
+def test_roles_place_replicas_then_the_trainer_group():
+    roles = Roles(replicas=3, trainer_ranks=4)
+    assert list(roles.replica_ranks) == [0, 1, 2] and list(roles.trainer_group) == [3, 4, 5, 6]
+    assert roles.world_size == 7 and roles.next_rank("rollout worker") == 3
+    assert [roles.stage(r) for r in (0, 2, 3, 6)] == ["rollout worker", "rollout worker", "trainer", "trainer"]
+    assert roles.worker_name(2) == "StaleSync rollout replica 2 (rank 2)"
+    assert roles.worker_name(5) == "StaleSync trainer (rank 5)"
+
+
+def test_nproc_is_the_replicas_ranks_and_the_trainers_layout():
+    spec = resolve_rl_spec([{"stalesync": {"staleness": 1}, "rollout": {"replicas": 2},
+                             "trainer": {"parallel": {"tp": 2}}}], ["flags"], world_size=6)
+    assert spec.trainer.parallel.dp == 2 and spec.trainer.world_size == 4
+    assert spec.roles.world_size == 6 and list(spec.roles.trainer_group) == [2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--nproc", "2", "--rollout-replicas", "2"], ("leaves no trainer rank",)),
+    (["--rollout-replicas", "3"], ("rollout.replicas 3", "do not split")),
+    (["--rollout-replicas", "2", "--reward-worker"], ("not built yet",)),
+    (["--nproc", "3", "--rollout-replicas", "2", "--kl-coef", "0.1"], ("leaves no trainer rank",)),
+    (["--nproc", "5", "--rollout-replicas", "2", "--tp", "2"], ("not a multiple of tp",)),
+    (["--partial-rollouts", "--placement", "colocated"], ("--partial-rollouts",)),
+    (["--staleness", "-2"], ("--staleness -2",)),
+])
+def test_cli_refuses_a_pool_that_cannot_run_in_one_line_exit_2(capsys, argv, expected):
+    base = ["rl", "--prompts", "4"] + ([] if "--staleness" in argv else ["--staleness", "1"])
+    refused(capsys, [*base, *argv], *expected)
+
+
+@pytest.mark.slow
+def test_cli_runs_two_replicas_beside_a_tp2_trainer_through_torchrun(tmp_path, capsys):
+    import json
+
+    from test_rl_stalesync import TINY
+
+    from moetrain.cli import main
+
+    metrics = tmp_path / "rl.jsonl"
+    argv = ["rl", *TINY, "--staleness", "1", "--nproc", "4", "--rollout-replicas", "2", "--tp", "2",
+            "--metrics-out", str(metrics), "--log-dir", str(tmp_path / "log")]
+    assert main(argv) == 0, capsys.readouterr().err
+    steps = [r for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
+    assert [r["weight_version"] for r in steps] == [0, 0, 1] and [r["staleness_max"] for r in steps] == [0, 1, 1]
+    pushed = [r for r in steps if "sync_received_mib" in r]
+    assert pushed and all(r["sync_received_mib"] == [r["sync_replica_share_mib"]] * 2 for r in pushed)
