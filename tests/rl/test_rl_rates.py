@@ -71,3 +71,20 @@ def test_generation_probes_time_the_runtime_model_and_engine() -> None:
     assert host.engine_step_us >= 0 and host.engine_row_us >= 0
     assert speed_reference() > 0
     assert 0 < threads_capacity((1, 1), tries=1) <= 2.5
+
+
+@pytest.mark.slow
+def test_profile_rl_out_writes_rates_simulate_reads(tmp_path, capsys) -> None:
+    from moetrain.cli import main
+    from moetrain.planner.rl_rates import load_rl_rates
+
+    out, rates = tmp_path / "cpu.yaml", tmp_path / "rl.yaml"
+    assert main(["profile", "--cluster", "cpu", "--device", "cpu", "--repeats", "1", "--threads", "1",
+                 "--model", "tiny-mixtral", "--out", str(out), "--rl-out", str(rates)]) == 0
+    assert "RL host rates" in capsys.readouterr().out
+    measured = load_rl_rates(rates)
+    assert measured.host.host_is_device and measured.host.layer_forward_us > 0
+    assert measured.sync.host_bytes_per_s > 0 and measured.sync.copy_bytes_per_s > 0
+    assert main(["simulate", "--rl", "--model", "tiny-mixtral", "--cluster", "cpu", "--devices", "2",
+                 "--prompt-len", "10", "--response-len", "6", "--dtype", "fp32", "--calibration", str(out),
+                 "--rl-rates", str(rates), "--json"]) == 0

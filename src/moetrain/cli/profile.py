@@ -25,6 +25,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--comm-out", default=None,
                         help="with --comm-ranks: write the cluster with the fitted in-node link to this YAML "
                              "(use it as --cluster; the calibration then counts the link at bus efficiency 1)")
+    parser.add_argument("--rl-out", default=None,
+                        help="CPU only: also time the RL step's host work on --model's policy (a layer's forward on "
+                             "one token, the sampler, the rollout engine, the weight sync) and write it to this "
+                             "YAML for `moetrain simulate --rl --rl-rates`")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -32,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
 
     from moetrain.cli.common import output_file
     from moetrain.errors import UserError
-    from moetrain.train.calibrate import profile_calibration
+    from moetrain.train.calibrate import profile_calibration, resolve_device
 
     if args.repeats <= 0:
         raise UserError(f"--repeats must be positive (got {args.repeats})")
@@ -43,6 +47,10 @@ def run(args: argparse.Namespace) -> int:
     output_file(args.out, "--out", "calibration.yaml")
     if args.comm_out is not None:
         output_file(args.comm_out, "--comm-out", "cluster.yaml")
+    if args.rl_out is not None:
+        output_file(args.rl_out, "--rl-out", "rl_rates.yaml")
+        if resolve_device(args.device) != "cpu":
+            raise UserError("--rl-out measures a CPU's RL host rates (the host is the device there); add --device cpu")
     if args.threads is not None:
         if args.threads <= 0:
             raise UserError(f"--threads must be positive (got {args.threads})")
@@ -51,11 +59,23 @@ def run(args: argparse.Namespace) -> int:
     result.calibration.save(args.out)
     if args.comm_out is not None:
         result.write_link_cluster(args.comm_out)
+    rl_rates = None
+    if args.rl_out is not None:
+        from moetrain.rl.rates import measure_rl_rates  # the RL side: only with --rl-out
+
+        rl_rates = measure_rl_rates(result.model, args.repeats)
+        rl_rates.save(args.rl_out)
     if args.json:
-        print(json.dumps({"measurements": result.measured, "efficiencies": result.efficiencies, "out": args.out},
-                         indent=2))
+        print(json.dumps({"measurements": result.measured, "efficiencies": result.efficiencies, "out": args.out}
+                         | ({"rl_rates": rl_rates.to_dict(), "rl_out": args.rl_out} if rl_rates else {}), indent=2))
     else:
         _print_summary(result, args)
+        if rl_rates is not None:
+            host, sync = rl_rates.host, rl_rates.sync
+            print(f"RL host rates: a layer's forward on one token {host.layer_forward_us:.0f} µs, the sampler "
+                  f"{host.sample_ns_per_logit:.3g} ns per logit, the rollout engine {host.engine_step_us:.0f} µs per "
+                  f"step + {host.engine_row_us:.0f} µs per row; the weight sync {sync.host_bytes_per_s / 1e9:.3g} GB/s "
+                  f"packed or written; written to {args.rl_out}")
     return 0
 
 

@@ -10,7 +10,9 @@
   ``training_calibration``: the rates carried to each process's share;
 - ``sync_probes`` / ``shared_sync``: the weight sync's copy and CRC-32 rates (``planner.rl_step.SyncRates``);
   ``link_fit`` / ``with_link``: the in-node link fitted to gloo collectives;
-- ``speed_reference``: the machine's speed now, to tell a moving machine from a wrong formula.
+- ``speed_reference``: the machine's speed now, to tell a moving machine from a wrong formula;
+- ``measure_rl_rates``: generation's host costs and the sync's rates of one policy, as ``moetrain profile
+  --rl-out`` writes them for ``moetrain simulate --rl --rl-rates``.
 
 ``benchmarks/rl_simulate_check.py`` prices the committed CPU RL runs with these (benchmarks/notes/
 rl_simulate.md, "Check against the CPU runs"). Everything here runs on the CPU, one thread per process, as
@@ -37,6 +39,7 @@ from moetrain.models.transformer import build_model
 from moetrain.planner.calibration import Calibration, load_calibration
 from moetrain.planner.comm import LinkFit, fit_link, link_residuals
 from moetrain.planner.generation import HostCosts
+from moetrain.planner.rl_rates import RLRates
 from moetrain.planner.rl_step import RLLayout, RLWorkload, SyncRates, training_prediction
 from moetrain.rl.config import GRPOConfig, RLOptions
 from moetrain.rl.fusion import sample_generators
@@ -376,3 +379,13 @@ def sync_probes(repeats: int, num_layers: tuple[int, ...] = (8, 4)) -> dict:
     return {**profile_sync_rates(repeats),
             **{f"whole_sync_{layers}_layers": profile_weight_sync(policy_model(layers), repeats)
                for layers in num_layers}}
+
+
+def measure_rl_rates(model_cfg: ModelConfig, repeats: int) -> RLRates:
+    """The RL step's host rates of ``model_cfg``'s policy (``rl.loop.policy_config``: no MTP) on this CPU:
+    generation's host costs (``host_costs``) and the weight sync's (one buffer's copy and CRC-32, and the
+    whole sync of the policy, per-box work included: ``SyncRates.host_bytes_per_s``)."""
+    policy = policy_config(model_cfg)
+    buffer, whole = profile_sync_rates(repeats), profile_weight_sync(policy, repeats)
+    sync = SyncRates(buffer["copy_bytes_per_s"], buffer["crc_bytes_per_s"], whole["host_bytes_per_s"])
+    return RLRates(host_costs(policy, repeats), sync, f"moetrain profile --rl-out, the policy of {model_cfg.name}")

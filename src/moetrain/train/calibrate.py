@@ -12,6 +12,7 @@ import yaml
 
 from moetrain.config import cluster_for_device, load_cluster_config, load_model_config
 from moetrain.config.cluster import ClusterConfig
+from moetrain.config.model import ModelConfig
 from moetrain.errors import UserError
 from moetrain.planner.calibration import Calibration, arch_of, load_calibration
 from moetrain.planner.comm import LinkFit, fit_link
@@ -23,6 +24,7 @@ class ProfileRun:
     """One ``moetrain profile``: the measurements, the efficiencies and the calibration that carries them."""
 
     cluster: ClusterConfig
+    model: ModelConfig
     device: str
     measured: dict
     """The raw measurements (``DeviceProfile.measured``; with collectives: ``collectives``, ``link``,
@@ -80,7 +82,7 @@ def profile_calibration(cluster_name: str | None, model_name: str, device: str, 
     per_arch[arch_of(cluster.device)] = efficiencies
     calibration = Calibration(base.global_params, per_arch,
                               f"moetrain profile --cluster {cluster_name} --device {device} on this machine")
-    return ProfileRun(cluster, device, measured, efficiencies, calibration, comm_ranks, link, link_cluster)
+    return ProfileRun(cluster, model, device, measured, efficiencies, calibration, comm_ranks, link, link_cluster)
 
 
 def _profile_link(cluster: ClusterConfig, model, comm_ranks: int, repeats: int,
