@@ -12,7 +12,8 @@ exactly as ``moetrain validate ../shared/validation/calibration.csv --cv`` score
 - ``per_arch_memory``, ``per_arch_attention``, ``per_arch_memory_attention``: the element-wise
   memory efficiency and/or the fused-attention efficiency fitted per architecture as well;
 - ``memory_at_h100_measurement``: the element-wise memory efficiency held at what an element-wise add
-  reached on an H100 (0.89, ``moetrain profile``; docs/planner.md), not fitted: one parameter fewer;
+  reached on an H100 (0.89, ``moetrain profile``; benchmarks/notes/planner.md, "Free parameters"), not
+  fitted: one parameter fewer;
 - ``nar21_layout_from_sc21_script``: the shipped fit, with the NAR21 rows (Megatron-LM SC21 Table 1, which
   leaves micro-batch and interleaving unstated, so the schema reads 1 and 1) read with the values of the
   authors' reproduction script instead (github NVIDIA/Megatron-LM ``examples/sc21/run_table_1.sh``).

@@ -3,8 +3,9 @@
     python benchmarks/planner_validation.py          # the shipped calibration: planner_validation_calibrated.json
     python benchmarks/planner_validation.py --cv     # leave-one-family-out: planner_validation_cv.json
 
-The second is the source of the headline accuracy figure (README, docs/planner.md): each family of
-published runs predicted by efficiencies fitted on the other families only (about a minute).
+The second is the source of the headline accuracy figure (README's Status, docs/planner.md "How accurate
+it is", benchmarks/README.md's planner rows): each family of published runs predicted by efficiencies
+fitted on the other families only (about a minute).
 """
 
 from __future__ import annotations

@@ -1,5 +1,9 @@
 """``moetrain simulate --rl`` against the measured CPU RL steps, for both placements.
 
+The probes (``profile_policy``, ``host_costs``, ``core_capacity``, ``sync_probes``, ``speed_reference``, ...)
+live in ``moetrain.rl.rates``; this script runs them, prices the committed runs' workloads with them and
+records the comparison.
+
 The prediction comes from this CPU's measured rates and the planner's formulas, never from the RL step
 times: ``moetrain profile`` of the runs' policy (GEMM rate and per-call cost, attention, memory bandwidth,
 MoE pass cost, and the time of the policy's forward + backward and optimizer step at a 16-token batch,
@@ -85,325 +89,59 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
-import time
-from dataclasses import asdict, dataclass, field, replace
-from functools import cache
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-import yaml
 from _record import write_result
 
 from moetrain.config import ParallelConfig, load_cluster_config, load_model_config
 from moetrain.models.transformer import build_model
-from moetrain.planner.calibration import Calibration, load_calibration
-from moetrain.planner.comm import LinkFit, fit_link, link_residuals
+from moetrain.planner.calibration import Calibration
+from moetrain.planner.comm import LinkFit
 from moetrain.planner.generation import HostCosts
-from moetrain.planner.rl_step import RLLayout, RLWorkload, SyncRates, price_rl_step, training_prediction
-from moetrain.rl.generate import SamplingParams, sample
+from moetrain.planner.rl_step import RLLayout, RLWorkload, price_rl_step
+from moetrain.rl.generate import SamplingParams
 from moetrain.rl.loop import policy_config
+from moetrain.rl.rates import (
+    PROFILES,
+    Capacity,
+    best_time,
+    core_capacity,
+    host_costs,
+    link_fit,
+    policy_model,
+    profile_policy,
+    replica_generation,
+    shared_cores,
+    shared_sync,
+    speed_reference,
+    sync_probes,
+    threads_capacity,
+    training_calibration,
+    with_link,
+)
 from moetrain.rl.sft import sequence_len_for
 from moetrain.rl.tasks import get_task
 from moetrain.train.host_memory import keep_freed_host_memory
-from moetrain.train.profiler import profile_collectives, profile_sync_rates, profile_weight_sync
+from moetrain.train.profiler import profile_collectives
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SAMPLER_ROWS = 128
 COLOCATED_RANKS = 4
 """rl_switch.py's ranks: the collective probe runs at that world size."""
 STALESYNC_BUCKET_MIB = 32.0
 """rl_stalesync.py's weight-sync bucket (``StaleSyncOptions``' default) when its result does not say."""
-
-
-PROFILES = 3
-"""The machine is shared: the rates are those of the least disturbed of this many profiles (the one with
-the fastest GEMMs; its fitted per-call costs come with it), as rl_stalesync.py reports the fastest of its
-repeats."""
-
-
-def _call_times(fn, repeats: int) -> list[float]:
-    """Seconds of each of ``repeats`` calls of ``fn``, after a warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return times
-
-
-def _best_time(fn, repeats: int) -> float:
-    return min(_call_times(fn, repeats))
-
-
-SPEED_REFERENCE_WORK = (8, 32)
-"""The speed reference's forward: (layers, rows) of rl_switch's policy and one replica's rows."""
-SPEED_REFERENCE_CALLS = 15
-
-
-@cache
-def _speed_reference_step():
-    return _forward_step(SPEED_REFERENCE_WORK)
-
-
-def speed_reference() -> float:
-    """The machine's speed now: the median seconds of ``SPEED_REFERENCE_CALLS`` calls of a fixed one-thread
-    forward (``SPEED_REFERENCE_WORK``) in this process, after a warm-up call. Higher is slower."""
-    with torch.no_grad():
-        return statistics.median(_call_times(_speed_reference_step(), SPEED_REFERENCE_CALLS))
-
-
-def policy_model(num_layers: int):
-    """The runs' policy: tiny-pangu without MTP, with ``num_layers`` layers (StaleSync 4, rl_switch 8)."""
-    return policy_config(load_model_config("tiny-pangu")).model_copy(update={"num_layers": num_layers})
-
-
-def profile(repeats: int, num_layers: int) -> list[Calibration]:
-    """``moetrain profile`` on this CPU, one thread (the runs' threads per rank), of the runs' policy with
-    ``num_layers`` layers (its host time per layer pass and per optimizer step are that model's), ``PROFILES``
-    times, the least disturbed first."""
-    runs = []
-    with tempfile.TemporaryDirectory() as tmp:
-        out, model = Path(tmp) / "cpu.yaml", Path(tmp) / "policy.yaml"
-        model.write_text(yaml.safe_dump(policy_model(num_layers).model_dump(mode="json")))
-        for _ in range(PROFILES):
-            subprocess.run([sys.executable, "-m", "moetrain", "profile", "--cluster", "cpu", "--device", "cpu",
-                            "--model", str(model), "--threads", "1", "--repeats", str(repeats), "--out", str(out)],
-                           check=True, capture_output=True)
-            runs.append(load_calibration(out))
-    return sorted(runs, key=lambda run: -run.per_arch["cpu"]["gemm_max"])
-
-
-ENGINE_PROBE_ROWS = 16
-"""The engine's decode step is probed at 1 row and at this many (its own work grows with the rows)."""
-ENGINE_PROBE_STEPS = 8
-"""Decode steps the engine probe times beyond a generation of one token (after a prompt of as many)."""
-
-
-def host_probe(num_layers: int, repeats: int) -> HostCosts:
-    """Per-layer forward of the runtime's model on one token, the sampler's time per logit, and the
-    generation engine's own work per decode step (``engine_probe``), each the fastest of its repeats."""
-    model_cfg = policy_model(num_layers)
-    model = build_model(model_cfg, torch.device("cpu"), seed=0).eval().requires_grad_(False)
-    ids = torch.zeros(1, 1, dtype=torch.long)
-    with torch.no_grad():
-        forward = _best_time(lambda: model(ids), repeats * 20)
-    logits = torch.randn(SAMPLER_ROWS, model_cfg.vocab_size)
-    generators = [torch.Generator().manual_seed(row) for row in range(SAMPLER_ROWS)]
-    params = SamplingParams(max_new_tokens=1, temperature=1.0)
-    sampling = _best_time(lambda: sample(logits, params, generators), repeats * 5)
-    step_us, row_us = engine_probe(model, repeats)
-    return HostCosts(layer_forward_us=forward / num_layers * 1e6, probe_tokens=1,
-                     sample_ns_per_logit=sampling / logits.numel() * 1e9, host_is_device=True,
-                     engine_step_us=step_us, engine_row_us=row_us)
-
-
-def engine_probe(model, repeats: int) -> tuple[float, float]:
-    """The rollout engine's own work per decode step beyond the model's forward and the draw, as (µs per
-    step, µs per row), from its decode step at 1 row and at ``ENGINE_PROBE_ROWS``: at each size, a
-    generation of 1 + ``ENGINE_PROBE_STEPS`` tokens less one of 1 token, over the steps, less the model's
-    forward of those rows on one token and the sampler's draw for them. Each the fastest of ``repeats``
-    rounds, the timings of a round taken one after the other (a passing load then touches all of them)."""
-    from moetrain.rl.fusion import sample_generators
-    from moetrain.rl.generate import RolloutEngine
-
-    cpu, vocab = torch.device("cpu"), model.cfg.vocab_size
-    engine = RolloutEngine(model, pad_id=0)
-    prompt = list(range(1, ENGINE_PROBE_STEPS + 1))
-
-    def timers(rows: int) -> dict:
-        prompts = [prompt] * rows
-        short, long = (SamplingParams(max_new_tokens=n, temperature=1.0)  # no stop id: every step runs
-                       for n in (1, 1 + ENGINE_PROBE_STEPS))
-        ids, logits = torch.zeros(rows, 1, dtype=torch.long), torch.randn(rows, vocab)
-        generators = [torch.Generator().manual_seed(row) for row in range(rows)]
-        return {"short": lambda: engine.generate(prompts, short, sample_generators(0, 0, rows, cpu)),
-                "long": lambda: engine.generate(prompts, long, sample_generators(0, 0, rows, cpu)),
-                "forward": lambda: model(ids), "draw": lambda: sample(logits, short, generators)}
-
-    def own_work(rows: int) -> float:
-        calls = timers(rows)
-        best = dict.fromkeys(calls, float("inf"))
-        with torch.no_grad():
-            for _ in range(repeats + 1):  # the first round warms up
-                for name, call in calls.items():
-                    start = time.perf_counter()
-                    call()
-                    best[name] = min(best[name], time.perf_counter() - start)
-        step = (best["long"] - best["short"]) / ENGINE_PROBE_STEPS
-        return max(step - best["forward"] - best["draw"], 0.0)
-
-    one, several = own_work(1), own_work(ENGINE_PROBE_ROWS)
-    per_row = max(several - one, 0.0) / (ENGINE_PROBE_ROWS - 1)
-    return max(one - per_row, 0.0) * 1e6, per_row * 1e6
-
-
-def _forward_step(work: tuple[int, int], seed: int = 0):
-    """The runtime's eager forward of the run's model (``work`` = (layers, rows)) on CAPACITY_TOKENS tokens
-    per row, as a call."""
-    layers, rows = work
-    model_cfg = policy_model(layers)
-    model = build_model(model_cfg, torch.device("cpu"), seed=seed).eval().requires_grad_(False)
-    ids = torch.zeros(rows, CAPACITY_TOKENS, dtype=torch.long)
-    return lambda: model(ids)
-
-
-def _timed_loop(step, count: int, barrier, paced: bool = False) -> float:
-    """Seconds of ``count`` calls of ``step`` after a warm-up, started when every worker is at ``barrier``;
-    ``paced``: every worker waits at the barrier after each call, as ranks that meet in a collective do."""
-    with torch.no_grad():
-        step()
-        barrier.wait()  # every worker imported and warmed up: the loops run at once
-        start = time.perf_counter()
-        for _ in range(count):
-            step()
-            if paced:
-                barrier.wait()
-    return time.perf_counter() - start
-
-
-def _capacity_worker(queue, barrier, work: tuple[int, int] | dict | None = None, paced: bool = False) -> None:
-    torch.set_num_threads(1)
-    keep_freed_host_memory()  # as the runs' processes
-    if work is None:
-        a, b = torch.randn(384, 384), torch.randn(384, 384)
-        step, count = (lambda: a @ b), CAPACITY_MATMULS
-    elif isinstance(work, dict):  # an rl_switch run's config: one replica's generation
-        step, count = replica_generation(work), CAPACITY_GENERATIONS
-    else:
-        step, count = _forward_step(work), CAPACITY_FORWARDS
-    queue.put(_timed_loop(step, count, barrier, paced))
-
-
-CAPACITY_MATMULS = 600
-CAPACITY_FORWARDS = 40
-CAPACITY_GENERATIONS = 6
-CAPACITY_TOKENS = 4
 CAPACITY_WORK = {2: (4, 128), 4: (8, 32)}
 """The forward the capacity of n processes is measured with: (layers, rows) of the run with n processes
 (StaleSync's 4-layer model and its 128-row batch; rl_switch's 8-layer model and 32 rows per replica). The
 GEMM loop's capacity (a working set that fits each core's cache) is recorded beside."""
 SWITCH_2_RANKS_WORK = (8, 64)
 """rl_switch's 2-rank run: the 8-layer model, 64 rows per replica."""
-
-
-def _concurrent_times(processes: int, work: tuple[int, int] | dict | None = None, paced: bool = False) -> list[float]:
-    """Seconds of the same one-thread loop (a GEMM; with ``work`` = (layers, rows) the runtime's forward; with
-    an rl_switch run's config one replica's generation) in each of ``processes`` processes started together
-    (``paced``: meeting after every call)."""
-    context = mp.get_context("spawn")
-    queue, barrier = context.Queue(), context.Barrier(processes)
-    workers = [context.Process(target=_capacity_worker, args=(queue, barrier, work, paced)) for _ in range(processes)]
-    for worker in workers:
-        worker.start()
-    times = [queue.get() for _ in workers]
-    for worker in workers:
-        worker.join()
-    return times
-
-
-@dataclass(frozen=True)
-class Capacity:
-    """Cores' worth of compute that concurrent one-thread processes get together."""
-
-    shared: float
-    """Each process on its own: processes × (the loop's time alone) / (its mean time when they run at once)."""
-    slowest: float
-    """The same run, by its slowest process: what independent processes that meet once at the end (the
-    generation replicas before their rows' gather) get, the last of them setting the end."""
-    paced: float
-    """Processes that wait for each other after every call, as the ranks of one training layout meet in
-    their collectives: the slowest of them sets every call's pace. On a virtual machine whose cores run
-    at different speeds (another tenant on a core's sibling thread) this is well below ``shared``."""
-
-
-def core_capacity(processes: int, tries: int = 2, work: tuple[int, int] | dict | None = None) -> Capacity:
-    """Cores' worth of compute that ``processes`` one-thread processes get together, on their own and paced
-    (``Capacity``): processes × (time of the loop alone) / (its time when they run at once); each the best of
-    ``tries``. The loop is the runtime's eager forward of the run's model (``work`` = (layers, rows); a GEMM
-    loop without): each process then brings its model's weights and activations, as the runs' processes
-    do, so the probe sees what they share besides the cores (the last-level cache: 4 ranks' models do not
-    fit in it together where one does). Two SMT siblings of one physical core give about 1, not 2; other
-    users of the machine take their share too."""
-    alone = min(_concurrent_times(1, work)[0] for _ in range(tries))
-    free = [_concurrent_times(processes, work) for _ in range(tries)]
-    paced = max(processes * alone / statistics.mean(_concurrent_times(processes, work, True)) for _ in range(tries))
-    return Capacity(max(processes * alone / statistics.mean(times) for times in free),
-                    max(processes * alone / max(times) for times in free), paced)
-
-
-def threads_capacity(work: tuple[int, int], tries: int = 2) -> float:
-    """Cores' worth of compute two threads of one process get together, each running the forward loop of a
-    model of its own (``work`` = (layers, rows)), as the colocated run's generating and training threads
-    do: 2 × (the loop's time alone) / (its mean time when both run at once); the best of ``tries``. The
-    interpreter's lock is what the two threads share besides the cores."""
-    steps = [_forward_step(work, seed=i) for i in range(2)]
-
-    def loop(step, times: list[float], barrier: threading.Barrier) -> None:
-        times.append(_timed_loop(step, CAPACITY_FORWARDS, barrier))
-
-    def together(count: int) -> float:
-        times: list[float] = []
-        barrier = threading.Barrier(count)
-        threads = [threading.Thread(target=loop, args=(steps[i], times, barrier)) for i in range(count)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        return statistics.mean(times)
-
-    alone = min(together(1) for _ in range(tries))
-    return max(2 * alone / together(2) for _ in range(tries))
-
-
-def shared_cores(calibration: Calibration, host: HostCosts, slow: float) -> tuple[Calibration, HostCosts]:
-    """Rates when each process gets 1/``slow`` of a core."""
-    if slow <= 1.0:
-        return calibration, host
-    eff = calibration.for_device("cpu")
-    # every other value (the measured link's bus efficiency of 1 among them) stays the device's
-    cpu = {**eff.as_dict(), "gemm_max": eff.gemm_max / slow, "attention": eff.attention / slow,
-           "memory": eff.memory / slow, "gemm_overhead_us": eff.gemm_overhead_us * slow,
-           "moe_overhead_us": eff.moe_overhead_us * slow, "host_layer_us": eff.host_layer_us * slow,
-           "host_optimizer_ms": eff.host_optimizer_ms * slow}
-    scaled = replace(calibration, per_arch={**calibration.per_arch, "cpu": cpu}, held_out_fits={})
-    return scaled, replace(host, layer_forward_us=host.layer_forward_us * slow,
-                           sample_ns_per_logit=host.sample_ns_per_logit * slow,
-                           engine_step_us=host.engine_step_us * slow, engine_row_us=host.engine_row_us * slow)
-
-
-def shared_sync(rates: dict, slow: float, layers: int) -> SyncRates:
-    """The weight sync's rates when each process gets 1/``slow`` of a core: the copy and CRC rates of one
-    buffer (``profile_sync_rates``) and, where measured, the whole sync's own rate on the ``layers``-layer
-    model (``profile_weight_sync``)."""
-    slow = max(slow, 1.0)
-    whole = rates.get(f"whole_sync_{layers}_layers")
-    return SyncRates(rates["copy_bytes_per_s"] / slow, rates["crc_bytes_per_s"] / slow,
-                     whole["host_bytes_per_s"] / slow if whole else None)
-
-
-def link_fit(collectives: list[dict]) -> LinkFit:
-    """The in-node link of the ranks' gloo collectives: latency and bandwidth fitted to the measured
-    all-reduces, all-gathers and all-to-alls (``profile_collectives``). The one-way sends are measured
-    beside but not fitted: back to back they stream (no round trip), which no per-message latency of a
-    collective describes; the fit's error on them is recorded."""
-    fit = fit_link([m for m in collectives if m["kind"] != "send_recv"])
-    sends = [m for m in collectives if m["kind"] == "send_recv"]
-    return replace(fit, residual_pct={**fit.residual_pct, **link_residuals(sends, fit.latency_us, fit.gbps)})
-
-
-def with_link(calibration: Calibration) -> Calibration:
-    """The calibration for a measured link: the fit's bandwidth is what the collectives reached (bus
-    efficiency 1)."""
-    cpu = {**calibration.per_arch.get("cpu", {}), "bus_intra": 1.0}
-    return replace(calibration, per_arch={**calibration.per_arch, "cpu": cpu})
 
 
 BOUND_PCT = 15.0
@@ -443,14 +181,6 @@ def phase_comparison(phases, measured: dict[str, float]) -> dict[str, dict]:
         out[name] = {"predicted_s": predicted, "measured_s": seen,
                      "predicted_over_measured": predicted / seen if seen > 0 else None}
     return out
-
-
-def sync_probes(repeats: int) -> dict:
-    """The weight sync's rates on one core: one buffer's copy and CRC-32 (``profile_sync_rates``) and the
-    whole sync of rl_switch's 8-layer and rl_stalesync's 4-layer policy in one process
-    (``profile_weight_sync``: per-box work included)."""
-    return {**profile_sync_rates(repeats),
-            **{f"whole_sync_{layers}_layers": profile_weight_sync(policy_model(layers), repeats) for layers in (8, 4)}}
 
 
 def colocated_rows(measured: dict, calibration: Calibration, host: HostCosts, capacities: tuple[Capacity, Capacity],
@@ -496,11 +226,10 @@ def colocated_rows(measured: dict, calibration: Calibration, host: HostCosts, ca
         train = parallel.model_copy(update={"micro_batch": batch // parallel.dp})
         layout = RLLayout("colocated", config["ranks"], train,
                           offload=variant["offload"] == "always", sync_bucket_bytes=config["bucket_mib"] * 2**20)
-        # Training: a rank blocked in a collective or a pipeline's idle stage takes no CPU (gloo waits
-        # without spinning), so the ranks that compute share the capacity: on average ranks × (1 − the
-        # pipeline's bubble fraction) of them (all of them without a pipeline).
-        busy = config["ranks"] * (1.0 - float(training_prediction(workload, layout, calibration).bubble_fraction))
-        train_calibration, _ = shared_cores(one_core, one_core_host, busy / capacity.paced)
+        # training: the ranks that compute (not blocked in a collective or a pipeline's bubble) share the
+        # forward's paced capacity (the bubble as the generation's rates price it, as before the move)
+        train_calibration, busy = training_calibration(workload, layout, one_core, one_core_host, capacity.paced,
+                                                       bubble_calibration=calibration)
         predicted = price_rl_step(workload, layout, calibration, host, sync, train_calibration)
         alone = price_rl_step(workload, layout, one_core, one_core_host).phases.generate_s
         loaded = (price_rl_step(workload, layout, *at_load, shared_sync(sync_rates, load_slow, 8)).step_s
@@ -516,41 +245,12 @@ def colocated_rows(measured: dict, calibration: Calibration, host: HostCosts, ca
     return rows
 
 
-def replica_generation(config: dict):
-    """One rl_switch replica's generation as a call: its share of step 2's rows (``config``: the run's, with
-    its ranks), the 8-layer policy, the engine as RL Fusion runs it."""
-    from moetrain.rl.config import GRPOConfig, RLOptions
-    from moetrain.rl.fusion import sample_generators
-    from moetrain.rl.generate import RolloutEngine
-    from moetrain.rl.loop import step_problems
-    from moetrain.rl.sft import prompt_ids
-    from moetrain.rl.tokenizer import CharTokenizer
-
-    task, tokenizer, cpu = get_task(config["task"]), CharTokenizer(), torch.device("cpu")
-    model = build_model(policy_config(load_model_config(config["model"])), cpu, seed=0)
-    engine = RolloutEngine(model.eval().requires_grad_(False), tokenizer.pad_id, tokenizer.decode)
-    engine.retain_cache = True
-    options = RLOptions(task=config["task"], prompts_per_step=config["prompts"],
-                        grpo=GRPOConfig(group_size=config["group_size"]))
-    problems = step_problems(task, options, 0, 2)
-    rows = len(problems) // config["ranks"]
-    prompts = [prompt_ids(tokenizer, p) for p in problems[:rows]]
-    params = SamplingParams(max_new_tokens=task.max_answer_chars + 2, temperature=1.0,
-                            stop_token_ids=(tokenizer.eos_id,))
-
-    def run() -> None:
-        engine.generate(prompts, params, sample_generators(0, 2, rows, cpu))
-        engine.free_cache()
-
-    return run
-
-
 def generation_alone(config: dict, repeats: int) -> float:
     """A diagnostic, not used by the prediction: seconds of one rl_switch replica's generation
     (``replica_generation``) in one process alone, the fastest of ``repeats``. Beside the planner's generation
     at one core (``generation_priced_one_core_s`` of the colocated rows) it shows the engine's own work that
     the price does not see."""
-    return _best_time(replica_generation(config), repeats)
+    return best_time(replica_generation(config), repeats)
 
 
 def stalesync_decode_steps(config: dict) -> tuple[list[int], list[float]]:
@@ -788,9 +488,9 @@ def measure_rates(committed: CommittedRuns, repeats: int) -> tuple[Rates, list[f
     generating = {config["ranks"]: core_capacity(config["ranks"], work=config)
                   for config in (committed.switch["config"], committed.switch_2_ranks["config"])}
     probe_speeds.append(speed_reference())
-    calibrations = {layers: profile(repeats, layers) for layers in (4, 8)}
+    calibrations = {layers: profile_policy(policy_model(layers), repeats) for layers in (4, 8)}
     probe_speeds.append(speed_reference())
-    hosts = {layers: host_probe(layers, repeats) for layers in (4, 8)}
+    hosts = {layers: host_costs(policy_model(layers), repeats) for layers in (4, 8)}
     capacity = {n: core_capacity(n, work=CAPACITY_WORK[n]) for n in (2, 4)}
     probe_speeds.append(speed_reference())
     thread_capacity, collectives = threads_capacity(CAPACITY_WORK[2]), profile_collectives(COLOCATED_RANKS)

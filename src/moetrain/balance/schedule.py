@@ -54,7 +54,7 @@ One rule, shared by the trace replay (``balance.replay``) and the runtime
    node: there the node-aware candidates bridge replicas between ranks that then share the maximum, and the
    draws choose among them (giants on EP64 5.25 % → 4.81 % from the ideal); within one node (EP ≤ ranks per
    node) they only ever cost a little on the benchmark's traces (the recorded tiny-pangu traces, the sudden
-   shift, many-hot 5 %: docs/balance.md), choosing among near-ties on eight noisy draws.
+   shift, many-hot 5 %: benchmarks/notes/balance.md, "Trace families"), choosing among near-ties on eight noisy draws.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from moetrain.errors import UserError
 
@@ -28,6 +28,9 @@ def add_rl_arguments(parser: argparse.ArgumentParser) -> None:
                    help="disaggregated: devices that generate; the rest train (default: half)")
     g.add_argument("--gen-ep", type=int, default=1,
                    help="devices per generation replica, experts split over them (1: a whole model each)")
+    g.add_argument("--rl-rates", default=None, metavar="FILE",
+                   help="host rates measured by `moetrain profile --rl-out` (generation's host costs, the weight "
+                        "sync's copy and CRC-32 rates; default: none, the device work and the link alone)")
 
 
 def add_rl_workload_arguments(g) -> None:
@@ -123,12 +126,16 @@ def build_rl_workload(args: argparse.Namespace):
 def simulate_rl(args: argparse.Namespace) -> dict:
     """The predictions as a plain mapping (what --json prints)."""
     from moetrain.planner.generation import HostCosts
+    from moetrain.planner.rl_rates import load_rl_rates
     from moetrain.planner.rl_step import price_rl_step
 
     _check(args)
     workload, calibration = build_rl_workload(args)
-    host = HostCosts(moe_pass_us=0.0 if args.graphs else None)
-    predictions = [price_rl_step(workload, layout, calibration, host) for layout in _layouts(args, workload)]
+    host, sync = HostCosts(moe_pass_us=0.0 if args.graphs else None), None
+    if args.rl_rates is not None:
+        rates = load_rl_rates(args.rl_rates)
+        host, sync = replace(rates.host, moe_pass_us=0.0) if args.graphs else rates.host, rates.sync
+    predictions = [price_rl_step(workload, layout, calibration, host, sync) for layout in _layouts(args, workload)]
     rows = [{**{k: v for k, v in asdict(p).items() if k != "phases"}, "phases_s": asdict(p.phases)}
             for p in predictions]
     return {

@@ -107,7 +107,8 @@ class Router(nn.Module):
             # Groups are contiguous LOGICAL experts, whatever the runtime's placement: the loss is
             # part of the model's objective, so online expert balancing (which moves and replicates
             # experts) must not change it; a migrated run then trains exactly as an unmigrated one.
-            # The placement absorbs the imbalance instead (docs/balance.md, "device-level loss").
+            # The placement absorbs the imbalance instead (benchmarks/notes/balance.md, "The device-level
+            # balance loss keeps the logical grouping").
             groups = cfg.num_device_groups
             fraction_D = fraction_E.view(groups, -1).sum(-1)
             probs_D = probs_E.view(groups, -1).sum(-1)

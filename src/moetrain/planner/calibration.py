@@ -45,14 +45,15 @@ _ARCH_OF_DEVICE: dict[str, str] = {
 # efficiency is fitted per architecture. Fused attention and the element-wise memory efficiency are fitted
 # once (relative to each part's peak): per architecture they are identified by one or two source families
 # only, and on Blackwell the fit traded them against the GEMM efficiency (gemm_max at its bound, attention
-# or memory at 14-15 %) for at most 0.7 points of cross-validated 90th percentile (docs/planner.md, "Fit
-# variants"; benchmarks/planner_fit_variants.py).
+# or memory at 14-15 %) for at most 0.7 points of cross-validated 90th percentile
+# (benchmarks/notes/planner.md, "Fit variants"; benchmarks/planner_fit_variants.py).
 PER_ARCH_PARAMS: tuple[str, ...] = ("gemm_max",)
 
 # Parameters the fit on published runs leaves at their default (a profile or a user's file may still set
 # them). ``step_overhead_ms``: the published runs do not identify a fixed per-step cost apart from the
 # GEMM efficiency; left free, leave-one-family-out fits traded 110-160 ms per step against it on the
-# rows with sub-second steps and mispredicted the held-out families by 20-25 % (docs/planner.md). The
+# rows with sub-second steps and mispredicted the held-out families by 20-25 % (benchmarks/notes/planner.md,
+# "Free parameters"). The
 # optimizer update, the per-step cost the model does price, is memory traffic
 # (``costmodel.OPTIMIZER_BYTES_PER_PARAM``). The host issue times stay zero for the published runs (their
 # kernels are large, so the device is the bottleneck); ``moetrain profile`` measures them where they matter.

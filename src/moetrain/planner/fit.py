@@ -27,7 +27,8 @@ from moetrain.planner.validation import PreparedRow, metric_of
 MIN_ROWS_PER_ARCH = 4
 # Loss on the log-ratios, as scipy's least_squares names it. The shipped fit uses "huber": squared below
 # LOSS_SCALE (a 10 % miss) and linear above, so that the few rows no mechanism reproduces (25-46 % off, see
-# docs/planner.md) pull on the shared efficiencies like any row 10 % off instead of with their squared error.
+# benchmarks/notes/planner.md, "Validation on published runs" and "Residual analysis of the vTrain rows")
+# pull on the shared efficiencies like any row 10 % off instead of with their squared error.
 # Plain least squares ("linear") and the smooth "soft_l1" and "cauchy" losses cross-validated worse
 # (benchmarks/planner_fit_variants.py, "loss" variants). scipy applies the loss to the prior residuals too;
 # they stay in its squared part unless a parameter moves more than two prior scales from its prior.
@@ -92,7 +93,7 @@ def fit_calibration(rows: list[PreparedRow], note: str = "", *, per_arch_params:
                     loss: str = LOSS, loss_scale: float = LOSS_SCALE) -> Calibration:
     """Robust least-squares fit of the efficiency parameters on ``rows`` (speed rows only).
 
-    The options are variants the shipped fit does not use (docs/planner.md, "Fit variants"):
+    The options are variants the shipped fit does not use (benchmarks/notes/planner.md, "Fit variants"):
     ``per_arch_params`` names the parameters fitted per architecture; ``family_weight_power`` p weighs
     each row's log-ratio by n^(−p/2) (its squared error by n^−p), n being the number of speed rows of its
     family (0: every row counts the same, as shipped; 1: every family counts the same); ``fixed`` holds

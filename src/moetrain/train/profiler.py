@@ -6,6 +6,7 @@ calibration file it writes."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -59,39 +60,51 @@ def _timed(fn, repeats: int, device: str) -> float:
     return float(np.median(times) if kind == "cuda" else np.min(times))
 
 
-def profile_device(cluster: ClusterConfig, model: ModelConfig, device: str, repeats: int) -> tuple[dict, dict]:
-    """(raw measurements, fitted efficiencies) for ``cluster``'s peaks on ``device``."""
-    kind = _kind(device)
-    if kind == "cpu":
-        keep_freed_host_memory()  # the runtime's CPU processes do: the probes run under the same allocator
-    dtype = torch.float32 if kind == "cpu" else torch.bfloat16
-    peak = cluster.peak_flops("bf16")
-    measured: dict = {"device": torch.cuda.get_device_name(device) if kind == "cuda" else device,
-                      "dtype": str(dtype).removeprefix("torch."), "gemm": [], "attention": []}
+@dataclass(frozen=True)
+class GemmLine:
+    """GEMM time as a line in FLOPs: seconds = flops × ``seconds_per_flop`` + ``overhead_s``."""
 
-    # GEMMs: time = flops / (peak·gemm_max) + overhead, a line in flops: fit slope and intercept.
-    flops, seconds = [], []
-    for m, n, k in GEMM_SHAPES[kind]:
+    shapes: list[dict]
+    """{m, n, k, seconds} per timed shape (``GEMM_SHAPES``)."""
+    seconds_per_flop: float
+    """From the large (rate-bound) shapes."""
+    overhead_s: float
+    """The fixed cost per call, from the small (overhead-bound) shapes."""
+
+
+def probe_gemm(device: str, dtype: torch.dtype, repeats: int) -> GemmLine:
+    """GEMMs: time = flops / (peak·gemm_max) + overhead, a line in flops: fit slope and intercept."""
+    flops, seconds, shapes = [], [], []
+    for m, n, k in GEMM_SHAPES[_kind(device)]:
         a = torch.randn(m, k, device=device, dtype=dtype)
         b = torch.randn(k, n, device=device, dtype=dtype)
         t = _timed(lambda a=a, b=b: a @ b, repeats, device)
         flops.append(2.0 * m * n * k)
         seconds.append(t)
-        measured["gemm"].append({"m": m, "n": n, "k": k, "seconds": t})
+        shapes.append({"m": m, "n": n, "k": k, "seconds": t})
     flops_arr, seconds_arr = np.array(flops), np.array(seconds)
     # Slope from the large GEMMs (rate-bound), the fixed cost from the small ones (overhead-bound): a
     # single line fit lets noise on the large shapes swamp the microseconds of the small ones.
     slope = float(np.median(seconds_arr[-3:] / flops_arr[-3:]))
     intercept = float(max(np.min(seconds_arr[:2] - flops_arr[:2] * slope), 0.0))
-    gemm_max = 1.0 / (slope * peak)
-    gemm_overhead_us = intercept * 1e6
+    return GemmLine(shapes, slope, intercept)
 
-    # Attention (SDPA, causal): the causal half of 4·b·h·s²·d, forward, brought to head dim 128 (what
-    # ``Efficiency.attention`` is; the cost model prices the backward at
-    # ``layer_costs.ATTENTION_BACKWARD_OVER_FORWARD`` × the forward, and the ratio measured here is kept beside
-    # it for comparison).
-    attn_eff = []
-    batch, heads, head_dim, seqs = ATTENTION_SHAPES[kind]
+
+@dataclass(frozen=True)
+class AttentionProbe:
+    rows: list[dict]
+    """{batch, heads, head_dim, seq, seconds, backward_over_forward} per sequence length."""
+    efficiency: float
+    """Of the peak, brought to head dim 128: the median over the sequence lengths."""
+
+
+def probe_attention(device: str, dtype: torch.dtype, repeats: int, peak_flops: float) -> AttentionProbe:
+    """Attention (SDPA, causal): the causal half of 4·b·h·s²·d, forward, brought to head dim 128 (what
+    ``Efficiency.attention`` is; the cost model prices the backward at
+    ``layer_costs.ATTENTION_BACKWARD_OVER_FORWARD`` × the forward, and the ratio measured here is kept beside
+    it for comparison)."""
+    rows, efficiencies = [], []
+    batch, heads, head_dim, seqs = ATTENTION_SHAPES[_kind(device)]
     for seq in seqs:
         q = torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
         grad = torch.ones_like(q)  # the output has q's shape (q, k and v are the same tensor)
@@ -99,78 +112,155 @@ def profile_device(cluster: ClusterConfig, model: ModelConfig, device: str, repe
         t_fwd_bwd = _timed(lambda q=q, grad=grad: torch.autograd.grad(
             F.scaled_dot_product_attention(q, q, q, is_causal=True), q, grad), repeats, device)
         f = 4.0 * batch * heads * seq * seq * head_dim / 2
-        attn_eff.append(f / t / peak / float(attention_head_dim_factor(head_dim)))
-        measured["attention"].append({"batch": batch, "heads": heads, "head_dim": head_dim, "seq": seq,
-                                      "seconds": t, "backward_over_forward": (t_fwd_bwd - t) / t})
+        efficiencies.append(f / t / peak_flops / float(attention_head_dim_factor(head_dim)))
+        rows.append({"batch": batch, "heads": heads, "head_dim": head_dim, "seq": seq, "seconds": t,
+                     "backward_over_forward": (t_fwd_bwd - t) / t})
         del q, grad
+    return AttentionProbe(rows, float(np.median(efficiencies)))
 
-    # Memory bandwidth: an element-wise add reads two tensors and writes one.
-    x = torch.randn(BANDWIDTH_ELEMENTS[kind], device=device, dtype=dtype)
+
+@dataclass(frozen=True)
+class BandwidthProbe:
+    seconds: float
+    """Per element-wise add."""
+    bytes_moved: int
+    """Read and written by it."""
+
+
+def probe_memory_bandwidth(device: str, dtype: torch.dtype, repeats: int) -> BandwidthProbe:
+    """Memory bandwidth: an element-wise add reads two tensors and writes one."""
+    x = torch.randn(BANDWIDTH_ELEMENTS[_kind(device)], device=device, dtype=dtype)
     y = torch.randn_like(x)
     t = _timed(lambda: torch.add(x, y), repeats, device)
-    memory = 3 * x.numel() * x.element_size() / t / (cluster.hbm_bandwidth_tbps * 1e12)
-    measured["elementwise_add_seconds"] = t
+    return BandwidthProbe(t, 3 * x.numel() * x.element_size())
 
-    # Grouped GEMM over the model's experts: one fused call on CUDA, a per-expert loop on CPU. The
-    # time beyond the same FLOPs as one GEMM is the MoE layer's fixed overhead per pass.
-    moe_overhead_us = 0.0
-    if model.moe is not None:
-        experts, width, hidden = model.moe.num_experts, model.moe.expert_ffn_hidden, model.hidden_size
-        tokens_per_expert = 64
-        xs = torch.randn(experts * tokens_per_expert, hidden, device=device, dtype=dtype)
-        w = torch.randn(experts, hidden, width, device=device, dtype=dtype)
-        offsets = torch.arange(1, experts + 1, device=device, dtype=torch.int32) * tokens_per_expert
-        grouped_mm = getattr(F, "grouped_mm", None)
-        if device.startswith("cuda") and grouped_mm is not None:
-            fn = lambda: grouped_mm(xs, w, offs=offsets)  # noqa: E731
-        else:
-            chunks = xs.split(tokens_per_expert)
-            fn = lambda: [c @ w[i] for i, c in enumerate(chunks)]  # noqa: E731
-        t = _timed(fn, repeats, device)
-        gflops = 2.0 * xs.shape[0] * hidden * width
-        ideal = gflops * slope + intercept
-        # The three expert matrices each pay it: per MoE pass ≈ 3 × the excess of one grouped call.
-        moe_overhead_us = max(t - ideal, 0.0) * 3 * 1e6
-        measured["grouped_gemm"] = {"experts": experts, "tokens_per_expert": tokens_per_expert, "seconds": t}
 
-    # Host time of the runtime's own model at a tiny batch. On a GPU it is the host's issue time, a floor
-    # under each pass; on a CPU, where the host is the device, the cost model adds what it has beyond the
-    # device work it prices at these tokens (``costmodel._host_excess``).
-    host = _host_issue_times(model, device, repeats)
+@dataclass(frozen=True)
+class GroupedGemmProbe:
+    experts: int
+    tokens_per_expert: int
+    seconds: float
+    moe_overhead_us: float
+    """The MoE layer's fixed overhead per pass: 3 × the excess of one grouped call over the GEMM line."""
+
+
+GROUPED_TOKENS_PER_EXPERT = 64
+
+
+def probe_grouped_gemm(model: ModelConfig, device: str, dtype: torch.dtype, repeats: int,
+                       gemm: GemmLine) -> GroupedGemmProbe | None:
+    """Grouped GEMM over the model's experts: one fused call on CUDA, a per-expert loop on CPU. The time
+    beyond the same FLOPs as one GEMM (``gemm``) is the MoE layer's fixed overhead per pass. None for a
+    dense model."""
+    if model.moe is None:
+        return None
+    experts, width, hidden = model.moe.num_experts, model.moe.expert_ffn_hidden, model.hidden_size
+    tokens_per_expert = GROUPED_TOKENS_PER_EXPERT
+    xs = torch.randn(experts * tokens_per_expert, hidden, device=device, dtype=dtype)
+    w = torch.randn(experts, hidden, width, device=device, dtype=dtype)
+    offsets = torch.arange(1, experts + 1, device=device, dtype=torch.int32) * tokens_per_expert
+    grouped_mm = getattr(F, "grouped_mm", None)
+    if device.startswith("cuda") and grouped_mm is not None:
+        fn = lambda: grouped_mm(xs, w, offs=offsets)  # noqa: E731
+    else:
+        chunks = xs.split(tokens_per_expert)
+        fn = lambda: [c @ w[i] for i, c in enumerate(chunks)]  # noqa: E731
+    t = _timed(fn, repeats, device)
+    ideal = 2.0 * xs.shape[0] * hidden * width * gemm.seconds_per_flop + gemm.overhead_s
+    # The three expert matrices each pay it: per MoE pass ≈ 3 × the excess of one grouped call.
+    return GroupedGemmProbe(experts, tokens_per_expert, t, max(t - ideal, 0.0) * 3 * 1e6)
+
+
+@dataclass(frozen=True)
+class BusProbe:
+    all_reduce_seconds: float
+    """Per all-reduce of 16 MiB over the world."""
+    bus_intra: float
+    """The ring all-reduce's bus bandwidth over the cluster's in-node link."""
+
+
+def probe_bus(cluster: ClusterConfig, device: str, repeats: int) -> BusProbe | None:
+    """Collectives, when launched under torchrun with more than one rank; None otherwise."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    world = dist.get_world_size()
+    buf = torch.randn(16 * 1024 * 1024 // 4, device=device)
+    t = _timed(lambda: dist.all_reduce(buf), repeats, device)
+    bus_bw = 2 * (world - 1) / world * buf.numel() * 4 / t
+    return BusProbe(t, bus_bw / (cluster.intra_node_gbps * 1e9))
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """Every probe of ``profile_device`` on one device, against ``cluster``'s peaks."""
+
+    cluster: ClusterConfig
+    model: ModelConfig
+    device_name: str
+    dtype: torch.dtype
+    gemm: GemmLine
+    attention: AttentionProbe
+    bandwidth: BandwidthProbe
+    grouped_gemm: GroupedGemmProbe | None
+    host: HostTimes | None
+    bus: BusProbe | None
+
+    def measured(self) -> dict:
+        """The raw measurements, as ``moetrain profile --json`` prints them."""
+        out: dict = {"device": self.device_name, "dtype": str(self.dtype).removeprefix("torch."),
+                     "gemm": self.gemm.shapes, "attention": self.attention.rows,
+                     "elementwise_add_seconds": self.bandwidth.seconds}
+        if self.grouped_gemm is not None:
+            g = self.grouped_gemm
+            out["grouped_gemm"] = {"experts": g.experts, "tokens_per_expert": g.tokens_per_expert,
+                                   "seconds": g.seconds}
+        if self.host is not None:
+            out["host"] = self.host.measured()
+        if self.bus is not None:
+            out["all_reduce_seconds"] = self.bus.all_reduce_seconds
+        return out
+
+    def efficiencies(self) -> dict[str, float]:
+        """The calibration's per-architecture values (``planner.calibration.Efficiency``'s fields)."""
+        peak = self.cluster.peak_flops("bf16")
+        out = {
+            "gemm_max": float(1.0 / (self.gemm.seconds_per_flop * peak)),
+            "gemm_overhead_us": float(self.gemm.overhead_s * 1e6),
+            "attention": self.attention.efficiency,
+            "memory": float(self.bandwidth.bytes_moved / self.bandwidth.seconds
+                            / (self.cluster.hbm_bandwidth_tbps * 1e12)),
+            "moe_overhead_us": float(self.grouped_gemm.moe_overhead_us if self.grouped_gemm else 0.0),
+        }
+        if self.bus is not None:
+            out["bus_intra"] = float(self.bus.bus_intra)
+        if self.host is not None:
+            out.update(self.host.efficiencies(self.model))
+        return out
+
+
+def probe_device(cluster: ClusterConfig, model: ModelConfig, device: str, repeats: int) -> DeviceProfile:
+    """Every probe on ``device``: the GEMM line, attention, memory bandwidth, the model's grouped GEMM, the
+    runtime model's host times and (under torchrun) the all-reduce's bus bandwidth."""
+    kind = _kind(device)
+    if kind == "cpu":
+        keep_freed_host_memory()  # the runtime's CPU processes do: the probes run under the same allocator
+    dtype = torch.float32 if kind == "cpu" else torch.bfloat16
+    gemm = probe_gemm(device, dtype, repeats)
+    attention = probe_attention(device, dtype, repeats, cluster.peak_flops("bf16"))
+    bandwidth = probe_memory_bandwidth(device, dtype, repeats)
+    grouped = probe_grouped_gemm(model, device, dtype, repeats, gemm)
+    host = probe_host(model, device, repeats)
     if kind == "cuda":
         torch.cuda.empty_cache()  # the probe model's memory goes back before the training run
-    if host is not None:
-        measured["host"] = host
+    return DeviceProfile(cluster, model, torch.cuda.get_device_name(device) if kind == "cuda" else device, dtype,
+                         gemm, attention, bandwidth, grouped, host, probe_bus(cluster, device, repeats))
 
-    # Collectives, when launched under torchrun with more than one rank.
-    bus = {}
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        world = torch.distributed.get_world_size()
-        buf = torch.randn(16 * 1024 * 1024 // 4, device=device)
-        t = _timed(lambda: torch.distributed.all_reduce(buf), repeats, device)
-        bus_bw = 2 * (world - 1) / world * buf.numel() * 4 / t
-        bus["bus_intra"] = bus_bw / (cluster.intra_node_gbps * 1e9)
-        measured["all_reduce_seconds"] = t
 
-    efficiencies = {
-        "gemm_max": float(gemm_max),
-        "gemm_overhead_us": float(gemm_overhead_us),
-        "attention": float(np.median(attn_eff)),
-        "memory": float(memory),
-        "moe_overhead_us": float(moe_overhead_us),
-        **{k: float(v) for k, v in bus.items()},
-    }
-    if host is not None:
-        # per layer pass, as the simulator counts them: decoder layers and MTP blocks
-        layer_passes = model.num_layers + model.num_mtp_layers
-        efficiencies["host_layer_us"] = host["forward_backward_s"] / layer_passes * 1e6
-        efficiencies["host_optimizer_ms"] = host["optimizer_s"] * 1e3
-        efficiencies["host_probe_tokens"] = float(host["tokens"])
-        if "wide_forward_backward_s" in host:
-            efficiencies["host_wide_layer_us"] = host["wide_forward_backward_s"] / layer_passes * 1e6
-            efficiencies["host_wide_batch"], efficiencies["host_wide_seq"] = map(float, host["wide_shape"])
-    return measured, efficiencies
+def profile_device(cluster: ClusterConfig, model: ModelConfig, device: str, repeats: int) -> tuple[dict, dict]:
+    """(raw measurements, fitted efficiencies) for ``cluster``'s peaks on ``device``."""
+    profile = probe_device(cluster, model, device, repeats)
+    return profile.measured(), profile.efficiencies()
 
 
 # Runtime models up to this many parameters are built for the host-time measurement (16 B per parameter
@@ -182,13 +272,45 @@ HOST_PROBE_TOKENS = 16
 HOST_WIDE_PROBE = (4, 128)
 
 
-def _host_issue_times(model_cfg: ModelConfig, device: str, repeats: int) -> dict | None:
+@dataclass(frozen=True)
+class HostTimes:
+    """Host seconds of the runtime's model at ``tokens`` tokens (``probe_host``)."""
+
+    forward_s: float
+    forward_backward_s: float
+    optimizer_s: float
+    tokens: int
+    wide_shape: tuple[int, int] | None = None
+    """On a CPU: (sequences, tokens each) of the wide pass (``HOST_WIDE_PROBE``)."""
+    wide_forward_backward_s: float | None = None
+
+    def measured(self) -> dict:
+        out = {"forward_s": self.forward_s, "forward_backward_s": self.forward_backward_s,
+               "optimizer_s": self.optimizer_s, "tokens": self.tokens}
+        if self.wide_forward_backward_s is not None:
+            out.update(wide_shape=self.wide_shape, wide_forward_backward_s=self.wide_forward_backward_s)
+        return out
+
+    def efficiencies(self, model: ModelConfig) -> dict[str, float]:
+        """Per layer pass, as the simulator counts them (decoder layers and MTP blocks), and per step."""
+        layer_passes = model.num_layers + model.num_mtp_layers
+        out = {"host_layer_us": self.forward_backward_s / layer_passes * 1e6,
+               "host_optimizer_ms": self.optimizer_s * 1e3, "host_probe_tokens": float(self.tokens)}
+        if self.wide_forward_backward_s is not None:
+            out["host_wide_layer_us"] = self.wide_forward_backward_s / layer_passes * 1e6
+            out["host_wide_batch"], out["host_wide_seq"] = map(float, self.wide_shape)
+        return out
+
+
+def probe_host(model_cfg: ModelConfig, device: str, repeats: int) -> HostTimes | None:
     """Seconds the host needs to issue one micro-batch's forward+backward (and the forward alone) of the
     runtime's model, and one optimizer step, measured on a batch of ``HOST_PROBE_TOKENS`` tokens: the
     device finishes each of those kernels faster than eager PyTorch issues the next, so the elapsed time
     is the host's (Python, dispatcher, kernel launches), which sets a floor under every step however small
-    the kernels. On a CPU the same time holds the (small) work too, and the host's part adds to every
-    pass. None for models too large to build here."""
+    the kernels. On a GPU it is a floor under each pass; on a CPU, where the host is the device, the same
+    time holds the (small) work too, and the cost model adds what it has beyond the device work it prices
+    at these tokens (``costmodel._host_excess``); there a second, wide pass is timed as well, since the
+    excess grows with the tokens. None for models too large to build here."""
     from moetrain.config.training import TrainingConfig
     from moetrain.costs.params import count_params
     from moetrain.models.transformer import build_model
@@ -215,14 +337,20 @@ def _host_issue_times(model_cfg: ModelConfig, device: str, repeats: int) -> dict
         clip_gradients(model.parameters(), cfg.grad_clip)
         optimizer.step()
 
-    times = {"forward_s": _timed(forward, repeats, device), "forward_backward_s": _timed(forward_backward, repeats,
-                                                                                          device)}
-    times["optimizer_s"] = _timed(optimizer_step, repeats, device)
-    times["tokens"] = HOST_PROBE_TOKENS
-    if kind == "cpu":  # where the host is the device, the excess grows with the tokens: measure a wide pass
-        wide_pass, times["wide_shape"] = _wide_pass(model, model_cfg, device, dtype)
-        times["wide_forward_backward_s"] = _timed(wide_pass, repeats, device)
-    return times
+    forward_s = _timed(forward, repeats, device)
+    forward_backward_s = _timed(forward_backward, repeats, device)
+    optimizer_s = _timed(optimizer_step, repeats, device)
+    if kind != "cpu":
+        return HostTimes(forward_s, forward_backward_s, optimizer_s, HOST_PROBE_TOKENS)
+    wide_pass, wide_shape = _wide_pass(model, model_cfg, device, dtype)
+    return HostTimes(forward_s, forward_backward_s, optimizer_s, HOST_PROBE_TOKENS, wide_shape,
+                     _timed(wide_pass, repeats, device))
+
+
+def _host_issue_times(model_cfg: ModelConfig, device: str, repeats: int) -> dict | None:
+    """``probe_host`` as the measurements' dict (``forward_s``, ``forward_backward_s``, ...)."""
+    host = probe_host(model_cfg, device, repeats)
+    return None if host is None else host.measured()
 
 
 def _wide_pass(model, model_cfg: ModelConfig, device: str, dtype) -> tuple:
