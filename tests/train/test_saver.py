@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from rich.console import Console
 
 from moetrain.config import TrainingConfig
 from moetrain.config.run import RunSpec
-from moetrain.distributed.checkpoint import checkpoint_state
+from moetrain.distributed.checkpoint import CheckpointWriter, checkpoint_state
 from moetrain.errors import UserError
 from moetrain.train import Trainer
 from moetrain.train.checkpoint import COMPLETE_MARKER, complete_checkpoints, verify_checkpoint
@@ -66,7 +67,7 @@ def _one_thread():
 
 
 @pytest.mark.slow
-def test_an_async_save_writes_the_state_it_was_given_byte_for_byte_as_a_sync_save(tmp_path):
+def test_an_async_save_writes_the_state_it_was_given_byte_for_byte_as_a_sync_save(tmp_path, monkeypatch):
     ObservedTrainer(_spec(tmp_path, stop_at=2)).train()  # two steps: weights and moments away from their start
     reloaded = ObservedTrainer(_spec(tmp_path))  # its one-rank group lives until close()
     try:
@@ -79,12 +80,18 @@ def test_an_async_save_writes_the_state_it_was_given_byte_for_byte_as_a_sync_sav
                                          identity)
         asynchronous = CheckpointSaver(tmp_path / "async", group, reloaded.dims.group_ranks["world"],
                                        async_save=True)
-        async_path, async_cost = asynchronous.save(
-            2, checkpoint_state(reloaded.run, reloaded.model_cfg, reloaded.cfg, 2), identity)
-        # the step goes on while the write runs: the host copy must not see it
-        with torch.no_grad():
-            for p in reloaded.run.stage.model.parameters():
-                p.add_(1.0)
+        # the background write starts only once the next step has changed the weights
+        stepped = threading.Event()
+        write = CheckpointWriter.write_data
+        monkeypatch.setattr(CheckpointWriter, "write_data",
+                            lambda self, plan, planner: stepped.wait(60) and write(self, plan, planner))
+        state = checkpoint_state(reloaded.run, reloaded.model_cfg, reloaded.cfg, 2)
+        async_path, async_cost = asynchronous.save(2, state, identity)
+        # the step goes on while the write runs and changes the tensors the state holds (on a CPU the state
+        # holds copies of the weights and moments, on a GPU its device tensors): the host copy must not see it
+        for tensor in _tensors_of(state):
+            tensor.add_(1.0)
+        stepped.set()
         assert asynchronous.finish() >= 0.0
         sync.close()
         asynchronous.close()
@@ -100,6 +107,14 @@ def test_an_async_save_writes_the_state_it_was_given_byte_for_byte_as_a_sync_sav
             assert _same(reloaded.state(), before) and reloaded.step == 2
     finally:
         reloaded.close()
+
+
+def _tensors_of(value) -> list[torch.Tensor]:
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in _tensors_of(item)]
+    if hasattr(value, "pieces"):  # a tensor's pieces at their global offsets
+        return [piece for _, piece in value.pieces]
+    return [value] if isinstance(value, torch.Tensor) and value.is_floating_point() else []
 
 
 def _rows(path: Path) -> list[dict]:

@@ -220,12 +220,20 @@ def write_state(state: dict, staging: Path, group: dist.ProcessGroup, fail: bool
     dcp.save(state, storage_writer=CheckpointWriter(staging, fail), planner=_SavePlanner(), process_group=group)
 
 
-def start_write(state: dict, staging: Path, group: dist.ProcessGroup, fail: bool = False) -> Future:
-    """``write_state`` in DCP's background thread: ``state`` is first copied to host memory (here, before
-    this returns: the step may then change the weights), then written; the future holds the outcome.
-    ``group`` must be a CPU (gloo) group of its own: its collectives run beside the training's."""
-    stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                          use_async_staging=False, use_non_blocking_copy=False))
+def host_stager() -> DefaultStager:
+    """What copies a state to host memory for ``start_write``: DCP's default stager, copying before it
+    returns, into pinned memory on a GPU machine. One per run: it keeps its host buffers and copies into
+    them again when a save hands it the same tensors (the caller waits for the previous write first)."""
+    pinned = torch.cuda.is_available()
+    return DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
+                                        use_async_staging=False, use_non_blocking_copy=False))
+
+
+def start_write(state: dict, staging: Path, group: dist.ProcessGroup, stager: DefaultStager,
+                fail: bool = False) -> Future:
+    """``write_state`` in DCP's background thread: ``state`` is first copied to host memory by ``stager``
+    (here, before this returns: the step may then change the weights), then written; the future holds the
+    outcome. ``group`` must be a CPU (gloo) group of its own: its collectives run beside the training's."""
     return dcp.async_save(state, storage_writer=CheckpointWriter(staging, fail), planner=_SavePlanner(),
                           process_group=group, async_stager=stager)
 

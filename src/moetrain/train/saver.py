@@ -84,6 +84,11 @@ class CheckpointSaver:
         self.group = dist.new_group(ranks=ranks, backend="gloo") if async_save else world
         self._pending: _Pending | None = None
         self._sealer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moetrain-seal") if async_save else None
+        self._stager = None
+        if async_save:
+            from moetrain.distributed.checkpoint import host_stager
+
+            self._stager = host_stager()
         self._quiet = library_records_dropped()
         self._quiet.__enter__()
         self.failed_saves = 0
@@ -106,7 +111,7 @@ class CheckpointSaver:
         dist.barrier(group=self.world)
         if self.async_save:
             try:
-                written = start_write(state, staging, self.group, fail)
+                written = start_write(state, staging, self.group, self._stager, fail)
             except (Exception, KeyboardInterrupt, CheckpointException) as exc:
                 self._failed(step, staging, self._agreed(_cause(exc), staging))
                 return None, SaveCost("async", time.perf_counter() - start, waited)
@@ -192,6 +197,8 @@ class CheckpointSaver:
         """Stop without waiting (a failed run: its peers may be gone); an unfinished write stays ``.tmp``."""
         if self._sealer is not None:
             self._sealer.shutdown(wait=False, cancel_futures=True)
+        if self._stager is not None and (self._pending is None or self._pending.done.done()):
+            self._stager.close()  # its host buffers (a write still running keeps them until it ends)
         self._quiet.__exit__(None, None, None)
 
 
