@@ -108,3 +108,31 @@ def test_a_lone_process_runs_under_torchrun_and_recovers(tmp_path: Path) -> None
     assert ("restart 1 of 1 after rank 0 failed: RuntimeError: injected fault at step 3: resumed from step 2; "
             "1 step lost (step 3 is trained again)") in proc.stdout, proc.stdout
     assert [r["step"] for r in _rows(tmp_path / "lone" / "metrics.jsonl")] == list(range(1, 9))
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_a_hung_rank_times_its_peer_out_and_the_group_recovers(tmp_path: Path) -> None:
+    config = tmp_path / "run.yaml"
+    config.write_text("run:\n  timeout_s: 5\n")  # the collective timeout the hang runs past
+    proc = _run(tmp_path, "hung", "--config", str(config), "--nproc", "2", "--ep", "2", "--max-restarts", "1",
+                fault="1:3:hang=120")
+    assert proc.returncode == 0, proc.stderr
+    assert ("restart 1 of 1 after rank 1 stopped without a report (a signal, or an exit): resumed from step 2; "
+            "1 step lost (step 3 is trained again)") in proc.stdout, proc.stdout
+    assert [r["step"] for r in _rows(tmp_path / "hung" / "metrics.jsonl")] == list(range(1, 9))
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_a_write_that_fails_on_one_rank_is_skipped_by_every_rank(tmp_path: Path) -> None:
+    proc = _run(tmp_path, "disk", "--nproc", "2", "--ep", "2", "--async-save", "--on-save-error", "continue",
+                fault="1:4:save_error")  # rank 1's disk is full for the checkpoint of step 4
+    assert proc.returncode == 0, proc.stderr
+    staging = tmp_path / "disk" / "ckpt" / "step-000004.tmp"
+    assert (f"checkpoint step-000004 not saved: [Errno 28] No space left on device (injected): '{staging}'; "
+            "step-000002 is intact; training goes on (--on-save-error continue)") in proc.stdout, proc.stdout
+    assert sorted(p.name for p in (tmp_path / "disk" / "ckpt").iterdir()) == \
+        ["step-000002", "step-000006", "step-000008"]
+    rows = [json.loads(line) for line in (tmp_path / "disk" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r.get("save_mode") == "async"] == [2, 4, 6, 8]

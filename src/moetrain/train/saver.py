@@ -81,6 +81,7 @@ class CheckpointSaver:
         self.coordinator = dist.get_rank(world) == 0
         # background writes: a CPU group of their own (async_save needs one; a second group also keeps their
         # collectives apart from the step's, which run meanwhile on the layout's groups)
+        # (torch's default timeout: a write waits on the slowest rank's disk; a hung rank shows on the step's groups)
         self.group = dist.new_group(ranks=ranks, backend="gloo") if async_save else world
         self._pending: _Pending | None = None
         self._sealer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moetrain-seal") if async_save else None
