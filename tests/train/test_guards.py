@@ -81,8 +81,9 @@ def test_fault_specs_parse_and_refuse_in_one_line():
     faults = injected_faults(1, "0:3:nan,*:4:spike=10")
     assert faults.loss_scale(3) == 1.0 and faults.loss_scale(4) == 10.0 and faults.loss_scale(5) == 1.0
     assert math.isnan(injected_faults(0, "0:3:nan").loss_scale(3))
-    for bad, message in (("1:5", "give RANK:STEP:KIND[:PHASE]"), ("x:5:nan", "are integers"),
-                         ("0:5:melt", "KIND is one of raise, kill, nan, spike"), ("0:5:nan:save", "PHASE is step")):
+    for bad, message in (("1:5", "give RANK:STEP:KIND[:PHASE][@ATTEMPT]"), ("x:5:nan", "are integers"),
+                         ("0:5:melt", "KIND is one of raise, kill, exit, hang, nan, spike, save_error"),
+                         ("0:5:nan:save", "PHASE is step")):
         with pytest.raises(UserError, match=re.escape(message)):
             parse_fault(bad)
 

@@ -33,6 +33,8 @@ FLAG_FIELDS: dict[str, tuple[str, str]] = {
     "metrics_out": ("run", "metrics_out"),
     "trace_routing": ("run", "trace_routing"), "save_dir": ("run", "save_dir"), "save_every": ("run", "save_every"),
     "stop_at": ("run", "stop_at"), "resume": ("run", "resume"), "quiet": ("run", "quiet"),
+    "max_restarts": ("run", "max_restarts"), "async_save": ("run", "async_save"), "keep_last": ("run", "keep_last"),
+    "on_save_error": ("run", "on_save_error"),
     "ranks_per_node": ("run", "ranks_per_node"), "trace_dir": ("run", "trace_dir"), "log_dir": ("run", "log_dir"),
     "compile": ("run", "compile"), "document_mask": ("run", "document_mask"),
     "tp": ("parallel", "tp"), "pp": ("parallel", "pp"), "vpp": ("parallel", "vpp"), "ep": ("parallel", "ep"),
@@ -79,6 +81,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--stop-at", type=int, help="end after step K as if interrupted, saving a checkpoint")
     r.add_argument("--resume", action="store_true", default=None, help="continue from the newest checkpoint")
     r.add_argument("--quiet", action="store_true", default=None, help="no progress bar")
+    f = parser.add_argument_group("recovery and checkpoints (docs/training.md, Recovery)")
+    f.add_argument("--max-restarts", type=int,
+                   help="restart every rank after a failure, up to N times, each resuming from the newest complete "
+                        "checkpoint (needs --save-dir; runs under torchrun, one process included)")
+    f.add_argument("--async-save", action="store_true", default=None,
+                   help="write checkpoints in the background from a host copy (DCP async_save); training goes on")
+    f.add_argument("--keep-last", type=int,
+                   help="keep the newest K complete checkpoints; older ones go once a newer one is complete "
+                        "(default: keep all)")
+    f.add_argument("--on-save-error", choices=["continue", "stop"],
+                   help="after a failed save (a full disk, a permission), which keeps the previous checkpoint")
     r.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile each decoder layer (default: on for CUDA, off for CPU)")
     r.add_argument("--document-mask", choices=["auto", "dense", "block"],
@@ -228,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
     from moetrain.status import say, status_console
 
     spec = checked_spec(args)
-    if spec.world_size > 1:
+    if spec.world_size > 1 or spec.run.max_restarts > 0:  # torchrun's agent restarts a failed group
         from moetrain.distributed.launch import launch
 
         return launch(spec, Path(spec.run.log_dir) if spec.run.log_dir else None)

@@ -19,6 +19,7 @@ from moetrain.config.parallel import ParallelConfig
 from moetrain.config.training import TrainingConfig
 
 MemoryPolicyName = Literal["none", "full", "selective", "auto"]
+SaveErrorChoice = Literal["continue", "stop"]
 DocumentMaskChoice = Literal["auto", "dense", "block"]
 
 
@@ -50,6 +51,18 @@ class RunOptions(BaseModel):
     stop_at: int | None = Field(default=None, gt=0)
     """End after this step as if interrupted, saving a checkpoint; the schedule still spans every step."""
     resume: bool = False
+    max_restarts: int = Field(default=0, ge=0)
+    """Restarts of the whole group (torchrun's elastic agent) after a rank fails; each resumes every rank
+    from the newest complete checkpoint in ``save_dir``. 0: a failure ends the run."""
+    async_save: bool = False
+    """Write checkpoints in the background (DCP ``async_save`` from a host copy); the ``COMPLETE`` marker is
+    written once the write has finished, checked at the next save and at the end."""
+    keep_last: int | None = Field(default=None, ge=1)
+    """Keep the newest this many complete checkpoints, deleting older ones once a newer one is complete
+    (None: keep every one)."""
+    on_save_error: SaveErrorChoice = "stop"
+    """A save that fails (a full disk, a permission) keeps the previous checkpoint; then ``stop`` ends the
+    run, ``continue`` trains on and saves again at the next save."""
     quiet: bool = False
     ranks_per_node: int | None = Field(default=None, gt=0)
     """Node size for the hierarchical all-to-all (default: the launcher's ranks on one node)."""

@@ -19,9 +19,12 @@ trainer can also read a checkpoint written here.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import shutil
 import warnings
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,8 +34,10 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from moetrain.config import ModelConfig, TrainingConfig
 from moetrain.distributed.placements import local_pieces
@@ -184,10 +189,69 @@ def _flatten(state: dict, prefix: str = "") -> dict:
     return flat
 
 
+def checkpoint_state(run: LayoutRun, model_cfg: ModelConfig, cfg: TrainingConfig, step: int) -> dict:
+    """What a checkpoint after ``step`` completed steps holds, as DCP's state dict: this rank's pieces of
+    the weights and moments, the optimizer groups, the RNG state and the trainer's step and schedule."""
+    moments, step_count = run.optimizer.moments_by_name()
+    state = _state(run, model_cfg, _model_tensors(run), moments, step_count)
+    groups, scheduler_state = _trainer_extras(model_cfg, cfg, step)
+    state["optim"]["param_groups"] = groups
+    state["rng"] = {"torch": torch.get_rng_state()}
+    state["trainer"] = json.dumps({"step": step, "lr_scheduler": scheduler_state}, sort_keys=True)
+    return state
+
+
+class CheckpointWriter(FileSystemWriter):
+    """DCP's file writer, which can be told to fail as a full disk does (``MOETRAIN_FAULT``'s
+    ``save_error``): ``OSError`` ENOSPC naming the folder, raised where a real write would raise it."""
+
+    def __init__(self, path: Path, fail: bool = False) -> None:
+        super().__init__(path)
+        self.fail = fail
+
+    def write_data(self, plan, planner):  # type: ignore[override]
+        if self.fail:
+            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (injected)", str(self.path))
+        return super().write_data(plan, planner)
+
+
+def write_state(state: dict, staging: Path, group: dist.ProcessGroup, fail: bool = False) -> None:
+    """Every rank writes its pieces of ``state`` into ``staging`` (synchronously)."""
+    dcp.save(state, storage_writer=CheckpointWriter(staging, fail), planner=_SavePlanner(), process_group=group)
+
+
+def host_stager() -> DefaultStager:
+    """What copies a state to host memory for ``start_write``: DCP's default stager, copying before it
+    returns, into pinned memory on a GPU machine. One per run: it keeps its host buffers and copies into
+    them again when a save hands it the same tensors (the caller waits for the previous write first)."""
+    pinned = torch.cuda.is_available()
+    return DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
+                                        use_async_staging=False, use_non_blocking_copy=False))
+
+
+def start_write(state: dict, staging: Path, group: dist.ProcessGroup, stager: DefaultStager,
+                fail: bool = False) -> Future:
+    """``write_state`` in DCP's background thread: ``state`` is first copied to host memory by ``stager``
+    (here, before this returns: the step may then change the weights), then written; the future holds the
+    outcome. ``group`` must be a CPU (gloo) group of its own: its collectives run beside the training's."""
+    return dcp.async_save(state, storage_writer=CheckpointWriter(staging, fail), planner=_SavePlanner(),
+                          process_group=group, async_stager=stager)
+
+
+def finish_folder(staging: Path, final: Path, step: int, identity: dict | str,
+                  expert_placement: dict | None = None) -> Path:
+    """The coordinator, once every rank has written: the placement file, then the sealing (checksums,
+    ``COMPLETE`` last, the rename)."""
+    if expert_placement is not None:
+        (staging / EXPERT_PLACEMENT_FILE).write_text(json.dumps(expert_placement))
+    return seal_checkpoint(staging, final, marker_fields(step, identity))
+
+
 def save_checkpoint(save_dir: Path, step: int, run: LayoutRun, model_cfg: ModelConfig, cfg: TrainingConfig,
                     identity: dict | str = "", expert_placement: dict | None = None) -> Path:
     """Every rank of the layout calls this after ``step`` completed steps; returns the folder.
-    ``expert_placement``: the balancer's state (the same on every rank), saved for a resume."""
+    ``expert_placement``: the balancer's state (the same on every rank), saved for a resume. A failure
+    raises its cause and leaves no folder behind (the trainer's ``CheckpointSaver`` decides what then)."""
     world = run.stage.dims.get_group("world")
     final = checkpoint_dir(save_dir, step)
     staging = final.with_name(final.name + ".tmp")
@@ -195,15 +259,10 @@ def save_checkpoint(save_dir: Path, step: int, run: LayoutRun, model_cfg: ModelC
     if coordinator:
         save_dir.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(staging, ignore_errors=True)
-    moments, step_count = run.optimizer.moments_by_name()
-    state = _state(run, model_cfg, _model_tensors(run), moments, step_count)
-    groups, scheduler_state = _trainer_extras(model_cfg, cfg, step)
-    state["optim"]["param_groups"] = groups
-    state["rng"] = {"torch": torch.get_rng_state()}
-    state["trainer"] = json.dumps({"step": step, "lr_scheduler": scheduler_state}, sort_keys=True)
+    state = checkpoint_state(run, model_cfg, cfg, step)
     dist.barrier(group=world)
     try:
-        dcp.save(state, checkpoint_id=staging, planner=_SavePlanner(), process_group=world)
+        write_state(state, staging, world)
     except (Exception, KeyboardInterrupt, CheckpointException) as exc:
         # A save that did not finish leaves nothing that looks like a checkpoint; an interrupt (which the
         # library wraps in its own exception) stays an interrupt, so the run ends as "interrupted".
@@ -215,10 +274,7 @@ def save_checkpoint(save_dir: Path, step: int, run: LayoutRun, model_cfg: ModelC
         raise cause from None
     dist.barrier(group=world)
     if coordinator:
-        # Same sealing as the single-process trainer: marker last, then the rename.
-        if expert_placement is not None:
-            (staging / EXPERT_PLACEMENT_FILE).write_text(json.dumps(expert_placement))
-        seal_checkpoint(staging, final, marker_fields(step, identity))
+        finish_folder(staging, final, step, identity, expert_placement)  # marker last, then the rename
     dist.barrier(group=world)
     return final
 

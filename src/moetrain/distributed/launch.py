@@ -4,12 +4,15 @@
 nothing starts for a layout that does not divide the model or the world. ``launch`` writes the spec
 to ``run_spec.json`` in the run's log folder (``moetrain rl``: its RL spec, ``rl_spec.json``, named in
 ``MOETRAIN_RL_SPEC``), names it in ``MOETRAIN_RUN_SPEC`` and runs
-``torchrun --standalone --nproc-per-node N --max-restarts 0 -m moetrain.distributed.worker``. With no
-restarts, torchrun's agent stops every rank as soon as one exits non-zero or dies from a signal;
-collectives also time out (60 s by default) so no rank waits for ever on a dead peer. The launcher
-then prints the failing rank's own line (``rank R failed: cause``), or, for a rank killed by a
-signal, the rank and the signal from torchrun's report; the full torchrun log is kept on disk. A
-user error in a rank (exit 2) ends the launch with exit 2 as well.
+``torchrun --standalone --nproc-per-node N --max-restarts R -m moetrain.distributed.worker``. torchrun's
+agent stops every rank as soon as one exits non-zero or dies from a signal; collectives also time out
+(60 s by default) so no rank waits for ever on a dead peer. With ``--max-restarts R`` (the run spec's
+``run.max_restarts``, default 0) the agent then starts the group again, up to R times, and each attempt
+resumes from the newest complete checkpoint (``moetrain.train.recovery``); a run of one rank runs under
+torchrun too when R > 0, so it recovers the same way. Once no restart is left the launcher prints the
+failing rank's own line (``rank R failed: cause``) of the last attempt, or, for a rank killed by a
+signal or gone with an exit code and no report, the rank and the signal or code from torchrun's report;
+the full torchrun log is kept on disk. A user error in a rank (exit 2) ends the launch with exit 2 as well.
 
 Multi-node runs call torchrun directly with its usual flags (``--nnodes``, ``--node-rank``,
 ``--rdzv-endpoint``), ``-m moetrain.distributed.worker`` and ``moetrain train``'s flags
@@ -31,22 +34,31 @@ from pathlib import Path
 from moetrain.config.run import RunSpec
 from moetrain.status import say, status_console
 from moetrain.threads import ThreadChoice, choose_threads
+from moetrain.train.recovery import RECOVERY_ENV, peer_lost, report_name, restarts_summary
 
-_PEER_LOST = re.compile(r"Connection (reset|closed) by peer|Socket Timeout|timed out", re.I)
 
-
-def _failure_line(error_dir: Path, torchrun_log: str) -> str:
-    """The root cause: a rank killed by a signal (torchrun's SIGTERM of the survivors aside), else the
-    first rank's own report that is not merely the loss of a peer."""
-    for rank, code in re.findall(r"^\s*rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)",
-                                  torchrun_log, re.M):
-        if int(code) < 0 and int(code) != -signal.SIGTERM:
-            return f"rank {rank} failed: killed by signal {signal.Signals(-int(code)).name}"
-    reports = sorted(error_dir.glob("rank*.txt"), key=lambda p: p.stat().st_mtime)
+def _failure_line(error_dir: Path, torchrun_log: str, attempt: int = 0) -> str:
+    """The root cause in the last attempt (``attempt``): a rank killed by a signal (torchrun's SIGTERM of
+    the survivors aside), else the first rank's own report that is not merely the loss of a peer, else a
+    rank that exited non-zero without a report, else a peer's report."""
+    codes = [(rank, int(code)) for rank, code in re.findall(
+        r"^\s*rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)", torchrun_log, re.M)]
+    for rank, code in codes:
+        if code < 0 and code != -signal.SIGTERM:
+            return f"rank {rank} failed: killed by signal {signal.Signals(-code).name}"
+    reports = sorted(error_dir.glob(report_name("*", attempt)), key=lambda p: p.stat().st_mtime)
+    if attempt == 0:
+        reports = [p for p in reports if ".restart" not in p.name]
     lines = [p.read_text().strip() for p in reports]
-    causes = [line for line in lines if not _PEER_LOST.search(line)]
-    if causes or lines:
-        return (causes or lines)[0]
+    causes = [line for line in lines if not peer_lost(line)]
+    if causes:
+        return causes[0]
+    reported = {re.match(r"rank(\d+)", p.name).group(1) for p in reports}  # type: ignore[union-attr]
+    for rank, code in codes:
+        if code > 0 and rank not in reported:
+            return f"rank {rank} failed: exited with code {code} without a report"
+    if lines:
+        return lines[0]
     return "a rank failed before reporting (see the torchrun log)"
 
 
@@ -78,8 +90,16 @@ def launch(spec: RunSpec, log_dir: Path | None = None, entry: str = "moetrain.di
     threads = choose_threads(spec.run.threads, ranks) if on_cpu else ThreadChoice(1, "GPU ranks")
     env = dict(os.environ, MOETRAIN_ERROR_DIR=str(error_dir), OMP_NUM_THREADS=str(threads.threads),
                **{spec_file.env: str(spec_file.path)})
+    restarts = spec.run.max_restarts
+    if restarts > 0:
+        env[RECOVERY_ENV] = str(log_dir)
+        # The ranks' own store, new in each attempt: sharing the agent's, a restarted rank can read a peer's
+        # address from the failed attempt and fail to connect (pytorch/pytorch#135712)
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        for name in ("progress.json", "restarts.jsonl"):  # a log folder reused from an earlier run
+            (log_dir / name).unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={ranks}", "--max-restarts=0", "--monitor-interval=0.5", "-m", entry]
+           f"--nproc-per-node={ranks}", f"--max-restarts={restarts}", "--monitor-interval=0.5", "-m", entry]
     log_path = log_dir / "torchrun.log"
     per_rank = f"{threads.threads} thread{'s' * (threads.threads > 1)} each ({threads.reason}), " \
         if on_cpu else ""
@@ -88,10 +108,15 @@ def launch(spec: RunSpec, log_dir: Path | None = None, entry: str = "moetrain.di
     start = time.monotonic()
     with open(log_path, "w") as log:
         code = subprocess.call(cmd, env=env, stderr=log)
+    recovered = restarts_summary(log_dir) if restarts > 0 else None
     if code == 0:
+        if recovered:  # what the failures cost: said even in a quiet run
+            print(f"moetrain {command}: {recovered} (log: {log_path})", flush=True)
         return 0
-    line = _failure_line(error_dir, log_path.read_text())
-    print(f"moetrain {command}: {line} (all ranks stopped after {time.monotonic() - start:.1f} s; "
+    # the agent gives up only once every restart is spent: the cause is the last attempt's
+    line = _failure_line(error_dir, log_path.read_text(), restarts)
+    after = f"after {restarts} restart{'s' * (restarts > 1)}, " if restarts else ""
+    print(f"moetrain {command}: {line} ({after}all ranks stopped after {time.monotonic() - start:.1f} s; "
           f"log: {log_path})", file=sys.stderr)
     return 2 if _user_error(log_path.read_text()) else 1
 

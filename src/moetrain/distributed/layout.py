@@ -185,10 +185,12 @@ class ParallelDims:
         same order, members of the layout or not (``torch.distributed.new_group``'s contract)."""
         import torch.distributed as dist
 
+        from moetrain.distributed.world import collective_timeout
+
         dims = cls(parallel, rank, ranks_per_node)
         for axis, all_groups in rank_groups(parallel, ranks_per_node, rank_offset).items():
             for ranks in all_groups:
-                group = dist.new_group(ranks)
+                group = dist.new_group(ranks, timeout=collective_timeout())
                 if rank in ranks:
                     dims.groups[axis] = group
                     dims.group_ranks[axis] = ranks

@@ -4,8 +4,10 @@
 ``MOETRAIN_RUN_SPEC``; a user starting torchrun on several nodes gives the same flags as ``moetrain
 train`` (``--config run.yaml`` and overrides) and the spec is built and checked the same way. Each rank
 then runs ``moetrain.train.Trainer``, the loop of every layout. A rank that raises writes one line,
-naming itself and the cause, to ``$MOETRAIN_ERROR_DIR/rank<R>.txt`` and exits non-zero (2 for a user
-error); torchrun (``--max-restarts 0``) then stops every other rank, and the launcher prints that line.
+naming itself and the cause, to ``$MOETRAIN_ERROR_DIR/rank<R>.txt`` (``rank<R>.restart<A>.txt`` in a
+restarted attempt) and exits non-zero (2 for a user error); torchrun then stops every other rank and,
+with restarts left (``--max-restarts``), starts the group again: an attempt after the first resumes
+every rank from the newest complete checkpoint. Otherwise the launcher prints that line.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 from moetrain.config.run import RunSpec
 from moetrain.errors import UserError
 from moetrain.status import say, status_console
+from moetrain.train.recovery import attempt, report_name
 
 USER_ERROR_EXIT = 2
 
@@ -31,6 +34,8 @@ def run_rank(spec: RunSpec) -> int:
 
     torch.set_num_threads(spec.run.threads or int(os.environ.get("OMP_NUM_THREADS", "1")))
     rank = int(os.environ.get("RANK", "0"))
+    if attempt() > 0:  # torchrun restarted the group after a failure: every rank resumes
+        spec = spec.model_copy(update={"run": spec.run.model_copy(update={"resume": True})})
     try:
         device = resolve_device(spec.run.device)
         rank, _, _ = init_world("nccl" if device.type == "cuda" else "gloo", spec.run.timeout_s)
@@ -58,7 +63,7 @@ def _report(rank: int, exc: BaseException) -> None:
     message = failure_line(rank, exc)
     error_dir = os.environ.get("MOETRAIN_ERROR_DIR")
     if error_dir:
-        Path(error_dir, f"rank{rank}.txt").write_text(message + "\n")
+        Path(error_dir, report_name(rank, attempt())).write_text(message + "\n")
     print(message, file=sys.stderr, flush=True)
 
 

@@ -30,6 +30,22 @@ DEFAULT_TIMEOUT_S = 60.0
 """Collective timeout: a rank stuck waiting for a dead peer gives up after this long."""
 
 
+_TIMEOUT: datetime.timedelta | None = None
+
+
+def collective_timeout() -> datetime.timedelta | None:
+    """The collective timeout of the default group this process joined here, for the groups built from it:
+    ``new_group`` does not inherit it (it takes torch's 30-minute default), and a rank waiting on a hung
+    peer must give up as soon on the layout's groups as on the world's. None: not joined here."""
+    return _TIMEOUT
+
+
+def _init_process_group(backend: str, timeout_s: float, **kwargs: Any) -> None:
+    global _TIMEOUT
+    _TIMEOUT = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, timeout=_TIMEOUT, **kwargs)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -50,9 +66,8 @@ def init_world(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S)
         device = torch.device("cpu")
         keep_freed_host_memory()  # a CPU rank: its activations live in host memory, reused step after step
     if not dist.is_initialized():
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s),
-                                device_id=device if backend == "nccl" else None)
+        _init_process_group(backend, timeout_s, rank=rank, world_size=world_size,
+                            device_id=device if backend == "nccl" else None)
     return rank, world_size, device
 
 
@@ -68,9 +83,8 @@ def join_world(device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> It
         rank, _, _ = init_world("nccl" if device.type == "cuda" else "gloo", timeout_s)
     else:
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=datetime.timedelta(seconds=timeout_s),
-                                device_id=device if backend == "nccl" else None)
+        _init_process_group(backend, timeout_s, store=dist.HashStore(), rank=0, world_size=1,
+                            device_id=device if backend == "nccl" else None)
         rank = 0
     try:
         yield rank

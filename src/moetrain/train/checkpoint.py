@@ -334,6 +334,19 @@ def quiet_checkpoint_load(path: Path, describe: Callable[[str], str] | None = No
     and turn its exception into one ``UserError`` line, ``describe(reason)`` (by default: the checkpoint
     is unreadable, remove it)."""
     describe = describe or (lambda reason: f"checkpoint {path} is unreadable ({reason}); {_DAMAGED_MEND}")
+    try:
+        with library_records_dropped(), _single_process_quiet():
+            yield
+    except UserError:
+        raise
+    except (Exception, CheckpointException) as exc:  # CheckpointException derives from BaseException
+        raise UserError(describe(_library_failure(exc))) from None
+
+
+@contextlib.contextmanager
+def library_records_dropped() -> Iterator[None]:
+    """DCP logs a traceback on the root logger for each failure it then raises (a damaged file on load, a
+    full disk on save): drop its records while this is open, so a failure is the one line we print."""
     drop = _DropLibraryRecords()
     root = logging.getLogger()
     # A logger's filter sees only its own records; handlers' filters also see those of child loggers.
@@ -341,15 +354,44 @@ def quiet_checkpoint_load(path: Path, describe: Callable[[str], str] | None = No
     for item in filtered:
         item.addFilter(drop)
     try:
-        with _single_process_quiet():
-            yield
-    except UserError:
-        raise
-    except (Exception, CheckpointException) as exc:  # CheckpointException derives from BaseException
-        raise UserError(describe(_library_failure(exc))) from None
+        yield
     finally:
         for item in filtered:
             item.removeFilter(drop)
+
+
+def save_failure(exc: BaseException) -> str:
+    """One line on why a save failed: the first rank's own error (``[Errno 28] No space left on device:
+    'PATH'``), without DCP's wrapping."""
+    cause = library_cause(exc)
+    text = str(cause).strip()
+    return (text.splitlines()[0] if text else type(cause).__name__)[:300]
+
+
+def complete_checkpoints(save_dir: Path) -> list[tuple[int, Path]]:
+    """The complete (marked) training checkpoints in ``save_dir`` by step, oldest first; converted
+    weights-only ones are not counted."""
+    found = []
+    for entry in save_dir.iterdir() if save_dir.is_dir() else ():
+        match = _STEP_DIR.match(entry.name)
+        if match and (entry / COMPLETE_MARKER).is_file() and not is_model_only(entry):
+            found.append((int(match.group(1)), entry))
+    return sorted(found)
+
+
+def prune_checkpoints(save_dir: Path, keep_last: int) -> list[Path]:
+    """Delete all but the newest ``keep_last`` complete checkpoints (called right after one is sealed, so
+    an older one goes only once a newer one is complete); the deleted folders. Each is renamed to a
+    ``.tmp`` name first, so a crash mid-delete leaves nothing that looks like a checkpoint."""
+    deleted = []
+    for _, path in complete_checkpoints(save_dir)[:-keep_last]:
+        aside = path.with_name(path.name + ".deleted.tmp")
+        path.rename(aside)
+        shutil.rmtree(aside, ignore_errors=True)
+        deleted.append(path)
+    if deleted:
+        _fsync_dir(save_dir)
+    return deleted
 
 
 # ----- markers -----

@@ -76,6 +76,13 @@ def _check_combinations(spec: RunSpec, model_cfg: ModelConfig) -> None:
         raise UserError(f"--stop-at {run.stop_at} must lie in 1..--steps ({spec.training.steps})")
     if (run.stop_at is not None or run.resume) and not run.save_dir:
         raise UserError("--stop-at and --resume need --save-dir (the folder holding the checkpoints)")
+    if run.max_restarts > 0 and not run.save_dir:
+        raise UserError(f"--max-restarts {run.max_restarts} needs --save-dir (each restart resumes from the newest "
+                        "checkpoint there; add --save-every K to lose at most K steps)")
+    given = [flag for flag, value in (("--async-save", run.async_save), ("--keep-last", run.keep_last)) if value]
+    if given and not run.save_dir:
+        raise UserError(f"{' and '.join(given)} need{'s' * (len(given) == 1)} --save-dir (the folder holding the "
+                        "checkpoints)")
     if run.synthetic_data and run.data:
         raise UserError("--synthetic-data and --data exclude each other; drop one")
     if run.trace_routing and model_cfg.moe is None:

@@ -60,12 +60,18 @@ class MetricsLogger:
     rows: list[dict[str, Any]] = field(default_factory=list)
     _file: TextIO | None = None
     _board: Any = None
+    _last_at: int = 0
+    """Where the last row starts in the file (``amend_last`` rewrites it)."""
 
     def __post_init__(self) -> None:
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            # A resumed run appends to the interrupted run's file, so the file holds one curve.
-            self._file = self.path.open("a" if self.resume else "w", encoding="utf-8")
+            # A resumed run appends to the interrupted run's file, so the file holds one curve. Not opened
+            # for appending: ``amend_last`` writes over the last row in place.
+            if not self.resume or not self.path.exists():
+                self.path.write_text("", encoding="utf-8")
+            self._file = self.path.open("r+", encoding="utf-8")
+            self._file.seek(0, 2)
         if self.tensorboard_dir is not None:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -74,10 +80,26 @@ class MetricsLogger:
     def log(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
         if self._file is not None:
+            self._last_at = self._file.tell()
             self._file.write(json.dumps(json_safe(row), allow_nan=False) + "\n")
             self._file.flush()
+        self._scalars(row, row)
+
+    def amend_last(self, fields: dict[str, Any]) -> None:
+        """Add ``fields`` to the last row, known only after it was logged (what the step's checkpoint save
+        cost). The row is logged before the save, so a crash during the save keeps it; it is then written
+        again, longer, over itself in one write (a killed process leaves the old row or the new one)."""
+        row = self.rows[-1]
+        row.update(fields)
+        if self._file is not None:
+            self._file.seek(self._last_at)
+            self._file.write(json.dumps(json_safe(row), allow_nan=False) + "\n")
+            self._file.flush()
+        self._scalars(fields, row)
+
+    def _scalars(self, fields: dict[str, Any], row: dict[str, Any]) -> None:
         if self._board is not None:
-            for tag, value in tensorboard_scalars(row).items():
+            for tag, value in tensorboard_scalars(fields).items():
                 self._board.add_scalar(tag, value, global_step=row["step"])
             self._board.flush()
 

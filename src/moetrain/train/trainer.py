@@ -30,7 +30,7 @@ from moetrain.costs.flops import training_flops_per_token
 from moetrain.costs.params import count_params
 from moetrain.data import PreparedData, StepBatch, prepare_data
 from moetrain.data.synthetic import SyntheticDataset
-from moetrain.distributed.checkpoint import load_checkpoint, read_expert_placement, save_checkpoint
+from moetrain.distributed.checkpoint import checkpoint_state, load_checkpoint, read_expert_placement
 from moetrain.distributed.layout import ParallelDims
 from moetrain.distributed.step import LayoutRun, StepResult, build_layout, train_step
 from moetrain.distributed.trace import Tracer
@@ -51,6 +51,8 @@ from moetrain.train.metrics import (
     summary_table,
 )
 from moetrain.train.precision import autocast_dtype
+from moetrain.train.recovery import Restart, attempt, last_progress, note_restart, previous_failure, record_progress
+from moetrain.train.saver import CheckpointSaver
 
 
 def resolve_device(device: str) -> torch.device:
@@ -154,6 +156,10 @@ class Trainer:
         self.tracer = Tracer(self.dims.rank)
         self.fault = injected_faults(self.dims.rank)
         self.guard = BadStepGuard(spec.guards)
+        self.saver = None if paths.save_dir is None else CheckpointSaver(
+            Path(paths.save_dir), self.dims.get_group("world"), self.dims.group_ranks["world"],
+            async_save=paths.async_save, keep_last=paths.keep_last, on_save_error=paths.on_save_error,
+            console=self.console)
 
     # ----- building -----
     def check_memory(self) -> None:
@@ -276,12 +282,20 @@ class Trainer:
         return row
 
     def save(self) -> Path | None:
-        if self.spec.run.save_dir is None:
+        """Save the checkpoint after this step (``CheckpointSaver``: in the background with --async-save);
+        its folder, or None when there is no --save-dir or the save failed and the run goes on. What the
+        save cost the loop joins the step's metrics row."""
+        if self.saver is None:
             return None
         self.fault(self.step, "save")
         placement = self.balancer.state_dict() if self.balancer is not None else None
-        return save_checkpoint(Path(self.spec.run.save_dir), self.step, self.run, self.model_cfg, self.cfg,
-                               identity=self.identity(), expert_placement=placement)
+        start = time.perf_counter()
+        state = checkpoint_state(self.run, self.model_cfg, self.cfg, self.step)
+        path, cost = self.saver.save(self.step, state, self.identity(), placement, self.fault.save_error(self.step))
+        if self.metrics.rows and self.metrics.rows[-1].get("step") == self.step:
+            cost = type(cost)(cost.mode, time.perf_counter() - start, cost.wait_s)  # the state's copy included
+            self.metrics.amend_last(cost.fields())
+        return path
 
     def load(self) -> bool:
         """Resume from the newest complete checkpoint in ``save_dir``; False when there is none."""
@@ -308,12 +322,17 @@ class Trainer:
         run_options = self.spec.run
         show = self.is_reporter and not run_options.quiet
         try:
+            failed_at = last_progress() if attempt() > 0 else None
             if run_options.resume and not self.load():
                 self.console.print(f"no checkpoint in {run_options.save_dir}; starting from step 0")
+            if attempt() > 0:
+                self.report_restart(failed_at)
             last_step = min(self.cfg.steps, run_options.stop_at or self.cfg.steps)
             self.run.stage.model.train()
             with TrainingProgress(self.console, self.cfg.steps, self.step, enabled=show) as progress:
                 self._steps(last_step, progress)
+            if self.saver is not None and (waited := self.saver.finish()) and show:
+                self.console.print(f"the last checkpoint finished writing {waited:.2f} s after the last step")
             if self.balancer is not None:
                 self.balancer.finish_migration()  # the last step's move, if any, lands before the ranks part
             if run_options.trace_dir:
@@ -342,6 +361,8 @@ class Trainer:
             extra.update(self.verdict_fields(verdict, result.skipped))
             row = self.log(result, batch.global_tokens, time.perf_counter() - start, extra)
             progress.update(self.step, row)
+            if self.is_reporter:
+                record_progress(self.step)  # under --max-restarts: what a failure now would lose
             if verdict.action == "roll_back":
                 self.roll_back(verdict)  # it saves the rolled-back state under the current step
                 continue
@@ -369,6 +390,8 @@ class Trainer:
         restart resumes past the skipped batches instead of training on them again."""
         bad_step = self.step
         save_dir = self.spec.run.save_dir
+        if self.saver is not None:
+            self.saver.finish()  # a checkpoint still being written is complete, or known to have failed
         path = latest_checkpoint(Path(save_dir)) if save_dir else None
         if path is None or is_model_only(path):
             raise UserError(f"step {bad_step}: {verdict.reason}; no checkpoint to roll back to (save some with "
@@ -380,6 +403,18 @@ class Trainer:
         self.console.print(f"step {bad_step}: {verdict.reason}; rolled back to {path.name} (step {restored}), "
                            f"skipping batches {restored}–{bad_step - 1}", markup=False, highlight=False)
         self.save()
+
+    def report_restart(self, failed_at: int | None) -> None:
+        """After torchrun restarted the group: one line on the failure and the steps it lost (those the
+        failed attempt completed after the checkpoint this attempt resumed from), kept for the launcher's
+        summary."""
+        if not self.is_reporter:
+            return
+        error_dir = os.environ.get("MOETRAIN_ERROR_DIR")
+        cause = previous_failure(Path(error_dir) if error_dir else None, attempt() - 1, self.spec.world_size)
+        restart = Restart(attempt(), self.step, failed_at, cause)
+        note_restart(restart)
+        self.console.print(restart.line(self.spec.run.max_restarts), markup=False, highlight=False)
 
     def finished(self) -> bool:
         """Whether the run is done before its last step (a measured stopping criterion; checked before
@@ -396,6 +431,8 @@ class Trainer:
         return self.balancer.step_metrics(decisions)
 
     def close(self) -> None:
+        if getattr(self, "saver", None) is not None:
+            self.saver.close()
         self.metrics.close()
         if self.routing_trace is not None:
             self.routing_trace.close()
