@@ -74,6 +74,10 @@ class LayerCosts:
     shared_experts: object = 0.0
     dense_ffn: object = 0.0
     elementwise: object = 0.0
+    attention_core: object = 0.0
+    """Of ``attention``: the fused core (QKᵀ, softmax, PV), forward."""
+    moe_pass: object = 0.0
+    """Of the MoE block's forward: the fixed cost per MoE layer pass (``Efficiency.moe_overhead_us``)."""
 
     @property
     def compute(self):
@@ -309,7 +313,8 @@ def layer_costs(w: Workload, s: Strategies, eff: Efficiency, moe_layer: bool, nu
         one_tp = one_tp * np.where(s.sp, 1.5, 1.0)
     parts = dict(attention=attn.proj + attn.core, router=ffn.router, experts=ffn.experts,
                  shared_experts=np.broadcast_to(ffn.shared_time, tok.att.shape) if is_moe else 0.0,
-                 dense_ffn=ffn.dense_ffn, elementwise=elem)
+                 dense_ffn=ffn.dense_ffn, elementwise=elem, attention_core=attn.core,
+                 moe_pass=eff.moe_overhead_us * 1e-6 if is_moe else 0.0)
     tp_comm = ffn.num_tp_collectives * one_tp * (2.0 + full_share) + ffn.router_tp_comm * (1.0 + full_share)
     costs = LayerCosts(fwd, bwd, recompute, tp_comm,
                        _cp_exposed(w, s, eff, tok, attn), **parts)
