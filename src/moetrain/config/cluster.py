@@ -41,6 +41,16 @@ class ClusterConfig(BaseModel):
     """Per-device, one-way bandwidth over the in-node fabric (NVLink, HCCS)."""
     inter_node_gbps: float = Field(gt=0)
     """Per-device, one-way network bandwidth between nodes (InfiniBand, RoCE)."""
+    scale_up_domain: int | None = Field(default=None, gt=0)
+    """Devices that share the in-node fabric when it spans several hosts: a GB200 NVL72 rack's NVLink joins
+    18 trays of 4 GPUs, 72 devices at ``intra_node_gbps``; beyond the domain, traffic takes the network
+    (``inter_node_gbps``). None: the fabric ends at the node (``devices_per_node``)."""
+    intra_node_mesh_links: int | None = Field(default=None, gt=0)
+    """The in-node fabric is a full mesh: every device has this many direct links, one to each other device
+    of the node (Ascend HCCS: 7 in an 8-NPU node), over which ``intra_node_gbps`` is split evenly. A
+    collective among q ranks of the node then reaches only the q − 1 links to its peers, (q − 1)/links of
+    the bandwidth, and a send one link. None: a switch (NVSwitch) gives every device its whole bandwidth
+    towards any set of peers."""
     intra_node_latency_us: float = Field(default=3.0, ge=0)
     inter_node_latency_us: float = Field(default=10.0, ge=0)
     host_cores: int | None = Field(default=None, gt=0)
@@ -67,6 +77,12 @@ class ClusterConfig(BaseModel):
     @property
     def hbm_bytes(self) -> float:
         return self.hbm_gb * 1e9
+
+    @property
+    def fabric_devices(self) -> int:
+        """Devices reachable over the in-node fabric (NVLink, HCCS): the scale-up domain where one spans
+        several hosts, else the node. The cost model prices a group's links by it."""
+        return self.scale_up_domain or self.devices_per_node
 
     @property
     def host_is_device(self) -> bool:
