@@ -79,3 +79,15 @@ def test_nvl72_domain_prices_expert_all_to_all_by_the_rack() -> None:
     s = Strategies.from_parallel([ParallelConfig(ep=64, dp=64)])
     a2a = layer_costs(w, s, FULL, moe_layer=True, num_micro=16).a2a
     assert float(np.asarray(a2a).ravel()[0]) == pytest.approx(4 * in_rack)
+
+
+def test_blackwell_and_hopper_presets() -> None:
+    """NVLink domains and dense peaks of the GB200 NVL72, B200 and H200 presets; fp4 falls back to fp8."""
+    from moetrain.config.presets import load_cluster_config
+
+    gb200, b200, h200 = (load_cluster_config(n) for n in ("gb200", "b200", "h200-sxm-141gb"))
+    assert (gb200.fabric_devices, b200.fabric_devices, h200.fabric_devices) == (72, 8, 8)
+    assert (gb200.intra_node_gbps, b200.intra_node_gbps, h200.intra_node_gbps) == (900, 900, 450)
+    assert gb200.peak_flops("fp4") == 2 * gb200.peak_flops("fp8") == 4 * gb200.peak_flops("bf16") == 1e16
+    assert b200.peak_flops("fp4") == 9e15 and b200.peak_flops("fp8") == 4.5e15
+    assert h200.peak_flops("fp4") == h200.peak_flops("fp8") == 1979e12

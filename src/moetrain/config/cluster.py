@@ -34,6 +34,9 @@ class ClusterConfig(BaseModel):
     """Accelerator id, as in the validation schema's ``hardware`` column."""
     peak_tflops_bf16: float = Field(gt=0)
     peak_tflops_fp8: float | None = Field(default=None, gt=0)
+    peak_tflops_fp4: float | None = Field(default=None, gt=0)
+    """Dense FP4 (NVFP4/MXFP4) peak where the part has one (Blackwell). No precision the cost model prices
+    runs in it yet; ``peak_flops("fp4")`` reports it."""
     hbm_gb: float = Field(gt=0)
     hbm_bandwidth_tbps: float = Field(gt=0)
     devices_per_node: int = Field(gt=0)
@@ -103,6 +106,7 @@ class ClusterConfig(BaseModel):
         return self.model_copy(update={
             "peak_tflops_bf16": self.peak_tflops_bf16 * share,
             "peak_tflops_fp8": None if self.peak_tflops_fp8 is None else self.peak_tflops_fp8 * share,
+            "peak_tflops_fp4": None if self.peak_tflops_fp4 is None else self.peak_tflops_fp4 * share,
             "hbm_bandwidth_tbps": self.hbm_bandwidth_tbps * share,
             "hbm_gb": self.hbm_gb / ranks_on_node,
             "core_share": share,
@@ -116,12 +120,15 @@ class ClusterConfig(BaseModel):
         return self.model_copy(update={
             "peak_tflops_bf16": self.peak_tflops_bf16 / share,
             "peak_tflops_fp8": None if self.peak_tflops_fp8 is None else self.peak_tflops_fp8 / share,
+            "peak_tflops_fp4": None if self.peak_tflops_fp4 is None else self.peak_tflops_fp4 / share,
             "hbm_bandwidth_tbps": self.hbm_bandwidth_tbps / share,
             "core_share": 1.0,
         })
 
     def peak_flops(self, precision: str = "bf16") -> float:
-        """Peak dense FLOP/s per device for ``precision`` (fp8 falls back to bf16 where absent)."""
-        if precision == "fp8" and self.peak_tflops_fp8:
+        """Peak dense FLOP/s per device for ``precision`` (fp4 falls back to fp8, fp8 to bf16 where absent)."""
+        if precision == "fp4" and self.peak_tflops_fp4:
+            return self.peak_tflops_fp4 * 1e12
+        if precision in ("fp8", "fp4") and self.peak_tflops_fp8:
             return self.peak_tflops_fp8 * 1e12
         return self.peak_tflops_bf16 * 1e12
