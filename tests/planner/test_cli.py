@@ -233,3 +233,19 @@ def test_cpu_ranks_are_priced_as_this_runtime_trains_them(capsys: pytest.Capture
     assert tiny.attention.qk_head_dim != tiny.attention.v_head_dim
     assert not runtime_workload(tiny, cpu_cluster, 128, 16).flash_attention
     assert runtime_workload(tiny, load_cluster_config("h100-sxm-80gb"), 128, 16).flash_attention
+
+
+def test_comm_overlap_flag_states_the_stack_overlap(capsys: pytest.CaptureFixture[str]) -> None:
+    """--comm-overlap TP hides the TP collectives under the layer's compute, as a validate row stating MC2 or
+    AsyncTP does; anything but TP/DP, or a CPU cluster, is refused in one line."""
+    layout = ["--model", "qwen3-30b-a3b", "--cluster", "h100-sxm-80gb", "--devices", "8", "--seq-len", "4096",
+              "--global-batch", "64", "--tp", "8", "--json"]
+    assert main(["simulate", *layout]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(["simulate", *layout, "--comm-overlap", "tp"]) == 0
+    stated = json.loads(capsys.readouterr().out)
+    tp_plain, tp_stated = (out["communication_s"]["tensor_parallel"]["exposed_s"] for out in (plain, stated))
+    assert tp_plain > 0 and tp_stated < 0.1 * tp_plain
+    assert stated["step_time_s"] < plain["step_time_s"]
+    _one_line_error(capsys, ["simulate", *layout, "--comm-overlap", "TP,PP"], "PP is not TP or DP")
+    _one_line_error(capsys, ["simulate", *TINY, "--devices", "2", "--comm-overlap", "DP"], "drop the flag")

@@ -17,6 +17,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="leave-one-family-out: predict each family with parameters fitted on the others")
     parser.add_argument("--fit", metavar="OUT.yaml", help="fit the efficiencies on all rows and write them here")
     parser.add_argument("--json", action="store_true", help="print one JSON object with rows and summary")
+    parser.add_argument("--explain", metavar="ROW",
+                        help="for the row with this id: each term's share of the predicted step and the "
+                             "sensitivity of its error to each fitted efficiency")
 
 
 def validate(args: argparse.Namespace) -> dict:
@@ -66,7 +69,36 @@ def validate(args: argparse.Namespace) -> dict:
     return result
 
 
+def explain_row(args: argparse.Namespace):
+    """The ``--explain ROW`` report for one row of ``args.file``, refused in one line when the id is not
+    in the file or the row cannot be simulated."""
+    from moetrain.errors import UserError
+    from moetrain.planner.calibration import load_calibration
+    from moetrain.planner.explain import explain
+    from moetrain.planner.validation import prepare_row, read_rows
+
+    rows = read_rows(args.file)
+    match = [row for row in rows if row["id"].strip() == args.explain.strip()]
+    if not match:
+        ids = [row["id"] for row in rows]
+        shown = ", ".join(ids[:5]) + (f" … ({len(ids)} in all)" if len(ids) > 5 else "")
+        raise UserError(f"--explain {args.explain}: no row with that id in {args.file}; its ids are {shown}")
+    prepared = prepare_row(match[0])
+    if not hasattr(prepared, "workload"):
+        raise UserError(f"--explain {args.explain}: the row cannot be simulated ({prepared.reason})")
+    return explain(prepared, load_calibration(args.calibration))
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.explain:
+        from moetrain.errors import UserError
+        from moetrain.planner.explain import format_explanation
+
+        if args.fit or args.cv:
+            raise UserError("--explain explains one row under one calibration; drop --fit and --cv")
+        explanation = explain_row(args)
+        print(json.dumps(explanation.to_dict(), indent=2) if args.json else format_explanation(explanation))
+        return 0
     result = validate(args)
     if args.json:
         print(json.dumps(result, indent=2))

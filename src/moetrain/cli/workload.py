@@ -33,6 +33,21 @@ def add_workload_args(parser: argparse.ArgumentParser, batch_required: bool = Tr
                    help="routed-token load of the hottest EP rank over the mean (1.0 = balanced)")
     g.add_argument("--calibration", help="efficiency file from `moetrain profile` or `moetrain validate --fit` "
                    "(default: the shipped fit on published runs)")
+    g.add_argument("--comm-overlap", default="", metavar="TP,DP",
+                   help="traffic the training stack states it overlaps with compute: TP (collectives fused with "
+                   "the GEMMs: Transformer Engine userbuffers, AsyncTP, MindSpeed MC2), DP (gradient reduction "
+                   "and weight gathers under the passes); priced with its whole window instead of the fitted "
+                   "shares, as validate prices a row whose source states it (default: none stated)")
+
+
+def comm_overlap(text: str) -> tuple[str, ...]:
+    """``--comm-overlap TP,DP`` as the sorted kinds ``Workload.comm_overlap_stated`` takes, refused in one
+    line when a kind is not TP or DP."""
+    kinds = sorted({part.strip().upper() for part in text.split(",") if part.strip()})
+    unknown = [k for k in kinds if k not in ("TP", "DP")]
+    if unknown:
+        raise UserError(f"--comm-overlap {text}: {', '.join(unknown)} is not TP or DP; give e.g. --comm-overlap TP,DP")
+    return tuple(kinds)
 
 
 def require_batch(args: argparse.Namespace) -> None:
@@ -58,14 +73,18 @@ def build_workload(args: argparse.Namespace) -> tuple[Workload, Calibration]:
     cluster = load_cluster_config(args.cluster)
     cluster = cluster.for_ranks(min(args.devices, cluster.devices_per_node))
     calibration = load_calibration(args.calibration)
+    stated = comm_overlap(getattr(args, "comm_overlap", ""))
     if cluster.host_is_device:
+        if stated:
+            raise UserError("--comm-overlap prices a published stack on accelerators; this project's runtime on "
+                            "a CPU overlaps no TP or DP traffic, drop the flag")
         # CPU ranks run on gloo, which only this project's runtime drives: price it as it trains
         workload = runtime_workload(model, cluster, args.seq_len, args.global_batch, args.dtype, args.imbalance)
     else:
         # accelerators: the published stacks' semantics the shipped fit was made on (Megatron-Core-like
         # overlap and collectives)
         workload = Workload(model, cluster, args.seq_len, args.global_batch, args.dtype, args.imbalance,
-                            grad_bytes=2.0 if args.dtype == "fp16" else 4.0)
+                            grad_bytes=2.0 if args.dtype == "fp16" else 4.0, comm_overlap_stated=stated)
     return workload, calibration
 
 

@@ -34,6 +34,9 @@ class ClusterConfig(BaseModel):
     """Accelerator id, as in the validation schema's ``hardware`` column."""
     peak_tflops_bf16: float = Field(gt=0)
     peak_tflops_fp8: float | None = Field(default=None, gt=0)
+    peak_tflops_fp4: float | None = Field(default=None, gt=0)
+    """Dense FP4 (NVFP4/MXFP4) peak where the part has one (Blackwell). No precision the cost model prices
+    runs in it yet; ``peak_flops("fp4")`` reports it."""
     hbm_gb: float = Field(gt=0)
     hbm_bandwidth_tbps: float = Field(gt=0)
     devices_per_node: int = Field(gt=0)
@@ -41,6 +44,16 @@ class ClusterConfig(BaseModel):
     """Per-device, one-way bandwidth over the in-node fabric (NVLink, HCCS)."""
     inter_node_gbps: float = Field(gt=0)
     """Per-device, one-way network bandwidth between nodes (InfiniBand, RoCE)."""
+    scale_up_domain: int | None = Field(default=None, gt=0)
+    """Devices that share the in-node fabric when it spans several hosts: a GB200 NVL72 rack's NVLink joins
+    18 trays of 4 GPUs, 72 devices at ``intra_node_gbps``; beyond the domain, traffic takes the network
+    (``inter_node_gbps``). None: the fabric ends at the node (``devices_per_node``)."""
+    intra_node_mesh_links: int | None = Field(default=None, gt=0)
+    """The in-node fabric is a full mesh: every device has this many direct links, one to each other device
+    of the node (Ascend HCCS: 7 in an 8-NPU node), over which ``intra_node_gbps`` is split evenly. A
+    collective among q ranks of the node then reaches only the q − 1 links to its peers, (q − 1)/links of
+    the bandwidth, and a send one link. None: a switch (NVSwitch) gives every device its whole bandwidth
+    towards any set of peers."""
     intra_node_latency_us: float = Field(default=3.0, ge=0)
     inter_node_latency_us: float = Field(default=10.0, ge=0)
     host_cores: int | None = Field(default=None, gt=0)
@@ -69,6 +82,12 @@ class ClusterConfig(BaseModel):
         return self.hbm_gb * 1e9
 
     @property
+    def fabric_devices(self) -> int:
+        """Devices reachable over the in-node fabric (NVLink, HCCS): the scale-up domain where one spans
+        several hosts, else the node. The cost model prices a group's links by it."""
+        return self.scale_up_domain or self.devices_per_node
+
+    @property
     def host_is_device(self) -> bool:
         """The CPU computes: the host's time to issue the work (Python, dispatcher) is spent on the same
         cores as the work, so it adds to it instead of hiding behind it."""
@@ -87,6 +106,7 @@ class ClusterConfig(BaseModel):
         return self.model_copy(update={
             "peak_tflops_bf16": self.peak_tflops_bf16 * share,
             "peak_tflops_fp8": None if self.peak_tflops_fp8 is None else self.peak_tflops_fp8 * share,
+            "peak_tflops_fp4": None if self.peak_tflops_fp4 is None else self.peak_tflops_fp4 * share,
             "hbm_bandwidth_tbps": self.hbm_bandwidth_tbps * share,
             "hbm_gb": self.hbm_gb / ranks_on_node,
             "core_share": share,
@@ -100,12 +120,15 @@ class ClusterConfig(BaseModel):
         return self.model_copy(update={
             "peak_tflops_bf16": self.peak_tflops_bf16 / share,
             "peak_tflops_fp8": None if self.peak_tflops_fp8 is None else self.peak_tflops_fp8 / share,
+            "peak_tflops_fp4": None if self.peak_tflops_fp4 is None else self.peak_tflops_fp4 / share,
             "hbm_bandwidth_tbps": self.hbm_bandwidth_tbps / share,
             "core_share": 1.0,
         })
 
     def peak_flops(self, precision: str = "bf16") -> float:
-        """Peak dense FLOP/s per device for ``precision`` (fp8 falls back to bf16 where absent)."""
-        if precision == "fp8" and self.peak_tflops_fp8:
+        """Peak dense FLOP/s per device for ``precision`` (fp4 falls back to fp8, fp8 to bf16 where absent)."""
+        if precision == "fp4" and self.peak_tflops_fp4:
+            return self.peak_tflops_fp4 * 1e12
+        if precision in ("fp8", "fp4") and self.peak_tflops_fp8:
             return self.peak_tflops_fp8 * 1e12
         return self.peak_tflops_bf16 * 1e12

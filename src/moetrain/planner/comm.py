@@ -38,6 +38,7 @@ __all__ = [
     "fit_link",
     "gemm_time",
     "link_residuals",
+    "mesh_share",
     "p2p_time",
     "ranks_per_node",
     "reduce_scatter_time",
@@ -72,6 +73,19 @@ def _links(cluster: ClusterConfig, eff: Efficiency, kind: str | None = None) -> 
     return intra, inter, cluster.intra_node_latency_us * 1e-6, cluster.inter_node_latency_us * 1e-6
 
 
+def mesh_share(cluster: ClusterConfig, peers_in_node):
+    """Share of the in-node bandwidth that a collective with ``peers_in_node`` members in the node (itself
+    included) reaches: 1 on a switched fabric; on a full mesh of L links per device (``ClusterConfig.
+    intra_node_mesh_links``) only the links to its peers carry it, min(q − 1, L)/L (a send: q = 2, one link;
+    q = 1: 1, as nothing crosses the node's links)."""
+    links = cluster.intra_node_mesh_links
+    if not links:
+        return 1.0
+    q = np.asarray(peers_in_node, dtype=float)
+    # alone in its node (q = 1) the collective has no in-node hop for the mesh to limit
+    return np.where(q < 2.0, 1.0, np.minimum(q - 1.0, float(links)) / float(links))
+
+
 def allgather_time(total_bytes, group, in_node, cluster: ClusterConfig, efficiency: Efficiency | None = None,
                    kind: str = "all_gather"):
     """Ring all-gather whose gathered output is ``total_bytes`` on every rank (same cost: reduce-scatter
@@ -87,6 +101,8 @@ def allgather_time(total_bytes, group, in_node, cluster: ClusterConfig, efficien
     group = np.maximum(np.asarray(group, dtype=float), 1.0)
     q = np.minimum(np.asarray(in_node, dtype=float), group)
     crosses = q < group
+    if kind not in cluster.collective_links:
+        intra = intra * mesh_share(cluster, q)
     bandwidth = np.where(crosses, np.minimum(intra, inter * q), intra)
     latency = np.where(crosses, lat_inter, lat_intra)
     t = (group - 1) / group * np.asarray(total_bytes, dtype=float) / bandwidth + (group - 1) * latency
@@ -140,6 +156,8 @@ def alltoall_time(
     q = np.asarray(ranks_per_node(ep, stride, devices_per_node), dtype=float)
     nodes = ep / q
     send = np.asarray(bytes_per_rank, dtype=float)
+    if "all_to_all" not in cluster.collective_links:
+        intra = intra * mesh_share(cluster, q)
     # Flat: 1/ep of the copies stay, (q-1)/ep go over in-node links, (ep-q)/ep over the network; the two
     # link kinds run concurrently, the slower one decides.
     flat = np.maximum((q - 1) / ep * send / intra, (ep - q) / ep * send / inter)
@@ -160,6 +178,7 @@ def p2p_time(num_bytes, cross_node, cluster: ClusterConfig, efficiency: Efficien
     eff = efficiency_for(cluster, efficiency)
     intra, inter, lat_intra, lat_inter = _links(cluster, eff)
     num_bytes = np.asarray(num_bytes, dtype=float)
+    intra = intra * mesh_share(cluster, 2)
     return np.where(cross_node, num_bytes / inter + lat_inter, num_bytes / intra + lat_intra)
 
 

@@ -283,7 +283,7 @@ def _stages(w: Workload, s: Strategies, eff: Efficiency, dense: _PassTimes, body
     # rank sends its 1/tp slice (Megatron's scatter/gather of pipeline tensors; sequence parallelism
     # splits it anyway) over its own link, and the next stage re-gathers it inside the TP group.
     boundary = s.micro_batch * w.seq_len / s.cp / s.tp.astype(float) * model.hidden_size * w.activation_bytes
-    p2p = 2.0 * vpp * p2p_time(boundary, s.tp * s.cp * s.dp >= cluster.devices_per_node, cluster, eff)
+    p2p = 2.0 * vpp * p2p_time(boundary, s.tp * s.cp * s.dp >= cluster.fabric_devices, cluster, eff)
     p2p = np.where(pp > 1, p2p, 0.0)
     return _Stages(first, middle, last, t_max + p2p, t_mean + p2p, uneven, balanced, mean_balanced, embed_extra,
                    head_extra, p2p, layers_per_stage, dense_first)
@@ -380,7 +380,7 @@ def data_parallel_traffic(w: Workload, s: Strategies, eff: Efficiency, params: L
       (Zhao et al. 2023, PyTorch FSDP, §3.3-3.4).
     ``grad_overlap`` is the share of that window the collectives can use (the first and last buckets,
     and compute slowed by the concurrent traffic, keep it below 1)."""
-    devices_per_node = w.cluster.devices_per_node
+    devices_per_node = w.cluster.fabric_devices
     dense_in_node = ranks_per_node(params.dense_dp, s.tp, devices_per_node)
     exp_in_node = ranks_per_node(params.expert_dp, s.ep * s.etp, devices_per_node)
 

@@ -74,6 +74,10 @@ class LayerCosts:
     shared_experts: object = 0.0
     dense_ffn: object = 0.0
     elementwise: object = 0.0
+    attention_core: object = 0.0
+    """Of ``attention``: the fused core (QKᵀ, softmax, PV), forward."""
+    moe_pass: object = 0.0
+    """Of the MoE block's forward: the fixed cost per MoE layer pass (``Efficiency.moe_overhead_us``)."""
 
     @property
     def compute(self):
@@ -222,21 +226,21 @@ def _moe_block(w: Workload, s: Strategies, eff: Efficiency, tok: _Tokens) -> _Fe
         shared = gemm_time(2.0 * mlp_params(model, moe.shared_ffn_hidden) * t_moe, mlp_matrix_count(model), cluster,
                            eff, w.precision)
     send = alltoall_volume(t_moe, h, k, act) * w.imbalance
-    one_a2a = alltoall_time(send, s.ep, cluster.devices_per_node, cluster, s.a2a == 1, k, s.etp, eff)
+    one_a2a = alltoall_time(send, s.ep, cluster.fabric_devices, cluster, s.a2a == 1, k, s.etp, eff)
     counts = 0.0
     if w.expert_count_exchange:
         # every EP rank's int64 count per expert, gathered before the forward's dispatch
-        ep_in_node = ranks_per_node(s.ep, s.etp, cluster.devices_per_node)
+        ep_in_node = ranks_per_node(s.ep, s.etp, cluster.fabric_devices)
         counts = np.where(s.ep > 1, allgather_time(s.ep * moe.num_experts * 8.0, s.ep, ep_in_node, cluster, eff), 0.0)
     # Expert tensor parallelism gathers the routed tokens inside the etp group before the experts and
     # scatters them after.
-    etp_in_node = ranks_per_node(s.etp, 1, cluster.devices_per_node)
+    etp_in_node = ranks_per_node(s.etp, 1, cluster.fabric_devices)
     one_a2a = one_a2a + 2.0 * allgather_time(routed_mean * h * act * s.etp, s.etp, etp_in_node, cluster, eff)
     router_tp = 0.0
     if w.project_tensor_parallel:
         # the balance losses see the whole group's tokens: the fp32 logits and scores all-gathered, the
         # per-expert counts (int64) all-reduced
-        tp_in_node = ranks_per_node(s.tp, 1, cluster.devices_per_node)
+        tp_in_node = ranks_per_node(s.tp, 1, cluster.fabric_devices)
         router_tp = (2.0 * allgather_time(tok.att * moe.num_experts * 4.0, s.tp, tp_in_node, cluster, eff)
                      + allreduce_time(moe.num_experts * 8.0, s.tp, tp_in_node, cluster, eff))
     return _FeedForward(
@@ -265,7 +269,7 @@ def _cp_exposed(w: Workload, s: Strategies, eff: Efficiency, tok: _Tokens, attn:
     a = model.attention
     is_mla = isinstance(a, MLAConfig)
     cp = s.cp.astype(float)
-    cross_node = s.tp * s.cp > cluster.devices_per_node
+    cross_node = s.tp * s.cp > cluster.fabric_devices
     kv_dim = a.num_heads * (a.qk_head_dim + a.v_head_dim) if is_mla else 2 * a.num_kv_heads * a.head_dim
     cp_comm = p2p_time((cp - 1) * tok.att * kv_dim / tok.tp * act, cross_node, cluster, eff)
     exposed = np.maximum(cp_comm - attn.core, 0) + np.maximum(2 * cp_comm - attn.core_bwd, 0)
@@ -301,7 +305,7 @@ def layer_costs(w: Workload, s: Strategies, eff: Efficiency, moe_layer: bool, nu
         s.recompute >= 1, attn.core + attn.mla_up + 0.5 * elem, 0.0)
     # Tensor-parallel collectives: per layer forward, an all-gather and a reduce-scatter (or one
     # all-reduce) around attention and around the FFN, each of the full t_att × h activation.
-    tp_in_node = ranks_per_node(s.tp, 1, cluster.devices_per_node)
+    tp_in_node = ranks_per_node(s.tp, 1, cluster.fabric_devices)
     one_tp = allgather_time(tok.att * model.hidden_size * w.activation_bytes, s.tp, tp_in_node, cluster, eff)
     if w.reduce_scatter_by_all_reduce:
         # sequence parallel: of each all-gather + reduce-scatter pair, the reduce-scatter runs as an
@@ -309,7 +313,8 @@ def layer_costs(w: Workload, s: Strategies, eff: Efficiency, moe_layer: bool, nu
         one_tp = one_tp * np.where(s.sp, 1.5, 1.0)
     parts = dict(attention=attn.proj + attn.core, router=ffn.router, experts=ffn.experts,
                  shared_experts=np.broadcast_to(ffn.shared_time, tok.att.shape) if is_moe else 0.0,
-                 dense_ffn=ffn.dense_ffn, elementwise=elem)
+                 dense_ffn=ffn.dense_ffn, elementwise=elem, attention_core=attn.core,
+                 moe_pass=eff.moe_overhead_us * 1e-6 if is_moe else 0.0)
     tp_comm = ffn.num_tp_collectives * one_tp * (2.0 + full_share) + ffn.router_tp_comm * (1.0 + full_share)
     costs = LayerCosts(fwd, bwd, recompute, tp_comm,
                        _cp_exposed(w, s, eff, tok, attn), **parts)

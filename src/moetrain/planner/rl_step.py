@@ -326,7 +326,7 @@ def _colocated_transfers(w: RLWorkload, layout: RLLayout, eff: Efficiency, sync:
     local_params = count_params(w.model).total / shards
     offload = (_host_copy_time(OFFLOAD_BYTES_PER_PARAM * local_params, w, layout, eff) if layout.offload else 0.0)
     local, lacked = _reshard_bytes(w, layout)
-    cross_node = layout.devices > w.cluster.devices_per_node
+    cross_node = layout.devices > w.cluster.fabric_devices
     reshard = 0.0
     if lacked > 0:
         messages = max(_buckets(lacked, layout), 1.0)
@@ -339,7 +339,7 @@ def _colocated_transfers(w: RLWorkload, layout: RLLayout, eff: Efficiency, sync:
 
 def _agreement(w: RLWorkload, devices: int, eff: Efficiency) -> float:
     """The sync's last step: one all-reduce of a flag over every rank of the sync."""
-    in_node = ranks_per_node(devices, 1, w.cluster.devices_per_node)
+    in_node = ranks_per_node(devices, 1, w.cluster.fabric_devices)
     return float(allreduce_time(8.0, devices, in_node, w.cluster, eff))
 
 
@@ -348,7 +348,7 @@ def _push_time(w: RLWorkload, layout: RLLayout, eff: Efficiency, sync: SyncRates
     between them; the slower side sets the time (one link each, the network when the job spans nodes),
     one latency per bucket beyond the first. With ``sync``: the sender packs and the receiver writes and
     checks every byte, one bucket after the other (2 × the bytes), then the agreement's all-reduce."""
-    cross_node = layout.devices > w.cluster.devices_per_node
+    cross_node = layout.devices > w.cluster.fabric_devices
     received = weight_bytes(w) / layout.gen_devices_per_replica
     sent = layout.replicas * weight_bytes(w) / layout.train_devices
     moved = max(received, sent)
@@ -375,7 +375,7 @@ def _gather_time(w: RLWorkload, layout: RLLayout, eff: Efficiency) -> float:
     moe = w.model.moe
     per_token = 12.0 + (8.0 * w.model.num_moe_layers * moe.router.top_k if moe is not None else 0.0)
     rows_bytes = w.samples * (w.prompt_len + w.response_len) * per_token
-    in_node = ranks_per_node(layout.devices, 1, w.cluster.devices_per_node)
+    in_node = ranks_per_node(layout.devices, 1, w.cluster.fabric_devices)
     return float(allgather_time(rows_bytes, layout.devices, in_node, w.cluster, eff)
                  + allgather_time(8.0 * layout.devices, layout.devices, in_node, w.cluster, eff))
 

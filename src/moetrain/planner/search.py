@@ -185,7 +185,7 @@ def enumerate_strategies(w: Workload, devices: int, space: SearchSpace):
         if is_moe:
             keep &= (sp == 1) | (tp == 1)  # MoE with TP needs sequence parallelism (Megatron)
             keep &= etp <= tp
-            keep &= (a2a == 0) | (ep * etp > w.cluster.devices_per_node)  # hierarchical differs only across nodes
+            keep &= (a2a == 0) | (ep * etp > w.cluster.fabric_devices)  # hierarchical differs only across nodes
         keep &= (zero == 0) | (dp * cp > 1)
         if w.seq_len % cp:
             continue

@@ -14,7 +14,7 @@ rows quote ("150 GB/s intra-node") is vTrain's own modelling choice, not a prope
 part (NVLink 3: 300 GB/s per direction in the hardware table), so the hardware table's value stays.
 
 The ``source`` also states mechanisms the model prices: a DualPipe / F&B-overlap schedule, which traffic
-the stack overlaps ("with DP/TP/PP comm overlap", "AsyncTP"), and GPT-OSS's alternating sliding-window
+the stack overlaps ("with DP/TP/PP comm overlap", "AsyncTP", "MC2"), and GPT-OSS's alternating sliding-window
 layers. A row without a recompute cell gets the least recomputation that fits its device's memory
 (``_lightest_recompute_that_fits``): the run ran, so it fit. FP8 rows store their linear layers' inputs
 in FP8 unless the source names torchao; GPT-3-style models (learned absolute positions) and rows naming
@@ -223,7 +223,9 @@ def prepare_row(row: dict) -> PreparedRow | Unsimulable:
     # Overlap the source states ("with DP/TP/PP comm overlap", "AsyncTP"; "no AsyncTP" states its absence).
     stated = re.search(r"\b([A-Z]{2}(?:/[A-Z]{2})*)[- ]comm overlap", source)
     overlap_stated = set(stated.group(1).split("/")) if stated else set()
-    if re.search(r"(?<!no )AsyncTP", source):
+    # AsyncTP (torch) and MC2 (MindSpeed's fused matmul + collective on Ascend) run the TP collectives under
+    # the GEMMs
+    if re.search(r"(?<!no )(AsyncTP|MC2)", source):
         overlap_stated.add("TP")
     workload = Workload(
         model=model,

@@ -11,8 +11,13 @@ expert and MoE layer), which moved 25 ``memory_gib`` values by under 1e-6 GiB an
 Since then: when the MoE combine stopped keeping an fp32 copy of the expert output (the smaller MoE
 activations moved three validate rows and the MoE searches' memory and winners), and when ranks
 beyond a CPU host's cores began to share them (the 4-rank tiny-pangu search), and when CPU ranks began
-to be priced as this runtime trains them with the shipped CPU profile (the same search). Rerun it only when a
-prediction is meant to change, and say why in the commit.
+to be priced as this runtime trains them with the shipped CPU profile (the same search), and when the in-node
+fabric got its topology (issue 42: Ascend HCCS as a full mesh, where a group of q NPUs reaches q − 1 of 7 links,
+which moved the Pangu search's winner off tp 2 / etp 2; GB200 NVL72 as one 72-GPU NVLink domain, which prices
+the GB200 rows' traffic between trays on NVLink's bus efficiency instead of the network's: MBR-1 −1.0 %, MBR-3
+−0.5 %, MBR-7 +0.004 %), and after the refit with those mechanisms (every validate row within 0.4 %; the DeepSeek-V3
+search's winner changed between two layouts 0.02 % apart). Rerun it only when a prediction is meant to
+change, and say why in the commit.
 """
 
 from __future__ import annotations

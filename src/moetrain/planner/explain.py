@@ -1,0 +1,159 @@
+"""Why one published run is predicted as it is (``moetrain validate --explain ROW``): each term's share of
+the predicted step, and how the row's error moves with each fitted efficiency.
+
+The step of the cost model (``costmodel.evaluate``) is
+
+    step = m · stage + bubble + exposed DP traffic + optimizer + per-step overhead,
+
+where ``stage`` is the busiest pipeline stage's time per micro-batch. Of ``m · stage`` the exposed
+communication (TP, all-to-all, CP, pipeline send/recv) and the device's wait for the host are priced
+per term; the rest is compute, which is split over the layer's parts (GEMMs, fused attention, the
+grouped GEMM of the routed experts, the fixed cost per MoE pass, element-wise kernels, the recompute,
+the output head) in proportion to what each costs per micro-batch on that stage: forward, backward
+(2× the GEMMs and element-wise kernels, ``ATTENTION_BACKWARD_OVER_FORWARD`` × the fused attention)
+and recompute. The terms add up to the predicted step exactly.
+
+Sensitivity: for each fitted efficiency p (``fit.BOUNDS``), d(error)/d(log p) in percentage points of
+the row's signed error, by a central difference of ±``LOG_STEP`` in log p. A term that the miss points
+to has a large sensitivity of the sign that would close the miss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from moetrain.planner.calibration import Calibration, Efficiency
+from moetrain.planner.costmodel import StepCosts, evaluate
+from moetrain.planner.layer_costs import ATTENTION_BACKWARD_OVER_FORWARD, layer_costs
+from moetrain.planner.validation import PreparedRow, metric_of
+
+LOG_STEP = 0.05
+"""Half-width of the central difference in log parameter (±5 %)."""
+
+FITTED = ("gemm_max", "gemm_overhead_us", "moe_overhead_us", "attention", "memory", "fp8_gain", "bus_intra",
+          "bus_inter", "grad_overlap", "tp_overlap")
+"""The efficiencies a fit on published runs sets (``fit.BOUNDS``)."""
+
+
+@dataclass(frozen=True)
+class Term:
+    name: str
+    seconds: float
+    """Of the predicted step, on the busiest stage."""
+    share: float
+    """seconds / predicted step."""
+
+
+@dataclass(frozen=True)
+class Explanation:
+    row_id: str
+    metric: str
+    measured: float
+    predicted: float
+    error_pct: float
+    """(predicted − measured) / measured · 100."""
+    step_time_s: float
+    terms: tuple[Term, ...]
+    sensitivity: dict[str, float]
+    """Fitted efficiency → d(error %)/d(log p), largest magnitude first."""
+    efficiency: dict[str, float]
+    """The efficiencies the prediction used (the row's device's values)."""
+
+    def to_dict(self) -> dict:
+        return {"id": self.row_id, "metric": self.metric, "measured": self.measured, "predicted": self.predicted,
+                "error_pct": self.error_pct, "step_time_s": self.step_time_s,
+                "terms": [{"name": t.name, "seconds": t.seconds, "share": t.share} for t in self.terms],
+                "sensitivity_pct_per_log": self.sensitivity, "efficiency": self.efficiency}
+
+
+def compute_weights(row: PreparedRow, eff: Efficiency, costs: StepCosts) -> dict[str, float]:
+    """Seconds per micro-batch of each compute part on the busiest stage (its MoE or dense layers, forward,
+    backward and recompute, and the head), the weights the stage's compute is split by."""
+    w, s = row.workload, row.strategy
+    moe_layer = w.model.moe is not None
+    layer = layer_costs(w, s, eff, moe_layer=moe_layer, num_micro=costs.num_micro_batches)
+    first = lambda v: float(np.broadcast_to(np.asarray(v, dtype=float), (len(s),))[0])  # noqa: E731
+    layers = w.model.num_layers / float(s.pp[0])
+    core = first(layer.attention_core)
+    projections = first(layer.attention) - core
+    gemm_fwd = projections + first(layer.router) + first(layer.shared_experts) + first(layer.dense_ffn)
+    weights = {
+        "dense GEMMs (projections, router, shared experts, dense FFN)": 3.0 * gemm_fwd,
+        "fused attention": (1.0 + ATTENTION_BACKWARD_OVER_FORWARD) * core,
+        "routed experts (grouped GEMM)": 3.0 * first(layer.experts),
+        "MoE fixed cost per pass": 3.0 * first(layer.moe_pass),
+        "element-wise kernels": 3.0 * first(layer.elementwise),
+    }
+    weights = {k: v * layers for k, v in weights.items()}
+    weights["recompute"] = layers * first(layer.recompute)
+    weights["output head and loss"] = float(costs.compute.head_s[0]) / max(float(costs.num_micro_batches[0]), 1.0)
+    return weights
+
+
+def step_terms(row: PreparedRow, eff: Efficiency, costs: StepCosts) -> tuple[Term, ...]:
+    """The predicted step as terms that add up to it (see the module docstring)."""
+    p, dp = costs.pipeline, costs.dp
+    step = float(costs.step_time_s[0])
+    num_micro = float(costs.num_micro_batches[0])
+    exposed = {
+        "TP collectives (exposed)": float(p.tp_exposed_s[0]),
+        "expert all-to-all (exposed)": float(p.a2a_exposed_s[0]),
+        "CP exchange (exposed)": float(p.cp_exposed_s[0]),
+        "PP send/recv": float(p.p2p_s[0]),
+        "device waits for host": float(p.host_wait_s[0]),
+    }
+    compute = max(num_micro * float(p.stage_time_s[0]) - sum(exposed.values()), 0.0)
+    weights = compute_weights(row, eff, costs)
+    total_weight = sum(weights.values())
+    seconds = {k: compute * v / total_weight for k, v in weights.items()} if total_weight > 0 else {}
+    seconds.update(exposed)
+    seconds["PP bubble"] = float(p.bubble_s[0])
+    seconds["DP/ZeRO traffic (exposed)"] = float(dp.exposed_s[0])
+    seconds["optimizer step"] = float(costs.optimizer_s[0])
+    seconds["per-step overhead"] = eff.step_overhead_ms * 1e-3
+    named = sum(seconds.values())
+    if abs(step - named) > 1e-9 * max(step, 1e-30):
+        seconds["other"] = step - named
+    return tuple(Term(k, v, v / step) for k, v in seconds.items())
+
+
+def _error_pct(row: PreparedRow, eff: Efficiency) -> float:
+    predicted = metric_of(row, evaluate(row.workload, row.strategy, eff), 0)
+    return (predicted - row.measured) / row.measured * 100.0
+
+
+def sensitivities(row: PreparedRow, eff: Efficiency) -> dict[str, float]:
+    """d(error %)/d(log p) for each fitted efficiency p with a positive value, largest magnitude first."""
+    out = {}
+    for name in FITTED:
+        value = float(getattr(eff, name))
+        if value <= 0.0:
+            continue
+        up = _error_pct(row, replace(eff, **{name: value * np.exp(LOG_STEP)}))
+        down = _error_pct(row, replace(eff, **{name: value * np.exp(-LOG_STEP)}))
+        out[name] = (up - down) / (2.0 * LOG_STEP)
+    return dict(sorted(out.items(), key=lambda kv: -abs(kv[1])))
+
+
+def explain(row: PreparedRow, calibration: Calibration) -> Explanation:
+    eff = calibration.for_device(row.workload.cluster.device)
+    costs = evaluate(row.workload, row.strategy, eff)
+    predicted = metric_of(row, costs, 0)
+    return Explanation(
+        row.row_id, row.metric, row.measured, predicted, (predicted - row.measured) / row.measured * 100.0,
+        float(costs.step_time_s[0]), step_terms(row, eff, costs), sensitivities(row, eff),
+        {name: float(getattr(eff, name)) for name in FITTED})
+
+
+def format_explanation(e: Explanation) -> str:
+    lines = [f"{e.row_id}: {e.metric} measured {e.measured:.4g}, predicted {e.predicted:.4g} "
+             f"({e.error_pct:+.1f} %); predicted step {e.step_time_s:.4g} s",
+             "", f"{'term (busiest stage, per step)':52s} {'seconds':>10s} {'share':>7s}"]
+    for t in e.terms:
+        lines.append(f"  {t.name:50s} {t.seconds:10.4g} {t.share * 100:6.1f}%")
+    lines += ["", "sensitivity of the error to each fitted efficiency (points of error per unit log p):"]
+    for name, d in e.sensitivity.items():
+        lines.append(f"  {name:20s} {d:+8.2f}   (value {e.efficiency[name]:.4g})")
+    return "\n".join(lines)
