@@ -36,8 +36,8 @@ runs saw (``*_at_run_speed``): a secondary figure, the prediction itself stays t
     python benchmarks/rl_scale.py --out benchmarks/results/rl_scale_cpu.json
     python benchmarks/rl_scale.py --repeats 1 --steps 6 --probe-repeats 2 --out /tmp/rl_scale.json   # a smoke run
 
-About 5 minutes on 2 quiet cores (the warm-up 20 s, the probes 2-3 minutes, each run 10-15 s). Timing: run
-it with nothing else on the machine (``uptime``'s load under 2.5).
+About 9 minutes at a load of 6-7 on 2 cores (the probes 7 of them, each run 6-9 s), less on quiet cores.
+Timing: run it with nothing else on the machine (``uptime``'s load under 2.5).
 """
 
 from __future__ import annotations
