@@ -260,6 +260,41 @@ def test_overlap_on_shared_cores_is_processor_sharing():
     assert overlapped_time(0.3, 0.5, shared_cores=1.0) == pytest.approx(0.8)  # one core: time-sliced
     # 1.2 cores: both at 0.6 of a core until 0.3 s of work is done (0.5 s), then 0.2 s alone at full speed
     assert overlapped_time(0.5, 0.3, shared_cores=1.2) == pytest.approx(0.3 / 0.6 + 0.2)
+    # several processes a side: 2 replicas of 0.2 s and 2 trainer ranks of 0.5 s on 2 cores run at half a
+    # core each until the replicas are done (0.4 s), then the trainer ranks' last 0.3 s at a core each
+    assert overlapped_time(0.2, 0.5, shared_cores=2.0, processes=(2, 2)) == pytest.approx(0.4 + 0.3)
+    # 1 replica of 0.6 s beside 2 trainer ranks of 0.2 s on 1.8 cores: 3 processes at 0.6 of a core until
+    # 0.2 s is done (1/3 s), then the replica's last 0.4 s alone at one core
+    assert overlapped_time(0.6, 0.2, shared_cores=1.8, processes=(1, 2)) == pytest.approx(0.2 / 0.6 + 0.4)
+
+
+def test_replicas_beside_a_trainer_group_share_the_cores_and_pack_each_bucket_once():
+    """R = 2 rollout replicas beside a DP2 trainer group on one 2-core CPU, k = 1: each replica generates
+    half of every batch, every trainer rank packs half the weights once (a bucket goes to both replicas
+    at once), and the four processes share the cores."""
+    from moetrain.planner.rl_step import SyncRates, weight_bytes
+
+    w, cal = _tiny(), _calibration()
+    rates = SyncRates(copy_bytes_per_s=40e9, crc_bytes_per_s=4e9)
+    per_byte = 1 / 40e9 + 1 / 4e9
+    layout = RLLayout("disaggregated", 4, ParallelConfig(dp=2, micro_batch=64), rollout_devices=2, staleness=1,
+                      shared_cores=2.0)
+    p = price_rl_step(w, layout, cal, sync=rates)
+    ph = p.phases
+    assert (p.replicas, p.train_devices) == (2, 2)
+    eff = cal.for_device("cpu")
+    half = generation_time(w.samples_workload, 64, 1, 16, 8, eff, HostCosts())  # 64 of the 128 rows
+    assert ph.generate_s == pytest.approx(half.total_s)
+    weights = weight_bytes(w)
+    rollout = ph.generate_s + ph.push_s - weights * per_byte  # the trainer ranks packed every bucket
+    train = ph.train_s + weights / 2 * per_byte  # each trainer rank packs its half, once
+    short, long = sorted((rollout, train))
+    # four processes on two cores: half a core each until the shorter side is done, then a core each
+    assert p.step_s == pytest.approx(short / 0.5 + (long - short) / 1.0, rel=1e-9)
+    # on separate devices the longer side sets the step
+    apart = price_rl_step(w, RLLayout("disaggregated", 4, ParallelConfig(dp=2, micro_batch=64), rollout_devices=2,
+                                      staleness=1), cal, sync=rates)
+    assert apart.step_s == pytest.approx(long, rel=1e-9)
 
 
 def test_colocated_overlap_fills_only_the_device_time_generation_leaves_idle():

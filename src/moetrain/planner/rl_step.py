@@ -28,7 +28,13 @@ rollout side generates batch s + k while the trainer trains step s, so in the st
     step = max(generate + reward, forwards + train) + push
 
 (on one CPU whose cores both sides share, the overlap is priced by processor sharing instead:
-``overlapped_time``).
+``overlapped_time``, over every process of both sides: the R rollout replicas and the trainer group's
+ranks).
+
+With R rollout replicas beside a trainer group of T ranks (``moetrain rl --nproc N --rollout-replicas R``)
+each replica generates its share of every batch (samples / R rows), and each bucket of the push is packed
+once by the trainer rank that owns it and sent to every replica at once: a trainer rank packs 1 / T of the
+weights, sends R / T of them, and every replica receives and checks the whole model.
 
 The push stays on the critical path: the runtime's weight sync is a collective that both sides join
 between two batches (``moetrain.distributed.weight_sync``); a double-buffered receiver would hide it.
@@ -360,10 +366,19 @@ def _push_time(w: RLWorkload, layout: RLLayout, eff: Efficiency, sync: SyncRates
 
 
 def _pack_time(w: RLWorkload, layout: RLLayout, sync: SyncRates | None) -> float:
-    """A training device's packing of its share of a push (one copy and one CRC-32 of each byte it sends)."""
+    """A training device's packing of its share of a push: one copy and one CRC-32 of each byte it owns,
+    once whatever the replicas (a bucket is packed once and sent to every replica at once:
+    ``WeightSync.start``). The T training devices pack their shares side by side."""
     if sync is None:
         return 0.0
-    return sync.seconds(layout.replicas * weight_bytes(w) / layout.train_devices)
+    return sync.seconds(weight_bytes(w) / layout.train_devices)
+
+
+def _unpacked_push_time(push_s: float, w: RLWorkload, sync: SyncRates | None) -> float:
+    """What is left of a background push once the training devices have packed every bucket (the whole
+    model's pack, done on their side before the transfer): the transfer, the replicas' writes and checks,
+    the agreement. With one training device: the push less its packing."""
+    return push_s - (sync.seconds(weight_bytes(w)) if sync is not None else 0.0)
 
 
 def _gather_time(w: RLWorkload, layout: RLLayout, eff: Efficiency) -> float:
@@ -380,15 +395,19 @@ def _gather_time(w: RLWorkload, layout: RLLayout, eff: Efficiency) -> float:
                  + allgather_time(8.0 * layout.devices, layout.devices, in_node, w.cluster, eff))
 
 
-def overlapped_time(a: float, b: float, shared_cores: float | None = None) -> float:
+def overlapped_time(a: float, b: float, shared_cores: float | None = None,
+                    processes: tuple[int, int] = (1, 1)) -> float:
     """Two jobs that take ``a`` and ``b`` seconds alone, run at once. On separate devices: the longer. On
-    ``shared_cores`` cores' worth of compute (processor sharing, each job at most one core): both run at
-    min(1, c/2) until the shorter one's work is done, the rest of the longer at min(1, c); c = 2 gives
-    the longer, c = 1 the sum."""
+    ``shared_cores`` cores' worth of compute (processor sharing, each process at most one core), where
+    job a runs as ``processes[0]`` processes and job b as ``processes[1]`` (each process of a job doing
+    that job's seconds of work: R rollout replicas, a trainer group's ranks): all n = n_a + n_b run at
+    min(1, c/n) until the shorter job's work is done, the rest of the longer job's at min(1, c/n_longer).
+    One process each: c = 2 gives the longer, c = 1 the sum."""
     if shared_cores is None:
         return max(a, b)
-    short, long = sorted((a, b))
-    together, alone = min(1.0, shared_cores / 2.0), min(1.0, shared_cores)
+    (short, _), (long, long_processes) = sorted(((a, processes[0]), (b, processes[1])))
+    together = min(1.0, shared_cores / (processes[0] + processes[1]))
+    alone = min(1.0, shared_cores / long_processes)
     return short / together + (long - short) / alone
 
 
@@ -447,7 +466,8 @@ def price_rl_step(w: RLWorkload, layout: RLLayout, calibration: Calibration, hos
             # The trainer pushes in the background (``WeightSync.start``): its step pays the packing; the
             # transfer and the receiver's check run before the rollout side's next generation.
             pack = _pack_time(w, layout, sync)
-            step = overlapped_time(rollout_side + moves.push_s - pack, train_side + pack, layout.shared_cores)
+            step = overlapped_time(rollout_side + _unpacked_push_time(moves.push_s, w, sync), train_side + pack,
+                                   layout.shared_cores, (layout.generating_devices, layout.train_devices))
     phases = RLPhases(generate_s=generation.total_s, prefill_s=generation.prefill_s, decode_s=generation.decode_s,
                       reward_s=w.reward_s, logprob_s=logprob, train_s=train_s,
                       offload_s=moves.offload_s, reshard_s=moves.reshard_s, restore_s=moves.restore_s,
