@@ -56,17 +56,7 @@ from pathlib import Path
 import torch
 import yaml
 from _record import write_result
-from rl_simulate_check import (
-    core_capacity,
-    error_pct,
-    host_probe,
-    policy_model,
-    profile,
-    shared_sync,
-    speed_reference,
-    trained_len,
-    within_bound,
-)
+from rl_simulate_check import error_pct, trained_len, within_bound
 from rl_stalesync import warm_up
 
 from moetrain.config import ParallelConfig, TrainingConfig, load_cluster_config
@@ -74,6 +64,14 @@ from moetrain.config.run import RunSpec
 from moetrain.distributed.world import spawn
 from moetrain.planner.rl_step import RLLayout, RLWorkload, price_rl_step
 from moetrain.rl.config import GRPOConfig, RLOptions, StaleSyncOptions
+from moetrain.rl.rates import (
+    core_capacity,
+    host_costs,
+    policy_model,
+    profile_policy,
+    shared_sync,
+    speed_reference,
+)
 from moetrain.rl.sft import sequence_len_for
 from moetrain.rl.stalesync import StaleSyncJob, run_stalesync
 from moetrain.rl.tasks import get_task
@@ -169,9 +167,9 @@ class Rates:
 
 def measure_rates(replicas: list[int], repeats: int) -> tuple[Rates, dict]:
     speeds = [speed_reference()]
-    calibration = profile(repeats, LAYERS)[0]  # the least disturbed of rl_simulate_check's profiles
+    calibration = profile_policy(policy_model(LAYERS), repeats)[0]  # the least disturbed profile
     speeds.append(speed_reference())
-    host = host_probe(LAYERS, repeats)
+    host = host_costs(policy_model(LAYERS), repeats)
     sync_rates = {**profile_sync_rates(repeats),
                   f"whole_sync_{LAYERS}_layers": profile_weight_sync(policy_model(LAYERS), repeats)}
     speeds.append(speed_reference())
