@@ -40,7 +40,7 @@ FLAG_FIELDS: dict[str, tuple[str, ...]] = {
     "metrics_out": ("trainer", "run", "metrics_out"), "plot": ("plot",), "save_dir": ("trainer", "run", "save_dir"),
     "save_every": ("trainer", "run", "save_every"), "stop_at": ("trainer", "run", "stop_at"),
     "resume": ("trainer", "run", "resume"), "quiet": ("trainer", "run", "quiet"),
-    "log_dir": ("trainer", "run", "log_dir"),
+    "log_dir": ("trainer", "run", "log_dir"), "max_restarts": ("trainer", "run", "max_restarts"),
     "tp": ("trainer", "parallel", "tp"), "pp": ("trainer", "parallel", "pp"), "ep": ("trainer", "parallel", "ep"),
     "etp": ("trainer", "parallel", "etp"),
     "gen_ep": ("generation", "gen_ep"), "sync_bucket_mib": ("generation", "bucket_mib"),
@@ -118,6 +118,9 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--save-every", type=int, help="save GRPO every K steps (0: only at the end)")
     r.add_argument("--stop-at", type=int, help="end GRPO after step K as if interrupted, saving a checkpoint")
     r.add_argument("--resume", action="store_true", default=None, help="continue GRPO from its newest checkpoint")
+    r.add_argument("--max-restarts", type=int,
+                   help="torchrun restarts the ranks after a failure up to N times, each resuming from the newest "
+                        "GRPO checkpoint (needs --save-dir; default 0)")
     r.add_argument("--quiet", action="store_true", default=None, help="no progress bar")
 
 
@@ -179,7 +182,7 @@ def _show_spec_defaults(parser: argparse.ArgumentParser) -> None:
 
 def _flag_source(args: argparse.Namespace) -> dict[str, Any]:
     """The given flags as RL-spec fields (after the checks that are about the flags themselves)."""
-    for flag in ("sft_steps", "staleness"):
+    for flag in ("sft_steps", "staleness", "max_restarts"):
         value = getattr(args, flag)
         if value is not None and value < 0:
             raise UserError(f"--{flag.replace('_', '-')} {value} must be ≥ 0")

@@ -142,6 +142,7 @@ class RLRunSpec(BaseModel):
         self.rollout = _rollout_pool(self)
         self.stalesync = _stalesync_sync_buckets(self)
         _check_placement(self)
+        _check_restarts(self)
         if self.plot is None:
             self.plot = default_plot(self.trainer)
         return self
@@ -282,6 +283,22 @@ def _check_placement(spec: RLRunSpec) -> None:
         raise UserError(f"--reward-worker / --kl-coef with {groups[0]} rollout replica(s) and a trainer group of "
                         f"{groups[1]} rank(s): not built yet (reward and reference workers run between one rollout "
                         "worker and a one-rank trainer)")
+
+
+def _check_restarts(spec: RLRunSpec) -> None:
+    """``--max-restarts N``: torchrun restarts the ranks, each resuming from the newest GRPO checkpoint."""
+    restarts = spec.trainer.run.max_restarts
+    if restarts == 0:
+        return
+    if not spec.trainer.run.save_dir:
+        raise UserError(f"--max-restarts {restarts} needs --save-dir (each restart resumes from the newest "
+                        "checkpoint there; add --save-every K to lose at most K steps)")
+    if spec.engine == "ray":
+        raise UserError(f"--max-restarts {restarts} restarts torchrun's ranks; with --engine ray it is not built "
+                        "yet: drop one")
+    if not spec.disaggregated and spec.trainer.world_size == 1:
+        raise UserError(f"--max-restarts {restarts} restarts the ranks torchrun starts; this run is one process: "
+                        "give --nproc N or --staleness K")
 
 
 def default_plot(trainer: RunSpec) -> str | None:

@@ -71,6 +71,7 @@ from moetrain.rl.sft import prompt_ids
 from moetrain.rl.stalesync_stages import StageReport, middle_stage
 from moetrain.rl.tasks import get_task
 from moetrain.rl.tokenizer import CharTokenizer
+from moetrain.train.faults import injected_faults
 
 START_TAG = 3
 """The trainer's first step, sent to each rollout replica on the queue's group (the batches use tags 1, 2)."""
@@ -284,10 +285,12 @@ class RolloutWorker:
         first = None
         stale = self.job.stale
         schedule = Schedule.of_run(stale.staleness, self.job.spec, self.starting_step(), stale.partial_rollouts)
+        fault = injected_faults(self.channels.roles.replica_ranks[self.replica])
         for batch in range(schedule.start, schedule.last):
             version = schedule.version(batch)
             if version != self.version:
                 self.receive(version)
+            fault(batch, "step")  # MOETRAIN_FAULT=RANK:B:KIND: this replica, holding batch B's weights
             queued = self.generate(batch, schedule.resume_version(batch))
             tokens += queued.generation.num_generated
             versions.append(version)
@@ -402,6 +405,10 @@ class StaleSyncTrainer(RLTrainer):
         if self.fusion is not None:  # the whole model of a sharded layout holds the current weights first
             self.fusion.ensure_synced(self.weight_version)
         return super().replay_diagnostics(sequences)
+
+    @property
+    def ranks_in_run(self) -> int:
+        return self.channels.roles.world_size  # the replicas (and middle stages) too: a restart names them
 
     def _fusion_text(self) -> str:
         return ""  # a sharded trainer's whole model per rank only evaluates: the roles below say who generates

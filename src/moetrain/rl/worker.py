@@ -12,7 +12,9 @@ from it (``moetrain.rl.run.build_rl_run``), then plays its part:
   reward and reference workers), from the warm-up weights the CLI's process wrote (``initial_weights``).
 
 A failure is one line per rank and a non-zero exit (2 for a user error), as for ``moetrain train``'s
-ranks (``moetrain.distributed.worker``); torchrun then stops the other ranks.
+ranks (``moetrain.distributed.worker``); torchrun then stops the other ranks and, with restarts left
+(``--max-restarts``), starts them all again: an attempt after the first resumes from the newest GRPO
+checkpoint, which in a StaleSync run the rollout replicas follow (the trainer tells them the step).
 """
 
 from __future__ import annotations
@@ -26,12 +28,17 @@ from moetrain.errors import UserError
 from moetrain.rl.run import RLRun, build_rl_run, starting_model, train_grpo, warm_up, whole_curve
 from moetrain.rl.spec import SPEC_ENV, RLRunSpec, read_spec
 from moetrain.status import say, status_console
+from moetrain.train.recovery import attempt
 
 
 def run_rank(spec: RLRunSpec, rank: int) -> None:
     """Rank ``rank``'s part of the run of ``spec`` (the process group is joined here when it is not yet)."""
     import torch
 
+    if attempt() > 0:  # torchrun restarted the ranks after a failure (--max-restarts): every rank resumes
+        trainer = spec.trainer
+        spec = spec.model_copy(update={"trainer": trainer.model_copy(update={
+            "run": trainer.run.model_copy(update={"resume": True})})})
     run = build_rl_run(spec)
     torch.set_num_threads(run.grpo.run.threads or int(os.environ.get("OMP_NUM_THREADS", "1")))
     if spec.disaggregated:

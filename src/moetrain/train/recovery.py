@@ -96,10 +96,25 @@ def previous_failure(error_dir: Path | None, failed_attempt: int, world_size: in
     if causes:
         return causes[0]
     silent = [rank for rank in range(world_size) if rank not in reports]
+    if len(silent) > 1:  # the peers torchrun stopped said nothing either: the rank its agent saw fail first
+        first = _first_failed_rank()
+        silent = [rank for rank in silent if rank == first] or silent
     if silent:
         ranks = ", ".join(str(rank) for rank in silent)
         return f"rank{'s' * (len(silent) > 1)} {ranks} stopped without a report (a signal, or an exit)"
     return next(iter(reports.values()), "a rank failed")
+
+
+def _first_failed_rank() -> int | None:
+    """The rank torchrun's agent reported failed in the latest failure of this one-node run (its log, in the
+    recovery folder: ``failed (exitcode: -9) local_rank: 0``); None: not known."""
+    folder = recovery_dir()
+    try:
+        log = (folder / "torchrun.log").read_text(errors="replace") if folder else ""
+    except OSError:
+        return None
+    found = re.findall(r"failed \(exitcode: -?\d+\) local_rank: (\d+)", log)
+    return int(found[-1]) if found else None
 
 
 def report_name(rank: int | str, attempt_number: int) -> str:

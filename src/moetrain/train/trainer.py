@@ -411,10 +411,15 @@ class Trainer:
         if not self.is_reporter:
             return
         error_dir = os.environ.get("MOETRAIN_ERROR_DIR")
-        cause = previous_failure(Path(error_dir) if error_dir else None, attempt() - 1, self.spec.world_size)
+        cause = previous_failure(Path(error_dir) if error_dir else None, attempt() - 1, self.ranks_in_run)
         restart = Restart(attempt(), self.step, failed_at, cause)
         note_restart(restart)
         self.console.print(restart.line(self.spec.run.max_restarts), markup=False, highlight=False)
+
+    @property
+    def ranks_in_run(self) -> int:
+        """Every rank torchrun starts (more than the layout's when other workers run beside the trainer)."""
+        return self.spec.world_size
 
     def finished(self) -> bool:
         """Whether the run is done before its last step (a measured stopping criterion; checked before

@@ -1,0 +1,99 @@
+"""Recovery of a StaleSync run (issue 40, item 4): ``moetrain rl --staleness K --max-restarts N`` on two gloo
+ranks. The rollout replica killed as it starts batch 4 (it holds version 4: the trainer has done step 4), with
+checkpoints every 2 steps: torchrun restarts both ranks, the trainer resumes from step 2 or 4 (whether step 4's
+save was complete) and tells the replica where to start; the run ends with the
+uninterrupted run's final weights and metrics rows (timings aside), so no admitted batch is lost, and every
+row's staleness is within k."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from refusals import refused
+
+K = 1
+LAUNCH = [sys.executable, "-m", "moetrain", "rl", "--sft-steps", "2", "--sft-batch", "8", "--steps", "5",
+          "--prompts", "2", "--group-size", "2", "--eval-size", "4", "--device", "cpu", "--quiet", "--threads", "1",
+          "--staleness", str(K), "--save-every", "2"]
+PUSH_BOOKKEEPING = ("sync_landed_version", "sync_mib")
+"""A restarted trainer pushes its starting weights before its first step, not after the checkpoint's step: the
+row that reports that push's landing differs, not what was generated or trained."""
+
+
+def _run(tmp_path: Path, name: str, *flags: str, fault: str | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="400")
+    env.pop("MOETRAIN_FAULT", None)
+    if fault:
+        env["MOETRAIN_FAULT"] = fault
+    return subprocess.run([*LAUNCH, *flags, "--save-dir", str(tmp_path / name / "ckpt"),
+                           "--metrics-out", str(tmp_path / name / "metrics.jsonl"),
+                           "--log-dir", str(tmp_path / name / "logs")],
+                          capture_output=True, text=True, timeout=400, env=env)
+
+
+def _rows(path: Path) -> list[dict]:
+    return [{k: v for k, v in json.loads(line).items()
+             if not (k.endswith("_s") or k in ("mfu", "gen_tokens_per_s", *PUSH_BOOKKEEPING))}
+            for line in path.read_text().splitlines()]
+
+
+def _tensors(checkpoint: Path, out: Path) -> dict:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(checkpoint, out)
+    flat = {}
+
+    def walk(value, prefix):
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{prefix}{key}.")
+        else:
+            flat[prefix.rstrip(".")] = value
+
+    walk(torch.load(out, weights_only=False), "")
+    return flat
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_a_killed_rollout_replica_is_restarted_and_no_admitted_batch_is_lost(tmp_path: Path) -> None:
+    straight = _run(tmp_path, "straight")
+    assert straight.returncode == 0, straight.stderr
+    recovered = _run(tmp_path, "recovered", "--max-restarts", "1", fault="0:4:kill")  # rank 0: the replica
+    assert recovered.returncode == 0, recovered.stderr
+    out = recovered.stdout
+    # the replica's rank is named, not the trainer that torchrun stopped after it
+    assert re.search(r"restart 1 of 1 after rank 0 stopped without a report \(a signal, or an exit\): "
+                     r"resumed from step [24]; ", out), out
+    assert re.search(r"moetrain rl: recovered from 1 failure \(resumed at step [24]\)", out), out
+    got, want = _rows(tmp_path / "recovered" / "metrics.jsonl"), _rows(tmp_path / "straight" / "metrics.jsonl")
+    assert [r["step"] for r in got] == list(range(6))  # one curve: step 0's held-out accuracy, then 1..5 once
+    assert got == want
+    trained = [r for r in got if "loss" in r]
+    assert [r["batch_index"] for r in trained] == list(range(5))  # every step trained its own batch
+    assert all(r["staleness_max"] <= K and r["dropped_batches"] == 0 for r in trained)
+    final = _tensors(tmp_path / "recovered" / "ckpt" / "rl" / "step-000005", tmp_path / "recovered.pt")
+    expected = _tensors(tmp_path / "straight" / "ckpt" / "rl" / "step-000005", tmp_path / "straight.pt")
+    assert final.keys() == expected.keys() and sum(key.startswith("model.") for key in expected) > 50
+    differ = [key for key, value in expected.items()
+              if not (torch.equal(final[key], value) if isinstance(value, torch.Tensor) else final[key] == value)]
+    assert differ in ([], ["rng.torch"]), differ  # the torch RNG state: process state no step reads
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["rl", "--staleness", "1", "--max-restarts", "1"], ("--max-restarts 1 needs --save-dir",)),
+    (["rl", "--staleness", "1", "--max-restarts", "-1", "--save-dir", "x"], ("--max-restarts -1 must be ≥ 0",)),
+    (["rl", "--max-restarts", "1", "--save-dir", "x"], ("this run is one process",)),
+    (["rl", "--staleness", "1", "--engine", "ray", "--max-restarts", "1", "--save-dir", "x"],
+     ("with --engine ray it is not built yet",)),
+])
+def test_cli_refuses_restarts_it_cannot_give_in_one_line_exit_2(capsys, argv, expected):
+    refused(capsys, argv, *expected)
