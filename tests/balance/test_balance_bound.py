@@ -128,7 +128,6 @@ def test_a_reshare_is_not_printed_as_keep():
     assert "saving       4.9 ms over 47.6 steps vs cost         0 ms: reshare" in line and "keep" not in line
 
 
-@pytest.mark.xfail(strict=True, reason="issue 43: an incremental plan cannot free a stale replica's slot")
 def test_an_incremental_plan_replicates_a_new_giant_when_stale_replicas_fill_the_spare_slots():
     # the issue's "candidates go 1.80 → 1.79": the warm local search only moves and swaps slots, and bridging needs
     # a free slot, so while replicas of formerly hot experts fill every spare slot no incremental candidate

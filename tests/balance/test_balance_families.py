@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 from per_copy_costs import PerCopyCosts
 
+from moetrain.balance import solver
 from moetrain.balance.costs import BalanceCostModel
 from moetrain.balance.families import TraceShape, family_trace
-from moetrain.balance.placement import ExpertPlacement
+from moetrain.balance.placement import ExpertPlacement, diff
 from moetrain.balance.predict import AdaptivePredictor, EMAPredictor
 from moetrain.balance.replay import replay
 from moetrain.balance.schedule import LayerSchedule, ReplanRule
@@ -101,10 +102,26 @@ def test_a_decision_for_256_experts_on_ep64_takes_under_a_second():
     assert placement.imbalance(loads) < 1.05
 
 
-def test_an_incremental_plan_that_stalls_falls_back_to_a_global_solve():
+def test_an_incremental_plan_evicts_a_stale_replica_for_a_hot_expert():
     # 4 experts on 2 ranks of 3 slots; expert 0 carries 12 of 15 tokens (above a rank's mean, 7.5).
-    # The current placement spends both spare slots on cold experts 1 and 3 and has no free slot:
-    # exchanges only swap whole slots and bridging needs a free one, so the search stays at 12.
+    # The current placement spends both spare slots on cold experts 1 and 3 and has no free slot. Exchanges
+    # only swap whole slots and bridging needs a free one; the incremental candidates now also evict a stale
+    # replica (issue #43) and replicate expert 0 there: 7.5 tokens on each rank, one move
+    loads = np.array([12.0, 1.0, 1.0, 1.0])
+    current = ExpertPlacement.from_slot_experts(4, np.array([[0, 1, 3], [2, 3, 1]]))
+    incremental = plan_placement(loads, 2, 3, current=current, candidates="incremental")
+    np.testing.assert_allclose(incremental.apply_to_tokens_per_expert(loads), [7.5, 7.5])
+    assert incremental.num_replicas()[0] == 2 and len(diff(current, incremental)) == 1
+    rule = ReplanRule(PerCopyCosts(seconds_per_move=1e-6), interval=10, horizon=50)
+    schedule = LayerSchedule(last_solve=0, last_full=0, life=1)
+    predictor = EMAPredictor(0.0)
+    decision, adopted = rule.step(1, 0, schedule, current, predictor, predictor.init_state(loads), loads)
+    assert decision is not None and decision.early and not decision.fallback and decision.migrate
+
+
+def test_an_incremental_plan_that_stalls_falls_back_to_a_global_solve(monkeypatch):
+    # the case above without the replicas of ``replicate_hot`` (as before issue #43): the search stays at 12
+    monkeypatch.setattr(solver, "replicate_hot", lambda *args, **kwargs: [])
     loads = np.array([12.0, 1.0, 1.0, 1.0])
     current = ExpertPlacement.from_slot_experts(4, np.array([[0, 1, 3], [2, 3, 1]]))
     stalled = plan_placement(loads, 2, 3, current=current, candidates="incremental")

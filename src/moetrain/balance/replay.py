@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moetrain.balance.costs import BalanceCostModel
-from moetrain.balance.online import PAYBACK_HORIZON, REPLAN_INTERVAL
+from moetrain.balance.online import BALANCE_DEFAULTS, default_slots_per_rank
 from moetrain.balance.placement import ExpertPlacement
 from moetrain.balance.predict import Predictor
 from moetrain.balance.schedule import Decision, LayerSchedule, ReplanRule
@@ -52,6 +52,9 @@ class ReplayResult:
     final_placements: list[ExpertPlacement] = field(default_factory=list)
     migration_bytes: float = 0.0
     """Bytes the migrations sent between ranks (weights and optimizer state, all layers)."""
+    replica_sync_seconds: np.ndarray | None = None
+    """[T] the part of ``seconds_after`` that the replicas' gradient rings take (``BalanceCostModel.
+    replica_sync_seconds``): what replication costs, which the ideal does not pay."""
 
     @property
     def predicted_gain(self) -> float:
@@ -121,9 +124,9 @@ def replay(
     costs: BalanceCostModel,
     predictor: Predictor,
     slots_per_rank: int | None = None,
-    solver: str = "local",
-    interval: int = REPLAN_INTERVAL,
-    horizon: int = PAYBACK_HORIZON,
+    solver: str = BALANCE_DEFAULTS.solver,
+    interval: int = BALANCE_DEFAULTS.interval,
+    horizon: int = BALANCE_DEFAULTS.horizon,
     adaptive: bool = True,
     stall_remedies: bool = True,
 ) -> ReplayResult:
@@ -131,7 +134,7 @@ def replay(
     num_experts = trace.num_experts
     if num_experts % ep:
         raise UserError(f"trace has {num_experts} experts, not divisible by ep={ep}; pick ep dividing it")
-    slots = num_experts // ep + 1 if slots_per_rank is None else slots_per_rank
+    slots = default_slots_per_rank(num_experts, ep) if slots_per_rank is None else slots_per_rank
     if interval < 1 or horizon < 1:
         raise UserError(f"interval={interval} and horizon={horizon} must be >= 1")
     static = ExpertPlacement.contiguous(num_experts, ep, slots)
@@ -145,6 +148,7 @@ def replay(
     imbalance_after = np.empty((num_steps, num_layers))
     seconds_after = np.zeros(num_steps)
     seconds_migration = np.zeros(num_steps)
+    replica_sync = np.zeros(num_steps)
     decisions: list[Decision] = []
     finals: list[ExpertPlacement] = []
     migration_bytes = 0.0
@@ -157,6 +161,7 @@ def replay(
             actual = loads[t, layer]
             imbalance_after[t, layer] = float(current.imbalance(actual))
             seconds_after[t] += float(costs.layer_seconds(current, actual))
+            replica_sync[t] += costs.replica_sync_seconds(current)
             if t:
                 predictor.update(state, actual)
             if t + 1 >= num_steps:
@@ -178,5 +183,5 @@ def replay(
         finals.append(current)
     return ReplayResult(
         trace.steps.copy(), imbalance_before, imbalance_after, seconds_before, seconds_after, seconds_ideal,
-        seconds_migration, decisions, finals, migration_bytes,
+        seconds_migration, decisions, finals, migration_bytes, replica_sync,
     )
