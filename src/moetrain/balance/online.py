@@ -71,7 +71,9 @@ def check_online_balance(parallel: ParallelConfig, model_cfg: ModelConfig, inter
                         "yet: use zero 1")
     if slots_per_rank is not None:
         needed = -(-model_cfg.moe.num_experts // parallel.ep)
+        spare = BALANCE_DEFAULTS.spare_slots_per_rank
         if slots_per_rank < needed:
             raise UserError(f"--slots-per-rank {slots_per_rank} cannot hold {model_cfg.moe.num_experts} experts on "
                             f"{parallel.ep} ranks; give at least {needed} "
-                            f"(default {needed + BALANCE_DEFAULTS.spare_slots_per_rank}: spare slots for replicas)")
+                            f"(default {needed + spare}: {'one spare slot' if spare == 1 else f'{spare} spare slots'} "
+                            "for replicas)")
