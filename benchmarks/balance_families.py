@@ -87,37 +87,25 @@ def cost_model(model_name: str, cluster_name: str, num_experts: int, ep: int) ->
     return BalanceCostModel(model, load_cluster_config(cluster_name), ep)
 
 
-def gap_parts(result, costs: BalanceCostModel) -> dict:
-    """The steady gap (from step 1 on) split by cause, each over the ideal's time: the replicas' gradient rings
-    (which the ideal does not pay), the exposed migration, the steps right after a load shift (run on the
-    placement made for the old load: no forecast sees a hand-over coming) and the rest (imbalance)."""
-    ideal = float(result.seconds_ideal[1:].sum())
-    shifted = sorted({int(np.flatnonzero(result.steps == d.step)[0]) for d in result.decisions if d.shift})
-    excess = result.seconds_after - result.seconds_ideal - result.seconds_migration
-    return {"replica_sync": float(result.replica_sync_seconds[1:].sum()) / ideal,
-            "migration": float(result.seconds_migration[1:].sum()) / ideal,
-            "shift_steps": float(sum(excess[t] for t in shifted if t >= 1)) / ideal,
-            "steps_shifted": len(shifted)}
-
-
 def evaluate(trace: RoutingTrace, costs: BalanceCostModel, interval: int, horizon: int, spare: tuple[int, ...],
-             predictor_name: str) -> dict:
-    """Replay with the defaults (the headline) and the spare-slot sweep."""
+             predictor_name: str, compare: bool = True) -> dict:
+    """Replay with the defaults (the headline), the spare-slot sweep and (``compare``) the rule before #28."""
     predictor = parse_predictor(predictor_name)
     start = time.perf_counter()
     result = replay(trace, costs, predictor, interval=interval, horizon=horizon)
     replay_seconds = time.perf_counter() - start
     summary = result.summary()
     # the same rule without the shift check, the global fallback and node-local bridging (before issue #28)
-    before = replay(trace, costs, predictor, interval=interval, horizon=horizon, stall_remedies=False).summary()
+    before = replay(trace, costs, predictor, interval=interval, horizon=horizon, stall_remedies=False).summary() \
+        if compare else None
     # the sweep replays the first layer only (a third of the benchmark's time otherwise)
     first_layer = RoutingTrace(trace.steps, trace.layers[:1], trace.tokens_per_expert[:, :1], trace.name)
     choice = choose_spare_slots(first_layer, costs, predictor, spare, interval=interval, horizon=horizon)
     return {
         "experts": trace.num_experts, "ep": costs.ep, "steps": trace.num_steps, "layers": trace.num_layers,
         "predictor": predictor.name, **summary, "replay_seconds": replay_seconds,
-        "steady_gap_parts": gap_parts(result, costs),
-        "without_stall_remedies": {key: before[key] for key in (
+        "steady_gap_parts": result.steady_gap_parts(),
+        "without_stall_remedies": None if before is None else {key: before[key] for key in (
             "imbalance_after", "predicted_gain", "gap_to_ideal", "steady_gap_to_ideal", "migrations",
             "migration_bytes", "solve_ms_mean", "solve_ms_max")},
         "meets_bound": summary["steady_gap_to_ideal"] <= GAP_BOUND,
@@ -144,6 +132,10 @@ def main() -> int:
                                                          f"{BALANCE_DEFAULTS.spare_slots_per_rank}, the default)")
     parser.add_argument("--seed", type=int, default=2800, help="family i uses seed + i (tests use others)")
     parser.add_argument("--only", default="", help="run only the cases whose name contains this")
+    parser.add_argument("--cases", default="", help="run only these cases: indices into CASES (the seed offsets) "
+                                                    "and 'recorded', comma-separated (to split a run over processes)")
+    parser.add_argument("--no-comparison", action="store_true",
+                        help="skip the replay with the rule before issue #28 (a third of the time)")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
     spare = tuple(int(x) for x in args.spare.split(","))
@@ -157,24 +149,25 @@ def main() -> int:
                   "load_average_start": os.getloadavg()[0], "cpu_count": os.cpu_count()},
         "families": {},
     }
+    chosen = set(args.cases.split(",")) if args.cases else None
     for index, case in enumerate(CASES):
-        if args.only not in case.name:
+        if args.only not in case.name or (chosen is not None and str(index) not in chosen):
             continue
         tokens = case.tokens_per_rank or args.tokens_per_rank
         shape = TraceShape(args.steps, args.layers, case.num_experts, case.ep, tokens * case.ep)
         trace = family_trace(case.family, shape, seed=args.seed + index, **case.params)
         costs = cost_model(args.model, args.cluster, case.num_experts, case.ep)
-        row = evaluate(trace, costs, args.interval, args.horizon, spare, args.predictor)
+        row = evaluate(trace, costs, args.interval, args.horizon, spare, args.predictor, not args.no_comparison)
         report["families"][case.name] = {"family": case.family, "params": case.params, "seed": args.seed + index,
                                          "tokens_per_rank": tokens, **row}
         print(f"{case.name}: gap {row['gap_to_ideal']:.2%}, steady {row['steady_gap_to_ideal']:.2%}, "
               f"{row['replay_seconds']:.1f} s", flush=True)
     for name in RECORDED_TRACES:
-        if args.only not in name:
+        if args.only not in name or (chosen is not None and "recorded" not in chosen):
             continue
         trace = read_trace(RECORDED / name)
         costs = cost_model("tiny-pangu", args.cluster, trace.num_experts, 4)
-        row = evaluate(trace, costs, args.interval, args.horizon, spare, args.predictor)
+        row = evaluate(trace, costs, args.interval, args.horizon, spare, args.predictor, not args.no_comparison)
         report["families"][f"recorded: {name} (E16, EP4)"] = {"family": "recorded", **row}
 
     print(f"\n{'family':34s} {'imb before':>10s} {'after':>6s} {'gain':>7s} {'ideal':>7s} {'gap':>6s} "
@@ -183,7 +176,7 @@ def main() -> int:
     for name, row in report["families"].items():
         print(f"{name:34s} {row['imbalance_before']:10.3f} {row['imbalance_after']:6.3f} {row['predicted_gain']:7.1%} "
               f"{row['ideal_gain']:7.1%} {row['gap_to_ideal']:6.2%} {row['steady_gap_to_ideal']:6.2%} "
-              f"{row['without_stall_remedies']['steady_gap_to_ideal']:6.2%} "
+              f"{(row['without_stall_remedies'] or {}).get('steady_gap_to_ideal', float('nan')):6.2%} "
               f"{row['migration_bytes'] / 1e9:8.1f} {row['solve_ms_mean']:6.0f}/{row['solve_ms_max']:6.0f} "
               f"{row['solve_cpu_ms_mean']:5.0f}/{row['solve_cpu_ms_max']:5.0f} "
               f"{row['fallbacks']:3d} {row['shifts']:3d} {row['spare_slots']['recommended_spare_per_rank']}")

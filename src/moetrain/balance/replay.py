@@ -77,6 +77,22 @@ class ReplayResult:
         """``gap_to_ideal`` from step 1 on: step 0 runs the static layout in any run, before a load is seen."""
         return float(self.seconds_after[1:].sum() / self.seconds_ideal[1:].sum() - 1.0)
 
+    def steady_gap_parts(self) -> dict:
+        """``steady_gap_to_ideal`` split by cause, each over the ideal's time from step 1 on: the replicas'
+        gradient rings (``replica_sync``: what replication costs, which the ideal does not pay), the exposed
+        migration, the steps at which a load shift was seen (``shift_steps``: run on the placement made for the
+        load before it, which no forecast sees coming; all layers of such a step) and the rest (``imbalance``)."""
+        ideal = float(self.seconds_ideal[1:].sum())
+        index = {int(step): t for t, step in enumerate(self.steps)}
+        shifted = sorted({index[d.step] for d in self.decisions if d.shift and index[d.step] >= 1})
+        sync = np.zeros_like(self.seconds_ideal) if self.replica_sync_seconds is None else self.replica_sync_seconds
+        excess = self.seconds_after - self.seconds_ideal - self.seconds_migration - sync
+        parts = {"replica_sync": float(sync[1:].sum()) / ideal,
+                 "migration": float(self.seconds_migration[1:].sum()) / ideal,
+                 "shift_steps": float(excess[shifted].sum()) / ideal}
+        parts["imbalance"] = self.steady_gap_to_ideal - sum(parts.values())
+        return {**parts, "steps_shifted": len(shifted)}
+
     def summary(self) -> dict:
         solve = [d.solve_ms for d in self.decisions]
         solve_cpu = [d.solve_cpu_ms for d in self.decisions]
