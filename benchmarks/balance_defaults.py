@@ -46,12 +46,16 @@ def settings() -> list[BalanceDefaults]:
                                 for value in values)]
 
 
-def traces(steps: int, tokens_per_rank: int, seed: int):
+def traces(steps: int, tokens_per_rank: int, seed: int, chosen: set[str] | None):
     for index, case in enumerate(CASES):
+        if chosen is not None and str(index) not in chosen:
+            continue
         tokens = case.tokens_per_rank or tokens_per_rank
         shape = TraceShape(steps, 1, case.num_experts, case.ep, tokens * case.ep)
         yield case.name, family_trace(case.family, shape, seed=seed + index, **case.params), case.num_experts, case.ep
     for name in RECORDED_TRACES:
+        if chosen is not None and "recorded" not in chosen:
+            continue
         trace = read_trace(RECORDED / name)
         first = RoutingTrace(trace.steps, trace.layers[:1], trace.tokens_per_expert[:, :1], trace.name)
         yield f"recorded: {name} (E16, EP4)", first, trace.num_experts, 4
@@ -62,9 +66,12 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=60, help="steps per trace (the families benchmark: 120)")
     parser.add_argument("--tokens-per-rank", type=int, default=16384)
     parser.add_argument("--seed", type=int, default=2800, help="the families benchmark's seeds")
+    parser.add_argument("--cases", default="", help="only these families: indices into balance_families.CASES "
+                                                    "and 'recorded', comma-separated (default: all)")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
-    cases = list(traces(args.steps, args.tokens_per_rank, args.seed))
+    chosen = set(args.cases.split(",")) if args.cases else None
+    cases = list(traces(args.steps, args.tokens_per_rank, args.seed, chosen))
     rows = []
     for setting in settings():
         start = time.perf_counter()
@@ -87,6 +94,7 @@ def main() -> int:
         best = current
     write_result(args.out, {
         "setup": {"steps": args.steps, "layers": 1, "tokens_per_rank": args.tokens_per_rank, "seed": args.seed,
+                  "families": [name for name, *_ in cases],
                   "variants": {k: list(v) for k, v in VARIANTS.items()}, "tie": TIE,
                   "load_average_start": os.getloadavg()[0], "cpu_count": os.cpu_count()},
         "settings": rows, "best": best["setting"], "defaults": asdict(BALANCE_DEFAULTS),
