@@ -750,9 +750,6 @@ def plan_placement(
     if warm:
         assert current is not None
         pool.extend(improve_stepwise(current, loads))
-    if current is not None and candidates != "scratch" and solver != "milp":
-        # the replicas a new hot expert lacks, on free slots or on slots of stale replicas (issue #43)
-        pool.extend(replicate_hot(current, loads, ranks_per_node if multi_node else None))
     unbridged = len(pool)
     if solver != "milp":
         plain = [bridge_replicas(c, loads) for c in pool]
@@ -767,6 +764,10 @@ def plan_placement(
     if solver != "milp" and ranks_per_node is not None and 1 < ranks_per_node < num_ranks:
         # bridged after the relabelling, which would scatter node-local pairs over nodes again
         pool.extend([b for c in pool[:unbridged] if (b := bridge_replicas(c, loads, ranks_per_node)) is not c])
+    if current is not None and candidates != "scratch" and solver != "milp":
+        # the replicas a new hot expert lacks, on free slots or on slots of stale replicas (issue #43); built on
+        # ``current`` slot by slot (no relabelling needed), and their shares already split whole experts finely
+        pool.extend(replicate_hot(current, loads, ranks_per_node if multi_node else None))
     if score is None:
         score = lambda p: float(p.apply_to_tokens_per_expert(loads).max())
     scores = [score(c) for c in pool]
