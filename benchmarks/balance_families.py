@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +32,8 @@ from _record import write_result
 
 from moetrain.balance.costs import BalanceCostModel
 from moetrain.balance.families import TraceShape, family_trace
-from moetrain.balance.predict import AdaptivePredictor
+from moetrain.balance.online import BALANCE_DEFAULTS
+from moetrain.balance.predict import parse_predictor
 from moetrain.balance.replay import replay
 from moetrain.balance.slots import choose_spare_slots
 from moetrain.balance.traces import RoutingTrace, read_trace
@@ -50,6 +51,8 @@ class FamilyCase:
     num_experts: int
     ep: int
     params: dict = field(default_factory=dict)
+    tokens_per_rank: int | None = None
+    """Tokens per EP rank and step; None: ``--tokens-per-rank``."""
 
 
 CASES = (
@@ -65,6 +68,13 @@ CASES = (
     FamilyCase("random walk (E256, EP16)", "random_walk", 256, 16),
     FamilyCase("periodic (E64, EP8)", "periodic", 64, 8, {"period": 40}),
     FamilyCase("issue #28 (E256, EP8)", "issue_28", 256, 8, {"period": 30}),
+    # issue #43: a giant on one node (a single expert at 1.4-1.7× a rank's mean, handed over every 40 steps), and a
+    # few very hot experts swapped all at once, each at 4,096 and 16,384 tokens per rank
+    *(FamilyCase(f"giant on one node (E{e}, EP{ep}), {tokens // 1024}k tokens", "giant", e, ep,
+                 {"num_giants": 1, "period": 40, "low": 1.4, "high": 1.7}, tokens)
+      for e, ep in ((64, 4), (256, 8)) for tokens in (4096, 16384)),
+    *(FamilyCase(f"few very hot, swaps (E256, EP8), {tokens // 1024}k tokens", "few_hot", 256, 8,
+                 {"num_hot": 3, "period": 30}, tokens) for tokens in (4096, 16384)),
 )
 RECORDED_TRACES = ("balance_trace_tiny_pangu.jsonl", "balance_trace_tiny_pangu_no_balance_loss.jsonl")
 
@@ -77,22 +87,25 @@ def cost_model(model_name: str, cluster_name: str, num_experts: int, ep: int) ->
     return BalanceCostModel(model, load_cluster_config(cluster_name), ep)
 
 
-def evaluate(trace: RoutingTrace, costs: BalanceCostModel, interval: int, horizon: int, spare: tuple[int, ...]) -> dict:
-    """Replay with the default one spare slot per rank (the headline) and the spare-slot sweep."""
-    predictor = AdaptivePredictor()  # the runtime's and ``moetrain balance``'s default
+def evaluate(trace: RoutingTrace, costs: BalanceCostModel, interval: int, horizon: int, spare: tuple[int, ...],
+             predictor_name: str, compare: bool = True) -> dict:
+    """Replay with the defaults (the headline), the spare-slot sweep and (``compare``) the rule before #28."""
+    predictor = parse_predictor(predictor_name)
     start = time.perf_counter()
     result = replay(trace, costs, predictor, interval=interval, horizon=horizon)
     replay_seconds = time.perf_counter() - start
     summary = result.summary()
     # the same rule without the shift check, the global fallback and node-local bridging (before issue #28)
-    before = replay(trace, costs, predictor, interval=interval, horizon=horizon, stall_remedies=False).summary()
+    before = replay(trace, costs, predictor, interval=interval, horizon=horizon, stall_remedies=False).summary() \
+        if compare else None
     # the sweep replays the first layer only (a third of the benchmark's time otherwise)
     first_layer = RoutingTrace(trace.steps, trace.layers[:1], trace.tokens_per_expert[:, :1], trace.name)
     choice = choose_spare_slots(first_layer, costs, predictor, spare, interval=interval, horizon=horizon)
     return {
         "experts": trace.num_experts, "ep": costs.ep, "steps": trace.num_steps, "layers": trace.num_layers,
         "predictor": predictor.name, **summary, "replay_seconds": replay_seconds,
-        "without_stall_remedies": {key: before[key] for key in (
+        "steady_gap_parts": result.steady_gap_parts(),
+        "without_stall_remedies": None if before is None else {key: before[key] for key in (
             "imbalance_after", "predicted_gain", "gap_to_ideal", "steady_gap_to_ideal", "migrations",
             "migration_bytes", "solve_ms_mean", "solve_ms_max")},
         "meets_bound": summary["steady_gap_to_ideal"] <= GAP_BOUND,
@@ -112,11 +125,17 @@ def main() -> int:
     parser.add_argument("--tokens-per-rank", type=int, default=16384, help="tokens per EP rank and step")
     parser.add_argument("--model", default="pangu-ultra-moe-718b")
     parser.add_argument("--cluster", default="atlas-800t-a2")
-    parser.add_argument("--interval", type=int, default=10)
-    parser.add_argument("--horizon", type=int, default=50)
-    parser.add_argument("--spare", default="0,1,2", help="spare slots per rank to compare")
+    parser.add_argument("--interval", type=int, default=BALANCE_DEFAULTS.interval)
+    parser.add_argument("--horizon", type=int, default=BALANCE_DEFAULTS.horizon)
+    parser.add_argument("--predictor", default=BALANCE_DEFAULTS.predictor)
+    parser.add_argument("--spare", default="0,1,2", help="spare slots per rank to compare (the headline uses "
+                                                         f"{BALANCE_DEFAULTS.spare_slots_per_rank}, the default)")
     parser.add_argument("--seed", type=int, default=2800, help="family i uses seed + i (tests use others)")
     parser.add_argument("--only", default="", help="run only the cases whose name contains this")
+    parser.add_argument("--cases", default="", help="run only these cases: indices into CASES (the seed offsets) "
+                                                    "and 'recorded', comma-separated (to split a run over processes)")
+    parser.add_argument("--no-comparison", action="store_true",
+                        help="skip the replay with the rule before issue #28 (a third of the time)")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
     spare = tuple(int(x) for x in args.spare.split(","))
@@ -124,28 +143,31 @@ def main() -> int:
     report: dict = {
         "setup": {"model": args.model, "cluster": args.cluster, "steps": args.steps, "layers": args.layers,
                   "tokens_per_rank": args.tokens_per_rank, "interval": args.interval, "horizon": args.horizon,
+                  "predictor": args.predictor, "defaults": asdict(BALANCE_DEFAULTS),
                   "seed": args.seed, "gap_bound": GAP_BOUND, "gap_goal": GAP_GOAL, "spare_options": list(spare),
                   # solve times are host times: the machine's load (1-minute average) says how shared it was
                   "load_average_start": os.getloadavg()[0], "cpu_count": os.cpu_count()},
         "families": {},
     }
+    chosen = set(args.cases.split(",")) if args.cases else None
     for index, case in enumerate(CASES):
-        if args.only not in case.name:
+        if args.only not in case.name or (chosen is not None and str(index) not in chosen):
             continue
-        shape = TraceShape(args.steps, args.layers, case.num_experts, case.ep, args.tokens_per_rank * case.ep)
+        tokens = case.tokens_per_rank or args.tokens_per_rank
+        shape = TraceShape(args.steps, args.layers, case.num_experts, case.ep, tokens * case.ep)
         trace = family_trace(case.family, shape, seed=args.seed + index, **case.params)
         costs = cost_model(args.model, args.cluster, case.num_experts, case.ep)
-        row = evaluate(trace, costs, args.interval, args.horizon, spare)
+        row = evaluate(trace, costs, args.interval, args.horizon, spare, args.predictor, not args.no_comparison)
         report["families"][case.name] = {"family": case.family, "params": case.params, "seed": args.seed + index,
-                                         **row}
+                                         "tokens_per_rank": tokens, **row}
         print(f"{case.name}: gap {row['gap_to_ideal']:.2%}, steady {row['steady_gap_to_ideal']:.2%}, "
               f"{row['replay_seconds']:.1f} s", flush=True)
     for name in RECORDED_TRACES:
-        if args.only not in name:
+        if args.only not in name or (chosen is not None and "recorded" not in chosen):
             continue
         trace = read_trace(RECORDED / name)
         costs = cost_model("tiny-pangu", args.cluster, trace.num_experts, 4)
-        row = evaluate(trace, costs, args.interval, args.horizon, spare)
+        row = evaluate(trace, costs, args.interval, args.horizon, spare, args.predictor, not args.no_comparison)
         report["families"][f"recorded: {name} (E16, EP4)"] = {"family": "recorded", **row}
 
     print(f"\n{'family':34s} {'imb before':>10s} {'after':>6s} {'gain':>7s} {'ideal':>7s} {'gap':>6s} "
@@ -154,7 +176,7 @@ def main() -> int:
     for name, row in report["families"].items():
         print(f"{name:34s} {row['imbalance_before']:10.3f} {row['imbalance_after']:6.3f} {row['predicted_gain']:7.1%} "
               f"{row['ideal_gain']:7.1%} {row['gap_to_ideal']:6.2%} {row['steady_gap_to_ideal']:6.2%} "
-              f"{row['without_stall_remedies']['steady_gap_to_ideal']:6.2%} "
+              f"{(row['without_stall_remedies'] or {}).get('steady_gap_to_ideal', float('nan')):6.2%} "
               f"{row['migration_bytes'] / 1e9:8.1f} {row['solve_ms_mean']:6.0f}/{row['solve_ms_max']:6.0f} "
               f"{row['solve_cpu_ms_mean']:5.0f}/{row['solve_cpu_ms_max']:5.0f} "
               f"{row['fallbacks']:3d} {row['shifts']:3d} {row['spare_slots']['recommended_spare_per_rank']}")

@@ -18,6 +18,7 @@ import numpy as np
 from _record import write_result
 
 from moetrain.balance.costs import BalanceCostModel
+from moetrain.balance.online import BALANCE_DEFAULTS
 from moetrain.balance.placement import ExpertPlacement
 from moetrain.balance.predict import DEFAULT_CANDIDATES, forecast_error, select_predictor
 from moetrain.balance.replay import replay
@@ -143,8 +144,8 @@ def main() -> int:
     parser.add_argument("--model", default="pangu-ultra-moe-718b")
     parser.add_argument("--cluster", default="atlas-800t-a2")
     parser.add_argument("--ep", type=int, default=32)
-    parser.add_argument("--interval", type=int, default=10)
-    parser.add_argument("--horizon", type=int, default=50)
+    parser.add_argument("--interval", type=int, default=BALANCE_DEFAULTS.interval)
+    parser.add_argument("--horizon", type=int, default=BALANCE_DEFAULTS.horizon)
     parser.add_argument("--fixed-interval", action="store_true",
                         help="solve every --interval steps only (no per-step check), as before adaptive re-plans")
     parser.add_argument("--seed", type=int, default=0)

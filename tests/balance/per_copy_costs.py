@@ -20,6 +20,9 @@ class PerCopyCosts:
     def layer_seconds(self, placement, loads):
         return placement.apply_to_tokens_per_expert(np.asarray(loads, dtype=float)).max(axis=-1) * 1e-3
 
+    def replica_sync_seconds(self, placement):
+        return 0.0  # replicas cost nothing here beyond their slot
+
     def ideal_layer_seconds(self, loads):
         return np.asarray(loads, dtype=float).sum(axis=-1) / self.ep * 1e-3
 

@@ -128,7 +128,6 @@ def test_a_reshare_is_not_printed_as_keep():
     assert "saving       4.9 ms over 47.6 steps vs cost         0 ms: reshare" in line and "keep" not in line
 
 
-@pytest.mark.xfail(strict=True, reason="issue 43: an incremental plan cannot free a stale replica's slot")
 def test_an_incremental_plan_replicates_a_new_giant_when_stale_replicas_fill_the_spare_slots():
     # the issue's "candidates go 1.80 → 1.79": the warm local search only moves and swaps slots, and bridging needs
     # a free slot, so while replicas of formerly hot experts fill every spare slot no incremental candidate
@@ -144,3 +143,33 @@ def test_an_incremental_plan_replicates_a_new_giant_when_stale_replicas_fill_the
     assert float(scratch.imbalance(loads)) < 1.15
     incremental = plan_placement(loads, 8, slots, current=current, candidates="incremental", ranks_per_node=8)
     assert float(incremental.imbalance(loads)) < 1.15
+
+
+def _stale_filled(num_experts: int, slots: int) -> ExpertPlacement:
+    """The contiguous layout with every spare slot held by a replica of a cold expert (5 or 40): no free slot."""
+    table = ExpertPlacement.contiguous(num_experts, 8, slots).slot_expert.reshape(8, slots).copy()
+    table[1:, slots - 1] = 5
+    table[0, slots - 1] = 40
+    return ExpertPlacement.from_slot_experts(num_experts, table)
+
+
+@pytest.mark.parametrize("start", ["contiguous", "stale replicas"])
+def test_the_rule_replicates_a_giant_on_ep8_with_one_spare_slot(costs, start):
+    # issue 43, as `moetrain balance` decides it: EP8 on one node, 256 experts, one spare slot per rank, one expert
+    # at 1.5× a rank's mean, 4,096 tokens per rank (top-8). From the contiguous layout the first full re-plan
+    # decides; with the spare slots held by stale replicas an incremental (drift-triggered) solve does.
+    num_experts, slots = 256, 33
+    loads = np.roll(_giant_on_one_node(num_experts), 200)
+    loads *= 4096 * 8 * 8 / loads.sum()
+    current = ExpertPlacement.contiguous(num_experts, 8, slots) if start == "contiguous" else _stale_filled(
+        num_experts, slots)
+    rule = ReplanRule(costs, interval=10, horizon=50)
+    predictor = EMAPredictor(0.0)
+    early = start != "contiguous"
+    schedule = LayerSchedule(last_solve=0, last_full=0, life=1) if early else LayerSchedule()
+    decision, adopted = rule.step(1 if early else 0, 0, schedule, current, predictor, predictor.init_state(loads),
+                                  loads)
+    assert decision is not None and decision.early == early
+    assert decision.outcome == "migrate" and adopted.num_replicas()[200] >= 2
+    assert decision.imbalance_current > 2.0 and decision.imbalance_candidate < 1.15
+    assert float(adopted.imbalance(loads)) < 1.15

@@ -10,6 +10,8 @@ an expert of weight 1) from which the step's token-expert counts are sampled (a 
   handed to new experts every ``period`` steps (sudden hand-over);
 * ``giant``: a few single experts each above a rank's mean load (1.3–2.5× of total / ranks): no
   placement without replicas can balance them; they change identity every ``period`` steps;
+* ``few_hot``: a few very hot experts (0.6–1.6× a rank's mean each) over a mildly skewed background, all
+  handed to other experts at once every ``period`` steps (issue #43's trace: giants on one node that swap);
 * ``sudden_shift``: the whole hot set (10 % of the experts at 6×) replaced every ``period`` steps;
 * ``slow_drift``: every expert's log-popularity is a sine of its own period (200–800 steps): every
   expert drifts, smoothly;
@@ -71,13 +73,13 @@ def _many_hot(shape: TraceShape, rng: np.random.Generator, hot_fraction: float, 
 
 
 def _giant(shape: TraceShape, rng: np.random.Generator, num_giants: int, period: int,
-           background: np.ndarray | None = None) -> np.ndarray:
-    """``num_giants`` experts each carrying 1.3–2.5× a rank's mean load (total / ranks), on top of
+           background: np.ndarray | None = None, low: float = 1.3, high: float = 2.5) -> np.ndarray:
+    """``num_giants`` experts each carrying ``low``–``high`` × a rank's mean load (total / ranks), on top of
     ``background`` weights (default: all 1)."""
     e, r = shape.num_experts, shape.num_ranks
     weights = np.ones((shape.num_steps, e)) if background is None else background.copy()
     giants = rng.choice(e, num_giants, replace=False)
-    multiple = rng.uniform(1.3, 2.5, num_giants)
+    multiple = rng.uniform(low, high, num_giants)
     for t in range(shape.num_steps):
         if t and t % period == 0:
             giants = rng.choice(e, num_giants, replace=False)
@@ -86,6 +88,26 @@ def _giant(shape: TraceShape, rng: np.random.Generator, num_giants: int, period:
         share = multiple / r
         total = rest / (1.0 - share.sum())
         weights[t, giants] = share * total
+    return weights
+
+
+def _few_hot(shape: TraceShape, rng: np.random.Generator, num_hot: int, period: int, low: float = 0.6,
+             high: float = 1.6) -> np.ndarray:
+    """``num_hot`` very hot experts, each ``low``–``high`` × a rank's mean load (the hottest above it), over
+    a background of many mildly hot ones (5 % of the experts at 2–4×); every ``period`` steps the whole very
+    hot set is handed to other experts at once, each with a new heat (issue #43's trace)."""
+    background = _many_hot(shape, rng, 0.05, 10 * shape.num_steps, low=2.0, high=4.0)
+    e, r = shape.num_experts, shape.num_ranks
+    weights = background.copy()
+    hot = rng.choice(e, num_hot, replace=False)
+    multiple = rng.uniform(low, high, num_hot)
+    for t in range(shape.num_steps):
+        if t and t % period == 0:
+            hot = rng.choice(np.setdiff1d(np.arange(e), hot), num_hot, replace=False)
+            multiple = rng.uniform(low, high, num_hot)
+        share = multiple / r
+        rest = np.delete(weights[t], hot).sum()
+        weights[t, hot] = share * rest / (1.0 - share.sum())
     return weights
 
 
@@ -144,6 +166,7 @@ FAMILIES: dict[str, Callable[..., np.ndarray]] = {
     "zipf": _zipf,
     "many_hot": _many_hot,
     "giant": _giant,
+    "few_hot": _few_hot,
     "sudden_shift": _sudden_shift,
     "slow_drift": _slow_drift,
     "random_walk": _random_walk,
@@ -154,8 +177,8 @@ FAMILIES: dict[str, Callable[..., np.ndarray]] = {
 
 def family_trace(family: str, shape: TraceShape, seed: int, **params: float) -> RoutingTrace:
     """A trace of ``family`` (see the module docstring) with its parameters (``exponent`` for zipf;
-    ``hot_fraction``, ``period``, ``num_giants`` for the others), each layer from its own generator
-    stream of ``seed``."""
+    ``hot_fraction``, ``period``, ``num_giants``, ``num_hot``, ``low``, ``high`` for the others), each layer
+    from its own generator stream of ``seed``."""
     if family not in FAMILIES:
         raise UserError(f"unknown trace family {family!r}; choose one of: {', '.join(FAMILIES)}")
     if shape.num_experts % shape.num_ranks:

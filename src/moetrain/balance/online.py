@@ -6,19 +6,52 @@ Torch-free, so that the launcher can refuse a bad combination of flags up front;
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from moetrain.config import ModelConfig, ParallelConfig
 from moetrain.errors import UserError
 
-REPLAN_INTERVAL = 10
-"""Default steps between full re-plans (cheap drift checks run every step)."""
-PAYBACK_HORIZON = 50
-"""Default steps over which a migration's predicted saving must repay its cost."""
+
+@dataclass(frozen=True)
+class BalanceDefaults:
+    """The settings a user gets without flags, in one place: ``moetrain balance``, ``moetrain train
+    --online-balance`` (``OnlineExpertBalancer``, ``build_balanced_run``), the replay and
+    ``benchmarks/balance_families.py`` all read ``BALANCE_DEFAULTS``. They are the best of the sweep in
+    ``benchmarks/balance_defaults.py`` (``benchmarks/results/balance_defaults.json``; a test checks that they
+    still are), and the families benchmark runs with them."""
+
+    interval: int = 10
+    """Steps between full re-plans (cheap drift checks run every step)."""
+    horizon: int = 50
+    """Steps over which a migration's predicted saving must repay its cost."""
+    predictor: str = "adaptive"
+    """``balance.predict.parse_predictor`` spelling: the bank of EMA and Holt forecasts."""
+    spare_slots_per_rank: int = 1
+    """Expert slots per EP rank beyond ``experts/ep``: room for replicas of hot experts."""
+    solver: str = "local"
+    trigger_margin: float = 1.0
+    """Migrate when the saving beyond the forecast noise exceeds this many times the migration time."""
+
+    def slots_per_rank(self, num_experts: int, ep: int) -> int:
+        return num_experts // ep + self.spare_slots_per_rank
+
+    def build_predictor(self):
+        from moetrain.balance.predict import parse_predictor
+
+        return parse_predictor(self.predictor)
+
+
+BALANCE_DEFAULTS = BalanceDefaults()
+REPLAN_INTERVAL = BALANCE_DEFAULTS.interval
+"""Default steps between full re-plans (``BALANCE_DEFAULTS.interval``)."""
+PAYBACK_HORIZON = BALANCE_DEFAULTS.horizon
+"""Default steps over which a migration's predicted saving must repay its cost (``BALANCE_DEFAULTS.horizon``)."""
 
 
 def default_slots_per_rank(num_experts: int, ep: int) -> int:
-    """``experts/ep + 1``: one spare slot per EP rank, so that the solver may replicate a hot expert
-    (the default of ``moetrain balance``)."""
-    return num_experts // ep + 1
+    """``experts/ep + 1`` (``BALANCE_DEFAULTS.spare_slots_per_rank``): one spare slot per EP rank, so that the
+    solver may replicate a hot expert (the default of ``moetrain balance`` and ``--online-balance``)."""
+    return BALANCE_DEFAULTS.slots_per_rank(num_experts, ep)
 
 
 def check_online_balance(parallel: ParallelConfig, model_cfg: ModelConfig, interval: int | None = None,
@@ -38,7 +71,9 @@ def check_online_balance(parallel: ParallelConfig, model_cfg: ModelConfig, inter
                         "yet: use zero 1")
     if slots_per_rank is not None:
         needed = -(-model_cfg.moe.num_experts // parallel.ep)
+        spare = BALANCE_DEFAULTS.spare_slots_per_rank
         if slots_per_rank < needed:
             raise UserError(f"--slots-per-rank {slots_per_rank} cannot hold {model_cfg.moe.num_experts} experts on "
                             f"{parallel.ep} ranks; give at least {needed} "
-                            f"(default {needed + 1}: one spare slot for replicas)")
+                            f"(default {needed + spare}: {'one spare slot' if spare == 1 else f'{spare} spare slots'} "
+                            "for replicas)")

@@ -205,3 +205,20 @@ def select_predictor(
     errors = {p.name: forecast_error(p, loads, horizon, warmup) for p in candidates}
     best = min(candidates, key=lambda p: (errors[p.name], p.name))
     return best, errors
+
+
+def parse_predictor(text: str) -> Predictor:
+    """``adaptive``, ``ema:THETA`` or ``holt:ALPHA,BETA`` (the spelling of ``moetrain balance --predictor`` and of
+    ``BalanceDefaults.predictor``); ``auto`` is the CLI's own (it selects on the trace's first quarter)."""
+    kind, _, values = text.partition(":")
+    if text == "adaptive":
+        return AdaptivePredictor()
+    try:
+        if kind == "ema" and values:
+            return EMAPredictor(float(values))
+        if kind == "holt" and values:
+            alpha, beta = (float(x) for x in values.split(","))
+            return HoltPredictor(alpha, beta)
+    except ValueError:
+        pass
+    raise UserError(f"--predictor {text!r}: expected adaptive, auto, ema:THETA (e.g. ema:0.9) or holt:ALPHA,BETA")

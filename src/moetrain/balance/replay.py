@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moetrain.balance.costs import BalanceCostModel
-from moetrain.balance.online import PAYBACK_HORIZON, REPLAN_INTERVAL
+from moetrain.balance.online import BALANCE_DEFAULTS, default_slots_per_rank
 from moetrain.balance.placement import ExpertPlacement
 from moetrain.balance.predict import Predictor
 from moetrain.balance.schedule import Decision, LayerSchedule, ReplanRule
@@ -52,6 +52,9 @@ class ReplayResult:
     final_placements: list[ExpertPlacement] = field(default_factory=list)
     migration_bytes: float = 0.0
     """Bytes the migrations sent between ranks (weights and optimizer state, all layers)."""
+    replica_sync_seconds: np.ndarray | None = None
+    """[T] the part of ``seconds_after`` that the replicas' gradient rings take (``BalanceCostModel.
+    replica_sync_seconds``): what replication costs, which the ideal does not pay."""
 
     @property
     def predicted_gain(self) -> float:
@@ -73,6 +76,22 @@ class ReplayResult:
     def steady_gap_to_ideal(self) -> float:
         """``gap_to_ideal`` from step 1 on: step 0 runs the static layout in any run, before a load is seen."""
         return float(self.seconds_after[1:].sum() / self.seconds_ideal[1:].sum() - 1.0)
+
+    def steady_gap_parts(self) -> dict:
+        """``steady_gap_to_ideal`` split by cause, each over the ideal's time from step 1 on: the replicas'
+        gradient rings (``replica_sync``: what replication costs, which the ideal does not pay), the exposed
+        migration, the steps at which a load shift was seen (``shift_steps``: run on the placement made for the
+        load before it, which no forecast sees coming; all layers of such a step) and the rest (``imbalance``)."""
+        ideal = float(self.seconds_ideal[1:].sum())
+        index = {int(step): t for t, step in enumerate(self.steps)}
+        shifted = sorted({index[d.step] for d in self.decisions if d.shift and index[d.step] >= 1})
+        sync = np.zeros_like(self.seconds_ideal) if self.replica_sync_seconds is None else self.replica_sync_seconds
+        excess = self.seconds_after - self.seconds_ideal - self.seconds_migration - sync
+        parts = {"replica_sync": float(sync[1:].sum()) / ideal,
+                 "migration": float(self.seconds_migration[1:].sum()) / ideal,
+                 "shift_steps": float(excess[shifted].sum()) / ideal}
+        parts["imbalance"] = self.steady_gap_to_ideal - sum(parts.values())
+        return {**parts, "steps_shifted": len(shifted)}
 
     def summary(self) -> dict:
         solve = [d.solve_ms for d in self.decisions]
@@ -121,9 +140,9 @@ def replay(
     costs: BalanceCostModel,
     predictor: Predictor,
     slots_per_rank: int | None = None,
-    solver: str = "local",
-    interval: int = REPLAN_INTERVAL,
-    horizon: int = PAYBACK_HORIZON,
+    solver: str = BALANCE_DEFAULTS.solver,
+    interval: int = BALANCE_DEFAULTS.interval,
+    horizon: int = BALANCE_DEFAULTS.horizon,
     adaptive: bool = True,
     stall_remedies: bool = True,
 ) -> ReplayResult:
@@ -131,7 +150,7 @@ def replay(
     num_experts = trace.num_experts
     if num_experts % ep:
         raise UserError(f"trace has {num_experts} experts, not divisible by ep={ep}; pick ep dividing it")
-    slots = num_experts // ep + 1 if slots_per_rank is None else slots_per_rank
+    slots = default_slots_per_rank(num_experts, ep) if slots_per_rank is None else slots_per_rank
     if interval < 1 or horizon < 1:
         raise UserError(f"interval={interval} and horizon={horizon} must be >= 1")
     static = ExpertPlacement.contiguous(num_experts, ep, slots)
@@ -145,6 +164,7 @@ def replay(
     imbalance_after = np.empty((num_steps, num_layers))
     seconds_after = np.zeros(num_steps)
     seconds_migration = np.zeros(num_steps)
+    replica_sync = np.zeros(num_steps)
     decisions: list[Decision] = []
     finals: list[ExpertPlacement] = []
     migration_bytes = 0.0
@@ -157,6 +177,7 @@ def replay(
             actual = loads[t, layer]
             imbalance_after[t, layer] = float(current.imbalance(actual))
             seconds_after[t] += float(costs.layer_seconds(current, actual))
+            replica_sync[t] += costs.replica_sync_seconds(current)
             if t:
                 predictor.update(state, actual)
             if t + 1 >= num_steps:
@@ -178,5 +199,5 @@ def replay(
         finals.append(current)
     return ReplayResult(
         trace.steps.copy(), imbalance_before, imbalance_after, seconds_before, seconds_after, seconds_ideal,
-        seconds_migration, decisions, finals, migration_bytes,
+        seconds_migration, decisions, finals, migration_bytes, replica_sync,
     )

@@ -68,7 +68,7 @@ import numpy as np
 
 from moetrain.balance.bound import ImbalanceBound, imbalance_bound
 from moetrain.balance.costs import BalanceCostModel, OverlapWindow
-from moetrain.balance.online import PAYBACK_HORIZON, REPLAN_INTERVAL
+from moetrain.balance.online import BALANCE_DEFAULTS
 from moetrain.balance.placement import ExpertPlacement, Move, diff
 from moetrain.balance.predict import Predictor
 from moetrain.balance.solver import timed_plan
@@ -294,10 +294,10 @@ class ReplanRule:
     """The check, solve and trigger of the module docstring, for one cost model."""
 
     costs: BalanceCostModel
-    interval: int = REPLAN_INTERVAL
-    horizon: int = PAYBACK_HORIZON
-    solver: str = "local"
-    trigger_margin: float = 1.0
+    interval: int = BALANCE_DEFAULTS.interval
+    horizon: int = BALANCE_DEFAULTS.horizon
+    solver: str = BALANCE_DEFAULTS.solver
+    trigger_margin: float = BALANCE_DEFAULTS.trigger_margin
     adaptive: bool = True
     """False: solve every ``interval`` steps only, forecasting ``interval`` steps (the fixed schedule)."""
     stall_remedies: bool = True

@@ -261,6 +261,131 @@ def improve_stepwise(current: ExpertPlacement, loads: np.ndarray) -> list[Expert
     return [ExpertPlacement.from_slot_experts(loads.size, t, optimal_shares(t, loads)) for t in unique]
 
 
+MAX_HOT_REPLICAS = 16
+"""Replicas ``replicate_hot`` adds at most per plan (each costs one LP for the shares)."""
+
+
+def replicate_hot(
+    current: ExpertPlacement, loads: np.ndarray, ranks_per_node: int | None = None
+) -> list[ExpertPlacement]:
+    """``current`` plus replicas of its hot experts, for an incremental plan (issue #43).
+
+    Only when some expert's forecast load exceeds what one rank holds at the even share (``replica_counts``
+    gives it more replicas than it has). Then replicas are added one at a time, each to the expert whose
+    per-replica load is largest (the apportionment of ``replica_counts``, which is exact for the ``replica``
+    lower bound of ``balance.bound``), on the lightest rank that does not hold it and has a free slot, or a
+    slot held by a *stale* replica (an expert with more replicas than ``replica_counts`` gives it: a formerly
+    hot one), which is evicted: evicting moves nothing, and its share goes to the expert's other replicas.
+    With ``ranks_per_node``, on a rank in the node of the expert's first replica where one is open: its
+    gradient ring then stays on the in-node links the cost model prices, and on a rank in no other hot
+    expert's ring where one is open (a rank in two rings sends a gradient share for each). At most
+    ``num_ranks`` (and ``MAX_HOT_REPLICAS``) replicas are added, and none that raises the busiest rank (shares
+    from the LP). The warm local search alone cannot do
+    this (it only moves and swaps slots), nor can bridging (it needs a free slot on the light rank).
+
+    Returns, with exact shares, the placement after each of the first 8 replicas (then after 16), once every
+    expert has the replicas ``replica_counts`` gives it, and the one with the lightest busiest rank; each also
+    without the stale replicas left (a ring every step; dropping one moves nothing), and the lightest after a
+    local search. The caller scores them with their migration and their replicas' gradient rings: fewer
+    rings may beat a lighter busiest rank. An empty list when no expert needs a replica."""
+    loads = np.asarray(loads, dtype=float)
+    r, s, e = current.num_ranks, current.slots_per_rank, current.num_experts
+    spare = r * s - e
+    if spare <= 0:
+        return []
+    multi_node = ranks_per_node is not None and 1 < ranks_per_node < r and r % ranks_per_node == 0
+    most = ranks_per_node if multi_node else r
+    want = replica_counts(loads, r, spare, stop_at_even=True, max_replicas=most)
+    table = current.slot_expert.reshape(r, s).copy()
+    have = np.bincount(table[table != EMPTY_SLOT], minlength=e)
+    if not (want > have).any():
+        return []
+    stale_experts = np.flatnonzero(have > want)
+    was_stale = np.zeros(e, dtype=bool)
+    was_stale[stale_experts] = True
+    share = current.slot_share
+    mean = loads.sum() / r
+    peak = float(_rank_loads(table, _slot_loads(table, share, loads)).max())
+    best: tuple[float, np.ndarray] | None = None
+    enough: np.ndarray | None = None
+    taken: list[np.ndarray] = []
+    for added in range(1, min(spare, r, MAX_HOT_REPLICAS) + 1):
+        have = np.bincount(table[table != EMPTY_SLOT], minlength=e)
+        if enough is None and (have >= want).all():
+            enough = table.copy()
+        rank_load = _rank_loads(table, _slot_loads(table, share, loads))
+        surplus = was_stale & (have > want)
+        stale = (table != EMPTY_SLOT) & surplus[np.maximum(table, 0)]
+        openable = ((table == EMPTY_SLOT) | stale).any(axis=1)
+        ringed = (table != EMPTY_SLOT) & (have[np.maximum(table, 0)] > 1) & ~surplus[np.maximum(table, 0)]
+        # the expert whose per-replica load is largest among those that still have somewhere to go
+        per_replica = np.where(have < most, loads / have, -1.0)
+        target = None
+        for expert in np.argsort(-per_replica, kind="stable")[:8]:
+            if per_replica[expert] <= 0.0:
+                break
+            holds = (table == expert).any(axis=1)
+            open_ranks = openable & ~holds
+            in_ring = (ringed & (table != expert)).any(axis=1)
+            if multi_node:
+                assert ranks_per_node is not None
+                home = int(np.flatnonzero(holds)[0]) // ranks_per_node
+                in_node = open_ranks & (np.arange(r) // ranks_per_node == home)
+                open_ranks = in_node if in_node.any() else open_ranks
+            if open_ranks.any():
+                # ranks in no other expert's ring first: a rank in two rings sends a gradient share for each
+                outside = open_ranks & ~in_ring
+                pick = outside if outside.any() else open_ranks
+                target = int(expert), int(np.argmin(np.where(pick, rank_load, np.inf)))
+                break
+        if target is None:
+            break
+        expert, rank = target
+        free = np.flatnonzero(table[rank] == EMPTY_SLOT)
+        if free.size:
+            slot = int(free[0])
+        else:  # evict the rank's lightest stale replica
+            slot_load = _slot_loads(table, share, loads).reshape(r, s)
+            slot = int(np.argmin(np.where(stale[rank], slot_load[rank], np.inf)))
+        trial = table.copy()
+        trial[rank, slot] = expert
+        trial_share = optimal_shares(trial, loads, settle=False)
+        trial_peak = float(_rank_loads(trial, _slot_loads(trial, trial_share, loads)).max())
+        if trial_peak > peak * (1.0 + 1e-9):
+            break
+        table, share, peak = trial, trial_share, trial_peak
+        if added <= 8 or added & (added - 1) == 0:  # fewer rings than the best: the caller's score decides
+            taken.append(table.copy())
+        if best is None or peak < best[0] * (1.0 - 1e-9):
+            best = (peak, table.copy())
+        if peak <= mean * (1.0 + 1e-6):
+            break
+    if best is None:
+        return []
+    tables: list[np.ndarray] = []
+    for t in [*taken, *([] if enough is None else [enough]), best[1]]:
+        if not any(np.array_equal(t, u) for u in tables):
+            tables.append(t)
+    # the same without the stale replicas: each is a gradient ring every step, and dropping one moves nothing
+    tables += [t for t in (_drop_stale(t, loads, want, stale_experts) for t in tables) if t is not None]
+    placements = [ExpertPlacement.from_slot_experts(e, t, optimal_shares(t, loads)) for t in tables]
+    searched = improve(best[1], optimal_shares(best[1], loads), loads)
+    return placements if any(searched == p for p in placements) else [*placements, searched]
+
+
+def _drop_stale(table: np.ndarray, loads: np.ndarray, want: np.ndarray, experts: np.ndarray) -> np.ndarray | None:
+    """``table`` with each of ``experts`` cut back to its ``want`` replicas (the first ones in slot order); None
+    when none has more."""
+    table = table.copy()
+    dropped = False
+    for expert in experts:
+        ranks, slots = np.nonzero(table == expert)
+        for rank, slot in list(zip(ranks, slots))[int(want[expert]):]:
+            table[rank, slot] = EMPTY_SLOT
+            dropped = True
+    return table if dropped else None
+
+
 def _node_local_pairs(heavy: list[int], light: list[int], ranks_per_node: int) -> list[tuple[int, int]]:
     """Each heavy rank with the lightest unpaired light rank of its own node, where one is left, else
     with the lightest unpaired one anywhere: a bridged expert's gradient all-reduce then stays inside a
@@ -579,7 +704,9 @@ def plan_placement(
     predicted step time, migration included; default: the busiest rank's load).
 
     ``candidates``: ``"all"``; ``"incremental"`` (needs ``current``): only the warm-started local
-    search's steps and their bridging replicas, few moves each and a fraction of the solve time; or
+    search's steps, ``current`` with the replicas its hot experts lack (``replicate_hot``, evicting stale
+    replicas where no slot is free) and their bridging replicas, few moves each and a fraction of the
+    solve time; or
     ``"scratch"``: only the placements built from scratch (and their bridging replicas).
 
     Candidates: the solver's placement for several replica budgets (none, just enough that no replica
@@ -637,6 +764,10 @@ def plan_placement(
     if solver != "milp" and ranks_per_node is not None and 1 < ranks_per_node < num_ranks:
         # bridged after the relabelling, which would scatter node-local pairs over nodes again
         pool.extend([b for c in pool[:unbridged] if (b := bridge_replicas(c, loads, ranks_per_node)) is not c])
+    if current is not None and candidates != "scratch" and solver != "milp":
+        # the replicas a new hot expert lacks, on free slots or on slots of stale replicas (issue #43); built on
+        # ``current`` slot by slot (no relabelling needed), and their shares already split whole experts finely
+        pool.extend(replicate_hot(current, loads, ranks_per_node if multi_node else None))
     if score is None:
         score = lambda p: float(p.apply_to_tokens_per_expert(loads).max())
     scores = [score(c) for c in pool]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from moetrain.balance.online import PAYBACK_HORIZON, REPLAN_INTERVAL
+from moetrain.balance.online import BALANCE_DEFAULTS
 from moetrain.cli.parsing import add_renamed_flag
 from moetrain.errors import UserError
 
@@ -19,20 +19,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_renamed_flag(parser, "--trace", trace)
     parser.add_argument("--ep", type=int, required=True, help="expert-parallel size (ranks sharing the experts)")
     parser.add_argument("--slots-per-rank", type=int,
-                        help="expert slots per rank (default experts/ep + 1: one spare for a hot expert's replica)")
+                        help=f"expert slots per rank (default experts/ep + {BALANCE_DEFAULTS.spare_slots_per_rank}: "
+                             "spare slots for hot experts' replicas)")
     parser.add_argument("--model", help="model preset or YAML for the cost model (default: the first preset "
                                         "with the trace's expert count)")
     parser.add_argument("--cluster", default="atlas-800t-a2", help="cluster preset or YAML for the cost model")
-    parser.add_argument("--solver", choices=["greedy", "local", "milp"], default="local",
+    parser.add_argument("--solver", choices=["greedy", "local", "milp"], default=BALANCE_DEFAULTS.solver,
                         help="placement solver (milp: exact, small instances only)")
-    parser.add_argument("--predictor", default="adaptive",
+    parser.add_argument("--predictor", default=BALANCE_DEFAULTS.predictor,
                         help="adaptive (the runtime's: a bank of EMA and Holt forecasts, the one with the lowest "
                              "recent error forecasts), auto (the lowest forecast error on the trace's first quarter, "
                              "fixed), ema:THETA or holt:ALPHA,BETA")
-    interval = parser.add_argument("--balance-interval", type=int, default=REPLAN_INTERVAL,
+    interval = parser.add_argument("--balance-interval", type=int, default=BALANCE_DEFAULTS.interval,
                                    help="steps between full re-plans (cheap drift checks run every step)")
     add_renamed_flag(parser, "--interval", interval)
-    horizon = parser.add_argument("--balance-horizon", type=int, default=PAYBACK_HORIZON,
+    horizon = parser.add_argument("--balance-horizon", type=int, default=BALANCE_DEFAULTS.horizon,
                                   help="steps over which a migration's predicted saving must repay its cost")
     add_renamed_flag(parser, "--horizon", horizon)
     parser.add_argument("--seq-len", type=int, default=4096, help="sequence length for the attention cost")
@@ -41,23 +42,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also replay with experts/ep + N slots per rank for each N (e.g. 0,1,2) and recommend "
                              "the fewest spare slots whose step time is within 0.5%% of the best")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-
-
-def _parse_predictor(text: str):
-    from moetrain.balance.predict import AdaptivePredictor, EMAPredictor, HoltPredictor
-
-    kind, _, values = text.partition(":")
-    if text == "adaptive":
-        return AdaptivePredictor()
-    try:
-        if kind == "ema" and values:
-            return EMAPredictor(float(values))
-        if kind == "holt" and values:
-            alpha, beta = (float(x) for x in values.split(","))
-            return HoltPredictor(alpha, beta)
-    except ValueError:
-        pass
-    raise UserError(f"--predictor {text!r}: expected adaptive, auto, ema:THETA (e.g. ema:0.9) or holt:ALPHA,BETA")
 
 
 def _parse_spare(text: str | None) -> tuple[int, ...] | None:
@@ -120,7 +104,13 @@ def _default_model(num_experts: int) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from moetrain.balance.costs import BalanceCostModel
-    from moetrain.balance.predict import DEFAULT_CANDIDATES, AdaptivePredictor, forecast_error, select_predictor
+    from moetrain.balance.predict import (
+        DEFAULT_CANDIDATES,
+        AdaptivePredictor,
+        forecast_error,
+        parse_predictor,
+        select_predictor,
+    )
     from moetrain.balance.replay import replay
     from moetrain.balance.slots import choose_spare_slots
     from moetrain.balance.traces import read_trace
@@ -149,13 +139,13 @@ def run(args: argparse.Namespace) -> int:
         predictor, _ = select_predictor(loads[:select_steps], horizon=forecast_horizon)
         errors = {p.name: forecast_error(p, loads, forecast_horizon) for p in DEFAULT_CANDIDATES}
     else:
-        predictor = _parse_predictor(args.predictor)
+        predictor = parse_predictor(args.predictor)
         if isinstance(predictor, AdaptivePredictor) and loads.shape[0] > 5 + forecast_horizon:
             errors = {p.name: forecast_error(p, loads, forecast_horizon) for p in (*predictor.candidates, predictor)}
     result = replay(trace, costs, predictor, args.slots_per_rank, args.solver, args.balance_interval,
                     args.balance_horizon)
     summary = result.summary()
-    slots = args.slots_per_rank or trace.num_experts // args.ep + 1
+    slots = args.slots_per_rank or BALANCE_DEFAULTS.slots_per_rank(trace.num_experts, args.ep)
     migrations = [d.as_dict() for d in result.decisions if d.migrate]
     spare = None if spare_options is None else choose_spare_slots(
         trace, costs, predictor, spare_options, solver=args.solver, interval=args.balance_interval,

@@ -35,9 +35,9 @@ import torch.distributed as dist
 from torch import nn
 
 from moetrain.balance.costs import BalanceCostModel
-from moetrain.balance.online import PAYBACK_HORIZON, REPLAN_INTERVAL, check_online_balance, default_slots_per_rank
+from moetrain.balance.online import BALANCE_DEFAULTS, check_online_balance, default_slots_per_rank
 from moetrain.balance.placement import EMPTY_SLOT, ExpertPlacement, Move
-from moetrain.balance.predict import AdaptivePredictor, Predictor
+from moetrain.balance.predict import Predictor
 from moetrain.balance.schedule import Decision, LayerSchedule, ReplanRule
 from moetrain.balance.solver import SOLVERS
 from moetrain.config import ClusterConfig, ModelConfig, TrainingConfig
@@ -184,11 +184,11 @@ class OnlineExpertBalancer:
     stage: StageModel
     optimizer: ZeroAdamW
     costs: BalanceCostModel
-    interval: int = REPLAN_INTERVAL
-    horizon: int = PAYBACK_HORIZON
-    predictor: Predictor = field(default_factory=AdaptivePredictor)
-    solver: str = "local"
-    trigger_margin: float = 1.0
+    interval: int = BALANCE_DEFAULTS.interval
+    horizon: int = BALANCE_DEFAULTS.horizon
+    predictor: Predictor = field(default_factory=BALANCE_DEFAULTS.build_predictor)
+    solver: str = BALANCE_DEFAULTS.solver
+    trigger_margin: float = BALANCE_DEFAULTS.trigger_margin
     adaptive: bool = True
     time_experts: bool = False
     decisions: list[Decision] = field(default_factory=list)
