@@ -19,7 +19,7 @@ from pathlib import Path
 from moetrain.config.run import RunSpec
 from moetrain.errors import UserError
 from moetrain.status import say, status_console
-from moetrain.train.recovery import attempt, report_name
+from moetrain.runtime_base.recovery import attempt, report_name
 
 USER_ERROR_EXIT = 2
 

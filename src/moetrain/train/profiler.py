@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from moetrain.config.cluster import ClusterConfig
 from moetrain.config.model import ModelConfig
 from moetrain.planner.compute import attention_head_dim_factor
-from moetrain.train.host_memory import keep_freed_host_memory
+from moetrain.runtime_base.host_memory import keep_freed_host_memory
 
 # (m, n, k). The first two (overhead-bound) give the fixed cost per call, the last three (rate-bound)
 # the asymptotic speed; a GPU needs far larger shapes than a CPU core to reach its rate.
@@ -314,8 +314,8 @@ def probe_host(model_cfg: ModelConfig, device: str, repeats: int) -> HostTimes |
     from moetrain.config.training import TrainingConfig
     from moetrain.costs.params import count_params
     from moetrain.models.transformer import build_model
-    from moetrain.train.optim import build_optimizer, clip_gradients
-    from moetrain.train.precision import autocast, autocast_dtype
+    from moetrain.runtime_base.optim import build_optimizer, clip_gradients
+    from moetrain.runtime_base.precision import autocast, autocast_dtype
 
     if count_params(model_cfg).total_with_mtp > HOST_PROBE_MAX_PARAMS[_kind(device)]:
         return None
@@ -355,7 +355,7 @@ def _host_issue_times(model_cfg: ModelConfig, device: str, repeats: int) -> dict
 
 def _wide_pass(model, model_cfg: ModelConfig, device: str, dtype) -> tuple:
     """(a forward and backward of ``model`` on ``HOST_WIDE_PROBE``'s micro-batch, its (sequences, tokens))."""
-    from moetrain.train.precision import autocast
+    from moetrain.runtime_base.precision import autocast
 
     batch, seq = HOST_WIDE_PROBE[0], min(HOST_WIDE_PROBE[1], model_cfg.max_seq_len)
     ids = torch.randint(0, model_cfg.vocab_size, (batch, seq), device=device)
