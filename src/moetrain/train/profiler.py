@@ -503,15 +503,15 @@ def profile_weight_sync(model_cfg: ModelConfig, repeats: int = 5, bucket_bytes: 
 def profile_sync_rates(repeats: int = 5, num_bytes: int = SYNC_PROBE_BYTES) -> dict:
     """The weight sync's host work per byte on one thread (``distributed.weight_sync``): a copy (the mean of
     a bucket packed into a fresh tensor and a box written into existing weights) and a CRC-32 (the sync's
-    own ``_crc``: the bytes to host, then zlib), as bytes per second."""
-    from moetrain.distributed.weight_sync import _crc
+    own ``payload_crc``: the bytes to host, then zlib), as bytes per second."""
+    from moetrain.distributed.weight_sync import payload_crc
 
     keep_freed_host_memory()  # as the runtime's CPU processes, which run the sync
     src = torch.randint(0, 255, (num_bytes,), dtype=torch.uint8)
     dst = torch.empty_like(src)
     pack = _timed(lambda: torch.cat([src, src[:16]]), repeats, "cpu")  # into a fresh bucket, as ``_pack``
     write = _timed(lambda: dst.copy_(src), repeats, "cpu")  # into existing weights, as ``_receive``
-    crc = _timed(lambda: _crc([src]), repeats, "cpu")
+    crc = _timed(lambda: payload_crc([src]), repeats, "cpu")
     copy = (pack + write) / 2.0  # a synced byte is copied once each way
     return {"bytes": num_bytes, "pack_seconds": pack, "write_seconds": write, "crc_seconds": crc,
             "copy_bytes_per_s": num_bytes / copy, "crc_bytes_per_s": num_bytes / crc}
