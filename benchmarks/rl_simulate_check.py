@@ -128,7 +128,7 @@ from moetrain.rl.rates import (
 )
 from moetrain.rl.sft import sequence_len_for
 from moetrain.rl.tasks import get_task
-from moetrain.train.host_memory import keep_freed_host_memory
+from moetrain.runtime_base.host_memory import keep_freed_host_memory
 from moetrain.train.profiler import profile_collectives
 
 RESULTS = Path(__file__).resolve().parent / "results"

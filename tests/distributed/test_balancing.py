@@ -41,8 +41,8 @@ from moetrain.models.dispatch import LocalDispatcher
 from moetrain.models.experts import GroupedExperts
 from moetrain.models.router import Routing, count_tokens_per_expert
 from moetrain.models.transformer import build_model
+from moetrain.runtime_base.checkpoint_files import checkpoint_dir
 from moetrain.train import Trainer
-from moetrain.train.checkpoint import checkpoint_dir
 
 STEPS = 5
 EP = 4

@@ -36,7 +36,7 @@ from moetrain.distributed.layout import ParallelDims
 from moetrain.distributed.world import spawn
 from moetrain.errors import UserError
 from moetrain.models.attention import GQA, MLA, build_attention_context
-from moetrain.train.checkpoint import checkpoint_dir
+from moetrain.runtime_base.checkpoint_files import checkpoint_dir
 from moetrain.train.checks import check_seq_len
 
 STEPS, SAVED_AT = 4, 2

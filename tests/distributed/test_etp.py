@@ -40,8 +40,8 @@ from moetrain.errors import UserError
 from moetrain.models.dispatch import LocalDispatcher
 from moetrain.models.experts import GroupedExperts
 from moetrain.models.router import Routing, count_tokens_per_expert
+from moetrain.runtime_base.checkpoint_files import checkpoint_dir
 from moetrain.train import Trainer
-from moetrain.train.checkpoint import checkpoint_dir
 
 TINY = load_model_config("tiny-pangu")
 

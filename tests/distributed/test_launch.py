@@ -63,7 +63,7 @@ def test_failed_rank_stops_the_job(tmp_path: Path, fault: str, expected: str) ->
 @pytest.mark.dist
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc to find leftover processes")
 def test_a_rank_killed_mid_save_leaves_the_newest_complete_checkpoint(tmp_path: Path) -> None:
-    from moetrain.train.checkpoint import latest_checkpoint, verify_checkpoint
+    from moetrain.runtime_base.checkpoint_files import latest_checkpoint, verify_checkpoint
 
     env = dict(os.environ, MOETRAIN_FAULT="1:4:kill:save", OMP_NUM_THREADS="1")
     shape = ["--steps", "4", "--seq-len", "32", "--global-batch", "8", "--micro-batch", "2", "--synthetic-data",

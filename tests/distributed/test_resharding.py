@@ -27,8 +27,8 @@ from moetrain.config import ParallelConfig, TrainingConfig
 from moetrain.distributed.checkpoint import load_checkpoint
 from moetrain.distributed.layout import ParallelDims
 from moetrain.distributed.world import spawn
+from moetrain.runtime_base.checkpoint_files import checkpoint_dir
 from moetrain.train import Trainer
-from moetrain.train.checkpoint import checkpoint_dir
 
 STEPS, SAVED_AT = 4, 2
 TRAINING = TrainingConfig(steps=STEPS, global_batch=8, micro_batch=2, seq_len=32, warmup_steps=2)

@@ -1,7 +1,7 @@
 """Multi-rank runs through the product's entry points: ``moetrain train --nproc 2 --ep 2`` on a small text
 file gives the per-step losses, metrics and routing trace of the one-process run on the same file, an
 EP2 checkpoint resumes in one process on the uninterrupted curve, and the multi-node entry
-(``torchrun -m moetrain.distributed.worker --config run.yaml``) writes the same metrics rows as
+(``torchrun -m moetrain.cli.worker --config run.yaml``) writes the same metrics rows as
 ``moetrain train --nproc 4 --config run.yaml``."""
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def _config_runs(root: Path, data: Path, env: dict) -> None:
     assert launched.returncode == 0, launched.stderr
     started = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-         "-m", "moetrain.distributed.worker", "--config", str(root / "run.yaml"),
+         "-m", "moetrain.cli.worker", "--config", str(root / "run.yaml"),
          "--metrics-out", str(root / "torchrun.jsonl")],
         capture_output=True, text=True, timeout=120, env=env)
     assert started.returncode == 0, started.stderr[-3000:]

@@ -31,7 +31,7 @@ from moetrain.distributed.world import spawn
 from moetrain.distributed.zero import ZeroAdamW, build_sharded_optimizer
 from moetrain.errors import UserError
 from moetrain.models.transformer import build_model
-from moetrain.train.optim import build_optimizer
+from moetrain.runtime_base.optim import build_optimizer
 
 STEPS = 4
 RESUME_AT = 2

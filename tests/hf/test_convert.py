@@ -10,7 +10,7 @@ from hf_reference import make_reference, reference_logits
 
 from moetrain.cli import main
 from moetrain.hf import load_pretrained
-from moetrain.hf.checkpoint import read_checkpoint_model
+from moetrain.hf.converted_checkpoint import read_checkpoint_model
 
 transformers = pytest.importorskip("transformers")
 

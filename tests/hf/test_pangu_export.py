@@ -16,7 +16,7 @@ from moetrain.cli import main
 from moetrain.config import load_model_config
 from moetrain.config.model import ModelConfig
 from moetrain.hf import load_pretrained, save_pretrained
-from moetrain.hf.checkpoint import read_checkpoint_model, write_converted_checkpoint
+from moetrain.hf.converted_checkpoint import read_checkpoint_model, write_converted_checkpoint
 from moetrain.models import build_model
 from refusals import refused
 

@@ -24,7 +24,7 @@ from moetrain.rl.roles import Roles
 from moetrain.rl.spec import resolve_rl_spec
 from moetrain.rl.stalesync import RolloutWorker, StaleSyncJob, StaleSyncTrainer, run_stalesync
 from moetrain.rl.start import starting_weights
-from moetrain.train.checkpoint import latest_checkpoint, read_marker, verify_checkpoint
+from moetrain.runtime_base.checkpoint_files import latest_checkpoint, read_marker, verify_checkpoint
 from refusals import refused
 
 try:

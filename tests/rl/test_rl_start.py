@@ -7,7 +7,7 @@ import torch
 
 from moetrain.cli import main
 from moetrain.config import load_model_config
-from moetrain.hf.checkpoint import write_converted_checkpoint
+from moetrain.hf.converted_checkpoint import write_converted_checkpoint
 from moetrain.hf.save import save_pretrained
 from moetrain.models.transformer import build_model
 from moetrain.rl.loop import policy_config

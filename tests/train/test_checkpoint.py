@@ -11,7 +11,7 @@ from moetrain.distributed.parallelize import model_moe_blocks
 from moetrain.distributed.step import build_layout
 from moetrain.distributed.world import join_world
 from moetrain.errors import UserError
-from moetrain.train.checkpoint import COMPLETE_MARKER, checkpoint_dir, latest_checkpoint, run_identity
+from moetrain.runtime_base.checkpoint_files import COMPLETE_MARKER, checkpoint_dir, latest_checkpoint, run_identity
 
 MODEL = load_model_config("tiny-pangu")
 CPU = torch.device("cpu")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from moetrain.cli import main
-from moetrain.train.checkpoint import COMPLETE_MARKER, checkpoint_dir
+from moetrain.runtime_base.checkpoint_files import COMPLETE_MARKER, checkpoint_dir
 from refusals import refused, snapshot
 
 WORDS = ["to", "be", "or", "not", "that", "is", "the", "question", "whether", "tis", "nobler", "in", "mind", "suffer"]

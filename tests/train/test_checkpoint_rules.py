@@ -9,7 +9,7 @@ import pytest
 
 from moetrain.config import TrainingConfig, load_model_config
 from moetrain.errors import UserError
-from moetrain.train.checkpoint import (
+from moetrain.runtime_base.checkpoint_files import (
     COMPLETE_MARKER,
     RESUMABLE_CHANGES,
     check_resumable,

@@ -1,4 +1,4 @@
-"""A CPU run keeps freed host memory for reuse (``moetrain.train.host_memory``)."""
+"""A CPU run keeps freed host memory for reuse (``moetrain.runtime_base.host_memory``)."""
 
 import platform
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from moetrain.train.host_memory import keep_freed_host_memory
+from moetrain.runtime_base.host_memory import keep_freed_host_memory
 
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
@@ -14,7 +14,7 @@ GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 # process's resident MiB at the peak and after the free.
 STEP = """
 import sys, torch
-from moetrain.train.host_memory import keep_freed_host_memory
+from moetrain.runtime_base.host_memory import keep_freed_host_memory
 if sys.argv[1] == "keep":
     assert keep_freed_host_memory()
 def resident_mib():

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from moetrain.config import TrainingConfig
-from moetrain.train.optim import build_lr_scheduler, build_optimizer, lr_multiplier
+from moetrain.runtime_base.optim import build_lr_scheduler, build_optimizer, lr_multiplier
 
 
 def test_warmup_then_cosine_to_the_floor():

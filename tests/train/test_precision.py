@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moetrain.train.optim import clip_gradients
-from moetrain.train.precision import autocast, autocast_dtype
+from moetrain.runtime_base.optim import clip_gradients
+from moetrain.runtime_base.precision import autocast, autocast_dtype
 
 
 @pytest.mark.parametrize(("setting", "device", "expected"), [

@@ -18,8 +18,8 @@ from moetrain.config import TrainingConfig
 from moetrain.config.run import RunSpec
 from moetrain.distributed.checkpoint import CheckpointWriter, checkpoint_state
 from moetrain.errors import UserError
+from moetrain.runtime_base.checkpoint_files import COMPLETE_MARKER, complete_checkpoints, verify_checkpoint
 from moetrain.train import Trainer
-from moetrain.train.checkpoint import COMPLETE_MARKER, complete_checkpoints, verify_checkpoint
 from moetrain.train.saver import CheckpointSaver
 
 TRAINING = TrainingConfig(steps=6, global_batch=4, micro_batch=2, seq_len=32, lr=3e-3, warmup_steps=2)

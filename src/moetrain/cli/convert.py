@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _from_hf(args: argparse.Namespace) -> int:
     from moetrain.hf import load_pretrained
-    from moetrain.hf.checkpoint import MODEL_YAML, write_converted_checkpoint
+    from moetrain.hf.converted_checkpoint import MODEL_YAML, write_converted_checkpoint
 
     model, cfg = load_pretrained(args.from_hf)
     step_folder = write_converted_checkpoint(model, cfg, args.to)
@@ -66,8 +66,8 @@ def _to_hf(args: argparse.Namespace) -> int:
     import torch
 
     from moetrain.hf import pangu, save_pretrained
-    from moetrain.hf.checkpoint import read_checkpoint_model
     from moetrain.hf.configs import hf_family_for
+    from moetrain.hf.converted_checkpoint import read_checkpoint_model
 
     model, cfg = read_checkpoint_model(args.to_hf, args.model)
     dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype else None

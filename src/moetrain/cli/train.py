@@ -5,7 +5,7 @@ plan --out`` writes) become one validated ``RunSpec`` (``moetrain.config.run``):
 file < plan < flags. ``check_run`` refuses what cannot run before anything starts. A spec of one rank
 trains here; several ranks start under torchrun (``moetrain.distributed.launch``), each reading the
 same spec from a file. The worker users start with torchrun on several nodes
-(``-m moetrain.distributed.worker``) takes these same flags and builds the spec here too.
+(``-m moetrain.cli.worker``) takes these same flags and builds the spec here too.
 """
 
 from __future__ import annotations
@@ -259,7 +259,7 @@ def worker_main(argv: list[str] | None = None) -> int:
     """One rank under torchrun: the spec the launcher wrote (``MOETRAIN_RUN_SPEC``), or these flags."""
     import sys
 
-    from moetrain.distributed.worker import run_rank
+    from moetrain.train.rank import run_rank
 
     payload = os.environ.get("MOETRAIN_RUN_SPEC")
     try:
@@ -270,7 +270,7 @@ def worker_main(argv: list[str] | None = None) -> int:
         else:
             from moetrain.cli.parsing import CommandParser, DefaultsFormatter
 
-            parser = CommandParser(prog="python -m moetrain.distributed.worker", formatter_class=DefaultsFormatter,
+            parser = CommandParser(prog="python -m moetrain.cli.worker", formatter_class=DefaultsFormatter,
                                    description="one rank of a moetrain run (started by torchrun)")
             add_arguments(parser)
             spec = checked_spec(parser.parse_args(argv), world_size=int(os.environ.get("WORLD_SIZE", "1")))

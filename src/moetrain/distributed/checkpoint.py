@@ -9,7 +9,7 @@ parameters (``ZeroAdamW.moments_by_name``) and saved the same way. Loading asks 
 pieces its own layout holds; DCP reads them from whatever pieces were written. So a checkpoint saved
 under TP2×EP2 loads under PP2×EP2, and a single-process checkpoint loads under a parallel layout.
 
-The folder and its keys are those of the single-process trainer (``moetrain.train.checkpoint``):
+The folder and its keys are those of the single-process trainer (``moetrain.runtime_base.checkpoint_files``):
 ``step-000123/`` written as ``step-000123.tmp/`` and renamed after the ``COMPLETE`` marker (the run's
 identity and a SHA-256 of every file, ``seal_checkpoint``) is on disk; loads verify it first;
 keys ``model.<name>``, ``optim.state.<name>.{step,exp_avg,exp_avg_sq}``, ``optim.param_groups``,
@@ -44,7 +44,7 @@ from moetrain.distributed.placements import local_pieces
 from moetrain.distributed.step import LayoutRun
 from moetrain.errors import UserError
 from moetrain.models.transformer import build_model
-from moetrain.train.checkpoint import (
+from moetrain.runtime_base.checkpoint_files import (
     COMPLETE_MARKER,
     check_resumable,
     checkpoint_dir,
@@ -56,7 +56,7 @@ from moetrain.train.checkpoint import (
     seal_checkpoint,
     verify_checkpoint,
 )
-from moetrain.train.optim import build_lr_scheduler, build_optimizer
+from moetrain.runtime_base.optim import build_lr_scheduler, build_optimizer
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 EXPERT_PLACEMENT_FILE = "expert_placement.json"

@@ -4,18 +4,18 @@
 nothing starts for a layout that does not divide the model or the world. ``launch`` writes the spec
 to ``run_spec.json`` in the run's log folder (``moetrain rl``: its RL spec, ``rl_spec.json``, named in
 ``MOETRAIN_RL_SPEC``), names it in ``MOETRAIN_RUN_SPEC`` and runs
-``torchrun --standalone --nproc-per-node N --max-restarts R -m moetrain.distributed.worker``. torchrun's
+``torchrun --standalone --nproc-per-node N --max-restarts R -m moetrain.cli.worker``. torchrun's
 agent stops every rank as soon as one exits non-zero or dies from a signal; collectives also time out
 (60 s by default) so no rank waits for ever on a dead peer. With ``--max-restarts R`` (the run spec's
 ``run.max_restarts``, default 0) the agent then starts the group again, up to R times, and each attempt
-resumes from the newest complete checkpoint (``moetrain.train.recovery``); a run of one rank runs under
+resumes from the newest complete checkpoint (``moetrain.runtime_base.recovery``); a run of one rank runs under
 torchrun too when R > 0, so it recovers the same way. Once no restart is left the launcher prints the
 failing rank's own line (``rank R failed: cause``) of the last attempt, or, for a rank killed by a
 signal or gone with an exit code and no report, the rank and the signal or code from torchrun's report;
 the full torchrun log is kept on disk. A user error in a rank (exit 2) ends the launch with exit 2 as well.
 
 Multi-node runs call torchrun directly with its usual flags (``--nnodes``, ``--node-rank``,
-``--rdzv-endpoint``), ``-m moetrain.distributed.worker`` and ``moetrain train``'s flags
+``--rdzv-endpoint``), ``-m moetrain.cli.worker`` and ``moetrain train``'s flags
 (docs/distributed.md).
 """
 
@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moetrain.config.run import RunSpec
+from moetrain.runtime_base.recovery import RECOVERY_ENV, peer_lost, report_name, restarts_summary
 from moetrain.status import say, status_console
 from moetrain.threads import ThreadChoice, choose_threads
-from moetrain.train.recovery import RECOVERY_ENV, peer_lost, report_name, restarts_summary
 
 
 def _failure_line(error_dir: Path, torchrun_log: str, attempt: int = 0) -> str:
@@ -70,7 +70,7 @@ class SpecFile:
     env: str
 
 
-def launch(spec: RunSpec, log_dir: Path | None = None, entry: str = "moetrain.distributed.worker",
+def launch(spec: RunSpec, log_dir: Path | None = None, entry: str = "moetrain.cli.worker",
            spec_file: SpecFile | None = None, command: str = "train", nproc: int | None = None) -> int:
     """Run ``spec`` on ``spec.world_size`` ranks of this node; the exit code of the run. ``entry``: the
     rank's module (``moetrain rl`` starts ``moetrain.rl.worker``), ``spec_file``: what its ranks read

@@ -36,8 +36,8 @@ from moetrain.models.transformer import (
     shift_left,
     token_loss_sum,
 )
+from moetrain.runtime_base.precision import autocast
 from moetrain.schedules import Action, Overlapped, Step
-from moetrain.train.precision import autocast
 
 
 class TokenObjective(Protocol):

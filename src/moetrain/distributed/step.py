@@ -33,8 +33,8 @@ from moetrain.distributed.trace import span
 from moetrain.distributed.zero import build_sharded_optimizer
 from moetrain.models.attention import AttentionBackend, DocumentMask
 from moetrain.models.transformer import MoETransformer, build_model
+from moetrain.runtime_base.optim import lr_multiplier
 from moetrain.schedules import interleaved_1f1b, overlapped
-from moetrain.train.optim import lr_multiplier
 
 
 @dataclass

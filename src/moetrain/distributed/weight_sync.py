@@ -220,7 +220,7 @@ class WeightSync:
     def _pack(self, bucket: Bucket, version: int) -> torch.Tensor:
         parts = [_bytes(_box_view(self.sources[item.name], item.src_piece, item.box)) for item in bucket.items]
         payload = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
-        header = torch.tensor([version, _crc(parts)], dtype=torch.int64).view(torch.uint8).to(payload.device)
+        header = torch.tensor([version, payload_crc(parts)], dtype=torch.int64).view(torch.uint8).to(payload.device)
         return torch.cat([payload, header])
 
     def _send(self, bucket: Bucket, payload: torch.Tensor) -> int:
@@ -271,7 +271,7 @@ class WeightSync:
             view.copy_(body[offset:offset + size].view(_dtype(item.dtype)).view(view.shape))
             views.append(view)
             offset += size
-        got = _crc([_bytes(view) for view in views])
+        got = payload_crc([_bytes(view) for view in views])
         if sent_version != version or got != sent_crc:
             what = ", ".join(f"{item.name}{_describe(item.box)}" for item in bucket.items[:3])
             more = f" and {len(bucket.items) - 3} more" if len(bucket.items) > 3 else ""
@@ -430,7 +430,7 @@ def _bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def _crc(parts: list[torch.Tensor]) -> int:
+def payload_crc(parts: list[torch.Tensor]) -> int:
     """CRC-32 of the parts' bytes in order (on the host: a device bucket is copied once for it)."""
     crc = 0
     for part in parts:

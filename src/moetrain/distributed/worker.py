@@ -1,78 +1,11 @@
-"""One rank of a multi-rank run: what torchrun starts (``python -m moetrain.distributed.worker``).
-
-``moetrain train --nproc N`` validates the run spec, writes it to a file and names that file in
-``MOETRAIN_RUN_SPEC``; a user starting torchrun on several nodes gives the same flags as ``moetrain
-train`` (``--config run.yaml`` and overrides) and the spec is built and checked the same way. Each rank
-then runs ``moetrain.train.Trainer``, the loop of every layout. A rank that raises writes one line,
-naming itself and the cause, to ``$MOETRAIN_ERROR_DIR/rank<R>.txt`` (``rank<R>.restart<A>.txt`` in a
-restarted attempt) and exits non-zero (2 for a user error); torchrun then stops every other rank and,
-with restarts left (``--max-restarts``), starts the group again: an attempt after the first resumes
-every rank from the newest complete checkpoint. Otherwise the launcher prints that line.
-"""
+"""The torchrun entry point's old path: ``python -m moetrain.distributed.worker`` runs
+``moetrain.cli.worker``. Kept for one release, like a renamed flag; start ``-m moetrain.cli.worker``."""
 
 from __future__ import annotations
 
-import os
 import sys
-from pathlib import Path
 
-from moetrain.config.run import RunSpec
-from moetrain.errors import UserError
-from moetrain.status import say, status_console
-from moetrain.train.recovery import attempt, report_name
-
-USER_ERROR_EXIT = 2
-
-
-def run_rank(spec: RunSpec) -> int:
-    """Join the process group, train, leave; a failure is one line and a non-zero exit."""
-    import torch
-    import torch.distributed as dist
-
-    from moetrain.distributed.world import init_world
-    from moetrain.train.trainer import Trainer, resolve_device
-
-    torch.set_num_threads(spec.run.threads or int(os.environ.get("OMP_NUM_THREADS", "1")))
-    rank = int(os.environ.get("RANK", "0"))
-    if attempt() > 0:  # torchrun restarted the group after a failure: every rank resumes
-        spec = spec.model_copy(update={"run": spec.run.model_copy(update={"resume": True})})
-    try:
-        device = resolve_device(spec.run.device)
-        rank, _, _ = init_world("nccl" if device.type == "cuda" else "gloo", spec.run.timeout_s)
-        say(status_console(spec.run.quiet or rank != 0), f"all {dist.get_world_size()} ranks joined; "
-            "preparing the data and each rank's part of the model…")
-        trainer = Trainer(spec)
-        trainer.console.print(trainer.describe())
-        trainer.train()
-        trainer.print_summary()
-    except BaseException as exc:  # report every cause, then let torchrun stop the others
-        _report(rank, exc)
-        os._exit(USER_ERROR_EXIT if isinstance(exc, UserError) else 1)  # no teardown: peers may be gone
-    dist.destroy_process_group()
-    return 0
-
-
-def failure_line(rank: int, exc: BaseException) -> str:
-    """``rank R failed: cause``: the one line a failed rank reports (a user error without its type)."""
-    first = str(exc).splitlines()[0] if str(exc) else ""
-    cause = first if isinstance(exc, UserError) else f"{type(exc).__name__}: {first}"
-    return f"rank {rank} failed: {cause}"
-
-
-def _report(rank: int, exc: BaseException) -> None:
-    message = failure_line(rank, exc)
-    error_dir = os.environ.get("MOETRAIN_ERROR_DIR")
-    if error_dir:
-        Path(error_dir, report_name(rank, attempt())).write_text(message + "\n")
-    print(message, file=sys.stderr, flush=True)
-
-
-def main(argv: list[str] | None = None) -> int:
-    # The flags are the CLI's (``moetrain train``'s parser and checks), so both entries agree.
-    from moetrain.cli.train import worker_main
-
-    return worker_main(argv)
-
+from moetrain.cli.worker import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moetrain.train.host_memory import keep_freed_host_memory
+from moetrain.runtime_base.host_memory import keep_freed_host_memory
 
 DEFAULT_TIMEOUT_S = 60.0
 """Collective timeout: a rank stuck waiting for a dead peer gives up after this long."""
@@ -54,7 +54,7 @@ def free_port() -> int:
 
 def init_world(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int, torch.device]:
     """Join the process group torchrun (or ``spawn``, or a Ray actor) described in the environment; a CPU
-    rank keeps the host memory it frees (``moetrain.train.host_memory``)."""
+    rank keeps the host memory it frees (``moetrain.runtime_base.host_memory``)."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"

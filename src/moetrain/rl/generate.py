@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from moetrain.models.transformer import MoETransformer, decoder_moe_layers
 from moetrain.rl.kv_cache import LayerCache, cached_attention, new_cache
 from moetrain.rl.replay import RoutingRecorder, decoder_layers
-from moetrain.train.precision import autocast
+from moetrain.runtime_base.precision import autocast
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,7 @@ from moetrain.rl.sft import TaskSFTDataset, prompt_ids
 from moetrain.rl.tasks import Problem, Task, get_task, heldout_problems, problem_at
 from moetrain.rl.tokenizer import CharTokenizer
 from moetrain.rl.warmup import WarmupCheck, WarmupDecision, decide, warmup_validation
-from moetrain.train.checkpoint import run_identity
+from moetrain.runtime_base.checkpoint_files import run_identity
 from moetrain.train.trainer import Trainer
 
 EVAL_BATCH = 256

@@ -48,7 +48,7 @@ from moetrain.rl.loop import policy_config, step_problems
 from moetrain.rl.sft import prompt_ids
 from moetrain.rl.tasks import get_task
 from moetrain.rl.tokenizer import CharTokenizer
-from moetrain.train.host_memory import keep_freed_host_memory
+from moetrain.runtime_base.host_memory import keep_freed_host_memory
 from moetrain.train.profiler import profile_sync_rates, profile_weight_sync
 
 SAMPLER_ROWS = 128

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from moetrain.distributed.worker import failure_line
 from moetrain.distributed.world import DEFAULT_TIMEOUT_S, run_in_world
 from moetrain.errors import UserError
+from moetrain.runtime_base.recovery import failure_line
 
 if TYPE_CHECKING:
     from moetrain.rl.spec import RLRunSpec

@@ -184,8 +184,8 @@ def warm_up(run: RLRun, model: MoETransformer | None, console: Console | None = 
     dir) from ``model`` (None: initialised from the seed)."""
     from moetrain.rl.loop import SFTTrainer
     from moetrain.rl.tasks import get_task
+    from moetrain.runtime_base.checkpoint_files import latest_checkpoint
     from moetrain.status import say
-    from moetrain.train.checkpoint import latest_checkpoint
 
     spec = run.sft
     assert spec is not None

@@ -4,7 +4,7 @@ model folder.
 A moetrain checkpoint is a save dir of ``moetrain train`` / ``moetrain convert --from-hf`` (its newest
 complete step) or one step folder; its model is ``--model`` when given (a checkpoint of another model is
 then refused in one line: DCP names the tensor that does not fit), else the ``model.yaml`` beside it, else
-the model its marker records (``moetrain.hf.checkpoint.checkpoint_model_config``). A
+the model its marker records (``moetrain.hf.converted_checkpoint.checkpoint_model_config``). A
 folder with ``config.json`` is read as a Hugging Face model (``moetrain.hf.load_pretrained``).
 
 The policy is the model without its multi-token-prediction modules (``loop.policy_config``): their
@@ -35,7 +35,7 @@ def starting_config(path: Path, model: str | None) -> ModelConfig:
         from moetrain.hf.load import read_hf_config
 
         return model_config_from_hf(read_hf_config(path), name=path.name, source=str(path / "config.json"))
-    from moetrain.hf.checkpoint import checkpoint_model_config, newest_step_folder
+    from moetrain.hf.converted_checkpoint import checkpoint_model_config, newest_step_folder
 
     try:
         return checkpoint_model_config(newest_step_folder(path), model)[0]
@@ -52,7 +52,7 @@ def starting_weights(path: Path, policy_cfg: ModelConfig) -> dict[str, torch.Ten
 
         net, _ = load_pretrained(path)
     else:
-        from moetrain.hf.checkpoint import read_checkpoint_model
+        from moetrain.hf.converted_checkpoint import read_checkpoint_model
 
         net, _ = read_checkpoint_model(path, cfg=policy_cfg)
     state = net.state_dict()

@@ -12,7 +12,7 @@ from it (``moetrain.rl.run.build_rl_run``), then plays its part:
   reward and reference workers), from the warm-up weights the CLI's process wrote (``initial_weights``).
 
 A failure is one line per rank and a non-zero exit (2 for a user error), as for ``moetrain train``'s
-ranks (``moetrain.distributed.worker``); torchrun then stops the other ranks and, with restarts left
+ranks (``moetrain.train.rank``); torchrun then stops the other ranks and, with restarts left
 (``--max-restarts``), starts them all again: an attempt after the first resumes from the newest GRPO
 checkpoint, which in a StaleSync run the rollout replicas follow (the trainer tells them the step).
 """
@@ -23,12 +23,11 @@ import os
 import sys
 from pathlib import Path
 
-from moetrain.distributed.worker import USER_ERROR_EXIT, _report
 from moetrain.errors import UserError
 from moetrain.rl.run import RLRun, build_rl_run, starting_model, train_grpo, warm_up, whole_curve
 from moetrain.rl.spec import SPEC_ENV, RLRunSpec, read_spec
+from moetrain.runtime_base.recovery import USER_ERROR_EXIT, attempt, report_failure
 from moetrain.status import say, status_console
-from moetrain.train.recovery import attempt
 
 
 def run_rank(spec: RLRunSpec, rank: int) -> None:
@@ -106,7 +105,7 @@ def main() -> int:
     try:
         run_rank(read_spec(Path(os.environ[SPEC_ENV])), rank)
     except BaseException as exc:  # report every cause, then let torchrun stop the others
-        _report(rank, exc)
+        report_failure(rank, exc)
         os._exit(USER_ERROR_EXIT if isinstance(exc, UserError) else 1)
     dist.destroy_process_group()
     return 0

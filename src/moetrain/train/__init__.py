@@ -1,17 +1,14 @@
-"""The training loop of every layout (``Trainer``), AdamW + warm-up/cosine schedule, checkpoints, metrics.
+"""The training loop of every layout (``Trainer``), run checks, the rank a launcher starts, metrics.
 
-Names load on first use, so the distributed runtime can import ``moetrain.train.precision`` or
-``moetrain.train.optim`` without the trainer that is built on it.
+``Trainer`` loads on first use, so importing a module of this package does not build the trainer. The
+optimizer, precision, host-memory, recovery and checkpoint-folder helpers it shares with the distributed
+runtime live below both, in ``moetrain.runtime_base``.
 """
 
 from __future__ import annotations
 
 _LAZY = {
     "Trainer": "moetrain.train.trainer",
-    "build_lr_scheduler": "moetrain.train.optim",
-    "build_optimizer": "moetrain.train.optim",
-    "lr_multiplier": "moetrain.train.optim",
-    "latest_checkpoint": "moetrain.train.checkpoint",
 }
 
 

@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass
 
 from moetrain.errors import UserError
-from moetrain.train.recovery import attempt
+from moetrain.runtime_base.recovery import attempt
 
 ENV = "MOETRAIN_FAULT"
 DEFAULT_SPIKE = 1000.0

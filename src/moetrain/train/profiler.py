@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from moetrain.config.cluster import ClusterConfig
 from moetrain.config.model import ModelConfig
 from moetrain.planner.compute import attention_head_dim_factor
-from moetrain.train.host_memory import keep_freed_host_memory
+from moetrain.runtime_base.host_memory import keep_freed_host_memory
 
 # (m, n, k). The first two (overhead-bound) give the fixed cost per call, the last three (rate-bound)
 # the asymptotic speed; a GPU needs far larger shapes than a CPU core to reach its rate.
@@ -314,8 +314,8 @@ def probe_host(model_cfg: ModelConfig, device: str, repeats: int) -> HostTimes |
     from moetrain.config.training import TrainingConfig
     from moetrain.costs.params import count_params
     from moetrain.models.transformer import build_model
-    from moetrain.train.optim import build_optimizer, clip_gradients
-    from moetrain.train.precision import autocast, autocast_dtype
+    from moetrain.runtime_base.optim import build_optimizer, clip_gradients
+    from moetrain.runtime_base.precision import autocast, autocast_dtype
 
     if count_params(model_cfg).total_with_mtp > HOST_PROBE_MAX_PARAMS[_kind(device)]:
         return None
@@ -355,7 +355,7 @@ def _host_issue_times(model_cfg: ModelConfig, device: str, repeats: int) -> dict
 
 def _wide_pass(model, model_cfg: ModelConfig, device: str, dtype) -> tuple:
     """(a forward and backward of ``model`` on ``HOST_WIDE_PROBE``'s micro-batch, its (sequences, tokens))."""
-    from moetrain.train.precision import autocast
+    from moetrain.runtime_base.precision import autocast
 
     batch, seq = HOST_WIDE_PROBE[0], min(HOST_WIDE_PROBE[1], model_cfg.max_seq_len)
     ids = torch.randint(0, model_cfg.vocab_size, (batch, seq), device=device)
@@ -503,15 +503,15 @@ def profile_weight_sync(model_cfg: ModelConfig, repeats: int = 5, bucket_bytes: 
 def profile_sync_rates(repeats: int = 5, num_bytes: int = SYNC_PROBE_BYTES) -> dict:
     """The weight sync's host work per byte on one thread (``distributed.weight_sync``): a copy (the mean of
     a bucket packed into a fresh tensor and a box written into existing weights) and a CRC-32 (the sync's
-    own ``_crc``: the bytes to host, then zlib), as bytes per second."""
-    from moetrain.distributed.weight_sync import _crc
+    own ``payload_crc``: the bytes to host, then zlib), as bytes per second."""
+    from moetrain.distributed.weight_sync import payload_crc
 
     keep_freed_host_memory()  # as the runtime's CPU processes, which run the sync
     src = torch.randint(0, 255, (num_bytes,), dtype=torch.uint8)
     dst = torch.empty_like(src)
     pack = _timed(lambda: torch.cat([src, src[:16]]), repeats, "cpu")  # into a fresh bucket, as ``_pack``
     write = _timed(lambda: dst.copy_(src), repeats, "cpu")  # into existing weights, as ``_receive``
-    crc = _timed(lambda: _crc([src]), repeats, "cpu")
+    crc = _timed(lambda: payload_crc([src]), repeats, "cpu")
     copy = (pack + write) / 2.0  # a synced byte is copied once each way
     return {"bytes": num_bytes, "pack_seconds": pack, "write_seconds": write, "crc_seconds": crc,
             "copy_bytes_per_s": num_bytes / copy, "crc_bytes_per_s": num_bytes / crc}

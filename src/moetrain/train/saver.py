@@ -1,7 +1,7 @@
 """The trainer's checkpoints: synchronous or in the background, the newest K kept, a failed save survived.
 
 ``CheckpointSaver.save`` is called by every rank after the steps that save (``should_save``). It writes
-through DCP into ``step-N.tmp/`` and seals the folder as ``moetrain.train.checkpoint`` describes (every
+through DCP into ``step-N.tmp/`` and seals the folder as ``moetrain.runtime_base.checkpoint_files`` describes (every
 file's SHA-256, the ``COMPLETE`` marker last, the rename), then
 
 - ``--async-save``: ``save`` copies this rank's state to host memory and returns; DCP's thread writes it
@@ -37,7 +37,7 @@ from rich.console import Console
 from torch.distributed.checkpoint.api import CheckpointException
 
 from moetrain.errors import UserError
-from moetrain.train.checkpoint import (
+from moetrain.runtime_base.checkpoint_files import (
     checkpoint_dir,
     complete_checkpoints,
     library_cause,

@@ -37,12 +37,27 @@ from moetrain.distributed.trace import Tracer
 from moetrain.distributed.world import join_world
 from moetrain.errors import UserError
 from moetrain.models.transformer import MoETransformer
+from moetrain.runtime_base.checkpoint_files import (
+    is_model_only,
+    latest_checkpoint,
+    read_marker,
+    run_identity,
+    should_save,
+)
+from moetrain.runtime_base.host_memory import keep_freed_host_memory
+from moetrain.runtime_base.precision import autocast_dtype
+from moetrain.runtime_base.recovery import (
+    Restart,
+    attempt,
+    last_progress,
+    note_restart,
+    previous_failure,
+    record_progress,
+)
 from moetrain.threads import ThreadChoice, choose_threads
-from moetrain.train.checkpoint import is_model_only, latest_checkpoint, read_marker, run_identity, should_save
 from moetrain.train.checks import check_run
 from moetrain.train.faults import injected_faults
 from moetrain.train.guards import BadStepGuard, Verdict
-from moetrain.train.host_memory import keep_freed_host_memory
 from moetrain.train.metrics import (
     MetricsLogger,
     RoutingTraceWriter,
@@ -50,8 +65,6 @@ from moetrain.train.metrics import (
     keep_rows_through,
     summary_table,
 )
-from moetrain.train.precision import autocast_dtype
-from moetrain.train.recovery import Restart, attempt, last_progress, note_restart, previous_failure, record_progress
 from moetrain.train.saver import CheckpointSaver
 
 

@@ -29,7 +29,7 @@ from moetrain.config import load_model_config
 from moetrain.config.model import ModelConfig
 from moetrain.errors import UserError
 from moetrain.models.transformer import MoETransformer
-from moetrain.train.checkpoint import COMPLETE_MARKER, checkpoint_dir, latest_checkpoint, library_cause
+from moetrain.runtime_base.checkpoint_files import COMPLETE_MARKER, checkpoint_dir, latest_checkpoint, library_cause
 
 MODEL_YAML = "model.yaml"
 MODEL_ONLY_HASH = "model-only"

@@ -403,7 +403,7 @@ def marker_fields(step: int, identity: dict[str, Any] | str) -> dict[str, Any]:
 
 
 def is_model_only(path: Path) -> bool:
-    """Weights-only checkpoints come from ``moetrain convert --from-hf`` (see ``moetrain.hf.checkpoint``)."""
+    """Weights-only checkpoints come from ``moetrain convert --from-hf`` (see ``moetrain.hf.converted_checkpoint``)."""
     try:
         return bool(json.loads((path / COMPLETE_MARKER).read_text()).get("model_only"))
     except (OSError, ValueError, AttributeError):

@@ -3,7 +3,7 @@
 ``moetrain train --max-restarts N`` runs the ranks under torchrun with ``--max-restarts N``: when a rank
 fails, torchrun's elastic agent stops the others and starts the whole group again, up to N times, with
 ``TORCHELASTIC_RESTART_COUNT`` telling each process its attempt. An attempt after the first resumes every
-rank from the newest complete checkpoint (``moetrain.distributed.worker``), and the reporting rank drops
+rank from the newest complete checkpoint (``moetrain.train.rank``), and the reporting rank drops
 the failed attempt's metrics rows after it, so the metrics file stays one curve.
 
 The steps lost to a failure are those the failed attempt completed after that checkpoint. The reporting
@@ -11,6 +11,9 @@ rank records each completed step in ``progress.json`` of the run's folder (``MOE
 set by the launcher only when restarts are allowed: one small file write per step); a restarted attempt
 reads it, says what it lost in one line and appends the record to ``restarts.jsonl``, which the launcher
 sums up at the end.
+
+A rank that fails writes one line naming itself and the cause (``failure_line``, ``report_failure``) and
+exits non-zero (``USER_ERROR_EXIT`` for a user error): ``moetrain train``'s ranks and ``moetrain rl``'s.
 """
 
 from __future__ import annotations
@@ -18,14 +21,19 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from moetrain.errors import UserError
 
 RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
 """torchrun's count of the group's restarts, in every rank's environment."""
 RECOVERY_ENV = "MOETRAIN_RECOVERY_DIR"
 PROGRESS_FILE = "progress.json"
 RESTARTS_FILE = "restarts.jsonl"
+USER_ERROR_EXIT = 2
+"""A rank's exit code when it stopped on a user error (1 otherwise)."""
 
 
 def attempt() -> int:
@@ -148,3 +156,19 @@ def restarts_summary(folder: Path) -> str | None:
         "" if len(known) == len(restarts) else " (some unknown)")
     at = ", ".join(f"step {r.resumed_at}" for r in restarts)
     return f"recovered from {len(restarts)} failure{'s' * (len(restarts) > 1)} (resumed at {at}); {lost}"
+
+
+def failure_line(rank: int, exc: BaseException) -> str:
+    """``rank R failed: cause``: the one line a failed rank reports (a user error without its type)."""
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    cause = first if isinstance(exc, UserError) else f"{type(exc).__name__}: {first}"
+    return f"rank {rank} failed: {cause}"
+
+
+def report_failure(rank: int, exc: BaseException) -> None:
+    """Print the failure line, and write it to ``$MOETRAIN_ERROR_DIR`` where the launcher reads it."""
+    message = failure_line(rank, exc)
+    error_dir = os.environ.get("MOETRAIN_ERROR_DIR")
+    if error_dir:
+        Path(error_dir, report_name(rank, attempt())).write_text(message + "\n")
+    print(message, file=sys.stderr, flush=True)

@@ -1,0 +1,216 @@
+"""The layers the README draws, checked on the import graph of ``src/moetrain``.
+
+Every ``moetrain`` import is read with ``ast``, at module level and inside functions alike (an import in
+a function is still a dependency; it only runs later). The packages sit in layers, lowest first: the
+errors and small shared modules, the torch-free configs, cost formulas, planner and balancing policy,
+then the runtime (models and data, memory, the runtime base, the distributed layer, the training loop),
+Hugging Face interop, RL, and the command line on top. A package imports only from layers below its own
+(or from itself); siblings in one layer do not import each other. On top of that: no import cycle between
+packages, no private name (``_x``) imported from another package, torch never below the runtime and
+argparse never outside ``cli/``.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import NamedTuple
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "moetrain"
+
+# Lowest first. A top-level module (``moetrain/errors.py``) counts as a package of its own.
+LAYERS: list[tuple[str, ...]] = [
+    ("errors",),
+    ("textfile", "threads", "status", "schedules"),  # small shared helpers, torch-free
+    ("config",),  # pydantic configs and presets: no torch
+    ("costs",),  # parameter / FLOP / activation formulas: no torch
+    ("planner",),  # simulator and search: no torch
+    ("balance",),  # load prediction, placement, migration policy (prices with the planner's formulas)
+    ("models", "data"),  # the runtime starts here: torch modules; corpus and tokenizer
+    ("memory",),  # recompute/swap policy and activation measurement on the models
+    ("runtime_base",),  # what distributed and train share: precision, optimizer, host memory, ckpt files
+    ("distributed",),  # parallel layout, the step, collectives, DCP checkpoints, launcher
+    ("train",),  # the one training loop and the rank that runs it
+    ("hf",),  # Hugging Face checkpoints in and out
+    ("rl",),  # RL post-training on the same runtime
+    ("cli",),  # the command line: one module per subcommand, and the torchrun entry point
+    ("__main__",),
+]
+LAYER_OF = {package: i for i, layer in enumerate(LAYERS) for package in layer}
+RUNTIME_FLOOR = LAYER_OF["models"]  # torch may be imported from this layer up
+
+# (importing module, imported module): one line why. Keep this short; fix the code instead.
+ALLOWED: dict[tuple[str, str], str] = {
+    ("moetrain.distributed.worker", "moetrain.cli.worker"): "the torchrun entry point's old path, kept one release",
+}
+
+
+class Edge(NamedTuple):
+    source: str  # importing module, dotted
+    line: int
+    target: str  # imported module (or module.name for ``from m import name``), dotted
+    in_function: bool
+
+    def __str__(self) -> str:
+        where = "inside a function" if self.in_function else "at module level"
+        return f"{self.source}:{self.line} imports {self.target} ({where})"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def package_of(module: str) -> str:
+    """``moetrain.distributed.step`` -> ``distributed``; ``moetrain.errors`` -> ``errors``; ``moetrain`` -> ``""``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "moetrain" else ""
+
+
+def imports_of(path: Path, source: str | None = None) -> list[Edge]:
+    """Every import in ``path`` (module ``source``, by default its name under ``src``): ``import a.b`` gives
+    ``a.b``; ``from a import b`` gives ``a`` and ``a.b``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    in_function = {id(node) for fn in ast.walk(tree) if isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef)
+                   for node in ast.walk(fn)}
+    source = source or module_name(path)
+    edges = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            package = source.split(".")[: len(source.split(".")) - node.level + (path.name == "__init__.py")]
+            base = ".".join(package + [node.module] if node.level and node.module else package) if node.level else (
+                node.module or "")  # a relative import (the exported Hugging Face code) stays in its folder
+            targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        edges += [Edge(source, node.lineno, target, id(node) in in_function) for target in targets]
+    return edges
+
+
+def all_edges() -> list[Edge]:
+    return [edge for path in sorted(SRC.rglob("*.py")) for edge in imports_of(path)]
+
+
+def cross_package(edges: list[Edge]) -> list[Edge]:
+    return [e for e in edges if e.target.startswith("moetrain.") and package_of(e.target)
+            and package_of(e.target) != package_of(e.source) and package_of(e.source)]
+
+
+def allowed(edge: Edge) -> bool:
+    return any(edge.source == src and (edge.target == dst or edge.target.startswith(dst + "."))
+               for src, dst in ALLOWED)
+
+
+def upward(edges: list[Edge]) -> list[Edge]:
+    """Imports from a package into one of the same or a higher layer (that is not itself)."""
+    return [e for e in cross_package(edges) if not allowed(e)
+            and LAYER_OF[package_of(e.target)] >= LAYER_OF[package_of(e.source)]]
+
+
+def package_cycles(edges: list[Edge]) -> list[list[str]]:
+    """The strongly connected components of more than one package (Tarjan), each sorted."""
+    graph: dict[str, set[str]] = {}
+    for e in cross_package(edges):
+        if not allowed(e):
+            graph.setdefault(package_of(e.source), set()).add(package_of(e.target))
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(found)
+
+
+def _describe(edges: list[Edge]) -> str:
+    """One line per import statement: ``from a import b, c`` is shown once, as ``a.b, a.c``."""
+    lines: dict[tuple[str, int], list[Edge]] = {}
+    for e in edges:
+        lines.setdefault((e.source, e.line), []).append(e)
+    shown = []
+    for group in lines.values():
+        named = [e for e in group if not any(other.target.startswith(e.target + ".") for other in group)]
+        shown.append(f"  {named[0]}" + "".join(f", {e.target.rsplit('.', 1)[-1]}" for e in named[1:]))
+    return "\n".join(shown)
+
+
+def test_every_package_has_a_layer():
+    packages = {package_of(module_name(p)) for p in SRC.rglob("*.py")} - {""}
+    assert sorted(packages - set(LAYER_OF)) == [], "place each new package in LAYERS"
+
+
+def test_no_import_cycle_between_packages():
+    edges = all_edges()
+    cycles = package_cycles(edges)
+    # Every cycle holds an import against the layer order: those are the ones to show.
+    detail = "\n".join(" <-> ".join(cycle) + "\n" + _describe([e for e in upward(edges) if package_of(e.source) in cycle
+                                                             and package_of(e.target) in cycle]) for cycle in cycles)
+    assert cycles == [], f"import cycles between packages:\n{detail}"
+
+
+def test_no_upward_import_between_layers():
+    found = upward(all_edges())
+    assert found == [], "imports into the same or a higher layer (see LAYERS):\n" + _describe(found)
+
+
+def test_no_private_name_across_packages():
+    found = [e for e in cross_package(all_edges())
+             if any(part.startswith("_") and not part.startswith("__") for part in e.target.split("."))]
+    assert found == [], "private names imported from another package; make them public or move them:\n" + (
+        _describe(found))
+
+
+def test_torch_stays_in_the_runtime_and_argparse_in_the_cli():
+    edges = all_edges()
+    torch_low = [e for e in edges if (e.target == "torch" or e.target.startswith("torch."))
+                 and LAYER_OF.get(package_of(e.source), 0) < RUNTIME_FLOOR]
+    argparse_out = [e for e in edges if e.target == "argparse" and package_of(e.source) != "cli"]
+    assert torch_low + argparse_out == [], "torch below the runtime or argparse outside cli/:\n" + _describe(
+        torch_low + argparse_out)
+
+
+def test_every_allowed_exception_is_still_needed():
+    edges = cross_package(all_edges())
+    stale = [pair for pair in ALLOWED if not any(e.source == pair[0] and (e.target == pair[1] or e.target.startswith(
+        pair[1] + ".")) for e in edges)]
+    assert stale == [], f"exceptions no import needs any more; drop them from ALLOWED: {stale}"
+
+
+def test_the_checks_catch_a_planted_upward_import_and_cycle(tmp_path: Path):
+    planted = tmp_path / "moetrain"
+    (planted / "config").mkdir(parents=True)
+    (planted / "train").mkdir()
+    (planted / "config" / "__init__.py").write_text("def f():\n    from moetrain.train.loop import run\n")
+    (planted / "train" / "__init__.py").write_text("from moetrain.config import f\nfrom moetrain.config import _g\n")
+    edges = []
+    for path in sorted(planted.rglob("*.py")):
+        module = ".".join(path.relative_to(tmp_path).with_suffix("").parts[:-1])
+        edges += imports_of(path, source=module)
+    assert [str(e) for e in upward(edges)] == [
+        "moetrain.config:2 imports moetrain.train.loop (inside a function)",
+        "moetrain.config:2 imports moetrain.train.loop.run (inside a function)"]
+    assert package_cycles(edges) == [["config", "train"]]
+
