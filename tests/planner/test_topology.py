@@ -49,11 +49,15 @@ def test_all_to_all_and_send_on_a_mesh() -> None:
     assert float(p2p_time(MB, False, SWITCH, FULL)) == pytest.approx(MB / 56e9)
 
 
-def test_atlas_preset_is_a_mesh() -> None:
+def test_the_mesh_is_priced_only_where_a_cluster_file_sets_it() -> None:
+    """The Atlas preset leaves the mesh off until its per-link bandwidth is measured (the preset's comment);
+    a cluster file with ``intra_node_mesh_links`` turns it on."""
     from moetrain.config.presets import load_cluster_config
 
-    assert load_cluster_config("atlas-800t-a2").intra_node_mesh_links == 7
-    assert load_cluster_config("h100-sxm-80gb").intra_node_mesh_links is None
+    atlas = load_cluster_config("atlas-800t-a2")
+    assert atlas.intra_node_mesh_links is None and float(mesh_share(atlas, 2)) == 1.0
+    meshed = atlas.model_copy(update={"intra_node_mesh_links": 7})
+    assert float(p2p_time(8e9, False, meshed)) > float(p2p_time(8e9, False, atlas))
 
 
 def test_nvl72_domain_prices_expert_all_to_all_by_the_rack() -> None:

@@ -16,7 +16,9 @@ fabric got its topology (issue 42: Ascend HCCS as a full mesh, where a group of 
 which moved the Pangu search's winner off tp 2 / etp 2; GB200 NVL72 as one 72-GPU NVLink domain, which prices
 the GB200 rows' traffic between trays on NVLink's bus efficiency instead of the network's: MBR-1 −1.0 %, MBR-3
 −0.5 %, MBR-7 +0.004 %), and after the refit with those mechanisms (every validate row within 0.4 %; the DeepSeek-V3
-search's winner changed between two layouts 0.02 % apart). Rerun it only when a prediction is meant to
+search's winner changed between two layouts 0.02 % apart), and when the Atlas preset left the mesh off
+until its per-link bandwidth is measured (the Pangu search again; no validate row moved). Rerun it only when
+a prediction is meant to
 change, and say why in the commit.
 """
 
