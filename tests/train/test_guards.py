@@ -65,15 +65,6 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One torch thread, as each gloo rank runs (a busy 2-core machine makes two crawl)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_fault_specs_parse_and_refuse_in_one_line():
     assert parse_fault("1:5:nan").rank == 1 and math.isnan(parse_fault("1:5:nan").factor)
     assert parse_fault("*:2:spike=50") == Fault(None, 2, "spike", "step", 50.0)

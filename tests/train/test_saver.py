@@ -58,14 +58,6 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.slow
 def test_an_async_save_writes_the_state_it_was_given_byte_for_byte_as_a_sync_save(tmp_path, monkeypatch):
     ObservedTrainer(_spec(tmp_path, stop_at=2)).train()  # two steps: weights and moments away from their start
