@@ -223,16 +223,23 @@ def load_calibration(path: str | Path | None = None) -> Calibration:
     if path is None:
         text = (resources.files("moetrain.planner") / "calibration_default.yaml").read_text()
         return with_shipped_cpu(calibration_from_dict(yaml.safe_load(text) or {}, "calibration_default.yaml"))
+    data = read_profile_file(path, "calibration", "--out FILE", "'global' and 'per_arch' sections")
+    return calibration_from_dict(data, str(path))
+
+
+def read_profile_file(path: str | Path, kind: str, flag: str, sections: str) -> dict:
+    """The mapping in a file ``moetrain profile {flag}`` wrote (YAML, or JSON by its suffix); a missing,
+    malformed or non-mapping file is one ``UserError`` naming the ``kind`` of file and its ``sections``."""
     p = Path(path)
     if not p.is_file():
-        raise UserError(f"calibration file {str(path)!r} does not exist; write one with `moetrain profile --out FILE`")
+        raise UserError(f"{kind} file {str(path)!r} does not exist; write one with `moetrain profile {flag}`")
     try:
         data = json.loads(p.read_text()) if p.suffix == ".json" else yaml.safe_load(p.read_text())
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise UserError(f"{path}: not a valid calibration file ({str(exc).splitlines()[0]})") from None
+        raise UserError(f"{path}: not a valid {kind} file ({str(exc).splitlines()[0]})") from None
     if not isinstance(data, dict):
-        raise UserError(f"{path}: expected a mapping with 'global' and 'per_arch' sections")
-    return calibration_from_dict(data, str(path))
+        raise UserError(f"{path}: expected a mapping with {sections}")
+    return data
 
 
 def with_shipped_cpu(calibration: Calibration) -> Calibration:

@@ -13,6 +13,7 @@ from pathlib import Path
 import yaml
 
 from moetrain.errors import UserError
+from moetrain.planner.calibration import read_profile_file
 from moetrain.planner.generation import HostCosts
 from moetrain.planner.rl_step import SyncRates
 
@@ -45,14 +46,6 @@ def _section(data: dict, name: str, cls, source: str):
 
 def load_rl_rates(path: str | Path) -> RLRates:
     """A file ``moetrain profile --rl-out`` wrote (YAML, or JSON by its suffix)."""
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"RL rates file {str(path)!r} does not exist; write one with `moetrain profile --rl-out FILE`")
-    try:
-        data = json.loads(p.read_text()) if p.suffix == ".json" else yaml.safe_load(p.read_text())
-    except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise UserError(f"{path}: not a valid RL rates file ({str(exc).splitlines()[0]})") from None
-    if not isinstance(data, dict):
-        raise UserError(f"{path}: expected a mapping with 'host' and 'sync' sections")
+    data = read_profile_file(path, "RL rates", "--rl-out FILE", "'host' and 'sync' sections")
     return RLRates(_section(data, "host", HostCosts, str(path)), _section(data, "sync", SyncRates, str(path)),
                    str(data.get("measured_on", "")))
