@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from checkpoint_tensors import checkpoint_tensors
+
 LAUNCH = [sys.executable, "-m", "moetrain", "train"]
 SHAPE = ["--steps", "8", "--seq-len", "32", "--global-batch", "4", "--micro-batch", "2", "--synthetic-data",
          "--quiet", "--save-every", "2"]
@@ -40,21 +42,7 @@ def _rows(path: Path) -> list[dict]:
 
 def _tensors(checkpoint: Path, tmp_path: Path) -> dict:
     """Every tensor of a checkpoint, whole (DCP's own conversion to one torch file)."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    out = tmp_path / f"{checkpoint.parent.parent.name}.pt"
-    dcp_to_torch_save(checkpoint, out)
-    flat = {}
-
-    def walk(value, prefix):
-        if isinstance(value, dict):
-            for key, item in value.items():
-                walk(item, f"{prefix}{key}.")
-        else:
-            flat[prefix.rstrip(".")] = value
-
-    walk(torch.load(out, weights_only=False), "")
-    return flat
+    return checkpoint_tensors(checkpoint, tmp_path / f"{checkpoint.parent.parent.name}.pt")
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from checkpoint_tensors import checkpoint_tensors
 from refusals import refused
 
 K = 1
@@ -46,20 +47,7 @@ def _rows(path: Path) -> list[dict]:
 
 
 def _tensors(checkpoint: Path, out: Path) -> dict:
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    dcp_to_torch_save(checkpoint, out)
-    flat = {}
-
-    def walk(value, prefix):
-        if isinstance(value, dict):
-            for key, item in value.items():
-                walk(item, f"{prefix}{key}.")
-        else:
-            flat[prefix.rstrip(".")] = value
-
-    walk(torch.load(out, weights_only=False), "")
-    return flat
+    return checkpoint_tensors(checkpoint, out)
 
 
 @pytest.mark.slow
