@@ -76,7 +76,7 @@ from moetrain.rl.sft import sequence_len_for
 from moetrain.rl.stalesync import StaleSyncJob, run_stalesync
 from moetrain.rl.tasks import get_task
 from moetrain.rl.tokenizer import CharTokenizer
-from moetrain.train.host_memory import keep_freed_host_memory
+from moetrain.runtime_base.host_memory import keep_freed_host_memory
 from moetrain.train.profiler import profile_sync_rates, profile_weight_sync
 
 TRAINER_DP = 2
