@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moetrain.errors import UserError
-from moetrain.rl.tasks import Problem
+from moetrain.rl.problem import Problem
 from moetrain.rl.tokenizer import ALPHABET
 
 PREFIX = "rg:"
