@@ -48,7 +48,7 @@ from moetrain.rl.batch import (
     training_sequences,
 )
 from moetrain.rl.config import FusionOptions, GRPOConfig, RLOptions, WarmupCriterion
-from moetrain.rl.fusion import Fusion, sample_generators
+from moetrain.rl.fusion import Fusion, sample_generators, whole_model
 from moetrain.rl.generate import Generation, RolloutEngine, SamplingParams
 from moetrain.rl.grpo import STAT_FIELDS, StepStats, group_advantages, label_positions, token_logprobs
 from moetrain.rl.replay import RoutingRecorder, decoder_layers, routing_mismatch
@@ -148,8 +148,6 @@ class SFTTrainer(Trainer):
         if world == 1:
             model, share = self.run.stage.model, self.validation
         else:
-            from moetrain.rl.fusion import whole_model
-
             model, rank = whole_model(self.run, self.model_cfg), self.dims.rank
             share = self.validation[rank::world]
         engine = RolloutEngine(model, self.tokenizer.pad_id, self.tokenizer.decode, self.run.autocast_dtype)

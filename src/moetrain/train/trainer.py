@@ -32,10 +32,13 @@ from moetrain.data import PreparedData, StepBatch, prepare_data
 from moetrain.data.synthetic import SyntheticDataset
 from moetrain.distributed.checkpoint import checkpoint_state, load_checkpoint, read_expert_placement
 from moetrain.distributed.layout import ParallelDims
+from moetrain.distributed.parallelize import apply_compile
 from moetrain.distributed.step import LayoutRun, StepResult, build_layout, train_step
 from moetrain.distributed.trace import Tracer
 from moetrain.distributed.world import join_world
 from moetrain.errors import UserError
+from moetrain.memory.options import choose_plan, excluded_options, held_layers_plan
+from moetrain.memory.runtime import apply_memory_policy
 from moetrain.models.transformer import MoETransformer
 from moetrain.runtime_base.checkpoint_files import (
     is_model_only,
@@ -237,7 +240,7 @@ class Trainer:
     def build_run(self, model: MoETransformer | None) -> LayoutRun:
         if not self.spec.balance.enabled:
             return build_layout(self.dims, self.model_cfg, self.cfg, self.device, model=model)
-        from moetrain.distributed.balancing import build_balanced_run
+        from moetrain.distributed.balancing import build_balanced_run  # lazy, heavy: scipy's solvers, --balance only
 
         balance = self.spec.balance
         tuning = {name: value for name, value in (("interval", balance.interval), ("horizon", balance.horizon))
@@ -257,9 +260,6 @@ class Trainer:
         options = self.spec.memory
         if options.policy == "none":
             return None
-        from moetrain.memory.options import choose_plan, excluded_options, held_layers_plan
-        from moetrain.memory.runtime import apply_memory_policy
-
         model = self.run.stage.model
         compiled = self.will_compile()
         dtype_bytes = 2.0 if self.run.autocast_dtype is not None else 4.0
@@ -281,8 +281,6 @@ class Trainer:
         policy, whose checkpoint wrappers the compiled layers then trace through."""
         if not self.will_compile():
             return 0
-        from moetrain.distributed.parallelize import apply_compile
-
         return apply_compile(self.run.stage.model)
 
     def drop_rows_after_checkpoint(self) -> None:
