@@ -51,6 +51,14 @@ KNOWN_MODULE_CYCLES: dict[tuple[str, ...], str] = {
 }
 
 
+# Files whose imports inside functions do not say why yet, being edited by other work now: each entry goes
+# when its file's imports carry their comment.
+UNEXPLAINED_LAZY_IMPORTS: dict[str, str] = {
+    "rl/run.py": "to be removed: the RL work", "rl/worker.py": "to be removed: the RL work",
+    "rl/ray_engine.py": "to be removed: the RL work", "rl/spec.py": "to be removed: the RL work",
+    "balance/online.py": "to be removed: the balance work", "balance/solver.py": "to be removed: the balance work",
+    "planner/fit.py": "to be removed: the planner work", "planner/timeline.py": "to be removed: the planner work",
+}
 class Edge(NamedTuple):
     source: str  # importing module, dotted
     line: int
@@ -287,3 +295,44 @@ def test_the_module_check_catches_a_planted_cycle_through_a_function(tmp_path: P
     assert cycles() == [["moetrain.rl.a", "moetrain.rl.b", "moetrain.rl.c"]]  # closed by the import in g()
     files["b"] = ""
     assert cycles() == []
+
+
+def unexplained_lazy_imports(path: Path) -> list[int]:
+    """Lines of the imports inside functions of ``path`` that no comment explains: one on the import's own
+    lines, or one just above the block of imports it opens (blank lines inside the block allowed)."""
+    text = path.read_text()
+    lines = text.splitlines()
+    nodes = [node for fn in ast.walk(ast.parse(text)) if isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef)
+             for node in ast.walk(fn) if isinstance(node, ast.Import | ast.ImportFrom)]
+    import_lines = {i for node in nodes for i in range(node.lineno - 1, node.end_lineno)}
+    found = set()
+    for node in nodes:
+        if any("#" in lines[i] for i in range(node.lineno - 1, node.end_lineno)):
+            continue
+        above = node.lineno - 2
+        while above >= 0 and (above in import_lines or (not lines[above].strip() and above - 1 in import_lines)):
+            above -= 1
+        if above < 0 or not lines[above].strip().startswith("#"):
+            found.add(node.lineno)
+    return sorted(found)
+
+
+def test_every_import_inside_a_function_says_why():
+    found = [f"  {path.relative_to(SRC)}:{line}" for path in sorted(SRC.rglob("*.py"))
+             if path.relative_to(SRC).as_posix() not in UNEXPLAINED_LAZY_IMPORTS
+             for line in unexplained_lazy_imports(path)]
+    assert found == [], ("imports inside functions without a comment saying why (an optional dependency, a heavy "
+                         "import kept off a light path, a cycle); move them to module level otherwise:\n"
+                         + "\n".join(found))
+
+
+def test_every_file_with_unexplained_imports_still_has_some():
+    done = [name for name in UNEXPLAINED_LAZY_IMPORTS if not unexplained_lazy_imports(SRC / name)]
+    assert done == [], f"these files explain every import now; drop them from UNEXPLAINED_LAZY_IMPORTS: {done}"
+
+
+def test_the_lazy_import_check_reads_comments_on_the_line_and_above_the_block(tmp_path: Path):
+    module = tmp_path / "m.py"
+    module.write_text("def f():\n    # heavy\n    import a\n\n    import b\n    x = 1\n    import c\n"
+                      "    import d  # optional\n    import e\n")
+    assert unexplained_lazy_imports(module) == [7, 9]
