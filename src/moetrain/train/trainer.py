@@ -173,7 +173,8 @@ class Trainer:
         if spec.world_size == 1:
             self.check_memory()
         self.data = self.prepare_data() if batches is None else None
-        self.dataset: BatchSource = batches or (self.data.dataset if self.data is not None else SyntheticDataset(
+        self.dataset: BatchSource = batches if batches is not None else (
+            self.data.dataset if self.data is not None else SyntheticDataset(
             self.model_cfg.vocab_size, cfg.seq_len, cfg.seed))
         self.cluster = self.resolve_cluster()
         self.balancer = None
