@@ -182,6 +182,11 @@ class SFTTrainer(Trainer):
 
 
 class RLTrainer(Trainer):
+    """GRPO on the runtime's loop: its ``next_batch`` generates, scores and packs the step's samples. The
+    StaleSync trainers change it through its own extension points: ``rollout(step)`` (where the samples come
+    from), ``reference_logprobs`` and ``proximal_logprobs`` (the loss's other policies), and
+    ``replay_diagnostics``; their row fields go through ``note``."""
+
     receives_reference = False
     """The batches bring the reference log-probs (a StaleSync reference worker's) instead of a model here."""
 
