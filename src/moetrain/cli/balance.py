@@ -8,6 +8,7 @@ import json
 
 from moetrain.balance.online import BALANCE_DEFAULTS
 from moetrain.cli.parsing import add_renamed_flag
+from moetrain.config import load_cluster_config, load_model_config, model_presets
 from moetrain.errors import UserError
 
 HELP = "replay a routing trace through expert-load prediction, placement and migration; predicted gain"
@@ -69,7 +70,7 @@ def _render_spare(choice) -> list[str]:
 
 def _verdict(d) -> str:
     """What a decision did and, for a keep, why (``schedule.KeepReason``)."""
-    from moetrain.balance.schedule import KeepReason
+    from moetrain.balance.schedule import KeepReason  # lazy: the balancer's costs and solvers load on a run
 
     if d.outcome == "migrate":
         return f"MIGRATE {d.num_moves} moves"
@@ -93,8 +94,6 @@ def decision_line(d) -> str:
 
 
 def _default_model(num_experts: int) -> str:
-    from moetrain.config import load_model_config, model_presets
-
     for name in model_presets():
         moe = load_model_config(name).moe
         if moe is not None and moe.num_experts == num_experts:
@@ -103,6 +102,8 @@ def _default_model(num_experts: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    # lazy, heavy: the predictors, replay and scipy's solvers load when the command runs, not when the parser
+    # imports every command module (``moetrain.cli``)
     from moetrain.balance.costs import BalanceCostModel
     from moetrain.balance.predict import (
         DEFAULT_CANDIDATES,
@@ -114,7 +115,6 @@ def run(args: argparse.Namespace) -> int:
     from moetrain.balance.replay import replay
     from moetrain.balance.slots import choose_spare_slots
     from moetrain.balance.traces import read_trace
-    from moetrain.config import load_cluster_config, load_model_config
 
     spare_options = _parse_spare(args.spare_slots)
     trace = read_trace(args.trace_routing)

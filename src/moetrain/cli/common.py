@@ -6,7 +6,12 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+import yaml
+from pydantic import ValidationError
+
+from moetrain.config.run import MemoryOptions
 from moetrain.errors import UserError
+from moetrain.memory.policy import POLICIES
 
 
 def add_model_arg(parser: argparse.ArgumentParser, default: str | None = None) -> None:
@@ -60,8 +65,6 @@ def output_file(path: str, flag: str, example_name: str) -> str:
 
 def add_memory_policy_args(parser: argparse.ArgumentParser) -> None:
     """The memory-policy flags of ``moetrain memory`` and ``moetrain train`` (``MemoryOptions``)."""
-    from moetrain.memory.policy import POLICIES
-
     g = parser.add_argument_group("memory policy (recompute and swap)")
     # No argparse choices: a bad --policy is a one-line UserError (exit 2) like every other bad value.
     g.add_argument("--policy", metavar="{" + ",".join(POLICIES) + "}",
@@ -75,8 +78,6 @@ def add_memory_policy_args(parser: argparse.ArgumentParser) -> None:
 
 def memory_flags(args: argparse.Namespace) -> dict:
     """The memory flags the user gave, as ``MemoryOptions`` fields (with their own flag names in errors)."""
-    from moetrain.memory.policy import POLICIES
-
     given = {}
     if args.policy is not None:
         if args.policy not in POLICIES:
@@ -95,10 +96,6 @@ def memory_flags(args: argparse.Namespace) -> dict:
 
 def memory_options(args: argparse.Namespace):
     """``MemoryOptions`` from the flags alone (``moetrain memory``)."""
-    from pydantic import ValidationError
-
-    from moetrain.config.run import MemoryOptions
-
     try:
         return MemoryOptions(**memory_flags(args))
     except ValidationError as exc:  # the validator's own line ("--policy auto needs a budget: ...")
@@ -107,8 +104,6 @@ def memory_options(args: argparse.Namespace):
 
 def yaml_source(path: str, flag: str, sections: str) -> dict[str, Any]:
     """The mapping of sections in the YAML file ``path`` (given by ``flag``); unreadable is one line."""
-    import yaml
-
     try:
         text = Path(path).read_text(encoding="utf-8")
         data = yaml.safe_load(text)

@@ -52,6 +52,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _from_hf(args: argparse.Namespace) -> int:
+    # lazy, heavy: torch and the model load when the command runs, not when the parser imports every command
+    # module (``moetrain.cli``)
     from moetrain.hf import load_pretrained
     from moetrain.hf.converted_checkpoint import MODEL_YAML, write_converted_checkpoint
 
@@ -63,6 +65,8 @@ def _from_hf(args: argparse.Namespace) -> int:
 
 
 def _to_hf(args: argparse.Namespace) -> int:
+    # lazy, heavy: torch and the model load when the command runs, not when the parser imports every command
+    # module (``moetrain.cli``)
     import torch
 
     from moetrain.hf import pangu, save_pretrained

@@ -6,6 +6,12 @@ import argparse
 import json
 
 from moetrain.cli.common import add_memory_policy_args, add_model_arg, memory_options
+from moetrain.config import load_model_config
+from moetrain.costs.activations import activation_bytes_per_layer
+from moetrain.costs.flops import training_flops_per_token
+from moetrain.errors import UserError
+from moetrain.memory.options import choose_plan, uses_flash_attention
+from moetrain.memory.policy import DeviceSpeed
 
 HELP = "activation memory per layer part; choose recompute/swap options under a budget (--measure to check)"
 
@@ -22,12 +28,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moetrain.config import load_model_config
-    from moetrain.costs.activations import activation_bytes_per_layer
-    from moetrain.errors import UserError
-    from moetrain.memory.options import choose_plan, uses_flash_attention
-    from moetrain.memory.policy import DeviceSpeed
-
     if args.seq_len <= 0 or args.micro_batch <= 0:
         raise UserError(f"--seq-len {args.seq_len} and --micro-batch {args.micro_batch} must be positive")
     options = memory_options(args)
@@ -75,11 +75,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _measure(cfg, args: argparse.Namespace, plan=None) -> dict:
+    # lazy, heavy: torch and the model load when the command runs, not when the parser imports every command
+    # module (``moetrain.cli``)
     import torch
 
-    from moetrain.costs.flops import training_flops_per_token
     from moetrain.memory.measure import measure_activations, time_steps
-    from moetrain.memory.policy import DeviceSpeed
     from moetrain.memory.runtime import apply_memory_policy
     from moetrain.models import build_model
 

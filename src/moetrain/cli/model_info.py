@@ -8,6 +8,9 @@ import sys
 from typing import Any
 
 from moetrain.cli.common import add_model_arg
+from moetrain.config import load_model_config, model_presets
+from moetrain.costs.flops import model_forward_flops
+from moetrain.costs.params import count_params
 from moetrain.errors import UserError
 
 HELP = "total and activated parameters (meta-device count, no memory), FLOPs per token, per-part breakdown"
@@ -28,10 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def model_info(model_name: str, seq_len: int | None = None) -> dict[str, Any]:
     """The report as a dict. Counts come from ``moetrain.costs`` and from the module built on meta;
     ``parts_disagree`` lists the parts where they differ (empty when the contract holds)."""
-    from moetrain.config import load_model_config
-    from moetrain.costs.flops import model_forward_flops
-    from moetrain.costs.params import count_params
-    from moetrain.models import build_model, param_counts_by_part
+    from moetrain.models import build_model, param_counts_by_part  # lazy, heavy: torch (the parser loads every command)
 
     cfg = load_model_config(model_name)
     if seq_len is None:
@@ -73,6 +73,7 @@ def _short(count: int) -> str:
 
 
 def _print_tables(info: dict[str, Any]) -> None:
+    # lazy: rich loads for the tables only (--json prints without it)
     from rich.console import Console
     from rich.table import Table
 
@@ -99,8 +100,6 @@ def _print_tables(info: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moetrain.config import model_presets
-
     if args.list:
         print("\n".join(model_presets()))
         return 0

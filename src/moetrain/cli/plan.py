@@ -6,14 +6,18 @@ import argparse
 import json
 from dataclasses import asdict
 
+import yaml
+
+from moetrain.cli import plan_rl
+from moetrain.cli.common import output_file
+from moetrain.cli.workload import add_workload_args, build_workload, require_batch
+from moetrain.config.parallel import runtime_limits
 from moetrain.errors import UserError
+from moetrain.planner.calibration import accuracy_line
 
 HELP = "search TP/SP/PP/VPP/EP/ETP/CP/DP, ZeRO, micro-batch, recompute, all-to-all and overlap; write a plan"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from moetrain.cli import plan_rl
-    from moetrain.cli.workload import add_workload_args
-
     parser.usage = ("moetrain plan --model M --cluster C --devices N (--seq-len L --global-batch B | --rl "
                     "--prompt-len P --response-len R) [--top K] [--out FILE] [--json]")
     add_workload_args(parser, batch_required=False)
@@ -32,8 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def plan_layouts(args: argparse.Namespace) -> tuple[dict, dict]:
     """(the --json mapping, the plan file mapping)."""
-    from moetrain.cli.workload import build_workload
-    from moetrain.config.parallel import runtime_limits
+    # lazy: the search and rich load when the command runs, not when the parser imports every command module
     from moetrain.planner.search import search
     from moetrain.status import say, status_console
 
@@ -98,26 +101,15 @@ def on_off(flag: bool) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moetrain.cli.workload import require_batch
-
     if args.rl:
         if args.search_model:
             raise UserError("--search-model compares pre-training model shapes: drop it or --rl")
-        from moetrain.cli import plan_rl
-
         return plan_rl.run(args)
     require_batch(args)
     if args.search_model:
         return _run_model_search(args)
     args.out = args.out or "plan.yaml"
-    import yaml
-
-    from moetrain.cli.common import output_file
-
     output_file(args.out, "--out", "plan.yaml")
-
-    from moetrain.planner.calibration import accuracy_line
-
     summary, plan = plan_layouts(args)
     with open(args.out, "w") as f:
         yaml.safe_dump(plan, f, sort_keys=False)
@@ -155,8 +147,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_model_search(args: argparse.Namespace) -> int:
-    from moetrain.cli.workload import build_workload
-    from moetrain.planner.model_search import search_model_shapes
+    from moetrain.planner.model_search import search_model_shapes  # lazy: loads when the command runs
 
     workload, calibration = build_workload(args)
     budget = args.param_budget * 1e9 if args.param_budget else None

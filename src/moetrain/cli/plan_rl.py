@@ -7,10 +7,17 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from moetrain.cli.common import output_file
+from moetrain.cli.simulate_rl import PLACEMENTS, add_rl_workload_arguments, build_rl_workload, check_rl_workload
+from moetrain.config.run import spec_source_from_plan
 from moetrain.errors import UserError
+from moetrain.rl.spec import resolve_rl_spec
 
 DEFAULT_OUT = "rl.yaml"
 NOT_RUNNABLE = "not runnable yet: "
@@ -19,8 +26,6 @@ refuses the file with the first)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from moetrain.cli.simulate_rl import PLACEMENTS, add_rl_workload_arguments
-
     g = parser.add_argument_group("RL job (--rl; docs/rl_plan.md): search the rollout/training split, the rollout "
                                   "replicas' generation layout, the trainer layout and k; write an rl.yaml")
     g.add_argument("--rl", action="store_true", help="plan an RL job (moetrain rl --plan) instead of pre-training")
@@ -34,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _options(args: argparse.Namespace, workload):
-    from moetrain.planner.rl_search import RLSearchOptions
+    from moetrain.planner.rl_search import RLSearchOptions  # lazy: the RL search loads when the command runs
 
     if args.offload and args.host_link_gbps is None and workload.cluster.device != "cpu":
         raise UserError("--offload on an accelerator needs --host-link-gbps (the host link, e.g. 25 for PCIe 4 x16)")
@@ -47,7 +52,7 @@ def _options(args: argparse.Namespace, workload):
 
 def plan_rl(args: argparse.Namespace):
     """(the search result, the workload) of the flags."""
-    from moetrain.cli.simulate_rl import build_rl_workload, check_rl_workload
+    # lazy: the RL search and rich load when the command runs, not when the parser imports every command module
     from moetrain.planner.generation import HostCosts
     from moetrain.planner.rl_search import check_options, search_rl
     from moetrain.status import say, status_console
@@ -65,8 +70,6 @@ def plan_rl(args: argparse.Namespace):
 
 def plan_file(args: argparse.Namespace, candidate) -> dict[str, Any]:
     """The winner as an RL run spec's sections (what ``moetrain rl --plan`` reads)."""
-    from moetrain.config.run import spec_source_from_plan
-
     lay = candidate.layout
     trainer = spec_source_from_plan({"parallel": lay.train.model_dump(), "cluster": args.cluster})
     trainer["parallel"].pop("sp", None)  # the run spec decides it from tp
@@ -103,8 +106,6 @@ def _header(args: argparse.Namespace, candidate, result, out: str) -> str:
 
 
 def _command(args: argparse.Namespace) -> str:
-    import sys
-
     return "moetrain " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["plan"] else "moetrain plan --rl (API)"
 
 
@@ -119,8 +120,6 @@ def _commit() -> str:
 
 def _loads_as_spec(spec: dict[str, Any], name: str) -> str | None:
     """None when ``moetrain rl`` would accept the file; else the line it refuses it with."""
-    from moetrain.rl.spec import resolve_rl_spec
-
     try:
         resolve_rl_spec([spec], [name])
     except (UserError, ValueError) as exc:
@@ -140,10 +139,6 @@ def row(c) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    import yaml
-
-    from moetrain.cli.common import output_file
-
     out = args.out or DEFAULT_OUT
     output_file(out, "--out", DEFAULT_OUT)
     result, workload = plan_rl(args)

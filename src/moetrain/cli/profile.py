@@ -6,6 +6,9 @@ from __future__ import annotations
 import argparse
 import json
 
+from moetrain.cli.common import output_file
+from moetrain.errors import UserError
+
 HELP = "measure GEMM/grouped-GEMM/attention/collective speed here and write a simulator calibration file"
 
 
@@ -32,10 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch  # here, not at the top: ``moetrain --help`` stays torch-free
+    # here, not at the top: ``moetrain --help`` stays torch-free
+    import torch
 
-    from moetrain.cli.common import output_file
-    from moetrain.errors import UserError
     from moetrain.train.calibrate import profile_calibration, resolve_device
 
     if args.repeats <= 0:

@@ -15,8 +15,13 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from moetrain.cli.common import yaml_source
+from moetrain.cli.parsing import format_default
+from moetrain.cli.plan_rl import NOT_RUNNABLE
 from moetrain.config import limits
 from moetrain.errors import UserError
+from moetrain.rl.config import StaleSyncOptions
+from moetrain.rl.spec import PLAN_SECTIONS, RLRunSpec, check_spec_kind, plan_source, resolve_rl_spec
 
 HELP = ("post-train with RL: SFT warm-up on a verifiable task, then GRPO with router replay; one process, "
         "or --nproc N ranks (RL Fusion) and --staleness K (StaleSync)")
@@ -164,10 +169,6 @@ def _add_stalesync_arguments(parser: argparse.ArgumentParser) -> None:
 def _show_spec_defaults(parser: argparse.ArgumentParser) -> None:
     """Write the RL spec's defaults into the help of the flags that set its fields: the flags themselves
     default to "not given", so that a config file can set the field first."""
-    from moetrain.cli.parsing import format_default
-    from moetrain.rl.config import StaleSyncOptions
-    from moetrain.rl.spec import RLRunSpec
-
     defaults = RLRunSpec().model_dump()
     defaults["stalesync"] = StaleSyncOptions().model_dump()  # what --staleness K starts from
     for action in parser._actions:
@@ -201,9 +202,6 @@ def _flag_source(args: argparse.Namespace) -> dict[str, Any]:
 
 def build_rl_spec(args: argparse.Namespace):
     """The RL run spec of these flags, ``--config`` and ``--plan``: defaults < config < plan < flags."""
-    from moetrain.cli.common import yaml_source
-    from moetrain.rl.spec import check_spec_kind, resolve_rl_spec
-
     sources, names = [], []
     if args.config:
         sources.append(yaml_source(args.config, "--config", "model, sft, rl, trainer, generation, rollout, ..."))
@@ -241,15 +239,11 @@ layout flags beside a plan."""
 
 def _plan_source(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any]:
     """``--plan``'s sections, after refusing the flags and the ``--config`` sections that set the layout too."""
-    from moetrain.cli.common import yaml_source
-    from moetrain.rl.spec import PLAN_SECTIONS, plan_source
-
     given = [f"--{flag.replace('_', '-')}" for flag in PLAN_FLAGS if getattr(args, flag) is not None]
     if given:
         raise UserError(f"--plan already sets the layout; drop {', '.join(given)} (or drop --plan)")
     plan = plan_source(yaml_source(args.plan, "--plan", "model, rl, trainer, generation, rollout, stalesync"),
                        f"--plan {args.plan}")
-    from moetrain.cli.plan_rl import NOT_RUNNABLE
 
     header = Path(args.plan).read_text(encoding="utf-8").splitlines()
     missing = [line.removeprefix("# " + NOT_RUNNABLE) for line in header if line.startswith("# " + NOT_RUNNABLE)]
@@ -274,11 +268,11 @@ def _named_by_flag(message: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moetrain.status import say, status_console
+    from moetrain.status import say, status_console  # lazy: rich loads when a run starts, not with the parser
 
     spec = build_rl_spec(args)
     # importing torch, the checks that need it and building the policy take seconds (a minute when busy)
     say(status_console(spec.trainer.run.quiet), "setting up: torch, the run's checks, the policy model…")
-    from moetrain.rl.run import run_rl
+    from moetrain.rl.run import run_rl  # lazy, heavy: torch and the RL runtime
 
     return run_rl(spec)

@@ -5,14 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 
+from moetrain.cli.common import add_strategy_args, output_file
+from moetrain.cli.plan import on_off
+from moetrain.cli.simulate_rl import add_rl_arguments, run_rl
+from moetrain.cli.workload import add_workload_args, build_workload, parallel_from_args, require_batch
+from moetrain.planner.calibration import accuracy_line
+
 HELP = "predict step time, tokens/s, MFU, time breakdown and memory per device for one parallel layout"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from moetrain.cli.common import add_strategy_args
-    from moetrain.cli.simulate_rl import add_rl_arguments
-    from moetrain.cli.workload import add_workload_args
-
     # --seq-len and --global-batch are required unless --rl derives them: say so in the usage line, which
     # argparse would otherwise print with both in brackets, as if they were optional.
     parser.usage = ("moetrain simulate --model M --cluster C --devices N (--seq-len L --global-batch B | --rl "
@@ -27,8 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def simulate_layout(args: argparse.Namespace) -> dict:
     """The prediction as a plain mapping (what --json prints)."""
-    from moetrain.cli.common import output_file
-    from moetrain.cli.workload import build_workload, parallel_from_args, require_batch
+    # lazy: the simulator and matplotlib load when the command runs, not when the parser imports every command
     from moetrain.planner.simulate import simulate_layout as predict
     from moetrain.planner.timeline import gantt_png
 
@@ -66,7 +67,7 @@ def simulate_layout(args: argparse.Namespace) -> dict:
         "step_time_s_held_out_fits": p.step_time_s_held_out_fits,
     }
     if args.timeline:
-        from moetrain.status import phase, status_console
+        from moetrain.status import phase, status_console  # lazy: rich, for the timeline's status line only
 
         # stderr with --json, whose stdout is the answer alone
         with phase(status_console(stderr=args.json), f"rendering the timeline ({len(p.timeline.spans):,} spans) to "
@@ -78,11 +79,7 @@ def simulate_layout(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moetrain.planner.calibration import accuracy_line
-
     if args.rl:
-        from moetrain.cli.simulate_rl import run_rl
-
         return run_rl(args)
     result = simulate_layout(args)
     if args.json:
@@ -91,8 +88,6 @@ def run(args: argparse.Namespace) -> int:
     p = result["parallel"]
     print(f"{result['model']} on {result['devices']} × {result['cluster']}, seq {result['seq_len']}, "
           f"global batch {result['global_batch']}")
-    from moetrain.cli.plan import on_off
-
     layout = " ".join(f"{k}={on_off(v) if isinstance(v, bool) else v}" for k, v in p.items())
     print(f"layout: {layout}  (m={result['micro_batches_per_pipeline']})")
     print(f"step time   {result['step_time_s']:.4g} s    tokens/s {result['tokens_per_s']:.4g} "

@@ -8,6 +8,7 @@ import json
 import math
 from dataclasses import asdict, replace
 
+from moetrain.cli.workload import build_workload, parallel_from_args
 from moetrain.errors import UserError
 
 PLACEMENTS = ("colocated", "disaggregated", "both")
@@ -82,8 +83,7 @@ def check_rl_workload(args: argparse.Namespace, positive: tuple[str, ...] = (),
 
 def _layouts(args: argparse.Namespace, workload) -> list:
     """The ``RLLayout`` of each asked placement (the training layout from the strategy flags)."""
-    from moetrain.cli.workload import parallel_from_args
-    from moetrain.planner.rl_step import RLLayout
+    from moetrain.planner.rl_step import RLLayout  # lazy: the RL pricing loads when the command runs
 
     training = workload.samples_workload
     placements = ("colocated", "disaggregated") if args.placement == "both" else (args.placement,)
@@ -110,8 +110,7 @@ def _layouts(args: argparse.Namespace, workload) -> list:
 
 def build_rl_workload(args: argparse.Namespace):
     """(the ``RLWorkload`` of the flags, the calibration to price it with)."""
-    from moetrain.cli.workload import build_workload
-    from moetrain.planner.rl_step import RLWorkload
+    from moetrain.planner.rl_step import RLWorkload  # lazy: as above
 
     args.seq_len = args.prompt_len + args.response_len
     args.global_batch = args.prompts * args.group_size
@@ -125,6 +124,7 @@ def build_rl_workload(args: argparse.Namespace):
 
 def simulate_rl(args: argparse.Namespace) -> dict:
     """The predictions as a plain mapping (what --json prints)."""
+    # lazy: the RL pricing loads when the command runs, not when the parser imports every command module
     from moetrain.planner.generation import HostCosts
     from moetrain.planner.rl_rates import load_rl_rates
     from moetrain.planner.rl_step import price_rl_step

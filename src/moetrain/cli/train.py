@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 from moetrain.balance.online import PAYBACK_HORIZON, REPLAN_INTERVAL
 from moetrain.cli.common import add_memory_policy_args, memory_flags, yaml_source
-from moetrain.config import limits
+from moetrain.cli.parsing import CommandParser, DefaultsFormatter, format_default
+from moetrain.config import limits, load_model_config, load_plan_file
+from moetrain.config.run import RunSpec, resolve_run_spec, spec_source_from_plan
 from moetrain.errors import UserError
+from moetrain.rl.spec import RLRunSpec
 
 HELP = "train a model (one process on CPU/GPU, or --nproc N ranks in any layout); resumable, with per-step metrics"
 
@@ -132,9 +136,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _show_spec_defaults(parser: argparse.ArgumentParser) -> None:
     """Write the run spec's defaults into the help of the flags that set its fields: the flags themselves
     default to "not given", so that a config file or a plan can set the field first."""
-    from moetrain.cli.parsing import format_default
-    from moetrain.config.run import RunSpec
-
     spec = RunSpec()
     defaults = {flag: getattr(getattr(spec, section), field) for flag, (section, field) in FLAG_FIELDS.items()}
     defaults["model"] = spec.model
@@ -166,9 +167,6 @@ def _flag_source(args: argparse.Namespace) -> dict[str, Any]:
 def build_spec(args: argparse.Namespace, world_size: int | None = None):
     """The run spec of these flags (plus ``--config`` and ``--plan``); ``world_size``: torchrun's, for
     the worker (``--nproc`` otherwise)."""
-    from moetrain.config import load_plan_file
-    from moetrain.config.run import resolve_run_spec, spec_source_from_plan
-
     sources = [yaml_source(args.config, "--config", "model, training, parallel, run, ...")] if args.config else []
     if sources:
         _refuse_rl_spec(sources[0], args.config)
@@ -205,8 +203,6 @@ def build_spec(args: argparse.Namespace, world_size: int | None = None):
 
 def _refuse_rl_spec(data: dict[str, Any], path: str) -> None:
     """An RL run spec (``moetrain rl --config``) given to ``moetrain train`` is one line naming its kind."""
-    from moetrain.rl.spec import RLRunSpec
-
     rl_only = sorted(set(data) & (set(RLRunSpec.model_fields) - {"model"}))
     if rl_only and not set(data) & {"training", "parallel", "run", "memory", "balance"}:
         raise UserError(f"--config {path} is an RL run spec (its {', '.join(rl_only)}: moetrain rl --config), not a "
@@ -227,8 +223,7 @@ def _named_by_flag(message: str) -> str:
 
 def checked_spec(args: argparse.Namespace, world_size: int | None = None):
     """``build_spec`` and every check that needs no process group (``moetrain.train.checks``)."""
-    from moetrain.config import load_model_config
-    from moetrain.train.checks import check_corpus, check_run
+    from moetrain.train.checks import check_corpus, check_run  # lazy: the corpus code loads when a run starts
 
     spec = build_spec(args, world_size)
     model_cfg = load_model_config(spec.model)
@@ -238,15 +233,17 @@ def checked_spec(args: argparse.Namespace, world_size: int | None = None):
 
 
 def run(args: argparse.Namespace) -> int:
+    # lazy (here and below), heavy: rich, torch and the runtime load when a run starts, not when the parser
+    # imports every command module (``moetrain.cli``)
     from moetrain.status import say, status_console
 
     spec = checked_spec(args)
     if spec.world_size > 1 or spec.run.max_restarts > 0:  # torchrun's agent restarts a failed group
-        from moetrain.distributed.launch import launch
+        from moetrain.distributed.launch import launch  # lazy, heavy: torch
 
         return launch(spec, Path(spec.run.log_dir) if spec.run.log_dir else None)
     say(status_console(spec.run.quiet), "setting up: torch, the data, the model…")
-    from moetrain.train.trainer import Trainer
+    from moetrain.train.trainer import Trainer  # lazy, heavy: torch
 
     trainer = Trainer(spec)
     trainer.console.print(trainer.describe())
@@ -257,19 +254,13 @@ def run(args: argparse.Namespace) -> int:
 
 def worker_main(argv: list[str] | None = None) -> int:
     """One rank under torchrun: the spec the launcher wrote (``MOETRAIN_RUN_SPEC``), or these flags."""
-    import sys
-
-    from moetrain.train.rank import run_rank
+    from moetrain.train.rank import run_rank  # lazy, heavy: torch
 
     payload = os.environ.get("MOETRAIN_RUN_SPEC")
     try:
         if payload:
-            from moetrain.config.run import RunSpec
-
             spec = RunSpec.model_validate_json(Path(payload).read_text(encoding="utf-8"))
         else:
-            from moetrain.cli.parsing import CommandParser, DefaultsFormatter
-
             parser = CommandParser(prog="python -m moetrain.cli.worker", formatter_class=DefaultsFormatter,
                                    description="one rank of a moetrain run (started by torchrun)")
             add_arguments(parser)

@@ -7,6 +7,10 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+from moetrain.cli.common import output_file
+from moetrain.errors import UserError
+from moetrain.planner.calibration import load_calibration
+
 HELP = "predict each row of a validation CSV (shared/validation schema) and report the errors"
 
 
@@ -23,8 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def validate(args: argparse.Namespace) -> dict:
-    from moetrain.cli.common import output_file
-    from moetrain.planner.calibration import load_calibration
+    # lazy: the fit and the simulator load when the command runs, not when the parser imports every command
     from moetrain.planner.fit import fit_calibration, fits_without_each_family, leave_one_family_out, predict_rows
     from moetrain.planner.validation import abs_pct_errors, prepare_all, read_rows, summarize
 
@@ -72,8 +75,7 @@ def validate(args: argparse.Namespace) -> dict:
 def explain_row(args: argparse.Namespace):
     """The ``--explain ROW`` report for one row of ``args.file``, refused in one line when the id is not
     in the file or the row cannot be simulated."""
-    from moetrain.errors import UserError
-    from moetrain.planner.calibration import load_calibration
+    # lazy: as in ``validate``
     from moetrain.planner.explain import explain
     from moetrain.planner.validation import prepare_row, read_rows
 
@@ -91,8 +93,7 @@ def explain_row(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     if args.explain:
-        from moetrain.errors import UserError
-        from moetrain.planner.explain import format_explanation
+        from moetrain.planner.explain import format_explanation  # lazy: as in ``validate``
 
         if args.fit or args.cv:
             raise UserError("--explain explains one row under one calibration; drop --fit and --cv")

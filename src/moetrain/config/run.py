@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from moetrain.config.parallel import ParallelConfig
 from moetrain.config.training import TrainingConfig
+from moetrain.errors import UserError, describe_validation_error
 
 MemoryPolicyName = Literal["none", "full", "selective", "auto"]
 SaveErrorChoice = Literal["continue", "stop"]
@@ -238,10 +239,6 @@ def resolve_run_spec(sources: list[dict[str, Any]], world_size: int | None = Non
     ``WORLD_SIZE``) fills ``parallel.dp`` when no source sets it and must agree when one does.
     Raises ``UserError`` (one line) on any bad field, naming the source that set it (``names``, one per
     source: a file name, or what the caller calls its flags) and, for an unknown key, the valid ones."""
-    from pydantic import ValidationError
-
-    from moetrain.errors import UserError, describe_validation_error
-
     merged = merge_sources(*sources)
     if world_size is not None:
         fill_data_parallel(merged.setdefault("parallel", {}), world_size)
@@ -261,8 +258,6 @@ def resolve_run_spec(sources: list[dict[str, Any]], world_size: int | None = Non
 
 def fill_data_parallel(parallel: dict[str, Any], world_size: int) -> None:
     """Set ``parallel["dp"]`` to what ``world_size`` ranks leave after tp·cp·pp; a given dp must agree."""
-    from moetrain.errors import UserError
-
     base = parallel.get("tp", 1) * parallel.get("cp", 1) * parallel.get("pp", 1)
     if world_size % base:
         raise UserError(f"{world_size} ranks are not a multiple of tp·cp·pp = {base}; "

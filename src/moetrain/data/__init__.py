@@ -7,6 +7,8 @@ run before a training run starts (``moetrain.train.checks``) read them without i
 
 from __future__ import annotations
 
+import importlib
+
 _LAZY = {
     "IGNORE_INDEX": "moetrain.data.packing",
     "MicroBatch": "moetrain.data.packing",
@@ -21,8 +23,6 @@ _LAZY = {
 
 def __getattr__(name: str):
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'moetrain.data' has no attribute {name!r}")
 

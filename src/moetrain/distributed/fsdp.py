@@ -2,7 +2,7 @@
 
 (Rajbhandari et al. 2020, "ZeRO", stages 2 and 3; Zhao et al. 2023, "PyTorch FSDP", and the FSDP2
 per-parameter sharding with DTensor.) Every parameter of the stage model is sharded along dim 0 over
-the same group ``ZeroAdamW`` reduces it over (``zero.kind_rules``): routed experts over ``edp``,
+the same group ``ZeroAdamW`` reduces it over (``grad_groups.kind_rules``): routed experts over ``edp``,
 replicated dense parameters and the shared embedding over the whole ``stage``, tensor-parallel shards
 and TP-identical parameters over ``dp_cp``. Each rank keeps the AdamW moments and the summed gradient
 of its shard only (stage 2); with stage 3 it also frees the gathered parameters after each forward
@@ -42,11 +42,11 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from moetrain.config import TrainingConfig
+from moetrain.distributed.grad_groups import MOMENTS, clip_and_set_lr, kind_rules, param_kind, world_norm
 from moetrain.distributed.layout import ParallelDims
 from moetrain.distributed.parallelize import last_stage_holds_embedding
 from moetrain.distributed.tp import ParamKind
 from moetrain.distributed.trace import span
-from moetrain.distributed.zero import MOMENTS, clip_and_set_lr, kind_rules, param_kind, world_norm
 from moetrain.errors import UserError
 
 

@@ -183,6 +183,7 @@ class ParallelDims:
               rank_offset: int = 0) -> ParallelDims:
         """Create every group of every axis. Every process of the default group must call this, in the
         same order, members of the layout or not (``torch.distributed.new_group``'s contract)."""
+        # lazy, torch: the layout's arithmetic stays torch-free for the run checks (train.checks)
         import torch.distributed as dist
 
         from moetrain.distributed.world import collective_timeout

@@ -30,47 +30,19 @@ Gradient clipping uses the global norm over every distinct parameter element exa
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from moetrain.config import TrainingConfig
+from moetrain.distributed.fsdp import FullyShardedAdamW
+from moetrain.distributed.grad_groups import MOMENTS, clip_and_set_lr, kind_rules, param_kind, world_norm
 from moetrain.distributed.layout import ParallelDims
 from moetrain.distributed.parallelize import last_stage_holds_embedding
 from moetrain.distributed.tp import ParamKind
 from moetrain.distributed.trace import span
 from moetrain.errors import UserError
-
-if TYPE_CHECKING:
-    from moetrain.distributed.fsdp import FullyShardedAdamW
-
-MOMENTS = ("exp_avg", "exp_avg_sq")
-
-
-def kind_rules(dims: ParallelDims) -> dict[str, tuple[str, str | None, int]]:
-    """Gradient kind → (group whose ranks sum the gradient and share the optimizer state, pre-reduce
-    group, number of copies of each shard outside that group: its weight in the global norm is 1/copies)."""
-    return {
-        "expert": ("edp", None, 1),
-        "embed": ("stage", "embed", dims.size("embed")),
-        "partial": ("stage", None, 1),
-        "complete": ("dp_cp", None, dims.parallel.tp),
-        "sharded": ("dp_cp", None, 1),
-    }
-
-
-def param_kind(name: str, dims: ParallelDims, tp_kinds: dict[str, ParamKind] | None,
-               shared_embedding: bool = True) -> str:
-    """The gradient kind of parameter ``name`` of a parallelized stage model (a key of ``kind_rules``).
-    ``shared_embedding``: the last pipeline stage holds an embedding too (``last_stage_holds_embedding``);
-    without one, the first stage's embedding is an ordinary parameter (no ``embed`` partner to wait for)."""
-    if ".moe.experts." in f".{name}":
-        return "expert"
-    if name.startswith("embed.") and dims.size("embed") > 1 and shared_embedding:
-        return "embed"
-    return (tp_kinds or {}).get(name, "partial")
 
 
 @dataclass
@@ -101,25 +73,6 @@ def _unflatten(flat: torch.Tensor, names: list[str], params: list[nn.Parameter])
     return out
 
 
-
-def world_norm(squares: list[torch.Tensor], norm_sq_correction: torch.Tensor | None, group) -> torch.Tensor:
-    """The global gradient norm from this rank's weighted squared norms (float64), summed over ``group``."""
-    total_sq = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64)
-    if norm_sq_correction is not None:
-        total_sq = total_sq + norm_sq_correction
-    dist.all_reduce(total_sq, group=group)
-    return total_sq.sqrt().float()
-
-def clip_and_set_lr(optimizer: torch.optim.Optimizer, grads: list[torch.Tensor], grad_norm: torch.Tensor,
-                    max_norm: float, lr: float) -> None:
-    """Scale ``grads`` by the global ``grad_norm`` as ``torch.nn.utils.clip_grad_norm_`` does
-    (max_norm/(norm + 1e-6), at most 1; 0: no clipping) and set the step's learning rate: the update's
-    preamble in every sharded optimizer (this one, ``fsdp.FullyShardedAdamW``)."""
-    if max_norm > 0 and grads:
-        scale = (max_norm / (grad_norm + 1e-6)).clamp(max=1.0)
-        torch._foreach_mul_(grads, scale.to(grads[0].device))
-    for group in optimizer.param_groups:
-        group["lr"] = lr
 
 class ZeroAdamW:
     def __init__(self, model: nn.Module, dims: ParallelDims, cfg: TrainingConfig,
@@ -312,6 +265,4 @@ def build_sharded_optimizer(model: nn.Module, dims: ParallelDims, cfg: TrainingC
         return ZeroAdamW(model, dims, cfg, tp_kinds)
     if parallel.overlap:
         raise UserError("ZeRO-2/3 do not run with --overlap yet; use zero 1 or drop --overlap")
-    from moetrain.distributed.fsdp import FullyShardedAdamW
-
     return FullyShardedAdamW(model, dims, cfg, tp_kinds, stage=parallel.zero)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from moetrain.config.model import ModelConfig
 from moetrain.errors import UserError
@@ -124,8 +125,6 @@ def load_pretrained(
     ``dtype`` is the parameter dtype (fp32 master weights by default; checkpoint tensors are cast as
     they stream). The router's score bias stays fp32.
     """
-    from safetensors import safe_open
-
     path = Path(path)
     if not path.is_dir():
         raise UserError(f"{path} is not a folder; give a Hugging Face model folder (config.json + safetensors)")

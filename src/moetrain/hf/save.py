@@ -16,6 +16,7 @@ from importlib import resources
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
 from moetrain.config.model import ModelConfig
@@ -57,8 +58,6 @@ def save_pretrained(model: nn.Module, path: str | Path, dtype: torch.dtype | Non
     moetrain_pangu (sandwich norm, other norm eps, softmax routing, dense); GQA with q/k norm → qwen3_moe,
     GQA without → mixtral; configs none of them can represent are refused with the field at fault.
     """
-    from safetensors.torch import save_file
-
     cfg: ModelConfig = model.cfg
     family = hf_family_for(cfg)
     if cfg.num_mtp_layers and family != pangu.FAMILY:

@@ -7,6 +7,8 @@ Torch-free names (importable by the planner): ``MemoryPlan``, ``DeviceSpeed``, `
 
 from __future__ import annotations
 
+import importlib
+
 from moetrain.memory.options import choose_plan
 from moetrain.memory.policy import POLICIES, DeviceSpeed, MemoryPlan, PolicyResult, choose_memory_plan
 
@@ -20,8 +22,6 @@ _LAZY = {
 
 def __getattr__(name: str):
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'moetrain.memory' has no attribute {name!r}")
 

@@ -39,11 +39,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from moetrain.costs.activations import ALL_OPTIONS
 from moetrain.memory.options import COMPILED_EXCLUDED
 from moetrain.memory.policy import MemoryPlan
+from moetrain.models.dispatch import LocalDispatcher, ReadyDispatch, gather_token_rows
 
 # Operators whose outputs a recomputing checkpoint keeps: routing decisions and communication.
 _ALWAYS_SAVE_OPS = {torch.ops.aten.topk.default}
@@ -179,8 +181,6 @@ class SavedTensorManager:
         # saves one block per expert) unpacks with its own strides and offset.
         flat = tensor.as_strided((tensor.untyped_storage().nbytes() // tensor.element_size(),), (1,), 0)
         low = 0
-        from torch.utils._python_dispatch import _disable_current_modes
-
         with _disable_current_modes():  # host copies are not device activations (ActivationMeter)
             if tensor.is_cuda:
                 stream = self._side_stream(tensor.device)
@@ -305,8 +305,6 @@ def _recomputed_gather(original: Callable) -> Callable:
     """A local dispatch whose permuted tokens are recomputed (compiled layers): the gather into expert
     order is redone under a checkpoint from the block's input; the first gather is then unused, and the
     compiler drops it."""
-    from moetrain.models.dispatch import ReadyDispatch, gather_token_rows
-
     @functools.wraps(original)
     def start_dispatch(x_TD, routing):
         pending = original(x_TD, routing)
@@ -418,8 +416,6 @@ def _apply_to_compiled_layer(layer: nn.Module, options: frozenset[str], applied:
     if moe is not None and "router" in options:
         _override(moe.router, "forward", _recompute_wrapper, applied.overrides)
     if moe is not None and "permute" in options:
-        from moetrain.models.dispatch import LocalDispatcher
-
         if not isinstance(moe.dispatcher, LocalDispatcher):
             raise ValueError("permute recompute in compiled layers needs the local dispatcher (expert parallelism "
                              "keeps the tokens of other ranks: run it eager)")

@@ -43,7 +43,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 
 from moetrain.config.model import GQAConfig, MLAConfig, YarnRopeConfig
 from moetrain.models.norm import RMSNorm
-from moetrain.models.rope import apply_rope, rope_cos_sin, yarn_softmax_scale_factor
+from moetrain.models.rope import apply_rope, positions_from_documents, rope_cos_sin, yarn_softmax_scale_factor
 
 AttentionBackend = Literal["sdpa", "eager"]
 DocumentMask = Literal["dense", "block"]
@@ -88,8 +88,6 @@ def build_attention_context(
     (in the order ``gather_kv`` delivers them): positions and the causal + document mask are taken
     from the full sequence, so each token keeps its true position (context parallelism, which always
     masks ``dense``). ``document_mask``: how the document mask is handed to the kernel (module doc)."""
-    from moetrain.models.rope import positions_from_documents
-
     batch, seq = input_ids_BS.shape
     device = input_ids_BS.device
     if query_index_S is None:

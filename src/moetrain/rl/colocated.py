@@ -128,8 +128,7 @@ class ColocatedStaleSyncTrainer(RLTrainer):
                                        generation)
         start = time.perf_counter()
         fusion.ensure_synced(self.weight_version)  # the current weights: diagnostics now, the next batch after
-        self._pending.update(overlapped=overlapped, reshard_s=time.perf_counter() - start)
-        self._pending.update(self.gate.stats().row())
+        self.note(overlapped=overlapped, reshard_s=time.perf_counter() - start, **self.gate.stats().row())
         return rollouts
 
     def proximal_logprobs(self, sequences: TrainingSequences) -> torch.Tensor | None:
@@ -189,7 +188,7 @@ class ColocatedStaleSyncTrainer(RLTrainer):
                 torch.cuda.current_stream(self.device).wait_stream(self._side_stream)
             assert self.fusion is not None
             self.fusion.engine.free_cache()
-            self._pending.update(overlap_wait_s=time.perf_counter() - start, next_gen_time_s=self._ready.seconds)
+            self.note(overlap_wait_s=time.perf_counter() - start, next_gen_time_s=self._ready.seconds)
         return super().after_step()
 
     def close(self) -> None:

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from moetrain.errors import UserError
+from moetrain.rl.tasks import TASKS
 
 
 class GRPOConfig(BaseModel):
@@ -57,8 +58,6 @@ class RLOptions(BaseModel):
     @field_validator("task")
     @classmethod
     def _known_task(cls, name: str) -> str:
-        from moetrain.rl.tasks import TASKS
-
         if name not in TASKS and not name.startswith("rg:"):  # rg: tasks are checked when loaded
             raise ValueError(f"unknown task {name!r}; choose one of {', '.join(TASKS)} or rg:<reasoning-gym dataset>")
         return name

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moetrain.errors import UserError
-from moetrain.rl.tasks import Problem
+from moetrain.rl.problem import Problem
 from moetrain.rl.tokenizer import ALPHABET
 
 PREFIX = "rg:"
@@ -48,7 +48,7 @@ class GymTask:
         return f"{PREFIX}{self.dataset}" + (":" + ",".join(f"{k}={v}" for k, v in self.options) if self.options else "")
 
     def _entry(self, seed: int) -> dict:
-        import reasoning_gym
+        import reasoning_gym  # optional dependency: only an rg: task needs it (gym_task refuses its absence)
 
         return reasoning_gym.create_dataset(self.dataset, size=1, seed=seed, **dict(self.options))[0]
 
@@ -68,7 +68,7 @@ class GymTask:
         entry = self.entries.get(problem.prompt)
         if entry is None:  # a problem made elsewhere: exact match against the reference answer
             return float(completion.strip() == problem.answer)
-        import reasoning_gym
+        import reasoning_gym  # optional dependency (as above)
 
         scorer = reasoning_gym.get_score_answer_fn(entry["metadata"]["source_dataset"])
         return float(scorer(completion.strip(), entry) >= 1.0)
@@ -78,7 +78,7 @@ def gym_task(name: str) -> GymTask:
     """``rg:<dataset>[:key=value,...]`` → the task; refuses a missing package or an unknown dataset."""
     dataset, _, options = name.removeprefix(PREFIX).partition(":")
     try:
-        import reasoning_gym
+        import reasoning_gym  # optional dependency: refused here in one line when it is missing
     except ImportError:
         raise UserError(f"task {name!r} needs reasoning-gym: pip install reasoning-gym") from None
     if dataset not in reasoning_gym.factory.DATASETS:

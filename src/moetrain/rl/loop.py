@@ -48,7 +48,7 @@ from moetrain.rl.batch import (
     training_sequences,
 )
 from moetrain.rl.config import FusionOptions, GRPOConfig, RLOptions, WarmupCriterion
-from moetrain.rl.fusion import Fusion, sample_generators
+from moetrain.rl.fusion import Fusion, sample_generators, whole_model
 from moetrain.rl.generate import Generation, RolloutEngine, SamplingParams
 from moetrain.rl.grpo import STAT_FIELDS, StepStats, group_advantages, label_positions, token_logprobs
 from moetrain.rl.replay import RoutingRecorder, decoder_layers, routing_mismatch
@@ -114,16 +114,14 @@ class SFTTrainer(Trainer):
         """``model``: the starting weights (``moetrain rl --from``); a fresh model of the run's seed by default.
         ``criterion``: when to stop before ``spec.training.steps`` (the cap); ``eval_size``: the GRPO run's
         evaluation set, which the validation problems avoid."""
-        self.task, self.tokenizer = task, CharTokenizer()
+        tokenizer, training = CharTokenizer(), spec.training
+        examples = TaskSFTDataset(task, tokenizer, training.seq_len, training.seed)
+        super().__init__(spec, model_cfg=model_cfg, model=model, console=console, batches=examples)
+        self.task, self.tokenizer = task, tokenizer
         self.criterion = criterion if criterion is not None and criterion.enabled else None
         self.decision: WarmupDecision | None = None
-        super().__init__(spec, model_cfg=model_cfg, model=model, console=console)
-        self.dataset = TaskSFTDataset(task, self.tokenizer, self.cfg.seq_len, self.cfg.seed)
         self.validation = (warmup_validation(task, self.cfg.seed, self.criterion, eval_size)
                            if self.criterion is not None else [])
-
-    def prepare_data(self) -> None:
-        return None
 
     def identity(self) -> dict[str, Any]:
         criterion = f":{self.criterion.model_dump_json()}" if self.criterion is not None else ""
@@ -150,8 +148,6 @@ class SFTTrainer(Trainer):
         if world == 1:
             model, share = self.run.stage.model, self.validation
         else:
-            from moetrain.rl.fusion import whole_model
-
             model, rank = whole_model(self.run, self.model_cfg), self.dims.rank
             share = self.validation[rank::world]
         engine = RolloutEngine(model, self.tokenizer.pad_id, self.tokenizer.decode, self.run.autocast_dtype)
@@ -186,6 +182,11 @@ class SFTTrainer(Trainer):
 
 
 class RLTrainer(Trainer):
+    """GRPO on the runtime's loop: its ``next_batch`` generates, scores and packs the step's samples. The
+    StaleSync trainers change it through its own extension points: ``rollout(step)`` (where the samples come
+    from), ``reference_logprobs`` and ``proximal_logprobs`` (the loss's other policies), and
+    ``replay_diagnostics``; their row fields go through ``note``."""
+
     receives_reference = False
     """The batches bring the reference log-probs (a StaleSync reference worker's) instead of a model here."""
 
@@ -200,13 +201,14 @@ class RLTrainer(Trainer):
         fusion = _fusion_options(spec, fusion)
         if options.grpo.kl_coef and reference is None and not self.receives_reference:
             raise UserError("a KL coefficient needs a reference model (the starting weights)")
-        self.options, self.task, self.tokenizer = options, get_task(options.task), CharTokenizer()
-        self.tokenizer.check_fits(model_cfg.vocab_size, model_cfg.name)
+        task, tokenizer = get_task(options.task), CharTokenizer()
+        tokenizer.check_fits(model_cfg.vocab_size, model_cfg.name)
         expected = spec.training.global_batch
         if options.prompts_per_step * options.grpo.group_size != expected:
             raise UserError(f"global batch {expected} must be prompts per step × group size "
                             f"({options.prompts_per_step} × {options.grpo.group_size})")
         super().__init__(spec, dims=dims, model_cfg=model_cfg, model=model, console=console)
+        self.options, self.task, self.tokenizer = options, task, tokenizer
         self.keep_logprobs = keep_logprobs
         self.reference = reference.eval().requires_grad_(False) if reference is not None else None
         self.fusion = None
@@ -224,7 +226,12 @@ class RLTrainer(Trainer):
         self.last_stats: StepStats | None = None
         self.last_sequences: TrainingSequences | None = None
         """The latest step's training sequences (with the rollout log-probs)."""
-        self._pending: dict[str, Any] = {}
+
+    @property
+    def _pending(self) -> dict[str, Any]:
+        # Only for StaleSyncTrainer (rl/stalesync.py, under other work now), which still writes its row
+        # fields here: they are the loop's ``step_fields``. Goes when it calls ``note`` instead.
+        return self.step_fields
 
     @property
     def max_new_tokens(self) -> int:
@@ -255,34 +262,33 @@ class RLTrainer(Trainer):
         generators = sample_generators(self.cfg.seed, step, len(problems), self.device)
         if self.fusion is not None:
             generation, switch = self.fusion.step(self.weight_version, prompts, self.sampling, generators)
-            self._pending.update(switch.metrics)
+            self.note(**switch.metrics)
         else:
             generation = self.engine.generate(prompts, self.sampling, generators, weight_version=self.weight_version)
         start = time.perf_counter()
         rollouts = scored_rollouts(self.task, self.tokenizer, self.options.grpo, problems, generation)
-        self._pending["score_time_s"] = time.perf_counter() - start
+        self.note(score_time_s=time.perf_counter() - start)
         return rollouts
 
     def next_batch(self) -> StepBatch:
         if self.step == 0 and not self.metrics.rows:
             # The starting policy's held-out accuracy, as the curve's step 0 (a fresh run only).
             self.metrics.log({"step": 0, "heldout_accuracy": self.evaluate()})
-        self._pending = {}
         rollouts = self.rollout(self.step)
         sequences = self.last_sequences = training_sequences(rollouts, self.cfg.seq_len, self.tokenizer.pad_id)
-        self._pending.update(rollout_metrics(rollouts, self.options.grpo.group_size, self.weight_version))
+        self.note(**rollout_metrics(rollouts, self.options.grpo.group_size, self.weight_version))
         has_reference = self.reference is not None or self.receives_reference
         ref_logp_BS = self.reference_logprobs(sequences) if has_reference else None
         every = self.options.replay_stats_every
         if every and self.step % every == 0 and sequences.expert_ids_BSMK is not None:
-            self._pending.update(self.replay_diagnostics(sequences))
+            self.note(**self.replay_diagnostics(sequences))
         old_logp_BS = self.proximal_logprobs(sequences)
         rows = self.trained_rows(rollouts)
         if rows is not None:
             take = lambda t_BS: None if t_BS is None else t_BS.index_select(0, rows)
             sequences, ref_logp_BS, old_logp_BS = sequences.select(rows), take(ref_logp_BS), take(old_logp_BS)
             self.last_sequences = sequences
-        self._pending["trained_frac"] = 1.0 if rows is None else len(rows) / len(rollouts.problems)
+        self.note(trained_frac=1.0 if rows is None else len(rows) / len(rollouts.problems))
         self.last_stats = StepStats.zeros(self.device, self.keep_logprobs)
         return step_batch(sequences, self.options.grpo, self.batching, self.last_stats, self.options.replay,
                           ref_logp_BS, old_logp_BS)
@@ -344,7 +350,7 @@ class RLTrainer(Trainer):
 
     # ----- after the step -----
     def after_step(self) -> dict[str, Any]:
-        extra = {**super().after_step(), **self._pending}
+        extra = super().after_step()
         start = time.perf_counter()
         stats = self.last_stats
         if stats is not None:

@@ -7,10 +7,11 @@ from typing import Any
 
 
 def plot_reward_curve(rows: list[dict[str, Any]], path: Path, title: str, window: int = 10) -> Path:
+    # lazy, heavy: matplotlib loads only when a curve is drawn, and its backend is chosen before pyplot loads
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after the backend is chosen
 
     steps = [r for r in rows if "reward" in r]
     evals = [r for r in rows if "heldout_accuracy" in r]

@@ -19,6 +19,10 @@ import torch
 
 from moetrain.config import ModelConfig
 from moetrain.errors import UserError
+from moetrain.hf.configs import model_config_from_hf
+from moetrain.hf.converted_checkpoint import checkpoint_model_config, newest_step_folder, read_checkpoint_model
+from moetrain.hf.load import load_pretrained, read_hf_config
+from moetrain.models.transformer import build_model
 
 
 def is_hf_folder(path: Path) -> bool:
@@ -31,12 +35,7 @@ def starting_config(path: Path, model: str | None) -> ModelConfig:
         raise UserError(f"--from {path}: no such file or folder; give a moetrain checkpoint or a Hugging Face "
                         "model folder")
     if is_hf_folder(path):
-        from moetrain.hf.configs import model_config_from_hf
-        from moetrain.hf.load import read_hf_config
-
         return model_config_from_hf(read_hf_config(path), name=path.name, source=str(path / "config.json"))
-    from moetrain.hf.converted_checkpoint import checkpoint_model_config, newest_step_folder
-
     try:
         return checkpoint_model_config(newest_step_folder(path), model)[0]
     except UserError as exc:
@@ -45,15 +44,9 @@ def starting_config(path: Path, model: str | None) -> ModelConfig:
 
 def starting_weights(path: Path, policy_cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """The policy's state dict from the weights at ``path``."""
-    from moetrain.models.transformer import build_model
-
     if is_hf_folder(path):
-        from moetrain.hf.load import load_pretrained
-
         net, _ = load_pretrained(path)
     else:
-        from moetrain.hf.converted_checkpoint import read_checkpoint_model
-
         net, _ = read_checkpoint_model(path, cfg=policy_cfg)
     state = net.state_dict()
     wanted = build_model(policy_cfg, "meta").state_dict()

@@ -22,38 +22,10 @@ import hashlib
 import random
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Literal, Protocol
 
 from moetrain.errors import UserError
-
-Split = Literal["train", "heldout"]
-
-
-@dataclass(frozen=True)
-class Problem:
-    prompt: str
-    answer: str
-    """A reference answer: the SFT target (countdown accepts any correct expression)."""
-    numbers: tuple[int, ...] = ()
-    """The given numbers (countdown)."""
-    target: int = 0
-    """The number to reach (countdown)."""
-
-
-class Task(Protocol):
-    name: str
-
-    def sample(self, rng: random.Random) -> Problem: ...
-
-    def score(self, problem: Problem, completion: str) -> float:
-        """1.0 for a correct completion, else 0.0 (the completion is the text before EOS)."""
-        ...
-
-    @property
-    def max_prompt_chars(self) -> int: ...
-
-    @property
-    def max_answer_chars(self) -> int: ...
+from moetrain.rl.gym_tasks import gym_task
+from moetrain.rl.problem import Problem, Split, Task
 
 
 @dataclass(frozen=True)
@@ -190,8 +162,6 @@ def sequence_len_for(task: Task, max_new_tokens: int) -> int:
 
 @functools.cache
 def _gym_task(name: str) -> Task:
-    from moetrain.rl.gym_tasks import gym_task  # optional package, imported only when asked for
-
     return gym_task(name)
 
 

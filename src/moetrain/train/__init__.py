@@ -7,6 +7,8 @@ runtime live below both, in ``moetrain.runtime_base``.
 
 from __future__ import annotations
 
+import importlib
+
 _LAZY = {
     "Trainer": "moetrain.train.trainer",
 }
@@ -14,8 +16,6 @@ _LAZY = {
 
 def __getattr__(name: str):
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'moetrain.train' has no attribute {name!r}")
 

@@ -9,11 +9,15 @@ run will write. ``check_corpus`` (pre-training only, not RL) sets the global bat
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from pathlib import Path
 
 from moetrain.balance.online import check_online_balance
 from moetrain.config import ModelConfig, ParallelConfig, limits
 from moetrain.config.run import RunSpec
+from moetrain.data.corpus import check_data_path
+from moetrain.data.size import corpus_size
 from moetrain.distributed.layout import validate_layout
 from moetrain.errors import UserError
 
@@ -53,9 +57,6 @@ def check_corpus(spec: RunSpec, model_cfg: ModelConfig) -> None:
     run, training = spec.run, spec.training
     if run.synthetic_data:
         return
-    from moetrain.data.corpus import check_data_path
-    from moetrain.data.size import corpus_size
-
     if run.data is not None:
         check_data_path(run.data)
     size = corpus_size(run.data, model_cfg.vocab_size)
@@ -102,12 +103,9 @@ def check_output_paths(spec: RunSpec) -> None:
     """Create the folders the run writes into and refuse, before any work, a path that cannot be one:
     a file named as a folder, a folder named as a file, an unwritable place."""
     run = spec.run
-    if run.tensorboard is not None:
-        import importlib.util
-
-        if importlib.util.find_spec("tensorboard") is None:
-            raise UserError("--tensorboard needs the tensorboard package: pip install 'moetrain[tensorboard]' "
-                            "(or drop --tensorboard; --metrics-out writes the same rows as JSONL)")
+    if run.tensorboard is not None and importlib.util.find_spec("tensorboard") is None:
+        raise UserError("--tensorboard needs the tensorboard package: pip install 'moetrain[tensorboard]' "
+                        "(or drop --tensorboard; --metrics-out writes the same rows as JSONL)")
     for flag, folder in (("--save-dir", run.save_dir), ("--trace-dir", run.trace_dir),
                          ("--tensorboard", run.tensorboard)):
         if folder is not None:
@@ -137,6 +135,4 @@ def _make_folder(folder: Path, flag: str) -> None:
 
 
 def _writable(path: Path) -> bool:
-    import os
-
     return os.access(path, os.W_OK)

@@ -23,6 +23,8 @@ and no cost.
 from __future__ import annotations
 
 import os
+import signal
+import time
 from dataclasses import dataclass
 
 from moetrain.errors import UserError
@@ -71,14 +73,10 @@ class Faults:
         phase."""
         for fault in self._matching(step, phase):
             if fault.kind == "kill":
-                import signal
-
                 os.kill(os.getpid(), signal.SIGKILL)
             if fault.kind == "exit":
                 os._exit(int(fault.factor))  # no report, no teardown: as a process the system ends
             if fault.kind == "hang":
-                import time
-
                 time.sleep(fault.factor)
             if fault.kind == "raise":
                 raise RuntimeError(f"injected fault at step {step}")

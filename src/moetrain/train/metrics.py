@@ -34,6 +34,8 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
+from moetrain.config.model import moe_layer_indices
+
 if TYPE_CHECKING:
     from moetrain.config import ModelConfig
 
@@ -73,7 +75,7 @@ class MetricsLogger:
             self._file = self.path.open("r+", encoding="utf-8")
             self._file.seek(0, 2)
         if self.tensorboard_dir is not None:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # optional dependency (checks.py refuses its absence)
 
             self._board = SummaryWriter(log_dir=str(self.tensorboard_dir))
 
@@ -159,8 +161,6 @@ class RoutingTraceWriter:
 def moe_layer_labels(model_cfg: ModelConfig) -> list[str]:
     """``MoE layer 2`` for a decoder layer, ``MTP layer 8`` for an MTP module's block (numbered as in the
     routing trace), in the order of the per-layer metrics."""
-    from moetrain.config.model import moe_layer_indices
-
     return [f"MoE layer {i}" if i < model_cfg.num_layers else f"MTP layer {i}" for i in moe_layer_indices(model_cfg)]
 
 

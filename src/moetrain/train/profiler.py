@@ -10,12 +10,21 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from moetrain.config.cluster import ClusterConfig
 from moetrain.config.model import ModelConfig
+from moetrain.config.training import TrainingConfig
+from moetrain.costs.params import count_params
+from moetrain.distributed.weight_sync import WeightSync, payload_crc, tensor_views
+from moetrain.distributed.world import spawn
+from moetrain.errors import UserError
+from moetrain.models.transformer import build_model
 from moetrain.planner.compute import attention_head_dim_factor
 from moetrain.runtime_base.host_memory import keep_freed_host_memory
+from moetrain.runtime_base.optim import build_optimizer, clip_gradients
+from moetrain.runtime_base.precision import autocast, autocast_dtype
 
 # (m, n, k). The first two (overhead-bound) give the fixed cost per call, the last three (rate-bound)
 # the asymptotic speed; a GPU needs far larger shapes than a CPU core to reach its rate.
@@ -311,12 +320,6 @@ def probe_host(model_cfg: ModelConfig, device: str, repeats: int) -> HostTimes |
     time holds the (small) work too, and the cost model adds what it has beyond the device work it prices
     at these tokens (``costmodel._host_excess``); there a second, wide pass is timed as well, since the
     excess grows with the tokens. None for models too large to build here."""
-    from moetrain.config.training import TrainingConfig
-    from moetrain.costs.params import count_params
-    from moetrain.models.transformer import build_model
-    from moetrain.runtime_base.optim import build_optimizer, clip_gradients
-    from moetrain.runtime_base.precision import autocast, autocast_dtype
-
     if count_params(model_cfg).total_with_mtp > HOST_PROBE_MAX_PARAMS[_kind(device)]:
         return None
     cfg = TrainingConfig()  # the trainer's defaults: its precision rule, clipping and AdamW
@@ -355,8 +358,6 @@ def _host_issue_times(model_cfg: ModelConfig, device: str, repeats: int) -> dict
 
 def _wide_pass(model, model_cfg: ModelConfig, device: str, dtype) -> tuple:
     """(a forward and backward of ``model`` on ``HOST_WIDE_PROBE``'s micro-batch, its (sequences, tokens))."""
-    from moetrain.runtime_base.precision import autocast
-
     batch, seq = HOST_WIDE_PROBE[0], min(HOST_WIDE_PROBE[1], model_cfg.max_seq_len)
     ids = torch.randint(0, model_cfg.vocab_size, (batch, seq), device=device)
 
@@ -371,8 +372,6 @@ def _wide_pass(model, model_cfg: ModelConfig, device: str, dtype) -> tuple:
 def _wide_pass_seconds(rank: int, world_size: int, model_cfg: ModelConfig, repeats: int) -> float:
     """This rank's seconds per wide pass (``_wide_pass``) while every rank runs ``repeats`` of them back to
     back, started together (one thread per rank, the model built here), as training keeps the cores busy."""
-    from moetrain.models.transformer import build_model
-
     torch.set_num_threads(1)
     keep_freed_host_memory()
     model = build_model(model_cfg, device="cpu", seed=0)
@@ -392,8 +391,6 @@ def profile_shared_host(model_cfg: ModelConfig, ranks: int, repeats: int = 5, ro
     ``rounds`` times, and alone once more. Each together run is set against the mean of the two alone runs
     around it (a virtual machine's speed drifts by a fifth within minutes); ``slowdown`` is the median of
     those ratios (the slowest rank's time together over the time alone), at least 1."""
-    from moetrain.distributed.world import spawn
-
     alone = [spawn(_wide_pass_seconds, 1, model_cfg, repeats)[0]]
     together = []
     for _ in range(rounds):
@@ -415,8 +412,6 @@ def _comm_ranks(rank: int, world_size: int, sizes: tuple[int, ...], repeats: int
     """This rank's seconds per collective: each kind and size on the whole world and on disjoint pairs
     (every pair at once, as a 2-way TP/EP/DP group of a layout runs beside the others), ``calls`` back to
     back per timing (as a step issues them), the median of ``repeats`` timings."""
-    import torch.distributed as dist
-
     # the flat all-gather: ``all_gather_single`` since torch 2.13 (the old name warns there), the old name before
     all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     torch.set_num_threads(1)
@@ -463,9 +458,6 @@ def profile_collectives(world_size: int, sizes: tuple[int, ...] = COMM_BYTES, re
     {kind, group, bytes, seconds} per measurement, the slowest rank's time. Bytes as the planner's
     formulas take them (``planner.comm``): the all-reduce's buffer, the all-gather's gathered output, what
     one rank sends in an all-to-all, one send."""
-    from moetrain.distributed.world import spawn
-    from moetrain.errors import UserError
-
     if world_size < 2 or world_size % 2:
         raise UserError(f"the collective probe runs on an even number of ranks, 2 or more (got {world_size})")
     per_rank = spawn(_comm_ranks, world_size, tuple(sizes), repeats, calls)
@@ -476,9 +468,6 @@ def profile_collectives(world_size: int, sizes: tuple[int, ...] = COMM_BYTES, re
 
 
 def _whole_sync(rank: int, world_size: int, model_cfg: ModelConfig, bucket_bytes: int, repeats: int) -> dict:
-    from moetrain.distributed.weight_sync import WeightSync, tensor_views
-    from moetrain.models.transformer import build_model
-
     torch.set_num_threads(1)
     models = [build_model(model_cfg, torch.device("cpu"), seed=seed) for seed in (0, 1)]
     views = [tensor_views({n: v.detach() for n, v in m.state_dict(keep_vars=True).items()}, None) for m in models]
@@ -495,8 +484,6 @@ def profile_weight_sync(model_cfg: ModelConfig, repeats: int = 5, bucket_bytes: 
     written into the other copy, each with its CRC-32, box by box, with the sync's per-box and per-bucket
     work (views, copies, the header, the checks) included; one thread. ``host_bytes_per_s``: bytes packed
     or written per second (2 × the model's bytes over the sync's time), the rate of one side's work."""
-    from moetrain.distributed.world import spawn
-
     return spawn(_whole_sync, 1, model_cfg, bucket_bytes, repeats)[0]
 
 
@@ -504,8 +491,6 @@ def profile_sync_rates(repeats: int = 5, num_bytes: int = SYNC_PROBE_BYTES) -> d
     """The weight sync's host work per byte on one thread (``distributed.weight_sync``): a copy (the mean of
     a bucket packed into a fresh tensor and a box written into existing weights) and a CRC-32 (the sync's
     own ``payload_crc``: the bytes to host, then zlib), as bytes per second."""
-    from moetrain.distributed.weight_sync import payload_crc
-
     keep_freed_host_memory()  # as the runtime's CPU processes, which run the sync
     src = torch.randint(0, 255, (num_bytes,), dtype=torch.uint8)
     dst = torch.empty_like(src)

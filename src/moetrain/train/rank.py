@@ -15,20 +15,19 @@ from __future__ import annotations
 
 import os
 
+import torch
+import torch.distributed as dist
+
 from moetrain.config.run import RunSpec
+from moetrain.distributed.world import init_world
 from moetrain.errors import UserError
 from moetrain.runtime_base.recovery import USER_ERROR_EXIT, attempt, report_failure
 from moetrain.status import say, status_console
+from moetrain.train.trainer import Trainer, resolve_device
 
 
 def run_rank(spec: RunSpec) -> int:
     """Join the process group, train, leave; a failure is one line and a non-zero exit."""
-    import torch
-    import torch.distributed as dist
-
-    from moetrain.distributed.world import init_world
-    from moetrain.train.trainer import Trainer, resolve_device
-
     torch.set_num_threads(spec.run.threads or int(os.environ.get("OMP_NUM_THREADS", "1")))
     rank = int(os.environ.get("RANK", "0"))
     if attempt() > 0:  # torchrun restarted the group after a failure: every rank resumes

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from rich.console import Console
 from torch.distributed.checkpoint.api import CheckpointException
 
+from moetrain.distributed.checkpoint import finish_folder, host_stager, start_write, write_state
 from moetrain.errors import UserError
 from moetrain.runtime_base.checkpoint_files import (
     checkpoint_dir,
@@ -87,8 +88,6 @@ class CheckpointSaver:
         self._sealer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moetrain-seal") if async_save else None
         self._stager = None
         if async_save:
-            from moetrain.distributed.checkpoint import host_stager
-
             self._stager = host_stager()
         self._quiet = library_records_dropped()
         self._quiet.__enter__()
@@ -100,8 +99,6 @@ class CheckpointSaver:
         """Save ``state`` (``checkpoint_state`` of this rank) as the checkpoint after ``step`` steps; the
         folder it will have (None when the save failed and the run goes on) and what it cost the loop.
         ``fail``: this rank's write fails as a full disk does (an injected fault)."""
-        from moetrain.distributed.checkpoint import finish_folder, start_write, write_state
-
         start = time.perf_counter()
         waited = self.finish() if self.async_save else 0.0
         final = checkpoint_dir(self.save_dir, step)
@@ -138,8 +135,6 @@ class CheckpointSaver:
                     expert_placement: dict | None) -> None:
         """The background thread's second half: once this rank's write is done (on the coordinator: every
         rank's, DCP's last collective gathers them), the coordinator seals and prunes."""
-        from moetrain.distributed.checkpoint import finish_folder
-
         written.result()
         if self.coordinator:
             finish_folder(staging, final, step, identity, expert_placement)

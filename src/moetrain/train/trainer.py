@@ -18,7 +18,7 @@ import contextlib
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -32,10 +32,13 @@ from moetrain.data import PreparedData, StepBatch, prepare_data
 from moetrain.data.synthetic import SyntheticDataset
 from moetrain.distributed.checkpoint import checkpoint_state, load_checkpoint, read_expert_placement
 from moetrain.distributed.layout import ParallelDims
+from moetrain.distributed.parallelize import apply_compile
 from moetrain.distributed.step import LayoutRun, StepResult, build_layout, train_step
 from moetrain.distributed.trace import Tracer
 from moetrain.distributed.world import join_world
 from moetrain.errors import UserError
+from moetrain.memory.options import choose_plan, excluded_options, held_layers_plan
+from moetrain.memory.runtime import apply_memory_policy
 from moetrain.models.transformer import MoETransformer
 from moetrain.runtime_base.checkpoint_files import (
     is_model_only,
@@ -94,12 +97,37 @@ def resolve_document_mask(choice: str, device: torch.device, compiled: bool) -> 
     return choice
 
 
+class BatchSource(Protocol):
+    """Where the step's batches come from: a function of the step (so a resume reads what the
+    uninterrupted run would have), cut into this data-parallel rank's micro-batches."""
+
+    def step_batch(self, step: int, global_batch: int, micro_batch: int, dp_rank: int = 0,
+                   dp_size: int = 1) -> StepBatch: ...
+
+
 class Trainer:
+    """The step loop. A trainer of another objective (the RL warm-up and GRPO, ``moetrain.rl.loop``) changes
+    it only through these extension points, and reads the loop's state through public attributes:
+
+    - ``batches`` (constructor): the batch source, instead of the corpus or synthetic data;
+    - ``prepare_data()``: the corpus, or None when the batches come from elsewhere;
+    - ``next_batch()``: the step's batch (its micro-batches carry the objective, e.g. GRPO's);
+    - ``note(**fields)``: fields that join the step's metrics row, from any hook during the step;
+    - ``after_step()``: what runs after the optimizer step (evaluation, a weight push), its row fields;
+    - ``finished()``: a measured stopping criterion before the last step;
+    - ``identity()``: what a checkpoint of this run may be resumed into;
+    - ``save()``/``load()``: what a checkpoint keeps beside the weights (call the base's first);
+    - ``describe()``/``print_summary()``: the console's first and last lines;
+    - ``close()``: what to release when the run ends or fails (call the base's last).
+    """
+
     def __init__(self, spec: RunSpec, *, dims: ParallelDims | None = None, model_cfg: ModelConfig | None = None,
-                 model: MoETransformer | None = None, console: Console | None = None) -> None:
+                 model: MoETransformer | None = None, console: Console | None = None,
+                 batches: BatchSource | None = None) -> None:
         """``dims``: this rank's place in a layout built by the caller (tests run several layouts side by
         side in one world); ``model_cfg``/``model``: instead of ``spec.model`` (a model the caller built
-        from the seed, e.g. with a skewed router)."""
+        from the seed, e.g. with a skewed router); ``batches``: the batch source instead of
+        ``spec.run.data`` (no corpus is read then)."""
         self.spec, self.cfg = spec, spec.training
         self.model_cfg = model_cfg or load_model_config(spec.model)
         check_run(spec, self.model_cfg)  # the same checks as before any rank started (cheap, torch-free)
@@ -132,19 +160,22 @@ class Trainer:
         self.is_reporter = dims.rank == dims.group_ranks["world"][0]
         """The layout's first rank writes the files and the console lines."""
         self.console = console or Console(quiet=not self.is_reporter)
+        self.step_fields: dict[str, Any] = {}
+        """The current step's metrics row fields noted so far (``note``); the loop starts each step empty."""
         try:
-            self._build(model)
+            self._build(model, batches)
         except BaseException:
             self._own_world.close()
             raise
 
-    def _build(self, model: MoETransformer | None) -> None:
+    def _build(self, model: MoETransformer | None, batches: BatchSource | None) -> None:
         spec, cfg = self.spec, self.cfg
         if spec.world_size == 1:
             self.check_memory()
-        self.data = self.prepare_data()
-        self.dataset = self.data.dataset if self.data is not None else SyntheticDataset(
-            self.model_cfg.vocab_size, cfg.seq_len, cfg.seed)
+        self.data = self.prepare_data() if batches is None else None
+        self.dataset: BatchSource = batches if batches is not None else (
+            self.data.dataset if self.data is not None else SyntheticDataset(
+            self.model_cfg.vocab_size, cfg.seq_len, cfg.seed))
         self.cluster = self.resolve_cluster()
         self.balancer = None
         self.run = self.build_run(model)
@@ -210,7 +241,7 @@ class Trainer:
     def build_run(self, model: MoETransformer | None) -> LayoutRun:
         if not self.spec.balance.enabled:
             return build_layout(self.dims, self.model_cfg, self.cfg, self.device, model=model)
-        from moetrain.distributed.balancing import build_balanced_run
+        from moetrain.distributed.balancing import build_balanced_run  # lazy, heavy: scipy's solvers, --balance only
 
         balance = self.spec.balance
         tuning = {name: value for name, value in (("interval", balance.interval), ("horizon", balance.horizon))
@@ -230,9 +261,6 @@ class Trainer:
         options = self.spec.memory
         if options.policy == "none":
             return None
-        from moetrain.memory.options import choose_plan, excluded_options, held_layers_plan
-        from moetrain.memory.runtime import apply_memory_policy
-
         model = self.run.stage.model
         compiled = self.will_compile()
         dtype_bytes = 2.0 if self.run.autocast_dtype is not None else 4.0
@@ -254,8 +282,6 @@ class Trainer:
         policy, whose checkpoint wrappers the compiled layers then trace through."""
         if not self.will_compile():
             return 0
-        from moetrain.distributed.parallelize import apply_compile
-
         return apply_compile(self.run.stage.model)
 
     def drop_rows_after_checkpoint(self) -> None:
@@ -281,6 +307,10 @@ class Trainer:
     def next_batch(self) -> StepBatch:
         return self.dataset.step_batch(self.step, self.cfg.global_batch, self.cfg.micro_batch, self.dp_rank,
                                        self.spec.parallel.dp)
+
+    def note(self, **fields: Any) -> None:
+        """Add ``fields`` to this step's metrics row (a hook's measurements: the batch's, the update's)."""
+        self.step_fields.update(fields)
 
     # ----- around the steps -----
     def log(self, result: StepResult, tokens: int, step_time_s: float, extra: dict[str, Any]) -> dict[str, Any]:
@@ -359,6 +389,7 @@ class Trainer:
         """Step until ``last_step`` or until ``finished()``: batch → the step → metrics row → checkpoint."""
         while self.step < last_step and not self.finished():
             self.fault(self.step, "step")
+            self.step_fields = {}
             start = time.perf_counter()
             batch = self.next_batch()
             batch_done = time.perf_counter()
@@ -367,6 +398,7 @@ class Trainer:
             self.step += 1
             step_done = time.perf_counter()
             extra = self.after_step()
+            extra = {**extra, **self.step_fields}
             # the step's parts as the host sees them (no added sync: on an accelerator the host may run ahead)
             extra.update(batch_time_s=batch_done - start, train_step_time_s=step_done - batch_done,
                          after_step_time_s=time.perf_counter() - step_done)
@@ -491,4 +523,4 @@ class Trainer:
                                          show_mfu=self.device.type != "cpu"))
 
 
-__all__ = ["Trainer", "resolve_device", "resolve_document_mask"]
+__all__ = ["BatchSource", "Trainer", "resolve_device", "resolve_document_mask"]
