@@ -269,8 +269,10 @@ def test_a_killed_actor_is_restarted_by_ray_and_the_run_ends_as_the_uninterrupte
 @needs_ray
 @pytest.mark.dist
 def test_restarts_spent_end_the_run_in_one_line_naming_the_actor(cluster, tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("MOETRAIN_FAULT", "0:1:kill@*")  # every attempt: the one restart fails the same way
-    code, _, err = _cli_run(tmp_path, capsys, "--max-restarts", "1", "--steps", "2")
+    # every attempt, at batch 3 (the warm-up in this process, 2 steps, never reaches a step 3): the one
+    # restart fails the same way
+    monkeypatch.setenv("MOETRAIN_FAULT", "0:3:kill@*")
+    code, _, err = _cli_run(tmp_path, capsys, "--max-restarts", "1", "--steps", "4")
     assert code == 1
     lines = err.strip().splitlines()
     assert len(lines) == 1, lines
@@ -281,16 +283,17 @@ def test_restarts_spent_end_the_run_in_one_line_naming_the_actor(cluster, tmp_pa
 @needs_ray
 @pytest.mark.dist
 def test_a_hung_rollout_worker_is_named_within_the_runs_timeout(cluster, tmp_path, capsys, monkeypatch):
-    """MOETRAIN_FAULT's hang: the rollout worker sleeps as it starts batch 1; the trainer's wait on it gives
-    up after --timeout-s, and the one line names the rollout worker's group and rank."""
-    monkeypatch.setenv("MOETRAIN_FAULT", "0:1:hang")
+    """MOETRAIN_FAULT's hang: the rollout worker sleeps as it starts batch 3 (beyond the 2-step warm-up in
+    this process); the trainer's wait on it gives up after the run's timeout_s, and the one line names the
+    rollout worker's group and rank."""
+    monkeypatch.setenv("MOETRAIN_FAULT", "0:3:hang")
     start = time.monotonic()
     config = tmp_path / "rl.yaml"
     config.write_text("trainer:\n  run:\n    timeout_s: 10\n")
-    code, _, err = _cli_run(tmp_path, capsys, "--steps", "3", "--config", str(config))
+    code, _, err = _cli_run(tmp_path, capsys, "--steps", "4", "--config", str(config))
     assert code == 1
     assert time.monotonic() - start < 90  # the warm-up, the actors' start, the 10 s timeout and a 5 s grace
     lines = err.strip().splitlines()
     assert len(lines) == 1, lines
     assert re.match(r"moetrain rl: rank 1 failed: StaleSyncWorkerError: StaleSync rollout worker \(rank 0\) "
-                    r"(died|stopped responding)", lines[0]), lines
+                    r"stopped responding: the trainer \(rank 1\) lost it", lines[0]), lines
