@@ -80,8 +80,6 @@ def test_a_killed_rollout_replica_is_restarted_and_no_admitted_batch_is_lost(tmp
     (["rl", "--staleness", "1", "--max-restarts", "1"], ("--max-restarts 1 needs --save-dir",)),
     (["rl", "--staleness", "1", "--max-restarts", "-1", "--save-dir", "x"], ("--max-restarts -1 must be ≥ 0",)),
     (["rl", "--max-restarts", "1", "--save-dir", "x"], ("this run is one process",)),
-    (["rl", "--staleness", "1", "--engine", "ray", "--max-restarts", "1", "--save-dir", "x"],
-     ("with --engine ray it is not built yet",)),
 ])
 def test_cli_refuses_restarts_it_cannot_give_in_one_line_exit_2(capsys, argv, expected):
     refused(capsys, argv, *expected)
