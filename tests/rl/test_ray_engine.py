@@ -1,6 +1,9 @@
 """StaleSync on Ray actors (``--engine ray``) on a local Ray cluster: k = 0 gives what the torch.distributed
-(local) engine gives, a dead worker ends the run in one line naming it within 60 s and leaves the last
-checkpoint valid, and the CLI refuses in one line what the engine cannot run."""
+(local) engine gives, with one rollout worker and one trainer rank and with 2 rollout replicas beside a
+TP2 trainer group; a dead worker ends the run in one line naming it within 60 s and leaves the last
+checkpoint valid; with ``--max-restarts`` a killed actor (a replica or a trainer rank) is restarted and the
+run ends equal to the uninterrupted one; a hung worker is named within the run's timeout; and the CLI
+refuses in one line what the engine cannot run."""
 
 import json
 import os
@@ -13,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 from test_rl_stalesync import COMPARED, TINY, _setup
+from test_rl_stalesync_scale import TP2
+from test_rl_stalesync_scale import _job as _scale_job
 
 from moetrain.cli import main
 from moetrain.config import load_model_config
@@ -39,9 +44,10 @@ PER_STEP = (*COMPARED, "staleness_max", "dropped_samples", "batch_index")
 
 @pytest.fixture(scope="module")
 def cluster():
-    """A local Ray cluster of 2 CPUs (one actor each); the failure injections below, defined here, travel
-    to the actors by value (the actors cannot import this test module)."""
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=200 * 2**20)
+    """A local Ray cluster of 4 logical CPUs (one actor each: 2 replicas and a 2-rank trainer group; the
+    actors run one thread each, so they share the machine's cores); the failure injections below, defined
+    here, travel to the actors by value (the actors cannot import this test module)."""
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, object_store_memory=200 * 2**20)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     yield
     ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
@@ -74,6 +80,34 @@ def test_k0_on_ray_actors_equals_the_torch_distributed_run(cluster):
     assert trainer.final_state.keys() == local.final_state.keys()
     for name, value in local.final_state.items():
         assert torch.equal(value, trainer.final_state[name]), name  # same weights, bit for bit
+
+
+@needs_ray
+@pytest.mark.dist
+def test_k0_with_two_replicas_beside_a_tp2_trainer_on_ray_equals_the_torch_distributed_run(cluster):
+    """The same run_stalesync (2 steps) on 4 ranks (replicas 0, 1; trainer group 2, 3 in TP2) on both engines:
+    every replica's versions, every trainer rank's samples, metrics rows and final shards, bit for bit."""
+    from moetrain.rl.ray_engine import run_ranks
+
+    job = _scale_job(2, 0, TP2, replicas=2)
+    names = [job.roles.worker_name(rank) for rank in range(4)]
+    local = spawn(run_stalesync, 4, job)
+    on_ray = run_ranks(run_stalesync, 4, job, names=names, timeout_s=120)
+    for want, got in zip(local[:2], on_ray[:2], strict=True):
+        assert got.versions == want.versions == [0, 1]
+        assert got.generated_tokens == want.generated_tokens
+    for want, got in zip(local[2:], on_ray[2:], strict=True):
+        assert got.trained == want.trained == [(0, 0), (1, 1)]
+        assert len(got.samples) == len(want.samples) == 2
+        for expected, samples in zip(want.samples, got.samples, strict=True):
+            assert torch.equal(expected, samples)  # same generated tokens, both replicas' shares
+        assert [{k: r.get(k) for k in PER_STEP} for r in got.rows] == [{k: r.get(k) for k in PER_STEP}
+                                                                     for r in want.rows]
+        assert got.final_state.keys() == want.final_state.keys()
+        for name, value in want.final_state.items():
+            assert torch.equal(value, got.final_state[name]), name  # this rank's TP shard, bit for bit
+    # the two TP ranks hold different shards: the comparison above is of each rank's own
+    assert any(not torch.equal(on_ray[2].final_state[n], on_ray[3].final_state[n]) for n in on_ray[2].final_state)
 
 
 def _trainer_raises_at_step_2(rank: int, world_size: int, job: StaleSyncJob):
@@ -138,13 +172,16 @@ def test_cli_without_ray_says_pip_install_ray_in_one_line_exit_2(capsys, monkeyp
 
 @needs_ray
 @pytest.mark.slow
-def test_cli_k0_on_ray_actors_equals_the_cli_on_torchrun(cluster, tmp_path, capsys):
-    """The same `moetrain rl --staleness 0` run (warm-up, 3 GRPO steps) through both engines: the same
-    metrics rows and the same final checkpoint, bit for bit."""
+@pytest.mark.parametrize("layout", [(), ("--rollout-replicas", "2", "--nproc", "4", "--tp", "2")],
+                         ids=["1-replica-1-trainer", "2-replicas-tp2-trainer"])
+def test_cli_k0_on_ray_actors_equals_the_cli_on_torchrun(cluster, tmp_path, capsys, layout):
+    """The same `moetrain rl --staleness 0` run (warm-up, 3 GRPO steps) through both engines, with one rollout
+    worker and one trainer rank, and with 2 rollout replicas beside a TP2 trainer group: the same metrics
+    rows and the same final checkpoint, bit for bit."""
     runs = {}
     for engine in ("local", "ray"):
         out = tmp_path / engine
-        argv = ["rl", *TINY, "--staleness", "0", "--engine", engine, "--metrics-out", str(out / "rl.jsonl"),
+        argv = ["rl", *TINY, *layout, "--staleness", "0", "--engine", engine, "--metrics-out", str(out / "rl.jsonl"),
                 "--save-dir", str(out / "run"), "--log-dir", str(out / "log")]
         assert main(argv) == 0, capsys.readouterr().err
         rows = [json.loads(line) for line in (out / "rl.jsonl").read_text().splitlines()]
@@ -164,11 +201,102 @@ def test_the_cli_launch_reports_a_failed_rank_in_one_line_and_exits_1(cluster, t
     from moetrain.rl.ray_engine import launch
 
     spec = resolve_rl_spec([{"sft": {"steps": 0}, "rl": {"prompts_per_step": 2, "grpo": {"group_size": 2}},
-                             "trainer": {"training": {"steps": 2}, "run": {"device": "cpu", "quiet": True}},
+                             "trainer": {"training": {"steps": 2},
+                                         "run": {"device": "cpu", "quiet": True, "timeout_s": 30}},
                              "stalesync": {"staleness": 0}, "initial_weights": str(tmp_path / "missing.pt")}],
                            ["test"])
-    assert launch(spec, group_timeout_s=30) == 1  # the warm-up weights' file is gone: both ranks fail to read it
+    assert launch(spec) == 1  # the warm-up weights' file is gone: both ranks fail to read it
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1
     assert re.match(r"moetrain rl: rank [01] failed: FileNotFoundError: .*missing\.pt.* \(all Ray actors stopped "
                     r"after [\d.]+ s\)$", lines[0]), lines
+
+
+RESTART_RUN = ["rl", "--sft-steps", "2", "--sft-batch", "8", "--steps", "5", "--prompts", "2", "--group-size", "2",
+               "--eval-size", "4", "--device", "cpu", "--quiet", "--threads", "1", "--staleness", "1",
+               "--save-every", "2", "--engine", "ray"]
+"""tests/rl/test_rl_restart.py's run (k = 1, a checkpoint every 2 steps), on Ray actors."""
+TIMING = ("mfu", "gen_tokens_per_s", "sync_landed_version", "sync_mib")
+"""Timings, and the push bookkeeping a restarted trainer reports in another row (test_rl_restart.py)."""
+
+
+def _cli_run(out: Path, capsys, *flags: str) -> tuple[int, str, str]:
+    code = main([*RESTART_RUN, *flags, "--save-dir", str(out / "ckpt"), "--metrics-out", str(out / "metrics.jsonl"),
+                 "--log-dir", str(out / "logs")])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _rows(path: Path) -> list[dict]:
+    return [{k: v for k, v in json.loads(line).items() if not (k.endswith("_s") or k in TIMING)}
+            for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def straight_run(cluster, tmp_path_factory):
+    """The uninterrupted run on Ray: its metrics rows and final weights."""
+    out = tmp_path_factory.mktemp("straight")
+    assert main([*RESTART_RUN, "--save-dir", str(out / "ckpt"), "--metrics-out", str(out / "metrics.jsonl"),
+                 "--log-dir", str(out / "logs")]) == 0
+    return _rows(out / "metrics.jsonl"), starting_weights(out / "ckpt" / "rl",
+                                                          policy_config(load_model_config("tiny-pangu")))
+
+
+@needs_ray
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.parametrize("fault, failed", [("0:4:kill", "rank 0"), ("1:3:kill", "rank 1")],
+                         ids=["rollout-worker-killed", "trainer-killed"])
+def test_a_killed_actor_is_restarted_by_ray_and_the_run_ends_as_the_uninterrupted_one(
+        straight_run, tmp_path, capsys, monkeypatch, fault, failed):
+    """MOETRAIN_FAULT kills the actor's process (SIGKILL) in the first attempt; Ray restarts the group, which
+    resumes from the newest checkpoint (step 2 or 4): one curve, the same rows and weights, staleness ≤ k."""
+    monkeypatch.setenv("MOETRAIN_FAULT", fault)
+    code, out, err = _cli_run(tmp_path, capsys, "--max-restarts", "1")
+    assert code == 0, err
+    assert re.search(r"^moetrain rl: recovered from 1 failure \(resumed at step [24]\)", out, re.M), out
+    restart = json.loads((tmp_path / "logs" / "restarts.jsonl").read_text())
+    assert restart["attempt"] == 1 and restart["resumed_at"] in (2, 4)
+    assert restart["cause"].startswith(f"{failed} failed: "), restart  # the killed actor, named by the driver
+    want_rows, want_weights = straight_run
+    got = _rows(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in got] == list(range(6))  # one curve: step 0's held-out accuracy, then 1..5 once
+    assert got == want_rows
+    assert all(r["staleness_max"] <= 1 and r["dropped_batches"] == 0 for r in got if "loss" in r)
+    weights = starting_weights(tmp_path / "ckpt" / "rl", policy_config(load_model_config("tiny-pangu")))
+    assert weights.keys() == want_weights.keys()
+    for name, value in want_weights.items():
+        assert torch.equal(value, weights[name]), name
+
+
+@needs_ray
+@pytest.mark.dist
+def test_restarts_spent_end_the_run_in_one_line_naming_the_actor(cluster, tmp_path, capsys, monkeypatch):
+    # every attempt, at batch 3 (the warm-up in this process, 2 steps, never reaches a step 3): the one
+    # restart fails the same way
+    monkeypatch.setenv("MOETRAIN_FAULT", "0:3:kill@*")
+    code, _, err = _cli_run(tmp_path, capsys, "--max-restarts", "1", "--steps", "4")
+    assert code == 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert re.match(r"moetrain rl: rank 0 failed: StaleSync rollout worker \(rank 0\) died: its Ray actor .* "
+                    r"\(after 1 restart, all Ray actors stopped after [\d.]+ s\)$", lines[0]), lines
+
+
+@needs_ray
+@pytest.mark.dist
+def test_a_hung_rollout_worker_is_named_within_the_runs_timeout(cluster, tmp_path, capsys, monkeypatch):
+    """MOETRAIN_FAULT's hang: the rollout worker sleeps as it starts batch 3 (beyond the 2-step warm-up in
+    this process); the trainer's wait on it gives up after the run's timeout_s, and the one line names the
+    rollout worker's group and rank."""
+    monkeypatch.setenv("MOETRAIN_FAULT", "0:3:hang")
+    start = time.monotonic()
+    config = tmp_path / "rl.yaml"
+    config.write_text("trainer:\n  run:\n    timeout_s: 10\n")
+    code, _, err = _cli_run(tmp_path, capsys, "--steps", "4", "--config", str(config))
+    assert code == 1
+    assert time.monotonic() - start < 90  # the warm-up, the actors' start, the 10 s timeout and a 5 s grace
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert re.match(r"moetrain rl: rank 1 failed: StaleSyncWorkerError: StaleSync rollout worker \(rank 0\) "
+                    r"stopped responding: the trainer \(rank 1\) lost it", lines[0]), lines

@@ -80,8 +80,22 @@ def test_a_killed_rollout_replica_is_restarted_and_no_admitted_batch_is_lost(tmp
     (["rl", "--staleness", "1", "--max-restarts", "1"], ("--max-restarts 1 needs --save-dir",)),
     (["rl", "--staleness", "1", "--max-restarts", "-1", "--save-dir", "x"], ("--max-restarts -1 must be ≥ 0",)),
     (["rl", "--max-restarts", "1", "--save-dir", "x"], ("this run is one process",)),
-    (["rl", "--staleness", "1", "--engine", "ray", "--max-restarts", "1", "--save-dir", "x"],
-     ("with --engine ray it is not built yet",)),
 ])
 def test_cli_refuses_restarts_it_cannot_give_in_one_line_exit_2(capsys, argv, expected):
     refused(capsys, argv, *expected)
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_a_hung_rollout_replica_is_named_within_the_runs_timeout_on_torchrun(tmp_path: Path) -> None:
+    """MOETRAIN_FAULT's hang: replica 0 sleeps as it starts batch 3 (past the 2-step warm-up in the CLI's
+    process); the trainer's receive gives up after the run's timeout_s (10 s here, not the 30 minutes of a
+    group made without it), and the run ends in one line naming the hung replica."""
+    config = tmp_path / "rl.yaml"
+    config.write_text("trainer:\n  run:\n    timeout_s: 10\n")
+    hung = _run(tmp_path, "hung", "--steps", "4", "--config", str(config), fault="0:3:hang")
+    assert hung.returncode == 1, hung.stderr
+    lines = hung.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert re.search(r"StaleSync rollout worker \(rank 0\) stopped responding: the trainer \(rank 1\) lost it",
+                     lines[0]), lines

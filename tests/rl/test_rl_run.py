@@ -65,3 +65,16 @@ def test_what_cannot_run_is_refused_before_anything_starts(source, world_size, m
 def test_the_spec_defaults_build_a_run():
     run = build_rl_run(RLRunSpec())
     assert run.sft is not None and run.grpo.world_size == 1 and run.options.task == "addition"
+
+
+def test_the_rl_launch_modules_import_one_way():
+    """launch → ray_engine → worker → run, at module level and inside functions alike: no module of the
+    chain imports one before it (a cycle here made the CLI's process and the ranks import each other)."""
+    from test_layering import SRC, imports_of
+
+    chain = ["launch", "ray_engine", "worker", "run"]
+    for i, name in enumerate(chain):
+        earlier = {f"moetrain.rl.{other}" for other in chain[:i + 1]}
+        back = [str(edge) for edge in imports_of(SRC / "rl" / f"{name}.py")
+                if any(edge.target == module or edge.target.startswith(module + ".") for module in earlier)]
+        assert back == [], back

@@ -3,7 +3,7 @@
 The flags, an optional ``--config rl.yaml`` and an optional ``--plan rl.yaml`` (what ``moetrain plan --rl``
 writes) become one validated ``RLRunSpec`` (``moetrain.rl.spec``): defaults < config file < plan < flags,
 field by field, as for ``moetrain train`` (whose layout flags a plan also refuses). This module only parses: the
-run is built from the spec and run by ``moetrain.rl.run.run_rl``, in this process or on the ranks it
+run is built from the spec and run by ``moetrain.rl.launch.run_rl``, in this process or on the ranks it
 starts, each of which reads the same spec. With ``--save-dir D`` the warm-up saves under ``D/sft`` (a
 later run reuses it instead of training again) and GRPO under ``D/rl``; ``--resume`` continues GRPO from
 its newest checkpoint and appends to the metrics file, so the reward curve is one curve.
@@ -273,6 +273,6 @@ def run(args: argparse.Namespace) -> int:
     spec = build_rl_spec(args)
     # importing torch, the checks that need it and building the policy take seconds (a minute when busy)
     say(status_console(spec.trainer.run.quiet), "setting up: torch, the run's checks, the policy model…")
-    from moetrain.rl.run import run_rl  # lazy, heavy: torch and the RL runtime
+    from moetrain.rl.launch import run_rl  # lazy, heavy: torch and the RL runtime
 
     return run_rl(spec)

@@ -5,12 +5,24 @@ CPU per rank in a placement group, starts one actor per rank in it, asks rank 0'
 address and a free port, and has every actor run ``moetrain.distributed.world.run_in_world``: the
 function ``spawn``'s processes run, which joins the torch.distributed (gloo) group at that address and
 then runs the rank's code, the same code the local engine runs (``run_stalesync`` in tests; from the
-CLI, the torchrun entry ``moetrain.rl.worker.run_rank`` on the run's spec). Batches and weights travel
-over that group, never through Ray; the driver only waits on the actors' return values.
+CLI, the torchrun entry ``moetrain.rl.worker.run_rank`` on the run's spec). Any layout torchrun runs
+runs here: R rollout replicas and a trainer group of several ranks are R + T actors. Batches and weights
+travel over that group, never through Ray; the driver only waits on the actors' return values.
 
-A failure ends the run: the first actor whose task raises, or whose process dies, is reported in one
+A failure ends the attempt: the first actor whose task raises, or whose process dies, is reported in one
 line naming its worker (``rank 0 failed: StaleSync rollout worker (rank 0) failed: ...`` or ``... died:
-...``), and every other actor is killed at once, so no rank is left waiting on a dead peer.
+...``). Without restarts left every actor is killed at once, so no rank is left waiting on a dead peer,
+and the run ends. With ``--max-restarts N`` the actors are made with Ray's ``max_restarts``: Ray starts
+a dead actor's process again in its bundle of the placement group (whose CPUs stay reserved), the driver
+has Ray restart the survivors the same way (``ray.kill(..., no_restart=False)``: a fresh process, no
+torch.distributed state left over), and runs the ranks again as attempt n. That is torchrun's
+``--max-restarts``: the attempt number is torchrun's ``TORCHELASTIC_RESTART_COUNT`` in each actor, so
+every rank resumes from the newest complete GRPO checkpoint, the reporting rank names the failure from
+the report the driver wrote for the failed rank and what was lost (``moetrain.runtime_base.recovery``),
+and the metrics file stays one curve.
+
+A rank that hangs (no reply) is found by its peers: each of their collectives gives up after the run's
+``timeout_s``, and the failure line names the rank they were waiting on.
 """
 
 from __future__ import annotations
@@ -22,12 +34,20 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from moetrain.distributed.world import DEFAULT_TIMEOUT_S, run_in_world
 from moetrain.errors import UserError
-from moetrain.runtime_base.recovery import failure_line
+from moetrain.runtime_base.recovery import (
+    RECOVERY_ENV,
+    RESTART_ENV,
+    failure_line,
+    report_name,
+    restarts_summary,
+)
+from moetrain.train.faults import ENV as FAULT_ENV
 
 if TYPE_CHECKING:
     from moetrain.rl.spec import RLRunSpec
@@ -49,9 +69,42 @@ def import_ray() -> ModuleType:
 class RayRankError(RuntimeError):
     """A rank of a Ray run failed (raised, died, or did not finish in time): ``str`` is its one line."""
 
-    def __init__(self, line: str, rank: int | None, user_error: bool = False) -> None:
+    def __init__(self, line: str, rank: int | None, user_error: bool = False, died: bool = False) -> None:
         super().__init__(line)
-        self.rank, self.user_error = rank, user_error
+        self.rank, self.user_error, self.died = rank, user_error, died
+
+
+@dataclass(frozen=True)
+class RankSetting:
+    """What every actor of one attempt is told besides its rank: the group's collective timeout and the
+    environment torchrun's ranks would have (the attempt, the fault injection, the recovery folders)."""
+
+    timeout_s: float
+    env: dict[str, str | None]
+    """Variables to set (None: to unset) in the actor's process before the rank runs."""
+
+
+@dataclass(frozen=True)
+class Restarts:
+    """Restarts of the whole group after a failure (``--max-restarts``); 0: a failure ends the run."""
+
+    max_restarts: int = 0
+    log_dir: Path | None = None
+    """Where the ranks record their progress and the driver writes the failed rank's report (the
+    ``MOETRAIN_RECOVERY_DIR`` and ``MOETRAIN_ERROR_DIR`` of torchrun's ranks); None: nowhere."""
+
+    def env(self, attempt: int) -> dict[str, str | None]:
+        env: dict[str, str | None] = {RESTART_ENV: str(attempt), FAULT_ENV: os.environ.get(FAULT_ENV)}
+        if self.log_dir is not None:
+            env.update({RECOVERY_ENV: str(self.log_dir), "MOETRAIN_ERROR_DIR": str(self.log_dir / "errors")})
+        return env
+
+    def record_failure(self, attempt: int, exc: RayRankError) -> None:
+        """The failed rank's one line where the restarted reporting rank reads its cause."""
+        if self.log_dir is not None and exc.rank is not None:
+            folder = self.log_dir / "errors"
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / report_name(exc.rank, attempt)).write_text(str(exc) + "\n")
 
 
 @dataclass(frozen=True)
@@ -82,10 +135,16 @@ class RankActor:
         return ActorAddress(host, port, os.getpid())
 
     def run(self, fn: Callable[..., Any], rank: int, world_size: int, args: tuple, master: ActorAddress,
-            timeout_s: float) -> Any:
+            setting: RankSetting) -> Any:
+        # the driver's environment, not the raylet's: a worker process may have started before it was set
+        for name, value in setting.env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         # LOCAL_RANK 0: Ray gives each actor its own devices (CUDA_VISIBLE_DEVICES), so its first is its own
         return run_in_world(fn, rank, world_size, args, master_addr=master.host, master_port=master.port,
-                            local_rank=0, timeout_s=timeout_s)
+                            local_rank=0, timeout_s=setting.timeout_s)
 
 
 @contextlib.contextmanager
@@ -110,34 +169,77 @@ def connected(ray: ModuleType) -> Iterator[None]:
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, names: Sequence[str],
-              timeout_s: float | None = None, group_timeout_s: float = DEFAULT_TIMEOUT_S) -> list[Any]:
+              timeout_s: float | None = None, group_timeout_s: float = DEFAULT_TIMEOUT_S,
+              restarts: Restarts | None = None) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` Ray actors (one CPU each) joined in one gloo
     group, on the cluster this process is connected to; their return values (``spawn``'s contract).
-    ``names[r]`` names rank r in a failure; ``timeout_s`` bounds the whole run (None: the group's
-    ``group_timeout_s`` on every collective is the only bound). Raises ``RayRankError`` on the first
-    failure, after killing every actor."""
+    ``names[r]`` names rank r in a failure; ``timeout_s`` bounds each attempt (None: the group's
+    ``group_timeout_s`` on every collective is the only bound). After a failure that is not a user error,
+    the group runs again while ``restarts`` has some left (the module's doc); then ``RayRankError`` is
+    raised, after killing every actor."""
     ray = import_ray()
+    restarts = restarts or Restarts()
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     group = placement_group([{"CPU": 1}] * world_size, strategy="PACK")
-    actors = []
+    actors: list = []
     try:
         if not ray.wait([group.ready()], timeout=PLACE_TIMEOUT_S)[0]:
             cpus = ray.cluster_resources().get("CPU", 0)
             raise UserError(f"the Ray cluster cannot place {world_size} actors of 1 CPU each (it has {cpus:g} CPUs "
                             f"in all, {PLACE_TIMEOUT_S:.0f} s waited); give it more CPUs or free some")
-        actor_cls = ray.remote(num_cpus=1, max_restarts=0)(RankActor)
+        # with restarts, Ray restarts an actor whose process died as often as it dies; the driver counts the
+        # group's attempts against --max-restarts
+        actor_cls = ray.remote(num_cpus=1, max_restarts=-1 if restarts.max_restarts else 0)(RankActor)
         actors = [actor_cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
             group, placement_group_bundle_index=rank)).remote(names[rank]) for rank in range(world_size)]
         addresses = _gather(ray, [actor.address.remote() for actor in actors], names, None, PLACE_TIMEOUT_S)
-        refs = [actor.run.remote(fn, rank, world_size, args, addresses[0], group_timeout_s)
-                for rank, actor in enumerate(actors)]
-        return _gather(ray, refs, names, addresses, timeout_s)
+        for attempt in range(restarts.max_restarts + 1):
+            setting = RankSetting(group_timeout_s, restarts.env(attempt))
+            refs = [actor.run.remote(fn, rank, world_size, args, addresses[0], setting)
+                    for rank, actor in enumerate(actors)]
+            try:
+                return _gather(ray, refs, names, addresses, timeout_s)
+            except RayRankError as exc:
+                if exc.user_error or attempt == restarts.max_restarts:
+                    raise
+                restarts.record_failure(attempt, exc)
+                addresses = _restart(ray, actors, addresses, exc.rank if exc.died else None, names)
+        raise AssertionError("unreachable: the last attempt returns or raises")
     finally:
         for actor in actors:
             ray.kill(actor)
         remove_placement_group(group)
+
+
+def _restart(ray: ModuleType, actors: list, before: list[ActorAddress], dead: int | None,
+             names: Sequence[str]) -> list[ActorAddress]:
+    """Every actor in a fresh process (Ray restarts them in their bundles): the survivors are killed with
+    a restart (the dead one Ray restarts by itself); their new addresses, once each answers from a new
+    process."""
+    for rank, actor in enumerate(actors):
+        if rank != dead:
+            ray.kill(actor, no_restart=False)
+    deadline = time.monotonic() + PLACE_TIMEOUT_S
+    addresses = []
+    for rank, actor in enumerate(actors):
+        while True:
+            try:
+                address = ray.get(actor.address.remote(), timeout=max(deadline - time.monotonic(), 0.1))
+            except ray.exceptions.RayActorError:  # a call that reached the process being killed
+                address = None
+            except ray.exceptions.GetTimeoutError:
+                raise RayRankError(f"rank {rank} failed: {names[rank]} was not restarted by Ray within "
+                                   f"{PLACE_TIMEOUT_S:.0f} s", rank) from None
+            if address is not None and address.pid != before[rank].pid:
+                addresses.append(address)
+                break
+            if time.monotonic() > deadline:
+                raise RayRankError(f"rank {rank} failed: {names[rank]} was not restarted by Ray within "
+                                   f"{PLACE_TIMEOUT_S:.0f} s", rank)
+            time.sleep(0.2)
+    return addresses
 
 
 def _gather(ray: ModuleType, refs: list, names: Sequence[str], addresses: list[ActorAddress] | None,
@@ -160,7 +262,7 @@ def _gather(ray: ModuleType, refs: list, names: Sequence[str], addresses: list[A
                 where = f" (pid {addresses[rank].pid} on {addresses[rank].host})" if addresses else ""
                 cause = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
                 raise RayRankError(f"rank {rank} failed: {names[rank]} died: its Ray actor{where} exited: "
-                                   f"{cause}", rank) from exc
+                                   f"{cause}", rank, died=True) from exc
             except ray.exceptions.RayTaskError as exc:
                 cause = exc.cause if isinstance(exc.cause, BaseException) else exc
                 raise RayRankError(failure_line(rank, cause), rank, isinstance(cause, UserError)) from exc
@@ -174,18 +276,28 @@ def cli_rank(rank: int, world_size: int, spec: RLRunSpec) -> None:
     run_rank(spec, rank)
 
 
-def launch(spec: RLRunSpec, group_timeout_s: float, command: str = "rl") -> int:
+def launch(spec: RLRunSpec, log_dir: Path | None = None, command: str = "rl") -> int:
     """The CLI's StaleSync run on Ray actors (the spec torchrun's ranks read from a file, given whole); the
-    exit code, with a failure printed as one line (the local launcher's format)."""
-    roles = spec.roles
+    exit code, with a failure printed as one line (the local launcher's format). ``log_dir``: the run's
+    folder, where restarts are recorded (needed for ``--max-restarts``)."""
+    roles, run = spec.roles, spec.trainer.run
     ray = import_ray()
+    restarts = Restarts(run.max_restarts, log_dir)
+    if log_dir is not None and run.max_restarts:
+        for name in ("progress.json", "restarts.jsonl"):  # a log folder reused from an earlier run
+            (log_dir / name).unlink(missing_ok=True)
     start = time.monotonic()
     with connected(ray):
         try:
             run_ranks(cli_rank, roles.world_size, spec, names=[roles.worker_name(r) for r in range(roles.world_size)],
-                      group_timeout_s=group_timeout_s)
+                      group_timeout_s=run.timeout_s, restarts=restarts)
         except RayRankError as exc:
-            print(f"moetrain {command}: {exc} (all Ray actors stopped after {time.monotonic() - start:.1f} s)",
+            after = f"after {run.max_restarts} restart{'s' * (run.max_restarts > 1)}, " \
+                if run.max_restarts and not exc.user_error else ""
+            print(f"moetrain {command}: {exc} ({after}all Ray actors stopped after {time.monotonic() - start:.1f} s)",
                   file=sys.stderr)
             return 2 if exc.user_error else 1
+    recovered = restarts_summary(log_dir) if log_dir is not None and run.max_restarts else None
+    if recovered:  # what the failures cost: said even in a quiet run
+        print(f"moetrain {command}: {recovered}", flush=True)
     return 0

@@ -1,22 +1,18 @@
-"""One RL run from its spec: what every process of ``moetrain rl`` builds and runs.
+"""One RL run from its spec: what every process of ``moetrain rl`` builds.
 
 ``build_rl_run(spec)`` turns an ``RLRunSpec`` into the run every process of it runs: the policy's model
 config, the warm-up's and GRPO's ``RunSpec``s (each checked by ``check_run``) and every other check that
-needs no process group. The CLI's process calls ``run_rl(spec)``, which trains here (one process) or
-starts the ranks on the spec's one file: torchrun's ranks (``moetrain.rl.worker``, for RL Fusion and for
-the disaggregated StaleSync pipeline) or Ray's actors (``moetrain.rl.ray_engine``); each rank calls
-``moetrain.rl.worker.run_rank(spec, rank)``, which builds its run here too.
+needs no process group. The CLI's process (``moetrain.rl.launch.run_rl``) and every rank
+(``moetrain.rl.worker.run_rank``, which torchrun's ranks and Ray's actors run) build it here, with the
+pieces they share: the starting policy, the warm-up and GRPO.
 
-The disaggregated pipeline's ranks start from weights: the warm-up (and ``start_from``'s weights) runs in
-the CLI's process first, and the ranks get the same spec with ``initial_weights`` naming the file of its
-weights.
+This module starts no process: the launcher imports it, the ranks import it, and it imports neither
+(the imports run one way: launch → ray_engine → worker → run).
 """
 
 from __future__ import annotations
 
 import json
-import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,7 +21,7 @@ from moetrain.config import ModelConfig
 from moetrain.config.run import RunSpec, resolve_run_spec
 from moetrain.errors import UserError
 from moetrain.rl.config import FusionOptions, RLOptions, StaleSyncOptions
-from moetrain.rl.spec import DEFAULT_MODEL, SPEC_ENV, RLRunSpec, write_spec
+from moetrain.rl.spec import DEFAULT_MODEL, RLRunSpec
 
 if TYPE_CHECKING:
     import torch
@@ -127,42 +123,6 @@ def _grpo_spec(spec: RLRunSpec) -> RunSpec:
         update={"save_dir": str(Path(trainer.run.save_dir) / "rl")})})
 
 
-def run_rl(spec: RLRunSpec) -> int:
-    """The run in the CLI's process: trained here (one process), or on ranks that torchrun or Ray starts."""
-    if spec.engine == "ray":
-        from moetrain.rl.ray_engine import import_ray
-
-        import_ray()  # before the warm-up: a missing Ray is one line, not a failure after minutes
-    run = build_rl_run(spec)
-    if spec.disaggregated:
-        return _launch_pipeline(run)
-    if run.grpo.world_size > 1:
-        from moetrain.distributed.launch import SpecFile, launch
-
-        log_dir = _log_dir(run)
-        return launch(run.grpo, log_dir, "moetrain.rl.worker", SpecFile(write_spec(spec, log_dir), SPEC_ENV), "rl")
-    from rich.console import Console
-
-    console = Console(quiet=run.grpo.run.quiet)
-    start = time.perf_counter()
-    model = _policy_in_one_process(run, console)
-    reference = None
-    if run.options.grpo.kl_coef:
-        from moetrain.models.transformer import build_model
-
-        reference = build_model(run.model_cfg, "cpu")
-        reference.load_state_dict(model.state_dict())
-    train_grpo(run, model, reference, console)
-    console.print(f"total {(time.perf_counter() - start) / 60:.1f} min")
-    return 0
-
-
-def _log_dir(run: RLRun) -> Path:
-    log_dir = Path(run.grpo.run.log_dir or tempfile.mkdtemp(prefix="moetrain-rl-")).resolve()
-    log_dir.mkdir(parents=True, exist_ok=True)
-    return log_dir
-
-
 def starting_model(run: RLRun, device: str | torch.device = "cpu") -> MoETransformer:
     """A fresh policy: the spec's initial weights, else ``start_from``'s, else initialised from the seed."""
     import torch
@@ -204,20 +164,6 @@ def warm_up(run: RLRun, model: MoETransformer | None, console: Console | None = 
     return trainer
 
 
-def _policy_in_one_process(run: RLRun, console: Console) -> MoETransformer:
-    """GRPO's starting policy in one process. Each trainer parallelizes (rewrites) the module it is given:
-    one model each; with a warm-up, the GRPO model's weights are all the warm-up's."""
-    if run.sft is None:
-        return starting_model(run)
-    from moetrain.models.transformer import build_model
-
-    trainer = warm_up(run, starting_model(run), console)
-    model = build_model(run.model_cfg, "cpu", seed=run.grpo.training.seed)
-    model.load_state_dict({name: value.detach().clone()
-                           for name, value in trainer.run.stage.model.state_dict().items()})
-    return model
-
-
 def train_grpo(run: RLRun, model: MoETransformer | None, reference: MoETransformer | None,
                console: Console | None = None) -> RLTrainer:
     """GRPO, synchronous or colocated StaleSync, from ``model``; the summary and, on the reporting rank, the
@@ -243,34 +189,3 @@ def whole_curve(rows: list[dict[str, Any]], grpo: RunSpec) -> list[dict[str, Any
     if metrics and Path(metrics).is_file():
         return [json.loads(line) for line in Path(metrics).read_text().splitlines() if line.strip()]
     return rows
-
-
-def _launch_pipeline(run: RLRun) -> int:
-    """StaleSync, disaggregated: the warm-up here (one process), then the pipeline's ranks from its weights:
-    processes that torchrun starts (engine local) or Ray actors (engine ray)."""
-    import torch
-    from rich.console import Console
-
-    log_dir = _log_dir(run)
-    spec = run.spec
-    if run.sft is not None or spec.start_from:
-        initial = log_dir / "initial_policy.pt"
-        model = starting_model(run)
-        if run.sft is not None:
-            trainer = warm_up(run, model, Console(quiet=run.grpo.run.quiet))
-            state = {name: value.detach().clone() for name, value in trainer.run.stage.model.state_dict().items()}
-        else:
-            state = model.state_dict()
-        torch.save(state, initial)
-        spec = spec.model_copy(update={"initial_weights": str(initial)})
-    spec_file = write_spec(spec, log_dir)  # what torchrun's ranks read; beside the log, a record of a Ray run too
-    if spec.engine == "ray":
-        from moetrain.rl import ray_engine
-        from moetrain.status import say, status_console
-
-        say(status_console(run.grpo.run.quiet), "starting Ray and its actors (rollout worker, trainer)…")
-        return ray_engine.launch(spec, run.grpo.run.timeout_s)
-    from moetrain.distributed.launch import SpecFile, launch
-
-    return launch(run.grpo, log_dir, "moetrain.rl.worker", SpecFile(spec_file, SPEC_ENV), "rl",
-                  nproc=spec.roles.world_size)

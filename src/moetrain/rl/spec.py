@@ -293,9 +293,6 @@ def _check_restarts(spec: RLRunSpec) -> None:
     if not spec.trainer.run.save_dir:
         raise UserError(f"--max-restarts {restarts} needs --save-dir (each restart resumes from the newest "
                         "checkpoint there; add --save-every K to lose at most K steps)")
-    if spec.engine == "ray":
-        raise UserError(f"--max-restarts {restarts} restarts torchrun's ranks; with --engine ray it is not built "
-                        "yet: drop one")
     if not spec.disaggregated and spec.trainer.world_size == 1:
         raise UserError(f"--max-restarts {restarts} restarts the ranks torchrun starts; this run is one process: "
                         "give --nproc N or --staleness K")

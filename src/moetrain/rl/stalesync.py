@@ -56,6 +56,7 @@ from moetrain.config import ModelConfig
 from moetrain.config.run import RunSpec
 from moetrain.distributed.layout import ParallelDims
 from moetrain.distributed.weight_sync import SyncInFlight, SyncReport, WeightSync, WeightSyncError
+from moetrain.distributed.world import collective_timeout
 from moetrain.errors import UserError
 from moetrain.models.transformer import MoETransformer, build_model
 from moetrain.rl.admission import AdmissionStats, StalenessGate
@@ -208,8 +209,10 @@ class Channels:
                             f"{roles.world_size} ranks, not {dist.get_world_size()}")
         dims = ParallelDims.build(spec.parallel, rank, spec.run.ranks_per_node, rank_offset=roles.first_trainer)
         everyone = list(range(roles.world_size))
-        sync = dist.new_group([*roles.replica_ranks, *roles.trainer_group])
-        return cls(dist.new_group(everyone), sync, dims, roles)
+        # the run's timeout, not new_group's 30-minute default: a rank waiting on a hung peer gives up in time
+        timeout = collective_timeout()
+        sync = dist.new_group([*roles.replica_ranks, *roles.trainer_group], timeout=timeout)
+        return cls(dist.new_group(everyone, timeout=timeout), sync, dims, roles)
 
 
 def sampling_params(options: RLOptions, max_new_tokens: int, eos_id: int) -> SamplingParams:
@@ -496,7 +499,8 @@ def run_stalesync(rank: int, world_size: int, job: StaleSyncJob) -> RolloutRepor
             time.sleep(PEER_GRACE_S)
             peer = (roles.worker_name(exc.rank) if isinstance(exc, PeerLost) else
                     roles.worker_name(1 - rank) if roles.world_size == 2 else "a StaleSync peer")
-            raise StaleSyncWorkerError(f"{peer} died: the {me} lost it "
+            gone = "stopped responding" if re.search(r"timed out|timeout", str(exc), re.I) else "died"
+            raise StaleSyncWorkerError(f"{peer} {gone}: the {me} lost it "
                                        f"({str(exc).splitlines()[0][:120]})") from exc
         failed = rank
         if isinstance(exc, WeightSyncError) and exc.failed_rank is not None:
