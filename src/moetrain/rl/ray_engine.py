@@ -59,7 +59,7 @@ PLACE_TIMEOUT_S = 60.0
 def import_ray() -> ModuleType:
     """Ray, or a one-line ``UserError`` saying how to install it (Ray is an optional dependency)."""
     try:
-        import ray
+        import ray  # optional dependency: a missing Ray is the one line below
     except ImportError:
         raise UserError("--engine ray needs Ray, which is not installed: pip install ray "
                         "(or use --engine local)") from None
@@ -126,7 +126,7 @@ class RankActor:
         return self.name
 
     def address(self) -> ActorAddress:
-        import ray
+        import ray  # optional dependency; present in an actor, which Ray started
 
         host = ray.util.get_node_ip_address()
         with socket.socket() as sock:
@@ -179,6 +179,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, names: Sequen
     raised, after killing every actor."""
     ray = import_ray()
     restarts = restarts or Restarts()
+    # optional dependency, present once import_ray() has returned
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -271,7 +272,7 @@ def _gather(ray: ModuleType, refs: list, names: Sequence[str], addresses: list[A
 
 def cli_rank(rank: int, world_size: int, spec: RLRunSpec) -> None:
     """A rank of ``moetrain rl --staleness K --engine ray``: torchrun's ranks' ``run_rank``, unchanged."""
-    from moetrain.rl.worker import run_rank
+    from moetrain.rl.worker import run_rank  # the actor's code: the driver never imports the ranks' runtime
 
     run_rank(spec, rank)
 

@@ -17,11 +17,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from moetrain.config import ModelConfig
+from moetrain.config import ModelConfig, load_model_config
 from moetrain.config.run import RunSpec, resolve_run_spec
 from moetrain.errors import UserError
 from moetrain.rl.config import FusionOptions, RLOptions, StaleSyncOptions
 from moetrain.rl.spec import DEFAULT_MODEL, RLRunSpec
+from moetrain.rl.tasks import get_task
+from moetrain.rl.tokenizer import CharTokenizer
+from moetrain.status import say
+from moetrain.train.checks import check_run
 
 if TYPE_CHECKING:
     import torch
@@ -64,18 +68,15 @@ class RLRun:
 
 def build_rl_run(spec: RLRunSpec) -> RLRun:
     """The run of ``spec``, every check done: what each process of the run builds first."""
-    from moetrain.config import load_model_config
-    from moetrain.rl.loop import policy_config
-    from moetrain.rl.tokenizer import CharTokenizer
-    from moetrain.train.checks import check_run
+    from moetrain.rl.loop import policy_config  # lazy, heavy: torch (the launcher imports this module torch-free)
 
     stale = spec.stalesync
     if stale is not None and stale.placement == "colocated" and stale.staleness:
-        from moetrain.rl.colocated import check_colocated
+        from moetrain.rl.colocated import check_colocated  # lazy, heavy: torch; colocated StaleSync only
 
         check_colocated(stale, spec.generation)
     if spec.start_from:
-        from moetrain.rl.start import starting_config
+        from moetrain.rl.start import starting_config  # lazy, heavy: torch; --start-from only
 
         model_cfg = policy_config(starting_config(Path(spec.start_from), spec.model))
     else:
@@ -125,15 +126,15 @@ def _grpo_spec(spec: RLRunSpec) -> RunSpec:
 
 def starting_model(run: RLRun, device: str | torch.device = "cpu") -> MoETransformer:
     """A fresh policy: the spec's initial weights, else ``start_from``'s, else initialised from the seed."""
-    import torch
+    import torch  # lazy, heavy: this module stays torch-free to import
 
-    from moetrain.models.transformer import build_model
+    from moetrain.models.transformer import build_model  # lazy, heavy: torch
 
     model = build_model(run.model_cfg, device, seed=run.grpo.training.seed)
     if run.spec.initial_weights:
         model.load_state_dict(torch.load(run.spec.initial_weights, weights_only=True))
     elif run.spec.start_from:
-        from moetrain.rl.start import starting_weights
+        from moetrain.rl.start import starting_weights  # lazy, heavy: torch; --start-from only
 
         model.load_state_dict(starting_weights(Path(run.spec.start_from), run.model_cfg))
     return model
@@ -142,10 +143,8 @@ def starting_model(run: RLRun, device: str | torch.device = "cpu") -> MoETransfo
 def warm_up(run: RLRun, model: MoETransformer | None, console: Console | None = None):
     """The SFT warm-up trainer of ``run`` after training (or reading back the finished warm-up in its save
     dir) from ``model`` (None: initialised from the seed)."""
-    from moetrain.rl.loop import SFTTrainer
-    from moetrain.rl.tasks import get_task
-    from moetrain.runtime_base.checkpoint_files import latest_checkpoint
-    from moetrain.status import say
+    from moetrain.rl.loop import SFTTrainer  # lazy, heavy: torch
+    from moetrain.runtime_base.checkpoint_files import latest_checkpoint  # lazy, heavy: torch
 
     spec = run.sft
     assert spec is not None
@@ -168,8 +167,8 @@ def train_grpo(run: RLRun, model: MoETransformer | None, reference: MoETransform
                console: Console | None = None) -> RLTrainer:
     """GRPO, synchronous or colocated StaleSync, from ``model``; the summary and, on the reporting rank, the
     reward curve (the whole curve after a resume)."""
-    from moetrain.rl.colocated import rl_trainer
-    from moetrain.rl.plot import plot_reward_curve
+    from moetrain.rl.colocated import rl_trainer  # lazy, heavy: torch
+    from moetrain.rl.plot import plot_reward_curve  # lazy: matplotlib, only for the curve
 
     trainer = rl_trainer(run.grpo, run.options, run.stale, model_cfg=run.model_cfg, model=model, reference=reference,
                          console=console, fusion=run.fusion)

@@ -32,7 +32,7 @@ from moetrain.status import say, status_console
 
 def run_rank(spec: RLRunSpec, rank: int) -> None:
     """Rank ``rank``'s part of the run of ``spec`` (the process group is joined here when it is not yet)."""
-    import torch
+    import torch  # lazy, heavy: this module imports torch-free, for the launchers that name it
 
     if attempt() > 0:  # torchrun restarted the ranks after a failure (--max-restarts): every rank resumes
         trainer = spec.trainer
@@ -47,6 +47,7 @@ def run_rank(spec: RLRunSpec, rank: int) -> None:
 
 
 def _fusion_rank(run: RLRun) -> None:
+    # lazy, heavy: torch and RL Fusion's runtime, on the ranks of that placement only
     from moetrain.distributed.world import init_world
     from moetrain.models.transformer import build_model
     from moetrain.rl.fusion import whole_model
@@ -69,6 +70,7 @@ def _fusion_rank(run: RLRun) -> None:
 
 
 def _pipeline_rank(run: RLRun, rank: int) -> None:
+    # lazy, heavy: torch and the StaleSync pipeline, on the ranks of that placement only
     import torch
     import torch.distributed as dist
     from rich.console import Console
@@ -99,7 +101,7 @@ def _pipeline_rank(run: RLRun, rank: int) -> None:
 def main() -> int:
     """torchrun's entry: the spec file named in ``MOETRAIN_RL_SPEC``; a failure is one line for this rank and
     a non-zero exit (2 for a user error), so torchrun stops the others."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # lazy, heavy: as in run_rank
 
     rank = int(os.environ.get("RANK", "0"))
     try:
