@@ -21,7 +21,6 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,11 +28,9 @@ from moetrain.models.transformer import build_model
 from moetrain.rl.batch import training_sequences
 from moetrain.rl.loop import scored_rollouts, sequence_logprobs, step_problems
 from moetrain.rl.rollout_queue import BatchReceiver, BatchSender, QueuedBatch, pack
+from moetrain.rl.stalesync_job import Channels, StaleSyncJob
 from moetrain.rl.tasks import get_task
 from moetrain.rl.tokenizer import CharTokenizer
-
-if TYPE_CHECKING:
-    from moetrain.rl.stalesync import Channels, StaleSyncJob
 
 
 @dataclass(frozen=True)
