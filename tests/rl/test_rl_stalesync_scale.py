@@ -196,8 +196,10 @@ def test_k0_with_two_replicas_of_two_ep_ranks_beside_a_tp2_trainer_is_the_synchr
         assert all(torch.equal(a, b) for a, b in zip(one_samples, trainer.samples, strict=True))  # same samples
         for want, got in zip(rows, trainer.rows, strict=True):
             assert {k: got.get(k) for k in EXACT} == {k: want.get(k) for k in EXACT}  # same losses
-            for key in (k for k in BEHAVIOUR if k in want):
-                assert got[key] == pytest.approx(want[key], rel=1e-6), key
+            if "is_weight_mean" in want:
+                assert got["is_weight_mean"] == pytest.approx(want["is_weight_mean"], rel=1e-6)
+            if "logp_gap_max" in want:  # a gap of rounding: both below 1e-5
+                assert max(got["logp_gap_max"], want["logp_gap_max"]) < 1e-5
         for name, value in state.items():
             assert torch.equal(value, trainer.final_state[name]), name
     for want, got in zip(one_rows, trainers[0].rows, strict=True):
@@ -364,8 +366,10 @@ def test_roles_place_replicas_of_several_ranks_then_the_trainer_group():
     assert [roles.replica_of(r) for r in range(6)] == [0, 0, 0, 1, 1, 1]
     assert roles.worker_name(4) == "StaleSync rollout replica 1 (rank 4)"
     assert Roles(ranks_per_replica=2).worker_name(1) == "StaleSync rollout replica 0 (rank 1)"
-    with pytest.raises(ValueError, match="reward and reference workers run between one rollout worker"):
-        Roles(reward=True, ranks_per_replica=2)
+    stages = Roles(reward=True, reference=True, replicas=2, trainer_ranks=2, ranks_per_replica=2)
+    assert [stages.rank(s) for s in stages.order] == [0, 6, 7, 4] and stages.world_size == 8
+    assert stages.next_rank("rollout worker") == 6 and stages.next_rank("reference worker") == 4
+    assert stages.worker_name(7) == "StaleSync reference worker (rank 7)"
 
 
 def test_nproc_counts_the_replicas_ranks_per_replica():
@@ -390,7 +394,6 @@ def test_nproc_is_the_replicas_ranks_and_the_trainers_layout():
     (["--rollout-replicas", "3"], ("rollout.replicas 3", "do not split")),
     (["--nproc", "4", "--gen-ep", "3"], ("rollout.ranks_per_replica 3: tiny-pangu's 16 experts do not split",)),
     (["--nproc", "4", "--rollout-replicas", "2", "--gen-ep", "2"], ("leaves no trainer rank",)),
-    (["--rollout-replicas", "2", "--reward-worker"], ("not built yet",)),
     (["--nproc", "3", "--rollout-replicas", "2", "--kl-coef", "0.1"], ("leaves no trainer rank",)),
     (["--nproc", "5", "--rollout-replicas", "2", "--tp", "2"], ("not a multiple of tp",)),
     (["--partial-rollouts", "--placement", "colocated"], ("--partial-rollouts",)),

@@ -13,8 +13,8 @@ the global ranks in this order:
   the rollout worker and the trainer in the order a batch visits them.
 
 With one replica and one trainer rank this is the two-rank pipeline of before: rollout worker 0,
-trainer 1, reward worker 2, reference worker 3. Middle stages run only there: a reward or reference
-stage in front of a group of replicas, a replica of several ranks or several trainer ranks is not built.
+trainer 1, reward worker 2, reference worker 3. A middle stage takes every replica's share (from each
+replica's leader) and passes the joined batch on; it sends to the trainer group's first rank.
 
 Torch-free: the CLI sizes the launch with it before anything heavy is imported.
 """
@@ -43,9 +43,6 @@ class Roles:
         if min(self.replicas, self.trainer_ranks, self.ranks_per_replica) < 1:
             raise ValueError(f"a run needs a rollout replica of a rank and a trainer rank, not {self.replicas} "
                              f"replica(s) of {self.ranks_per_replica} and {self.trainer_ranks}")
-        one_each = (self.replicas, self.ranks_per_replica, self.trainer_ranks) == (1, 1, 1)
-        if (self.reward or self.reference) and not one_each:
-            raise ValueError("reward and reference workers run between one rollout worker and a one-rank trainer")
 
     @property
     def order(self) -> tuple[str, ...]:

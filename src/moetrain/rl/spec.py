@@ -309,13 +309,6 @@ def _check_placement(spec: RLRunSpec) -> None:
     if stale.partial_rollouts and stale.placement == "colocated":
         raise UserError("--partial-rollouts interrupts the disaggregated replicas' generations: drop it or use "
                         "--placement disaggregated")
-    middle = stale.reward_worker or spec.rl.grpo.kl_coef > 0
-    pool = spec.rollout
-    groups = (pool.replicas, pool.ranks_per_replica, spec.trainer.world_size)
-    if stale.placement == "disaggregated" and middle and groups != (1, 1, 1):
-        raise UserError(f"--reward-worker / --kl-coef with {groups[0]} rollout replica(s) of {groups[1]} rank(s) and "
-                        f"a trainer group of {groups[2]} rank(s): not built yet (reward and reference workers run "
-                        "between one one-rank rollout worker and a one-rank trainer)")
 
 
 def _check_restarts(spec: RLRunSpec) -> None:
