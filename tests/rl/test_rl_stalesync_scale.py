@@ -116,9 +116,10 @@ def _experts_held(report, version: int) -> dict[str, set[int]]:
     return held
 
 
-def _share_bytes(ranks_per_replica: int) -> int:
-    """A rollout rank's share of the weights, computed here: dense tensors whole, 1/G of every expert tensor."""
-    state = small_model().state_dict()
+def _share_bytes(ranks_per_replica: int, state: dict[str, torch.Tensor] | None = None) -> int:
+    """A rollout rank's share of the weights (``state``: the tests' small model's), computed here: dense
+    tensors whole, 1/G of every expert tensor."""
+    state = state if state is not None else small_model().state_dict()
     return sum(v.numel() * v.element_size() // (ranks_per_replica if ".moe.experts." in f".{k}" else 1)
                for k, v in state.items())
 
@@ -420,3 +421,27 @@ def test_cli_runs_two_replicas_beside_a_tp2_trainer_through_torchrun(tmp_path, c
     assert [r["weight_version"] for r in steps] == [0, 0, 1] and [r["staleness_max"] for r in steps] == [0, 1, 1]
     pushed = [r for r in steps if "sync_received_mib" in r]
     assert pushed and all(r["sync_received_mib"] == [r["sync_replica_share_mib"]] * 2 for r in pushed)
+
+
+@pytest.mark.slow
+def test_cli_runs_a_replica_of_two_ep_ranks_beside_a_trainer_through_torchrun(tmp_path, capsys):
+    import json
+
+    from test_rl_stalesync import TINY
+
+    from moetrain.cli import main
+
+    metrics = tmp_path / "rl.jsonl"
+    argv = ["rl", *TINY, "--staleness", "1", "--nproc", "3", "--gen-ep", "2", "--metrics-out", str(metrics),
+            "--log-dir", str(tmp_path / "log")]
+    assert main(argv) == 0, capsys.readouterr().err
+    steps = [r for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
+    assert [r["weight_version"] for r in steps] == [0, 0, 1] and [r["staleness_max"] for r in steps] == [0, 1, 1]
+    pushed = [r for r in steps if "sync_received_mib" in r]
+    # each of the replica's two ranks receives its half of the experts and the dense tensors
+    from moetrain.config import load_model_config
+    from moetrain.models.transformer import build_model
+    from moetrain.rl.loop import policy_config
+
+    share = _share_bytes(2, build_model(policy_config(load_model_config("tiny-pangu")), "meta").state_dict())
+    assert pushed and all(r["sync_received_mib"] == [share / 2**20] * 2 for r in pushed)

@@ -22,7 +22,9 @@ from moetrain.rl.config import RLOptions, StaleSyncOptions
 from moetrain.rl.roles import Roles
 
 START_TAG = 3
-"""The trainer's first step, sent to each rollout replica on the queue's group (the batches use tags 1, 2)."""
+"""The trainer's first step, sent to each rollout rank on the queue's group (the batches use tags 1, 2)."""
+Slices = list[tuple[str, tuple[int, ...], torch.Tensor]]
+"""(tensor name, global offsets, values) of the pieces of the weights a rank holds (a test hook's record)."""
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,7 @@ import torch
 from moetrain.distributed.step import LayoutRun
 from moetrain.distributed.weight_sync import SyncInFlight, SyncReport, WeightSync
 from moetrain.rl.fusion import training_views
-from moetrain.rl.stalesync_job import Channels
-from moetrain.rl.stalesync_rollout import Slices
+from moetrain.rl.stalesync_job import Channels, Slices
 
 
 def rollout_rank_share_bytes(shapes: dict[str, torch.Size], ranks_per_replica: int, itemsize: int = 4) -> int:

@@ -26,14 +26,11 @@ from moetrain.rl.partial_rollout import generate_with_resume
 from moetrain.rl.roles import ROLLOUT
 from moetrain.rl.rollout_queue import BatchSender, QueuedBatch, pack
 from moetrain.rl.sft import prompt_ids
-from moetrain.rl.stalesync_job import START_TAG, Channels, StaleSyncJob
+from moetrain.rl.stalesync_job import START_TAG, Channels, Slices, StaleSyncJob
 from moetrain.rl.stalesync_schedule import Schedule
 from moetrain.rl.tasks import get_task
 from moetrain.rl.tokenizer import CharTokenizer
 from moetrain.train.faults import injected_faults
-
-Slices = list[tuple[str, tuple[int, ...], torch.Tensor]]
-"""(tensor name, global offsets, values) of the pieces a rank holds."""
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,8 @@ from moetrain.rl.fusion import global_shapes
 from moetrain.rl.loop import RLTrainer, step_problems
 from moetrain.rl.roles import ROLLOUT, TRAINER
 from moetrain.rl.rollout_queue import BatchReceiver, QueuedBatch, broadcast_batch
-from moetrain.rl.stalesync_job import START_TAG, Channels, StaleSyncJob
+from moetrain.rl.stalesync_job import START_TAG, Channels, Slices, StaleSyncJob
 from moetrain.rl.stalesync_push import WeightPush
-from moetrain.rl.stalesync_rollout import Slices
 from moetrain.rl.stalesync_schedule import Schedule
 
 PEER_LOST = re.compile(r"Connection (reset|closed) by peer|Socket Timeout|timed out", re.I)
