@@ -182,14 +182,15 @@ EXACT = tuple(k for k in COMPARED if k not in BEHAVIOUR)
 
 
 @pytest.mark.dist
-def test_k0_with_two_replicas_of_two_ep_ranks_beside_a_tp2_trainer_is_the_synchronous_loop():
-    """Replicas of 2 ranks (EP2: 8 of the 16 experts each, the dense tensors whole) beside a TP2 trainer:
-    the samples of the one-process loop bit for bit, the losses and weights of the TP2 loop bit for bit
+@pytest.mark.parametrize("parallel", [TP2, pytest.param(EP2, marks=pytest.mark.slow)], ids=["tp2", "ep2"])
+def test_k0_with_two_replicas_of_two_ep_ranks_beside_a_two_rank_trainer_is_the_synchronous_loop(parallel):
+    """Replicas of 2 ranks (EP2: 8 of the 16 experts each, the dense tensors whole) beside a TP2 (or EP2) trainer:
+    the samples of the one-process loop bit for bit, the losses and weights of that layout's loop bit for bit
     (the rollout log-probs' statistics to EP's rounding; the one process's losses to the layout's); every
     rank holds its experts, synced from the trainer's slices."""
     steps = 2
-    expected = spawn(_synchronous_in_layout, 2, steps, TP2)
-    replicas, trainers = _run(_job(steps, 0, TP2, replicas=2, ranks_per_replica=2, record_weights=True))
+    expected = spawn(_synchronous_in_layout, 2, steps, parallel)
+    replicas, trainers = _run(_job(steps, 0, parallel, replicas=2, ranks_per_replica=2, record_weights=True))
     assert len(replicas) == 4 and [r.versions for r in replicas] == [[0, 1]] * 4
     one_rows, one_samples, _ = _synchronous(steps)
     for (rows, _, state), trainer in zip(expected, trainers, strict=True):
