@@ -238,7 +238,7 @@ def render() -> str:
     derived[("trainer", "model")] = "derived: the top-level `model`"
     derived[("stalesync", "bucket_mib")] = "derived: `generation.bucket_mib`"
     derived[("rollout", "replicas")] = "derived: ranks / generation.gen_ep (disaggregated: 1)"
-    derived[("rollout", "ranks_per_replica")] = "derived: generation.gen_ep (disaggregated: 1)"
+    derived[("rollout", "ranks_per_replica")] = "derived: generation.gen_ep"
     derived[("plot",)] = "beside `trainer.run.metrics_out`, else in `trainer.run.save_dir`"
     lines += ["", "## `RLRunSpec`: `moetrain rl`", "",
               " ".join((RLRunSpec.__doc__ or "").split()) + " Defined in `moetrain.rl.spec` (sections in "

@@ -153,8 +153,10 @@ def test_what_the_flags_cannot_give_is_one_line(capsys, argv, expected):
 
 @pytest.mark.parametrize(("text", "expected"), [
     ("rollout: {replicas: 2}\n", ("rollout.replicas 2: not built yet", "1 here")),
-    ("rollout: {ranks_per_replica: 2}\nstalesync: {staleness: 1}\n",
-     ("rollout.ranks_per_replica 2: not built yet", "a whole model on one rank")),
+    ("rollout: {ranks_per_replica: 3}\nstalesync: {staleness: 1}\n",
+     ("rollout.ranks_per_replica 3: tiny-pangu's 16 experts do not split over a replica's 3 ranks",)),
+    ("rollout: {ranks_per_replica: 2}\ngeneration: {gen_ep: 4}\nstalesync: {staleness: 1}\n",
+     ("rollout.ranks_per_replica 2 differs from generation.gen_ep 4",)),
     ("trainer: {training: {global_batch: 5}}\n", ("trainer.training.global_batch 5: RL sets it to 256",)),
     ("trainer: {model: tiny-qwen3}\n", ("trainer.model tiny-qwen3", "set once, at the top")),
     ("trainer: {training: {micro_batch: 7}}\n",

@@ -62,48 +62,89 @@ def _synchronous_in_layout(rank: int, world_size: int, steps: int, parallel: dic
     return rows, samples, state
 
 
-def _job(steps: int, staleness: int, parallel: dict | None, replicas: int, partial: bool = False, **hooks):
+def _job(steps: int, staleness: int, parallel: dict | None, replicas: int, partial: bool = False,
+         ranks_per_replica: int = 1, **hooks):
     model, options, spec = _setup(steps)
     if parallel:
         spec = _layout_spec(steps, parallel)
     stale = StaleSyncOptions(staleness=staleness, partial_rollouts=partial)
-    return StaleSyncJob(spec, options, stale, model.cfg, model.state_dict(), replicas=replicas, **hooks)
+    return StaleSyncJob(spec, options, stale, model.cfg, model.state_dict(), replicas=replicas,
+                        ranks_per_replica=ranks_per_replica, **hooks)
 
 
 def _run(job: StaleSyncJob):
+    """(every rollout rank's report, every trainer rank's)."""
     reports = spawn(run_stalesync, job.roles.world_size, job)
-    return reports[:job.replicas], reports[job.replicas:]
+    rollout = job.roles.rollout_ranks
+    return reports[:rollout], reports[rollout:]
+
+
+def _trainers_weights(trainers, version: int) -> dict[str, torch.Tensor]:
+    """The whole model of ``version``, assembled from the slices each trainer rank held when it pushed; every
+    element covered."""
+    shapes = {name: value.shape for name, value in small_model().state_dict().items()}
+    whole = {name: torch.full(shape, float("nan")) for name, shape in shapes.items()}
+    for trainer in trainers:
+        for name, offsets, piece in trainer.pushed_slices[version]:
+            whole[name][tuple(slice(o, o + n) for o, n in zip(offsets, piece.shape))] = piece
+    assert not any(bool(value.isnan().any()) for value in whole.values()), version
+    return whole
 
 
 def _assert_replicas_hold_the_trainers_weights(replicas, trainers, pushed: list[int]):
-    """After every sync, each replica's weights are the trainer group's, assembled from the slices each
-    trainer rank held when it pushed: bit for bit."""
+    """After every sync, each rollout rank's weights are the trainer group's slices it holds, bit for bit:
+    a one-rank replica the whole model, a rank of a replica of G ranks its experts and the dense tensors."""
+    dense = {name for name in small_model().state_dict() if ".moe.experts." not in f".{name}"}
     for version in pushed:
+        whole = _trainers_weights(trainers, version)
         for replica in replicas:
-            whole = replica.synced_states[version]
-            covered = {name: torch.zeros_like(value, dtype=torch.bool) for name, value in whole.items()}
-            for trainer in trainers:
-                for name, offsets, piece in trainer.pushed_slices[version]:
-                    box = tuple(slice(o, o + n) for o, n in zip(offsets, piece.shape))
-                    assert torch.equal(whole[name][box], piece), (version, name, offsets)
-                    covered[name][box] = True
-            assert all(bool(mask.all()) for mask in covered.values()), version
+            held = replica.synced_pieces[version]
+            assert dense <= {name for name, _, _ in held}, version  # every dense tensor, whole
+            for name, offsets, piece in held:
+                box = tuple(slice(o, o + n) for o, n in zip(offsets, piece.shape))
+                if name in dense:
+                    assert piece.shape == whole[name].shape, name
+                assert torch.equal(whole[name][box], piece), (version, name, offsets)
 
 
-def _assert_bytes_are_each_ranks_share(replicas, trainers):
-    """Each replica receives exactly its share (the whole model) per sync; the trainer ranks share the
-    sending, each within 10 % of an even split."""
+def _experts_held(report, version: int) -> dict[str, set[int]]:
+    """Expert indices a rollout rank holds, per expert tensor (the first offset of each piece)."""
+    held: dict[str, set[int]] = {}
+    for name, offsets, piece in report.synced_pieces[version]:
+        if ".moe.experts." in f".{name}":
+            held.setdefault(name, set()).update(range(offsets[0], offsets[0] + piece.shape[0]))
+    return held
+
+
+def _share_bytes(ranks_per_replica: int, state: dict[str, torch.Tensor] | None = None) -> int:
+    """A rollout rank's share of the weights (``state``: the tests' small model's), computed here: dense
+    tensors whole, 1/G of every expert tensor."""
+    state = state if state is not None else small_model().state_dict()
+    return sum(v.numel() * v.element_size() // (ranks_per_replica if ".moe.experts." in f".{k}" else 1)
+               for k, v in state.items())
+
+
+def _assert_bytes_are_each_ranks_share(replicas, trainers, ranks_per_replica: int = 1):
+    """Each rollout rank receives its share of the weights per sync (within 10 %: exactly, here); the
+    trainer ranks share the sending, each within 10 % of an even split."""
+    share = _share_bytes(ranks_per_replica)
     for replica in replicas:
-        assert all(sync.bytes_received == replica.ideal_sync_bytes for sync in replica.syncs)
-    # one trainer rank broadcasts (each bucket sent once); several send to each replica point to point
-    copies = 1 if len(trainers) == 1 else len(replicas)
-    ideal_sent = copies * replicas[0].ideal_sync_bytes / len(trainers)
+        assert replica.ideal_sync_bytes == share
+        assert all(abs(sync.bytes_received - share) <= 0.1 * share for sync in replica.syncs)
+        assert all(sync.bytes_received == share for sync in replica.syncs)
+    if len(trainers) == 1 and len(replicas) == ranks_per_replica:
+        # one trainer rank, one replica: a bucket every rollout rank needs is one broadcast, an expert goes
+        # to its one holder, so the whole model is sent once
+        ideal_sent = _share_bytes(1)
+    else:  # one-rank replicas beside one trainer rank: broadcasts; else point to point, once per receiver
+        copies = 1 if len(trainers) == 1 and ranks_per_replica == 1 else len(replicas)
+        ideal_sent = copies * share / len(trainers)
     for trainer in trainers:
         for push in trainer.push_reports:
             assert abs(push.bytes_sent - ideal_sent) <= 0.1 * ideal_sent, (push.bytes_sent, ideal_sent)
     row = next(r for r in trainers[0].rows if "sync_received_mib" in r)
-    assert row["sync_received_mib"] == [replicas[0].ideal_sync_bytes / 2**20] * len(replicas)
-    assert row["sync_replica_share_mib"] == replicas[0].ideal_sync_bytes / 2**20
+    assert row["sync_received_mib"] == [share / 2**20] * len(replicas)
+    assert row["sync_replica_share_mib"] == share / 2**20
 
 
 @pytest.mark.dist
@@ -132,6 +173,75 @@ def test_k0_with_two_replicas_and_a_two_rank_trainer_is_the_synchronous_loop_bit
     for want, got in zip(one_rows, trainers[0].rows, strict=True):
         if "loss" in want:
             assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
+
+
+BEHAVIOUR = ("is_weight_mean", "logp_gap_max")
+"""Fields of the rollout log-probs μ: an EP2 replica sums its experts' outputs in another order than a
+whole model does, so μ (not the samples) differs in the last bits, as under RL Fusion's EP generation."""
+EXACT = tuple(k for k in COMPARED if k not in BEHAVIOUR)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("parallel", [TP2, pytest.param(EP2, marks=pytest.mark.slow)], ids=["tp2", "ep2"])
+def test_k0_with_two_replicas_of_two_ep_ranks_beside_a_two_rank_trainer_is_the_synchronous_loop(parallel):
+    """Replicas of 2 ranks (EP2: 8 of the 16 experts each, the dense tensors whole) beside a TP2 (or EP2) trainer:
+    the samples of the one-process loop bit for bit, the losses and weights of that layout's loop bit for bit
+    (the rollout log-probs' statistics to EP's rounding; the one process's losses to the layout's); every
+    rank holds its experts, synced from the trainer's slices."""
+    steps = 2
+    expected = spawn(_synchronous_in_layout, 2, steps, parallel)
+    replicas, trainers = _run(_job(steps, 0, parallel, replicas=2, ranks_per_replica=2, record_weights=True))
+    assert len(replicas) == 4 and [r.versions for r in replicas] == [[0, 1]] * 4
+    one_rows, one_samples, _ = _synchronous(steps)
+    for (rows, _, state), trainer in zip(expected, trainers, strict=True):
+        assert trainer.trained == [(0, 0), (1, 1)]
+        assert all(torch.equal(a, b) for a, b in zip(one_samples, trainer.samples, strict=True))  # same samples
+        for want, got in zip(rows, trainer.rows, strict=True):
+            assert {k: got.get(k) for k in EXACT} == {k: want.get(k) for k in EXACT}  # same losses
+            if "is_weight_mean" in want:
+                assert got["is_weight_mean"] == pytest.approx(want["is_weight_mean"], rel=1e-6)
+            if "logp_gap_max" in want:  # a gap of rounding: both below 1e-5
+                assert max(got["logp_gap_max"], want["logp_gap_max"]) < 1e-5
+        for name, value in state.items():
+            assert torch.equal(value, trainer.final_state[name]), name
+    for want, got in zip(one_rows, trainers[0].rows, strict=True):
+        if "loss" in want:
+            assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
+    for version in (0, 1):
+        held = [_experts_held(r, version) for r in replicas]
+        for first, second in (held[0:2], held[2:4]):  # each replica's two ranks: the 16 experts, 8 each
+            assert first.keys() == second.keys() and len(first) > 0
+            for name in first:
+                assert len(first[name]) == len(second[name]) == 8 and first[name] | second[name] == set(range(16))
+        assert held[0] == held[2] and held[1] == held[3]  # the same layout in every replica
+    _assert_replicas_hold_the_trainers_weights(replicas, trainers, [0, 1])
+    _assert_bytes_are_each_ranks_share(replicas, trainers, ranks_per_replica=2)
+
+
+@pytest.mark.dist
+def test_k1_one_replica_of_two_ep_ranks_beside_one_trainer_rank_holds_its_experts_after_every_sync():
+    replicas, trainers = _run(_job(3, 1, None, replicas=1, ranks_per_replica=2, record_weights=True))
+    assert [r.versions for r in replicas] == [[0, 0, 1]] * 2 and trainers[0].trained == [(0, 0), (1, 0), (2, 1)]
+    held = [_experts_held(r, 1) for r in replicas]
+    assert all(a | b == set(range(16)) and not a & b for a, b in zip(held[0].values(), held[1].values()))
+    _assert_replicas_hold_the_trainers_weights(replicas, trainers, [0, 1])
+    _assert_bytes_are_each_ranks_share(replicas, trainers, ranks_per_replica=2)
+    row = next(r for r in trainers[0].rows if "sync_received_mib" in r)
+    assert row["sync_sent_mib"] == [_share_bytes(1) / 2**20]
+
+
+@pytest.mark.dist
+def test_a_skipped_bucket_on_a_rank_of_a_two_rank_replica_is_one_error_naming_the_replica_and_rank(monkeypatch):
+    def skipping(self, version):
+        if version == 1 and self.rank == 1:
+            self.sync.fault = SyncFault(rank=1, drop=self.sync.buckets[-1].index)
+        return original(self, version)
+
+    original = RolloutWorker.receive
+    monkeypatch.setattr(RolloutWorker, "receive", skipping)
+    with pytest.raises(Exception, match=r"StaleSync rollout replica 0 \(rank 1\) failed: WeightSyncError: .*bucket "
+                                        r"\d+ .*not written at version 1"):
+        _run(_job(2, 0, None, replicas=1, ranks_per_replica=2))
 
 
 @pytest.mark.slow
@@ -251,6 +361,29 @@ def test_roles_place_replicas_then_the_trainer_group():
     assert roles.worker_name(5) == "StaleSync trainer (rank 5)"
 
 
+def test_roles_place_replicas_of_several_ranks_then_the_trainer_group():
+    roles = Roles(replicas=2, trainer_ranks=2, ranks_per_replica=3)
+    assert list(roles.replica_ranks) == [0, 1, 2, 3, 4, 5] and list(roles.replica_leaders) == [0, 3]
+    assert list(roles.trainer_group) == [6, 7] and roles.world_size == 8 and roles.first_trainer == 6
+    assert [roles.replica_of(r) for r in range(6)] == [0, 0, 0, 1, 1, 1]
+    assert roles.worker_name(4) == "StaleSync rollout replica 1 (rank 4)"
+    assert Roles(ranks_per_replica=2).worker_name(1) == "StaleSync rollout replica 0 (rank 1)"
+    stages = Roles(reward=True, reference=True, replicas=2, trainer_ranks=2, ranks_per_replica=2)
+    assert [stages.rank(s) for s in stages.order] == [0, 6, 7, 4] and stages.world_size == 8
+    assert stages.next_rank("rollout worker") == 6 and stages.next_rank("reference worker") == 4
+    assert stages.worker_name(7) == "StaleSync reference worker (rank 7)"
+
+
+def test_nproc_counts_the_replicas_ranks_per_replica():
+    spec = resolve_rl_spec([{"stalesync": {"staleness": 1}, "rollout": {"replicas": 2}, "generation": {"gen_ep": 2},
+                             "trainer": {"parallel": {"tp": 2}}}], ["flags"], world_size=6)
+    assert spec.rollout.ranks_per_replica == 2 and spec.trainer.world_size == 2
+    assert spec.roles.world_size == 6 and list(spec.roles.trainer_group) == [4, 5]
+    by_pool = resolve_rl_spec([{"stalesync": {"staleness": 1}, "rollout": {"ranks_per_replica": 4}}], ["rl.yaml"],
+                              world_size=5)
+    assert by_pool.generation.gen_ep == 4 and by_pool.roles.replica_leaders == range(0, 4, 4)
+
+
 def test_nproc_is_the_replicas_ranks_and_the_trainers_layout():
     spec = resolve_rl_spec([{"stalesync": {"staleness": 1}, "rollout": {"replicas": 2},
                              "trainer": {"parallel": {"tp": 2}}}], ["flags"], world_size=6)
@@ -261,7 +394,8 @@ def test_nproc_is_the_replicas_ranks_and_the_trainers_layout():
 @pytest.mark.parametrize("argv, expected", [
     (["--nproc", "2", "--rollout-replicas", "2"], ("leaves no trainer rank",)),
     (["--rollout-replicas", "3"], ("rollout.replicas 3", "do not split")),
-    (["--rollout-replicas", "2", "--reward-worker"], ("not built yet",)),
+    (["--nproc", "4", "--gen-ep", "3"], ("rollout.ranks_per_replica 3: tiny-pangu's 16 experts do not split",)),
+    (["--nproc", "4", "--rollout-replicas", "2", "--gen-ep", "2"], ("leaves no trainer rank",)),
     (["--nproc", "3", "--rollout-replicas", "2", "--kl-coef", "0.1"], ("leaves no trainer rank",)),
     (["--nproc", "5", "--rollout-replicas", "2", "--tp", "2"], ("not a multiple of tp",)),
     (["--partial-rollouts", "--placement", "colocated"], ("--partial-rollouts",)),
@@ -288,3 +422,27 @@ def test_cli_runs_two_replicas_beside_a_tp2_trainer_through_torchrun(tmp_path, c
     assert [r["weight_version"] for r in steps] == [0, 0, 1] and [r["staleness_max"] for r in steps] == [0, 1, 1]
     pushed = [r for r in steps if "sync_received_mib" in r]
     assert pushed and all(r["sync_received_mib"] == [r["sync_replica_share_mib"]] * 2 for r in pushed)
+
+
+@pytest.mark.slow
+def test_cli_runs_a_replica_of_two_ep_ranks_beside_a_trainer_through_torchrun(tmp_path, capsys):
+    import json
+
+    from test_rl_stalesync import TINY
+
+    from moetrain.cli import main
+
+    metrics = tmp_path / "rl.jsonl"
+    argv = ["rl", *TINY, "--staleness", "1", "--nproc", "3", "--gen-ep", "2", "--metrics-out", str(metrics),
+            "--log-dir", str(tmp_path / "log")]
+    assert main(argv) == 0, capsys.readouterr().err
+    steps = [r for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
+    assert [r["weight_version"] for r in steps] == [0, 0, 1] and [r["staleness_max"] for r in steps] == [0, 1, 1]
+    pushed = [r for r in steps if "sync_received_mib" in r]
+    # each of the replica's two ranks receives its half of the experts and the dense tensors
+    from moetrain.config import load_model_config
+    from moetrain.models.transformer import build_model
+    from moetrain.rl.loop import policy_config
+
+    share = _share_bytes(2, build_model(policy_config(load_model_config("tiny-pangu")), "meta").state_dict())
+    assert pushed and all(r["sync_received_mib"] == [share / 2**20] * 2 for r in pushed)

@@ -26,10 +26,10 @@ def _with_kl(steps: int):
     return model, options.model_copy(update={"grpo": options.grpo.model_copy(update={"kl_coef": KL})}), spec
 
 
-def _pipeline(steps: int, staleness: int, reward_worker: bool = True, kl: bool = True):
+def _pipeline(steps: int, staleness: int, reward_worker: bool = True, kl: bool = True, replicas: int = 1):
     model, options, spec = _with_kl(steps) if kl else _setup(steps)
     stale = StaleSyncOptions(staleness=staleness, reward_worker=reward_worker)
-    job = StaleSyncJob(spec, options, stale, model.cfg, model.state_dict())
+    job = StaleSyncJob(spec, options, stale, model.cfg, model.state_dict(), replicas=replicas)
     return spawn(run_stalesync, job.roles.world_size, job)
 
 
@@ -43,7 +43,9 @@ def test_the_pipeline_orders_its_ranks_rollout_reward_reference_trainer():
 
 
 @pytest.mark.dist
-def test_k0_with_reward_and_reference_workers_is_the_synchronous_loop_with_its_reference_bit_for_bit():
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_k0_with_reward_and_reference_workers_is_the_synchronous_loop_with_its_reference_bit_for_bit(replicas):
+    """With two replicas the stages join both shares (ranks: replicas 0-1, trainer 2, reward 3, reference 4)."""
     steps = 3
     model, options, spec = _with_kl(steps)
     reference = build_model(model.cfg, "cpu")
@@ -52,16 +54,22 @@ def test_k0_with_reward_and_reference_workers_is_the_synchronous_loop_with_its_r
                              console=Console(file=io.StringIO()))
     rows = sync.train()
     state = {k: v.detach().clone() for k, v in sync.run.stage.model.state_dict().items()}
-    reports = _pipeline(steps, staleness=0)
-    rollout, trainer, reward, ref = reports
-    assert rollout.versions == [0, 1, 2] and trainer.trained == [(0, 0), (1, 1), (2, 2)]
+    *rollouts, trainer, reward, ref = _pipeline(steps, staleness=0, replicas=replicas)
+    assert len(rollouts) == replicas and all(r.versions == [0, 1, 2] for r in rollouts)
+    assert trainer.trained == [(0, 0), (1, 1), (2, 2)]
     assert reward == StageReport("reward worker", 3, reward.busy_s)
     assert (ref.stage, ref.batches) == ("reference worker", 3)
     for expected, got in zip(sync.samples, trainer.samples, strict=True):
         assert torch.equal(expected, got)
-    compared = (*COMPARED, "kl")
+    # two replicas generate 8 rows each: the rollout log-probs' statistics differ from 16 rows' in the last bits
+    behaviour = ("is_weight_mean", "logp_gap_max") if replicas > 1 else ()
+    compared = tuple(k for k in (*COMPARED, "kl") if k not in behaviour)
     for expected, got in zip(rows, trainer.rows, strict=True):
         assert {k: got.get(k) for k in compared} == {k: expected.get(k) for k in compared}
+        if "is_weight_mean" in behaviour and "is_weight_mean" in expected:
+            assert got["is_weight_mean"] == pytest.approx(expected["is_weight_mean"], rel=1e-6)
+        if "logp_gap_max" in behaviour and "logp_gap_max" in expected:  # a gap of rounding: both below 1e-5
+            assert max(got["logp_gap_max"], expected["logp_gap_max"]) < 1e-5
     assert any(r.get("kl", 0) != 0 for r in rows)  # the KL term is live, not zero
     for name, value in state.items():
         assert torch.equal(value, trainer.final_state[name]), name

@@ -137,7 +137,8 @@ def _add_fusion_arguments(parser: argparse.ArgumentParser) -> None:
                        ("ep", "expert parallel (inside dp)"), ("etp", "expert tensor parallel")):
         f.add_argument(f"--{axis}", type=int, help=f"training: {text}")
     f.add_argument("--gen-ep", type=int,
-                   help="generation: expert-parallel degree; nproc/gen-ep whole-model replicas (1: every rank)")
+                   help="generation: expert-parallel degree; nproc/gen-ep replicas of gen-ep ranks (1: every rank a "
+                        "whole model); disaggregated --staleness: the ranks of each rollout replica")
     f.add_argument("--sync-bucket-mib", type=float, help="weight-sync bucket size in MiB")
     f.add_argument("--offload", choices=("auto", "always", "never"),
                    help="optimizer state and gradients to host while generating (auto: when it does not fit)")
@@ -157,7 +158,8 @@ def _add_stalesync_arguments(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--stale-loss", choices=("tis", "decoupled"),
                    help="staleness correction: truncated importance weights (tis) or decoupled PPO's proximal policy")
     a.add_argument("--rollout-replicas", type=int,
-                   help="disaggregated: rollout replicas, a whole model on one rank each, beside the trainer's ranks")
+                   help="disaggregated: rollout replicas of --gen-ep ranks each (1: a whole model on one rank), "
+                        "beside the trainer's ranks")
     a.add_argument("--partial-rollouts", action="store_true", default=None,
                    help="disaggregated: interrupt a generation halfway when newer weights are due and resume it on "
                         "them; samples are admitted by their oldest token's version")

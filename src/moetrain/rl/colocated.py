@@ -11,7 +11,7 @@ reshard has just copied into the generation model (the update writes only the tr
              wait for batch s+1, gather its rows from every rank ◄─────────────────────────┘
 
 so every batch after the first is one version old (staleness 1 ≤ k), the schedule of the disaggregated
-pipeline at k = 1 (``stalesync.Schedule``): a test holds the two placements to the same
+pipeline at k = 1 (``stalesync_schedule.Schedule``): a test holds the two placements to the same
 samples, losses and weights, bit for bit. Running further ahead than one batch gains nothing here: the
 devices that would generate batch s + 2 are busy with batch s + 1.
 
@@ -54,7 +54,7 @@ from moetrain.rl.generate import Generation
 from moetrain.rl.loop import RLTrainer, scored_rollouts
 from moetrain.rl.offload import FREE_MARGIN
 from moetrain.rl.sft import prompt_ids
-from moetrain.rl.stalesync import Schedule
+from moetrain.rl.stalesync_schedule import Schedule
 
 
 def check_colocated(stale: StaleSyncOptions, fusion: FusionOptions) -> None:

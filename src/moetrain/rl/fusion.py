@@ -62,11 +62,17 @@ def generation_model(model_cfg: ModelConfig, options: FusionOptions, rank: int, 
                      device: torch.device) -> tuple[MoETransformer, StageModel | None]:
     """The generation model of this rank (whole, or its EP share with ``gen_ep`` > 1; the stage then).
     Built from seed 0: every value is overwritten by the first sync (which checks that it is)."""
-    model = build_model(model_cfg, device, seed=0).eval().requires_grad_(False)
     if options.gen_ep == 1:
-        return model, None
-    dims = ParallelDims.build(ParallelConfig(dp=world_size, ep=options.gen_ep), rank)
-    stage = parallelize(model, dims)
+        return build_model(model_cfg, device, seed=0).eval().requires_grad_(False), None
+    return ep_generation_model(model_cfg, ParallelDims.build(ParallelConfig(dp=world_size, ep=options.gen_ep), rank),
+                               device)
+
+
+def ep_generation_model(model_cfg: ModelConfig, dims: ParallelDims,
+                        device: torch.device) -> tuple[MoETransformer, StageModel]:
+    """This rank's generation model in the EP layout ``dims`` (its experts, the dense tensors whole), and its
+    stage. Built from seed 0: every value is overwritten by the first sync (which checks that it is)."""
+    stage = parallelize(build_model(model_cfg, device, seed=0).eval(), dims)
     return stage.model.requires_grad_(False), stage
 
 

@@ -228,12 +228,6 @@ class RLTrainer(Trainer):
         """The latest step's training sequences (with the rollout log-probs)."""
 
     @property
-    def _pending(self) -> dict[str, Any]:
-        # Only for StaleSyncTrainer (rl/stalesync.py, under other work now), which still writes its row
-        # fields here: they are the loop's ``step_fields``. Goes when it calls ``note`` instead.
-        return self.step_fields
-
-    @property
     def max_new_tokens(self) -> int:
         return self.options.max_new_tokens or self.task.max_answer_chars + 2
 

@@ -3,16 +3,18 @@
 The controller (every rank computes it from the spec, so no message assigns it) places the groups on
 the global ranks in this order:
 
-- ``replicas`` rollout replicas, ranks ``0 .. R − 1``: each a whole generation model on one rank,
-  generating its contiguous share of every batch;
-- the trainer group, ranks ``R .. R + T − 1``: the training runtime in its own layout (``T`` = the
+- ``replicas`` rollout replicas of ``ranks_per_replica`` (G) ranks each, ranks ``0 .. R·G − 1``, replica
+  ``i`` on ranks ``i·G .. i·G + G − 1``: each replica generates its contiguous share of every batch, its
+  G ranks in an EP layout (the experts split over them, the dense weights whole on each, the same rows in
+  lockstep); the replica's first rank (its leader) sends the share on;
+- the trainer group, ranks ``R·G .. R·G + T − 1``: the training runtime in its own layout (``T`` = the
   trainer's tp·pp·dp ranks; EP and ETP live inside them); its first rank receives every batch;
 - a reward worker and a reference worker when the run has them (then after the trainer group), between
   the rollout worker and the trainer in the order a batch visits them.
 
 With one replica and one trainer rank this is the two-rank pipeline of before: rollout worker 0,
-trainer 1, reward worker 2, reference worker 3. Middle stages run only there: a reward or reference
-stage in front of a group of replicas or trainer ranks is not built.
+trainer 1, reward worker 2, reference worker 3. A middle stage takes every replica's share (from each
+replica's leader) and passes the joined batch on; it sends to the trainer group's first rank.
 
 Torch-free: the CLI sizes the launch with it before anything heavy is imported.
 """
@@ -31,16 +33,16 @@ class Roles:
     reward: bool = False
     reference: bool = False
     replicas: int = 1
-    """Rollout replicas, one rank each."""
+    """Rollout replicas."""
     trainer_ranks: int = 1
     """Ranks of the trainer group (its layout's world size)."""
+    ranks_per_replica: int = 1
+    """Ranks of each rollout replica (its generation layout's EP degree)."""
 
     def __post_init__(self) -> None:
-        if self.replicas < 1 or self.trainer_ranks < 1:
-            raise ValueError(f"a run needs a rollout replica and a trainer rank, not {self.replicas} and "
-                             f"{self.trainer_ranks}")
-        if (self.reward or self.reference) and (self.replicas, self.trainer_ranks) != (1, 1):
-            raise ValueError("reward and reference workers run between one rollout worker and a one-rank trainer")
+        if min(self.replicas, self.trainer_ranks, self.ranks_per_replica) < 1:
+            raise ValueError(f"a run needs a rollout replica of a rank and a trainer rank, not {self.replicas} "
+                             f"replica(s) of {self.ranks_per_replica} and {self.trainer_ranks}")
 
     @property
     def order(self) -> tuple[str, ...]:
@@ -50,20 +52,33 @@ class Roles:
 
     @property
     def world_size(self) -> int:
-        return self.replicas + self.trainer_ranks + len(self.order) - 2
+        return self.rollout_ranks + self.trainer_ranks + len(self.order) - 2
+
+    @property
+    def rollout_ranks(self) -> int:
+        return self.replicas * self.ranks_per_replica
 
     @property
     def replica_ranks(self) -> range:
-        return range(self.replicas)
+        """Every rank of every rollout replica (each receives the weights it holds)."""
+        return range(self.rollout_ranks)
+
+    @property
+    def replica_leaders(self) -> range:
+        """Each replica's first rank: the one that sends the replica's share of every batch."""
+        return range(0, self.rollout_ranks, self.ranks_per_replica)
+
+    def replica_of(self, rank: int) -> int:
+        return rank // self.ranks_per_replica
 
     @property
     def trainer_group(self) -> range:
-        return range(self.replicas, self.replicas + self.trainer_ranks)
+        return range(self.rollout_ranks, self.rollout_ranks + self.trainer_ranks)
 
     @property
     def first_trainer(self) -> int:
         """The trainer rank that receives the batches and deals them to the others."""
-        return self.replicas
+        return self.rollout_ranks
 
     def rank(self, stage: str) -> int:
         """The rank a batch visits for ``stage`` (the rollout worker: replica 0's; the trainer: its first)."""
@@ -71,14 +86,14 @@ class Roles:
             return 0
         if stage == TRAINER:
             return self.first_trainer
-        return self.replicas + self.trainer_ranks + self.order.index(stage) - 1
+        return self.rollout_ranks + self.trainer_ranks + self.order.index(stage) - 1
 
     def stage(self, rank: int) -> str:
         if rank in self.replica_ranks:
             return ROLLOUT
         if rank in self.trainer_group:
             return TRAINER
-        return self.order[rank - self.replicas - self.trainer_ranks + 1]
+        return self.order[rank - self.rollout_ranks - self.trainer_ranks + 1]
 
     def next_rank(self, stage: str) -> int:
         return self.rank(self.order[self.order.index(stage) + 1])
@@ -88,8 +103,8 @@ class Roles:
 
     def worker_name(self, rank: int) -> str:
         """How a failure names a rank: ``StaleSync rollout worker (rank 0)``, ``StaleSync rollout replica 1
-        (rank 1)`` when there are several."""
+        (rank 1)`` when there are several replicas or ranks in one."""
         stage = self.stage(rank)
-        if stage == ROLLOUT and self.replicas > 1:
-            stage = f"rollout replica {rank}"
+        if stage == ROLLOUT and self.rollout_ranks > 1:
+            stage = f"rollout replica {self.replica_of(rank)}"
         return f"StaleSync {stage} (rank {rank})"

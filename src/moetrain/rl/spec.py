@@ -56,9 +56,11 @@ class WarmupSpec(BaseModel):
 class RolloutPool(BaseModel):
     """The generation replicas. Under RL Fusion (and colocated StaleSync) every training rank generates,
     ``ranks / generation.gen_ep`` replicas of ``gen_ep`` ranks each, and the pool follows from that. The
-    disaggregated pipeline runs ``replicas`` rollout replicas of one rank each (a whole model) on ranks of
-    their own, beside the trainer group. Left empty, the spec fills them in; a pool sized otherwise is not
-    built yet and is refused."""
+    disaggregated pipeline runs ``replicas`` rollout replicas of ``ranks_per_replica`` ranks each on ranks
+    of their own, beside the trainer group: a replica of one rank holds the whole model, one of G ranks
+    generates in the EP layout ``generation.gen_ep`` = G (the experts split over its ranks, the dense
+    tensors whole on each). Left empty, the spec fills them in; a pool sized otherwise is not built yet
+    and is refused."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -140,6 +142,8 @@ class RLRunSpec(BaseModel):
     def _derived(self) -> RLRunSpec:
         self.trainer = _trainer_run(self)
         self.rollout = _rollout_pool(self)
+        if self.disaggregated:  # one number for the replica's EP degree: the pool's ranks per replica
+            self.generation = self.generation.model_copy(update={"gen_ep": self.rollout.ranks_per_replica})
         self.stalesync = _stalesync_sync_buckets(self)
         _check_placement(self)
         _check_restarts(self)
@@ -159,8 +163,9 @@ class RLRunSpec(BaseModel):
     def roles(self) -> Roles:
         """The disaggregated run's groups on its ranks (``moetrain.rl.roles``)."""
         assert self.stalesync is not None and self.rollout.replicas is not None
+        assert self.rollout.ranks_per_replica is not None
         return Roles(self.stalesync.reward_worker, self.rl.grpo.kl_coef > 0, self.rollout.replicas,
-                     self.trainer.world_size)
+                     self.trainer.world_size, self.rollout.ranks_per_replica)
 
     @property
     def model_name(self) -> str:
@@ -230,15 +235,7 @@ def _rollout_pool(spec: RLRunSpec) -> RolloutPool:
     """The pool the placement runs; a given size must be one it runs."""
     pool = spec.rollout
     if spec.disaggregated:
-        replicas = pool.replicas or 1
-        if (pool.ranks_per_replica or 1) != 1:
-            raise ValueError(f"rollout.ranks_per_replica {pool.ranks_per_replica}: not built yet (a disaggregated "
-                             "rollout replica is a whole model on one rank); drop it")
-        if spec.rl.prompts_per_step % replicas:
-            raise ValueError(f"rollout.replicas {replicas}: the {spec.rl.prompts_per_step} prompts per step do not "
-                             "split over them (each replica generates and scores whole groups); make the prompts "
-                             "a multiple")
-        return RolloutPool(replicas=replicas, ranks_per_replica=1)
+        return _disaggregated_pool(spec)
     world = spec.trainer.world_size
     ranks = spec.generation.gen_ep if world > 1 else 1
     replicas = spec.generation.replicas(world) if world > 1 else 1
@@ -248,6 +245,41 @@ def _rollout_pool(spec: RLRunSpec) -> RolloutPool:
         if given is not None and given != value:
             raise ValueError(f"rollout.{field} {given}: not built yet ({how}: {value} here); drop it")
     return RolloutPool(replicas=replicas, ranks_per_replica=ranks)
+
+
+def _disaggregated_pool(spec: RLRunSpec) -> RolloutPool:
+    """R replicas of G ranks: G is ``rollout.ranks_per_replica`` or ``generation.gen_ep`` (one number, set
+    once); the prompts must split over the replicas and the experts over a replica's ranks."""
+    pool, gen_ep = spec.rollout, spec.generation.gen_ep
+    replicas = pool.replicas or 1
+    ranks = pool.ranks_per_replica or gen_ep
+    if "gen_ep" in spec.generation.model_fields_set and ranks != gen_ep:
+        raise ValueError(f"rollout.ranks_per_replica {ranks} differs from generation.gen_ep {gen_ep}: a "
+                         "disaggregated replica of G ranks generates in the EP layout gen_ep = G; set one of them")
+    if spec.rl.prompts_per_step % replicas:
+        raise ValueError(f"rollout.replicas {replicas}: the {spec.rl.prompts_per_step} prompts per step do not "
+                         "split over them (each replica generates and scores whole groups); make the prompts "
+                         "a multiple")
+    experts = _experts(spec)
+    if ranks > 1 and experts is not None and experts % ranks:
+        raise ValueError(f"rollout.ranks_per_replica {ranks}: {spec.model_name}'s {experts} experts do not split "
+                         f"over a replica's {ranks} ranks (each holds experts / ranks of every MoE layer); give "
+                         "--gen-ep a divisor of the experts")
+    return RolloutPool(replicas=replicas, ranks_per_replica=ranks)
+
+
+def _experts(spec: RLRunSpec) -> int | None:
+    """The model's experts per MoE layer (0: a dense model), when the spec names a preset or a model file
+    (a ``start_from`` checkpoint's model is read by the run: it checks again)."""
+    from moetrain.config.presets import load_model_config
+
+    if spec.model is None and spec.start_from is not None:
+        return None
+    try:
+        moe = load_model_config(spec.model_name).moe
+    except UserError:
+        return None  # the run names a bad model in its own words
+    return moe.num_experts if moe is not None else 0
 
 
 def _stalesync_sync_buckets(spec: RLRunSpec) -> StaleSyncOptions | None:
@@ -277,12 +309,6 @@ def _check_placement(spec: RLRunSpec) -> None:
     if stale.partial_rollouts and stale.placement == "colocated":
         raise UserError("--partial-rollouts interrupts the disaggregated replicas' generations: drop it or use "
                         "--placement disaggregated")
-    middle = stale.reward_worker or spec.rl.grpo.kl_coef > 0
-    groups = (spec.rollout.replicas, spec.trainer.world_size)
-    if stale.placement == "disaggregated" and middle and groups != (1, 1):
-        raise UserError(f"--reward-worker / --kl-coef with {groups[0]} rollout replica(s) and a trainer group of "
-                        f"{groups[1]} rank(s): not built yet (reward and reference workers run between one rollout "
-                        "worker and a one-rank trainer)")
 
 
 def _check_restarts(spec: RLRunSpec) -> None:
@@ -354,7 +380,8 @@ def _pipeline_ranks_beside_trainer(merged: dict[str, Any]) -> int:
     if not isinstance(stale, dict) or stale.get("placement", "disaggregated") != "disaggregated":
         return 0
     pool = merged.get("rollout") if isinstance(merged.get("rollout"), dict) else {}
-    replicas, ranks = pool.get("replicas") or 1, pool.get("ranks_per_replica") or 1
+    generation = merged.get("generation") if isinstance(merged.get("generation"), dict) else {}
+    replicas, ranks = pool.get("replicas") or 1, pool.get("ranks_per_replica") or generation.get("gen_ep") or 1
     grpo = merged.get("rl", {}).get("grpo", {}) if isinstance(merged.get("rl"), dict) else {}
     kl = grpo.get("kl_coef", 0) if isinstance(grpo, dict) else 0
     counts = [replicas, ranks, kl]

@@ -21,19 +21,17 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 import torch
 
 from moetrain.models.transformer import build_model
 from moetrain.rl.batch import training_sequences
 from moetrain.rl.loop import scored_rollouts, sequence_logprobs, step_problems
+from moetrain.rl.roles import ROLLOUT
 from moetrain.rl.rollout_queue import BatchReceiver, BatchSender, QueuedBatch, pack
+from moetrain.rl.stalesync_job import Channels, StaleSyncJob
 from moetrain.rl.tasks import get_task
 from moetrain.rl.tokenizer import CharTokenizer
-
-if TYPE_CHECKING:
-    from moetrain.rl.stalesync import Channels, StaleSyncJob
 
 
 @dataclass(frozen=True)
@@ -54,7 +52,9 @@ class Stage(ABC):
     def __init__(self, job: StaleSyncJob, channels: Channels) -> None:
         self.job, self.task, self.tokenizer = job, get_task(job.options.task), CharTokenizer()
         pipeline = channels.roles
-        self.receiver = BatchReceiver(channels.queue, pipeline.previous_rank(self.name))
+        previous = pipeline.order[pipeline.order.index(self.name) - 1]
+        sources = pipeline.replica_leaders if previous == ROLLOUT else [pipeline.previous_rank(self.name)]
+        self.receivers = [BatchReceiver(channels.queue, src) for src in sources]
         self.sender = BatchSender(channels.queue, pipeline.next_rank(self.name), capacity=job.stale.staleness + 1)
         self.ends_stream = pipeline.order[pipeline.order.index(self.name) + 1] != "trainer"
 
@@ -64,7 +64,7 @@ class Stage(ABC):
 
     def run(self) -> StageReport:
         batches, busy = 0, 0.0
-        while (batch := self.receiver.get()) is not None:
+        while (batch := self.next_batch()) is not None:
             start = time.perf_counter()
             message = pack(self.process(batch))
             busy += time.perf_counter() - start
@@ -72,6 +72,14 @@ class Stage(ABC):
             batches += 1
         self.sender.close(end_mark=self.ends_stream)
         return StageReport(self.name, batches, busy)
+
+    def next_batch(self) -> QueuedBatch | None:
+        """The next batch, every replica's share joined in replica order (None: the stream has ended)."""
+        parts = [receiver.get() for receiver in self.receivers]
+        if any(part is None for part in parts):
+            assert all(part is None for part in parts), "one replica's stream ended before the others'"
+            return None
+        return QueuedBatch.joined([part for part in parts if part is not None])
 
     def problems(self, batch: QueuedBatch):
         return step_problems(self.task, self.job.options, self.job.spec.training.seed, batch.index)

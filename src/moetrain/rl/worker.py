@@ -85,7 +85,9 @@ def _pipeline_rank(run: RLRun, rank: int) -> None:
     say(status_console(run.grpo.run.quiet or rank != 0), f"all {dist.get_world_size()} StaleSync ranks joined; "
         "building the models…")
     initial = torch.load(run.spec.initial_weights, weights_only=True) if run.spec.initial_weights else None
-    job = StaleSyncJob(run.grpo, run.options, run.stale, run.model_cfg, initial, replicas=run.spec.roles.replicas)
+    roles = run.spec.roles
+    job = StaleSyncJob(run.grpo, run.options, run.stale, run.model_cfg, initial, replicas=roles.replicas,
+                       ranks_per_replica=roles.ranks_per_replica)
     report = run_stalesync(rank, dist.get_world_size(), job)
     if isinstance(report, TrainerReport) and rank == job.roles.first_trainer:  # the group's rows are one
         console = Console()

@@ -1,0 +1,86 @@
+"""What every rank of a disaggregated StaleSync run shares: the job (the run, its options, the pool's
+size) and the process groups built from it (``Channels``).
+
+Every rank builds the same groups in the same order (``torch.distributed.new_group``'s contract), member
+or not: the queues' group (every rank), the weight sync's (every rollout rank and the trainer group), the
+trainer group's layout and, when a replica has several ranks, the rollout pool's EP layout (replica
+``i``'s G ranks are one EP group; the pool's data-parallel axis is the replicas).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from moetrain.config import ModelConfig, ParallelConfig
+from moetrain.config.run import RunSpec
+from moetrain.distributed.layout import ParallelDims
+from moetrain.distributed.world import collective_timeout
+from moetrain.errors import UserError
+from moetrain.rl.config import RLOptions, StaleSyncOptions
+from moetrain.rl.roles import Roles
+
+START_TAG = 3
+"""The trainer's first step, sent to each rollout rank on the queue's group (the batches use tags 1, 2)."""
+Slices = list[tuple[str, tuple[int, ...], torch.Tensor]]
+"""(tensor name, global offsets, values) of the pieces of the weights a rank holds (a test hook's record)."""
+
+
+@dataclass(frozen=True)
+class StaleSyncJob:
+    """Everything every rank needs (picklable: ``spawn`` hands it to each process)."""
+
+    spec: RunSpec
+    """The GRPO run: the trainer group's layout is its parallel section."""
+    options: RLOptions
+    stale: StaleSyncOptions
+    model_cfg: ModelConfig
+    initial: dict[str, torch.Tensor] | None = None
+    """The starting policy's weights (e.g. the SFT warm-up's); None: the model built from the seed."""
+    replicas: int = 1
+    """Rollout replicas, generating contiguous shares of every batch."""
+    ranks_per_replica: int = 1
+    """Ranks of each replica: its generation layout's EP degree (the experts split over them)."""
+    resend_first_after: int | None = None
+    """Test hook: after batch b, the rollout worker sends batch 0 again (an old batch the trainer must drop)."""
+    record_weights: bool = False
+    """Test hook: the reports keep the weights of every sync (each replica's after it, each trainer
+    rank's slices as pushed), to compare them outside the sync's own checks."""
+
+    @property
+    def roles(self) -> Roles:
+        return Roles(self.stale.reward_worker, self.options.grpo.kl_coef > 0, self.replicas, self.spec.world_size,
+                     self.ranks_per_replica)
+
+
+@dataclass(frozen=True)
+class Channels:
+    """The process groups of the run: the queues' (every rank), the weight sync's (the replicas and the
+    trainer group), the trainer group's layout and the rollout pool's."""
+
+    queue: dist.ProcessGroup
+    sync: dist.ProcessGroup
+    dims: ParallelDims
+    roles: Roles
+    pool: ParallelDims | None = None
+    """The rollout pool's EP layout (dp = R·G, ep = G) when a replica has several ranks (G > 1)."""
+
+    @classmethod
+    def build(cls, rank: int, roles: Roles, spec: RunSpec) -> Channels:
+        """Every rank calls this, in this order (``new_group``'s contract)."""
+        if dist.get_world_size() != roles.world_size:
+            raise UserError(f"the disaggregated StaleSync run ({roles.replicas} rollout replica(s) of "
+                            f"{roles.ranks_per_replica} rank(s), a trainer group of "
+                            f"{roles.trainer_ranks}, {', '.join(roles.order[1:-1]) or 'no middle stage'}) runs on "
+                            f"{roles.world_size} ranks, not {dist.get_world_size()}")
+        dims = ParallelDims.build(spec.parallel, rank, spec.run.ranks_per_node, rank_offset=roles.first_trainer)
+        pool = None
+        if roles.ranks_per_replica > 1:
+            pool = ParallelDims.build(ParallelConfig(dp=roles.rollout_ranks, ep=roles.ranks_per_replica), rank)
+        everyone = list(range(roles.world_size))
+        # the run's timeout, not new_group's 30-minute default: a rank waiting on a hung peer gives up in time
+        timeout = collective_timeout()
+        sync = dist.new_group([*roles.replica_ranks, *roles.trainer_group], timeout=timeout)
+        return cls(dist.new_group(everyone, timeout=timeout), sync, dims, roles, pool)
