@@ -25,7 +25,6 @@ from _parity import (
     losses_by_layout,
     run_spec,
     side_by_side,
-    single_process_rows,
 )
 from rich.console import Console
 
@@ -200,7 +199,7 @@ def _trained(name: str, parallel: ParallelConfig, dims: ParallelDims, data: Path
         names = [s.name for s in trainer.tracer.spans]
         out["host_reads"] = [{"moe_passes": passes[0], "ep_reads": names.count("counts_d2h"),
                               "etp_reads": names.count("etp_counts_d2h")}]
-        if dims.rank == dims.group_ranks["world"][0]:  # the step-3 checkpoint alone, for each resumed layout
+        if dims.rank == dims.group_ranks["world"][0]:  # the step-SAVED_AT checkpoint alone, for each resumed layout
             for load in LOAD_LAYOUTS:
                 shutil.copytree(checkpoint_dir(root / name, SAVED_AT), checkpoint_dir(root / load, SAVED_AT))
     return out
@@ -217,8 +216,8 @@ def _worker(rank: int, world_size: int, data: Path, root: Path) -> dict[str, lis
 
 
 @pytest.fixture(scope="module")
-def reference(corpus) -> list[dict]:
-    return single_process_rows(run_spec(TRAINING, ParallelConfig(), corpus))
+def reference(references) -> list[dict]:
+    return references.rows(TRAINING)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,6 @@ from _parity import (
     losses_by_layout,
     run_spec,
     side_by_side,
-    single_process_rows,
     train_rows,
 )
 
@@ -70,10 +69,9 @@ def _worker(rank: int, world_size: int, data) -> dict[str, list[dict]]:
 
 
 @pytest.fixture(scope="module")
-def single_process(corpus) -> dict[int, list[dict]]:
+def single_process(references) -> dict[int, list[dict]]:
     """Reference rows by micro-batch size: the same loop with every degree 1."""
-    return {cfg.micro_batch: single_process_rows(run_spec(cfg, ParallelConfig(), corpus))
-            for cfg in (TRAINING, TRAINING_MICRO_1)}
+    return {cfg.micro_batch: references.rows(cfg) for cfg in (TRAINING, TRAINING_MICRO_1)}
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,6 @@ from _parity import (
     losses_by_layout,
     run_spec,
     side_by_side,
-    single_process_rows,
     train_rows,
 )
 from torch import nn
@@ -75,8 +74,8 @@ def _worker(rank: int, world_size: int, data, save_root) -> dict[str, list[dict]
 
 
 @pytest.fixture(scope="module")
-def reference(corpus) -> list[dict]:
-    return single_process_rows(run_spec(TRAINING, ParallelConfig(), corpus))
+def reference(references) -> list[dict]:
+    return references.rows(TRAINING)
 
 
 @pytest.fixture(scope="module")
