@@ -38,7 +38,7 @@ from moetrain.models.attention import GQA, MLA, build_attention_context
 from moetrain.runtime_base.checkpoint_files import checkpoint_dir
 from moetrain.train.checks import check_seq_len
 
-STEPS, SAVED_AT = 4, 2
+STEPS, SAVED_AT = 3, 1  # two steps after the resume: the last shows the restored moments
 TRAINING = TrainingConfig(steps=STEPS, global_batch=8, micro_batch=2, seq_len=32, warmup_steps=2)
 ROUNDS: list[dict[str, ParallelConfig]] = [
     {"cp2": ParallelConfig(cp=2), "cp2_ep2_overlap": ParallelConfig(cp=2, ep=2, overlap=True)},

@@ -23,7 +23,7 @@ from _parity import (
 from moetrain.config import ParallelConfig, TrainingConfig
 from moetrain.distributed.world import spawn
 
-STEPS = 4
+STEPS = 3
 TRAINING = TrainingConfig(steps=STEPS, global_batch=8, micro_batch=2, seq_len=32, warmup_steps=2)
 TRAINING_MICRO_1 = TRAINING.model_copy(update={"micro_batch": 1})
 MICRO_1 = {"ep4_hierarchical_overlap"}
