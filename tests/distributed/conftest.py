@@ -12,8 +12,8 @@ def _session_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def corpus(_session_corpus: Path):
-    """The parity tests' small corpus, with a private data cache (inherited by the ranks ``spawn`` forks).
-    The cache variable is set for the module only: tests elsewhere keep their own."""
+    """The parity tests' small corpus, with the session's data cache beside it (inherited by the ranks
+    ``spawn`` forks). The cache variable is set for the module only: tests elsewhere keep their own."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MOETRAIN_CACHE", str(_session_corpus.parent / "cache"))
         yield _session_corpus
