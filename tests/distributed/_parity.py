@@ -9,8 +9,10 @@ read it instead of racing to write it.
 
 from __future__ import annotations
 
+import copy
 import io
 import random
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -62,6 +64,22 @@ def single_process_rows(spec: RunSpec, **kwargs) -> list[dict]:
         return train_rows(spec, **kwargs)
     finally:
         torch.set_num_threads(threads)
+
+
+@dataclass
+class ReferenceRuns:
+    """The single-process runs of the parity tests, by training config: several modules compare against
+    the same one, and it is the same computation each time (the same loop on the same corpus)."""
+
+    data: Path | None = None
+    runs: dict[tuple[str, str], list[dict]] = field(default_factory=dict)
+
+    def rows(self, training: TrainingConfig) -> list[dict]:
+        """``single_process_rows`` of ``training`` with every degree 1 (a copy: callers may edit it)."""
+        key = (training.model_dump_json(), str(self.data))
+        if key not in self.runs:
+            self.runs[key] = single_process_rows(run_spec(training, ParallelConfig(), self.data))
+        return copy.deepcopy(self.runs[key])
 
 
 def losses_by_layout(per_rank: list[dict[str, list[dict]]]) -> dict[str, list[list[dict]]]:

@@ -25,7 +25,6 @@ from _parity import (
     losses_by_layout,
     run_spec,
     side_by_side,
-    single_process_rows,
     train_rows,
 )
 
@@ -39,7 +38,7 @@ from moetrain.models.attention import GQA, MLA, build_attention_context
 from moetrain.runtime_base.checkpoint_files import checkpoint_dir
 from moetrain.train.checks import check_seq_len
 
-STEPS, SAVED_AT = 4, 2
+STEPS, SAVED_AT = 3, 1  # two steps after the resume: the last shows the restored moments
 TRAINING = TrainingConfig(steps=STEPS, global_batch=8, micro_batch=2, seq_len=32, warmup_steps=2)
 ROUNDS: list[dict[str, ParallelConfig]] = [
     {"cp2": ParallelConfig(cp=2), "cp2_ep2_overlap": ParallelConfig(cp=2, ep=2, overlap=True)},
@@ -141,7 +140,7 @@ def _worker(rank: int, world_size: int, data: Path, root: Path) -> dict[str, lis
                 continue
             saved = root / "cp2"
             rows[name] = train_rows(run_spec(TRAINING, parallel, data, save_dir=str(saved), save_every=SAVED_AT), dims)
-            # The step-3 checkpoint alone in a folder of its own: what an interrupted run would have left.
+            # The step-SAVED_AT checkpoint alone in a folder of its own: what an interrupted run would have left.
             resumed = root / "dp2_from_cp2"
             if rank == dims.group_ranks["world"][0]:
                 shutil.copytree(checkpoint_dir(saved, SAVED_AT), checkpoint_dir(resumed, SAVED_AT))
@@ -153,8 +152,8 @@ def _worker(rank: int, world_size: int, data: Path, root: Path) -> dict[str, lis
 
 
 @pytest.fixture(scope="module")
-def reference(corpus) -> list[dict]:
-    return single_process_rows(run_spec(TRAINING, ParallelConfig(), corpus))
+def reference(references) -> list[dict]:
+    return references.rows(TRAINING)
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,6 @@ from _parity import (
     losses_by_layout,
     run_spec,
     side_by_side,
-    single_process_rows,
 )
 from rich.console import Console
 
@@ -158,7 +157,7 @@ def test_etp_layout_accepted() -> None:
 
 # ---- training: per-step loss parity, resharding, host reads -----------------------------------------
 
-STEPS, SAVED_AT = 4, 2
+STEPS, SAVED_AT = 3, 1  # two steps after the resume: the last shows the restored moments
 TRAINING = TrainingConfig(steps=STEPS, global_batch=8, micro_batch=1, seq_len=32, warmup_steps=2)
 SAVE_LAYOUT = "ep2_etp2"
 """Saves every ``SAVED_AT`` steps while it trains; also counts its host reads."""
@@ -200,7 +199,7 @@ def _trained(name: str, parallel: ParallelConfig, dims: ParallelDims, data: Path
         names = [s.name for s in trainer.tracer.spans]
         out["host_reads"] = [{"moe_passes": passes[0], "ep_reads": names.count("counts_d2h"),
                               "etp_reads": names.count("etp_counts_d2h")}]
-        if dims.rank == dims.group_ranks["world"][0]:  # the step-3 checkpoint alone, for each resumed layout
+        if dims.rank == dims.group_ranks["world"][0]:  # the step-SAVED_AT checkpoint alone, for each resumed layout
             for load in LOAD_LAYOUTS:
                 shutil.copytree(checkpoint_dir(root / name, SAVED_AT), checkpoint_dir(root / load, SAVED_AT))
     return out
@@ -217,8 +216,8 @@ def _worker(rank: int, world_size: int, data: Path, root: Path) -> dict[str, lis
 
 
 @pytest.fixture(scope="module")
-def reference(corpus) -> list[dict]:
-    return single_process_rows(run_spec(TRAINING, ParallelConfig(), corpus))
+def reference(references) -> list[dict]:
+    return references.rows(TRAINING)
 
 
 @pytest.fixture(scope="module")

@@ -17,14 +17,13 @@ from _parity import (
     losses_by_layout,
     run_spec,
     side_by_side,
-    single_process_rows,
     train_rows,
 )
 
 from moetrain.config import ParallelConfig, TrainingConfig
 from moetrain.distributed.world import spawn
 
-STEPS = 4
+STEPS = 3
 TRAINING = TrainingConfig(steps=STEPS, global_batch=8, micro_batch=2, seq_len=32, warmup_steps=2)
 TRAINING_MICRO_1 = TRAINING.model_copy(update={"micro_batch": 1})
 MICRO_1 = {"ep4_hierarchical_overlap"}
@@ -70,10 +69,9 @@ def _worker(rank: int, world_size: int, data) -> dict[str, list[dict]]:
 
 
 @pytest.fixture(scope="module")
-def single_process(corpus) -> dict[int, list[dict]]:
+def single_process(references) -> dict[int, list[dict]]:
     """Reference rows by micro-batch size: the same loop with every degree 1."""
-    return {cfg.micro_batch: single_process_rows(run_spec(cfg, ParallelConfig(), corpus))
-            for cfg in (TRAINING, TRAINING_MICRO_1)}
+    return {cfg.micro_batch: references.rows(cfg) for cfg in (TRAINING, TRAINING_MICRO_1)}
 
 
 @pytest.fixture(scope="module")

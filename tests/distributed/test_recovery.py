@@ -7,33 +7,54 @@ line naming it and the cause; a lone process recovers the same way."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
 from checkpoint_tensors import checkpoint_tensors
+from moetrain.cli import main
 
-LAUNCH = [sys.executable, "-m", "moetrain", "train"]
 SHAPE = ["--steps", "8", "--seq-len", "32", "--global-batch", "4", "--micro-batch", "2", "--synthetic-data",
          "--quiet", "--save-every", "2"]
 TIMINGS = ("step_time_s", "tokens_per_s", "mfu", "batch_time_s", "train_step_time_s", "after_step_time_s",
            "save_stall_s", "save_wait_s")
 
 
-def _run(tmp_path: Path, name: str, *flags: str, fault: str | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="400")  # no wrapped console lines
-    env.pop("MOETRAIN_FAULT", None)
-    if fault:
-        env["MOETRAIN_FAULT"] = fault
-    return subprocess.run([*LAUNCH, *SHAPE, *flags, "--save-dir", str(tmp_path / name / "ckpt"),
-                           "--metrics-out", str(tmp_path / name / "metrics.jsonl"),
-                           "--log-dir", str(tmp_path / name / "logs")],
-                          capture_output=True, text=True, timeout=300, env=env)
+@dataclass
+class Finished:
+    """What ``moetrain train`` returned and printed (its ranks' output included)."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capfd: pytest.CaptureFixture[str]) -> Callable[..., Finished]:
+    """``moetrain train`` with the shape above, its checkpoints, metrics and logs in ``tmp_path / name``.
+    The launcher runs in this process (one Python and torch start-up fewer per run); torchrun and the
+    ranks inherit the environment and print to the file descriptors capfd reads."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("COLUMNS", "400")  # no wrapped console lines
+
+    def launch(name: str, *flags: str, fault: str | None = None) -> Finished:
+        if fault:
+            monkeypatch.setenv("MOETRAIN_FAULT", fault)
+        else:
+            monkeypatch.delenv("MOETRAIN_FAULT", raising=False)
+        capfd.readouterr()
+        code = main(["train", *SHAPE, *flags, "--save-dir", str(tmp_path / name / "ckpt"),
+                     "--metrics-out", str(tmp_path / name / "metrics.jsonl"),
+                     "--log-dir", str(tmp_path / name / "logs")])
+        printed = capfd.readouterr()
+        return Finished(code, printed.out, printed.err)
+
+    return launch
 
 
 def _rows(path: Path) -> list[dict]:
@@ -47,12 +68,12 @@ def _tensors(checkpoint: Path, tmp_path: Path) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_a_killed_rank_is_restarted_and_the_run_ends_as_the_uninterrupted_one(tmp_path: Path) -> None:
+def test_a_killed_rank_is_restarted_and_the_run_ends_as_the_uninterrupted_one(run, tmp_path: Path) -> None:
     layout = ["--nproc", "2", "--ep", "2"]
-    straight = _run(tmp_path, "straight", *layout)
+    straight = run("straight", *layout)
     assert straight.returncode == 0, straight.stderr
     start = time.monotonic()
-    recovered = _run(tmp_path, "recovered", *layout, "--max-restarts", "1", fault="1:5:kill")
+    recovered = run("recovered", *layout, "--max-restarts", "1", fault="1:5:kill")
     assert recovered.returncode == 0, recovered.stderr
     assert time.monotonic() - start < 240
     out = recovered.stdout
@@ -77,8 +98,8 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_as_the_uninterrupted_one(tm
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_a_rank_failing_in_every_attempt_stops_the_run_after_n_restarts(tmp_path: Path) -> None:
-    proc = _run(tmp_path, "doomed", "--nproc", "2", "--ep", "2", "--max-restarts", "1", fault="1:3:exit@*")
+def test_a_rank_failing_in_every_attempt_stops_the_run_after_n_restarts(run, tmp_path: Path) -> None:
+    proc = run("doomed", "--nproc", "2", "--ep", "2", "--max-restarts", "1", fault="1:3:exit@*")
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("moetrain train: rank 1 failed: exited with code 3 without a report (after 1 restart, "
@@ -90,8 +111,8 @@ def test_a_rank_failing_in_every_attempt_stops_the_run_after_n_restarts(tmp_path
 
 
 @pytest.mark.slow
-def test_a_lone_process_runs_under_torchrun_and_recovers(tmp_path: Path) -> None:
-    proc = _run(tmp_path, "lone", "--max-restarts", "1", fault="0:3:raise")
+def test_a_lone_process_runs_under_torchrun_and_recovers(run, tmp_path: Path) -> None:
+    proc = run("lone", "--max-restarts", "1", fault="0:3:raise")
     assert proc.returncode == 0, proc.stderr
     assert ("restart 1 of 1 after rank 0 failed: RuntimeError: injected fault at step 3: resumed from step 2; "
             "1 step lost (step 3 is trained again)") in proc.stdout, proc.stdout
@@ -100,10 +121,10 @@ def test_a_lone_process_runs_under_torchrun_and_recovers(tmp_path: Path) -> None
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_a_hung_rank_times_its_peer_out_and_the_group_recovers(tmp_path: Path) -> None:
+def test_a_hung_rank_times_its_peer_out_and_the_group_recovers(run, tmp_path: Path) -> None:
     config = tmp_path / "run.yaml"
     config.write_text("run:\n  timeout_s: 5\n")  # the collective timeout the hang runs past
-    proc = _run(tmp_path, "hung", "--config", str(config), "--nproc", "2", "--ep", "2", "--max-restarts", "1",
+    proc = run("hung", "--config", str(config), "--nproc", "2", "--ep", "2", "--max-restarts", "1",
                 fault="1:3:hang=120")
     assert proc.returncode == 0, proc.stderr
     assert ("restart 1 of 1 after rank 1 stopped without a report (a signal, or an exit): resumed from step 2; "
@@ -113,8 +134,8 @@ def test_a_hung_rank_times_its_peer_out_and_the_group_recovers(tmp_path: Path) -
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_a_write_that_fails_on_one_rank_is_skipped_by_every_rank(tmp_path: Path) -> None:
-    proc = _run(tmp_path, "disk", "--nproc", "2", "--ep", "2", "--async-save", "--on-save-error", "continue",
+def test_a_write_that_fails_on_one_rank_is_skipped_by_every_rank(run, tmp_path: Path) -> None:
+    proc = run("disk", "--nproc", "2", "--ep", "2", "--async-save", "--on-save-error", "continue",
                 fault="1:4:save_error")  # rank 1's disk is full for the checkpoint of step 4
     assert proc.returncode == 0, proc.stderr
     staging = tmp_path / "disk" / "ckpt" / "step-000004.tmp"

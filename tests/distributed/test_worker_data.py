@@ -7,7 +7,6 @@ EP2 checkpoint resumes in one process on the uninterrupted curve, and the multi-
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import subprocess
@@ -44,48 +43,40 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     rng = random.Random(1)
     data = root / "tiny.txt"
     data.write_text("\n\n".join(" ".join(rng.choice(WORDS) for _ in range(300)) for _ in range(4)))
-    env = dict(os.environ, MOETRAIN_CACHE=str(root / "cache"), OMP_NUM_THREADS="1")
-    previous = os.environ.get("MOETRAIN_CACHE")
-    os.environ["MOETRAIN_CACHE"] = env["MOETRAIN_CACHE"]
-    try:
+    # The launcher runs in this process (one Python and torch start-up fewer per run); its ranks inherit
+    # the environment.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MOETRAIN_CACHE", str(root / "cache"))
+        patch.setenv("OMP_NUM_THREADS", "1")
         _single_process(data, "--metrics-out", str(root / "single.jsonl"),
                         "--trace-routing", str(root / "single_trace.jsonl"))
-        proc = subprocess.run(
-            [sys.executable, "-m", "moetrain", "train", "--nproc", "2", "--ep", "2", "--data", str(data), "--quiet",
-             *SHAPE, "--metrics-out", str(root / "ep2.jsonl"), "--trace-routing", str(root / "ep2_trace.jsonl"),
-             "--save-dir", str(root / "ep2_ckpt"), "--save-every", "2", "--log-dir", str(root / "logs")],
-            capture_output=True, text=True, timeout=120, env=env)
-        assert proc.returncode == 0, proc.stderr + (root / "logs" / "torchrun.log").read_text()[-3000:]
-        _config_runs(root, data, env)
+        code = main(["train", "--nproc", "2", "--ep", "2", "--data", str(data), "--quiet", *SHAPE,
+                     "--metrics-out", str(root / "ep2.jsonl"), "--trace-routing", str(root / "ep2_trace.jsonl"),
+                     "--save-dir", str(root / "ep2_ckpt"), "--save-every", "2", "--log-dir", str(root / "logs")])
+        assert code == 0, (root / "logs" / "torchrun.log").read_text()[-3000:]
+        _config_runs(root)
         # Resume from the EP2 run's step-2 checkpoint in the single-process trainer.
         shutil.copytree(root / "ep2_ckpt" / "step-000002", root / "resume_ckpt" / "step-000002")
         _single_process(data, "--save-dir", str(root / "resume_ckpt"), "--resume",
                         "--metrics-out", str(root / "resumed.jsonl"))
-    finally:
-        if previous is None:
-            os.environ.pop("MOETRAIN_CACHE", None)
-        else:
-            os.environ["MOETRAIN_CACHE"] = previous
     return root
 
 
-def _config_runs(root: Path, data: Path, env: dict) -> None:
+def _config_runs(root: Path) -> None:
     """The same run.yaml through the launcher and through torchrun on the worker module."""
     (root / "run.yaml").write_text(
         "model: tiny-pangu\n"
         "training: {steps: 2, seq_len: 16, global_batch: 8, micro_batch: 2}\n"
         "parallel: {pp: 2, ep: 2}\n"
-        f"run: {{data: {data}, quiet: true}}\n")
-    launched = subprocess.run(
-        [sys.executable, "-m", "moetrain", "train", "--nproc", "4", "--config", str(root / "run.yaml"),
-         "--metrics-out", str(root / "launched.jsonl"), "--log-dir", str(root / "logs4")],
-        capture_output=True, text=True, timeout=120, env=env)
-    assert launched.returncode == 0, launched.stderr
+        f"run: {{data: {root / 'tiny.txt'}, quiet: true}}\n")
+    code = main(["train", "--nproc", "4", "--config", str(root / "run.yaml"),
+                 "--metrics-out", str(root / "launched.jsonl"), "--log-dir", str(root / "logs4")])
+    assert code == 0, (root / "logs4" / "torchrun.log").read_text()[-3000:]
     started = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
          "-m", "moetrain.cli.worker", "--config", str(root / "run.yaml"),
          "--metrics-out", str(root / "torchrun.jsonl")],
-        capture_output=True, text=True, timeout=120, env=env)
+        capture_output=True, text=True, timeout=120)
     assert started.returncode == 0, started.stderr[-3000:]
 
 

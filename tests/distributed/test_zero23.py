@@ -19,7 +19,6 @@ from _parity import (
     losses_by_layout,
     run_spec,
     side_by_side,
-    single_process_rows,
     train_rows,
 )
 from torch import nn
@@ -33,9 +32,10 @@ from moetrain.errors import UserError
 from moetrain.models.transformer import build_model
 from moetrain.runtime_base.optim import build_optimizer
 
-STEPS = 4
-RESUME_AT = 2
-"""Resumed layouts stop (saving a checkpoint) after this many steps, and a new run resumes from it."""
+STEPS = 3
+RESUME_AT = 1
+"""Resumed layouts stop (saving a checkpoint) after this many steps, and a new run resumes from it: two
+steps after the resume, so the last one's loss shows the moments and step count the resume restored."""
 TRAINING = TrainingConfig(steps=STEPS, global_batch=8, micro_batch=2, seq_len=32, warmup_steps=2)
 ROUNDS: list[dict[str, ParallelConfig]] = [
     {
@@ -75,8 +75,8 @@ def _worker(rank: int, world_size: int, data, save_root) -> dict[str, list[dict]
 
 
 @pytest.fixture(scope="module")
-def reference(corpus) -> list[dict]:
-    return single_process_rows(run_spec(TRAINING, ParallelConfig(), corpus))
+def reference(references) -> list[dict]:
+    return references.rows(TRAINING)
 
 
 @pytest.fixture(scope="module")
