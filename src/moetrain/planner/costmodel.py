@@ -31,7 +31,7 @@ from moetrain.planner.calibration import Efficiency
 from moetrain.planner.comm import allgather_time, p2p_time, ranks_per_node
 from moetrain.planner.compute import gemm_time, memory_time
 from moetrain.planner.device_memory import LocalParams, MemoryBytes, device_memory, zero3_every_micro_batch
-from moetrain.planner.layer_costs import LayerCosts, full_recompute_share, layer_costs
+from moetrain.planner.layer_costs import LayerCosts, full_recompute_share, layer_costs, selective_recompute_share
 from moetrain.planner.strategy import Columns, Strategies
 from moetrain.planner.workload import BF16, Workload
 
@@ -379,7 +379,8 @@ def data_parallel_traffic(w: Workload, s: Strategies, eff: Efficiency, params: L
       forward gathers hide under the forward, backward gathers + reduce-scatters under the backward
       (Zhao et al. 2023, PyTorch FSDP, §3.3-3.4).
     ``grad_overlap`` is the share of that window the collectives can use (the first and last buckets,
-    and compute slowed by the concurrent traffic, keep it below 1)."""
+    and compute slowed by the concurrent traffic, keep it below 1). A source that states the overlap gets
+    the whole window, less the chunk issued last (``dp_overlap_chunks``)."""
     devices_per_node = w.cluster.fabric_devices
     dense_in_node = ranks_per_node(params.dense_dp, s.tp, devices_per_node)
     exp_in_node = ranks_per_node(params.expert_dp, s.ep * s.etp, devices_per_node)
@@ -395,18 +396,36 @@ def data_parallel_traffic(w: Workload, s: Strategies, eff: Efficiency, params: L
     param_gather = a_d + a_e
     per_step_comm = np.where(s.zero == 0, 2.0 * grad_sync, grad_sync + param_gather)
     z3_every_micro = zero3_every_micro_batch(s)
-    hide = (1.0 if "DP" in w.comm_overlap_stated else eff.grad_overlap) if w.overlap_grad_comm else 0.0
+    stated = "DP" in w.comm_overlap_stated
+    hide = (1.0 if stated else eff.grad_overlap) if w.overlap_grad_comm else 0.0
     window_fwd = hide * forward_fraction * stage_time_s
     window_bwd = hide * (1.0 - forward_fraction) * stage_time_s
+    # A stack that states its overlap still waits for the chunk issued last (``dp_overlap_chunks``).
+    last_chunk = 1.0 / dp_overlap_chunks(s.pp, s.vpp, w.model.num_layers) if stated and w.overlap_grad_comm else 0.0
+
+    def exposed(traffic, window):
+        return np.maximum(traffic - window, last_chunk * traffic)
+
     grad_reduce = np.where(s.zero == 0, 2.0 * grad_sync, grad_sync)
-    exposed_step = (np.maximum(grad_reduce - window_bwd, 0.0)
-                    + np.where(s.zero >= 1, np.maximum(param_gather - window_fwd, 0.0), 0.0))
-    exposed_z3 = num_micro * (np.maximum(param_gather - window_fwd, 0.0)
-                              + np.maximum(param_gather + grad_sync - window_bwd, 0.0))
+    exposed_step = (exposed(grad_reduce, window_bwd)
+                    + np.where(s.zero >= 1, exposed(param_gather, window_fwd), 0.0))
+    exposed_z3 = num_micro * (exposed(param_gather, window_fwd) + exposed(param_gather + grad_sync, window_bwd))
     total = np.where(z3_every_micro, num_micro * (grad_sync + 2.0 * param_gather), per_step_comm)
     exposed = np.where(z3_every_micro, exposed_z3, exposed_step)
     exposed = np.where((params.dense_dp > 1) | (params.expert_dp > 1), exposed, 0.0)
     return DataParallelTimes.broadcast(len(s), comm_s=total, exposed_s=exposed)
+
+
+def dp_overlap_chunks(pp, vpp, num_layers: int) -> np.ndarray:
+    """Chunks in which an overlapping stack issues a rank's data-parallel traffic, of which the last has no
+    compute left to hide under: one per transformer layer, and under a pipeline one per virtual stage
+    (Megatron Bridge, "Communication Overlap": the DP communication "is chunked by the granularity of a
+    Transformer layer" and "exposes only one DP communication chunk"; "with pipeline parallelism, the
+    granularity ... becomes the Transformer layers per virtual pipeline stage"). So at most 1 − 1/chunks of
+    the traffic is hidden, however long the window."""
+    pp = np.asarray(pp, dtype=float)
+    layers_per_rank = np.maximum(np.floor(num_layers / pp), 1.0)
+    return np.where(pp > 1, np.asarray(vpp, dtype=float), layers_per_rank)
 
 
 def optimizer_times(w: Workload, s: Strategies, eff: Efficiency, params: LocalParams):
@@ -428,7 +447,8 @@ def hardware_flops_factor(w: Workload, s: Strategies) -> np.ndarray:
     full_extra = (forward.forward - forward.head) / forward.training
     selective_extra = forward.attention_core / forward.training
     full_share = full_recompute_share(s.recompute)
-    return 1.0 + (full_share * full_extra + (1.0 - full_share) * np.where(s.recompute >= 1, selective_extra, 0.0))
+    selective_share = selective_recompute_share(s.recompute)
+    return 1.0 + (full_share * full_extra + (1.0 - full_share) * selective_share * selective_extra)
 
 
 def balanced_stage_time(num_layers: int, pp, layer_time, first_extra, last_extra):

@@ -22,7 +22,7 @@ from moetrain.costs.activations import (
 )
 from moetrain.costs.params import count_params, moe_block_params, mtp_module_params
 from moetrain.planner.comm import alltoall_volume
-from moetrain.planner.layer_costs import full_recompute_share
+from moetrain.planner.layer_costs import full_recompute_share, selective_recompute_share
 from moetrain.planner.strategy import Columns, Strategies
 from moetrain.planner.workload import BF16, Workload
 
@@ -164,13 +164,15 @@ def fp8_stored_elements(w: Workload, s: Strategies, moe_layer: bool, level) -> n
     selective = o_proj_in + latents
     share_full = full_recompute_share(level)
     level = np.asarray(level, dtype=float)
-    return np.where(level < 1, none, (1.0 - share_full) * selective)
+    selective_share = selective_recompute_share(level)
+    return np.where(level < 1, (1.0 - selective_share) * none + selective_share * selective,
+                    (1.0 - share_full) * selective)
 
 
 def _layer_activations(w: Workload, s: Strategies, moe_layer: bool, recompute):
     """Bytes one layer keeps per micro-batch at recompute code ``recompute`` (per strategy); a code
     between 1 and 2 recomputes that share of the layers whole (they keep their input only), the others
-    selectively."""
+    selectively; a code between 0 and 1 recomputes that share of the layers selectively, the others not."""
     sharding = Sharding(tp=s.tp, sp=s.sp, cp=s.cp, ep=s.ep, etp=s.etp)
 
     def at(level):
@@ -184,10 +186,12 @@ def _layer_activations(w: Workload, s: Strategies, moe_layer: bool, recompute):
     if not np.any(level % 1):
         return at(recompute)
     full_share = full_recompute_share(level)
+    selective_share = selective_recompute_share(level)
     whole = at(np.floor(level).astype(np.int64))
-    mixed = (1.0 - full_share) * at(np.ones_like(level, dtype=np.int64)) + full_share * at(
-        np.full_like(level, 2, dtype=np.int64))
-    return np.where(level % 1 > 0, mixed, whole)
+    selective = at(np.ones_like(level, dtype=np.int64))
+    above = (1.0 - full_share) * selective + full_share * at(np.full_like(level, 2, dtype=np.int64))
+    below = (1.0 - selective_share) * at(np.zeros_like(level, dtype=np.int64)) + selective_share * selective
+    return np.where(level % 1 > 0, np.where(level > 1, above, below), whole)
 
 
 def in_flight_micro_batches(s: Strategies, num_micro) -> np.ndarray:

@@ -8,7 +8,8 @@ steps.
 Conventions: FLOPs from ``moetrain.costs.flops`` (2·m·k·n per matmul, backward 2× forward); the
 attention *time* uses the causal half (fused kernels skip masked blocks). Recompute is coded 0 none,
 1 selective, 2 full; a value between 1 and 2 is selective recompute with that share (code − 1) of the
-layers recomputed whole (Megatron's --recompute-num-layers).
+layers recomputed whole (Megatron's --recompute-num-layers); a value between 0 and 1 is selective
+recompute on that share of the layers only (``selective_recompute_share``).
 """
 
 from __future__ import annotations
@@ -46,6 +47,15 @@ their first input. Not a fitted efficiency: it makes the screen agree with the e
 stands in for (timeline/screen step 0.93-1.01, medians 0.999-1.002, over the 300 best paired layouts of
 six searches: ``benchmarks/planner_screen_vs_timeline.py``; ``tests/planner/test_search.py`` checks the
 agreement on one)."""
+
+
+UNPAIRED_A2A_HIDDEN_WITH_SPLIT_DW = 0.5
+"""Share of an unpaired (warm-up or cool-down) pass's all-to-all hidden inside its own layer by a stack that
+computes weight gradients apart from input gradients: the shared expert's forward under the dispatch, its
+backward under the combine, the routed experts' weight gradients under the backward dispatch. Published,
+not fitted: MindSpeed's ``--moe-fb-overlap`` hides 100 % of the all-to-all in the 1F1B phase and 50 % in
+warm-up and cool-down (``docs/zh/features/megatron_moe/megatron-moe-fb-overlap.md``, in
+``../shared/research/pangu-system.md`` §4 and ``runtime-anchors.md`` [MS-fb])."""
 
 
 @dataclass(frozen=True)
@@ -134,6 +144,14 @@ def full_recompute_share(recompute) -> np.ndarray:
     return np.clip(np.asarray(recompute, dtype=float) - 1.0, 0.0, 1.0)
 
 
+def selective_recompute_share(recompute) -> np.ndarray:
+    """Share of the layers that recompute the selective set (core attention, MLA up-projections, norms and
+    activations): 0 for code 0, 1 from code 1 on (a layer recomputed whole recomputes that set too); a code
+    between 0 and 1 recomputes it on that share of the layers only, as a stack that recomputes just what
+    device memory needs does (Pangu's Selective R/S, ``../shared/research/pangu-system.md`` §8)."""
+    return np.clip(np.asarray(recompute, dtype=float), 0.0, 1.0)
+
+
 def attention_time_share(seq_len: int, window: int, window_layer_share: float) -> float:
     """Mean causal attention work per layer relative to full causal attention, when ``window_layer_share``
     of the layers attend to the last ``window`` tokens only (sliding window: query i sees min(i, W) keys,
@@ -162,6 +180,18 @@ def paired_share(pp, vpp, chunks, bidirectional: bool = False) -> np.ndarray:
         mean_fill = np.where(vpp > 1, pp - 1.0, (pp - 1.0) / 2.0)
         warmup = FILL_WARMUP_EXPOSED * mean_fill + (vpp - 1.0) * pp + 1.0
     return np.clip((chunks - np.minimum(warmup, chunks)) / chunks, 0.0, 1.0)
+
+
+def unpaired_a2a_hidden(total_a2a, shared_time, split_weight_grad: bool):
+    """All-to-all time of one layer pass (forward, backward, recompute) hidden when the pass is not paired
+    with another micro-batch's: the shared expert's three passes cover what they can; a stack that splits the
+    weight gradients off (``Workload.split_weight_grad``) also schedules the routed experts' weight gradients
+    under the backward's exchange, and hides at least ``UNPAIRED_A2A_HIDDEN_WITH_SPLIT_DW`` of it."""
+    total_a2a = np.asarray(total_a2a, dtype=float)
+    by_shared = np.minimum(total_a2a, 3.0 * np.asarray(shared_time, dtype=float))
+    if not split_weight_grad:
+        return by_shared
+    return np.maximum(by_shared, UNPAIRED_A2A_HIDDEN_WITH_SPLIT_DW * total_a2a)
 
 
 def _tokens(w: Workload, s: Strategies) -> _Tokens:
@@ -301,8 +331,8 @@ def layer_costs(w: Workload, s: Strategies, eff: Efficiency, moe_layer: bool, nu
     # Backward: input and weight gradients (2× the GEMMs), attention as above, element-wise twice.
     bwd = 2.0 * (attn.proj + ffn.time + elem) + attn.core_bwd
     full_share = full_recompute_share(s.recompute)
-    recompute = full_share * fwd + (1.0 - full_share) * np.where(
-        s.recompute >= 1, attn.core + attn.mla_up + 0.5 * elem, 0.0)
+    recompute = full_share * fwd + (1.0 - full_share) * selective_recompute_share(s.recompute) * (
+        attn.core + attn.mla_up + 0.5 * elem)
     # Tensor-parallel collectives: per layer forward, an all-gather and a reduce-scatter (or one
     # all-reduce) around attention and around the FFN, each of the full t_att × h activation.
     tp_in_node = ranks_per_node(s.tp, 1, cluster.fabric_devices)
@@ -324,10 +354,11 @@ def layer_costs(w: Workload, s: Strategies, eff: Efficiency, moe_layer: bool, nu
     # gather before each forward dispatch (the recompute's too)
     total_a2a = 2.0 * ffn.one_a2a * (2.0 + full_share) + ffn.count_exchange * (1.0 + full_share)
     # Overlapped F&B pairing (SPEC §2): in the steady state each all-to-all runs under the other
-    # micro-batch's compute; in warm-up/cool-down only the shared expert hides the dispatch.
+    # micro-batch's compute; in warm-up/cool-down the shared expert (and split-off weight gradients) hide
+    # part of it.
     paired = paired_share(s.pp, s.vpp, num_micro * s.vpp, w.bidirectional_pairing)
     hidden_paired = np.minimum(total_a2a, costs.compute)
-    hidden_alone = np.minimum(total_a2a, 3.0 * ffn.shared_time)
+    hidden_alone = unpaired_a2a_hidden(total_a2a, ffn.shared_time, w.split_weight_grad)
     hidden = np.where(s.overlap, paired * hidden_paired + (1 - paired) * hidden_alone, 0.0)
     return LayerCosts(costs.fwd, costs.bwd, costs.recompute, costs.tp_comm, costs.cp_exposed, total_a2a,
                       total_a2a - hidden, hidden_alone, **parts)

@@ -245,6 +245,9 @@ def prepare_row(row: dict) -> PreparedRow | Unsimulable:
         comm_overlap_stated=tuple(sorted(overlap_stated)),
         cp_gathers_mla_latent=False,  # the published stacks exchange up-projected keys and values
         bidirectional_pairing=bool(re.search(r"DualPipe", source)),
+        # DualPipe (DeepSeek-V3 §3.2.1), MindSpeed's fb-overlap and the Adaptive Pipe built on it compute the
+        # weight gradients apart and schedule them under the all-to-all.
+        split_weight_grad=bool(re.search(r"DualPipe|fb-overlap|Adaptive Pipe|delay-wgrad", source)),
         attention_window=int(window.group(1)) if window else 0,
         window_layer_share=0.5 if window else 0.0,
         # GPT-3-style models (Megatron's and vTrain's GPT) learn absolute positions, MPT uses ALiBi; the
@@ -255,7 +258,10 @@ def prepare_row(row: dict) -> PreparedRow | Unsimulable:
         fp8_stored_activations=precision == "fp8" and "torchao" not in source,
     )
     if not (row.get("recompute") or "").strip():
-        strategy = _lightest_recompute_that_fits(workload, strategy)
+        # A stack that picks its recomputation by memory saved per second lost (Pangu's Selective R/S)
+        # recomputes only what the memory needs, not the selective set in every layer.
+        adaptive = bool(re.search(r"Selective R/S", source))
+        strategy = _lightest_recompute_that_fits(workload, strategy, adaptive)
     return PreparedRow(row_id, family, metric, float(row["value"]), workload, strategy, num_devices,
                        (row.get("flops_convention") or "").strip())
 
@@ -278,13 +284,15 @@ def _pipeline_split(row: dict, pp: int, dp: int, source: str) -> tuple[int, int]
     return vpp or 1, micro_batch or 1
 
 
-def _lightest_recompute_that_fits(workload: Workload, strategy: Strategies) -> Strategies:
+def _lightest_recompute_that_fits(workload: Workload, strategy: Strategies, adaptive: bool = False) -> Strategies:
     """A row that does not state its recomputation ran, so it fit in device memory: take the least
     recomputation whose predicted peak memory fits the device: none, selective, or selective with the
     smallest share of layers recomputed whole (in steps of 1/20; Megatron's --recompute-num-layers),
-    full if nothing fits. Memory does not depend on the fitted efficiencies, so the choice is made once,
-    before any fit."""
-    levels = np.concatenate([[0.0, 1.0], 1.0 + np.arange(1, 21) / 20.0])
+    full if nothing fits. ``adaptive``: the stack also recomputes the selective set on a share of the
+    layers only (steps of 1/20 below selective). Memory does not depend on the fitted efficiencies, so the
+    choice is made once, before any fit."""
+    below = np.arange(1, 20) / 20.0 if adaptive else np.zeros(0)
+    levels = np.concatenate([[0.0], below, [1.0], 1.0 + np.arange(1, 21) / 20.0])
     candidates = Strategies(**{f.name: np.repeat(getattr(strategy, f.name), levels.size)
                                for f in fields(Strategies)})
     candidates.recompute = levels

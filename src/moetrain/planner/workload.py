@@ -68,6 +68,10 @@ class Workload:
     """The paired schedule is DualPipe's (DeepSeek-V3 §3.2.1: micro-batches fed from both ends of the
     pipeline), not this project's paired 1F1B: pairing starts after about pp chunk units on every rank and
     never serialises the pipeline. The published DualPipe run is read this way."""
+    split_weight_grad: bool = False
+    """The stack computes weight gradients apart from input gradients and schedules them under the
+    all-to-all (MindSpeed's ``--moe-fb-overlap``, Megatron-Core's ``--delay-wgrad-compute``, DualPipe): a
+    warm-up or cool-down pass hides part of its own exchange (``layer_costs.unpaired_a2a_hidden``)."""
     fp8_stored_activations: bool = False
     """FP8 runs keep the quantised copy of each linear layer's input for the weight gradient, at 1 byte
     instead of 2 (Transformer Engine; DeepSeek-V3 §3.3.2 caches them in FP8). False for torchao's Float8

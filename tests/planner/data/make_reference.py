@@ -17,7 +17,9 @@ which moved the Pangu search's winner off tp 2 / etp 2; GB200 NVL72 as one 72-GP
 the GB200 rows' traffic between trays on NVLink's bus efficiency instead of the network's: MBR-1 −1.0 %, MBR-3
 −0.5 %, MBR-7 +0.004 %), and after the refit with those mechanisms (every validate row within 0.4 %; the DeepSeek-V3
 search's winner changed between two layouts 0.02 % apart), and when the Atlas preset left the mesh off
-until its per-link bandwidth is measured (the Pangu search again; no validate row moved). Rerun it only when
+until its per-link bandwidth is measured (the Pangu search again; no validate row moved), and after issue 42's
+split weight gradients, adaptive recompute and last DP chunk with their refit (DSV3-1 +5.0 % before the refit;
+the refit moves every row). Rerun it only when
 a prediction is meant to
 change, and say why in the commit.
 """
