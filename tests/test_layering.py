@@ -52,9 +52,7 @@ KNOWN_MODULE_CYCLES: dict[tuple[str, ...], str] = {
 # Files whose imports inside functions do not say why yet, being edited by other work now: each entry goes
 # when its file's imports carry their comment.
 UNEXPLAINED_LAZY_IMPORTS: dict[str, str] = {
-    "rl/spec.py": "to be removed: the RL work",
     "balance/online.py": "to be removed: the balance work", "balance/solver.py": "to be removed: the balance work",
-    "planner/fit.py": "to be removed: the planner work", "planner/timeline.py": "to be removed: the planner work",
 }
 class Edge(NamedTuple):
     source: str  # importing module, dotted

@@ -102,7 +102,7 @@ def fit_calibration(rows: list[PreparedRow], note: str = "", *, per_arch_params:
     """
     fixed = dict(fixed or {})
     try:
-        from scipy.optimize import least_squares
+        from scipy.optimize import least_squares  # optional: only a refit needs scipy
     except ImportError as exc:  # scipy is needed only to refit, not to simulate
         raise UserError("fitting needs scipy; install it with `pip install scipy`") from exc
     speed_rows = [r for r in rows if r.metric != "peak_memory_gib"]

@@ -209,7 +209,7 @@ def gantt_bars(result: TimelineResult) -> dict[tuple[int, str], list[tuple[float
 
 def gantt_png(result: TimelineResult, path: str, title: str = "") -> None:
     """Write ``gantt_figure`` as a PNG."""
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy, heavy: only a figure needs matplotlib
 
     fig = gantt_figure(result, title)
     fig.savefig(path, dpi=120)
@@ -219,9 +219,10 @@ def gantt_png(result: TimelineResult, path: str, title: str = "") -> None:
 def gantt_figure(result: TimelineResult, title: str = ""):
     """Gantt chart: per rank a compute lane (F blue, B green, FB purple) above an all-to-all lane (grey
     hidden, orange exposed), with a legend of the kinds drawn."""
-    import matplotlib
+    import matplotlib  # lazy, heavy: only a figure needs matplotlib
 
     matplotlib.use("Agg")
+    # lazy, heavy as matplotlib; pyplot after the backend is chosen (no display on a training machine)
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 

@@ -27,10 +27,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from moetrain.config.parallel import ParallelConfig
+from moetrain.config.presets import load_model_config
 from moetrain.config.run import RunSpec, fill_data_parallel, merge_sources
 from moetrain.errors import UserError, describe_validation_error
 from moetrain.rl.config import FusionOptions, GRPOConfig, RLOptions, StaleSyncOptions, WarmupCriterion
 from moetrain.rl.roles import Roles
+from moetrain.rl.tasks import get_task, sequence_len_for
 
 DEFAULT_MODEL = "tiny-pangu"
 SPEC_ENV = "MOETRAIN_RL_SPEC"
@@ -206,8 +208,6 @@ def _with_batch(trainer: dict[str, Any], batch: int) -> dict[str, Any]:
 
 def _trainer_run(spec: RLRunSpec) -> RunSpec:
     """The trainer's ``RunSpec`` with the sequence length and the model RL decides (a given one must agree)."""
-    from moetrain.rl.tasks import get_task, sequence_len_for
-
     trainer = spec.trainer
     training = trainer.training
     task = get_task(spec.rl.task)
@@ -271,8 +271,6 @@ def _disaggregated_pool(spec: RLRunSpec) -> RolloutPool:
 def _experts(spec: RLRunSpec) -> int | None:
     """The model's experts per MoE layer (0: a dense model), when the spec names a preset or a model file
     (a ``start_from`` checkpoint's model is read by the run: it checks again)."""
-    from moetrain.config.presets import load_model_config
-
     if spec.model is None and spec.start_from is not None:
         return None
     try:
