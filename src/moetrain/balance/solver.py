@@ -54,19 +54,21 @@ def _check_sizes(num_experts: int, num_ranks: int, slots_per_rank: int) -> None:
 
 
 def replica_counts(
-    loads: np.ndarray, num_ranks: int, budget: int, stop_at_even: bool = True, max_replicas: int | None = None
+    loads: np.ndarray, num_ranks: int, budget: int, stop_at_even: bool = True, max_replicas: int | None = None,
+    giants_only: bool = False,
 ) -> np.ndarray:
     """[E] replicas per expert: one each, then up to ``budget`` extra replicas, each for the expert
     whose per-replica load is largest (no expert on more than ``num_ranks`` ranks, nor on more than
     ``max_replicas``). With ``stop_at_even`` it stops once no replica carries more than the even per-rank
     share; beyond that point replicas still help by making the packing finer, at the price of gradient
-    all-reduces."""
+    all-reduces. With ``giants_only``, only experts whose load exceeds the even share get replicas."""
     loads = np.asarray(loads, dtype=float)
     counts = np.ones(loads.size, dtype=np.int64)
     even = loads.sum() / num_ranks
     most = num_ranks if max_replicas is None else max(1, min(num_ranks, max_replicas))
+    allowed = loads > even if giants_only else np.ones(loads.size, dtype=bool)
     for _ in range(budget):
-        per_replica = np.where(counts < most, loads / counts, -1.0)
+        per_replica = np.where((counts < most) & allowed, loads / counts, -1.0)
         hottest = int(np.argmax(per_replica))
         if per_replica[hottest] < 0 or (stop_at_even and per_replica[hottest] <= even):
             break
@@ -737,6 +739,12 @@ def plan_placement(
         needed = int(replica_counts(loads, num_ranks, spare).sum()) - num_experts
         budgets = sorted({0, needed, max(needed, spare // 2), spare})
         counts = [replica_counts(loads, num_ranks, budget, stop_at_even=budget <= needed) for budget in budgets]
+        # every spare slot to the giants (experts above the even share) and to no other expert: with experts/ep
+        # + 1 slots the ranks without a giant cannot take enough experts to reach the mean, so a giant must
+        # span more ranks than its load alone asks, and a replica of another expert adds a second ring
+        spread = replica_counts(loads, num_ranks, spare, stop_at_even=False, giants_only=True)
+        if not any(np.array_equal(spread, c) for c in counts):
+            counts.append(spread)
         if multi_node:
             # the large budgets again with no expert on more ranks than a node has: a ring that fits in a
             # node runs on the in-node links; one over two nodes puts its hops on the network
