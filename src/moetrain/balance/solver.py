@@ -32,6 +32,7 @@ node has (``replica_counts(max_replicas=...)``): a longer ring cannot stay in a 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -77,6 +78,11 @@ def replica_counts(
     return counts
 
 
+class UnpackableReplicas(AssertionError):
+    """Longest-first packing found no rank for a replica: with every slot used, the last free slots can sit
+    on ranks that already hold the expert."""
+
+
 def _pack_lpt(loads: np.ndarray, counts: np.ndarray, num_ranks: int, slots_per_rank: int) -> np.ndarray:
     """[R, S] slot table: replicas, heaviest first, onto the lightest rank with room and without
     that expert. Ties break on the lowest rank so the result is deterministic."""
@@ -90,8 +96,8 @@ def _pack_lpt(loads: np.ndarray, counts: np.ndarray, num_ranks: int, slots_per_r
     for item in order:
         expert = experts[item]
         open_ranks = (used < slots_per_rank) & ~holds[expert]
-        if not open_ranks.any():  # cannot happen while counts <= ranks and slots suffice
-            raise AssertionError("no rank with a free slot for a replica")
+        if not open_ranks.any():  # every slot filled, and the last free ones on ranks that hold the expert
+            raise UnpackableReplicas("no rank with a free slot for a replica")
         rank = int(np.argmin(np.where(open_ranks, rank_load, np.inf)))
         table[rank, used[rank]] = expert
         used[rank] += 1
@@ -766,8 +772,7 @@ def replica_budget_candidates(request: PlanRequest) -> list[ExpertPlacement]:
     # + 1 slots the ranks without a giant cannot take enough experts to reach the mean, so a giant must
     # span more ranks than its load alone asks, and a replica of another expert adds a second ring
     spread = replica_counts(loads, num_ranks, spare, stop_at_even=False, giants_only=True)
-    if not any(np.array_equal(spread, c) for c in counts):
-        counts.append(spread)
+    giants_spread = [] if any(np.array_equal(spread, c) for c in counts) else [spread]
     if request.multi_node:
         # the large budgets again with no expert on more ranks than a node has: a ring that fits in a
         # node runs on the in-node links; one over two nodes puts its hops on the network
@@ -776,7 +781,11 @@ def replica_budget_candidates(request: PlanRequest) -> list[ExpertPlacement]:
                                     max_replicas=request.ranks_per_node)
             if not any(np.array_equal(capped, c) for c in counts):
                 counts.append(capped)
-    return [solve_fixed_replicas(loads, num_ranks, slots, c, request.solver) for c in counts]
+    placements = [solve_fixed_replicas(loads, num_ranks, slots, c, request.solver) for c in counts]
+    for c in giants_spread:  # with several giants filling every slot the packing can fail: no candidate then
+        with contextlib.suppress(UnpackableReplicas):
+            placements.append(solve_fixed_replicas(loads, num_ranks, slots, c, request.solver))
+    return placements
 
 
 def warm_start_candidates(request: PlanRequest) -> list[ExpertPlacement]:
