@@ -22,7 +22,7 @@ class BalanceDefaults:
 
     interval: int = 10
     """Steps between full re-plans (cheap drift checks run every step)."""
-    horizon: int = 25
+    horizon: int = 50
     """Steps over which a migration's predicted saving must repay its cost."""
     predictor: str = "adaptive"
     """``balance.predict.parse_predictor`` spelling: the bank of EMA and Holt forecasts."""
