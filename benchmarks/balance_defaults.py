@@ -40,9 +40,9 @@ VARIANTS = {
 (docs/balance.md, "Trace families"); ``--predictor`` still forecasts with a fixed one."""
 
 
-def settings() -> list[BalanceDefaults]:
-    """The defaults, then each field varied on its own."""
-    return [BALANCE_DEFAULTS, *(replace(BALANCE_DEFAULTS, **{name: value}) for name, values in VARIANTS.items()
+def settings(variants: dict[str, tuple]) -> list[BalanceDefaults]:
+    """The defaults, then each field of ``variants`` varied on its own."""
+    return [BALANCE_DEFAULTS, *(replace(BALANCE_DEFAULTS, **{name: value}) for name, values in variants.items()
                                 for value in values)]
 
 
@@ -68,12 +68,18 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=2800, help="the families benchmark's seeds")
     parser.add_argument("--cases", default="", help="only these families: indices into balance_families.CASES "
                                                     "and 'recorded', comma-separated (default: all)")
+    parser.add_argument("--fields", default=",".join(VARIANTS),
+                        help="vary only these defaults, comma-separated (a reduced grid; default: all of them)")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
+    unknown = [name for name in args.fields.split(",") if name not in VARIANTS]
+    if unknown:
+        parser.error(f"--fields {','.join(unknown)}: not a swept default; choose from {','.join(VARIANTS)}")
+    variants = {name: VARIANTS[name] for name in args.fields.split(",")}
     chosen = set(args.cases.split(",")) if args.cases else None
     cases = list(traces(args.steps, args.tokens_per_rank, args.seed, chosen))
     rows = []
-    for setting in settings():
+    for setting in settings(variants):
         start = time.perf_counter()
         gaps = {}
         for name, trace, experts, ep in cases:
@@ -95,7 +101,7 @@ def main() -> int:
     write_result(args.out, {
         "setup": {"steps": args.steps, "layers": 1, "tokens_per_rank": args.tokens_per_rank, "seed": args.seed,
                   "families": [name for name, *_ in cases],
-                  "variants": {k: list(v) for k, v in VARIANTS.items()}, "tie": TIE,
+                  "variants": {k: list(v) for k, v in variants.items()}, "tie": TIE,
                   "load_average_start": os.getloadavg()[0], "cpu_count": os.cpu_count()},
         "settings": rows, "best": best["setting"], "defaults": asdict(BALANCE_DEFAULTS),
         "defaults_are_best": best is current,

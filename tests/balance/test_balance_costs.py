@@ -54,8 +54,10 @@ def test_expert_tensor_parallel_ranks_move_and_reduce_their_slice_only(costs):
     table = ExpertPlacement.contiguous(256, 32, 9).slot_expert.reshape(32, 9).copy()
     table[9, 8] = 1  # a replica of expert 1 on another node
     replicated = ExpertPlacement.from_slot_experts(256, table)
-    assert sliced.replica_sync_seconds(replicated) == pytest.approx(  # half of the 4-byte gradient, once
-        float(comm.p2p_time(params * 2, True, costs.cluster)))
+    # half of the 4-byte gradient, once, in the two rounds of a ring of two (a network latency each)
+    latency = costs.cluster.inter_node_latency_us * 1e-6
+    assert sliced.replica_sync_seconds(replicated) == pytest.approx(
+        float(comm.p2p_time(params * 2, True, costs.cluster)) - latency + 2 * latency)
     # the expert GEMM work per rank is the same: 1/etp of each expert for etp ranks' tokens
     loads = np.full(256, 1000.0)
     assert sliced.layer_seconds(ExpertPlacement.contiguous(256, 32, 9), loads) == pytest.approx(
@@ -103,8 +105,11 @@ def test_replicas_pay_a_ring_all_reduce_of_their_gradient(costs):
     in_node = float(comm.p2p_time(grad_bytes, False, costs.cluster))
     across = float(comm.p2p_time(grad_bytes, True, costs.cluster))
     assert in_node < across
-    # rank 0 holds both experts: one ring on its in-node link, one on the network, at once
-    assert costs.replica_sync_seconds(replicated) == pytest.approx(max(in_node, across))
+    # rank 0 holds both experts: one ring on its in-node link, one on the network, at once; the rings run
+    # in 2·(2 − 1) = 2 rounds, each waiting a latency (the network's: a ring crosses nodes)
+    lat_in, lat_across = costs.cluster.intra_node_latency_us * 1e-6, costs.cluster.inter_node_latency_us * 1e-6
+    assert costs.replica_sync_seconds(replicated) == pytest.approx(
+        max(in_node - lat_in, across - lat_across) + 2 * lat_across)
     # expert 2 on ranks 0, 1, 2, 3 of node 0 too: rank 0 now sends 2·3/4 of a gradient (expert 2) and one
     # (expert 0) over its in-node link; the network still carries expert 1's one gradient
     table[2, 8], table[3, 8] = 2, 2
@@ -112,8 +117,10 @@ def test_replicas_pay_a_ring_all_reduce_of_their_gradient(costs):
     table[4, 8] = 15  # ... and expert 15 moves to rank 4
     four = ExpertPlacement.from_slot_experts(256, table)
     assert four.num_replicas()[2] == 4
+    # ... in 2·(4 − 1) = 6 rounds, the longest ring's
     assert costs.replica_sync_seconds(four) == pytest.approx(
-        max(float(comm.p2p_time(2.5 * grad_bytes, False, costs.cluster)), across))
+        max(float(comm.p2p_time(2.5 * grad_bytes, False, costs.cluster)) - lat_in, across - lat_across)
+        + 6 * lat_across)
 
 
 def test_dense_model_is_refused():

@@ -208,10 +208,14 @@ def test_grouping_moves_the_replicas_all_reduce_onto_the_in_node_links():
     placement = ExpertPlacement.from_slot_experts(64, table)
     grad = moe_block_params(model)[1] / 64 * 4  # fp32 gradient of one expert
     # before: each ring of two sends one gradient each way over the network
-    assert costs.replica_sync_seconds(placement) == pytest.approx(float(comm.p2p_time(grad, True, costs.cluster)))
+    # (two rounds of a ring of two: the message's latency and one more)
+    lat_in, lat_across = costs.cluster.intra_node_latency_us * 1e-6, costs.cluster.inter_node_latency_us * 1e-6
+    assert costs.replica_sync_seconds(placement) == pytest.approx(
+        float(comm.p2p_time(grad, True, costs.cluster)) + lat_across)
     grouped = group_replicas_by_node(placement, 8)
     # after: both rings inside a node, one gradient per rank over the in-node link
-    assert costs.replica_sync_seconds(grouped) == pytest.approx(float(comm.p2p_time(grad, False, costs.cluster)))
+    assert costs.replica_sync_seconds(grouped) == pytest.approx(float(comm.p2p_time(grad, False, costs.cluster))
+                                                                 + lat_in)
     loads = np.arange(1.0, 65.0)
     np.testing.assert_allclose(np.sort(grouped.apply_to_tokens_per_expert(loads)),
                                np.sort(placement.apply_to_tokens_per_expert(loads)))
@@ -286,3 +290,23 @@ def test_rings_cross_nodes_when_an_experts_replicas_sit_in_two_nodes():
     assert not rings_cross_nodes(across, 4)
     # no replicas, no rings
     assert not rings_cross_nodes(ExpertPlacement.contiguous(8, 4, 2), 2)
+
+
+def test_a_giant_spans_every_rank_when_the_other_ranks_cannot_take_enough_experts():
+    """E256 on EP8 with 33 slots per rank, one expert at 1.42× a rank's mean: a rank without the giant holds at
+    most 33 experts of load 1 (33 < the mean 38.75), so the giant must sit on all 8 ranks (7 extra replicas, one
+    ring); a spare slot given to any other expert adds a second ring on some rank."""
+    from moetrain.balance.costs import BalanceCostModel
+    from moetrain.config import load_cluster_config, load_model_config
+
+    model = load_model_config("pangu-ultra-moe-718b")
+    model = model.model_copy(update={"moe": model.moe.model_copy(update={"num_experts": 256})})
+    costs = BalanceCostModel(model, load_cluster_config("atlas-800t-a2"), 8)
+    loads = np.ones(256)
+    loads[5] = 55.0  # mean per rank (255 + 55) / 8 = 38.75: the giant is 1.42× it
+    tokens = loads * 1000  # 38,750 token copies per rank: about 4,800 tokens of top-8 each
+    plan = plan_placement(tokens, 8, 33, "local", score=lambda p: float(costs.layer_seconds(p, tokens)))
+    replicas = plan.num_replicas()
+    assert replicas[5] == 8 and (np.delete(replicas, 5) == 1).all()
+    # 7 ranks with 32 experts of load 1 and the eighth with 31 take 6.75 and 7.75 of the giant: every rank 38.75
+    np.testing.assert_allclose(plan.apply_to_tokens_per_expert(loads), 38.75, rtol=1e-6)

@@ -17,7 +17,8 @@ the stage's counts by the number of EP groups in it):
   the planner's even-spread all-to-all is priced at ``max(mean, max_r n_r)`` copies per rank;
 * replicas: once per step the replicas of each replicated expert sum their gradients with a ring
   all-reduce (``distributed.migration.sum_replica_gradients``): each replica sends 2(n − 1)/n of a
-  gradient to the next replica of the ring; the rings of a rank's experts run together;
+  gradient to the next replica of the ring; the rings of a rank's experts run together, in 2(n − 1)
+  rounds of the longest ring, each paying a link latency;
 * the rest of the layer (attention, router, shared expert) does not depend on the placement; it is
   priced as GEMM work of the same efficiency so that gains are relative to the whole layer.
 
@@ -156,22 +157,32 @@ class BalanceCostModel:
         expert it holds, rank r sends 2(n − 1)/n of a gradient slice to the next replica of the ring
         (replica order) and receives as much from the one before, over the in-node link when that
         neighbour shares its node and the network otherwise. Links work concurrently, in both
-        directions; the busiest rank's busiest link direction decides, as for migrations."""
+        directions; the busiest rank's busiest link direction decides, as for migrations. The rings
+        advance together in 2(n − 1) rounds for the longest ring, each round waiting for its messages
+        (``sum_replica_gradients``): one link latency per round, the network's if a ring crosses nodes."""
         grad_bytes = self.params_per_slice * self.grad_bytes_per_param
         # [rank, link, direction]: link 0 in-node, 1 network; direction 0 sent, 1 received
         carried = np.zeros((placement.num_ranks, 2, 2))
+        rounds = 0
         for expert in np.flatnonzero(placement.num_replicas() > 1):
             ring = [rank for rank, _ in placement.replicas(int(expert))]
+            rounds = max(rounds, 2 * (len(ring) - 1))
             share = 2.0 * (len(ring) - 1) / len(ring) * grad_bytes
             for position, rank in enumerate(ring):
                 after = ring[(position + 1) % len(ring)]
                 link = 0 if self._same_node(rank, after) else 1
                 carried[rank, link, 0] += share
                 carried[after, link, 1] += share
+        if not rounds:
+            return 0.0
         busiest = carried.max(axis=(0, 2))
-        intra = float(comm.p2p_time(busiest[0], False, self.cluster, self.efficiency)) if busiest[0] else 0.0
-        inter = float(comm.p2p_time(busiest[1], True, self.cluster, self.efficiency)) if busiest[1] else 0.0
-        return max(intra, inter)
+        crosses = bool(busiest[1])
+        # p2p_time is one message: its latency plus its bytes over the link; the bytes part of each link
+        latency = float(comm.p2p_time(0.0, crosses, self.cluster, self.efficiency))
+        bytes_time = max(float(comm.p2p_time(busiest[link], bool(link), self.cluster, self.efficiency))
+                         - float(comm.p2p_time(0.0, bool(link), self.cluster, self.efficiency))
+                         for link in (0, 1))
+        return bytes_time + rounds * latency
 
     def layer_seconds(self, placement: ExpertPlacement, tokens_per_expert: np.ndarray) -> np.ndarray:
         """Predicted time of one MoE layer per step, for loads [..., E] under ``placement``."""

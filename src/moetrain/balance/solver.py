@@ -32,8 +32,10 @@ node has (``replica_counts(max_replicas=...)``): a longer ring cannot stay in a 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, linear_sum_assignment, linprog, milp
@@ -54,24 +56,31 @@ def _check_sizes(num_experts: int, num_ranks: int, slots_per_rank: int) -> None:
 
 
 def replica_counts(
-    loads: np.ndarray, num_ranks: int, budget: int, stop_at_even: bool = True, max_replicas: int | None = None
+    loads: np.ndarray, num_ranks: int, budget: int, stop_at_even: bool = True, max_replicas: int | None = None,
+    giants_only: bool = False,
 ) -> np.ndarray:
     """[E] replicas per expert: one each, then up to ``budget`` extra replicas, each for the expert
     whose per-replica load is largest (no expert on more than ``num_ranks`` ranks, nor on more than
     ``max_replicas``). With ``stop_at_even`` it stops once no replica carries more than the even per-rank
     share; beyond that point replicas still help by making the packing finer, at the price of gradient
-    all-reduces."""
+    all-reduces. With ``giants_only``, only experts whose load exceeds the even share get replicas."""
     loads = np.asarray(loads, dtype=float)
     counts = np.ones(loads.size, dtype=np.int64)
     even = loads.sum() / num_ranks
     most = num_ranks if max_replicas is None else max(1, min(num_ranks, max_replicas))
+    allowed = loads > even if giants_only else np.ones(loads.size, dtype=bool)
     for _ in range(budget):
-        per_replica = np.where(counts < most, loads / counts, -1.0)
+        per_replica = np.where((counts < most) & allowed, loads / counts, -1.0)
         hottest = int(np.argmax(per_replica))
         if per_replica[hottest] < 0 or (stop_at_even and per_replica[hottest] <= even):
             break
         counts[hottest] += 1
     return counts
+
+
+class UnpackableReplicas(AssertionError):
+    """Longest-first packing found no rank for a replica: with every slot used, the last free slots can sit
+    on ranks that already hold the expert."""
 
 
 def _pack_lpt(loads: np.ndarray, counts: np.ndarray, num_ranks: int, slots_per_rank: int) -> np.ndarray:
@@ -87,8 +96,8 @@ def _pack_lpt(loads: np.ndarray, counts: np.ndarray, num_ranks: int, slots_per_r
     for item in order:
         expert = experts[item]
         open_ranks = (used < slots_per_rank) & ~holds[expert]
-        if not open_ranks.any():  # cannot happen while counts <= ranks and slots suffice
-            raise AssertionError("no rank with a free slot for a replica")
+        if not open_ranks.any():  # every slot filled, and the last free ones on ranks that hold the expert
+            raise UnpackableReplicas("no rank with a free slot for a replica")
         rank = int(np.argmin(np.where(open_ranks, rank_load, np.inf)))
         table[rank, used[rank]] = expert
         used[rank] += 1
@@ -690,6 +699,149 @@ def align_to(
     return ExpertPlacement.from_slot_experts(placement.num_experts, table, share)
 
 
+@dataclass(frozen=True)
+class PlanRequest:
+    """What ``plan_placement`` is asked: forecast ``loads`` [E] on ``num_ranks`` × ``slots_per_rank`` slots, the
+    solver, the placement now (None: none to stay close to), which candidate families to offer and, with EP
+    over several nodes, the ranks per node."""
+
+    loads: np.ndarray
+    num_ranks: int
+    slots_per_rank: int
+    solver: str = "local"
+    current: ExpertPlacement | None = None
+    candidates: str = "all"
+    ranks_per_node: int | None = None
+
+    @property
+    def num_experts(self) -> int:
+        return self.loads.size
+
+    @property
+    def spare(self) -> int:
+        return self.num_ranks * self.slots_per_rank - self.num_experts
+
+    @property
+    def node_aware(self) -> bool:
+        """Ranks per node given and fewer than the EP ranks: node-local bridging applies."""
+        return self.ranks_per_node is not None and 1 < self.ranks_per_node < self.num_ranks
+
+    @property
+    def multi_node(self) -> bool:
+        """EP over several whole nodes: replica rings may cross nodes, and grouping gathers them."""
+        return self.node_aware and self.num_ranks % self.ranks_per_node == 0  # type: ignore[operator]
+
+    @property
+    def heuristic(self) -> bool:
+        return self.solver != "milp"
+
+    def aligned(self, pool: list[ExpertPlacement]) -> list[ExpertPlacement]:
+        """Each candidate relabelled to keep the most experts where ``current`` has them (its least migration)."""
+        if self.current is None:
+            return pool
+        return [align_to(c, self.current, self.ranks_per_node) for c in pool]
+
+
+def _plan_request(loads, num_ranks, slots_per_rank, solver, current, candidates, ranks_per_node) -> PlanRequest:
+    """The request, checked (one line per bad input)."""
+    if solver not in SOLVERS:
+        raise UserError(f"unknown solver {solver!r}; choose one of: {', '.join(SOLVERS)}")
+    loads = np.maximum(np.asarray(loads, dtype=float), 0.0)
+    _check_sizes(loads.size, num_ranks, slots_per_rank)
+    if candidates not in ("all", "incremental", "scratch"):
+        raise UserError(f"unknown candidate set {candidates!r}; choose all, incremental or scratch")
+    if candidates == "incremental" and (current is None or solver == "milp"):
+        raise UserError("an incremental plan needs the current placement and the greedy or local solver")
+    return PlanRequest(loads, num_ranks, slots_per_rank, solver, current, candidates, ranks_per_node)
+
+
+def replica_budget_candidates(request: PlanRequest) -> list[ExpertPlacement]:
+    """From scratch: the solver's placement for several replica budgets (none, just enough that no replica
+    exceeds the even share, half and all of the spare slots, every spare slot to the giants only) and, with EP
+    over several nodes, the two larger budgets with at most a node's ranks per expert; the MILP's one. None for
+    an incremental plan."""
+    if request.candidates == "incremental":
+        return []
+    loads, num_ranks, slots, spare = request.loads, request.num_ranks, request.slots_per_rank, request.spare
+    if not request.heuristic:
+        return [solve_milp(loads, num_ranks, slots)]
+    needed = int(replica_counts(loads, num_ranks, spare).sum()) - request.num_experts
+    budgets = sorted({0, needed, max(needed, spare // 2), spare})
+    counts = [replica_counts(loads, num_ranks, budget, stop_at_even=budget <= needed) for budget in budgets]
+    # every spare slot to the giants (experts above the even share) and to no other expert: with experts/ep
+    # + 1 slots the ranks without a giant cannot take enough experts to reach the mean, so a giant must
+    # span more ranks than its load alone asks, and a replica of another expert adds a second ring
+    spread = replica_counts(loads, num_ranks, spare, stop_at_even=False, giants_only=True)
+    giants_spread = [] if any(np.array_equal(spread, c) for c in counts) else [spread]
+    if request.multi_node:
+        # the large budgets again with no expert on more ranks than a node has: a ring that fits in a
+        # node runs on the in-node links; one over two nodes puts its hops on the network
+        for budget in budgets[-2:]:
+            capped = replica_counts(loads, num_ranks, budget, stop_at_even=budget <= needed,
+                                    max_replicas=request.ranks_per_node)
+            if not any(np.array_equal(capped, c) for c in counts):
+                counts.append(capped)
+    placements = [solve_fixed_replicas(loads, num_ranks, slots, c, request.solver) for c in counts]
+    for c in giants_spread:  # with several giants filling every slot the packing can fail: no candidate then
+        with contextlib.suppress(UnpackableReplicas):
+            placements.append(solve_fixed_replicas(loads, num_ranks, slots, c, request.solver))
+    return placements
+
+
+def warm_start_candidates(request: PlanRequest) -> list[ExpertPlacement]:
+    """The steps of a local search started from the current placement (few moves each), for ``local`` or an
+    incremental plan; none for a plan from scratch."""
+    warm = (request.current is not None and request.candidates != "scratch"
+            and (request.solver == "local" or request.candidates == "incremental"))
+    return improve_stepwise(request.current, request.loads) if warm else []  # type: ignore[arg-type]
+
+
+def bridging_candidates(request: PlanRequest, base: list[ExpertPlacement]) -> list[ExpertPlacement]:
+    """Each of ``base`` with bridging replicas that pair its heavy ranks with light ones, where that changes it,
+    then again with light partners outside the replicas' rings first, where that changes the pairs."""
+    if not request.heuristic:
+        return []
+    plain = [bridge_replicas(c, request.loads) for c in base]
+    spread = [bridge_replicas(c, request.loads, spread=True) for c in base]
+    spread = [d for c, b, d in zip(base, plain, spread)
+              if d is not c and not np.array_equal(d.slot_expert, b.slot_expert)]
+    return [b for c, b in zip(base, plain) if b is not c] + spread
+
+
+def node_bridging_candidates(request: PlanRequest, aligned_base: list[ExpertPlacement]) -> list[ExpertPlacement]:
+    """Each of ``aligned_base`` with bridging partners sought in the heavy rank's node first, with EP over
+    several nodes: bridged after the relabelling, which would scatter node-local pairs over nodes again."""
+    if not (request.heuristic and request.node_aware):
+        return []
+    return [b for c in aligned_base if (b := bridge_replicas(c, request.loads, request.ranks_per_node)) is not c]
+
+
+def hot_replica_candidates(request: PlanRequest) -> list[ExpertPlacement]:
+    """The replicas a new hot expert lacks, on free slots or on slots of stale replicas (issue #43); built on
+    ``current`` slot by slot (no relabelling needed), their shares already split whole experts finely."""
+    if request.current is None or request.candidates == "scratch" or not request.heuristic:
+        return []
+    return replicate_hot(request.current, request.loads, request.ranks_per_node if request.multi_node else None)
+
+
+def node_grouped_candidates(request: PlanRequest, pool: list[ExpertPlacement]) -> list[ExpertPlacement]:
+    """Every candidate whose replicas' rings cross nodes again with the ranks they link gathered into nodes (the
+    all-reduces then run in-node), aligned to ``current`` again. All of them, not the best few: a candidate's
+    network rings can rank it low before the grouping (bridging pairs the heaviest rank with the lightest
+    anywhere) and first after it."""
+    if not (request.heuristic and request.multi_node):
+        return []
+    assert request.ranks_per_node is not None
+    grouped: list[ExpertPlacement] = []
+    for candidate in pool:
+        if not rings_cross_nodes(candidate, request.ranks_per_node):
+            continue
+        g = group_replicas_by_node(candidate, request.ranks_per_node)
+        if g is not candidate and not any(np.array_equal(g.slot_expert, h.slot_expert) for h in grouped):
+            grouped.append(g)
+    return request.aligned(grouped)
+
+
 def plan_placement(
     loads: np.ndarray,
     num_ranks: int,
@@ -700,95 +852,28 @@ def plan_placement(
     candidates: str = "all",
     ranks_per_node: int | None = None,
 ) -> ExpertPlacement:
-    """Best placement for predicted ``loads`` [E] among a few candidates, by ``score`` (the caller's
-    predicted step time, migration included; default: the busiest rank's load).
+    """Best placement for predicted ``loads`` [E] among the candidate families below, by ``score`` (the
+    caller's predicted step time, migration included; default: the busiest rank's load).
 
-    ``candidates``: ``"all"``; ``"incremental"`` (needs ``current``): only the warm-started local
-    search's steps, ``current`` with the replicas its hot experts lack (``replicate_hot``, evicting stale
-    replicas where no slot is free) and their bridging replicas, few moves each and a fraction of the
-    solve time; or
-    ``"scratch"``: only the placements built from scratch (and their bridging replicas).
+    ``candidates``: ``"all"``; ``"incremental"`` (needs ``current``): only the warm start, the hot experts'
+    replicas and their bridging, few moves each and a fraction of the solve time; or ``"scratch"``: only the
+    replica budgets (and their bridging).
 
-    Candidates: the solver's placement for several replica budgets (none, just enough that no replica
-    exceeds the even share, half and all of the spare slots) and, for ``local`` with a ``current``
-    placement, the steps of a local search started from it (few moves each). Every candidate is aligned to ``current``
-    before it is scored, so that its migration cost is the smallest its layout allows. With ``ranks_per_node``
-    (EP over several nodes), each unbridged candidate is also offered with node-local bridging replicas, the two
-    larger budgets with at most ``ranks_per_node`` replicas per expert, and every candidate whose replicas'
-    rings cross nodes with its linked ranks grouped into nodes (``group_replicas_by_node``)."""
-    if solver not in SOLVERS:
-        raise UserError(f"unknown solver {solver!r}; choose one of: {', '.join(SOLVERS)}")
-    loads = np.maximum(np.asarray(loads, dtype=float), 0.0)
-    num_experts = loads.size
-    _check_sizes(num_experts, num_ranks, slots_per_rank)
-    spare = num_ranks * slots_per_rank - num_experts
-    if candidates not in ("all", "incremental", "scratch"):
-        raise UserError(f"unknown candidate set {candidates!r}; choose all, incremental or scratch")
-    incremental = candidates == "incremental"
-    multi_node = ranks_per_node is not None and 1 < ranks_per_node < num_ranks and num_ranks % ranks_per_node == 0
-    if incremental and (current is None or solver == "milp"):
-        raise UserError("an incremental plan needs the current placement and the greedy or local solver")
-    warm = current is not None and candidates != "scratch" and (solver == "local" or incremental)
-    if incremental:
-        pool: list[ExpertPlacement] = []
-    elif solver == "milp":
-        pool = [solve_milp(loads, num_ranks, slots_per_rank)]
-    else:
-        needed = int(replica_counts(loads, num_ranks, spare).sum()) - num_experts
-        budgets = sorted({0, needed, max(needed, spare // 2), spare})
-        counts = [replica_counts(loads, num_ranks, budget, stop_at_even=budget <= needed) for budget in budgets]
-        if multi_node:
-            # the large budgets again with no expert on more ranks than a node has: a ring that fits in a
-            # node runs on the in-node links; one over two nodes puts its hops on the network
-            assert ranks_per_node is not None
-            for budget in budgets[-2:]:
-                capped = replica_counts(loads, num_ranks, budget, stop_at_even=budget <= needed,
-                                        max_replicas=ranks_per_node)
-                if not any(np.array_equal(capped, c) for c in counts):
-                    counts.append(capped)
-        pool = [solve_fixed_replicas(loads, num_ranks, slots_per_rank, c, solver) for c in counts]
-    if warm:
-        assert current is not None
-        pool.extend(improve_stepwise(current, loads))
-    unbridged = len(pool)
-    if solver != "milp":
-        plain = [bridge_replicas(c, loads) for c in pool]
-        # the same with light partners outside the replicas' rings first, where that changes the pairs
-        spread = [bridge_replicas(c, loads, spread=True) for c in pool]
-        spread = [d for c, b, d in zip(pool, plain, spread)
-                  if d is not c and not np.array_equal(d.slot_expert, b.slot_expert)]
-        pool.extend([b for c, b in zip(pool, plain) if b is not c])
-        pool.extend(spread)
-    if current is not None:
-        pool = [align_to(c, current, ranks_per_node) for c in pool]
-    if solver != "milp" and ranks_per_node is not None and 1 < ranks_per_node < num_ranks:
-        # bridged after the relabelling, which would scatter node-local pairs over nodes again
-        pool.extend([b for c in pool[:unbridged] if (b := bridge_replicas(c, loads, ranks_per_node)) is not c])
-    if current is not None and candidates != "scratch" and solver != "milp":
-        # the replicas a new hot expert lacks, on free slots or on slots of stale replicas (issue #43); built on
-        # ``current`` slot by slot (no relabelling needed), and their shares already split whole experts finely
-        pool.extend(replicate_hot(current, loads, ranks_per_node if multi_node else None))
+    Families, in the order they are offered (ties go to the first): ``replica_budget_candidates`` and
+    ``warm_start_candidates``; their ``bridging_candidates``; all of these aligned to ``current``, so that each
+    one's migration is the least its layout allows; ``node_bridging_candidates`` of the first two families;
+    ``hot_replica_candidates``; the best of these is then compared with ``node_grouped_candidates`` of them all
+    (EP over several nodes)."""
+    request = _plan_request(loads, num_ranks, slots_per_rank, solver, current, candidates, ranks_per_node)
+    base = [*replica_budget_candidates(request), *warm_start_candidates(request)]
+    pool = request.aligned([*base, *bridging_candidates(request, base)])
+    pool += node_bridging_candidates(request, pool[:len(base)])
+    pool += hot_replica_candidates(request)
     if score is None:
-        score = lambda p: float(p.apply_to_tokens_per_expert(loads).max())
-    scores = [score(c) for c in pool]
-    best = pool[int(np.argmin(scores))]
-    if solver == "milp" or not multi_node:
-        return best
-    assert ranks_per_node is not None
-    # every candidate whose replicas' rings cross nodes again with the ranks they link gathered into nodes (the
-    # all-reduces then run in-node), aligned to ``current`` again. All of them, not the best few: a candidate's
-    # network rings can rank it low before the grouping (bridging pairs the heaviest rank with the lightest
-    # anywhere) and first after it.
-    grouped: list[ExpertPlacement] = []
-    for candidate in pool:
-        if not rings_cross_nodes(candidate, ranks_per_node):
-            continue
-        g = group_replicas_by_node(candidate, ranks_per_node)
-        if g is not candidate and not any(np.array_equal(g.slot_expert, h.slot_expert) for h in grouped):
-            grouped.append(g)
-    if current is not None:
-        grouped = [align_to(g, current, ranks_per_node) for g in grouped]
-    return min([best, *grouped], key=score)
+        score = lambda p: float(p.apply_to_tokens_per_expert(request.loads).max())
+    best = pool[int(np.argmin([score(c) for c in pool]))]
+    grouped = node_grouped_candidates(request, pool)
+    return min([best, *grouped], key=score) if grouped else best
 
 
 def timed_plan(*args, **kwargs) -> tuple[ExpertPlacement, float]:
