@@ -45,15 +45,14 @@ ALLOWED: dict[tuple[str, str], str] = {
 }
 
 # Module cycles inside a package that are being removed now: each entry goes when its cycle does.
-KNOWN_MODULE_CYCLES: dict[tuple[str, ...], str] = {
-}
+KNOWN_MODULE_CYCLES: dict[tuple[str, ...], str] = {}
 
 
 # Files whose imports inside functions do not say why yet, being edited by other work now: each entry goes
 # when its file's imports carry their comment.
-UNEXPLAINED_LAZY_IMPORTS: dict[str, str] = {
-    "balance/online.py": "to be removed: the balance work", "balance/solver.py": "to be removed: the balance work",
-}
+UNEXPLAINED_LAZY_IMPORTS: dict[str, str] = {}
+
+
 class Edge(NamedTuple):
     source: str  # importing module, dotted
     line: int

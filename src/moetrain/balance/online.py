@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moetrain.balance.predict import parse_predictor
 from moetrain.config import ModelConfig, ParallelConfig
 from moetrain.errors import UserError
 
@@ -36,8 +37,6 @@ class BalanceDefaults:
         return num_experts // ep + self.spare_slots_per_rank
 
     def build_predictor(self):
-        from moetrain.balance.predict import parse_predictor
-
         return parse_predictor(self.predictor)
 
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, linear_sum_assignment, linprog, milp
-from scipy.sparse import coo_matrix
+from scipy.sparse import coo_matrix, hstack, vstack
 
 from moetrain.balance.placement import EMPTY_SLOT, ExpertPlacement
 from moetrain.errors import UserError
@@ -160,8 +160,6 @@ def optimal_shares(table: np.ndarray, loads: np.ndarray, settle: bool = True) ->
                                (np.concatenate([rank_rows.row, np.arange(num_ranks)]),
                                 np.concatenate([rank_rows.col, n + np.arange(num_ranks)]))),
                               shape=(num_ranks, n + num_ranks)).tocsr()
-        from scipy.sparse import hstack, vstack
-
         a_two = vstack([hstack([a_peak, coo_matrix((num_ranks, num_ranks))]), a_excess]).tocsr()
         b_two = np.concatenate([peak - fixed / scale, mean - fixed / scale])
         a_eq_two = coo_matrix((np.ones(n), (expert_row, np.arange(n))), shape=(uniq.size, n + num_ranks)).tocsr()
