@@ -12,3 +12,15 @@ def _seed():
 
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture
+def one_torch_thread():
+    """One torch thread for the test, as each gloo rank runs (a busy 2-core machine makes two crawl);
+    tests/train and tests/rl use it for every test."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -110,13 +110,18 @@ def test_a_rank_failing_in_every_attempt_stops_the_run_after_n_restarts(run, tmp
     assert sorted(p.name for p in (tmp_path / "doomed" / "ckpt").iterdir()) == ["step-000002"]
 
 
+def _assert_recovered_at_step_2(proc, cause: str, run_dir: Path) -> None:
+    """One restart after ``cause`` at step 3, resumed from step 2's checkpoint, and one curve of 8 steps."""
+    assert proc.returncode == 0, proc.stderr
+    assert (f"restart 1 of 1 after {cause}: resumed from step 2; 1 step lost (step 3 is trained again)"
+            in proc.stdout), proc.stdout
+    assert [r["step"] for r in _rows(run_dir / "metrics.jsonl")] == list(range(1, 9))
+
+
 @pytest.mark.slow
 def test_a_lone_process_runs_under_torchrun_and_recovers(run, tmp_path: Path) -> None:
     proc = run("lone", "--max-restarts", "1", fault="0:3:raise")
-    assert proc.returncode == 0, proc.stderr
-    assert ("restart 1 of 1 after rank 0 failed: RuntimeError: injected fault at step 3: resumed from step 2; "
-            "1 step lost (step 3 is trained again)") in proc.stdout, proc.stdout
-    assert [r["step"] for r in _rows(tmp_path / "lone" / "metrics.jsonl")] == list(range(1, 9))
+    _assert_recovered_at_step_2(proc, "rank 0 failed: RuntimeError: injected fault at step 3", tmp_path / "lone")
 
 
 @pytest.mark.slow
@@ -126,10 +131,7 @@ def test_a_hung_rank_times_its_peer_out_and_the_group_recovers(run, tmp_path: Pa
     config.write_text("run:\n  timeout_s: 5\n")  # the collective timeout the hang runs past
     proc = run("hung", "--config", str(config), "--nproc", "2", "--ep", "2", "--max-restarts", "1",
                 fault="1:3:hang=120")
-    assert proc.returncode == 0, proc.stderr
-    assert ("restart 1 of 1 after rank 1 stopped without a report (a signal, or an exit): resumed from step 2; "
-            "1 step lost (step 3 is trained again)") in proc.stdout, proc.stdout
-    assert [r["step"] for r in _rows(tmp_path / "hung" / "metrics.jsonl")] == list(range(1, 9))
+    _assert_recovered_at_step_2(proc, "rank 1 stopped without a report (a signal, or an exit)", tmp_path / "hung")
 
 
 @pytest.mark.slow

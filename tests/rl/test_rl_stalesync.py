@@ -239,16 +239,10 @@ def test_cli_runs_the_disaggregated_pipeline_on_two_ranks_and_resumes_it(tmp_pat
 
 
 @pytest.mark.dist
-def test_a_damaged_weight_push_fails_the_run_on_its_checksum(monkeypatch):
+def test_a_damaged_weight_push_fails_the_run_on_its_checksum(fault_at_receive):
     # one byte of the version-1 push flipped on the rollout worker: the sync's CRC, recomputed from the
     # generation weights, refuses it on both ranks, so nothing is generated from damaged weights
-    def damaged(self, version):
-        if version == 1:
-            self.sync.fault = SyncFault(rank=0, corrupt=0)
-        return original(self, version)
-
-    original = RolloutWorker.receive
-    monkeypatch.setattr(RolloutWorker, "receive", damaged)
+    fault_at_receive(1, 0, lambda worker: SyncFault(rank=0, corrupt=0))
     with pytest.raises(Exception, match=r"StaleSync (rollout worker \(rank 0\)|trainer \(rank 1\)) failed: "
                                         r"WeightSyncError: weight sync failed on rank 0"):
         _stalesync(3, staleness=0)

@@ -231,14 +231,9 @@ def test_k1_one_replica_of_two_ep_ranks_beside_one_trainer_rank_holds_its_expert
 
 
 @pytest.mark.dist
-def test_a_skipped_bucket_on_a_rank_of_a_two_rank_replica_is_one_error_naming_the_replica_and_rank(monkeypatch):
-    def skipping(self, version):
-        if version == 1 and self.rank == 1:
-            self.sync.fault = SyncFault(rank=1, drop=self.sync.buckets[-1].index)
-        return original(self, version)
-
-    original = RolloutWorker.receive
-    monkeypatch.setattr(RolloutWorker, "receive", skipping)
+def test_a_skipped_bucket_on_a_rank_of_a_two_rank_replica_is_one_error_naming_the_replica_and_rank(
+        fault_at_receive):
+    fault_at_receive(1, 1, lambda worker: SyncFault(rank=1, drop=worker.sync.buckets[-1].index))
     with pytest.raises(Exception, match=r"StaleSync rollout replica 0 \(rank 1\) failed: WeightSyncError: .*bucket "
                                         r"\d+ .*not written at version 1"):
         _run(_job(2, 0, None, replicas=1, ranks_per_replica=2))
@@ -323,14 +318,8 @@ def test_a_partial_rollout_resumes_on_the_new_weights_and_is_judged_by_its_oldes
 
 
 @pytest.mark.dist
-def test_a_skipped_bucket_on_a_replica_is_one_error_naming_the_replica_and_the_bucket(monkeypatch):
-    def skipping(self, version):
-        if version == 1 and self.replica == 1:
-            self.sync.fault = SyncFault(rank=1, drop=0)
-        return original(self, version)
-
-    original = RolloutWorker.receive
-    monkeypatch.setattr(RolloutWorker, "receive", skipping)
+def test_a_skipped_bucket_on_a_replica_is_one_error_naming_the_replica_and_the_bucket(fault_at_receive):
+    fault_at_receive(1, 1, lambda worker: SyncFault(rank=1, drop=0))  # replica 1 is rank 1: one rank each
     with pytest.raises(Exception, match=r"StaleSync rollout replica 1 \(rank 1\) failed: WeightSyncError: .*bucket 0 "
                                         r".*not written at version 1"):
         _run(_job(3, 0, None, replicas=2))
