@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from moetrain.distributed.layout import ParallelDims
 from moetrain.distributed.tp import ParamKind
+from moetrain.models.transformer import is_routed_expert
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -34,7 +35,7 @@ def param_kind(name: str, dims: ParallelDims, tp_kinds: dict[str, ParamKind] | N
     """The gradient kind of parameter ``name`` of a parallelized stage model (a key of ``kind_rules``).
     ``shared_embedding``: the last pipeline stage holds an embedding too (``last_stage_holds_embedding``);
     without one, the first stage's embedding is an ordinary parameter (no ``embed`` partner to wait for)."""
-    if ".moe.experts." in f".{name}":
+    if is_routed_expert(name):
         return "expert"
     if name.startswith("embed.") and dims.size("embed") > 1 and shared_embedding:
         return "embed"

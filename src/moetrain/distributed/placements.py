@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from moetrain.distributed.parallelize import StageModel
+from moetrain.models.transformer import is_routed_expert
 
 Piece = tuple[torch.Size, torch.Tensor]
 """(offsets in the global tensor, the local view holding that region)."""
@@ -30,7 +31,7 @@ def local_pieces(stage: StageModel,
 
     def pieces(name: str, local: torch.Tensor) -> list[Piece] | None:
         shape = global_shapes[name]
-        if stage.expert_table is not None and ".moe.experts." in f".{name}":
+        if stage.expert_table is not None and is_routed_expert(name):
             block = stage.model.get_submodule(name.rsplit(".experts.", 1)[0])
             held = block.dispatcher.table.experts_by_rank[ep_rank]
             # Under ETP a slot holds this rank's slice of the FFN dimension (the one dimension narrower

@@ -222,13 +222,23 @@ class MoETransformer(nn.Module):
             block.router.update_bias(counts)
 
 
+ROUTED_EXPERTS = ".moe.experts."
+"""What the names of the routed experts' parameters contain (``layers.5.moe.experts.w_up_EDF``)."""
+
+
+def is_routed_expert(name: str) -> bool:
+    """Whether parameter ``name`` (its name in the full model) belongs to the routed experts, the tensors
+    that EP splits by expert index."""
+    return ROUTED_EXPERTS in f".{name}"
+
+
 _PART_RULES: list[tuple[str, str]] = [
     # (substring of the parameter name, part of moetrain.costs.params.ParamCounts); first match wins
     ("mtp.", "mtp"),
     ("embed.", "embedding"),
     ("head.", "head"),
     (".moe.router.", "router"),
-    (".moe.experts.", "experts"),
+    (ROUTED_EXPERTS, "experts"),
     (".moe.shared_expert.", "shared_experts"),
     (".attention.", "attention"),
     (".ffn.", "dense_ffn"),

@@ -17,6 +17,7 @@ import torch
 
 from moetrain.distributed.step import LayoutRun
 from moetrain.distributed.weight_sync import SyncInFlight, SyncReport, WeightSync
+from moetrain.models.transformer import is_routed_expert
 from moetrain.rl.fusion import training_views
 from moetrain.rl.stalesync_job import Channels, Slices
 
@@ -27,7 +28,7 @@ def rollout_rank_share_bytes(shapes: dict[str, torch.Size], ranks_per_replica: i
     total = 0
     for name, shape in shapes.items():
         elements = shape.numel()
-        if ".moe.experts." in f".{name}":
+        if is_routed_expert(name):
             elements //= ranks_per_replica
         total += elements * itemsize
     return total
