@@ -10,6 +10,7 @@ trainer group's layout and, when a replica has several ranks, the rollout pool's
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -42,7 +43,9 @@ class StaleSyncJob:
     replicas: int = 1
     """Rollout replicas, generating contiguous shares of every batch."""
     ranks_per_replica: int = 1
-    """Ranks of each replica: its generation layout's EP degree (the experts split over them)."""
+    """Ranks of each replica: its generation layout's EP or TP degree."""
+    replica_layout: Literal["ep", "tp"] = "ep"
+    """How a replica of several ranks splits the model: the experts (ep) or the heads and dense columns (tp)."""
     resend_first_after: int | None = None
     """Test hook: after batch b, the rollout worker sends batch 0 again (an old batch the trainer must drop)."""
     record_weights: bool = False
@@ -52,7 +55,7 @@ class StaleSyncJob:
     @property
     def roles(self) -> Roles:
         return Roles(self.stale.reward_worker, self.options.grpo.kl_coef > 0, self.replicas, self.spec.world_size,
-                     self.ranks_per_replica)
+                     self.ranks_per_replica, self.replica_layout)
 
 
 @dataclass(frozen=True)
@@ -65,7 +68,8 @@ class Channels:
     dims: ParallelDims
     roles: Roles
     pool: ParallelDims | None = None
-    """The rollout pool's EP layout (dp = R·G, ep = G) when a replica has several ranks (G > 1)."""
+    """The rollout pool's layout when a replica has several ranks (G > 1): EP (dp = R·G, ep = G) or TP
+    (dp = R, tp = G)."""
 
     @classmethod
     def build(cls, rank: int, roles: Roles, spec: RunSpec) -> Channels:
@@ -78,9 +82,13 @@ class Channels:
         dims = ParallelDims.build(spec.parallel, rank, spec.run.ranks_per_node, rank_offset=roles.first_trainer)
         pool = None
         if roles.ranks_per_replica > 1:
-            pool = ParallelDims.build(ParallelConfig(dp=roles.rollout_ranks, ep=roles.ranks_per_replica), rank)
+            g = roles.ranks_per_replica
+            layout = ParallelConfig(dp=roles.replicas, tp=g) if roles.replica_layout == "tp" else \
+                ParallelConfig(dp=roles.rollout_ranks, ep=g)
+            pool = ParallelDims.build(layout, rank)
         everyone = list(range(roles.world_size))
         # the run's timeout, not new_group's 30-minute default: a rank waiting on a hung peer gives up in time
         timeout = collective_timeout()
         sync = dist.new_group([*roles.replica_ranks, *roles.trainer_group], timeout=timeout)
         return cls(dist.new_group(everyone, timeout=timeout), sync, dims, roles, pool)
+
