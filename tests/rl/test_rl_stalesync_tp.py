@@ -13,6 +13,7 @@ from test_rl_stalesync import _synchronous
 from test_rl_stalesync_scale import EXACT, TP2, _job, _run, _trainers_weights
 
 from moetrain.distributed.weight_sync import SyncFault
+from moetrain.rl import stalesync
 from moetrain.rl.spec import resolve_rl_spec
 from refusals import refused
 
@@ -144,3 +145,13 @@ def test_cli_refuses_a_tp_replica_layout_that_does_not_run_in_one_line_exit_2(ca
     line = refused(capsys, ["rl", "--prompts", "4", "--staleness", "1", *argv])
     assert line == f"moetrain rl: error: {message}"
 
+
+@pytest.mark.dist
+def test_a_lost_rank_of_a_tp_replica_that_is_not_its_leader_is_named_by_replica_and_rank(monkeypatch):
+    """Rank 3 (replica 1's second rank: it sends no batch, only takes part in its replica's all-reduces and
+    the weight syncs) ends without a word before generating batch 1; its leader loses it mid-generation."""
+    monkeypatch.setenv("MOETRAIN_FAULT", "3:1:exit=0")
+    monkeypatch.setattr(stalesync, "PEER_GRACE_S", 0.2)
+    with pytest.raises(Exception, match=r"StaleSync rollout replica 1 rank 3 died: the rollout replica 1 \(rank 2\) "
+                                        r"lost it \(.*Connection (reset|closed) by"):
+        _run(_job(3, 0, None, replicas=2, **TP))

@@ -113,3 +113,10 @@ class Roles:
             stage = f"rollout replica {self.replica_of(rank)}"
         return f"StaleSync {stage} (rank {rank})"
 
+    def lost_name(self, rank: int) -> str:
+        """How a failure names a rank that is gone: ``StaleSync rollout replica 1 rank 3`` for a rank of a
+        replica of several ranks (which rank of the replica matters: only its leader sends batches), else
+        as ``worker_name``."""
+        if self.stage(rank) == ROLLOUT and self.ranks_per_replica > 1:
+            return f"StaleSync rollout replica {self.replica_of(rank)} rank {rank}"
+        return self.worker_name(rank)

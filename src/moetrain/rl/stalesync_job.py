@@ -9,6 +9,8 @@ trainer group's layout and, when a replica has several ranks, the rollout pool's
 
 from __future__ import annotations
 
+import os
+import socket
 from dataclasses import dataclass
 from typing import Literal
 
@@ -70,6 +72,8 @@ class Channels:
     pool: ParallelDims | None = None
     """The rollout pool's layout when a replica has several ranks (G > 1): EP (dp = R·G, ep = G) or TP
     (dp = R, tp = G)."""
+    processes: tuple[tuple[str, int], ...] = ()
+    """Every rank's (host, process id): a rank that loses a peer tells which one is gone (``ended_ranks``)."""
 
     @classmethod
     def build(cls, rank: int, roles: Roles, spec: RunSpec) -> Channels:
@@ -90,5 +94,24 @@ class Channels:
         # the run's timeout, not new_group's 30-minute default: a rank waiting on a hung peer gives up in time
         timeout = collective_timeout()
         sync = dist.new_group([*roles.replica_ranks, *roles.trainer_group], timeout=timeout)
-        return cls(dist.new_group(everyone, timeout=timeout), sync, dims, roles, pool)
+        queue = dist.new_group(everyone, timeout=timeout)
+        processes: list = [None] * roles.world_size
+        dist.all_gather_object(processes, (socket.gethostname(), os.getpid()), group=queue)
+        return cls(queue, sync, dims, roles, pool, tuple(processes))
 
+    def ended_ranks(self) -> list[int]:
+        """The ranks on this host whose process has ended (gone, or a zombie its launcher has not reaped):
+        which peer a rank lost when gloo's error only says a connection closed. A rank on another host, or
+        one that hangs, is not found here."""
+        host = socket.gethostname()
+        return [rank for rank, (where, pid) in enumerate(self.processes) if where == host and _ended(pid)]
+
+
+def _ended(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")  # the state follows the name
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False  # no /proc (not Linux): nothing is known
