@@ -36,10 +36,11 @@ def _tp_range(whole: torch.Tensor, name: str, tp_rank: int, tp: int) -> torch.Te
     return whole.narrow(dim, tp_rank * width, width)
 
 
-def _tp_share_bytes(tp: int) -> int:
-    """A TP rollout rank's share of the weights: the split tensors' 1/tp, the rest whole (fp32)."""
-    return sum(v.numel() * v.element_size() // (tp if _split_dim(k) is not None else 1)
-               for k, v in small_model().state_dict().items())
+def _tp_share_bytes(tp: int, state: dict[str, torch.Tensor] | None = None) -> int:
+    """A TP rollout rank's share of the weights (``state``: the tests' small model's): the split tensors'
+    1/tp, the rest whole (fp32)."""
+    state = state if state is not None else small_model().state_dict()
+    return sum(v.numel() * v.element_size() // (tp if _split_dim(k) is not None else 1) for k, v in state.items())
 
 
 def _assert_tp_ranks_hold_their_ranges(replicas, trainers, versions, tp: int = 2):
@@ -155,3 +156,25 @@ def test_a_lost_rank_of_a_tp_replica_that_is_not_its_leader_is_named_by_replica_
     with pytest.raises(Exception, match=r"StaleSync rollout replica 1 rank 3 died: the rollout replica 1 \(rank 2\) "
                                         r"lost it \(.*Connection (reset|closed) by"):
         _run(_job(3, 0, None, replicas=2, **TP))
+
+
+@pytest.mark.slow
+def test_cli_runs_a_replica_of_two_tp_ranks_beside_a_trainer_through_torchrun(tmp_path, capsys):
+    import json
+
+    from test_rl_stalesync import TINY
+
+    from moetrain.cli import main
+    from moetrain.config import load_model_config
+    from moetrain.models.transformer import build_model
+    from moetrain.rl.loop import policy_config
+
+    metrics = tmp_path / "rl.jsonl"
+    argv = ["rl", *TINY, "--staleness", "1", "--nproc", "3", "--gen-tp", "2", "--metrics-out", str(metrics),
+            "--log-dir", str(tmp_path / "log")]
+    assert main(argv) == 0, capsys.readouterr().err
+    steps = [r for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
+    assert [r["weight_version"] for r in steps] == [0, 0, 1] and [r["staleness_max"] for r in steps] == [0, 1, 1]
+    share = _tp_share_bytes(2, build_model(policy_config(load_model_config("tiny-pangu")), "meta").state_dict())
+    pushed = [r for r in steps if "sync_received_mib" in r]
+    assert pushed and all(r["sync_received_mib"] == [share / 2**20] * 2 for r in pushed)  # each TP rank: its half
