@@ -19,6 +19,7 @@ from moetrain.config.run import RunSpec
 from moetrain.distributed.layout import ParallelDims
 from moetrain.distributed.weight_sync import SyncFault
 from moetrain.distributed.world import spawn
+from moetrain.models.transformer import build_model
 from moetrain.rl import stalesync
 from moetrain.rl.admission import StalenessGate
 from moetrain.rl.config import StaleSyncOptions
@@ -42,12 +43,19 @@ def _layout_spec(steps: int, parallel: dict) -> RunSpec:
     return RunSpec(training=spec.training.model_copy(update={"seq_len": seq_len}), parallel=parallel, run=spec.run)
 
 
-def _synchronous_in_layout(rank: int, world_size: int, steps: int, parallel: dict):
-    """The synchronous loop in the trainer's layout (RL Fusion: each rank generates its share)."""
+def _synchronous_in_layout(rank: int, world_size: int, steps: int, parallel: dict, kl: float = 0.0):
+    """The synchronous loop in the trainer's layout (RL Fusion: each rank generates its share); with ``kl``,
+    a KL term against the starting weights."""
     model, options, _ = _setup(steps)
+    reference = None
+    if kl:
+        options = options.model_copy(update={"grpo": options.grpo.model_copy(update={"kl_coef": kl})})
+        reference = build_model(model.cfg, "cpu")
+        reference.load_state_dict(model.state_dict())
     spec = _layout_spec(steps, parallel)
     dims = ParallelDims.build(ParallelConfig(**parallel), rank)
-    trainer = RLTrainer(spec, options, model_cfg=model.cfg, model=model, dims=dims, console=Console(file=io.StringIO()))
+    trainer = RLTrainer(spec, options, model_cfg=model.cfg, model=model, reference=reference, dims=dims,
+                        console=Console(file=io.StringIO()))
     samples = []
     original = trainer.rollout
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 from rich.console import Console
 from test_rl_stalesync import COMPARED, _RecordingTrainer, _setup
+from test_rl_stalesync_scale import DP2, EXACT, TP2, _layout_spec, _synchronous_in_layout
 
 from moetrain.distributed.world import spawn
 from moetrain.models.transformer import build_model
@@ -26,8 +27,11 @@ def _with_kl(steps: int):
     return model, options.model_copy(update={"grpo": options.grpo.model_copy(update={"kl_coef": KL})}), spec
 
 
-def _pipeline(steps: int, staleness: int, reward_worker: bool = True, kl: bool = True, replicas: int = 1):
+def _pipeline(steps: int, staleness: int, reward_worker: bool = True, kl: bool = True, replicas: int = 1,
+              parallel: dict | None = None):
     model, options, spec = _with_kl(steps) if kl else _setup(steps)
+    if parallel:
+        spec = _layout_spec(steps, parallel)
     stale = StaleSyncOptions(staleness=staleness, reward_worker=reward_worker)
     job = StaleSyncJob(spec, options, stale, model.cfg, model.state_dict(), replicas=replicas)
     return spawn(run_stalesync, job.roles.world_size, job)
@@ -73,6 +77,31 @@ def test_k0_with_reward_and_reference_workers_is_the_synchronous_loop_with_its_r
     assert any(r.get("kl", 0) != 0 for r in rows)  # the KL term is live, not zero
     for name, value in state.items():
         assert torch.equal(value, trainer.final_state[name]), name
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("parallel", [TP2, DP2], ids=["tp2", "dp2"])
+def test_k0_reward_and_reference_workers_beside_a_two_rank_trainer_are_its_synchronous_loop(parallel):
+    """Ranks: rollout 0, trainer 1–2 (TP2 or DP2), reward 3, reference 4. The first trainer rank receives the
+    scored batch with the reference's log-probs and deals it to the other; each trains as the synchronous
+    loop in that layout does, KL term included (its losses, KL and weights bit for bit; the rollout
+    log-probs' statistics to rounding: that loop generates 8 rows per rank, the replica all 16)."""
+    steps = 2
+    expected = spawn(_synchronous_in_layout, 2, steps, parallel, KL)
+    rollout, *trainers, reward, ref = _pipeline(steps, staleness=0, parallel=parallel)
+    assert rollout.versions == [0, 1] and (reward.batches, ref.batches) == (2, 2)
+    for (rows, samples, state), trainer in zip(expected, trainers, strict=True):
+        assert trainer.trained == [(0, 0), (1, 1)]
+        assert all(torch.equal(a, b) for a, b in zip(samples, trainer.samples, strict=True))
+        for want, got in zip(rows, trainer.rows, strict=True):
+            assert {k: got.get(k) for k in (*EXACT, "kl")} == {k: want.get(k) for k in (*EXACT, "kl")}
+            if "is_weight_mean" in want:
+                assert got["is_weight_mean"] == pytest.approx(want["is_weight_mean"], rel=1e-6)
+            if "logp_gap_max" in want:
+                assert max(got["logp_gap_max"], want["logp_gap_max"]) < 1e-5
+        assert any(r.get("kl", 0) != 0 for r in rows)  # the KL term is live, not zero
+        assert state.keys() == trainer.final_state.keys()
+        assert all(torch.equal(value, trainer.final_state[name]) for name, value in state.items())
 
 
 @pytest.mark.dist

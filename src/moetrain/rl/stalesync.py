@@ -52,7 +52,7 @@ import time
 
 from moetrain.distributed.weight_sync import WeightSyncError
 from moetrain.errors import UserError
-from moetrain.rl.roles import ROLLOUT, TRAINER
+from moetrain.rl.roles import ROLLOUT, TRAINER, Roles
 from moetrain.rl.stalesync_job import Channels, StaleSyncJob
 from moetrain.rl.stalesync_rollout import RolloutReport, RolloutWorker, sampling_params
 from moetrain.rl.stalesync_schedule import Schedule
@@ -74,6 +74,7 @@ def run_stalesync(rank: int, world_size: int, job: StaleSyncJob) -> RolloutRepor
     A failure is raised naming the worker; its peers, left waiting on a message or a sync, are stopped by
     the launcher (``spawn`` / torchrun end every rank when one fails) or by the group's timeout."""
     roles = job.roles
+    channels = None
     try:
         channels = Channels.build(rank, roles, job.spec)
         stage = roles.stage(rank)
@@ -88,16 +89,25 @@ def run_stalesync(rank: int, world_size: int, job: StaleSyncJob) -> RolloutRepor
         me = roles.worker_name(rank).removeprefix("StaleSync ") if rank < roles.world_size else f"rank {rank}"
         if isinstance(exc, PeerLost) or PEER_LOST.search(str(exc)):
             # A peer died: its own report (with the cause) should be the run's message, so give the
-            # launcher time to see it first and stop this rank; otherwise this one names the lost peer
-            # (the one it was receiving from, or the other rank of a two-rank run; else "a peer").
+            # launcher time to see it first and stop this rank; otherwise this one names the lost peer.
             time.sleep(PEER_GRACE_S)
-            peer = (roles.worker_name(exc.rank) if isinstance(exc, PeerLost) else
-                    roles.worker_name(1 - rank) if roles.world_size == 2 else "a StaleSync peer")
             gone = "stopped responding" if re.search(r"timed out|timeout", str(exc), re.I) else "died"
-            raise StaleSyncWorkerError(f"{peer} {gone}: the {me} lost it "
+            raise StaleSyncWorkerError(f"{lost_peer(exc, rank, roles, channels)} {gone}: the {me} lost it "
                                        f"({str(exc).splitlines()[0][:120]})") from exc
         failed = rank
         if isinstance(exc, WeightSyncError) and exc.failed_rank is not None:
             failed = exc.failed_rank  # the sync group's ranks are the global ones: replicas, then trainers
         raise StaleSyncWorkerError(f"{roles.worker_name(failed)} failed: {type(exc).__name__}: {exc}") from exc
 
+
+def lost_peer(exc: Exception, rank: int, roles: Roles, channels: Channels | None) -> str:
+    """Whom a rank lost: a peer whose process has ended on this host (the one it was receiving from, if
+    that one has), else the one it was receiving from, or the other rank of a two-rank run; else "a
+    StaleSync peer". gloo's error says only that a connection closed, and a rank of a replica that is
+    not its leader sends no batch, so the process check is what names it."""
+    ended = [r for r in (channels.ended_ranks() if channels is not None else []) if r != rank]
+    if isinstance(exc, PeerLost) and (exc.rank in ended or not ended):
+        return roles.lost_name(exc.rank)
+    if ended:
+        return roles.lost_name(ended[0])
+    return roles.worker_name(1 - rank) if roles.world_size == 2 else "a StaleSync peer"
