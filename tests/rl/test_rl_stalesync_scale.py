@@ -24,12 +24,13 @@ from moetrain.rl import stalesync
 from moetrain.rl.admission import StalenessGate
 from moetrain.rl.config import StaleSyncOptions
 from moetrain.rl.generate import RolloutEngine
-from moetrain.rl.loop import RLTrainer
+from moetrain.rl.loop import GRPO
 from moetrain.rl.partial_rollout import generate_with_resume, interrupt_point
 from moetrain.rl.roles import Roles
 from moetrain.rl.spec import resolve_rl_spec
 from moetrain.rl.stalesync import RolloutWorker, Schedule, StaleSyncJob, run_stalesync
 from moetrain.rl.tokenizer import CharTokenizer
+from moetrain.train.trainer import Trainer
 from refusals import refused
 
 TP2 = {"tp": 2}
@@ -54,17 +55,18 @@ def _synchronous_in_layout(rank: int, world_size: int, steps: int, parallel: dic
         reference.load_state_dict(model.state_dict())
     spec = _layout_spec(steps, parallel)
     dims = ParallelDims.build(ParallelConfig(**parallel), rank)
-    trainer = RLTrainer(spec, options, model_cfg=model.cfg, model=model, reference=reference, dims=dims,
-                        console=Console(file=io.StringIO()))
+    hooks = GRPO(spec, options, reference=reference)
+    trainer = Trainer(spec, model_cfg=model.cfg, model=model, dims=dims, console=Console(file=io.StringIO()),
+                      hooks=hooks)
     samples = []
-    original = trainer.rollout
+    original = hooks.rollout
 
-    def recording(step):
-        rollouts = original(step)
+    def recording(trainer, step):
+        rollouts = original(trainer, step)
         samples.append(rollouts.generation.tokens_BN.clone())
         return rollouts
 
-    trainer.rollout = recording
+    hooks.rollout = recording
     rows = trainer.train()
     state = {k: v.detach().clone() for k, v in trainer.run.stage.model.state_dict().items()}
     return rows, samples, state

@@ -1,5 +1,5 @@
 """The disaggregated pipeline with a reward worker and a reference worker on ranks of their own
-(``moetrain.rl.stalesync_stages``): k = 0 is the synchronous one-process ``RLTrainer`` with its KL
+(``moetrain.rl.stalesync_stages``): k = 0 is the synchronous one-process GRPO trainer with its KL
 reference bit for bit; staleness stays bounded with four stages; a dead stage is named."""
 
 import io
@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 from rich.console import Console
-from test_rl_stalesync import COMPARED, _RecordingTrainer, _setup
+from test_rl_stalesync import COMPARED, _RecordingGRPO, _setup
 from test_rl_stalesync_scale import DP2, EXACT, TP2, _layout_spec, _synchronous_in_layout
 
 from moetrain.distributed.world import spawn
@@ -17,6 +17,7 @@ from moetrain.rl.config import StaleSyncOptions
 from moetrain.rl.roles import Roles
 from moetrain.rl.stalesync import StaleSyncJob, run_stalesync
 from moetrain.rl.stalesync_stages import RewardWorker, StageReport
+from moetrain.train.trainer import Trainer
 from refusals import refused
 
 KL = 0.05
@@ -54,8 +55,8 @@ def test_k0_with_reward_and_reference_workers_is_the_synchronous_loop_with_its_r
     model, options, spec = _with_kl(steps)
     reference = build_model(model.cfg, "cpu")
     reference.load_state_dict(model.state_dict())
-    sync = _RecordingTrainer(spec, options, model_cfg=model.cfg, model=model, reference=reference,
-                             console=Console(file=io.StringIO()))
+    recorded = _RecordingGRPO(spec, options, reference=reference)
+    sync = Trainer(spec, model_cfg=model.cfg, model=model, console=Console(file=io.StringIO()), hooks=recorded)
     rows = sync.train()
     state = {k: v.detach().clone() for k, v in sync.run.stage.model.state_dict().items()}
     *rollouts, trainer, reward, ref = _pipeline(steps, staleness=0, replicas=replicas)
@@ -63,7 +64,7 @@ def test_k0_with_reward_and_reference_workers_is_the_synchronous_loop_with_its_r
     assert trainer.trained == [(0, 0), (1, 1), (2, 2)]
     assert reward == StageReport("reward worker", 3, reward.busy_s)
     assert (ref.stage, ref.batches) == ("reference worker", 3)
-    for expected, got in zip(sync.samples, trainer.samples, strict=True):
+    for expected, got in zip(recorded.samples, trainer.samples, strict=True):
         assert torch.equal(expected, got)
     # two replicas generate 8 rows each: the rollout log-probs' statistics differ from 16 rows' in the last bits
     behaviour = ("is_weight_mean", "logp_gap_max") if replicas > 1 else ()

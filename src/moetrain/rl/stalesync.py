@@ -4,7 +4,7 @@ bounded queues, the trainer admitting samples at most k weight versions old.
 The ranks' roles follow from the spec (``roles.Roles``): R rollout replicas of G ranks each (ranks
 0 .. R·G − 1; G > 1 generates in an EP layout, the experts split over the replica's ranks), each replica
 generating its contiguous share of every batch (``stalesync_rollout``), then the trainer group in any
-layout the runtime trains (``stalesync_trainer``: ``RLTrainer`` whose batch source is the queues). The
+layout the runtime trains (``stalesync_trainer``: GRPO hooks whose batches come from the queues). The
 trainer group's first rank receives every replica's share, joins them into the batch and deals it to
 the other trainer ranks, each of which slices its rows as the layout does. This module runs one rank
 of it; ``stalesync_job`` holds what every rank shares, ``stalesync_schedule`` the versions, and
@@ -57,9 +57,9 @@ from moetrain.rl.stalesync_job import Channels, StaleSyncJob
 from moetrain.rl.stalesync_rollout import RolloutReport, RolloutWorker, sampling_params
 from moetrain.rl.stalesync_schedule import Schedule
 from moetrain.rl.stalesync_stages import StageReport, middle_stage
-from moetrain.rl.stalesync_trainer import PEER_LOST, PeerLost, StaleSyncTrainer, TrainerReport, train_rank
+from moetrain.rl.stalesync_trainer import PEER_LOST, PeerLost, StaleSyncHooks, TrainerReport, train_rank
 
-__all__ = ["Channels", "RolloutReport", "RolloutWorker", "Schedule", "StaleSyncJob", "StaleSyncTrainer",
+__all__ = ["Channels", "RolloutReport", "RolloutWorker", "Schedule", "StaleSyncJob", "StaleSyncHooks",
            "StaleSyncWorkerError", "TrainerReport", "run_stalesync", "sampling_params"]
 
 PEER_GRACE_S = 5.0
