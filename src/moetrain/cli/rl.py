@@ -224,8 +224,8 @@ def build_rl_spec(args: argparse.Namespace):
     if nproc is not None:
         if nproc < 1:
             raise UserError(f"--nproc {nproc} must be ≥ 1")
+        limits.check_processes(nproc, "--nproc", "ranks (processes)")  # this node's
         nproc *= node_flags(args).count  # the whole run's ranks: --nproc on each of --nnodes nodes
-        limits.check_processes(nproc, "--nproc", "ranks (processes)")
     if (nproc or 1) == 1 and not args.config:
         layout = [f"--{axis} {getattr(args, axis)}" for axis in ("tp", "pp", "ep", "etp")
                   if (getattr(args, axis) or 1) > 1]
@@ -277,6 +277,8 @@ def run(args: argparse.Namespace) -> int:
 
     nodes = node_flags(args)
     spec = build_rl_spec(args)
+    if args.plan and nodes.count == 1:
+        _check_plan_fits_a_node(spec, args.plan)
     if nodes.count > 1:
         _check_nodes(spec, args.nproc)
     # importing torch, the checks that need it and building the policy take seconds (a minute when busy)
@@ -284,6 +286,18 @@ def run(args: argparse.Namespace) -> int:
     from moetrain.rl.launch import run_rl  # lazy, heavy: torch and the RL runtime
 
     return run_rl(spec, nodes)
+
+
+def _check_plan_fits_a_node(spec: RLRunSpec, plan: str) -> None:
+    """A plan of more ranks than its cluster's node holds runs on several nodes: say how to start it."""
+    from moetrain.config import load_cluster_config
+
+    world = spec.roles.world_size if spec.disaggregated else spec.trainer.world_size
+    per_node = load_cluster_config(spec.trainer.run.cluster).devices_per_node if spec.trainer.run.cluster else world
+    if world > per_node and world % per_node == 0:
+        raise UserError(f"--plan {plan} runs {world} ranks on nodes of {per_node}: start it on each of its "
+                        f"{world // per_node} nodes with --nnodes {world // per_node} --nproc {per_node} "
+                        "--rdzv-endpoint HOST:PORT (docs/training.md, Several nodes)")
 
 
 def _check_nodes(spec: RLRunSpec, ranks_per_node: int) -> None:

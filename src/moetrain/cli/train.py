@@ -188,7 +188,7 @@ def build_spec(args: argparse.Namespace, world_size: int | None = None):
         if args.nproc < 1:
             raise UserError(f"--nproc {args.nproc} must be ≥ 1")
         nodes = node_flags(args).count
-        limits.check_processes(args.nproc * nodes, "--nproc", "ranks (processes)")
+        limits.check_processes(args.nproc, "--nproc", "ranks (processes)")  # this node's
         if world_size is not None and world_size != args.nproc:
             raise UserError(f"--nproc {args.nproc} but torchrun started {world_size} ranks; drop --nproc")
         world_size = args.nproc * nodes
