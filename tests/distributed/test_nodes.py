@@ -46,3 +46,15 @@ def test_two_nodes_of_two_ranks_train_as_one_node_of_four_bit_for_bit(tmp_path, 
             assert torch.equal(got[name], value), name
         else:
             assert got[name] == value, name
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_a_node_started_with_other_flags_stops_the_run_in_one_line(tmp_path):
+    """Node 1 given another learning rate: every node's run ends with exit 2 and the line naming the rank
+    (and node) whose spec differs from rank 0's."""
+    errors = run_as_nodes([*SHAPE, str(tmp_path / "ckpt"), "--nproc", "2"], 2, tmp_path,
+                          node_argv={1: ["--lr", "1e-4"]}, expect=2)
+    for err in errors:
+        assert ("rank 2 (node 1) built another run spec than rank 0 (node 0): start every node with the same moetrain "
+                "train flags, the same --config and paths that every node reads") in err, err

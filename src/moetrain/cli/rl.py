@@ -18,9 +18,10 @@ from typing import Any
 from moetrain.cli.common import add_node_args, node_flags, yaml_source
 from moetrain.cli.parsing import format_default
 from moetrain.cli.plan_rl import NOT_RUNNABLE
-from moetrain.config import limits
+from moetrain.config import limits, load_cluster_config
 from moetrain.errors import UserError
 from moetrain.rl.config import StaleSyncOptions
+from moetrain.rl.node_placement import node_problems
 from moetrain.rl.spec import PLAN_SECTIONS, RLRunSpec, check_spec_kind, plan_source, resolve_rl_spec
 
 HELP = ("post-train with RL: SFT warm-up on a verifiable task, then GRPO with router replay; one process, "
@@ -290,8 +291,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _check_plan_fits_a_node(spec: RLRunSpec, plan: str) -> None:
     """A plan of more ranks than its cluster's node holds runs on several nodes: say how to start it."""
-    from moetrain.config import load_cluster_config
-
     world = spec.roles.world_size if spec.disaggregated else spec.trainer.world_size
     per_node = load_cluster_config(spec.trainer.run.cluster).devices_per_node if spec.trainer.run.cluster else world
     if world > per_node and world % per_node == 0:
@@ -302,8 +301,6 @@ def _check_plan_fits_a_node(spec: RLRunSpec, plan: str) -> None:
 
 def _check_nodes(spec: RLRunSpec, ranks_per_node: int) -> None:
     """A run on several nodes: torchrun's agents on each (not Ray's cluster), its groups placed on whole nodes."""
-    from moetrain.rl.node_placement import node_problems
-
     if spec.engine == "ray":
         raise UserError("--nnodes starts torchrun on each node; a Ray run spans the nodes of its Ray cluster "
                         "already: drop --nnodes and --rdzv-endpoint (docs/rl_ray.md)")
