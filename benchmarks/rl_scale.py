@@ -15,15 +15,17 @@ fills) and the last (the final evaluation): rl_stalesync.py's measure.
 The prediction is ``moetrain.planner.rl_step.price_rl_step`` with the rates rl_simulate_check.py measures
 on this machine (never the RL runs' times): the least disturbed of its ``moetrain profile`` runs of the
 policy (one thread), its host probe of the eager generation loop, the weight sync's copy and CRC-32 rates
-and the whole sync's rate on the 4-layer model, and the cores' worth that R + 2 concurrent one-thread
-processes get together (``core_capacity``: the runtime's forward of the policy at a trainer rank's 64 rows
-in R + 2 processes at once). The R + 2 processes share the cores by processor sharing (``overlapped_time``
-over the R replicas and the 2 trainer ranks: all at capacity / (R + 2) of a core until the shorter side is
-done, then the longer side's at capacity / its processes). The decode steps of each batch are counted from
-the samples the trainer trained on (the longest sample of the slowest replica's share, and the share of its
-rows running per decode step): a property of the workload, not of the machine. The error is the
-predicted tokens/s (the run's trained completion tokens over the predicted step) against the measured, per
-R, median of the repeats; the target is 15 %.
+and the whole sync's rate on the 4-layer model, and the cores' worth that the job's R + 2 one-thread
+processes get side by side (``mixed_capacity``: R processes decoding, a decode step of a replica's rows,
+beside 2 processes training, a micro-batch's forward and backward, meeting after each as the trainer ranks
+do; the forward-only probe of every process alike, ``core_capacity``, is recorded beside it but no longer
+prices: the job's processes are not all the same forward). The R + 2 processes share the cores by processor
+sharing (``overlapped_time`` over the R replicas and the 2 trainer ranks: all at capacity / (R + 2) of a
+core until the shorter side is done, then the longer side's at capacity / its processes). The decode steps
+of each batch are counted from the samples the trainer trained on (the longest sample of the slowest
+replica's share, and the share of its rows running per decode step): a property of the workload, not of the
+machine. The error is the predicted tokens/s (the run's trained completion tokens over the predicted step)
+against the measured, per R, median of the repeats; the target is 15 %.
 
 Beside it (``preset_prediction``, not the figure): ``moetrain simulate --rl`` itself, with the shipped CPU
 calibration and the ``cpu`` preset's core split over the R + 2 ranks (``ClusterConfig.for_ranks``: the
@@ -65,8 +67,10 @@ from moetrain.distributed.world import spawn
 from moetrain.planner.rl_step import RLLayout, RLWorkload, price_rl_step
 from moetrain.rl.config import GRPOConfig, RLOptions, StaleSyncOptions
 from moetrain.rl.rates import (
+    MixedWork,
     core_capacity,
     host_costs,
+    mixed_capacity,
     policy_model,
     profile_policy,
     shared_sync,
@@ -161,11 +165,12 @@ class Rates:
     host: object
     sync: object
     capacity: dict[int, dict]
-    """Cores' worth of n concurrent processes (``Capacity`` as a dict), by n = R + 2."""
+    """Cores' worth of the job's n = R + 2 processes side by side, by n: ``shared`` (what prices) from the
+    mixed probe (``MixedCapacity``), ``forward_only`` the probe of n alike forwards (``Capacity``)."""
     speed_reference_s: list[float]
 
 
-def measure_rates(replicas: list[int], repeats: int) -> tuple[Rates, dict]:
+def measure_rates(replicas: list[int], repeats: int, work: dict[int, MixedWork]) -> tuple[Rates, dict]:
     speeds = [speed_reference()]
     calibration = profile_policy(policy_model(LAYERS), repeats)[0]  # the least disturbed profile
     speeds.append(speed_reference())
@@ -175,7 +180,10 @@ def measure_rates(replicas: list[int], repeats: int) -> tuple[Rates, dict]:
     speeds.append(speed_reference())
     capacity = {}
     for count in replicas:
-        capacity[count + TRAINER_DP] = asdict(core_capacity(count + TRAINER_DP, work=(LAYERS, CAPACITY_ROWS)))
+        mixed = mixed_capacity(count, TRAINER_DP, work[count], repeats)
+        capacity[count + TRAINER_DP] = {
+            "shared": mixed.shared, "mixed": asdict(mixed), "mixed_work": asdict(work[count]),
+            "forward_only": asdict(core_capacity(count + TRAINER_DP, work=(LAYERS, CAPACITY_ROWS)))}
         speeds.append(speed_reference())
     rates = Rates(calibration, host, shared_sync(sync_rates, 1.0, LAYERS), capacity, speeds)
     return rates, sync_rates
@@ -287,14 +295,17 @@ def main() -> None:
     seq_len = sequence_len_for(task, args.max_new_tokens)
     initial = warm_up(args.task, model_cfg, seq_len, args.sft_steps, args.seed)
     print(f"SFT warm-up: {time.perf_counter() - started:.0f} s", flush=True)
-    rates, sync_rates = measure_rates(replicas, args.probe_repeats)
+    batch = args.prompts * args.group_size
+    micro = min(args.micro_batch, batch // TRAINER_DP)
+    work = {count: MixedWork(LAYERS, batch // count, micro, seq_len) for count in replicas}
+    rates, sync_rates = measure_rates(replicas, args.probe_repeats, work)
     print(f"rates: {time.perf_counter() - started:.0f} s; capacity "
-          + ", ".join(f"{n} processes {c['shared']:.2f}" for n, c in rates.capacity.items()), flush=True)
+          + ", ".join(f"{n} processes {c['shared']:.2f} (alike forwards {c['forward_only']['shared']:.2f})"
+                      for n, c in rates.capacity.items()), flush=True)
     options = RLOptions(task=args.task, prompts_per_step=args.prompts, grpo=GRPOConfig(group_size=args.group_size),
                         max_new_tokens=args.max_new_tokens, eval_every=0, eval_size=args.eval_size,
                         replay_stats_every=0)
-    batch = args.prompts * args.group_size
-    cfg = TrainingConfig(steps=args.steps, global_batch=batch, micro_batch=min(args.micro_batch, batch // TRAINER_DP),
+    cfg = TrainingConfig(steps=args.steps, global_batch=batch, micro_batch=micro,
                          seq_len=seq_len, lr=3e-4, warmup_steps=0, seed=args.seed)
     spec = RunSpec(training=cfg, parallel={"dp": TRAINER_DP}, run={"device": "cpu", "cluster": "cpu", "quiet": True})
     runs: list[Run] = []

@@ -96,17 +96,17 @@ def test_moetrain_rl_runs_a_cpu_plan_as_is(tmp_path):
     assert steps[0]["layout"]["dp"] == plan["trainer"]["parallel"]["dp"]
 
 
-def test_a_large_plan_says_what_is_not_runnable_yet(tmp_path, capsys):
+def test_a_plan_of_several_nodes_says_how_to_start_each_node(tmp_path, capsys):
     out = tmp_path / "rl.yaml"
     assert main(["plan", "--rl", "--model", "qwen3-30b-a3b", "--cluster", "h100-sxm-80gb", "--devices", "64",
                  "--prompts", "64", "--group-size", "16", "--prompt-len", "1024", "--response-len", "4096",
                  "--top", "3", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "not runnable by today's moetrain rl" in printed and "span nodes of 8" in printed
-    assert "# not runnable yet:" in out.read_text() and "# run it" not in out.read_text()
-    refused(capsys, ["rl", "--plan", str(out)], f"--plan {out} is not runnable yet: 64 devices span nodes of 8",
-            "planned it all the same")
-
+    start = f"on each of 8 nodes, moetrain rl --plan {out} --nnodes 8 --nproc 8 --rdzv-endpoint HOST:PORT"
+    assert f"runs as is: {start}" in printed
+    assert f"# run it: {start}" in out.read_text() and "not runnable" not in out.read_text()
+    refused(capsys, ["rl", "--plan", str(out)], f"--plan {out} runs 64 ranks on nodes of 8: start it on each of its "
+            "8 nodes with --nnodes 8 --nproc 8 --rdzv-endpoint HOST:PORT")
 
 
 @pytest.mark.parametrize(("extra", "expected"), [

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from moetrain.config import load_cluster_config, load_model_config
+from moetrain.config import ParallelConfig, load_cluster_config, load_model_config
 from moetrain.errors import UserError
 from moetrain.planner.calibration import load_calibration
 from moetrain.planner.generation import HostCosts
@@ -94,8 +94,29 @@ def test_two_devices_plan_what_the_runtime_runs():
     assert all(not c.not_runnable for c in result.ranked)
     train_dp2 = result.ranked[0].layout.train.model_copy(update={"dp": 2})
     assert not rl_runtime_limits(w, RLLayout("disaggregated", 4, train_dp2, 1, 2, 1))  # 2 replicas, a DP2 trainer
-    wide = RLLayout("disaggregated", 4, train_dp2, 2, 2, 1)  # one replica of 2 devices
-    assert any("replicas of several ranks: not built yet" in reason for reason in rl_runtime_limits(w, wide))
+    assert not rl_runtime_limits(w, RLLayout("disaggregated", 4, train_dp2, 2, 2, 1))  # one replica of 2 EP ranks
+
+
+def test_jobs_on_several_nodes_run_when_their_groups_sit_on_whole_nodes():
+    """Nodes of 8 H100s (``moetrain rl --nnodes``): a job runs when it fills whole nodes, each rollout replica
+    inside one node or on whole nodes and each trainer TP group inside one node."""
+    w = _workload()  # tiny-qwen3: 8 experts, so replicas of 1, 2, 4 or 8 devices
+    assert w.cluster.devices_per_node == 8
+
+    def layout(devices: int, rollout: int, g: int, tp: int = 1, placement: str = "disaggregated") -> RLLayout:
+        training = devices - rollout if placement == "disaggregated" else devices
+        train = ParallelConfig(tp=tp, sp=tp > 1, dp=training // tp)
+        return RLLayout(placement, devices, train, g, rollout, 1)
+
+    assert rl_runtime_limits(w, layout(16, 8, 8, tp=2)) == []  # a replica of a node beside a TP2 trainer's node
+    assert rl_runtime_limits(w, layout(32, 16, 2, tp=8)) == []  # 8 replicas of 2 beside two nodes of TP8 groups
+    assert rl_runtime_limits(w, layout(16, 0, 4, tp=4, placement="colocated")) == []
+    assert rl_runtime_limits(w, layout(12, 4, 1)) == [
+        "12 devices do not fill whole nodes of 8: moetrain rl --nnodes runs the same --nproc ranks on every node"]
+    assert rl_runtime_limits(_workload(prompts=48), layout(16, 6, 2, tp=4)) == [  # 48 prompts: 16 per replica
+        "on nodes of 8: the trainer's tp 4 group of ranks 6–9 would span nodes of 8 ranks: give each node (--nproc) "
+        "a multiple of the group's 4 ranks, and start the trainer group on a node (its first rank 6 a multiple of the "
+        "ranks per node)"]
 
 
 def test_the_grid_keeps_small_jobs_whole_and_large_ones_in_powers_of_two():

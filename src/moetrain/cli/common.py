@@ -50,6 +50,25 @@ def add_strategy_args(parser: argparse.ArgumentParser) -> None:
                    help="pair forward and backward of two micro-batches to hide all-to-all")
 
 
+def add_node_args(group: argparse._ArgumentGroup) -> None:
+    """``--nnodes`` and ``--rdzv-endpoint``: the same command on every node (docs/training.md, Several nodes)."""
+    group.add_argument("--nnodes", type=int, help="nodes of the run: start this same command on each node, with "
+                       "--nproc N ranks per node and --rdzv-endpoint; torchrun's agents join there (default 1)")
+    group.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
+                       help="several nodes: where torchrun's agents meet (c10d rendezvous), a host every node "
+                            "reaches, e.g. the first node, and a free port")
+
+
+def node_flags(args: argparse.Namespace):
+    """The ``Nodes`` of ``--nnodes`` and ``--rdzv-endpoint`` (one node when neither is given)."""
+    from moetrain.distributed.nodes import Nodes  # lazy: the torchrun side loads when a run starts
+
+    nodes = Nodes(args.nnodes if args.nnodes is not None else 1, args.rdzv_endpoint)
+    if nodes.count > 1 and args.nproc is None:
+        raise UserError(f"--nnodes {nodes.count} needs --nproc N: the ranks on each node")
+    return nodes
+
+
 def output_file(path: str, flag: str, example_name: str) -> str:
     """Check a file a command will write before the work that fills it: a folder where a file is meant is
     refused, and missing parent folders are created (as ``train --save-dir`` creates its folder)."""

@@ -101,8 +101,20 @@ def _header(args: argparse.Namespace, candidate, result, out: str) -> str:
              f"{p.tokens_per_s:,.0f} tokens/s, {p.generated_tokens_per_s:,.0f} generated tokens/s"]
     lines += [f"{NOT_RUNNABLE}{reason}" for reason in candidate.not_runnable]
     if not candidate.not_runnable:
-        lines.append(f"run it: moetrain rl --plan {out} (flags other than the layout's override it)")
+        lines.append(f"run it: {run_command(args, candidate, out)} (flags other than the layout's override it)")
     return "".join(f"# {line}\n" for line in lines)
+
+
+def run_command(args: argparse.Namespace, candidate, out: str) -> str:
+    """How to run the plan: ``moetrain rl --plan out``, on each node with its flags when it spans nodes."""
+    from moetrain.config import load_cluster_config  # lazy: the presets load when the command runs
+
+    per_node = load_cluster_config(args.cluster).devices_per_node
+    devices = candidate.layout.devices
+    if devices <= per_node:
+        return f"moetrain rl --plan {out}"
+    return (f"on each of {devices // per_node} nodes, moetrain rl --plan {out} --nnodes {devices // per_node} "
+            f"--nproc {per_node} --rdzv-endpoint HOST:PORT")
 
 
 def _command(args: argparse.Namespace) -> str:
@@ -175,5 +187,5 @@ def run(args: argparse.Namespace) -> int:
         for reason in winner.not_runnable:
             print(f"    {reason}")
     else:
-        print(f"  runs as is: moetrain rl --plan {out}")
+        print(f"  runs as is: {run_command(args, winner, out)}")
     return 0

@@ -15,12 +15,13 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from moetrain.cli.common import yaml_source
+from moetrain.cli.common import add_node_args, node_flags, yaml_source
 from moetrain.cli.parsing import format_default
 from moetrain.cli.plan_rl import NOT_RUNNABLE
-from moetrain.config import limits
+from moetrain.config import limits, load_cluster_config
 from moetrain.errors import UserError
 from moetrain.rl.config import StaleSyncOptions
+from moetrain.rl.node_placement import node_problems
 from moetrain.rl.spec import PLAN_SECTIONS, RLRunSpec, check_spec_kind, plan_source, resolve_rl_spec
 
 HELP = ("post-train with RL: SFT warm-up on a verifiable task, then GRPO with router replay; one process, "
@@ -132,7 +133,9 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
 def _add_fusion_arguments(parser: argparse.ArgumentParser) -> None:
     f = parser.add_argument_group("RL Fusion across ranks (docs/rl_fusion.md): training layout, generation layout")
     f.add_argument("--nproc", type=int, help="ranks on this node (= tp·pp·dp; disaggregated --staleness: the "
-                   "rollout replicas' ranks + the trainer's tp·pp·dp); above 1 starts torchrun")
+                   "rollout replicas' ranks + the trainer's tp·pp·dp; with --nnodes M: M·nproc); above 1 starts "
+                   "torchrun")
+    add_node_args(f)
     for axis, text in (("tp", "tensor parallel, with sequence parallelism"), ("pp", "pipeline stages"),
                        ("ep", "expert parallel (inside dp)"), ("etp", "expert tensor parallel")):
         f.add_argument(f"--{axis}", type=int, help=f"training: {text}")
@@ -225,7 +228,8 @@ def build_rl_spec(args: argparse.Namespace):
     if nproc is not None:
         if nproc < 1:
             raise UserError(f"--nproc {nproc} must be ≥ 1")
-        limits.check_processes(nproc, "--nproc", "ranks (processes)")
+        limits.check_processes(nproc, "--nproc", "ranks (processes)")  # this node's
+        nproc *= node_flags(args).count  # the whole run's ranks: --nproc on each of --nnodes nodes
     if (nproc or 1) == 1 and not args.config:
         layout = [f"--{axis} {getattr(args, axis)}" for axis in ("tp", "pp", "ep", "etp")
                   if (getattr(args, axis) or 1) > 1]
@@ -275,9 +279,34 @@ def _named_by_flag(message: str) -> str:
 def run(args: argparse.Namespace) -> int:
     from moetrain.status import say, status_console  # lazy: rich loads when a run starts, not with the parser
 
+    nodes = node_flags(args)
     spec = build_rl_spec(args)
+    if args.plan and nodes.count == 1:
+        _check_plan_fits_a_node(spec, args.plan)
+    if nodes.count > 1:
+        _check_nodes(spec, args.nproc)
     # importing torch, the checks that need it and building the policy take seconds (a minute when busy)
     say(status_console(spec.trainer.run.quiet), "setting up: torch, the run's checks, the policy model…")
     from moetrain.rl.launch import run_rl  # lazy, heavy: torch and the RL runtime
 
-    return run_rl(spec)
+    return run_rl(spec, nodes)
+
+
+def _check_plan_fits_a_node(spec: RLRunSpec, plan: str) -> None:
+    """A plan of more ranks than its cluster's node holds runs on several nodes: say how to start it."""
+    world = spec.roles.world_size if spec.disaggregated else spec.trainer.world_size
+    per_node = load_cluster_config(spec.trainer.run.cluster).devices_per_node if spec.trainer.run.cluster else world
+    if world > per_node and world % per_node == 0:
+        raise UserError(f"--plan {plan} runs {world} ranks on nodes of {per_node}: start it on each of its "
+                        f"{world // per_node} nodes with --nnodes {world // per_node} --nproc {per_node} "
+                        "--rdzv-endpoint HOST:PORT (docs/training.md, Several nodes)")
+
+
+def _check_nodes(spec: RLRunSpec, ranks_per_node: int) -> None:
+    """A run on several nodes: torchrun's agents on each (not Ray's cluster), its groups placed on whole nodes."""
+    if spec.engine == "ray":
+        raise UserError("--nnodes starts torchrun on each node; a Ray run spans the nodes of its Ray cluster "
+                        "already: drop --nnodes and --rdzv-endpoint (docs/rl_ray.md)")
+    problems = node_problems(spec, ranks_per_node)
+    if problems:
+        raise UserError(problems[0])

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from moetrain.balance.online import PAYBACK_HORIZON, REPLAN_INTERVAL
-from moetrain.cli.common import add_memory_policy_args, memory_flags, yaml_source
+from moetrain.cli.common import add_memory_policy_args, add_node_args, memory_flags, node_flags, yaml_source
 from moetrain.cli.parsing import CommandParser, DefaultsFormatter, format_default
 from moetrain.config import limits, load_model_config, load_plan_file
 from moetrain.config.run import RunSpec, resolve_run_spec, spec_source_from_plan
@@ -104,7 +104,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--trace-dir", help="write each rank's compute/communication timeline (Chrome trace) here")
     d = parser.add_argument_group("layout (see docs/distributed.md); one process when every degree is 1")
     d.add_argument("--log-dir", help="several ranks: torchrun's log and the ranks' errors (default: a temp folder)")
-    d.add_argument("--nproc", type=int, help="ranks on this node (= tp·cp·pp·dp); above 1 starts torchrun")
+    d.add_argument("--nproc", type=int, help="ranks on this node (= tp·cp·pp·dp; with --nnodes M: M·nproc); "
+                   "above 1 starts torchrun")
+    add_node_args(d)
     for axis, text in (("tp", "tensor parallel, with sequence parallelism"), ("pp", "pipeline stages"),
                        ("vpp", "virtual stages per pipeline rank"), ("ep", "expert parallel (inside dp)"),
                        ("etp", "expert tensor parallel (splits each expert's FFN)"),
@@ -185,10 +187,13 @@ def build_spec(args: argparse.Namespace, world_size: int | None = None):
     if args.nproc is not None:
         if args.nproc < 1:
             raise UserError(f"--nproc {args.nproc} must be ≥ 1")
-        limits.check_processes(args.nproc, "--nproc", "ranks (processes)")
+        nodes = node_flags(args).count
+        limits.check_processes(args.nproc, "--nproc", "ranks (processes)")  # this node's
         if world_size is not None and world_size != args.nproc:
             raise UserError(f"--nproc {args.nproc} but torchrun started {world_size} ranks; drop --nproc")
-        world_size = args.nproc
+        world_size = args.nproc * nodes
+        if nodes > 1 and args.ranks_per_node is None:  # the node size the layout's groups are placed by
+            flags.setdefault("run", {})["ranks_per_node"] = args.nproc
     if world_size is None and not args.config and not args.plan:
         given = [f"--{axis} {getattr(args, axis)}" for axis in ("tp", "pp", "vpp", "ep", "etp", "cp")
                  if (getattr(args, axis) or 1) > 1]
@@ -237,11 +242,12 @@ def run(args: argparse.Namespace) -> int:
     # imports every command module (``moetrain.cli``)
     from moetrain.status import say, status_console
 
+    nodes = node_flags(args)
     spec = checked_spec(args)
     if spec.world_size > 1 or spec.run.max_restarts > 0:  # torchrun's agent restarts a failed group
         from moetrain.distributed.launch import launch  # lazy, heavy: torch
 
-        return launch(spec, Path(spec.run.log_dir) if spec.run.log_dir else None)
+        return launch(spec, Path(spec.run.log_dir) if spec.run.log_dir else None, nodes=nodes)
     say(status_console(spec.run.quiet), "setting up: torch, the data, the model…")
     from moetrain.train.trainer import Trainer  # lazy, heavy: torch
 

@@ -14,9 +14,9 @@ failing rank's own line (``rank R failed: cause``) of the last attempt, or, for 
 signal or gone with an exit code and no report, the rank and the signal or code from torchrun's report;
 the full torchrun log is kept on disk. A user error in a rank (exit 2) ends the launch with exit 2 as well.
 
-Multi-node runs call torchrun directly with its usual flags (``--nnodes``, ``--node-rank``,
-``--rdzv-endpoint``), ``-m moetrain.cli.worker`` and ``moetrain train``'s flags
-(docs/distributed.md).
+Several nodes (``moetrain.distributed.nodes``): the same command on every node with ``--nnodes M
+--rdzv-endpoint HOST:PORT``; each node's launcher writes its own spec file and starts its agent with
+torchrun's c10d rendezvous in place of ``--standalone``. The failure line is then this node's ranks'.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moetrain.config.run import RunSpec
+from moetrain.distributed.nodes import Nodes
 from moetrain.runtime_base.recovery import RECOVERY_ENV, peer_lost, report_name, restarts_summary
 from moetrain.status import say, status_console
 from moetrain.threads import ThreadChoice, choose_threads
@@ -70,21 +71,33 @@ class SpecFile:
     env: str
 
 
-def launch(spec: RunSpec, log_dir: Path | None = None, entry: str = "moetrain.cli.worker",
-           spec_file: SpecFile | None = None, command: str = "train", nproc: int | None = None) -> int:
-    """Run ``spec`` on ``spec.world_size`` ranks of this node; the exit code of the run. ``entry``: the
-    rank's module (``moetrain rl`` starts ``moetrain.rl.worker``), ``spec_file``: what its ranks read
-    (default: ``spec`` itself, written to ``run_spec.json``, named in ``MOETRAIN_RUN_SPEC``; ``spec`` then
-    gives only the threads, the device and the progress), ``command``: the CLI command a failure line
-    names, ``nproc``: ranks when they are not the layout's (a StaleSync run: one training rank beside a
-    rollout worker)."""
+@dataclass(frozen=True)
+class Entry:
+    """What each rank runs: ``module`` (``moetrain rl`` starts ``moetrain.rl.worker``) on ``spec_file``
+    (None: the run spec itself, written to ``run_spec.json``, named in ``MOETRAIN_RUN_SPEC``; ``spec`` then
+    gives only the threads, the device and the progress); ``command``: the CLI command a failure line names;
+    ``nproc``: ranks of the whole run when they are not the layout's (a StaleSync run: the rollout replicas'
+    ranks beside the trainer group)."""
+
+    module: str = "moetrain.cli.worker"
+    spec_file: SpecFile | None = None
+    command: str = "train"
+    nproc: int | None = None
+
+
+def launch(spec: RunSpec, log_dir: Path | None = None, entry: Entry | None = None, nodes: Nodes | None = None) -> int:
+    """Run ``spec`` on ``spec.world_size`` ranks (``entry.nproc`` when given), all on this node or, with
+    ``nodes``, this node's share of them (the same command runs on every node); the exit code of the run."""
+    entry = entry or Entry()
+    nodes = nodes or Nodes()
+    spec_file, command = entry.spec_file, entry.command
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="moetrain-run-"))
     error_dir = log_dir / "errors"
     error_dir.mkdir(parents=True, exist_ok=True)
     if spec_file is None:
         spec_file = SpecFile(log_dir / "run_spec.json", "MOETRAIN_RUN_SPEC")
         spec_file.path.write_text(spec.to_json(), encoding="utf-8")
-    ranks = nproc or spec.world_size
+    ranks = (entry.nproc or spec.world_size) // nodes.count
     # the free cores shared among the ranks (one thread each where they share cores); a GPU rank needs one
     on_cpu = not spec.run.device.startswith("cuda")
     threads = choose_threads(spec.run.threads, ranks) if on_cpu else ThreadChoice(1, "GPU ranks")
@@ -98,12 +111,13 @@ def launch(spec: RunSpec, log_dir: Path | None = None, entry: str = "moetrain.cl
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         for name in ("progress.json", "restarts.jsonl"):  # a log folder reused from an earlier run
             (log_dir / name).unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={ranks}", f"--max-restarts={restarts}", "--monitor-interval=0.5", "-m", entry]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *nodes.torchrun_args(ranks), f"--max-restarts={restarts}",
+           "--monitor-interval=0.5", "-m", entry.module]
     log_path = log_dir / "torchrun.log"
     per_rank = f"{threads.threads} thread{'s' * (threads.threads > 1)} each ({threads.reason}), " \
         if on_cpu else ""
-    say(status_console(spec.run.quiet), f"starting {ranks} ranks under torchrun ({per_rank}each imports "
+    where = f" on this node, joining {nodes.count - 1} other node(s) at {nodes.endpoint}" if nodes.count > 1 else ""
+    say(status_console(spec.run.quiet), f"starting {ranks} ranks{where} under torchrun ({per_rank}each imports "
         f"torch, joins the others and builds its part; log: {log_path})…")
     start = time.monotonic()
     with open(log_path, "w") as log:

@@ -31,6 +31,7 @@ import math
 import time
 from dataclasses import dataclass, field, replace
 
+from moetrain.config.nodes import RankGroups, placement_problems
 from moetrain.config.parallel import ParallelConfig, runtime_limits
 from moetrain.costs.params import count_params
 from moetrain.errors import UserError
@@ -159,17 +160,15 @@ def rollout_grid(devices: int, points: int = SPLIT_POINTS) -> list[int]:
 
 def rl_runtime_limits(w: RLWorkload, layout: RLLayout) -> list[str]:
     """Why today's ``moetrain rl`` cannot run ``layout``: one sentence each; empty when it runs. What the
-    runtime runs: RL Fusion and colocated StaleSync on one node's ranks in any trainer layout the training
-    runtime runs without context parallelism, ``ranks / gen_ep`` replicas; the disaggregated pipeline as
-    rollout replicas of one rank each beside a trainer group in such a layout."""
+    runtime runs: RL Fusion and colocated StaleSync in any trainer layout the training runtime runs without
+    context parallelism, ``ranks / gen_ep`` replicas; the disaggregated pipeline as rollout replicas of
+    ``gen_ep`` ranks (its EP layout: the planner's replicas split experts, never TP) beside a trainer group in
+    such a layout; on one node or on several (``moetrain rl --nnodes``: the same ranks on every node, each
+    replica and trainer TP group inside a node or on whole nodes, ``moetrain.config.nodes``)."""
     limits = []
     per_node = w.cluster.devices_per_node
     if layout.devices > per_node:
-        limits.append(f"{layout.devices} devices span nodes of {per_node}: moetrain rl starts its ranks on one node "
-                      "(several nodes: not built yet)")
-    if layout.placement == "disaggregated" and layout.gen_devices_per_replica > 1:
-        limits.append(f"disaggregated rollout replicas of {layout.gen_devices_per_replica} devices: a replica is a "
-                      "whole model on one rank today (replicas of several ranks: not built yet)")
+        limits += _node_limits(layout, per_node)
     if layout.placement == "disaggregated" and w.prompts % layout.replicas:
         limits.append(f"{w.prompts} prompts per step do not split over {layout.replicas} rollout replicas (each "
                       "generates whole groups)")
@@ -178,6 +177,19 @@ def rl_runtime_limits(w: RLWorkload, layout: RLLayout) -> list[str]:
         limits.append(f"trainer cp {train.cp}: RL does not train with context parallelism yet")
     limits += [f"trainer: {reason}" for reason in runtime_limits(train, w.model.num_layers, w.samples, per_node)]
     return limits
+
+
+def _node_limits(layout: RLLayout, per_node: int) -> list[str]:
+    """A job of several nodes: every node runs the same ranks, and its groups place on them."""
+    if layout.devices % per_node:
+        return [f"{layout.devices} devices do not fill whole nodes of {per_node}: moetrain rl --nnodes runs the same "
+                "--nproc ranks on every node"]
+    g = layout.gen_devices_per_replica
+    if layout.placement == "disaggregated":
+        groups = RankGroups(layout.replicas, g, layout.rollout_devices, layout.train_devices, layout.train.tp)
+    else:
+        groups = RankGroups(layout.devices // g, g, 0, layout.devices, layout.train.tp, "generation replica")
+    return [f"on nodes of {per_node}: {problem}" for problem in placement_problems(groups, per_node)]
 
 
 @dataclass

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,23 +25,26 @@ from moetrain.rl.spec import SPEC_ENV, RLRunSpec, write_spec
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from moetrain.distributed.nodes import Nodes
     from moetrain.models.transformer import MoETransformer
 
 
-def run_rl(spec: RLRunSpec) -> int:
-    """The run in the CLI's process: trained here (one process), or on ranks that torchrun or Ray starts."""
+def run_rl(spec: RLRunSpec, nodes: Nodes | None = None) -> int:
+    """The run in the CLI's process: trained here (one process), or on ranks that torchrun or Ray starts
+    (with ``nodes``: this node's share of them; the same command runs on every node)."""
     if spec.engine == "ray":
         from moetrain.rl.ray_engine import import_ray  # only a Ray run needs the engine
 
         import_ray()  # before the warm-up: a missing Ray is one line, not a failure after minutes
     run = build_rl_run(spec)
     if spec.disaggregated:
-        return _launch_pipeline(run)
+        return _launch_pipeline(run, nodes)
     if run.grpo.world_size > 1:
-        from moetrain.distributed.launch import SpecFile, launch  # only a run of several ranks launches
+        from moetrain.distributed.launch import Entry, SpecFile, launch  # only a run of several ranks launches
 
         log_dir = _log_dir(run)
-        return launch(run.grpo, log_dir, "moetrain.rl.worker", SpecFile(write_spec(spec, log_dir), SPEC_ENV), "rl")
+        entry = Entry("moetrain.rl.worker", SpecFile(write_spec(spec, log_dir), SPEC_ENV), "rl")
+        return launch(run.grpo, log_dir, entry, nodes)
     from rich.console import Console  # lazy: only the one-process path prints from here
 
     console = Console(quiet=run.grpo.run.quiet)
@@ -77,15 +81,19 @@ def _policy_in_one_process(run: RLRun, console: Console) -> MoETransformer:
     return model
 
 
-def _launch_pipeline(run: RLRun) -> int:
+def _launch_pipeline(run: RLRun, nodes: Nodes | None) -> int:
     """StaleSync, disaggregated: the warm-up here (one process), then the pipeline's ranks from its weights:
-    processes that torchrun starts (engine local) or Ray actors (engine ray)."""
+    processes that torchrun starts (engine local) or Ray actors (engine ray). On several nodes every node's
+    launcher warms up alike, without saving (the nodes would write one folder at once), and the ranks then take
+    rank 0's weights (``moetrain.rl.worker``)."""
     # lazy, heavy: torch and rich load only on the path that runs (this module is imported by the CLI)
     import torch
     from rich.console import Console
 
     log_dir = _log_dir(run)
     spec = run.spec
+    if nodes is not None and nodes.count > 1 and run.sft is not None:
+        run = replace(run, sft=run.sft.model_copy(update={"run": run.sft.run.model_copy(update={"save_dir": None})}))
     if run.sft is not None or spec.start_from:
         initial = log_dir / "initial_policy.pt"
         model = starting_model(run)
@@ -106,7 +114,7 @@ def _launch_pipeline(run: RLRun) -> int:
         say(status_console(run.grpo.run.quiet), f"starting Ray and its {roles.world_size} actors ({roles.replicas} "
             f"rollout replica(s), a trainer group of {roles.trainer_ranks})…")
         return ray_engine.launch(spec, log_dir)
-    from moetrain.distributed.launch import SpecFile, launch  # torchrun's path only
+    from moetrain.distributed.launch import Entry, SpecFile, launch  # torchrun's path only
 
-    return launch(run.grpo, log_dir, "moetrain.rl.worker", SpecFile(spec_file, SPEC_ENV), "rl",
-                  nproc=spec.roles.world_size)
+    entry = Entry("moetrain.rl.worker", SpecFile(spec_file, SPEC_ENV), "rl", nproc=spec.roles.world_size)
+    return launch(run.grpo, log_dir, entry, nodes)

@@ -6,8 +6,9 @@
   layer's forward on one token, the sampler's time per logit, the rollout engine's own work per decode
   step (``engine_probe``);
 - ``core_capacity``, ``threads_capacity``: the cores' worth of compute that co-running one-thread processes
-  (or two threads of one process) get together (``Capacity``), and ``shared_cores`` / ``shared_sync`` /
-  ``training_calibration``: the rates carried to each process's share;
+  (or two threads of one process) get together (``Capacity``); ``mixed_capacity``: the same for the
+  disaggregated job's own mix, decode processes beside training ones (``MixedCapacity``); and
+  ``shared_cores`` / ``shared_sync`` / ``training_calibration``: the rates carried to each process's share;
 - ``sync_probes`` / ``shared_sync``: the weight sync's copy and CRC-32 rates (``planner.rl_step.SyncRates``);
   ``link_fit`` / ``with_link``: the in-node link fitted to gloo collectives;
 - ``speed_reference``: the machine's speed now, to tell a moving machine from a wrong formula;
@@ -267,6 +268,121 @@ def core_capacity(processes: int, tries: int = 2, work: tuple[int, int] | dict |
     paced = max(processes * alone / statistics.mean(_concurrent_times(processes, work, True)) for _ in range(tries))
     return Capacity(max(processes * alone / statistics.mean(times) for times in free),
                     max(processes * alone / max(times) for times in free), paced)
+
+
+DECODE, TRAIN = "decode", "train"
+"""The two kinds of process of a disaggregated job on one CPU: a rollout replica decoding, a trainer rank."""
+
+
+@dataclass(frozen=True)
+class MixedWork:
+    """What the mixed probe's processes run, per call: a decode step (the eager forward of ``decode_rows``
+    rows of one token each, under no grad) and a training micro-batch (the forward and backward of
+    ``train_rows`` rows of ``train_tokens`` tokens), on the ``layers``-layer policy."""
+
+    layers: int
+    decode_rows: int
+    train_rows: int
+    train_tokens: int
+
+
+def _mixed_step(kind: str, work: MixedWork):
+    model = build_model(policy_model(work.layers), torch.device("cpu"), seed=0)
+    if kind == DECODE:
+        model.eval().requires_grad_(False)
+        ids = torch.zeros(work.decode_rows, 1, dtype=torch.long)
+        return lambda: model(ids)
+    ids = torch.randint(0, model.cfg.vocab_size, (work.train_rows, work.train_tokens),
+                        generator=torch.Generator().manual_seed(0))
+
+    def train() -> None:
+        model(ids, labels=ids).loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    return train
+
+
+MIXED_TRAIN_CALLS = 8
+"""Training micro-batches each trainer process of the mixed probe times (the decoders run meanwhile),"""
+MIXED_DECODE_CALLS = 20
+"""and the fewest decode steps a decoder times (alone: exactly these)."""
+
+
+def _mixed_worker(queue, start, pace, done, kind: str, work: MixedWork) -> None:
+    """One process of the mixed probe: its step's seconds per call while every process runs. A trainer
+    process runs MIXED_TRAIN_CALLS calls, meeting the other trainers after each (``pace``: their collectives);
+    a decoder calls its step until the trainers are ``done`` (at least MIXED_DECODE_CALLS times), so its calls
+    overlap theirs."""
+    torch.set_num_threads(1)
+    keep_freed_host_memory()  # as the runs' processes
+    step = _mixed_step(kind, work)
+    step()  # warm-up
+    start.wait()
+    began, calls = time.perf_counter(), 0
+    while (calls < MIXED_TRAIN_CALLS) if kind == TRAIN else (calls < MIXED_DECODE_CALLS or not done.is_set()):
+        step()
+        calls += 1
+        if kind == TRAIN and pace is not None:
+            pace.wait()
+    if kind == TRAIN:
+        done.set()
+    queue.put((kind, (time.perf_counter() - began) / calls))
+
+
+def _mixed_times(decoders: int, trainers: int, work: MixedWork) -> list[tuple[str, float]]:
+    """(kind, seconds per call) of each of ``decoders`` decode processes and ``trainers`` trainer processes
+    started together."""
+    context = mp.get_context("spawn")
+    queue, done = context.Queue(), context.Event()
+    start = context.Barrier(decoders + trainers)
+    pace = context.Barrier(trainers) if trainers > 1 else None
+    kinds = [DECODE] * decoders + [TRAIN] * trainers
+    if not trainers:  # a decoder alone: its MIXED_DECODE_CALLS calls
+        done.set()
+    workers = [context.Process(target=_mixed_worker, args=(queue, start, pace, done, kind, work)) for kind in kinds]
+    for worker in workers:
+        worker.start()
+    times = [queue.get() for _ in workers]
+    for worker in workers:
+        worker.join()
+    return times
+
+
+@dataclass(frozen=True)
+class MixedCapacity:
+    """Cores' worth of compute that the disaggregated job's processes get side by side on one CPU: R
+    rollout replicas decoding beside T trainer ranks training (forward and backward, meeting after every
+    micro-batch), measured as they run (``mixed_capacity``)."""
+
+    decode_alone_s: float
+    """A decode step's seconds in one process alone."""
+    train_alone_s: float
+    """A training micro-batch's seconds in one process alone."""
+    together_s: tuple[tuple[str, float], ...]
+    """(kind, seconds per call) of every process when all run at once."""
+
+    @property
+    def shared(self) -> float:
+        """Σ over the processes of (its call's time alone) / (its call's time among the others): each
+        process's share of a core while all run, summed (``mixed_cores``)."""
+        return mixed_cores({DECODE: self.decode_alone_s, TRAIN: self.train_alone_s}, self.together_s)
+
+
+def mixed_cores(alone_s: dict[str, float], together_s: tuple[tuple[str, float], ...]) -> float:
+    """Cores' worth that processes of several kinds get side by side: Σ alone_s[kind] / seconds, over every
+    (kind, seconds per call) in ``together_s``. The price's ``shared_cores`` (``RLLayout``) on one CPU."""
+    return sum(alone_s[kind] / seconds for kind, seconds in together_s)
+
+
+def mixed_capacity(decoders: int, trainers: int, work: MixedWork, tries: int = 2) -> MixedCapacity:
+    """The disaggregated job's processes side by side (``MixedCapacity``): ``decoders`` decode processes
+    beside ``trainers`` trainer processes, each call's time alone the best of ``tries``, the run together
+    the one of ``tries`` that gets the most."""
+    decode_alone = min(_mixed_times(1, 0, work)[0][1] for _ in range(tries))
+    train_alone = min(_mixed_times(0, 1, work)[0][1] for _ in range(tries))
+    runs = [tuple(_mixed_times(decoders, trainers, work)) for _ in range(tries)]
+    alone = {DECODE: decode_alone, TRAIN: train_alone}
+    return MixedCapacity(decode_alone, train_alone, max(runs, key=lambda run: mixed_cores(alone, run)))
 
 
 def threads_capacity(work: tuple[int, int], tries: int = 2) -> float:

@@ -11,6 +11,9 @@ from it (``moetrain.rl.run.build_rl_run``), then plays its part:
   then the trainer group, whose first rank writes the metrics rows and the reward curve, then the
   reward and reference workers), from the warm-up weights the CLI's process wrote (``initial_weights``).
 
+On several nodes (``moetrain rl --nnodes M``) every node's launcher built its spec, and warmed up, on its
+own: the ranks check that the specs agree and the pipeline's ranks take rank 0's warm-up weights.
+
 A failure is one line per rank and a non-zero exit (2 for a user error), as for ``moetrain train``'s
 ranks (``moetrain.train.rank``); torchrun then stops the other ranks and, with restarts left
 (``--max-restarts``), starts them all again: an attempt after the first resumes from the newest GRPO
@@ -23,6 +26,7 @@ import os
 import sys
 from pathlib import Path
 
+from moetrain.distributed.nodes import check_same_spec, spans_nodes
 from moetrain.errors import UserError
 from moetrain.rl.run import RLRun, build_rl_run, starting_model, train_grpo, warm_up, whole_curve
 from moetrain.rl.spec import SPEC_ENV, RLRunSpec, read_spec
@@ -55,6 +59,7 @@ def _fusion_rank(run: RLRun) -> None:
 
     device = resolve_device(run.grpo.run.device)
     rank, world_size, _ = init_world("nccl" if device.type == "cuda" else "gloo", run.grpo.run.timeout_s)
+    _check_nodes(run.spec)
     say(status_console(run.grpo.run.quiet or rank != 0), f"all {world_size} ranks joined; building the policy, "
         "then the warm-up and GRPO in the training layout…")
     # the ranks initialise a policy from the seed themselves: only given weights are built here
@@ -85,6 +90,10 @@ def _pipeline_rank(run: RLRun, rank: int) -> None:
     say(status_console(run.grpo.run.quiet or rank != 0), f"all {dist.get_world_size()} StaleSync ranks joined; "
         "building the models…")
     initial = torch.load(run.spec.initial_weights, weights_only=True) if run.spec.initial_weights else None
+    if _check_nodes(run.spec) and initial is not None:
+        # each node's launcher ran the warm-up: a GPU's (or another CPU's) rounding may differ, rank 0's rule
+        for name in sorted(initial):
+            dist.broadcast(initial[name], src=0)
     roles = run.spec.roles
     job = StaleSyncJob(run.grpo, run.options, run.stale, run.model_cfg, initial, replicas=roles.replicas,
                        ranks_per_replica=roles.ranks_per_replica, replica_layout=roles.replica_layout)
@@ -98,6 +107,17 @@ def _pipeline_rank(run: RLRun, rank: int) -> None:
             plot_reward_curve(whole_curve(report.rows, run.grpo), Path(run.spec.plot), title)
             console.print(f"reward curve: {run.spec.plot}")
     dist.barrier()  # rank 0 hosts the store: no rank leaves before the others are done
+
+
+def _check_nodes(spec: RLRunSpec) -> bool:
+    """Whether the joined world spans nodes; then every node's spec must be rank 0's (node-local fields aside)."""
+    if not spans_nodes():
+        return False
+    trainer = spec.trainer
+    local = trainer.model_copy(update={"run": trainer.run.model_copy(update={"log_dir": None})})
+    check_same_spec(spec.model_copy(update={"initial_weights": None, "trainer": local}).model_dump_json(),
+                    "moetrain rl")
+    return True
 
 
 def main() -> int:

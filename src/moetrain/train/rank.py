@@ -3,7 +3,8 @@
 torchrun starts ``python -m moetrain.cli.worker`` on every rank; ``moetrain train --nproc N`` validates the
 run spec, writes it to a file and names that file in ``MOETRAIN_RUN_SPEC``; a user starting torchrun on
 several nodes gives the same flags as ``moetrain train`` (``--config run.yaml`` and overrides) and the spec
-is built and checked the same way (``moetrain.cli.train.worker_main``). Each rank then runs ``Trainer``,
+is built and checked the same way (``moetrain.cli.train.worker_main``); on several nodes the ranks check
+that every node built the same spec (``moetrain.distributed.nodes``). Each rank then runs ``Trainer``,
 the loop of every layout. A rank that raises writes one line, naming itself and the cause, to
 ``$MOETRAIN_ERROR_DIR/rank<R>.txt`` (``rank<R>.restart<A>.txt`` in a restarted attempt) and exits non-zero
 (2 for a user error); torchrun then stops every other rank and, with restarts left (``--max-restarts``),
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from moetrain.config.run import RunSpec
+from moetrain.distributed.nodes import check_same_spec, spans_nodes
 from moetrain.distributed.world import init_world
 from moetrain.errors import UserError
 from moetrain.runtime_base.recovery import USER_ERROR_EXIT, attempt, report_failure
@@ -35,6 +37,9 @@ def run_rank(spec: RunSpec) -> int:
     try:
         device = resolve_device(spec.run.device)
         rank, _, _ = init_world("nccl" if device.type == "cuda" else "gloo", spec.run.timeout_s)
+        if spans_nodes():  # each node built its spec from its own flags: they must agree (log folders aside)
+            check_same_spec(spec.model_copy(update={"run": spec.run.model_copy(update={"log_dir": None})}).to_json(),
+                            "moetrain train")
         say(status_console(spec.run.quiet or rank != 0), f"all {dist.get_world_size()} ranks joined; "
             "preparing the data and each rank's part of the model…")
         trainer = Trainer(spec)
