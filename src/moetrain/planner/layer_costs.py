@@ -139,6 +139,16 @@ class _FeedForward:
     dense_ffn: object = 0.0
 
 
+def recompute_code(level: str, share: float = 1.0) -> float:
+    """The recompute code (module docstring) of ``level`` applied to ``share`` of the layers: ``selective``
+    on a share is the code ``share`` (the selective set there, nothing elsewhere: Pangu's Selective R/S);
+    ``full`` on a share is ``1 + share`` (whole layers there, the selective set on the others: Megatron's
+    --recompute-num-layers as the published rows run it); ``none`` is 0 whatever the share."""
+    if not 0.0 < share <= 1.0:
+        raise ValueError(f"recompute share {share} is not in (0, 1]")
+    return {"none": 0.0, "selective": share, "full": 1.0 + share}[level]
+
+
 def full_recompute_share(recompute) -> np.ndarray:
     """Share of the layers recomputed whole: 1 for code 2 (full), code − 1 between selective and full."""
     return np.clip(np.asarray(recompute, dtype=float) - 1.0, 0.0, 1.0)
