@@ -4,7 +4,7 @@ One rollout worker and one trainer, each a process with one thread (``moetrain.r
 the RL policy of the tests (tiny-pangu, 4 layers) after a short SFT warm-up on the task (sort by
 default, so rewards move). Generations have variable length: sorted answers of 3 to 6 digits, a token
 limit (``--max-new-tokens``) well above them, rows ending at their end-of-sequence token. k = 0 is the
-synchronous loop (rollout and training alternate; bit for bit the one-process ``RLTrainer``,
+synchronous loop (rollout and training alternate; bit for bit the one-process GRPO trainer,
 tests/rl/test_rl_stalesync.py); k ≥ 1 lets the rollout worker generate batch s + k while the trainer
 trains step s. ``colocated_k1`` is the colocated placement (``moetrain.rl.colocated``): one process whose
 second thread generates batch s + 1 while the first trains step s (the schedule of k = 1, bit for bit).
@@ -41,12 +41,13 @@ from moetrain.config import TrainingConfig, load_model_config
 from moetrain.config.run import RunSpec
 from moetrain.distributed.world import spawn
 from moetrain.models.transformer import build_model
-from moetrain.rl.colocated import ColocatedStaleSyncTrainer
+from moetrain.rl.colocated import ColocatedStaleSync
 from moetrain.rl.config import GRPOConfig, RLOptions, StaleSyncOptions
-from moetrain.rl.loop import SFTTrainer, policy_config
+from moetrain.rl.loop import SFTWarmup, policy_config
 from moetrain.rl.sft import sequence_len_for
 from moetrain.rl.stalesync import StaleSyncJob, run_stalesync
 from moetrain.rl.tasks import get_task
+from moetrain.train.trainer import Trainer
 
 
 @dataclass
@@ -77,7 +78,9 @@ def warm_up(task: str, model_cfg, seq_len: int, steps: int, seed: int) -> dict[s
     cfg = TrainingConfig(steps=steps, global_batch=32, micro_batch=32, seq_len=seq_len, lr=3e-3,
                          warmup_steps=min(10, steps), seed=seed)
     spec = RunSpec(training=cfg, run={"device": "cpu", "cluster": "cpu", "quiet": True})
-    trainer = SFTTrainer(spec, get_task(task), model_cfg=model_cfg, console=Console(file=io.StringIO()))
+    hooks = SFTWarmup(spec, get_task(task))
+    trainer = Trainer(spec, model_cfg=model_cfg, console=Console(file=io.StringIO()), batches=hooks.examples,
+                      hooks=hooks)
     trainer.train()
     return {name: value.detach().clone() for name, value in trainer.run.stage.model.state_dict().items()}
 
@@ -86,8 +89,8 @@ def _colocated(rank: int, world_size: int, job: StaleSyncJob) -> list[dict]:
     """One process: the trainer thread and the thread generating the next batch (one intra-op thread each)."""
     model = build_model(job.model_cfg, torch.device("cpu"), seed=job.spec.training.seed)
     model.load_state_dict(job.initial)
-    trainer = ColocatedStaleSyncTrainer(job.spec, job.options, job.stale, model_cfg=job.model_cfg, model=model,
-                                        console=Console(file=io.StringIO()))
+    trainer = Trainer(job.spec, model_cfg=job.model_cfg, model=model, console=Console(file=io.StringIO()),
+                      hooks=ColocatedStaleSync(job.spec, job.options, job.stale))
     return trainer.train()
 
 

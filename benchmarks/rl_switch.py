@@ -1,6 +1,6 @@
 """RL Fusion's switch, phase by phase, and its share of an RL step, on 4 (or 2) gloo ranks of a CPU.
 
-Each variant trains GRPO steps of ``RLTrainer`` (the ``moetrain rl --nproc 4`` loop) in one training layout
+Each variant trains GRPO steps of the GRPO trainer (the ``moetrain rl --nproc 4`` loop) in one training layout
 (TP2×EP2 or PP2×EP2; with ``--ranks 2``, EP2 or TP2) and generates in 4 (2) data-parallel replicas; rows give
 the switch's phases (offload, reshard, generate, free, restore: the slowest rank's wall time and peak resident
 memory), the sync's bytes, the whole step's time and its other parts as the runtime logs them
@@ -39,10 +39,11 @@ from moetrain.config.run import RunSpec
 from moetrain.distributed.layout import ParallelDims
 from moetrain.distributed.world import spawn
 from moetrain.rl.config import FusionOptions, GRPOConfig, RLOptions
-from moetrain.rl.loop import RLTrainer, policy_config
+from moetrain.rl.loop import GRPO, policy_config
 from moetrain.rl.sft import sequence_len_for
 from moetrain.rl.switch import PHASES
 from moetrain.rl.tasks import get_task
+from moetrain.train.trainer import Trainer
 
 LAYOUTS = {"tp2_ep2": ParallelConfig(tp=2, dp=2, ep=2), "pp2_ep2": ParallelConfig(pp=2, dp=2, ep=2),
            "ep2": ParallelConfig(dp=2, ep=2), "tp2": ParallelConfig(tp=2)}
@@ -53,7 +54,7 @@ VARIANTS = {4: [("tp2_ep2", "auto"), ("pp2_ep2", "auto"), ("tp2_ep2", "always")]
 process (one GPU)."""
 
 
-def _trainer(args: argparse.Namespace, parallel: ParallelConfig, dims: ParallelDims | None, offload: str) -> RLTrainer:
+def _trainer(args: argparse.Namespace, parallel: ParallelConfig, dims: ParallelDims | None, offload: str) -> Trainer:
     model_cfg = policy_config(load_model_config(args.model))
     task = get_task("addition")
     seq_len = -(-sequence_len_for(task, task.max_answer_chars + 2) // parallel.tp) * parallel.tp
@@ -65,8 +66,8 @@ def _trainer(args: argparse.Namespace, parallel: ParallelConfig, dims: ParallelD
     spec = RunSpec(model=args.model, training=cfg, parallel=parallel.model_dump(exclude={"sp", "micro_batch"}),
                    run={"device": args.device, "quiet": True, "compile": False})  # RL's lengths vary step to step
     fusion = FusionOptions(offload=offload, bucket_mib=args.bucket_mib)
-    return RLTrainer(spec, options, model_cfg=model_cfg, console=Console(file=io.StringIO()), fusion=fusion,
-                     dims=dims)
+    return Trainer(spec, model_cfg=model_cfg, console=Console(file=io.StringIO()), dims=dims,
+                   hooks=GRPO(spec, options, fusion=fusion))
 
 
 STEP_PHASES = {"switch": "switch_s", "score": "score_time_s", "replay_forward": "replay_stats_time_s",

@@ -27,7 +27,7 @@ from moetrain.rl.config import StaleSyncOptions
 from moetrain.rl.loop import policy_config
 from moetrain.rl.roles import Roles
 from moetrain.rl.spec import resolve_rl_spec
-from moetrain.rl.stalesync import RolloutWorker, StaleSyncJob, StaleSyncTrainer, run_stalesync
+from moetrain.rl.stalesync import RolloutWorker, StaleSyncHooks, StaleSyncJob, run_stalesync
 from moetrain.rl.start import starting_weights
 from moetrain.runtime_base.checkpoint_files import latest_checkpoint, read_marker, verify_checkpoint
 from refusals import refused
@@ -112,13 +112,13 @@ def test_k0_with_two_replicas_beside_a_tp2_trainer_on_ray_equals_the_torch_distr
 
 def _trainer_raises_at_step_2(rank: int, world_size: int, job: StaleSyncJob):
     """``run_stalesync`` with the trainer's optimizer failing after step 2 (runs in the actors)."""
-    def crash(self):
-        if self.step == 2:
+    def crash(self, trainer, step, batch):
+        if step == 2:
             raise RuntimeError("optimizer crashed")
-        return original(self)
+        return original(self, trainer, step, batch)
 
-    original = StaleSyncTrainer.after_step
-    StaleSyncTrainer.after_step = crash
+    original = StaleSyncHooks.after_step
+    StaleSyncHooks.after_step = crash
     return run_stalesync(rank, world_size, job)
 
 

@@ -9,7 +9,7 @@ from test_rl_colocated import _colocated, _steps
 from test_rl_stalesync import _stalesync
 
 from moetrain.rl.admission import AdmissionStats, BatchStaleness, StalenessGate
-from moetrain.rl.colocated import ColocatedStaleSyncTrainer
+from moetrain.rl.colocated import ColocatedStaleSync
 
 SAMPLES = 16
 """Samples per batch of the runs below (4 prompts × group of 4)."""
@@ -88,21 +88,21 @@ def test_disaggregated_at_k2_a_batch_k_plus_1_old_is_dropped_and_none_older_than
     _assert_bound(steps, trainer.admission, k=2)
 
 
-def _aged(age: int) -> type[ColocatedStaleSyncTrainer]:
-    class Aged(ColocatedStaleSyncTrainer):
+def _aged(age: int) -> type[ColocatedStaleSync]:
+    class Aged(ColocatedStaleSync):
         """Marks the batch generated ahead for step 3 as ``age`` versions old."""
 
-        def rollout(self, step):
+        def rollout(self, trainer, step):
             if step == 3 and self._ready is not None:
                 self._ready = dataclasses.replace(self._ready, weight_version=step - age)
-            return super().rollout(step)
+            return super().rollout(trainer, step)
 
     return Aged
 
 
 @pytest.mark.parametrize("age, dropped", [(2, 0), (3, 1)], ids=["k-old-admitted", "k+1-old-dropped"])
 def test_colocated_at_k2_a_batch_k_plus_1_old_is_dropped_and_none_older_than_k_trained(age, dropped):
-    trainer, rows, _ = _colocated(4, staleness=2, trainer_cls=_aged(age))
+    trainer, rows, _ = _colocated(4, staleness=2, hooks_cls=_aged(age))
     steps = _steps(rows)
     stats = trainer.gate.stats()
     assert stats.dropped_batches == dropped

@@ -17,22 +17,25 @@ from moetrain.config import ParallelConfig
 from moetrain.config.run import RunSpec
 from moetrain.distributed.layout import ParallelDims
 from moetrain.distributed.world import spawn
-from moetrain.rl.colocated import ColocatedStaleSyncTrainer, fits_beside_update
+from moetrain.rl.colocated import ColocatedStaleSync, fits_beside_update
 from moetrain.rl.config import StaleSyncOptions
+from moetrain.train.trainer import Trainer
 from refusals import refused
 
 
 def _colocated(steps: int, staleness: int = 1, decoupled: bool = False, spec_update: dict | None = None,
-               trainer_cls=ColocatedStaleSyncTrainer, micro_batch: int | None = None):
+               hooks_cls=ColocatedStaleSync, micro_batch: int | None = None):
+    """(the run's hooks, its rows, its final weights)."""
     model, options, spec = _setup(steps)
     if spec_update:
         spec = spec.model_copy(update={"run": spec.run.model_copy(update=spec_update)})
     if micro_batch:
         spec = spec.model_copy(update={"training": spec.training.model_copy(update={"micro_batch": micro_batch})})
     stale = StaleSyncOptions(staleness=staleness, placement="colocated", loss="decoupled" if decoupled else "tis")
-    trainer = trainer_cls(spec, options, stale, model_cfg=model.cfg, model=model, console=Console(file=io.StringIO()))
+    hooks = hooks_cls(spec, options, stale)
+    trainer = Trainer(spec, model_cfg=model.cfg, model=model, console=Console(file=io.StringIO()), hooks=hooks)
     rows = trainer.train()
-    return trainer, rows, {k: v.detach().clone() for k, v in trainer.run.stage.model.state_dict().items()}
+    return hooks, rows, {k: v.detach().clone() for k, v in trainer.run.stage.model.state_dict().items()}
 
 
 def _steps(rows):
@@ -81,17 +84,17 @@ def test_a_larger_bound_runs_the_same_one_batch_ahead_schedule():
     _assert_same_run(rows3, state3, rows1, state1)
 
 
-class _TamperedTrainer(ColocatedStaleSyncTrainer):
+class _Tampered(ColocatedStaleSync):
     """Marks the batch generated ahead for step 2 as three versions old."""
 
-    def rollout(self, step):
+    def rollout(self, trainer, step):
         if step == 2 and self._ready is not None:
             self._ready = dataclasses.replace(self._ready, weight_version=self._ready.weight_version - 3)
-        return super().rollout(step)
+        return super().rollout(trainer, step)
 
 
 def test_a_batch_older_than_k_is_dropped_counted_and_generated_again():
-    _, rows, state = _colocated(4, trainer_cls=_TamperedTrainer)
+    _, rows, state = _colocated(4, hooks_cls=_Tampered)
     _, reference_rows, _ = _colocated(4)
     steps = _steps(rows)
     assert [r["overlapped"] for r in steps] == [False, True, False, True]
@@ -117,8 +120,8 @@ def _two_ranks(rank: int, world_size: int):
                    run=spec.run)
     dims = ParallelDims.build(ParallelConfig(dp=2, ep=2), rank)
     stale = StaleSyncOptions(staleness=1, placement="colocated")
-    trainer = ColocatedStaleSyncTrainer(spec, options, stale, model_cfg=model.cfg, model=model, dims=dims,
-                                        console=Console(file=io.StringIO()))
+    trainer = Trainer(spec, model_cfg=model.cfg, model=model, dims=dims, console=Console(file=io.StringIO()),
+                      hooks=ColocatedStaleSync(spec, options, stale))
     return trainer.train()
 
 

@@ -20,11 +20,12 @@ from moetrain.distributed.weight_sync import SyncFault, WeightSync, WeightSyncEr
 from moetrain.distributed.world import spawn
 from moetrain.rl.config import FusionOptions, GRPOConfig, RLOptions
 from moetrain.rl.fusion import generation_model, generation_views, global_shapes, training_views
-from moetrain.rl.loop import RLTrainer
+from moetrain.rl.loop import GRPO
 from moetrain.rl.offload import HostOffload, offload_decision
 from moetrain.rl.sft import sequence_len_for
 from moetrain.rl.switch import PHASES, Switch, SwitchOrderError
 from moetrain.rl.tasks import get_task
+from moetrain.train.trainer import Trainer
 
 SEED = 3
 """The trained weights' seed; generation models start from seed 0, so an unsynced tensor shows."""
@@ -115,7 +116,7 @@ class _ParityScore:
 
 
 def _rl_trainer(parallel: ParallelConfig, dims: ParallelDims | None = None,
-                fusion: FusionOptions | None = None) -> RLTrainer:
+                fusion: FusionOptions | None = None) -> Trainer:
     model = small_model(seed=SEED)
     options = RLOptions(task="addition", prompts_per_step=4, grpo=GRPOConfig(group_size=4), eval_every=0,
                         eval_size=8)
@@ -123,10 +124,10 @@ def _rl_trainer(parallel: ParallelConfig, dims: ParallelDims | None = None,
                          warmup_steps=0, seed=SEED)
     spec = RunSpec(training=cfg, parallel=parallel.model_dump(exclude={"sp", "micro_batch"}),
                    run={"device": "cpu", "cluster": "cpu", "quiet": True, "threads": 1})
-    trainer = RLTrainer(spec, options, model_cfg=model.cfg, model=model, console=Console(file=io.StringIO()),
-                        fusion=fusion, dims=dims)
-    trainer.task = _ParityScore(trainer.task)
-    return trainer
+    hooks = GRPO(spec, options, fusion=fusion)
+    hooks.task = _ParityScore(hooks.task)
+    return Trainer(spec, model_cfg=model.cfg, model=model, console=Console(file=io.StringIO()), dims=dims,
+                   hooks=hooks)
 
 
 def _worker(rank: int, world_size: int) -> dict:
@@ -136,9 +137,9 @@ def _worker(rank: int, world_size: int) -> dict:
     out["corrupt"] = _fault_case(rank, dims, 2, "corrupt")
     trainer = _rl_trainer(TRAIN_LAYOUTS["tp2_ep2"], dims["tp2_ep2"], FusionOptions(offload="always", bucket_mib=0.5))
     out["rl"] = trainer.train()
-    out["phases"] = [r.name for r in trainer.fusion.switch.records]
+    out["phases"] = [r.name for r in trainer.hooks.fusion.switch.records]
     try:  # the trained weights moved on (a step after the last sync): generating now is refused
-        trainer.fusion.generate([[1, 2]] * 4, trainer.sampling, None, version=trainer.step + 1)
+        trainer.hooks.fusion.generate([[1, 2]] * 4, trainer.hooks.sampling, None, version=trainer.step + 1)
         out["missed"] = "no error"
     except WeightSyncError as exc:
         out["missed"] = str(exc)

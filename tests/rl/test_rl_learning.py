@@ -20,10 +20,11 @@ from moetrain.config import TrainingConfig
 from moetrain.config.run import RunSpec
 from moetrain.models.transformer import MoETransformer
 from moetrain.rl.config import GRPOConfig, RLOptions
-from moetrain.rl.loop import RLTrainer, SFTTrainer, policy_logprobs
+from moetrain.rl.loop import GRPO, SFTWarmup, policy_logprobs
 from moetrain.rl.sft import sequence_len_for, sft_sequence
 from moetrain.rl.tasks import get_task, heldout_problems
 from moetrain.rl.tokenizer import CharTokenizer
+from moetrain.train.trainer import Trainer
 
 TASK = get_task("sort")
 SEQ_LEN = sequence_len_for(TASK, TASK.max_answer_chars + 2)
@@ -49,8 +50,10 @@ def _warmed_up_policy(seed: int) -> MoETransformer:
     model = small_model(seed=seed)
     cfg = TrainingConfig(steps=60, global_batch=64, micro_batch=64, seq_len=SEQ_LEN, lr=3e-3, warmup_steps=5,
                          seed=seed)
-    warm_up = SFTTrainer(RunSpec(training=cfg, run=RUN), TASK, model_cfg=model.cfg, model=model,
-                         console=Console(file=io.StringIO()))
+    spec = RunSpec(training=cfg, run=RUN)
+    hooks = SFTWarmup(spec, TASK)
+    warm_up = Trainer(spec, model_cfg=model.cfg, model=model, console=Console(file=io.StringIO()),
+                      batches=hooks.examples, hooks=hooks)
     warm_up.train()
     policy = small_model(seed=seed)
     policy.load_state_dict(warm_up.run.stage.model.state_dict())
@@ -66,8 +69,9 @@ def test_grpo_raises_the_expected_reward_on_held_out_problems():
                         replay_stats_every=0, filter_groups=True)
     cfg = TrainingConfig(steps=20, global_batch=256, micro_batch=256, seq_len=SEQ_LEN, lr=1e-3, warmup_steps=2,
                          seed=seed)
-    trainer = RLTrainer(RunSpec(training=cfg, run=RUN), options, model_cfg=model.cfg, model=model,
-                        console=Console(file=io.StringIO()))
+    spec = RunSpec(training=cfg, run=RUN)
+    trainer = Trainer(spec, model_cfg=model.cfg, model=model, console=Console(file=io.StringIO()),
+                      hooks=GRPO(spec, options))
     rows = [r for r in trainer.train() if "reward" in r]
     after = expected_reward(trainer.run.stage.model, seed)
     assert 0.2 < before < 0.5 and min(r["uniform_groups"] for r in rows) < 0.8, before  # signal to learn from

@@ -9,15 +9,16 @@ from rl_models import small_model
 from moetrain.config import TrainingConfig
 from moetrain.config.run import RunSpec
 from moetrain.rl.config import GRPOConfig, RLOptions
-from moetrain.rl.loop import RLTrainer, SFTTrainer
+from moetrain.rl.loop import GRPO, SFTWarmup
 from moetrain.rl.sft import sequence_len_for
 from moetrain.rl.tasks import get_task
+from moetrain.train.trainer import Trainer
 
 TASK = get_task("addition")
 SEQ_LEN = sequence_len_for(TASK, TASK.max_answer_chars + 2)
 
 
-def _trainer(steps=3, replay=True, keep_logprobs=False, seed=0, **run) -> RLTrainer:
+def _trainer(steps=3, replay=True, keep_logprobs=False, seed=0, **run) -> Trainer:
     model = small_model(seed=seed)
     options = RLOptions(task="addition", prompts_per_step=4, grpo=GRPOConfig(group_size=4), replay=replay,
                         eval_every=0, eval_size=16)
@@ -25,16 +26,17 @@ def _trainer(steps=3, replay=True, keep_logprobs=False, seed=0, **run) -> RLTrai
                          seed=seed)
     run = {k: str(v) if k in ("save_dir", "metrics_out") else v for k, v in run.items()}
     spec = RunSpec(training=cfg, run={"device": "cpu", "cluster": "cpu", "quiet": True, **run})
-    return RLTrainer(spec, options, model_cfg=model.cfg, model=model, console=Console(file=io.StringIO()),
-                     keep_logprobs=keep_logprobs)
+    return Trainer(spec, model_cfg=model.cfg, model=model, console=Console(file=io.StringIO()),
+                   hooks=GRPO(spec, options, keep_logprobs=keep_logprobs))
 
 
 def test_trainer_logprobs_of_generated_tokens_equal_the_rollout_engines_with_replay():
     trainer = _trainer(steps=1, keep_logprobs=True)
     rows = trainer.train()
-    sequences = trainer.last_sequences
-    logprobs_T = torch.cat(trainer.last_stats.logprobs)  # the completion tokens, micro-batch by micro-batch
-    chunks = trainer.batching.chunks(sequences.labels_BS)
+    grpo = trainer.hooks
+    sequences = grpo.last_sequences
+    logprobs_T = torch.cat(grpo.last_stats.logprobs)  # the completion tokens, micro-batch by micro-batch
+    chunks = grpo.batching.chunks(sequences.labels_BS)
     rollout_T = torch.cat([chunk.cut(sequences.rollout_logp_BS)[chunk.cut(sequences.labels_BS) != -100]
                            for chunk in chunks])
     mask = sequences.labels_BS != -100
@@ -81,12 +83,14 @@ def test_sft_warm_up_trains_on_answers_only():
     model = small_model()
     cfg = TrainingConfig(steps=2, global_batch=8, micro_batch=8, seq_len=SEQ_LEN, lr=1e-3, warmup_steps=0)
     spec = RunSpec(training=cfg, run={"device": "cpu", "cluster": "cpu", "quiet": True})
-    trainer = SFTTrainer(spec, TASK, model_cfg=model.cfg, console=Console(file=io.StringIO()))
+    warm_up = SFTWarmup(spec, TASK)
+    trainer = Trainer(spec, model_cfg=model.cfg, console=Console(file=io.StringIO()), batches=warm_up.examples,
+                      hooks=warm_up)
     batch = trainer.next_batch()
     micro = batch.micro_batches[0]
     for row in range(8):
         labels = micro.labels[row][micro.labels[row] != -100].tolist()
-        assert trainer.tokenizer.decode(labels) == trainer.tokenizer.decode(labels[:-1]) and labels[-1] == 2
+        assert warm_up.tokenizer.decode(labels) == warm_up.tokenizer.decode(labels[:-1]) and labels[-1] == 2
         assert len(labels) == TASK.max_answer_chars + 1  # padded sum + EOS
     assert len(trainer.train()) == 2
 

@@ -1,5 +1,5 @@
 """StaleSync, disaggregated (rank 0 generates, rank 1 trains): k = 0 is the synchronous one-process
-``RLTrainer`` bit for bit; no batch older than k is trained on; the decoupled loss by hand."""
+GRPO trainer bit for bit; no batch older than k is trained on; the decoupled loss by hand."""
 
 import io
 import json
@@ -19,16 +19,17 @@ from moetrain.distributed.weight_sync import SyncFault
 from moetrain.distributed.world import spawn
 from moetrain.rl.config import GRPOConfig, RLOptions, StaleSyncOptions
 from moetrain.rl.grpo import grpo_token_loss
-from moetrain.rl.loop import RLTrainer
+from moetrain.rl.loop import GRPO
 from moetrain.rl.sft import sequence_len_for
 from moetrain.rl.stalesync import (
     RolloutWorker,
     Schedule,
+    StaleSyncHooks,
     StaleSyncJob,
-    StaleSyncTrainer,
     run_stalesync,
 )
 from moetrain.rl.tasks import get_task
+from moetrain.train.trainer import Trainer
 from refusals import refused
 
 TASK = get_task("addition")
@@ -47,20 +48,21 @@ def _setup(steps: int, seed: int = 0):
     return model, options, spec
 
 
-class _RecordingTrainer(RLTrainer):
+class _RecordingGRPO(GRPO):
     """The synchronous reference, keeping every step's generated tokens."""
 
-    def rollout(self, step):
-        rollouts = super().rollout(step)
+    def rollout(self, trainer, step):
+        rollouts = super().rollout(trainer, step)
         self.samples = [*getattr(self, "samples", []), rollouts.generation.tokens_BN.clone()]
         return rollouts
 
 
 def _synchronous(steps: int):
     model, options, spec = _setup(steps)
-    trainer = _RecordingTrainer(spec, options, model_cfg=model.cfg, model=model, console=Console(file=io.StringIO()))
+    hooks = _RecordingGRPO(spec, options)
+    trainer = Trainer(spec, model_cfg=model.cfg, model=model, console=Console(file=io.StringIO()), hooks=hooks)
     rows = trainer.train()
-    return rows, trainer.samples, {k: v.detach().clone() for k, v in trainer.run.stage.model.state_dict().items()}
+    return rows, hooks.samples, {k: v.detach().clone() for k, v in trainer.run.stage.model.state_dict().items()}
 
 
 def _stalesync(steps: int, staleness: int, decoupled: bool = False, run_update: dict | None = None, **job):
@@ -199,10 +201,10 @@ def test_a_dead_rollout_worker_ends_the_run_with_one_message_naming_it(monkeypat
 
 @pytest.mark.dist
 def test_a_dead_trainer_ends_the_run_with_one_message_naming_it(monkeypatch):
-    def die(self):
+    def die(self, trainer, step, batch):
         raise RuntimeError("optimizer crashed")
 
-    monkeypatch.setattr(StaleSyncTrainer, "after_step", die)
+    monkeypatch.setattr(StaleSyncHooks, "after_step", die)
     start = time.monotonic()
     # the rollout worker, waiting in the weight sync, loses its peer: the message still names the trainer
     with pytest.raises(Exception, match=r"StaleSync trainer \(rank 1\) (failed: RuntimeError: optimizer crashed|died)"):

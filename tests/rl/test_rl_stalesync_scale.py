@@ -19,16 +19,18 @@ from moetrain.config.run import RunSpec
 from moetrain.distributed.layout import ParallelDims
 from moetrain.distributed.weight_sync import SyncFault
 from moetrain.distributed.world import spawn
+from moetrain.models.transformer import build_model
 from moetrain.rl import stalesync
 from moetrain.rl.admission import StalenessGate
 from moetrain.rl.config import StaleSyncOptions
 from moetrain.rl.generate import RolloutEngine
-from moetrain.rl.loop import RLTrainer
+from moetrain.rl.loop import GRPO
 from moetrain.rl.partial_rollout import generate_with_resume, interrupt_point
 from moetrain.rl.roles import Roles
 from moetrain.rl.spec import resolve_rl_spec
 from moetrain.rl.stalesync import RolloutWorker, Schedule, StaleSyncJob, run_stalesync
 from moetrain.rl.tokenizer import CharTokenizer
+from moetrain.train.trainer import Trainer
 from refusals import refused
 
 TP2 = {"tp": 2}
@@ -42,21 +44,29 @@ def _layout_spec(steps: int, parallel: dict) -> RunSpec:
     return RunSpec(training=spec.training.model_copy(update={"seq_len": seq_len}), parallel=parallel, run=spec.run)
 
 
-def _synchronous_in_layout(rank: int, world_size: int, steps: int, parallel: dict):
-    """The synchronous loop in the trainer's layout (RL Fusion: each rank generates its share)."""
+def _synchronous_in_layout(rank: int, world_size: int, steps: int, parallel: dict, kl: float = 0.0):
+    """The synchronous loop in the trainer's layout (RL Fusion: each rank generates its share); with ``kl``,
+    a KL term against the starting weights."""
     model, options, _ = _setup(steps)
+    reference = None
+    if kl:
+        options = options.model_copy(update={"grpo": options.grpo.model_copy(update={"kl_coef": kl})})
+        reference = build_model(model.cfg, "cpu")
+        reference.load_state_dict(model.state_dict())
     spec = _layout_spec(steps, parallel)
     dims = ParallelDims.build(ParallelConfig(**parallel), rank)
-    trainer = RLTrainer(spec, options, model_cfg=model.cfg, model=model, dims=dims, console=Console(file=io.StringIO()))
+    hooks = GRPO(spec, options, reference=reference)
+    trainer = Trainer(spec, model_cfg=model.cfg, model=model, dims=dims, console=Console(file=io.StringIO()),
+                      hooks=hooks)
     samples = []
-    original = trainer.rollout
+    original = hooks.rollout
 
-    def recording(step):
-        rollouts = original(step)
+    def recording(trainer, step):
+        rollouts = original(trainer, step)
         samples.append(rollouts.generation.tokens_BN.clone())
         return rollouts
 
-    trainer.rollout = recording
+    hooks.rollout = recording
     rows = trainer.train()
     state = {k: v.detach().clone() for k, v in trainer.run.stage.model.state_dict().items()}
     return rows, samples, state

@@ -1,5 +1,5 @@
 """The disaggregated pipeline with a reward worker and a reference worker on ranks of their own
-(``moetrain.rl.stalesync_stages``): k = 0 is the synchronous one-process ``RLTrainer`` with its KL
+(``moetrain.rl.stalesync_stages``): k = 0 is the synchronous one-process GRPO trainer with its KL
 reference bit for bit; staleness stays bounded with four stages; a dead stage is named."""
 
 import io
@@ -8,7 +8,8 @@ import time
 import pytest
 import torch
 from rich.console import Console
-from test_rl_stalesync import COMPARED, _RecordingTrainer, _setup
+from test_rl_stalesync import COMPARED, _RecordingGRPO, _setup
+from test_rl_stalesync_scale import DP2, EXACT, TP2, _layout_spec, _synchronous_in_layout
 
 from moetrain.distributed.world import spawn
 from moetrain.models.transformer import build_model
@@ -16,6 +17,7 @@ from moetrain.rl.config import StaleSyncOptions
 from moetrain.rl.roles import Roles
 from moetrain.rl.stalesync import StaleSyncJob, run_stalesync
 from moetrain.rl.stalesync_stages import RewardWorker, StageReport
+from moetrain.train.trainer import Trainer
 from refusals import refused
 
 KL = 0.05
@@ -26,8 +28,11 @@ def _with_kl(steps: int):
     return model, options.model_copy(update={"grpo": options.grpo.model_copy(update={"kl_coef": KL})}), spec
 
 
-def _pipeline(steps: int, staleness: int, reward_worker: bool = True, kl: bool = True, replicas: int = 1):
+def _pipeline(steps: int, staleness: int, reward_worker: bool = True, kl: bool = True, replicas: int = 1,
+              parallel: dict | None = None):
     model, options, spec = _with_kl(steps) if kl else _setup(steps)
+    if parallel:
+        spec = _layout_spec(steps, parallel)
     stale = StaleSyncOptions(staleness=staleness, reward_worker=reward_worker)
     job = StaleSyncJob(spec, options, stale, model.cfg, model.state_dict(), replicas=replicas)
     return spawn(run_stalesync, job.roles.world_size, job)
@@ -50,8 +55,8 @@ def test_k0_with_reward_and_reference_workers_is_the_synchronous_loop_with_its_r
     model, options, spec = _with_kl(steps)
     reference = build_model(model.cfg, "cpu")
     reference.load_state_dict(model.state_dict())
-    sync = _RecordingTrainer(spec, options, model_cfg=model.cfg, model=model, reference=reference,
-                             console=Console(file=io.StringIO()))
+    recorded = _RecordingGRPO(spec, options, reference=reference)
+    sync = Trainer(spec, model_cfg=model.cfg, model=model, console=Console(file=io.StringIO()), hooks=recorded)
     rows = sync.train()
     state = {k: v.detach().clone() for k, v in sync.run.stage.model.state_dict().items()}
     *rollouts, trainer, reward, ref = _pipeline(steps, staleness=0, replicas=replicas)
@@ -59,7 +64,7 @@ def test_k0_with_reward_and_reference_workers_is_the_synchronous_loop_with_its_r
     assert trainer.trained == [(0, 0), (1, 1), (2, 2)]
     assert reward == StageReport("reward worker", 3, reward.busy_s)
     assert (ref.stage, ref.batches) == ("reference worker", 3)
-    for expected, got in zip(sync.samples, trainer.samples, strict=True):
+    for expected, got in zip(recorded.samples, trainer.samples, strict=True):
         assert torch.equal(expected, got)
     # two replicas generate 8 rows each: the rollout log-probs' statistics differ from 16 rows' in the last bits
     behaviour = ("is_weight_mean", "logp_gap_max") if replicas > 1 else ()
@@ -73,6 +78,31 @@ def test_k0_with_reward_and_reference_workers_is_the_synchronous_loop_with_its_r
     assert any(r.get("kl", 0) != 0 for r in rows)  # the KL term is live, not zero
     for name, value in state.items():
         assert torch.equal(value, trainer.final_state[name]), name
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("parallel", [TP2, DP2], ids=["tp2", "dp2"])
+def test_k0_reward_and_reference_workers_beside_a_two_rank_trainer_are_its_synchronous_loop(parallel):
+    """Ranks: rollout 0, trainer 1–2 (TP2 or DP2), reward 3, reference 4. The first trainer rank receives the
+    scored batch with the reference's log-probs and deals it to the other; each trains as the synchronous
+    loop in that layout does, KL term included (its losses, KL and weights bit for bit; the rollout
+    log-probs' statistics to rounding: that loop generates 8 rows per rank, the replica all 16)."""
+    steps = 2
+    expected = spawn(_synchronous_in_layout, 2, steps, parallel, KL)
+    rollout, *trainers, reward, ref = _pipeline(steps, staleness=0, parallel=parallel)
+    assert rollout.versions == [0, 1] and (reward.batches, ref.batches) == (2, 2)
+    for (rows, samples, state), trainer in zip(expected, trainers, strict=True):
+        assert trainer.trained == [(0, 0), (1, 1)]
+        assert all(torch.equal(a, b) for a, b in zip(samples, trainer.samples, strict=True))
+        for want, got in zip(rows, trainer.rows, strict=True):
+            assert {k: got.get(k) for k in (*EXACT, "kl")} == {k: want.get(k) for k in (*EXACT, "kl")}
+            if "is_weight_mean" in want:
+                assert got["is_weight_mean"] == pytest.approx(want["is_weight_mean"], rel=1e-6)
+            if "logp_gap_max" in want:
+                assert max(got["logp_gap_max"], want["logp_gap_max"]) < 1e-5
+        assert any(r.get("kl", 0) != 0 for r in rows)  # the KL term is live, not zero
+        assert state.keys() == trainer.final_state.keys()
+        assert all(torch.equal(value, trainer.final_state[name]) for name, value in state.items())
 
 
 @pytest.mark.dist

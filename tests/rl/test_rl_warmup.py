@@ -11,10 +11,11 @@ from rl_models import small_model
 from moetrain.config import TrainingConfig
 from moetrain.config.run import RunSpec
 from moetrain.rl.config import WarmupCriterion
-from moetrain.rl.loop import WARMUP_DECISION_FILE, SFTTrainer
+from moetrain.rl.loop import WARMUP_DECISION_FILE, SFTWarmup
 from moetrain.rl.sft import sequence_len_for
 from moetrain.rl.tasks import get_task, heldout_problems, split_of
 from moetrain.rl.warmup import WarmupCheck, WarmupDecision, decide, validation_problems
+from moetrain.train.trainer import Trainer
 
 TASK = get_task("addition")
 CRITERION = WarmupCriterion(target=0.3, check_every=10)
@@ -61,8 +62,9 @@ def _sft(tmp_path, criterion, steps, task=TASK):
                          seq_len=sequence_len_for(task, task.max_answer_chars + 2))
     spec = RunSpec(training=cfg, run={"device": "cpu", "cluster": "cpu", "quiet": True, "save_dir": str(tmp_path),
                                       "resume": True})
-    return SFTTrainer(spec, task, model_cfg=model.cfg, console=Console(file=io.StringIO()), criterion=criterion,
-                      eval_size=16)
+    hooks = SFTWarmup(spec, task, criterion=criterion, eval_size=16)
+    return Trainer(spec, model_cfg=model.cfg, console=Console(file=io.StringIO()), batches=hooks.examples,
+                   hooks=hooks)
 
 
 def test_the_trainer_stops_at_the_cap_saves_and_a_later_run_reuses_the_stopped_warm_up(tmp_path):
@@ -73,11 +75,11 @@ def test_the_trainer_stops_at_the_cap_saves_and_a_later_run_reuses_the_stopped_w
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     checks = {r["step"]: r["validation_accuracy"] for r in rows if "validation_accuracy" in r}
     assert list(checks) == [2, 4, 5] and all(accuracy < 0.9 for accuracy in checks.values())
-    assert trainer.decision == WarmupDecision(5, checks[5], "cap", 0.9, 5, 2)
+    assert trainer.hooks.decision == WarmupDecision(5, checks[5], "cap", 0.9, 5, 2)
     assert (tmp_path / "step-000005").is_dir()
     assert json.loads((tmp_path / WARMUP_DECISION_FILE).read_text())["reason"] == "cap"
     again = _sft(tmp_path, criterion, steps=5)
-    assert again.train() == [] and again.step == 5 and again.decision == trainer.decision
+    assert again.train() == [] and again.step == 5 and again.hooks.decision == trainer.hooks.decision
 
 
 def test_the_trainer_stops_at_the_first_check_that_reaches_the_target(tmp_path):
@@ -88,5 +90,5 @@ def test_the_trainer_stops_at_the_first_check_that_reaches_the_target(tmp_path):
     checks = [(r["step"], r["validation_accuracy"]) for r in rows if "validation_accuracy" in r]
     assert [step for step, _ in checks] == list(range(10, 10 * len(checks) + 1, 10))
     assert all(accuracy < 0.2 for _, accuracy in checks[:-1]) and checks[-1][1] >= 0.2
-    assert trainer.decision == WarmupDecision(checks[-1][0], checks[-1][1], "target", 0.2, 200, 10)
+    assert trainer.hooks.decision == WarmupDecision(checks[-1][0], checks[-1][1], "target", 0.2, 200, 10)
     assert rows[-1]["step"] == checks[-1][0] < 200

@@ -48,8 +48,8 @@ FLAG_FIELDS: dict[str, tuple[str, ...]] = {
     "log_dir": ("trainer", "run", "log_dir"), "max_restarts": ("trainer", "run", "max_restarts"),
     "tp": ("trainer", "parallel", "tp"), "pp": ("trainer", "parallel", "pp"), "ep": ("trainer", "parallel", "ep"),
     "etp": ("trainer", "parallel", "etp"),
-    "gen_ep": ("generation", "gen_ep"), "sync_bucket_mib": ("generation", "bucket_mib"),
-    "offload": ("generation", "offload"),
+    "gen_ep": ("generation", "gen_ep"), "gen_tp": ("generation", "gen_tp"),
+    "sync_bucket_mib": ("generation", "bucket_mib"), "offload": ("generation", "offload"),
     "staleness": ("stalesync", "staleness"), "placement": ("stalesync", "placement"),
     "stale_loss": ("stalesync", "loss"), "reward_worker": ("stalesync", "reward_worker"), "engine": ("engine",),
     "rollout_replicas": ("rollout", "replicas"), "partial_rollouts": ("stalesync", "partial_rollouts"),
@@ -139,6 +139,9 @@ def _add_fusion_arguments(parser: argparse.ArgumentParser) -> None:
     f.add_argument("--gen-ep", type=int,
                    help="generation: expert-parallel degree; nproc/gen-ep replicas of gen-ep ranks (1: every rank a "
                         "whole model); disaggregated --staleness: the ranks of each rollout replica")
+    f.add_argument("--gen-tp", type=int,
+                   help="disaggregated --staleness: each rollout replica's ranks, its attention heads and dense FFN "
+                        "columns split over them (tensor parallel; the experts whole on each)")
     f.add_argument("--sync-bucket-mib", type=float, help="weight-sync bucket size in MiB")
     f.add_argument("--offload", choices=("auto", "always", "never"),
                    help="optimizer state and gradients to host while generating (auto: when it does not fit)")
@@ -234,7 +237,7 @@ def build_rl_spec(args: argparse.Namespace):
         raise UserError(_named_by_flag(str(exc))) from None
 
 
-PLAN_FLAGS = ("tp", "pp", "ep", "etp", "gen_ep", "offload", "placement", "staleness")
+PLAN_FLAGS = ("tp", "pp", "ep", "etp", "gen_ep", "gen_tp", "offload", "placement", "staleness")
 """Flags that set what an RL plan sets (the layout): refused beside ``--plan``, as ``moetrain train`` refuses its
 layout flags beside a plan."""
 

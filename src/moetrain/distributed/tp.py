@@ -117,25 +117,22 @@ def _tp_balance_losses(router: Router, group: dist.ProcessGroup, logits_TE: torc
                                  gather_from_group(scores_TE, group, 0), counts)
 
 
-def apply_tensor_parallel(model: nn.Module, group: dist.ProcessGroup) -> dict[str, ParamKind]:
-    """Shard attention and dense FFNs over ``group``, wrap them as sequence-parallel regions, make the
-    routers' balance losses group-wide (the sequence length must divide by the group size); returns
-    each parameter's gradient kind."""
-    tp, rank = dist.get_world_size(group), dist.get_rank(group)
+def _layers(model: nn.Module) -> list[nn.Module]:
+    layers = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
+    return list(layers) + [m.layer for m in model.mtp]
+
+
+def shard_tensor_parallel(model: nn.Module, tp: int, rank: int) -> dict[str, ParamKind]:
+    """Keep this TP rank's share of every attention layer's heads and dense FFN's columns, nothing wired
+    around them (no collective: the caller decides how the partial outputs are summed); each parameter's
+    gradient kind."""
     sharded: set[int] = set()
-    layers = list(model.layers.values()) + [m.layer for m in model.mtp]
-    for layer in layers:
+    for layer in _layers(model):
         _shard_attention(layer.attention, tp, rank)
-        _sp_region(layer.attention, group)
         sharded.update(id(p) for name, p in layer.attention.named_parameters()
                        if name.split(".")[0] in {"q_up", "q_proj", "k_proj", "v_proj", "kv_up", "o_proj"})
-        if layer.is_moe:
-            router = layer.moe.router
-            router.balance_losses = functools.partial(_tp_balance_losses, router, group)
-            # The shared expert stays whole: it runs on the rank's own tokens, like the routed ones.
-        else:
+        if not layer.is_moe:
             _shard_ffn(layer.ffn, tp, rank)
-            _sp_region(layer.ffn, group)
             sharded.update(id(p) for p in layer.ffn.parameters())
     complete = set()
     for name in ("final_norm", "head"):
@@ -145,4 +142,20 @@ def apply_tensor_parallel(model: nn.Module, group: dist.ProcessGroup) -> dict[st
     kinds: dict[str, ParamKind] = {}
     for name, param in model.named_parameters():
         kinds[name] = "sharded" if id(param) in sharded else "complete" if id(param) in complete else "partial"
+    return kinds
+
+
+def apply_tensor_parallel(model: nn.Module, group: dist.ProcessGroup) -> dict[str, ParamKind]:
+    """Shard attention and dense FFNs over ``group``, wrap them as sequence-parallel regions, make the
+    routers' balance losses group-wide (the sequence length must divide by the group size); returns
+    each parameter's gradient kind."""
+    kinds = shard_tensor_parallel(model, dist.get_world_size(group), dist.get_rank(group))
+    for layer in _layers(model):
+        _sp_region(layer.attention, group)
+        if layer.is_moe:
+            router = layer.moe.router
+            router.balance_losses = functools.partial(_tp_balance_losses, router, group)
+            # The shared expert stays whole: it runs on the rank's own tokens, like the routed ones.
+        else:
+            _sp_region(layer.ffn, group)
     return kinds

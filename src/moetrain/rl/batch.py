@@ -41,6 +41,8 @@ class Rollouts:
     texts: list[str]
     rewards_B: torch.Tensor
     advantages_B: torch.Tensor
+    reference_logp_BS: torch.Tensor | None = None
+    """The KL reference's log-probs when they come with the samples (a StaleSync reference worker's)."""
 
     @property
     def weight_version(self) -> int:

@@ -43,18 +43,19 @@ from typing import Any
 
 import torch
 
-from moetrain.config import ModelConfig
 from moetrain.config.run import RunSpec
+from moetrain.data.packing import StepBatch
 from moetrain.errors import UserError
 from moetrain.rl.admission import StalenessGate
 from moetrain.rl.batch import Rollouts, TrainingSequences
 from moetrain.rl.config import FusionOptions, RLOptions, StaleSyncOptions
 from moetrain.rl.fusion import sample_generators
 from moetrain.rl.generate import Generation
-from moetrain.rl.loop import RLTrainer, scored_rollouts
+from moetrain.rl.loop import GRPO, scored_rollouts
 from moetrain.rl.offload import FREE_MARGIN
 from moetrain.rl.sft import prompt_ids
 from moetrain.rl.stalesync_schedule import Schedule
+from moetrain.train.trainer import Trainer
 
 
 def check_colocated(stale: StaleSyncOptions, fusion: FusionOptions) -> None:
@@ -75,22 +76,21 @@ def fits_beside_update(generation_bytes: int, update_bytes: int, free_bytes: int
     return generation_bytes + update_bytes <= FREE_MARGIN * free_bytes
 
 
-class ColocatedStaleSyncTrainer(RLTrainer):
-    """``RLTrainer`` under RL Fusion whose next batch is generated while the current one trains."""
+class ColocatedStaleSync(GRPO):
+    """GRPO's hooks under RL Fusion whose next batch is generated while the current one trains."""
 
-    def __init__(self, spec: RunSpec, options: RLOptions, stale: StaleSyncOptions, *, model_cfg: ModelConfig,
+    def __init__(self, spec: RunSpec, options: RLOptions, stale: StaleSyncOptions, *,
                  fusion: FusionOptions | None = None, **kwargs: Any) -> None:
-        """As ``RLTrainer``'s; ``fusion`` defaults to whole-model generation on every rank (in one process too:
+        """As ``GRPO``'s; ``fusion`` defaults to whole-model generation on every rank (in one process too:
         the generation model is then a second copy of the weights, which the overlap needs)."""
         fusion = fusion or FusionOptions()
         check_colocated(stale, fusion)
-        super().__init__(spec, options, model_cfg=model_cfg, fusion=fusion, **kwargs)
-        assert self.fusion is not None
+        super().__init__(spec, options, fusion=fusion, **kwargs)
         self.stale = stale
         # one batch ahead (k = 1 whatever the bound: see the module's docstring), checkpoints as sync points
         self.schedule = Schedule.of_run(1, spec, start=0)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moetrain-rollout")
-        self._side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._side_stream: torch.cuda.Stream | None = None
         self._ahead: Future[Generation] | None = None
         self._ahead_step: int | None = None
         self._ready: Generation | None = None
@@ -99,6 +99,11 @@ class ColocatedStaleSyncTrainer(RLTrainer):
         """On a GPU: the last update's peak memory above what was allocated before it."""
         self._allocated_before_update = 0
         self.gate = StalenessGate(stale.staleness)
+
+    def attach(self, trainer: Trainer) -> None:
+        super().attach(trainer)
+        assert self.fusion is not None
+        self._side_stream = torch.cuda.Stream(trainer.device) if trainer.device.type == "cuda" else None
 
     @property
     def dropped_batches(self) -> int:
@@ -109,65 +114,66 @@ class ColocatedStaleSyncTrainer(RLTrainer):
         return self.gate.stats().dropped_samples
 
     # ----- the batch of a step -----
-    def rollout(self, step: int) -> Rollouts:
+    def rollout(self, trainer: Trainer, step: int) -> Rollouts:
         fusion = self.fusion
         assert fusion is not None
         generation = None
         if self._ready is not None and self._ahead_step == step:
             local, self._ready, self._ahead_step = self._ready, None, None
             generation = fusion.gather(local)
-            if not self.gate.admit(self.weight_version, generation.sample_versions):
+            if not self.gate.admit(trainer.step, generation.sample_versions):
                 generation = None  # not by this schedule; the bound is checked all the same
         overlapped = generation is not None
         if generation is None:
-            rollouts = super().rollout(step)  # the synchronous switch, with the current weights
-            admitted = self.gate.admit(self.weight_version, rollouts.generation.sample_versions)
+            rollouts = super().rollout(trainer, step)  # the synchronous switch, with the current weights
+            admitted = self.gate.admit(trainer.step, rollouts.generation.sample_versions)
             assert admitted, "a batch of the current weights is 0 versions old"
         else:
             rollouts = scored_rollouts(self.task, self.tokenizer, self.options.grpo, self.step_problems(step),
                                        generation)
         start = time.perf_counter()
-        fusion.ensure_synced(self.weight_version)  # the current weights: diagnostics now, the next batch after
-        self.note(overlapped=overlapped, reshard_s=time.perf_counter() - start, **self.gate.stats().row())
+        fusion.ensure_synced(trainer.step)  # the current weights: diagnostics now, the next batch after
+        trainer.note(overlapped=overlapped, reshard_s=time.perf_counter() - start, **self.gate.stats().row())
         return rollouts
 
-    def proximal_logprobs(self, sequences: TrainingSequences) -> torch.Tensor | None:
+    def proximal_logprobs(self, trainer: Trainer, sequences: TrainingSequences) -> torch.Tensor | None:
         """The decoupled loss's π_prox: the current weights, whole in the generation model (synced above)."""
         assert self.fusion is not None
-        return self.sequence_logprobs(self.fusion.model, sequences) if self.stale.loss == "decoupled" else None
+        if self.stale.loss != "decoupled":
+            return None
+        return self.sequence_logprobs(trainer, self.fusion.model, sequences)
 
-    def next_batch(self):
-        batch = super().next_batch()
-        if self.runs_ahead(self.step):
-            self._launch(self.step + 1)
-        if self.device.type == "cuda":  # what the update (and a generation beside it) takes on top
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self._allocated_before_update = torch.cuda.memory_allocated(self.device)
+    def next_batch(self, trainer: Trainer, step: int) -> StepBatch:
+        batch = super().next_batch(trainer, step)
+        if self.runs_ahead(trainer, step):
+            self._launch(trainer, step + 1)
+        if trainer.device.type == "cuda":  # what the update (and a generation beside it) takes on top
+            torch.cuda.reset_peak_memory_stats(trainer.device)
+            self._allocated_before_update = torch.cuda.memory_allocated(trainer.device)
         return batch
 
-    def runs_ahead(self, step: int) -> bool:
+    def runs_ahead(self, trainer: Trainer, step: int) -> bool:
         """Whether batch ``step`` + 1 is generated during step ``step``: not after the last step, not across a
         checkpoint, and only where generation fits beside the update."""
         following = step + 1
         if following >= self.schedule.last or self.schedule.version(following) != step:
             return False  # the run ends, or the batch after a checkpoint: generated after it, from its weights
-        if self.device.type != "cuda":
+        if trainer.device.type != "cuda":
             return True  # a CPU's memory is the host's: it fits (as ``offload_decision`` says)
         if self._update_bytes is None:
             return False  # the first update runs alone, so that its memory is measured
         assert self.fusion is not None
-        free = torch.cuda.mem_get_info(self.device)[0]
+        free = torch.cuda.mem_get_info(trainer.device)[0]
         return fits_beside_update(self.fusion.need_bytes(), self._update_bytes, free)
 
-    def _launch(self, step: int) -> None:
-        assert self.fusion is not None
+    def _launch(self, trainer: Trainer, step: int) -> None:
+        """Generate batch ``step``'s rows of this rank in the background, with the current weights."""
         problems = self.step_problems(step)
         prompts = [prompt_ids(self.tokenizer, p) for p in problems]
-        generators = sample_generators(self.cfg.seed, step, len(problems), self.device)
-        version = self.weight_version
+        generators = sample_generators(self.cfg.seed, step, len(problems), trainer.device)
         if self._side_stream is not None:
-            self._side_stream.wait_stream(torch.cuda.current_stream(self.device))  # the reshard's copies
-        self._ahead = self._executor.submit(self._generate_share, prompts, generators, version)
+            self._side_stream.wait_stream(torch.cuda.current_stream(trainer.device))  # the reshard's copies
+        self._ahead = self._executor.submit(self._generate_share, prompts, generators, trainer.step)
         self._ahead_step = step
 
     def _generate_share(self, prompts: list[list[int]], generators: list[torch.Generator], version: int) -> Generation:
@@ -178,33 +184,32 @@ class ColocatedStaleSyncTrainer(RLTrainer):
             return self.fusion.generate_share(prompts, self.sampling, generators, version)
 
     # ----- after the update -----
-    def after_step(self) -> dict[str, Any]:
-        if self.device.type == "cuda":
-            self._update_bytes = torch.cuda.max_memory_allocated(self.device) - self._allocated_before_update
+    def after_step(self, trainer: Trainer, step: int, batch: StepBatch) -> dict[str, Any]:
+        if trainer.device.type == "cuda":
+            self._update_bytes = torch.cuda.max_memory_allocated(trainer.device) - self._allocated_before_update
         if self._ahead is not None:
             start = time.perf_counter()
             self._ready, self._ahead = self._ahead.result(), None
             if self._side_stream is not None:
-                torch.cuda.current_stream(self.device).wait_stream(self._side_stream)
+                torch.cuda.current_stream(trainer.device).wait_stream(self._side_stream)
             assert self.fusion is not None
             self.fusion.engine.free_cache()
-            self.note(overlap_wait_s=time.perf_counter() - start, next_gen_time_s=self._ready.seconds)
-        return super().after_step()
+            trainer.note(overlap_wait_s=time.perf_counter() - start, next_gen_time_s=self._ready.seconds)
+        return super().after_step(trainer, step, batch)
 
-    def close(self) -> None:
+    def close(self, trainer: Trainer) -> None:
         if self._ahead is not None:  # a failed step: let the generation end before the ranks part
             self._ahead.exception()
             self._ahead = None
         self._executor.shutdown(wait=True)
-        super().close()
 
-    def describe(self) -> str:
-        return (super().describe() + f" · StaleSync k={self.stale.staleness}, colocated (the next batch generates "
-                f"during each update), loss {self.stale.loss}")
+    def describe(self, trainer: Trainer) -> str:
+        return (super().describe(trainer) + f" · StaleSync k={self.stale.staleness}, colocated (the next batch "
+                f"generates during each update), loss {self.stale.loss}")
 
 
-def rl_trainer(spec: RunSpec, options: RLOptions, stale: StaleSyncOptions | None, **kwargs: Any) -> RLTrainer:
-    """The GRPO trainer of a colocated run: synchronous (``stale`` None) or overlapped (k ≥ 1)."""
+def rl_hooks(spec: RunSpec, options: RLOptions, stale: StaleSyncOptions | None, **kwargs: Any) -> GRPO:
+    """The GRPO hooks of a colocated run: synchronous (``stale`` None) or overlapped (k ≥ 1)."""
     if stale is None:
-        return RLTrainer(spec, options, **kwargs)
-    return ColocatedStaleSyncTrainer(spec, options, stale, **kwargs)
+        return GRPO(spec, options, **kwargs)
+    return ColocatedStaleSync(spec, options, stale, **kwargs)

@@ -1,4 +1,5 @@
-"""The RL trainer: the runtime's ``Trainer`` whose batch for step s is a fresh, scored set of rollouts.
+"""The RL hooks of the runtime's ``Trainer``: the SFT warm-up's, and GRPO's, whose batch for step s is a fresh,
+scored set of rollouts (``Trainer(spec, hooks=GRPO(spec, options))``).
 
 One step (synchronous, colocated: in one process generation runs on the training model's own
 parameters; across ranks, RL Fusion (``moetrain.rl.fusion``) reshards the current weights into a
@@ -28,13 +29,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from rich.console import Console
 from rich.table import Table
 
 from moetrain.config import ModelConfig
 from moetrain.config.run import RunSpec
 from moetrain.data.packing import StepBatch
-from moetrain.distributed.layout import ParallelDims
 from moetrain.errors import UserError
 from moetrain.models.attention import build_attention_context
 from moetrain.models.transformer import MoETransformer, decoder_moe_layers, layer_replay
@@ -56,8 +55,7 @@ from moetrain.rl.sft import TaskSFTDataset, prompt_ids
 from moetrain.rl.tasks import Problem, Task, get_task, heldout_problems, problem_at
 from moetrain.rl.tokenizer import CharTokenizer
 from moetrain.rl.warmup import WarmupCheck, WarmupDecision, decide, warmup_validation
-from moetrain.runtime_base.checkpoint_files import run_identity
-from moetrain.train.trainer import Trainer
+from moetrain.train.trainer import Trainer, TrainerHooks
 
 EVAL_BATCH = 256
 WARMUP_DECISION_FILE = "warmup.json"
@@ -104,121 +102,109 @@ def _fusion_options(spec: RunSpec, fusion: FusionOptions | None) -> FusionOption
     return fusion
 
 
-class SFTTrainer(Trainer):
-    """The warm-up: the runtime's loop on ``TaskSFTDataset`` batches (answer tokens only), stopped by a
-    measured criterion (``moetrain.rl.warmup``) when one is given, else after every step."""
+class SFTWarmup(TrainerHooks):
+    """The warm-up's hooks: the runtime's loop on ``TaskSFTDataset`` batches (answer tokens only, the batch
+    source ``examples``), stopped by a measured criterion (``moetrain.rl.warmup``) when one is given, else
+    after every step. ``decision``: where the criterion stopped it (None: not yet)."""
 
-    def __init__(self, spec: RunSpec, task: Task, *, model_cfg: ModelConfig, model: MoETransformer | None = None,
-                 console: Console | None = None, criterion: WarmupCriterion | None = None,
+    def __init__(self, spec: RunSpec, task: Task, *, criterion: WarmupCriterion | None = None,
                  eval_size: int = RLOptions().eval_size) -> None:
-        """``model``: the starting weights (``moetrain rl --from``); a fresh model of the run's seed by default.
-        ``criterion``: when to stop before ``spec.training.steps`` (the cap); ``eval_size``: the GRPO run's
-        evaluation set, which the validation problems avoid."""
-        tokenizer, training = CharTokenizer(), spec.training
-        examples = TaskSFTDataset(task, tokenizer, training.seq_len, training.seed)
-        super().__init__(spec, model_cfg=model_cfg, model=model, console=console, batches=examples)
-        self.task, self.tokenizer = task, tokenizer
+        """``criterion``: when to stop before ``spec.training.steps`` (the cap); ``eval_size``: the GRPO
+        run's evaluation set, which the validation problems avoid."""
+        training = spec.training
+        self.task, self.tokenizer = task, CharTokenizer()
+        self.examples = TaskSFTDataset(task, self.tokenizer, training.seq_len, training.seed)
+        """The batch source to give the trainer (``Trainer(batches=...)``)."""
         self.criterion = criterion if criterion is not None and criterion.enabled else None
         self.decision: WarmupDecision | None = None
-        self.validation = (warmup_validation(task, self.cfg.seed, self.criterion, eval_size)
+        self.validation = (warmup_validation(task, training.seed, self.criterion, eval_size)
                            if self.criterion is not None else [])
 
-    def identity(self) -> dict[str, Any]:
+    def identity(self, trainer: Trainer) -> str:
         criterion = f":{self.criterion.model_dump_json()}" if self.criterion is not None else ""
-        return run_identity(self.model_cfg, self.cfg, f"sft:{self.task.name}{criterion}")
+        return f"sft:{self.task.name}{criterion}"
 
-    def finished(self) -> bool:
+    def finished(self, trainer: Trainer) -> bool:
         return self.decision is not None
 
-    def after_step(self) -> dict[str, Any]:
-        extra = super().after_step()
-        criterion = self.criterion
-        if criterion is not None and (self.step % criterion.check_every == 0 or self.step == self.cfg.steps):
-            start = time.perf_counter()
-            check = WarmupCheck(self.step, self.validation_accuracy())
-            self.decision = decide(check, criterion, self.cfg.steps)
-            extra.update(validation_accuracy=check.accuracy, check_time_s=time.perf_counter() - start)
-        return extra
+    def after_step(self, trainer: Trainer, step: int, batch: StepBatch) -> dict[str, Any]:
+        criterion, steps = self.criterion, trainer.cfg.steps
+        if criterion is None or not (step % criterion.check_every == 0 or step == steps):
+            return {}
+        start = time.perf_counter()
+        check = WarmupCheck(step, self.validation_accuracy(trainer))
+        self.decision = decide(check, criterion, steps)
+        return {"validation_accuracy": check.accuracy, "check_time_s": time.perf_counter() - start}
 
     @torch.no_grad()
-    def validation_accuracy(self) -> float:
+    def validation_accuracy(self, trainer: Trainer) -> float:
         """Greedy accuracy on the validation problems. Across ranks every rank holds the whole model (one
         weight sync) and scores its share; the counts are summed, so every rank takes the same decision."""
-        world = self.spec.world_size
+        world = trainer.spec.world_size
         if world == 1:
-            model, share = self.run.stage.model, self.validation
+            model, share = trainer.run.stage.model, self.validation
         else:
-            model, rank = whole_model(self.run, self.model_cfg), self.dims.rank
+            model, rank = whole_model(trainer.run, trainer.model_cfg), trainer.dims.rank
             share = self.validation[rank::world]
-        engine = RolloutEngine(model, self.tokenizer.pad_id, self.tokenizer.decode, self.run.autocast_dtype)
+        engine = RolloutEngine(model, self.tokenizer.pad_id, self.tokenizer.decode, trainer.run.autocast_dtype)
         correct = greedy_correct(engine, self.task, self.tokenizer, share, self.task.max_answer_chars + 2)
         if world > 1:
-            total = torch.tensor([correct], dtype=torch.float64, device=self.device)
-            dist.all_reduce(total, group=self.dims.get_group("world"))
+            total = torch.tensor([correct], dtype=torch.float64, device=trainer.device)
+            dist.all_reduce(total, group=trainer.dims.get_group("world"))
             correct = float(total)
         return correct / len(self.validation)
 
-    def save(self) -> Path | None:
-        """The checkpoint, and beside it the criterion's decision: a later run reuses the warm-up as finished."""
-        path = super().save()
-        if path is not None and self.decision is not None and self.is_reporter:
-            (Path(self.spec.run.save_dir) / WARMUP_DECISION_FILE).write_text(json.dumps(asdict(self.decision)))
-        return path
+    def saved(self, trainer: Trainer, path: Path) -> None:
+        """Beside the checkpoint, the criterion's decision: a later run reuses the warm-up as finished."""
+        if self.decision is not None and trainer.is_reporter:
+            (Path(trainer.spec.run.save_dir) / WARMUP_DECISION_FILE).write_text(json.dumps(asdict(self.decision)))
 
-    def load(self) -> bool:
-        loaded = super().load()
-        record = Path(self.spec.run.save_dir) / WARMUP_DECISION_FILE
-        if loaded and self.criterion is not None and record.is_file():
+    def loaded(self, trainer: Trainer, path: Path) -> None:
+        record = Path(trainer.spec.run.save_dir) / WARMUP_DECISION_FILE
+        if self.criterion is not None and record.is_file():
             decision = WarmupDecision(**json.loads(record.read_text()))
-            self.decision = decision if decision.step == self.step else None
-        return loaded
+            self.decision = decision if decision.step == trainer.step else None
 
-    def describe(self) -> str:
+    def describe(self, trainer: Trainer) -> str:
         stop = "" if self.criterion is None else (
             f" at most, stopping when validation accuracy reaches {self.criterion.target:.0%} (checked every "
             f"{self.criterion.check_every} steps on {len(self.validation)} held-out problems)")
-        return (f"SFT warm-up on {self.task.name}: {self.cfg.steps} steps × {self.cfg.global_batch} examples{stop}, "
-                f"model {self.model_cfg.name} · {self.device_text()}")
+        cfg = trainer.cfg
+        return (f"SFT warm-up on {self.task.name}: {cfg.steps} steps × {cfg.global_batch} examples{stop}, "
+                f"model {trainer.model_cfg.name} · {trainer.device_text()}")
 
 
-class RLTrainer(Trainer):
-    """GRPO on the runtime's loop: its ``next_batch`` generates, scores and packs the step's samples. The
-    StaleSync trainers change it through its own extension points: ``rollout(step)`` (where the samples come
-    from), ``reference_logprobs`` and ``proximal_logprobs`` (the loss's other policies), and
-    ``replay_diagnostics``; their row fields go through ``note``."""
+class GRPO(TrainerHooks):
+    """GRPO's hooks: ``next_batch`` generates, scores and packs the step's samples; ``after_step`` reads the
+    objective's statistics and evaluates. The StaleSync hooks change it through its own methods:
+    ``rollout`` (where the samples come from), ``reference_logprobs`` and ``proximal_logprobs`` (the loss's
+    other policies), and ``replay_diagnostics``; their row fields go through ``trainer.note``."""
 
-    receives_reference = False
-    """The batches bring the reference log-probs (a StaleSync reference worker's) instead of a model here."""
+    makes_batches = True
 
-    def __init__(self, spec: RunSpec, options: RLOptions, *, model_cfg: ModelConfig,
-                 model: MoETransformer | None = None, reference: MoETransformer | None = None,
-                 console: Console | None = None, keep_logprobs: bool = False, fusion: FusionOptions | None = None,
-                 dims: ParallelDims | None = None) -> None:
-        """``model``: the starting policy (e.g. the SFT warm-up's weights); ``reference``: the frozen model
-        of the KL term (needed when ``options.grpo.kl_coef`` > 0). ``keep_logprobs``: keep each step's
-        trainer log-probs (``last_stats.logprobs``, tests). ``fusion``: the generation layout across ranks
-        (RL Fusion; the default one when the layout has several ranks); ``dims``: as ``Trainer``'s."""
-        fusion = _fusion_options(spec, fusion)
-        if options.grpo.kl_coef and reference is None and not self.receives_reference:
+    def __init__(self, spec: RunSpec, options: RLOptions, *, reference: MoETransformer | None = None,
+                 keep_logprobs: bool = False, fusion: FusionOptions | None = None,
+                 reference_in_batches: bool = False) -> None:
+        """``reference``: the frozen model of the KL term (needed when ``options.grpo.kl_coef`` > 0), unless
+        ``reference_in_batches`` (a StaleSync reference worker's log-probs come with each batch).
+        ``keep_logprobs``: keep each step's trainer log-probs (``last_stats.logprobs``, tests). ``fusion``:
+        the generation layout across ranks (RL Fusion; the default one when the layout has several ranks)."""
+        self.fusion_options = _fusion_options(spec, fusion)
+        if options.grpo.kl_coef and reference is None and not reference_in_batches:
             raise UserError("a KL coefficient needs a reference model (the starting weights)")
-        task, tokenizer = get_task(options.task), CharTokenizer()
-        tokenizer.check_fits(model_cfg.vocab_size, model_cfg.name)
         expected = spec.training.global_batch
         if options.prompts_per_step * options.grpo.group_size != expected:
             raise UserError(f"global batch {expected} must be prompts per step × group size "
                             f"({options.prompts_per_step} × {options.grpo.group_size})")
-        super().__init__(spec, dims=dims, model_cfg=model_cfg, model=model, console=console)
-        self.options, self.task, self.tokenizer = options, task, tokenizer
-        self.keep_logprobs = keep_logprobs
+        self.spec, self.cfg, self.options = spec, spec.training, options
+        self.task, self.tokenizer = get_task(options.task), CharTokenizer()
+        self.keep_logprobs, self.reference_in_batches = keep_logprobs, reference_in_batches
         self.reference = reference.eval().requires_grad_(False) if reference is not None else None
-        self.fusion = None
-        if fusion is not None:
-            self.fusion = Fusion(self.run, model_cfg, fusion, self.tokenizer.pad_id, self.tokenizer.decode)
-            self.fusion.share(expected)  # the step's samples split over the generation replicas
-            self.engine = self.fusion.engine
-        else:
-            self.engine = RolloutEngine(self.run.stage.model, self.tokenizer.pad_id, self.tokenizer.decode,
-                                        self.run.autocast_dtype)
+        self.fusion: Fusion | None = None
+        self.engine: RolloutEngine | None = None
+        self.batching: Batching | None = None
+        """The step's micro-batches (``attach``): this rank's rows, cut to their longest sample in multiples
+        of the layout's sequence split (tp: sequence parallelism; RL refuses context parallelism)."""
         self.sampling = SamplingParams(
             max_new_tokens=self.max_new_tokens, temperature=options.grpo.temperature, top_k=options.top_k,
             top_p=options.top_p, stop_token_ids=(self.tokenizer.eos_id,))
@@ -227,63 +213,74 @@ class RLTrainer(Trainer):
         self.last_sequences: TrainingSequences | None = None
         """The latest step's training sequences (with the rollout log-probs)."""
 
+    def attach(self, trainer: Trainer) -> None:
+        """The rollout engine on the trained model (or RL Fusion's generation model), the run's batching."""
+        model_cfg = trainer.model_cfg
+        self.tokenizer.check_fits(model_cfg.vocab_size, model_cfg.name)
+        if self.fusion_options is not None:
+            self.fusion = Fusion(trainer.run, model_cfg, self.fusion_options, self.tokenizer.pad_id,
+                                 self.tokenizer.decode)
+            self.fusion.share(self.cfg.global_batch)  # the step's samples split over the generation replicas
+            self.engine = self.fusion.engine
+        else:
+            self.engine = RolloutEngine(trainer.run.stage.model, self.tokenizer.pad_id, self.tokenizer.decode,
+                                        trainer.run.autocast_dtype)
+        parallel = self.spec.parallel
+        self.batching = Batching(self.cfg.micro_batch, parallel.tp, self.options.group_by_length, trainer.dp_rank,
+                                 parallel.dp)
+
     @property
     def max_new_tokens(self) -> int:
         return self.options.max_new_tokens or self.task.max_answer_chars + 2
 
-    @property
-    def weight_version(self) -> int:
-        """Optimizer steps the current weights have taken: the version a new sample is tagged with."""
-        return self.step
-
-    def prepare_data(self) -> None:
-        return None
-
-    def identity(self) -> dict[str, Any]:
+    def identity(self, trainer: Trainer) -> str:
         # The task and every RL option are part of what is learned: a checkpoint resumes only into the same.
-        return run_identity(self.model_cfg, self.cfg, f"rl:{self.options.model_dump_json()}")
+        return f"rl:{self.options.model_dump_json()}"
 
     # ----- one step's batch -----
     def step_problems(self, step: int) -> list[Problem]:
         """The step's prompts, each repeated group_size times (groups contiguous)."""
         return step_problems(self.task, self.options, self.cfg.seed, step)
 
-    def rollout(self, step: int) -> Rollouts:
-        """The step's samples, scored. Sample i draws from a generator of (seed, step, i), so a sample is
-        the same whichever rank generates it (RL Fusion) and whichever samples share its batch."""
+    def rollout(self, trainer: Trainer, step: int) -> Rollouts:
+        """The step's samples, scored, generated with the current weights (version ``trainer.step``). Sample
+        i draws from a generator of (seed, step, i), so a sample is the same whichever rank generates it
+        (RL Fusion) and whichever samples share its batch."""
         problems = self.step_problems(step)
         prompts = [prompt_ids(self.tokenizer, p) for p in problems]
-        generators = sample_generators(self.cfg.seed, step, len(problems), self.device)
+        generators = sample_generators(self.cfg.seed, step, len(problems), trainer.device)
         if self.fusion is not None:
-            generation, switch = self.fusion.step(self.weight_version, prompts, self.sampling, generators)
-            self.note(**switch.metrics)
+            generation, switch = self.fusion.step(trainer.step, prompts, self.sampling, generators)
+            trainer.note(**switch.metrics)
         else:
-            generation = self.engine.generate(prompts, self.sampling, generators, weight_version=self.weight_version)
+            assert self.engine is not None
+            generation = self.engine.generate(prompts, self.sampling, generators, weight_version=trainer.step)
         start = time.perf_counter()
         rollouts = scored_rollouts(self.task, self.tokenizer, self.options.grpo, problems, generation)
-        self.note(score_time_s=time.perf_counter() - start)
+        trainer.note(score_time_s=time.perf_counter() - start)
         return rollouts
 
-    def next_batch(self) -> StepBatch:
-        if self.step == 0 and not self.metrics.rows:
+    def next_batch(self, trainer: Trainer, step: int) -> StepBatch:
+        if step == 0 and not trainer.metrics.rows:
             # The starting policy's held-out accuracy, as the curve's step 0 (a fresh run only).
-            self.metrics.log({"step": 0, "heldout_accuracy": self.evaluate()})
-        rollouts = self.rollout(self.step)
+            trainer.metrics.log({"step": 0, "heldout_accuracy": self.evaluate(trainer)})
+        rollouts = self.rollout(trainer, step)
         sequences = self.last_sequences = training_sequences(rollouts, self.cfg.seq_len, self.tokenizer.pad_id)
-        self.note(**rollout_metrics(rollouts, self.options.grpo.group_size, self.weight_version))
-        has_reference = self.reference is not None or self.receives_reference
-        ref_logp_BS = self.reference_logprobs(sequences) if has_reference else None
+        trainer.note(**rollout_metrics(rollouts, self.options.grpo.group_size, trainer.step))
+        has_reference = self.reference is not None or self.reference_in_batches
+        ref_logp_BS = self.reference_logprobs(trainer, rollouts, sequences) if has_reference else None
         every = self.options.replay_stats_every
-        if every and self.step % every == 0 and sequences.expert_ids_BSMK is not None:
-            self.note(**self.replay_diagnostics(sequences))
-        old_logp_BS = self.proximal_logprobs(sequences)
+        if every and step % every == 0 and sequences.expert_ids_BSMK is not None:
+            trainer.note(**self.replay_diagnostics(trainer, sequences))
+        old_logp_BS = self.proximal_logprobs(trainer, sequences)
         rows = self.trained_rows(rollouts)
         if rows is not None:
             take = lambda t_BS: None if t_BS is None else t_BS.index_select(0, rows)
             sequences, ref_logp_BS, old_logp_BS = sequences.select(rows), take(ref_logp_BS), take(old_logp_BS)
             self.last_sequences = sequences
-        self.note(trained_frac=1.0 if rows is None else len(rows) / len(rollouts.problems))
-        self.last_stats = StepStats.zeros(self.device, self.keep_logprobs)
+        trainer.note(trained_frac=1.0 if rows is None else len(rows) / len(rollouts.problems))
+        self.last_stats = StepStats.zeros(trainer.device, self.keep_logprobs)
+        assert self.batching is not None
         return step_batch(sequences, self.options.grpo, self.batching, self.last_stats, self.options.replay,
                           ref_logp_BS, old_logp_BS)
 
@@ -296,33 +293,27 @@ class RLTrainer(Trainer):
         return trained_rows(rollouts.rewards_B, self.options.grpo.group_size, self.cfg.micro_batch, parallel.dp,
                             parallel.dp * (parallel.pp if parallel.vpp > 1 else 1))
 
-    @property
-    def batching(self) -> Batching:
-        """The step's micro-batches: this rank's rows, cut to their longest sample in multiples of the
-        layout's sequence split (tp: sequence parallelism; RL refuses context parallelism)."""
-        parallel = self.spec.parallel
-        return Batching(self.cfg.micro_batch, parallel.tp, self.options.group_by_length, self.dp_rank, parallel.dp)
-
-    def proximal_logprobs(self, sequences: TrainingSequences) -> torch.Tensor | None:
+    def proximal_logprobs(self, trainer: Trainer, sequences: TrainingSequences) -> torch.Tensor | None:
         """π_old of the ratio when it is not the trained weights before the step (None: it is; the
-        StaleSync trainer's decoupled loss overrides this)."""
+        StaleSync hooks' decoupled loss overrides this)."""
         return None
 
-    def reference_logprobs(self, sequences: TrainingSequences) -> torch.Tensor:
+    def reference_logprobs(self, trainer: Trainer, rollouts: Rollouts, sequences: TrainingSequences) -> torch.Tensor:
+        """The KL reference's log-probs of the samples: the frozen reference model's."""
         assert self.reference is not None
-        return self.sequence_logprobs(self.reference, sequences)
+        return self.sequence_logprobs(trainer, self.reference, sequences)
 
-    def sequence_logprobs(self, model: MoETransformer, sequences: TrainingSequences) -> torch.Tensor:
+    def sequence_logprobs(self, trainer: Trainer, model: MoETransformer, sequences: TrainingSequences) -> torch.Tensor:
         """[B, S] log-probs of the samples' tokens under ``model`` (a whole one), by this run's micro-batches,
         with generation's experts when the run replays them."""
-        return sequence_logprobs(model, sequences, self.options, self.cfg.micro_batch, self.device)
+        return sequence_logprobs(model, sequences, self.options, self.cfg.micro_batch, trainer.device)
 
     @torch.no_grad()
-    def replay_diagnostics(self, sequences: TrainingSequences) -> dict[str, float]:
+    def replay_diagnostics(self, trainer: Trainer, sequences: TrainingSequences) -> dict[str, float]:
         """One forward of the current weights *without* replay: the share of tokens routed elsewhere than
         in generation, and the train/generate log-prob gap that routing leaves. Under RL Fusion on the
         generation model, which holds the current weights whole (synced for this step)."""
-        model = self.fusion.model if self.fusion is not None else self.run.stage.model
+        model = self.fusion.model if self.fusion is not None else trainer.run.stage.model
         start = time.perf_counter()
         gaps = []
         recorder = RoutingRecorder(model)
@@ -331,7 +322,7 @@ class RLTrainer(Trainer):
         chosen = torch.full_like(record, -1)  # positions after a chunk's longest row are padding: not compared
         with recorder:
             for chunk in forward_chunks(sequences, self.cfg.micro_batch, self.options.group_by_length):
-                ids, labels = chunk.cut(sequences.input_ids_BS).to(self.device), chunk.cut(sequences.labels_BS)
+                ids, labels = chunk.cut(sequences.input_ids_BS).to(trainer.device), chunk.cut(sequences.labels_BS)
                 logp = policy_logprobs(model, ids, labels, self.options.grpo.temperature)
                 chosen[chunk.rows, : chunk.length] = recorder.take(*ids.shape).cpu()
                 gap = (logp.cpu() - chunk.cut(sequences.rollout_logp_BS)).abs()
@@ -343,13 +334,13 @@ class RLTrainer(Trainer):
                 "replay_stats_time_s": time.perf_counter() - start}
 
     # ----- after the step -----
-    def after_step(self) -> dict[str, Any]:
-        extra = super().after_step()
+    def after_step(self, trainer: Trainer, step: int, batch: StepBatch) -> dict[str, Any]:
+        extra: dict[str, Any] = {}
         start = time.perf_counter()
         stats = self.last_stats
         if stats is not None:
             # One read of the objective's sums (all-reduced, so every rank logs the same row).
-            world = self.dims.get_group("world")
+            world = trainer.dims.get_group("world")
             dist.all_reduce(stats.sums, group=world)
             dist.all_reduce(stats.gap_abs_max, op=dist.ReduceOp.MAX, group=world)
             values = torch.cat([stats.sums, stats.gap_abs_max.reshape(1)]).tolist()
@@ -359,40 +350,40 @@ class RLTrainer(Trainer):
         last = min(self.cfg.steps, self.spec.run.stop_at or self.cfg.steps)
         every = self.options.eval_every
         extra["stats_time_s"] = time.perf_counter() - start
-        if self.step == last or (every and self.step % every == 0):
+        if step == last or (every and step % every == 0):
             start = time.perf_counter()
-            extra["heldout_accuracy"] = self.evaluate()
+            extra["heldout_accuracy"] = self.evaluate(trainer)
             extra["eval_time_s"] = time.perf_counter() - start
         return extra
 
     @torch.no_grad()
-    def evaluate(self, problems: list[Problem] | None = None) -> float:
+    def evaluate(self, trainer: Trainer, problems: list[Problem] | None = None) -> float:
         """Greedy accuracy on held-out problems (the fixed evaluation set by default); under RL Fusion each
         generation replica scores its share, on weights synced to the current version."""
         problems = problems if problems is not None else self.eval_problems
         mine = problems
         if self.fusion is not None:
-            self.fusion.ensure_synced(self.weight_version)
+            self.fusion.ensure_synced(trainer.step)
             per = -(-len(problems) // self.fusion.replicas)
             mine = problems[self.fusion.replica * per:(self.fusion.replica + 1) * per]
-        correct = greedy_correct(self.engine, self.task, self.tokenizer, mine, self.max_new_tokens,
-                                 self.weight_version)
+        assert self.engine is not None
+        correct = greedy_correct(self.engine, self.task, self.tokenizer, mine, self.max_new_tokens, trainer.step)
         if self.fusion is not None:
             self.engine.free_cache()
             # on the device the group communicates on (NCCL takes device tensors only)
-            total = torch.tensor([correct], dtype=torch.float64, device=self.device)
+            total = torch.tensor([correct], dtype=torch.float64, device=trainer.device)
             dist.all_reduce(total, group=self.fusion.group)
             correct = float(total) / self.fusion.options.gen_ep
         return correct / max(len(problems), 1)
 
-    def describe(self) -> str:
+    def describe(self, trainer: Trainer) -> str:
         o = self.options
         return (f"GRPO on {o.task}: {self.cfg.steps} steps × {o.prompts_per_step} prompts × {o.grpo.group_size} "
                 f"samples, ≤{self.max_new_tokens} new tokens, T={o.grpo.temperature}, router replay "
-                f"{'on' if o.replay else 'off'} · model {self.model_cfg.name} · {self.device_text()}"
-                + self._fusion_text())
+                f"{'on' if o.replay else 'off'} · model {trainer.model_cfg.name} · {trainer.device_text()}"
+                + self.fusion_text())
 
-    def _fusion_text(self) -> str:
+    def fusion_text(self) -> str:
         if self.fusion is None:
             return ""
         p = self.spec.parallel
@@ -401,8 +392,8 @@ class RLTrainer(Trainer):
         return (f" · RL Fusion on {self.spec.world_size} ranks: train {train or 'dp1'}, generate in "
                 f"{self.fusion.replicas} replicas, offload {self.fusion.options.offload}")
 
-    def print_summary(self) -> None:
-        self.console.print(rl_summary_table(self.metrics.rows, f"{self.model_cfg.name}: GRPO on {self.options.task}"))
+    def summary(self, trainer: Trainer) -> Table:
+        return rl_summary_table(trainer.metrics.rows, f"{trainer.model_cfg.name}: GRPO on {self.options.task}")
 
 
 @torch.no_grad()

@@ -5,8 +5,9 @@ the global ranks in this order:
 
 - ``replicas`` rollout replicas of ``ranks_per_replica`` (G) ranks each, ranks ``0 .. R·G − 1``, replica
   ``i`` on ranks ``i·G .. i·G + G − 1``: each replica generates its contiguous share of every batch, its
-  G ranks in an EP layout (the experts split over them, the dense weights whole on each, the same rows in
-  lockstep); the replica's first rank (its leader) sends the share on;
+  G ranks in an EP layout (the experts split over them, the dense weights whole on each) or a TP layout
+  (the attention heads and dense FFN columns split over them, the experts whole on each), the same rows
+  in lockstep; the replica's first rank (its leader) sends the share on;
 - the trainer group, ranks ``R·G .. R·G + T − 1``: the training runtime in its own layout (``T`` = the
   trainer's tp·pp·dp ranks; EP and ETP live inside them); its first rank receives every batch;
 - a reward worker and a reference worker when the run has them (then after the trainer group), between
@@ -22,6 +23,7 @@ Torch-free: the CLI sizes the launch with it before anything heavy is imported.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 ROLLOUT, REWARD, REFERENCE, TRAINER = "rollout worker", "reward worker", "reference worker", "trainer"
 
@@ -37,7 +39,9 @@ class Roles:
     trainer_ranks: int = 1
     """Ranks of the trainer group (its layout's world size)."""
     ranks_per_replica: int = 1
-    """Ranks of each rollout replica (its generation layout's EP degree)."""
+    """Ranks of each rollout replica (its generation layout's EP or TP degree)."""
+    replica_layout: Literal["ep", "tp"] = "ep"
+    """How a replica of several ranks splits the model: its experts (ep) or its heads and dense columns (tp)."""
 
     def __post_init__(self) -> None:
         if min(self.replicas, self.trainer_ranks, self.ranks_per_replica) < 1:
@@ -108,3 +112,11 @@ class Roles:
         if stage == ROLLOUT and self.rollout_ranks > 1:
             stage = f"rollout replica {self.replica_of(rank)}"
         return f"StaleSync {stage} (rank {rank})"
+
+    def lost_name(self, rank: int) -> str:
+        """How a failure names a rank that is gone: ``StaleSync rollout replica 1 rank 3`` for a rank of a
+        replica of several ranks (which rank of the replica matters: only its leader sends batches), else
+        as ``worker_name``."""
+        if self.stage(rank) == ROLLOUT and self.ranks_per_replica > 1:
+            return f"StaleSync rollout replica {self.replica_of(rank)} rank {rank}"
+        return self.worker_name(rank)

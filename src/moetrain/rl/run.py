@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from moetrain.models.transformer import MoETransformer
-    from moetrain.rl.loop import RLTrainer
+    from moetrain.train.trainer import Trainer
 
 SFT_RUN_FIELDS = ("device", "threads", "cluster", "quiet", "compile", "timeout_s", "document_mask",
                   "ranks_per_node")
@@ -143,35 +143,39 @@ def starting_model(run: RLRun, device: str | torch.device = "cpu") -> MoETransfo
 def warm_up(run: RLRun, model: MoETransformer | None, console: Console | None = None):
     """The SFT warm-up trainer of ``run`` after training (or reading back the finished warm-up in its save
     dir) from ``model`` (None: initialised from the seed)."""
-    from moetrain.rl.loop import SFTTrainer  # lazy, heavy: torch
+    from moetrain.rl.loop import SFTWarmup  # lazy, heavy: torch
     from moetrain.runtime_base.checkpoint_files import latest_checkpoint  # lazy, heavy: torch
+    from moetrain.train.trainer import Trainer  # lazy, heavy: torch
 
     spec = run.sft
     assert spec is not None
     if spec.run.save_dir and latest_checkpoint(Path(spec.run.save_dir)) is not None:
         # a finished warm-up in the save dir is read back, not trained again
         spec = spec.model_copy(update={"run": spec.run.model_copy(update={"resume": True})})
-    trainer = SFTTrainer(spec, get_task(run.options.task), model_cfg=run.model_cfg, model=model, console=console,
-                         criterion=run.spec.sft.criterion, eval_size=run.options.eval_size)
+    hooks = SFTWarmup(spec, get_task(run.options.task), criterion=run.spec.sft.criterion,
+                      eval_size=run.options.eval_size)
+    trainer = Trainer(spec, model_cfg=run.model_cfg, model=model, console=console, batches=hooks.examples,
+                      hooks=hooks)
     trainer.console.print(trainer.describe())
     rows = trainer.train()
     if rows:
         trainer.console.print(f"SFT: loss {rows[0]['loss']:.3f} → {rows[-1]['loss']:.3f} in "
                               f"{sum(r['step_time_s'] for r in rows) / 60:.1f} min")
-    if trainer.decision is not None:
-        say(trainer.console, trainer.decision.describe())  # one line, never wrapped: what the criterion decided
+    if hooks.decision is not None:
+        say(trainer.console, hooks.decision.describe())  # one line, never wrapped: what the criterion decided
     return trainer
 
 
 def train_grpo(run: RLRun, model: MoETransformer | None, reference: MoETransformer | None,
-               console: Console | None = None) -> RLTrainer:
+               console: Console | None = None) -> Trainer:
     """GRPO, synchronous or colocated StaleSync, from ``model``; the summary and, on the reporting rank, the
     reward curve (the whole curve after a resume)."""
-    from moetrain.rl.colocated import rl_trainer  # lazy, heavy: torch
+    from moetrain.rl.colocated import rl_hooks  # lazy, heavy: torch
     from moetrain.rl.plot import plot_reward_curve  # lazy: matplotlib, only for the curve
+    from moetrain.train.trainer import Trainer  # lazy, heavy: torch
 
-    trainer = rl_trainer(run.grpo, run.options, run.stale, model_cfg=run.model_cfg, model=model, reference=reference,
-                         console=console, fusion=run.fusion)
+    hooks = rl_hooks(run.grpo, run.options, run.stale, reference=reference, fusion=run.fusion)
+    trainer = Trainer(run.grpo, model_cfg=run.model_cfg, model=model, console=console, hooks=hooks)
     trainer.console.print(trainer.describe())
     rows = trainer.train()
     trainer.print_summary()

@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from moetrain.config.model import ModelConfig
 from moetrain.config.parallel import ParallelConfig
 from moetrain.config.presets import load_model_config
 from moetrain.config.run import RunSpec, fill_data_parallel, merge_sources
@@ -61,8 +62,9 @@ class RolloutPool(BaseModel):
     disaggregated pipeline runs ``replicas`` rollout replicas of ``ranks_per_replica`` ranks each on ranks
     of their own, beside the trainer group: a replica of one rank holds the whole model, one of G ranks
     generates in the EP layout ``generation.gen_ep`` = G (the experts split over its ranks, the dense
-    tensors whole on each). Left empty, the spec fills them in; a pool sized otherwise is not built yet
-    and is refused."""
+    tensors whole on each) or the TP layout ``generation.gen_tp`` = G (the heads and dense FFN columns
+    split over its ranks, the experts whole on each). Left empty, the spec fills them in; a pool sized
+    otherwise is not built yet and is refused."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -144,8 +146,9 @@ class RLRunSpec(BaseModel):
     def _derived(self) -> RLRunSpec:
         self.trainer = _trainer_run(self)
         self.rollout = _rollout_pool(self)
-        if self.disaggregated:  # one number for the replica's EP degree: the pool's ranks per replica
-            self.generation = self.generation.model_copy(update={"gen_ep": self.rollout.ranks_per_replica})
+        if self.disaggregated:  # one number for the replica's EP (or TP) degree: the pool's ranks per replica
+            axis = "gen_tp" if self.generation.gen_tp > 1 else "gen_ep"
+            self.generation = self.generation.model_copy(update={axis: self.rollout.ranks_per_replica})
         self.stalesync = _stalesync_sync_buckets(self)
         _check_placement(self)
         _check_restarts(self)
@@ -167,7 +170,8 @@ class RLRunSpec(BaseModel):
         assert self.stalesync is not None and self.rollout.replicas is not None
         assert self.rollout.ranks_per_replica is not None
         return Roles(self.stalesync.reward_worker, self.rl.grpo.kl_coef > 0, self.rollout.replicas,
-                     self.trainer.world_size, self.rollout.ranks_per_replica)
+                     self.trainer.world_size, self.rollout.ranks_per_replica,
+                     "tp" if self.generation.gen_tp > 1 else "ep")
 
     @property
     def model_name(self) -> str:
@@ -236,6 +240,10 @@ def _rollout_pool(spec: RLRunSpec) -> RolloutPool:
     pool = spec.rollout
     if spec.disaggregated:
         return _disaggregated_pool(spec)
+    if spec.generation.gen_tp > 1:
+        raise ValueError(f"generation.gen_tp {spec.generation.gen_tp}: tensor-parallel generation runs in the "
+                         "disaggregated pipeline's rollout replicas only (not built yet for RL Fusion or the "
+                         "colocated placement); drop --gen-tp or give --staleness K --placement disaggregated")
     world = spec.trainer.world_size
     ranks = spec.generation.gen_ep if world > 1 else 1
     replicas = spec.generation.replicas(world) if world > 1 else 1
@@ -248,18 +256,18 @@ def _rollout_pool(spec: RLRunSpec) -> RolloutPool:
 
 
 def _disaggregated_pool(spec: RLRunSpec) -> RolloutPool:
-    """R replicas of G ranks: G is ``rollout.ranks_per_replica`` or ``generation.gen_ep`` (one number, set
-    once); the prompts must split over the replicas and the experts over a replica's ranks."""
-    pool, gen_ep = spec.rollout, spec.generation.gen_ep
+    """R replicas of G ranks: G is ``rollout.ranks_per_replica``, ``generation.gen_ep`` or ``generation.gen_tp``
+    (one number, set once); the prompts must split over the replicas, and the experts (EP) or the heads
+    (TP) over a replica's ranks."""
+    pool, gen_ep, gen_tp = spec.rollout, spec.generation.gen_ep, spec.generation.gen_tp
+    if gen_tp > 1:
+        return _tp_pool(spec)
     replicas = pool.replicas or 1
     ranks = pool.ranks_per_replica or gen_ep
     if "gen_ep" in spec.generation.model_fields_set and ranks != gen_ep:
         raise ValueError(f"rollout.ranks_per_replica {ranks} differs from generation.gen_ep {gen_ep}: a "
                          "disaggregated replica of G ranks generates in the EP layout gen_ep = G; set one of them")
-    if spec.rl.prompts_per_step % replicas:
-        raise ValueError(f"rollout.replicas {replicas}: the {spec.rl.prompts_per_step} prompts per step do not "
-                         "split over them (each replica generates and scores whole groups); make the prompts "
-                         "a multiple")
+    _check_replicas_split_prompts(spec, replicas)
     experts = _experts(spec)
     if ranks > 1 and experts is not None and experts % ranks:
         raise ValueError(f"rollout.ranks_per_replica {ranks}: {spec.model_name}'s {experts} experts do not split "
@@ -268,16 +276,55 @@ def _disaggregated_pool(spec: RLRunSpec) -> RolloutPool:
     return RolloutPool(replicas=replicas, ranks_per_replica=ranks)
 
 
-def _experts(spec: RLRunSpec) -> int | None:
-    """The model's experts per MoE layer (0: a dense model), when the spec names a preset or a model file
-    (a ``start_from`` checkpoint's model is read by the run: it checks again)."""
+def _check_replicas_split_prompts(spec: RLRunSpec, replicas: int) -> None:
+    if spec.rl.prompts_per_step % replicas:
+        raise ValueError(f"rollout.replicas {replicas}: the {spec.rl.prompts_per_step} prompts per step do not "
+                         "split over them (each replica generates and scores whole groups); make the prompts "
+                         "a multiple")
+
+
+def _tp_pool(spec: RLRunSpec) -> RolloutPool:
+    """R replicas of T = ``generation.gen_tp`` ranks, the heads and dense FFN columns split over them."""
+    pool, gen_tp = spec.rollout, spec.generation.gen_tp
+    if spec.generation.gen_ep > 1:
+        raise ValueError(f"generation.gen_tp {gen_tp} with gen_ep {spec.generation.gen_ep}: a replica splits "
+                         "either its experts (--gen-ep) or its heads (--gen-tp), not both (not built yet); drop one")
+    ranks = pool.ranks_per_replica or gen_tp
+    if ranks != gen_tp:
+        raise ValueError(f"rollout.ranks_per_replica {ranks} differs from generation.gen_tp {gen_tp}: a "
+                         "disaggregated replica of G ranks generates in the TP layout gen_tp = G; set one of them")
+    replicas = pool.replicas or 1
+    _check_replicas_split_prompts(spec, replicas)
+    shape = _model_shape(spec)
+    if shape is not None:
+        for what, count in (("attention heads", shape.attention.num_heads),
+                            ("kv heads", getattr(shape.attention, "num_kv_heads", shape.attention.num_heads)),
+                            ("dense FFN columns", shape.dense_ffn_hidden)):
+            if count % gen_tp:
+                raise ValueError(f"generation.gen_tp {gen_tp}: {spec.model_name}'s {count} {what} do not split "
+                                 f"over a replica's {gen_tp} tensor-parallel ranks; give --gen-tp a divisor of "
+                                 f"{count}")
+    return RolloutPool(replicas=replicas, ranks_per_replica=ranks)
+
+
+def _model_shape(spec: RLRunSpec) -> ModelConfig | None:
+    """The model's config, when the spec names a preset or a model file (a ``start_from`` checkpoint's
+    model is read by the run: it checks again)."""
     if spec.model is None and spec.start_from is not None:
         return None
     try:
-        moe = load_model_config(spec.model_name).moe
+        return load_model_config(spec.model_name)
     except UserError:
         return None  # the run names a bad model in its own words
-    return moe.num_experts if moe is not None else 0
+
+
+def _experts(spec: RLRunSpec) -> int | None:
+    """The model's experts per MoE layer (0: a dense model), when the spec names a preset or a model file
+    (a ``start_from`` checkpoint's model is read by the run: it checks again)."""
+    shape = _model_shape(spec)
+    if shape is None:
+        return None
+    return shape.moe.num_experts if shape.moe is not None else 0
 
 
 def _stalesync_sync_buckets(spec: RLRunSpec) -> StaleSyncOptions | None:
@@ -379,12 +426,14 @@ def _pipeline_ranks_beside_trainer(merged: dict[str, Any]) -> int:
         return 0
     pool = merged.get("rollout") if isinstance(merged.get("rollout"), dict) else {}
     generation = merged.get("generation") if isinstance(merged.get("generation"), dict) else {}
-    replicas, ranks = pool.get("replicas") or 1, pool.get("ranks_per_replica") or generation.get("gen_ep") or 1
+    replicas = pool.get("replicas") or 1
+    gen_tp, gen_ep = generation.get("gen_tp") or 1, generation.get("gen_ep") or 1
     grpo = merged.get("rl", {}).get("grpo", {}) if isinstance(merged.get("rl"), dict) else {}
     kl = grpo.get("kl_coef", 0) if isinstance(grpo, dict) else 0
-    counts = [replicas, ranks, kl]
+    counts = [replicas, gen_tp, gen_ep, pool.get("ranks_per_replica") or 1, kl]
     if not all(isinstance(n, int | float) and not isinstance(n, bool) for n in counts):
         return 0  # the spec's own check names the bad field
+    ranks = pool.get("ranks_per_replica") or (gen_tp if gen_tp > 1 else gen_ep)
     return int(replicas * ranks) + bool(stale.get("reward_worker")) + (kl > 0)
 
 

@@ -4,7 +4,7 @@ bounded queues, the trainer admitting samples at most k weight versions old.
 The ranks' roles follow from the spec (``roles.Roles``): R rollout replicas of G ranks each (ranks
 0 .. R·G − 1; G > 1 generates in an EP layout, the experts split over the replica's ranks), each replica
 generating its contiguous share of every batch (``stalesync_rollout``), then the trainer group in any
-layout the runtime trains (``stalesync_trainer``: ``RLTrainer`` whose batch source is the queues). The
+layout the runtime trains (``stalesync_trainer``: GRPO hooks whose batches come from the queues). The
 trainer group's first rank receives every replica's share, joins them into the batch and deals it to
 the other trainer ranks, each of which slices its rows as the layout does. This module runs one rank
 of it; ``stalesync_job`` holds what every rank shares, ``stalesync_schedule`` the versions, and
@@ -52,14 +52,14 @@ import time
 
 from moetrain.distributed.weight_sync import WeightSyncError
 from moetrain.errors import UserError
-from moetrain.rl.roles import ROLLOUT, TRAINER
+from moetrain.rl.roles import ROLLOUT, TRAINER, Roles
 from moetrain.rl.stalesync_job import Channels, StaleSyncJob
 from moetrain.rl.stalesync_rollout import RolloutReport, RolloutWorker, sampling_params
 from moetrain.rl.stalesync_schedule import Schedule
 from moetrain.rl.stalesync_stages import StageReport, middle_stage
-from moetrain.rl.stalesync_trainer import PEER_LOST, PeerLost, StaleSyncTrainer, TrainerReport, train_rank
+from moetrain.rl.stalesync_trainer import PEER_LOST, PeerLost, StaleSyncHooks, TrainerReport, train_rank
 
-__all__ = ["Channels", "RolloutReport", "RolloutWorker", "Schedule", "StaleSyncJob", "StaleSyncTrainer",
+__all__ = ["Channels", "RolloutReport", "RolloutWorker", "Schedule", "StaleSyncJob", "StaleSyncHooks",
            "StaleSyncWorkerError", "TrainerReport", "run_stalesync", "sampling_params"]
 
 PEER_GRACE_S = 5.0
@@ -74,6 +74,7 @@ def run_stalesync(rank: int, world_size: int, job: StaleSyncJob) -> RolloutRepor
     A failure is raised naming the worker; its peers, left waiting on a message or a sync, are stopped by
     the launcher (``spawn`` / torchrun end every rank when one fails) or by the group's timeout."""
     roles = job.roles
+    channels = None
     try:
         channels = Channels.build(rank, roles, job.spec)
         stage = roles.stage(rank)
@@ -88,16 +89,25 @@ def run_stalesync(rank: int, world_size: int, job: StaleSyncJob) -> RolloutRepor
         me = roles.worker_name(rank).removeprefix("StaleSync ") if rank < roles.world_size else f"rank {rank}"
         if isinstance(exc, PeerLost) or PEER_LOST.search(str(exc)):
             # A peer died: its own report (with the cause) should be the run's message, so give the
-            # launcher time to see it first and stop this rank; otherwise this one names the lost peer
-            # (the one it was receiving from, or the other rank of a two-rank run; else "a peer").
+            # launcher time to see it first and stop this rank; otherwise this one names the lost peer.
             time.sleep(PEER_GRACE_S)
-            peer = (roles.worker_name(exc.rank) if isinstance(exc, PeerLost) else
-                    roles.worker_name(1 - rank) if roles.world_size == 2 else "a StaleSync peer")
             gone = "stopped responding" if re.search(r"timed out|timeout", str(exc), re.I) else "died"
-            raise StaleSyncWorkerError(f"{peer} {gone}: the {me} lost it "
+            raise StaleSyncWorkerError(f"{lost_peer(exc, rank, roles, channels)} {gone}: the {me} lost it "
                                        f"({str(exc).splitlines()[0][:120]})") from exc
         failed = rank
         if isinstance(exc, WeightSyncError) and exc.failed_rank is not None:
             failed = exc.failed_rank  # the sync group's ranks are the global ones: replicas, then trainers
         raise StaleSyncWorkerError(f"{roles.worker_name(failed)} failed: {type(exc).__name__}: {exc}") from exc
 
+
+def lost_peer(exc: Exception, rank: int, roles: Roles, channels: Channels | None) -> str:
+    """Whom a rank lost: a peer whose process has ended on this host (the one it was receiving from, if
+    that one has), else the one it was receiving from, or the other rank of a two-rank run; else "a
+    StaleSync peer". gloo's error says only that a connection closed, and a rank of a replica that is
+    not its leader sends no batch, so the process check is what names it."""
+    ended = [r for r in (channels.ended_ranks() if channels is not None else []) if r != rank]
+    if isinstance(exc, PeerLost) and (exc.rank in ended or not ended):
+        return roles.lost_name(exc.rank)
+    if ended:
+        return roles.lost_name(ended[0])
+    return roles.worker_name(1 - rank) if roles.world_size == 2 else "a StaleSync peer"

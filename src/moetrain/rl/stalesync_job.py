@@ -9,7 +9,10 @@ trainer group's layout and, when a replica has several ranks, the rollout pool's
 
 from __future__ import annotations
 
+import os
+import socket
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -42,7 +45,9 @@ class StaleSyncJob:
     replicas: int = 1
     """Rollout replicas, generating contiguous shares of every batch."""
     ranks_per_replica: int = 1
-    """Ranks of each replica: its generation layout's EP degree (the experts split over them)."""
+    """Ranks of each replica: its generation layout's EP or TP degree."""
+    replica_layout: Literal["ep", "tp"] = "ep"
+    """How a replica of several ranks splits the model: the experts (ep) or the heads and dense columns (tp)."""
     resend_first_after: int | None = None
     """Test hook: after batch b, the rollout worker sends batch 0 again (an old batch the trainer must drop)."""
     record_weights: bool = False
@@ -52,7 +57,7 @@ class StaleSyncJob:
     @property
     def roles(self) -> Roles:
         return Roles(self.stale.reward_worker, self.options.grpo.kl_coef > 0, self.replicas, self.spec.world_size,
-                     self.ranks_per_replica)
+                     self.ranks_per_replica, self.replica_layout)
 
 
 @dataclass(frozen=True)
@@ -65,7 +70,10 @@ class Channels:
     dims: ParallelDims
     roles: Roles
     pool: ParallelDims | None = None
-    """The rollout pool's EP layout (dp = R·G, ep = G) when a replica has several ranks (G > 1)."""
+    """The rollout pool's layout when a replica has several ranks (G > 1): EP (dp = R·G, ep = G) or TP
+    (dp = R, tp = G)."""
+    processes: tuple[tuple[str, int], ...] = ()
+    """Every rank's (host, process id): a rank that loses a peer tells which one is gone (``ended_ranks``)."""
 
     @classmethod
     def build(cls, rank: int, roles: Roles, spec: RunSpec) -> Channels:
@@ -78,9 +86,32 @@ class Channels:
         dims = ParallelDims.build(spec.parallel, rank, spec.run.ranks_per_node, rank_offset=roles.first_trainer)
         pool = None
         if roles.ranks_per_replica > 1:
-            pool = ParallelDims.build(ParallelConfig(dp=roles.rollout_ranks, ep=roles.ranks_per_replica), rank)
+            g = roles.ranks_per_replica
+            layout = ParallelConfig(dp=roles.replicas, tp=g) if roles.replica_layout == "tp" else \
+                ParallelConfig(dp=roles.rollout_ranks, ep=g)
+            pool = ParallelDims.build(layout, rank)
         everyone = list(range(roles.world_size))
         # the run's timeout, not new_group's 30-minute default: a rank waiting on a hung peer gives up in time
         timeout = collective_timeout()
         sync = dist.new_group([*roles.replica_ranks, *roles.trainer_group], timeout=timeout)
-        return cls(dist.new_group(everyone, timeout=timeout), sync, dims, roles, pool)
+        queue = dist.new_group(everyone, timeout=timeout)
+        processes: list = [None] * roles.world_size
+        dist.all_gather_object(processes, (socket.gethostname(), os.getpid()), group=queue)
+        return cls(queue, sync, dims, roles, pool, tuple(processes))
+
+    def ended_ranks(self) -> list[int]:
+        """The ranks on this host whose process has ended (gone, or a zombie its launcher has not reaped):
+        which peer a rank lost when gloo's error only says a connection closed. A rank on another host, or
+        one that hangs, is not found here."""
+        host = socket.gethostname()
+        return [rank for rank, (where, pid) in enumerate(self.processes) if where == host and _ended(pid)]
+
+
+def _ended(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")  # the state follows the name
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False  # no /proc (not Linux): nothing is known

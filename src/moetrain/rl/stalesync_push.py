@@ -1,8 +1,9 @@
 """StaleSync's weight push: the trainer group's side of the sync into every rollout rank.
 
 One plan (``moetrain.distributed.weight_sync``) from the trainer group's layout to the rollout pool's:
-each rollout rank needs the tensors it holds (the whole model in a one-rank replica; its experts by index
-and the dense tensors whole in a replica of G ranks), each region is sent by one trainer rank that owns
+each rollout rank needs the tensors it holds (the whole model in a one-rank replica; in a replica of G
+ranks its experts by index and the dense tensors whole (EP), or its range of every TP-sharded tensor and
+the rest whole (TP)), each region is sent by one trainer rank that owns
 it (TP shards by range, experts by index, replicated tensors by the least-loaded holder), once per
 rollout rank that needs it, in buckets carrying the version and a CRC-32. A push is packed at once and
 sent on a thread while the next step trains; the previous push lands first, so pushes arrive in order.
@@ -15,21 +16,31 @@ from typing import Any
 
 import torch
 
+from moetrain.config import ModelConfig
 from moetrain.distributed.step import LayoutRun
+from moetrain.distributed.tp import shard_tensor_parallel
 from moetrain.distributed.weight_sync import SyncInFlight, SyncReport, WeightSync
-from moetrain.models.transformer import is_routed_expert
+from moetrain.models.transformer import build_model, is_routed_expert
 from moetrain.rl.fusion import training_views
+from moetrain.rl.roles import Roles
 from moetrain.rl.stalesync_job import Channels, Slices
 
 
-def rollout_rank_share_bytes(shapes: dict[str, torch.Size], ranks_per_replica: int, itemsize: int = 4) -> int:
-    """What one rank of a replica of ``ranks_per_replica`` ranks holds, in bytes: the dense tensors whole, its
-    1/G of every expert tensor (fp32 by default, as the generation models hold them)."""
+def rollout_rank_share_bytes(model_cfg: ModelConfig, roles: Roles, itemsize: int = 4) -> int:
+    """What one rank of a rollout replica holds, in bytes (fp32 by default, as the generation models hold
+    them): the whole model in a one-rank replica; under EP the dense tensors whole and 1/G of every expert
+    tensor; under TP the layout's shards of a model built on the meta device (each rank's are the same
+    size: the layout divides the heads and the columns)."""
+    g = roles.ranks_per_replica
+    if g > 1 and roles.replica_layout == "tp":
+        model = build_model(model_cfg, "meta")
+        shard_tensor_parallel(model, g, 0)
+        return sum(value.numel() * itemsize for value in model.state_dict().values())
     total = 0
-    for name, shape in shapes.items():
-        elements = shape.numel()
+    for name, value in build_model(model_cfg, "meta").state_dict().items():
+        elements = value.numel()
         if is_routed_expert(name):
-            elements //= ranks_per_replica
+            elements //= g
         total += elements * itemsize
     return total
 
@@ -40,7 +51,8 @@ class WeightPush:
     def __init__(self, run: LayoutRun, shapes: dict[str, torch.Size], channels: Channels, bucket_bytes: int,
                  record: bool = False) -> None:
         self.sync = WeightSync.plan(training_views(run, shapes), {}, bucket_bytes, channels.sync)
-        self.shapes, self.roles, self.record = shapes, channels.roles, record
+        self.roles, self.record = channels.roles, record
+        self.share_bytes = rollout_rank_share_bytes(run.stage.model.cfg, self.roles)
         self.in_flight: SyncInFlight | None = None
         self.reports: list[SyncReport] = []
         self.slices: dict[int, Slices] = {}
@@ -73,7 +85,7 @@ class WeightPush:
         """What every push moves, per rank of the plan, against the ideal: each rollout rank receives its
         share (the tensors it holds), and the trainer ranks send the sum of the shares between them."""
         sent, received = self.sync.planned_bytes()
-        share = rollout_rank_share_bytes(self.shapes, self.roles.ranks_per_replica)
+        share = self.share_bytes
         return {"sync_received_mib": [received[r] / 2**20 for r in self.roles.replica_ranks],
                 "sync_replica_share_mib": share / 2**20,
                 "sync_sent_mib": [sent[r] / 2**20 for r in self.roles.trainer_group]}

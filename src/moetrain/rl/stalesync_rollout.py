@@ -2,9 +2,11 @@
 the schedule names, receives the trainer's pushes, and (its replica's leader) queues the share.
 
 A replica of G > 1 ranks generates in an EP layout (``fusion.ep_generation_model``, RL Fusion's
-generation model): each rank holds ``experts / G`` experts of every MoE layer and the dense tensors whole,
-the G ranks run the same rows in lockstep (the experts' all-to-all serves them), and each receives only
-the weights it holds. Only the leader scores and sends: the others' rows are the same.
+generation model: each rank holds ``experts / G`` experts of every MoE layer and the dense tensors whole,
+the experts' all-to-all serves the G ranks) or a TP layout (``tp_generation_model``: each rank holds
+``heads / G`` of every attention layer and ``1/G`` of every dense FFN's columns, the experts whole, the
+row-parallel outputs summed over the G ranks). Either way the G ranks run the same rows in lockstep and
+each receives only the weights it holds. Only the leader scores and sends: the others' rows are the same.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from moetrain.rl.stalesync_job import START_TAG, Channels, Slices, StaleSyncJob
 from moetrain.rl.stalesync_schedule import Schedule
 from moetrain.rl.tasks import get_task
 from moetrain.rl.tokenizer import CharTokenizer
+from moetrain.rl.tp_generation import tp_generation_model
 from moetrain.train.faults import injected_faults
 
 
@@ -45,7 +48,8 @@ class RolloutReport:
     syncs: list[SyncReport]
     """Every weight sync it received (bytes received, seconds)."""
     ideal_sync_bytes: int
-    """Its share of the weights: the bytes of the generation model it holds (whole, or its experts)."""
+    """Its share of the weights: the bytes of the generation model it holds (whole, its experts, or its TP
+    shards)."""
     synced_pieces: dict[int, Slices] = field(default_factory=dict)
     """``record_weights``: its generation weights after each sync, by version, as global pieces."""
 
@@ -73,6 +77,8 @@ class RolloutWorker:
         if channels.pool is None:
             # built from seed 0: every value is overwritten (and checked) by the version-0 sync
             self.model, stage = build_model(job.model_cfg, self.device, seed=0).eval().requires_grad_(False), None
+        elif roles.replica_layout == "tp":
+            self.model, stage = tp_generation_model(job.model_cfg, channels.pool, self.device)
         else:
             check_experts_divide(job, roles.ranks_per_replica)
             self.model, stage = ep_generation_model(job.model_cfg, channels.pool, self.device)

@@ -87,7 +87,7 @@ def _pipeline_rank(run: RLRun, rank: int) -> None:
     initial = torch.load(run.spec.initial_weights, weights_only=True) if run.spec.initial_weights else None
     roles = run.spec.roles
     job = StaleSyncJob(run.grpo, run.options, run.stale, run.model_cfg, initial, replicas=roles.replicas,
-                       ranks_per_replica=roles.ranks_per_replica)
+                       ranks_per_replica=roles.ranks_per_replica, replica_layout=roles.replica_layout)
     report = run_stalesync(rank, dist.get_world_size(), job)
     if isinstance(report, TrainerReport) and rank == job.roles.first_trainer:  # the group's rows are one
         console = Console()

@@ -10,6 +10,20 @@ identical: the step's metrics are all-reduced).
 
 Batches are a function of the step (``PackedDataset.step_batch``), so a resumed run reads exactly the
 data the uninterrupted one would have, under any layout.
+
+A run of another objective (the RL warm-up and GRPO, StaleSync's trainer side) is the same ``Trainer``
+given two objects: a batch source (``batches=``) and one ``TrainerHooks`` (``hooks=``), whose methods the
+loop calls at fixed points, passing the trainer and what the point knows (the step, its batch, the
+checkpoint's folder). One hooks object rather than a list: the RL objectives differ inside (where samples
+come from, which policies the loss compares), not by stacking independent callbacks, and with one object
+there is no rule to learn for which of several hooks makes the batch, names the run or prints its summary.
+A hooks object keeps its own state (GRPO's step statistics, StaleSync's queues); the trainer keeps none of
+it. The call order, for a run that resumes and saves:
+
+    attach → loaded → per step: finished → next_batch → after_step → finished → saved → ... → close
+
+(``finished`` is asked before each step and after it, where a True also saves; ``saved`` follows every
+checkpoint written, ``loaded`` a resume; ``describe``/``summary`` when the caller prints them.)
 """
 
 from __future__ import annotations
@@ -22,7 +36,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-from rich.console import Console
+from rich.console import Console, RenderableType
 
 from moetrain.config import ClusterConfig, ModelConfig, cluster_for_device, load_cluster_config, load_model_config
 from moetrain.config.run import RunSpec
@@ -105,30 +119,71 @@ class BatchSource(Protocol):
                    dp_size: int = 1) -> StepBatch: ...
 
 
-class Trainer:
-    """The step loop. A trainer of another objective (the RL warm-up and GRPO, ``moetrain.rl.loop``) changes
-    it only through these extension points, and reads the loop's state through public attributes:
+class TrainerHooks:
+    """What a run of another objective adds to the loop, called by ``Trainer`` at fixed points (the module's
+    docstring gives the order). This base does nothing: a plain run. Every method gets the trainer, whose
+    public attributes (``run``, ``dims``, ``device``, ``step``, ``metrics``, ``console``) a hook reads, and
+    whose ``note(**fields)`` adds a hook's measurements to the current step's metrics row."""
 
-    - ``batches`` (constructor): the batch source, instead of the corpus or synthetic data;
-    - ``prepare_data()``: the corpus, or None when the batches come from elsewhere;
-    - ``next_batch()``: the step's batch (its micro-batches carry the objective, e.g. GRPO's);
-    - ``note(**fields)``: fields that join the step's metrics row, from any hook during the step;
-    - ``after_step()``: what runs after the optimizer step (evaluation, a weight push), its row fields;
-    - ``finished()``: a measured stopping criterion before the last step;
-    - ``identity()``: what a checkpoint of this run may be resumed into;
-    - ``save()``/``load()``: what a checkpoint keeps beside the weights (call the base's first);
-    - ``describe()``/``print_summary()``: the console's first and last lines;
-    - ``close()``: what to release when the run ends or fails (call the base's last).
-    """
+    makes_batches = False
+    """True: ``next_batch`` makes every step's batch, so no corpus is read."""
+
+    def attach(self, trainer: Trainer) -> None:
+        """Once, when the trainer has built this rank's layout (before a resume's load): build what runs on
+        the trained model (a rollout engine, RL Fusion)."""
+
+    def next_batch(self, trainer: Trainer, step: int) -> StepBatch | None:
+        """Step ``step``'s batch (0-based: the optimizer steps taken so far); None: the batch source's."""
+        return None
+
+    def after_step(self, trainer: Trainer, step: int, batch: StepBatch) -> dict[str, Any]:
+        """After the optimizer step ``step`` (1-based now) on ``batch``: evaluation, a weight push; the
+        fields it returns join the step's metrics row (after the balancer's)."""
+        return {}
+
+    def finished(self, trainer: Trainer) -> bool:
+        """A measured stopping criterion: whether the run is done before its last step."""
+        return False
+
+    def identity(self, trainer: Trainer) -> str | None:
+        """What the run learns from, in the checkpoint's identity (``run_identity``); None: the corpus."""
+        return None
+
+    def saved(self, trainer: Trainer, path: Path) -> None:
+        """After the checkpoint at ``path`` is written: what the hooks keep beside it."""
+
+    def loaded(self, trainer: Trainer, path: Path) -> None:
+        """After a resume loaded the checkpoint at ``path`` (``trainer.step`` is its step)."""
+
+    def describe(self, trainer: Trainer) -> str | None:
+        """The console's first line; None: the trainer's."""
+        return None
+
+    def summary(self, trainer: Trainer) -> RenderableType | None:
+        """The console's summary after the run; None: the trainer's table."""
+        return None
+
+    def ranks_in_run(self, trainer: Trainer) -> int | None:
+        """Every rank torchrun starts, when other workers run beside the trainer; None: the layout's."""
+        return None
+
+    def close(self, trainer: Trainer) -> None:
+        """When the run ends or fails, before the trainer releases its own: what the hooks release."""
+
+
+class Trainer:
+    """The step loop. A run of another objective changes it only through the objects it is given: its
+    batch source (``batches``) and its ``TrainerHooks`` (``hooks``)."""
 
     def __init__(self, spec: RunSpec, *, dims: ParallelDims | None = None, model_cfg: ModelConfig | None = None,
                  model: MoETransformer | None = None, console: Console | None = None,
-                 batches: BatchSource | None = None) -> None:
+                 batches: BatchSource | None = None, hooks: TrainerHooks | None = None) -> None:
         """``dims``: this rank's place in a layout built by the caller (tests run several layouts side by
         side in one world); ``model_cfg``/``model``: instead of ``spec.model`` (a model the caller built
         from the seed, e.g. with a skewed router); ``batches``: the batch source instead of
-        ``spec.run.data`` (no corpus is read then)."""
+        ``spec.run.data`` (no corpus is read then); ``hooks``: the objective's hooks (``TrainerHooks``)."""
         self.spec, self.cfg = spec, spec.training
+        self.hooks = hooks if hooks is not None else TrainerHooks()
         self.model_cfg = model_cfg or load_model_config(spec.model)
         check_run(spec, self.model_cfg)  # the same checks as before any rank started (cheap, torch-free)
         self.device = resolve_device(spec.run.device)
@@ -164,6 +219,7 @@ class Trainer:
         """The current step's metrics row fields noted so far (``note``); the loop starts each step empty."""
         try:
             self._build(model, batches)
+            self.hooks.attach(self)
         except BaseException:
             self._own_world.close()
             raise
@@ -172,7 +228,7 @@ class Trainer:
         spec, cfg = self.spec, self.cfg
         if spec.world_size == 1:
             self.check_memory()
-        self.data = self.prepare_data() if batches is None else None
+        self.data = self.prepare_data() if batches is None and not self.hooks.makes_batches else None
         self.dataset: BatchSource = batches if batches is not None else (
             self.data.dataset if self.data is not None else SyntheticDataset(
             self.model_cfg.vocab_size, cfg.seq_len, cfg.seed))
@@ -301,10 +357,13 @@ class Trainer:
     def identity(self) -> dict[str, Any]:
         """What a checkpoint of this run may be resumed into (``run_identity``): model, training, corpus."""
         corpus = self.data.corpus_hash if self.data is not None else "synthetic"
-        return run_identity(self.model_cfg, self.cfg, corpus)
+        return run_identity(self.model_cfg, self.cfg, self.hooks.identity(self) or corpus)
 
     # ----- one step -----
     def next_batch(self) -> StepBatch:
+        batch = self.hooks.next_batch(self, self.step)
+        if batch is not None:
+            return batch
         return self.dataset.step_batch(self.step, self.cfg.global_batch, self.cfg.micro_batch, self.dp_rank,
                                        self.spec.parallel.dp)
 
@@ -338,6 +397,8 @@ class Trainer:
         if self.metrics.rows and self.metrics.rows[-1].get("step") == self.step:
             cost = type(cost)(cost.mode, time.perf_counter() - start, cost.wait_s)  # the state's copy included
             self.metrics.amend_last(cost.fields())
+        if path is not None:
+            self.hooks.saved(self, path)
         return path
 
     def load(self) -> bool:
@@ -348,6 +409,7 @@ class Trainer:
             return False
         self.restore(path)
         self.console.print(f"resumed from {path} (step {self.step})")
+        self.hooks.loaded(self, path)
         return True
 
     def restore(self, path: Path) -> None:
@@ -397,8 +459,7 @@ class Trainer:
                 result = train_step(self.run, self.step, batch, self.fault.loss_scale(self.step))
             self.step += 1
             step_done = time.perf_counter()
-            extra = self.after_step()
-            extra = {**extra, **self.step_fields}
+            extra = {**self.after_step(), **self.hooks.after_step(self, self.step, batch), **self.step_fields}
             # the step's parts as the host sees them (no added sync: on an accelerator the host may run ahead)
             extra.update(batch_time_s=batch_done - start, train_step_time_s=step_done - batch_done,
                          after_step_time_s=time.perf_counter() - step_done)
@@ -464,12 +525,12 @@ class Trainer:
     @property
     def ranks_in_run(self) -> int:
         """Every rank torchrun starts (more than the layout's when other workers run beside the trainer)."""
-        return self.spec.world_size
+        return self.hooks.ranks_in_run(self) or self.spec.world_size
 
     def finished(self) -> bool:
-        """Whether the run is done before its last step (a measured stopping criterion; checked before
-        each step and after it, where a True also saves the checkpoint). Never, by default."""
-        return False
+        """Whether the run is done before its last step (the hooks' measured stopping criterion; checked
+        before each step and after it, where a True also saves the checkpoint)."""
+        return self.hooks.finished(self)
 
     def after_step(self) -> dict[str, Any]:
         """The balancer's decision after the step (its metrics join the row)."""
@@ -481,15 +542,20 @@ class Trainer:
         return self.balancer.step_metrics(decisions)
 
     def close(self) -> None:
-        if getattr(self, "saver", None) is not None:
-            self.saver.close()
-        self.metrics.close()
-        if self.routing_trace is not None:
-            self.routing_trace.close()
-        self._own_world.close()
+        try:
+            self.hooks.close(self)
+        finally:
+            if getattr(self, "saver", None) is not None:
+                self.saver.close()
+            self.metrics.close()
+            if self.routing_trace is not None:
+                self.routing_trace.close()
+            self._own_world.close()
 
     def describe(self) -> str:
-        """One line on what is about to run: data, model, batch, layout and device."""
+        """One line on what is about to run: data, model, batch, layout and device (or the hooks' line)."""
+        if (line := self.hooks.describe(self)) is not None:
+            return line
         counts = count_params(self.model_cfg)
         if self.data is not None:
             dataset = self.data.dataset
@@ -515,6 +581,9 @@ class Trainer:
         return f"cpu, {num_threads} thread{'s' * (num_threads > 1)}{why}"
 
     def print_summary(self) -> None:
+        if (summary := self.hooks.summary(self)) is not None:
+            self.console.print(summary)
+            return
         title = f"{self.model_cfg.name}: {len(self.metrics.rows)} steps on {self.device.type}"
         if self.spec.world_size > 1:
             title += f" × {self.spec.world_size} ranks"
@@ -523,4 +592,4 @@ class Trainer:
                                          show_mfu=self.device.type != "cpu"))
 
 
-__all__ = ["BatchSource", "Trainer", "resolve_device", "resolve_document_mask"]
+__all__ = ["BatchSource", "Trainer", "TrainerHooks", "resolve_device", "resolve_document_mask"]
