@@ -4,21 +4,25 @@ adaptive recompute such as Pangu's Selective R/S runs), and how the validation r
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from moetrain.config import load_cluster_config, load_model_config
+from moetrain.cli import main
+from moetrain.config import ParallelConfig, load_cluster_config, load_model_config
 from moetrain.planner.calibration import Efficiency, load_calibration
 from moetrain.planner.costmodel import evaluate
 from moetrain.planner.layer_costs import (
     layer_costs,
     paired_share,
+    recompute_code,
     selective_recompute_share,
     unpaired_a2a_hidden,
 )
+from moetrain.planner.simulate import simulate_layout
 from moetrain.planner.strategy import Strategies
 from moetrain.planner.validation import metric_of, prepare_row, read_rows
 from moetrain.planner.workload import Workload
@@ -141,3 +145,67 @@ def test_stated_dp_overlap_leaves_the_last_chunk_exposed() -> None:
     # the fitted share still prices stacks that do not state it
     plain = evaluate(replace(w, comm_overlap_stated=()), _layout(dp=8), replace(Efficiency(), grad_overlap=0.0))
     assert plain.dp.exposed_s[0] == pytest.approx(plain.dp.comm_s[0])
+
+
+def test_recompute_code_by_hand() -> None:
+    assert recompute_code("selective", 0.35) == 0.35
+    assert recompute_code("full", 0.25) == 1.25
+    assert recompute_code("full") == 2.0 and recompute_code("selective") == 1.0
+    assert recompute_code("none", 0.5) == 0.0
+    with pytest.raises(ValueError, match=r"recompute share 0.0 is not in \(0, 1\]"):
+        recompute_code("selective", 0.0)
+
+
+PANGU_LAYOUT = ["--model", "pangu-ultra-moe-718b", "--cluster", "atlas-800t-a2", "--devices", "6144", "--seq-len",
+                "8192", "--global-batch", "1536", "--tp", "8", "--pp", "16", "--vpp", "2", "--ep", "32", "--overlap",
+                "--comm-overlap", "TP", "--recompute", "selective", "--json"]
+
+
+def test_simulate_flags_price_the_reference_layout_as_validate(capsys: pytest.CaptureFixture[str]) -> None:
+    """``simulate --split-wgrad --recompute-share F`` prices the Pangu layout with the workload and strategy
+    validate reads from PANGU-REF-3 (Adaptive Pipe, Selective R/S). The one difference is the model: the
+    row's columns cannot state the released config's MTP layer and sandwich norms, which the preset has; with
+    the preset's model the row's inputs give the CLI's timeline step exactly, and validate's screen step
+    within the screen/timeline agreement."""
+    row = prepare_row({r["id"]: r for r in read_rows(REFERENCE_CSV)}["PANGU-REF-3"])
+    share = float(row.strategy.recompute[0])
+    assert main(["simulate", *PANGU_LAYOUT, "--split-wgrad", "--recompute-share", str(share)]) == 0
+    cli = json.loads(capsys.readouterr().out)
+    assert cli["split_wgrad"] and cli["recompute_share"] == share
+    parallel = ParallelConfig(tp=8, sp=True, pp=16, vpp=2, ep=32, dp=48, recompute="selective", overlap=True)
+    calibration = load_calibration()
+    workload = replace(row.workload, model=load_model_config("pangu-ultra-moe-718b"))
+    mine = simulate_layout(workload, parallel, 6144, calibration, recompute_share=share)
+    assert cli["step_time_s"] == pytest.approx(mine.step_time_s, rel=1e-12)
+    eff = calibration.for_device(row.workload.cluster.device)
+    screen = float(evaluate(workload, row.strategy, eff).step_time_s[0])
+    assert cli["step_time_s"] == pytest.approx(screen, rel=0.03)
+    # each flag moves the figure the way its mechanism does: all the selective set, or no split weight
+    # gradients, cost time
+    assert main(["simulate", *PANGU_LAYOUT, "--split-wgrad"]) == 0
+    whole = json.loads(capsys.readouterr().out)
+    assert main(["simulate", *PANGU_LAYOUT, "--recompute-share", str(share)]) == 0
+    joined = json.loads(capsys.readouterr().out)
+    assert whole["step_time_s"] > cli["step_time_s"] and joined["step_time_s"] > cli["step_time_s"]
+    assert joined["communication_s"]["all_to_all"]["exposed_s"] > cli["communication_s"]["all_to_all"]["exposed_s"]
+
+
+@pytest.mark.parametrize("extra,expected", [
+    (["--recompute-share", "1.5"], "--recompute-share 1.5 is not a share of the layers; give a value in (0, 1]"),
+    (["--recompute-share", "0"], "--recompute-share 0.0 is not a share of the layers"),
+])
+def test_recompute_share_refused_out_of_range(capsys: pytest.CaptureFixture[str], extra: list[str],
+                                              expected: str) -> None:
+    assert main(["simulate", *PANGU_LAYOUT, *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and expected in err
+
+
+def test_stack_flags_refused_where_they_mean_nothing(capsys: pytest.CaptureFixture[str]) -> None:
+    tiny = ["simulate", "--model", "tiny-pangu", "--cluster", "cpu", "--devices", "2", "--seq-len", "128",
+            "--global-batch", "16"]
+    assert main([*tiny, "--split-wgrad"]) == 2
+    assert "--split-wgrad prices a published stack on accelerators" in capsys.readouterr().err
+    assert main([*tiny, "--recompute-share", "0.5"]) == 2
+    assert ("--recompute-share applies to a recompute level; add --recompute selective or full"
+            in capsys.readouterr().err)

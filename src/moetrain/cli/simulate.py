@@ -9,6 +9,7 @@ from moetrain.cli.common import add_strategy_args, output_file
 from moetrain.cli.plan import on_off
 from moetrain.cli.simulate_rl import add_rl_arguments, run_rl
 from moetrain.cli.workload import add_workload_args, build_workload, parallel_from_args, require_batch
+from moetrain.errors import UserError
 from moetrain.planner.calibration import accuracy_line
 
 HELP = "predict step time, tokens/s, MFU, time breakdown and memory per device for one parallel layout"
@@ -22,6 +23,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_args(parser, batch_required=False)
     add_strategy_args(parser)
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch per model replica")
+    parser.add_argument("--recompute-share", type=float, default=1.0, metavar="F",
+                        help="share of the layers that run --recompute (0 < F <= 1): with selective, the selective "
+                        "set on that share only (a stack that recomputes what memory needs, Pangu's Selective R/S); "
+                        "with full, whole layers on that share and the selective set on the others (Megatron's "
+                        "--recompute-num-layers); validate prices a row's unstated recompute this way (default: 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.add_argument("--timeline", metavar="PNG", help="write a Gantt chart of the pipeline schedule")
     add_rl_arguments(parser)
@@ -37,8 +43,14 @@ def simulate_layout(args: argparse.Namespace) -> dict:
     if args.timeline:
         output_file(args.timeline, "--timeline", "timeline.png")
     workload, calibration = build_workload(args)
-    p = predict(workload, parallel_from_args(args, workload, args.devices), args.devices, calibration,
-                record_spans=bool(args.timeline))
+    parallel = parallel_from_args(args, workload, args.devices)
+    if not 0.0 < args.recompute_share <= 1.0:
+        raise UserError(f"--recompute-share {args.recompute_share} is not a share of the layers; give a value in "
+                        "(0, 1], e.g. --recompute-share 0.35")
+    if args.recompute_share < 1.0 and parallel.recompute == "none":
+        raise UserError("--recompute-share applies to a recompute level; add --recompute selective or full")
+    p = predict(workload, parallel, args.devices, calibration, record_spans=bool(args.timeline),
+                recompute_share=args.recompute_share)
     result = {
         "model": workload.model.name,
         "cluster": workload.cluster.name,
@@ -47,6 +59,8 @@ def simulate_layout(args: argparse.Namespace) -> dict:
         "seq_len": workload.seq_len,
         "global_batch": workload.global_batch,
         "parallel": p.parallel.model_dump(),
+        "recompute_share": args.recompute_share,
+        "split_wgrad": workload.split_weight_grad,
         "micro_batches_per_pipeline": p.micro_batches_per_pipeline,
         "step_time_s": p.step_time_s,
         "tokens_per_s": p.tokens_per_s,
@@ -89,7 +103,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"{result['model']} on {result['devices']} × {result['cluster']}, seq {result['seq_len']}, "
           f"global batch {result['global_batch']}")
     layout = " ".join(f"{k}={on_off(v) if isinstance(v, bool) else v}" for k, v in p.items())
-    print(f"layout: {layout}  (m={result['micro_batches_per_pipeline']})")
+    stack = ((f" recompute_share={result['recompute_share']:g}" if result["recompute_share"] < 1 else "")
+             + (" split_wgrad=on" if result["split_wgrad"] else ""))
+    print(f"layout: {layout}{stack}  (m={result['micro_batches_per_pipeline']})")
     print(f"step time   {result['step_time_s']:.4g} s    tokens/s {result['tokens_per_s']:.4g} "
           f"({result['tokens_per_s_per_device']:.4g} per device)"
           + ("" if result.get("device") == "cpu" else f"    MFU {result['mfu']:.1%}"))  # a CPU's peak is nominal

@@ -38,6 +38,11 @@ def add_workload_args(parser: argparse.ArgumentParser, batch_required: bool = Tr
                    "the GEMMs: Transformer Engine userbuffers, AsyncTP, MindSpeed MC2), DP (gradient reduction "
                    "and weight gathers under the passes); priced with its whole window instead of the fitted "
                    "shares, as validate prices a row whose source states it (default: none stated)")
+    g.add_argument("--split-wgrad", action="store_true",
+                   help="the stack computes weight gradients apart from input gradients and runs them under the "
+                   "expert all-to-all (Megatron-Core --delay-wgrad-compute, MindSpeed --moe-fb-overlap, DualPipe): "
+                   "a warm-up or cool-down pass hides at least half of its own exchange, as validate prices a row "
+                   "whose source names such a schedule")
 
 
 def comm_overlap(text: str) -> tuple[str, ...]:
@@ -74,17 +79,22 @@ def build_workload(args: argparse.Namespace) -> tuple[Workload, Calibration]:
     cluster = cluster.for_ranks(min(args.devices, cluster.devices_per_node))
     calibration = load_calibration(args.calibration)
     stated = comm_overlap(getattr(args, "comm_overlap", ""))
+    split_wgrad = bool(getattr(args, "split_wgrad", False))
     if cluster.host_is_device:
         if stated:
             raise UserError("--comm-overlap prices a published stack on accelerators; this project's runtime on "
                             "a CPU overlaps no TP or DP traffic, drop the flag")
+        if split_wgrad:
+            raise UserError("--split-wgrad prices a published stack on accelerators; this project's runtime "
+                            "computes weight and input gradients together, drop the flag")
         # CPU ranks run on gloo, which only this project's runtime drives: price it as it trains
         workload = runtime_workload(model, cluster, args.seq_len, args.global_batch, args.dtype, args.imbalance)
     else:
         # accelerators: the published stacks' semantics the shipped fit was made on (Megatron-Core-like
         # overlap and collectives)
         workload = Workload(model, cluster, args.seq_len, args.global_batch, args.dtype, args.imbalance,
-                            grad_bytes=2.0 if args.dtype == "fp16" else 4.0, comm_overlap_stated=stated)
+                            grad_bytes=2.0 if args.dtype == "fp16" else 4.0, comm_overlap_stated=stated,
+                            split_weight_grad=split_wgrad)
     return workload, calibration
 
 

@@ -31,7 +31,13 @@ from moetrain.planner.calibration import Efficiency
 from moetrain.planner.comm import allgather_time, p2p_time, ranks_per_node
 from moetrain.planner.compute import gemm_time, memory_time
 from moetrain.planner.device_memory import LocalParams, MemoryBytes, device_memory, zero3_every_micro_batch
-from moetrain.planner.layer_costs import LayerCosts, full_recompute_share, layer_costs, selective_recompute_share
+from moetrain.planner.layer_costs import (
+    LayerCosts,
+    exposed_tp,
+    full_recompute_share,
+    layer_costs,
+    selective_recompute_share,
+)
 from moetrain.planner.strategy import Columns, Strategies
 from moetrain.planner.workload import BF16, Workload
 
@@ -148,11 +154,7 @@ class _PassTimes:
 
 
 def _exposed_tp(w: Workload, eff: Efficiency, layer: LayerCosts):
-    if "TP" in w.comm_overlap_stated:
-        # Stated TP overlap (Transformer Engine userbuffers, AsyncTP): the collectives run under the
-        # layer's GEMMs; only what exceeds the layer's compute shows.
-        return np.maximum(layer.tp_comm - layer.compute, 0.0)
-    return (1.0 - (eff.tp_overlap if w.overlap_tp_comm else 0.0)) * layer.tp_comm
+    return exposed_tp(w, eff, layer.tp_comm, layer.compute)
 
 
 def _pass_times(w: Workload, s: Strategies, eff: Efficiency, layer: LayerCosts | None,

@@ -139,6 +139,16 @@ class _FeedForward:
     dense_ffn: object = 0.0
 
 
+def recompute_code(level: str, share: float = 1.0) -> float:
+    """The recompute code (module docstring) of ``level`` applied to ``share`` of the layers: ``selective``
+    on a share is the code ``share`` (the selective set there, nothing elsewhere: Pangu's Selective R/S);
+    ``full`` on a share is ``1 + share`` (whole layers there, the selective set on the others: Megatron's
+    --recompute-num-layers as the published rows run it); ``none`` is 0 whatever the share."""
+    if not 0.0 < share <= 1.0:
+        raise ValueError(f"recompute share {share} is not in (0, 1]")
+    return {"none": 0.0, "selective": share, "full": 1.0 + share}[level]
+
+
 def full_recompute_share(recompute) -> np.ndarray:
     """Share of the layers recomputed whole: 1 for code 2 (full), code − 1 between selective and full."""
     return np.clip(np.asarray(recompute, dtype=float) - 1.0, 0.0, 1.0)
@@ -192,6 +202,15 @@ def unpaired_a2a_hidden(total_a2a, shared_time, split_weight_grad: bool):
     if not split_weight_grad:
         return by_shared
     return np.maximum(by_shared, UNPAIRED_A2A_HIDDEN_WITH_SPLIT_DW * total_a2a)
+
+
+def exposed_tp(w: Workload, eff: Efficiency, tp_comm, compute):
+    """Tensor-parallel collectives of a layer pass (``tp_comm``) that its ``compute`` does not hide."""
+    if "TP" in w.comm_overlap_stated:
+        # Stated TP overlap (Transformer Engine userbuffers, AsyncTP): the collectives run under the
+        # layer's GEMMs; only what exceeds the layer's compute shows.
+        return np.maximum(tp_comm - compute, 0.0)
+    return (1.0 - (eff.tp_overlap if w.overlap_tp_comm else 0.0)) * tp_comm
 
 
 def _tokens(w: Workload, s: Strategies) -> _Tokens:
@@ -357,7 +376,11 @@ def layer_costs(w: Workload, s: Strategies, eff: Efficiency, moe_layer: bool, nu
     # micro-batch's compute; in warm-up/cool-down the shared expert (and split-off weight gradients) hide
     # part of it.
     paired = paired_share(s.pp, s.vpp, num_micro * s.vpp, w.bidirectional_pairing)
-    hidden_paired = np.minimum(total_a2a, costs.compute)
+    # A paired step's all-to-all runs on its own stream for as long as the compute stream is busy: the
+    # passes, and the TP and CP traffic the compute stream waits on (the timeline's paired step, which the
+    # screen stands in for, hides it under the same window).
+    window = costs.compute + exposed_tp(w, eff, tp_comm, costs.compute) + costs.cp_exposed
+    hidden_paired = np.minimum(total_a2a, window)
     hidden_alone = unpaired_a2a_hidden(total_a2a, ffn.shared_time, w.split_weight_grad)
     hidden = np.where(s.overlap, paired * hidden_paired + (1 - paired) * hidden_alone, 0.0)
     return LayerCosts(costs.fwd, costs.bwd, costs.recompute, costs.tp_comm, costs.cp_exposed, total_a2a,

@@ -13,6 +13,7 @@ from moetrain.errors import UserError
 from moetrain.planner.calibration import Calibration
 from moetrain.planner.costmodel import StepCosts, evaluate
 from moetrain.planner.device_memory import GIB
+from moetrain.planner.layer_costs import recompute_code
 from moetrain.planner.search import step_after_pipeline, timeline_step
 from moetrain.planner.strategy import Strategies
 from moetrain.planner.timeline import TimelineResult, simulate_timeline, stage_costs_from_model
@@ -72,11 +73,13 @@ def _memory_gib(costs: StepCosts) -> dict[str, float]:
 
 
 def simulate_layout(workload: Workload, parallel: ParallelConfig, devices: int, calibration: Calibration,
-                    record_spans: bool = False) -> LayoutPrediction:
+                    record_spans: bool = False, recompute_share: float = 1.0) -> LayoutPrediction:
     """``parallel`` on ``devices`` devices of ``workload.cluster``; ``record_spans`` keeps the timeline's
-    spans for a Gantt chart."""
+    spans for a Gantt chart; ``recompute_share``: the share of the layers that run ``parallel.recompute``
+    (``layer_costs.recompute_code``), as a stack that recomputes only what memory needs does."""
     eff = calibration.for_device(workload.cluster.device)
     strategies = Strategies.from_parallel([parallel])
+    strategies.recompute = np.array([recompute_code(parallel.recompute, recompute_share)])
     costs = evaluate(workload, strategies, eff)
     num_micro = int(round(float(costs.num_micro_batches[0])))
     if parallel.vpp > 1 and num_micro % parallel.pp:
