@@ -23,6 +23,9 @@ class PerCopyCosts:
     def replica_sync_seconds(self, placement):
         return 0.0  # replicas cost nothing here beyond their slot
 
+    def exposed_replica_sync_seconds(self, placement, loads):
+        return np.zeros(np.shape(loads)[:-1])
+
     def ideal_layer_seconds(self, loads):
         return np.asarray(loads, dtype=float).sum(axis=-1) / self.ep * 1e-3
 

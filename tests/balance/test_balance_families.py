@@ -5,6 +5,7 @@ smaller than the benchmark's (60 steps, one layer) so that the file runs in well
 """
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -242,15 +243,22 @@ def test_the_tests_random_walk_misses_by_its_forecast_not_by_its_placements():
     ("giant", 128, 8, {"num_giants": 1, "period": 40, "low": 1.4, "high": 1.7}, 7118),
     ("few_hot", 128, 8, {"num_hot": 3, "period": 30}, 7119),
 ], ids=["giant-E64-EP4", "giant-E128-EP8", "few_hot-E128-EP8"])
-def test_at_4096_tokens_per_rank_a_giant_on_one_node_is_balanced_but_its_rings_cost(family, experts, ep, params,
-                                                                                     seed):
+def test_at_4096_tokens_per_rank_a_giant_on_one_node_is_balanced_and_its_rings_hide_under_the_backward(
+        family, experts, ep, params, seed):
     # issue 43 at 4,096 tokens per rank: the giant is replicated over the node's ranks and the placement is near
-    # even, but each replica set sums its fp32 gradient in a ring every step (3-5 % of the ideal step here, which
-    # the ideal does not pay), and the hand-over step runs on the old placement: the rest is within 2 %
+    # even. Each replica set sums its fp32 gradient in a ring every step; run after the backward (as before the
+    # rings overlapped it) that cost 3-5 % of the ideal step, which the ideal does not pay, and left two of these
+    # families above the bound. Under the backward after their layer the rings show no more and the gap is
+    # within the bound; the hand-over step still runs on the old placement.
     trace = family_trace(family, TraceShape(60, 1, experts, ep, 4096 * ep), seed=seed, **params)
-    result = replay(trace, _costs(experts, ep), AdaptivePredictor())
+    costs = _costs(experts, ep)
+    after = replay(trace, replace(costs, overlap_replica_rings=False), AdaptivePredictor())
+    assert after.steady_gap_parts()["replica_sync"] > 0.02
+    result = replay(trace, costs, AdaptivePredictor())
     parts = result.steady_gap_parts()
-    assert parts["replica_sync"] > 0.02 and parts["steps_shifted"] >= 1
+    assert parts["replica_sync"] < 0.005 and parts["steps_shifted"] >= 1
     assert parts["imbalance"] + parts["migration"] <= 0.02, parts
+    assert 0.0 <= result.steady_gap_to_ideal <= GAP_BOUND
+    assert result.steady_gap_to_ideal < after.steady_gap_to_ideal - 0.02
     assert result.imbalance_after[1:].mean() < 1.08 < result.imbalance_before.mean()
     assert sum(v for k, v in parts.items() if k != "steps_shifted") == pytest.approx(result.steady_gap_to_ideal)

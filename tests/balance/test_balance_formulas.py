@@ -3,6 +3,7 @@
 - ``BalanceCostModel.migration_seconds``: moved experts' bytes over the busiest rank's busiest link,
   the weights before the layer's experts run, the optimizer state under the rest of the step;
 - ``BalanceCostModel.alltoall_seconds``: the busiest rank's copies, four exchanges per layer;
+- ``BalanceCostModel.exposed_replica_sync_seconds``: the replicas' ring less the backward after its layer;
 - ``replay``: the step after a decision pays its migration, and the gain is the step time saved net of
   it. The replay runs on a cost model simple enough to price by hand (seconds per token copy on the
   busiest rank, a fixed charge per moved expert), so its bookkeeping is checked, not the cost model.
@@ -17,7 +18,7 @@ import pytest
 from per_copy_costs import PerCopyCosts
 
 from moetrain.balance.costs import BalanceCostModel, OverlapWindow
-from moetrain.balance.placement import Move
+from moetrain.balance.placement import ExpertPlacement, Move
 from moetrain.balance.predict import EMAPredictor
 from moetrain.balance.replay import replay
 from moetrain.balance.traces import RoutingTrace
@@ -118,3 +119,34 @@ def test_replay_keeps_a_placement_whose_move_would_not_pay() -> None:
     assert [d.migrate for d in result.decisions] == [False]
     np.testing.assert_allclose(result.seconds_after, result.seconds_before, rtol=1e-12)
     assert result.predicted_gain == 0.0
+
+
+def test_replica_rings_pay_only_what_outlasts_the_backward_after_their_layer() -> None:
+    """``exposed_replica_sync_seconds``: the ring's time less ``backward_after_seconds`` (the rest of the
+    layer's backward and the expert backward of the layer below, at even ranks), never below 0."""
+    slow = CLUSTER.model_copy(update={"inter_node_gbps": 1.0})  # 1 GB/s between the two nodes: a ring that shows
+    costs = BalanceCostModel(load_model_config("tiny-mixtral"), slow, ep=8, efficiency=FULL_BANDWIDTH)
+    whole = replace(costs, overlap_replica_rings=False)
+    # expert 0 (rank 0, node 0) also on rank 5 (node 1): a ring of two over the network. Each replica sends
+    # 2·(2 − 1)/2 = one fp32 gradient, 73,728 · 4 = 294,912 B / 1 GB/s = 294.912 µs, in 2 rounds of 5 µs
+    table = np.stack([np.arange(8), np.full(8, -1)], axis=1)  # [rank, slot]: expert r on rank r, a spare slot
+    table[5, 1] = 0
+    placement = ExpertPlacement.from_slot_experts(8, table)
+    ring = 294.912e-6 + 2 * 5e-6
+    assert costs.replica_sync_seconds(placement) == pytest.approx(ring, rel=1e-12)
+    for per_expert in (100.0, 200_000.0):
+        loads = np.full(8, per_expert)
+        even = np.full(8, per_expert)  # 8 experts on 8 ranks: every rank computes the mean load
+        # what runs after the layer's expert weight gradients: 2/3 (the backward's share of forward + backward)
+        # of the rest of the layer and of one layer's experts at even ranks (1 expert per rank)
+        backward_after = 2.0 / 3.0 * (float(costs.other_seconds(even)) + float(costs.expert_seconds(even[0], 1)))
+        assert costs.backward_after_seconds(loads) == pytest.approx(backward_after, rel=1e-12)
+        exposed = max(0.0, ring - backward_after)
+        assert costs.exposed_replica_sync_seconds(placement, loads) == pytest.approx(exposed, rel=1e-12, abs=1e-15)
+        assert whole.exposed_replica_sync_seconds(placement, loads) == pytest.approx(ring, rel=1e-12)
+        # the layer's time carries the exposed part only
+        assert whole.layer_seconds(placement, loads) - costs.layer_seconds(placement, loads) == pytest.approx(
+            ring - exposed, rel=1e-9)
+    # at 100 tokens per expert most of the ring shows; at 200,000 the backward after the layer hides it all
+    assert 0 < costs.exposed_replica_sync_seconds(placement, np.full(8, 100.0)) < ring
+    assert costs.exposed_replica_sync_seconds(placement, np.full(8, 200_000.0)) == 0.0

@@ -18,7 +18,10 @@ the stage's counts by the number of EP groups in it):
 * replicas: once per step the replicas of each replicated expert sum their gradients with a ring
   all-reduce (``distributed.migration.sum_replica_gradients``): each replica sends 2(n − 1)/n of a
   gradient to the next replica of the ring; the rings of a rank's experts run together, in 2(n − 1)
-  rounds of the longest ring, each paying a link latency;
+  rounds of the longest ring, each paying a link latency. The runtime starts a layer's rings as soon as
+  its expert gradients are final (``distributed.replica_gradients``, as DDP overlaps its bucketed
+  all-reduce with the backward), so only what outlasts the backward compute after them shows
+  (``backward_after_seconds``); ``overlap_replica_rings=False`` charges them whole, as after the backward;
 * the rest of the layer (attention, router, shared expert) does not depend on the placement; it is
   priced as GEMM work of the same efficiency so that gains are relative to the whole layer.
 
@@ -79,6 +82,8 @@ class BalanceCostModel:
     """The weights travel under the next step's compute before the layer's experts (False: before the step)."""
     defer_optimizer_state: bool = True
     """The optimizer state travels under the next step's compute (False: everything before the step)."""
+    overlap_replica_rings: bool = True
+    """The replicas' gradient rings run under the backward (False: after it, before the optimizer step)."""
     grad_bytes_per_param: float = 4.0
     """Bytes per parameter in the replicas' gradient all-reduce (fp32 gradients)."""
     seq_len: int = 4096
@@ -184,6 +189,27 @@ class BalanceCostModel:
                          for link in (0, 1))
         return bytes_time + rounds * latency
 
+    def backward_after_seconds(self, tokens_per_expert: np.ndarray) -> np.ndarray:
+        """[...] Backward compute that runs after a layer's expert weight gradients are final, until the
+        next layer's (one layer down) are: the rest of this layer's backward (attention, router, shared
+        expert: 2/3 of ``other_seconds``) and the expert backward of the layer below (2/3 of
+        ``expert_seconds``, at even ranks: the least any placement of it takes). One layer's worth, not all
+        the layers below: every layer's rings share the same links, one after the other, so each layer's
+        rings hide under one layer's backward. The all-to-alls are left out: they use the same links."""
+        loads = np.asarray(tokens_per_expert, dtype=float)
+        even = np.repeat((loads.sum(axis=-1) / self.ep)[..., None], self.ep, axis=-1)
+        per_rank = -(-self.model.moe.num_experts // self.ep)  # type: ignore[union-attr]
+        return 2.0 / 3.0 * (self.other_seconds(even) + self.expert_seconds(even[..., 0], per_rank))
+
+    def exposed_replica_sync_seconds(self, placement: ExpertPlacement, tokens_per_expert: np.ndarray) -> np.ndarray:
+        """[...] What the replicas' rings add to the step: all of ``replica_sync_seconds`` after the backward,
+        or what outlasts ``backward_after_seconds`` when they run under it (``overlap_replica_rings``)."""
+        ring = self.replica_sync_seconds(placement)
+        shape = np.shape(tokens_per_expert)[:-1]
+        if not ring or not self.overlap_replica_rings:
+            return np.full(shape, ring)
+        return np.maximum(0.0, ring - self.backward_after_seconds(tokens_per_expert))
+
     def layer_seconds(self, placement: ExpertPlacement, tokens_per_expert: np.ndarray) -> np.ndarray:
         """Predicted time of one MoE layer per step, for loads [..., E] under ``placement``."""
         copies = placement.apply_to_tokens_per_expert(tokens_per_expert)
@@ -192,7 +218,7 @@ class BalanceCostModel:
             self.expert_seconds(copies, experts_per_rank).max(axis=-1)
             + self.alltoall_seconds(copies)
             + self.other_seconds(copies)
-            + self.replica_sync_seconds(placement)
+            + self.exposed_replica_sync_seconds(placement, tokens_per_expert)
         )
 
     def ideal_layer_seconds(self, tokens_per_expert: np.ndarray) -> np.ndarray:

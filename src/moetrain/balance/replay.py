@@ -53,8 +53,9 @@ class ReplayResult:
     migration_bytes: float = 0.0
     """Bytes the migrations sent between ranks (weights and optimizer state, all layers)."""
     replica_sync_seconds: np.ndarray | None = None
-    """[T] the part of ``seconds_after`` that the replicas' gradient rings take (``BalanceCostModel.
-    replica_sync_seconds``): what replication costs, which the ideal does not pay."""
+    """[T] the part of ``seconds_after`` that the replicas' gradient rings add (``BalanceCostModel.
+    exposed_replica_sync_seconds``: what outlasts the backward under them): what replication costs, which the
+    ideal does not pay."""
 
     @property
     def predicted_gain(self) -> float:
@@ -177,7 +178,7 @@ def replay(
             actual = loads[t, layer]
             imbalance_after[t, layer] = float(current.imbalance(actual))
             seconds_after[t] += float(costs.layer_seconds(current, actual))
-            replica_sync[t] += costs.replica_sync_seconds(current)
+            replica_sync[t] += float(costs.exposed_replica_sync_seconds(current, actual))
             if t:
                 predictor.update(state, actual)
             if t + 1 >= num_steps:

@@ -18,7 +18,9 @@
 its new table. Replicas: ``ReplicaGradients`` sums each replicated expert's gradient over its replicas before
 the ZeRO step (``ReplicaSyncedOptimizer``; replicas then receive identical updates and stay bit-identical),
 and takes the extra replicas back out of the global gradient norm so that clipping sees each expert once, as
-in a run without replicas. Training math is unchanged by a migration; only float summation order differs.
+in a run without replicas; each layer's rings start as soon as its gradients are final, under the rest of the
+backward (``moetrain.distributed.replica_gradients``). Training math is unchanged by a migration; only float
+summation order differs.
 """
 
 from __future__ import annotations
@@ -28,11 +30,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from moetrain.balance.costs import BalanceCostModel
 from moetrain.balance.online import BALANCE_DEFAULTS, check_online_balance, default_slots_per_rank
-from moetrain.balance.placement import EMPTY_SLOT, ExpertPlacement, Move
+from moetrain.balance.placement import ExpertPlacement, Move
 from moetrain.balance.predict import Predictor
 from moetrain.balance.schedule import Decision, LayerSchedule, ReplanRule
 from moetrain.balance.solver import SOLVERS
@@ -41,12 +42,11 @@ from moetrain.config.model import moe_layer_indices
 from moetrain.distributed.ep import ExpertTable
 from moetrain.distributed.expert_telemetry import LoadTelemetry, StepLoads, moe_layers
 from moetrain.distributed.layout import ParallelDims
-from moetrain.distributed.migration import sum_replica_gradients
-from moetrain.distributed.migration_executor import EXPERT_WEIGHTS, MigrationExecutor
+from moetrain.distributed.migration_executor import MigrationExecutor
 from moetrain.distributed.parallelize import StageModel, parallelize
 from moetrain.distributed.pipeline import Executor
+from moetrain.distributed.replica_gradients import ReplicaGradients
 from moetrain.distributed.step import LayoutRun
-from moetrain.distributed.trace import span
 from moetrain.distributed.zero import ZeroAdamW
 from moetrain.errors import UserError
 from moetrain.models.attention import AttentionBackend
@@ -65,6 +65,11 @@ class ReplicaSyncedOptimizer:
     def zero_grad(self) -> None:
         self.inner.zero_grad()
 
+    def expect_backward(self, num_backward: int) -> None:
+        """Called by the step before its backward passes (one per micro-batch): the replicated experts'
+        gradient rings then start under the backward (``ReplicaGradients``)."""
+        self.balancer.replicas.expect_backward(self.balancer.placements, num_backward)
+
     def step(self, lr: float) -> torch.Tensor:
         grad_norm = self.reduce_gradients()
         self.inner.apply_update(lr, grad_norm)
@@ -81,42 +86,6 @@ class ReplicaSyncedOptimizer:
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
-
-
-@dataclass
-class ReplicaGradients:
-    """Sums replicated experts' gradients over their replicas, once per step before the ZeRO step."""
-
-    layers: list[tuple[int, nn.Module]]
-    ep_group: dist.ProcessGroup
-    edp_size: int
-    device: torch.device
-
-    @torch.no_grad()
-    def sum(self, placements: list[ExpertPlacement]) -> torch.Tensor | None:
-        """Sum each layer's replicated experts' gradients (under ``placements``); return this rank's share of
-        the squared norm counted more than once (negative), or None when nothing is replicated."""
-        correction = torch.zeros((), dtype=torch.float64, device=self.device)
-        replicated = False
-        ep_rank = dist.get_rank(self.ep_group)
-        for (_, block), placement in zip(self.layers, placements):
-            if int(placement.num_replicas().max()) == 1:
-                continue
-            replicated = True
-            params = [getattr(block.experts, name) for name in EXPERT_WEIGHTS]
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            grads = [p.grad for p in params]
-            with span("replica_grad_sum", "comm"):
-                sum_replica_gradients(placement, grads, self.ep_group)
-            # every replica but the first of each expert is a duplicate for the norm
-            for slot, expert in enumerate(placement.experts_on_rank(ep_rank).tolist()):
-                if expert == EMPTY_SLOT or placement.replicas(expert)[0] == (ep_rank, slot):
-                    continue
-                for grad in grads:
-                    correction -= grad[slot].double().pow(2).sum() / self.edp_size
-        return correction if replicated else None
 
 
 @dataclass
@@ -246,7 +215,8 @@ class OnlineExpertBalancer:
         self.planner = BalancePlanner(rule, self.predictor, [layer for layer, _ in self.telemetry.layers],
                                       [initial for _ in self.telemetry.layers])
         self.executor = MigrationExecutor(self.stage, self.optimizer, self.costs, self.telemetry.layers)
-        self.replicas = ReplicaGradients(self.telemetry.layers, self.ep_group, dims.size("edp"), self.device)
+        self.replicas = ReplicaGradients(self.telemetry.layers, self.ep_group, dims.size("edp"), self.device,
+                                         overlap=self.costs.overlap_replica_rings)
         self.migrations = 0
 
     @property
@@ -342,7 +312,7 @@ def build_balanced_run(dims: ParallelDims, model_cfg: ModelConfig, cfg: Training
                        cluster: ClusterConfig, *, model: MoETransformer | None = None,
                        slots_per_rank: int | None = None, placement: ExpertPlacement | None = None,
                        backend: AttentionBackend = "eager", defer_weights: bool = True,
-                       defer_optimizer_state: bool = True,
+                       defer_optimizer_state: bool = True, overlap_replica_rings: bool = True,
                        **balancer_options) -> tuple[LayoutRun, OnlineExpertBalancer]:
     """A layout whose EP ranks have spare expert slots, with its balancer: what ``moetrain train
     --online-balance``, the tests and the benchmark all train with.
@@ -365,7 +335,8 @@ def build_balanced_run(dims: ParallelDims, model_cfg: ModelConfig, cfg: Training
     optimizer = ZeroAdamW(stage.model, dims, cfg, stage.tp_kinds, keep_flat=True)
     costs = BalanceCostModel(model_cfg, cluster, ep, hierarchical_a2a=dims.parallel.a2a == "hierarchical",
                              etp=dims.parallel.etp, seq_len=cfg.seq_len, defer_weights=defer_weights,
-                             defer_optimizer_state=defer_optimizer_state)
+                             defer_optimizer_state=defer_optimizer_state,
+                             overlap_replica_rings=overlap_replica_rings)
     balancer = OnlineExpertBalancer(stage, optimizer, costs, **balancer_options)
     run = LayoutRun(stage, balancer.wrap(optimizer), Executor(stage), cfg, torch.device(device),
                     moe_layers=moe_layer_indices(model_cfg))

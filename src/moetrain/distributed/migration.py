@@ -118,7 +118,8 @@ def _ring_step_chunks(position: int, size: int, step: int) -> tuple[int, int, bo
 
 
 def sum_replica_gradients(
-    placement: ExpertPlacement, slot_grads: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None
+    placement: ExpertPlacement, slot_grads: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None,
+    tag_offset: int = 0,
 ) -> None:
     """Replace each replicated expert's gradient, on every replica, by the sum over its replicas.
 
@@ -127,7 +128,9 @@ def sum_replica_gradients(
     2(n − 1)/n of a gradient, the least any all-reduce moves. Every chunk's sum is made once, by one
     replica, and copied to the others, so every replica holds the same bits and the replicas' weights
     stay identical after the optimizer step. The rings of all the experts a rank holds advance together,
-    one step at a time (``BalanceCostModel.replica_sync_seconds`` prices this).
+    one step at a time (``BalanceCostModel.replica_sync_seconds`` prices this). Messages are numbered from
+    ``tag_offset`` (rings of another layer may be in flight in the same group: give each its own range,
+    ``num_experts · 2 · num_ranks · len(slot_grads)`` wide).
     """
     me = dist.get_rank(group)
     width = len(slot_grads)
@@ -150,7 +153,7 @@ def sum_replica_gradients(
             sent, received, add = _ring_step_chunks(position, size, step)
             after, before = ring[(position + 1) % size], ring[(position - 1) % size]
             for k in range(width):
-                tag = (expert * 2 * placement.num_ranks + step) * width + k
+                tag = tag_offset + (expert * 2 * placement.num_ranks + step) * width + k
                 buffer = torch.empty_like(chunks[k][received])
                 requests.append(dist.isend(chunks[k][sent], dst=_global(group, after), group=group, tag=tag))
                 requests.append(dist.irecv(buffer, src=_global(group, before), group=group, tag=tag))

@@ -149,6 +149,11 @@ def train_step(run: LayoutRun, step: int, batch: StepBatch, loss_scale: float = 
     actions = schedule(parallel.pp, parallel.vpp, len(ctx.micro_batches), dims.pp_rank)
     lr = cfg.lr * lr_multiplier(step, cfg)
     run.optimizer.zero_grad()
+    # A balancer's optimizer starts the replicated experts' gradient rings under the backward; it must know
+    # how many backward passes (one per micro-batch) make a layer's gradients final.
+    expect_backward = getattr(run.optimizer, "expect_backward", None)
+    if expect_backward is not None:
+        expect_backward(len(ctx.micro_batches))
     run.executor.run(actions, ctx)
     with span("optimizer", "compute"):
         grad_norm = run.optimizer.reduce_gradients()
