@@ -19,7 +19,9 @@ the GB200 rows' traffic between trays on NVLink's bus efficiency instead of the 
 search's winner changed between two layouts 0.02 % apart), and when the Atlas preset left the mesh off
 until its per-link bandwidth is measured (the Pangu search again; no validate row moved), and after issue 42's
 split weight gradients, adaptive recompute and last DP chunk with their refit (DSV3-1 +5.0 % before the refit;
-the refit moves every row). Rerun it only when
+the refit moves every row), and when the screen hid the paired all-to-all under the TP and CP traffic as
+the timeline does (3f8338b: no validate row moved; the Qwen3 search's two tied first layouts swapped, the
+DeepSeek-V3 winner 25.99 → 25.96 s). Rerun it only when
 a prediction is meant to
 change, and say why in the commit.
 """
