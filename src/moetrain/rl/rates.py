@@ -231,13 +231,18 @@ def _concurrent_times(processes: int, work: tuple[int, int] | dict | None = None
     (``paced``: meeting after every call)."""
     context = mp.get_context("spawn")
     queue, barrier = context.Queue(), context.Barrier(processes)
-    workers = [context.Process(target=_capacity_worker, args=(queue, barrier, work, paced)) for _ in range(processes)]
+    return _run_together(context, queue, _capacity_worker, [(queue, barrier, work, paced)] * processes)
+
+
+def _run_together(context, queue, target, args_per_process: list[tuple]) -> list:
+    """Start one ``target`` process per argument tuple, then collect one result each from ``queue``."""
+    workers = [context.Process(target=target, args=args) for args in args_per_process]
     for worker in workers:
         worker.start()
-    times = [queue.get() for _ in workers]
+    results = [queue.get() for _ in workers]
     for worker in workers:
         worker.join()
-    return times
+    return results
 
 
 @dataclass(frozen=True)
@@ -339,13 +344,7 @@ def _mixed_times(decoders: int, trainers: int, work: MixedWork) -> list[tuple[st
     kinds = [DECODE] * decoders + [TRAIN] * trainers
     if not trainers:  # a decoder alone: its MIXED_DECODE_CALLS calls
         done.set()
-    workers = [context.Process(target=_mixed_worker, args=(queue, start, pace, done, kind, work)) for kind in kinds]
-    for worker in workers:
-        worker.start()
-    times = [queue.get() for _ in workers]
-    for worker in workers:
-        worker.join()
-    return times
+    return _run_together(context, queue, _mixed_worker, [(queue, start, pace, done, kind, work) for kind in kinds])
 
 
 @dataclass(frozen=True)
