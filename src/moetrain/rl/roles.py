@@ -48,6 +48,17 @@ class Roles:
             raise ValueError(f"a run needs a rollout replica of a rank and a trainer rank, not {self.replicas} "
                              f"replica(s) of {self.ranks_per_replica} and {self.trainer_ranks}")
 
+    def describe(self) -> str:
+        """Who does what, as the run's first console line says it."""
+        each = f" of {self.ranks_per_replica} {self.replica_layout.upper()} ranks" if self.ranks_per_replica > 1 else ""
+        plural = "s" if self.replicas > 1 else ""
+        replicas = (f"{self.replicas} rollout replica{plural}{each} (ranks 0–{self.rollout_ranks - 1})"
+                    if self.rollout_ranks > 1 else "rollout worker (rank 0)")
+        middle = "".join(f" → {stage} (rank {self.rank(stage)})" for stage in self.order[1:-1])
+        group = self.trainer_group
+        trainers = f"ranks {group[0]}–{group[-1]}" if len(group) > 1 else f"rank {group[0]}"
+        return f"{replicas}{middle} → trainer ({trainers})"
+
     @property
     def order(self) -> tuple[str, ...]:
         """The stages in the order a batch visits them."""

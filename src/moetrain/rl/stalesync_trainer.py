@@ -170,17 +170,8 @@ class StaleSyncHooks(GRPO):
         return ""  # a sharded trainer's whole model per rank only evaluates: the roles below say who generates
 
     def describe(self, trainer: Trainer) -> str:
-        roles = self.channels.roles
-        each = f" of {roles.ranks_per_replica} ranks" if roles.ranks_per_replica > 1 else ""
-        plural = "s" if roles.replicas > 1 else ""
-        replicas = (f"{roles.replicas} rollout replica{plural}{each} (ranks 0–{roles.rollout_ranks - 1})"
-                    if roles.rollout_ranks > 1 else "rollout worker (rank 0)")
-        middle = "".join(f" → {stage} (rank {roles.rank(stage)})" for stage in roles.order[1:-1])
-        trainer_group = roles.trainer_group
-        group = (f"ranks {trainer_group[0]}–{trainer_group[-1]}" if len(trainer_group) > 1
-                 else f"rank {trainer_group[0]}")
-        return (super().describe(trainer) + f" · StaleSync k={self.stale.staleness}, disaggregated: {replicas}"
-                f"{middle} → trainer ({group}), loss {self.stale.loss}"
+        return (super().describe(trainer) + f" · StaleSync k={self.stale.staleness}, disaggregated: "
+                f"{self.channels.roles.describe()}, loss {self.stale.loss}"
                 + (", partial rollouts" if self.stale.partial_rollouts else ""))
 
     def after_step(self, trainer: Trainer, step: int, batch: StepBatch) -> dict[str, Any]:
