@@ -147,10 +147,13 @@ def test_a_dead_worker_ends_the_run_in_one_line_naming_it_and_the_checkpoint_sta
         cluster, tmp_path, inject, message):
     from moetrain.rl.ray_engine import RayRankError, run_ranks
 
+    timeout_s = 120
     start = time.monotonic()
     with pytest.raises(RayRankError, match=message) as failure:
-        run_ranks(inject, 2, _job(4, staleness=0, save_dir=tmp_path), names=NAMES, timeout_s=120)
-    assert time.monotonic() - start < 60
+        run_ranks(inject, 2, _job(4, staleness=0, save_dir=tmp_path), names=NAMES, timeout_s=timeout_s)
+    # the death ends the run, not the groups' timeout (a fixed 60 s bound also counted the actors' start-up,
+    # which took 62 s once on a loaded 2-core machine)
+    assert time.monotonic() - start < timeout_s
     assert len(str(failure.value).splitlines()) == 1
     newest = latest_checkpoint(tmp_path)
     assert newest is not None and read_marker(newest)["step"] in (1, 2)
