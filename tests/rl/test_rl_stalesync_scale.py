@@ -417,17 +417,10 @@ def test_cli_refuses_a_pool_that_cannot_run_in_one_line_exit_2(capsys, argv, exp
 
 @pytest.mark.slow
 def test_cli_runs_two_replicas_beside_a_tp2_trainer_through_torchrun(tmp_path, capsys):
-    import json
 
-    from test_rl_stalesync import TINY
 
-    from moetrain.cli import main
 
-    metrics = tmp_path / "rl.jsonl"
-    argv = ["rl", *TINY, "--staleness", "1", "--nproc", "4", "--rollout-replicas", "2", "--tp", "2",
-            "--metrics-out", str(metrics), "--log-dir", str(tmp_path / "log")]
-    assert main(argv) == 0, capsys.readouterr().err
-    steps = [r for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
+    steps = _cli_steps(tmp_path, capsys, "--nproc", "4", "--rollout-replicas", "2", "--tp", "2")
     assert [r["weight_version"] for r in steps] == [0, 0, 1] and [r["staleness_max"] for r in steps] == [0, 1, 1]
     pushed = [r for r in steps if "sync_received_mib" in r]
     assert pushed and all(r["sync_received_mib"] == [r["sync_replica_share_mib"]] * 2 for r in pushed)
@@ -435,17 +428,10 @@ def test_cli_runs_two_replicas_beside_a_tp2_trainer_through_torchrun(tmp_path, c
 
 @pytest.mark.slow
 def test_cli_runs_a_replica_of_two_ep_ranks_beside_a_trainer_through_torchrun(tmp_path, capsys):
-    import json
 
-    from test_rl_stalesync import TINY
 
-    from moetrain.cli import main
 
-    metrics = tmp_path / "rl.jsonl"
-    argv = ["rl", *TINY, "--staleness", "1", "--nproc", "3", "--gen-ep", "2", "--metrics-out", str(metrics),
-            "--log-dir", str(tmp_path / "log")]
-    assert main(argv) == 0, capsys.readouterr().err
-    steps = [r for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
+    steps = _cli_steps(tmp_path, capsys, "--nproc", "3", "--gen-ep", "2")
     assert [r["weight_version"] for r in steps] == [0, 0, 1] and [r["staleness_max"] for r in steps] == [0, 1, 1]
     pushed = [r for r in steps if "sync_received_mib" in r]
     # each of the replica's two ranks receives its half of the experts and the dense tensors
@@ -455,3 +441,17 @@ def test_cli_runs_a_replica_of_two_ep_ranks_beside_a_trainer_through_torchrun(tm
 
     share = _share_bytes(2, build_model(policy_config(load_model_config("tiny-pangu")), "meta").state_dict())
     assert pushed and all(r["sync_received_mib"] == [share / 2**20] * 2 for r in pushed)
+
+
+def _cli_steps(tmp_path, capsys, *flags: str) -> list[dict]:
+    """The step rows of ``moetrain rl`` (tiny, k = 1) with ``flags``, run through torchrun; exit 0 asserted."""
+    import json
+
+    from test_rl_stalesync import TINY
+
+    from moetrain.cli import main
+
+    metrics = tmp_path / "rl.jsonl"
+    argv = ["rl", *TINY, "--staleness", "1", *flags, "--metrics-out", str(metrics), "--log-dir", str(tmp_path / "log")]
+    assert main(argv) == 0, capsys.readouterr().err
+    return [r for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]

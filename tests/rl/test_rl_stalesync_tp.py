@@ -10,7 +10,7 @@ import pytest
 import torch
 from rl_models import small_model
 from test_rl_stalesync import _synchronous
-from test_rl_stalesync_scale import EXACT, TP2, _job, _run, _trainers_weights
+from test_rl_stalesync_scale import EXACT, TP2, _cli_steps, _job, _run, _trainers_weights
 
 from moetrain.distributed.weight_sync import SyncFault
 from moetrain.rl import stalesync
@@ -160,20 +160,13 @@ def test_a_lost_rank_of_a_tp_replica_that_is_not_its_leader_is_named_by_replica_
 
 @pytest.mark.slow
 def test_cli_runs_a_replica_of_two_tp_ranks_beside_a_trainer_through_torchrun(tmp_path, capsys):
-    import json
 
-    from test_rl_stalesync import TINY
 
-    from moetrain.cli import main
     from moetrain.config import load_model_config
     from moetrain.models.transformer import build_model
     from moetrain.rl.loop import policy_config
 
-    metrics = tmp_path / "rl.jsonl"
-    argv = ["rl", *TINY, "--staleness", "1", "--nproc", "3", "--gen-tp", "2", "--metrics-out", str(metrics),
-            "--log-dir", str(tmp_path / "log")]
-    assert main(argv) == 0, capsys.readouterr().err
-    steps = [r for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
+    steps = _cli_steps(tmp_path, capsys, "--nproc", "3", "--gen-tp", "2")
     assert [r["weight_version"] for r in steps] == [0, 0, 1] and [r["staleness_max"] for r in steps] == [0, 1, 1]
     share = _tp_share_bytes(2, build_model(policy_config(load_model_config("tiny-pangu")), "meta").state_dict())
     pushed = [r for r in steps if "sync_received_mib" in r]
