@@ -134,9 +134,6 @@ def test_nproc_counts_the_tp_replicas_ranks():
     (["--nproc", "4", "--gen-tp", "3"],
      "RL run spec: generation.gen_tp 3: tiny-pangu's 4 attention heads do not split over a replica's 3 "
      "tensor-parallel ranks; give --gen-tp a divisor of 4"),
-    (["--nproc", "4", "--gen-tp", "2", "--gen-ep", "2"],
-     "RL run spec: generation.gen_tp 2 with gen_ep 2: a replica splits either its experts (--gen-ep) or its "
-     "heads (--gen-tp), not both (not built yet); drop one"),
     (["--nproc", "2", "--gen-tp", "2", "--placement", "colocated"],
      "RL run spec: generation.gen_tp 2: tensor-parallel generation runs in the disaggregated pipeline's rollout "
      "replicas only (not built yet for RL Fusion or the colocated placement); drop --gen-tp or give --staleness K "

@@ -5,7 +5,8 @@ A replica of G > 1 ranks generates in an EP layout (``fusion.ep_generation_model
 generation model: each rank holds ``experts / G`` experts of every MoE layer and the dense tensors whole,
 the experts' all-to-all serves the G ranks) or a TP layout (``tp_generation_model``: each rank holds
 ``heads / G`` of every attention layer and ``1/G`` of every dense FFN's columns, the experts whole, the
-row-parallel outputs summed over the G ranks). Either way the G ranks run the same rows in lockstep and
+row-parallel outputs summed over the G ranks), or both (``tp_ep_generation_model``: G = T·E ranks, each
+with its TP range and ``experts / E`` experts). Either way the G ranks run the same rows in lockstep and
 each receives only the weights it holds. Only the leader scores and sends: the others' rows are the same.
 """
 
@@ -32,7 +33,7 @@ from moetrain.rl.stalesync_job import START_TAG, Channels, Slices, StaleSyncJob
 from moetrain.rl.stalesync_schedule import Schedule
 from moetrain.rl.tasks import get_task
 from moetrain.rl.tokenizer import CharTokenizer
-from moetrain.rl.tp_generation import tp_generation_model
+from moetrain.rl.tp_generation import tp_ep_generation_model, tp_generation_model
 from moetrain.train.faults import injected_faults
 
 
@@ -79,6 +80,8 @@ class RolloutWorker:
             self.model, stage = build_model(job.model_cfg, self.device, seed=0).eval().requires_grad_(False), None
         elif roles.replica_layout == "tp":
             self.model, stage = tp_generation_model(job.model_cfg, channels.pool, self.device)
+        elif roles.replica_layout == "tp_ep":
+            self.model, stage = tp_ep_generation_model(job.model_cfg, channels.pool, self.device)
         else:
             check_experts_divide(job, roles.ranks_per_replica)
             self.model, stage = ep_generation_model(job.model_cfg, channels.pool, self.device)
