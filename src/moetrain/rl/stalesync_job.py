@@ -3,8 +3,8 @@ size) and the process groups built from it (``Channels``).
 
 Every rank builds the same groups in the same order (``torch.distributed.new_group``'s contract), member
 or not: the queues' group (every rank), the weight sync's (every rollout rank and the trainer group), the
-trainer group's layout and, when a replica has several ranks, the rollout pool's EP layout (replica
-``i``'s G ranks are one EP group; the pool's data-parallel axis is the replicas).
+trainer group's layout and, when a replica has several ranks, the rollout pool's layout (``pool_layout``:
+EP, TP or TP×EP over replica ``i``'s G ranks; the pool's data-parallel axis is the replicas).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from moetrain.distributed.layout import ParallelDims
 from moetrain.distributed.world import collective_timeout
 from moetrain.errors import UserError
 from moetrain.rl.config import RLOptions, StaleSyncOptions
+from moetrain.rl.replica_progress import ReplicaProgress
 from moetrain.rl.roles import Roles
 
 START_TAG = 3
@@ -76,6 +77,9 @@ class Channels:
     """The rollout pool's layout when a replica has several ranks (G > 1): ``pool_layout``."""
     processes: tuple[tuple[str, int], ...] = ()
     """Every rank's (host, process id): a rank that loses a peer tells which one is gone (``ended_ranks``)."""
+    progress: ReplicaProgress | None = None
+    """This rank's progress count in the store, and its replica peers' (``stalled``): which rank of a replica
+    stopped answering."""
 
     @classmethod
     def build(cls, rank: int, roles: Roles, spec: RunSpec) -> Channels:
@@ -92,14 +96,15 @@ class Channels:
         timeout = collective_timeout()
         sync = dist.new_group([*roles.replica_ranks, *roles.trainer_group], timeout=timeout)
         queue = dist.new_group(everyone, timeout=timeout)
+        progress = ReplicaProgress.of_group(rank, roles)  # its key written before the gather below
         processes: list = [None] * roles.world_size
         dist.all_gather_object(processes, (socket.gethostname(), os.getpid()), group=queue)
-        return cls(queue, sync, dims, roles, pool, tuple(processes))
+        return cls(queue, sync, dims, roles, pool, tuple(processes), progress)
 
     def ended_ranks(self) -> list[int]:
         """The ranks on this host whose process has ended (gone, or a zombie its launcher has not reaped):
         which peer a rank lost when gloo's error only says a connection closed. A rank on another host, or
-        one that hangs, is not found here."""
+        one that hangs, is not found here (``progress.stalled`` finds a replica's)."""
         host = socket.gethostname()
         return [rank for rank, (where, pid) in enumerate(self.processes) if where == host and _ended(pid)]
 

@@ -26,6 +26,7 @@ from moetrain.rl.fusion import ep_generation_model, generation_views, global_sha
 from moetrain.rl.generate import RolloutEngine, SamplingParams
 from moetrain.rl.loop import scored_rollouts, step_problems
 from moetrain.rl.partial_rollout import generate_with_resume
+from moetrain.rl.replica_progress import ReplicaProgress
 from moetrain.rl.roles import ROLLOUT
 from moetrain.rl.rollout_queue import BatchSender, QueuedBatch, pack
 from moetrain.rl.sft import prompt_ids
@@ -87,6 +88,8 @@ class RolloutWorker:
             self.model, stage = ep_generation_model(job.model_cfg, channels.pool, self.device)
         self.sync = WeightSync.plan({}, generation_views(self.model, stage, shapes),
                                     int(job.stale.bucket_mib * 2**20), channels.sync)
+        self.progress = channels.progress or ReplicaProgress(None, rank, roles)
+        self.progress.watch(self.model)
         self.engine = RolloutEngine(self.model, self.tokenizer.pad_id, self.tokenizer.decode)
         max_new = job.options.max_new_tokens or self.task.max_answer_chars + 2
         self.sampling = sampling_params(job.options, max_new, self.tokenizer.eos_id)
@@ -108,6 +111,7 @@ class RolloutWorker:
     def receive(self, version: int) -> int:
         """The trainer's push of ``version`` (every bucket's version and CRC checked by the sync)."""
         self.syncs.append(self.sync.run(version))
+        self.progress.tick()
         self.version = version
         if self.job.record_weights:
             self.synced_pieces[version] = [(name, offsets, piece.detach().clone())
@@ -148,6 +152,7 @@ class RolloutWorker:
             if version != self.version:
                 self.receive(version)
             fault(batch, "step")  # MOETRAIN_FAULT=RANK:B:KIND: this rank, holding batch B's weights
+            self.progress.tick()
             queued = self.generate(batch, schedule.resume_version(batch))
             tokens += queued.generation.num_generated
             versions.append(version)
