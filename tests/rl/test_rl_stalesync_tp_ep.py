@@ -11,10 +11,11 @@ import pytest
 import torch
 from rl_models import small_model
 from test_rl_stalesync import _synchronous
-from test_rl_stalesync_scale import EXACT, _job, _run, _trainers_weights
+from test_rl_stalesync_scale import EXACT, _cli_steps, _job, _run, _trainers_weights
 from test_rl_stalesync_scale import _share_bytes as _ep_share_bytes
 from test_rl_stalesync_tp import _split_dim, _tp_range, _tp_share_bytes
 
+from moetrain.errors import UserError
 from moetrain.rl.roles import Roles
 from moetrain.rl.spec import resolve_rl_spec
 from refusals import refused
@@ -115,8 +116,25 @@ def test_cli_refuses_a_tp_ep_replica_layout_that_does_not_divide_in_one_line_exi
 
 
 def test_a_pool_size_other_than_tp_times_ep_is_refused_naming_both():
-    with pytest.raises(Exception, match=r"rollout.ranks_per_replica 2 differs from generation.gen_tp·gen_ep = 2·2: "
+    with pytest.raises(UserError, match=r"rollout.ranks_per_replica 2 differs from generation.gen_tp·gen_ep = 2·2: "
                                         r"a disaggregated replica of TP×EP generates on T·E ranks; set "
                                         r"ranks_per_replica 4 or leave it out"):
         resolve_rl_spec([{"stalesync": {"staleness": 1}, "rollout": {"ranks_per_replica": 2},
                           "generation": {"gen_tp": 2, "gen_ep": 2}}], ["rl.yaml"], world_size=3)
+
+
+@pytest.mark.slow
+def test_cli_runs_a_tp2_by_ep2_replica_beside_a_trainer_through_torchrun(tmp_path, capsys):
+    """``moetrain rl --nproc 5 --gen-tp 2 --gen-ep 2``: the spec, the worker and the job carry both degrees to
+    the ranks; every push gives each of the 4 replica ranks its share (its TP ranges and half the experts)."""
+    from moetrain.config import load_model_config
+    from moetrain.models.transformer import build_model
+    from moetrain.rl.loop import policy_config
+
+    steps = _cli_steps(tmp_path, capsys, "--nproc", "5", "--gen-tp", "2", "--gen-ep", "2")
+    assert [r["weight_version"] for r in steps] == [0, 0, 1] and [r["staleness_max"] for r in steps] == [0, 1, 1]
+    state = build_model(policy_config(load_model_config("tiny-pangu")), "meta").state_dict()
+    share = sum(v.numel() * 4 // (T if _split_dim(k) is not None else E if _is_expert(k) else 1)
+                for k, v in state.items())
+    pushed = [r for r in steps if "sync_received_mib" in r]
+    assert pushed and all(r["sync_received_mib"] == [share / 2**20] * 4 for r in pushed)

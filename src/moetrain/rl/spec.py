@@ -62,9 +62,10 @@ class RolloutPool(BaseModel):
     disaggregated pipeline runs ``replicas`` rollout replicas of ``ranks_per_replica`` ranks each on ranks
     of their own, beside the trainer group: a replica of one rank holds the whole model, one of G ranks
     generates in the EP layout ``generation.gen_ep`` = G (the experts split over its ranks, the dense
-    tensors whole on each) or the TP layout ``generation.gen_tp`` = G (the heads and dense FFN columns
-    split over its ranks, the experts whole on each). Left empty, the spec fills them in; a pool sized
-    otherwise is not built yet and is refused."""
+    tensors whole on each), the TP layout ``generation.gen_tp`` = G (the heads and dense FFN columns
+    split over its ranks, the experts whole on each), or both (G = gen_tp·gen_ep: the experts split over
+    the gen_ep ranks at each TP position). Left empty, the spec fills them in; a pool sized otherwise is
+    not built yet and is refused."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

@@ -15,8 +15,8 @@ are cached for this rank's kv heads only; MLA caches the per-token latent that e
 rank keeps it whole (the heads' up-projections, sharded, apply it).
 
 TP×EP (``tp_ep_generation_model``): the same TP share, and the experts split over the E ranks at one TP
-position as expert parallelism splits them (``parallelize.apply_expert_parallel``'s flat path: contiguous blocks of
-``experts / E``, the all-to-all over that EP group); the rank grid is ``stalesync_job.pool_layout``'s.
+position as expert parallelism splits them (``parallelize.apply_expert_parallel``'s flat path: contiguous
+blocks of ``experts / E``, the all-to-all over that EP group); the rank grid is ``stalesync_job.pool_layout``'s.
 """
 
 from __future__ import annotations
@@ -68,8 +68,8 @@ def check_experts_divide(model_cfg: ModelConfig, ep: int) -> None:
 
 def tp_generation_model(model_cfg: ModelConfig, dims: ParallelDims,
                         device: torch.device) -> tuple[MoETransformer, StageModel]:
-    """This rank's generation model in the TP layout ``dims`` (its TP group: the replica; with ep > 1 in
-    ``dims``, the experts split too: ``tp_ep_generation_model``), and its stage.
+    """This rank's generation model in the TP layout ``dims`` (its TP group: the replica, or one TP group of a
+    TP×EP replica, whose experts ``tp_ep_generation_model`` then splits), and its stage.
     Built from seed 0: every value is overwritten by the first sync (which checks that it is)."""
     tp = dims.parallel.tp
     check_heads_divide(model_cfg, tp)
