@@ -1,9 +1,9 @@
 """StaleSync on Ray actors (``--engine ray``) on a local Ray cluster: k = 0 gives what the torch.distributed
-(local) engine gives, with one rollout worker and one trainer rank and with 2 rollout replicas beside a
-TP2 trainer group; a dead worker ends the run in one line naming it within 60 s and leaves the last
-checkpoint valid; with ``--max-restarts`` a killed actor (a replica or a trainer rank) is restarted and the
-run ends equal to the uninterrupted one; a hung worker is named within the run's timeout; and the CLI
-refuses in one line what the engine cannot run."""
+(local) engine gives, with one rollout worker and one trainer rank, with 2 rollout replicas beside a TP2
+trainer group, and with a replica of TP2×EP2 ranks (and, through the CLI, of TP2 ranks); a dead worker ends
+the run in one line naming it within 60 s and leaves the last checkpoint valid; with ``--max-restarts`` a
+killed actor (a replica or a trainer rank) is restarted and the run ends equal to the uninterrupted one; a
+hung worker is named within the run's timeout; and the CLI refuses in one line what the engine cannot run."""
 
 import json
 import os
@@ -44,10 +44,11 @@ PER_STEP = (*COMPARED, "staleness_max", "dropped_samples", "batch_index")
 
 @pytest.fixture(scope="module")
 def cluster():
-    """A local Ray cluster of 4 logical CPUs (one actor each: 2 replicas and a 2-rank trainer group; the
-    actors run one thread each, so they share the machine's cores); the failure injections below, defined
-    here, travel to the actors by value (the actors cannot import this test module)."""
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, object_store_memory=200 * 2**20)
+    """A local Ray cluster of 5 logical CPUs (one actor each: at most a replica of 4 TP×EP ranks beside a
+    one-rank trainer; the actors run one thread each, so they share the machine's cores); the failure
+    injections below, defined here, travel to the actors by value (the actors cannot import this test
+    module)."""
+    ray.init(num_cpus=5, include_dashboard=False, log_to_driver=False, object_store_memory=200 * 2**20)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     yield
     ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
@@ -108,6 +109,34 @@ def test_k0_with_two_replicas_beside_a_tp2_trainer_on_ray_equals_the_torch_distr
             assert torch.equal(value, got.final_state[name]), name  # this rank's TP shard, bit for bit
     # the two TP ranks hold different shards: the comparison above is of each rank's own
     assert any(not torch.equal(on_ray[2].final_state[n], on_ray[3].final_state[n]) for n in on_ray[2].final_state)
+
+
+@needs_ray
+@pytest.mark.dist
+def test_k0_a_tp2_by_ep2_replica_on_ray_equals_the_torch_distributed_run(cluster):
+    """A replica of 4 ranks (TP2×EP2: each its TP range and half the experts) beside a one-rank trainer, as 5
+    Ray actors and as 5 local processes: the same rank function, so every rank's versions and weights after
+    each sync, and the trainer's samples, rows and final weights, bit for bit."""
+    from moetrain.rl.ray_engine import run_ranks
+
+    job = _scale_job(2, 0, None, replicas=1, ranks_per_replica=4, replica_layout="tp_ep", replica_tp=2,
+                     record_weights=True)
+    names = [job.roles.worker_name(rank) for rank in range(5)]
+    local = spawn(run_stalesync, 5, job)
+    on_ray = run_ranks(run_stalesync, 5, job, names=names, timeout_s=180)
+    for want, got in zip(local[:4], on_ray[:4], strict=True):
+        assert got.versions == want.versions == [0, 1]
+        assert got.ideal_sync_bytes == want.ideal_sync_bytes
+        for version, pieces in want.synced_pieces.items():
+            assert [(n, o) for n, o, _ in got.synced_pieces[version]] == [(n, o) for n, o, _ in pieces]
+            assert all(torch.equal(a, b) for (_, _, a), (_, _, b) in zip(pieces, got.synced_pieces[version]))
+    want, got = local[4], on_ray[4]
+    assert got.trained == want.trained == [(0, 0), (1, 1)]
+    for expected, samples in zip(want.samples, got.samples, strict=True):
+        assert torch.equal(expected, samples)
+    assert [{k: r.get(k) for k in PER_STEP} for r in got.rows] == [{k: r.get(k) for k in PER_STEP} for r in want.rows]
+    for name, value in want.final_state.items():
+        assert torch.equal(value, got.final_state[name]), name
 
 
 def _trainer_raises_at_step_2(rank: int, world_size: int, job: StaleSyncJob):
@@ -175,12 +204,14 @@ def test_cli_without_ray_says_pip_install_ray_in_one_line_exit_2(capsys, monkeyp
 
 @needs_ray
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [(), ("--rollout-replicas", "2", "--nproc", "4", "--tp", "2")],
-                         ids=["1-replica-1-trainer", "2-replicas-tp2-trainer"])
+@pytest.mark.parametrize("layout", [(), ("--rollout-replicas", "2", "--nproc", "4", "--tp", "2"),
+                                    ("--nproc", "3", "--gen-tp", "2")],
+                         ids=["1-replica-1-trainer", "2-replicas-tp2-trainer", "tp2-replica"])
 def test_cli_k0_on_ray_actors_equals_the_cli_on_torchrun(cluster, tmp_path, capsys, layout):
     """The same `moetrain rl --staleness 0` run (warm-up, 3 GRPO steps) through both engines, with one rollout
-    worker and one trainer rank, and with 2 rollout replicas beside a TP2 trainer group: the same metrics
-    rows and the same final checkpoint, bit for bit."""
+    worker and one trainer rank, with 2 rollout replicas beside a TP2 trainer group, and with a replica of 2
+    TP ranks (--gen-tp: the same worker code on Ray): the same metrics rows and the same final checkpoint, bit
+    for bit."""
     runs = {}
     for engine in ("local", "ray"):
         out = tmp_path / engine

@@ -6,6 +6,8 @@ The TP ranges each rank should hold are computed here from the tensor names (Meg
 up-projections and the dense gate/up split by output rows, o_proj and the dense down by input columns),
 not read from the layout code."""
 
+import time
+
 import pytest
 import torch
 from rl_models import small_model
@@ -13,6 +15,7 @@ from test_rl_stalesync import _synchronous
 from test_rl_stalesync_scale import EXACT, TP2, _cli_steps, _job, _run, _trainers_weights
 
 from moetrain.distributed.weight_sync import SyncFault
+from moetrain.distributed.world import spawn
 from moetrain.rl import stalesync
 from moetrain.rl.spec import resolve_rl_spec
 from refusals import refused
@@ -134,9 +137,6 @@ def test_nproc_counts_the_tp_replicas_ranks():
     (["--nproc", "4", "--gen-tp", "3"],
      "RL run spec: generation.gen_tp 3: tiny-pangu's 4 attention heads do not split over a replica's 3 "
      "tensor-parallel ranks; give --gen-tp a divisor of 4"),
-    (["--nproc", "4", "--gen-tp", "2", "--gen-ep", "2"],
-     "RL run spec: generation.gen_tp 2 with gen_ep 2: a replica splits either its experts (--gen-ep) or its "
-     "heads (--gen-tp), not both (not built yet); drop one"),
     (["--nproc", "2", "--gen-tp", "2", "--placement", "colocated"],
      "RL run spec: generation.gen_tp 2: tensor-parallel generation runs in the disaggregated pipeline's rollout "
      "replicas only (not built yet for RL Fusion or the colocated placement); drop --gen-tp or give --staleness K "
@@ -171,3 +171,22 @@ def test_cli_runs_a_replica_of_two_tp_ranks_beside_a_trainer_through_torchrun(tm
     share = _tp_share_bytes(2, build_model(policy_config(load_model_config("tiny-pangu")), "meta").state_dict())
     pushed = [r for r in steps if "sync_received_mib" in r]
     assert pushed and all(r["sync_received_mib"] == [share / 2**20] * 2 for r in pushed)  # each TP rank: its half
+
+
+@pytest.mark.dist
+def test_a_hung_rank_of_a_tp_replica_that_is_not_its_leader_is_named_within_the_runs_timeout(monkeypatch):
+    """Rank 3 (replica 1's second rank) stops answering as it starts batch 1, alive (MOETRAIN_FAULT's hang):
+    its leader waits in the replica's all-reduce, the trainer on the leader's batch, replica 0 on the next
+    push; each gives up at the run's collective timeout (8 s here) and names the hung rank by replica and
+    rank (the progress counts in the store: rank 3's is behind its replica's), not "a StaleSync peer" nor
+    the leader it was receiving from."""
+    monkeypatch.setenv("MOETRAIN_FAULT", "3:1:hang=120")
+    monkeypatch.setattr(stalesync, "PEER_GRACE_S", 0.2)
+    timeout_s = 8
+    job = _job(3, 0, None, replicas=2, **TP)
+    start = time.monotonic()
+    with pytest.raises(Exception, match=r"StaleSync rollout replica 1 rank 3 stopped responding: the "
+                                        r"(rollout replica [01]|trainer) \(rank \d\) lost it \(.*[Tt]imed out"):
+        spawn(stalesync.run_stalesync, job.roles.world_size, job, timeout_s=timeout_s)
+    # the timeout, the grace, and the ranks' start-up and first batch (seconds each on a busy 2-core host)
+    assert time.monotonic() - start < timeout_s + 60

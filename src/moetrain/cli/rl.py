@@ -144,7 +144,8 @@ def _add_fusion_arguments(parser: argparse.ArgumentParser) -> None:
                         "whole model); disaggregated --staleness: the ranks of each rollout replica")
     f.add_argument("--gen-tp", type=int,
                    help="disaggregated --staleness: each rollout replica's ranks, its attention heads and dense FFN "
-                        "columns split over them (tensor parallel; the experts whole on each)")
+                        "columns split over them (tensor parallel; the experts whole on each, or with --gen-ep E "
+                        "split over E such groups: replicas of gen-tp·gen-ep ranks)")
     f.add_argument("--sync-bucket-mib", type=float, help="weight-sync bucket size in MiB")
     f.add_argument("--offload", choices=("auto", "always", "never"),
                    help="optimizer state and gradients to host while generating (auto: when it does not fit)")

@@ -113,16 +113,17 @@ def run_in_world(fn: Callable[..., Any], rank: int, world_size: int, args: tuple
 
 
 def _entry(rank: int, world_size: int, port: int, result_dir: str, fn: Callable[..., Any], args: tuple,
-           backend: str) -> None:
+           backend: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     # what a forked child inherits is never the child's to collect (see ``spawn``)
     gc.freeze()
-    result = run_in_world(fn, rank, world_size, args, master_port=port, backend=backend)
+    result = run_in_world(fn, rank, world_size, args, master_port=port, backend=backend, timeout_s=timeout_s)
     torch.save(result, Path(result_dir) / f"rank{rank}.pt")
 
 
-def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo") -> list[Any]:
+def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
+          timeout_s: float = DEFAULT_TIMEOUT_S) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes (gloo, or NCCL with one GPU per
-    rank); their return values."""
+    rank), their collectives giving up after ``timeout_s``; their return values."""
     with tempfile.TemporaryDirectory() as result_dir:
         # fork: the children inherit the imported torch (seconds saved per rank on a slow disk); they
         # run single-threaded, so no OpenMP pool of the parent is touched after the fork.
@@ -133,6 +134,6 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "g
             # freed here, where its threads run: freed in a forked child, its destructor waits forever on
             # threads the child does not have (a test hung that way in CI).
             gc.collect()
-        mp.start_processes(_entry, args=(world_size, free_port(), result_dir, fn, args, backend), nprocs=world_size,
-                           join=True, start_method=method)
+        mp.start_processes(_entry, args=(world_size, free_port(), result_dir, fn, args, backend, timeout_s),
+                           nprocs=world_size, join=True, start_method=method)
         return [torch.load(Path(result_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]

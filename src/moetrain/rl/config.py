@@ -93,8 +93,9 @@ class FusionOptions(BaseModel):
     rank a whole model, generating its share of the prompts; no pipeline, no tensor parallelism)."""
     gen_tp: int = Field(default=1, ge=1)
     """Tensor-parallel degree of a disaggregated rollout replica: its gen_tp ranks split every attention
-    layer's heads and dense FFN's columns, the experts whole on each (1: no tensor parallelism; RL Fusion
-    and the colocated placement generate with gen_tp = 1)."""
+    layer's heads and dense FFN's columns, the experts whole on each, or with gen_ep > 1 split over the
+    gen_ep ranks at each TP position (a replica of gen_tp·gen_ep ranks) (1: no tensor parallelism; RL
+    Fusion and the colocated placement generate with gen_tp = 1)."""
     bucket_mib: float = Field(default=32.0, gt=0)
     """Weight-sync buckets of at most this size."""
     offload: Literal["auto", "always", "never"] = "auto"

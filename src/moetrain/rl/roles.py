@@ -5,9 +5,10 @@ the global ranks in this order:
 
 - ``replicas`` rollout replicas of ``ranks_per_replica`` (G) ranks each, ranks ``0 .. R·G − 1``, replica
   ``i`` on ranks ``i·G .. i·G + G − 1``: each replica generates its contiguous share of every batch, its
-  G ranks in an EP layout (the experts split over them, the dense weights whole on each) or a TP layout
-  (the attention heads and dense FFN columns split over them, the experts whole on each), the same rows
-  in lockstep; the replica's first rank (its leader) sends the share on;
+  G ranks in an EP layout (the experts split over them, the dense weights whole on each), a TP layout
+  (the attention heads and dense FFN columns split over them, the experts whole on each) or both (G =
+  T·E: TP groups of T neighbouring ranks, the experts split over the E ranks at one TP position), the
+  same rows in lockstep; the replica's first rank (its leader) sends the share on;
 - the trainer group, ranks ``R·G .. R·G + T − 1``: the training runtime in its own layout (``T`` = the
   trainer's tp·pp·dp ranks; EP and ETP live inside them); its first rank receives every batch;
 - a reward worker and a reference worker when the run has them (then after the trainer group), between
@@ -40,17 +41,35 @@ class Roles:
     """Ranks of the trainer group (its layout's world size)."""
     ranks_per_replica: int = 1
     """Ranks of each rollout replica (its generation layout's EP or TP degree)."""
-    replica_layout: Literal["ep", "tp"] = "ep"
-    """How a replica of several ranks splits the model: its experts (ep) or its heads and dense columns (tp)."""
+    replica_layout: Literal["ep", "tp", "tp_ep"] = "ep"
+    """How a replica of several ranks splits the model: its experts (ep), its heads and dense columns (tp),
+    or both (tp_ep: ``replica_tp`` TP ranks times ``ranks_per_replica / replica_tp`` EP ranks)."""
+    replica_tp: int = 1
+    """Under ``tp_ep``: the TP degree T inside a replica (its EP degree is ``ranks_per_replica / T``)."""
 
     def __post_init__(self) -> None:
         if min(self.replicas, self.trainer_ranks, self.ranks_per_replica) < 1:
             raise ValueError(f"a run needs a rollout replica of a rank and a trainer rank, not {self.replicas} "
                              f"replica(s) of {self.ranks_per_replica} and {self.trainer_ranks}")
+        if self.replica_layout == "tp_ep" and (self.replica_tp < 2 or self.ranks_per_replica % self.replica_tp
+                                               or self.ranks_per_replica == self.replica_tp):
+            raise ValueError(f"a TP×EP replica of {self.ranks_per_replica} ranks needs a TP degree above 1 that "
+                             f"divides them with an EP degree above 1, not {self.replica_tp}")
+
+    @property
+    def gen_tp(self) -> int:
+        """The TP degree inside a replica (1: none)."""
+        return {"ep": 1, "tp": self.ranks_per_replica, "tp_ep": self.replica_tp}[self.replica_layout]
+
+    @property
+    def gen_ep(self) -> int:
+        """The EP degree inside a replica (1: none)."""
+        return self.ranks_per_replica // self.gen_tp
 
     def describe(self) -> str:
         """Who does what, as the run's first console line says it."""
-        each = f" of {self.ranks_per_replica} {self.replica_layout.upper()} ranks" if self.ranks_per_replica > 1 else ""
+        layout = f"TP{self.gen_tp}×EP{self.gen_ep}" if self.replica_layout == "tp_ep" else self.replica_layout.upper()
+        each = f" of {self.ranks_per_replica} {layout} ranks" if self.ranks_per_replica > 1 else ""
         plural = "s" if self.replicas > 1 else ""
         replicas = (f"{self.replicas} rollout replica{plural}{each} (ranks 0–{self.rollout_ranks - 1})"
                     if self.rollout_ranks > 1 else "rollout worker (rank 0)")

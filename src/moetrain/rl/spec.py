@@ -62,9 +62,10 @@ class RolloutPool(BaseModel):
     disaggregated pipeline runs ``replicas`` rollout replicas of ``ranks_per_replica`` ranks each on ranks
     of their own, beside the trainer group: a replica of one rank holds the whole model, one of G ranks
     generates in the EP layout ``generation.gen_ep`` = G (the experts split over its ranks, the dense
-    tensors whole on each) or the TP layout ``generation.gen_tp`` = G (the heads and dense FFN columns
-    split over its ranks, the experts whole on each). Left empty, the spec fills them in; a pool sized
-    otherwise is not built yet and is refused."""
+    tensors whole on each), the TP layout ``generation.gen_tp`` = G (the heads and dense FFN columns
+    split over its ranks, the experts whole on each), or both (G = gen_tp·gen_ep: the experts split over
+    the gen_ep ranks at each TP position). Left empty, the spec fills them in; a pool sized otherwise is
+    not built yet and is refused."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -146,9 +147,12 @@ class RLRunSpec(BaseModel):
     def _derived(self) -> RLRunSpec:
         self.trainer = _trainer_run(self)
         self.rollout = _rollout_pool(self)
-        if self.disaggregated:  # one number for the replica's EP (or TP) degree: the pool's ranks per replica
-            axis = "gen_tp" if self.generation.gen_tp > 1 else "gen_ep"
-            self.generation = self.generation.model_copy(update={axis: self.rollout.ranks_per_replica})
+        generation = self.generation
+        if self.disaggregated and min(generation.gen_tp, generation.gen_ep) == 1:
+            # one number for a one-axis replica's EP (or TP) degree: the pool's ranks per replica (a TP×EP
+            # replica's T·E ranks follow from its two degrees)
+            axis = "gen_tp" if generation.gen_tp > 1 else "gen_ep"
+            self.generation = generation.model_copy(update={axis: self.rollout.ranks_per_replica})
         self.stalesync = _stalesync_sync_buckets(self)
         _check_placement(self)
         _check_restarts(self)
@@ -169,9 +173,10 @@ class RLRunSpec(BaseModel):
         """The disaggregated run's groups on its ranks (``moetrain.rl.roles``)."""
         assert self.stalesync is not None and self.rollout.replicas is not None
         assert self.rollout.ranks_per_replica is not None
+        gen_tp, gen_ep = self.generation.gen_tp, self.generation.gen_ep
+        layout = "tp_ep" if gen_tp > 1 and gen_ep > 1 else "tp" if gen_tp > 1 else "ep"
         return Roles(self.stalesync.reward_worker, self.rl.grpo.kl_coef > 0, self.rollout.replicas,
-                     self.trainer.world_size, self.rollout.ranks_per_replica,
-                     "tp" if self.generation.gen_tp > 1 else "ep")
+                     self.trainer.world_size, self.rollout.ranks_per_replica, layout, gen_tp)
 
     @property
     def model_name(self) -> str:
@@ -284,17 +289,24 @@ def _check_replicas_split_prompts(spec: RLRunSpec, replicas: int) -> None:
 
 
 def _tp_pool(spec: RLRunSpec) -> RolloutPool:
-    """R replicas of T = ``generation.gen_tp`` ranks, the heads and dense FFN columns split over them."""
-    pool, gen_tp = spec.rollout, spec.generation.gen_tp
-    if spec.generation.gen_ep > 1:
-        raise ValueError(f"generation.gen_tp {gen_tp} with gen_ep {spec.generation.gen_ep}: a replica splits "
-                         "either its experts (--gen-ep) or its heads (--gen-tp), not both (not built yet); drop one")
-    ranks = pool.ranks_per_replica or gen_tp
-    if ranks != gen_tp:
+    """R replicas of T = ``generation.gen_tp`` ranks, the heads and dense FFN columns split over them; with
+    ``generation.gen_ep`` = E > 1, of T·E ranks, the experts split over the E ranks at each TP position too."""
+    pool, gen_tp, gen_ep = spec.rollout, spec.generation.gen_tp, spec.generation.gen_ep
+    ranks = pool.ranks_per_replica or gen_tp * gen_ep
+    if ranks != gen_tp * gen_ep:
+        if gen_ep > 1:
+            raise ValueError(f"rollout.ranks_per_replica {ranks} differs from generation.gen_tp·gen_ep = "
+                             f"{gen_tp}·{gen_ep}: a disaggregated replica of TP×EP generates on T·E ranks; set "
+                             f"ranks_per_replica {gen_tp * gen_ep} or leave it out")
         raise ValueError(f"rollout.ranks_per_replica {ranks} differs from generation.gen_tp {gen_tp}: a "
                          "disaggregated replica of G ranks generates in the TP layout gen_tp = G; set one of them")
     replicas = pool.replicas or 1
     _check_replicas_split_prompts(spec, replicas)
+    experts = _experts(spec)
+    if gen_ep > 1 and experts is not None and experts % gen_ep:
+        raise ValueError(f"generation.gen_ep {gen_ep}: {spec.model_name}'s {experts} experts do not split over "
+                         f"the {gen_ep} expert-parallel ranks at each TP position of a replica; give --gen-ep a "
+                         "divisor of the experts")
     shape = _model_shape(spec)
     if shape is not None:
         for what, count in (("attention heads", shape.attention.num_heads),
@@ -433,7 +445,7 @@ def _pipeline_ranks_beside_trainer(merged: dict[str, Any]) -> int:
     counts = [replicas, gen_tp, gen_ep, pool.get("ranks_per_replica") or 1, kl]
     if not all(isinstance(n, int | float) and not isinstance(n, bool) for n in counts):
         return 0  # the spec's own check names the bad field
-    ranks = pool.get("ranks_per_replica") or (gen_tp if gen_tp > 1 else gen_ep)
+    ranks = pool.get("ranks_per_replica") or gen_tp * gen_ep
     return int(replicas * ranks) + bool(stale.get("reward_worker")) + (kl > 0)
 
 

@@ -2,7 +2,7 @@
 bounded queues, the trainer admitting samples at most k weight versions old.
 
 The ranks' roles follow from the spec (``roles.Roles``): R rollout replicas of G ranks each (ranks
-0 .. R·G − 1; G > 1 generates in an EP layout, the experts split over the replica's ranks), each replica
+0 .. R·G − 1; G > 1 generates in an EP, TP or TP×EP layout over the replica's ranks), each replica
 generating its contiguous share of every batch (``stalesync_rollout``), then the trainer group in any
 layout the runtime trains (``stalesync_trainer``: GRPO hooks whose batches come from the queues). The
 trainer group's first rank receives every replica's share, joins them into the batch and deals it to
@@ -102,10 +102,15 @@ def run_stalesync(rank: int, world_size: int, job: StaleSyncJob) -> RolloutRepor
 
 def lost_peer(exc: Exception, rank: int, roles: Roles, channels: Channels | None) -> str:
     """Whom a rank lost: a peer whose process has ended on this host (the one it was receiving from, if
-    that one has), else the one it was receiving from, or the other rank of a two-rank run; else "a
-    StaleSync peer". gloo's error says only that a connection closed, and a rank of a replica that is
-    not its leader sends no batch, so the process check is what names it."""
+    that one has), else a rank of a replica behind the replica's others (``ReplicaProgress``: hung, or
+    ended on another host), else the one it was receiving from, or the other rank of a two-rank run; else
+    "a StaleSync peer". gloo's error says only that a connection closed or a wait timed out, and a rank
+    of a replica that is not its leader sends no batch, so the process check and the progress counts are
+    what name it."""
     ended = [r for r in (channels.ended_ranks() if channels is not None else []) if r != rank]
+    if not ended and channels is not None and channels.progress is not None:
+        # none gone on this host: a replica rank behind its replica's others (hung, or gone elsewhere)
+        ended = [r for r in channels.progress.stalled() if r != rank]
     if isinstance(exc, PeerLost) and (exc.rank in ended or not ended):
         return roles.lost_name(exc.rank)
     if ended:

@@ -2,8 +2,8 @@
 
 One plan (``moetrain.distributed.weight_sync``) from the trainer group's layout to the rollout pool's:
 each rollout rank needs the tensors it holds (the whole model in a one-rank replica; in a replica of G
-ranks its experts by index and the dense tensors whole (EP), or its range of every TP-sharded tensor and
-the rest whole (TP)), each region is sent by one trainer rank that owns
+ranks its experts by index and the dense tensors whole (EP), its range of every TP-sharded tensor and
+the rest whole (TP), or its TP ranges and its experts (TP×EP)), each region is sent by one trainer rank that owns
 it (TP shards by range, experts by index, replicated tensors by the least-loaded holder), once per
 rollout rank that needs it, in buckets carrying the version and a CRC-32. A push is packed at once and
 sent on a thread while the next step trains; the previous push lands first, so pushes arrive in order.
@@ -28,19 +28,17 @@ from moetrain.rl.stalesync_job import Channels, Slices
 
 def rollout_rank_share_bytes(model_cfg: ModelConfig, roles: Roles, itemsize: int = 4) -> int:
     """What one rank of a rollout replica holds, in bytes (fp32 by default, as the generation models hold
-    them): the whole model in a one-rank replica; under EP the dense tensors whole and 1/G of every expert
+    them): the whole model in a one-rank replica; under EP the dense tensors whole and 1/E of every expert
     tensor; under TP the layout's shards of a model built on the meta device (each rank's are the same
-    size: the layout divides the heads and the columns)."""
-    g = roles.ranks_per_replica
-    if g > 1 and roles.replica_layout == "tp":
-        model = build_model(model_cfg, "meta")
-        shard_tensor_parallel(model, g, 0)
-        return sum(value.numel() * itemsize for value in model.state_dict().values())
+    size: the layout divides the heads and the columns); under TP×EP both."""
+    model = build_model(model_cfg, "meta")
+    if roles.gen_tp > 1:
+        shard_tensor_parallel(model, roles.gen_tp, 0)
     total = 0
-    for name, value in build_model(model_cfg, "meta").state_dict().items():
+    for name, value in model.state_dict().items():
         elements = value.numel()
         if is_routed_expert(name):
-            elements //= g
+            elements //= roles.gen_ep
         total += elements * itemsize
     return total
 

@@ -5,7 +5,8 @@ A replica of G > 1 ranks generates in an EP layout (``fusion.ep_generation_model
 generation model: each rank holds ``experts / G`` experts of every MoE layer and the dense tensors whole,
 the experts' all-to-all serves the G ranks) or a TP layout (``tp_generation_model``: each rank holds
 ``heads / G`` of every attention layer and ``1/G`` of every dense FFN's columns, the experts whole, the
-row-parallel outputs summed over the G ranks). Either way the G ranks run the same rows in lockstep and
+row-parallel outputs summed over the G ranks), or both (``tp_ep_generation_model``: G = T·E ranks, each
+with its TP range and ``experts / E`` experts). Either way the G ranks run the same rows in lockstep and
 each receives only the weights it holds. Only the leader scores and sends: the others' rows are the same.
 """
 
@@ -25,6 +26,7 @@ from moetrain.rl.fusion import ep_generation_model, generation_views, global_sha
 from moetrain.rl.generate import RolloutEngine, SamplingParams
 from moetrain.rl.loop import scored_rollouts, step_problems
 from moetrain.rl.partial_rollout import generate_with_resume
+from moetrain.rl.replica_progress import ReplicaProgress
 from moetrain.rl.roles import ROLLOUT
 from moetrain.rl.rollout_queue import BatchSender, QueuedBatch, pack
 from moetrain.rl.sft import prompt_ids
@@ -32,7 +34,7 @@ from moetrain.rl.stalesync_job import START_TAG, Channels, Slices, StaleSyncJob
 from moetrain.rl.stalesync_schedule import Schedule
 from moetrain.rl.tasks import get_task
 from moetrain.rl.tokenizer import CharTokenizer
-from moetrain.rl.tp_generation import tp_generation_model
+from moetrain.rl.tp_generation import tp_ep_generation_model, tp_generation_model
 from moetrain.train.faults import injected_faults
 
 
@@ -79,11 +81,15 @@ class RolloutWorker:
             self.model, stage = build_model(job.model_cfg, self.device, seed=0).eval().requires_grad_(False), None
         elif roles.replica_layout == "tp":
             self.model, stage = tp_generation_model(job.model_cfg, channels.pool, self.device)
+        elif roles.replica_layout == "tp_ep":
+            self.model, stage = tp_ep_generation_model(job.model_cfg, channels.pool, self.device)
         else:
             check_experts_divide(job, roles.ranks_per_replica)
             self.model, stage = ep_generation_model(job.model_cfg, channels.pool, self.device)
         self.sync = WeightSync.plan({}, generation_views(self.model, stage, shapes),
                                     int(job.stale.bucket_mib * 2**20), channels.sync)
+        self.progress = channels.progress or ReplicaProgress(None, rank, roles)
+        self.progress.watch(self.model)
         self.engine = RolloutEngine(self.model, self.tokenizer.pad_id, self.tokenizer.decode)
         max_new = job.options.max_new_tokens or self.task.max_answer_chars + 2
         self.sampling = sampling_params(job.options, max_new, self.tokenizer.eos_id)
@@ -105,6 +111,7 @@ class RolloutWorker:
     def receive(self, version: int) -> int:
         """The trainer's push of ``version`` (every bucket's version and CRC checked by the sync)."""
         self.syncs.append(self.sync.run(version))
+        self.progress.tick()
         self.version = version
         if self.job.record_weights:
             self.synced_pieces[version] = [(name, offsets, piece.detach().clone())
@@ -145,6 +152,7 @@ class RolloutWorker:
             if version != self.version:
                 self.receive(version)
             fault(batch, "step")  # MOETRAIN_FAULT=RANK:B:KIND: this rank, holding batch B's weights
+            self.progress.tick()
             queued = self.generate(batch, schedule.resume_version(batch))
             tokens += queued.generation.num_generated
             versions.append(version)

@@ -96,7 +96,8 @@ def _pipeline_rank(run: RLRun, rank: int) -> None:
             dist.broadcast(initial[name], src=0)
     roles = run.spec.roles
     job = StaleSyncJob(run.grpo, run.options, run.stale, run.model_cfg, initial, replicas=roles.replicas,
-                       ranks_per_replica=roles.ranks_per_replica, replica_layout=roles.replica_layout)
+                       ranks_per_replica=roles.ranks_per_replica, replica_layout=roles.replica_layout,
+                       replica_tp=roles.replica_tp)
     report = run_stalesync(rank, dist.get_world_size(), job)
     if isinstance(report, TrainerReport) and rank == job.roles.first_trainer:  # the group's rows are one
         console = Console()
