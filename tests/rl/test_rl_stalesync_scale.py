@@ -429,31 +429,20 @@ def test_cli_refuses_a_pool_that_cannot_run_in_one_line_exit_2(capsys, argv, exp
 
 
 @pytest.mark.slow
-def test_cli_runs_two_replicas_beside_a_tp2_trainer_through_torchrun(tmp_path, capsys):
-
-
-
-    steps = _cli_steps(tmp_path, capsys, "--nproc", "4", "--rollout-replicas", "2", "--tp", "2")
+def test_cli_runs_two_replicas_of_two_ep_ranks_beside_a_tp2_trainer_through_torchrun(tmp_path, capsys):
+    """One launch for both of the CLI's pool axes: replicas beside a TP2 trainer group, and EP ranks inside
+    a replica (replicas of one rank through the CLI: test_rl_nodes' one-node run)."""
+    steps = _cli_steps(tmp_path, capsys, "--nproc", "6", "--rollout-replicas", "2", "--gen-ep", "2", "--tp", "2")
     assert [r["weight_version"] for r in steps] == [0, 0, 1] and [r["staleness_max"] for r in steps] == [0, 1, 1]
     pushed = [r for r in steps if "sync_received_mib" in r]
-    assert pushed and all(r["sync_received_mib"] == [r["sync_replica_share_mib"]] * 2 for r in pushed)
-
-
-@pytest.mark.slow
-def test_cli_runs_a_replica_of_two_ep_ranks_beside_a_trainer_through_torchrun(tmp_path, capsys):
-
-
-
-    steps = _cli_steps(tmp_path, capsys, "--nproc", "3", "--gen-ep", "2")
-    assert [r["weight_version"] for r in steps] == [0, 0, 1] and [r["staleness_max"] for r in steps] == [0, 1, 1]
-    pushed = [r for r in steps if "sync_received_mib" in r]
-    # each of the replica's two ranks receives its half of the experts and the dense tensors
+    # each of a replica's two ranks receives its half of the experts and the dense tensors
     from moetrain.config import load_model_config
     from moetrain.models.transformer import build_model
     from moetrain.rl.loop import policy_config
 
     share = _share_bytes(2, build_model(policy_config(load_model_config("tiny-pangu")), "meta").state_dict())
-    assert pushed and all(r["sync_received_mib"] == [share / 2**20] * 2 for r in pushed)
+    assert pushed and all(r["sync_received_mib"] == [share / 2**20] * 4 for r in pushed)
+    assert all(r["sync_replica_share_mib"] == share / 2**20 for r in pushed)
 
 
 def _cli_steps(tmp_path, capsys, *flags: str) -> list[dict]:
