@@ -128,25 +128,6 @@ def test_a_bad_multi_rank_run_is_one_line_before_any_process_starts(args, messag
 
 
 @pytest.mark.slow
-def test_nproc_2_ep_2_runs_the_distributed_worker_with_metrics_and_routing_trace(corpus, tmp_path):
-    from moetrain.balance.traces import read_trace
-    from moetrain.config import load_model_config
-
-    metrics, trace_path = tmp_path / "metrics.jsonl", tmp_path / "routing.jsonl"
-    assert main(["train", "--nproc", "2", "--ep", "2", "--steps", "2", "--seq-len", "16", "--global-batch", "4",
-                 "--micro-batch", "2", "--data", corpus, "--metrics-out", str(metrics),
-                 "--trace-routing", str(trace_path)]) == 0
-    rows = _rows(metrics)
-    assert [r["step"] for r in rows] == [1, 2]
-    assert all(0 < r["loss"] < 20 for r in rows)
-    assert rows[0]["layout"]["ep"] == 2 and rows[0]["layout"]["dp"] == 2
-    model = load_model_config("tiny-pangu")
-    trace = read_trace(trace_path)  # global counts (both ranks' tokens), the single-process trainer's format
-    assert trace.steps.tolist() == [1, 2]
-    assert (trace.tokens_per_expert.sum(-1) == 4 * 16 * model.moe.router.top_k).all()
-
-
-@pytest.mark.slow
 def test_selective_recompute_gives_the_losses_of_no_recompute(corpus, tmp_path, capsys):
     for policy in ("none", "selective"):
         assert _train(corpus, "--steps", "2", "--dtype", "fp32", "--device", "cpu", "--policy", policy,

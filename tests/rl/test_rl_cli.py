@@ -44,31 +44,23 @@ def test_sft_then_grpo_writes_rows_a_plot_and_checkpoints_and_refuses_another_mo
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_rl_fusion_on_4_ranks_trains_tp2_ep2_and_generates_in_replicas(tmp_path):
-    metrics = tmp_path / "rl.jsonl"
-    argv = ["rl", *TINY, "--nproc", "4", "--tp", "2", "--ep", "2", "--metrics-out", str(metrics),
-            "--log-dir", str(tmp_path / "logs")]
-    assert main(argv) == 0
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1, 2] and "heldout_accuracy" in rows[-1]
-    for row in rows[1:]:
-        assert row["layout"]["tp"] == 2 and row["layout"]["ep"] == 2 and row["sync_checksums_verified"] > 0
-        assert row["switch_s"] > 0 and row["offloaded"] is False  # a CPU's memory always fits
-    assert metrics.with_suffix(".png").stat().st_size > 1000
-
-
-@pytest.mark.slow
-@pytest.mark.dist
-def test_rl_fusion_resumes_its_reward_curve(tmp_path):
-    """Stopped after step 1 (checkpoint of the training layout), resumed: the warm-up is read back, the
-    curve continues with the rows the uninterrupted run writes."""
+def test_rl_fusion_on_4_ranks_trains_tp2_pp2_ep2_generates_in_replicas_and_resumes_its_reward_curve(tmp_path):
+    """TP2 × PP2 × EP2 training, generation in 4 replicas; stopped after step 1 (checkpoint of the training
+    layout), resumed: the warm-up is read back, the curve continues with the rows the uninterrupted run writes.
+    One layout with every axis, so the uninterrupted run is also the one the layout's checks read."""
     straight, resumed, save = tmp_path / "straight.jsonl", tmp_path / "resumed.jsonl", tmp_path / "ckpt"
-    layout = [*TINY, "--nproc", "4", "--pp", "2", "--ep", "2", "--eval-every", "0"]
-    assert main(["rl", *layout, "--metrics-out", str(straight)]) == 0
+    layout = [*TINY, "--nproc", "4", "--tp", "2", "--pp", "2", "--ep", "2", "--eval-every", "0"]
+    assert main(["rl", *layout, "--metrics-out", str(straight), "--log-dir", str(tmp_path / "logs")]) == 0
     assert main(["rl", *layout, "--metrics-out", str(resumed), "--save-dir", str(save), "--stop-at", "1"]) == 0
     assert main(["rl", *layout, "--metrics-out", str(resumed), "--save-dir", str(save), "--resume"]) == 0
     rows = {name: [json.loads(line) for line in path.read_text().splitlines()]
             for name, path in (("straight", straight), ("resumed", resumed))}
+    assert [r["step"] for r in rows["straight"]] == [0, 1, 2] and "heldout_accuracy" in rows["straight"][-1]
+    for row in rows["straight"][1:]:
+        assert (row["layout"]["tp"], row["layout"]["pp"], row["layout"]["ep"]) == (2, 2, 2)
+        assert row["sync_checksums_verified"] > 0
+        assert row["switch_s"] > 0 and row["offloaded"] is False  # a CPU's memory always fits
+    assert straight.with_suffix(".png").stat().st_size > 1000
     assert [r["step"] for r in rows["resumed"]] == [0, 1, 2]
     for got, expected in zip(rows["resumed"], rows["straight"], strict=True):
         for key in ("reward", "completion_len", "loss", "grad_norm"):

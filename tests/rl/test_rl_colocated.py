@@ -2,7 +2,9 @@
 the disaggregated pipeline at k = 1 (the same schedule on other ranks) bit for bit, across ranks to the
 one process, through a checkpoint to the uninterrupted run; the admission guard and the refusals."""
 
+import copy
 import dataclasses
+import functools
 import io
 import json
 import shutil
@@ -10,7 +12,7 @@ import shutil
 import pytest
 import torch
 from rich.console import Console
-from test_rl_stalesync import COMPARED, _setup, _stalesync
+from test_rl_stalesync import COMPARED, _plain_stalesync, _setup, _stalesync
 
 from moetrain.cli import main
 from moetrain.config import ParallelConfig
@@ -38,6 +40,19 @@ def _colocated(steps: int, staleness: int = 1, decoupled: bool = False, spec_upd
     return hooks, rows, {k: v.detach().clone() for k, v in trainer.run.stage.model.state_dict().items()}
 
 
+def _plain_colocated(steps: int, decoupled: bool = False):
+    """``_colocated(steps, decoupled=decoupled)`` at k = 1, nothing planted: a copy of the module's one run
+    of these arguments (two tests read the same computation); the rows and weights copied, the hooks shared
+    (the tests read their counters only)."""
+    hooks, rows, state = _plain_colocated_once(steps, decoupled)
+    return hooks, copy.deepcopy(rows), copy.deepcopy(state)
+
+
+@functools.cache
+def _plain_colocated_once(steps: int, decoupled: bool):
+    return _colocated(steps, decoupled=decoupled)
+
+
 def _steps(rows):
     return [r for r in rows if "loss" in r]
 
@@ -55,8 +70,8 @@ def _assert_same_run(rows, state, other_rows, other_state):
 def test_colocated_k1_is_the_disaggregated_pipeline_at_k1_bit_for_bit(decoupled):
     # both generate batch b with version max(0, b − 1): same samples, same losses, same weights
     steps = 4
-    trainer, rows, state = _colocated(steps, decoupled=decoupled)
-    rollout, disaggregated = _stalesync(steps, staleness=1, decoupled=decoupled)
+    trainer, rows, state = _plain_colocated(steps, decoupled)
+    rollout, disaggregated = _plain_stalesync(steps, staleness=1, decoupled=decoupled)
     assert rollout.versions == [0, 0, 1, 2]
     _assert_same_run(rows, state, disaggregated.rows, disaggregated.final_state)
     steps_rows = _steps(rows)
@@ -95,7 +110,7 @@ class _Tampered(ColocatedStaleSync):
 
 def test_a_batch_older_than_k_is_dropped_counted_and_generated_again():
     _, rows, state = _colocated(4, hooks_cls=_Tampered)
-    _, reference_rows, _ = _colocated(4)
+    _, reference_rows, _ = _plain_colocated(4)
     steps = _steps(rows)
     assert [r["overlapped"] for r in steps] == [False, True, False, True]
     assert steps[2]["staleness_max"] == 0 and steps[2]["dropped_samples"] == 16 and steps[-1]["dropped_batches"] == 1
