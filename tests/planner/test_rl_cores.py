@@ -47,6 +47,17 @@ def test_processor_sharing_lies_between_the_two_bounds():
     assert max(largest, over_cores) <= step
 
 
+def test_overlapped_roles_cost_their_measured_cpu_factor():
+    # apart: replica 0.25, trainer ranks 0.20 and 0.25; overlapped a replica's work costs ×1.2 (0.30) and a
+    # trainer rank's ×1.1 (0.22, 0.275). On 2 cores: 3 at 2/3 of a core until the 0.22 is done (0.33 s),
+    # then a core each: 0.055 more for the 0.275 one, 0.08 more for the 0.30 one: 0.41 s
+    work = RoleCPU(rollout_s=(0.25,), trainer_s=(0.20, 0.25), overlap=(1.2, 1.1))
+    assert work.processes == pytest.approx((0.30, 0.22, 0.275))
+    assert work.total_s == pytest.approx(0.795)
+    assert shared_cpu_step(work, 2.0) == pytest.approx(0.41)
+    assert cpu_bounds(work, 2.0) == (pytest.approx(0.30), pytest.approx(0.3975))
+
+
 def test_no_cores_is_refused():
     with pytest.raises(UserError, match=r"processes need cores to run on \(got 0\); give a positive core count"):
         processor_sharing_time([1.0], 0)

@@ -38,6 +38,27 @@ def test_a_step_costs_the_difference_of_two_runs_with_the_roles_apart(monkeypatc
     assert probe.role_cpu.trainer_s == pytest.approx((0.20, 0.40))
 
 
+def test_overlap_factors_are_cpu_overlapped_over_apart(monkeypatch):
+    """Two decoders and two trainers: apart a decode step costs 10 ms of CPU and a micro-batch 200 ms;
+    overlapped 12 and 230 ms (medians over each kind's processes, the lowest of the tries): ×1.2 and ×1.15."""
+    runs = {(2, 0): [[(rates.DECODE, 0.02, 0.010), (rates.DECODE, 0.02, 0.011)],
+                     [(rates.DECODE, 0.02, 0.013), (rates.DECODE, 0.02, 0.012)]],
+            (0, 2): [[(rates.TRAIN, 0.3, 0.20), (rates.TRAIN, 0.3, 0.20)],
+                     [(rates.TRAIN, 0.3, 0.21), (rates.TRAIN, 0.3, 0.22)]],
+            (2, 2): [[(rates.DECODE, 0.04, 0.012), (rates.DECODE, 0.04, 0.0125), (rates.TRAIN, 0.6, 0.23),
+                      (rates.TRAIN, 0.6, 0.24)],
+                     [(rates.DECODE, 0.04, 0.013), (rates.DECODE, 0.04, 0.0135), (rates.TRAIN, 0.6, 0.25),
+                      (rates.TRAIN, 0.6, 0.21)]]}
+    calls = {key: iter(value) for key, value in runs.items()}
+    monkeypatch.setattr(rates, "_mixed_times", lambda decoders, trainers, work: next(calls[decoders, trainers]))
+    probe = rates.overlap_cpu(2, 2, rates.MixedWork(4, 64, 64, 20), tries=2)
+    # apart: medians 0.0105 and 0.0125 → 0.0105; 0.20 and 0.215 → 0.20. Together: decode medians 0.01225 and
+    # 0.01325 → 0.01225; train 0.235 and 0.23 → 0.23
+    assert probe.apart_s == {rates.DECODE: pytest.approx(0.0105), rates.TRAIN: pytest.approx(0.20)}
+    assert probe.together_s == {rates.DECODE: pytest.approx(0.01225), rates.TRAIN: pytest.approx(0.23)}
+    assert probe.factors == (pytest.approx(0.01225 / 0.0105), pytest.approx(1.15))
+
+
 def test_the_probe_refuses_jobs_it_cannot_split():
     with pytest.raises(UserError, match=r"^the role CPU probe needs a job of more than 4 steps \(got 4\); give the "
                                         r"job more steps$"):

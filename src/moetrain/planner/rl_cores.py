@@ -17,6 +17,11 @@ so on (``processor_sharing_time``). That lies between the two bounds of the roun
 more than one core (the largest work), and the cores do at most C seconds of work per second (the total
 over C); it meets the first when the works are alike, the second when C ≥ n.
 
+A process's work is not quite the same CPU time overlapped as apart: processes time-sliced on one core
+evict each other's caches, and a core's other hardware thread may be busy. ``RoleCPU.overlap`` carries
+each role's works by that factor, measured on the job's own kinds of work (``moetrain.rl.rates.overlap_cpu``:
+the CPU time of a decode step and of a training micro-batch, each kind on its own, then all at once).
+
 The weight sync's copies and checks and the batch's hand-over are CPU work of the processes that do
 them, so they are in the measured figures; what stays out is the latency of a hand-over that no process
 spends CPU on (a loopback message: tens of µs).
@@ -40,10 +45,16 @@ class RoleCPU:
     trainer_s: tuple[float, ...]
     """One per trainer rank: its step (forward, backward, gradient all-reduce, optimizer), the batch's
     hand-over and the packing of the weight push."""
+    overlap: tuple[float, float] = (1.0, 1.0)
+    """(rollout, trainer): what a process's work costs in CPU time when the roles overlap over what it
+    costs apart (measured, ``moetrain.rl.rates.overlap_cpu``): processes time-sliced on a core evict each
+    other's caches; 1: no such cost."""
 
     @property
     def processes(self) -> tuple[float, ...]:
-        return self.rollout_s + self.trainer_s
+        """Every process's CPU-seconds per step with the roles overlapped: replicas first, then trainer ranks."""
+        rollout, trainer = self.overlap
+        return tuple(w * rollout for w in self.rollout_s) + tuple(w * trainer for w in self.trainer_s)
 
     @property
     def total_s(self) -> float:

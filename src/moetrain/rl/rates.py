@@ -330,7 +330,7 @@ def _mixed_worker(queue, start, pace, done, kind: str, work: MixedWork) -> None:
     step = _mixed_step(kind, work)
     step()  # warm-up
     start.wait()
-    began, calls = time.perf_counter(), 0
+    began, began_cpu, calls = time.perf_counter(), time.process_time(), 0
     while (calls < MIXED_TRAIN_CALLS) if kind == TRAIN else (calls < MIXED_DECODE_CALLS or not done.is_set()):
         step()
         calls += 1
@@ -338,12 +338,12 @@ def _mixed_worker(queue, start, pace, done, kind: str, work: MixedWork) -> None:
             pace.wait()
     if kind == TRAIN:
         done.set()
-    queue.put((kind, (time.perf_counter() - began) / calls))
+    queue.put((kind, (time.perf_counter() - began) / calls, (time.process_time() - began_cpu) / calls))
 
 
-def _mixed_times(decoders: int, trainers: int, work: MixedWork) -> list[tuple[str, float]]:
-    """(kind, seconds per call) of each of ``decoders`` decode processes and ``trainers`` trainer processes
-    started together."""
+def _mixed_times(decoders: int, trainers: int, work: MixedWork) -> list[tuple[str, float, float]]:
+    """(kind, seconds per call, CPU-seconds per call) of each of ``decoders`` decode processes and
+    ``trainers`` trainer processes started together."""
     context = mp.get_context("spawn")
     queue, done = context.Queue(), context.Event()
     start = context.Barrier(decoders + trainers)
@@ -386,9 +386,39 @@ def mixed_capacity(decoders: int, trainers: int, work: MixedWork, tries: int = 2
     the one of ``tries`` that gets the most."""
     decode_alone = min(_mixed_times(1, 0, work)[0][1] for _ in range(tries))
     train_alone = min(_mixed_times(0, 1, work)[0][1] for _ in range(tries))
-    runs = [tuple(_mixed_times(decoders, trainers, work)) for _ in range(tries)]
+    runs = [tuple((kind, wall) for kind, wall, _ in _mixed_times(decoders, trainers, work)) for _ in range(tries)]
     alone = {DECODE: decode_alone, TRAIN: train_alone}
     return MixedCapacity(decode_alone, train_alone, max(runs, key=lambda run: mixed_cores(alone, run)))
+
+
+@dataclass(frozen=True)
+class OverlapCPU:
+    """CPU-seconds per call of the disaggregated job's two kinds of process with their roles apart (R
+    decoders on their own, then T trainers on their own, as StaleSync runs at k = 0) and overlapped (all
+    R + T at once, as at k ≥ 1), each the median over the processes of a kind (``overlap_cpu``)."""
+
+    apart_s: dict[str, float]
+    together_s: dict[str, float]
+
+    @property
+    def factors(self) -> tuple[float, float]:
+        """(rollout, trainer): what a call costs in CPU time overlapped over what it costs apart: the
+        caches that time-sliced processes evict from each other, a busy sibling of the core."""
+        return (self.together_s[DECODE] / self.apart_s[DECODE], self.together_s[TRAIN] / self.apart_s[TRAIN])
+
+
+def _median_cpu(run: list[tuple[str, float, float]], kind: str) -> float:
+    return statistics.median(cpu for k, _, cpu in run if k == kind)
+
+
+def overlap_cpu(decoders: int, trainers: int, work: MixedWork, tries: int = 2) -> OverlapCPU:
+    """The mixed probe's processes (``MixedWork``: a decode step, a training micro-batch) timed in CPU:
+    ``decoders`` on their own, ``trainers`` on their own (meeting after every micro-batch), then all at
+    once; each figure the lowest of ``tries`` (a burst of other load only adds)."""
+    apart = {DECODE: min(_median_cpu(_mixed_times(decoders, 0, work), DECODE) for _ in range(tries)),
+             TRAIN: min(_median_cpu(_mixed_times(0, trainers, work), TRAIN) for _ in range(tries))}
+    runs = [_mixed_times(decoders, trainers, work) for _ in range(tries)]
+    return OverlapCPU(apart, {kind: min(_median_cpu(run, kind) for run in runs) for kind in (DECODE, TRAIN)})
 
 
 def threads_capacity(work: tuple[int, int], tries: int = 2) -> float:
@@ -519,16 +549,39 @@ def process_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def stalesync_with_cpu(rank: int, world_size: int, job: StaleSyncJob) -> tuple[object, float]:
-    """``run_stalesync`` as ``spawn``'s entry, with the CPU-seconds its rank's process ran (its report, the
-    seconds)."""
+@dataclass(frozen=True)
+class RankUsage:
+    """What a rank's process used over its run: CPU time and the threads it ran."""
+
+    cpu_s: float
+    """CPU-seconds of every thread of the process, from its fork on."""
+    intra_op_threads: int
+    """torch's intra-op threads (the runs set one per process)."""
+    inter_op_threads: int
+    os_threads: int
+    """Threads of the process at its end (gloo's among them: they wait, blocked, for messages)."""
+    voluntary_switches: int
+    """Times the process gave up its core to wait (a receive, a collective, a lock)."""
+    involuntary_switches: int
+    """Times the kernel took its core away for another process (time-slicing)."""
+
+
+def rank_usage() -> RankUsage:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return RankUsage(usage.ru_utime + usage.ru_stime, torch.get_num_threads(), torch.get_num_interop_threads(),
+                     len(list(Path("/proc/self/task").iterdir())), usage.ru_nvcsw, usage.ru_nivcsw)
+
+
+def stalesync_with_cpu(rank: int, world_size: int, job: StaleSyncJob) -> tuple[object, RankUsage]:
+    """``run_stalesync`` as ``spawn``'s entry, with what its rank's process used (a forked rank's counts
+    start at its fork)."""
     report = run_stalesync(rank, world_size, job)
-    return report, process_cpu_seconds()  # a forked rank's count starts at its fork
+    return report, rank_usage()
 
 
 def run_cpu_seconds(job: StaleSyncJob) -> list[float]:
     """CPU-seconds of each rank's process over a whole StaleSync run of ``job`` (by rank)."""
-    return [cpu for _, cpu in spawn(stalesync_with_cpu, job.roles.world_size, job)]
+    return [usage.cpu_s for _, usage in spawn(stalesync_with_cpu, job.roles.world_size, job)]
 
 
 ROLE_CPU_SHORT_STEPS = 4
