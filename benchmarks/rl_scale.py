@@ -45,9 +45,11 @@ right before every run and between the probes), and each R's prediction is also 
 runs saw (``*_at_run_speed``): a secondary figure, the prediction itself stays the check's.
 
     python benchmarks/rl_scale.py --out benchmarks/results/rl_scale_cpu.json
-    python benchmarks/rl_scale.py --repeats 1 --steps 6 --probe-repeats 2 --out /tmp/rl_scale.json   # a smoke run
+    python benchmarks/rl_scale.py --repeats 1 --steps 7 --probe-repeats 1 --out /tmp/rl_scale.json   # a smoke run
 
-About 7 minutes on quiet cores (the probes 4-5 of them, each run 6-9 s), far more on a loaded machine.
+Not yet timed on quiet cores since its probes changed: the run before took 6 minutes there, and the role
+probe adds 4 short runs while the forward-only capacity probe is gone (an estimate: 6-7 minutes). The smoke
+run took 17 minutes at a load average of 20-40.
 Timing: run it with nothing else on the machine (``uptime``'s load under 2.5).
 """
 
