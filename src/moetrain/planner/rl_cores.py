@@ -15,7 +15,7 @@ between the runnable processes (processor sharing, as Linux's fair scheduler doe
 min(1, C / n) of a core until the smallest work is done, then the n − 1 left at min(1, C / (n − 1)), and
 so on (``processor_sharing_time``). That lies between the two bounds of the round: no process runs on
 more than one core (the largest work), and the cores do at most C seconds of work per second (the total
-over C); it meets the first when the works are alike, the second when C ≥ n.
+over C); it meets the total over C when the works are alike and n ≥ C, the largest work when C ≥ n.
 
 A process's work is not quite the same CPU time overlapped as apart: processes time-sliced on one core
 evict each other's caches, and a core's other hardware thread may be busy. ``RoleCPU.overlap`` carries
