@@ -12,20 +12,29 @@ of load on the shared machine touches both alike), and the median run of each R 
 Throughput is trained completion tokens per second of the trainer's steps, without the first (the pipeline
 fills) and the last (the final evaluation): rl_stalesync.py's measure.
 
-The prediction is ``moetrain.planner.rl_step.price_rl_step`` with the rates rl_simulate_check.py measures
-on this machine (never the RL runs' times): the least disturbed of its ``moetrain profile`` runs of the
-policy (one thread), its host probe of the eager generation loop, the weight sync's copy and CRC-32 rates
-and the whole sync's rate on the 4-layer model, and the cores' worth that the job's R + 2 one-thread
-processes get side by side (``mixed_capacity``: R processes decoding, a decode step of a replica's rows,
-beside 2 processes training, a micro-batch's forward and backward, meeting after each as the trainer ranks
-do; the forward-only probe of every process alike, ``core_capacity``, is recorded beside it but no longer
-prices: the job's processes are not all the same forward). The R + 2 processes share the cores by processor
-sharing (``overlapped_time`` over the R replicas and the 2 trainer ranks: all at capacity / (R + 2) of a
-core until the shorter side is done, then the longer side's at capacity / its processes). The decode steps
-of each batch are counted from the samples the trainer trained on (the longest sample of the slowest
-replica's share, and the share of its rows running per decode step): a property of the workload, not of the
-machine. The error is the predicted tokens/s (the run's trained completion tokens over the predicted step)
-against the measured, per R, median of the repeats; the target is 15 %.
+The prediction is ``moetrain.planner.rl_step.price_rl_step`` with each process's CPU-seconds per step
+measured before the runs, never from the runs' times (``rl.rates.role_cpu``: two runs of the same job at
+k = 0, of 4 and ``--steps`` steps, each rank's CPU time from getrusage, differenced per step; at k = 0 the
+replicas generate and then the trainer ranks train, so no more processes run at once than cores), each
+carried to the roles overlapped by what a call costs in CPU time overlapped over apart in the mixed probe
+(``rl.rates.overlap_cpu``: R processes decoding a replica's rows, 2 training a micro-batch and meeting
+after each, first each kind on its own, then all at once: processes time-sliced on a core evict each
+other's caches). The R + 2 processes share the machine's cores (``os.cpu_count()``) by processor sharing
+(``planner.rl_cores.shared_cpu_step``: all at min(1, cores / n) of a core, the smallest work done first,
+its share then going to the others), one pipeline round per step. CPU time is what the load of other users
+stretches least, so the probes hold on a busy machine where their wall times would not; the tokens/s check
+still needs quiet cores, since other users take cores the prediction counts as the job's. The error is the
+predicted tokens/s (the run's trained completion tokens over the predicted step) against the measured, per
+R, median of the repeats; the target is 15 %.
+
+Beside it, per R (``role_cpu``): the runs' own CPU-seconds per step and process (each run's CPU less the
+probe's estimate of a run's start and end, over its steps) over the probe's with the roles apart
+(``runs_over_apart``, to compare with the probe's ``overlap_factors``: the model's premise, checked in CPU
+time), and the two bounds of a round (the largest process, the total over the cores). The decode steps of
+each batch are counted from the samples the trainer trained on (the longest sample of the slowest
+replica's share, and the share of its rows running per decode step): a property of the workload, not of
+the machine; they feed the priced phases (``predicted_phases_s``), which the step on shared cores no longer
+sums.
 
 Beside it (``preset_prediction``, not the figure): ``moetrain simulate --rl`` itself, with the shipped CPU
 calibration and the ``cpu`` preset's core split over the R + 2 ranks (``ClusterConfig.for_ranks``: the
@@ -36,9 +45,11 @@ right before every run and between the probes), and each R's prediction is also 
 runs saw (``*_at_run_speed``): a secondary figure, the prediction itself stays the check's.
 
     python benchmarks/rl_scale.py --out benchmarks/results/rl_scale_cpu.json
-    python benchmarks/rl_scale.py --repeats 1 --steps 6 --probe-repeats 2 --out /tmp/rl_scale.json   # a smoke run
+    python benchmarks/rl_scale.py --repeats 1 --steps 7 --probe-repeats 1 --out /tmp/rl_scale.json   # a smoke run
 
-About 9 minutes at a load of 6-7 on 2 cores (the probes 7 of them, each run 6-9 s), less on quiet cores.
+Not yet timed on quiet cores since its probes changed: the run before took 6 minutes there, and the role
+probe adds 4 short runs while the forward-only capacity probe is gone (an estimate: 6-7 minutes). The smoke
+run took 17 minutes at a load average of 20-40.
 Timing: run it with nothing else on the machine (``uptime``'s load under 2.5).
 """
 
@@ -52,7 +63,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -64,20 +75,24 @@ from rl_stalesync import warm_up
 from moetrain.config import ParallelConfig, TrainingConfig, load_cluster_config
 from moetrain.config.run import RunSpec
 from moetrain.distributed.world import spawn
+from moetrain.planner.rl_cores import RoleCPU, cpu_bounds
 from moetrain.planner.rl_step import RLLayout, RLWorkload, price_rl_step
 from moetrain.rl.config import GRPOConfig, RLOptions, StaleSyncOptions
 from moetrain.rl.rates import (
     MixedWork,
-    core_capacity,
+    OverlapCPU,
+    RoleCPUProbe,
     host_costs,
-    mixed_capacity,
+    overlap_cpu,
     policy_model,
     profile_policy,
+    role_cpu,
     shared_sync,
     speed_reference,
+    stalesync_with_cpu,
 )
 from moetrain.rl.sft import sequence_len_for
-from moetrain.rl.stalesync import StaleSyncJob, run_stalesync
+from moetrain.rl.stalesync import StaleSyncJob
 from moetrain.rl.tasks import get_task
 from moetrain.rl.tokenizer import CharTokenizer
 from moetrain.runtime_base.host_memory import keep_freed_host_memory
@@ -117,6 +132,11 @@ class Run:
     load_average_1min_before: float
     speed_reference_s: float
     """rl_simulate_check's speed reference right before the run (seconds per call; higher is slower)."""
+    cpu_s: list[float]
+    """CPU-seconds of each process over the whole run, by rank (replicas first): what the prediction's
+    CPU-seconds, measured with the roles apart, are checked against (not an input of it)."""
+    usage: list[dict]
+    """Each process's ``RankUsage``: its CPU, its threads, its waits and time slices."""
 
 
 def decode_shape(samples: torch.Tensor, replicas: int, pad_id: int) -> tuple[int, float]:
@@ -140,8 +160,9 @@ def run_once(job: StaleSyncJob, repeat: int) -> Run:
     load = os.getloadavg()[0]
     speed = speed_reference()
     start = time.perf_counter()
-    reports = spawn(run_stalesync, job.roles.world_size, job)
+    results = spawn(stalesync_with_cpu, job.roles.world_size, job)
     wall = time.perf_counter() - start
+    reports = [report for report, _ in results]
     trainer = reports[job.replicas]  # the trainer group's first rank
     steps = [r for r in trainer.rows if "loss" in r]
     steady = steps[1:-1]
@@ -154,7 +175,8 @@ def run_once(job: StaleSyncJob, repeat: int) -> Run:
                statistics.mean(r["tokens"] for r in steady), [s[0] for s in shapes], [s[1] for s in shapes],
                {name: statistics.median(r[key] for r in steady) for name, key in parts.items()},
                max(r["staleness_max"] for r in steps), steps[-1]["dropped_samples"],
-               steps[-1].get("heldout_accuracy", float("nan")), load, speed)
+               steps[-1].get("heldout_accuracy", float("nan")), load, speed, [usage.cpu_s for _, usage in results],
+               [asdict(usage) for _, usage in results])
 
 
 @dataclass(frozen=True)
@@ -164,13 +186,15 @@ class Rates:
     calibration: object
     host: object
     sync: object
-    capacity: dict[int, dict]
-    """Cores' worth of the job's n = R + 2 processes side by side, by n: ``shared`` (what prices) from the
-    mixed probe (``MixedCapacity``), ``forward_only`` the probe of n alike forwards (``Capacity``)."""
+    overlap: dict[int, OverlapCPU]
+    """By R: the mixed probe's CPU-seconds per call with the roles apart and overlapped (``rates.overlap_cpu``)."""
+    role_cpu: dict[int, RoleCPUProbe]
+    """By R: each process's CPU-seconds per step with the roles apart (``rates.role_cpu``)."""
     speed_reference_s: list[float]
 
 
-def measure_rates(replicas: list[int], repeats: int, work: dict[int, MixedWork]) -> tuple[Rates, dict]:
+def measure_rates(jobs: dict[int, StaleSyncJob], repeats: int, work: dict[int, MixedWork]) -> tuple[Rates, dict]:
+    replicas = list(jobs)
     speeds = [speed_reference()]
     calibration = profile_policy(policy_model(LAYERS), repeats)[0]  # the least disturbed profile
     speeds.append(speed_reference())
@@ -178,19 +202,13 @@ def measure_rates(replicas: list[int], repeats: int, work: dict[int, MixedWork])
     sync_rates = {**profile_sync_rates(repeats),
                   f"whole_sync_{LAYERS}_layers": profile_weight_sync(policy_model(LAYERS), repeats)}
     speeds.append(speed_reference())
-    capacity = {}
+    overlap, roles = {}, {}
     for count in replicas:
-        mixed = mixed_capacity(count, TRAINER_DP, work[count], repeats)
-        capacity[count + TRAINER_DP] = {
-            "shared": mixed.shared, "mixed": asdict(mixed), "mixed_work": asdict(work[count]),
-            "forward_only": asdict(core_capacity(count + TRAINER_DP, work=(LAYERS, CAPACITY_ROWS)))}
+        overlap[count] = overlap_cpu(count, TRAINER_DP, work[count], repeats)
+        roles[count] = role_cpu(jobs[count])
         speeds.append(speed_reference())
-    rates = Rates(calibration, host, shared_sync(sync_rates, 1.0, LAYERS), capacity, speeds)
+    rates = Rates(calibration, host, shared_sync(sync_rates, 1.0, LAYERS), overlap, roles, speeds)
     return rates, sync_rates
-
-
-CAPACITY_ROWS = 64
-"""The capacity probe's forward: a trainer rank's rows (128 samples over DP2)."""
 
 
 def workload_of(config: dict, run_group: list[Run], model_cfg, cluster) -> RLWorkload:
@@ -207,11 +225,11 @@ def workload_of(config: dict, run_group: list[Run], model_cfg, cluster) -> RLWor
                       completion_len=completion, decode_running_share=statistics.mean(running))
 
 
-def layout_of(replicas: int, config: dict, shared_cores: float | None) -> RLLayout:
+def layout_of(replicas: int, config: dict, shared_cores: float | None, work: RoleCPU | None = None) -> RLLayout:
     batch = config["prompts"] * config["group_size"]
     train = ParallelConfig(dp=TRAINER_DP, micro_batch=min(config["micro_batch"], batch // TRAINER_DP))
     return RLLayout("disaggregated", replicas + TRAINER_DP, train, rollout_devices=replicas, staleness=STALENESS,
-                    shared_cores=shared_cores, sync_bucket_bytes=BUCKET_MIB * 2**20)
+                    shared_cores=shared_cores, sync_bucket_bytes=BUCKET_MIB * 2**20, role_cpu=work)
 
 
 def preset_prediction(workload: RLWorkload, replicas: int, config: dict) -> dict:
@@ -234,14 +252,38 @@ def preset_prediction(workload: RLWorkload, replicas: int, config: dict) -> dict
             "step_s": row["step_s"], "phases_s": row["phases_s"]}
 
 
+def priced_work(rates: Rates, replicas: int) -> RoleCPU:
+    """What prices R's runs: each process's CPU-seconds per step with the roles apart, carried to the roles
+    overlapped by the mixed probe's factors."""
+    return replace(rates.role_cpu[replicas].role_cpu, overlap=rates.overlap[replicas].factors)
+
+
+def role_cpu_check(group: list[Run], probe: RoleCPUProbe, work: RoleCPU, cores: float) -> dict:
+    """What prices beside the runs' own CPU-seconds (not an input of the price): each run's CPU per process
+    less the probe's estimate of its start and end (the short run's CPU less its steps' worth), over the
+    run's steps, against the probe's per step with the roles apart. CPU time, which the machine's load
+    stretches far less than wall time, so this holds where the tokens/s do not."""
+    apart, (short_steps, steps) = probe.role_cpu.processes, probe.steps
+    fixed = [short - short_steps * step for short, step in zip(probe.cpu_s[0], apart, strict=True)]
+    runs = [[(run.cpu_s[rank] - fixed[rank]) / steps for rank in range(len(apart))] for run in group]
+    per_step = [statistics.median(run[rank] for run in runs) for rank in range(len(apart))]
+    largest, over_cores = cpu_bounds(work, cores)
+    return {"cores": cores, "apart_per_step_s": list(apart), "overlap_factors": list(work.overlap),
+            "priced_per_step_s": list(work.processes), "total_per_step_s": work.total_s,
+            "bound_largest_process_s": largest, "bound_total_over_cores_s": over_cores,
+            "probe_steps": list(probe.steps), "probe_run_cpu_s": [list(run) for run in probe.cpu_s],
+            "runs_per_step_s": per_step, "runs_per_step_s_repeats": runs,
+            "runs_over_apart": [run / step for run, step in zip(per_step, apart, strict=True)]}
+
+
 def predict(config: dict, runs: list[Run], rates: Rates, replicas: int) -> dict:
     """The simulator's price of R's runs against their median, and each repeat's error."""
     group = [run for run in runs if run.replicas == replicas]
     model_cfg = policy_model(LAYERS)
     workload = workload_of(config, group, model_cfg, load_cluster_config("cpu"))
-    capacity = rates.capacity[replicas + TRAINER_DP]
-    predicted = price_rl_step(workload, layout_of(replicas, config, capacity["shared"]), rates.calibration,
-                              rates.host, rates.sync)
+    work, cores = priced_work(rates, replicas), float(os.cpu_count() or 1)
+    predicted = price_rl_step(workload, layout_of(replicas, config, cores, work), rates.calibration, rates.host,
+                              rates.sync)
     tokens_per_step = statistics.median(run.steady_tokens / run.steady_steps for run in group)
     measured = statistics.median(run.tokens_per_s for run in group)
     predicted_tps = tokens_per_step / predicted.step_s
@@ -260,13 +302,29 @@ def predict(config: dict, runs: list[Run], rates: Rates, replicas: int) -> dict:
         "error_pct_per_repeat": [error_pct(tokens_per_step / predicted.step_s, run.tokens_per_s) for run in group],
         "predicted_phases_s": asdict(predicted.phases), "measured_parts_s": {
             name: statistics.median(run.parts_s[name] for run in group) for name in group[0].parts_s},
-        "shared_cores": capacity["shared"], "decode_steps": workload.response_len - 1,
+        "role_cpu": role_cpu_check(group, rates.role_cpu[replicas], work, cores),
+        "overlap_cpu": asdict(rates.overlap[replicas]),
+        "decode_steps": workload.response_len - 1,
         "response_len": workload.response_len, "decode_running_share": workload.decode_running_share,
         "train_seq_len": workload.seq_len, "completion_len": workload.completion_len,
         "speed_ratio": run_speed, "predicted_tokens_per_s_at_run_speed": predicted_tps / run_speed,
         "error_at_run_speed_pct": at_speed,
         "preset_prediction": {**preset, "tokens_per_s": preset_tps, "error_pct": error_pct(preset_tps, measured)},
     }
+
+
+def job_of(args: argparse.Namespace, replicas: int, initial: dict) -> StaleSyncJob:
+    """The measured job: R replicas beside the DP2 trainer group, k = 1."""
+    task = get_task(args.task)
+    batch = args.prompts * args.group_size
+    options = RLOptions(task=args.task, prompts_per_step=args.prompts, grpo=GRPOConfig(group_size=args.group_size),
+                        max_new_tokens=args.max_new_tokens, eval_every=0, eval_size=args.eval_size,
+                        replay_stats_every=0)
+    cfg = TrainingConfig(steps=args.steps, global_batch=batch, micro_batch=min(args.micro_batch, batch // TRAINER_DP),
+                         seq_len=sequence_len_for(task, args.max_new_tokens), lr=3e-4, warmup_steps=0, seed=args.seed)
+    spec = RunSpec(training=cfg, parallel={"dp": TRAINER_DP}, run={"device": "cpu", "cluster": "cpu", "quiet": True})
+    return StaleSyncJob(spec, options, StaleSyncOptions(staleness=STALENESS), policy_model(LAYERS), initial,
+                        replicas=replicas)
 
 
 def main() -> None:
@@ -295,25 +353,18 @@ def main() -> None:
     seq_len = sequence_len_for(task, args.max_new_tokens)
     initial = warm_up(args.task, model_cfg, seq_len, args.sft_steps, args.seed)
     print(f"SFT warm-up: {time.perf_counter() - started:.0f} s", flush=True)
-    batch = args.prompts * args.group_size
-    micro = min(args.micro_batch, batch // TRAINER_DP)
-    work = {count: MixedWork(LAYERS, batch // count, micro, seq_len) for count in replicas}
-    rates, sync_rates = measure_rates(replicas, args.probe_repeats, work)
-    print(f"rates: {time.perf_counter() - started:.0f} s; capacity "
-          + ", ".join(f"{n} processes {c['shared']:.2f} (alike forwards {c['forward_only']['shared']:.2f})"
-                      for n, c in rates.capacity.items()), flush=True)
-    options = RLOptions(task=args.task, prompts_per_step=args.prompts, grpo=GRPOConfig(group_size=args.group_size),
-                        max_new_tokens=args.max_new_tokens, eval_every=0, eval_size=args.eval_size,
-                        replay_stats_every=0)
-    cfg = TrainingConfig(steps=args.steps, global_batch=batch, micro_batch=micro,
-                         seq_len=seq_len, lr=3e-4, warmup_steps=0, seed=args.seed)
-    spec = RunSpec(training=cfg, parallel={"dp": TRAINER_DP}, run={"device": "cpu", "cluster": "cpu", "quiet": True})
+    jobs = {count: job_of(args, count, initial) for count in replicas}
+    micro = jobs[replicas[0]].spec.training.micro_batch
+    work = {count: MixedWork(LAYERS, args.prompts * args.group_size // count, micro, seq_len) for count in replicas}
+    rates, sync_rates = measure_rates(jobs, args.probe_repeats, work)
+    print(f"rates: {time.perf_counter() - started:.0f} s; CPU-s per step, roles apart: "
+          + "; ".join(f"R = {n}: " + ", ".join(f"{w:.3f}" for w in probe.role_cpu.processes)
+                      + " (overlapped ×{:.2f}, ×{:.2f})".format(*rates.overlap[n].factors)
+                      for n, probe in rates.role_cpu.items()), flush=True)
     runs: list[Run] = []
     for repeat in range(args.repeats):  # interleaved: a burst of load touches every R alike
         for count in replicas:
-            job = StaleSyncJob(spec, options, StaleSyncOptions(staleness=STALENESS), model_cfg, initial,
-                               replicas=count)
-            runs.append(run_once(job, repeat))
+            runs.append(run_once(jobs[count], repeat))
             last = runs[-1]
             print(f"R = {count}, repeat {repeat + 1}: {last.tokens_per_s:.0f} tokens/s ({last.step_s:.3f} s/step, "
                   f"wall {last.wall_s:.0f} s, load {last.load_average_1min_before:.1f})", flush=True)
@@ -324,7 +375,9 @@ def main() -> None:
         print(f"R = {row['replicas']} ({row['ranks']} ranks): measured {row['measured_tokens_per_s']:.0f} tokens/s, "
               f"predicted {row['predicted_tokens_per_s']:.0f} ({row['error_pct']:+.1f} %; at the runs' speed "
               f"{row['error_at_run_speed_pct']:+.1f} %; simulate --rl on the presets "
-              f"{row['preset_prediction']['tokens_per_s']:.0f}, {row['preset_prediction']['error_pct']:+.1f} %)")
+              f"{row['preset_prediction']['tokens_per_s']:.0f}, {row['preset_prediction']['error_pct']:+.1f} %); "
+              "its runs' CPU-s per step over the roles apart: "
+              + ", ".join(f"×{r:.2f}" for r in row["role_cpu"]["runs_over_apart"]))
     by = {row["replicas"]: row for row in rows}
     speedup = {}
     if 1 in by and 2 in by:
@@ -339,14 +392,13 @@ def main() -> None:
         "within_15pct": sum(row["within_15pct"] for row in rows), "rows_total": len(rows),
         "workload": {"model": f"tiny-pangu, {LAYERS} layers, no MTP", "task": args.task, "steps": args.steps,
                      "sft_steps": args.sft_steps, "threads_per_process": 1, "prompts": args.prompts,
-                     "group_size": args.group_size, "micro_batch": cfg.micro_batch,
+                     "group_size": args.group_size, "micro_batch": micro,
                      "max_new_tokens": args.max_new_tokens, "eval_size": args.eval_size, "seed": args.seed,
                      "staleness": STALENESS, "trainer_layout": f"dp{TRAINER_DP}", "bucket_mib": BUCKET_MIB},
         "tokens_per_s_means": "trained completion tokens / trainer step time, steps 2..N-1 (no fill, no final eval)",
         "repeats": args.repeats, "runs": [asdict(run) for run in runs],
         "rates": {"cpu_efficiency": rates.calibration.for_device("cpu").as_dict(), "host": asdict(rates.host),
-                  "weight_sync_per_core": sync_rates, "core_capacity": rates.capacity,
-                  "capacity_work_layers_rows": [LAYERS, CAPACITY_ROWS],
+                  "weight_sync_per_core": sync_rates,
                   "speed_reference_s_during_probes": rates.speed_reference_s},
         "cpu_count": os.cpu_count(), "load_average_1min_before": load_before,
         "load_average_1min_after": os.getloadavg()[0], "wall_s": time.perf_counter() - started,

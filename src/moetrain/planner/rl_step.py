@@ -60,6 +60,7 @@ from moetrain.planner.calibration import Calibration, Efficiency
 from moetrain.planner.comm import allgather_time, allreduce_time, p2p_time, ranks_per_node
 from moetrain.planner.compute import memory_time
 from moetrain.planner.generation import GenerationTimes, HostCosts, forward_time, generation_time
+from moetrain.planner.rl_cores import RoleCPU, shared_cpu_step
 from moetrain.planner.simulate import simulate_layout
 from moetrain.planner.workload import Workload, runtime_workload
 
@@ -151,6 +152,10 @@ class RLLayout:
     sync_bucket_bytes: float | None = None
     """The weight sync's bucket size: each bucket a device receives is one message, one latency (None:
     the ring's latencies only)."""
+    role_cpu: RoleCPU | None = None
+    """Disaggregated on one CPU: every process's CPU-seconds per step measured alone
+    (``moetrain.rl.rates.role_cpu``); with it a step at k ≥ 1 is those works shared over ``shared_cores``
+    cores (``rl_cores.shared_cpu_step``) instead of the priced phases."""
 
     @property
     def train_devices(self) -> int:
@@ -240,6 +245,18 @@ def _check(w: RLWorkload, layout: RLLayout) -> None:
     if w.samples % layout.replicas:
         raise UserError(f"{w.samples} samples per step do not split over {layout.replicas} generation replicas; "
                         "change --prompts, --group-size or --gen-ep")
+    if layout.role_cpu is not None:
+        _check_role_cpu(layout.role_cpu, layout)
+
+
+def _check_role_cpu(work: RoleCPU, layout: RLLayout) -> None:
+    if layout.placement != "disaggregated" or layout.shared_cores is None:
+        raise UserError("measured CPU-seconds per process price a disaggregated job on one CPU: give the "
+                        "layout its shared cores and placement disaggregated, or drop the role CPU")
+    shape = (len(work.rollout_s), len(work.trainer_s))
+    if shape != (layout.generating_devices, layout.train_devices):
+        raise UserError(f"CPU-seconds of {shape[0]} rollout and {shape[1]} trainer processes do not match the "
+                        f"layout's {layout.generating_devices} and {layout.train_devices}; measure this layout")
 
 
 def training_prediction(w: RLWorkload, layout: RLLayout, calibration: Calibration):
@@ -466,8 +483,13 @@ def price_rl_step(w: RLWorkload, layout: RLLayout, calibration: Calibration, hos
             # The trainer pushes in the background (``WeightSync.start``): its step pays the packing; the
             # transfer and the receiver's check run before the rollout side's next generation.
             pack = _pack_time(w, layout, sync)
-            step = overlapped_time(rollout_side + _unpacked_push_time(moves.push_s, w, sync), train_side + pack,
-                                   layout.shared_cores, (layout.generating_devices, layout.train_devices))
+            if layout.role_cpu is not None:  # one CPU: the processes' measured work shares its cores
+                assert layout.shared_cores is not None
+                step = shared_cpu_step(layout.role_cpu, layout.shared_cores)
+            else:
+                step = overlapped_time(rollout_side + _unpacked_push_time(moves.push_s, w, sync),
+                                       train_side + pack, layout.shared_cores,
+                                       (layout.generating_devices, layout.train_devices))
     phases = RLPhases(generate_s=generation.total_s, prefill_s=generation.prefill_s, decode_s=generation.decode_s,
                       reward_s=w.reward_s, logprob_s=logprob, train_s=train_s,
                       offload_s=moves.offload_s, reshard_s=moves.reshard_s, restore_s=moves.restore_s,

@@ -11,6 +11,8 @@
   ``shared_cores`` / ``shared_sync`` / ``training_calibration``: the rates carried to each process's share;
 - ``sync_probes`` / ``shared_sync``: the weight sync's copy and CRC-32 rates (``planner.rl_step.SyncRates``);
   ``link_fit`` / ``with_link``: the in-node link fitted to gloo collectives;
+- ``role_cpu``: each process's CPU-seconds per step of a disaggregated StaleSync job, its roles apart
+  (k = 0), which ``planner.rl_cores`` shares over the CPU's cores for k ≥ 1 (``RoleCPUProbe``);
 - ``speed_reference``: the machine's speed now, to tell a moving machine from a wrong formula;
 - ``measure_rl_rates``: generation's host costs and the sync's rates of one policy, as ``moetrain profile
   --rl-out`` writes them for ``moetrain simulate --rl --rl-rates``.
@@ -22,6 +24,7 @@ those runs do."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import resource
 import statistics
 import subprocess
 import sys
@@ -36,10 +39,13 @@ import torch
 import yaml
 
 from moetrain.config import ModelConfig, load_model_config
+from moetrain.distributed.world import spawn
+from moetrain.errors import UserError
 from moetrain.models.transformer import build_model
 from moetrain.planner.calibration import Calibration, load_calibration
 from moetrain.planner.comm import LinkFit, fit_link, link_residuals
 from moetrain.planner.generation import HostCosts
+from moetrain.planner.rl_cores import RoleCPU
 from moetrain.planner.rl_rates import RLRates
 from moetrain.planner.rl_step import RLLayout, RLWorkload, SyncRates, training_prediction
 from moetrain.rl.config import GRPOConfig, RLOptions
@@ -47,6 +53,7 @@ from moetrain.rl.fusion import sample_generators
 from moetrain.rl.generate import RolloutEngine, SamplingParams, sample
 from moetrain.rl.loop import policy_config, step_problems
 from moetrain.rl.sft import prompt_ids
+from moetrain.rl.stalesync import StaleSyncJob, run_stalesync
 from moetrain.rl.tasks import get_task
 from moetrain.rl.tokenizer import CharTokenizer
 from moetrain.runtime_base.host_memory import keep_freed_host_memory
@@ -323,7 +330,7 @@ def _mixed_worker(queue, start, pace, done, kind: str, work: MixedWork) -> None:
     step = _mixed_step(kind, work)
     step()  # warm-up
     start.wait()
-    began, calls = time.perf_counter(), 0
+    began, began_cpu, calls = time.perf_counter(), time.process_time(), 0
     while (calls < MIXED_TRAIN_CALLS) if kind == TRAIN else (calls < MIXED_DECODE_CALLS or not done.is_set()):
         step()
         calls += 1
@@ -331,12 +338,12 @@ def _mixed_worker(queue, start, pace, done, kind: str, work: MixedWork) -> None:
             pace.wait()
     if kind == TRAIN:
         done.set()
-    queue.put((kind, (time.perf_counter() - began) / calls))
+    queue.put((kind, (time.perf_counter() - began) / calls, (time.process_time() - began_cpu) / calls))
 
 
-def _mixed_times(decoders: int, trainers: int, work: MixedWork) -> list[tuple[str, float]]:
-    """(kind, seconds per call) of each of ``decoders`` decode processes and ``trainers`` trainer processes
-    started together."""
+def _mixed_times(decoders: int, trainers: int, work: MixedWork) -> list[tuple[str, float, float]]:
+    """(kind, seconds per call, CPU-seconds per call) of each of ``decoders`` decode processes and
+    ``trainers`` trainer processes started together."""
     context = mp.get_context("spawn")
     queue, done = context.Queue(), context.Event()
     start = context.Barrier(decoders + trainers)
@@ -379,9 +386,39 @@ def mixed_capacity(decoders: int, trainers: int, work: MixedWork, tries: int = 2
     the one of ``tries`` that gets the most."""
     decode_alone = min(_mixed_times(1, 0, work)[0][1] for _ in range(tries))
     train_alone = min(_mixed_times(0, 1, work)[0][1] for _ in range(tries))
-    runs = [tuple(_mixed_times(decoders, trainers, work)) for _ in range(tries)]
+    runs = [tuple((kind, wall) for kind, wall, _ in _mixed_times(decoders, trainers, work)) for _ in range(tries)]
     alone = {DECODE: decode_alone, TRAIN: train_alone}
     return MixedCapacity(decode_alone, train_alone, max(runs, key=lambda run: mixed_cores(alone, run)))
+
+
+@dataclass(frozen=True)
+class OverlapCPU:
+    """CPU-seconds per call of the disaggregated job's two kinds of process with their roles apart (R
+    decoders on their own, then T trainers on their own, as StaleSync runs at k = 0) and overlapped (all
+    R + T at once, as at k ≥ 1), each the median over the processes of a kind (``overlap_cpu``)."""
+
+    apart_s: dict[str, float]
+    together_s: dict[str, float]
+
+    @property
+    def factors(self) -> tuple[float, float]:
+        """(rollout, trainer): what a call costs in CPU time overlapped over what it costs apart: the
+        caches that time-sliced processes evict from each other, a busy sibling of the core."""
+        return (self.together_s[DECODE] / self.apart_s[DECODE], self.together_s[TRAIN] / self.apart_s[TRAIN])
+
+
+def _median_cpu(run: list[tuple[str, float, float]], kind: str) -> float:
+    return statistics.median(cpu for k, _, cpu in run if k == kind)
+
+
+def overlap_cpu(decoders: int, trainers: int, work: MixedWork, tries: int = 2) -> OverlapCPU:
+    """The mixed probe's processes (``MixedWork``: a decode step, a training micro-batch) timed in CPU:
+    ``decoders`` on their own, ``trainers`` on their own (meeting after every micro-batch), then all at
+    once; each figure the lowest of ``tries`` (a burst of other load only adds)."""
+    apart = {DECODE: min(_median_cpu(_mixed_times(decoders, 0, work), DECODE) for _ in range(tries)),
+             TRAIN: min(_median_cpu(_mixed_times(0, trainers, work), TRAIN) for _ in range(tries))}
+    runs = [_mixed_times(decoders, trainers, work) for _ in range(tries)]
+    return OverlapCPU(apart, {kind: min(_median_cpu(run, kind) for run in runs) for kind in (DECODE, TRAIN)})
 
 
 def threads_capacity(work: tuple[int, int], tries: int = 2) -> float:
@@ -504,3 +541,86 @@ def measure_rl_rates(model_cfg: ModelConfig, repeats: int) -> RLRates:
     buffer, whole = profile_sync_rates(repeats), profile_weight_sync(policy, repeats)
     sync = SyncRates(buffer["copy_bytes_per_s"], buffer["crc_bytes_per_s"], whole["host_bytes_per_s"])
     return RLRates(host_costs(policy, repeats), sync, f"moetrain profile --rl-out, the policy of {model_cfg.name}")
+
+
+def process_cpu_seconds() -> float:
+    """CPU-seconds this process has run so far, every thread of it (gloo's and the push's included)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+@dataclass(frozen=True)
+class RankUsage:
+    """What a rank's process used over its run: CPU time and the threads it ran."""
+
+    cpu_s: float
+    """CPU-seconds of every thread of the process, from its fork on."""
+    intra_op_threads: int
+    """torch's intra-op threads (the runs set one per process)."""
+    inter_op_threads: int
+    os_threads: int
+    """Threads of the process at its end (gloo's among them: they wait, blocked, for messages)."""
+    voluntary_switches: int
+    """Times the process gave up its core to wait (a receive, a collective, a lock)."""
+    involuntary_switches: int
+    """Times the kernel took its core away for another process (time-slicing)."""
+
+
+def rank_usage() -> RankUsage:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return RankUsage(usage.ru_utime + usage.ru_stime, torch.get_num_threads(), torch.get_num_interop_threads(),
+                     len(list(Path("/proc/self/task").iterdir())), usage.ru_nvcsw, usage.ru_nivcsw)
+
+
+def stalesync_with_cpu(rank: int, world_size: int, job: StaleSyncJob) -> tuple[object, RankUsage]:
+    """``run_stalesync`` as ``spawn``'s entry, with what its rank's process used (a forked rank's counts
+    start at its fork)."""
+    report = run_stalesync(rank, world_size, job)
+    return report, rank_usage()
+
+
+def run_cpu_seconds(job: StaleSyncJob) -> list[float]:
+    """CPU-seconds of each rank's process over a whole StaleSync run of ``job`` (by rank)."""
+    return [usage.cpu_s for _, usage in spawn(stalesync_with_cpu, job.roles.world_size, job)]
+
+
+ROLE_CPU_SHORT_STEPS = 4
+"""The shorter of the role probe's two runs: its steps."""
+
+
+@dataclass(frozen=True)
+class RoleCPUProbe:
+    """Each process's CPU-seconds over two runs of the job, its roles apart (k = 0), and what a step costs
+    each (``role_cpu``)."""
+
+    steps: tuple[int, int]
+    """The two runs' steps."""
+    cpu_s: tuple[tuple[float, ...], tuple[float, ...]]
+    """Each run's CPU-seconds per process, by rank."""
+    role_cpu: RoleCPU
+    """Per step: (the long run's − the short run's) / (their difference in steps), by process."""
+
+
+def role_cpu(job: StaleSyncJob, short_steps: int = ROLE_CPU_SHORT_STEPS) -> RoleCPUProbe:
+    """Each process's CPU-seconds per step of a disaggregated job (one-rank replicas) while its roles do not
+    overlap: the job at k = 0, where the replicas generate and then the trainer ranks train, never more
+    processes running than the replicas or the trainer group. A run's start (fork, model, process groups)
+    and its end (the final evaluation) cost the same whatever its steps, so the difference of a run of
+    ``short_steps`` and one of the job's steps, over the steps between, is what a step costs."""
+    roles = job.roles
+    if roles.ranks_per_replica != 1 or roles.world_size != roles.rollout_ranks + len(roles.trainer_group):
+        raise UserError("the role CPU probe measures one-rank replicas beside the trainer group, with no reward "
+                        "or reference worker; probe such a job")
+    steps = (short_steps, job.spec.training.steps)
+    if not 0 < steps[0] < steps[1]:
+        raise UserError(f"the role CPU probe needs a job of more than {short_steps} steps (got {steps[1]}); "
+                        "give the job more steps")
+    apart = replace(job, stale=job.stale.model_copy(update={"staleness": 0}))
+    runs = []
+    for count in steps:
+        training = job.spec.training.model_copy(update={"steps": count})
+        runs.append(tuple(run_cpu_seconds(replace(apart, spec=job.spec.model_copy(update={"training": training})))))
+    per_step = [(long - short) / (steps[1] - steps[0]) for short, long in zip(*runs, strict=True)]
+    replicas = roles.rollout_ranks
+    work = RoleCPU(tuple(per_step[:replicas]), tuple(per_step[replicas:]))
+    return RoleCPUProbe(steps, (runs[0], runs[1]), work)
