@@ -114,3 +114,33 @@ def test_split_grad_experts_equal_the_plain_experts() -> None:
         grads.append([x.grad, *(p.grad for p in experts.parameters())])
     for want, got in zip(*grads):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_deferred_weight_gradients_fire_their_own_hook_not_autograds() -> None:
+    """Under split gradients autograd accumulates nothing into the expert weights, so its post-accumulate-grad
+    hooks must not fire (they would report a gradient that does not exist yet); the hooks registered with
+    ``register_weight_grad_hook`` fire once per weight and backward pass, after the gradient is in ``.grad``."""
+    counts = torch.tensor([3, 0, 5, 2])
+    experts = overlap.SplitGradExperts.adopt(GroupedExperts(4, 6, 5))
+    fired: list[tuple[str, str, torch.Tensor | None]] = []
+    for name, p in experts.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, name=name: fired.append(("autograd", name, None)))
+        overlap.register_weight_grad_hook(p, lambda p, name=name: fired.append(("deferred", name, p.grad.clone())))
+    overlap.set_split_grads(True)
+    try:
+        for _ in range(2):  # two micro-batches
+            experts(torch.randn(int(counts.sum()), 6, requires_grad=True), counts).sum().backward()
+            assert fired == [] or fired[-1][0] == "deferred", "no hook before the deferred gradients run"
+            overlap.flush_weight_grads()
+    finally:
+        overlap.set_split_grads(False)
+    names = [name for name, _ in experts.named_parameters()]
+    assert [(kind, name) for kind, name, _ in fired] == [("deferred", name) for name in names] * 2
+    # each hook saw its weight's gradient summed so far: the second equals the final one
+    for (_, name, seen), p in zip(fired[len(names):], experts.parameters()):
+        assert torch.equal(seen, p.grad), name
+    # the plain path (split gradients off) still reports through autograd's hooks, once per weight
+    fired.clear()
+    experts(torch.randn(int(counts.sum()), 6, requires_grad=True), counts).sum().backward()
+    assert sorted(name for kind, name, _ in fired if kind == "autograd") == sorted(names)
+    assert all(kind == "autograd" for kind, _, _ in fired)

@@ -2,7 +2,10 @@
 and give the same bits as run after it: 4 gloo ranks, EP4, tiny-pangu with its hot experts 0-2 replicated on
 ranks 1-3 in every MoE layer, 2 micro-batches per rank (a layer is ready only after the second backward
 pass), the balancer observing only (the placement stays the replicated one). Both runs start from the same
-weights and read the same batches; the only difference is when each layer's rings start.
+weights and read the same batches; the only difference is when each layer's rings start. Both schedules: the
+plain one (the expert weight gradients accumulate in autograd, whose hooks start the rings) and ``--overlap``
+(they accumulate outside autograd, in ``SplitGradExperts``' deferred weight gradients, whose own hook starts
+them).
 
 The sums are bitwise equal, not only close: every chunk is summed by the same replica with the same
 additions in the same order; only the time at which they are made moves."""
@@ -10,6 +13,7 @@ additions in the same order; only the time at which they are made moves."""
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -29,12 +33,17 @@ TRAINING = TrainingConfig(steps=STEPS, global_batch=16, micro_batch=2, seq_len=3
 """16 sequences over 4 data-parallel ranks in micro-batches of 2: two backward passes per rank and step."""
 
 
-def _run(rank: int, overlap: bool) -> dict:
-    dims = ParallelDims.build(ParallelConfig(dp=EP, ep=EP), rank, EP)
+def _run(rank: int, overlap: bool, schedule_overlap: bool) -> dict:
+    dims = ParallelDims.build(ParallelConfig(dp=EP, ep=EP, overlap=schedule_overlap), rank, EP)
     run, balancer = build_balanced_run(dims, skewed_model_config(), TRAINING, "cpu", load_cluster_config("cpu"),
                                        model=skewed_model(), placement=replicated_start(), trigger_margin=math.inf)
     # the runtime switch alone: the cost model (which also re-shares the replicas' tokens) is the same
     balancer.replicas.overlap = overlap
+    if overlap:
+        # each ring starts late: the backward is over before the last ones finish, so an optimizer that read
+        # the gradients without waiting for them would read unsummed ones
+        ring = balancer.replicas._ring
+        balancer.replicas._ring = lambda *args: (time.sleep(0.05), ring(*args))[1]
     data = SyntheticDataset(run.model_cfg.vocab_size, TRAINING.seq_len, TRAINING.seed)
     out: dict = {"loss": [], "grad_norm": [], "started": [], "grads": []}
     for step in range(STEPS):
@@ -54,14 +63,14 @@ def _run(rank: int, overlap: bool) -> dict:
     return out
 
 
-def _worker(rank: int, world_size: int) -> dict:
+def _worker(rank: int, world_size: int, schedule_overlap: bool) -> dict:
     torch.set_num_threads(1)
-    return {"after": _run(rank, overlap=False), "under": _run(rank, overlap=True)}
+    return {"after": _run(rank, False, schedule_overlap), "under": _run(rank, True, schedule_overlap)}
 
 
-@pytest.fixture(scope="module")
-def runs() -> list[dict]:
-    return spawn(_worker, EP)
+@pytest.fixture(scope="module", params=[False, True], ids=["plain", "overlap"])
+def runs(request) -> list[dict]:
+    return spawn(_worker, EP, request.param)
 
 
 def test_rings_under_the_backward_give_the_same_bits(runs: list[dict]) -> None:

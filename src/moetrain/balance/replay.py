@@ -146,6 +146,7 @@ def replay(
     horizon: int = BALANCE_DEFAULTS.horizon,
     adaptive: bool = True,
     stall_remedies: bool = True,
+    trigger_margin: float = BALANCE_DEFAULTS.trigger_margin,
 ) -> ReplayResult:
     ep = costs.ep
     num_experts = trace.num_experts
@@ -155,7 +156,8 @@ def replay(
     if interval < 1 or horizon < 1:
         raise UserError(f"interval={interval} and horizon={horizon} must be >= 1")
     static = ExpertPlacement.contiguous(num_experts, ep, slots)
-    rule = ReplanRule(costs, interval, horizon, solver, adaptive=adaptive, stall_remedies=stall_remedies)
+    rule = ReplanRule(costs, interval, horizon, solver, trigger_margin, adaptive=adaptive,
+                      stall_remedies=stall_remedies)
     loads = trace.tokens_per_expert.astype(float)  # [T, L, E]
     num_steps, num_layers = loads.shape[:2]
 

@@ -23,6 +23,8 @@ Input and weight gradients of the routed experts are computed apart (``SplitGrad
 2023, "Zero Bubble Pipeline Parallelism"): the input gradient is needed at once to start the
 dispatch's backward exchange, the weight gradient is queued and computed while that exchange flies
 (``flush_weight_grads``), which is also how a lone micro-batch (warm-up, cool-down) hides part of it.
+Those gradients bypass autograd, so its post-accumulate-grad hooks do not fire for them; a hook registered
+with ``register_weight_grad_hook`` fires instead (the replicas' gradient rings start from it).
 Inside one micro-batch the shared expert runs under the dispatch (``moetrain.distributed.ep``).
 """
 
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import contextvars
 import threading
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -74,6 +77,9 @@ _PAIR: _TakeTurns | None = None
 # thread runs the backward, one at a time.
 _DEFERRED: list[Callable[[], None]] = []
 _SPLIT_GRADS = False
+# Hooks on the expert weights' deferred gradients, by the parameter's id; the weak reference tells a live
+# parameter from a dead one whose id was reused (a WeakKeyDictionary would compare tensors with ==).
+_WEIGHT_GRAD_HOOKS: dict[int, tuple[weakref.ref, list[Callable[[torch.Tensor], None]]]] = {}
 
 
 def run_pair(first: Callable[[], None], second: Callable[[], None]) -> None:
@@ -129,8 +135,21 @@ def flush_weight_grads() -> None:
         _DEFERRED.pop(0)()
 
 
+def register_weight_grad_hook(param: torch.nn.Parameter, hook: Callable[[torch.Tensor], None]) -> None:
+    """Call ``hook(param)`` after each weight gradient of ``param`` that ``SplitGradExperts`` accumulates
+    outside autograd, as ``Tensor.register_post_accumulate_grad_hook`` does for autograd's own."""
+    entry = _WEIGHT_GRAD_HOOKS.get(id(param))
+    if entry is None or entry[0]() is not param:
+        entry = _WEIGHT_GRAD_HOOKS[id(param)] = (weakref.ref(param), [])
+    entry[1].append(hook)
+
+
 def _accumulate(param: torch.nn.Parameter, grad: torch.Tensor) -> None:
     param.grad = grad if param.grad is None else param.grad + grad
+    entry = _WEIGHT_GRAD_HOOKS.get(id(param))
+    if entry is not None and entry[0]() is param:
+        for hook in entry[1]:
+            hook(param)
 
 
 class _SplitGradExpertsFn(torch.autograd.Function):
@@ -138,13 +157,15 @@ class _SplitGradExpertsFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, tokens_PD: torch.Tensor, tokens_per_expert_E: torch.Tensor,  # type: ignore[override]
-                experts: GroupedExperts, w_gate_EDF: torch.Tensor, w_up_EDF: torch.Tensor,
-                w_down_EFD: torch.Tensor) -> torch.Tensor:
-        gate_PF = grouped_mm(tokens_PD, w_gate_EDF, tokens_per_expert_E)
-        up_PF = grouped_mm(tokens_PD, w_up_EDF, tokens_per_expert_E)
+                experts: GroupedExperts) -> torch.Tensor:
+        # The weights are read from the module, not passed in: autograd then has no edge to them, so their
+        # post-accumulate-grad hooks do not fire for the gradient computed here (they fire, with nothing
+        # accumulated, for an input whose gradient is None: rings would start before the gradient exists).
+        gate_PF = grouped_mm(tokens_PD, experts.w_gate_EDF, tokens_per_expert_E)
+        up_PF = grouped_mm(tokens_PD, experts.w_up_EDF, tokens_per_expert_E)
         ctx.save_for_backward(tokens_PD, tokens_per_expert_E, gate_PF, up_PF)
         ctx.experts = experts
-        return grouped_mm(experts.act(gate_PF, up_PF), w_down_EFD, tokens_per_expert_E)
+        return grouped_mm(experts.act(gate_PF, up_PF), experts.w_down_EFD, tokens_per_expert_E)
 
     @staticmethod
     def backward(ctx, grad_PD: torch.Tensor):  # type: ignore[override]
@@ -166,7 +187,7 @@ class _SplitGradExpertsFn(torch.autograd.Function):
                 _accumulate(experts.w_down_EFD, grouped_weight_grad(hidden_PF, grad_PD, counts_E))
 
         _DEFERRED.append(weight_grads)
-        return grad_tokens_PD, None, None, None, None, None
+        return grad_tokens_PD, None, None
 
 
 class SplitGradExperts(GroupedExperts):
@@ -179,8 +200,9 @@ class SplitGradExperts(GroupedExperts):
         return experts  # type: ignore[return-value]
 
     def forward(self, tokens_PD: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
-        if not (_SPLIT_GRADS and torch.is_grad_enabled()) or torch.is_autocast_enabled(tokens_PD.device.type):
+        # the split backward runs only from the tokens' gradient (the weights are no input of it)
+        if not (_SPLIT_GRADS and torch.is_grad_enabled() and tokens_PD.requires_grad) \
+                or torch.is_autocast_enabled(tokens_PD.device.type):
             return super().forward(tokens_PD, tokens_per_expert_E)
-        return _SplitGradExpertsFn.apply(tokens_PD, tokens_per_expert_E, self, self.w_gate_EDF, self.w_up_EDF,
-                                         self.w_down_EFD)
+        return _SplitGradExpertsFn.apply(tokens_PD, tokens_per_expert_E, self)
 

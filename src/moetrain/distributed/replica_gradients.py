@@ -10,9 +10,10 @@ Accelerating Data Parallel Training", §3.2.3), applied to the replicas' rings; 
 
 How a layer's gradients are known to be final: a post-accumulate-grad hook on each of the layer's expert
 weights counts the backward passes that reached it; with ``expect_backward(n)`` (one per micro-batch) the
-n-th of each weight makes the layer ready. A layer whose count is not reached (an overlapped schedule
-that accumulates the weight gradients outside autograd, a micro-batch that skips the layer) is started when
-the optimizer waits, after the backward: correct, only not hidden.
+n-th of each weight makes the layer ready. The overlapped schedule (``--overlap``) accumulates the expert
+weight gradients outside autograd, where autograd's hooks do not fire; the same hook is registered with
+``overlap.register_weight_grad_hook`` and counts those. A layer whose count is not reached (a micro-batch
+that skips the layer) is started when the optimizer waits, after the backward: correct, only not hidden.
 
 The rings run on one helper thread, layer after layer in a fixed order (the backward's: the last layer
 first), on every rank alike: a rank never waits on a ring whose peers are busy with another layer, so the
@@ -35,6 +36,7 @@ from torch import nn
 from moetrain.balance.placement import EMPTY_SLOT, ExpertPlacement
 from moetrain.distributed.migration import sum_replica_gradients
 from moetrain.distributed.migration_executor import EXPERT_WEIGHTS
+from moetrain.distributed.overlap import register_weight_grad_hook
 from moetrain.distributed.trace import span
 
 RING_TAG_BASE = 1 << 24
@@ -81,8 +83,10 @@ class ReplicaGradients:
         self._lock = threading.Lock()
         for index, (_, block) in enumerate(self.layers):
             for name in EXPERT_WEIGHTS:
-                getattr(block.experts, name).register_post_accumulate_grad_hook(
-                    lambda param, index=index: self._on_gradient(index))
+                param = getattr(block.experts, name)
+                param.register_post_accumulate_grad_hook(lambda param, index=index: self._on_gradient(index))
+                # the overlapped schedule's weight gradients bypass autograd and its hooks
+                register_weight_grad_hook(param, lambda param, index=index: self._on_gradient(index))
 
     def _params(self, index: int) -> list[nn.Parameter]:
         return [getattr(self.layers[index][1].experts, name) for name in EXPERT_WEIGHTS]
@@ -119,7 +123,8 @@ class ReplicaGradients:
         armed.thread.start()
 
     def _on_gradient(self, index: int) -> None:
-        """A post-accumulate-grad hook of layer ``index``'s expert weights (on the backward's thread)."""
+        """A post-accumulate-grad hook of layer ``index``'s expert weights (on the thread that accumulated it:
+        autograd's, or the overlapped schedule's)."""
         armed = self._armed
         if armed is None or index not in armed.ready:
             return
