@@ -53,6 +53,7 @@ run balance_traces.py --trace $R/balance_trace_tiny_pangu.jsonl --trace $R/balan
 run balance_traces.py --trace $R/balance_trace_tiny_pangu.jsonl --trace $R/balance_trace_tiny_pangu_no_balance_loss.jsonl \
     --fixed-interval --out $R/balance_traces_fixed_interval.json
 run balance_families.py
+run balance_defaults.py --jobs 2  # the defaults sweep: BALANCE_DEFAULTS must equal its winner
 run balance_expert_gemm.py --model tiny-pangu --ep 4 --tokens-per-rank 4096 --zipf 1.0 --device cpu --repeats 7 \
     --threads 1
 run balance_online.py --out $R/balance_online_cpu.json
