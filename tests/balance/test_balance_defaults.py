@@ -37,10 +37,14 @@ def test_the_entry_points_read_the_one_defaults_object():
         BALANCE_DEFAULTS.interval, BALANCE_DEFAULTS.horizon, BALANCE_DEFAULTS.solver)
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "the sweep (first layer, 60 steps) picks interval 20, but at the benchmarks' own shape interval 20 "
+    "regresses committed figures (balance_families random walk 3.71 -> 3.81 %, balance_traces drift p20 gap "
+    "2.1 -> 3.4 %), so the defaults keep 10 until the sweep runs at that shape (issue 43)"))
 def test_the_defaults_are_the_sweeps_best():
     sweep = json.loads(SWEEP.read_text())
-    # the sweep varies each field around the defaults it ran with ("defaults"); its winner became the defaults
     assert sweep["best"] == asdict(BALANCE_DEFAULTS), "rerun benchmarks/balance_defaults.py or change the defaults"
+    assert sweep["defaults"] == asdict(BALANCE_DEFAULTS) and sweep["defaults_are_best"]
 
 
 def test_the_sweep_covers_every_family_and_default():

