@@ -121,7 +121,10 @@ def test_deferred_weight_gradients_fire_their_own_hook_not_autograds() -> None:
     hooks must not fire (they would report a gradient that does not exist yet); the hooks registered with
     ``register_weight_grad_hook`` fire once per weight and backward pass, after the gradient is in ``.grad``."""
     counts = torch.tensor([3, 0, 5, 2])
+    torch.manual_seed(0)
     experts = overlap.SplitGradExperts.adopt(GroupedExperts(4, 6, 5))
+    for w in experts.parameters():  # torch.empty's leftovers can hold NaN, which torch.equal never matches
+        torch.nn.init.normal_(w)
     fired: list[tuple[str, str, torch.Tensor | None]] = []
     for name, p in experts.named_parameters():
         p.register_post_accumulate_grad_hook(lambda p, name=name: fired.append(("autograd", name, None)))
@@ -139,6 +142,7 @@ def test_deferred_weight_gradients_fire_their_own_hook_not_autograds() -> None:
     # each hook saw its weight's gradient summed so far: the second equals the final one
     for (_, name, seen), p in zip(fired[len(names):], experts.parameters()):
         assert torch.equal(seen, p.grad), name
+        assert p.grad.grad_fn is None, f"{name}: a gradient that holds a graph (and its activations)"
     # the plain path (split gradients off) still reports through autograd's hooks, once per weight
     fired.clear()
     experts(torch.randn(int(counts.sum()), 6, requires_grad=True), counts).sum().backward()

@@ -180,7 +180,9 @@ class _SplitGradExpertsFn(torch.autograd.Function):
                           + grouped_mm(grad_up_PF, experts.w_up_EDF.transpose(1, 2), counts_E))
 
         def weight_grads() -> None:
-            with span("experts_wgrad"):
+            # no_grad: this runs after the backward, where grad mode is on again; the saved tokens require
+            # grad, so without it each .grad would carry a graph holding the micro-batch's activations
+            with span("experts_wgrad"), torch.no_grad():
                 hidden_PF = silu_PF * up_PF
                 _accumulate(experts.w_gate_EDF, grouped_weight_grad(tokens_PD, grad_gate_PF, counts_E))
                 _accumulate(experts.w_up_EDF, grouped_weight_grad(tokens_PD, grad_up_PF, counts_E))
