@@ -70,6 +70,22 @@ def _assert_each_rank_received_its_share(replicas, tp: int = 2):
             assert sync.bytes_received == share
 
 
+def assert_one_process_loop(trainer, steps: int) -> None:
+    """The trainer's samples, losses and final weights are the one-process loop's bit for bit; the rollout
+    log-probs μ of a sharded replica are not (TP's all-reduce and EP's all-to-all add partial sums in another
+    order than one matmul), so their statistics (``is_weight_mean``, ``logp_gap_max``) are bounded instead."""
+    rows, samples, state = _synchronous(steps)
+    assert all(torch.equal(a, b) for a, b in zip(samples, trainer.samples, strict=True))  # same samples
+    for want, got in zip(rows, trainer.rows, strict=True):
+        assert {k: got.get(k) for k in EXACT} == {k: want.get(k) for k in EXACT}  # same losses
+        if "is_weight_mean" in want:
+            assert got["is_weight_mean"] == pytest.approx(want["is_weight_mean"], rel=1e-6)
+        if "logp_gap_max" in want:
+            assert max(got["logp_gap_max"], want["logp_gap_max"]) < 1e-5
+    assert state.keys() == trainer.final_state.keys()
+    assert all(torch.equal(value, trainer.final_state[name]) for name, value in state.items())
+
+
 @pytest.mark.dist
 def test_k0_two_replicas_of_two_tp_ranks_beside_one_trainer_rank_are_the_one_process_loop():
     """5 ranks: replicas of 2 TP ranks (ranks 0–1, 2–3) beside a one-rank trainer. The samples, the losses
@@ -81,16 +97,7 @@ def test_k0_two_replicas_of_two_tp_ranks_beside_one_trainer_rank_are_the_one_pro
     (trainer,) = trainers
     assert len(replicas) == 4 and [r.versions for r in replicas] == [[0, 1]] * 4
     assert trainer.trained == [(0, 0), (1, 1)]
-    rows, samples, state = _synchronous(steps)
-    assert all(torch.equal(a, b) for a, b in zip(samples, trainer.samples, strict=True))  # same samples
-    for want, got in zip(rows, trainer.rows, strict=True):
-        assert {k: got.get(k) for k in EXACT} == {k: want.get(k) for k in EXACT}  # same losses
-        if "is_weight_mean" in want:
-            assert got["is_weight_mean"] == pytest.approx(want["is_weight_mean"], rel=1e-6)
-        if "logp_gap_max" in want:
-            assert max(got["logp_gap_max"], want["logp_gap_max"]) < 1e-5
-    assert state.keys() == trainer.final_state.keys()
-    assert all(torch.equal(value, trainer.final_state[name]) for name, value in state.items())
+    assert_one_process_loop(trainer, steps)
     _assert_tp_ranks_hold_their_ranges(replicas, trainers, [0, 1])
     _assert_each_rank_received_its_share(replicas)
     row = next(r for r in trainer.rows if "sync_received_mib" in r)

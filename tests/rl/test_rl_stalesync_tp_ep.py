@@ -10,10 +10,9 @@ layer, the rest whole."""
 import pytest
 import torch
 from rl_models import small_model
-from test_rl_stalesync import _synchronous
-from test_rl_stalesync_scale import EXACT, _cli_steps, _job, _run, _trainers_weights
+from test_rl_stalesync_scale import _cli_steps, _job, _run, _trainers_weights
 from test_rl_stalesync_scale import _share_bytes as _ep_share_bytes
-from test_rl_stalesync_tp import _split_dim, _tp_range, _tp_share_bytes
+from test_rl_stalesync_tp import _split_dim, _tp_range, _tp_share_bytes, assert_one_process_loop
 
 from moetrain.errors import UserError
 from moetrain.rl.roles import Roles
@@ -72,16 +71,7 @@ def test_k0_a_replica_of_tp2_by_ep2_ranks_beside_one_trainer_rank_is_the_one_pro
     (trainer,) = trainers
     assert len(replicas) == 4 and [r.versions for r in replicas] == [[0, 1]] * 4
     assert trainer.trained == [(0, 0), (1, 1)]
-    rows, samples, state = _synchronous(steps)
-    assert all(torch.equal(a, b) for a, b in zip(samples, trainer.samples, strict=True))  # same samples
-    for want, got in zip(rows, trainer.rows, strict=True):
-        assert {k: got.get(k) for k in EXACT} == {k: want.get(k) for k in EXACT}  # same losses
-        if "is_weight_mean" in want:
-            assert got["is_weight_mean"] == pytest.approx(want["is_weight_mean"], rel=1e-6)
-        if "logp_gap_max" in want:
-            assert max(got["logp_gap_max"], want["logp_gap_max"]) < 1e-5
-    assert state.keys() == trainer.final_state.keys()
-    assert all(torch.equal(value, trainer.final_state[name]) for name, value in state.items())
+    assert_one_process_loop(trainer, steps)
     _assert_ranks_hold_their_regions(replicas, trainers, [0, 1])
     share = _share_bytes()
     assert share < min(_tp_share_bytes(T), _ep_share_bytes(E))  # less than either axis alone holds
