@@ -37,7 +37,7 @@ from moetrain.costs.flops import training_flops_per_token
 from moetrain.distributed.parallelize import apply_compile
 from moetrain.memory.measure import measure_activations, measure_saved_bytes, time_steps
 from moetrain.memory.options import COMPILED_EXCLUDED, uses_flash_attention
-from moetrain.memory.policy import DeviceSpeed, MemoryPlan, choose_memory_plan, num_blocks
+from moetrain.memory.policy import ActivationShape, DeviceSpeed, MemoryPlan, choose_memory_plan, num_blocks
 from moetrain.memory.runtime import apply_memory_policy
 from moetrain.models import build_model
 
@@ -141,14 +141,14 @@ def main() -> int:
     host_link = host_link_bytes_per_s() if cuda else None
     speed = DeviceSpeed(flops / baseline["step_time_s"], 2e12 if cuda else 1e10, host_link)
     dtype_bytes = 2.0 if cuda else 4.0
-    flash = uses_flash_attention(cfg, args.device)
-    probe = choose_memory_plan(cfg, seq, batch, "none", None, speed, dtype_bytes, flash)
+    shape = ActivationShape(cfg, seq, batch, dtype_bytes, uses_flash_attention(cfg, args.device))
+    probe = choose_memory_plan(shape, "none", None, speed)
     budget = args.budget_fraction * probe.baseline_bytes
     runs = {"none": {**baseline, "predicted_activation_bytes": probe.activation_bytes}}
     excluded = COMPILED_EXCLUDED if args.compile else frozenset()
     failed: dict[str, str] = {}
     for policy in [p for p in args.policies.split(",") if p != "swap"]:
-        result = choose_memory_plan(cfg, seq, batch, policy, budget, speed, dtype_bytes, flash, excluded)
+        result = choose_memory_plan(shape, policy, budget, speed, excluded)
         try:
             measured = measure(result.plan)
         except Exception as exc:  # noqa: BLE001 - a policy that fails is recorded; the next one runs

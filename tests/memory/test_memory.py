@@ -13,7 +13,7 @@ import torch
 from moetrain.cli import main
 from moetrain.config import load_model_config
 from moetrain.costs.activations import ALL_OPTIONS, SELECTIVE_OPTIONS, model_activation_bytes
-from moetrain.memory import DeviceSpeed, MemoryPlan, choose_memory_plan
+from moetrain.memory import ActivationShape, DeviceSpeed, MemoryPlan, choose_memory_plan
 from moetrain.memory.measure import measure_activations
 from moetrain.memory.options import uses_flash_attention
 from moetrain.memory.policy import num_blocks
@@ -96,11 +96,12 @@ def test_options_save_memory():
 @pytest.mark.slow
 def test_auto_meets_budget_measured_and_beats_full():
     cfg = load_model_config("tiny-pangu")
-    auto = choose_memory_plan(cfg, 64, BATCH, "auto", None, CPU_SPEED, 4.0, False)
+    shape = ActivationShape(cfg, 64, BATCH, dtype_bytes=4.0, flash=False)
+    auto = choose_memory_plan(shape, "auto", None, CPU_SPEED)
     assert auto.plan.summary() == {}  # no budget: nothing to do
     budget = 0.3 * auto.baseline_bytes
-    auto = choose_memory_plan(cfg, 64, BATCH, "auto", budget, CPU_SPEED, 4.0, False)
-    full = choose_memory_plan(cfg, 64, BATCH, "full", budget, CPU_SPEED, 4.0, False)
+    auto = choose_memory_plan(shape, "auto", budget, CPU_SPEED)
+    full = choose_memory_plan(shape, "full", budget, CPU_SPEED)
     assert auto.fits and full.fits and auto.activation_bytes <= budget
     assert auto.added_time_s < full.added_time_s
     assert not any(o.startswith("swap") for o in auto.options)  # CPU: host memory is device memory
@@ -114,8 +115,9 @@ def test_auto_meets_budget_measured_and_beats_full():
 
 def test_greedy_drops_options_no_longer_needed():
     cfg = load_model_config("tiny-pangu")
-    base = choose_memory_plan(cfg, 64, BATCH, "none", None, CPU_SPEED, 4.0, False).baseline_bytes
-    result = choose_memory_plan(cfg, 64, BATCH, "auto", 0.15 * base, CPU_SPEED, 4.0, False)
+    shape = ActivationShape(cfg, 64, BATCH, dtype_bytes=4.0, flash=False)
+    base = choose_memory_plan(shape, "none", None, CPU_SPEED).baseline_bytes
+    result = choose_memory_plan(shape, "auto", 0.15 * base, CPU_SPEED)
     # layers recomputed whole carry no other option
     assert all(opts == {"layer"} for opts in result.plan.layer_options if "layer" in opts)
 
@@ -123,8 +125,9 @@ def test_greedy_drops_options_no_longer_needed():
 def test_gpu_speed_offers_swap():
     cfg = load_model_config("tiny-pangu")
     speed = DeviceSpeed(flops_per_s=1e12, bytes_per_s=1e12, host_link_bytes_per_s=1e12)
-    base = choose_memory_plan(cfg, 64, BATCH, "none", None, speed, 2.0, True).baseline_bytes
-    result = choose_memory_plan(cfg, 64, BATCH, "auto", 0.5 * base, speed, 2.0, True)
+    shape = ActivationShape(cfg, 64, BATCH, dtype_bytes=2.0, flash=True)
+    base = choose_memory_plan(shape, "none", None, speed).baseline_bytes
+    result = choose_memory_plan(shape, "auto", 0.5 * base, speed)
     assert result.fits and any(o.startswith("swap") for o in result.options)
 
 

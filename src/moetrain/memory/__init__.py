@@ -1,6 +1,7 @@
 """Selective recompute and swap under a memory budget.
 
-Torch-free names (importable by the planner): ``MemoryPlan``, ``DeviceSpeed``, ``choose_memory_plan``,
+Torch-free names (importable by the planner): ``MemoryPlan``, ``DeviceSpeed``, ``ActivationShape``,
+``choose_memory_plan``,
 ``choose_plan`` (from a run's memory options). Torch-side names load on first use:
 ``apply_memory_policy``, ``measure_activations``.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 import importlib
 
 from moetrain.memory.options import choose_plan
-from moetrain.memory.policy import POLICIES, DeviceSpeed, MemoryPlan, PolicyResult, choose_memory_plan
+from moetrain.memory.policy import POLICIES, ActivationShape, DeviceSpeed, MemoryPlan, PolicyResult, choose_memory_plan
 
 _LAZY = {
     "apply_memory_policy": "moetrain.memory.runtime",
@@ -27,6 +28,6 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "POLICIES", "DeviceSpeed", "MemoryPlan", "PolicyResult", "choose_memory_plan", "choose_plan",
+    "POLICIES", "ActivationShape", "DeviceSpeed", "MemoryPlan", "PolicyResult", "choose_memory_plan", "choose_plan",
     *_LAZY,
 ]

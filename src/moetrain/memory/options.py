@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from moetrain.config.model import ModelConfig
 from moetrain.config.run import MemoryOptions
-from moetrain.memory.policy import DeviceSpeed, MemoryPlan, PolicyResult, choose_memory_plan
+from moetrain.memory.policy import ActivationShape, DeviceSpeed, MemoryPlan, PolicyResult, choose_memory_plan
 
 GIB = 1024**3
 
@@ -51,12 +51,10 @@ def choose_plan(model_cfg: ModelConfig, options: MemoryOptions, seq_len: int, mi
                 excluded: frozenset[str] = frozenset()) -> PolicyResult:
     """The plan of the whole model (decoder layers, then MTP layers) that the options ask for, from the
     options the runtime can install (``excluded_options``)."""
-    flash = uses_flash_attention(model_cfg, device_type)
+    shape = ActivationShape(model_cfg, seq_len, micro_batch, dtype_bytes, uses_flash_attention(model_cfg, device_type))
     speed = speed or NOMINAL_SPEED["cuda" if device_type == "cuda" else "cpu"]
-    probe = choose_memory_plan(model_cfg, seq_len, micro_batch, "none", None, speed, dtype_bytes, flash)
-    budget = budget_bytes(options, probe.baseline_bytes)
-    return choose_memory_plan(model_cfg, seq_len, micro_batch, options.policy, budget, speed, dtype_bytes, flash,
-                              excluded)
+    probe = choose_memory_plan(shape, "none", None, speed)
+    return choose_memory_plan(shape, options.policy, budget_bytes(options, probe.baseline_bytes), speed, excluded)
 
 
 def held_layers_plan(plan: MemoryPlan, held: list[int]) -> MemoryPlan:

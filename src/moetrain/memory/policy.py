@@ -16,6 +16,7 @@ recompute option everywhere.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -64,6 +65,18 @@ class DeviceSpeed:
     """Device↔host copy bandwidth; None where host and device memory are one (CPU): no swap."""
 
 
+@dataclass(frozen=True)
+class ActivationShape:
+    """What one micro-batch's activations are: the model, the tokens and how they are stored."""
+
+    model: ModelConfig
+    seq_len: int
+    micro_batch: int
+    dtype_bytes: float = 2.0
+    flash: bool = True
+    """Fused attention keeps no S×S probabilities (``options.uses_flash_attention``)."""
+
+
 @dataclass
 class PolicyResult:
     plan: MemoryPlan
@@ -86,10 +99,9 @@ def _is_moe_block(model: ModelConfig, index: int) -> bool:
 class _Costs:
     """Bytes and added seconds of an option set on one layer, memoised."""
 
-    def __init__(self, model: ModelConfig, seq_len: int, micro_batch: int, dtype_bytes: float, flash: bool,
-                 speed: DeviceSpeed) -> None:
-        self.model, self.seq_len, self.micro_batch = model, seq_len, micro_batch
-        self.dtype_bytes, self.flash, self.speed = dtype_bytes, flash, speed
+    def __init__(self, shape: ActivationShape, speed: DeviceSpeed) -> None:
+        self.model, self.seq_len, self.micro_batch = shape.model, shape.seq_len, shape.micro_batch
+        self.dtype_bytes, self.flash, self.speed = shape.dtype_bytes, shape.flash, speed
         self._bytes: dict[tuple[bool, frozenset[str]], tuple[float, float]] = {}
 
     def bytes(self, moe: bool, options: frozenset[str]) -> tuple[float, float]:
@@ -167,18 +179,19 @@ def _applicable(model: ModelConfig, moe: bool, option: str, speed: DeviceSpeed,
     return not (option in SWAP_OPTIONS and speed.host_link_bytes_per_s is None)
 
 
-def choose_memory_plan(model: ModelConfig, seq_len: int, micro_batch: int, policy: PolicyName,
-                       budget_bytes: float | None, speed: DeviceSpeed, dtype_bytes: float = 2.0,
-                       flash: bool = True, excluded: frozenset[str] = frozenset()) -> PolicyResult:
+def choose_memory_plan(shape: ActivationShape, policy: PolicyName, budget_bytes: float | None, speed: DeviceSpeed,
+                       excluded: frozenset[str] = frozenset()) -> PolicyResult:
     """The plan for ``policy`` and the activation budget (bytes for the whole model on one device, or
     None for no budget), with its predicted bytes and added seconds per micro-batch. ``excluded``:
     options the runtime cannot install here (compiled layers run no swap, for one)."""
     if policy not in POLICIES:
         raise ValueError(f"unknown memory policy {policy!r}; choose one of {list(POLICIES)}")
-    costs = _Costs(model, seq_len, micro_batch, dtype_bytes, flash, speed)
+    model = shape.model
+    costs = _Costs(shape, speed)
     blocks = num_blocks(model)
     kinds = [_is_moe_block(model, i) for i in range(blocks)]
-    head = float(model_activation_bytes(model, seq_len, micro_batch, None, dtype_bytes, flash)["head"])
+    head = float(model_activation_bytes(model, shape.seq_len, shape.micro_batch, None, shape.dtype_bytes,
+                                        shape.flash)["head"])
 
     def total(sets: list[frozenset[str]]) -> float:
         return head + sum(costs.bytes(kinds[i], sets[i])[0] for i in range(blocks))
@@ -199,13 +212,16 @@ def choose_memory_plan(model: ModelConfig, seq_len: int, micro_batch: int, polic
                 break
             sets[i] = frozenset({"layer"})
     elif policy == "auto" and budget_bytes is not None:
-        sets = _greedy(model, costs, kinds, sets, budget_bytes, total, speed, excluded)
+        sets = _greedy(costs, kinds, budget_bytes, total, excluded)
     plan = MemoryPlan(tuple(sets))
     return PolicyResult(plan, baseline, total(sets), budget_bytes, added(sets), fits(), plan.summary())
 
 
-def _greedy(model, costs: _Costs, kinds: list[bool], sets: list[frozenset[str]], budget: float, total,
-            speed: DeviceSpeed, excluded: frozenset[str]) -> list[frozenset[str]]:
+def _greedy(costs: _Costs, kinds: list[bool], budget: float, total: Callable[[list[frozenset[str]]], float],
+            excluded: frozenset[str]) -> list[frozenset[str]]:
+    """Increase (best bytes saved per second added first, one layer at a time), then decrease."""
+    model, speed = costs.model, costs.speed
+    sets: list[frozenset[str]] = [frozenset()] * len(kinds)
     added_order: list[tuple[str, bool]] = []
     while total(sets) > budget:
         best: tuple[float, str, bool] | None = None
