@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -149,3 +150,22 @@ def test_other_bad_rates_are_one_line_and_exit_2(tmp_path, capsys):
     assert capsys.readouterr().err == ("moetrain simulate: error: CPU-seconds of 2 rollout and 2 trainer processes do "
                                        "not match the layout's 2 and 1; probe this layout's job (`moetrain profile "
                                        "--rl-out FILE --rl-job rl.yaml`)\n")
+
+
+def test_the_cli_route_gives_rl_scales_recorded_prediction(tmp_path, capsys):
+    """benchmarks/rl_scale.py prices its runs through the Python API (its generation phase needs
+    ``decode_running_share``, which no flag sets); its step at k = 1 is the probed works shared over the cores
+    alone, so the same works in a rates file give its recorded step through ``simulate --rl``."""
+    record = json.loads((Path(__file__).resolve().parents[2] / "benchmarks/results/rl_scale_cpu.json").read_text())
+    for row in record["rows"]:
+        replicas, probed = row["replicas"], row["role_cpu"]
+        apart = probed["apart_per_step_s"]
+        work = RoleCPU(tuple(apart[:replicas]), tuple(apart[replicas:]), tuple(probed["overlap_factors"]))
+        path = tmp_path / f"rates_{replicas}.yaml"
+        replace(RATES, role_cpu=ProbedRoleCPU(work, probed["cores"])).save(path)
+        rows = _rows(["simulate", "--rl", "--model", "tiny-pangu", "--cluster", "cpu", "--devices", str(row["ranks"]),
+                      "--rollout-devices", str(replicas), "--placement", "disaggregated", "--staleness", "1",
+                      "--prompts", "16", "--group-size", "8", "--prompt-len", "13", "--response-len",
+                      str(row["response_len"]), "--micro-batch", "64", "--dtype", "fp32", "--rl-rates", str(path),
+                      "--json"], capsys)
+        assert rows["disaggregated"]["step_s"] == pytest.approx(row["predicted_step_s"], rel=1e-9)
