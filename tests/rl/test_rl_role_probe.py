@@ -101,3 +101,27 @@ def test_rl_job_needs_rl_out_and_a_readable_job(tmp_path, capsys):
     missing = tmp_path / "rl.yaml"
     assert main(["profile", "--device", "cpu", "--rl-out", str(tmp_path / "r.yaml"), "--rl-job", str(missing)]) == 2
     assert capsys.readouterr().err == f"moetrain profile: error: --rl-job {missing}: no such file\n"
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"stalesync": {"staleness": 1, "placement": "colocated"}, "rollout": {}},
+     "--rl-job: the role CPU probe measures a disaggregated StaleSync job on this machine (stalesync: {placement: "
+     "disaggregated, staleness: K}, engine local); give such a job"),
+    ({"trainer": {**JOB["trainer"], "training": {"steps": 4, "micro_batch": 4}}},
+     "the role CPU probe needs a job of more than 4 steps (got 4); give the job more steps"),
+    ({"stalesync": {"staleness": 1, "placement": "disaggregated", "reward_worker": True}},
+     "the role CPU probe measures one-rank replicas beside the trainer group, with no reward or reference worker; "
+     "probe such a job"),
+])
+def test_a_job_the_probe_cannot_measure_is_refused_before_any_probe(tmp_path, monkeypatch, capsys, change, message):
+    from moetrain.train import calibrate
+
+    def no_calibration(*args):
+        raise AssertionError("the job is refused before the calibration's minutes")
+
+    monkeypatch.setattr(calibrate, "profile_calibration", no_calibration)
+    job = tmp_path / "rl.yaml"
+    job.write_text(yaml.safe_dump({**JOB, **change}))
+    assert main(["profile", "--device", "cpu", "--out", str(tmp_path / "cal.yaml"), "--rl-out",
+                 str(tmp_path / "r.yaml"), "--rl-job", str(job)]) == 2
+    assert capsys.readouterr().err == f"moetrain profile: error: {message}\n"

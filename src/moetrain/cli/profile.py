@@ -105,7 +105,11 @@ def _rl_job(args: argparse.Namespace):
         raise UserError("--rl-job needs --rl-out (the rates file its probed CPU-seconds go into)")
     source = yaml_source(args.rl_job, "--rl-job", "model, sft, rl, trainer, generation, rollout, stalesync")
     check_spec_kind(source, f"--rl-job {args.rl_job}")
-    return resolve_rl_spec([source], [Path(args.rl_job).name])
+    spec = resolve_rl_spec([source], [Path(args.rl_job).name])
+    from moetrain.rl.role_probe import check_probed_job  # torch: after run's own import of it, only with --rl-job
+
+    check_probed_job(spec)  # a job the probe cannot measure is refused before minutes of calibration
+    return spec
 
 
 def _role_cpu_summary(probed) -> str:

@@ -17,7 +17,7 @@ import torch
 from moetrain.errors import UserError
 from moetrain.planner.rl_cores import RoleCPU
 from moetrain.planner.rl_rates import ProbedRoleCPU
-from moetrain.rl.rates import MixedWork, overlap_cpu, role_cpu
+from moetrain.rl.rates import MixedWork, check_role_cpu_job, overlap_cpu, role_cpu
 from moetrain.rl.run import RLRun, build_rl_run, starting_model, warm_up
 from moetrain.rl.spec import RLRunSpec
 from moetrain.rl.stalesync import StaleSyncJob
@@ -26,9 +26,7 @@ from moetrain.rl.stalesync import StaleSyncJob
 def probe_job_cpu(spec: RLRunSpec, tries: int) -> ProbedRoleCPU:
     """Each process's CPU-seconds per step of ``spec``'s disaggregated StaleSync job, its roles apart, carried
     to the roles overlapped (each overlap figure the lowest of ``tries``), and this machine's cores."""
-    if not spec.disaggregated or spec.engine != "local":
-        raise UserError("--rl-job: the role CPU probe measures a disaggregated StaleSync job on this machine "
-                        "(stalesync: {placement: disaggregated, staleness: K}, engine local); give such a job")
+    check_probed_job(spec)
     torch.set_num_threads(1)  # as every rank of the run: the forked ranks inherit it
     run = build_rl_run(spec)
     job = probed_job(run)
@@ -38,6 +36,14 @@ def probe_job_cpu(spec: RLRunSpec, tries: int) -> ProbedRoleCPU:
                       training.seq_len)
     overlap = overlap_cpu(job.replicas, len(job.roles.trainer_group), mixed, tries)
     return ProbedRoleCPU(RoleCPU(work.rollout_s, work.trainer_s, overlap.factors), float(os.cpu_count() or 1))
+
+
+def check_probed_job(spec: RLRunSpec) -> None:
+    """Refuse, before anything is measured, a job the probe cannot measure."""
+    if not spec.disaggregated or spec.engine != "local":
+        raise UserError("--rl-job: the role CPU probe measures a disaggregated StaleSync job on this machine "
+                        "(stalesync: {placement: disaggregated, staleness: K}, engine local); give such a job")
+    check_role_cpu_job(spec.roles, spec.trainer.training.steps)
 
 
 def probed_job(run: RLRun) -> StaleSyncJob:
