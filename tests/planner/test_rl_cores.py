@@ -88,7 +88,8 @@ def test_a_step_on_one_cpu_is_its_processes_cpu_shared_over_the_cores():
 def test_role_cpu_must_match_the_layout():
     w, layout = _job(shared_cores=2.0, role_cpu=RoleCPU(rollout_s=(0.3, 0.3), trainer_s=(0.2, 0.2)))
     with pytest.raises(UserError, match=r"^CPU-seconds of 2 rollout and 2 trainer processes do not match the layout's "
-                                        r"1 and 2; measure this layout$"):
+                                        r"1 and 2; probe this layout.s job \(`moetrain profile --rl-out FILE "
+                                        r"--rl-job rl.yaml`\)$"):
         price_rl_step(w, layout, load_calibration())
     w, layout = _job(role_cpu=RoleCPU(rollout_s=(0.3,), trainer_s=(0.2, 0.2)))
     with pytest.raises(UserError, match=r"^measured CPU-seconds per process price a disaggregated job on one CPU"):

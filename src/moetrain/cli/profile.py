@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
+from pathlib import Path
 
-from moetrain.cli.common import output_file
+from moetrain.cli.common import output_file, yaml_source
 from moetrain.errors import UserError
+from moetrain.rl.spec import check_spec_kind, resolve_rl_spec
 
 HELP = "measure GEMM/grouped-GEMM/attention/collective speed here and write a simulator calibration file"
 
@@ -32,6 +35,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="CPU only: also time the RL step's host work on --model's policy (a layer's forward on "
                              "one token, the sampler, the rollout engine, the weight sync) and write it to this "
                              "YAML for `moetrain simulate --rl --rl-rates`")
+    parser.add_argument("--rl-job", default=None, metavar="RL_YAML",
+                        help="with --rl-out: also probe each process's CPU-seconds per step of this disaggregated "
+                             "StaleSync job (an rl.yaml as `moetrain rl --config` takes it; one-rank replicas), "
+                             "its roles apart, and write them to --rl-out's role_cpu: `moetrain simulate --rl` then "
+                             "shares them over this machine's cores for that job at k ≥ 1 (docs/rl_simulate.md)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -53,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
         output_file(args.rl_out, "--rl-out", "rl_rates.yaml")
         if resolve_device(args.device) != "cpu":
             raise UserError("--rl-out measures a CPU's RL host rates (the host is the device there); add --device cpu")
+    job = _rl_job(args)
     if args.threads is not None:
         if args.threads <= 0:
             raise UserError(f"--threads must be positive (got {args.threads})")
@@ -66,6 +75,11 @@ def run(args: argparse.Namespace) -> int:
         from moetrain.rl.rates import measure_rl_rates  # the RL side: only with --rl-out
 
         rl_rates = measure_rl_rates(result.model, args.repeats)
+        if job is not None:
+            from moetrain.rl.role_probe import probe_job_cpu  # the RL runtime: only with --rl-job
+
+            rl_rates = replace(rl_rates, role_cpu=probe_job_cpu(job, args.repeats),
+                               measured_on=f"{rl_rates.measured_on}; role CPU of --rl-job {args.rl_job}")
         rl_rates.save(args.rl_out)
     if args.json:
         print(json.dumps({"measurements": result.measured, "efficiencies": result.efficiencies, "out": args.out}
@@ -78,7 +92,32 @@ def run(args: argparse.Namespace) -> int:
                   f"{host.sample_ns_per_logit:.3g} ns per logit, the rollout engine {host.engine_step_us:.0f} µs per "
                   f"step + {host.engine_row_us:.0f} µs per row; the weight sync {sync.host_bytes_per_s / 1e9:.3g} GB/s "
                   f"packed or written; written to {args.rl_out}")
+            if rl_rates.role_cpu is not None:
+                print(_role_cpu_summary(rl_rates.role_cpu))
     return 0
+
+
+def _rl_job(args: argparse.Namespace):
+    """``--rl-job``'s RL run spec, checked before the probes start (None without the flag)."""
+    if args.rl_job is None:
+        return None
+    if args.rl_out is None:
+        raise UserError("--rl-job needs --rl-out (the rates file its probed CPU-seconds go into)")
+    source = yaml_source(args.rl_job, "--rl-job", "model, sft, rl, trainer, generation, rollout, stalesync")
+    check_spec_kind(source, f"--rl-job {args.rl_job}")
+    spec = resolve_rl_spec([source], [Path(args.rl_job).name])
+    from moetrain.rl.role_probe import check_probed_job  # torch: after run's own import of it, only with --rl-job
+
+    check_probed_job(spec)  # a job the probe cannot measure is refused before minutes of calibration
+    return spec
+
+
+def _role_cpu_summary(probed) -> str:
+    work = probed.work
+    rollout = ", ".join(f"{w:.3g}" for w in work.rollout_s)
+    trainer = ", ".join(f"{w:.3g}" for w in work.trainer_s)
+    return (f"role CPU per step, roles apart: replicas {rollout} s, trainer ranks {trainer} s; overlapped "
+            f"×{work.overlap[0]:.2f} and ×{work.overlap[1]:.2f}; {probed.cores:g} cores")
 
 
 def _print_summary(result, args: argparse.Namespace) -> None:

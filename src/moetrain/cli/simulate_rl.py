@@ -131,13 +131,16 @@ def simulate_rl(args: argparse.Namespace) -> dict:
 
     _check(args)
     workload, calibration = build_rl_workload(args)
-    host, sync = HostCosts(moe_pass_us=0.0 if args.graphs else None), None
+    host, sync, probed = HostCosts(moe_pass_us=0.0 if args.graphs else None), None, None
     if args.rl_rates is not None:
         rates = load_rl_rates(args.rl_rates)
         host, sync = replace(rates.host, moe_pass_us=0.0) if args.graphs else rates.host, rates.sync
-    predictions = [price_rl_step(workload, layout, calibration, host, sync) for layout in _layouts(args, workload)]
-    rows = [{**{k: v for k, v in asdict(p).items() if k != "phases"}, "phases_s": asdict(p.phases)}
-            for p in predictions]
+        probed = rates.role_cpu
+    layouts = [_with_probed_cpu(layout, probed) for layout in _layouts(args, workload)]
+    predictions = [price_rl_step(workload, layout, calibration, host, sync) for layout in layouts]
+    rows = [{**{k: v for k, v in asdict(p).items() if k != "phases"}, "phases_s": asdict(p.phases),
+             "step_model": _step_model(layout), "shared_cores": layout.shared_cores}
+            for p, layout in zip(predictions, layouts, strict=True)]
     return {
         "model": workload.model.name, "cluster": workload.cluster.name, "devices": args.devices,
         "prompts": args.prompts, "group_size": args.group_size, "prompt_len": args.prompt_len,
@@ -147,6 +150,32 @@ def simulate_rl(args: argparse.Namespace) -> dict:
         "predictions": rows,
         "faster": min(rows, key=lambda r: r["step_s"])["placement"],
     }
+
+
+def _with_probed_cpu(layout, probed):
+    """A disaggregated layout at k ≥ 1 with the rates file's probed CPU-seconds per process: its step is
+    those works shared over the probed machine's cores (``planner.rl_cores``); any other layout as it was
+    (at k = 0 the roles take turns, and colocated runs share no pipeline round)."""
+    if probed is None or layout.placement != "disaggregated" or layout.staleness == 0:
+        return layout
+    return replace(layout, role_cpu=probed.work, shared_cores=probed.cores)
+
+
+PHASES_MODEL = "phases"
+"""The step is the priced phases (generation, training, the push; overlapped at k ≥ 1)."""
+SHARED_CPU_MODEL = "processor sharing"
+"""The step is the probed CPU-seconds per process shared over the cores (``planner.rl_cores``)."""
+
+
+def _step_model(layout) -> str:
+    return SHARED_CPU_MODEL if layout.role_cpu is not None else PHASES_MODEL
+
+
+def _step_model_text(row: dict) -> str:
+    if row["step_model"] == SHARED_CPU_MODEL:
+        return (f"processor sharing of the probed CPU-seconds per process over {row['shared_cores']:g} cores "
+                "(planner.rl_cores; --rl-rates' role_cpu)")
+    return "the priced phases below"
 
 
 def _layouts_text(args: argparse.Namespace) -> str:
@@ -176,6 +205,7 @@ def run_rl(args: argparse.Namespace) -> int:
         print(f"  step {row['step_s']:.4g} s   {row['generated_tokens_per_s']:.4g} generated tokens/s   "
               f"{row['tokens_per_s']:.4g} tokens/s   decode {'memory' if row['decode_memory_bound'] else 'compute'}"
               f"-bound{'' if row['train_fits_memory'] else '   TRAINING DOES NOT FIT'}")
+        print(f"  step model: {_step_model_text(row)}")
         for key, label in PHASE_NAMES.items():
             if row["phases_s"][key] > 0:
                 print(f"  {label:32s} {row['phases_s'][key]:10.4g} s")

@@ -2,7 +2,10 @@
 calibration and ``moetrain simulate --rl --rl-rates`` reads. The calibration holds the training step's
 efficiencies; an RL step on a CPU also spends host time the calibration does not price (the eager
 generation loop's layer passes, the sampler, the rollout engine: ``HostCosts``) and the weight sync's
-copies and CRC-32s (``SyncRates``). Torch-free: measuring them is ``moetrain.rl.rates``."""
+copies and CRC-32s (``SyncRates``). A file may also hold one disaggregated job's CPU-seconds per step and
+process, probed with its roles apart (``moetrain profile --rl-out FILE --rl-job rl.yaml``: ``ProbedRoleCPU``),
+which ``moetrain simulate --rl`` then shares over the probed machine's cores (``planner.rl_cores``) for that
+job at k ≥ 1; files without it load as before. Torch-free: measuring them is ``moetrain.rl.rates``."""
 
 from __future__ import annotations
 
@@ -15,7 +18,25 @@ import yaml
 from moetrain.errors import UserError
 from moetrain.planner.calibration import read_profile_file
 from moetrain.planner.generation import HostCosts
+from moetrain.planner.rl_cores import RoleCPU
 from moetrain.planner.rl_step import SyncRates
+
+PROBE_COMMAND = "moetrain profile --rl-out FILE --rl-job rl.yaml"
+"""What writes a file's ``role_cpu`` section (named in the errors that refuse one)."""
+
+
+@dataclass(frozen=True)
+class ProbedRoleCPU:
+    """One disaggregated job's CPU-seconds per step and process with its roles apart (``RoleCPU``), and the
+    cores of the machine they were probed on, which its processes share at k ≥ 1."""
+
+    work: RoleCPU
+    cores: float
+    """``os.cpu_count()`` where the probe ran: what ``rl_cores.shared_cpu_step`` shares the works over."""
+
+    def to_dict(self) -> dict:
+        return {"rollout_s": list(self.work.rollout_s), "trainer_s": list(self.work.trainer_s),
+                "overlap": list(self.work.overlap), "cores": self.cores}
 
 
 @dataclass(frozen=True)
@@ -26,9 +47,12 @@ class RLRates:
     sync: SyncRates
     measured_on: str = ""
     """What measured them (the command, the model)."""
+    role_cpu: ProbedRoleCPU | None = None
+    """One job's probed CPU-seconds per process (``--rl-job``); None: not probed (the phases price the step)."""
 
     def to_dict(self) -> dict:
-        return {"measured_on": self.measured_on, "host": asdict(self.host), "sync": asdict(self.sync)}
+        data = {"measured_on": self.measured_on, "host": asdict(self.host), "sync": asdict(self.sync)}
+        return data | ({"role_cpu": self.role_cpu.to_dict()} if self.role_cpu is not None else {})
 
     def save(self, path: str | Path) -> None:
         path, data = Path(path), self.to_dict()
@@ -41,11 +65,64 @@ def _section(data: dict, name: str, cls, source: str):
     if not isinstance(section, dict) or set(section) - known:
         raise UserError(f"{source}: '{name}' must be a mapping of {sorted(known)}, as `moetrain profile --rl-out` "
                         "writes it")
+    for field in fields(cls):
+        if field.name in section:
+            _check_value(section[field.name], field, f"{name}.{field.name}", source)
     return cls(**section)
+
+
+def _check_value(value: object, field, where: str, source: str) -> None:
+    """A rate is a number ≥ 0 (None where its field allows it), a flag a boolean: a value YAML read as a string
+    (``2.0e9`` without the exponent's sign) would otherwise fail deep in the pricing."""
+    if isinstance(field.default, bool):
+        if not isinstance(value, bool):
+            raise UserError(f"{source}: {where} must be true or false (got {value!r})")
+        return
+    if value is None and "None" in str(field.type):
+        return
+    if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
+        raise UserError(f"{source}: {where} must be a number ≥ 0 (got {value!r}); write exponents with a sign "
+                        "(2.0e+9) or measure again with `moetrain profile --rl-out`")
 
 
 def load_rl_rates(path: str | Path) -> RLRates:
     """A file ``moetrain profile --rl-out`` wrote (YAML, or JSON by its suffix)."""
     data = read_profile_file(path, "RL rates", "--rl-out FILE", "'host' and 'sync' sections")
     return RLRates(_section(data, "host", HostCosts, str(path)), _section(data, "sync", SyncRates, str(path)),
-                   str(data.get("measured_on", "")))
+                   str(data.get("measured_on", "")), _role_cpu_section(data.get("role_cpu"), str(path)))
+
+
+ROLE_CPU_KEYS = ("rollout_s", "trainer_s", "overlap", "cores")
+
+
+def _positive(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+
+
+def _seconds(section: dict, key: str, what: str, source: str) -> tuple[float, ...]:
+    values = section.get(key)
+    if not isinstance(values, list) or not values or not all(_positive(v) for v in values):
+        raise UserError(f"{source}: role_cpu.{key} must be a list of positive CPU-seconds per step, one per "
+                        f"{what} (got {values!r}); probe the job again with `{PROBE_COMMAND}`")
+    return tuple(float(v) for v in values)
+
+
+def _role_cpu_section(section: object, source: str) -> ProbedRoleCPU | None:
+    """The file's ``role_cpu`` section (absent: None), every value checked: the CPU-seconds positive, one
+    list per role, the two overlap factors and the cores positive."""
+    if section is None:
+        return None
+    if not isinstance(section, dict) or set(section) - set(ROLE_CPU_KEYS):
+        raise UserError(f"{source}: 'role_cpu' must be a mapping of {list(ROLE_CPU_KEYS)}, as `{PROBE_COMMAND}` "
+                        "writes it")
+    rollout = _seconds(section, "rollout_s", "rollout replica", source)
+    trainer = _seconds(section, "trainer_s", "trainer rank", source)
+    overlap = section.get("overlap", [1.0, 1.0])
+    if not isinstance(overlap, list) or len(overlap) != 2 or not all(_positive(v) for v in overlap):
+        raise UserError(f"{source}: role_cpu.overlap must be two positive factors, [rollout, trainer] (got "
+                        f"{overlap!r}); probe the job again with `{PROBE_COMMAND}`")
+    cores = section.get("cores")
+    if not _positive(cores):
+        raise UserError(f"{source}: role_cpu.cores must be the probed machine's positive core count (got "
+                        f"{cores!r}); probe the job again with `{PROBE_COMMAND}`")
+    return ProbedRoleCPU(RoleCPU(rollout, trainer, (float(overlap[0]), float(overlap[1]))), float(cores))

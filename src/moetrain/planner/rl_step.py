@@ -256,7 +256,8 @@ def _check_role_cpu(work: RoleCPU, layout: RLLayout) -> None:
     shape = (len(work.rollout_s), len(work.trainer_s))
     if shape != (layout.generating_devices, layout.train_devices):
         raise UserError(f"CPU-seconds of {shape[0]} rollout and {shape[1]} trainer processes do not match the "
-                        f"layout's {layout.generating_devices} and {layout.train_devices}; measure this layout")
+                        f"layout's {layout.generating_devices} and {layout.train_devices}; probe this layout's job "
+                        "(`moetrain profile --rl-out FILE --rl-job rl.yaml`)")
 
 
 def training_prediction(w: RLWorkload, layout: RLLayout, calibration: Calibration):

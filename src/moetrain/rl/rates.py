@@ -52,6 +52,7 @@ from moetrain.rl.config import GRPOConfig, RLOptions
 from moetrain.rl.fusion import sample_generators
 from moetrain.rl.generate import RolloutEngine, SamplingParams, sample
 from moetrain.rl.loop import policy_config, step_problems
+from moetrain.rl.roles import Roles
 from moetrain.rl.sft import prompt_ids
 from moetrain.rl.stalesync import StaleSyncJob, run_stalesync
 from moetrain.rl.tasks import get_task
@@ -601,6 +602,16 @@ class RoleCPUProbe:
     """Per step: (the long run's − the short run's) / (their difference in steps), by process."""
 
 
+def check_role_cpu_job(roles: Roles, steps: int, short_steps: int = ROLE_CPU_SHORT_STEPS) -> None:
+    """Refuse a job ``role_cpu`` cannot split into its processes' work per step (before any probe runs)."""
+    if roles.ranks_per_replica != 1 or roles.world_size != roles.rollout_ranks + len(roles.trainer_group):
+        raise UserError("the role CPU probe measures one-rank replicas beside the trainer group, with no reward "
+                        "or reference worker; probe such a job")
+    if not 0 < short_steps < steps:
+        raise UserError(f"the role CPU probe needs a job of more than {short_steps} steps (got {steps}); "
+                        "give the job more steps")
+
+
 def role_cpu(job: StaleSyncJob, short_steps: int = ROLE_CPU_SHORT_STEPS) -> RoleCPUProbe:
     """Each process's CPU-seconds per step of a disaggregated job (one-rank replicas) while its roles do not
     overlap: the job at k = 0, where the replicas generate and then the trainer ranks train, never more
@@ -608,13 +619,8 @@ def role_cpu(job: StaleSyncJob, short_steps: int = ROLE_CPU_SHORT_STEPS) -> Role
     and its end (the final evaluation) cost the same whatever its steps, so the difference of a run of
     ``short_steps`` and one of the job's steps, over the steps between, is what a step costs."""
     roles = job.roles
-    if roles.ranks_per_replica != 1 or roles.world_size != roles.rollout_ranks + len(roles.trainer_group):
-        raise UserError("the role CPU probe measures one-rank replicas beside the trainer group, with no reward "
-                        "or reference worker; probe such a job")
     steps = (short_steps, job.spec.training.steps)
-    if not 0 < steps[0] < steps[1]:
-        raise UserError(f"the role CPU probe needs a job of more than {short_steps} steps (got {steps[1]}); "
-                        "give the job more steps")
+    check_role_cpu_job(roles, steps[1], short_steps)
     apart = replace(job, stale=job.stale.model_copy(update={"staleness": 0}))
     runs = []
     for count in steps:

@@ -1,0 +1,62 @@
+"""The role CPU probe of a job as ``moetrain rl`` would run it: ``moetrain profile --rl-out FILE --rl-job rl.yaml``.
+
+``moetrain simulate --rl`` prices a disaggregated job at k ≥ 1 on one CPU from each process's CPU-seconds per
+step (``planner.rl_cores``), which only this machine can tell: the shipped ``cpu`` preset is another
+machine's. This module measures them for the job an rl.yaml describes, the way ``benchmarks/rl_scale.py``
+does through the Python API: the warm-up the run would do (its weights decide how long the answers are), then
+the job's roles apart at k = 0 (``rates.role_cpu``: two runs, each rank's CPU time differenced per step) and
+what a call costs overlapped over apart (``rates.overlap_cpu``, on the job's decode rows and micro-batch).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from moetrain.errors import UserError
+from moetrain.planner.rl_cores import RoleCPU
+from moetrain.planner.rl_rates import ProbedRoleCPU
+from moetrain.rl.rates import MixedWork, check_role_cpu_job, overlap_cpu, role_cpu
+from moetrain.rl.run import RLRun, build_rl_run, starting_model, warm_up
+from moetrain.rl.spec import RLRunSpec
+from moetrain.rl.stalesync import StaleSyncJob
+
+
+def probe_job_cpu(spec: RLRunSpec, tries: int) -> ProbedRoleCPU:
+    """Each process's CPU-seconds per step of ``spec``'s disaggregated StaleSync job, its roles apart, carried
+    to the roles overlapped (each overlap figure the lowest of ``tries``), and this machine's cores."""
+    check_probed_job(spec)
+    torch.set_num_threads(1)  # as every rank of the run: the forked ranks inherit it
+    run = build_rl_run(spec)
+    job = probed_job(run)
+    work = role_cpu(job).role_cpu
+    training = run.grpo.training
+    mixed = MixedWork(run.model_cfg.num_layers, spec.samples_per_step // job.replicas, training.micro_batch,
+                      training.seq_len)
+    overlap = overlap_cpu(job.replicas, len(job.roles.trainer_group), mixed, tries)
+    return ProbedRoleCPU(RoleCPU(work.rollout_s, work.trainer_s, overlap.factors), float(os.cpu_count() or 1))
+
+
+def check_probed_job(spec: RLRunSpec) -> None:
+    """Refuse, before anything is measured, a job the probe cannot measure."""
+    if not spec.disaggregated or spec.engine != "local":
+        raise UserError("--rl-job: the role CPU probe measures a disaggregated StaleSync job on this machine "
+                        "(stalesync: {placement: disaggregated, staleness: K}, engine local); give such a job")
+    check_role_cpu_job(spec.roles, spec.trainer.training.steps)
+
+
+def probed_job(run: RLRun) -> StaleSyncJob:
+    """The job the run's ranks would run, from the weights they would start from (the warm-up's, in this
+    process, as ``rl.launch`` does before starting them)."""
+    initial = None
+    if run.sft is not None or run.spec.start_from:
+        model = starting_model(run)
+        if run.sft is not None:
+            model = warm_up(run, model).run.stage.model
+        initial = {name: value.detach().clone() for name, value in model.state_dict().items()}
+    roles = run.spec.roles
+    assert run.stale is not None  # a disaggregated spec has its StaleSync options
+    return StaleSyncJob(run.grpo, run.options, run.stale, run.model_cfg, initial, replicas=roles.replicas,
+                        ranks_per_replica=roles.ranks_per_replica, replica_layout=roles.replica_layout,
+                        replica_tp=roles.replica_tp)
