@@ -359,10 +359,11 @@ def pipeline_times(w: Workload, s: Strategies, eff: Efficiency, dense: LayerCost
         tp_comm_s=per_step * body.tp_comm, tp_exposed_s=per_step * _exposed_tp(w, eff, body),
         a2a_s=per_step * body.a2a, a2a_exposed_s=per_step * body.a2a_exposed, cp_exposed_s=per_step * body.cp_exposed,
         p2p_s=num_micro * st.p2p, host_wait_s=host_wait)
-    compute = ComputeTimes.broadcast(
-        len(s), **{f"{name}_s": per_step * 3.0 * getattr(body, name) for name in (
-            "attention", "router", "experts", "shared_experts", "dense_ffn", "elementwise")},
-        head_s=num_micro * ends.head)
+    parts = {name: 3.0 * getattr(body, name) for name in (
+        "attention", "router", "experts", "shared_experts", "dense_ffn", "elementwise")}
+    parts["experts"] = parts["experts"] + body.experts_wgrad_extra  # the backward's gradient accumulation
+    compute = ComputeTimes.broadcast(len(s), **{f"{k}_s": per_step * v for k, v in parts.items()},
+                                     head_s=num_micro * ends.head)
     return _stage_times(w, s, st, dense_pass, body_pass, ends, body), pipeline, compute
 
 

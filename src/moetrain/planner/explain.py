@@ -82,7 +82,7 @@ def compute_weights(row: PreparedRow, eff: Efficiency, costs: StepCosts) -> dict
     weights = {
         "dense GEMMs (projections, router, shared experts, dense FFN)": 3.0 * gemm_fwd,
         "fused attention": (1.0 + ATTENTION_BACKWARD_OVER_FORWARD) * core,
-        "routed experts (grouped GEMM)": 3.0 * first(layer.experts),
+        "routed experts (grouped GEMM)": 3.0 * first(layer.experts) + first(layer.experts_wgrad_extra),
         "MoE fixed cost per pass": 3.0 * first(layer.moe_pass),
         "element-wise kernels": 3.0 * first(layer.elementwise),
     }
