@@ -21,7 +21,12 @@ until its per-link bandwidth is measured (the Pangu search again; no validate ro
 split weight gradients, adaptive recompute and last DP chunk with their refit (DSV3-1 +5.0 % before the refit;
 the refit moves every row), and when the screen hid the paired all-to-all under the TP and CP traffic as
 the timeline does (3f8338b: no validate row moved; the Qwen3 search's two tied first layouts swapped, the
-DeepSeek-V3 winner 25.99 → 25.96 s). Rerun it only when
+DeepSeek-V3 winner 25.99 → 25.96 s), and when the experts' weight-gradient GEMM began to read and write the
+gradient buffer (roofline) and FP8 runs to keep the output head in BF16, with their refit (issue 42,
+planfit2: MBR-11 −5.7 %, MBR-4 −1.6 %, DSV3-1 −1.5 %, MEGH100-1 +1.4 %, the other rows within 1.2 %; the
+Qwen3-30B-A3B search's winner moves from cp 2 × micro-batch 4 to cp 4 × micro-batch 8, 8.60 → 8.34 s, as its
+32 small local experts now pay for their gradient buffer per micro-batch; the other searches keep their
+layouts). Rerun it only when
 a prediction is meant to
 change, and say why in the commit.
 """
