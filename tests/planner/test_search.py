@@ -201,7 +201,14 @@ def test_imbalance_slows_the_moe_layers() -> None:
     balanced = evaluate(Workload(base.model, base.cluster, 4096, 512, imbalance=1.0), layout, eff)
     skewed = evaluate(Workload(base.model, base.cluster, 4096, 512, imbalance=1.5), layout, eff)
     assert skewed.step_time_s[0] > balanced.step_time_s[0]
-    assert skewed.compute.experts_s[0] == pytest.approx(1.5 * balanced.compute.experts_s[0], rel=0.05)
+    # the hottest rank's forward expert GEMMs scale with its load; the weight gradient's buffer traffic
+    # (``compute.expert_weight_grad_extra``) does not, so the step's expert time grows by less than 1.5x
+    # where that traffic bounds the weight gradient (8 local experts on few tokens each)
+    one = [layer_costs(Workload(base.model, base.cluster, 4096, 512, imbalance=i), layout, eff, moe_layer=True,
+                       num_micro=balanced.num_micro_batches) for i in (1.0, 1.5)]
+    assert float(one[1].experts[0]) == pytest.approx(1.5 * float(one[0].experts[0]), rel=0.05)
+    assert float(one[0].experts_wgrad_extra[0]) > 0.0
+    assert balanced.compute.experts_s[0] < skewed.compute.experts_s[0] < 1.5 * balanced.compute.experts_s[0]
 
 
 def test_calibration_overrides_and_round_trip(tmp_path) -> None:
