@@ -99,6 +99,12 @@ class LayerCosts:
     experts_wgrad_extra: object = 0.0
     """Of ``bwd``: what the experts' weight-gradient GEMM takes beyond ``experts`` (its accumulation into
     the gradient buffer, ``compute.expert_weight_grad_extra``)."""
+    a2a_paired_share: object = 0.0
+    """Share of the layer's passes that the paired schedule fuses (``paired_share``; 0 without overlap)."""
+    a2a_paired_exposed: object = 0.0
+    """Of ``a2a_exposed``: what the paired passes leave under this layer's own window. A stage's paired step
+    hides its all-to-all under all the stage's work, the embedding, head and transfers too, which
+    ``costmodel`` credits back (``_paired_window_credit``)."""
 
     @property
     def compute(self):
@@ -398,4 +404,5 @@ def layer_costs(w: Workload, s: Strategies, eff: Efficiency, moe_layer: bool, nu
     hidden_alone = unpaired_a2a_hidden(total_a2a, ffn.shared_time, w.split_weight_grad)
     hidden = np.where(s.overlap, paired * hidden_paired + (1 - paired) * hidden_alone, 0.0)
     return LayerCosts(costs.fwd, costs.bwd, costs.recompute, costs.tp_comm, costs.cp_exposed, total_a2a,
-                      total_a2a - hidden, hidden_alone, **parts)
+                      total_a2a - hidden, hidden_alone, **parts, a2a_paired_share=np.where(s.overlap, paired, 0.0),
+                      a2a_paired_exposed=np.where(s.overlap, paired * (total_a2a - hidden_paired), 0.0))
