@@ -26,7 +26,9 @@ gradient buffer (roofline) and FP8 runs to keep the output head in BF16, with th
 planfit2: MBR-11 −5.7 %, MBR-4 −1.6 %, DSV3-1 −1.5 %, MEGH100-1 +1.4 %, the other rows within 1.2 %; the
 Qwen3-30B-A3B search's winner moves from cp 2 × micro-batch 4 to cp 4 × micro-batch 8, 8.60 → 8.34 s, as its
 32 small local experts now pay for their gradient buffer per micro-batch; the other searches keep their
-layouts). Rerun it only when
+layouts), and when a stage's paired all-to-all began to hide under the stage's whole work as the timeline's
+does (planfit2: no validate row moved, no step time moved; two Qwen3-30B-A3B layouts tied at 8.336 s, ranks 4
+and 5, swapped). Rerun it only when
 a prediction is meant to
 change, and say why in the commit.
 """
