@@ -125,3 +125,44 @@ def test_weight_gradient_extra_is_in_the_backward() -> None:
     ratio = float(evaluate(fp32, s, EFF).compute.experts_s[0] / evaluate(bf16, s, EFF).compute.experts_s[0])
     forward = float(with_buffer.experts[0])
     assert ratio == pytest.approx((3.0 * forward + extra) / (3.0 * forward))
+
+
+def test_the_fixed_cost_of_a_moe_pass_is_the_kernel_chain() -> None:
+    """31 kernels (DeepSeek-V3's fused router, Megatron-LM's GB200 notes) at 18.2 µs of host time each
+    (455.717 ms over 25,044 launches in our H100 profile) = 0.5641 ms per pass, the same in every fit: the
+    shipped one and each of its held-out fits, which no fit moves."""
+    from moetrain.planner.calibration import load_calibration
+    from moetrain.planner.fit import BOUNDS
+
+    assert Efficiency().moe_overhead_us == pytest.approx(564.096, abs=0.001)
+    assert "moe_overhead_us" not in BOUNDS
+    shipped = load_calibration()
+    assert shipped.global_params.moe_overhead_us == pytest.approx(564.096, abs=0.001)
+    assert shipped.held_out_fits, "the shipped calibration keeps its held-out fits"
+    for family, fit in shipped.held_out_fits.items():
+        assert fit.for_device("b200").moe_overhead_us == pytest.approx(564.096, abs=0.001), family
+
+
+def test_the_moe_pass_cost_is_in_the_forward_and_twice_in_the_backward() -> None:
+    """A MoE layer's forward holds the pass cost once and its backward (input and weight gradients) twice:
+    1.69 ms per MoE layer and micro-batch at 0.5641 ms; a dense layer holds none."""
+    from dataclasses import replace
+
+    from moetrain.planner.layer_costs import layer_costs
+    from moetrain.planner.strategy import Strategies
+    from moetrain.planner.workload import Workload
+
+    def one(value: float | bool) -> np.ndarray:
+        return np.array([value])
+
+    s = Strategies(tp=one(1), sp=one(False), pp=one(1), vpp=one(1), ep=one(8), etp=one(1), cp=one(1),
+                   dp=one(8), zero=one(1), micro_batch=one(1), recompute=one(0.0), a2a=one(0), overlap=one(False))
+    w = Workload(load_model_config("deepseek-v3-671b"), load_cluster_config("h100-sxm-80gb"), 4096, 64)
+    eff = replace(EFF, moe_overhead_us=Efficiency().moe_overhead_us)
+    with_cost, without = (layer_costs(w, s, e, moe_layer=True, num_micro=1)
+                          for e in (eff, replace(eff, moe_overhead_us=0.0)))
+    assert float(with_cost.moe_pass) == pytest.approx(0.564096e-3, abs=1e-8)
+    assert float(with_cost.fwd[0] - without.fwd[0]) == pytest.approx(0.564096e-3, abs=1e-8)
+    assert float(with_cost.bwd[0] - without.bwd[0]) == pytest.approx(2 * 0.564096e-3, abs=1e-8)
+    dense = layer_costs(w, s, eff, moe_layer=False, num_micro=1)
+    assert float(dense.moe_pass) == 0.0

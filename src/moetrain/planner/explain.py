@@ -34,7 +34,8 @@ LOG_STEP = 0.05
 
 FITTED = ("gemm_max", "gemm_overhead_us", "moe_overhead_us", "attention", "memory", "fp8_gain", "bus_intra",
           "bus_inter", "grad_overlap", "tp_overlap")
-"""The efficiencies a fit on published runs sets (``fit.BOUNDS``)."""
+"""The efficiencies a fit on published runs sets (``fit.BOUNDS``), and the fixed cost of a MoE pass, which
+no fit sets (``calibration.MOE_PASS_KERNELS``) but which is as uncertain as they are."""
 
 
 @dataclass(frozen=True)
