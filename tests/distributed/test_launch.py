@@ -3,13 +3,17 @@ job with one line naming it, in well under a minute, with no process left behind
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
+
+from moetrain.cli import main
 
 LAUNCH = [sys.executable, "-m", "moetrain", "train"]
 
@@ -37,6 +41,35 @@ def test_bad_layout_refused_before_start(tmp_path: Path) -> None:
     assert not (tmp_path / "torchrun.log").exists()
 
 
+@dataclass
+class Finished:
+    """What ``moetrain train`` returned and printed (its ranks' output included)."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def launch(monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> Callable[..., Finished]:
+    """``moetrain train *flags`` with ``MOETRAIN_FAULT=fault``. The launcher runs in this process (one Python
+    start-up fewer per run); torchrun and the ranks inherit the environment and print to the file descriptors
+    capfd reads."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+    def run(*flags: str, fault: str | None = None) -> Finished:
+        if fault:
+            monkeypatch.setenv("MOETRAIN_FAULT", fault)
+        else:
+            monkeypatch.delenv("MOETRAIN_FAULT", raising=False)
+        capfd.readouterr()
+        code = main(["train", *flags])
+        printed = capfd.readouterr()
+        return Finished(code, printed.out, printed.err)
+
+    return run
+
+
 @pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc to find leftover processes")
@@ -44,13 +77,10 @@ def test_bad_layout_refused_before_start(tmp_path: Path) -> None:
     ("1:1:kill", "rank 1 failed: killed by signal SIGKILL"),
     ("0:1:raise", "rank 0 failed: RuntimeError: injected fault at step 1"),
 ])
-def test_failed_rank_stops_the_job(tmp_path: Path, fault: str, expected: str) -> None:
-    env = dict(os.environ, MOETRAIN_FAULT=fault, OMP_NUM_THREADS="1")
+def test_failed_rank_stops_the_job(tmp_path: Path, fault: str, expected: str, launch) -> None:
     start = time.monotonic()
-    proc = subprocess.run([*LAUNCH, "--nproc", "2", "--ep", "2", "--steps", "4", "--seq-len", "32",
-                           "--global-batch", "4", "--micro-batch", "2", "--synthetic-data", "--quiet",
-                           "--log-dir", str(tmp_path)],
-                          capture_output=True, text=True, timeout=120, env=env)
+    proc = launch("--nproc", "2", "--ep", "2", "--steps", "4", "--seq-len", "32", "--global-batch", "4",
+                  "--micro-batch", "2", "--synthetic-data", "--quiet", "--log-dir", str(tmp_path), fault=fault)
     elapsed = time.monotonic() - start
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]
@@ -62,15 +92,13 @@ def test_failed_rank_stops_the_job(tmp_path: Path, fault: str, expected: str) ->
 @pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc to find leftover processes")
-def test_a_rank_killed_mid_save_leaves_the_newest_complete_checkpoint(tmp_path: Path) -> None:
+def test_a_rank_killed_mid_save_leaves_the_newest_complete_checkpoint(tmp_path: Path, launch) -> None:
     from moetrain.runtime_base.checkpoint_files import latest_checkpoint, verify_checkpoint
 
-    env = dict(os.environ, MOETRAIN_FAULT="1:4:kill:save", OMP_NUM_THREADS="1")
     shape = ["--steps", "4", "--seq-len", "32", "--global-batch", "8", "--micro-batch", "2", "--synthetic-data",
              "--quiet", "--save-dir", str(tmp_path / "ckpt"), "--save-every", "2"]
     start = time.monotonic()
-    proc = subprocess.run([*LAUNCH, "--nproc", "2", "--ep", "2", *shape,
-                           "--log-dir", str(tmp_path / "logs")], capture_output=True, text=True, timeout=120, env=env)
+    proc = launch("--nproc", "2", "--ep", "2", *shape, "--log-dir", str(tmp_path / "logs"), fault="1:4:kill:save")
     assert proc.returncode == 1 and time.monotonic() - start < 60
     assert "rank 1 failed: killed by signal SIGKILL" in proc.stderr
     assert _processes_with(f"MOETRAIN_ERROR_DIR={tmp_path / 'logs' / 'errors'}") == []
@@ -79,7 +107,10 @@ def test_a_rank_killed_mid_save_leaves_the_newest_complete_checkpoint(tmp_path: 
     assert verify_checkpoint(newest)["step"] == 2
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-000002"]
     # it loads: the run resumes (here in one process) and finishes
-    env.pop("MOETRAIN_FAULT")
-    resumed = subprocess.run([*LAUNCH, *shape, "--resume"], capture_output=True, text=True, timeout=120, env=env)
+    threads = torch.get_num_threads()
+    try:
+        resumed = launch(*shape, "--threads", "1", "--resume")
+    finally:
+        torch.set_num_threads(threads)
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in resumed.stdout and (tmp_path / "ckpt" / "step-000004").is_dir()

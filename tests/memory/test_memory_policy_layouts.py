@@ -1,6 +1,7 @@
 """The memory policy on a multi-rank layout changes no number: ``moetrain train --nproc 4 --ep 2 --pp 2
---policy auto --budget-fraction 0.5`` logs the losses and gradient norms of the same layout without it,
-each rank installing the options of the layers it holds."""
+--policy auto --budget-fraction 0.5`` logs the losses and gradient norms of the one-process run without
+it (which the same layout without a policy gives: tests/distributed/test_layout_parity.py), each rank
+installing the options of the layers it holds."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import random
 
 import pytest
+import torch
 
 from moetrain.cli import main
 
@@ -26,16 +28,23 @@ def test_auto_policy_under_ep2_pp2_gives_the_losses_of_no_policy(tmp_path, monke
     # to the file descriptors they inherit, hence capfd.
     monkeypatch.setenv("MOETRAIN_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    rows = {}
-    for name, policy in (("plain", []), ("auto", ["--policy", "auto", "--budget-fraction", "0.5"])):
-        out = tmp_path / f"{name}.jsonl"
-        code = main(["train", "--nproc", "4", "--ep", "2", "--pp", "2", "--data", str(data), *SHAPE, *policy,
-                     "--metrics-out", str(out), "--log-dir", str(tmp_path / f"{name}_logs")])
-        printed = capfd.readouterr()
-        assert code == 0, printed.err + (tmp_path / f"{name}_logs" / "torchrun.log").read_text()[-3000:]
-        rows[name] = [json.loads(line) for line in out.read_text().splitlines()]
-        assert ("memory policy auto:" in printed.out) == bool(policy), printed.out
+    # The reference without a policy runs in this process: one launch of 4 ranks fewer.
+    threads = torch.get_num_threads()
+    try:
+        assert main(["train", "--data", str(data), *SHAPE, "--device", "cpu", "--threads", "1",
+                     "--metrics-out", str(tmp_path / "plain.jsonl")]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert "memory policy" not in capfd.readouterr().out
+    out = tmp_path / "auto.jsonl"
+    code = main(["train", "--nproc", "4", "--ep", "2", "--pp", "2", "--data", str(data), *SHAPE, "--policy", "auto",
+                 "--budget-fraction", "0.5", "--metrics-out", str(out), "--log-dir", str(tmp_path / "auto_logs")])
+    printed = capfd.readouterr()
+    assert code == 0, printed.err + (tmp_path / "auto_logs" / "torchrun.log").read_text()[-3000:]
+    assert "memory policy auto:" in printed.out, printed.out
+    rows = {name: [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+            for name in ("plain", "auto")}
     assert [r["step"] for r in rows["auto"]] == [1, 2]
-    for plain, auto in zip(rows["plain"], rows["auto"]):
+    for plain, auto in zip(rows["plain"], rows["auto"], strict=True):
         for key in COMPARED:
             assert auto[key] == pytest.approx(plain[key], rel=1e-4), key

@@ -1,4 +1,5 @@
 import json
+import shutil
 
 import pytest
 
@@ -45,13 +46,17 @@ def test_sft_then_grpo_writes_rows_a_plot_and_checkpoints_and_refuses_another_mo
 @pytest.mark.slow
 @pytest.mark.dist
 def test_rl_fusion_on_4_ranks_trains_tp2_pp2_ep2_generates_in_replicas_and_resumes_its_reward_curve(tmp_path):
-    """TP2 × PP2 × EP2 training, generation in 4 replicas; stopped after step 1 (checkpoint of the training
-    layout), resumed: the warm-up is read back, the curve continues with the rows the uninterrupted run writes.
+    """TP2 × PP2 × EP2 training, generation in 4 replicas, saving after each step; resumed from its step-1
+    checkpoint (the newer one removed, as an interrupted run leaves it): the warm-up is read back, the
+    resumed run drops the metrics rows after step 1 and writes the rows the uninterrupted run wrote.
     One layout with every axis, so the uninterrupted run is also the one the layout's checks read."""
     straight, resumed, save = tmp_path / "straight.jsonl", tmp_path / "resumed.jsonl", tmp_path / "ckpt"
     layout = [*TINY, "--nproc", "4", "--tp", "2", "--pp", "2", "--ep", "2", "--eval-every", "0"]
-    assert main(["rl", *layout, "--metrics-out", str(straight), "--log-dir", str(tmp_path / "logs")]) == 0
-    assert main(["rl", *layout, "--metrics-out", str(resumed), "--save-dir", str(save), "--stop-at", "1"]) == 0
+    assert main(["rl", *layout, "--metrics-out", str(straight), "--log-dir", str(tmp_path / "logs"),
+                 "--save-dir", str(save), "--save-every", "1"]) == 0
+    assert (save / "rl" / "step-000001").is_dir()
+    shutil.rmtree(save / "rl" / "step-000002")
+    shutil.copy(straight, resumed)
     assert main(["rl", *layout, "--metrics-out", str(resumed), "--save-dir", str(save), "--resume"]) == 0
     rows = {name: [json.loads(line) for line in path.read_text().splitlines()]
             for name, path in (("straight", straight), ("resumed", resumed))}
@@ -67,7 +72,6 @@ def test_rl_fusion_on_4_ranks_trains_tp2_pp2_ep2_generates_in_replicas_and_resum
             assert (key in got) == (key in expected), (key, got["step"])
             if key in expected:
                 assert got[key] == pytest.approx(expected[key], rel=1e-6), (key, got["step"])
-    # (the stopped run also evaluates at its own last step, 1)
     assert rows["resumed"][-1]["heldout_accuracy"] == rows["straight"][-1]["heldout_accuracy"]
 
 

@@ -8,20 +8,20 @@ row's staleness is within k."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
 from checkpoint_tensors import checkpoint_tensors
+from moetrain.cli import main
 from refusals import refused
 
 K = 1
-LAUNCH = [sys.executable, "-m", "moetrain", "rl", "--sft-steps", "2", "--sft-batch", "8", "--steps", "5",
+LAUNCH = ["rl", "--sft-steps", "2", "--sft-batch", "8", "--steps", "5",
           "--prompts", "2", "--group-size", "2", "--eval-size", "4", "--device", "cpu", "--quiet", "--threads", "1",
           "--staleness", str(K), "--save-every", "2"]
 PUSH_BOOKKEEPING = ("sync_landed_version", "sync_mib")
@@ -29,15 +29,37 @@ PUSH_BOOKKEEPING = ("sync_landed_version", "sync_mib")
 row that reports that push's landing differs, not what was generated or trained."""
 
 
-def _run(tmp_path: Path, name: str, *flags: str, fault: str | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="400")
-    env.pop("MOETRAIN_FAULT", None)
-    if fault:
-        env["MOETRAIN_FAULT"] = fault
-    return subprocess.run([*LAUNCH, *flags, "--save-dir", str(tmp_path / name / "ckpt"),
-                           "--metrics-out", str(tmp_path / name / "metrics.jsonl"),
-                           "--log-dir", str(tmp_path / name / "logs")],
-                          capture_output=True, text=True, timeout=400, env=env)
+@dataclass
+class Finished:
+    """What ``moetrain rl`` returned and printed (its ranks' output included)."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capfd: pytest.CaptureFixture[str]) -> Callable[..., Finished]:
+    """``moetrain rl`` with the flags above, its checkpoints, metrics and logs in ``tmp_path / name``. The
+    launcher (and the warm-up it runs) runs in this process, one Python and torch start-up fewer per run;
+    torchrun and the ranks inherit the environment and print to the file descriptors capfd reads."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("COLUMNS", "400")
+
+    def launch(name: str, *flags: str, fault: str | None = None) -> Finished:
+        if fault:
+            monkeypatch.setenv("MOETRAIN_FAULT", fault)
+        else:
+            monkeypatch.delenv("MOETRAIN_FAULT", raising=False)
+        capfd.readouterr()
+        code = main([*LAUNCH, *flags, "--save-dir", str(tmp_path / name / "ckpt"),
+                     "--metrics-out", str(tmp_path / name / "metrics.jsonl"),
+                     "--log-dir", str(tmp_path / name / "logs")])
+        printed = capfd.readouterr()
+        return Finished(code, printed.out, printed.err)
+
+    return launch
 
 
 def _rows(path: Path) -> list[dict]:
@@ -52,10 +74,10 @@ def _tensors(checkpoint: Path, out: Path) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_a_killed_rollout_replica_is_restarted_and_no_admitted_batch_is_lost(tmp_path: Path) -> None:
-    straight = _run(tmp_path, "straight")
+def test_a_killed_rollout_replica_is_restarted_and_no_admitted_batch_is_lost(run, tmp_path: Path) -> None:
+    straight = run("straight")
     assert straight.returncode == 0, straight.stderr
-    recovered = _run(tmp_path, "recovered", "--max-restarts", "1", fault="0:4:kill")  # rank 0: the replica
+    recovered = run("recovered", "--max-restarts", "1", fault="0:4:kill")  # rank 0: the replica
     assert recovered.returncode == 0, recovered.stderr
     out = recovered.stdout
     # the replica's rank is named, not the trainer that torchrun stopped after it
@@ -87,13 +109,13 @@ def test_cli_refuses_restarts_it_cannot_give_in_one_line_exit_2(capsys, argv, ex
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_a_hung_rollout_replica_is_named_within_the_runs_timeout_on_torchrun(tmp_path: Path) -> None:
+def test_a_hung_rollout_replica_is_named_within_the_runs_timeout_on_torchrun(run, tmp_path: Path) -> None:
     """MOETRAIN_FAULT's hang: replica 0 sleeps as it starts batch 3 (past the 2-step warm-up in the CLI's
     process); the trainer's receive gives up after the run's timeout_s (10 s here, not the 30 minutes of a
     group made without it), and the run ends in one line naming the hung replica."""
     config = tmp_path / "rl.yaml"
     config.write_text("trainer:\n  run:\n    timeout_s: 10\n")
-    hung = _run(tmp_path, "hung", "--steps", "4", "--config", str(config), fault="0:3:hang")
+    hung = run("hung", "--steps", "4", "--config", str(config), fault="0:3:hang")
     assert hung.returncode == 1, hung.stderr
     lines = hung.stderr.strip().splitlines()
     assert len(lines) == 1, lines
