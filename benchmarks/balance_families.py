@@ -42,6 +42,10 @@ from moetrain.config import load_cluster_config, load_model_config
 RESULTS = Path(__file__).parent / "results" / "balance_families.json"
 RECORDED = Path(__file__).parent / "results"
 GAP_BOUND, GAP_GOAL = 0.05, 0.02
+STEPS, LAYERS, TOKENS_PER_RANK, SEED = 120, 2, 16384, 2800
+"""The benchmark's shape (its flags' defaults) and first seed; ``balance_defaults.py`` sweeps at the same."""
+MODEL, CLUSTER = "pangu-ultra-moe-718b", "atlas-800t-a2"
+RECORDED_MODEL, RECORDED_EP = "tiny-pangu", 4
 
 
 @dataclass(frozen=True)
@@ -120,17 +124,17 @@ def evaluate(trace: RoutingTrace, costs: BalanceCostModel, interval: int, horizo
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=120)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--tokens-per-rank", type=int, default=16384, help="tokens per EP rank and step")
-    parser.add_argument("--model", default="pangu-ultra-moe-718b")
-    parser.add_argument("--cluster", default="atlas-800t-a2")
+    parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--layers", type=int, default=LAYERS)
+    parser.add_argument("--tokens-per-rank", type=int, default=TOKENS_PER_RANK, help="tokens per EP rank and step")
+    parser.add_argument("--model", default=MODEL)
+    parser.add_argument("--cluster", default=CLUSTER)
     parser.add_argument("--interval", type=int, default=BALANCE_DEFAULTS.interval)
     parser.add_argument("--horizon", type=int, default=BALANCE_DEFAULTS.horizon)
     parser.add_argument("--predictor", default=BALANCE_DEFAULTS.predictor)
     parser.add_argument("--spare", default="0,1,2", help="spare slots per rank to compare (the headline uses "
                                                          f"{BALANCE_DEFAULTS.spare_slots_per_rank}, the default)")
-    parser.add_argument("--seed", type=int, default=2800, help="family i uses seed + i (tests use others)")
+    parser.add_argument("--seed", type=int, default=SEED, help="family i uses seed + i (tests use others)")
     parser.add_argument("--only", default="", help="run only the cases whose name contains this")
     parser.add_argument("--cases", default="", help="run only these cases: indices into CASES (the seed offsets) "
                                                     "and 'recorded', comma-separated (to split a run over processes)")
@@ -166,7 +170,7 @@ def main() -> int:
         if args.only not in name or (chosen is not None and "recorded" not in chosen):
             continue
         trace = read_trace(RECORDED / name)
-        costs = cost_model("tiny-pangu", args.cluster, trace.num_experts, 4)
+        costs = cost_model(RECORDED_MODEL, args.cluster, trace.num_experts, RECORDED_EP)
         row = evaluate(trace, costs, args.interval, args.horizon, spare, args.predictor, not args.no_comparison)
         report["families"][f"recorded: {name} (E16, EP4)"] = {"family": "recorded", **row}
 

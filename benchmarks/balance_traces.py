@@ -20,7 +20,7 @@ from _record import write_result
 from moetrain.balance.costs import BalanceCostModel
 from moetrain.balance.online import BALANCE_DEFAULTS
 from moetrain.balance.placement import ExpertPlacement
-from moetrain.balance.predict import DEFAULT_CANDIDATES, forecast_error, select_predictor
+from moetrain.balance.predict import DEFAULT_CANDIDATES, Predictor, forecast_error, select_predictor
 from moetrain.balance.replay import replay
 from moetrain.balance.schedule import LayerSchedule
 from moetrain.balance.solver import plan_placement, replica_counts, solve_fixed_replicas, solve_milp
@@ -28,6 +28,32 @@ from moetrain.balance.traces import RoutingTrace, drifting_trace, read_trace, zi
 from moetrain.config import load_cluster_config, load_model_config
 
 RESULTS = Path(__file__).parent / "results" / "balance_traces.json"
+STEPS, LAYERS, EP, TOKENS_PER_RANK, SEED = 200, 4, 32, 16384, 0
+"""The synthetic traces' shape (the flags' defaults); ``balance_defaults.py`` sweeps at the same."""
+MODEL, CLUSTER = "pangu-ultra-moe-718b", "atlas-800t-a2"
+TRACE_MODEL, TRACE_EP = "tiny-pangu", 4
+"""The recorded traces' model and EP degree (``--trace-model``, ``--trace-ep``)."""
+
+
+def synthetic_traces(steps: int, layers: int, experts: int, tokens: int, top_k: int,
+                     seed: int) -> dict[str, RoutingTrace]:
+    """The benchmark's four synthetic traces by name: two Zipf, two drifting hot sets."""
+    return {
+        "zipf-s0.6": zipf_trace(steps, layers, experts, tokens, top_k, 0.6, seed=seed),
+        "zipf-s1.0": zipf_trace(steps, layers, experts, tokens, top_k, 1.0, seed=seed),
+        "drift-h16-p50": drifting_trace(steps, layers, experts, tokens, top_k, num_hot=16, hot_weight=6.0,
+                                        period=50, seed=seed),
+        "drift-h16-p20": drifting_trace(steps, layers, experts, tokens, top_k, num_hot=16, hot_weight=6.0,
+                                        period=20, seed=seed),
+    }
+
+
+def trace_predictor(loads: np.ndarray, interval: int, horizon: int) -> Predictor:
+    """The predictor this benchmark replays with: the candidate that forecasts the first quarter of the
+    trace best, over the steps until the next full re-plan."""
+    forecast_horizon = min(interval, horizon)
+    select_steps = max(loads.shape[0] // 4, forecast_horizon + 6)
+    return select_predictor(loads[:select_steps], horizon=forecast_horizon)[0]
 
 
 def load_persistence(loads: np.ndarray, skip: int = 5) -> dict:
@@ -57,10 +83,8 @@ def layer_parts(loads: np.ndarray, costs: BalanceCostModel, slots: int) -> dict:
 def evaluate_trace(trace: RoutingTrace, costs: BalanceCostModel, interval: int, horizon: int,
                    adaptive: bool = True) -> dict:
     loads = trace.tokens_per_expert
-    forecast_horizon = min(interval, horizon)
-    select_steps = max(loads.shape[0] // 4, forecast_horizon + 6)
-    predictor, _ = select_predictor(loads[:select_steps], horizon=forecast_horizon)
-    errors = {p.name: forecast_error(p, loads, forecast_horizon) for p in DEFAULT_CANDIDATES}
+    predictor = trace_predictor(loads, interval, horizon)
+    errors = {p.name: forecast_error(p, loads, min(interval, horizon)) for p in DEFAULT_CANDIDATES}
     start = time.perf_counter()
     result = replay(trace, costs, predictor, interval=interval, horizon=horizon, adaptive=adaptive)
     summary = result.summary()
@@ -138,21 +162,21 @@ def milp_comparison(seed: int) -> list[dict]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--tokens-per-rank", type=int, default=16384, help="tokens per EP rank and step")
-    parser.add_argument("--model", default="pangu-ultra-moe-718b")
-    parser.add_argument("--cluster", default="atlas-800t-a2")
-    parser.add_argument("--ep", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--layers", type=int, default=LAYERS)
+    parser.add_argument("--tokens-per-rank", type=int, default=TOKENS_PER_RANK, help="tokens per EP rank and step")
+    parser.add_argument("--model", default=MODEL)
+    parser.add_argument("--cluster", default=CLUSTER)
+    parser.add_argument("--ep", type=int, default=EP)
     parser.add_argument("--interval", type=int, default=BALANCE_DEFAULTS.interval)
     parser.add_argument("--horizon", type=int, default=BALANCE_DEFAULTS.horizon)
     parser.add_argument("--fixed-interval", action="store_true",
                         help="solve every --interval steps only (no per-step check), as before adaptive re-plans")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=SEED)
     parser.add_argument("--trace", action="append", default=[], help="recorded trace(s) to add")
-    parser.add_argument("--trace-model", default="tiny-pangu")
-    parser.add_argument("--trace-cluster", default="atlas-800t-a2")
-    parser.add_argument("--trace-ep", type=int, default=4)
+    parser.add_argument("--trace-model", default=TRACE_MODEL)
+    parser.add_argument("--trace-cluster", default=CLUSTER)
+    parser.add_argument("--trace-ep", type=int, default=TRACE_EP)
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
 
@@ -162,22 +186,14 @@ def main() -> int:
     experts, top_k = model.moe.num_experts, model.moe.router.top_k
     tokens = args.tokens_per_rank * args.ep
     costs = BalanceCostModel(model, cluster, args.ep)
-    synthetic = [
-        zipf_trace(args.steps, args.layers, experts, tokens, top_k, 0.6, seed=args.seed),
-        zipf_trace(args.steps, args.layers, experts, tokens, top_k, 1.0, seed=args.seed),
-        drifting_trace(args.steps, args.layers, experts, tokens, top_k, num_hot=16, hot_weight=6.0,
-                       period=50, seed=args.seed),
-        drifting_trace(args.steps, args.layers, experts, tokens, top_k, num_hot=16, hot_weight=6.0,
-                       period=20, seed=args.seed),
-    ]
-    names = ["zipf-s0.6", "zipf-s1.0", "drift-h16-p50", "drift-h16-p20"]
+    synthetic = synthetic_traces(args.steps, args.layers, experts, tokens, top_k, args.seed)
     report: dict = {
         "setup": {"model": args.model, "cluster": args.cluster, "ep": args.ep, "slots_per_rank": experts // args.ep + 1,
                   "tokens_per_rank": args.tokens_per_rank, "steps": args.steps, "layers": args.layers,
                   "interval": args.interval, "horizon": args.horizon, "adaptive": not args.fixed_interval},
         "traces": {},
     }
-    for name, trace in zip(names, synthetic):
+    for name, trace in synthetic.items():
         row = evaluate_trace(trace, costs, args.interval, args.horizon, not args.fixed_interval)
         snapshot = trace.tokens_per_expert[: args.interval, 0].mean(axis=0)
         row["solvers"] = compare_solvers(snapshot, args.ep, experts // args.ep + 1, costs)
