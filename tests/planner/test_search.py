@@ -110,8 +110,8 @@ def test_the_timeline_ranks_the_screens_best_of_every_choice_too() -> None:
 def test_the_calibration_check_reranks_the_timed_layouts_under_each_held_out_fit() -> None:
     w = Workload(load_model_config("qwen3-30b-a3b"), load_cluster_config("h100-sxm-80gb"), 4096, 256)
     eff = load_calibration().for_device("h100-sxm-80gb")
-    fits = {"same": eff, "slow element-wise kernels": replace(eff, memory=0.02),
-            "3 × the MoE pass cost": replace(eff, moe_overhead_us=3.0 * eff.moe_overhead_us)}
+    fits = {"same": eff, "slow element-wise kernels": replace(eff, memory=0.05),
+            "no MoE overhead": replace(eff, moe_overhead_us=0.0)}
     check = search(w, 64, eff, top_k=3, held_out=fits).calibration_check
     assert check.fits == list(fits) and check.step_s.shape == (3, len(check.labels))
     regret = check.winner_regret_pct()
@@ -127,9 +127,7 @@ def test_the_calibration_check_reranks_the_timed_layouts_under_each_held_out_fit
     assert (f"the winner is at worst {regret[worst]:.1f} % slower than the best (without {check.fits[worst]}, "
             f"where {summary['best_under_worst_fit']} wins)") in check.line()
     same_only = search(w, 64, eff, top_k=3, held_out={"same": eff}).calibration_check
-    # under the search's own fit the winner is the fastest, or a tie within 0.5 % kept for its memory
-    assert (same_only.line().endswith("the winner is the fastest under every fit")
-            or "the winner stays within the 0.5% tie of the best under every fit" in same_only.line())
+    assert same_only.line().endswith("the winner is the fastest under every fit")
     assert search(w, 64, eff, top_k=3).calibration_check is None
 
 
@@ -158,9 +156,7 @@ def test_the_screen_prices_the_paired_schedule_as_the_timeline_replays_it() -> N
                                       ParallelConfig(pp=4, dp=16, ep=8, micro_batch=1, overlap=False)])
     costs = evaluate(w, plain, eff)
     paired, unpaired = (timeline_step(costs, plain, i, eff) for i in range(2))
-    # serialising doubles the compute, not the DP traffic or the bubble: 1.46× with the counted MoE pass cost
-    # (0.56 ms), more than 1.5× when the fit put 1.53 ms of compute into every pass
-    assert paired > 1.4 * unpaired
+    assert paired > 1.5 * unpaired
     assert float(costs.step_time_s[0]) == pytest.approx(paired, rel=0.02)
 
 
@@ -205,14 +201,7 @@ def test_imbalance_slows_the_moe_layers() -> None:
     balanced = evaluate(Workload(base.model, base.cluster, 4096, 512, imbalance=1.0), layout, eff)
     skewed = evaluate(Workload(base.model, base.cluster, 4096, 512, imbalance=1.5), layout, eff)
     assert skewed.step_time_s[0] > balanced.step_time_s[0]
-    # the hottest rank's forward expert GEMMs scale with its load; the weight gradient's buffer traffic
-    # (``compute.expert_weight_grad_extra``) does not, so the step's expert time grows by less than 1.5x
-    # where that traffic bounds the weight gradient (8 local experts on few tokens each)
-    one = [layer_costs(Workload(base.model, base.cluster, 4096, 512, imbalance=i), layout, eff, moe_layer=True,
-                       num_micro=balanced.num_micro_batches) for i in (1.0, 1.5)]
-    assert float(one[1].experts[0]) == pytest.approx(1.5 * float(one[0].experts[0]), rel=0.05)
-    assert float(one[0].experts_wgrad_extra[0]) > 0.0
-    assert balanced.compute.experts_s[0] < skewed.compute.experts_s[0] < 1.5 * balanced.compute.experts_s[0]
+    assert skewed.compute.experts_s[0] == pytest.approx(1.5 * balanced.compute.experts_s[0], rel=0.05)
 
 
 def test_calibration_overrides_and_round_trip(tmp_path) -> None:

@@ -57,22 +57,8 @@ PER_ARCH_PARAMS: tuple[str, ...] = ("gemm_max",)
 # optimizer update, the per-step cost the model does price, is memory traffic
 # (``costmodel.OPTIMIZER_BYTES_PER_PARAM``). The host issue times stay zero for the published runs (their
 # kernels are large, so the device is the bottleneck); ``moetrain profile`` measures them where they matter.
-# ``moe_overhead_us`` (issue 42): the published runs hold two MoE families, so with one left out the other set
-# it alone (1.54 ms per pass with both in, 0.44 ms with Megatron-Bridge's rows out, when DeepSeek-V3's one row
-# set it), and that swung the held-out GPT-OSS rows by 8 points; it keeps the kernel-count value below.
-NOT_FITTED: tuple[str, ...] = ("step_overhead_ms", "moe_overhead_us", "host_layer_us", "host_optimizer_ms",
-                               "host_probe_tokens", "host_wide_layer_us", "host_wide_batch", "host_wide_seq")
-
-# The fixed cost of a MoE layer pass as a chain of small kernels the host issues one at a time while the
-# device, drained by the token-count sync, waits on it. The chain: DeepSeek-V3's router, 72 kernels before
-# Megatron-Core fused it and 31 after ("[MC-GB200]" in shared/research/runtime-anchors.md, Megatron-LM's
-# DeepSeek-V3 GB200 notes); the published MoE runs are Megatron-Bridge's performance recipes, which turn the
-# fusion on (``moe_router_fusion = True`` in their DeepSeek-V3 and Qwen3 performance configs), so 31. The
-# issue time: our H100's eager step (benchmarks/results/gpu_step_profile_small.json) spent 455.717 ms of
-# host time in 25,044 cudaLaunchKernel calls, 18.2 µs each. 31 × 18.2 µs = 0.564 ms per pass: a published
-# count times our measured rate, so no fit (and no left-out family) sets it.
-MOE_PASS_KERNELS = 31
-HOST_LAUNCH_US = 455.717e3 / 25044
+NOT_FITTED: tuple[str, ...] = ("step_overhead_ms", "host_layer_us", "host_optimizer_ms", "host_probe_tokens",
+                               "host_wide_layer_us", "host_wide_batch", "host_wide_seq")
 
 
 
@@ -90,11 +76,11 @@ class Efficiency:
     gemm_overhead_us: float = 8.0
     """Fixed cost per kernel call (launch, tail wave; GEMMs and element-wise kernels alike): why a small
     GEMM is slower per FLOP and why small models are launch-bound."""
-    moe_overhead_us: float = MOE_PASS_KERNELS * HOST_LAUNCH_US
-    """Fixed cost per MoE layer pass (router top-k, token-count sync, permute/unpermute kernel chains): a
-    dropless MoE layer synchronises the host on the per-expert token counts (they size the all-to-all
-    splits and the grouped GEMM), after which the device idles while the host issues the layer's chain of
-    small kernels one by one. Not fitted (``NOT_FITTED``): ``MOE_PASS_KERNELS`` × ``HOST_LAUNCH_US``."""
+    moe_overhead_us: float = 500.0
+    """Fixed cost per MoE layer pass (router top-k, token-count sync, permute/unpermute kernel chains).
+    Prior: a dropless MoE layer synchronises the host on the per-expert token counts (they size the
+    all-to-all splits and the grouped GEMM), after which the device idles while the host issues the
+    layer's remaining 30-50 kernels at 10-20 µs each: 0.3-1 ms per pass."""
     attention: float = 0.55
     """Fraction of the dense peak fused (flash) attention reaches on QKᵀ and PV."""
     memory: float = 0.7

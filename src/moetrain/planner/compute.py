@@ -14,7 +14,6 @@ All functions broadcast over numpy arrays.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
@@ -88,45 +87,6 @@ def mlp_matrix_count(model: ModelConfig) -> int:
     return 3 if model.gated_ffn else 2
 
 
-@dataclass(frozen=True)
-class GroupedGemm:
-    """The routed experts' grouped GEMM on one device in one MoE layer pass."""
-
-    tokens: object
-    """(token, expert) pairs the device processes: its local experts' loads summed (the hottest device's
-    load prices imbalance: the all-to-all waits for it)."""
-    num_local_experts: object = 1
-    """Experts resident on the device; each adds half a tile of padded rows, which is why many small
-    experts run slower per FLOP than few large ones."""
-    etp: object = 1
-    """Expert tensor-parallel size (each expert's FFN width split over ``etp`` devices)."""
-    precision: str = "bf16"
-
-
-@dataclass(frozen=True)
-class _Roofline:
-    math: np.ndarray
-    """Seconds of one GEMM set's multiply-adds (forward, or input gradient, or weight gradient)."""
-    weight_params: np.ndarray
-    """Parameters of the device's local experts."""
-    io_bytes: np.ndarray
-    """The tokens' inputs and outputs of one GEMM set."""
-    act_bytes: np.ndarray
-    """The activation function's pass over the expert hidden states."""
-
-
-def _expert_roofline(gemm: GroupedGemm, model: ModelConfig, cluster: ClusterConfig, eff: Efficiency) -> _Roofline:
-    assert model.moe is not None, "the grouped GEMM prices a MoE model"
-    tokens, etp = np.asarray(gemm.tokens, dtype=float), np.asarray(gemm.etp, dtype=float)
-    params_per_expert = mlp_params(model, model.moe.expert_ffn_hidden) / etp
-    padded_rows = tokens + np.asarray(gemm.num_local_experts) * GROUPED_GEMM_TILE_ROWS / 2
-    math = gemm_time(2.0 * params_per_expert * padded_rows, mlp_matrix_count(model), cluster, eff, gemm.precision)
-    io_bytes = tokens * (2 * model.hidden_size + 3 * model.moe.expert_ffn_hidden / etp) * 2.0
-    act_bytes = tokens * model.moe.expert_ffn_hidden / etp * 2.0 * 3
-    weight_params = np.asarray(gemm.num_local_experts, dtype=float) * params_per_expert
-    return _Roofline(math, weight_params, io_bytes, act_bytes)
-
-
 def expert_compute_time(
     tokens,
     model: ModelConfig,
@@ -136,35 +96,31 @@ def expert_compute_time(
     etp=1,
     precision: str = "bf16",
 ):
-    """Forward seconds of the routed experts on one device in one MoE layer (grouped GEMM); the arguments
-    are those of ``GroupedGemm``.
+    """Forward seconds of the routed experts on one device in one MoE layer (grouped GEMM).
 
-    Backward costs twice this (input and weight gradients), plus ``expert_weight_grad_extra``.
+    Args:
+        tokens: (token, expert) pairs the device processes: its local experts' loads summed. Pass the
+            hottest device's load to price imbalance (the all-to-all waits for it).
+        num_local_experts: experts resident on the device; each adds half a tile of padded rows, which
+            is why many small experts run slower per FLOP than few large ones.
+        etp: expert tensor-parallel size (each expert's FFN width split over ``etp`` devices).
+
+    Backward costs twice this (input and weight gradients).
     """
+    assert model.moe is not None, "expert_compute_time needs a MoE model"
     eff = _eff(cluster, efficiency)
-    r = _expert_roofline(GroupedGemm(tokens, num_local_experts, etp, precision), model, cluster, eff)
+    params_per_expert = mlp_params(model, model.moe.expert_ffn_hidden) / np.asarray(etp, dtype=float)
+    per_token = 2.0 * params_per_expert
+    padded_rows = np.asarray(tokens, dtype=float) + np.asarray(num_local_experts) * GROUPED_GEMM_TILE_ROWS / 2
+    flops = per_token * padded_rows
+    act_bytes = np.asarray(tokens, dtype=float) * model.moe.expert_ffn_hidden / np.asarray(etp) * 2.0 * 3
     # Roofline: a grouped GEMM reads every local expert's weights once per pass, plus the tokens' inputs
     # and outputs; with few tokens per expert (fine-grained experts, many experts per device) that
     # traffic, not the math, sets the time (Williams et al. 2009). Weights in the GEMM precision.
-    weight_bytes = r.weight_params * (1.0 if precision == "fp8" else 2.0)
-    traffic = memory_time(weight_bytes + r.io_bytes, cluster, eff)
-    return np.maximum(r.math, traffic) + memory_time(r.act_bytes, cluster, eff)
-
-
-def expert_weight_grad_extra(gemm: GroupedGemm, model: ModelConfig, cluster: ClusterConfig,
-                             efficiency: Efficiency | None = None, grad_bytes: float = 4.0):
-    """Seconds the experts' weight-gradient GEMM takes beyond the forward's GEMM set, per micro-batch.
-
-    The stacks accumulate each micro-batch's weight gradient into the gradient buffer inside the GEMM
-    (Megatron-Core ``--gradient-accumulation-fusion`` into ``main_grad``; Transformer Engine's
-    ``GroupedLinear(fuse_wgrad_accumulation=True)``, the GEMM's C input read and D output written in the
-    buffer's dtype; the buffer is FP32 unless gradients are reduced in 16 bits: ``grad_bytes``). So the
-    weight-gradient GEMM moves every local expert's gradient twice, read and written, where the forward
-    reads its weights once in 1-2 bytes. With many local experts and few tokens each (DeepSeek-V3 on EP8:
-    32 experts of 44 M parameters, about 1,000 rows each) that traffic, not the math, sets its time."""
-    eff = _eff(cluster, efficiency)
-    r = _expert_roofline(gemm, model, cluster, eff)
-    forward_traffic = memory_time(r.weight_params * (1.0 if gemm.precision == "fp8" else 2.0) + r.io_bytes,
-                                  cluster, eff)
-    wgrad_traffic = memory_time(r.weight_params * 2.0 * grad_bytes + r.io_bytes, cluster, eff)
-    return np.maximum(r.math, wgrad_traffic) - np.maximum(r.math, forward_traffic)
+    weight_bytes = np.asarray(num_local_experts, dtype=float) * params_per_expert * (
+        1.0 if precision == "fp8" else 2.0)
+    io_bytes = np.asarray(tokens, dtype=float) * (2 * model.hidden_size + 3 * model.moe.expert_ffn_hidden
+                                                  / np.asarray(etp, dtype=float)) * 2.0
+    math = gemm_time(flops, mlp_matrix_count(model), cluster, eff, precision)
+    traffic = memory_time(weight_bytes + io_bytes, cluster, eff)
+    return np.maximum(math, traffic) + memory_time(act_bytes, cluster, eff)

@@ -151,9 +151,6 @@ class _PassTimes:
     device: object
     time: object
     timeline: object
-    paired_exposed: object = 0.0
-    """Of ``time``: the all-to-all the paired passes leave under the layer's own window
-    (``LayerCosts.a2a_paired_exposed``, less what the host floor covers)."""
 
 
 def _exposed_tp(w: Workload, eff: Efficiency, layer: LayerCosts):
@@ -174,11 +171,9 @@ def _pass_times(w: Workload, s: Strategies, eff: Efficiency, layer: LayerCosts |
     device = without_a2a + layer.a2a_exposed
     if w.cluster.host_is_device:
         excess = _host_excess(w, s, eff, moe_layer) * host_share
-        return _PassTimes(device, device + excess, without_a2a + excess, layer.a2a_paired_exposed)
+        return _PassTimes(device, device + excess, without_a2a + excess)
     host_pass = eff.host_layer_us * 1e-6 * host_share
-    time = np.maximum(device, host_pass)
-    return _PassTimes(device, time, np.maximum(without_a2a, host_pass),
-                      time - np.maximum(device - layer.a2a_paired_exposed, host_pass))
+    return _PassTimes(device, np.maximum(device, host_pass), np.maximum(without_a2a, host_pass))
 
 
 def _host_excess(w: Workload, s: Strategies, eff: Efficiency, moe_layer: bool):
@@ -231,12 +226,8 @@ def _end_times(w: Workload, s: Strategies, eff: Efficiency, body_time) -> _Ends:
     t_split = np.where(s.sp, t_att / tp, t_att)
     head_split = 1.0 if w.project_tensor_parallel else tp  # this project's TP runs the head whole
 
-    # The output head stays in BF16 in FP8 runs: DeepSeek-V3 §3.3.1 keeps "the embedding module, the output
-    # head, MoE gating modules, normalization operators, and attention operators" in their original
-    # precision; Megatron-Core's output layer is its own ColumnParallelLinear, which Transformer Engine's FP8
-    # autocast does not reach; torchtitan's Float8 converter filters the ``output`` linear by default.
     def head_time(tokens):  # forward and backward: 3 GEMMs, 3 passes over the fp32 logits
-        return (3.0 * gemm_time(2.0 * h * model.vocab_size * tokens / head_split, 1, cluster, eff, "bf16")
+        return (3.0 * gemm_time(2.0 * h * model.vocab_size * tokens / head_split, 1, cluster, eff, w.precision)
                 + 3.0 * memory_time(3 * 4.0 * model.vocab_size * tokens / head_split, cluster, eff))
 
     head = head_time(t_att * w.head_share)  # the loss's head (the scored positions)
@@ -261,56 +252,21 @@ class _Stages:
     mean_balanced: object
     embed_extra: object
     head_extra: object
-    balanced_timeline: object
-    """``balanced`` as the timeline replays it: without the all-to-all, ``p2p`` included."""
     p2p: object
     layers_per_stage: object
     dense_first: object
     """Dense layers on the first stage (those of a dense-first MoE model)."""
-    slowest_credit: object
-    """The slowest stage's ``_paired_window_credit``: all-to-all its paired steps hide beyond the layers'."""
 
 
-@dataclass(frozen=True)
-class _StageWork:
-    """One stage's timeline compute per micro-batch (``p2p`` included) and the MoE layers it holds."""
-
-    compute: object
-    moe_layers: object
-
-
-def _paired_window_credit(body_layer: LayerCosts, body: _PassTimes, stage: _StageWork):
-    """What a stage's paired steps hide of their all-to-all beyond the layers' own windows. The timeline
-    fuses a forward and a backward of whole stage chunks, so the all-to-all runs under everything the
-    compute stream does there: the layers, the embedding, head and MTP modules, the transfers. Per layer
-    the screen leaves ``paired_exposed``; over the stage it leaves share·max(stage all-to-all − stage
-    compute, 0), which is less where the ends widen the window (DeepSeek-V3 on 2,048 H800, issue 42)."""
-    in_layers = stage.moe_layers * body.paired_exposed
-    over_stage = body_layer.a2a_paired_share * np.maximum(stage.moe_layers * body_layer.a2a - stage.compute, 0.0)
-    return in_layers - np.minimum(in_layers, over_stage)
-
-
-def _stages(w: Workload, s: Strategies, eff: Efficiency, dense: _PassTimes, body: _PassTimes, ends: _Ends,
-            body_layer: LayerCosts) -> _Stages:
-    model = w.model
-    pp = s.pp.astype(float)
+def _stages(w: Workload, s: Strategies, eff: Efficiency, dense: _PassTimes, body: _PassTimes, ends: _Ends) -> _Stages:
+    model, cluster = w.model, w.cluster
+    pp, vpp = s.pp.astype(float), s.vpp.astype(float)
     layers_per_stage = model.num_layers / pp
     num_dense = float(model.num_layers - model.num_moe_layers) if model.moe is not None else 0.0
     dense_first = np.minimum(num_dense, layers_per_stage)
     first = dense_first * dense.time + (layers_per_stage - dense_first) * body.time + ends.embed
     last = layers_per_stage * body.time + ends.head + ends.mtp
     middle = layers_per_stage * body.time
-    p2p = _p2p(w, s, eff)
-    moe_first = layers_per_stage - dense_first if model.moe is not None else 0.0
-    moe_other = layers_per_stage if model.moe is not None else 0.0
-    first_work = dense_first * dense.timeline + (layers_per_stage - dense_first) * body.timeline + ends.embed + p2p
-    credit_first = _paired_window_credit(body_layer, body, _StageWork(
-        np.where(pp == 1, first_work + ends.head + ends.mtp, first_work), moe_first))
-    credit_middle = _paired_window_credit(body_layer, body, _StageWork(layers_per_stage * body.timeline + p2p,
-                                                                       moe_other))
-    credit_last = _paired_window_credit(body_layer, body, _StageWork(
-        layers_per_stage * body.timeline + ends.head + ends.mtp + p2p, moe_other))
-    first, middle, last = first - credit_first, middle - credit_middle, last - credit_last
     single = np.where(pp == 1, first + ends.head + ends.mtp, 0.0)
     t_max = np.where(pp == 1, single, np.maximum(np.maximum(first, last), np.where(pp > 2, middle, 0.0)))
     t_mean = np.where(pp == 1, single, (first + last + (pp - 2) * middle) / pp)
@@ -323,27 +279,16 @@ def _stages(w: Workload, s: Strategies, eff: Efficiency, dense: _PassTimes, body
     balanced = balanced_stage_time(model.num_layers, pp, body.time, embed_extra, head_extra)
     uneven = (pp > 1) & (model.num_layers % (s.pp * s.vpp) != 0)
     mean_balanced = (model.num_layers * body.time + embed_extra + head_extra) / pp
-    # every rank carries the balanced stage time in the timeline (``_stage_times``)
-    balanced_timeline = balanced * (model.num_layers * body.timeline + embed_extra + head_extra) / (
-        pp * np.maximum(mean_balanced, 1e-30)) + p2p
-    credit = _paired_window_credit(body_layer, body, _StageWork(balanced_timeline, moe_other))
-    balanced, mean_balanced = balanced - credit, mean_balanced - credit
-    slowest_credit = np.where(uneven, credit, np.where((pp == 1) | (t_max == first), credit_first,
-                                                       np.where(t_max == last, credit_last, credit_middle)))
     t_max = np.where(uneven, balanced, t_max)
     t_mean = np.where(uneven, mean_balanced, t_mean)
-    return _Stages(first, middle, last, t_max + p2p, t_mean + p2p, uneven, balanced, mean_balanced, embed_extra,
-                   head_extra, balanced_timeline, p2p, layers_per_stage, dense_first, slowest_credit)
-
-
-def _p2p(w: Workload, s: Strategies, eff: Efficiency):
-    """Pipeline send/recv of the boundary activation, forward and backward, per chunk boundary. Each TP
-    rank sends its 1/tp slice (Megatron's scatter/gather of pipeline tensors; sequence parallelism splits it
-    anyway) over its own link, and the next stage re-gathers it inside the TP group."""
-    model, cluster = w.model, w.cluster
+    # Pipeline send/recv of the boundary activation, forward and backward, per chunk boundary. Each TP
+    # rank sends its 1/tp slice (Megatron's scatter/gather of pipeline tensors; sequence parallelism
+    # splits it anyway) over its own link, and the next stage re-gathers it inside the TP group.
     boundary = s.micro_batch * w.seq_len / s.cp / s.tp.astype(float) * model.hidden_size * w.activation_bytes
-    p2p = 2.0 * s.vpp.astype(float) * p2p_time(boundary, s.tp * s.cp * s.dp >= cluster.fabric_devices, cluster, eff)
-    return np.where(s.pp > 1, p2p, 0.0)
+    p2p = 2.0 * vpp * p2p_time(boundary, s.tp * s.cp * s.dp >= cluster.fabric_devices, cluster, eff)
+    p2p = np.where(pp > 1, p2p, 0.0)
+    return _Stages(first, middle, last, t_max + p2p, t_mean + p2p, uneven, balanced, mean_balanced, embed_extra,
+                   head_extra, p2p, layers_per_stage, dense_first)
 
 
 def _stage_times(w: Workload, s: Strategies, st: _Stages, dense: _PassTimes, body: _PassTimes,
@@ -357,7 +302,8 @@ def _stage_times(w: Workload, s: Strategies, st: _Stages, dense: _PassTimes, bod
     middle = lps * body.timeline + st.p2p
     last = lps * body.timeline + ends.head + ends.mtp + st.p2p
     # Balanced uneven splits: every rank carries the balanced stage time (the timeline sees uniform stages).
-    balanced = st.balanced_timeline
+    balanced = st.balanced * (model.num_layers * body.timeline + st.embed_extra + st.head_extra) / (
+        pp * np.maximum(st.mean_balanced, 1e-30)) + st.p2p
     moe_first = lps - dense_first if model.moe is not None else 0.0
     moe_other = lps if model.moe is not None else 0.0
     return StageTimes.broadcast(
@@ -398,7 +344,7 @@ def pipeline_times(w: Workload, s: Strategies, eff: Efficiency, dense: LayerCost
     dense_pass = _pass_times(w, s, eff, dense, moe_layer=False)
     body_pass = _pass_times(w, s, eff, body, moe_layer=w.model.moe is not None)
     ends = _end_times(w, s, eff, body_pass.time)
-    st = _stages(w, s, eff, dense_pass, body_pass, ends, body)
+    st = _stages(w, s, eff, dense_pass, body_pass, ends)
     bubble = _bubble(w, s, st, num_micro)
     per_step = num_micro * st.layers_per_stage
     mtp_on_first = np.where(s.pp == 1, model.num_mtp_layers, 0)
@@ -407,14 +353,12 @@ def pipeline_times(w: Workload, s: Strategies, eff: Efficiency, dense: LayerCost
     pipeline = PipelineTimes.broadcast(
         len(s), stage_time_s=st.slowest, bubble_s=bubble, pipeline_s=num_micro * st.slowest + bubble,
         tp_comm_s=per_step * body.tp_comm, tp_exposed_s=per_step * _exposed_tp(w, eff, body),
-        a2a_s=per_step * body.a2a, a2a_exposed_s=per_step * body.a2a_exposed - num_micro * st.slowest_credit,
-        cp_exposed_s=per_step * body.cp_exposed,
+        a2a_s=per_step * body.a2a, a2a_exposed_s=per_step * body.a2a_exposed, cp_exposed_s=per_step * body.cp_exposed,
         p2p_s=num_micro * st.p2p, host_wait_s=host_wait)
-    parts = {name: 3.0 * getattr(body, name) for name in (
-        "attention", "router", "experts", "shared_experts", "dense_ffn", "elementwise")}
-    parts["experts"] = parts["experts"] + body.experts_wgrad_extra  # the backward's gradient accumulation
-    compute = ComputeTimes.broadcast(len(s), **{f"{k}_s": per_step * v for k, v in parts.items()},
-                                     head_s=num_micro * ends.head)
+    compute = ComputeTimes.broadcast(
+        len(s), **{f"{name}_s": per_step * 3.0 * getattr(body, name) for name in (
+            "attention", "router", "experts", "shared_experts", "dense_ffn", "elementwise")},
+        head_s=num_micro * ends.head)
     return _stage_times(w, s, st, dense_pass, body_pass, ends, body), pipeline, compute
 
 

@@ -34,8 +34,7 @@ LOG_STEP = 0.05
 
 FITTED = ("gemm_max", "gemm_overhead_us", "moe_overhead_us", "attention", "memory", "fp8_gain", "bus_intra",
           "bus_inter", "grad_overlap", "tp_overlap")
-"""The efficiencies a fit on published runs sets (``fit.BOUNDS``), and the fixed cost of a MoE pass, which
-no fit sets (``calibration.MOE_PASS_KERNELS``) but which is as uncertain as they are."""
+"""The efficiencies a fit on published runs sets (``fit.BOUNDS``)."""
 
 
 @dataclass(frozen=True)
@@ -83,7 +82,7 @@ def compute_weights(row: PreparedRow, eff: Efficiency, costs: StepCosts) -> dict
     weights = {
         "dense GEMMs (projections, router, shared experts, dense FFN)": 3.0 * gemm_fwd,
         "fused attention": (1.0 + ATTENTION_BACKWARD_OVER_FORWARD) * core,
-        "routed experts (grouped GEMM)": 3.0 * first(layer.experts) + first(layer.experts_wgrad_extra),
+        "routed experts (grouped GEMM)": 3.0 * first(layer.experts),
         "MoE fixed cost per pass": 3.0 * first(layer.moe_pass),
         "element-wise kernels": 3.0 * first(layer.elementwise),
     }

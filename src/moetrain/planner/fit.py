@@ -39,6 +39,7 @@ PRIOR_WEIGHT = 0.05
 BOUNDS: dict[str, tuple[float, float]] = {
     "gemm_max": (0.2, 0.95),
     "gemm_overhead_us": (0.0, 300.0),
+    "moe_overhead_us": (0.0, 5000.0),
     "attention": (0.05, 0.9),
     "memory": (0.1, 1.0),
     "fp8_gain": (1.0, 2.0),

@@ -30,15 +30,7 @@ from moetrain.planner.comm import (
     p2p_time,
     ranks_per_node,
 )
-from moetrain.planner.compute import (
-    GroupedGemm,
-    attention_time,
-    expert_compute_time,
-    expert_weight_grad_extra,
-    gemm_time,
-    memory_time,
-    mlp_matrix_count,
-)
+from moetrain.planner.compute import attention_time, expert_compute_time, gemm_time, memory_time, mlp_matrix_count
 from moetrain.planner.strategy import Strategies
 from moetrain.planner.workload import Workload
 
@@ -96,15 +88,6 @@ class LayerCosts:
     """Of ``attention``: the fused core (QKᵀ, softmax, PV), forward."""
     moe_pass: object = 0.0
     """Of the MoE block's forward: the fixed cost per MoE layer pass (``Efficiency.moe_overhead_us``)."""
-    experts_wgrad_extra: object = 0.0
-    """Of ``bwd``: what the experts' weight-gradient GEMM takes beyond ``experts`` (its accumulation into
-    the gradient buffer, ``compute.expert_weight_grad_extra``)."""
-    a2a_paired_share: object = 0.0
-    """Share of the layer's passes that the paired schedule fuses (``paired_share``; 0 without overlap)."""
-    a2a_paired_exposed: object = 0.0
-    """Of ``a2a_exposed``: what the paired passes leave under this layer's own window. A stage's paired step
-    hides its all-to-all under all the stage's work, the embedding, head and transfers too, which
-    ``costmodel`` credits back (``_paired_window_credit``)."""
 
     @property
     def compute(self):
@@ -154,8 +137,6 @@ class _FeedForward:
     router: object = 0.0
     experts: object = 0.0
     dense_ffn: object = 0.0
-    wgrad_extra: object = 0.0
-    """Backward only: the experts' weight-gradient GEMM beyond the forward's (``expert_weight_grad_extra``)."""
 
 
 def recompute_code(level: str, share: float = 1.0) -> float:
@@ -287,9 +268,8 @@ def _moe_block(w: Workload, s: Strategies, eff: Efficiency, tok: _Tokens) -> _Fe
     router = gemm_time(2.0 * h * moe.num_experts * t_moe, 1, cluster, eff)
     # router scores and top-k in fp32; permuting the routed tokens and their gating weights
     elementwise = (t_moe * moe.num_experts * 4.0 * 3, 4.0 * routed_mean * h * act)
-    gemm = GroupedGemm(routed_mean * w.imbalance, moe.num_experts / s.ep, s.etp, w.precision)
-    experts = expert_compute_time(gemm.tokens, model, cluster, eff, gemm.num_local_experts, gemm.etp, gemm.precision)
-    wgrad_extra = expert_weight_grad_extra(gemm, model, cluster, eff, w.grad_bytes)
+    experts = expert_compute_time(routed_mean * w.imbalance, model, cluster, eff, moe.num_experts / s.ep, s.etp,
+                                  w.precision)
     shared = 0.0
     if moe.num_shared_experts:
         shared = gemm_time(2.0 * mlp_params(model, moe.shared_ffn_hidden) * t_moe, mlp_matrix_count(model), cluster,
@@ -318,7 +298,7 @@ def _moe_block(w: Workload, s: Strategies, eff: Efficiency, tok: _Tokens) -> _Fe
         # (the routed experts exchange their tokens through the all-to-all instead)
         num_tp_collectives=2.0 + (2.0 if moe.num_shared_experts and not w.project_tensor_parallel else 0.0),
         router_tp_comm=router_tp, one_a2a=one_a2a, count_exchange=counts, shared_time=shared, router=router,
-        experts=experts, wgrad_extra=wgrad_extra)
+        experts=experts)
 
 
 def _dense_block(w: Workload, eff: Efficiency, tok: _Tokens) -> _FeedForward:
@@ -368,7 +348,7 @@ def layer_costs(w: Workload, s: Strategies, eff: Efficiency, moe_layer: bool, nu
     elem = memory_time(elementwise_bytes, cluster, eff) + kernels * eff.gemm_overhead_us * 1e-6
     fwd = attn.proj + attn.core + ffn.time + elem
     # Backward: input and weight gradients (2× the GEMMs), attention as above, element-wise twice.
-    bwd = 2.0 * (attn.proj + ffn.time + elem) + attn.core_bwd + ffn.wgrad_extra
+    bwd = 2.0 * (attn.proj + ffn.time + elem) + attn.core_bwd
     full_share = full_recompute_share(s.recompute)
     recompute = full_share * fwd + (1.0 - full_share) * selective_recompute_share(s.recompute) * (
         attn.core + attn.mla_up + 0.5 * elem)
@@ -383,7 +363,7 @@ def layer_costs(w: Workload, s: Strategies, eff: Efficiency, moe_layer: bool, nu
     parts = dict(attention=attn.proj + attn.core, router=ffn.router, experts=ffn.experts,
                  shared_experts=np.broadcast_to(ffn.shared_time, tok.att.shape) if is_moe else 0.0,
                  dense_ffn=ffn.dense_ffn, elementwise=elem, attention_core=attn.core,
-                 moe_pass=eff.moe_overhead_us * 1e-6 if is_moe else 0.0, experts_wgrad_extra=ffn.wgrad_extra)
+                 moe_pass=eff.moe_overhead_us * 1e-6 if is_moe else 0.0)
     tp_comm = ffn.num_tp_collectives * one_tp * (2.0 + full_share) + ffn.router_tp_comm * (1.0 + full_share)
     costs = LayerCosts(fwd, bwd, recompute, tp_comm,
                        _cp_exposed(w, s, eff, tok, attn), **parts)
@@ -404,5 +384,4 @@ def layer_costs(w: Workload, s: Strategies, eff: Efficiency, moe_layer: bool, nu
     hidden_alone = unpaired_a2a_hidden(total_a2a, ffn.shared_time, w.split_weight_grad)
     hidden = np.where(s.overlap, paired * hidden_paired + (1 - paired) * hidden_alone, 0.0)
     return LayerCosts(costs.fwd, costs.bwd, costs.recompute, costs.tp_comm, costs.cp_exposed, total_a2a,
-                      total_a2a - hidden, hidden_alone, **parts, a2a_paired_share=np.where(s.overlap, paired, 0.0),
-                      a2a_paired_exposed=np.where(s.overlap, paired * (total_a2a - hidden_paired), 0.0))
+                      total_a2a - hidden, hidden_alone, **parts)

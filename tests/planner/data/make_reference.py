@@ -21,19 +21,9 @@ until its per-link bandwidth is measured (the Pangu search again; no validate ro
 split weight gradients, adaptive recompute and last DP chunk with their refit (DSV3-1 +5.0 % before the refit;
 the refit moves every row), and when the screen hid the paired all-to-all under the TP and CP traffic as
 the timeline does (3f8338b: no validate row moved; the Qwen3 search's two tied first layouts swapped, the
-DeepSeek-V3 winner 25.99 → 25.96 s), and when the experts' weight-gradient GEMM began to read and write the
-gradient buffer (roofline) and FP8 runs to keep the output head in BF16, with their refit (issue 42,
-planfit2: MBR-11 −5.7 %, MBR-4 −1.6 %, DSV3-1 −1.5 %, MEGH100-1 +1.4 %, the other rows within 1.2 %; the
-Qwen3-30B-A3B search's winner moves from cp 2 × micro-batch 4 to cp 4 × micro-batch 8, 8.60 → 8.34 s, as its
-32 small local experts now pay for their gradient buffer per micro-batch; the other searches keep their
-layouts), and when a stage's paired all-to-all began to hide under the stage's whole work as the timeline's
-does (planfit2: no validate row moved, no step time moved; two Qwen3-30B-A3B layouts tied at 8.336 s, ranks 4
-and 5, swapped), and when the fixed cost of a MoE pass stopped being fitted (issue 42, planfit4: 31 router
-kernels at 18.2 µs, 0.564 ms per pass where the fit had 1.53 ms, with the refit: every validate row moves; the
-Mixtral, Qwen3-30B-A3B and DeepSeek-V3 searches change their top five, their winners 3.58 → 3.06 s, 8.34 →
-7.44 s and 25.85 → 24.13 s, DeepSeek-V3's from pp 8 × vpp 4 to pp 16 × vpp 3; the Pangu search's ranks 4 and
-5 change, its winner 7.09 → 6.57 s; tiny-pangu on CPU does not move). Rerun it only when a prediction is meant
-to change, and say why in the commit.
+DeepSeek-V3 winner 25.99 → 25.96 s). Rerun it only when
+a prediction is meant to
+change, and say why in the commit.
 """
 
 from __future__ import annotations
