@@ -7,13 +7,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
-from moetrain.cli import main
+from cli_in_process import Finished, InProcessCli
 
 LAUNCH = [sys.executable, "-m", "moetrain", "train"]
 
@@ -41,31 +40,13 @@ def test_bad_layout_refused_before_start(tmp_path: Path) -> None:
     assert not (tmp_path / "torchrun.log").exists()
 
 
-@dataclass
-class Finished:
-    """What ``moetrain train`` returned and printed (its ranks' output included)."""
-
-    returncode: int
-    stdout: str
-    stderr: str
-
-
 @pytest.fixture
 def launch(monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> Callable[..., Finished]:
-    """``moetrain train *flags`` with ``MOETRAIN_FAULT=fault``. The launcher runs in this process (one Python
-    start-up fewer per run); torchrun and the ranks inherit the environment and print to the file descriptors
-    capfd reads."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    """``moetrain train *flags`` with ``MOETRAIN_FAULT=fault``, in this process (``cli_in_process``)."""
+    cli = InProcessCli(monkeypatch, capfd)
 
     def run(*flags: str, fault: str | None = None) -> Finished:
-        if fault:
-            monkeypatch.setenv("MOETRAIN_FAULT", fault)
-        else:
-            monkeypatch.delenv("MOETRAIN_FAULT", raising=False)
-        capfd.readouterr()
-        code = main(["train", *flags])
-        printed = capfd.readouterr()
-        return Finished(code, printed.out, printed.err)
+        return cli(["train", *flags], fault)
 
     return run
 

@@ -9,14 +9,13 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
 from checkpoint_tensors import checkpoint_tensors
-from moetrain.cli import main
+from cli_in_process import Finished, InProcessCli
 
 SHAPE = ["--steps", "8", "--seq-len", "32", "--global-batch", "4", "--micro-batch", "2", "--synthetic-data",
          "--quiet", "--save-every", "2"]
@@ -24,35 +23,17 @@ TIMINGS = ("step_time_s", "tokens_per_s", "mfu", "batch_time_s", "train_step_tim
            "save_stall_s", "save_wait_s")
 
 
-@dataclass
-class Finished:
-    """What ``moetrain train`` returned and printed (its ranks' output included)."""
-
-    returncode: int
-    stdout: str
-    stderr: str
-
-
 @pytest.fixture
 def run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capfd: pytest.CaptureFixture[str]) -> Callable[..., Finished]:
-    """``moetrain train`` with the shape above, its checkpoints, metrics and logs in ``tmp_path / name``.
-    The launcher runs in this process (one Python and torch start-up fewer per run); torchrun and the
-    ranks inherit the environment and print to the file descriptors capfd reads."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.setenv("COLUMNS", "400")  # no wrapped console lines
+    """``moetrain train`` with the shape above, its checkpoints, metrics and logs in ``tmp_path / name``,
+    in this process (``cli_in_process``)."""
+    cli = InProcessCli(monkeypatch, capfd)
 
     def launch(name: str, *flags: str, fault: str | None = None) -> Finished:
-        if fault:
-            monkeypatch.setenv("MOETRAIN_FAULT", fault)
-        else:
-            monkeypatch.delenv("MOETRAIN_FAULT", raising=False)
-        capfd.readouterr()
-        code = main(["train", *SHAPE, *flags, "--save-dir", str(tmp_path / name / "ckpt"),
-                     "--metrics-out", str(tmp_path / name / "metrics.jsonl"),
-                     "--log-dir", str(tmp_path / name / "logs")])
-        printed = capfd.readouterr()
-        return Finished(code, printed.out, printed.err)
+        return cli(["train", *SHAPE, *flags, "--save-dir", str(tmp_path / name / "ckpt"),
+                    "--metrics-out", str(tmp_path / name / "metrics.jsonl"),
+                    "--log-dir", str(tmp_path / name / "logs")], fault)
 
     return launch
 

@@ -10,14 +10,13 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
 from checkpoint_tensors import checkpoint_tensors
-from moetrain.cli import main
+from cli_in_process import Finished, InProcessCli
 from refusals import refused
 
 K = 1
@@ -29,35 +28,17 @@ PUSH_BOOKKEEPING = ("sync_landed_version", "sync_mib")
 row that reports that push's landing differs, not what was generated or trained."""
 
 
-@dataclass
-class Finished:
-    """What ``moetrain rl`` returned and printed (its ranks' output included)."""
-
-    returncode: int
-    stdout: str
-    stderr: str
-
-
 @pytest.fixture
 def run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capfd: pytest.CaptureFixture[str]) -> Callable[..., Finished]:
-    """``moetrain rl`` with the flags above, its checkpoints, metrics and logs in ``tmp_path / name``. The
-    launcher (and the warm-up it runs) runs in this process, one Python and torch start-up fewer per run;
-    torchrun and the ranks inherit the environment and print to the file descriptors capfd reads."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.setenv("COLUMNS", "400")
+    """``moetrain rl`` with the flags above, its checkpoints, metrics and logs in ``tmp_path / name``, in
+    this process with the warm-up the launcher runs (``cli_in_process``)."""
+    cli = InProcessCli(monkeypatch, capfd)
 
     def launch(name: str, *flags: str, fault: str | None = None) -> Finished:
-        if fault:
-            monkeypatch.setenv("MOETRAIN_FAULT", fault)
-        else:
-            monkeypatch.delenv("MOETRAIN_FAULT", raising=False)
-        capfd.readouterr()
-        code = main([*LAUNCH, *flags, "--save-dir", str(tmp_path / name / "ckpt"),
-                     "--metrics-out", str(tmp_path / name / "metrics.jsonl"),
-                     "--log-dir", str(tmp_path / name / "logs")])
-        printed = capfd.readouterr()
-        return Finished(code, printed.out, printed.err)
+        return cli([*LAUNCH, *flags, "--save-dir", str(tmp_path / name / "ckpt"),
+                    "--metrics-out", str(tmp_path / name / "metrics.jsonl"),
+                    "--log-dir", str(tmp_path / name / "logs")], fault)
 
     return launch
 
