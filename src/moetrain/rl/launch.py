@@ -19,7 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from moetrain.rl.run import RLRun, build_rl_run, starting_model, train_grpo, warm_up
+from moetrain.rl.run import RLRun, build_rl_run, pipeline_weights, starting_model, train_grpo, warm_up
 from moetrain.rl.spec import SPEC_ENV, RLRunSpec, write_spec
 
 if TYPE_CHECKING:
@@ -94,14 +94,9 @@ def _launch_pipeline(run: RLRun, nodes: Nodes | None) -> int:
     spec = run.spec
     if nodes is not None and nodes.count > 1 and run.sft is not None:
         run = replace(run, sft=run.sft.model_copy(update={"run": run.sft.run.model_copy(update={"save_dir": None})}))
-    if run.sft is not None or spec.start_from:
+    state = pipeline_weights(run, Console(quiet=run.grpo.run.quiet))
+    if state is not None:
         initial = log_dir / "initial_policy.pt"
-        model = starting_model(run)
-        if run.sft is not None:
-            trainer = warm_up(run, model, Console(quiet=run.grpo.run.quiet))
-            state = {name: value.detach().clone() for name, value in trainer.run.stage.model.state_dict().items()}
-        else:
-            state = model.state_dict()
         torch.save(state, initial)
         spec = spec.model_copy(update={"initial_weights": str(initial)})
     spec_file = write_spec(spec, log_dir)  # what torchrun's ranks read; beside the log, a record of a Ray run too

@@ -18,9 +18,8 @@ from moetrain.errors import UserError
 from moetrain.planner.rl_cores import RoleCPU
 from moetrain.planner.rl_rates import ProbedRoleCPU
 from moetrain.rl.rates import MixedWork, check_role_cpu_job, overlap_cpu, role_cpu
-from moetrain.rl.run import RLRun, build_rl_run, starting_model, warm_up
+from moetrain.rl.run import build_rl_run, pipeline_weights, stalesync_job
 from moetrain.rl.spec import RLRunSpec
-from moetrain.rl.stalesync import StaleSyncJob
 
 
 def probe_job_cpu(spec: RLRunSpec, tries: int) -> ProbedRoleCPU:
@@ -29,7 +28,7 @@ def probe_job_cpu(spec: RLRunSpec, tries: int) -> ProbedRoleCPU:
     check_probed_job(spec)
     torch.set_num_threads(1)  # as every rank of the run: the forked ranks inherit it
     run = build_rl_run(spec)
-    job = probed_job(run)
+    job = stalesync_job(run, pipeline_weights(run))  # the weights the ranks would start from, as rl.launch makes them
     work = role_cpu(job).role_cpu
     training = run.grpo.training
     mixed = MixedWork(run.model_cfg.num_layers, spec.samples_per_step // job.replicas, training.micro_batch,
@@ -45,18 +44,3 @@ def check_probed_job(spec: RLRunSpec) -> None:
                         "(stalesync: {placement: disaggregated, staleness: K}, engine local); give such a job")
     check_role_cpu_job(spec.roles, spec.trainer.training.steps)
 
-
-def probed_job(run: RLRun) -> StaleSyncJob:
-    """The job the run's ranks would run, from the weights they would start from (the warm-up's, in this
-    process, as ``rl.launch`` does before starting them)."""
-    initial = None
-    if run.sft is not None or run.spec.start_from:
-        model = starting_model(run)
-        if run.sft is not None:
-            model = warm_up(run, model).run.stage.model
-        initial = {name: value.detach().clone() for name, value in model.state_dict().items()}
-    roles = run.spec.roles
-    assert run.stale is not None  # a disaggregated spec has its StaleSync options
-    return StaleSyncJob(run.grpo, run.options, run.stale, run.model_cfg, initial, replicas=roles.replicas,
-                        ranks_per_replica=roles.ranks_per_replica, replica_layout=roles.replica_layout,
-                        replica_tp=roles.replica_tp)

@@ -140,6 +140,29 @@ def starting_model(run: RLRun, device: str | torch.device = "cpu") -> MoETransfo
     return model
 
 
+def pipeline_weights(run: RLRun, console: Console | None = None) -> dict[str, torch.Tensor] | None:
+    """The weights every rank of a StaleSync pipeline starts from, made in one process before the ranks
+    start: the warm-up's, else ``start_from``'s; None where the ranks initialise from the seed."""
+    if run.sft is None and not run.spec.start_from:
+        return None
+    model = starting_model(run)
+    if run.sft is not None:
+        model = warm_up(run, model, console).run.stage.model
+    return {name: value.detach().clone() for name, value in model.state_dict().items()}
+
+
+def stalesync_job(run: RLRun, initial: dict[str, torch.Tensor] | None):
+    """The StaleSync job of ``run``'s disaggregated spec, its ranks starting from ``initial``
+    (``pipeline_weights``; None: from the seed)."""
+    from moetrain.rl.stalesync_job import StaleSyncJob  # lazy, heavy: torch
+
+    assert run.stale is not None  # a disaggregated spec has its StaleSync options
+    roles = run.spec.roles
+    return StaleSyncJob(run.grpo, run.options, run.stale, run.model_cfg, initial, replicas=roles.replicas,
+                        ranks_per_replica=roles.ranks_per_replica, replica_layout=roles.replica_layout,
+                        replica_tp=roles.replica_tp)
+
+
 def warm_up(run: RLRun, model: MoETransformer | None, console: Console | None = None):
     """The SFT warm-up trainer of ``run`` after training (or reading back the finished warm-up in its save
     dir) from ``model`` (None: initialised from the seed)."""

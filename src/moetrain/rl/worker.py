@@ -28,7 +28,7 @@ from pathlib import Path
 
 from moetrain.distributed.nodes import check_same_spec, spans_nodes
 from moetrain.errors import UserError
-from moetrain.rl.run import RLRun, build_rl_run, starting_model, train_grpo, warm_up, whole_curve
+from moetrain.rl.run import RLRun, build_rl_run, stalesync_job, starting_model, train_grpo, warm_up, whole_curve
 from moetrain.rl.spec import SPEC_ENV, RLRunSpec, read_spec
 from moetrain.runtime_base.recovery import USER_ERROR_EXIT, attempt, report_failure
 from moetrain.status import say, status_console
@@ -83,7 +83,7 @@ def _pipeline_rank(run: RLRun, rank: int) -> None:
     from moetrain.distributed.world import init_world
     from moetrain.rl.loop import rl_summary_table
     from moetrain.rl.plot import plot_reward_curve
-    from moetrain.rl.stalesync import StaleSyncJob, TrainerReport, run_stalesync
+    from moetrain.rl.stalesync import TrainerReport, run_stalesync
 
     assert run.stale is not None
     init_world("gloo", run.grpo.run.timeout_s)
@@ -94,10 +94,7 @@ def _pipeline_rank(run: RLRun, rank: int) -> None:
         # each node's launcher ran the warm-up: a GPU's (or another CPU's) rounding may differ, rank 0's rule
         for name in sorted(initial):
             dist.broadcast(initial[name], src=0)
-    roles = run.spec.roles
-    job = StaleSyncJob(run.grpo, run.options, run.stale, run.model_cfg, initial, replicas=roles.replicas,
-                       ranks_per_replica=roles.ranks_per_replica, replica_layout=roles.replica_layout,
-                       replica_tp=roles.replica_tp)
+    job = stalesync_job(run, initial)
     report = run_stalesync(rank, dist.get_world_size(), job)
     if isinstance(report, TrainerReport) and rank == job.roles.first_trainer:  # the group's rows are one
         console = Console()
