@@ -50,7 +50,7 @@ from moetrain.rl.tasks import get_task
 from moetrain.rl.tokenizer import CharTokenizer
 
 LAYERS = 4
-ROLES = Roles(replicas=2, trainer_ranks=2, ranks_per_replica=2, replica_layout="tp")
+ROLES = Roles(replicas=2, trainer_ranks=2, ranks_per_replica=2, replica_tp=2)
 """Two replicas of two ranks each beside a trainer group of two: rank 0 counts (a replica rank)."""
 
 

@@ -119,7 +119,7 @@ def test_k0_a_tp2_by_ep2_replica_on_ray_equals_the_torch_distributed_run(cluster
     each sync, and the trainer's samples, rows and final weights, bit for bit."""
     from moetrain.rl.ray_engine import run_ranks
 
-    job = _scale_job(2, 0, None, replicas=1, ranks_per_replica=4, replica_layout="tp_ep", replica_tp=2,
+    job = _scale_job(2, 0, None, replicas=1, ranks_per_replica=4, replica_tp=2,
                      record_weights=True)
     names = [job.roles.worker_name(rank) for rank in range(5)]
     local = spawn(run_stalesync, 5, job)

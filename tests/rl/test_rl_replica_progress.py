@@ -8,7 +8,7 @@ from rl_models import small_model
 from moetrain.rl.replica_progress import ReplicaProgress
 from moetrain.rl.roles import Roles
 
-ROLES = Roles(replicas=2, trainer_ranks=1, ranks_per_replica=2, replica_layout="tp")
+ROLES = Roles(replicas=2, trainer_ranks=1, ranks_per_replica=2, replica_tp=2)
 
 
 def test_the_replica_rank_whose_count_lags_its_replicas_others_is_the_stalled_one():

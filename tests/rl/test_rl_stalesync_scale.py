@@ -388,7 +388,7 @@ def test_roles_place_replicas_of_several_ranks_then_the_trainer_group():
 
 def test_the_first_console_line_names_each_group_its_ranks_and_the_replica_layout():
     assert Roles().describe() == "rollout worker (rank 0) → trainer (rank 1)"
-    assert (Roles(replicas=2, trainer_ranks=2, ranks_per_replica=2, replica_layout="tp").describe()
+    assert (Roles(replicas=2, trainer_ranks=2, ranks_per_replica=2, replica_tp=2).describe()
             == "2 rollout replicas of 2 TP ranks (ranks 0–3) → trainer (ranks 4–5)")
     assert (Roles(reward=True, reference=True, replicas=2, trainer_ranks=2, ranks_per_replica=2).describe()
             == "2 rollout replicas of 2 EP ranks (ranks 0–3) → reward worker (rank 6) → reference worker (rank 7)"

@@ -20,7 +20,7 @@ from moetrain.rl import stalesync
 from moetrain.rl.spec import resolve_rl_spec
 from refusals import refused
 
-TP = {"replica_layout": "tp", "ranks_per_replica": 2}
+TP = {"ranks_per_replica": 2, "replica_tp": 2}
 ROWS = ("attention.q_up.weight", "attention.q_proj.weight", "attention.k_proj.weight", "attention.v_proj.weight",
         "attention.kv_up.weight", "ffn.gate.weight", "ffn.up.weight")
 COLUMNS = ("attention.o_proj.weight", "ffn.down.weight")

@@ -20,7 +20,7 @@ from moetrain.rl.spec import resolve_rl_spec
 from refusals import refused
 
 T, E = 2, 2
-TP_EP = {"replica_layout": "tp_ep", "ranks_per_replica": T * E, "replica_tp": T}
+TP_EP = {"ranks_per_replica": T * E, "replica_tp": T}
 
 
 def _is_expert(name: str) -> bool:
@@ -84,7 +84,7 @@ def test_k0_a_replica_of_tp2_by_ep2_ranks_beside_one_trainer_rank_is_the_one_pro
 
 
 def test_roles_place_a_tp_ep_replica_and_name_its_layout():
-    roles = Roles(replicas=2, trainer_ranks=1, ranks_per_replica=4, replica_layout="tp_ep", replica_tp=2)
+    roles = Roles(replicas=2, trainer_ranks=1, ranks_per_replica=4, replica_tp=2)
     assert (roles.gen_tp, roles.gen_ep, roles.world_size, list(roles.replica_leaders)) == (2, 2, 9, [0, 4])
     assert roles.describe() == "2 rollout replicas of 4 TP2×EP2 ranks (ranks 0–7) → trainer (rank 8)"
     spec = resolve_rl_spec([{"stalesync": {"staleness": 1}, "rollout": {"replicas": 2},

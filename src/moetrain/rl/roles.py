@@ -40,31 +40,36 @@ class Roles:
     trainer_ranks: int = 1
     """Ranks of the trainer group (its layout's world size)."""
     ranks_per_replica: int = 1
-    """Ranks of each rollout replica (its generation layout's EP or TP degree)."""
-    replica_layout: Literal["ep", "tp", "tp_ep"] = "ep"
-    """How a replica of several ranks splits the model: its experts (ep), its heads and dense columns (tp),
-    or both (tp_ep: ``replica_tp`` TP ranks times ``ranks_per_replica / replica_tp`` EP ranks)."""
+    """Ranks of each rollout replica (G: its generation layout's TP degree times its EP degree)."""
     replica_tp: int = 1
-    """Under ``tp_ep``: the TP degree T inside a replica (its EP degree is ``ranks_per_replica / T``)."""
+    """The TP degree T inside a replica, a divisor of G: 1 splits the experts over the G ranks (EP), G the
+    heads and dense columns (TP), anything between both (T TP ranks times G / T EP ranks)."""
 
     def __post_init__(self) -> None:
         if min(self.replicas, self.trainer_ranks, self.ranks_per_replica) < 1:
             raise ValueError(f"a run needs a rollout replica of a rank and a trainer rank, not {self.replicas} "
                              f"replica(s) of {self.ranks_per_replica} and {self.trainer_ranks}")
-        if self.replica_layout == "tp_ep" and (self.replica_tp < 2 or self.ranks_per_replica % self.replica_tp
-                                               or self.ranks_per_replica == self.replica_tp):
-            raise ValueError(f"a TP×EP replica of {self.ranks_per_replica} ranks needs a TP degree above 1 that "
-                             f"divides them with an EP degree above 1, not {self.replica_tp}")
+        if self.replica_tp < 1 or self.ranks_per_replica % self.replica_tp:
+            raise ValueError(f"a replica of {self.ranks_per_replica} ranks needs a TP degree that divides them, "
+                             f"not {self.replica_tp}")
+
+    @property
+    def replica_layout(self) -> Literal["ep", "tp", "tp_ep"]:
+        """How a replica of several ranks splits the model: its experts (ep), its heads and dense columns (tp),
+        or both (tp_ep)."""
+        if self.replica_tp == 1:
+            return "ep"
+        return "tp" if self.replica_tp == self.ranks_per_replica else "tp_ep"
 
     @property
     def gen_tp(self) -> int:
         """The TP degree inside a replica (1: none)."""
-        return {"ep": 1, "tp": self.ranks_per_replica, "tp_ep": self.replica_tp}[self.replica_layout]
+        return self.replica_tp
 
     @property
     def gen_ep(self) -> int:
         """The EP degree inside a replica (1: none)."""
-        return self.ranks_per_replica // self.gen_tp
+        return self.ranks_per_replica // self.replica_tp
 
     def describe(self) -> str:
         """Who does what, as the run's first console line says it."""

@@ -159,8 +159,7 @@ def stalesync_job(run: RLRun, initial: dict[str, torch.Tensor] | None):
     assert run.stale is not None  # a disaggregated spec has its StaleSync options
     roles = run.spec.roles
     return StaleSyncJob(run.grpo, run.options, run.stale, run.model_cfg, initial, replicas=roles.replicas,
-                        ranks_per_replica=roles.ranks_per_replica, replica_layout=roles.replica_layout,
-                        replica_tp=roles.replica_tp)
+                        ranks_per_replica=roles.ranks_per_replica, replica_tp=roles.replica_tp)
 
 
 def warm_up(run: RLRun, model: MoETransformer | None, console: Console | None = None):

@@ -173,10 +173,8 @@ class RLRunSpec(BaseModel):
         """The disaggregated run's groups on its ranks (``moetrain.rl.roles``)."""
         assert self.stalesync is not None and self.rollout.replicas is not None
         assert self.rollout.ranks_per_replica is not None
-        gen_tp, gen_ep = self.generation.gen_tp, self.generation.gen_ep
-        layout = "tp_ep" if gen_tp > 1 and gen_ep > 1 else "tp" if gen_tp > 1 else "ep"
         return Roles(self.stalesync.reward_worker, self.rl.grpo.kl_coef > 0, self.rollout.replicas,
-                     self.trainer.world_size, self.rollout.ranks_per_replica, layout, gen_tp)
+                     self.trainer.world_size, self.rollout.ranks_per_replica, self.generation.gen_tp)
 
     @property
     def model_name(self) -> str:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -46,12 +45,9 @@ class StaleSyncJob:
     replicas: int = 1
     """Rollout replicas, generating contiguous shares of every batch."""
     ranks_per_replica: int = 1
-    """Ranks of each replica: its generation layout's EP or TP degree."""
-    replica_layout: Literal["ep", "tp", "tp_ep"] = "ep"
-    """How a replica of several ranks splits the model: the experts (ep), the heads and dense columns (tp),
-    or both (tp_ep)."""
+    """Ranks of each replica: its generation layout's TP degree times its EP degree."""
     replica_tp: int = 1
-    """Under ``tp_ep``: the TP degree inside a replica (``Roles.replica_tp``)."""
+    """The TP degree inside a replica (``Roles.replica_tp``: 1 EP only, ``ranks_per_replica`` TP only)."""
     resend_first_after: int | None = None
     """Test hook: after batch b, the rollout worker sends batch 0 again (an old batch the trainer must drop)."""
     record_weights: bool = False
@@ -61,7 +57,7 @@ class StaleSyncJob:
     @property
     def roles(self) -> Roles:
         return Roles(self.stale.reward_worker, self.options.grpo.kl_coef > 0, self.replicas, self.spec.world_size,
-                     self.ranks_per_replica, self.replica_layout, self.replica_tp)
+                     self.ranks_per_replica, self.replica_tp)
 
 
 @dataclass(frozen=True)
