@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 
 from moetrain.distributed.weight_sync import SyncReport, WeightSync
-from moetrain.errors import UserError
 from moetrain.models.transformer import build_model
 from moetrain.rl.config import RLOptions
 from moetrain.rl.fusion import ep_generation_model, generation_views, global_shapes, sample_generators
@@ -34,7 +33,7 @@ from moetrain.rl.stalesync_job import START_TAG, Channels, Slices, StaleSyncJob
 from moetrain.rl.stalesync_schedule import Schedule
 from moetrain.rl.tasks import get_task
 from moetrain.rl.tokenizer import CharTokenizer
-from moetrain.rl.tp_generation import tp_ep_generation_model, tp_generation_model
+from moetrain.rl.tp_generation import check_experts_divide, tp_ep_generation_model, tp_generation_model
 from moetrain.train.faults import injected_faults
 
 
@@ -84,7 +83,7 @@ class RolloutWorker:
         elif roles.replica_layout == "tp_ep":
             self.model, stage = tp_ep_generation_model(job.model_cfg, channels.pool, self.device)
         else:
-            check_experts_divide(job, roles.ranks_per_replica)
+            check_experts_divide(job.model_cfg, roles.ranks_per_replica)
             self.model, stage = ep_generation_model(job.model_cfg, channels.pool, self.device)
         self.sync = WeightSync.plan({}, generation_views(self.model, stage, shapes),
                                     int(job.stale.bucket_mib * 2**20), channels.sync)
@@ -167,10 +166,3 @@ class RolloutWorker:
             self.sender.close(end_mark=self.sender.dst != self.channels.roles.first_trainer)
         return RolloutReport(len(versions), tokens, versions, time.perf_counter() - start, self.syncs,
                              model_bytes(self.model), self.synced_pieces)
-
-
-def check_experts_divide(job: StaleSyncJob, ranks: int) -> None:
-    moe = job.model_cfg.moe
-    if moe is None or moe.num_experts % ranks:
-        raise UserError(f"rollout replicas of {ranks} ranks split the experts over them: {job.model_cfg.name}'s "
-                        f"{moe.num_experts if moe else 0} experts do not divide by {ranks}; give --gen-ep a divisor")
