@@ -569,7 +569,7 @@ class RankUsage:
 
 def rank_usage() -> RankUsage:
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    return RankUsage(usage.ru_utime + usage.ru_stime, torch.get_num_threads(), torch.get_num_interop_threads(),
+    return RankUsage(process_cpu_seconds(), torch.get_num_threads(), torch.get_num_interop_threads(),
                      len(list(Path("/proc/self/task").iterdir())), usage.ru_nvcsw, usage.ru_nivcsw)
 
 
