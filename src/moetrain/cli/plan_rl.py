@@ -14,7 +14,13 @@ from typing import Any
 import yaml
 
 from moetrain.cli.common import output_file
-from moetrain.cli.simulate_rl import PLACEMENTS, add_rl_workload_arguments, build_rl_workload, check_rl_workload
+from moetrain.cli.simulate_rl import (
+    PLACEMENTS,
+    add_rl_workload_arguments,
+    build_rl_workload,
+    check_rl_workload,
+    measured_rates,
+)
 from moetrain.config.run import spec_source_from_plan
 from moetrain.errors import UserError
 from moetrain.rl.spec import resolve_rl_spec
@@ -38,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_rl_workload_arguments(g)
 
 
-def _options(args: argparse.Namespace, workload):
+def _options(args: argparse.Namespace, workload, sync, probed):
     from moetrain.planner.rl_search import RLSearchOptions  # lazy: the RL search loads when the command runs
 
     if args.offload and args.host_link_gbps is None and workload.cluster.device != "cpu":
@@ -47,24 +53,23 @@ def _options(args: argparse.Namespace, workload):
     return RLSearchOptions(placements=placements, max_staleness=args.max_staleness,
                            rollout_devices=args.rollout_devices, gen_devices_per_replica=args.gen_ep,
                            offload=args.offload, host_link_gbps=args.host_link_gbps,
-                           runnable_trainer_only=not args.any_layout)
+                           runnable_trainer_only=not args.any_layout, sync=sync, probed_cpu=probed)
 
 
 def plan_rl(args: argparse.Namespace):
     """(the search result, the workload) of the flags."""
     # lazy: the RL search and rich load when the command runs, not when the parser imports every command module
-    from moetrain.planner.generation import HostCosts
     from moetrain.planner.rl_search import check_options, search_rl
     from moetrain.status import say, status_console
 
     check_rl_workload(args, positive=("gen_ep", "rollout_devices"), non_negative=("max_staleness",))
     workload, calibration = build_rl_workload(args)
-    options = _options(args, workload)
+    host, sync, probed = measured_rates(args)  # the rates simulate --rl prices with, read the same way
+    options = _options(args, workload, sync, probed)
     check_options(args.devices, options)
     say(status_console(quiet=args.json), f"searching the RL jobs of {workload.model.name} on {args.devices:,} × "
         f"{workload.cluster.name}…")
-    result = search_rl(workload, args.devices, calibration, HostCosts(moe_pass_us=0.0 if args.graphs else None),
-                       options)
+    result = search_rl(workload, args.devices, calibration, host, options)
     return result, workload
 
 
@@ -98,7 +103,8 @@ def _header(args: argparse.Namespace, candidate, result, out: str) -> str:
              f"{candidate.trainer()}",
              f"predicted on {args.devices} × {args.cluster} ({args.dtype}, {args.prompt_len} prompt + "
              f"{args.response_len} generated tokens per sample): step {p.step_s:.4g} s, "
-             f"{p.tokens_per_s:,.0f} tokens/s, {p.generated_tokens_per_s:,.0f} generated tokens/s"]
+             f"{p.tokens_per_s:,.0f} tokens/s, {p.generated_tokens_per_s:,.0f} generated tokens/s",
+             f"step model: {_step_model_text(candidate)}"]
     lines += [f"{NOT_RUNNABLE}{reason}" for reason in candidate.not_runnable]
     if not candidate.not_runnable:
         lines.append(f"run it: {run_command(args, candidate, out)} (flags other than the layout's override it)")
@@ -139,13 +145,33 @@ def _loads_as_spec(spec: dict[str, Any], name: str) -> str | None:
     return None
 
 
+def _step_model_text(c) -> str:
+    """Which model priced a candidate's step (``RLStepPrediction.step_model``), in words."""
+    from moetrain.planner.rl_step import SHARED_CPU_MODEL  # lazy: as above
+
+    if c.prediction.step_model == SHARED_CPU_MODEL:
+        return (f"processor sharing of the probed CPU-seconds per process over {c.layout.shared_cores:g} cores "
+                "(--rl-rates' role_cpu)")
+    return "the priced phases"
+
+
+def _unprobed_line(result, args: argparse.Namespace) -> str:
+    """One line naming the jobs the probed CPU-seconds per process could not price (left out of the ranking)."""
+    from moetrain.planner.rl_rates import PROBE_COMMAND  # lazy: as above
+
+    jobs = "; ".join(result.unprobed)
+    return (f"not priced by {args.rl_rates}'s role_cpu (its processes are another job's), left out at k ≥ 1: "
+            f"{jobs}; probe such a job with `{PROBE_COMMAND}` to rank it")
+
+
 def row(c) -> dict[str, Any]:
     lay, p = c.layout, c.prediction
     return {"placement": lay.placement, "devices": lay.devices, "rollout_devices": lay.rollout_devices,
             "train_devices": lay.train_devices, "replicas": lay.replicas,
             "gen_devices_per_replica": lay.gen_devices_per_replica, "staleness": lay.staleness,
             "trainer": lay.train.model_dump(), "step_s": p.step_s, "tokens_per_s": p.tokens_per_s,
-            "generated_tokens_per_s": p.generated_tokens_per_s, "phases_s": vars(p.phases),
+            "generated_tokens_per_s": p.generated_tokens_per_s, "step_model": p.step_model,
+            "shared_cores": lay.shared_cores, "phases_s": vars(p.phases),
             "train_fits_memory": p.train_fits_memory, "device_gib": c.device_gib,
             "not_runnable": list(c.not_runnable)}
 
@@ -166,18 +192,23 @@ def run(args: argparse.Namespace) -> int:
                           "seconds": result.seconds, "candidates": len(result.ranked),
                           "trainer_searches": result.trainer_searches,
                           "trainer_layouts_evaluated": result.trainer_layouts_evaluated,
-                          "left_out": result.left_out, "top": [row(c) for c in top], "why": result.why,
+                          "left_out": result.left_out, "unprobed": result.unprobed, "top": [row(c) for c in top],
+                          "why": result.why,
                           "plan_file": out, "runnable": not winner.not_runnable}, indent=2, default=float))
         return 0
     print(f"searched {len(result.ranked):,} RL jobs of {workload.model.name} on {args.devices:,} × "
           f"{workload.cluster.name} in {result.seconds:.1f} s ({result.trainer_searches} trainer searches, "
           f"{result.trainer_layouts_evaluated:,} trainer layouts)")
-    print(f"{'#':>2} {'split':<38} {'generation':<18} {'k':>2} {'step s':>9} {'tokens/s':>10} {'runs':>4}  trainer")
+    print(f"{'#':>2} {'split':<38} {'generation':<18} {'k':>2} {'step s':>9} {'step model':<17} {'tokens/s':>10} "
+          f"{'runs':>4}  trainer")
     for i, c in enumerate(top, 1):
         print(f"{i:>2} {c.split():<38} {c.generation():<18} {c.staleness:>2} {c.step_s:>9.4g} "
-              f"{c.tokens_per_s:>10,.0f} {'no' if c.not_runnable else 'yes':>4}  {c.trainer()}")
+              f"{c.prediction.step_model:<17} {c.tokens_per_s:>10,.0f} {'no' if c.not_runnable else 'yes':>4}  "
+              f"{c.trainer()}")
     if result.left_out:
         print("left out: " + "; ".join(f"{reason} ({n})" for reason, n in result.left_out.items()))
+    if result.unprobed:
+        print(_unprobed_line(result, args))
     print("\nwhy the winner wins:")
     for line in result.why:
         print(f"  {line}")

@@ -7,9 +7,15 @@ import argparse
 import json
 import math
 from dataclasses import asdict, replace
+from typing import TYPE_CHECKING
 
 from moetrain.cli.workload import build_workload, parallel_from_args
 from moetrain.errors import UserError
+
+if TYPE_CHECKING:  # the planner's types load when a command runs (lazy imports below)
+    from moetrain.planner.generation import HostCosts
+    from moetrain.planner.rl_rates import ProbedRoleCPU
+    from moetrain.planner.rl_step import SyncRates
 
 PLACEMENTS = ("colocated", "disaggregated", "both")
 
@@ -29,9 +35,6 @@ def add_rl_arguments(parser: argparse.ArgumentParser) -> None:
                    help="disaggregated: devices that generate; the rest train (default: half)")
     g.add_argument("--gen-ep", type=int, default=1,
                    help="devices per generation replica, experts split over them (1: a whole model each)")
-    g.add_argument("--rl-rates", default=None, metavar="FILE",
-                   help="host rates measured by `moetrain profile --rl-out` (generation's host costs, the weight "
-                        "sync's copy and CRC-32 rates; default: none, the device work and the link alone)")
 
 
 def add_rl_workload_arguments(g) -> None:
@@ -54,6 +57,11 @@ def add_rl_workload_arguments(g) -> None:
     g.add_argument("--graphs", action="store_true",
                    help="generation runs captured graphs (an inference engine): no per-MoE-pass host cost")
     g.add_argument("--reward-s", type=float, default=0.0, help="seconds to score a step's samples")
+    g.add_argument("--rl-rates", default=None, metavar="FILE",
+                   help="host rates measured by `moetrain profile --rl-out` (generation's host costs, the weight "
+                        "sync's copy and CRC-32 rates; with a role_cpu section from --rl-job, a disaggregated "
+                        "step at k ≥ 1 is the probed CPU-seconds per process shared over the cores; default: "
+                        "none, the device work and the link alone)")
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -125,21 +133,15 @@ def build_rl_workload(args: argparse.Namespace):
 def simulate_rl(args: argparse.Namespace) -> dict:
     """The predictions as a plain mapping (what --json prints)."""
     # lazy: the RL pricing loads when the command runs, not when the parser imports every command module
-    from moetrain.planner.generation import HostCosts
-    from moetrain.planner.rl_rates import load_rl_rates
     from moetrain.planner.rl_step import price_rl_step
 
     _check(args)
     workload, calibration = build_rl_workload(args)
-    host, sync, probed = HostCosts(moe_pass_us=0.0 if args.graphs else None), None, None
-    if args.rl_rates is not None:
-        rates = load_rl_rates(args.rl_rates)
-        host, sync = replace(rates.host, moe_pass_us=0.0) if args.graphs else rates.host, rates.sync
-        probed = rates.role_cpu
-    layouts = [_with_probed_cpu(layout, probed) for layout in _layouts(args, workload)]
+    host, sync, probed = measured_rates(args)
+    layouts = [probed.on(layout) if probed else layout for layout in _layouts(args, workload)]
     predictions = [price_rl_step(workload, layout, calibration, host, sync) for layout in layouts]
     rows = [{**{k: v for k, v in asdict(p).items() if k != "phases"}, "phases_s": asdict(p.phases),
-             "step_model": _step_model(layout), "shared_cores": layout.shared_cores}
+             "shared_cores": layout.shared_cores}
             for p, layout in zip(predictions, layouts, strict=True)]
     return {
         "model": workload.model.name, "cluster": workload.cluster.name, "devices": args.devices,
@@ -152,28 +154,25 @@ def simulate_rl(args: argparse.Namespace) -> dict:
     }
 
 
-def _with_probed_cpu(layout, probed):
-    """A disaggregated layout at k ≥ 1 with the rates file's probed CPU-seconds per process: its step is
-    those works shared over the probed machine's cores (``planner.rl_cores``); any other layout as it was
-    (at k = 0 the roles take turns, and colocated runs share no pipeline round)."""
-    if probed is None or layout.placement != "disaggregated" or layout.staleness == 0:
-        return layout
-    return replace(layout, role_cpu=probed.work, shared_cores=probed.cores)
+def measured_rates(args: argparse.Namespace) -> tuple[HostCosts, SyncRates | None, ProbedRoleCPU | None]:
+    """(host costs, sync rates, probed role CPU) that ``--rl-rates`` and ``--graphs`` set: what ``simulate --rl``
+    and ``plan --rl`` price with (none measured: the device work and the link alone, the phases)."""
+    # lazy: the RL pricing loads when the command runs, not when the parser imports every command module
+    from moetrain.planner.generation import HostCosts
+    from moetrain.planner.rl_rates import load_rl_rates
+
+    if args.rl_rates is None:
+        return HostCosts(moe_pass_us=0.0 if args.graphs else None), None, None
+    rates = load_rl_rates(args.rl_rates)
+    return replace(rates.host, moe_pass_us=0.0) if args.graphs else rates.host, rates.sync, rates.role_cpu
 
 
-PHASES_MODEL = "phases"
-"""The step is the priced phases (generation, training, the push; overlapped at k ≥ 1)."""
-SHARED_CPU_MODEL = "processor sharing"
-"""The step is the probed CPU-seconds per process shared over the cores (``planner.rl_cores``)."""
+def step_model_text(step_model: str, shared_cores: float | None) -> str:
+    """What priced a step, in words (``RLStepPrediction.step_model``)."""
+    from moetrain.planner.rl_step import SHARED_CPU_MODEL  # lazy: as above
 
-
-def _step_model(layout) -> str:
-    return SHARED_CPU_MODEL if layout.role_cpu is not None else PHASES_MODEL
-
-
-def _step_model_text(row: dict) -> str:
-    if row["step_model"] == SHARED_CPU_MODEL:
-        return (f"processor sharing of the probed CPU-seconds per process over {row['shared_cores']:g} cores "
+    if step_model == SHARED_CPU_MODEL:
+        return (f"processor sharing of the probed CPU-seconds per process over {shared_cores:g} cores "
                 "(planner.rl_cores; --rl-rates' role_cpu)")
     return "the priced phases below"
 
@@ -205,7 +204,7 @@ def run_rl(args: argparse.Namespace) -> int:
         print(f"  step {row['step_s']:.4g} s   {row['generated_tokens_per_s']:.4g} generated tokens/s   "
               f"{row['tokens_per_s']:.4g} tokens/s   decode {'memory' if row['decode_memory_bound'] else 'compute'}"
               f"-bound{'' if row['train_fits_memory'] else '   TRAINING DOES NOT FIT'}")
-        print(f"  step model: {_step_model_text(row)}")
+        print(f"  step model: {step_model_text(row['step_model'], row['shared_cores'])}")
         for key, label in PHASE_NAMES.items():
             if row["phases_s"][key] > 0:
                 print(f"  {label:32s} {row['phases_s'][key]:10.4g} s")

@@ -10,7 +10,7 @@ job at k ≥ 1; files without it load as before. Torch-free: measuring them is `
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import yaml
@@ -19,7 +19,7 @@ from moetrain.errors import UserError
 from moetrain.planner.calibration import read_profile_file
 from moetrain.planner.generation import HostCosts
 from moetrain.planner.rl_cores import RoleCPU
-from moetrain.planner.rl_step import SyncRates
+from moetrain.planner.rl_step import RLLayout, SyncRates
 
 PROBE_COMMAND = "moetrain profile --rl-out FILE --rl-job rl.yaml"
 """What writes a file's ``role_cpu`` section (named in the errors that refuse one)."""
@@ -37,6 +37,19 @@ class ProbedRoleCPU:
     def to_dict(self) -> dict:
         return {"rollout_s": list(self.work.rollout_s), "trainer_s": list(self.work.trainer_s),
                 "overlap": list(self.work.overlap), "cores": self.cores}
+
+    def describe(self) -> str:
+        return f"{len(self.work.rollout_s)} rollout + {len(self.work.trainer_s)} trainer processes"
+
+    def on(self, layout: RLLayout) -> RLLayout:
+        """``layout`` as ``moetrain simulate --rl`` and ``moetrain plan --rl`` price it with this probe: a
+        disaggregated layout at k ≥ 1 carries the probed CPU-seconds per process and the probed machine's
+        cores, so its step is those works shared over the cores (``rl_step.price_rl_step``, ``rl_cores``);
+        any other layout as it was (at k = 0 the roles take turns, and a colocated job shares no pipeline
+        round). ``rl_step.role_cpu_mismatch`` says when the probe's processes are not the layout's."""
+        if layout.placement != "disaggregated" or layout.staleness == 0:
+            return layout
+        return replace(layout, role_cpu=self.work, shared_cores=self.cores)
 
 
 @dataclass(frozen=True)

@@ -38,12 +38,16 @@ from moetrain.errors import UserError
 from moetrain.planner.calibration import Calibration
 from moetrain.planner.device_memory import GIB
 from moetrain.planner.generation import HostCosts, kv_cache_bytes_per_token
+from moetrain.planner.rl_cores import RoleCPU
+from moetrain.planner.rl_rates import ProbedRoleCPU
 from moetrain.planner.rl_step import (
     Placement,
     RLLayout,
     RLStepPrediction,
     RLWorkload,
+    SyncRates,
     price_rl_step,
+    role_cpu_mismatch,
     training_workload,
     weight_bytes,
 )
@@ -71,6 +75,13 @@ class RLSearchOptions:
     """Rank only trainer layouts that ``moetrain rl``'s trainer runs (``runtime_limits`` empty, no context
     parallelism); off: every layout the cost model prices."""
     split_points: int = SPLIT_POINTS
+    sync: SyncRates | None = None
+    """The weight sync's measured host rates (``--rl-rates``); None: the link alone."""
+    probed_cpu: ProbedRoleCPU | None = None
+    """One job's probed CPU-seconds per process (``--rl-rates``' ``role_cpu``): a disaggregated job at k ≥ 1
+    whose processes are the probe's is priced by sharing them over the probed cores, as ``simulate --rl``
+    prices it (``ProbedRoleCPU.on``); one whose processes are not is left out and named
+    (``RLSearchResult.unprobed``). None: every job by its phases."""
 
 
 @dataclass(frozen=True)
@@ -102,14 +113,10 @@ class RLCandidate:
         return self.layout.staleness
 
     def split(self) -> str:
-        lay = self.layout
-        if lay.placement == "colocated":
-            return f"colocated: all {lay.devices} train and generate"
-        return f"{lay.rollout_devices} generate / {lay.train_devices} train"
+        return split_text(self.layout)
 
     def generation(self) -> str:
-        lay = self.layout
-        return f"{lay.replicas} × gen-ep {lay.gen_devices_per_replica}"
+        return generation_text(self.layout)
 
     def trainer(self) -> str:
         return describe(Strategies.from_parallel([self.layout.train]), 0)
@@ -125,10 +132,27 @@ class RLSearchResult:
     left_out: dict[str, int] = field(default_factory=dict)
     """Candidates not priced, by the reason (generation does not fit, no trainer layout fits, …)."""
     why: list[str] = field(default_factory=list)
+    unprobed: list[str] = field(default_factory=list)
+    """The disaggregated jobs at k ≥ 1 the probed CPU-seconds per process do not price (their processes are
+    not the probe's: ``rl_step.role_cpu_mismatch``), each as its split and generation layout; left out."""
 
     @property
     def winner(self) -> RLCandidate:
         return self.ranked[0]
+
+
+UNPROBED = "disaggregated k ≥ 1: the probed CPU-seconds per process (--rl-rates' role_cpu) are another job's"
+"""The ``left_out`` reason of a job ``RLSearchOptions.probed_cpu`` cannot price."""
+
+
+def split_text(lay: RLLayout) -> str:
+    if lay.placement == "colocated":
+        return f"colocated: all {lay.devices} train and generate"
+    return f"{lay.rollout_devices} generate / {lay.train_devices} train"
+
+
+def generation_text(lay: RLLayout) -> str:
+    return f"{lay.replicas} × gen-ep {lay.gen_devices_per_replica}"
 
 
 def generation_bytes(w: RLWorkload, devices_per_replica: int, rows: int) -> float:
@@ -201,6 +225,35 @@ class _Trainer:
     evaluated: int
 
 
+@dataclass
+class _Trainers:
+    """The training search's best layout per training device count, each searched once."""
+
+    w: RLWorkload
+    calibration: Calibration
+    runnable_only: bool
+    found: dict[int, _Trainer] = field(default_factory=dict)
+
+    def __call__(self, count: int) -> _Trainer:
+        if count not in self.found:
+            workload, eff = training_workload(self.w), self.calibration.for_device(self.w.cluster.device)
+            space = SearchSpace(cp=(1,)) if self.runnable_only else SearchSpace()
+            found = search(workload, count, eff, space, top_k=1, timeline_top=1, time_every_choice=False,
+                           runnable_only=self.runnable_only)
+            parallel = found.ranked[0].parallel if found.ranked else None
+            prediction = simulate_layout(workload, parallel, count, self.calibration) if parallel else None
+            self.found[count] = _Trainer(parallel, prediction, found.candidates_evaluated)
+        return self.found[count]
+
+
+def _probed(layout: RLLayout, options: RLSearchOptions) -> tuple[RLLayout, bool]:
+    """(``layout`` as ``options``' probe prices it, whether the probe's processes are another job's)."""
+    if options.probed_cpu is None:
+        return layout, False
+    layout = options.probed_cpu.on(layout)
+    return layout, layout.role_cpu is not None and role_cpu_mismatch(layout.role_cpu, layout) is not None
+
+
 def search_rl(w: RLWorkload, devices: int, calibration: Calibration, host: HostCosts | None = None,
               options: RLSearchOptions | None = None) -> RLSearchResult:
     """Every split, generation layout, trainer layout and k of ``w`` on ``devices``, priced and ranked
@@ -210,25 +263,11 @@ def search_rl(w: RLWorkload, devices: int, calibration: Calibration, host: HostC
     start = time.perf_counter()
     host = host or HostCosts()
     check_options(devices, options)
-    eff = calibration.for_device(w.cluster.device)
-    trainers: dict[int, _Trainer] = {}
-    space = SearchSpace(cp=(1,)) if options.runnable_trainer_only else SearchSpace()
-
-    def trainer(count: int) -> _Trainer:
-        if count not in trainers:
-            found = search(training_workload(w), count, eff, space, top_k=1, timeline_top=1,
-                           time_every_choice=False, runnable_only=options.runnable_trainer_only)
-            if not found.ranked:
-                trainers[count] = _Trainer(None, None, found.candidates_evaluated)
-            else:
-                parallel = found.ranked[0].parallel
-                trainers[count] = _Trainer(parallel, simulate_layout(training_workload(w), parallel, count,
-                                                                     calibration), found.candidates_evaluated)
-        return trainers[count]
-
+    trainer = _Trainers(w, calibration, options.runnable_trainer_only)
     limit = MEMORY_LIMIT_FRACTION * w.cluster.hbm_bytes
     ranked: list[RLCandidate] = []
     left_out: dict[str, int] = {}
+    unprobed: list[str] = []
 
     def leave(reason: str) -> None:
         left_out[reason] = left_out.get(reason, 0) + 1
@@ -265,9 +304,14 @@ def search_rl(w: RLWorkload, devices: int, calibration: Calibration, host: HostC
                 if device_bytes > limit:
                     leave("colocated: generation does not fit beside the training state")
                     continue
-                layout = RLLayout(placement, devices, chosen.parallel, g, rollout, k,
-                                  options.offload and placement == "colocated", options.host_link_gbps)
-                prediction = price_rl_step(w, layout, calibration, host, training=chosen.prediction)
+                layout, unpriced = _probed(RLLayout(placement, devices, chosen.parallel, g, rollout, k,
+                                                    options.offload and placement == "colocated",
+                                                    options.host_link_gbps), options)
+                if unpriced:  # every k ≥ 1 alike: named once, at k = 1
+                    leave(UNPROBED)
+                    unprobed.append(f"{split_text(layout)} ({generation_text(layout)})")
+                    continue
+                prediction = price_rl_step(w, layout, calibration, host, options.sync, training=chosen.prediction)
                 candidate = RLCandidate(layout, prediction, chosen.evaluated, gen_bytes / GIB, device_bytes / GIB,
                                         tuple(rl_runtime_limits(w, layout)))
                 ranked.append(candidate)
@@ -276,8 +320,8 @@ def search_rl(w: RLWorkload, devices: int, calibration: Calibration, host: HostC
                                        prediction=replace(prediction, staleness=more))
                                for more in range(2, options.max_staleness + 1)]
     seconds = time.perf_counter() - start
-    result = RLSearchResult(sorted(ranked, key=_rank_key), seconds, len(trainers),
-                            sum(t.evaluated for t in trainers.values()), left_out)
+    result = RLSearchResult(sorted(ranked, key=_rank_key), seconds, len(trainer.found),
+                            sum(t.evaluated for t in trainer.found.values()), left_out, unprobed=unprobed)
     if not ranked:
         raise UserError(_nothing_fits(w, devices, left_out))
     result.why = explain(result)
@@ -364,6 +408,8 @@ def explain(result: RLSearchResult) -> list[str]:
         lines.append(f"split {best.split()}: rollout side {rollout_side:.4g} s (generate + reward), trainer "
                      f"{train_side:.4g} s (log-prob forwards + train), push {ph.push_s:.3g} s"
                      + (f"; best with {around}" if around else ""))
+        if lay.role_cpu is not None:
+            lines.append(_shared_cpu_line(lay.role_cpu, lay.shared_cores, p.step_s))
     else:
         lines.append(f"colocated: generate {ph.generate_s:.4g} s, train {ph.train_s:.4g} s, reshard "
                      f"{ph.reshard_s:.3g} s on all {lay.devices} devices")
@@ -386,3 +432,11 @@ def explain(result: RLSearchResult) -> list[str]:
                  f"layouts on {lay.train_devices} devices ({ph.train_s:.4g} s per step"
                  f"{'' if p.train_fits_memory else ', DOES NOT FIT'})")
     return lines
+
+
+def _shared_cpu_line(work: RoleCPU, cores: float | None, step_s: float) -> str:
+    """How the probed CPU-seconds per process priced a step (``rl_cores.shared_cpu_step``)."""
+    rollout = ", ".join(f"{x:.4g}" for x in work.rollout_s)
+    trainer = ", ".join(f"{x:.4g}" for x in work.trainer_s)
+    return (f"step {step_s:.4g} s: processor sharing of the probed CPU-seconds per process over {cores:g} cores "
+            f"(rollout {rollout} × {work.overlap[0]:g}; trainer {trainer} × {work.overlap[1]:g}), not the phases")

@@ -211,6 +211,12 @@ class RLPhases:
     record) from the others."""
 
 
+PHASES_MODEL = "phases"
+"""The step is the priced phases (generation, training, the push; overlapped at k ≥ 1)."""
+SHARED_CPU_MODEL = "processor sharing"
+"""The step is the probed CPU-seconds per process shared over the cores (``RLLayout.role_cpu``, ``rl_cores``)."""
+
+
 @dataclass(frozen=True)
 class RLStepPrediction:
     placement: Placement
@@ -226,6 +232,8 @@ class RLStepPrediction:
     """Prompt and generated tokens per second (what the trainer trains on)."""
     decode_memory_bound: bool
     train_fits_memory: bool
+    step_model: str = PHASES_MODEL
+    """What priced ``step_s``: ``PHASES_MODEL`` or ``SHARED_CPU_MODEL``."""
 
 
 def _check(w: RLWorkload, layout: RLLayout) -> None:
@@ -253,11 +261,24 @@ def _check_role_cpu(work: RoleCPU, layout: RLLayout) -> None:
     if layout.placement != "disaggregated" or layout.shared_cores is None:
         raise UserError("measured CPU-seconds per process price a disaggregated job on one CPU: give the "
                         "layout its shared cores and placement disaggregated, or drop the role CPU")
+    mismatch = role_cpu_mismatch(work, layout)
+    if mismatch is not None:
+        raise UserError(mismatch)
+
+
+def role_cpu_mismatch(work: RoleCPU, layout: RLLayout) -> str | None:
+    """Why ``work``'s processes are not ``layout``'s (None: they are): the probe measures one-rank replicas
+    (``moetrain.rl.rates.check_role_cpu_job``), one work per replica and per trainer rank. The one rule of
+    ``simulate --rl`` (which refuses such a layout) and ``plan --rl`` (which leaves it out and says so)."""
     shape = (len(work.rollout_s), len(work.trainer_s))
     if shape != (layout.generating_devices, layout.train_devices):
-        raise UserError(f"CPU-seconds of {shape[0]} rollout and {shape[1]} trainer processes do not match the "
-                        f"layout's {layout.generating_devices} and {layout.train_devices}; probe this layout's job "
-                        "(`moetrain profile --rl-out FILE --rl-job rl.yaml`)")
+        return (f"CPU-seconds of {shape[0]} rollout and {shape[1]} trainer processes do not match the layout's "
+                f"{layout.generating_devices} and {layout.train_devices}; probe this layout's job "
+                "(`moetrain profile --rl-out FILE --rl-job rl.yaml`)")
+    if layout.gen_devices_per_replica > 1:
+        return (f"CPU-seconds of one-rank rollout replicas do not price replicas of {layout.gen_devices_per_replica} "
+                "devices: use --gen-ep 1 with this probe")
+    return None
 
 
 def training_prediction(w: RLWorkload, layout: RLLayout, calibration: Calibration):
@@ -453,7 +474,7 @@ def price_rl_step(w: RLWorkload, layout: RLLayout, calibration: Calibration, hos
     ``calibration`` by default; ``training``: the layout's ``training_prediction`` when the caller has it
     already (a search pricing one training layout under many splits)."""
     _check(w, layout)
-    host = host or HostCosts()
+    host, model = host or HostCosts(), PHASES_MODEL
     eff = calibration.for_device(w.cluster.device)
     training = training or training_prediction(w, layout, train_calibration or calibration)
     train_s, fits = float(training.step_time_s), bool(training.fits_memory)
@@ -486,7 +507,7 @@ def price_rl_step(w: RLWorkload, layout: RLLayout, calibration: Calibration, hos
             pack = _pack_time(w, layout, sync)
             if layout.role_cpu is not None:  # one CPU: the processes' measured work shares its cores
                 assert layout.shared_cores is not None
-                step = shared_cpu_step(layout.role_cpu, layout.shared_cores)
+                step, model = shared_cpu_step(layout.role_cpu, layout.shared_cores), SHARED_CPU_MODEL
             else:
                 step = overlapped_time(rollout_side + _unpacked_push_time(moves.push_s, w, sync),
                                        train_side + pack, layout.shared_cores,
@@ -500,4 +521,4 @@ def price_rl_step(w: RLWorkload, layout: RLLayout, calibration: Calibration, hos
         train_devices=layout.train_devices, generating_devices=layout.generating_devices, replicas=layout.replicas,
         phases=phases, step_s=step, generated_tokens_per_s=w.generated_tokens / step,
         tokens_per_s=w.samples * (w.prompt_len + w.response_len) / step,
-        decode_memory_bound=generation.decode_memory_bound, train_fits_memory=fits)
+        decode_memory_bound=generation.decode_memory_bound, train_fits_memory=fits, step_model=model)
