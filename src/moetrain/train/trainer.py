@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from rich.console import Console, RenderableType
 
+from moetrain.balance.online import BALANCE_DEFAULTS
 from moetrain.config import ClusterConfig, ModelConfig, cluster_for_device, load_cluster_config, load_model_config
 from moetrain.config.run import RunSpec
 from moetrain.costs.flops import training_flops_per_token
@@ -297,13 +298,14 @@ class Trainer:
     def build_run(self, model: MoETransformer | None) -> LayoutRun:
         if not self.spec.balance.enabled:
             return build_layout(self.dims, self.model_cfg, self.cfg, self.device, model=model)
-        from moetrain.distributed.balancing import build_balanced_run  # lazy, heavy: scipy's solvers, --balance only
+        # lazy, heavy: scipy's solvers, --balance only
+        from moetrain.distributed.balancing import BalancedRunSetup, BalancerTuning, build_balanced_run
 
         balance = self.spec.balance
-        tuning = {name: value for name, value in (("interval", balance.interval), ("horizon", balance.horizon))
-                  if value is not None}
-        run, self.balancer = build_balanced_run(self.dims, self.model_cfg, self.cfg, self.device, self.cluster,
-                                                model=model, slots_per_rank=balance.slots_per_rank, **tuning)
+        tuning = BalancerTuning(interval=BALANCE_DEFAULTS.interval if balance.interval is None else balance.interval,
+                                horizon=BALANCE_DEFAULTS.horizon if balance.horizon is None else balance.horizon)
+        setup = BalancedRunSetup(model=model, slots_per_rank=balance.slots_per_rank, tuning=tuning)
+        run, self.balancer = build_balanced_run(self.dims, self.model_cfg, self.cfg, self.device, self.cluster, setup)
         return run
 
     def will_compile(self) -> bool:
