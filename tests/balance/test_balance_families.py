@@ -43,7 +43,7 @@ def _adaptive_replay(family: str, experts: int, ep: int, seed: int, **params) ->
     if key not in _REPLAYS:
         trace = family_trace(family, TraceShape(60, 1, experts, ep, 16384 * ep), seed=seed, **params)
         costs = _costs(experts, ep)
-        _REPLAYS[key] = trace, costs, replay(trace, costs, AdaptivePredictor())
+        _REPLAYS[key] = trace, costs, replay(trace, ReplanRule(costs), AdaptivePredictor())
     return _REPLAYS[key]
 
 
@@ -183,7 +183,7 @@ def test_spare_slots_are_recommended_where_a_single_expert_needs_a_replica():
     row = np.full(16, 600.0)
     row[0] = 6000.0  # 6000 / 15000 = 40 %
     trace = RoutingTrace(np.arange(20), np.arange(1), np.tile(row.astype(np.int64), (20, 1, 1)))
-    choice = choose_spare_slots(trace, costs, EMAPredictor(0.5), options=(0, 1))
+    choice = choose_spare_slots(trace, ReplanRule(costs), EMAPredictor(0.5), options=(0, 1))
     none, one = choice.options
     assert (none.spare_per_rank, one.spare_per_rank) == (0, 1)
     assert choice.recommended is one
@@ -220,7 +220,7 @@ def test_a_shift_restarts_the_forecast_in_place_and_replans_in_full():
 def test_the_recorded_traces_come_within_the_gap_bound(name):
     trace = read_trace(Path(__file__).resolve().parents[2] / "benchmarks" / "results" / name)
     costs = BalanceCostModel(load_model_config("tiny-pangu"), load_cluster_config("atlas-800t-a2"), 4)
-    result = replay(trace, costs, AdaptivePredictor())
+    result = replay(trace, ReplanRule(costs), AdaptivePredictor())
     assert 0.0 <= result.steady_gap_to_ideal <= GAP_BOUND
     assert result.predicted_gain > 0.0
 
@@ -244,7 +244,7 @@ def test_the_tests_random_walk_misses_by_its_forecast_not_by_its_placements():
         def forecast(self, state, horizon):
             return loads[min(int(state["step"][0]) + 1, len(loads) - 1)].copy()
 
-    foreseen = replay(trace, costs, NextStep())
+    foreseen = replay(trace, ReplanRule(costs), NextStep())
     assert foreseen.steady_gap_to_ideal < 0.01
     assert adaptive.steady_gap_to_ideal > GAP_BOUND
 
@@ -263,9 +263,9 @@ def test_at_4096_tokens_per_rank_a_giant_on_one_node_is_balanced_and_its_rings_h
     # within the bound; the hand-over step still runs on the old placement.
     trace = family_trace(family, TraceShape(60, 1, experts, ep, 4096 * ep), seed=seed, **params)
     costs = _costs(experts, ep)
-    after = replay(trace, replace(costs, overlap_replica_rings=False), AdaptivePredictor())
+    after = replay(trace, ReplanRule(replace(costs, overlap_replica_rings=False)), AdaptivePredictor())
     assert after.steady_gap_parts()["replica_sync"] > 0.02
-    result = replay(trace, costs, AdaptivePredictor())
+    result = replay(trace, ReplanRule(costs), AdaptivePredictor())
     parts = result.steady_gap_parts()
     assert parts["replica_sync"] < 0.005 and parts["steps_shifted"] >= 1
     assert parts["imbalance"] + parts["migration"] <= 0.02, parts

@@ -113,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
         select_predictor,
     )
     from moetrain.balance.replay import replay
+    from moetrain.balance.schedule import ReplanRule
     from moetrain.balance.slots import choose_spare_slots
     from moetrain.balance.traces import read_trace
 
@@ -142,14 +143,12 @@ def run(args: argparse.Namespace) -> int:
         predictor = parse_predictor(args.predictor)
         if isinstance(predictor, AdaptivePredictor) and loads.shape[0] > 5 + forecast_horizon:
             errors = {p.name: forecast_error(p, loads, forecast_horizon) for p in (*predictor.candidates, predictor)}
-    result = replay(trace, costs, predictor, args.slots_per_rank, args.solver, args.balance_interval,
-                    args.balance_horizon)
+    rule = ReplanRule(costs, args.balance_interval, args.balance_horizon, args.solver)
+    result = replay(trace, rule, predictor, args.slots_per_rank)
     summary = result.summary()
     slots = args.slots_per_rank or BALANCE_DEFAULTS.slots_per_rank(trace.num_experts, args.ep)
     migrations = [d.as_dict() for d in result.decisions if d.migrate]
-    spare = None if spare_options is None else choose_spare_slots(
-        trace, costs, predictor, spare_options, solver=args.solver, interval=args.balance_interval,
-        horizon=args.balance_horizon)
+    spare = None if spare_options is None else choose_spare_slots(trace, rule, predictor, spare_options)
     if args.json:
         print(json.dumps({
             "trace": args.trace_routing, "model": model.name, "cluster": cluster.name, "ep": args.ep,
