@@ -52,7 +52,13 @@ from moetrain.distributed.step import LayoutRun, StepResult, build_layout, train
 from moetrain.distributed.trace import Tracer
 from moetrain.distributed.world import join_world
 from moetrain.errors import UserError
-from moetrain.memory.options import choose_plan, excluded_options, held_layers_plan
+from moetrain.memory.options import (
+    activation_shape,
+    choose_plan,
+    excluded_options,
+    held_layers_plan,
+    nominal_speed,
+)
 from moetrain.memory.runtime import apply_memory_policy
 from moetrain.models.transformer import MoETransformer
 from moetrain.runtime_base.checkpoint_files import (
@@ -323,8 +329,9 @@ class Trainer:
         compiled = self.will_compile()
         dtype_bytes = 2.0 if self.run.autocast_dtype is not None else 4.0
         excluded = excluded_options(compiled, self.spec.parallel.ep > 1)
-        result = choose_plan(self.model_cfg, options, self.cfg.seq_len, self.cfg.micro_batch, dtype_bytes,
-                             self.device.type, excluded=excluded)
+        shape = activation_shape(self.model_cfg, self.cfg.seq_len, self.cfg.micro_batch, dtype_bytes,
+                                 self.device.type)
+        result = choose_plan(shape, options, nominal_speed(self.device.type), excluded)
         held = [int(index) for index in model.layers] + [self.model_cfg.num_layers + j for j in range(len(model.mtp))]
         applied = apply_memory_policy(model, held_layers_plan(result.plan, held), compiled=compiled)
         chosen = ", ".join(f"{name}×{count}" for name, count in sorted(result.options.items())) or "nothing"
