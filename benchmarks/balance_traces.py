@@ -23,7 +23,7 @@ from moetrain.balance.placement import ExpertPlacement
 from moetrain.balance.predict import DEFAULT_CANDIDATES, Predictor, forecast_error, select_predictor
 from moetrain.balance.replay import replay
 from moetrain.balance.schedule import LayerSchedule, ReplanRule
-from moetrain.balance.solver import plan_placement, replica_counts, solve_fixed_replicas, solve_milp
+from moetrain.balance.solver import PlanRequest, plan_placement, replica_counts, solve_fixed_replicas, solve_milp
 from moetrain.balance.traces import RoutingTrace, drifting_trace, read_trace, zipf_trace
 from moetrain.config import load_cluster_config, load_model_config
 
@@ -126,7 +126,7 @@ def compare_solvers(loads: np.ndarray, ep: int, slots: int, costs: BalanceCostMo
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
-            plan = plan_placement(loads, ep, slots, name, score=score)
+            plan = plan_placement(PlanRequest(loads, ep, slots, name), score)
             times.append(time.perf_counter() - start)
         entry = {"max_over_even": float(plan.apply_to_tokens_per_expert(loads).max() / even),
                  "replicas": int(plan.num_replicas().sum() - loads.size),

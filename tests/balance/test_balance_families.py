@@ -20,7 +20,7 @@ from moetrain.balance.predict import AdaptivePredictor, EMAPredictor
 from moetrain.balance.replay import replay
 from moetrain.balance.schedule import LayerSchedule, ReplanRule
 from moetrain.balance.slots import choose_spare_slots
-from moetrain.balance.solver import plan_placement, timed_plan
+from moetrain.balance.solver import PlanRequest, plan_placement, timed_plan
 from moetrain.balance.traces import RoutingTrace, read_trace
 from moetrain.config import load_cluster_config, load_model_config
 
@@ -110,11 +110,11 @@ def test_a_decision_for_256_experts_on_ep64_takes_under_a_second():
     loads = trace.tokens_per_expert[0, 0].astype(float)
     costs = _costs(256, ep)
     current = ExpertPlacement.contiguous(256, ep, 5)
-    timed_plan(loads, ep, 5, current=current)  # warm imports and caches
+    timed_plan(PlanRequest(loads, ep, 5, current=current))  # warm imports and caches
     # this process's CPU time, not the wall clock: the 2-core test machine is shared with other jobs
     start = time.process_time()
-    placement = plan_placement(loads, ep, 5, score=lambda p: float(costs.layer_seconds(p, loads)), current=current,
-                               ranks_per_node=8)
+    placement = plan_placement(PlanRequest(loads, ep, 5, current=current, ranks_per_node=8),
+                               lambda p: float(costs.layer_seconds(p, loads)))
     assert time.process_time() - start < 1.0
     assert placement.imbalance(loads) < 1.05
 
@@ -126,7 +126,7 @@ def test_an_incremental_plan_evicts_a_stale_replica_for_a_hot_expert():
     # replica (issue #43) and replicate expert 0 there: 7.5 tokens on each rank, one move
     loads = np.array([12.0, 1.0, 1.0, 1.0])
     current = ExpertPlacement.from_slot_experts(4, np.array([[0, 1, 3], [2, 3, 1]]))
-    incremental = plan_placement(loads, 2, 3, current=current, candidates="incremental")
+    incremental = plan_placement(PlanRequest(loads, 2, 3, current=current, candidates="incremental"))
     np.testing.assert_allclose(incremental.apply_to_tokens_per_expert(loads), [7.5, 7.5])
     assert incremental.num_replicas()[0] == 2 and len(diff(current, incremental)) == 1
     rule = ReplanRule(PerCopyCosts(seconds_per_move=1e-6), interval=10, horizon=50)
@@ -141,7 +141,7 @@ def test_an_incremental_plan_that_stalls_falls_back_to_a_global_solve(monkeypatc
     monkeypatch.setattr(solver, "replicate_hot", lambda *args, **kwargs: [])
     loads = np.array([12.0, 1.0, 1.0, 1.0])
     current = ExpertPlacement.from_slot_experts(4, np.array([[0, 1, 3], [2, 3, 1]]))
-    stalled = plan_placement(loads, 2, 3, current=current, candidates="incremental")
+    stalled = plan_placement(PlanRequest(loads, 2, 3, current=current, candidates="incremental"))
     assert stalled.apply_to_tokens_per_expert(loads).max() == pytest.approx(12.0)
     rule = ReplanRule(PerCopyCosts(seconds_per_move=1e-6), interval=10, horizon=50)
     schedule = LayerSchedule(last_solve=0, last_full=0, life=1)
