@@ -41,6 +41,7 @@ from _record import write_result
 from moetrain.balance.families import TraceShape, family_trace
 from moetrain.balance.online import BALANCE_DEFAULTS, BalanceDefaults
 from moetrain.balance.replay import replay
+from moetrain.balance.schedule import ReplanRule
 from moetrain.balance.traces import RoutingTrace, read_trace
 from moetrain.config import load_model_config
 
@@ -116,8 +117,8 @@ def steady_gap(setting: BalanceDefaults, case: Case) -> tuple[float, float]:
     costs = families.cost_model(case.model, families.CLUSTER, case.num_experts, case.ep)
     predictor = traces.trace_predictor(case.trace.tokens_per_expert, setting.interval, setting.horizon) \
         if case.selects_predictor else setting.build_predictor()
-    result = replay(case.trace, costs, predictor, setting.slots_per_rank(case.num_experts, case.ep),
-                    setting.solver, setting.interval, setting.horizon, trigger_margin=setting.trigger_margin)
+    rule = ReplanRule(costs, setting.interval, setting.horizon, setting.solver, setting.trigger_margin)
+    result = replay(case.trace, rule, predictor, setting.slots_per_rank(case.num_experts, case.ep))
     return result.steady_gap_to_ideal, time.process_time() - start
 
 

@@ -22,7 +22,7 @@ import torch
 from _record import write_result
 
 from moetrain.balance.placement import EMPTY_SLOT, ExpertPlacement
-from moetrain.balance.solver import plan_placement
+from moetrain.balance.solver import PlanRequest, plan_placement
 from moetrain.balance.traces import zipf_trace
 from moetrain.config import load_model_config
 from moetrain.models.experts import grouped_mm
@@ -85,9 +85,9 @@ def main() -> int:
     static = ExpertPlacement.contiguous(experts, args.ep, slots)
     solve = {}
     for solver in ("greedy", "local"):
-        plan_placement(loads, args.ep, slots, solver)  # warm caches
+        plan_placement(PlanRequest(loads, args.ep, slots, solver))  # warm caches
         start = time.perf_counter()
-        balanced = plan_placement(loads, args.ep, slots, solver)
+        balanced = plan_placement(PlanRequest(loads, args.ep, slots, solver))
         solve[solver] = 1e3 * (time.perf_counter() - start)
     rows = {}
     for name, placement in (("static", static), ("balanced", balanced)):

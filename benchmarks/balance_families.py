@@ -35,6 +35,7 @@ from moetrain.balance.families import TraceShape, family_trace
 from moetrain.balance.online import BALANCE_DEFAULTS
 from moetrain.balance.predict import parse_predictor
 from moetrain.balance.replay import replay
+from moetrain.balance.schedule import ReplanRule
 from moetrain.balance.slots import choose_spare_slots
 from moetrain.balance.traces import RoutingTrace, read_trace
 from moetrain.config import load_cluster_config, load_model_config
@@ -96,15 +97,15 @@ def evaluate(trace: RoutingTrace, costs: BalanceCostModel, interval: int, horizo
     """Replay with the defaults (the headline), the spare-slot sweep and (``compare``) the rule before #28."""
     predictor = parse_predictor(predictor_name)
     start = time.perf_counter()
-    result = replay(trace, costs, predictor, interval=interval, horizon=horizon)
+    result = replay(trace, ReplanRule(costs, interval, horizon), predictor)
     replay_seconds = time.perf_counter() - start
     summary = result.summary()
     # the same rule without the shift check, the global fallback and node-local bridging (before issue #28)
-    before = replay(trace, costs, predictor, interval=interval, horizon=horizon, stall_remedies=False).summary() \
+    before = replay(trace, ReplanRule(costs, interval, horizon, stall_remedies=False), predictor).summary() \
         if compare else None
     # the sweep replays the first layer only (a third of the benchmark's time otherwise)
     first_layer = RoutingTrace(trace.steps, trace.layers[:1], trace.tokens_per_expert[:, :1], trace.name)
-    choice = choose_spare_slots(first_layer, costs, predictor, spare, interval=interval, horizon=horizon)
+    choice = choose_spare_slots(first_layer, ReplanRule(costs, interval, horizon), predictor, spare)
     return {
         "experts": trace.num_experts, "ep": costs.ep, "steps": trace.num_steps, "layers": trace.num_layers,
         "predictor": predictor.name, **summary, "replay_seconds": replay_seconds,

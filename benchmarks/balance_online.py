@@ -47,7 +47,7 @@ from rich.console import Console
 from moetrain.balance.placement import EMPTY_SLOT
 from moetrain.config import ModelConfig, ParallelConfig, TrainingConfig, load_model_config
 from moetrain.config.run import RunSpec
-from moetrain.distributed.balancing import build_balanced_run, moe_layers
+from moetrain.distributed.balancing import BalancedRunSetup, BalancerTuning, build_balanced_run, moe_layers
 from moetrain.distributed.layout import ParallelDims
 from moetrain.distributed.step import train_step
 from moetrain.distributed.world import spawn
@@ -73,10 +73,10 @@ class _BenchTrainer(Trainer):
 
     def build_run(self, model):
         balance = self.spec.balance
-        run, self.balancer = build_balanced_run(
-            self.dims, self.model_cfg, self.cfg, self.device, self.cluster, model=model,
-            interval=balance.interval, horizon=balance.horizon, trigger_margin=self.trigger_margin,
-            time_experts=True, defer_weights=self.defer, defer_optimizer_state=self.defer)
+        tuning = BalancerTuning(interval=balance.interval, horizon=balance.horizon, trigger_margin=self.trigger_margin,
+                                time_experts=True, defer_weights=self.defer, defer_optimizer_state=self.defer)
+        run, self.balancer = build_balanced_run(self.dims, self.model_cfg, self.cfg, self.device, self.cluster,
+                                                BalancedRunSetup(model=model, tuning=tuning))
         return run
 
 

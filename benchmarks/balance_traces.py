@@ -22,8 +22,8 @@ from moetrain.balance.online import BALANCE_DEFAULTS
 from moetrain.balance.placement import ExpertPlacement
 from moetrain.balance.predict import DEFAULT_CANDIDATES, Predictor, forecast_error, select_predictor
 from moetrain.balance.replay import replay
-from moetrain.balance.schedule import LayerSchedule
-from moetrain.balance.solver import plan_placement, replica_counts, solve_fixed_replicas, solve_milp
+from moetrain.balance.schedule import LayerSchedule, ReplanRule
+from moetrain.balance.solver import PlanRequest, plan_placement, replica_counts, solve_fixed_replicas, solve_milp
 from moetrain.balance.traces import RoutingTrace, drifting_trace, read_trace, zipf_trace
 from moetrain.config import load_cluster_config, load_model_config
 
@@ -86,7 +86,7 @@ def evaluate_trace(trace: RoutingTrace, costs: BalanceCostModel, interval: int, 
     predictor = trace_predictor(loads, interval, horizon)
     errors = {p.name: forecast_error(p, loads, min(interval, horizon)) for p in DEFAULT_CANDIDATES}
     start = time.perf_counter()
-    result = replay(trace, costs, predictor, interval=interval, horizon=horizon, adaptive=adaptive)
+    result = replay(trace, ReplanRule(costs, interval, horizon, adaptive=adaptive), predictor)
     summary = result.summary()
     # steady state: from the step after the first trigger check on (the static layout before it is
     # what any run starts from, whatever the balancer)
@@ -126,7 +126,7 @@ def compare_solvers(loads: np.ndarray, ep: int, slots: int, costs: BalanceCostMo
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
-            plan = plan_placement(loads, ep, slots, name, score=score)
+            plan = plan_placement(PlanRequest(loads, ep, slots, name), score)
             times.append(time.perf_counter() - start)
         entry = {"max_over_even": float(plan.apply_to_tokens_per_expert(loads).max() / even),
                  "replicas": int(plan.num_replicas().sum() - loads.size),

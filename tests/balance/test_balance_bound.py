@@ -9,7 +9,7 @@ from moetrain.balance.costs import BalanceCostModel
 from moetrain.balance.placement import ExpertPlacement
 from moetrain.balance.predict import EMAPredictor
 from moetrain.balance.schedule import Decision, KeepReason, LayerSchedule, ReplanRule, keep_reason
-from moetrain.balance.solver import plan_placement
+from moetrain.balance.solver import PlanRequest, plan_placement
 from moetrain.cli.balance import decision_line
 from moetrain.config import load_cluster_config, load_model_config
 
@@ -64,12 +64,12 @@ def test_a_giant_on_one_node_is_replicated_into_a_spare_slot(num_experts):
     assert loads[0] / (loads.sum() / 8) == pytest.approx(1.5)
     per_rank = num_experts // 8
     current = ExpertPlacement.contiguous(num_experts, 8, per_rank + 1)
-    plan = plan_placement(loads, 8, per_rank + 1, current=current, ranks_per_node=8)
+    plan = plan_placement(PlanRequest(loads, 8, per_rank + 1, current=current, ranks_per_node=8))
     assert plan.num_replicas()[0] >= 2
     assert float(plan.imbalance(loads)) < 1.15
     # without replicas (no spare slot) no placement gets below the giant's 1.5: the bound says so, and the plan
     # stays above it
-    no_spare = plan_placement(loads, 8, per_rank, ranks_per_node=8)
+    no_spare = plan_placement(PlanRequest(loads, 8, per_rank, ranks_per_node=8))
     bound = imbalance_bound(loads, 8, per_rank)
     assert bound.value >= 1.5 and float(no_spare.imbalance(loads)) >= bound.value - 1e-9
     # with the spare slot the bound is the mean: the plan is within 15 % of it
@@ -139,9 +139,10 @@ def test_an_incremental_plan_replicates_a_new_giant_when_stale_replicas_fill_the
     table[0, slots - 1] = 40  # and expert 40 (rank 1's) on rank 0: no empty slot left
     current = ExpertPlacement.from_slot_experts(num_experts, table, np.where(np.isin(table, [5]), 1 / 8,
                                                                               np.where(np.isin(table, [40]), 0.5, 1.0)))
-    scratch = plan_placement(loads, 8, slots, current=current, candidates="scratch", ranks_per_node=8)
+    scratch = plan_placement(PlanRequest(loads, 8, slots, current=current, candidates="scratch", ranks_per_node=8))
     assert float(scratch.imbalance(loads)) < 1.15
-    incremental = plan_placement(loads, 8, slots, current=current, candidates="incremental", ranks_per_node=8)
+    incremental = plan_placement(PlanRequest(loads, 8, slots, current=current, candidates="incremental",
+                                             ranks_per_node=8))
     assert float(incremental.imbalance(loads)) < 1.15
 
 

@@ -15,9 +15,7 @@ SWEEP = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "balanc
 
 def test_the_entry_points_read_the_one_defaults_object():
     import argparse
-    import inspect
 
-    from moetrain.balance.replay import replay
     from moetrain.balance.schedule import ReplanRule
     from moetrain.cli.balance import add_arguments
 
@@ -32,9 +30,11 @@ def test_the_entry_points_read_the_one_defaults_object():
     fields = ("interval", "horizon", "solver", "trigger_margin")
     assert {f: ReplanRule.__dataclass_fields__[f].default for f in fields} == {
         f: getattr(BALANCE_DEFAULTS, f) for f in fields}
-    parameters = inspect.signature(replay).parameters
-    assert (parameters["interval"].default, parameters["horizon"].default, parameters["solver"].default) == (
-        BALANCE_DEFAULTS.interval, BALANCE_DEFAULTS.horizon, BALANCE_DEFAULTS.solver)
+    from moetrain.distributed.balancing import BalancerTuning  # the runtime's (``moetrain train --online-balance``)
+
+    tuning = BalancerTuning()
+    assert {f: getattr(tuning, f) for f in fields} == {f: getattr(BALANCE_DEFAULTS, f) for f in fields}
+    assert isinstance(tuning.predictor, AdaptivePredictor)
 
 
 def test_the_defaults_are_the_sweeps_best():

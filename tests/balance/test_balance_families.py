@@ -20,7 +20,7 @@ from moetrain.balance.predict import AdaptivePredictor, EMAPredictor
 from moetrain.balance.replay import replay
 from moetrain.balance.schedule import LayerSchedule, ReplanRule
 from moetrain.balance.slots import choose_spare_slots
-from moetrain.balance.solver import plan_placement, timed_plan
+from moetrain.balance.solver import PlanRequest, plan_placement, timed_plan
 from moetrain.balance.traces import RoutingTrace, read_trace
 from moetrain.config import load_cluster_config, load_model_config
 
@@ -43,7 +43,7 @@ def _adaptive_replay(family: str, experts: int, ep: int, seed: int, **params) ->
     if key not in _REPLAYS:
         trace = family_trace(family, TraceShape(60, 1, experts, ep, 16384 * ep), seed=seed, **params)
         costs = _costs(experts, ep)
-        _REPLAYS[key] = trace, costs, replay(trace, costs, AdaptivePredictor())
+        _REPLAYS[key] = trace, costs, replay(trace, ReplanRule(costs), AdaptivePredictor())
     return _REPLAYS[key]
 
 
@@ -110,11 +110,11 @@ def test_a_decision_for_256_experts_on_ep64_takes_under_a_second():
     loads = trace.tokens_per_expert[0, 0].astype(float)
     costs = _costs(256, ep)
     current = ExpertPlacement.contiguous(256, ep, 5)
-    timed_plan(loads, ep, 5, current=current)  # warm imports and caches
+    timed_plan(PlanRequest(loads, ep, 5, current=current))  # warm imports and caches
     # this process's CPU time, not the wall clock: the 2-core test machine is shared with other jobs
     start = time.process_time()
-    placement = plan_placement(loads, ep, 5, score=lambda p: float(costs.layer_seconds(p, loads)), current=current,
-                               ranks_per_node=8)
+    placement = plan_placement(PlanRequest(loads, ep, 5, current=current, ranks_per_node=8),
+                               lambda p: float(costs.layer_seconds(p, loads)))
     assert time.process_time() - start < 1.0
     assert placement.imbalance(loads) < 1.05
 
@@ -126,7 +126,7 @@ def test_an_incremental_plan_evicts_a_stale_replica_for_a_hot_expert():
     # replica (issue #43) and replicate expert 0 there: 7.5 tokens on each rank, one move
     loads = np.array([12.0, 1.0, 1.0, 1.0])
     current = ExpertPlacement.from_slot_experts(4, np.array([[0, 1, 3], [2, 3, 1]]))
-    incremental = plan_placement(loads, 2, 3, current=current, candidates="incremental")
+    incremental = plan_placement(PlanRequest(loads, 2, 3, current=current, candidates="incremental"))
     np.testing.assert_allclose(incremental.apply_to_tokens_per_expert(loads), [7.5, 7.5])
     assert incremental.num_replicas()[0] == 2 and len(diff(current, incremental)) == 1
     rule = ReplanRule(PerCopyCosts(seconds_per_move=1e-6), interval=10, horizon=50)
@@ -141,7 +141,7 @@ def test_an_incremental_plan_that_stalls_falls_back_to_a_global_solve(monkeypatc
     monkeypatch.setattr(solver, "replicate_hot", lambda *args, **kwargs: [])
     loads = np.array([12.0, 1.0, 1.0, 1.0])
     current = ExpertPlacement.from_slot_experts(4, np.array([[0, 1, 3], [2, 3, 1]]))
-    stalled = plan_placement(loads, 2, 3, current=current, candidates="incremental")
+    stalled = plan_placement(PlanRequest(loads, 2, 3, current=current, candidates="incremental"))
     assert stalled.apply_to_tokens_per_expert(loads).max() == pytest.approx(12.0)
     rule = ReplanRule(PerCopyCosts(seconds_per_move=1e-6), interval=10, horizon=50)
     schedule = LayerSchedule(last_solve=0, last_full=0, life=1)
@@ -183,7 +183,7 @@ def test_spare_slots_are_recommended_where_a_single_expert_needs_a_replica():
     row = np.full(16, 600.0)
     row[0] = 6000.0  # 6000 / 15000 = 40 %
     trace = RoutingTrace(np.arange(20), np.arange(1), np.tile(row.astype(np.int64), (20, 1, 1)))
-    choice = choose_spare_slots(trace, costs, EMAPredictor(0.5), options=(0, 1))
+    choice = choose_spare_slots(trace, ReplanRule(costs), EMAPredictor(0.5), options=(0, 1))
     none, one = choice.options
     assert (none.spare_per_rank, one.spare_per_rank) == (0, 1)
     assert choice.recommended is one
@@ -220,7 +220,7 @@ def test_a_shift_restarts_the_forecast_in_place_and_replans_in_full():
 def test_the_recorded_traces_come_within_the_gap_bound(name):
     trace = read_trace(Path(__file__).resolve().parents[2] / "benchmarks" / "results" / name)
     costs = BalanceCostModel(load_model_config("tiny-pangu"), load_cluster_config("atlas-800t-a2"), 4)
-    result = replay(trace, costs, AdaptivePredictor())
+    result = replay(trace, ReplanRule(costs), AdaptivePredictor())
     assert 0.0 <= result.steady_gap_to_ideal <= GAP_BOUND
     assert result.predicted_gain > 0.0
 
@@ -244,7 +244,7 @@ def test_the_tests_random_walk_misses_by_its_forecast_not_by_its_placements():
         def forecast(self, state, horizon):
             return loads[min(int(state["step"][0]) + 1, len(loads) - 1)].copy()
 
-    foreseen = replay(trace, costs, NextStep())
+    foreseen = replay(trace, ReplanRule(costs), NextStep())
     assert foreseen.steady_gap_to_ideal < 0.01
     assert adaptive.steady_gap_to_ideal > GAP_BOUND
 
@@ -263,9 +263,9 @@ def test_at_4096_tokens_per_rank_a_giant_on_one_node_is_balanced_and_its_rings_h
     # within the bound; the hand-over step still runs on the old placement.
     trace = family_trace(family, TraceShape(60, 1, experts, ep, 4096 * ep), seed=seed, **params)
     costs = _costs(experts, ep)
-    after = replay(trace, replace(costs, overlap_replica_rings=False), AdaptivePredictor())
+    after = replay(trace, ReplanRule(replace(costs, overlap_replica_rings=False)), AdaptivePredictor())
     assert after.steady_gap_parts()["replica_sync"] > 0.02
-    result = replay(trace, costs, AdaptivePredictor())
+    result = replay(trace, ReplanRule(costs), AdaptivePredictor())
     parts = result.steady_gap_parts()
     assert parts["replica_sync"] < 0.005 and parts["steps_shifted"] >= 1
     assert parts["imbalance"] + parts["migration"] <= 0.02, parts

@@ -21,6 +21,7 @@ from moetrain.balance.costs import BalanceCostModel, OverlapWindow
 from moetrain.balance.placement import ExpertPlacement, Move
 from moetrain.balance.predict import EMAPredictor
 from moetrain.balance.replay import replay
+from moetrain.balance.schedule import ReplanRule
 from moetrain.balance.traces import RoutingTrace
 from moetrain.config import ClusterConfig, load_model_config
 from moetrain.planner.calibration import Efficiency
@@ -93,7 +94,7 @@ TRACE = RoutingTrace(np.arange(10), np.arange(1), np.tile(np.array([300, 300, 10
 
 
 def test_replay_charges_the_migration_in_the_next_step_and_gains_what_is_left() -> None:
-    result = replay(TRACE, PerCopyCosts(), EMAPredictor(0.5), interval=100, horizon=50)
+    result = replay(TRACE, ReplanRule(PerCopyCosts(), interval=100, horizon=50), EMAPredictor(0.5))
     # Static: rank 0 computes 600 copies a step, 0.6 s; the ideal is 400 on each rank, 0.4 s.
     np.testing.assert_allclose(result.seconds_before, np.full(10, 0.6), rtol=1e-12)
     np.testing.assert_allclose(result.seconds_ideal, np.full(10, 0.4), rtol=1e-12)
@@ -115,7 +116,7 @@ def test_replay_charges_the_migration_in_the_next_step_and_gains_what_is_left() 
 
 def test_replay_keeps_a_placement_whose_move_would_not_pay() -> None:
     # 0.2 s saved a step over a 50-step horizon is 10 s: a 20 s move does not pay for itself
-    result = replay(TRACE, PerCopyCosts(seconds_per_move=20.0), EMAPredictor(0.5), interval=100, horizon=50)
+    result = replay(TRACE, ReplanRule(PerCopyCosts(seconds_per_move=20.0), interval=100, horizon=50), EMAPredictor(0.5))
     assert [d.migrate for d in result.decisions] == [False]
     np.testing.assert_allclose(result.seconds_after, result.seconds_before, rtol=1e-12)
     assert result.predicted_gain == 0.0

@@ -6,6 +6,7 @@ import pytest
 from moetrain.balance.costs import BalanceCostModel
 from moetrain.balance.predict import EMAPredictor
 from moetrain.balance.replay import replay
+from moetrain.balance.schedule import ReplanRule
 from moetrain.balance.traces import RoutingTrace, zipf_trace
 from moetrain.config import load_cluster_config, load_model_config
 from moetrain.errors import UserError
@@ -18,7 +19,7 @@ def costs() -> BalanceCostModel:
 
 def test_skewed_trace_migrates_and_gains(costs):
     trace = zipf_trace(30, 2, 256, 16 * 8192, 8, exponent=1.0, seed=0)
-    result = replay(trace, costs, EMAPredictor(0.8), interval=10, horizon=50)
+    result = replay(trace, ReplanRule(costs, interval=10, horizon=50), EMAPredictor(0.8))
     summary = result.summary()
     assert summary["migrations"] >= 2  # at least once per layer
     assert summary["imbalance_before"] > 3.0 and summary["imbalance_after"] < 1.3
@@ -31,7 +32,8 @@ def test_skewed_trace_migrates_and_gains(costs):
     # backward, the first one outlasts the compute it travels under; under the backward it hides entirely)
     first = next(d for d in result.decisions if d.migrate)
     assert first.predicted_saving_s > first.migration_s >= 0
-    whole = replay(trace, replace(costs, overlap_replica_rings=False), EMAPredictor(0.8), interval=10, horizon=50)
+    whole = replay(trace, ReplanRule(replace(costs, overlap_replica_rings=False), interval=10, horizon=50),
+                   EMAPredictor(0.8))
     first_whole = next(d for d in whole.decisions if d.migrate)
     assert first_whole.migration_s > 0
     t = int(np.flatnonzero(whole.steps == first_whole.step)[0])
@@ -43,7 +45,7 @@ def test_skewed_trace_migrates_and_gains(costs):
 def test_balanced_trace_never_migrates(costs):
     loads = np.full((25, 1, 256), 512, dtype=np.int64)
     trace = RoutingTrace(np.arange(25), np.arange(1), loads)
-    result = replay(trace, costs, EMAPredictor(0.9), interval=5)
+    result = replay(trace, ReplanRule(costs, interval=5), EMAPredictor(0.9))
     assert result.summary()["migrations"] == 0
     assert result.predicted_gain == pytest.approx(0.0, abs=1e-12)
     assert len(result.decisions) == 5
@@ -51,8 +53,8 @@ def test_balanced_trace_never_migrates(costs):
 
 def test_replay_is_deterministic(costs):
     trace = zipf_trace(12, 1, 256, 16 * 4096, 8, exponent=0.8, seed=2)
-    a = replay(trace, costs, EMAPredictor(0.8), interval=4)
-    b = replay(trace, costs, EMAPredictor(0.8), interval=4)
+    a = replay(trace, ReplanRule(costs, interval=4), EMAPredictor(0.8))
+    b = replay(trace, ReplanRule(costs, interval=4), EMAPredictor(0.8))
     assert np.array_equal(a.seconds_after, b.seconds_after)
     assert a.final_placements[0] == b.final_placements[0]
 
@@ -60,4 +62,4 @@ def test_replay_is_deterministic(costs):
 def test_ep_must_divide_experts(costs):
     trace = RoutingTrace(np.arange(3), np.arange(1), np.ones((3, 1, 12), dtype=np.int64))
     with pytest.raises(UserError, match="trace has 12 experts, not divisible by ep=16"):
-        replay(trace, costs, EMAPredictor(0.9))
+        replay(trace, ReplanRule(costs), EMAPredictor(0.9))

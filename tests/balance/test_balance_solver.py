@@ -6,6 +6,7 @@ import pytest
 
 from moetrain.balance.placement import ExpertPlacement, diff
 from moetrain.balance.solver import (
+    PlanRequest,
     align_to,
     bridge_replicas,
     group_replicas_by_node,
@@ -42,7 +43,7 @@ def test_optimal_shares_balance_a_replicated_expert():
 @pytest.mark.parametrize("solver", ["greedy", "local"])
 def test_uniform_loads_balance_perfectly(solver):
     loads = np.full(64, 100.0)
-    placement = plan_placement(loads, 8, 9, solver)
+    placement = plan_placement(PlanRequest(loads, 8, 9, solver))
     assert _busiest_over_even(placement, loads) == pytest.approx(1.0)
 
 
@@ -51,7 +52,7 @@ def test_skewed_loads_come_close_to_even(solver):
     loads = zipf_trace(1, 1, 256, 32 * 8192, 8, exponent=1.0, seed=3).tokens_per_expert[0, 0].astype(float)
     contiguous = ExpertPlacement.contiguous(256, 32, 9)
     assert _busiest_over_even(contiguous, loads) > 4.0
-    placement = plan_placement(loads, 32, 9, solver)
+    placement = plan_placement(PlanRequest(loads, 32, 9, solver))
     assert _busiest_over_even(placement, loads) < (1.01 if solver == "local" else 1.05)
     assert placement.num_replicas().sum() <= 32 * 9
 
@@ -89,14 +90,14 @@ def test_milp_matches_brute_force_and_beats_or_equals_heuristics():
     with_replica = solve_milp(loads, ranks, slots)
     assert with_replica.apply_to_tokens_per_expert(loads).max() <= optimal + 1e-9
     for solver in ("greedy", "local"):
-        heuristic = plan_placement(loads, ranks, slots, solver)
+        heuristic = plan_placement(PlanRequest(loads, ranks, slots, solver))
         assert heuristic.apply_to_tokens_per_expert(loads).max() >= with_replica.apply_to_tokens_per_expert(
             loads).max() - 1e-6
 
 
 def test_align_keeps_experts_in_place():
     loads = zipf_trace(1, 1, 32, 4096, 4, seed=0).tokens_per_expert[0, 0].astype(float)
-    placement = plan_placement(loads, 4, 9, "local")
+    placement = plan_placement(PlanRequest(loads, 4, 9, "local"))
     # a relabelled copy of the same layout needs no move once aligned
     shuffled = ExpertPlacement.from_slot_experts(
         32, placement.slot_expert.reshape(4, 9)[[2, 0, 3, 1]][:, ::-1],
@@ -129,21 +130,21 @@ def test_align_by_node_keeps_node_mates_together_and_keeps_the_most_experts():
 
 def test_warm_start_moves_few_experts():
     trace = zipf_trace(2, 1, 256, 32 * 8192, 8, exponent=0.6, seed=5)
-    first = plan_placement(trace.tokens_per_expert[0, 0].astype(float), 32, 9, "local")
+    first = plan_placement(PlanRequest(trace.tokens_per_expert[0, 0].astype(float), 32, 9, "local"))
     # the next step's noisy loads: the plan stays close to the current one
     loads = trace.tokens_per_expert[1, 0].astype(float)
     def score(p: ExpertPlacement) -> float:  # busiest rank plus a price per move, as the replay's score
         return _busiest_over_even(p, loads) + 1e-3 * len(diff(first, p))
-    second = plan_placement(loads, 32, 9, "local", score=score, current=first)
+    second = plan_placement(PlanRequest(loads, 32, 9, "local", current=first), score)
     assert len(diff(first, second)) < 32
     assert _busiest_over_even(second, loads) < 1.02
 
 
 def test_bad_inputs():
     with pytest.raises(UserError, match="unknown solver 'ilp'; choose one of: greedy, local, milp"):
-        plan_placement(np.ones(8), 4, 2, "ilp")
+        plan_placement(PlanRequest(np.ones(8), 4, 2, "ilp"))
     with pytest.raises(UserError, match="use --slots-per-rank >= 3"):
-        plan_placement(np.ones(9), 4, 2)
+        plan_placement(PlanRequest(np.ones(9), 4, 2))
 
 
 def test_bridging_pairs_ranks_inside_a_node_when_asked():
@@ -221,8 +222,8 @@ def test_grouping_moves_the_replicas_all_reduce_onto_the_in_node_links():
                                np.sort(placement.apply_to_tokens_per_expert(loads)))
     # the planner offers the grouped layout and its cost model (sync included) prefers it
     current = placement
-    best = plan_placement(loads, 16, 5, score=lambda p: float(costs.layer_seconds(p, loads)), current=current,
-                          ranks_per_node=8)
+    best = plan_placement(PlanRequest(loads, 16, 5, current=current, ranks_per_node=8),
+                          lambda p: float(costs.layer_seconds(p, loads)))
     assert float(costs.layer_seconds(best, loads)) <= float(costs.layer_seconds(grouped, loads)) + 1e-12
 
 
@@ -307,7 +308,7 @@ def test_a_giant_spans_every_rank_when_the_other_ranks_cannot_take_enough_expert
     loads = np.ones(256)
     loads[5] = 55.0  # mean per rank (255 + 55) / 8 = 38.75: the giant is 1.42× it
     tokens = loads * 1000  # 38,750 token copies per rank: about 4,800 tokens of top-8 each
-    plan = plan_placement(tokens, 8, 33, "local", score=lambda p: float(costs.layer_seconds(p, tokens)))
+    plan = plan_placement(PlanRequest(tokens, 8, 33, "local"), lambda p: float(costs.layer_seconds(p, tokens)))
     replicas = plan.num_replicas()
     assert replicas[5] == 8 and (np.delete(replicas, 5) == 1).all()
     # 7 ranks with 32 experts of load 1 and the eighth with 31 take 6.75 and 7.75 of the giant: every rank 38.75

@@ -32,7 +32,7 @@ from rich.console import Console
 from moetrain.balance.placement import ExpertPlacement
 from moetrain.config import ModelConfig, ParallelConfig, TrainingConfig, load_model_config
 from moetrain.config.run import BalanceOptions, RunSpec
-from moetrain.distributed.balancing import build_balanced_run, moe_layers
+from moetrain.distributed.balancing import BalancedRunSetup, BalancerTuning, build_balanced_run, moe_layers
 from moetrain.distributed.checkpoint import read_expert_placement
 from moetrain.distributed.ep import AllToAllDispatcher, ExpertTable, HierarchicalDispatcher, shard_experts
 from moetrain.distributed.layout import ParallelDims
@@ -93,9 +93,9 @@ class ReplicatedStartTrainer(Trainer):
 
     def build_run(self, model):
         balance = self.spec.balance
-        run, self.balancer = build_balanced_run(self.dims, self.model_cfg, self.cfg, self.device, self.cluster,
-                                                model=model, placement=replicated_start(),
-                                                interval=balance.interval, horizon=balance.horizon)
+        setup = BalancedRunSetup(model=model, placement=replicated_start(),
+                                 tuning=BalancerTuning(interval=balance.interval, horizon=balance.horizon))
+        run, self.balancer = build_balanced_run(self.dims, self.model_cfg, self.cfg, self.device, self.cluster, setup)
         return run
 
 

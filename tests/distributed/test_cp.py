@@ -35,6 +35,7 @@ from moetrain.distributed.layout import ParallelDims
 from moetrain.distributed.world import spawn
 from moetrain.errors import UserError
 from moetrain.models.attention import GQA, MLA, build_attention_context
+from moetrain.models.rope import Rotary
 from moetrain.runtime_base.checkpoint_files import checkpoint_dir
 from moetrain.train.checks import check_seq_len
 
@@ -69,9 +70,10 @@ def _attention_modules(seed: int) -> dict[str, torch.nn.Module]:
     modules: dict[str, torch.nn.Module] = {}
     for backend in ("eager", "sdpa"):
         torch.manual_seed(seed)
-        modules[f"mla_{backend}"] = MLA(cfg.hidden_size, cfg.attention, cfg.norm_eps, cfg.rope_theta, backend)
+        rotary = Rotary(cfg.rope_theta)
+        modules[f"mla_{backend}"] = MLA(cfg.hidden_size, cfg.attention, cfg.norm_eps, rotary, backend)
         modules[f"gqa_{backend}"] = GQA(cfg.hidden_size, GQAConfig(num_heads=4, num_kv_heads=2, head_dim=16,
-                                                                   qk_norm=True), cfg.norm_eps, cfg.rope_theta, backend)
+                                                                   qk_norm=True), cfg.norm_eps, rotary, backend)
     for module in modules.values():
         for p in module.parameters():
             torch.nn.init.normal_(p, std=0.1)

@@ -8,7 +8,7 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
 from moetrain.balance.placement import EMPTY_SLOT, ExpertPlacement, diff  # noqa: E402
-from moetrain.balance.solver import plan_placement  # noqa: E402
+from moetrain.balance.solver import PlanRequest, plan_placement  # noqa: E402
 from moetrain.distributed.world import spawn  # noqa: E402
 
 NUM_EXPERTS, NUM_RANKS, SLOTS, HIDDEN, TOKENS = 8, 4, 3, 6, 96
@@ -83,7 +83,7 @@ def _worker(rank: int, world_size: int) -> dict:
     tokens, expert_of_token = _routing()
     old = ExpertPlacement.contiguous(NUM_EXPERTS, NUM_RANKS, SLOTS)
     loads = np.bincount(expert_of_token, minlength=NUM_EXPERTS).astype(float)
-    new = plan_placement(loads, NUM_RANKS, SLOTS, "local", current=old)
+    new = plan_placement(PlanRequest(loads, NUM_RANKS, SLOTS, "local", current=old))
     assert new.num_replicas().max() > 1  # the hot expert is replicated
 
     # 1. moves copy every slot exactly

@@ -21,7 +21,7 @@ from test_balancing import EP, replicated_start, skewed_model, skewed_model_conf
 
 from moetrain.config import ParallelConfig, TrainingConfig, load_cluster_config
 from moetrain.data.synthetic import SyntheticDataset
-from moetrain.distributed.balancing import build_balanced_run, moe_layers
+from moetrain.distributed.balancing import BalancedRunSetup, BalancerTuning, build_balanced_run, moe_layers
 from moetrain.distributed.layout import ParallelDims
 from moetrain.distributed.step import train_step
 from moetrain.distributed.world import spawn
@@ -35,8 +35,9 @@ TRAINING = TrainingConfig(steps=STEPS, global_batch=16, micro_batch=2, seq_len=3
 
 def _run(rank: int, overlap: bool, schedule_overlap: bool) -> dict:
     dims = ParallelDims.build(ParallelConfig(dp=EP, ep=EP, overlap=schedule_overlap), rank, EP)
-    run, balancer = build_balanced_run(dims, skewed_model_config(), TRAINING, "cpu", load_cluster_config("cpu"),
-                                       model=skewed_model(), placement=replicated_start(), trigger_margin=math.inf)
+    setup = BalancedRunSetup(model=skewed_model(), placement=replicated_start(),
+                             tuning=BalancerTuning(trigger_margin=math.inf))
+    run, balancer = build_balanced_run(dims, skewed_model_config(), TRAINING, "cpu", load_cluster_config("cpu"), setup)
     # the runtime switch alone: the cost model (which also re-shares the replicas' tokens) is the same
     balancer.replicas.overlap = overlap
     if overlap:

@@ -63,16 +63,16 @@ def test_compiled_layers_refuse_what_they_cannot_run():
 
 def test_the_policy_chooses_among_what_compiled_layers_run():
     from moetrain.config.run import MemoryOptions
-    from moetrain.memory.options import choose_plan, excluded_options
+    from moetrain.memory.options import activation_shape, choose_plan, excluded_options, nominal_speed
 
     cfg = load_model_config("tiny-pangu")
     auto = MemoryOptions(policy="auto", budget_fraction=0.2)
     assert excluded_options(False, True) == frozenset()
     assert excluded_options(True, False) == {"swap_attention", "swap_moe"}
     assert excluded_options(True, True) == {"swap_attention", "swap_moe", "permute"}
-    compiled = choose_plan(cfg, auto, 256, 2, 2.0, "cuda", excluded=excluded_options(True, True))
+    shape, speed = activation_shape(cfg, 256, 2, 2.0, "cuda"), nominal_speed("cuda")
+    compiled = choose_plan(shape, auto, speed, excluded=excluded_options(True, True))
     chosen = set().union(*compiled.plan.layer_options)
     assert chosen and not chosen & {"swap_attention", "swap_moe", "permute"}
-    selective = choose_plan(cfg, MemoryOptions(policy="selective"), 256, 2, 2.0, "cuda",
-                            excluded=excluded_options(True, True))
+    selective = choose_plan(shape, MemoryOptions(policy="selective"), speed, excluded=excluded_options(True, True))
     assert set().union(*selective.plan.layer_options) == set(SELECTIVE_OPTIONS) - {"permute"}

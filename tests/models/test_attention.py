@@ -2,13 +2,14 @@ import torch
 
 from moetrain.config import GQAConfig, MLAConfig
 from moetrain.models.attention import GQA, MLA, build_attention_context
+from moetrain.models.rope import Rotary
 
 
 def _mla(backend: str) -> MLA:
     cfg = MLAConfig(num_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8,
                     v_head_dim=10)
     torch.manual_seed(0)
-    m = MLA(32, cfg, 1e-5, 10000.0, backend)
+    m = MLA(32, cfg, 1e-5, Rotary(10000.0), backend)
     for p in m.parameters():
         torch.nn.init.normal_(p, std=0.2)
     return m
@@ -48,7 +49,7 @@ def test_mla_without_padding_equals_padded_reference_both_backends():
 
 def test_packed_documents_equal_separate_sequences():
     cfg = GQAConfig(num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True)
-    m = GQA(32, cfg, 1e-6, 10000.0, "sdpa")
+    m = GQA(32, cfg, 1e-6, Rotary(10000.0), "sdpa")
     for p in m.parameters():
         torch.nn.init.normal_(p, std=0.2)
     a, b = torch.randn(1, 5, 32), torch.randn(1, 7, 32)
@@ -63,7 +64,7 @@ def test_packed_documents_equal_separate_sequences():
 
 def test_gqa_eager_equals_sdpa():
     cfg = GQAConfig(num_heads=4, num_kv_heads=2, head_dim=8)
-    eager, sdpa = GQA(32, cfg, 1e-6, 1e4, "eager"), GQA(32, cfg, 1e-6, 1e4, "sdpa")
+    eager, sdpa = GQA(32, cfg, 1e-6, Rotary(1e4), "eager"), GQA(32, cfg, 1e-6, Rotary(1e4), "sdpa")
     sdpa.load_state_dict(eager.state_dict())
     x = torch.randn(2, 6, 32)
     ctx = build_attention_context(torch.zeros(2, 6, dtype=torch.long), None)
@@ -86,7 +87,7 @@ def test_block_document_mask_equals_the_dense_one():
     assert block.mask_B1SS is None and block.block_mask is not None
     assert torch.equal(block.positions_BS, dense.positions_BS)
     x = torch.randn(3, 300, 32)
-    gqa = GQA(32, GQAConfig(num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True), 1e-6, 1e4, "sdpa")
+    gqa = GQA(32, GQAConfig(num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True), 1e-6, Rotary(1e4), "sdpa")
     with torch.no_grad():
         for module in (_mla("sdpa"), _mla("eager"), gqa):
             torch.testing.assert_close(module(x, block), module(x, dense), atol=2e-5, rtol=1e-4)

@@ -37,7 +37,7 @@ def _run(dims, seed: int):
 def test_round_trip_restores_weights_buffers_and_moments(tmp_path, world):
     run, cfg = _run(world, seed=0)
     identity = run_identity(MODEL, cfg, "corpus")
-    path = save_checkpoint(tmp_path, 7, run, MODEL, cfg, identity=identity)
+    path = save_checkpoint(tmp_path, 7, run, identity=identity)
     assert path == checkpoint_dir(tmp_path, 7) and (path / COMPLETE_MARKER).is_file()
     other, _ = _run(world, seed=1)
     assert load_checkpoint(latest_checkpoint(tmp_path), other, MODEL, identity=identity) == 7
@@ -49,8 +49,8 @@ def test_round_trip_restores_weights_buffers_and_moments(tmp_path, world):
 
 def test_latest_skips_unfinished_saves_and_removes_them(tmp_path, world):
     run, cfg = _run(world, seed=0)
-    save_checkpoint(tmp_path, 2, run, MODEL, cfg, identity="h")
-    save_checkpoint(tmp_path, 4, run, MODEL, cfg, identity="h")
+    save_checkpoint(tmp_path, 2, run, identity="h")
+    save_checkpoint(tmp_path, 4, run, identity="h")
     crashed = tmp_path / "step-000006.tmp"
     crashed.mkdir()
     (crashed / "__0_0.distcp").write_bytes(b"partial")
@@ -61,7 +61,7 @@ def test_latest_skips_unfinished_saves_and_removes_them(tmp_path, world):
 
 def test_damaged_checkpoints_are_one_line_user_errors(tmp_path, world):
     run, cfg = _run(world, seed=0)
-    path = save_checkpoint(tmp_path, 3, run, MODEL, cfg, identity="h")
+    path = save_checkpoint(tmp_path, 3, run, identity="h")
     with pytest.raises(UserError, match="another model, data or training config"):
         load_checkpoint(path, run, MODEL, identity="other-hash")
     (path / "__0_0.distcp").write_bytes(b"garbage")

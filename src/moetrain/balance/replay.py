@@ -22,8 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from moetrain.balance.costs import BalanceCostModel
-from moetrain.balance.online import BALANCE_DEFAULTS, default_slots_per_rank
+from moetrain.balance.online import default_slots_per_rank
 from moetrain.balance.placement import ExpertPlacement
 from moetrain.balance.predict import Predictor
 from moetrain.balance.schedule import Decision, LayerSchedule, ReplanRule
@@ -136,28 +135,17 @@ class ReplayResult:
         ]
 
 
-def replay(
-    trace: RoutingTrace,
-    costs: BalanceCostModel,
-    predictor: Predictor,
-    slots_per_rank: int | None = None,
-    solver: str = BALANCE_DEFAULTS.solver,
-    interval: int = BALANCE_DEFAULTS.interval,
-    horizon: int = BALANCE_DEFAULTS.horizon,
-    adaptive: bool = True,
-    stall_remedies: bool = True,
-    trigger_margin: float = BALANCE_DEFAULTS.trigger_margin,
-) -> ReplayResult:
+def replay(trace: RoutingTrace, rule: ReplanRule, predictor: Predictor,
+           slots_per_rank: int | None = None) -> ReplayResult:
+    """Run ``trace`` through ``predictor`` and ``rule`` (its cost model prices every step), starting from the
+    contiguous layout with ``slots_per_rank`` slots per EP rank (default ``experts/ep + 1``)."""
+    costs = rule.costs
     ep = costs.ep
     num_experts = trace.num_experts
     if num_experts % ep:
         raise UserError(f"trace has {num_experts} experts, not divisible by ep={ep}; pick ep dividing it")
     slots = default_slots_per_rank(num_experts, ep) if slots_per_rank is None else slots_per_rank
-    if interval < 1 or horizon < 1:
-        raise UserError(f"interval={interval} and horizon={horizon} must be >= 1")
     static = ExpertPlacement.contiguous(num_experts, ep, slots)
-    rule = ReplanRule(costs, interval, horizon, solver, trigger_margin, adaptive=adaptive,
-                      stall_remedies=stall_remedies)
     loads = trace.tokens_per_expert.astype(float)  # [T, L, E]
     num_steps, num_layers = loads.shape[:2]
 

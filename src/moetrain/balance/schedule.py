@@ -71,7 +71,7 @@ from moetrain.balance.costs import BalanceCostModel, OverlapWindow
 from moetrain.balance.online import BALANCE_DEFAULTS
 from moetrain.balance.placement import ExpertPlacement, Move, diff
 from moetrain.balance.predict import Predictor
-from moetrain.balance.solver import timed_plan
+from moetrain.balance.solver import PlanRequest, timed_plan
 from moetrain.errors import UserError
 
 NOISE_SMOOTHING = 0.2
@@ -412,9 +412,9 @@ class ReplanRule:
             return seconds(placement) + self.costs.migration_seconds(diff(current, placement), least_window) / lasting
 
         def plan(candidates: str) -> tuple[ExpertPlacement, float]:
-            return timed_plan(forecast, current.num_ranks, current.slots_per_rank, self.solver, score=score,
-                              current=current, candidates=candidates,
-                              ranks_per_node=self.costs.cluster.devices_per_node if self.stall_remedies else None)
+            request = PlanRequest(forecast, current.num_ranks, current.slots_per_rank, self.solver, current,
+                                  candidates, self.costs.cluster.devices_per_node if self.stall_remedies else None)
+            return timed_plan(request, score)
 
         cpu_start = time.process_time()
         # early (drift-triggered) solves offer only moves that build on the current placement ...

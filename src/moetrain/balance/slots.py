@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from moetrain.balance.costs import BalanceCostModel
 from moetrain.balance.predict import Predictor
 from moetrain.balance.replay import replay
+from moetrain.balance.schedule import ReplanRule
 from moetrain.balance.traces import RoutingTrace
 from moetrain.errors import UserError
 
@@ -51,17 +52,18 @@ def spare_slot_bytes(costs: BalanceCostModel) -> float:
 
 
 def choose_spare_slots(
-    trace: RoutingTrace, costs: BalanceCostModel, predictor: Predictor,
-    options: tuple[int, ...] = DEFAULT_SPARE_OPTIONS, tolerance: float = SPARE_TOLERANCE, **replay_options,
+    trace: RoutingTrace, rule: ReplanRule, predictor: Predictor,
+    options: tuple[int, ...] = DEFAULT_SPARE_OPTIONS, tolerance: float = SPARE_TOLERANCE,
 ) -> SpareSlotChoice:
-    """Replay ``trace`` with ``experts/ep + spare`` slots per rank for each spare count in ``options``;
-    recommend the fewest spare slots whose step time is within ``tolerance`` of the best option's."""
+    """Replay ``trace`` under ``rule`` with ``experts/ep + spare`` slots per rank for each spare count in
+    ``options``; recommend the fewest spare slots whose step time is within ``tolerance`` of the best option's."""
     if not options or min(options) < 0:
         raise UserError(f"spare slot options {options} must be a non-empty list of counts >= 0")
+    costs = rule.costs
     per_rank = trace.num_experts // costs.ep
     rows = []
     for spare in sorted(set(options)):
-        result = replay(trace, costs, predictor, slots_per_rank=per_rank + spare, **replay_options)
+        result = replay(trace, rule, predictor, slots_per_rank=per_rank + spare)
         rows.append(SpareSlotOption(spare, per_rank + spare, float(result.seconds_after.mean()),
                                     result.predicted_gain, result.gap_to_ideal, spare * spare_slot_bytes(costs)))
     best = min(row.step_seconds for row in rows)

@@ -711,6 +711,17 @@ class PlanRequest:
     candidates: str = "all"
     ranks_per_node: int | None = None
 
+    def __post_init__(self) -> None:
+        """Check the request (one line per bad input); negative loads count as none."""
+        if self.solver not in SOLVERS:
+            raise UserError(f"unknown solver {self.solver!r}; choose one of: {', '.join(SOLVERS)}")
+        object.__setattr__(self, "loads", np.maximum(np.asarray(self.loads, dtype=float), 0.0))
+        _check_sizes(self.loads.size, self.num_ranks, self.slots_per_rank)
+        if self.candidates not in ("all", "incremental", "scratch"):
+            raise UserError(f"unknown candidate set {self.candidates!r}; choose all, incremental or scratch")
+        if self.candidates == "incremental" and (self.current is None or self.solver == "milp"):
+            raise UserError("an incremental plan needs the current placement and the greedy or local solver")
+
     @property
     def num_experts(self) -> int:
         return self.loads.size
@@ -738,19 +749,6 @@ class PlanRequest:
         if self.current is None:
             return pool
         return [align_to(c, self.current, self.ranks_per_node) for c in pool]
-
-
-def _plan_request(loads, num_ranks, slots_per_rank, solver, current, candidates, ranks_per_node) -> PlanRequest:
-    """The request, checked (one line per bad input)."""
-    if solver not in SOLVERS:
-        raise UserError(f"unknown solver {solver!r}; choose one of: {', '.join(SOLVERS)}")
-    loads = np.maximum(np.asarray(loads, dtype=float), 0.0)
-    _check_sizes(loads.size, num_ranks, slots_per_rank)
-    if candidates not in ("all", "incremental", "scratch"):
-        raise UserError(f"unknown candidate set {candidates!r}; choose all, incremental or scratch")
-    if candidates == "incremental" and (current is None or solver == "milp"):
-        raise UserError("an incremental plan needs the current placement and the greedy or local solver")
-    return PlanRequest(loads, num_ranks, slots_per_rank, solver, current, candidates, ranks_per_node)
 
 
 def replica_budget_candidates(request: PlanRequest) -> list[ExpertPlacement]:
@@ -840,29 +838,19 @@ def node_grouped_candidates(request: PlanRequest, pool: list[ExpertPlacement]) -
     return request.aligned(grouped)
 
 
-def plan_placement(
-    loads: np.ndarray,
-    num_ranks: int,
-    slots_per_rank: int,
-    solver: str = "local",
-    score: Callable[[ExpertPlacement], float] | None = None,
-    current: ExpertPlacement | None = None,
-    candidates: str = "all",
-    ranks_per_node: int | None = None,
-) -> ExpertPlacement:
-    """Best placement for predicted ``loads`` [E] among the candidate families below, by ``score`` (the
-    caller's predicted step time, migration included; default: the busiest rank's load).
+def plan_placement(request: PlanRequest, score: Callable[[ExpertPlacement], float] | None = None) -> ExpertPlacement:
+    """Best placement for the request's predicted ``loads`` [E] among the candidate families below, by ``score``
+    (the caller's predicted step time, migration included; default: the busiest rank's load).
 
-    ``candidates``: ``"all"``; ``"incremental"`` (needs ``current``): only the warm start, the hot experts'
-    replicas and their bridging, few moves each and a fraction of the solve time; or ``"scratch"``: only the
-    replica budgets (and their bridging).
+    ``request.candidates``: ``"all"``; ``"incremental"`` (needs ``current``): only the warm start, the hot
+    experts' replicas and their bridging, few moves each and a fraction of the solve time; or ``"scratch"``:
+    only the replica budgets (and their bridging).
 
     Families, in the order they are offered (ties go to the first): ``replica_budget_candidates`` and
     ``warm_start_candidates``; their ``bridging_candidates``; all of these aligned to ``current``, so that each
     one's migration is the least its layout allows; ``node_bridging_candidates`` of the first two families;
     ``hot_replica_candidates``; the best of these is then compared with ``node_grouped_candidates`` of them all
     (EP over several nodes)."""
-    request = _plan_request(loads, num_ranks, slots_per_rank, solver, current, candidates, ranks_per_node)
     base = [*replica_budget_candidates(request), *warm_start_candidates(request)]
     pool = request.aligned([*base, *bridging_candidates(request, base)])
     pool += node_bridging_candidates(request, pool[:len(base)])
@@ -874,7 +862,8 @@ def plan_placement(
     return min([best, *grouped], key=score) if grouped else best
 
 
-def timed_plan(*args, **kwargs) -> tuple[ExpertPlacement, float]:
+def timed_plan(request: PlanRequest, score: Callable[[ExpertPlacement], float] | None = None,
+               ) -> tuple[ExpertPlacement, float]:
     start = time.perf_counter()
-    placement = plan_placement(*args, **kwargs)
+    placement = plan_placement(request, score)
     return placement, time.perf_counter() - start

@@ -5,11 +5,20 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import TYPE_CHECKING
 
 from moetrain.balance.online import BALANCE_DEFAULTS
 from moetrain.cli.parsing import add_renamed_flag
 from moetrain.config import load_cluster_config, load_model_config, model_presets
 from moetrain.errors import UserError
+
+if TYPE_CHECKING:  # the command loads these when it runs (``run``)
+    import numpy as np
+
+    from moetrain.balance.costs import BalanceCostModel
+    from moetrain.balance.predict import Predictor
+    from moetrain.balance.replay import ReplayResult
+    from moetrain.balance.traces import RoutingTrace
 
 HELP = "replay a routing trace through expert-load prediction, placement and migration; predicted gain"
 
@@ -101,10 +110,26 @@ def _default_model(num_experts: int) -> str:
     raise UserError(f"no model preset has {num_experts} experts; pass --model with a YAML of the traced model")
 
 
-def run(args: argparse.Namespace) -> int:
-    # lazy, heavy: the predictors, replay and scipy's solvers load when the command runs, not when the parser
-    # imports every command module (``moetrain.cli``)
-    from moetrain.balance.costs import BalanceCostModel
+def _cost_model(args: argparse.Namespace, num_experts: int) -> BalanceCostModel:
+    """The cost model of ``--model`` (default: the first preset with the trace's expert count) on ``--cluster``."""
+    from moetrain.balance.costs import BalanceCostModel  # lazy, heavy: loaded when the command runs (``run``)
+
+    model = load_model_config(args.model or _default_model(num_experts))
+    if model.moe is None or model.moe.num_experts != num_experts:
+        have = model.moe.num_experts if model.moe else 0
+        raise UserError(f"model {model.name!r} has {have} experts, the trace {num_experts}; "
+                        "pass the --model the trace was recorded with")
+    if args.ep < 1 or num_experts % args.ep:
+        raise UserError(f"--ep {args.ep} must divide the trace's {num_experts} experts")
+    return BalanceCostModel(model, load_cluster_config(args.cluster), args.ep,
+                            hierarchical_a2a=args.a2a == "hierarchical", seq_len=args.seq_len)
+
+
+def _predictor(args: argparse.Namespace, loads: np.ndarray,
+               forecast_horizon: int) -> tuple[Predictor, dict[str, float]]:
+    """``--predictor`` (``auto``: the lowest forecast error on the trace's first quarter), and each candidate's
+    forecast error over the trace where there are candidates to compare (else none)."""
+    # lazy, heavy: loaded when the command runs (``run``)
     from moetrain.balance.predict import (
         DEFAULT_CANDIDATES,
         AdaptivePredictor,
@@ -112,61 +137,36 @@ def run(args: argparse.Namespace) -> int:
         parse_predictor,
         select_predictor,
     )
-    from moetrain.balance.replay import replay
-    from moetrain.balance.slots import choose_spare_slots
-    from moetrain.balance.traces import read_trace
 
-    spare_options = _parse_spare(args.spare_slots)
-    trace = read_trace(args.trace_routing)
-    model = load_model_config(args.model or _default_model(trace.num_experts))
-    if model.moe is None or model.moe.num_experts != trace.num_experts:
-        have = model.moe.num_experts if model.moe else 0
-        raise UserError(f"model {model.name!r} has {have} experts, the trace {trace.num_experts}; "
-                        "pass the --model the trace was recorded with")
-    if args.ep < 1 or trace.num_experts % args.ep:
-        raise UserError(f"--ep {args.ep} must divide the trace's {trace.num_experts} experts")
-    cluster = load_cluster_config(args.cluster)
-    costs = BalanceCostModel(model, cluster, args.ep, hierarchical_a2a=args.a2a == "hierarchical",
-                             seq_len=args.seq_len)
-    forecast_horizon = min(args.balance_interval, args.balance_horizon)
-    loads = trace.tokens_per_expert
-    errors = {}
     if args.predictor == "auto":
         select_steps = max(loads.shape[0] // 4, 5 + forecast_horizon + 1)
         if loads.shape[0] <= 5 + forecast_horizon:
             raise UserError(f"trace has {loads.shape[0]} steps; auto predictor needs more than "
                             f"{5 + forecast_horizon}; pass --predictor ema:0.9 or a longer trace")
         predictor, _ = select_predictor(loads[:select_steps], horizon=forecast_horizon)
-        errors = {p.name: forecast_error(p, loads, forecast_horizon) for p in DEFAULT_CANDIDATES}
-    else:
-        predictor = parse_predictor(args.predictor)
-        if isinstance(predictor, AdaptivePredictor) and loads.shape[0] > 5 + forecast_horizon:
-            errors = {p.name: forecast_error(p, loads, forecast_horizon) for p in (*predictor.candidates, predictor)}
-    result = replay(trace, costs, predictor, args.slots_per_rank, args.solver, args.balance_interval,
-                    args.balance_horizon)
+        return predictor, {p.name: forecast_error(p, loads, forecast_horizon) for p in DEFAULT_CANDIDATES}
+    predictor = parse_predictor(args.predictor)
+    if isinstance(predictor, AdaptivePredictor) and loads.shape[0] > 5 + forecast_horizon:
+        return predictor, {p.name: forecast_error(p, loads, forecast_horizon)
+                           for p in (*predictor.candidates, predictor)}
+    return predictor, {}
+
+
+def _print_text(args: argparse.Namespace, trace: RoutingTrace, costs: BalanceCostModel, predictor: Predictor,
+                errors: dict[str, float], result: ReplayResult) -> None:
+    """The replay as text: the trace and cost model, the predictor, every decision and the summary."""
+    from moetrain.balance.predict import AdaptivePredictor  # lazy, heavy: loaded when the command runs (``run``)
+
     summary = result.summary()
     slots = args.slots_per_rank or BALANCE_DEFAULTS.slots_per_rank(trace.num_experts, args.ep)
-    migrations = [d.as_dict() for d in result.decisions if d.migrate]
-    spare = None if spare_options is None else choose_spare_slots(
-        trace, costs, predictor, spare_options, solver=args.solver, interval=args.balance_interval,
-        horizon=args.balance_horizon)
-    if args.json:
-        print(json.dumps({
-            "trace": args.trace_routing, "model": model.name, "cluster": cluster.name, "ep": args.ep,
-            "slots_per_rank": slots, "solver": args.solver, "predictor": predictor.name,
-            "forecast_error": errors, **summary, "migrations": migrations,
-            "decisions": [d.as_dict() for d in result.decisions],
-            **({} if spare is None else {"spare_slots": {
-                "options": [vars(o) for o in spare.options],
-                "recommended_spare_per_rank": spare.recommended.spare_per_rank}}),
-        }, indent=2))
-        return 0
     print(f"trace {args.trace_routing}: {trace.num_steps} steps × {trace.num_layers} MoE layers × "
-          f"{trace.num_experts} experts; ep={args.ep}, {slots} slots/rank; cost model {model.name} on {cluster.name}")
+          f"{trace.num_experts} experts; ep={args.ep}, {slots} slots/rank; cost model {costs.model.name} on "
+          f"{costs.cluster.name}")
     if isinstance(predictor, AdaptivePredictor):
         print(f"predictor: {predictor.name} (every candidate runs; the one with the lowest recent error forecasts)")
     else:
         print(f"predictor: {predictor.name}" + (" (lowest forecast error on the first quarter)" if errors else ""))
+    forecast_horizon = min(args.balance_interval, args.balance_horizon)
     for name, err in errors.items():
         print(f"  forecast error {name:28s} {err:.4f}  (|forecast − actual| / actual, {forecast_horizon}-step mean)")
     print("decisions (step, layer): forecast imbalance now → candidate (lower bound on any placement's, and what "
@@ -182,6 +182,37 @@ def run(args: argparse.Namespace) -> int:
           f"{summary['gap_to_ideal']:.1%} slower than ideal); {summary['migrations']} migrations "
           f"({summary['migration_bytes'] / 1e9:.3g} GB), {summary['fallbacks']} global fallbacks, "
           f"{summary['shifts']} load shifts")
+
+
+def run(args: argparse.Namespace) -> int:
+    # lazy, heavy: the predictors, replay and scipy's solvers load when the command runs, not when the parser
+    # imports every command module (``moetrain.cli``)
+    from moetrain.balance.replay import replay
+    from moetrain.balance.schedule import ReplanRule
+    from moetrain.balance.slots import choose_spare_slots
+    from moetrain.balance.traces import read_trace
+
+    spare_options = _parse_spare(args.spare_slots)
+    trace = read_trace(args.trace_routing)
+    costs = _cost_model(args, trace.num_experts)
+    predictor, errors = _predictor(args, trace.tokens_per_expert, min(args.balance_interval, args.balance_horizon))
+    rule = ReplanRule(costs, args.balance_interval, args.balance_horizon, args.solver)
+    result = replay(trace, rule, predictor, args.slots_per_rank)
+    spare = None if spare_options is None else choose_spare_slots(trace, rule, predictor, spare_options)
+    if args.json:
+        slots = args.slots_per_rank or BALANCE_DEFAULTS.slots_per_rank(trace.num_experts, args.ep)
+        print(json.dumps({
+            "trace": args.trace_routing, "model": costs.model.name, "cluster": costs.cluster.name, "ep": args.ep,
+            "slots_per_rank": slots, "solver": args.solver, "predictor": predictor.name,
+            "forecast_error": errors, **result.summary(), "migrations": [d.as_dict() for d in result.decisions
+                                                                       if d.migrate],
+            "decisions": [d.as_dict() for d in result.decisions],
+            **({} if spare is None else {"spare_slots": {
+                "options": [vars(o) for o in spare.options],
+                "recommended_spare_per_rank": spare.recommended.spare_per_rank}}),
+        }, indent=2))
+        return 0
+    _print_text(args, trace, costs, predictor, errors, result)
     if spare is not None:
         print("\n".join(_render_spare(spare)))
     return 0

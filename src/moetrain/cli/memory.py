@@ -10,7 +10,7 @@ from moetrain.config import load_model_config
 from moetrain.costs.activations import activation_bytes_per_layer
 from moetrain.costs.flops import training_flops_per_token
 from moetrain.errors import UserError
-from moetrain.memory.options import choose_plan, uses_flash_attention
+from moetrain.memory.options import activation_shape, choose_plan
 from moetrain.memory.policy import DeviceSpeed
 
 HELP = "activation memory per layer part; choose recompute/swap options under a budget (--measure to check)"
@@ -43,12 +43,12 @@ def run(args: argparse.Namespace) -> int:
     if args.measure:
         measured = _measure(cfg, args)
         speed = measured.pop("speed")
-    result = choose_plan(cfg, options, args.seq_len, args.micro_batch, dtype_bytes, "cpu", speed)
-    flash = uses_flash_attention(cfg, "cpu")
+    shape = activation_shape(cfg, args.seq_len, args.micro_batch, dtype_bytes, "cpu")
+    result = choose_plan(shape, options, speed)
     last = cfg.num_layers - 1
     report["per_layer_part_bytes"] = {k: float(v) for k, v in activation_bytes_per_layer(
         cfg, args.seq_len, args.micro_batch, dtype_bytes=dtype_bytes, moe_layer=cfg.is_moe_layer(last),
-        flash=flash).items()}
+        flash=shape.flash).items()}
     report.update(
         baseline_activation_bytes=result.baseline_bytes,
         activation_bytes=result.activation_bytes,

@@ -52,8 +52,8 @@ from moetrain.errors import UserError
 from moetrain.models.attention import AttentionBackend
 from moetrain.models.transformer import MoETransformer, build_model
 
-__all__ = ["BalancePlanner", "LoadTelemetry", "OnlineExpertBalancer", "ReplicaGradients", "ReplicaSyncedOptimizer",
-           "StepLoads", "build_balanced_run", "moe_layers"]
+__all__ = ["BalancePlanner", "BalancedRunSetup", "BalancerTuning", "LoadTelemetry", "OnlineExpertBalancer",
+           "ReplicaGradients", "ReplicaSyncedOptimizer", "StepLoads", "build_balanced_run", "moe_layers"]
 
 
 class ReplicaSyncedOptimizer:
@@ -170,20 +170,18 @@ class BalancePlanner:
         return True
 
 
-@dataclass
-class OnlineExpertBalancer:
-    """Load accounting → decision → migration execution, between training steps.
+@dataclass(frozen=True)
+class BalancerTuning:
+    """How the balancer decides, and what its moves and replica rings overlap (defaults: ``BALANCE_DEFAULTS``).
 
     ``trigger_margin``: migrate when the predicted saving over ``horizon`` steps exceeds
     ``trigger_margin`` × the predicted migration time (1 is break-even; 0 migrates whenever the
     candidate is predicted faster; ``inf`` only observes). ``interval``: steps between full re-plans;
     ``adaptive``: also check after every step and re-plan incrementally when the drift pays a move
-    (``balance.schedule``); False solves every ``interval`` steps only.
+    (``balance.schedule``); False solves every ``interval`` steps only. The last three are the cost
+    model's (``BalanceCostModel``): what runs under the step's compute rather than exposed.
     """
 
-    stage: StageModel
-    optimizer: ZeroAdamW
-    costs: BalanceCostModel
     interval: int = BALANCE_DEFAULTS.interval
     horizon: int = BALANCE_DEFAULTS.horizon
     predictor: Predictor = field(default_factory=BALANCE_DEFAULTS.build_predictor)
@@ -191,28 +189,59 @@ class OnlineExpertBalancer:
     trigger_margin: float = BALANCE_DEFAULTS.trigger_margin
     adaptive: bool = True
     time_experts: bool = False
+    """Time each rank's expert forward on the host (``LoadTelemetry``)."""
+    defer_weights: bool = True
+    defer_optimizer_state: bool = True
+    overlap_replica_rings: bool = True
+
+
+@dataclass(frozen=True)
+class BalancedRunSetup:
+    """What a balanced run starts from beyond its layout's inputs, and how its balancer is tuned.
+
+    ``model``: a full model built by the caller (e.g. with a skewed router); default: ``build_model``
+    with the run's seed and ``backend``. ``placement``: the starting table; default: the contiguous layout
+    with ``slots_per_rank`` slots (default ``experts/ep + 1``, as ``moetrain balance``).
+    """
+
+    model: MoETransformer | None = None
+    placement: ExpertPlacement | None = None
+    slots_per_rank: int | None = None
+    backend: AttentionBackend = "eager"
+    tuning: BalancerTuning = field(default_factory=BalancerTuning)
+
+
+@dataclass
+class OnlineExpertBalancer:
+    """Load accounting → decision → migration execution, between training steps (``BalancerTuning``)."""
+
+    stage: StageModel
+    optimizer: ZeroAdamW
+    costs: BalanceCostModel
+    tuning: BalancerTuning = field(default_factory=BalancerTuning)
     decisions: list[Decision] = field(default_factory=list)
     history: list[StepLoads] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.stage.expert_table is None:
             raise UserError("expert balancing needs expert parallelism (ep > 1)")
-        if self.interval < 1 or self.horizon < 1:
-            raise UserError(f"interval={self.interval} and horizon={self.horizon} must be >= 1")
-        if self.solver not in SOLVERS:
-            raise UserError(f"unknown solver {self.solver!r}; choose one of: {', '.join(SOLVERS)}")
+        tuning = self.tuning
+        if tuning.interval < 1 or tuning.horizon < 1:
+            raise UserError(f"interval={tuning.interval} and horizon={tuning.horizon} must be >= 1")
+        if tuning.solver not in SOLVERS:
+            raise UserError(f"unknown solver {tuning.solver!r}; choose one of: {', '.join(SOLVERS)}")
         model, dims = self.stage.model, self.stage.dims
         self.ep_group = dims.get_group("ep")
         self.load_group = dims.get_group("stage")
         self.ep_groups_per_stage = dims.size("stage") // dims.size("ep")
         """EP groups whose tokens the stage-wide load counts add up (edp · etp of them)."""
         self.device = next(model.parameters()).device
-        self.telemetry = LoadTelemetry(model, self.time_experts)
+        self.telemetry = LoadTelemetry(model, tuning.time_experts)
         initial = ExpertPlacement.from_slot_experts(model.cfg.moe.num_experts,
                                                     np.array(self.stage.expert_table.experts_by_rank))
-        rule = ReplanRule(self.costs, self.interval, self.horizon, self.solver, self.trigger_margin,
-                          adaptive=self.adaptive)
-        self.planner = BalancePlanner(rule, self.predictor, [layer for layer, _ in self.telemetry.layers],
+        rule = ReplanRule(self.costs, tuning.interval, tuning.horizon, tuning.solver, tuning.trigger_margin,
+                          adaptive=tuning.adaptive)
+        self.planner = BalancePlanner(rule, tuning.predictor, [layer for layer, _ in self.telemetry.layers],
                                       [initial for _ in self.telemetry.layers])
         self.executor = MigrationExecutor(self.stage, self.optimizer, self.costs, self.telemetry.layers)
         self.replicas = ReplicaGradients(self.telemetry.layers, self.ep_group, dims.size("edp"), self.device,
@@ -309,36 +338,33 @@ class OnlineExpertBalancer:
 
 
 def build_balanced_run(dims: ParallelDims, model_cfg: ModelConfig, cfg: TrainingConfig, device: torch.device | str,
-                       cluster: ClusterConfig, *, model: MoETransformer | None = None,
-                       slots_per_rank: int | None = None, placement: ExpertPlacement | None = None,
-                       backend: AttentionBackend = "eager", defer_weights: bool = True,
-                       defer_optimizer_state: bool = True, overlap_replica_rings: bool = True,
-                       **balancer_options) -> tuple[LayoutRun, OnlineExpertBalancer]:
+                       cluster: ClusterConfig, setup: BalancedRunSetup | None = None,
+                       ) -> tuple[LayoutRun, OnlineExpertBalancer]:
     """A layout whose EP ranks have spare expert slots, with its balancer: what ``moetrain train
-    --online-balance``, the tests and the benchmark all train with.
-
-    ``model``: a full model built by the caller (e.g. with a skewed router); default: ``build_model``
-    with the run's seed. ``placement``: the starting table; default: the contiguous layout with
-    ``slots_per_rank`` slots (default ``experts/ep + 1``, as ``moetrain balance``). The returned run's
-    optimizer sums replicated experts' gradients; call ``balancer.after_step(step)`` after each step.
+    --online-balance``, the tests and the benchmark all train with (``setup``: ``BalancedRunSetup``'s
+    defaults when None). The returned run's optimizer sums replicated experts' gradients; call
+    ``balancer.after_step(step)`` after each step.
     """
+    setup = setup or BalancedRunSetup()
     check_online_balance(dims.parallel, model_cfg)
     assert model_cfg.moe is not None
     num_experts, ep = model_cfg.moe.num_experts, dims.parallel.ep
+    model = setup.model
     if model is None:
-        model = build_model(model_cfg, device, backend=backend, seed=cfg.seed)
+        model = build_model(model_cfg, device, backend=setup.backend, seed=cfg.seed)
+    placement = setup.placement
     if placement is None:
-        slots = slots_per_rank or default_slots_per_rank(num_experts, ep)
+        slots = setup.slots_per_rank or default_slots_per_rank(num_experts, ep)
         placement = ExpertPlacement.contiguous(num_experts, ep, slots)
     stage = parallelize(model, dims, placement)
     # Flat buckets even on one rank: the migration moves expert state by its offset in the ZeRO shards.
     optimizer = ZeroAdamW(stage.model, dims, cfg, stage.tp_kinds, keep_flat=True)
+    tuning = setup.tuning
     costs = BalanceCostModel(model_cfg, cluster, ep, hierarchical_a2a=dims.parallel.a2a == "hierarchical",
-                             etp=dims.parallel.etp, seq_len=cfg.seq_len, defer_weights=defer_weights,
-                             defer_optimizer_state=defer_optimizer_state,
-                             overlap_replica_rings=overlap_replica_rings)
-    balancer = OnlineExpertBalancer(stage, optimizer, costs, **balancer_options)
+                             etp=dims.parallel.etp, seq_len=cfg.seq_len, defer_weights=tuning.defer_weights,
+                             defer_optimizer_state=tuning.defer_optimizer_state,
+                             overlap_replica_rings=tuning.overlap_replica_rings)
+    balancer = OnlineExpertBalancer(stage, optimizer, costs, tuning)
     run = LayoutRun(stage, balancer.wrap(optimizer), Executor(stage), cfg, torch.device(device),
                     moe_layers=moe_layer_indices(model_cfg))
     return run, balancer
-

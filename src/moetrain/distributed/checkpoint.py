@@ -247,11 +247,12 @@ def finish_folder(staging: Path, final: Path, step: int, identity: dict | str,
     return seal_checkpoint(staging, final, marker_fields(step, identity))
 
 
-def save_checkpoint(save_dir: Path, step: int, run: LayoutRun, model_cfg: ModelConfig, cfg: TrainingConfig,
-                    identity: dict | str = "", expert_placement: dict | None = None) -> Path:
-    """Every rank of the layout calls this after ``step`` completed steps; returns the folder.
-    ``expert_placement``: the balancer's state (the same on every rank), saved for a resume. A failure
-    raises its cause and leaves no folder behind (the trainer's ``CheckpointSaver`` decides what then)."""
+def save_checkpoint(save_dir: Path, step: int, run: LayoutRun, identity: dict | str = "",
+                    expert_placement: dict | None = None) -> Path:
+    """Every rank of the layout calls this after ``step`` completed steps (of the run's model and training
+    configs); returns the folder. ``expert_placement``: the balancer's state (the same on every rank), saved
+    for a resume. A failure raises its cause and leaves no folder behind (the trainer's ``CheckpointSaver``
+    decides what then)."""
     world = run.stage.dims.get_group("world")
     final = checkpoint_dir(save_dir, step)
     staging = final.with_name(final.name + ".tmp")
@@ -259,7 +260,7 @@ def save_checkpoint(save_dir: Path, step: int, run: LayoutRun, model_cfg: ModelC
     if coordinator:
         save_dir.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(staging, ignore_errors=True)
-    state = checkpoint_state(run, model_cfg, cfg, step)
+    state = checkpoint_state(run, run.model_cfg, run.cfg, step)
     dist.barrier(group=world)
     try:
         write_state(state, staging, world)

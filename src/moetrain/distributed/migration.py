@@ -41,6 +41,16 @@ def _global(group: dist.ProcessGroup | None, group_rank: int) -> int:
     return group_rank if group is None else dist.get_global_rank(group, group_rank)
 
 
+@dataclass(frozen=True)
+class CopyRoute:
+    """The global ranks one copy goes between (``src`` → ``dst``), and this rank's part in it."""
+
+    src: int
+    dst: int
+    sender: bool
+    receiver: bool
+
+
 @dataclass
 class PendingCopies:
     """Point-to-point copies posted and not yet landed: ``finish`` waits for them and writes them."""
@@ -49,19 +59,19 @@ class PendingCopies:
     landings: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     """(view of the destination, the piece that lands there)."""
 
-    def post(self, source: torch.Tensor, target: torch.Tensor, sender: bool, receiver: bool, src: int, dst: int,
-             group: dist.ProcessGroup | None, tag: int) -> None:
-        """One copy of ``source`` (this rank's view, read now when it is the ``sender``) into ``target``
-        (written by ``finish`` when it is the ``receiver``); ``src`` and ``dst`` are global ranks."""
-        if sender:
+    def post(self, source: torch.Tensor, target: torch.Tensor, route: CopyRoute, group: dist.ProcessGroup | None,
+             tag: int) -> None:
+        """One copy of ``source`` (this rank's view, read now when it is the route's sender) into ``target``
+        (written by ``finish`` when it is the receiver)."""
+        if route.sender:
             piece = source.detach().clone()
-            if receiver:
+            if route.receiver:
                 self.landings.append((target, piece))
             else:
-                self.requests.append(dist.isend(piece, dst=dst, group=group, tag=tag))
-        elif receiver:
+                self.requests.append(dist.isend(piece, dst=route.dst, group=group, tag=tag))
+        elif route.receiver:
             piece = torch.empty_like(target)
-            self.requests.append(dist.irecv(piece, src=src, group=group, tag=tag))
+            self.requests.append(dist.irecv(piece, src=route.src, group=group, tag=tag))
             self.landings.append((target, piece))
 
     def finish(self) -> None:
@@ -91,10 +101,10 @@ def post_expert_moves(
     for index, move in enumerate(moves):
         if me not in (move.src[0], move.dst[0]):
             continue
-        src, dst = _global(group, move.src[0]), _global(group, move.dst[0])
+        route = CopyRoute(_global(group, move.src[0]), _global(group, move.dst[0]), move.src[0] == me,
+                          move.dst[0] == me)
         for k, tensor in enumerate(slot_tensors):
-            pending.post(tensor[move.src[1]], tensor[move.dst[1]], move.src[0] == me, move.dst[0] == me, src, dst,
-                         group, tag_offset + index * width + k)
+            pending.post(tensor[move.src[1]], tensor[move.dst[1]], route, group, tag_offset + index * width + k)
     return pending
 
 
@@ -213,11 +223,11 @@ def post_sharded_moves(
             pieces = shard_segments(item.offset + move.src[1] * item.slot_numel,
                                     item.offset + move.dst[1] * item.slot_numel, item.slot_numel, item.shard_size)
             for src_shard, src_offset, dst_shard, dst_offset, count in pieces:
-                sender = (move.src[0], src_shard) == (my_ep, my_edp)
-                receiver = (move.dst[0], dst_shard) == (my_ep, my_edp)
-                src, dst = global_rank(move.src[0], src_shard), global_rank(move.dst[0], dst_shard)
+                route = CopyRoute(global_rank(move.src[0], src_shard), global_rank(move.dst[0], dst_shard),
+                                  (move.src[0], src_shard) == (my_ep, my_edp),
+                                  (move.dst[0], dst_shard) == (my_ep, my_edp))
                 for k, shard in enumerate(item.shards):
                     pending.post(shard[src_offset:src_offset + count], shard[dst_offset:dst_offset + count],
-                                 sender, receiver, src, dst, group, tag + k)
+                                 route, group, tag + k)
                 tag += width
     return pending

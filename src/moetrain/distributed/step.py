@@ -31,7 +31,7 @@ from moetrain.distributed.parallelize import StageModel, model_moe_blocks, paral
 from moetrain.distributed.pipeline import Executor, MicroBatch, StepContext
 from moetrain.distributed.trace import span
 from moetrain.distributed.zero import build_sharded_optimizer
-from moetrain.models.attention import AttentionBackend, DocumentMask
+from moetrain.models.attention import DocumentMask
 from moetrain.models.transformer import MoETransformer, build_model
 from moetrain.runtime_base.optim import lr_multiplier
 from moetrain.schedules import interleaved_1f1b, overlapped
@@ -76,15 +76,15 @@ class LayoutRun:
 
 
 def build_layout(dims: ParallelDims, model_cfg: ModelConfig, cfg: TrainingConfig, device: torch.device,
-                 backend: AttentionBackend = "sdpa", model: MoETransformer | None = None,
-                 autocast_dtype: torch.dtype | None = None) -> LayoutRun:
-    """Every rank builds the same full model from the seed (or takes ``model``), keeps its part."""
+                 model: MoETransformer | None = None) -> LayoutRun:
+    """Every rank builds the same full model from the seed, with sdpa attention (or takes ``model``), keeps
+    its part. The run computes in fp32 until its owner sets ``autocast_dtype`` (the trainer does)."""
     if model is None:
-        model = build_model(model_cfg, device, backend=backend, seed=cfg.seed)
+        model = build_model(model_cfg, device, backend="sdpa", seed=cfg.seed)
     stage = parallelize(model, dims)
     optimizer = build_sharded_optimizer(stage.model, dims, cfg, stage.tp_kinds)
-    return LayoutRun(stage, optimizer, Executor(stage), cfg, torch.device(device), autocast_dtype,
-                     moe_layer_indices(model_cfg))
+    return LayoutRun(stage, optimizer, Executor(stage), cfg, torch.device(device),
+                     moe_layers=moe_layer_indices(model_cfg))
 
 
 @dataclass(frozen=True)

@@ -46,13 +46,20 @@ def excluded_options(compiled: bool, expert_parallel: bool) -> frozenset[str]:
     return COMPILED_EXCLUDED | ({"permute"} if expert_parallel else frozenset())
 
 
-def choose_plan(model_cfg: ModelConfig, options: MemoryOptions, seq_len: int, micro_batch: int, dtype_bytes: float,
-                device_type: str, speed: DeviceSpeed | None = None,
+def activation_shape(model_cfg: ModelConfig, seq_len: int, micro_batch: int, dtype_bytes: float,
+                     device_type: str) -> ActivationShape:
+    """One micro-batch's activations on a ``device_type`` device (its attention kernel decides ``flash``)."""
+    return ActivationShape(model_cfg, seq_len, micro_batch, dtype_bytes, uses_flash_attention(model_cfg, device_type))
+
+
+def nominal_speed(device_type: str) -> DeviceSpeed:
+    return NOMINAL_SPEED["cuda" if device_type == "cuda" else "cpu"]
+
+
+def choose_plan(shape: ActivationShape, options: MemoryOptions, speed: DeviceSpeed,
                 excluded: frozenset[str] = frozenset()) -> PolicyResult:
     """The plan of the whole model (decoder layers, then MTP layers) that the options ask for, from the
     options the runtime can install (``excluded_options``)."""
-    shape = ActivationShape(model_cfg, seq_len, micro_batch, dtype_bytes, uses_flash_attention(model_cfg, device_type))
-    speed = speed or NOMINAL_SPEED["cuda" if device_type == "cuda" else "cpu"]
     probe = choose_memory_plan(shape, "none", None, speed)
     return choose_memory_plan(shape, options.policy, budget_bytes(options, probe.baseline_bytes), speed, excluded)
 

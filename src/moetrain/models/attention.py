@@ -41,9 +41,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from moetrain.config.model import GQAConfig, MLAConfig, YarnRopeConfig
+from moetrain.config.model import GQAConfig, MLAConfig, ModelConfig, YarnRopeConfig
 from moetrain.models.norm import RMSNorm
-from moetrain.models.rope import apply_rope, positions_from_documents, rope_cos_sin, yarn_softmax_scale_factor
+from moetrain.models.rope import Rotary, apply_rope, positions_from_documents, yarn_softmax_scale_factor
 
 AttentionBackend = Literal["sdpa", "eager"]
 DocumentMask = Literal["dense", "block"]
@@ -151,11 +151,10 @@ def core_attention(
 
 
 class MLA(nn.Module):
-    def __init__(self, hidden: int, cfg: MLAConfig, eps: float, rope_theta: float, backend: AttentionBackend,
-                 device: torch.device | str | None = None, rope_scaling: YarnRopeConfig | None = None) -> None:
+    def __init__(self, hidden: int, cfg: MLAConfig, eps: float, rotary: Rotary, backend: AttentionBackend,
+                 device: torch.device | str | None = None) -> None:
         super().__init__()
-        self.cfg, self.rope_theta, self.backend = cfg, rope_theta, backend
-        self.rope_scaling = rope_scaling
+        self.cfg, self.rotary, self.backend = cfg, rotary, backend
         heads = cfg.num_heads
         if cfg.q_lora_rank:
             self.q_down = nn.Linear(hidden, cfg.q_lora_rank, bias=False, device=device)
@@ -170,7 +169,16 @@ class MLA(nn.Module):
         )
         self.o_proj = nn.Linear(heads * cfg.v_head_dim, hidden, bias=False, device=device)
         # DeepSeek-V3 convention: YaRN also sharpens the softmax by mscale(factor, mscale_all_dim)²
-        self.scale = cfg.qk_head_dim**-0.5 * yarn_softmax_scale_factor(rope_scaling)
+        self.scale = cfg.qk_head_dim**-0.5 * yarn_softmax_scale_factor(rotary.scaling)
+
+    # the rotary's parts, as the cached decoding of ``moetrain.rl.kv_cache`` reads them
+    @property
+    def rope_theta(self) -> float:
+        return self.rotary.theta
+
+    @property
+    def rope_scaling(self) -> YarnRopeConfig | None:
+        return self.rotary.scaling
 
     def project_q(self, x_BSD: torch.Tensor) -> torch.Tensor:
         if self.cfg.q_lora_rank:
@@ -201,9 +209,9 @@ class MLA(nn.Module):
         kv_BSHK = self.kv_up(self.kv_norm(latent_BSC)).view(batch, kv_seq, cfg.num_heads, nope + v_dim)
         k_nope_BSHN, v_BSHV = kv_BSHK.split([nope, v_dim], dim=-1)
 
-        cos, sin = rope_cos_sin(ctx.positions_BS, rope, self.rope_theta, self.rope_scaling)
+        cos, sin = self.rotary.cos_sin(ctx.positions_BS, rope)
         if ctx.key_positions_BS is not None:
-            k_cos, k_sin = rope_cos_sin(ctx.key_positions_BS, rope, self.rope_theta, self.rope_scaling)
+            k_cos, k_sin = self.rotary.cos_sin(ctx.key_positions_BS, rope)
         else:
             k_cos, k_sin = cos, sin
         q_rope_BSHR = apply_rope(q_rope_BSHR, cos, sin)
@@ -247,11 +255,10 @@ class MLA(nn.Module):
 
 
 class GQA(nn.Module):
-    def __init__(self, hidden: int, cfg: GQAConfig, eps: float, rope_theta: float, backend: AttentionBackend,
-                 device: torch.device | str | None = None, rope_scaling: YarnRopeConfig | None = None) -> None:
+    def __init__(self, hidden: int, cfg: GQAConfig, eps: float, rotary: Rotary, backend: AttentionBackend,
+                 device: torch.device | str | None = None) -> None:
         super().__init__()
-        self.cfg, self.rope_theta, self.backend = cfg, rope_theta, backend
-        self.rope_scaling = rope_scaling
+        self.cfg, self.rotary, self.backend = cfg, rotary, backend
         self.q_proj = nn.Linear(hidden, cfg.num_heads * cfg.head_dim, bias=False, device=device)
         self.k_proj = nn.Linear(hidden, cfg.num_kv_heads * cfg.head_dim, bias=False, device=device)
         self.v_proj = nn.Linear(hidden, cfg.num_kv_heads * cfg.head_dim, bias=False, device=device)
@@ -260,6 +267,15 @@ class GQA(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, eps, device=device)
             self.k_norm = RMSNorm(cfg.head_dim, eps, device=device)
         self.scale = 1.0 / math.sqrt(cfg.head_dim)  # YaRN scales only cos/sin here (Qwen3 convention)
+
+    # the rotary's parts, as the cached decoding of ``moetrain.rl.kv_cache`` reads them
+    @property
+    def rope_theta(self) -> float:
+        return self.rotary.theta
+
+    @property
+    def rope_scaling(self) -> YarnRopeConfig | None:
+        return self.rotary.scaling
 
     def forward(self, x_BSD: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         cfg = self.cfg
@@ -274,17 +290,18 @@ class GQA(nn.Module):
             # ranks; RoPE is applied after the gather at the keys' own positions.
             kv = ctx.gather_kv(torch.cat([k, v], dim=-1).flatten(2))
             k, v = kv.view(batch, kv.shape[1], cfg.num_kv_heads, 2 * cfg.head_dim).split(cfg.head_dim, dim=-1)
-        cos, sin = rope_cos_sin(ctx.positions_BS, cfg.head_dim, self.rope_theta, self.rope_scaling)
-        k_cos, k_sin = (cos, sin) if ctx.key_positions_BS is None else rope_cos_sin(
-            ctx.key_positions_BS, cfg.head_dim, self.rope_theta, self.rope_scaling)
+        cos, sin = self.rotary.cos_sin(ctx.positions_BS, cfg.head_dim)
+        k_cos, k_sin = (cos, sin) if ctx.key_positions_BS is None else self.rotary.cos_sin(
+            ctx.key_positions_BS, cfg.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, k_cos, k_sin)
         out = core_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), ctx, self.scale, self.backend)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, cfg.num_heads * cfg.head_dim))
 
 
-def build_attention(hidden: int, cfg: MLAConfig | GQAConfig, eps: float, rope_theta: float,
-                    backend: AttentionBackend, device: torch.device | str | None = None,
-                    rope_scaling: YarnRopeConfig | None = None) -> nn.Module:
-    if isinstance(cfg, MLAConfig):
-        return MLA(hidden, cfg, eps, rope_theta, backend, device, rope_scaling)
-    return GQA(hidden, cfg, eps, rope_theta, backend, device, rope_scaling)
+def build_attention(model: ModelConfig, backend: AttentionBackend,
+                    device: torch.device | str | None = None) -> nn.Module:
+    """The attention of one of ``model``'s layers (MLA or grouped-query, as its config says)."""
+    rotary = Rotary(model.rope_theta, model.rope_scaling)
+    if isinstance(model.attention, MLAConfig):
+        return MLA(model.hidden_size, model.attention, model.norm_eps, rotary, backend, device)
+    return GQA(model.hidden_size, model.attention, model.norm_eps, rotary, backend, device)

@@ -7,6 +7,7 @@ Shapes: ``x_BSND`` = [batch, seq, heads, rotary dims]; ``positions_BS`` = [batch
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -47,6 +48,18 @@ def rope_inv_freq(dim: int, theta: float, scaling: YarnRopeConfig | None, device
     else:
         factor = yarn_mscale(scaling.factor)
     return inv_freq, factor
+
+
+@dataclass(frozen=True)
+class Rotary:
+    """A model's rotary embedding: its base ``theta`` and, for a context extended past training, YaRN's
+    ``scaling`` (None: none). Every attention layer of the model rotates with the same one."""
+
+    theta: float
+    scaling: YarnRopeConfig | None = None
+
+    def cos_sin(self, positions_BS: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_cos_sin(positions_BS, dim, self.theta, self.scaling)
 
 
 def rope_cos_sin(positions_BS: torch.Tensor, dim: int, theta: float,

@@ -37,7 +37,7 @@ class DecoderLayer(nn.Module):
         h, eps = cfg.hidden_size, cfg.norm_eps
         self.sandwich = cfg.norm_style == "sandwich"
         self.attn_norm = RMSNorm(h, eps, device=device)
-        self.attention = build_attention(h, cfg.attention, eps, cfg.rope_theta, backend, device, cfg.rope_scaling)
+        self.attention = build_attention(cfg, backend, device)
         self.ffn_norm = RMSNorm(h, eps, device=device)
         if moe_layer:
             assert cfg.moe is not None

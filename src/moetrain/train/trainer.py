@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from rich.console import Console, RenderableType
 
+from moetrain.balance.online import BALANCE_DEFAULTS
 from moetrain.config import ClusterConfig, ModelConfig, cluster_for_device, load_cluster_config, load_model_config
 from moetrain.config.run import RunSpec
 from moetrain.costs.flops import training_flops_per_token
@@ -51,7 +52,13 @@ from moetrain.distributed.step import LayoutRun, StepResult, build_layout, train
 from moetrain.distributed.trace import Tracer
 from moetrain.distributed.world import join_world
 from moetrain.errors import UserError
-from moetrain.memory.options import choose_plan, excluded_options, held_layers_plan
+from moetrain.memory.options import (
+    activation_shape,
+    choose_plan,
+    excluded_options,
+    held_layers_plan,
+    nominal_speed,
+)
 from moetrain.memory.runtime import apply_memory_policy
 from moetrain.models.transformer import MoETransformer
 from moetrain.runtime_base.checkpoint_files import (
@@ -297,13 +304,14 @@ class Trainer:
     def build_run(self, model: MoETransformer | None) -> LayoutRun:
         if not self.spec.balance.enabled:
             return build_layout(self.dims, self.model_cfg, self.cfg, self.device, model=model)
-        from moetrain.distributed.balancing import build_balanced_run  # lazy, heavy: scipy's solvers, --balance only
+        # lazy, heavy: scipy's solvers, --balance only
+        from moetrain.distributed.balancing import BalancedRunSetup, BalancerTuning, build_balanced_run
 
         balance = self.spec.balance
-        tuning = {name: value for name, value in (("interval", balance.interval), ("horizon", balance.horizon))
-                  if value is not None}
-        run, self.balancer = build_balanced_run(self.dims, self.model_cfg, self.cfg, self.device, self.cluster,
-                                                model=model, slots_per_rank=balance.slots_per_rank, **tuning)
+        tuning = BalancerTuning(interval=BALANCE_DEFAULTS.interval if balance.interval is None else balance.interval,
+                                horizon=BALANCE_DEFAULTS.horizon if balance.horizon is None else balance.horizon)
+        setup = BalancedRunSetup(model=model, slots_per_rank=balance.slots_per_rank, tuning=tuning)
+        run, self.balancer = build_balanced_run(self.dims, self.model_cfg, self.cfg, self.device, self.cluster, setup)
         return run
 
     def will_compile(self) -> bool:
@@ -321,8 +329,9 @@ class Trainer:
         compiled = self.will_compile()
         dtype_bytes = 2.0 if self.run.autocast_dtype is not None else 4.0
         excluded = excluded_options(compiled, self.spec.parallel.ep > 1)
-        result = choose_plan(self.model_cfg, options, self.cfg.seq_len, self.cfg.micro_batch, dtype_bytes,
-                             self.device.type, excluded=excluded)
+        shape = activation_shape(self.model_cfg, self.cfg.seq_len, self.cfg.micro_batch, dtype_bytes,
+                                 self.device.type)
+        result = choose_plan(shape, options, nominal_speed(self.device.type), excluded)
         held = [int(index) for index in model.layers] + [self.model_cfg.num_layers + j for j in range(len(model.mtp))]
         applied = apply_memory_policy(model, held_layers_plan(result.plan, held), compiled=compiled)
         chosen = ", ".join(f"{name}×{count}" for name, count in sorted(result.options.items())) or "nothing"
