@@ -25,7 +25,7 @@ def _reference_padded_mla(m: MLA, x: torch.Tensor, ctx) -> torch.Tensor:
     latent, k_rope = m.kv_down(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], -1)
     kv = m.kv_up(m.kv_norm(latent)).view(b, s, cfg.num_heads, -1)
     k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], -1)
-    cos, sin = rope_cos_sin(ctx.positions_BS, cfg.qk_rope_head_dim, m.rope_theta)
+    cos, sin = rope_cos_sin(ctx.positions_BS, cfg.qk_rope_head_dim, 10000.0)
     q = torch.cat([q[..., : cfg.qk_nope_head_dim], apply_rope(q[..., cfg.qk_nope_head_dim:], cos, sin)], -1)
     k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin).expand(-1, -1, cfg.num_heads, -1)
     k = torch.cat([k_nope, k_rope], -1)

@@ -17,6 +17,7 @@ import socket
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -92,17 +93,27 @@ def join_world(device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> It
         dist.destroy_process_group()
 
 
-def run_in_world(fn: Callable[..., Any], rank: int, world_size: int, args: tuple, *, master_port: int,
-                 master_addr: str = "127.0.0.1", local_rank: int | None = None, backend: str = "gloo",
-                 timeout_s: float = DEFAULT_TIMEOUT_S) -> Any:
-    """One rank's life in a ``world_size``-rank group whose store rank 0 hosts at ``master_addr:master_port``:
-    join it, return ``fn(rank, world_size, *args)``, leave once every rank is done. ``spawn``'s processes
-    and the Ray engine's actors (``moetrain.rl.ray_engine``) both run this."""
+@dataclass(frozen=True)
+class Rendezvous:
+    """How a rank joins its group: the store rank 0 hosts at ``master_addr:master_port``, the backend, and
+    how long its collectives wait for a peer."""
+
+    master_port: int
+    master_addr: str = "127.0.0.1"
+    backend: str = "gloo"
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+
+def run_in_world(fn: Callable[..., Any], rank: int, world_size: int, args: tuple, rendezvous: Rendezvous,
+                 local_rank: int | None = None) -> Any:
+    """One rank's life in a ``world_size``-rank group met at ``rendezvous``: join it, return
+    ``fn(rank, world_size, *args)``, leave once every rank is done. ``spawn``'s processes and the Ray
+    engine's actors (``moetrain.rl.ray_engine``) both run this."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank if local_rank is None else local_rank),
-                      MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+                      MASTER_ADDR=rendezvous.master_addr, MASTER_PORT=str(rendezvous.master_port))
     torch.set_num_threads(1)
-    init_world(backend, timeout_s)
+    init_world(rendezvous.backend, rendezvous.timeout_s)
     try:
         result = fn(rank, world_size, *args)
         # Rank 0 hosts the store every group was built from: no rank leaves before the slowest is done.
@@ -112,11 +123,11 @@ def run_in_world(fn: Callable[..., Any], rank: int, world_size: int, args: tuple
     return result
 
 
-def _entry(rank: int, world_size: int, port: int, result_dir: str, fn: Callable[..., Any], args: tuple,
-           backend: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+def _entry(rank: int, world_size: int, rendezvous: Rendezvous, result_dir: str, fn: Callable[..., Any],
+           args: tuple) -> None:
     # what a forked child inherits is never the child's to collect (see ``spawn``)
     gc.freeze()
-    result = run_in_world(fn, rank, world_size, args, master_port=port, backend=backend, timeout_s=timeout_s)
+    result = run_in_world(fn, rank, world_size, args, rendezvous)
     torch.save(result, Path(result_dir) / f"rank{rank}.pt")
 
 
@@ -134,6 +145,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "g
             # freed here, where its threads run: freed in a forked child, its destructor waits forever on
             # threads the child does not have (a test hung that way in CI).
             gc.collect()
-        mp.start_processes(_entry, args=(world_size, free_port(), result_dir, fn, args, backend, timeout_s),
+        rendezvous = Rendezvous(free_port(), backend=backend, timeout_s=timeout_s)
+        mp.start_processes(_entry, args=(world_size, rendezvous, result_dir, fn, args),
                            nprocs=world_size, join=True, start_method=method)
         return [torch.load(Path(result_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from moetrain.config.model import GQAConfig, MLAConfig, ModelConfig, YarnRopeConfig
+from moetrain.config.model import GQAConfig, MLAConfig, ModelConfig
 from moetrain.models.norm import RMSNorm
 from moetrain.models.rope import Rotary, apply_rope, positions_from_documents, yarn_softmax_scale_factor
 
@@ -171,15 +171,6 @@ class MLA(nn.Module):
         # DeepSeek-V3 convention: YaRN also sharpens the softmax by mscale(factor, mscale_all_dim)²
         self.scale = cfg.qk_head_dim**-0.5 * yarn_softmax_scale_factor(rotary.scaling)
 
-    # the rotary's parts, as the cached decoding of ``moetrain.rl.kv_cache`` reads them
-    @property
-    def rope_theta(self) -> float:
-        return self.rotary.theta
-
-    @property
-    def rope_scaling(self) -> YarnRopeConfig | None:
-        return self.rotary.scaling
-
     def project_q(self, x_BSD: torch.Tensor) -> torch.Tensor:
         if self.cfg.q_lora_rank:
             return self.q_up(self.q_norm(self.q_down(x_BSD)))
@@ -267,15 +258,6 @@ class GQA(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, eps, device=device)
             self.k_norm = RMSNorm(cfg.head_dim, eps, device=device)
         self.scale = 1.0 / math.sqrt(cfg.head_dim)  # YaRN scales only cos/sin here (Qwen3 convention)
-
-    # the rotary's parts, as the cached decoding of ``moetrain.rl.kv_cache`` reads them
-    @property
-    def rope_theta(self) -> float:
-        return self.rotary.theta
-
-    @property
-    def rope_scaling(self) -> YarnRopeConfig | None:
-        return self.rotary.scaling
 
     def forward(self, x_BSD: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         cfg = self.cfg

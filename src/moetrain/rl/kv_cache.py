@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from moetrain.models.attention import GQA, MLA
-from moetrain.models.rope import apply_rope, rope_cos_sin
+from moetrain.models.rope import apply_rope
 
 
 @dataclass
@@ -81,7 +81,7 @@ def mla_attend(attn: MLA, x_BQD: torch.Tensor, positions_BQ: torch.Tensor, cache
     q_BQHK = attn.project_q(x_BQD).view(batch, queries, heads, nope + rope)
     q_nope_BQHN, q_rope_BQHR = q_BQHK.split([nope, rope], dim=-1)
     latent_BQC, k_rope_BQR = attn.kv_down(x_BQD).split([rank, rope], dim=-1)
-    cos, sin = rope_cos_sin(positions_BQ, rope, attn.rope_theta, attn.rope_scaling)
+    cos, sin = attn.rotary.cos_sin(positions_BQ, rope)
     q_rope_BQHR = apply_rope(q_rope_BQHR, cos, sin)
     cache.write(positions_BQ, latent=attn.kv_norm(latent_BQC),
                 k_rope=apply_rope(k_rope_BQR.unsqueeze(2), cos, sin).squeeze(2))
@@ -108,7 +108,7 @@ def gqa_attend(attn: GQA, x_BQD: torch.Tensor, positions_BQ: torch.Tensor, cache
     v = attn.v_proj(x_BQD).view(batch, queries, cfg.num_kv_heads, cfg.head_dim)
     if cfg.qk_norm:
         q, k = attn.q_norm(q), attn.k_norm(k)
-    cos, sin = rope_cos_sin(positions_BQ, cfg.head_dim, attn.rope_theta, attn.rope_scaling)
+    cos, sin = attn.rotary.cos_sin(positions_BQ, cfg.head_dim)
     q_BQHD, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     cache.write(positions_BQ, k=k, v=v)
     repeat = cfg.num_heads // cfg.num_kv_heads

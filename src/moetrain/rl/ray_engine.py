@@ -38,7 +38,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from moetrain.distributed.world import DEFAULT_TIMEOUT_S, run_in_world
+from moetrain.distributed.world import DEFAULT_TIMEOUT_S, Rendezvous, run_in_world
 from moetrain.errors import UserError
 from moetrain.runtime_base.recovery import (
     RECOVERY_ENV,
@@ -143,8 +143,8 @@ class RankActor:
             else:
                 os.environ[name] = value
         # LOCAL_RANK 0: Ray gives each actor its own devices (CUDA_VISIBLE_DEVICES), so its first is its own
-        return run_in_world(fn, rank, world_size, args, master_addr=master.host, master_port=master.port,
-                            local_rank=0, timeout_s=setting.timeout_s)
+        rendezvous = Rendezvous(master.port, master.host, timeout_s=setting.timeout_s)
+        return run_in_world(fn, rank, world_size, args, rendezvous, local_rank=0)
 
 
 @contextlib.contextmanager
