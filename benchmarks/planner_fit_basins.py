@@ -7,7 +7,16 @@ or a basin the optimizer fell into. For the fold that holds ``--family`` out, an
 given with ``--at`` (its ``held_out_fits`` entry for that family), this prints the fold's training objective
 (``fit.fit_loss``: same rows, same Huber loss and prior pull as the fit) at that point, then refits from it
 (``fit_calibration(start=...)``) and prints the objective there and the held-out family's errors. The model
-is the checked-out one; to compare two models' parameters on one model, pass both files.
+is the one imported (``model_code`` in the output): this checkout's, or another branch's put first on
+PYTHONPATH. Branch planfit5's, as the notes report it (that branch has no ``fit_loss``; this file's fit.py
+goes in, less the ``moe_overhead_us`` bound that branch removed)::
+
+    mkdir -p /tmp/pf5 && git archive planfit5 src | tar -x -C /tmp/pf5
+    git show planfit6:src/moetrain/planner/fit.py | sed '/"moe_overhead_us": (0.0, 5000.0),/d' \
+        > /tmp/pf5/src/moetrain/planner/fit.py
+    PYTHONPATH=/tmp/pf5/src python benchmarks/planner_fit_basins.py --family MPT \
+        --at /tmp/pf5/src/moetrain/planner/calibration_default.yaml src/moetrain/planner/calibration_default.yaml \
+        --out benchmarks/results/planner_fit_basins_planfit5.json
 
     python benchmarks/planner_fit_basins.py --family MPT --at src/moetrain/planner/calibration_default.yaml \
         OTHER.yaml [--out benchmarks/results/planner_fit_basins.json]
@@ -21,6 +30,7 @@ from pathlib import Path
 from _heldout import CALIBRATION_CSV, signed_pct_errors
 from _record import write_result
 
+import moetrain
 from moetrain.planner.calibration import Calibration, load_calibration
 from moetrain.planner.fit import fit_calibration, fit_loss, predict_rows
 from moetrain.planner.validation import PreparedRow, prepare_all, read_rows
@@ -62,7 +72,9 @@ def main() -> int:
             print(f"{path} {name:14s} loss {point['loss']:.6f} (data {point['loss_data']:.6f}, prior "
                   f"{point['loss_prior']:.6f})  " + "  ".join(f"{k} {v:.3f}" for k, v in point["parameters"].items()
                                                               if k in ("attention", "hopper.gemm_max")))
-    write_result(args.out, {"family": args.family, "training_rows": len(train), "points": points})
+    # the cost model that ran: this checkout's, or another branch's through PYTHONPATH (see the docstring)
+    write_result(args.out, {"family": args.family, "training_rows": len(train), "model_code": moetrain.__file__,
+                            "points": points})
     return 0
 
 
