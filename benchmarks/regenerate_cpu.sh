@@ -39,6 +39,14 @@ run planner_source_consistency.py
 run planner_vtrain_heldout.py
 run planner_vtrain_residuals.py  # --cv-variants reruns its slow variants (kept from the last run otherwise)
 run planner_dgxc_heldout.py --cv-variant --cv-with-dgxc
+# planner_fit_basins*.json compare the fold without MPT with branch planfit5's fit of it, from an export of that
+# branch in /tmp/pf5 (commands in benchmarks/planner_fit_basins.py's docstring); skipped without the export.
+if [[ -d /tmp/pf5/src ]]; then
+run planner_fit_basins.py --family MPT --at src/moetrain/planner/calibration_default.yaml \
+    /tmp/pf5/src/moetrain/planner/calibration_default.yaml
+PYTHONPATH=/tmp/pf5/src run planner_fit_basins.py --family MPT --at /tmp/pf5/src/moetrain/planner/calibration_default.yaml \
+    src/moetrain/planner/calibration_default.yaml --out $R/planner_fit_basins_planfit5.json
+fi
 run planner_fit_variants.py
 run planner_screen_vs_timeline.py
 run planner_speed.py

@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from moetrain.planner import fit
+from moetrain.planner.calibration import default_calibration
 from moetrain.planner.fit import fit_calibration, predict_rows
 from moetrain.planner.validation import PreparedRow, prepare_row
 
@@ -72,3 +73,36 @@ def test_a_fixed_parameter_keeps_its_value_and_the_others_absorb_the_data(publis
     measured_log = sum(math.log(v) for v in (0.60, 0.62, 0.64, 0.66)) / 4
     for calibration in (free, held):
         assert math.log(predict_rows(rows[:1], calibration)[0]) == pytest.approx(measured_log, abs=0.02)
+
+
+def test_fit_loss_is_the_huber_sum_the_fit_minimises(published_rows: list[dict]) -> None:
+    # Four rows of one run at MFU 0.40, 0.42, 0.50 and 0.60, priced at the priors (no prior pull there).
+    rows = _copies(published_rows, "MPT-6", "A", [0.40, 0.42, 0.50, 0.60])
+    priors = default_calibration()
+    predicted = predict_rows(rows[:1], priors)[0]
+    by_hand = 0.0
+    for measured in (0.40, 0.42, 0.50, 0.60):
+        r = abs(math.log(predicted / measured))
+        by_hand += 0.5 * r * r if r <= 0.1 else 0.1 * r - 0.5 * 0.1**2  # Huber at 0.1, halved as scipy's cost
+    at_priors = fit.fit_loss(rows, priors)
+    assert at_priors.prior == 0.0
+    assert at_priors.data == pytest.approx(by_hand, rel=1e-12)
+    # the fit's optimum scores lower than the priors and than the same point moved by 5 % either way
+    fitted = fit_calibration(rows)
+    best = fit.fit_loss(rows, fitted).total
+    assert best < at_priors.total
+    for factor in (0.95, 1.05):
+        moved = replace(fitted, per_arch={a: {p: v * factor for p, v in values.items()}
+                                          for a, values in fitted.per_arch.items()})
+        assert best < fit.fit_loss(rows, moved).total
+
+
+def test_a_fit_started_elsewhere_reaches_the_same_single_optimum(published_rows: list[dict]) -> None:
+    rows = _copies(published_rows, "MPT-6", "A", [0.40, 0.42, 0.44, 0.46])
+    from_priors = fit_calibration(rows)
+    elsewhere = replace(from_priors, global_params=replace(from_priors.global_params, memory=0.3, attention=0.8),
+                        per_arch={a: {"gemm_max": 0.3} for a in from_priors.per_arch})
+    from_elsewhere = fit_calibration(rows, start=elsewhere)
+    assert fit.fit_loss(rows, from_elsewhere).total == pytest.approx(fit.fit_loss(rows, from_priors).total, rel=1e-3)
+    assert math.log(predict_rows(rows[:1], from_elsewhere)[0]) == pytest.approx(
+        math.log(predict_rows(rows[:1], from_priors)[0]), abs=0.005)

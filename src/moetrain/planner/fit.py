@@ -14,7 +14,7 @@ Regenerate the shipped file, with its cross-validated error and the held-out fit
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -88,23 +88,49 @@ def _unpack(x: np.ndarray, glob: list[str], per_arch: list[tuple[str, str]], not
     return Calibration(replace(Efficiency(), **values), dict(arch), note)
 
 
-def fit_calibration(rows: list[PreparedRow], note: str = "", *, per_arch_params: tuple[str, ...] = PER_ARCH_PARAMS,
-                    family_weight_power: float = 0.0, fixed: dict[str, float] | None = None,
-                    loss: str = LOSS, loss_scale: float = LOSS_SCALE) -> Calibration:
-    """Robust least-squares fit of the efficiency parameters on ``rows`` (speed rows only).
+@dataclass(frozen=True)
+class FitLoss:
+    """The fit's objective at one parameter point, as scipy's ``least_squares`` minimises it: half the sum
+    of the loss ρ over the rows' weighted log-ratios (``data``) and the prior pulls (``prior``)."""
 
-    The options are variants the shipped fit does not use (benchmarks/notes/planner.md, "Fit variants"):
-    ``per_arch_params`` names the parameters fitted per architecture; ``family_weight_power`` p weighs
-    each row's log-ratio by n^(−p/2) (its squared error by n^−p), n being the number of speed rows of its
-    family (0: every row counts the same, as shipped; 1: every family counts the same); ``fixed`` holds
-    parameters at given values (a kernel measurement, say) instead of fitting them; ``loss`` and
-    ``loss_scale`` choose scipy's loss on the log-ratios and the log-ratio where it turns linear.
-    """
-    fixed = dict(fixed or {})
-    try:
-        from scipy.optimize import least_squares  # optional: only a refit needs scipy
-    except ImportError as exc:  # scipy is needed only to refit, not to simulate
-        raise UserError("fitting needs scipy; install it with `pip install scipy`") from exc
+    data: float
+    prior: float
+
+    @property
+    def total(self) -> float:
+        return self.data + self.prior
+
+
+@dataclass(frozen=True)
+class _Problem:
+    """The residuals a fit minimises: which parameters are free, their prior, bounds and scale."""
+
+    speed_rows: list[PreparedRow]
+    glob: list[str]
+    per_arch: list[tuple[str, str]]
+    fixed: dict[str, float]
+    x0: np.ndarray
+    lower: np.ndarray
+    upper: np.ndarray
+    scale: np.ndarray
+    weights: np.ndarray
+
+    def residuals(self, x: np.ndarray) -> np.ndarray:
+        predicted = predict_rows(self.speed_rows, _unpack(x, self.glob, self.per_arch, "", self.fixed))
+        measured = np.array([r.measured for r in self.speed_rows])
+        fit_term = self.weights * np.log(np.maximum(predicted, 1e-12) / measured)
+        return np.concatenate([fit_term, PRIOR_WEIGHT * (x - self.x0) / self.scale])
+
+    def point(self, calibration: Calibration) -> np.ndarray:
+        """``calibration``'s values of the free parameters (per-architecture ones where it has them)."""
+        def value(arch: str | None, param: str) -> float:
+            per_arch = calibration.per_arch.get(arch, {}) if arch else {}
+            return per_arch.get(param, getattr(calibration.global_params, param))
+        return np.array([value(None, p) for p in self.glob] + [value(a, p) for a, p in self.per_arch])
+
+
+def _problem(rows: list[PreparedRow], per_arch_params: tuple[str, ...], family_weight_power: float,
+             fixed: dict[str, float]) -> _Problem:
     speed_rows = [r for r in rows if r.metric != "peak_memory_gib"]
     if not speed_rows:
         raise UserError("no speed rows to fit on (memory rows do not constrain efficiencies)")
@@ -113,20 +139,57 @@ def fit_calibration(rows: list[PreparedRow], note: str = "", *, per_arch_params:
     x0 = np.array([getattr(prior, p) for p in glob] + [getattr(prior, p) for _, p in per_arch])
     lower = np.array([BOUNDS[p][0] for p in glob] + [BOUNDS[p][0] for _, p in per_arch])
     upper = np.array([BOUNDS[p][1] for p in glob] + [BOUNDS[p][1] for _, p in per_arch])
-    scale = np.maximum(np.abs(x0), upper * 0.05)
-    measured = np.array([r.measured for r in speed_rows])
     family_rows = Counter(r.family for r in speed_rows)
     weights = np.array([family_rows[r.family] ** (-family_weight_power / 2) for r in speed_rows])
     weights = weights / np.sqrt(np.mean(weights**2))  # the prior keeps its pull relative to the data
+    return _Problem(speed_rows, glob, per_arch, fixed, x0, lower, upper, np.maximum(np.abs(x0), upper * 0.05),
+                    weights)
 
-    def residuals(x: np.ndarray) -> np.ndarray:
-        predicted = predict_rows(speed_rows, _unpack(x, glob, per_arch, "", fixed))
-        fit_term = weights * np.log(np.maximum(predicted, 1e-12) / measured)
-        return np.concatenate([fit_term, PRIOR_WEIGHT * (x - x0) / scale])
 
-    result = least_squares(residuals, np.clip(x0, lower, upper), bounds=(lower, upper), x_scale=scale,
-                           diff_step=1e-3, max_nfev=400, loss=loss, f_scale=loss_scale)
-    return _unpack(result.x, glob, per_arch, note, fixed)
+def _rho(residuals: np.ndarray, loss: str, loss_scale: float) -> np.ndarray:
+    """scipy's ρ(z) of z = (r/C)², times C²: what ``least_squares`` sums (and halves) for ``loss``."""
+    z = (residuals / loss_scale) ** 2
+    forms = {"linear": z, "huber": np.where(z <= 1.0, z, 2.0 * np.sqrt(z) - 1.0),
+             "soft_l1": 2.0 * (np.sqrt(1.0 + z) - 1.0), "cauchy": np.log1p(z)}
+    if loss not in forms:
+        raise UserError(f"unknown fit loss {loss!r}; use one of {', '.join(forms)}")
+    return loss_scale**2 * forms[loss]
+
+
+def fit_loss(rows: list[PreparedRow], calibration: Calibration, *, per_arch_params: tuple[str, ...] = PER_ARCH_PARAMS,
+             family_weight_power: float = 0.0, fixed: dict[str, float] | None = None, loss: str = LOSS,
+             loss_scale: float = LOSS_SCALE) -> FitLoss:
+    """The objective ``fit_calibration`` minimises on ``rows``, at ``calibration``'s parameters: the way to
+    tell which of two fits of the same rows is the better optimum (same options as ``fit_calibration``)."""
+    problem = _problem(rows, per_arch_params, family_weight_power, dict(fixed or {}))
+    rho = 0.5 * _rho(problem.residuals(problem.point(calibration)), loss, loss_scale)
+    n = len(problem.speed_rows)
+    return FitLoss(float(np.sum(rho[:n])), float(np.sum(rho[n:])))
+
+
+def fit_calibration(rows: list[PreparedRow], note: str = "", *, per_arch_params: tuple[str, ...] = PER_ARCH_PARAMS,
+                    family_weight_power: float = 0.0, fixed: dict[str, float] | None = None,
+                    loss: str = LOSS, loss_scale: float = LOSS_SCALE, start: Calibration | None = None) -> Calibration:
+    """Robust least-squares fit of the efficiency parameters on ``rows`` (speed rows only).
+
+    The options are variants the shipped fit does not use (benchmarks/notes/planner.md, "Fit variants"):
+    ``per_arch_params`` names the parameters fitted per architecture; ``family_weight_power`` p weighs
+    each row's log-ratio by n^(−p/2) (its squared error by n^−p), n being the number of speed rows of its
+    family (0: every row counts the same, as shipped; 1: every family counts the same); ``fixed`` holds
+    parameters at given values (a kernel measurement, say) instead of fitting them; ``loss`` and
+    ``loss_scale`` choose scipy's loss on the log-ratios and the log-ratio where it turns linear;
+    ``start`` starts the search from another fit's values instead of the priors (the prior pull stays).
+    """
+    try:
+        from scipy.optimize import least_squares  # optional: only a refit needs scipy
+    except ImportError as exc:  # scipy is needed only to refit, not to simulate
+        raise UserError("fitting needs scipy; install it with `pip install scipy`") from exc
+    problem = _problem(rows, per_arch_params, family_weight_power, dict(fixed or {}))
+    begin = problem.x0 if start is None else problem.point(start)
+    result = least_squares(problem.residuals, np.clip(begin, problem.lower, problem.upper),
+                           bounds=(problem.lower, problem.upper), x_scale=problem.scale, diff_step=1e-3,
+                           max_nfev=400, loss=loss, f_scale=loss_scale)
+    return _unpack(result.x, problem.glob, problem.per_arch, note, problem.fixed)
 
 
 def fits_without_each_family(rows: list[PreparedRow], **fit_options) -> dict[str, Calibration]:

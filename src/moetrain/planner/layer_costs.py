@@ -255,6 +255,13 @@ def _attention(w: Workload, s: Strategies, eff: Efficiency, tok: _Tokens) -> _At
     return _AttentionTimes(proj, core, core_bwd, mla_up, norm_bytes)
 
 
+def moe_pass_seconds(w: Workload, eff: Efficiency) -> float:
+    """The fixed cost of one MoE layer's forward pass: the device idles while the host issues the pass's
+    kernels after the dispatch synchronised on the token counts; a dispatch padded to capacity never
+    synchronises (``Workload.moe_padded_to_capacity``), so its host runs ahead and the device does not idle."""
+    return 0.0 if w.moe_padded_to_capacity else eff.moe_overhead_us * 1e-6
+
+
 def _moe_block(w: Workload, s: Strategies, eff: Efficiency, tok: _Tokens) -> _FeedForward:
     """Router, routed experts (on the hottest rank: ``imbalance`` × the mean load), shared experts and the
     all-to-all of one direction. MoE layers see ``t/tp`` tokens per device (Megatron requires sequence
@@ -268,8 +275,10 @@ def _moe_block(w: Workload, s: Strategies, eff: Efficiency, tok: _Tokens) -> _Fe
     router = gemm_time(2.0 * h * moe.num_experts * t_moe, 1, cluster, eff)
     # router scores and top-k in fp32; permuting the routed tokens and their gating weights
     elementwise = (t_moe * moe.num_experts * 4.0 * 3, 4.0 * routed_mean * h * act)
-    experts = expert_compute_time(routed_mean * w.imbalance, model, cluster, eff, moe.num_experts / s.ep, s.etp,
-                                  w.precision)
+    # Under expert tensor parallelism a device holds 1/etp of each of its experts' width and computes it for
+    # the tokens its etp group gathered (below): etp times its own routed tokens, the same work as etp 1.
+    experts = expert_compute_time(routed_mean * s.etp * w.imbalance, model, cluster, eff, moe.num_experts / s.ep,
+                                  s.etp, w.precision)
     shared = 0.0
     if moe.num_shared_experts:
         shared = gemm_time(2.0 * mlp_params(model, moe.shared_ffn_hidden) * t_moe, mlp_matrix_count(model), cluster,
@@ -293,7 +302,7 @@ def _moe_block(w: Workload, s: Strategies, eff: Efficiency, tok: _Tokens) -> _Fe
         router_tp = (2.0 * allgather_time(tok.att * moe.num_experts * 4.0, s.tp, tp_in_node, cluster, eff)
                      + allreduce_time(moe.num_experts * 8.0, s.tp, tp_in_node, cluster, eff))
     return _FeedForward(
-        time=router + experts + shared + eff.moe_overhead_us * 1e-6, elementwise_bytes=elementwise, num_kernels=12,
+        time=router + experts + shared + moe_pass_seconds(w, eff), elementwise_bytes=elementwise, num_kernels=12,
         # attention's gather and scatter, and the shared expert's when there is one and it is split over tp
         # (the routed experts exchange their tokens through the all-to-all instead)
         num_tp_collectives=2.0 + (2.0 if moe.num_shared_experts and not w.project_tensor_parallel else 0.0),
@@ -363,7 +372,7 @@ def layer_costs(w: Workload, s: Strategies, eff: Efficiency, moe_layer: bool, nu
     parts = dict(attention=attn.proj + attn.core, router=ffn.router, experts=ffn.experts,
                  shared_experts=np.broadcast_to(ffn.shared_time, tok.att.shape) if is_moe else 0.0,
                  dense_ffn=ffn.dense_ffn, elementwise=elem, attention_core=attn.core,
-                 moe_pass=eff.moe_overhead_us * 1e-6 if is_moe else 0.0)
+                 moe_pass=moe_pass_seconds(w, eff) if is_moe else 0.0)
     tp_comm = ffn.num_tp_collectives * one_tp * (2.0 + full_share) + ffn.router_tp_comm * (1.0 + full_share)
     costs = LayerCosts(fwd, bwd, recompute, tp_comm,
                        _cp_exposed(w, s, eff, tok, attn), **parts)

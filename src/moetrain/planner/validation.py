@@ -15,7 +15,9 @@ part (NVLink 3: 300 GB/s per direction in the hardware table), so the hardware t
 
 The ``source`` also states mechanisms the model prices: a DualPipe / F&B-overlap schedule, which traffic
 the stack overlaps ("with DP/TP/PP comm overlap", "AsyncTP", "MC2"), and GPT-OSS's alternating sliding-window
-layers. A row without a recompute cell gets the least recomputation that fits its device's memory
+layers, and a MoE dispatch that pads the experts' inputs to a capacity ("experts padded to capacity
+(capacity factor F)": no token-count sync, every expert computes F times the balanced load). A row
+without a recompute cell gets the least recomputation that fits its device's memory
 (``_lightest_recompute_that_fits``): the run ran, so it fit. FP8 rows store their linear layers' inputs
 in FP8 unless the source names torchao; GPT-3-style models (learned absolute positions) and rows naming
 ALiBi have no rotary pass. A source stating "gradients reduced in BF16" prices 2 B gradients. torchtitan
@@ -227,12 +229,17 @@ def prepare_row(row: dict) -> PreparedRow | Unsimulable:
     # the GEMMs
     if re.search(r"(?<!no )(AsyncTP|MC2)", source):
         overlap_stated.add("TP")
+    # Megatron-Core's drop-and-pad dispatch: every expert gets exactly its capacity, the capacity factor
+    # times the balanced load (tokens above it dropped, the rest padded), and the counts never reach the host.
+    padded = re.search(r"experts padded to capacity \(capacity factor ([0-9.]+)\)", source)
     workload = Workload(
         model=model,
         cluster=cluster,
         seq_len=_int(row, "seq_len"),
         global_batch=_int(row, "global_batch_seqs"),
         precision=precision,
+        imbalance=float(padded.group(1)) if padded else 1.0,
+        moe_padded_to_capacity=bool(padded),
         # fp16 stacks reduce fp16 gradients; later ones accumulate and reduce them in fp32 unless the
         # source says otherwise (NeMo's performance recipes set grad_reduce_in_fp32 = False).
         grad_bytes=2.0 if precision == "fp16" or re.search(r"gradients reduced in BF16", source) else 4.0,

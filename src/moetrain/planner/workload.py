@@ -84,6 +84,14 @@ class Workload:
     each dispatch (this project's runtime, ``distributed.ep``: one all-gather per MoE layer forward, which
     sizes the all-to-all). False: the published runs, whose count synchronisation the fitted
     ``moe_overhead_us`` holds."""
+    moe_padded_to_capacity: bool = False
+    """The dispatcher drops the tokens above a fixed expert capacity and pads every expert's input up to it
+    (Megatron-Core's ``moe_pad_expert_input_to_capacity``). The split sizes then follow from the tensor
+    shapes, so the dispatch never copies the token counts to the host and waits for them (its ``preprocess``
+    returns before choosing a sync point; the dropless path syncs before the all-to-all): the host issues
+    the pass's kernels ahead of the device, and the fixed cost per pass (``moe_overhead_us``, the device
+    idling behind the host after that sync) is not paid. Every expert then computes its capacity, the
+    capacity factor times the balanced load, which ``imbalance`` carries."""
 
     @property
     def activation_bytes(self) -> float:

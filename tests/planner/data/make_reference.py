@@ -21,7 +21,10 @@ until its per-link bandwidth is measured (the Pangu search again; no validate ro
 split weight gradients, adaptive recompute and last DP chunk with their refit (DSV3-1 +5.0 % before the refit;
 the refit moves every row), and when the screen hid the paired all-to-all under the TP and CP traffic as
 the timeline does (3f8338b: no validate row moved; the Qwen3 search's two tied first layouts swapped, the
-DeepSeek-V3 winner 25.99 → 25.96 s). Rerun it only when
+DeepSeek-V3 winner 25.99 → 25.96 s), and when expert tensor parallelism began to price each device's experts
+at the tokens its etp group gathers (planfit6: every search's winner had etp > 1 because the experts' work fell
+as 1/etp; now Mixtral 8x7B FP8 on 64 H100 3.60 → 5.32 s, DeepSeek-V3 on 2,048 H800 25.96 → 27.42 s, etp 1 in
+all but Mixtral; no validate row moved: none has etp > 1). Rerun it only when
 a prediction is meant to
 change, and say why in the commit.
 """
