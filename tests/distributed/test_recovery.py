@@ -16,6 +16,7 @@ import torch
 
 from checkpoint_tensors import checkpoint_tensors
 from cli_in_process import Finished, InProcessCli
+from forked_ranks import train_forked
 
 SHAPE = ["--steps", "8", "--seq-len", "32", "--global-batch", "4", "--micro-batch", "2", "--synthetic-data",
          "--quiet", "--save-every", "2"]
@@ -51,8 +52,9 @@ def _tensors(checkpoint: Path, tmp_path: Path) -> dict:
 @pytest.mark.dist
 def test_a_killed_rank_is_restarted_and_the_run_ends_as_the_uninterrupted_one(run, tmp_path: Path) -> None:
     layout = ["--nproc", "2", "--ep", "2"]
-    straight = run("straight", *layout)
-    assert straight.returncode == 0, straight.stderr
+    straight = tmp_path / "straight"  # the uninterrupted run: the reference, on forked ranks (forked_ranks)
+    train_forked([*SHAPE, *layout, "--save-dir", str(straight / "ckpt"),
+                  "--metrics-out", str(straight / "metrics.jsonl")])
     start = time.monotonic()
     recovered = run("recovered", *layout, "--max-restarts", "1", fault="1:5:kill")
     assert recovered.returncode == 0, recovered.stderr

@@ -5,6 +5,7 @@ the run in one line naming it within 60 s and leaves the last checkpoint valid; 
 killed actor (a replica or a trainer rank) is restarted and the run ends equal to the uninterrupted one; a
 hung worker is named within the run's timeout; and the CLI refuses in one line what the engine cannot run."""
 
+import contextlib
 import json
 import os
 import re
@@ -19,6 +20,7 @@ from test_rl_stalesync import COMPARED, TINY, _setup
 from test_rl_stalesync_scale import TP2
 from test_rl_stalesync_scale import _job as _scale_job
 
+from forked_ranks import forked_rl_ranks
 from moetrain.cli import main
 from moetrain.config import load_model_config
 from moetrain.config.run import RunSpec
@@ -48,7 +50,9 @@ def cluster():
     one-rank trainer; the actors run one thread each, so they share the machine's cores); the failure
     injections below, defined here, travel to the actors by value (the actors cannot import this test
     module)."""
-    ray.init(num_cpus=5, include_dashboard=False, log_to_driver=False, object_store_memory=200 * 2**20)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMP_NUM_THREADS", "1")  # what the actors inherit: one thread each, as a forked rank runs
+        ray.init(num_cpus=5, include_dashboard=False, log_to_driver=False, object_store_memory=200 * 2**20)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     yield
     ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
@@ -207,17 +211,20 @@ def test_cli_without_ray_says_pip_install_ray_in_one_line_exit_2(capsys, monkeyp
 @pytest.mark.parametrize("layout", [(), ("--rollout-replicas", "2", "--nproc", "4", "--tp", "2"),
                                     ("--nproc", "3", "--gen-tp", "2")],
                          ids=["1-replica-1-trainer", "2-replicas-tp2-trainer", "tp2-replica"])
-def test_cli_k0_on_ray_actors_equals_the_cli_on_torchrun(cluster, tmp_path, capsys, layout):
+def test_cli_k0_on_ray_actors_equals_the_cli_on_the_local_engine(cluster, tmp_path, capsys, monkeypatch, layout):
     """The same `moetrain rl --staleness 0` run (warm-up, 3 GRPO steps) through both engines, with one rollout
     worker and one trainer rank, with 2 rollout replicas beside a TP2 trainer group, and with a replica of 2
     TP ranks (--gen-tp: the same worker code on Ray): the same metrics rows and the same final checkpoint, bit
-    for bit."""
+    for bit. The local engine's ranks, the reference, are forked from this process (``forked_ranks``; the
+    StaleSync CLI tests run that engine's ranks under torchrun)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # one thread a rank, as each actor runs (forked ranks need it)
     runs = {}
     for engine in ("local", "ray"):
         out = tmp_path / engine
         argv = ["rl", *TINY, *layout, "--staleness", "0", "--engine", engine, "--metrics-out", str(out / "rl.jsonl"),
                 "--save-dir", str(out / "run"), "--log-dir", str(out / "log")]
-        assert main(argv) == 0, capsys.readouterr().err
+        with forked_rl_ranks() if engine == "local" else contextlib.nullcontext():
+            assert main(argv) == 0, capsys.readouterr().err
         rows = [json.loads(line) for line in (out / "rl.jsonl").read_text().splitlines()]
         runs[engine] = rows, starting_weights(out / "run" / "rl", policy_config(load_model_config("tiny-pangu")))
     (local_rows, local_weights), (rows, weights) = runs["local"], runs["ray"]

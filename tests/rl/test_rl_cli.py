@@ -3,6 +3,7 @@ import shutil
 
 import pytest
 
+from forked_ranks import forked_rl_ranks
 from moetrain.cli import main
 from refusals import refused
 
@@ -45,11 +46,13 @@ def test_sft_then_grpo_writes_rows_a_plot_and_checkpoints_and_refuses_another_mo
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_rl_fusion_on_4_ranks_trains_tp2_pp2_ep2_generates_in_replicas_and_resumes_its_reward_curve(tmp_path):
+def test_rl_fusion_on_4_ranks_trains_tp2_pp2_ep2_generates_in_replicas_and_resumes_its_reward_curve(tmp_path,
+                                                                                                      monkeypatch):
     """TP2 × PP2 × EP2 training, generation in 4 replicas, saving after each step; resumed from its step-1
     checkpoint (the newer one removed, as an interrupted run leaves it): the warm-up is read back, the
     resumed run drops the metrics rows after step 1 and writes the rows the uninterrupted run wrote.
     One layout with every axis, so the uninterrupted run is also the one the layout's checks read."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # one thread a rank in both runs (forked ranks need it)
     straight, resumed, save = tmp_path / "straight.jsonl", tmp_path / "resumed.jsonl", tmp_path / "ckpt"
     layout = [*TINY, "--nproc", "4", "--tp", "2", "--pp", "2", "--ep", "2", "--eval-every", "0"]
     assert main(["rl", *layout, "--metrics-out", str(straight), "--log-dir", str(tmp_path / "logs"),
@@ -57,7 +60,8 @@ def test_rl_fusion_on_4_ranks_trains_tp2_pp2_ep2_generates_in_replicas_and_resum
     assert (save / "rl" / "step-000001").is_dir()
     shutil.rmtree(save / "rl" / "step-000002")
     shutil.copy(straight, resumed)
-    assert main(["rl", *layout, "--metrics-out", str(resumed), "--save-dir", str(save), "--resume"]) == 0
+    with forked_rl_ranks():  # the resumed run's ranks forked from this process (torchrun: the run above)
+        assert main(["rl", *layout, "--metrics-out", str(resumed), "--save-dir", str(save), "--resume"]) == 0
     rows = {name: [json.loads(line) for line in path.read_text().splitlines()]
             for name, path in (("straight", straight), ("resumed", resumed))}
     assert [r["step"] for r in rows["straight"]] == [0, 1, 2] and "heldout_accuracy" in rows["straight"][-1]

@@ -1,6 +1,7 @@
 """``moetrain rl`` on several nodes: where the groups land on nodes (refused before launch when a replica or a
 trainer TP group would span two), and the disaggregated StaleSync pipeline started as two "nodes" of this
-machine (two torchrun agents of two ranks each) equal to the same run on one node of four ranks."""
+machine (two torchrun agents of two ranks each) equal to the same run on one node of four ranks (ranks forked
+from the test process: ``forked_ranks``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from checkpoint_tensors import checkpoint_tensors
+from forked_ranks import forked_rl_ranks
 from moetrain.cli import main
 from moetrain.config.nodes import crossing
 from moetrain.distributed.nodes import Nodes
@@ -112,8 +114,9 @@ def test_stalesync_on_two_nodes_of_two_ranks_is_the_one_node_run_bit_for_bit(tmp
     the rows (rewards, lengths, losses of the same samples) and the final weights equal the one-node run's."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     one, two = tmp_path / "one", tmp_path / "two"
-    assert main([*RUN, "--nproc", "4", "--metrics-out", str(one / "m.jsonl"), "--save-dir", str(one / "ckpt"),
-                 "--log-dir", str(one / "log")]) == 0
+    with forked_rl_ranks():  # the one-node run, the reference: its 4 ranks forked from this process
+        assert main([*RUN, "--nproc", "4", "--metrics-out", str(one / "m.jsonl"), "--save-dir", str(one / "ckpt"),
+                     "--log-dir", str(one / "log")]) == 0
     run_as_nodes([*RUN, "--nproc", "2", "--metrics-out", str(two / "m.jsonl"), "--save-dir", str(two / "ckpt")], 2, two)
     single, several = _rows(one / "m.jsonl"), _rows(two / "m.jsonl")
     steps = [r for r in several if "loss" in r]

@@ -17,6 +17,7 @@ import torch
 
 from checkpoint_tensors import checkpoint_tensors
 from cli_in_process import Finished, InProcessCli
+from forked_ranks import forked_rl_ranks
 from refusals import refused
 
 K = 1
@@ -56,7 +57,8 @@ def _tensors(checkpoint: Path, out: Path) -> dict:
 @pytest.mark.slow
 @pytest.mark.dist
 def test_a_killed_rollout_replica_is_restarted_and_no_admitted_batch_is_lost(run, tmp_path: Path) -> None:
-    straight = run("straight")
+    with forked_rl_ranks():  # the uninterrupted run, the reference: its ranks forked from this process
+        straight = run("straight")
     assert straight.returncode == 0, straight.stderr
     recovered = run("recovered", "--max-restarts", "1", fault="0:4:kill")  # rank 0: the replica
     assert recovered.returncode == 0, recovered.stderr
