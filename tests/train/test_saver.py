@@ -68,7 +68,7 @@ def test_an_async_save_writes_the_state_it_was_given_byte_for_byte_as_a_sync_sav
         group = reloaded.dims.get_group("world")
         identity = reloaded.identity()
         sync = CheckpointSaver(tmp_path / "sync", group, reloaded.dims.group_ranks["world"])
-        sync_path, sync_cost = sync.save(2, checkpoint_state(reloaded.run, reloaded.model_cfg, reloaded.cfg, 2),
+        sync_path, sync_cost = sync.save(2, checkpoint_state(reloaded.run, 2),
                                          identity)
         asynchronous = CheckpointSaver(tmp_path / "async", group, reloaded.dims.group_ranks["world"],
                                        async_save=True)
@@ -77,7 +77,7 @@ def test_an_async_save_writes_the_state_it_was_given_byte_for_byte_as_a_sync_sav
         write = CheckpointWriter.write_data
         monkeypatch.setattr(CheckpointWriter, "write_data",
                             lambda self, plan, planner: stepped.wait(60) and write(self, plan, planner))
-        state = checkpoint_state(reloaded.run, reloaded.model_cfg, reloaded.cfg, 2)
+        state = checkpoint_state(reloaded.run, 2)
         async_path, async_cost = asynchronous.save(2, state, identity)
         # the step goes on while the write runs and changes the tensors the state holds (on a CPU the state
         # holds copies of the weights and moments, on a GPU its device tensors): the host copy must not see it

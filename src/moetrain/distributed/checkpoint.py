@@ -189,9 +189,11 @@ def _flatten(state: dict, prefix: str = "") -> dict:
     return flat
 
 
-def checkpoint_state(run: LayoutRun, model_cfg: ModelConfig, cfg: TrainingConfig, step: int) -> dict:
+def checkpoint_state(run: LayoutRun, step: int) -> dict:
     """What a checkpoint after ``step`` completed steps holds, as DCP's state dict: this rank's pieces of
-    the weights and moments, the optimizer groups, the RNG state and the trainer's step and schedule."""
+    the weights and moments, the optimizer groups, the RNG state and the trainer's step and schedule (of the
+    run's model and training configs)."""
+    model_cfg, cfg = run.model_cfg, run.cfg
     moments, step_count = run.optimizer.moments_by_name()
     state = _state(run, model_cfg, _model_tensors(run), moments, step_count)
     groups, scheduler_state = _trainer_extras(model_cfg, cfg, step)
@@ -260,7 +262,7 @@ def save_checkpoint(save_dir: Path, step: int, run: LayoutRun, identity: dict | 
     if coordinator:
         save_dir.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(staging, ignore_errors=True)
-    state = checkpoint_state(run, run.model_cfg, run.cfg, step)
+    state = checkpoint_state(run, step)
     dist.barrier(group=world)
     try:
         write_state(state, staging, world)

@@ -401,7 +401,7 @@ class Trainer:
         self.fault(self.step, "save")
         placement = self.balancer.state_dict() if self.balancer is not None else None
         start = time.perf_counter()
-        state = checkpoint_state(self.run, self.model_cfg, self.cfg, self.step)
+        state = checkpoint_state(self.run, self.step)
         path, cost = self.saver.save(self.step, state, self.identity(), placement, self.fault.save_error(self.step))
         if self.metrics.rows and self.metrics.rows[-1].get("step") == self.step:
             cost = type(cost)(cost.mode, time.perf_counter() - start, cost.wait_s)  # the state's copy included
