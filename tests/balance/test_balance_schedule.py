@@ -149,3 +149,13 @@ def test_count_noise_prices_the_candidates_only_over_more_than_one_node(ep, pric
     decision, _ = rule.step(0, 0, schedule, placement, predictor, predictor.init_state(loads), loads)
     assert decision is not None
     assert decision.count_noise is priced_under_count_noise
+
+
+def test_the_rule_refuses_bad_tuning_before_any_step(costs):
+    """The rule checks its own knobs when it is made (the online balancer and replay both rely on it)."""
+    from moetrain.errors import UserError
+
+    with pytest.raises(UserError, match=r"^unknown solver 'simplex'; choose one of: greedy, local, milp$"):
+        ReplanRule(costs, solver="simplex")
+    with pytest.raises(UserError, match=r"^interval=0 and horizon=50 must be >= 1$"):
+        ReplanRule(costs, interval=0, horizon=50)

@@ -71,7 +71,7 @@ from moetrain.balance.costs import BalanceCostModel, OverlapWindow
 from moetrain.balance.online import BALANCE_DEFAULTS
 from moetrain.balance.placement import ExpertPlacement, Move, diff
 from moetrain.balance.predict import Predictor
-from moetrain.balance.solver import PlanRequest, timed_plan
+from moetrain.balance.solver import PlanRequest, check_solver, timed_plan
 from moetrain.errors import UserError
 
 NOISE_SMOOTHING = 0.2
@@ -309,6 +309,7 @@ class ReplanRule:
     def __post_init__(self) -> None:
         if self.interval < 1 or self.horizon < 1:
             raise UserError(f"interval={self.interval} and horizon={self.horizon} must be >= 1")
+        check_solver(self.solver)
 
     @property
     def cheapest_move_seconds(self) -> float:

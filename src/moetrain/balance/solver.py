@@ -47,6 +47,11 @@ from moetrain.errors import UserError
 SOLVERS = ("greedy", "local", "milp")
 
 
+def check_solver(solver: str) -> None:
+    if solver not in SOLVERS:
+        raise UserError(f"unknown solver {solver!r}; choose one of: {', '.join(SOLVERS)}")
+
+
 def _check_sizes(num_experts: int, num_ranks: int, slots_per_rank: int) -> None:
     if num_ranks * slots_per_rank < num_experts:
         raise UserError(
@@ -713,8 +718,7 @@ class PlanRequest:
 
     def __post_init__(self) -> None:
         """Check the request (one line per bad input); negative loads count as none."""
-        if self.solver not in SOLVERS:
-            raise UserError(f"unknown solver {self.solver!r}; choose one of: {', '.join(SOLVERS)}")
+        check_solver(self.solver)
         object.__setattr__(self, "loads", np.maximum(np.asarray(self.loads, dtype=float), 0.0))
         _check_sizes(self.loads.size, self.num_ranks, self.slots_per_rank)
         if self.candidates not in ("all", "incremental", "scratch"):

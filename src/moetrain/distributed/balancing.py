@@ -36,7 +36,6 @@ from moetrain.balance.online import BALANCE_DEFAULTS, check_online_balance, defa
 from moetrain.balance.placement import ExpertPlacement, Move
 from moetrain.balance.predict import Predictor
 from moetrain.balance.schedule import Decision, LayerSchedule, ReplanRule
-from moetrain.balance.solver import SOLVERS
 from moetrain.config import ClusterConfig, ModelConfig, TrainingConfig
 from moetrain.config.model import moe_layer_indices
 from moetrain.distributed.ep import ExpertTable
@@ -226,10 +225,9 @@ class OnlineExpertBalancer:
         if self.stage.expert_table is None:
             raise UserError("expert balancing needs expert parallelism (ep > 1)")
         tuning = self.tuning
-        if tuning.interval < 1 or tuning.horizon < 1:
-            raise UserError(f"interval={tuning.interval} and horizon={tuning.horizon} must be >= 1")
-        if tuning.solver not in SOLVERS:
-            raise UserError(f"unknown solver {tuning.solver!r}; choose one of: {', '.join(SOLVERS)}")
+        # the rule checks the tuning (interval, horizon, solver) before anything is built
+        rule = ReplanRule(self.costs, tuning.interval, tuning.horizon, tuning.solver, tuning.trigger_margin,
+                          adaptive=tuning.adaptive)
         model, dims = self.stage.model, self.stage.dims
         self.ep_group = dims.get_group("ep")
         self.load_group = dims.get_group("stage")
@@ -239,8 +237,6 @@ class OnlineExpertBalancer:
         self.telemetry = LoadTelemetry(model, tuning.time_experts)
         initial = ExpertPlacement.from_slot_experts(model.cfg.moe.num_experts,
                                                     np.array(self.stage.expert_table.experts_by_rank))
-        rule = ReplanRule(self.costs, tuning.interval, tuning.horizon, tuning.solver, tuning.trigger_margin,
-                          adaptive=tuning.adaptive)
         self.planner = BalancePlanner(rule, tuning.predictor, [layer for layer, _ in self.telemetry.layers],
                                       [initial for _ in self.telemetry.layers])
         self.executor = MigrationExecutor(self.stage, self.optimizer, self.costs, self.telemetry.layers)
