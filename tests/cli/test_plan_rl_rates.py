@@ -146,8 +146,8 @@ def test_the_text_names_the_step_model_and_the_jobs_left_out(tmp_path, capsys):
     assert "probe such a job with `moetrain profile --rl-out FILE --rl-job rl.yaml` to rank it" in text
     assert (f"step {LIGHT_STEP:.4g} s: processor sharing of the probed CPU-seconds per process over 3 cores "
             "(rollout 0.01 × 1; trainer 0.02, 0.02, 0.03 × 1.5), not the phases") in text
-    assert ("# step model: processor sharing of the probed CPU-seconds per process over 3 cores (--rl-rates' "
-            "role_cpu)") in out.read_text()
+    assert ("# step model: processor sharing of the probed CPU-seconds per process over 3 cores "
+            "(planner.rl_cores; --rl-rates' role_cpu)") in out.read_text()
 
 
 def test_a_plan_without_rates_file_is_as_before(tmp_path, capsys):

@@ -20,6 +20,7 @@ from moetrain.cli.simulate_rl import (
     build_rl_workload,
     check_rl_workload,
     measured_rates,
+    step_model_text,
 )
 from moetrain.config.run import spec_source_from_plan
 from moetrain.errors import UserError
@@ -104,7 +105,7 @@ def _header(args: argparse.Namespace, candidate, result, out: str) -> str:
              f"predicted on {args.devices} × {args.cluster} ({args.dtype}, {args.prompt_len} prompt + "
              f"{args.response_len} generated tokens per sample): step {p.step_s:.4g} s, "
              f"{p.tokens_per_s:,.0f} tokens/s, {p.generated_tokens_per_s:,.0f} generated tokens/s",
-             f"step model: {_step_model_text(candidate)}"]
+             f"step model: {step_model_text(p.step_model, candidate.layout.shared_cores)}"]
     lines += [f"{NOT_RUNNABLE}{reason}" for reason in candidate.not_runnable]
     if not candidate.not_runnable:
         lines.append(f"run it: {run_command(args, candidate, out)} (flags other than the layout's override it)")
@@ -143,16 +144,6 @@ def _loads_as_spec(spec: dict[str, Any], name: str) -> str | None:
     except (UserError, ValueError) as exc:
         return str(exc).splitlines()[0]
     return None
-
-
-def _step_model_text(c) -> str:
-    """Which model priced a candidate's step (``RLStepPrediction.step_model``), in words."""
-    from moetrain.planner.rl_step import SHARED_CPU_MODEL  # lazy: as above
-
-    if c.prediction.step_model == SHARED_CPU_MODEL:
-        return (f"processor sharing of the probed CPU-seconds per process over {c.layout.shared_cores:g} cores "
-                "(--rl-rates' role_cpu)")
-    return "the priced phases"
 
 
 def _unprobed_line(result, args: argparse.Namespace) -> str:

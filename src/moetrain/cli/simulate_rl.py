@@ -168,13 +168,14 @@ def measured_rates(args: argparse.Namespace) -> tuple[HostCosts, SyncRates | Non
 
 
 def step_model_text(step_model: str, shared_cores: float | None) -> str:
-    """What priced a step, in words (``RLStepPrediction.step_model``)."""
+    """What priced a step, in words (``RLStepPrediction.step_model``): what ``simulate --rl`` and ``plan --rl``
+    print."""
     from moetrain.planner.rl_step import SHARED_CPU_MODEL  # lazy: as above
 
     if step_model == SHARED_CPU_MODEL:
         return (f"processor sharing of the probed CPU-seconds per process over {shared_cores:g} cores "
                 "(planner.rl_cores; --rl-rates' role_cpu)")
-    return "the priced phases below"
+    return "the priced phases"
 
 
 def _layouts_text(args: argparse.Namespace) -> str:
@@ -187,6 +188,8 @@ PHASE_NAMES = {"generate_s": "generate (prefill + decode)", "reward_s": "reward"
 
 
 def run_rl(args: argparse.Namespace) -> int:
+    from moetrain.planner.rl_step import PHASES_MODEL  # lazy: as above
+
     result = simulate_rl(args)
     if args.json:
         print(json.dumps(result, indent=2, default=float))
@@ -204,7 +207,8 @@ def run_rl(args: argparse.Namespace) -> int:
         print(f"  step {row['step_s']:.4g} s   {row['generated_tokens_per_s']:.4g} generated tokens/s   "
               f"{row['tokens_per_s']:.4g} tokens/s   decode {'memory' if row['decode_memory_bound'] else 'compute'}"
               f"-bound{'' if row['train_fits_memory'] else '   TRAINING DOES NOT FIT'}")
-        print(f"  step model: {step_model_text(row['step_model'], row['shared_cores'])}")
+        below = " below" if row["step_model"] == PHASES_MODEL else ""  # the phases follow
+        print(f"  step model: {step_model_text(row['step_model'], row['shared_cores'])}{below}")
         for key, label in PHASE_NAMES.items():
             if row["phases_s"][key] > 0:
                 print(f"  {label:32s} {row['phases_s'][key]:10.4g} s")
