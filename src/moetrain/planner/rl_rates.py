@@ -38,9 +38,6 @@ class ProbedRoleCPU:
         return {"rollout_s": list(self.work.rollout_s), "trainer_s": list(self.work.trainer_s),
                 "overlap": list(self.work.overlap), "cores": self.cores}
 
-    def describe(self) -> str:
-        return f"{len(self.work.rollout_s)} rollout + {len(self.work.trainer_s)} trainer processes"
-
     def on(self, layout: RLLayout) -> RLLayout:
         """``layout`` as ``moetrain simulate --rl`` and ``moetrain plan --rl`` price it with this probe: a
         disaggregated layout at k ≥ 1 carries the probed CPU-seconds per process and the probed machine's
