@@ -75,9 +75,10 @@ def test_a_plan_says_what_the_runtime_limits_cost(tmp_path, capsys) -> None:
     text = capsys.readouterr().out
     plan = yaml.safe_load(out.read_text())
     assert runtime_limits(ParallelConfig(**plan["parallel"]), 32, 512, 8) == []
-    # the cost model's favourite pairs the hierarchical all-to-all with etp 2, which the runtime cannot run
-    assert "runtime limits: the fastest layout overall (tp2 sp pp2 vpp4 ep8 etp2" in text
-    assert "the hierarchical all-to-all with etp 2: the runtime runs it with etp 1 only" in plan["runtime_limits"]
+    # the cost model's favourite pairs ZeRO-2 with the overlapped schedule, which the runtime cannot run
+    assert "runtime limits: the fastest layout overall (tp1 pp2 vpp3 ep8" in text
+    limits = plan["runtime_limits"]
+    assert "ZeRO-2 with the overlapped schedule: the runtime runs ZeRO-2/3 without overlap only" in limits
     assert "--any-layout ranks every layout" in text
 
 

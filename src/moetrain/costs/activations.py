@@ -23,7 +23,10 @@ Layout rules (``Sharding``): tokens per device ``t = seq_len·micro_batch/cp``; 
 parallelism, tensors of width ``hidden`` (norm inputs and outputs, residuals) are split over ``tp``
 too; head and FFN widths are split over ``tp``, expert FFN width over ``etp``; MoE layers see ``t/tp``
 tokens per device (Megatron requires SP with MoE and TP) and receive ``top_k·imbalance`` rows per
-token on average.
+token on average. Expert tensor parallelism all-gathers the rows of its ``etp`` group before the
+experts (``moetrain.distributed.etp``), so the experts keep their tensors for ``etp`` times the
+device's rows at ``1/etp`` of the width: the FFN intermediates are those of ``etp = 1``, the expert
+input rows ``etp`` times as many.
 
 Memory options (``moetrain.memory``): ``norm``, ``mla_up``, ``activation``, ``permute``, ``router``
 recompute one layer part each; ``attention`` and ``layer`` recompute a whole block; ``swap_attention``
@@ -238,7 +241,7 @@ def activation_bytes_per_layer(
         if ffn_out_kept:
             parts.add("ffn", t_split * h * d)
     else:
-        _moe(parts, model, t_split, tp, sharding.etp, d, opts, imbalance, ffn_out_kept)
+        _moe(parts, model, t_split, sharding, d, opts, imbalance, ffn_out_kept)
         # the grouped GEMMs' block offsets (int32, one per local expert), shared by the layer's three GEMMs
         parts.add("experts", model.moe.num_experts / np.asarray(sharding.ep, dtype=float) * INT32_BYTES)
     if sandwich:
@@ -314,9 +317,27 @@ def _attention(parts: _Parts, model: ModelConfig, t, t_split, tp, d, opts, flash
         parts.add("attention", t_split * h * d)  # o_proj output = the post-norm's fp32 input
 
 
-def _moe(parts: _Parts, model: ModelConfig, t_moe, tp, etp, d, opts, imbalance, out_kept: bool) -> None:
+def _dispatch(parts: _Parts, routed, h, sharding: Sharding, d, opts, swap: bool) -> None:
+    """What the token dispatch keeps for the ``routed`` rows a device receives (``moetrain.models.dispatch``,
+    ``moetrain.distributed.ep``, ``moetrain.distributed.etp``): the sort order of the assignments and its
+    inverse (int64); under expert parallelism the received rows' reorder into (slot, source) order and its
+    inverse (int64, the all-to-all's backward and the combine index by them); under expert tensor
+    parallelism the ETP group's gathered rows (``etp·routed``: the tokens the experts read, kept by their
+    first GEMMs) and the gather's reorder index and its inverse over those rows (int64)."""
+    ep = np.asarray(sharding.ep, dtype=float)
+    etp = np.asarray(sharding.etp, dtype=float)
+    gathered = etp * routed
+    parts.add("dispatch", routed * 2 * INDEX_BYTES, swap)
+    parts.add("dispatch", np.where(ep > 1, routed * 2 * INDEX_BYTES, 0.0), swap)
+    parts.add("dispatch", np.where(etp > 1, gathered * 2 * INDEX_BYTES, 0.0), swap)
+    if "permute" not in opts:
+        parts.add("dispatch", gathered * h * d, swap)
+
+
+def _moe(parts: _Parts, model: ModelConfig, t_moe, sharding: Sharding, d, opts, imbalance, out_kept: bool) -> None:
     moe = model.moe
     assert moe is not None
+    tp = np.asarray(sharding.tp, dtype=float)
     h, k, experts = model.hidden_size, moe.router.top_k, moe.num_experts
     r = moe.router
     fp32 = d >= FP32_BYTES
@@ -342,16 +363,17 @@ def _moe(parts: _Parts, model: ModelConfig, t_moe, tp, etp, d, opts, imbalance, 
         parts.add("router", router)
     # the combine keeps the gating weights (fp32, token order; made by the router)
     parts.add("router", t_moe * k * FP32_BYTES)
-    # dispatch: the sort order and its inverse (int64), the permuted tokens
-    parts.add("dispatch", routed * 2 * INDEX_BYTES, swap)
-    if "permute" not in opts:
-        parts.add("dispatch", routed * h * d, swap)
+    _dispatch(parts, routed, h, sharding, d, opts, swap)
     if not fp32 and moe.num_shared_experts == 0 and "norm" not in opts and (
             "permute" in opts or "router" in opts):
         parts.add("dispatch", t_moe * h * d)  # the MoE input, otherwise kept only as fp32 copies
-    _mlp(parts, "experts", routed, moe.expert_ffn_hidden / np.asarray(etp, dtype=float), d, model.gated_ffn,
-         "activation" in opts, swap)
-    parts.add("experts", routed * h * d, swap)  # expert output, kept by the combine (the weights' gradient)
+    etp = np.asarray(sharding.etp, dtype=float)
+    # The experts run on the rows the ETP group gathered (etp·routed), each on its 1/etp of the FFN width.
+    _mlp(parts, "experts", etp * routed, moe.expert_ffn_hidden / etp, d, model.gated_ffn, "activation" in opts,
+         swap)
+    # expert output, kept by the combine (the weights' gradient): the device's own rows, after the ETP
+    # reduce-scatter has summed the partial outputs of the gathered ones
+    parts.add("experts", routed * h * d, swap)
     if moe.num_shared_experts:
         _mlp(parts, "shared_expert", t_moe, moe.shared_ffn_hidden / tp, d, model.gated_ffn, "activation" in opts,
              swap)

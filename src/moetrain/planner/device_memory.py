@@ -155,8 +155,9 @@ def fp8_stored_elements(w: Workload, s: Strategies, moe_layer: bool, level) -> n
     none = 2.0 * t_split * model.hidden_size + o_proj_in + latents
     if moe_layer and model.moe is not None:
         moe = model.moe
-        routed = t_split * moe.router.top_k * w.imbalance
-        none = none + routed * (model.hidden_size + moe.expert_ffn_hidden / s.etp)
+        # the rows the ETP group gathered (etp·routed) at 1/etp of the FFN width (moetrain.distributed.etp)
+        gathered = t_split * moe.router.top_k * w.imbalance * s.etp
+        none = none + gathered * (model.hidden_size + moe.expert_ffn_hidden / s.etp)
         if moe.num_shared_experts:
             none = none + t_split * moe.shared_ffn_hidden / tp
     else:
@@ -232,15 +233,16 @@ def _activations(w: Workload, s: Strategies, num_micro):
 
 
 def _buffers(w: Workload, s: Strategies, params: LocalParams):
-    """Workspaces, the micro-batch's communication buffers (TP gathers, all-to-all send and receive)
-    and, with ZeRO-3 per micro-batch, the largest layer's gathered weights (double-buffered)."""
+    """Workspaces, the micro-batch's communication buffers (TP gathers, all-to-all send and receive;
+    with expert tensor parallelism the ETP gather's, which send and receive etp copies of the routed
+    rows) and, with ZeRO-3 per micro-batch, the largest layer's gathered weights (double-buffered)."""
     model = w.model
     tp = s.tp.astype(float)
     t_att = s.micro_batch * w.seq_len / s.cp
     buffers = STATIC_WORKSPACE_BYTES + 2.0 * t_att * model.hidden_size * w.activation_bytes
     if model.moe is not None:
         buffers = buffers + 2.0 * alltoall_volume(t_att / tp, model.hidden_size, model.moe.router.top_k,
-                                                  BF16) * w.imbalance
+                                                  BF16) * w.imbalance * s.etp
     largest_layer = (params.split.body_dense / model.num_layers + params.split.body_experts
                      / max(model.num_moe_layers, 1) / (s.ep * s.etp)) / tp
     return buffers + np.where(zero3_every_micro_batch(s), 2.0 * BF16 * largest_layer, 0.0)

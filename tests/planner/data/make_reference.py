@@ -24,8 +24,10 @@ the timeline does (3f8338b: no validate row moved; the Qwen3 search's two tied f
 DeepSeek-V3 winner 25.99 → 25.96 s), and when expert tensor parallelism began to price each device's experts
 at the tokens its etp group gathers (planfit6: every search's winner had etp > 1 because the experts' work fell
 as 1/etp; now Mixtral 8x7B FP8 on 64 H100 3.60 → 5.32 s, DeepSeek-V3 on 2,048 H800 25.96 → 27.42 s, etp 1 in
-all but Mixtral; no validate row moved: none has etp > 1). Rerun it only when
-a prediction is meant to
+all but Mixtral; no validate row moved: none has etp > 1), and when the activation formula began to count
+the rows the etp group gathers and the dispatch's int64 reorder indices (etpmem: the Mixtral FP8 winner,
+tp 2 / etp 2, needs 84.19 GiB instead of 61.69 GiB and no longer fits; now etp 1, 5.32 → 5.70 s; the Qwen3
+search's tied first layouts reordered; no validate row moved). Rerun it only when a prediction is meant to
 change, and say why in the commit.
 """
 
