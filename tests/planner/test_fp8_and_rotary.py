@@ -72,3 +72,17 @@ def test_rows_read_fp8_recipe_and_positions(published_rows: list[dict]) -> None:
     assert prepare_row(rows["MBR-3"]).workload.rotary_embeddings
     assert not prepare_row(rows["NAR21-01"]).workload.rotary_embeddings  # learned absolute positions
     assert not prepare_row(rows["MPT-1"]).workload.rotary_embeddings  # ALiBi
+
+
+def test_fp8_runs_keep_the_output_head_in_bf16() -> None:
+    """The output head's three GEMMs (forward, input and weight gradients) run at the BF16 rate in an FP8 run,
+    as DeepSeek-V3 §3.3.1, Megatron-Core's output layer and torchtitan's Float8 filter keep it."""
+    eff = Efficiency()
+    cluster = load_cluster_config("h100-sxm-80gb")
+    gemm = 3 * (2.0 * HIDDEN * 1000 * SEQ / (cluster.peak_tflops_bf16 * 1e12 * eff.gemm_max)
+                + eff.gemm_overhead_us * 1e-6)
+    logits = 3 * 3 * 4.0 * 1000 * SEQ / (cluster.hbm_bandwidth_tbps * 1e12 * eff.memory)
+    for precision in ("bf16", "fp8"):
+        costs = evaluate(_workload(precision), _one(), eff)
+        # one sequence per micro-batch, 8 micro-batches
+        assert float(costs.compute.head_s[0]) == pytest.approx(8 * (gemm + logits))

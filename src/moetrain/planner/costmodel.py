@@ -226,8 +226,12 @@ def _end_times(w: Workload, s: Strategies, eff: Efficiency, body_time) -> _Ends:
     t_split = np.where(s.sp, t_att / tp, t_att)
     head_split = 1.0 if w.project_tensor_parallel else tp  # this project's TP runs the head whole
 
+    # The output head stays in BF16 in FP8 runs: DeepSeek-V3 §3.3.1 keeps "the embedding module, the output
+    # head, MoE gating modules, normalization operators, and attention operators" in their original
+    # precision; Megatron-Core's output layer is its own ColumnParallelLinear, which Transformer Engine's FP8
+    # autocast does not reach; torchtitan's Float8 converter filters the ``output`` linear by default.
     def head_time(tokens):  # forward and backward: 3 GEMMs, 3 passes over the fp32 logits
-        return (3.0 * gemm_time(2.0 * h * model.vocab_size * tokens / head_split, 1, cluster, eff, w.precision)
+        return (3.0 * gemm_time(2.0 * h * model.vocab_size * tokens / head_split, 1, cluster, eff, "bf16")
                 + 3.0 * memory_time(3 * 4.0 * model.vocab_size * tokens / head_split, cluster, eff))
 
     head = head_time(t_att * w.head_share)  # the loss's head (the scored positions)
