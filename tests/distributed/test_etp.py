@@ -121,7 +121,11 @@ def test_etp_experts_equal_the_whole_experts(experts_results: list[dict], split_
         ep_rank, etp_rank = divmod(rank, ETP)
         got, want = res[split_grads], res["reference"][rank]
         for key in ("y", "x_grad", "w_grad"):
-            torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-5)
+            # Summed in another order than the whole experts (the ETP slices' partial outputs, then the
+            # reduce-scatter), so an element near a cancellation can differ in its fourth digit: compare
+            # whole tensors by relative distance, where a misplaced or missing contribution gives about 1.
+            distance = float((got[key] - want[key]).norm() / want[key].norm())
+            assert distance < 1e-5, f"rank {rank} {key}: relative distance {distance:.1e}"
         # Each slot holds its expert's FFN slice, and its gradient is that slice of the whole gradient
         # over every rank's tokens (edp = 1 here: no other replica to sum with).
         held = list(res["held"])
