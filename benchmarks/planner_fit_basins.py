@@ -9,7 +9,8 @@ given with ``--at`` (its ``held_out_fits`` entry for that family), this prints t
 (``fit_calibration(start=...)``) and prints the objective there and the held-out family's errors. The model
 is the one imported (``model_code`` in the output): this checkout's, or another branch's put first on
 PYTHONPATH. Branch planfit5's, as the notes report it (that branch has no ``fit_loss``; this file's fit.py
-goes in, less the ``moe_overhead_us`` bound that branch removed)::
+goes in, less the ``moe_overhead_us`` bound that branch removed). That branch (a60c125) was a local
+branch of the session that ran it and is not in this repository, so its figure cannot be rerun here::
 
     mkdir -p /tmp/pf5 && git archive planfit5 src | tar -x -C /tmp/pf5
     git show planfit6:src/moetrain/planner/fit.py | sed '/"moe_overhead_us": (0.0, 5000.0),/d' \
