@@ -6,7 +6,7 @@ from rl_models import small_model
 
 from moetrain.rl.batch import Batching, TrainingSequences, input_lengths, length_chunks, step_batch, trained_rows
 from moetrain.rl.config import GRPOConfig
-from moetrain.rl.grpo import StepStats, grpo_token_loss
+from moetrain.rl.grpo import ScoredTokens, StepStats, grpo_token_loss
 from moetrain.rl.loop import policy_logprobs
 
 IGNORE = -100
@@ -117,7 +117,7 @@ def test_a_filtered_step_has_the_same_policy_gradient_up_to_the_token_normaliser
             objective = micro.objective
             logp_T = policy_logprobs(model, micro.input_ids, micro.labels, 1.0)[micro.labels != IGNORE]
             ones_T = torch.ones_like(logp_T, dtype=torch.bool)
-            terms = grpo_token_loss(logp_T, objective.rollout_logp_T, objective.advantages_T, ones_T, cfg)
+            terms = grpo_token_loss(logp_T, ScoredTokens(objective.rollout_logp_T, objective.advantages_T, ones_T), cfg)
             terms.loss_BS.sum().backward()
         return model.embed.weight.grad.clone(), batch.global_label_tokens
 
