@@ -7,6 +7,7 @@ import torch
 
 from moetrain.rl.config import GRPOConfig
 from moetrain.rl.grpo import (
+    OtherLogprobs,
     PolicyObjective,
     ScoredTokens,
     StepStats,
@@ -92,7 +93,7 @@ def test_the_objective_on_label_positions_equals_the_loss_on_full_sequences():
     terms.loss_BS.sum().backward()
 
     stats = StepStats.zeros(torch.device("cpu"), keep_logprobs=True)
-    objective = PolicyObjective.of_rows(labels_BS, rollout_BS, advantages_BS, cfg, stats, ref_BS)
+    objective = PolicyObjective.of_rows(labels_BS, rollout_BS, advantages_BS, cfg, stats, OtherLogprobs(ref_BS))
     assert objective.index_T.tolist() == [2, 3, 6, 7, 8, 9, 14]
     picked = logits_BSV.clone().requires_grad_(True)
     loss = objective.loss_sum(picked.reshape(-1, 11).index_select(0, objective.index_T))
@@ -117,7 +118,7 @@ def test_the_objective_carries_the_proximal_and_reference_log_probs_to_the_loss(
     logp_BS = token_logprobs(logits_BSV, labels_BS, cfg.temperature)
     full = grpo_token_loss(logp_BS, ScoredTokens(rollout_BS, advantages_BS, labels_BS != -100, old_BS, ref_BS), cfg)
     objective = PolicyObjective.of_rows(labels_BS, rollout_BS, advantages_BS, cfg,
-                                        StepStats.zeros(torch.device("cpu")), ref_BS, old_BS)
+                                        StepStats.zeros(torch.device("cpu")), OtherLogprobs(ref_BS, old_BS))
     loss = objective.loss_sum(logits_BSV.reshape(-1, 7).index_select(0, objective.index_T))
     torch.testing.assert_close(loss, full.loss_BS.sum())
     on_policy = grpo_token_loss(logp_BS, ScoredTokens(rollout_BS, advantages_BS, labels_BS != -100,

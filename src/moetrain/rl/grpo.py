@@ -153,6 +153,15 @@ class StepStats:
         return summary
 
 
+@dataclass(frozen=True)
+class OtherLogprobs:
+    """The step's rows' log-probs [B, S] under the two other policies the loss may read: the reference model's
+    (the KL term; None: no KL) and π_old's (the decoupled loss's proximal policy; None: the trained weights)."""
+
+    ref_logp_BS: torch.Tensor | None = None
+    old_logp_BS: torch.Tensor | None = None
+
+
 @dataclass
 class PolicyObjective:
     """GRPO as the runtime's per-token objective (``distributed.pipeline.TokenObjective``) of one
@@ -173,14 +182,13 @@ class PolicyObjective:
 
     @classmethod
     def of_rows(cls, labels_BS: torch.Tensor, rollout_logp_BS: torch.Tensor, advantages_BS: torch.Tensor,
-                cfg: GRPOConfig, stats: StepStats, ref_logp_BS: torch.Tensor | None = None,
-                old_logp_BS: torch.Tensor | None = None) -> PolicyObjective:
+                cfg: GRPOConfig, stats: StepStats, others: OtherLogprobs = OtherLogprobs()) -> PolicyObjective:
         """From full-sequence [B, S] host tensors (the label positions are found here, on the host, before
         the step: inside it they would be a data-dependent shape)."""
         index_T = label_positions(labels_BS)
         take = lambda t_BS: None if t_BS is None else t_BS.reshape(-1).index_select(0, index_T)
         return cls(index_T, take(labels_BS), take(rollout_logp_BS), take(advantages_BS), cfg, stats,
-                   take(ref_logp_BS), take(old_logp_BS))
+                   take(others.ref_logp_BS), take(others.old_logp_BS))
 
     def to(self, device: torch.device) -> PolicyObjective:
         move = lambda t: None if t is None else t.to(device, non_blocking=True)
