@@ -14,7 +14,7 @@ from per_copy_costs import PerCopyCosts
 
 from moetrain.balance import solver
 from moetrain.balance.costs import BalanceCostModel
-from moetrain.balance.families import TraceShape, family_trace
+from moetrain.balance.families import FAMILIES, TraceShape, family_trace
 from moetrain.balance.placement import ExpertPlacement, diff
 from moetrain.balance.predict import AdaptivePredictor, EMAPredictor
 from moetrain.balance.replay import replay
@@ -103,6 +103,16 @@ def test_the_giant_family_has_single_experts_above_a_ranks_mean():
     # no placement without replicas gets below the largest expert: the contiguous layout's max is above it
     assert (loads.max(axis=1) > 1.25 * rank_mean).all()
 
+
+
+def test_the_issue_28_family_has_two_giants_over_a_hot_set():
+    # 128 experts on EP8: round(8 % of 128) = 10 hot experts at 3-6x the base, two of which a giant may take,
+    # and two giants each carrying 1.3-2.5x a rank's mean (1/8 of the tokens)
+    weights = FAMILIES["issue_28"](TraceShape(12, 1, 128, 8, 4096), np.random.default_rng(7), period=5)
+    share = weights / weights.sum(axis=1, keepdims=True)
+    assert ((share >= 1.3 / 8 - 1e-12) & (share <= 2.5 / 8 + 1e-12)).sum(axis=1).tolist() == [2] * 12
+    hot = ((weights >= 3.0) & (share < 1.3 / 8)).sum(axis=1)
+    assert ((hot >= 8) & (hot <= 10)).all()
 
 def test_a_decision_for_256_experts_on_ep64_takes_under_a_second():
     ep = 64
