@@ -8,7 +8,7 @@ from moetrain.balance.bound import imbalance_bound
 from moetrain.balance.costs import BalanceCostModel
 from moetrain.balance.placement import ExpertPlacement
 from moetrain.balance.predict import EMAPredictor
-from moetrain.balance.schedule import Decision, KeepReason, LayerSchedule, ReplanRule, keep_reason
+from moetrain.balance.schedule import Decision, KeepReason, LayerSchedule, LayerStep, ReplanRule, keep_reason
 from moetrain.balance.solver import PlanRequest, plan_placement
 from moetrain.cli.balance import decision_line
 from moetrain.config import load_cluster_config, load_model_config
@@ -97,7 +97,7 @@ def _solve(costs, placement, loads, noise=0.0):
     rule = ReplanRule(costs, interval=10, horizon=50)
     predictor = EMAPredictor(0.0)
     schedule = LayerSchedule(forecast_noise=noise)
-    decision, adopted = rule.step(0, 0, schedule, placement, predictor, predictor.init_state(loads), loads)
+    decision, adopted = rule.step(LayerStep(0, 0, placement, loads), schedule, predictor, predictor.init_state(loads))
     assert decision is not None
     return decision, adopted
 
@@ -168,8 +168,8 @@ def test_the_rule_replicates_a_giant_on_ep8_with_one_spare_slot(costs, start):
     predictor = EMAPredictor(0.0)
     early = start != "contiguous"
     schedule = LayerSchedule(last_solve=0, last_full=0, life=1) if early else LayerSchedule()
-    decision, adopted = rule.step(1 if early else 0, 0, schedule, current, predictor, predictor.init_state(loads),
-                                  loads)
+    ran = LayerStep(1 if early else 0, 0, current, loads)
+    decision, adopted = rule.step(ran, schedule, predictor, predictor.init_state(loads))
     assert decision is not None and decision.early == early
     assert decision.outcome == "migrate" and adopted.num_replicas()[200] >= 2
     assert decision.imbalance_current > 2.0 and decision.imbalance_candidate < 1.15

@@ -14,11 +14,11 @@ from per_copy_costs import PerCopyCosts
 
 from moetrain.balance import solver
 from moetrain.balance.costs import BalanceCostModel
-from moetrain.balance.families import TraceShape, family_trace
+from moetrain.balance.families import FAMILIES, TraceShape, family_trace
 from moetrain.balance.placement import ExpertPlacement, diff
 from moetrain.balance.predict import AdaptivePredictor, EMAPredictor
 from moetrain.balance.replay import replay
-from moetrain.balance.schedule import LayerSchedule, ReplanRule
+from moetrain.balance.schedule import LayerSchedule, LayerStep, ReplanRule
 from moetrain.balance.slots import choose_spare_slots
 from moetrain.balance.solver import PlanRequest, plan_placement, timed_plan
 from moetrain.balance.traces import RoutingTrace, read_trace
@@ -104,6 +104,16 @@ def test_the_giant_family_has_single_experts_above_a_ranks_mean():
     assert (loads.max(axis=1) > 1.25 * rank_mean).all()
 
 
+
+def test_the_issue_28_family_has_two_giants_over_a_hot_set():
+    # 128 experts on EP8: round(8 % of 128) = 10 hot experts at 3-6x the base, two of which a giant may take,
+    # and two giants each carrying 1.3-2.5x a rank's mean (1/8 of the tokens)
+    weights = FAMILIES["issue_28"](TraceShape(12, 1, 128, 8, 4096), np.random.default_rng(7), period=5)
+    share = weights / weights.sum(axis=1, keepdims=True)
+    assert ((share >= 1.3 / 8 - 1e-12) & (share <= 2.5 / 8 + 1e-12)).sum(axis=1).tolist() == [2] * 12
+    hot = ((weights >= 3.0) & (share < 1.3 / 8)).sum(axis=1)
+    assert ((hot >= 8) & (hot <= 10)).all()
+
 def test_a_decision_for_256_experts_on_ep64_takes_under_a_second():
     ep = 64
     trace = family_trace("giant", TraceShape(2, 1, 256, ep, 16384 * ep), seed=7112, num_giants=3, period=50)
@@ -132,7 +142,7 @@ def test_an_incremental_plan_evicts_a_stale_replica_for_a_hot_expert():
     rule = ReplanRule(PerCopyCosts(seconds_per_move=1e-6), interval=10, horizon=50)
     schedule = LayerSchedule(last_solve=0, last_full=0, life=1)
     predictor = EMAPredictor(0.0)
-    decision, adopted = rule.step(1, 0, schedule, current, predictor, predictor.init_state(loads), loads)
+    decision, adopted = rule.step(LayerStep(1, 0, current, loads), schedule, predictor, predictor.init_state(loads))
     assert decision is not None and decision.early and not decision.fallback and decision.migrate
 
 
@@ -146,7 +156,7 @@ def test_an_incremental_plan_that_stalls_falls_back_to_a_global_solve(monkeypatc
     rule = ReplanRule(PerCopyCosts(seconds_per_move=1e-6), interval=10, horizon=50)
     schedule = LayerSchedule(last_solve=0, last_full=0, life=1)
     predictor = EMAPredictor(0.0)  # the forecast is the last step's load
-    decision, adopted = rule.step(1, 0, schedule, current, predictor, predictor.init_state(loads), loads)
+    decision, adopted = rule.step(LayerStep(1, 0, current, loads), schedule, predictor, predictor.init_state(loads))
     assert decision is not None and decision.early and decision.fallback and decision.migrate
     # the global solve replicates expert 0 on both ranks: 7.5 tokens each, the ideal
     np.testing.assert_allclose(adopted.apply_to_tokens_per_expert(loads), [7.5, 7.5])
@@ -156,7 +166,7 @@ def test_an_incremental_plan_that_stalls_falls_back_to_a_global_solve(monkeypatc
     # the rule as it was before issue #28 keeps the stalled plan: no replica for expert 0, 12 tokens on a rank
     before = ReplanRule(PerCopyCosts(seconds_per_move=1e-6), interval=10, horizon=50, stall_remedies=False)
     schedule = LayerSchedule(last_solve=0, last_full=0, life=1)
-    decision, adopted = before.step(1, 0, schedule, current, predictor, predictor.init_state(loads), loads)
+    decision, adopted = before.step(LayerStep(1, 0, current, loads), schedule, predictor, predictor.init_state(loads))
     assert decision is not None and decision.early and not decision.fallback
     assert adopted.apply_to_tokens_per_expert(loads).max() == pytest.approx(12.0)
 
@@ -204,11 +214,11 @@ def test_a_shift_restarts_the_forecast_in_place_and_replans_in_full():
     for step in range(5):
         if step:
             predictor.update(state, steady)
-        decision, current = rule.step(step, 0, schedule, current, predictor, state, steady)
+        decision, current = rule.step(LayerStep(step, 0, current, steady), schedule, predictor, state)
         assert step == 0 or decision is None  # even loads: nothing to re-plan before the interval
     jumped = np.array([400.0, 10.0, 10.0, 10.0])  # 86 % of the tokens on expert 0 instead of 25 %
     predictor.update(state, jumped)  # the EMA alone would forecast 0.9·100 + 0.1·400 = 130 for it
-    decision, adopted = rule.step(5, 0, schedule, current, predictor, state, jumped)
+    decision, adopted = rule.step(LayerStep(5, 0, current, jumped), schedule, predictor, state)
     assert decision is not None and decision.shift and not decision.early
     np.testing.assert_array_equal(state["level"], jumped)
     assert schedule.last_full == 5 and schedule.forecast_noise == 0.0

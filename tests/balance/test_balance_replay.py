@@ -51,6 +51,15 @@ def test_balanced_trace_never_migrates(costs):
     assert len(result.decisions) == 5
 
 
+
+def test_decisions_name_the_traces_own_step_and_layer_ids(costs):
+    # a trace cut from a longer run: steps 100-109 of layers 3 and 7. Even loads re-plan only when the
+    # interval is due, at positions 0 and 5 of each layer (the last step is never checked)
+    loads = np.full((10, 2, 256), 512, dtype=np.int64)
+    trace = RoutingTrace(np.arange(100, 110), np.array([3, 7]), loads)
+    result = replay(trace, ReplanRule(costs, interval=5), EMAPredictor(0.9))
+    assert [(d.step, d.layer) for d in result.decisions] == [(100, 3), (105, 3), (100, 7), (105, 7)]
+
 def test_replay_is_deterministic(costs):
     trace = zipf_trace(12, 1, 256, 16 * 4096, 8, exponent=0.8, seed=2)
     a = replay(trace, ReplanRule(costs, interval=4), EMAPredictor(0.8))

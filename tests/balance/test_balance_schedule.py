@@ -9,6 +9,7 @@ from moetrain.balance.schedule import (
     COUNT_NOISE_GATE,
     NOISE_SMOOTHING,
     LayerSchedule,
+    LayerStep,
     ReplanRule,
     count_noise_samples,
 )
@@ -42,16 +43,16 @@ def test_check_solves_only_when_the_drift_pays_a_move(costs):
     even = np.full(256, 512.0)
     state = predictor.init_state(even)
     schedule = LayerSchedule()
-    decision, adopted = rule.step(0, 0, schedule, placement, predictor, state, even)
+    decision, adopted = rule.step(LayerStep(0, 0, placement, even), schedule, predictor, state)
     assert decision is not None and not decision.early and not decision.migrate and adopted is placement
     # an even load again: nothing drifted, so no solve until the interval has passed
-    assert rule.step(1, 0, schedule, placement, predictor, state, even) == (None, placement)
+    assert rule.step(LayerStep(1, 0, placement, even), schedule, predictor, state) == (None, placement)
     assert schedule.forecast_noise == 0.0  # the even load was forecast exactly
     # one expert takes a rank's worth of extra load: worth more than the cheapest move over the horizon
     skewed = even.copy()
     skewed[0] += 256 * 512 / 16
     predictor.update(state, skewed)
-    decision, adopted = rule.step(2, 0, schedule, placement, predictor, state, skewed)
+    decision, adopted = rule.step(LayerStep(2, 0, placement, skewed), schedule, predictor, state)
     # the jump was not forecast: a fifth of the miss enters the running noise
     assert schedule.forecast_noise == pytest.approx(0.2 * rule.excess_seconds(placement, skewed))
     assert decision is not None and decision.early and decision.forecast_steps == 2
@@ -119,7 +120,7 @@ def test_count_noise_prices_the_candidates_only_where_it_is_the_forecasts_error(
 
     def solve(schedule: LayerSchedule, stall_remedies: bool = True) -> bool:
         rule = ReplanRule(costs, interval=10, horizon=50, stall_remedies=stall_remedies)
-        decision, _ = rule.step(0, 0, schedule, placement, predictor, predictor.init_state(loads), loads)
+        decision, _ = rule.step(LayerStep(0, 0, placement, loads), schedule, predictor, predictor.init_state(loads))
         assert decision is not None
         return decision.count_noise
 
@@ -146,9 +147,15 @@ def test_count_noise_prices_the_candidates_only_over_more_than_one_node(ep, pric
     predictor = EMAPredictor(0.0)
     rule = ReplanRule(costs, interval=10, horizon=50)
     schedule = LayerSchedule(predicted_excess=rule.excess_seconds(placement, loads), forecast_noise=0.0)
-    decision, _ = rule.step(0, 0, schedule, placement, predictor, predictor.init_state(loads), loads)
+    decision, adopted = rule.step(LayerStep(0, 0, placement, loads), schedule, predictor, predictor.init_state(loads))
     assert decision is not None
     assert decision.count_noise is priced_under_count_noise
+    # the saving is priced on what the flag says: the mean over the draws around the forecast, or the forecast
+    # itself (an EMA with theta 0 forecasts this step's load)
+    assert decision.migrate and adopted is not placement
+    priced_on = count_noise_samples(loads) if priced_under_count_noise else loads[None, :]
+    per_step = np.mean(costs.layer_seconds(placement, priced_on)) - np.mean(costs.layer_seconds(adopted, priced_on))
+    assert decision.predicted_saving_s == pytest.approx(decision.lasting_steps * per_step, rel=1e-12)
 
 
 def test_the_rule_refuses_bad_tuning_before_any_step(costs):

@@ -13,6 +13,7 @@ from moetrain.balance.solver import (
     optimal_shares,
     plan_placement,
     replica_counts,
+    replicate_hot,
     rings_cross_nodes,
     solve_fixed_replicas,
     solve_milp,
@@ -313,3 +314,18 @@ def test_a_giant_spans_every_rank_when_the_other_ranks_cannot_take_enough_expert
     assert replicas[5] == 8 and (np.delete(replicas, 5) == 1).all()
     # 7 ranks with 32 experts of load 1 and the eighth with 31 take 6.75 and 7.75 of the giant: every rank 38.75
     np.testing.assert_allclose(plan.apply_to_tokens_per_expert(loads), 38.75, rtol=1e-6)
+
+
+def test_a_hot_experts_replica_stays_in_its_node_where_the_group_spans_nodes():
+    # 4 ranks, 2 per node; expert 0 (40 tokens) on rank 0 is above a rank's mean (57 / 4 = 14.25). Rank 1, in
+    # its node, is busier (12) than rank 2 (2) in the other node: the replica goes to rank 1 all the same (its
+    # gradient ring stays on in-node links), and the shares even ranks 0 and 1: 1 + 40a = 12 + 40(1 - a),
+    # a = 51/80, 26.5 each. Not knowing the nodes, it goes to the lightest rank: 1 + 40a = 2 + 40(1 - a), 21.5.
+    current = ExpertPlacement.from_slot_experts(8, np.array([[0, 1, -1], [2, 3, -1], [4, 5, -1], [6, 7, -1]]))
+    loads = np.array([40.0, 1.0, 6.0, 6.0, 1.0, 1.0, 1.0, 1.0])
+    in_node = replicate_hot(current, loads, ranks_per_node=2)[0]
+    assert in_node.slot_expert.reshape(4, 3)[1].tolist() == [2, 3, 0]
+    np.testing.assert_allclose(in_node.apply_to_tokens_per_expert(loads), [26.5, 26.5, 2.0, 2.0])
+    anywhere = replicate_hot(current, loads)[0]
+    assert anywhere.slot_expert.reshape(4, 3)[2].tolist() == [4, 5, 0]
+    np.testing.assert_allclose(anywhere.apply_to_tokens_per_expert(loads), [21.5, 12.0, 21.5, 2.0])

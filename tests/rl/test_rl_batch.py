@@ -6,7 +6,7 @@ from rl_models import small_model
 
 from moetrain.rl.batch import Batching, TrainingSequences, input_lengths, length_chunks, step_batch, trained_rows
 from moetrain.rl.config import GRPOConfig
-from moetrain.rl.grpo import StepStats, grpo_token_loss
+from moetrain.rl.grpo import OtherLogprobs, ScoredTokens, StepStats, grpo_token_loss
 from moetrain.rl.loop import policy_logprobs
 
 IGNORE = -100
@@ -76,6 +76,22 @@ def test_a_cut_micro_batch_scores_its_tokens_as_the_padded_rows_do():
         torch.testing.assert_close(micro.objective.labels_T, micro.labels[micro.labels != IGNORE])
 
 
+
+def test_each_micro_batch_carries_its_rows_reference_and_proximal_log_probs():
+    # rows (2, 0) cut to 6 positions, then (3, 1) to 12, as above: each objective holds the [B, S] log-probs of
+    # its rows at their label positions, row-major (row 2 labels 1-3, row 0 labels 3-5, ...)
+    seq_len = 12
+    sequences = _sequences([6, 12, 4, 9], [(3, 6), (5, 12), (1, 4), (4, 9)], seq_len)
+    ref_BS = -torch.arange(4 * seq_len, dtype=torch.float32).reshape(4, seq_len) / 100
+    old_BS = ref_BS - 1.0
+    batch = step_batch(sequences, GRPOConfig(group_size=2), Batching(micro_batch=2, granule=2), StepStats.zeros("cpu"),
+                       replay=False, others=OtherLogprobs(ref_BS, old_BS))
+    expected_ref = [[ref_BS[2, t] for t in (1, 2, 3)] + [ref_BS[0, t] for t in (3, 4, 5)],
+                    [ref_BS[3, t] for t in (4, 5, 6, 7, 8)] + [ref_BS[1, t] for t in range(5, 12)]]
+    for micro, ref in zip(batch.micro_batches, expected_ref, strict=True):
+        torch.testing.assert_close(micro.objective.ref_logp_T, torch.stack(ref))
+        torch.testing.assert_close(micro.objective.old_logp_T, torch.stack(ref) - 1.0)
+
 def test_filtered_steps_train_the_groups_whose_rewards_differ():
     # groups of 4: mixed, all wrong, all right, mixed
     rewards = torch.tensor([1., 0, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 1, 0, 0])
@@ -117,7 +133,7 @@ def test_a_filtered_step_has_the_same_policy_gradient_up_to_the_token_normaliser
             objective = micro.objective
             logp_T = policy_logprobs(model, micro.input_ids, micro.labels, 1.0)[micro.labels != IGNORE]
             ones_T = torch.ones_like(logp_T, dtype=torch.bool)
-            terms = grpo_token_loss(logp_T, objective.rollout_logp_T, objective.advantages_T, ones_T, cfg)
+            terms = grpo_token_loss(logp_T, ScoredTokens(objective.rollout_logp_T, objective.advantages_T, ones_T), cfg)
             terms.loss_BS.sum().backward()
         return model.embed.weight.grad.clone(), batch.global_label_tokens
 

@@ -7,7 +7,9 @@ import torch
 
 from moetrain.rl.config import GRPOConfig
 from moetrain.rl.grpo import (
+    OtherLogprobs,
     PolicyObjective,
+    ScoredTokens,
     StepStats,
     group_advantages,
     grpo_loss,
@@ -34,7 +36,7 @@ def test_one_update_loss_and_gradient_by_hand():
     rollout = torch.tensor([[-1.1, -2.0, -9.0]])
     advantages = torch.tensor([[1.0, -1.0, 5.0]])
     mask = torch.tensor([[True, True, False]])
-    loss = grpo_loss(logp, rollout, advantages, mask, CFG)
+    loss = grpo_loss(logp, ScoredTokens(rollout, advantages, mask), CFG)
     w = math.exp(0.1)  # truncated importance weight exp(old − rollout), old = logp before the step
     assert loss.item() == pytest.approx((-1.0 * w + 1.0 * 1.0) / 2, abs=1e-6)
     loss.backward()
@@ -48,7 +50,7 @@ def test_clip_truncation_and_kl_by_hand():
     advantages = torch.tensor([1.0, -1.0, -1.0, 1.0])
     ref = torch.tensor([-1.2, -1.0, -1.0, -1.0])
     cfg = CFG.model_copy(update={"kl_coef": 0.1})
-    terms = grpo_token_loss(logp, rollout, advantages, torch.ones(4, dtype=torch.bool), cfg, old, ref)
+    terms = grpo_token_loss(logp, ScoredTokens(rollout, advantages, torch.ones(4, dtype=torch.bool), old, ref), cfg)
     r = math.exp(0.5)  # tokens 0, 1: ratio 1.6487 above 1 + 0.28
     r_low = math.exp(-0.5)  # token 2: ratio 0.6065 below 1 − 0.2
     kl0 = math.exp(-0.2) + 0.2 - 1
@@ -86,12 +88,12 @@ def test_the_objective_on_label_positions_equals_the_loss_on_full_sequences():
     mask_BS = labels_BS != -100
 
     full = logits_BSV.clone().requires_grad_(True)
-    terms = grpo_token_loss(token_logprobs(full, labels_BS, cfg.temperature), rollout_BS, advantages_BS, mask_BS,
-                            cfg, ref_logp_BS=ref_BS)
+    terms = grpo_token_loss(token_logprobs(full, labels_BS, cfg.temperature),
+                            ScoredTokens(rollout_BS, advantages_BS, mask_BS, ref_logp_BS=ref_BS), cfg)
     terms.loss_BS.sum().backward()
 
     stats = StepStats.zeros(torch.device("cpu"), keep_logprobs=True)
-    objective = PolicyObjective.of_rows(labels_BS, rollout_BS, advantages_BS, cfg, stats, ref_BS)
+    objective = PolicyObjective.of_rows(labels_BS, rollout_BS, advantages_BS, cfg, stats, OtherLogprobs(ref_BS))
     assert objective.index_T.tolist() == [2, 3, 6, 7, 8, 9, 14]
     picked = logits_BSV.clone().requires_grad_(True)
     loss = objective.loss_sum(picked.reshape(-1, 11).index_select(0, objective.index_T))
@@ -102,6 +104,26 @@ def test_the_objective_on_label_positions_equals_the_loss_on_full_sequences():
     assert stats.sums[0].item() == 7  # the scored tokens
     torch.testing.assert_close(stats.logprobs[0], token_logprobs(logits_BSV, labels_BS, 0.7)[mask_BS])
 
+
+
+def test_the_objective_carries_the_proximal_and_reference_log_probs_to_the_loss():
+    # the decoupled loss (π_old apart from the trained weights) with a KL term: on label positions, the same
+    # per-token loss as on full sequences; without π_old the ratio would be 1 and the weights exp(logp − μ)
+    generator = torch.Generator().manual_seed(1)
+    logits_BSV = torch.randn(2, 4, 7, generator=generator, dtype=torch.float64)
+    labels_BS = torch.tensor([[-100, 3, 4, -100], [-100, -100, 1, 6]])
+    rollout_BS, old_BS, ref_BS = (-torch.rand(2, 4, generator=generator, dtype=torch.float64) for _ in range(3))
+    advantages_BS = torch.tensor([[1.0] * 4, [-0.5] * 4], dtype=torch.float64)
+    cfg = CFG.model_copy(update={"kl_coef": 0.1})
+    logp_BS = token_logprobs(logits_BSV, labels_BS, cfg.temperature)
+    full = grpo_token_loss(logp_BS, ScoredTokens(rollout_BS, advantages_BS, labels_BS != -100, old_BS, ref_BS), cfg)
+    objective = PolicyObjective.of_rows(labels_BS, rollout_BS, advantages_BS, cfg,
+                                        StepStats.zeros(torch.device("cpu")), OtherLogprobs(ref_BS, old_BS))
+    loss = objective.loss_sum(logits_BSV.reshape(-1, 7).index_select(0, objective.index_T))
+    torch.testing.assert_close(loss, full.loss_BS.sum())
+    on_policy = grpo_token_loss(logp_BS, ScoredTokens(rollout_BS, advantages_BS, labels_BS != -100,
+                                                      ref_logp_BS=ref_BS), cfg)
+    assert not torch.isclose(loss, on_policy.loss_BS.sum())
 
 def test_token_logprobs_are_tempered_and_masked():
     logits = torch.tensor([[[2.0, 0.0, -1.0], [0.0, 1.0, 0.0]]])
@@ -125,7 +147,8 @@ def test_equals_trl_grpo_loss_on_the_same_tensors():
     cfg = GRPOConfig(group_size=3, clip_low=0.2, clip_high=0.28, is_cap=2.0, kl_coef=0.05)
     advantages = group_advantages(rewards, 3)
 
-    ours = grpo_loss(logp, rollout, advantages[:, None].expand(-1, length), mask.bool(), cfg, ref_logp_BS=ref)
+    ours = grpo_loss(logp, ScoredTokens(rollout, advantages[:, None].expand(-1, length), mask.bool(), ref_logp_BS=ref),
+                     cfg)
     (our_grad,) = torch.autograd.grad(ours, logp)
 
     logp_trl = logp.detach().clone().requires_grad_(True)

@@ -20,7 +20,7 @@ from moetrain.config.run import RunSpec
 from moetrain.distributed.weight_sync import SyncFault
 from moetrain.distributed.world import spawn
 from moetrain.rl.config import GRPOConfig, RLOptions, StaleSyncOptions
-from moetrain.rl.grpo import grpo_token_loss
+from moetrain.rl.grpo import ScoredTokens, grpo_token_loss
 from moetrain.rl.loop import GRPO
 from moetrain.rl.sft import sequence_len_for
 from moetrain.rl.stalesync import (
@@ -164,7 +164,7 @@ def test_decoupled_loss_by_hand():
     behaviour = torch.tensor([[-2.5, -0.6, -0.9]])
     adv = torch.tensor([[1.0, -1.0, 1.0]])
     mask = torch.tensor([[True, True, True]])
-    terms = grpo_token_loss(logp, behaviour, adv, mask, cfg, old_logp_BS=prox)
+    terms = grpo_token_loss(logp, ScoredTokens(behaviour, adv, mask, old_logp_BS=prox), cfg)
     expected = []
     for t in range(3):
         r = torch.exp(logp[0, t] - prox[0, t])

@@ -6,12 +6,13 @@ import io
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 from rich.console import Console
 
 from moetrain.config import load_model_config
-from moetrain.train.metrics import MetricsLogger, TrainingProgress, summary_table
+from moetrain.train.metrics import MetricsLogger, PlainLineCadence, TrainingProgress, summary_table
 
 
 def _strict(text: str) -> object:
@@ -52,9 +53,10 @@ def test_summary_labels_decoder_moe_layers_by_index_and_the_mtp_block() -> None:
     assert "MoE block 6" in _text(summary_table(rows, "t"))  # without the config: numbered, no layer claimed
 
 
-def _plain(total: int = 25, **kwargs: object) -> tuple[TrainingProgress, io.StringIO, list[float]]:
+def _plain(total: int = 25, enabled: bool = True, **cadence: Any) -> tuple[TrainingProgress, io.StringIO, list[float]]:
     out, now = io.StringIO(), [0.0]
-    progress = TrainingProgress(Console(file=out, width=200), total, clock=lambda: now[0], **kwargs)  # type: ignore[arg-type]
+    progress = TrainingProgress(Console(file=out, width=200), total, enabled=enabled,
+                                cadence=PlainLineCadence(clock=lambda: now[0], **cadence))
     return progress, out, now
 
 
@@ -97,3 +99,14 @@ def test_every_step_prints_each_step(every_steps: int) -> None:
         for step in (1, 2, 3):
             progress.update(step, {"loss": 1.0, "lr": 1e-3, "tokens_per_s": 1.0})
     assert len(out.getvalue().splitlines()) == 3
+
+
+def test_plain_lines_follow_the_seconds_of_the_cadence() -> None:
+    # 2 s a step, a line every 5 s (the step count never reaches 100): at 6 s (step 3), 12 s (step 6), 18 s
+    # (step 9) and at the last step, 10
+    progress, out, now = _plain(total=10, every_steps=100, every_s=5.0)
+    with progress:
+        for step in range(1, 11):
+            now[0] += 2.0
+            progress.update(step, {"loss": 1.0, "lr": 1e-3, "tokens_per_s": 1.0})
+    assert [line.split()[1] for line in out.getvalue().splitlines()] == ["3/10", "6/10", "9/10", "10/10"]

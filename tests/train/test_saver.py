@@ -20,7 +20,7 @@ from moetrain.distributed.checkpoint import CheckpointWriter, checkpoint_state
 from moetrain.errors import UserError
 from moetrain.runtime_base.checkpoint_files import COMPLETE_MARKER, complete_checkpoints, verify_checkpoint
 from moetrain.train import Trainer
-from moetrain.train.saver import CheckpointSaver
+from moetrain.train.saver import CheckpointSaver, SavePolicy
 
 TRAINING = TrainingConfig(steps=6, global_batch=4, micro_batch=2, seq_len=32, lr=3e-3, warmup_steps=2)
 
@@ -71,7 +71,7 @@ def test_an_async_save_writes_the_state_it_was_given_byte_for_byte_as_a_sync_sav
         sync_path, sync_cost = sync.save(2, checkpoint_state(reloaded.run, 2),
                                          identity)
         asynchronous = CheckpointSaver(tmp_path / "async", group, reloaded.dims.group_ranks["world"],
-                                       async_save=True)
+                                       SavePolicy(async_save=True))
         # the background write starts only once the next step has changed the weights
         stepped = threading.Event()
         write = CheckpointWriter.write_data

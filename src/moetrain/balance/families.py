@@ -72,20 +72,32 @@ def _many_hot(shape: TraceShape, rng: np.random.Generator, hot_fraction: float, 
     return weights
 
 
+GIANT_MULTIPLE = (1.3, 2.5)
+"""The range a giant's load is drawn from, in multiples of a rank's mean load (total / ranks)."""
+
+
 def _giant(shape: TraceShape, rng: np.random.Generator, num_giants: int, period: int,
-           background: np.ndarray | None = None, low: float = 1.3, high: float = 2.5) -> np.ndarray:
-    """``num_giants`` experts each carrying ``low``–``high`` × a rank's mean load (total / ranks), on top of
-    ``background`` weights (default: all 1)."""
-    e, r = shape.num_experts, shape.num_ranks
-    weights = np.ones((shape.num_steps, e)) if background is None else background.copy()
+           low: float = GIANT_MULTIPLE[0], high: float = GIANT_MULTIPLE[1]) -> np.ndarray:
+    """``num_giants`` experts each carrying ``low``–``high`` × a rank's mean load (total / ranks), over weights
+    all 1."""
+    background = np.ones((shape.num_steps, shape.num_experts))
+    return _giants_over(background, shape.num_ranks, rng, num_giants, period, (low, high))
+
+
+def _giants_over(background: np.ndarray, num_ranks: int, rng: np.random.Generator, num_giants: int, period: int,
+                 multiple_range: tuple[float, float]) -> np.ndarray:
+    """``background`` weights [T, E] with ``num_giants`` experts each carrying a multiple of a rank's mean
+    load (total / ``num_ranks``) drawn from ``multiple_range``; they change identity every ``period`` steps."""
+    weights = background.copy()
+    num_steps, e = weights.shape
     giants = rng.choice(e, num_giants, replace=False)
-    multiple = rng.uniform(low, high, num_giants)
-    for t in range(shape.num_steps):
+    multiple = rng.uniform(*multiple_range, num_giants)
+    for t in range(num_steps):
         if t and t % period == 0:
             giants = rng.choice(e, num_giants, replace=False)
         rest = np.delete(weights[t], giants).sum()
         # weight w of a giant with share m/r of the total: w = (m/r)·(rest + Σ w) → solve the linear system
-        share = multiple / r
+        share = multiple / num_ranks
         total = rest / (1.0 - share.sum())
         weights[t, giants] = share * total
     return weights
@@ -159,7 +171,7 @@ def _periodic(shape: TraceShape, rng: np.random.Generator, period: int, heat: fl
 
 def _issue_28(shape: TraceShape, rng: np.random.Generator, period: int) -> np.ndarray:
     hot = _many_hot(shape, rng, 0.08, period, low=3.0, high=6.0)
-    return _giant(shape, rng, 2, period, background=hot)
+    return _giants_over(hot, shape.num_ranks, rng, 2, period, GIANT_MULTIPLE)
 
 
 FAMILIES: dict[str, Callable[..., np.ndarray]] = {

@@ -25,7 +25,7 @@ import numpy as np
 from moetrain.balance.online import default_slots_per_rank
 from moetrain.balance.placement import ExpertPlacement
 from moetrain.balance.predict import Predictor
-from moetrain.balance.schedule import Decision, LayerSchedule, ReplanRule
+from moetrain.balance.schedule import Decision, LayerSchedule, LayerStep, ReplanRule
 from moetrain.balance.traces import RoutingTrace
 from moetrain.errors import UserError
 
@@ -173,8 +173,8 @@ def replay(trace: RoutingTrace, rule: ReplanRule, predictor: Predictor,
                 predictor.update(state, actual)
             if t + 1 >= num_steps:
                 continue
-            decision, adopted = rule.step(int(trace.steps[t]), int(trace.layers[layer]), schedule, current,
-                                          predictor, state, actual)
+            ran = LayerStep(int(trace.steps[t]), int(trace.layers[layer]), current, actual)
+            decision, adopted = rule.step(ran, schedule, predictor, state)
             if decision is None:
                 continue
             decisions.append(decision)

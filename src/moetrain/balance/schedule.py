@@ -63,6 +63,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
+from functools import partial
 
 import numpy as np
 
@@ -341,14 +342,13 @@ class ReplanRule:
         return float(self.costs.layer_seconds(placement, forecast) - self.costs.ideal_layer_seconds(forecast))
 
     def step(
-        self, step: int, layer: int, schedule: LayerSchedule, current: ExpertPlacement,
-        predictor: Predictor, predictor_state: dict[str, np.ndarray], actual: np.ndarray,
+        self, ran: LayerStep, schedule: LayerSchedule, predictor: Predictor, predictor_state: dict[str, np.ndarray],
     ) -> tuple[Decision | None, ExpertPlacement]:
-        """After ``step`` (loads ``actual`` [E], run on ``current``) has been absorbed by the predictor:
-        check, and maybe solve. Returns the decision (None when no solve ran) and the placement for the
-        next step (``current`` unless the trigger fired or the shares changed)."""
+        """After ``ran`` (its loads run on its placement) has been absorbed by the predictor: check, and maybe
+        solve. Returns the decision (None when no solve ran) and the placement for the next step (``ran``'s
+        unless the trigger fired or the shares changed)."""
         schedule.checks += 1
-        actual = np.asarray(actual, dtype=float)
+        current, actual = ran.placement, np.asarray(ran.loads, dtype=float)
         shift = self.adaptive and self.stall_remedies and schedule.observe_shift(actual)
         if shift:
             # the old regime's level (and trend) forecast the new one worse than the step itself does
@@ -361,7 +361,7 @@ class ReplanRule:
             realized = self.excess_seconds(current, actual)
             error = abs(realized - schedule.predicted_excess)
             schedule.forecast_noise += NOISE_SMOOTHING * (error - schedule.forecast_noise)
-        due = shift or schedule.last_full is None or step - schedule.last_full >= self.interval
+        due = shift or schedule.last_full is None or ran.step - schedule.last_full >= self.interval
         early = False
         if not due:
             if not self.adaptive:
@@ -376,87 +376,131 @@ class ReplanRule:
                 return None, current
             early = True
         if schedule.last_solve is not None and self.adaptive:
-            schedule.life = min(step - schedule.last_solve, self.interval)
-        decision, adopted = self._solve(step, layer, schedule, current, predictor.forecast, predictor_state, early)
+            schedule.life = min(ran.step - schedule.last_solve, self.interval)
+        decision, adopted = self._solve(ran, schedule, partial(predictor.forecast, predictor_state), early)
         return replace(decision, shift=shift), adopted
 
     def _solve(
-        self, step: int, layer: int, schedule: LayerSchedule, current: ExpertPlacement,
-        forecast_of: Callable[[dict[str, np.ndarray], int], np.ndarray], predictor_state: dict[str, np.ndarray],
-        early: bool,
+        self, ran: LayerStep, schedule: LayerSchedule, forecast_over: Callable[[int], np.ndarray], early: bool,
     ) -> tuple[Decision, ExpertPlacement]:
         """Plan (incremental when ``early``, with the global fallback), then the trigger."""
+        current = ran.placement
         lasting = self.lasting_steps(schedule)
         # a full re-plan serves until the next one (``interval`` steps); an incremental one until the next check
         window = self.forecast_steps(schedule) if early else min(self.interval, self.horizon)
-        forecast = forecast_of(predictor_state, window)
+        forecast = forecast_over(window)
         seconds_current = float(self.costs.layer_seconds(current, forecast))
         ideal = float(self.costs.ideal_layer_seconds(forecast))
+        draws = count_noise_samples(forecast)
+        count_noise = self._prices_count_noise(schedule, current, draws, seconds_current)
         # the copies travel under the next step's compute; the solver's score assumes the least compute
         # any placement can have (the even one), the trigger the candidate's own
-        least_window = self.costs.ideal_overlap_window_seconds(forecast)
-        # rule 8: where the forecast's measured error is about what the counts' own scatter causes, price
-        # the loads a step will bring (draws around the forecast), not their mean
-        draws = count_noise_samples(forecast)
-        count_noise = bool(
-            self.adaptive and self.stall_remedies
-            and schedule.predicted_excess is not None  # a forecast error measured at all (not before the first plan)
-            and self.costs.ep > self.costs.cluster.devices_per_node  # more than one node (see rule 8)
-            and schedule.forecast_noise <= COUNT_NOISE_GATE * float(
-                np.mean(np.abs(self.costs.layer_seconds(current, draws) - seconds_current))))
-        priced_on = draws if count_noise else forecast
-
-        def seconds(placement: ExpertPlacement) -> float:
-            return float(np.mean(self.costs.layer_seconds(placement, priced_on)))
-
-        def score(placement: ExpertPlacement) -> float:
-            return seconds(placement) + self.costs.migration_seconds(diff(current, placement), least_window) / lasting
-
-        def plan(candidates: str) -> tuple[ExpertPlacement, float]:
-            request = PlanRequest(forecast, current.num_ranks, current.slots_per_rank, self.solver, current,
-                                  candidates, self.costs.cluster.devices_per_node if self.stall_remedies else None)
-            return timed_plan(request, score)
-
-        cpu_start = time.process_time()
-        # early (drift-triggered) solves offer only moves that build on the current placement ...
-        candidate, solve_s = plan("incremental" if early else "all")
+        pricing = _Pricing(self.costs, current, draws if count_noise else forecast,
+                           self.costs.ideal_overlap_window_seconds(forecast), lasting)
+        search = self._search(pricing, forecast, schedule.reference_excess + FALLBACK_GAP * ideal, early)
+        candidate = search.candidate
         seconds_candidate = float(self.costs.layer_seconds(candidate, forecast))
-        # ... unless those stall far from the ideal, and from what the last solve reached (a local optimum
-        # a few exchanges cannot leave): then the placements from scratch join them, each still scored with
-        # its migration. Where no placement gets near the ideal (a few whole experts per rank, replicas'
-        # all-reduces), the reference is as far and the incremental plan stands.
-        fallback = (early and self.stall_remedies
-                    and seconds_candidate - ideal > schedule.reference_excess + FALLBACK_GAP * ideal)
-        if fallback:
-            scratch, more_s = plan("scratch")
-            solve_s += more_s
-            candidate = min((candidate, scratch), key=score)
-            seconds_candidate = float(self.costs.layer_seconds(candidate, forecast))
-        solve_cpu_s = time.process_time() - cpu_start
         moves = diff(current, candidate)
-        saving = lasting * (seconds(current) - seconds(candidate))
+        saving = lasting * (pricing.seconds(current) - pricing.seconds(candidate))
         migration = self.costs.migration_seconds(moves, self.costs.overlap_window_seconds(candidate, forecast))
         # only the saving beyond the forecast's measured noise is counted on to last
-        sure_saving = saving - lasting * schedule.forecast_noise
+        noise = lasting * schedule.forecast_noise
+        sure_saving = saving - noise
         migrate = bool(moves) and sure_saving > 0.0 and sure_saving > self.trigger_margin * migration
         reshare = not moves and saving > 0.0 and candidate != current
         adopted = candidate if (migrate or reshare) else current
         imbalance_current = float(current.imbalance(forecast))
         bound = imbalance_bound(forecast, current.num_ranks, current.slots_per_rank)
-        noise = lasting * schedule.forecast_noise
         reason = None if adopted is candidate else keep_reason(bool(moves), saving, noise, imbalance_current, bound)
         schedule.reference_excess = (seconds_candidate if adopted is candidate else seconds_current) - ideal
         schedule.predicted_excess = schedule.reference_excess
-        schedule.last_solve = step
+        schedule.last_solve = ran.step
         if not early:  # a fallback leaves the full re-plans' schedule as it was
-            schedule.last_full = step
+            schedule.last_full = ran.step
         decision = Decision(
-            step=step, layer=layer, migrate=migrate, predicted_saving_s=saving, migration_s=migration,
+            step=ran.step, layer=ran.layer, migrate=migrate, predicted_saving_s=saving, migration_s=migration,
             moves=tuple(moves), imbalance_current=imbalance_current,
-            imbalance_candidate=float(candidate.imbalance(forecast)), solve_ms=solve_s * 1e3,
-            solve_cpu_ms=solve_cpu_s * 1e3,
+            imbalance_candidate=float(candidate.imbalance(forecast)), solve_ms=search.solve_s * 1e3,
+            solve_cpu_ms=search.solve_cpu_s * 1e3,
             reshare=reshare, early=early, forecast_steps=window, lasting_steps=lasting,
-            gap_candidate=seconds_candidate / ideal - 1.0 if ideal > 0 else 0.0, fallback=fallback,
+            gap_candidate=seconds_candidate / ideal - 1.0 if ideal > 0 else 0.0, fallback=search.fallback,
             count_noise=count_noise, noise_s=noise, bound=bound, keep_reason=reason,
         )
         return decision, adopted
+
+    def _prices_count_noise(self, schedule: LayerSchedule, current: ExpertPlacement, draws: np.ndarray,
+                            seconds_current: float) -> bool:
+        """Rule 8: where the forecast's measured error is about what the counts' own scatter causes, price
+        the loads a step will bring (``draws`` around the forecast), not their mean."""
+        return bool(
+            self.adaptive and self.stall_remedies
+            and schedule.predicted_excess is not None  # a forecast error measured at all (not before the first plan)
+            and self.costs.ep > self.costs.cluster.devices_per_node  # more than one node (see rule 8)
+            and schedule.forecast_noise <= COUNT_NOISE_GATE * float(
+                np.mean(np.abs(self.costs.layer_seconds(current, draws) - seconds_current))))
+
+    def _search(self, pricing: _Pricing, forecast: np.ndarray, fallback_excess: float, early: bool) -> _Search:
+        """The solver's best candidate by ``pricing.score``; an early solve whose incremental plan stays more
+        than ``fallback_excess`` above the ideal also scores the placements from scratch."""
+        current = pricing.current
+
+        def plan(candidates: str) -> tuple[ExpertPlacement, float]:
+            request = PlanRequest(forecast, current.num_ranks, current.slots_per_rank, self.solver, current,
+                                  candidates, self.costs.cluster.devices_per_node if self.stall_remedies else None)
+            return timed_plan(request, pricing.score)
+
+        cpu_start = time.process_time()
+        # early (drift-triggered) solves offer only moves that build on the current placement ...
+        candidate, solve_s = plan("incremental" if early else "all")
+        excess_candidate = float(self.costs.layer_seconds(candidate, forecast)) \
+            - float(self.costs.ideal_layer_seconds(forecast))
+        # ... unless those stall far from the ideal, and from what the last solve reached (a local optimum
+        # a few exchanges cannot leave): then the placements from scratch join them, each still scored with
+        # its migration. Where no placement gets near the ideal (a few whole experts per rank, replicas'
+        # all-reduces), the reference is as far and the incremental plan stands.
+        fallback = early and self.stall_remedies and excess_candidate > fallback_excess
+        if fallback:
+            scratch, more_s = plan("scratch")
+            solve_s += more_s
+            candidate = min((candidate, scratch), key=pricing.score)
+        return _Search(candidate, solve_s, time.process_time() - cpu_start, fallback)
+
+
+@dataclass(frozen=True)
+class LayerStep:
+    """One layer's step as it ran: the step and layer ids, the placement it ran on and its loads [E]."""
+
+    step: int
+    layer: int
+    placement: ExpertPlacement
+    loads: np.ndarray
+
+
+@dataclass(frozen=True)
+class _Pricing:
+    """How one solve prices a placement: its mean layer time on ``priced_on`` (the forecast, or draws around
+    it under rule 8), plus, for the solver's score, the migration from ``current`` under ``least_window``
+    spread over ``lasting`` steps."""
+
+    costs: BalanceCostModel
+    current: ExpertPlacement
+    priced_on: np.ndarray
+    least_window: OverlapWindow
+    lasting: float
+
+    def seconds(self, placement: ExpertPlacement) -> float:
+        return float(np.mean(self.costs.layer_seconds(placement, self.priced_on)))
+
+    def score(self, placement: ExpertPlacement) -> float:
+        migration = self.costs.migration_seconds(diff(self.current, placement), self.least_window)
+        return self.seconds(placement) + migration / self.lasting
+
+
+@dataclass(frozen=True)
+class _Search:
+    """The candidate one solve found, its wall and CPU time, and whether the global fallback ran."""
+
+    candidate: ExpertPlacement
+    solve_s: float
+    solve_cpu_s: float
+    fallback: bool

@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, linear_sum_assignment, linprog, milp
@@ -312,77 +312,129 @@ def replicate_hot(
     have = np.bincount(table[table != EMPTY_SLOT], minlength=e)
     if not (want > have).any():
         return []
-    stale_experts = np.flatnonzero(have > want)
-    was_stale = np.zeros(e, dtype=bool)
-    was_stale[stale_experts] = True
-    share = current.slot_share
-    mean = loads.sum() / r
-    peak = float(_rank_loads(table, _slot_loads(table, share, loads)).max())
-    best: tuple[float, np.ndarray] | None = None
+    growth = _HotReplicaGrowth(loads, want, np.flatnonzero(have > want), most, ranks_per_node if multi_node else None)
+    grown = growth.grow(table, current.slot_share, min(spare, r, MAX_HOT_REPLICAS))
+    if grown.best is None:
+        return []
+    return growth.candidates(grown)
+
+
+@dataclass
+class _GrownTables:
+    """The slot tables ``replicate_hot`` keeps while it adds replicas."""
+
+    taken: list[np.ndarray] = field(default_factory=list)
+    """After each of the first 8 replicas, then after 16."""
     enough: np.ndarray | None = None
-    taken: list[np.ndarray] = []
-    for added in range(1, min(spare, r, MAX_HOT_REPLICAS) + 1):
-        have = np.bincount(table[table != EMPTY_SLOT], minlength=e)
-        if enough is None and (have >= want).all():
-            enough = table.copy()
-        rank_load = _rank_loads(table, _slot_loads(table, share, loads))
-        surplus = was_stale & (have > want)
-        stale = (table != EMPTY_SLOT) & surplus[np.maximum(table, 0)]
-        openable = ((table == EMPTY_SLOT) | stale).any(axis=1)
-        ringed = (table != EMPTY_SLOT) & (have[np.maximum(table, 0)] > 1) & ~surplus[np.maximum(table, 0)]
+    """The first with every expert's ``replica_counts`` replicas."""
+    best: np.ndarray | None = None
+    """The one with the lightest busiest rank..."""
+    best_peak: float = float("inf")
+    """...and that rank's load."""
+
+
+@dataclass(frozen=True)
+class _HotReplicaGrowth:
+    """What ``replicate_hot`` holds fixed while it adds replicas one at a time."""
+
+    loads: np.ndarray
+    """Forecast tokens per expert [E]."""
+    want: np.ndarray
+    """Replicas per expert from ``replica_counts`` [E]."""
+    stale_experts: np.ndarray
+    """Experts that started with more replicas than ``want`` (formerly hot): their replicas may be evicted."""
+    most: int
+    """Replicas an expert may have at most (a node's ranks where the group spans nodes, else every rank)."""
+    ranks_per_node: int | None
+    """Set only where the group spans several whole nodes: new replicas stay in their expert's node."""
+
+    def grow(self, table: np.ndarray, share: np.ndarray, limit: int) -> _GrownTables:
+        """Add up to ``limit`` replicas to ``table`` [R, S] (replicas keep ``share``) while none raises the
+        busiest rank, stopping at the even load."""
+        mean = self.loads.sum() / table.shape[0]
+        peak = float(_rank_loads(table, _slot_loads(table, share, self.loads)).max())
+        grown = _GrownTables()
+        for added in range(1, limit + 1):
+            have = np.bincount(table[table != EMPTY_SLOT], minlength=self.loads.size)
+            if grown.enough is None and (have >= self.want).all():
+                grown.enough = table.copy()
+            target = self._target(table, share, have)
+            if target is None:
+                break
+            expert, rank = target
+            trial = table.copy()
+            trial[rank, self._slot_for(table, share, have, rank)] = expert
+            trial_share = optimal_shares(trial, self.loads, settle=False)
+            trial_peak = float(_rank_loads(trial, _slot_loads(trial, trial_share, self.loads)).max())
+            if trial_peak > peak * (1.0 + 1e-9):
+                break
+            table, share, peak = trial, trial_share, trial_peak
+            if added <= 8 or added & (added - 1) == 0:  # fewer rings than the best: the caller's score decides
+                grown.taken.append(table.copy())
+            if grown.best is None or peak < grown.best_peak * (1.0 - 1e-9):
+                grown.best, grown.best_peak = table.copy(), peak
+            if peak <= mean * (1.0 + 1e-6):
+                break
+        return grown
+
+    def _surplus(self, have: np.ndarray) -> np.ndarray:
+        """Per expert: a stale one that still has more replicas than it wants."""
+        was_stale = np.zeros(self.loads.size, dtype=bool)
+        was_stale[self.stale_experts] = True
+        return was_stale & (have > self.want)
+
+    def _stale_slots(self, table: np.ndarray, have: np.ndarray) -> np.ndarray:
+        """[R, S]: slots held by a surplus replica of a stale expert (evicting one moves nothing)."""
+        return (table != EMPTY_SLOT) & self._surplus(have)[np.maximum(table, 0)]
+
+    def _target(self, table: np.ndarray, share: np.ndarray, have: np.ndarray) -> tuple[int, int] | None:
+        """The expert to replicate next and the rank that takes it; None when no expert has anywhere to go."""
+        r = table.shape[0]
+        rank_load = _rank_loads(table, _slot_loads(table, share, self.loads))
+        openable = ((table == EMPTY_SLOT) | self._stale_slots(table, have)).any(axis=1)
+        ringed = (table != EMPTY_SLOT) & (have[np.maximum(table, 0)] > 1) & ~self._surplus(have)[np.maximum(table, 0)]
         # the expert whose per-replica load is largest among those that still have somewhere to go
-        per_replica = np.where(have < most, loads / have, -1.0)
-        target = None
+        per_replica = np.where(have < self.most, self.loads / have, -1.0)
         for expert in np.argsort(-per_replica, kind="stable")[:8]:
             if per_replica[expert] <= 0.0:
                 break
             holds = (table == expert).any(axis=1)
             open_ranks = openable & ~holds
             in_ring = (ringed & (table != expert)).any(axis=1)
-            if multi_node:
-                assert ranks_per_node is not None
-                home = int(np.flatnonzero(holds)[0]) // ranks_per_node
-                in_node = open_ranks & (np.arange(r) // ranks_per_node == home)
+            if self.ranks_per_node is not None:
+                home = int(np.flatnonzero(holds)[0]) // self.ranks_per_node
+                in_node = open_ranks & (np.arange(r) // self.ranks_per_node == home)
                 open_ranks = in_node if in_node.any() else open_ranks
             if open_ranks.any():
                 # ranks in no other expert's ring first: a rank in two rings sends a gradient share for each
                 outside = open_ranks & ~in_ring
                 pick = outside if outside.any() else open_ranks
-                target = int(expert), int(np.argmin(np.where(pick, rank_load, np.inf)))
-                break
-        if target is None:
-            break
-        expert, rank = target
+                return int(expert), int(np.argmin(np.where(pick, rank_load, np.inf)))
+        return None
+
+    def _slot_for(self, table: np.ndarray, share: np.ndarray, have: np.ndarray, rank: int) -> int:
+        """The rank's first free slot, else the slot of its lightest stale replica (evicted)."""
         free = np.flatnonzero(table[rank] == EMPTY_SLOT)
         if free.size:
-            slot = int(free[0])
-        else:  # evict the rank's lightest stale replica
-            slot_load = _slot_loads(table, share, loads).reshape(r, s)
-            slot = int(np.argmin(np.where(stale[rank], slot_load[rank], np.inf)))
-        trial = table.copy()
-        trial[rank, slot] = expert
-        trial_share = optimal_shares(trial, loads, settle=False)
-        trial_peak = float(_rank_loads(trial, _slot_loads(trial, trial_share, loads)).max())
-        if trial_peak > peak * (1.0 + 1e-9):
-            break
-        table, share, peak = trial, trial_share, trial_peak
-        if added <= 8 or added & (added - 1) == 0:  # fewer rings than the best: the caller's score decides
-            taken.append(table.copy())
-        if best is None or peak < best[0] * (1.0 - 1e-9):
-            best = (peak, table.copy())
-        if peak <= mean * (1.0 + 1e-6):
-            break
-    if best is None:
-        return []
-    tables: list[np.ndarray] = []
-    for t in [*taken, *([] if enough is None else [enough]), best[1]]:
-        if not any(np.array_equal(t, u) for u in tables):
-            tables.append(t)
-    # the same without the stale replicas: each is a gradient ring every step, and dropping one moves nothing
-    tables += [t for t in (_drop_stale(t, loads, want, stale_experts) for t in tables) if t is not None]
-    placements = [ExpertPlacement.from_slot_experts(e, t, optimal_shares(t, loads)) for t in tables]
-    searched = improve(best[1], optimal_shares(best[1], loads), loads)
-    return placements if any(searched == p for p in placements) else [*placements, searched]
+            return int(free[0])
+        slot_load = _slot_loads(table, share, self.loads).reshape(table.shape)
+        return int(np.argmin(np.where(self._stale_slots(table, have)[rank], slot_load[rank], np.inf)))
+
+    def candidates(self, grown: _GrownTables) -> list[ExpertPlacement]:
+        """The kept tables, each also without its stale replicas, with exact shares; plus the best after a
+        local search where that is new."""
+        assert grown.best is not None
+        tables: list[np.ndarray] = []
+        for t in [*grown.taken, *([] if grown.enough is None else [grown.enough]), grown.best]:
+            if not any(np.array_equal(t, u) for u in tables):
+                tables.append(t)
+        # the same without the stale replicas: each is a gradient ring every step, and dropping one moves nothing
+        tables += [t for t in (_drop_stale(t, self.loads, self.want, self.stale_experts) for t in tables)
+                   if t is not None]
+        e = self.loads.size
+        placements = [ExpertPlacement.from_slot_experts(e, t, optimal_shares(t, self.loads)) for t in tables]
+        searched = improve(grown.best, optimal_shares(grown.best, self.loads), self.loads)
+        return placements if any(searched == p for p in placements) else [*placements, searched]
 
 
 def _drop_stale(table: np.ndarray, loads: np.ndarray, want: np.ndarray, experts: np.ndarray) -> np.ndarray | None:

@@ -35,7 +35,7 @@ from moetrain.balance.costs import BalanceCostModel
 from moetrain.balance.online import BALANCE_DEFAULTS, check_online_balance, default_slots_per_rank
 from moetrain.balance.placement import ExpertPlacement, Move
 from moetrain.balance.predict import Predictor
-from moetrain.balance.schedule import Decision, LayerSchedule, ReplanRule
+from moetrain.balance.schedule import Decision, LayerSchedule, LayerStep, ReplanRule
 from moetrain.config import ClusterConfig, ModelConfig, TrainingConfig
 from moetrain.config.model import moe_layer_indices
 from moetrain.distributed.ep import ExpertTable
@@ -121,8 +121,9 @@ class BalancePlanner:
                 self.predictor.update(state, row)
         planned = PlannedStep([], [], [])
         for index, layer in enumerate(self.layer_ids):
-            decision, adopted = self.rule.step(step, layer, self.schedules[index], self.placements[index],
-                                               self.predictor, self.predictor_states[index], per_group[index])
+            ran = LayerStep(step, layer, self.placements[index], per_group[index])
+            decision, adopted = self.rule.step(ran, self.schedules[index], self.predictor,
+                                               self.predictor_states[index])
             if decision is not None:
                 planned.decisions.append(decision)
             planned.moves_by_layer.append(list(decision.moves) if decision is not None and decision.migrate else [])

@@ -117,14 +117,25 @@ def _local_replay(expert_ids_BSMK: torch.Tensor | None, local: Callable[[torch.T
     return ids
 
 
-def chunk_forward(model: MoETransformer, chunk: Chunk, x: torch.Tensor | None, mb: MicroBatch,
-                  attn_ctx: AttentionContext, step: StepContext,
-                  cp: ContextParallel | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass(frozen=True)
+class RankMicroBatch:
+    """One micro-batch as this rank's chunks see it: ``mb`` holds full sequences; under context parallelism
+    (``cp``) the rank takes its tokens of them (``local``, after the MTP shifts), which ``attn_ctx`` masks."""
+
+    mb: MicroBatch
+    attn_ctx: AttentionContext
+    cp: ContextParallel | None = None
+
+    def local(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.cp.local_tokens(tokens) if self.cp is not None else tokens
+
+
+def chunk_forward(model: MoETransformer, chunk: Chunk, x: torch.Tensor | None, batch: RankMicroBatch,
+                  step: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
     """(output, scaled aux loss): the output is the hidden state (this rank's sequence shard under
-    tensor and context parallelism), or on the last chunk the loss. ``mb`` holds full sequences; under
-    context parallelism the rank takes its tokens of them (after the MTP shifts)."""
+    tensor and context parallelism), or on the last chunk the loss."""
     tp_group = step.tp_group
-    local = cp.local_tokens if cp is not None else (lambda t: t)
+    mb, attn_ctx, cp, local = batch.mb, batch.attn_ctx, batch.cp, batch.local
     if chunk.is_first:
         x = model.embed(local(mb.input_ids))
         if tp_group is not None:
@@ -225,7 +236,7 @@ class Executor:
         else:
             attn_ctx = build_attention_context(mb.input_ids, mb.document_ids, document_mask=step.document_mask)
         with span(f"F{chunk.index}", "compute"), autocast(step.autocast_dtype, step.device.type):
-            out, aux = chunk_forward(self.stage.model, chunk, x, mb, attn_ctx, step, cp)
+            out, aux = chunk_forward(self.stage.model, chunk, x, RankMicroBatch(mb, attn_ctx, cp), step)
         if chunk.is_last:
             step.loss_sum += (out + aux).detach()
         else:

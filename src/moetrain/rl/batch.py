@@ -27,7 +27,7 @@ import torch
 from moetrain.data.packing import IGNORE_INDEX, MicroBatch, StepBatch
 from moetrain.rl.config import GRPOConfig
 from moetrain.rl.generate import Generation
-from moetrain.rl.grpo import PolicyObjective, StepStats
+from moetrain.rl.grpo import OtherLogprobs, PolicyObjective, StepStats
 from moetrain.rl.tasks import Problem
 
 
@@ -188,11 +188,11 @@ class Batching:
 
 
 def step_batch(sequences: TrainingSequences, cfg: GRPOConfig, batching: Batching, stats: StepStats,
-               replay: bool, ref_logp_BS: torch.Tensor | None = None,
-               old_logp_BS: torch.Tensor | None = None) -> StepBatch:
-    """This data-parallel rank's micro-batches of the step (``Batching``); ``old_logp_BS``: π_old of the
-    ratio (the decoupled loss's proximal policy), None: the trained weights. The step's token count is
-    what every rank computes, padding within a micro-batch included."""
+               replay: bool, others: OtherLogprobs | None = None) -> StepBatch:
+    """This data-parallel rank's micro-batches of the step (``Batching``), each with the reference's and
+    π_old's log-probs of its rows (``others``). The step's token count is what every rank computes,
+    padding within a micro-batch included."""
+    others = OtherLogprobs() if others is None else others
     labels_BS = sequences.labels_BS
     record = sequences.expert_ids_BSMK if replay else None
     dealt = batching.deal(labels_BS)
@@ -201,7 +201,7 @@ def step_batch(sequences: TrainingSequences, cfg: GRPOConfig, batching: Batching
         labels = chunk.cut(labels_BS)
         objective = PolicyObjective.of_rows(labels, chunk.cut(sequences.rollout_logp_BS),
                                             chunk.cut(sequences.advantages_BS), cfg, stats,
-                                            chunk.cut(ref_logp_BS), chunk.cut(old_logp_BS))
+                                            OtherLogprobs(chunk.cut(others.ref_logp_BS), chunk.cut(others.old_logp_BS)))
         micro_batches.append(MicroBatch(chunk.cut(sequences.input_ids_BS), labels, None,
                                         int((labels != IGNORE_INDEX).sum()), objective, chunk.cut(record)))
     computed = sum(len(chunk.rows) * chunk.length for chunks in dealt for chunk in chunks)

@@ -69,11 +69,23 @@ class TokenLoss:
     kl_BS: torch.Tensor | None
 
 
-def grpo_token_loss(logp_BS: torch.Tensor, rollout_logp_BS: torch.Tensor, advantages_BS: torch.Tensor,
-                    mask_BS: torch.Tensor, cfg: GRPOConfig, old_logp_BS: torch.Tensor | None = None,
-                    ref_logp_BS: torch.Tensor | None = None) -> TokenLoss:
-    mask_BS = mask_BS.to(logp_BS.dtype)
-    old_BS = logp_BS.detach() if old_logp_BS is None else old_logp_BS
+@dataclass(frozen=True)
+class ScoredTokens:
+    """What the loss knows of the scored tokens besides the trained policy's log-probs (each tensor of their
+    shape, [B, S] or [T]): the rollout's (μ's) log-probs, the advantages and the mask; π_old's log-probs (the
+    decoupled loss's proximal policy; None: the trained weights) and the reference model's (the KL term)."""
+
+    rollout_logp_BS: torch.Tensor
+    advantages_BS: torch.Tensor
+    mask_BS: torch.Tensor
+    old_logp_BS: torch.Tensor | None = None
+    ref_logp_BS: torch.Tensor | None = None
+
+
+def grpo_token_loss(logp_BS: torch.Tensor, tokens: ScoredTokens, cfg: GRPOConfig) -> TokenLoss:
+    rollout_logp_BS, advantages_BS, ref_logp_BS = tokens.rollout_logp_BS, tokens.advantages_BS, tokens.ref_logp_BS
+    mask_BS = tokens.mask_BS.to(logp_BS.dtype)
+    old_BS = logp_BS.detach() if tokens.old_logp_BS is None else tokens.old_logp_BS
     ratio_BS = torch.exp(logp_BS - old_BS)
     clipped_ratio_BS = ratio_BS.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
     policy_BS = -torch.min(ratio_BS * advantages_BS, clipped_ratio_BS * advantages_BS)
@@ -92,12 +104,9 @@ def grpo_token_loss(logp_BS: torch.Tensor, rollout_logp_BS: torch.Tensor, advant
                      clipped_BS & (mask_BS > 0), (raw_weight_BS > cfg.is_cap) & (mask_BS > 0), kl_BS)
 
 
-def grpo_loss(logp_BS: torch.Tensor, rollout_logp_BS: torch.Tensor, advantages_BS: torch.Tensor,
-              mask_BS: torch.Tensor, cfg: GRPOConfig, old_logp_BS: torch.Tensor | None = None,
-              ref_logp_BS: torch.Tensor | None = None) -> torch.Tensor:
+def grpo_loss(logp_BS: torch.Tensor, tokens: ScoredTokens, cfg: GRPOConfig) -> torch.Tensor:
     """Token-level mean of the loss over the masked tokens of one batch."""
-    terms = grpo_token_loss(logp_BS, rollout_logp_BS, advantages_BS, mask_BS, cfg, old_logp_BS, ref_logp_BS)
-    return terms.loss_BS.sum() / mask_BS.sum().clamp(min=1)
+    return grpo_token_loss(logp_BS, tokens, cfg).loss_BS.sum() / tokens.mask_BS.sum().clamp(min=1)
 
 
 STAT_FIELDS = ("tokens", "logp_sum", "gap_abs_sum", "clipped", "is_weight_sum", "truncated", "kl_sum")
@@ -144,6 +153,15 @@ class StepStats:
         return summary
 
 
+@dataclass(frozen=True)
+class OtherLogprobs:
+    """The step's rows' log-probs [B, S] under the two other policies the loss may read: the reference model's
+    (the KL term; None: no KL) and π_old's (the decoupled loss's proximal policy; None: the trained weights)."""
+
+    ref_logp_BS: torch.Tensor | None = None
+    old_logp_BS: torch.Tensor | None = None
+
+
 @dataclass
 class PolicyObjective:
     """GRPO as the runtime's per-token objective (``distributed.pipeline.TokenObjective``) of one
@@ -164,14 +182,13 @@ class PolicyObjective:
 
     @classmethod
     def of_rows(cls, labels_BS: torch.Tensor, rollout_logp_BS: torch.Tensor, advantages_BS: torch.Tensor,
-                cfg: GRPOConfig, stats: StepStats, ref_logp_BS: torch.Tensor | None = None,
-                old_logp_BS: torch.Tensor | None = None) -> PolicyObjective:
+                cfg: GRPOConfig, stats: StepStats, others: OtherLogprobs = OtherLogprobs()) -> PolicyObjective:
         """From full-sequence [B, S] host tensors (the label positions are found here, on the host, before
         the step: inside it they would be a data-dependent shape)."""
         index_T = label_positions(labels_BS)
         take = lambda t_BS: None if t_BS is None else t_BS.reshape(-1).index_select(0, index_T)
         return cls(index_T, take(labels_BS), take(rollout_logp_BS), take(advantages_BS), cfg, stats,
-                   take(ref_logp_BS), take(old_logp_BS))
+                   take(others.ref_logp_BS), take(others.old_logp_BS))
 
     def to(self, device: torch.device) -> PolicyObjective:
         move = lambda t: None if t is None else t.to(device, non_blocking=True)
@@ -183,8 +200,8 @@ class PolicyObjective:
         """The summed loss over the scored tokens, from their logits [T, V] (rows in ``index_T``'s order)."""
         mask_T = torch.ones_like(self.labels_T, dtype=torch.bool)
         logp_T = token_logprobs(logits_TV, self.labels_T, self.cfg.temperature)
-        terms = grpo_token_loss(logp_T, self.rollout_logp_T, self.advantages_T, mask_T, self.cfg, self.old_logp_T,
-                                self.ref_logp_T)
+        terms = grpo_token_loss(logp_T, ScoredTokens(self.rollout_logp_T, self.advantages_T, mask_T, self.old_logp_T,
+                                                     self.ref_logp_T), self.cfg)
         self.stats.add(logp_T, self.rollout_logp_T, mask_T, terms)
         return terms.loss_BS.sum()
 

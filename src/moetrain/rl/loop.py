@@ -49,7 +49,14 @@ from moetrain.rl.batch import (
 from moetrain.rl.config import FusionOptions, GRPOConfig, RLOptions, WarmupCriterion
 from moetrain.rl.fusion import Fusion, sample_generators, whole_model
 from moetrain.rl.generate import Generation, RolloutEngine, SamplingParams
-from moetrain.rl.grpo import STAT_FIELDS, StepStats, group_advantages, label_positions, token_logprobs
+from moetrain.rl.grpo import (
+    STAT_FIELDS,
+    OtherLogprobs,
+    StepStats,
+    group_advantages,
+    label_positions,
+    token_logprobs,
+)
 from moetrain.rl.replay import RoutingRecorder, decoder_layers, routing_mismatch
 from moetrain.rl.sft import TaskSFTDataset, prompt_ids
 from moetrain.rl.tasks import Problem, Task, get_task, heldout_problems, problem_at
@@ -282,7 +289,7 @@ class GRPO(TrainerHooks):
         self.last_stats = StepStats.zeros(trainer.device, self.keep_logprobs)
         assert self.batching is not None
         return step_batch(sequences, self.options.grpo, self.batching, self.last_stats, self.options.replay,
-                          ref_logp_BS, old_logp_BS)
+                          OtherLogprobs(ref_logp_BS, old_logp_BS))
 
     def trained_rows(self, rollouts: Rollouts) -> torch.Tensor | None:
         """The step's rows to train on: those of groups whose rewards differ, with ``filter_groups``

@@ -219,19 +219,30 @@ class _StatsColumn(ProgressColumn):
         return Text(format_step_stats(task.fields.get("row")))
 
 
+@dataclass(frozen=True)
+class PlainLineCadence:
+    """When ``TrainingProgress`` writes a plain line (not on a terminal): every ``every_steps`` steps (0 counts
+    as 1) or ``every_s`` seconds of ``clock``, whichever comes first."""
+
+    every_steps: int = 10
+    every_s: float = 30.0
+    clock: Callable[[], float] = time.monotonic
+
+
 class TrainingProgress:
     """The trainer's progress display, used as a context manager around the steps.
 
     On a terminal: a rich progress bar. Elsewhere (a log file, a cluster job's output) a bar is either
     invisible or thousands of redrawn lines, so it writes a plain line instead, ``step 40/200 loss 6.1234
-    lr 2.9e-03 tokens/s 3,210``, every ``every_steps`` steps or ``every_s`` seconds, whichever comes first,
+    lr 2.9e-03 tokens/s 3,210``, every ``cadence.every_steps`` steps or ``cadence.every_s`` seconds, whichever
+    comes first,
     and at the last step (and at the end for the last step seen, when the run stops early). ``update`` takes
     the step just completed (numbered from 1, like the metrics file) and its metrics row."""
 
     def __init__(self, console: Console, total_steps: int, start_step: int = 0, enabled: bool = True,
-                 every_steps: int = 10, every_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 cadence: PlainLineCadence = PlainLineCadence()) -> None:
         self.console, self.total_steps, self.start_step, self.enabled = console, total_steps, start_step, enabled
-        self.every_steps, self.every_s, self.clock = max(every_steps, 1), every_s, clock
+        self.every_steps, self.every_s, self.clock = max(cadence.every_steps, 1), cadence.every_s, cadence.clock
         self._progress: Progress | None = None
         self._task: Any = None
         self._last_print = 0.0

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from rich.console import Console
 from torch.distributed.checkpoint.api import CheckpointException
 
+from moetrain.config.run import RunOptions, SaveErrorChoice
 from moetrain.distributed.checkpoint import finish_folder, host_stager, start_write, write_state
 from moetrain.errors import UserError
 from moetrain.runtime_base.checkpoint_files import (
@@ -63,6 +64,21 @@ class SaveCost:
         return fields
 
 
+@dataclass(frozen=True)
+class SavePolicy:
+    """How a run saves: in the background or not, how many checkpoints it keeps, what a failed save does
+    (``RunOptions``' fields of the same names)."""
+
+    async_save: bool = False
+    keep_last: int | None = None
+    """None: keep every checkpoint."""
+    on_save_error: SaveErrorChoice = "stop"
+
+    @classmethod
+    def of(cls, options: RunOptions) -> SavePolicy:
+        return cls(options.async_save, options.keep_last, options.on_save_error)
+
+
 @dataclass
 class _Pending:
     step: int
@@ -74,20 +90,21 @@ class CheckpointSaver:
     """Saves of one run, on every rank of its layout (``world``: the layout's group, ``ranks``: its
     global ranks, for the background writes' own group)."""
 
-    def __init__(self, save_dir: Path, world: dist.ProcessGroup, ranks: list[int], *, async_save: bool = False,
-                 keep_last: int | None = None, on_save_error: str = "stop", console: Console | None = None) -> None:
+    def __init__(self, save_dir: Path, world: dist.ProcessGroup, ranks: list[int], policy: SavePolicy = SavePolicy(),
+                 console: Console | None = None) -> None:
         self.save_dir, self.world = save_dir, world
-        self.async_save, self.keep_last, self.on_save_error = async_save, keep_last, on_save_error
+        self.async_save, self.keep_last, self.on_save_error = policy.async_save, policy.keep_last, policy.on_save_error
         self.console = console or Console(quiet=True)
         self.coordinator = dist.get_rank(world) == 0
         # background writes: a CPU group of their own (async_save needs one; a second group also keeps their
         # collectives apart from the step's, which run meanwhile on the layout's groups)
         # (torch's default timeout: a write waits on the slowest rank's disk; a hung rank shows on the step's groups)
-        self.group = dist.new_group(ranks=ranks, backend="gloo") if async_save else world
+        self.group = dist.new_group(ranks=ranks, backend="gloo") if self.async_save else world
         self._pending: _Pending | None = None
-        self._sealer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moetrain-seal") if async_save else None
+        self._sealer: ThreadPoolExecutor | None = None
         self._stager = None
-        if async_save:
+        if self.async_save:
+            self._sealer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moetrain-seal")
             self._stager = host_stager()
         self._quiet = library_records_dropped()
         self._quiet.__enter__()

@@ -89,7 +89,7 @@ from moetrain.train.metrics import (
     keep_rows_through,
     summary_table,
 )
-from moetrain.train.saver import CheckpointSaver
+from moetrain.train.saver import CheckpointSaver, SavePolicy
 
 
 def resolve_device(device: str) -> torch.device:
@@ -264,8 +264,7 @@ class Trainer:
         self.fault = injected_faults(self.dims.rank)
         self.guard = BadStepGuard(spec.guards)
         self.saver = None if paths.save_dir is None else CheckpointSaver(
-            Path(paths.save_dir), self.dims.get_group("world"), self.dims.group_ranks["world"],
-            async_save=paths.async_save, keep_last=paths.keep_last, on_save_error=paths.on_save_error,
+            Path(paths.save_dir), self.dims.get_group("world"), self.dims.group_ranks["world"], SavePolicy.of(paths),
             console=self.console)
 
     # ----- building -----
