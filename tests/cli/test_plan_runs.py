@@ -10,6 +10,7 @@ import pytest
 import torch
 import yaml
 
+from forked_ranks import forked_train_ranks
 from moetrain.cli import main
 from moetrain.config import ParallelConfig
 from moetrain.config.parallel import runtime_limits
@@ -24,7 +25,9 @@ def test_the_planned_layout_trains_like_one_process(tmp_path, monkeypatch: pytes
     rng = random.Random(11)
     data = tmp_path / "text.txt"
     data.write_text(" ".join(rng.choice(["the", "king", "sword", "night", "crown", "of", "my"]) for _ in range(6000)))
-    # In this process but the ranks (started by the launcher): two fewer Python and torch start-ups.
+    # The planner and the CLI in this process, the plan's ranks forked from it (tests/forked_ranks.py: the
+    # spec still goes through the file the ranks read); torchrun starting a training run stays under test
+    # in tests/cli/test_train_cli.py and tests/distributed/test_launch.py.
     monkeypatch.setenv("MOETRAIN_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert main([*PLAN, "--out", str(tmp_path / "plan.yaml")]) == 0
@@ -39,7 +42,9 @@ def test_the_planned_layout_trains_like_one_process(tmp_path, monkeypatch: pytes
                             ("single", ["--global-batch", "16", "--micro-batch", str(layout.micro_batch),
                                         "--threads", "1"])):
             out = tmp_path / f"{name}.jsonl"
-            assert main(["train", *extra, *common, "--metrics-out", str(out)]) == 0
+            with forked_train_ranks():  # the plan's 4 ranks forked from this process: 4 start-ups fewer
+                assert main(["train", *extra, *common, "--metrics-out", str(out), "--log-dir",
+                             str(tmp_path / name)]) == 0
             rows[name] = [json.loads(line) for line in out.read_text().splitlines()]
     finally:
         torch.set_num_threads(threads)

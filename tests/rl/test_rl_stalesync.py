@@ -14,6 +14,7 @@ import torch
 from rich.console import Console
 from rl_models import small_model
 
+from forked_ranks import forked_rl_ranks
 from moetrain.cli import main
 from moetrain.config import TrainingConfig
 from moetrain.config.run import RunSpec
@@ -238,12 +239,17 @@ def test_cli_refuses_what_is_not_built_in_one_line_exit_2(capsys, argv, expected
 
 
 @pytest.mark.slow
-def test_cli_runs_the_disaggregated_pipeline_on_two_ranks_and_resumes_it(tmp_path, capsys):
+def test_cli_runs_the_disaggregated_pipeline_on_two_ranks_and_resumes_it(tmp_path, capsys, monkeypatch):
     metrics = tmp_path / "rl.jsonl"
     argv = ["rl", *TINY, "--staleness", "1", "--placement", "disaggregated", "--metrics-out", str(metrics),
             "--log-dir", str(tmp_path / "log"), "--save-dir", str(tmp_path / "run")]
-    assert main([*argv, "--stop-at", "2"]) == 0, capsys.readouterr().err
-    assert main([*argv, "--resume"]) == 0, capsys.readouterr().err
+    # The launcher's work (spec, warm-up, stop and resume) as the CLI does it; its two ranks forked from this
+    # process, one torch thread each (two Python and torch start-ups fewer per run). torchrun starting the
+    # disaggregated pipeline stays under test in test_rl_nodes.py and test_rl_restart.py.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    with forked_rl_ranks():
+        assert main([*argv, "--stop-at", "2"]) == 0, capsys.readouterr().err
+        assert main([*argv, "--resume"]) == 0, capsys.readouterr().err
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     steps = [r for r in rows if "loss" in r]
     # the resumed step 3 generates with the checkpoint's weights (version 2): staleness 0 there
