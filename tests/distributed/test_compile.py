@@ -1,7 +1,10 @@
 """``torch.compile`` per decoder layer (``--compile``) trains like the eager step: the same losses and
 gradient norms, step by step, on the tiny presets in one process and on parallel layouts (gloo),
 compared with the eager single process. Inductor on CPU reorders fp32 sums inside its fused kernels,
-so the rows agree to rounding (rel 1e-4 over 3 steps; measured about 1e-6), not bit for bit."""
+so the rows agree to rounding, not bit for bit: the first step (no update yet) within rel 1e-4, as every
+layout parity test (the data-parallel layout's reductions add 1.4e-5 there), the later steps within 1e-3. Adam's first updates are close to sign(g)·lr, so an element whose gradient rounds to the
+other sign moves by 2·lr and the difference grows about tenfold a step (measured on tiny-qwen3 on an AMD EPYC
+VM: 7e-8, 1e-5, 1e-4 at steps 1-3; tiny-pangu 3e-7 at step 3)."""
 
 from __future__ import annotations
 
@@ -17,6 +20,14 @@ from moetrain.config import ParallelConfig, TrainingConfig
 from moetrain.distributed.world import spawn
 
 TRAINING = TrainingConfig(steps=3, global_batch=4, micro_batch=2, seq_len=32, warmup_steps=1)
+
+FIRST_STEP_REL, LATER_STEPS_REL = 1e-4, 1e-3
+
+
+def assert_compiled_parity(name: str, per_rank: list[list[dict]], reference: list[dict], ranks: int) -> None:
+    """Each step's loss fields against the eager rows: the first step tight, the rest at Adam's amplification."""
+    assert_parity(name, [rows[:1] for rows in per_rank], reference[:1], ranks, LOSS_FIELDS, FIRST_STEP_REL)
+    assert_parity(name, per_rank, reference, ranks, LOSS_FIELDS, LATER_STEPS_REL)
 
 
 def _rows(model: str, compile_layers: bool, parallel: ParallelConfig | None = None, dims=None) -> list[dict]:
@@ -44,7 +55,7 @@ def _eager_rows(model: str) -> list[dict]:
 def test_compiled_layers_train_like_eager_ones(model):
     torch.set_num_threads(1)
     eager, compiled = _eager_rows(model), _rows(model, True)
-    assert_parity(f"{model} compiled", [compiled], eager, ranks=1, fields=LOSS_FIELDS)
+    assert_compiled_parity(f"{model} compiled", [compiled], eager, ranks=1)
     assert eager[-1]["loss"] < eager[0]["loss"]
 
 
@@ -68,7 +79,7 @@ def test_compiled_parallel_layouts_train_like_the_eager_single_process():
     reference = _eager_rows("tiny-pangu")
     by_layout = losses_by_layout(spawn(_worker, 4))
     for name, parallel in LAYOUTS.items():
-        assert_parity(name, by_layout[name], reference, parallel.world_size, fields=LOSS_FIELDS)
+        assert_compiled_parity(name, by_layout[name], reference, parallel.world_size)
 
 
 def test_compile_flag_sets_the_run_spec():
