@@ -97,6 +97,17 @@ def test_two_devices_plan_what_the_runtime_runs():
     assert not rl_runtime_limits(w, RLLayout("disaggregated", 4, train_dp2, 2, 2, 1))  # one replica of 2 EP ranks
 
 
+def test_a_disaggregated_trainer_of_several_ranks_needs_an_equal_share_of_the_samples():
+    """The runtime refuses 1 generating beside 3 training ranks for 16 prompts × 8 (``moetrain rl --plan``: "128
+    samples do not split over 3 generation replicas": the trainer's RL Fusion model deals the rows to its ranks)."""
+    w = _workload("tiny-pangu", "cpu", 16, 8, 13, 16)  # 16 prompts × 8 = 128 samples
+    pp3 = ParallelConfig(pp=3)
+    assert rl_runtime_limits(w, RLLayout("disaggregated", 4, pp3, 1, 1, 1)) == [
+        "128 samples per step do not split over the trainer's 3 ranks (each scores an equal share)"]
+    assert rl_runtime_limits(w, RLLayout("disaggregated", 4, ParallelConfig(dp=2), 1, 2, 1)) == []  # 64 each
+    assert rl_runtime_limits(w, RLLayout("disaggregated", 2, ParallelConfig(), 1, 1, 1)) == []  # one rank: no share
+
+
 def test_jobs_on_several_nodes_run_when_their_groups_sit_on_whole_nodes():
     """Nodes of 8 H100s (``moetrain rl --nnodes``): a job runs when it fills whole nodes, each rollout replica
     inside one node or on whole nodes and each trainer TP group inside one node."""
@@ -116,7 +127,7 @@ def test_jobs_on_several_nodes_run_when_their_groups_sit_on_whole_nodes():
     assert rl_runtime_limits(_workload(prompts=48), layout(16, 6, 2, tp=4)) == [  # 48 prompts: 16 per replica
         "on nodes of 8: the trainer's tp 4 group of ranks 6–9 would span nodes of 8 ranks: give each node (--nproc) "
         "a multiple of the group's 4 ranks, and start the trainer group on a node (its first rank 6 a multiple of the "
-        "ranks per node)"]
+        "ranks per node)", "384 samples per step do not split over the trainer's 10 ranks (each scores an equal share)"]
 
 
 def test_the_grid_keeps_small_jobs_whole_and_large_ones_in_powers_of_two():

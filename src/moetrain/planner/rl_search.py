@@ -196,6 +196,11 @@ def rl_runtime_limits(w: RLWorkload, layout: RLLayout) -> list[str]:
     if layout.placement == "disaggregated" and w.prompts % layout.replicas:
         limits.append(f"{w.prompts} prompts per step do not split over {layout.replicas} rollout replicas (each "
                       "generates whole groups)")
+    if layout.placement == "disaggregated" and layout.train_devices > 1 and w.samples % layout.train_devices:
+        # A trainer of several ranks keeps RL Fusion's whole model for its evaluation and log-probs, which deals
+        # the step's rows out to its ranks in equal shares (``rl.fusion.Fusion.share``).
+        limits.append(f"{w.samples} samples per step do not split over the trainer's {layout.train_devices} ranks "
+                      "(each scores an equal share)")
     train = layout.train
     if train.cp > 1:
         limits.append(f"trainer cp {train.cp}: RL does not train with context parallelism yet")
