@@ -84,6 +84,7 @@ run rl_simulate_check.py --remeasure --out $R/rl_simulate_check_cpu.json
 run rl_simulate_check.py --remeasure --out $R/rl_simulate_check_cpu_repeat.json
 run rl_simulate_check.py --remeasure --rounds 3 --out $R/rl_simulate_check_cpu_rounds.json
 run rl_scale.py --out $R/rl_scale_cpu.json
+run rl_plan_check.py --out $R/rl_plan_check_cpu.json
 run rl_progress_cost.py --out $R/rl_progress_cost_cpu.json
 run rl_simulate_pangu.py --out $R/rl_simulate_pangu.json
 run rl_plan_anchors.py --out $R/rl_plan_anchors.json
