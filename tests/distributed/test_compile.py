@@ -2,9 +2,10 @@
 gradient norms, step by step, on the tiny presets in one process and on parallel layouts (gloo),
 compared with the eager single process. Inductor on CPU reorders fp32 sums inside its fused kernels,
 so the rows agree to rounding, not bit for bit: the first step (no update yet) within rel 1e-4, as every
-layout parity test (the data-parallel layout's reductions add 1.4e-5 there), the later steps within 1e-3. Adam's first updates are close to sign(g)·lr, so an element whose gradient rounds to the
-other sign moves by 2·lr and the difference grows about tenfold a step (measured on tiny-qwen3 on an AMD EPYC
-VM: 7e-8, 1e-5, 1e-4 at steps 1-3; tiny-pangu 3e-7 at step 3)."""
+layout parity test (the data-parallel layout's reductions add 1.4e-5 there), the later steps within 1e-3.
+Adam's first updates are close to sign(g)·lr, so an element whose gradient rounds to the other sign moves
+by 2·lr and the difference grows about tenfold a step (measured on tiny-qwen3 on an AMD EPYC VM: 7e-8,
+1e-5, 1e-4 at steps 1-3; tiny-pangu 3e-7 at step 3)."""
 
 from __future__ import annotations
 
