@@ -397,9 +397,8 @@ class ReplanRule:
         # any placement can have (the even one), the trigger the candidate's own
         pricing = _Pricing(self.costs, current, draws if count_noise else forecast,
                            self.costs.ideal_overlap_window_seconds(forecast), lasting)
-        search = self._search(pricing, forecast, schedule.reference_excess + FALLBACK_GAP * ideal, early)
-        candidate = search.candidate
-        seconds_candidate = float(self.costs.layer_seconds(candidate, forecast))
+        search = self._search(pricing, forecast, ideal + schedule.reference_excess + FALLBACK_GAP * ideal, early)
+        candidate, seconds_candidate = search.candidate, search.seconds
         moves = diff(current, candidate)
         saving = lasting * (pricing.seconds(current) - pricing.seconds(candidate))
         migration = self.costs.migration_seconds(moves, self.costs.overlap_window_seconds(candidate, forecast))
@@ -439,9 +438,9 @@ class ReplanRule:
             and schedule.forecast_noise <= COUNT_NOISE_GATE * float(
                 np.mean(np.abs(self.costs.layer_seconds(current, draws) - seconds_current))))
 
-    def _search(self, pricing: _Pricing, forecast: np.ndarray, fallback_excess: float, early: bool) -> _Search:
-        """The solver's best candidate by ``pricing.score``; an early solve whose incremental plan stays more
-        than ``fallback_excess`` above the ideal also scores the placements from scratch."""
+    def _search(self, pricing: _Pricing, forecast: np.ndarray, fallback_above_s: float, early: bool) -> _Search:
+        """The solver's best candidate by ``pricing.score``, and its layer seconds on ``forecast``; an early solve
+        whose incremental plan takes more than ``fallback_above_s`` also scores the placements from scratch."""
         current = pricing.current
 
         def plan(candidates: str) -> tuple[ExpertPlacement, float]:
@@ -452,18 +451,18 @@ class ReplanRule:
         cpu_start = time.process_time()
         # early (drift-triggered) solves offer only moves that build on the current placement ...
         candidate, solve_s = plan("incremental" if early else "all")
-        excess_candidate = float(self.costs.layer_seconds(candidate, forecast)) \
-            - float(self.costs.ideal_layer_seconds(forecast))
+        seconds = float(self.costs.layer_seconds(candidate, forecast))
         # ... unless those stall far from the ideal, and from what the last solve reached (a local optimum
         # a few exchanges cannot leave): then the placements from scratch join them, each still scored with
         # its migration. Where no placement gets near the ideal (a few whole experts per rank, replicas'
         # all-reduces), the reference is as far and the incremental plan stands.
-        fallback = early and self.stall_remedies and excess_candidate > fallback_excess
+        fallback = early and self.stall_remedies and seconds > fallback_above_s
         if fallback:
             scratch, more_s = plan("scratch")
             solve_s += more_s
-            candidate = min((candidate, scratch), key=pricing.score)
-        return _Search(candidate, solve_s, time.process_time() - cpu_start, fallback)
+            if pricing.score(scratch) < pricing.score(candidate):
+                candidate, seconds = scratch, float(self.costs.layer_seconds(scratch, forecast))
+        return _Search(candidate, seconds, solve_s, time.process_time() - cpu_start, fallback)
 
 
 @dataclass(frozen=True)
@@ -498,9 +497,11 @@ class _Pricing:
 
 @dataclass(frozen=True)
 class _Search:
-    """The candidate one solve found, its wall and CPU time, and whether the global fallback ran."""
+    """The candidate one solve found, its layer seconds on the forecast, the solve's wall and CPU time, and
+    whether the global fallback ran."""
 
     candidate: ExpertPlacement
+    seconds: float
     solve_s: float
     solve_cpu_s: float
     fallback: bool

@@ -235,9 +235,8 @@ class TrainingProgress:
     On a terminal: a rich progress bar. Elsewhere (a log file, a cluster job's output) a bar is either
     invisible or thousands of redrawn lines, so it writes a plain line instead, ``step 40/200 loss 6.1234
     lr 2.9e-03 tokens/s 3,210``, every ``cadence.every_steps`` steps or ``cadence.every_s`` seconds, whichever
-    comes first,
-    and at the last step (and at the end for the last step seen, when the run stops early). ``update`` takes
-    the step just completed (numbered from 1, like the metrics file) and its metrics row."""
+    comes first, and at the last step (and at the end for the last step seen, when the run stops early).
+    ``update`` takes the step just completed (numbered from 1, like the metrics file) and its metrics row."""
 
     def __init__(self, console: Console, total_steps: int, start_step: int = 0, enabled: bool = True,
                  cadence: PlainLineCadence = PlainLineCadence()) -> None:
