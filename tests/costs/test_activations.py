@@ -5,7 +5,7 @@ import pytest
 
 from moetrain.config import load_model_config
 from moetrain.config.model import ModelConfig
-from moetrain.costs.activations import Sharding, activation_bytes_per_layer
+from moetrain.costs.activations import ActivationShape, Sharding, activation_bytes_per_layer
 
 TOKENS = 64 * 2
 DENSE_WIDTH = 96
@@ -18,7 +18,7 @@ def _model(ffn_act: str) -> ModelConfig:
 
 
 def _ffn_bytes(ffn_act: str, recompute: str | frozenset = "none") -> float:
-    parts = activation_bytes_per_layer(_model(ffn_act), seq_len=64, micro_batch=2, dtype_bytes=2.0,
+    parts = activation_bytes_per_layer(ActivationShape(_model(ffn_act), seq_len=64, micro_batch=2, dtype_bytes=2.0),
                                        moe_layer=False, recompute=recompute)
     return float(parts["ffn"])
 
@@ -43,7 +43,8 @@ def test_experts_follow_the_mlp_structure() -> None:
 
     def experts(ffn_act: str) -> float:
         model = moe_model.model_copy(update={"ffn_act": ffn_act})
-        return float(activation_bytes_per_layer(model, 64, 2, dtype_bytes=2.0, moe_layer=True)["experts"])
+        shape = ActivationShape(model, 64, 2, dtype_bytes=2.0)
+        return float(activation_bytes_per_layer(shape, moe_layer=True)["experts"])
 
     offsets = moe_model.moe.num_experts * 4  # the grouped GEMMs' int32 block offsets, one per expert
     output = routed * moe_model.hidden_size * 2  # the expert output, kept by the weighted combine
@@ -59,8 +60,8 @@ def test_expert_tensor_parallelism_keeps_the_gathered_rows() -> None:
     assert (model.hidden_size, model.moe.expert_ffn_hidden, model.moe.router.top_k) == (128, 64, 4)
 
     def parts(etp: int) -> dict:
-        return activation_bytes_per_layer(model, seq_len=32, micro_batch=2, sharding=Sharding(ep=2, etp=etp),
-                                          dtype_bytes=2.0, moe_layer=True)
+        shape = ActivationShape(model, seq_len=32, micro_batch=2, dtype_bytes=2.0, sharding=Sharding(ep=2, etp=etp))
+        return activation_bytes_per_layer(shape, moe_layer=True)
 
     sort_order_and_inverse = 2 * 256 * 8  # int64, the device's own 256 assignments
     ep_reorder_and_inverse = 2 * 256 * 8  # int64, the 256 rows the all-to-all delivered

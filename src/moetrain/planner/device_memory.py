@@ -15,6 +15,7 @@ import numpy as np
 
 from moetrain.config.model import MLAConfig, ModelConfig
 from moetrain.costs.activations import (
+    ActivationShape,
     Sharding,
     embedding_activation_bytes,
     layer_activation_bytes,
@@ -174,11 +175,11 @@ def _layer_activations(w: Workload, s: Strategies, moe_layer: bool, recompute):
     """Bytes one layer keeps per micro-batch at recompute code ``recompute`` (per strategy); a code
     between 1 and 2 recomputes that share of the layers whole (they keep their input only), the others
     selectively; a code between 0 and 1 recomputes that share of the layers selectively, the others not."""
-    sharding = Sharding(tp=s.tp, sp=s.sp, cp=s.cp, ep=s.ep, etp=s.etp)
+    shape = ActivationShape(w.model, w.seq_len, s.micro_batch, w.activation_bytes, w.flash_attention,
+                            Sharding(tp=s.tp, sp=s.sp, cp=s.cp, ep=s.ep, etp=s.etp), w.imbalance)
 
     def at(level):
-        kept = layer_activation_bytes(w.model, w.seq_len, s.micro_batch, moe_layer, sharding, w.activation_bytes,
-                                      level, w.flash_attention, w.imbalance).total
+        kept = layer_activation_bytes(shape, moe_layer, level).total
         if w.fp8_stored_activations and w.precision == "fp8":
             kept = kept - (w.activation_bytes - 1.0) * fp8_stored_elements(w, s, moe_layer, level)
         return kept
