@@ -52,6 +52,7 @@ RECOMPUTE_CODES: dict[str, int] = {"none": 0, "selective": 1, "full": 2}
 FP32_BYTES = 4.0
 INDEX_BYTES = 8.0
 INT32_BYTES = 4.0
+BOOL_BYTES = 1.0
 
 RECOMPUTE_OPTIONS: tuple[str, ...] = ("norm", "mla_up", "activation", "permute", "router", "attention", "layer")
 SWAP_OPTIONS: tuple[str, ...] = ("swap_attention", "swap_moe")
@@ -104,6 +105,11 @@ class Sharding:
     """Expert-parallel size: changes which routed tokens arrive, not how many on average."""
     etp: object = 1
     """Expert tensor-parallel size: splits the expert FFN width."""
+    hierarchical: object = False
+    """The two-hop dispatcher (``moetrain.distributed.ep.HierarchicalDispatcher``) with ep > 1: other
+    tensors than the flat all-to-all's, see ``_hierarchical``."""
+    ep_nodes: object = 1
+    """Nodes one EP group spans (the hierarchical dispatcher's first hop crosses them)."""
 
     def tokens(self, seq_len, micro_batch):
         """(t, t_split, tp): tokens per device of one micro-batch, the rows of width-hidden tensors
@@ -131,7 +137,11 @@ class ActivationShape:
     """Fused attention keeps no S×S probabilities (``moetrain.memory.options.uses_flash_attention``)."""
     sharding: Sharding = UNSHARDED
     imbalance: object = 1.0
-    """Routed rows the most loaded device receives over the mean (``t·top_k``)."""
+    """Routed rows the most loaded device receives over the mean (``t·top_k``). It scales what a device
+    keeps for the rows it receives, not what it keeps for its own tokens."""
+    nodes_per_token: object = None
+    """Hierarchical dispatch: distinct nodes a token's experts sit on, on average; None: the expectation
+    under uniform routing, ``N·(1 − (1 − 1/N)^k)`` for N nodes (the traffic model's, ``planner.comm``)."""
 
     def tokens(self):
         """(t, t_split, tp) of ``Sharding.tokens``."""
@@ -358,22 +368,77 @@ def _attention(parts: _Parts, shape: ActivationShape, opts: frozenset[str], swap
         parts.add("attention", t_split * h * d)  # o_proj output = the post-norm's fp32 input
 
 
-def _dispatch(parts: _Parts, shape: ActivationShape, routed, opts: frozenset[str], swap: bool) -> None:
-    """What the token dispatch keeps for the ``routed`` rows a device receives (``moetrain.models.dispatch``,
-    ``moetrain.distributed.ep``, ``moetrain.distributed.etp``): the sort order of the assignments and its
-    inverse (int64); under expert parallelism the received rows' reorder into (slot, source) order and its
-    inverse (int64, the all-to-all's backward and the combine index by them); under expert tensor
-    parallelism the ETP group's gathered rows (``etp·routed``: the tokens the experts read, kept by their
-    first GEMMs) and the gather's reorder index and its inverse over those rows (int64)."""
+@dataclass(frozen=True)
+class _RoutedRows:
+    """The rows one device's MoE layer handles in one micro-batch. The device's own tokens make the
+    source-side counts (never scaled by the load imbalance); what the device receives makes the others."""
+
+    tokens: object
+    """t: the device's tokens."""
+    assignments: object
+    """t·k: its (token, expert) pairs, sorted for the dispatch and summed back by the combine."""
+    received: object
+    """t·k·imbalance: the rows the all-to-all delivers to this device's experts."""
+    hop1_sent: object = 0.0
+    """Hierarchical: t·n̄ rows, one per (token, destination node)."""
+    hop1_received: object = 0.0
+    """Hierarchical: t·n̄·imbalance rows this device receives in hop 1, as the peer of its position."""
+
+    @classmethod
+    def of(cls, shape: ActivationShape, t_moe) -> _RoutedRows:
+        k = shape.model.moe.router.top_k
+        imbalance = np.asarray(shape.imbalance, dtype=float)
+        nodes_per_token = _nodes_per_token(shape)
+        return cls(t_moe, t_moe * k, t_moe * k * imbalance, t_moe * nodes_per_token,
+                   t_moe * nodes_per_token * imbalance)
+
+
+def _nodes_per_token(shape: ActivationShape):
+    """Distinct destination nodes per token: given, or under uniform routing each of N nodes is missed
+    by all k choices with probability (1 − 1/N)^k."""
+    if shape.nodes_per_token is not None:
+        return np.asarray(shape.nodes_per_token, dtype=float)
+    nodes = np.maximum(np.asarray(shape.sharding.ep_nodes, dtype=float), 1.0)
+    return nodes * (1.0 - (1.0 - 1.0 / nodes) ** shape.model.moe.router.top_k)
+
+
+def _dispatch(parts: _Parts, shape: ActivationShape, rows: _RoutedRows, opts: frozenset[str], swap: bool) -> None:
+    """What the token dispatch keeps (``moetrain.models.dispatch``, ``moetrain.distributed.ep``,
+    ``moetrain.distributed.etp``). For the device's own assignments: the sort order and its inverse
+    (int64), or the hierarchical dispatcher's own tensors (``_hierarchical``). For the rows it receives:
+    under expert parallelism their reorder into (slot, source) order and its inverse (int64, the
+    all-to-all's backward and the combine index by them); under expert tensor parallelism the ETP
+    group's gathered rows (``etp·received``: the tokens the experts read, kept by their first GEMMs) and
+    the gather's reorder index and its inverse over those rows (int64)."""
     d = float(shape.dtype_bytes)
     ep = np.asarray(shape.sharding.ep, dtype=float)
     etp = np.asarray(shape.sharding.etp, dtype=float)
-    gathered = etp * routed
-    parts.add("dispatch", routed * 2 * INDEX_BYTES, swap)
-    parts.add("dispatch", np.where(ep > 1, routed * 2 * INDEX_BYTES, 0.0), swap)
+    hierarchical = np.asarray(shape.sharding.hierarchical, dtype=bool) & (ep > 1)
+    gathered = etp * rows.received
+    parts.add("dispatch", np.where(hierarchical, _hierarchical(shape, rows), rows.assignments * 2 * INDEX_BYTES),
+              swap)
+    parts.add("dispatch", np.where(ep > 1, rows.received * 2 * INDEX_BYTES, 0.0), swap)
     parts.add("dispatch", np.where(etp > 1, gathered * 2 * INDEX_BYTES, 0.0), swap)
     if "permute" not in opts:
         parts.add("dispatch", gathered * shape.model.hidden_size * d, swap)
+
+
+def _hierarchical(shape: ActivationShape, rows: _RoutedRows):
+    """What the two-hop dispatcher keeps in place of the flat one's sort order and inverse, the
+    combine's gating weights and its output rows (``HierarchicalDispatcher``; measured in
+    tests/distributed/test_hierarchical_memory.py). Its own tokens' side: the hop-1 source index
+    (int64, one per (token, node) row: the row gather, the weights' gather and the final index_add
+    keep it), the mask of the assignments each row carries (bool, k per row) and the rows the combine's
+    second hop returns (kept by that index_add, which saves its source). The peer's side, for the
+    ``hop1_received`` rows it expands to the ``received`` rows of its node: the expand order (int64,
+    k per hop-1 row: a view of the whole argsort), the row each expanded row came from (int64), its
+    gating weight (fp32), and the combine's first-hop output in fp32 and weighted (kept by the multiply
+    and the index_add). The peer expands as many rows as its node's devices receive, on average."""
+    h, d, k = shape.model.hidden_size, float(shape.dtype_bytes), shape.model.moe.router.top_k
+    expanded = rows.received
+    own = rows.hop1_sent * (INDEX_BYTES + k * BOOL_BYTES + h * d)
+    peer = rows.hop1_received * k * INDEX_BYTES + expanded * (INDEX_BYTES + FP32_BYTES + h * (FP32_BYTES + d))
+    return own + peer
 
 
 def _router_bytes(model: ModelConfig, t_moe, fp32: bool):
@@ -406,25 +471,29 @@ def _moe(parts: _Parts, shape: ActivationShape, t_moe, opts: frozenset[str], out
     tp = np.asarray(shape.sharding.tp, dtype=float)
     h, k = model.hidden_size, moe.router.top_k
     fp32 = d >= FP32_BYTES
-    routed = t_moe * k * np.asarray(shape.imbalance, dtype=float)
+    rows = _RoutedRows.of(shape, t_moe)
+    # the hierarchical combine sums each token's rows by index_add: no flat combine, no weights it keeps
+    flat_combine = ~(np.asarray(shape.sharding.hierarchical, dtype=bool) & (np.asarray(shape.sharding.ep) > 1))
     swap = "swap_moe" in opts
     act = "activation" in opts
     if "router" in opts:
         parts.add("router", t_moe * k * INDEX_BYTES)  # the top-k ids, saved so recompute routes alike
     else:
         parts.add("router", _router_bytes(model, t_moe, fp32))
-    # the combine keeps the gating weights (fp32, token order; made by the router)
-    parts.add("router", t_moe * k * FP32_BYTES)
-    _dispatch(parts, shape, routed, opts, swap)
+    # the flat combine keeps the gating weights (fp32, token order; made by the router)
+    parts.add("router", np.where(flat_combine, t_moe * k * FP32_BYTES, 0.0))
+    _dispatch(parts, shape, rows, opts, swap)
     if not fp32 and moe.num_shared_experts == 0 and "norm" not in opts and (
             "permute" in opts or "router" in opts):
         parts.add("dispatch", t_moe * h * d)  # the MoE input, otherwise kept only as fp32 copies
     etp = np.asarray(shape.sharding.etp, dtype=float)
-    # The experts run on the rows the ETP group gathered (etp·routed), each on its 1/etp of the FFN width.
-    parts.add("experts", _mlp_bytes(etp * routed, moe.expert_ffn_hidden / etp, d, model.gated_ffn, act), swap)
-    # expert output, kept by the combine (the weights' gradient): the device's own rows, after the ETP
-    # reduce-scatter has summed the partial outputs of the gathered ones
-    parts.add("experts", routed * h * d, swap)
+    # The experts run on the rows the ETP group gathered (etp·received), each on its 1/etp of the FFN width.
+    parts.add("experts", _mlp_bytes(etp * rows.received, moe.expert_ffn_hidden / etp, d, model.gated_ffn, act),
+              swap)
+    # expert output, kept by the flat combine (the weights' gradient): the rows of the device's own
+    # assignments, as the all-to-all returns them (after the ETP reduce-scatter has summed the partial
+    # outputs of the gathered ones)
+    parts.add("experts", np.where(flat_combine, rows.assignments * h * d, 0.0), swap)
     if moe.num_shared_experts:
         parts.add("shared_expert", _mlp_bytes(t_moe, moe.shared_ffn_hidden / tp, d, model.gated_ffn, act), swap)
     if out_kept:
