@@ -23,10 +23,12 @@ Layout rules (``Sharding``): tokens per device ``t = seq_len·micro_batch/cp``; 
 parallelism, tensors of width ``hidden`` (norm inputs and outputs, residuals) are split over ``tp``
 too; head and FFN widths are split over ``tp``, expert FFN width over ``etp``; MoE layers see ``t/tp``
 tokens per device (Megatron requires SP with MoE and TP) and receive ``top_k·imbalance`` rows per
-token on average. Expert tensor parallelism all-gathers the rows of its ``etp`` group before the
-experts (``moetrain.distributed.etp``), so the experts keep their tensors for ``etp`` times the
-device's rows at ``1/etp`` of the width: the FFN intermediates are those of ``etp = 1``, the expert
-input rows ``etp`` times as many.
+token on average; what a device keeps for its own ``t·top_k`` assignments (sort order, inverse, the
+combine's rows) does not scale with the imbalance. Expert tensor parallelism all-gathers the rows of
+its ``etp`` group before the experts (``moetrain.distributed.etp``), so the experts keep their
+tensors for ``etp`` times the device's rows at ``1/etp`` of the width: the FFN intermediates are
+those of ``etp = 1``, the expert input rows ``etp`` times as many. The hierarchical dispatcher keeps
+tensors of its own, per (token, destination node) and per expanded row (``_hierarchical``).
 
 Memory options (``moetrain.memory``): ``norm``, ``mla_up``, ``activation``, ``permute``, ``router``
 recompute one layer part each; ``attention`` and ``layer`` recompute a whole block; ``swap_attention``
@@ -373,8 +375,6 @@ class _RoutedRows:
     """The rows one device's MoE layer handles in one micro-batch. The device's own tokens make the
     source-side counts (never scaled by the load imbalance); what the device receives makes the others."""
 
-    tokens: object
-    """t: the device's tokens."""
     assignments: object
     """t·k: its (token, expert) pairs, sorted for the dispatch and summed back by the combine."""
     received: object
@@ -389,8 +389,7 @@ class _RoutedRows:
         k = shape.model.moe.router.top_k
         imbalance = np.asarray(shape.imbalance, dtype=float)
         nodes_per_token = _nodes_per_token(shape)
-        return cls(t_moe, t_moe * k, t_moe * k * imbalance, t_moe * nodes_per_token,
-                   t_moe * nodes_per_token * imbalance)
+        return cls(t_moe * k, t_moe * k * imbalance, t_moe * nodes_per_token, t_moe * nodes_per_token * imbalance)
 
 
 def _nodes_per_token(shape: ActivationShape):
