@@ -23,7 +23,7 @@ from torch import nn
 
 from moetrain.balance.placement import ExpertPlacement
 from moetrain.config import load_model_config
-from moetrain.costs.activations import Sharding, activation_bytes_per_layer
+from moetrain.costs.activations import ActivationShape, Sharding, activation_bytes_per_layer
 from moetrain.distributed.ep import AllToAllDispatcher, ExpertTable, shard_experts
 from moetrain.distributed.etp import ExpertTensorParallelDispatcher
 from moetrain.distributed.world import spawn
@@ -109,8 +109,8 @@ def saved_bytes() -> list[dict[tuple[str, int], int]]:
 
 
 def _formula(dtype_bytes: float, etp: int) -> float:
-    parts = activation_bytes_per_layer(MODEL, SEQ, MICRO_BATCH, Sharding(ep=EP, etp=etp), dtype_bytes,
-                                       moe_layer=True)
+    shape = ActivationShape(MODEL, SEQ, MICRO_BATCH, dtype_bytes, sharding=Sharding(ep=EP, etp=etp))
+    parts = activation_bytes_per_layer(shape, moe_layer=True)
     return float(parts["router"] + parts["dispatch"] + parts["experts"] + parts["shared_expert"])
 
 

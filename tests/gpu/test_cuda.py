@@ -16,7 +16,7 @@ from rich.console import Console
 
 from moetrain.config import TrainingConfig, load_cluster_config, load_model_config
 from moetrain.config.run import RunSpec
-from moetrain.costs.activations import model_activation_bytes
+from moetrain.costs.activations import ActivationShape, model_activation_bytes
 from moetrain.memory import MemoryPlan
 from moetrain.memory.measure import measure_activations
 from moetrain.memory.options import uses_flash_attention
@@ -144,7 +144,7 @@ def test_analytic_activation_bytes_match_the_bytes_saved_on_cuda(name, dtype):
     ids = _ids(cfg.vocab_size, "cuda")
     measured = measure_activations(model, ids, ids)
     dtype_bytes = 4.0 if dtype == torch.float32 else 2.0
-    predicted = model_activation_bytes(cfg, SEQ, BATCH, None, dtype_bytes, uses_flash_attention(cfg, "cuda"))
+    predicted = model_activation_bytes(ActivationShape(cfg, SEQ, BATCH, dtype_bytes, uses_flash_attention(cfg, "cuda")))
     assert predicted["total"] == pytest.approx(measured.total_bytes, rel=0.05)
 
 

@@ -73,7 +73,7 @@ def test_gqa_options_keep_gradients():
 def test_analytic_bytes_match_measured(name, seq):
     measured, _ = _run(name, seq=seq)
     cfg = load_model_config(name)
-    predicted = model_activation_bytes(cfg, seq, BATCH, None, 4.0, uses_flash_attention(cfg, "cpu"))
+    predicted = model_activation_bytes(ActivationShape(cfg, seq, BATCH, 4.0, uses_flash_attention(cfg, "cpu")))
     assert abs(predicted["total"] / measured.total_bytes - 1) < 0.05
     assert abs(predicted["total"] - measured.total_bytes) < 64  # in fact exact up to a few scalars
 
@@ -82,7 +82,8 @@ def test_analytic_bytes_match_measured(name, seq):
 def test_analytic_bytes_match_measured_with_options(options):
     measured, _ = _run("tiny-pangu", options)
     cfg = load_model_config("tiny-pangu")
-    predicted = model_activation_bytes(cfg, SEQ, BATCH, [frozenset(options)] * num_blocks(cfg), 4.0, False)
+    predicted = model_activation_bytes(ActivationShape(cfg, SEQ, BATCH, 4.0, False),
+                                       [frozenset(options)] * num_blocks(cfg))
     assert abs(predicted["total"] / measured.total_bytes - 1) < 0.05
 
 

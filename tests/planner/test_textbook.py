@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from moetrain.config import load_cluster_config, load_model_config
-from moetrain.costs.activations import Sharding, layer_activation_bytes
+from moetrain.costs.activations import ActivationShape, Sharding, layer_activation_bytes
 from moetrain.planner.calibration import Efficiency
 from moetrain.planner.comm import alltoall_time, alltoall_volume
 from moetrain.planner.device_memory import model_state_bytes
@@ -84,7 +84,7 @@ def test_all_to_all_volume_for_top_k() -> None:
 def test_activations_broadcast_over_layouts() -> None:
     model = load_model_config("pangu-ultra-moe-718b")
     tp = np.array([1, 2, 4, 8])
-    parts = layer_activation_bytes(model, 8192, 1, True, Sharding(tp=tp, sp=tp > 1))
+    parts = layer_activation_bytes(ActivationShape(model, 8192, 1, sharding=Sharding(tp=tp, sp=tp > 1)), True)
     assert np.asarray(parts.total).shape == (4,)
     assert np.all(np.diff(parts.total) < 0)
 

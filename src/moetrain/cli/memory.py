@@ -47,8 +47,7 @@ def run(args: argparse.Namespace) -> int:
     result = choose_plan(shape, options, speed)
     last = cfg.num_layers - 1
     report["per_layer_part_bytes"] = {k: float(v) for k, v in activation_bytes_per_layer(
-        cfg, args.seq_len, args.micro_batch, dtype_bytes=dtype_bytes, moe_layer=cfg.is_moe_layer(last),
-        flash=shape.flash).items()}
+        shape, moe_layer=cfg.is_moe_layer(last)).items()}
     report.update(
         baseline_activation_bytes=result.baseline_bytes,
         activation_bytes=result.activation_bytes,

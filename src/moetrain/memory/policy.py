@@ -25,6 +25,7 @@ from moetrain.costs.activations import (
     ALL_OPTIONS,
     SELECTIVE_OPTIONS,
     SWAP_OPTIONS,
+    ActivationShape,
     activation_bytes_per_layer,
     model_activation_bytes,
 )
@@ -65,18 +66,6 @@ class DeviceSpeed:
     """Device↔host copy bandwidth; None where host and device memory are one (CPU): no swap."""
 
 
-@dataclass(frozen=True)
-class ActivationShape:
-    """What one micro-batch's activations are: the model, the tokens and how they are stored."""
-
-    model: ModelConfig
-    seq_len: int
-    micro_batch: int
-    dtype_bytes: float = 2.0
-    flash: bool = True
-    """Fused attention keeps no S×S probabilities (``options.uses_flash_attention``)."""
-
-
 @dataclass
 class PolicyResult:
     plan: MemoryPlan
@@ -100,6 +89,7 @@ class _Costs:
     """Bytes and added seconds of an option set on one layer, memoised."""
 
     def __init__(self, shape: ActivationShape, speed: DeviceSpeed) -> None:
+        self.shape = shape  # the activation formulas read it whole
         self.model, self.seq_len, self.micro_batch = shape.model, shape.seq_len, shape.micro_batch
         self.dtype_bytes, self.flash, self.speed = shape.dtype_bytes, shape.flash, speed
         self._bytes: dict[tuple[bool, frozenset[str]], tuple[float, float]] = {}
@@ -108,9 +98,7 @@ class _Costs:
         """(device bytes, swapped bytes)."""
         key = (moe, options)
         if key not in self._bytes:
-            parts = activation_bytes_per_layer(self.model, self.seq_len, self.micro_batch, dtype_bytes=self.dtype_bytes,
-                                               moe_layer=moe, recompute=options, flash=self.flash,
-                                               include_swapped=True)
+            parts = activation_bytes_per_layer(self.shape, moe, options, include_swapped=True)
             swapped = float(parts.pop("swapped"))
             parts.pop("core_attention")
             self._bytes[key] = (float(sum(parts.values())), swapped)
@@ -190,8 +178,7 @@ def choose_memory_plan(shape: ActivationShape, policy: PolicyName, budget_bytes:
     costs = _Costs(shape, speed)
     blocks = num_blocks(model)
     kinds = [_is_moe_block(model, i) for i in range(blocks)]
-    head = float(model_activation_bytes(model, shape.seq_len, shape.micro_batch, None, shape.dtype_bytes,
-                                        shape.flash)["head"])
+    head = float(model_activation_bytes(shape)["head"])
 
     def total(sets: list[frozenset[str]]) -> float:
         return head + sum(costs.bytes(kinds[i], sets[i])[0] for i in range(blocks))

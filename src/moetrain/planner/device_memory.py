@@ -15,13 +15,14 @@ import numpy as np
 
 from moetrain.config.model import MLAConfig, ModelConfig
 from moetrain.costs.activations import (
+    ActivationShape,
     Sharding,
     embedding_activation_bytes,
     layer_activation_bytes,
     mtp_extra_activation_bytes,
 )
 from moetrain.costs.params import count_params, moe_block_params, mtp_module_params
-from moetrain.planner.comm import alltoall_volume
+from moetrain.planner.comm import alltoall_volume, ranks_per_node
 from moetrain.planner.layer_costs import full_recompute_share, selective_recompute_share
 from moetrain.planner.strategy import Columns, Strategies
 from moetrain.planner.workload import BF16, Workload
@@ -170,15 +171,22 @@ def fp8_stored_elements(w: Workload, s: Strategies, moe_layer: bool, level) -> n
                     (1.0 - share_full) * selective)
 
 
+def _sharding(w: Workload, s: Strategies) -> Sharding:
+    """The layouts' degrees as the activation formulas read them; the hierarchical all-to-all's first
+    hop crosses the nodes of an EP group (its ranks are etp apart, as the traffic model places them)."""
+    ep_nodes = s.ep / ranks_per_node(s.ep, s.etp, w.cluster.fabric_devices)
+    return Sharding(tp=s.tp, sp=s.sp, cp=s.cp, ep=s.ep, etp=s.etp, hierarchical=s.a2a == 1, ep_nodes=ep_nodes)
+
+
 def _layer_activations(w: Workload, s: Strategies, moe_layer: bool, recompute):
     """Bytes one layer keeps per micro-batch at recompute code ``recompute`` (per strategy); a code
     between 1 and 2 recomputes that share of the layers whole (they keep their input only), the others
     selectively; a code between 0 and 1 recomputes that share of the layers selectively, the others not."""
-    sharding = Sharding(tp=s.tp, sp=s.sp, cp=s.cp, ep=s.ep, etp=s.etp)
+    shape = ActivationShape(w.model, w.seq_len, s.micro_batch, w.activation_bytes, w.flash_attention,
+                            _sharding(w, s), w.imbalance)
 
     def at(level):
-        kept = layer_activation_bytes(w.model, w.seq_len, s.micro_batch, moe_layer, sharding, w.activation_bytes,
-                                      level, w.flash_attention, w.imbalance).total
+        kept = layer_activation_bytes(shape, moe_layer, level).total
         if w.fp8_stored_activations and w.precision == "fp8":
             kept = kept - (w.activation_bytes - 1.0) * fp8_stored_elements(w, s, moe_layer, level)
         return kept
@@ -221,7 +229,7 @@ def _activations(w: Workload, s: Strategies, num_micro):
     full_working = np.where(full_recompute_share(s.recompute) > 0,
                             _layer_activations(w, s, model.moe is not None, 0), 0.0)
     act_first = in_flight * (dense_first * act_dense + (layers_per_stage - dense_first) * act_body) + full_working
-    sharding = Sharding(tp=s.tp, sp=s.sp, cp=s.cp, ep=s.ep, etp=s.etp)
+    sharding = _sharding(w, s)
     head_act = embedding_activation_bytes(model, w.seq_len, s.micro_batch, sharding, w.activation_bytes)
     # MTP modules (last stage): their decoder layer plus norms, projection, embedding and a second head.
     mtp_act = model.num_mtp_layers * (act_body + mtp_extra_activation_bytes(model, w.seq_len, s.micro_batch,

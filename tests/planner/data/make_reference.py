@@ -27,8 +27,12 @@ as 1/etp; now Mixtral 8x7B FP8 on 64 H100 3.60 → 5.32 s, DeepSeek-V3 on 2,048 
 all but Mixtral; no validate row moved: none has etp > 1), and when the activation formula began to count
 the rows the etp group gathers and the dispatch's int64 reorder indices (etpmem: the Mixtral FP8 winner,
 tp 2 / etp 2, needs 84.19 GiB instead of 61.69 GiB and no longer fits; now etp 1, 5.32 → 5.70 s; the Qwen3
-search's tied first layouts reordered; no validate row moved). Rerun it only when a prediction is meant to
-change, and say why in the commit.
+search's tied first layouts reordered; no validate row moved), and when it began to count the hierarchical
+dispatcher's own tensors and to keep a device's own assignments off the load imbalance (moemem: DeepSeek-V3's
+fifth layout, pp 8 / ep 64 hierarchical, needs 93.64 GiB instead of 64.58 GiB and no longer fits, pp 4 / ep 256
+at 70.57 GiB takes its place; the Mixtral FP8 search at imbalance 1.3 keeps its times, its layouts 0.76-0.81 GiB
+lighter and its tied first layouts reordered; the Qwen3 search's tied layouts reordered; no validate row moved).
+Rerun it only when a prediction is meant to change, and say why in the commit.
 """
 
 from __future__ import annotations
