@@ -102,20 +102,25 @@ def test_the_plan_ranks_first_the_job_the_works_say_is_faster(rank_s, winner):
 # main (6e9a8a5): search_rl of tiny-qwen3, 32 prompts × 8, 64 + 128 tokens on 8 × h100-sxm-80gb, default calibration
 MAIN_GPU = [("disaggregated", 4, 1, 1, 1.6921540470199714), ("disaggregated", 4, 1, 2, 1.6921540470199714),
             ("disaggregated", 2, 1, 1, 1.6929442708470819), ("disaggregated", 2, 1, 2, 1.6929442708470819),
-            ("disaggregated", 1, 1, 1, 1.6945431355751328), ("disaggregated", 1, 1, 2, 1.6945431355751328)]
-MAIN_GPU_COLOCATED = {0: 1.851557398669497, 1: 1.851557398669497}
+            ("disaggregated", 1, 1, 1, 1.6945431355751328), ("disaggregated", 1, 1, 2, 1.6945431355751328),
+            ("disaggregated", 4, 2, 1, 1.6984786345066842), ("disaggregated", 4, 2, 2, 1.6984786345066842),
+            ("disaggregated", 4, 4, 1, 1.6985689282500407), ("disaggregated", 4, 4, 2, 1.6985689282500407),
+            ("disaggregated", 2, 2, 1, 1.6994988056774618), ("disaggregated", 2, 2, 2, 1.6994988056774618),
+            ("colocated", 0, 1, 0, 1.851557398669497), ("colocated", 0, 1, 1, 1.851557398669497),
+            ("colocated", 0, 1, 2, 1.851557398669497), ("colocated", 0, 8, 0, 1.8577630528718891),
+            ("colocated", 0, 2, 0, 1.8577758331387864), ("colocated", 0, 4, 0, 1.857813050373431),
+            ("disaggregated", 2, 1, 0, 1.9620187651345948), ("disaggregated", 2, 2, 0, 1.9685732999649748),
+            ("disaggregated", 4, 1, 0, 2.0113406949915587), ("disaggregated", 4, 2, 0, 2.0176652824782715),
+            ("disaggregated", 4, 4, 0, 2.017755576221628), ("disaggregated", 1, 1, 0, 2.073272586881149)]
 
 
 def test_gpu_clusters_price_as_on_main():
     w = RLWorkload(load_model_config("tiny-qwen3"), load_cluster_config("h100-sxm-80gb"), 32, 8, 64, 128)
     result = search_rl(w, 8, load_calibration(None))
     rows = [(c.layout.placement, c.layout.rollout_devices, c.layout.gen_devices_per_replica, c.staleness, c.step_s)
-            for c in result.ranked[:6]]
-    assert rows == MAIN_GPU  # exactly: the colocated probe changes nothing where no rank_cpu is given
-    for k, step in MAIN_GPU_COLOCATED.items():
-        best = next(c for c in result.ranked if c.layout.placement == "colocated" and c.staleness == k)
-        assert (best.step_s, best.prediction.step_model) == (step, "phases")
-    assert len(result.ranked) == 24 and not result.unprobed_colocated
+            for c in result.ranked]
+    assert rows == MAIN_GPU  # exactly, every row: the colocated probe changes nothing where no rank_cpu is given
+    assert {c.prediction.step_model for c in result.ranked} == {"phases"} and not result.unprobed_colocated
 
 
 RATES = RLRates(HostCosts(host_is_device=True), SyncRates(2e9, 1e9, 5e8), "by hand",

@@ -164,7 +164,13 @@ def test_profile_probes_one_job_of_each_placement_into_its_section(tmp_path, mon
     assert written.measured_on == (f"stand-in; role cpu of --rl-job {jobs[0]}; rank cpu of --rl-job {jobs[1]}")
 
 
-def test_two_jobs_of_one_placement_are_refused(tmp_path, capsys):
+def test_two_jobs_of_one_placement_are_refused(tmp_path, monkeypatch, capsys):
+    from moetrain.train import calibrate
+
+    def no_calibration(*args):
+        raise AssertionError("the jobs are refused before the calibration's minutes")
+
+    monkeypatch.setattr(calibrate, "profile_calibration", no_calibration)
     job = tmp_path / "colocated.yaml"
     job.write_text(yaml.safe_dump(COLOCATED))
     assert main(["profile", "--device", "cpu", "--out", str(tmp_path / "cal.yaml"), "--rl-out",
