@@ -6,11 +6,12 @@ loop a user runs, through the CLI only:
 1. ``moetrain profile --device cpu --threads 1 --out cpu.yaml --rl-out rates.yaml`` (this CPU's kernels and RL
    host rates, no job) and ``moetrain plan --rl ... --calibration cpu.yaml --rl-rates rates.yaml``: every job
    priced by its phases (``plan1``);
-2. the best disaggregated job at k ≥ 1 with one-rank replicas (the plan's winner, or the best of the other
-   placement) is probed as ``moetrain profile --rl-job`` takes it (``rates2.yaml``: each process's CPU-seconds
-   per step, shared by processor sharing over the cores), and the search runs again with it (``plan2``): is
-   the winner the same? A job whose probe fails (the runtime refuses it) is recorded with its error and the
-   next disaggregated split is probed in its stead;
+2. the best disaggregated job at k ≥ 1 with one-rank replicas and the best colocated job at k ≥ 1 (gen-ep 1)
+   are probed as ``moetrain profile --rl-job`` takes them, in one profile (``rates2.yaml``: each process's
+   CPU-seconds per step, the disaggregated roles apart into ``role_cpu``, the colocated ranks as they run into
+   ``rank_cpu``, both shared by processor sharing over the cores), and the search runs again with it
+   (``plan2``): is the winner the same? A disaggregated job whose probe fails (the runtime refuses it) is
+   recorded with its error and the next disaggregated split is probed in its stead;
 3. ``moetrain rl --plan`` runs plan1's winner, plan2's winner where it differs, and the best job of the other
    placement, ``--runs`` times each, interleaved (a burst of load on the shared machine hits every job alike);
    each run's median trainer step after the first ``--skip`` steps and without the last (its closing
@@ -26,7 +27,7 @@ diagnostics forward and no evaluation but the closing one (neither is priced), o
     python benchmarks/rl_plan_check.py --out benchmarks/results/rl_plan_check_cpu.json
     python benchmarks/rl_plan_check.py --steps 4 --skip 1 --runs 1 --out /tmp/rl_plan_check.json   # a smoke run
 
-About 15 minutes on the 2-core machine (the probe takes 3-6 of them). Timing: run it with nothing else on the
+About 17 minutes on the 2-core machine (the probes take 4-8 of them). Timing: run it with nothing else on the
 machine (``uptime``'s load under 2.5).
 """
 
@@ -56,7 +57,7 @@ PROBE_SETTINGS = {"sft": {"steps": 0}, "rl": {"eval_every": 0, "eval_size": 16, 
                                               "replay_stats_every": 0}}
 """RUN_FLAGS as rl.yaml sections, for the probed job (``--rl-job`` takes a file, not flags)."""
 PROBE_STEPS = 10
-"""The probe's longer run (``rl.rates.role_cpu`` differences it with a run of 4 steps)."""
+"""The probe's longer run (``rl.rates.role_cpu`` and ``rank_cpu`` difference it with a run of 4 steps)."""
 PROFILE = ["profile", "--device", "cpu", "--threads", "1"]
 """One thread per process, as each rank of the runs."""
 
@@ -153,10 +154,25 @@ class Probe:
     """By job: the last line of its probe's error."""
     role_cpu: dict | None
     probe_yaml: str | None
+    rank_cpu: dict | None = None
+    """The colocated job's probe (``--rl-job`` beside the disaggregated one); None: none was probed."""
 
 
-def probe_best_disaggregated(work: Work, rows: list[dict], tries: int) -> Probe:
-    """Probe the best disaggregated k ≥ 1 job of one-rank replicas, the next split if the runtime refuses it."""
+def colocated_probe(work: Work, rows: list[dict]) -> tuple[Job | None, str | None]:
+    """(the best colocated job at k ≥ 1 of gen-ep 1, its probe file): what ``--rl-job`` probes beside the
+    disaggregated job; (None, None) when the plan has none."""
+    row = next((r for r in rows if r["placement"] == "colocated" and r["staleness"] >= 1
+                and r["gen_devices_per_replica"] == 1), None)
+    if row is None:
+        return None, None
+    job = _job(work, row, "rates.yaml", "colocated.yaml")
+    return job, _probe_file(work, job.plan_file)
+
+
+def probe_best_disaggregated(work: Work, rows: list[dict], tries: int, colocated_yaml: str | None = None) -> Probe:
+    """Probe the best disaggregated k ≥ 1 job of one-rank replicas, the next split if the runtime refuses it;
+    ``colocated_yaml``'s job in the same profile (its ranks into ``rank_cpu``)."""
+    beside = ["--rl-job", colocated_yaml] if colocated_yaml else []
     refused: dict[str, str] = {}
     candidates = [r for r in rows if r["placement"] == "disaggregated" and r["staleness"] >= 1
                   and r["gen_devices_per_replica"] == 1]
@@ -166,12 +182,13 @@ def probe_best_disaggregated(work: Work, rows: list[dict], tries: int) -> Probe:
         job = _job(work, row, "rates.yaml", f"disaggregated{split}.yaml")
         probe_yaml = _probe_file(work, job.plan_file)
         done = work.moetrain(*PROFILE, "--out", "cpu2.yaml", "--rl-out", "rates2.yaml", "--rl-job", probe_yaml,
-                             check=False)
+                             *beside, check=False)
         if done.returncode == 0:
             import yaml
 
             rates = yaml.safe_load((work.folder / "rates2.yaml").read_text())
-            return Probe(job, refused, rates["role_cpu"], (work.folder / probe_yaml).read_text())
+            return Probe(job, refused, rates["role_cpu"], (work.folder / probe_yaml).read_text(),
+                         rates.get("rank_cpu"))
         refused[job.name] = (done.stderr.strip().splitlines() or ["(no message)"])[-1]
         print(f"probe of {job.name} refused: {refused[job.name]}", flush=True)
     return Probe(None, refused, None, None)
@@ -231,9 +248,15 @@ def compare(jobs: list[Job], runs: list[Run]) -> dict:
     for plan in ("plan1", "plan2"):
         priced = [j for j in jobs if j.predicted[plan]["step_s"] is not None]
         ranking[plan] = [j.name for j in sorted(priced, key=lambda j: j.predicted[plan]["step_s"])]
+    # ``…_on_priced``: the plan's order of the jobs it prices against the runs' order of those jobs (a job the
+    # plan leaves out, such as a colocated job at k = 0 beside a probe at k ≥ 1, is not counted against it)
+    priced_holds = {f"{plan}_ranking_holds_on_priced": ranking[plan] == [n for n in ranking["measured"]
+                                                                        if n in ranking[plan]]
+                    for plan in ("plan1", "plan2")}
     return {"jobs": rows, "ranking": ranking,
             "plan2_ranking_holds": ranking["plan2"] == ranking["measured"],
-            "plan1_ranking_holds": ranking["plan1"] == ranking["measured"]}
+            "plan1_ranking_holds": ranking["plan1"] == ranking["measured"],
+            **priced_holds}
 
 
 def _ranked(rows: list[dict]) -> list[list]:
@@ -246,7 +269,8 @@ def check(args: argparse.Namespace, work: Work) -> dict:
     work.moetrain(*PROFILE, "--out", "cpu.yaml", "--rl-out", "rates.yaml")
     plan1 = _plan(work, "rates.yaml", "plan1.yaml")
     winner1 = _as_job(plan1["top"][0], "plan1.yaml")
-    probe = probe_best_disaggregated(work, plan1["top"], args.probe_tries)
+    colocated, colocated_yaml = colocated_probe(work, plan1["top"])
+    probe = probe_best_disaggregated(work, plan1["top"], args.probe_tries, colocated_yaml)
     plan2 = _plan(work, "rates2.yaml" if probe.job else "rates.yaml", "plan2.yaml")
     winner2 = _as_job(plan2["top"][0], "plan2.yaml")
     jobs = [winner1] + ([] if _same(winner2, winner1) else [winner2])
@@ -263,7 +287,11 @@ def check(args: argparse.Namespace, work: Work) -> dict:
             "same_winner": _same(winner1, winner2),
             "probed": probe.job.name if probe.job else None, "probe_refused": probe.refused,
             "role_cpu": probe.role_cpu, "probe_job_yaml": probe.probe_yaml,
-            "plan2_unprobed": plan2["unprobed"], **compare(jobs, runs),
+            "probed_colocated": colocated.name if colocated and probe.rank_cpu else None,
+            "rank_cpu": probe.rank_cpu,
+            "colocated_probe_job_yaml": (work.folder / colocated_yaml).read_text() if colocated_yaml else None,
+            "plan2_unprobed": plan2["unprobed"], "plan2_unprobed_colocated": plan2["unprobed_colocated"],
+            **compare(jobs, runs),
             "plan1_rows": _ranked(plan1["top"]), "plan2_rows": _ranked(plan2["top"]),
             "runs": [asdict(r) for r in runs], "commands": work.commands,
             "load_average_1min_5min_15min": {"start": list(load_start), "end": list(os.getloadavg())},

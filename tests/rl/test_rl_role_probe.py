@@ -15,8 +15,8 @@ import yaml
 from moetrain.cli import main
 from moetrain.errors import UserError
 from moetrain.planner.generation import HostCosts
-from moetrain.planner.rl_cores import RoleCPU
-from moetrain.planner.rl_rates import ProbedRoleCPU, RLRates, load_rl_rates
+from moetrain.planner.rl_cores import RankCPU, RoleCPU
+from moetrain.planner.rl_rates import ProbedRankCPU, ProbedRoleCPU, RLRates, load_rl_rates
 from moetrain.planner.rl_step import SyncRates
 from moetrain.rl import rates, role_probe
 from moetrain.rl.spec import resolve_rl_spec
@@ -104,9 +104,9 @@ def test_rl_job_needs_rl_out_and_a_readable_job(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(("change", "message"), [
-    ({"stalesync": {"staleness": 1, "placement": "colocated"}, "rollout": {}},
-     "--rl-job: the role CPU probe measures a disaggregated StaleSync job on this machine (stalesync: {placement: "
-     "disaggregated, staleness: K}, engine local); give such a job"),
+    ({"stalesync": {"staleness": 1, "placement": "colocated"}, "rollout": {},
+      "trainer": {**JOB["trainer"], "training": {"steps": 4, "micro_batch": 4}}},
+     "the rank CPU probe needs a job of more than 4 steps (got 4); give the job more steps"),
     ({"trainer": {**JOB["trainer"], "training": {"steps": 4, "micro_batch": 4}}},
      "the role CPU probe needs a job of more than 4 steps (got 4); give the job more steps"),
     ({"stalesync": {"staleness": 1, "placement": "disaggregated", "reward_worker": True}},
@@ -125,3 +125,72 @@ def test_a_job_the_probe_cannot_measure_is_refused_before_any_probe(tmp_path, mo
     assert main(["profile", "--device", "cpu", "--out", str(tmp_path / "cal.yaml"), "--rl-out",
                  str(tmp_path / "r.yaml"), "--rl-job", str(job)]) == 2
     assert capsys.readouterr().err == f"moetrain profile: error: {message}\n"
+
+
+COLOCATED = {**JOB, "stalesync": {"staleness": 1, "placement": "colocated"}, "rollout": {}}
+
+
+def _stand_in_calibration(monkeypatch) -> None:
+    from moetrain.train import calibrate
+
+    calibration = SimpleNamespace(save=lambda path: None)
+    monkeypatch.setattr(calibrate, "profile_calibration", lambda *a: SimpleNamespace(
+        calibration=calibration, model=None, efficiencies={}, cluster=SimpleNamespace(device="cpu"), arch="cpu",
+        link=None))
+    monkeypatch.setattr(rates, "measure_rl_rates", lambda model, repeats: RLRates(
+        HostCosts(host_is_device=True), SyncRates(2e9, 1e9, 5e8), "stand-in"))
+
+
+def test_profile_probes_one_job_of_each_placement_into_its_section(tmp_path, monkeypatch, capsys):
+    """``--rl-job`` twice: the disaggregated job's roles into role_cpu, the colocated job's ranks into rank_cpu
+    (the probes stood in for), each by the probe of its placement."""
+    _stand_in_calibration(monkeypatch)
+    probed = []
+    monkeypatch.setattr(role_probe, "probe_job_cpu", lambda spec, tries: probed.append("roles") or ProbedRoleCPU(
+        RoleCPU((0.3, 0.5), (0.4, 0.6)), 2.0))
+    monkeypatch.setattr(role_probe, "probe_colocated_cpu", lambda spec: probed.append(
+        ("ranks", spec.stalesync.placement, spec.trainer.world_size)) or ProbedRankCPU(RankCPU((0.9, 0.8), 1), 2.0))
+    jobs = [tmp_path / "disaggregated.yaml", tmp_path / "colocated.yaml"]
+    jobs[0].write_text(yaml.safe_dump(JOB))
+    jobs[1].write_text(yaml.safe_dump(COLOCATED))
+    out = tmp_path / "rates.yaml"
+    assert main(["profile", "--device", "cpu", "--repeats", "1", "--out", str(tmp_path / "cal.yaml"), "--rl-out",
+                 str(out), "--rl-job", str(jobs[0]), "--rl-job", str(jobs[1])]) == 0
+    assert probed == ["roles", ("ranks", "colocated", 2)]
+    assert "rank CPU per step, colocated at k = 1: ranks 0.9, 0.8 s; 2 cores" in capsys.readouterr().out
+    written = load_rl_rates(out)
+    assert written.role_cpu == ProbedRoleCPU(RoleCPU((0.3, 0.5), (0.4, 0.6)), 2.0)
+    assert written.rank_cpu == ProbedRankCPU(RankCPU((0.9, 0.8), 1), 2.0)
+    assert written.measured_on == (f"stand-in; role cpu of --rl-job {jobs[0]}; rank cpu of --rl-job {jobs[1]}")
+
+
+def test_two_jobs_of_one_placement_are_refused(tmp_path, monkeypatch, capsys):
+    from moetrain.train import calibrate
+
+    def no_calibration(*args):
+        raise AssertionError("the jobs are refused before the calibration's minutes")
+
+    monkeypatch.setattr(calibrate, "profile_calibration", no_calibration)
+    job = tmp_path / "colocated.yaml"
+    job.write_text(yaml.safe_dump(COLOCATED))
+    assert main(["profile", "--device", "cpu", "--out", str(tmp_path / "cal.yaml"), "--rl-out",
+                 str(tmp_path / "r.yaml"), "--rl-job", str(job), "--rl-job", str(job)]) == 2
+    assert capsys.readouterr().err == ("moetrain profile: error: --rl-job: give at most one disaggregated and one "
+                                       "colocated job (a rates file holds one probe of each)\n")
+
+
+def test_the_rank_probe_differences_two_runs_of_the_job(monkeypatch):
+    """``rates.rank_cpu`` runs the colocated job as it is (its k kept) for 4 steps and for its 6, and takes each
+    rank's (long − short) / 2: ranks of 1.0 and 1.2 CPU-s, then 2.0 and 2.6 CPU-s: 0.5 and 0.7 per step."""
+    runs = []
+
+    def fake_spawn(fn, world_size, spec):
+        runs.append((fn, world_size, spec.trainer.training.steps, spec.stalesync.staleness))
+        cpu = {4: (1.0, 1.2), 6: (2.0, 2.6)}[spec.trainer.training.steps]
+        return [SimpleNamespace(cpu_s=c) for c in cpu]
+
+    monkeypatch.setattr(rates, "spawn", fake_spawn)
+    probe = rates.rank_cpu(resolve_rl_spec([COLOCATED], ["rl.yaml"]))
+    assert runs == [(rates.colocated_with_cpu, 2, 4, 1), (rates.colocated_with_cpu, 2, 6, 1)]
+    assert probe.steps == (4, 6) and probe.cpu_s == ((1.0, 1.2), (2.0, 2.6))
+    assert probe.rank_cpu == RankCPU((pytest.approx(0.5), pytest.approx(0.7)), 1)

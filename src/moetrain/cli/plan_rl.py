@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_rl_workload_arguments(g)
 
 
-def _options(args: argparse.Namespace, workload, sync, probed):
+def _options(args: argparse.Namespace, workload, sync, probed, probed_ranks):
     from moetrain.planner.rl_search import RLSearchOptions  # lazy: the RL search loads when the command runs
 
     if args.offload and args.host_link_gbps is None and workload.cluster.device != "cpu":
@@ -54,7 +54,8 @@ def _options(args: argparse.Namespace, workload, sync, probed):
     return RLSearchOptions(placements=placements, max_staleness=args.max_staleness,
                            rollout_devices=args.rollout_devices, gen_devices_per_replica=args.gen_ep,
                            offload=args.offload, host_link_gbps=args.host_link_gbps,
-                           runnable_trainer_only=not args.any_layout, sync=sync, probed_cpu=probed)
+                           runnable_trainer_only=not args.any_layout, sync=sync, probed_cpu=probed,
+                           probed_ranks=probed_ranks)
 
 
 def plan_rl(args: argparse.Namespace):
@@ -65,8 +66,8 @@ def plan_rl(args: argparse.Namespace):
 
     check_rl_workload(args, positive=("gen_ep", "rollout_devices"), non_negative=("max_staleness",))
     workload, calibration = build_rl_workload(args)
-    host, sync, probed = measured_rates(args)  # the rates simulate --rl prices with, read the same way
-    options = _options(args, workload, sync, probed)
+    host, sync, probed, probed_ranks = measured_rates(args)  # the rates simulate --rl prices with, read alike
+    options = _options(args, workload, sync, probed, probed_ranks)
     check_options(args.devices, options)
     say(status_console(quiet=args.json), f"searching the RL jobs of {workload.model.name} on {args.devices:,} × "
         f"{workload.cluster.name}…")
@@ -105,7 +106,7 @@ def _header(args: argparse.Namespace, candidate, result, out: str) -> str:
              f"predicted on {args.devices} × {args.cluster} ({args.dtype}, {args.prompt_len} prompt + "
              f"{args.response_len} generated tokens per sample): step {p.step_s:.4g} s, "
              f"{p.tokens_per_s:,.0f} tokens/s, {p.generated_tokens_per_s:,.0f} generated tokens/s",
-             f"step model: {step_model_text(p.step_model, candidate.layout.shared_cores)}"]
+             f"step model: {step_model_text(p.step_model, candidate.layout.shared_cores, candidate.layout.placement)}"]
     lines += [f"{NOT_RUNNABLE}{reason}" for reason in candidate.not_runnable]
     if not candidate.not_runnable:
         lines.append(f"run it: {run_command(args, candidate, out)} (flags other than the layout's override it)")
@@ -155,6 +156,15 @@ def _unprobed_line(result, args: argparse.Namespace) -> str:
             f"{jobs}; probe such a job with `{PROBE_COMMAND}` to rank it")
 
 
+def _unprobed_colocated_line(result, args: argparse.Namespace) -> str:
+    """One line naming the colocated jobs the probed CPU-seconds per rank could not price (left out)."""
+    from moetrain.planner.rl_rates import PROBE_COMMAND  # lazy: as above
+
+    jobs = "; ".join(result.unprobed_colocated)
+    return (f"not priced by {args.rl_rates}'s rank_cpu (its ranks are another colocated job's), left out: "
+            f"colocated {jobs}; probe such a job with `{PROBE_COMMAND}` to rank it")
+
+
 def row(c) -> dict[str, Any]:
     lay, p = c.layout, c.prediction
     return {"placement": lay.placement, "devices": lay.devices, "rollout_devices": lay.rollout_devices,
@@ -183,7 +193,8 @@ def run(args: argparse.Namespace) -> int:
                           "seconds": result.seconds, "candidates": len(result.ranked),
                           "trainer_searches": result.trainer_searches,
                           "trainer_layouts_evaluated": result.trainer_layouts_evaluated,
-                          "left_out": result.left_out, "unprobed": result.unprobed, "top": [row(c) for c in top],
+                          "left_out": result.left_out, "unprobed": result.unprobed,
+                          "unprobed_colocated": result.unprobed_colocated, "top": [row(c) for c in top],
                           "why": result.why,
                           "plan_file": out, "runnable": not winner.not_runnable}, indent=2, default=float))
         return 0
@@ -200,6 +211,8 @@ def run(args: argparse.Namespace) -> int:
         print("left out: " + "; ".join(f"{reason} ({n})" for reason, n in result.left_out.items()))
     if result.unprobed:
         print(_unprobed_line(result, args))
+    if result.unprobed_colocated:
+        print(_unprobed_colocated_line(result, args))
     print("\nwhy the winner wins:")
     for line in result.why:
         print(f"  {line}")

@@ -7,6 +7,7 @@ import argparse
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from moetrain.cli.common import output_file, yaml_source
 from moetrain.errors import UserError
@@ -35,11 +36,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="CPU only: also time the RL step's host work on --model's policy (a layer's forward on "
                              "one token, the sampler, the rollout engine, the weight sync) and write it to this "
                              "YAML for `moetrain simulate --rl --rl-rates`")
-    parser.add_argument("--rl-job", default=None, metavar="RL_YAML",
-                        help="with --rl-out: also probe each process's CPU-seconds per step of this disaggregated "
-                             "StaleSync job (an rl.yaml as `moetrain rl --config` takes it; one-rank replicas), "
-                             "its roles apart, and write them to --rl-out's role_cpu: `moetrain simulate --rl` then "
-                             "shares them over this machine's cores for that job at k ≥ 1 (docs/rl_simulate.md)")
+    parser.add_argument("--rl-job", action="append", default=None, metavar="RL_YAML",
+                        help="with --rl-out: also probe each process's CPU-seconds per step of this job (an rl.yaml "
+                             "as `moetrain rl --config` takes it): a disaggregated StaleSync job of one-rank "
+                             "replicas, its roles apart, into --rl-out's role_cpu; a colocated job, each rank as it "
+                             "runs, into rank_cpu. `moetrain simulate --rl` and `plan --rl` then share them over "
+                             "this machine's cores (docs/rl_simulate.md). Give it twice for one job of each placement")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -61,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         output_file(args.rl_out, "--rl-out", "rl_rates.yaml")
         if resolve_device(args.device) != "cpu":
             raise UserError("--rl-out measures a CPU's RL host rates (the host is the device there); add --device cpu")
-    job = _rl_job(args)
+    jobs = _rl_jobs(args)
     if args.threads is not None:
         if args.threads <= 0:
             raise UserError(f"--threads must be positive (got {args.threads})")
@@ -75,11 +77,8 @@ def run(args: argparse.Namespace) -> int:
         from moetrain.rl.rates import measure_rl_rates  # the RL side: only with --rl-out
 
         rl_rates = measure_rl_rates(result.model, args.repeats)
-        if job is not None:
-            from moetrain.rl.role_probe import probe_job_cpu  # the RL runtime: only with --rl-job
-
-            rl_rates = replace(rl_rates, role_cpu=probe_job_cpu(job, args.repeats),
-                               measured_on=f"{rl_rates.measured_on}; role CPU of --rl-job {args.rl_job}")
+        for path, job in jobs:
+            rl_rates = _with_probe(rl_rates, path, job, args.repeats)
         rl_rates.save(args.rl_out)
     if args.json:
         print(json.dumps({"measurements": result.measured, "efficiencies": result.efficiencies, "out": args.out}
@@ -94,22 +93,42 @@ def run(args: argparse.Namespace) -> int:
                   f"packed or written; written to {args.rl_out}")
             if rl_rates.role_cpu is not None:
                 print(_role_cpu_summary(rl_rates.role_cpu))
+            if rl_rates.rank_cpu is not None:
+                print(_rank_cpu_summary(rl_rates.rank_cpu))
     return 0
 
 
-def _rl_job(args: argparse.Namespace):
-    """``--rl-job``'s RL run spec, checked before the probes start (None without the flag)."""
-    if args.rl_job is None:
-        return None
+def _with_probe(rl_rates, path: str, job, tries: int):
+    """``rl_rates`` with ``job``'s probed CPU-seconds in the section of its placement."""
+    from moetrain.rl.role_probe import probe_cpu  # the RL runtime: only with --rl-job
+
+    probed = probe_cpu(job, tries)
+    section = "role_cpu" if job.disaggregated else "rank_cpu"
+    return replace(rl_rates, **{section: probed},
+                   measured_on=f"{rl_rates.measured_on}; {section.replace('_', ' ')} of --rl-job {path}")
+
+
+def _rl_jobs(args: argparse.Namespace) -> list[tuple[str, Any]]:
+    """(path, RL run spec) of each ``--rl-job``, checked before the probes start (none without the flag): at
+    most one job per placement (a rates file holds one probe of each)."""
+    if not args.rl_job:
+        return []
     if args.rl_out is None:
         raise UserError("--rl-job needs --rl-out (the rates file its probed CPU-seconds go into)")
-    source = yaml_source(args.rl_job, "--rl-job", "model, sft, rl, trainer, generation, rollout, stalesync")
-    check_spec_kind(source, f"--rl-job {args.rl_job}")
-    spec = resolve_rl_spec([source], [Path(args.rl_job).name])
     from moetrain.rl.role_probe import check_probed_job  # torch: after run's own import of it, only with --rl-job
 
-    check_probed_job(spec)  # a job the probe cannot measure is refused before minutes of calibration
-    return spec
+    jobs = []
+    for path in args.rl_job:
+        source = yaml_source(path, "--rl-job", "model, sft, rl, trainer, generation, rollout, stalesync")
+        check_spec_kind(source, f"--rl-job {path}")
+        spec = resolve_rl_spec([source], [Path(path).name])
+        check_probed_job(spec)  # a job the probe cannot measure is refused before minutes of calibration
+        jobs.append((path, spec))
+    placements = [spec.disaggregated for _, spec in jobs]
+    if len(placements) != len(set(placements)):
+        raise UserError("--rl-job: give at most one disaggregated and one colocated job (a rates file holds one "
+                        "probe of each)")
+    return jobs
 
 
 def _role_cpu_summary(probed) -> str:
@@ -118,6 +137,11 @@ def _role_cpu_summary(probed) -> str:
     trainer = ", ".join(f"{w:.3g}" for w in work.trainer_s)
     return (f"role CPU per step, roles apart: replicas {rollout} s, trainer ranks {trainer} s; overlapped "
             f"×{work.overlap[0]:.2f} and ×{work.overlap[1]:.2f}; {probed.cores:g} cores")
+
+
+def _rank_cpu_summary(probed) -> str:
+    ranks = ", ".join(f"{w:.3g}" for w in probed.work.rank_s)
+    return (f"rank CPU per step, colocated at k = {probed.work.staleness}: ranks {ranks} s; {probed.cores:g} cores")
 
 
 def _print_summary(result, args: argparse.Namespace) -> None:

@@ -14,7 +14,7 @@ from moetrain.errors import UserError
 
 if TYPE_CHECKING:  # the planner's types load when a command runs (lazy imports below)
     from moetrain.planner.generation import HostCosts
-    from moetrain.planner.rl_rates import ProbedRoleCPU
+    from moetrain.planner.rl_rates import ProbedRankCPU, ProbedRoleCPU
     from moetrain.planner.rl_step import SyncRates
 
 PLACEMENTS = ("colocated", "disaggregated", "both")
@@ -60,7 +60,8 @@ def add_rl_workload_arguments(g) -> None:
     g.add_argument("--rl-rates", default=None, metavar="FILE",
                    help="host rates measured by `moetrain profile --rl-out` (generation's host costs, the weight "
                         "sync's copy and CRC-32 rates; with a role_cpu section from --rl-job, a disaggregated "
-                        "step at k ≥ 1 is the probed CPU-seconds per process shared over the cores; default: "
+                        "step at k ≥ 1 is the probed CPU-seconds per process shared over the cores, with a "
+                        "rank_cpu section a colocated step the probed CPU-seconds per rank; default: "
                         "none, the device work and the link alone)")
 
 
@@ -137,8 +138,9 @@ def simulate_rl(args: argparse.Namespace) -> dict:
 
     _check(args)
     workload, calibration = build_rl_workload(args)
-    host, sync, probed = measured_rates(args)
+    host, sync, probed, probed_ranks = measured_rates(args)
     layouts = [probed.on(layout) if probed else layout for layout in _layouts(args, workload)]
+    layouts = [probed_ranks.on(layout) if probed_ranks else layout for layout in layouts]
     predictions = [price_rl_step(workload, layout, calibration, host, sync) for layout in layouts]
     rows = [{**{k: v for k, v in asdict(p).items() if k != "phases"}, "phases_s": asdict(p.phases),
              "shared_cores": layout.shared_cores}
@@ -154,24 +156,29 @@ def simulate_rl(args: argparse.Namespace) -> dict:
     }
 
 
-def measured_rates(args: argparse.Namespace) -> tuple[HostCosts, SyncRates | None, ProbedRoleCPU | None]:
-    """(host costs, sync rates, probed role CPU) that ``--rl-rates`` and ``--graphs`` set: what ``simulate --rl``
-    and ``plan --rl`` price with (none measured: the device work and the link alone, the phases)."""
+def measured_rates(args: argparse.Namespace) -> tuple[HostCosts, SyncRates | None, ProbedRoleCPU | None,
+                                                   ProbedRankCPU | None]:
+    """(host costs, sync rates, probed role CPU, probed rank CPU) that ``--rl-rates`` and ``--graphs`` set: what
+    ``simulate --rl`` and ``plan --rl`` price with (none measured: the device work and the link alone, the phases)."""
     # lazy: the RL pricing loads when the command runs, not when the parser imports every command module
     from moetrain.planner.generation import HostCosts
     from moetrain.planner.rl_rates import load_rl_rates
 
     if args.rl_rates is None:
-        return HostCosts(moe_pass_us=0.0 if args.graphs else None), None, None
+        return HostCosts(moe_pass_us=0.0 if args.graphs else None), None, None, None
     rates = load_rl_rates(args.rl_rates)
-    return replace(rates.host, moe_pass_us=0.0) if args.graphs else rates.host, rates.sync, rates.role_cpu
+    host = replace(rates.host, moe_pass_us=0.0) if args.graphs else rates.host
+    return host, rates.sync, rates.role_cpu, rates.rank_cpu
 
 
-def step_model_text(step_model: str, shared_cores: float | None) -> str:
+def step_model_text(step_model: str, shared_cores: float | None, placement: str = "disaggregated") -> str:
     """What priced a step, in words (``RLStepPrediction.step_model``): what ``simulate --rl`` and ``plan --rl``
     print."""
     from moetrain.planner.rl_step import SHARED_CPU_MODEL  # lazy: as above
 
+    if step_model == SHARED_CPU_MODEL and placement == "colocated":
+        return (f"processor sharing of the probed CPU-seconds per rank over {shared_cores:g} cores "
+                "(planner.rl_cores; --rl-rates' rank_cpu)")
     if step_model == SHARED_CPU_MODEL:
         return (f"processor sharing of the probed CPU-seconds per process over {shared_cores:g} cores "
                 "(planner.rl_cores; --rl-rates' role_cpu)")
@@ -208,7 +215,7 @@ def run_rl(args: argparse.Namespace) -> int:
               f"{row['tokens_per_s']:.4g} tokens/s   decode {'memory' if row['decode_memory_bound'] else 'compute'}"
               f"-bound{'' if row['train_fits_memory'] else '   TRAINING DOES NOT FIT'}")
         below = " below" if row["step_model"] == PHASES_MODEL else ""  # the phases follow
-        print(f"  step model: {step_model_text(row['step_model'], row['shared_cores'])}{below}")
+        print(f"  step model: {step_model_text(row['step_model'], row['shared_cores'], row['placement'])}{below}")
         for key, label in PHASE_NAMES.items():
             if row["phases_s"][key] > 0:
                 print(f"  {label:32s} {row['phases_s'][key]:10.4g} s")

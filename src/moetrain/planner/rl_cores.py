@@ -25,6 +25,12 @@ the CPU time of a decode step and of a training micro-batch, each kind on its ow
 The weight sync's copies and checks and the batch's hand-over are CPU work of the processes that do
 them, so they are in the measured figures; what stays out is the latency of a hand-over that no process
 spends CPU on (a loopback message: tens of µs).
+
+A colocated job (RL Fusion, colocated StaleSync) on such a CPU is the same physics with one kind of
+process: every rank generates and trains, and its N ranks share the C cores whatever k is (at k = 0 all
+ranks run each phase at once; at k ≥ 1 each rank's generating thread runs beside its training thread). Its
+ranks' CPU-seconds per step (``RankCPU``, probed by ``moetrain.rl.rates.rank_cpu`` on the job itself) are
+shared by the same processor sharing (``colocated_cpu_step``): N equal works w on C < N cores take N·w / C.
 """
 
 from __future__ import annotations
@@ -87,3 +93,25 @@ def cpu_bounds(work: RoleCPU, cores: float) -> tuple[float, float]:
     """The two bounds of a round (no step is shorter than either): the largest process's work (one core at
     most) and the total work over the cores."""
     return max(work.processes), work.total_s / cores
+
+
+@dataclass(frozen=True)
+class RankCPU:
+    """CPU-seconds per step of each rank of a colocated job, probed on the job as it runs
+    (``moetrain.rl.rates.rank_cpu``): its generation, training, reshard and gathers together."""
+
+    rank_s: tuple[float, ...]
+    """One per rank, by rank."""
+    staleness: int
+    """The k the probe ran at: its works price the colocated jobs of that kind (k = 0, or every k ≥ 1)."""
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.rank_s)
+
+
+def colocated_cpu_step(work: RankCPU, cores: float) -> float:
+    """The step of a colocated job on one CPU of ``cores`` cores: every rank's CPU-seconds per step shared by
+    processor sharing (``processor_sharing_time``); with more ranks than cores, the total over the cores
+    when the works are alike."""
+    return processor_sharing_time(work.rank_s, cores)

@@ -5,7 +5,9 @@ generation loop's layer passes, the sampler, the rollout engine: ``HostCosts``) 
 copies and CRC-32s (``SyncRates``). A file may also hold one disaggregated job's CPU-seconds per step and
 process, probed with its roles apart (``moetrain profile --rl-out FILE --rl-job rl.yaml``: ``ProbedRoleCPU``),
 which ``moetrain simulate --rl`` then shares over the probed machine's cores (``planner.rl_cores``) for that
-job at k ≥ 1; files without it load as before. Torch-free: measuring them is ``moetrain.rl.rates``."""
+job at k ≥ 1, and one colocated job's CPU-seconds per step and rank (``ProbedRankCPU``), shared the same way
+for colocated jobs of its ranks and kind of k; files without them load as before. Torch-free: measuring
+them is ``moetrain.rl.rates``."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import yaml
 from moetrain.errors import UserError
 from moetrain.planner.calibration import read_profile_file
 from moetrain.planner.generation import HostCosts
-from moetrain.planner.rl_cores import RoleCPU
+from moetrain.planner.rl_cores import RankCPU, RoleCPU
 from moetrain.planner.rl_step import RLLayout, SyncRates
 
 PROBE_COMMAND = "moetrain profile --rl-out FILE --rl-job rl.yaml"
@@ -50,6 +52,28 @@ class ProbedRoleCPU:
 
 
 @dataclass(frozen=True)
+class ProbedRankCPU:
+    """One colocated job's CPU-seconds per step and rank (``RankCPU``), probed on the job at its k, and the
+    cores of the machine they were probed on, which its ranks share."""
+
+    work: RankCPU
+    cores: float
+    """``os.cpu_count()`` where the probe ran: what ``rl_cores.colocated_cpu_step`` shares the works over."""
+
+    def to_dict(self) -> dict:
+        return {"rank_s": list(self.work.rank_s), "staleness": self.work.staleness, "cores": self.cores}
+
+    def on(self, layout: RLLayout) -> RLLayout:
+        """``layout`` as ``simulate --rl`` and ``plan --rl`` price it with this probe: a colocated layout
+        carries the probed CPU-seconds per rank and the probed machine's cores, so its step is those works
+        shared over the cores (``rl_step.price_rl_step``); a disaggregated one as it was.
+        ``rl_step.rank_cpu_mismatch`` says when the probe's ranks are not the layout's."""
+        if layout.placement != "colocated":
+            return layout
+        return replace(layout, rank_cpu=self.work, shared_cores=self.cores)
+
+
+@dataclass(frozen=True)
 class RLRates:
     """Host costs of generation and the weight sync's rates, measured on one machine for one policy."""
 
@@ -59,10 +83,13 @@ class RLRates:
     """What measured them (the command, the model)."""
     role_cpu: ProbedRoleCPU | None = None
     """One job's probed CPU-seconds per process (``--rl-job``); None: not probed (the phases price the step)."""
+    rank_cpu: ProbedRankCPU | None = None
+    """One colocated job's probed CPU-seconds per rank (``--rl-job`` of a colocated job); None: not probed."""
 
     def to_dict(self) -> dict:
         data = {"measured_on": self.measured_on, "host": asdict(self.host), "sync": asdict(self.sync)}
-        return data | ({"role_cpu": self.role_cpu.to_dict()} if self.role_cpu is not None else {})
+        data |= {"role_cpu": self.role_cpu.to_dict()} if self.role_cpu is not None else {}
+        return data | ({"rank_cpu": self.rank_cpu.to_dict()} if self.rank_cpu is not None else {})
 
     def save(self, path: str | Path) -> None:
         path, data = Path(path), self.to_dict()
@@ -99,7 +126,8 @@ def load_rl_rates(path: str | Path) -> RLRates:
     """A file ``moetrain profile --rl-out`` wrote (YAML, or JSON by its suffix)."""
     data = read_profile_file(path, "RL rates", "--rl-out FILE", "'host' and 'sync' sections")
     return RLRates(_section(data, "host", HostCosts, str(path)), _section(data, "sync", SyncRates, str(path)),
-                   str(data.get("measured_on", "")), _role_cpu_section(data.get("role_cpu"), str(path)))
+                   str(data.get("measured_on", "")), _role_cpu_section(data.get("role_cpu"), str(path)),
+                   _rank_cpu_section(data.get("rank_cpu"), str(path)))
 
 
 ROLE_CPU_KEYS = ("rollout_s", "trainer_s", "overlap", "cores")
@@ -109,10 +137,10 @@ def _positive(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
 
 
-def _seconds(section: dict, key: str, what: str, source: str) -> tuple[float, ...]:
+def _seconds(section: dict, key: str, what: str, source: str, name: str = "role_cpu") -> tuple[float, ...]:
     values = section.get(key)
     if not isinstance(values, list) or not values or not all(_positive(v) for v in values):
-        raise UserError(f"{source}: role_cpu.{key} must be a list of positive CPU-seconds per step, one per "
+        raise UserError(f"{source}: {name}.{key} must be a list of positive CPU-seconds per step, one per "
                         f"{what} (got {values!r}); probe the job again with `{PROBE_COMMAND}`")
     return tuple(float(v) for v in values)
 
@@ -136,3 +164,26 @@ def _role_cpu_section(section: object, source: str) -> ProbedRoleCPU | None:
         raise UserError(f"{source}: role_cpu.cores must be the probed machine's positive core count (got "
                         f"{cores!r}); probe the job again with `{PROBE_COMMAND}`")
     return ProbedRoleCPU(RoleCPU(rollout, trainer, (float(overlap[0]), float(overlap[1]))), float(cores))
+
+
+RANK_CPU_KEYS = ("rank_s", "staleness", "cores")
+
+
+def _rank_cpu_section(section: object, source: str) -> ProbedRankCPU | None:
+    """The file's ``rank_cpu`` section (absent: None): positive CPU-seconds per rank, the probed k (an
+    integer ≥ 0) and the cores."""
+    if section is None:
+        return None
+    if not isinstance(section, dict) or set(section) != set(RANK_CPU_KEYS):
+        raise UserError(f"{source}: 'rank_cpu' must be a mapping of {list(RANK_CPU_KEYS)}, as `{PROBE_COMMAND}` "
+                        "writes it for a colocated job")
+    ranks = _seconds(section, "rank_s", "colocated rank", source, "rank_cpu")
+    staleness = section["staleness"]
+    if not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0:
+        raise UserError(f"{source}: rank_cpu.staleness must be the probed job's k, an integer ≥ 0 (got "
+                        f"{staleness!r}); probe the job again with `{PROBE_COMMAND}`")
+    cores = section["cores"]
+    if not _positive(cores):
+        raise UserError(f"{source}: rank_cpu.cores must be the probed machine's positive core count (got "
+                        f"{cores!r}); probe the job again with `{PROBE_COMMAND}`")
+    return ProbedRankCPU(RankCPU(ranks, staleness), float(cores))

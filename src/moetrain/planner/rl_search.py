@@ -39,7 +39,7 @@ from moetrain.planner.calibration import Calibration
 from moetrain.planner.device_memory import GIB
 from moetrain.planner.generation import HostCosts, kv_cache_bytes_per_token
 from moetrain.planner.rl_cores import RoleCPU
-from moetrain.planner.rl_rates import ProbedRoleCPU
+from moetrain.planner.rl_rates import ProbedRankCPU, ProbedRoleCPU
 from moetrain.planner.rl_step import (
     Placement,
     RLLayout,
@@ -47,6 +47,7 @@ from moetrain.planner.rl_step import (
     RLWorkload,
     SyncRates,
     price_rl_step,
+    rank_cpu_mismatch,
     role_cpu_mismatch,
     training_workload,
     weight_bytes,
@@ -82,6 +83,11 @@ class RLSearchOptions:
     whose processes are the probe's is priced by sharing them over the probed cores, as ``simulate --rl``
     prices it (``ProbedRoleCPU.on``); one whose processes are not is left out and named
     (``RLSearchResult.unprobed``). None: every job by its phases."""
+    probed_ranks: ProbedRankCPU | None = None
+    """One colocated job's probed CPU-seconds per rank (``--rl-rates``' ``rank_cpu``): a colocated job whose
+    ranks, gen-ep and kind of k are the probe's is priced by sharing them over the probed cores
+    (``ProbedRankCPU.on``); another colocated job is left out and named (``RLSearchResult.unprobed_colocated``),
+    as its phases would price each rank as if it had a device of its own. None: colocated jobs by their phases."""
 
 
 @dataclass(frozen=True)
@@ -135,6 +141,9 @@ class RLSearchResult:
     unprobed: list[str] = field(default_factory=list)
     """The disaggregated jobs at k ≥ 1 the probed CPU-seconds per process do not price (their processes are
     not the probe's: ``rl_step.role_cpu_mismatch``), each as its split and generation layout; left out."""
+    unprobed_colocated: list[str] = field(default_factory=list)
+    """The colocated jobs the probed CPU-seconds per rank do not price (``rl_step.rank_cpu_mismatch``), each as
+    its generation layout and k; left out."""
 
     @property
     def winner(self) -> RLCandidate:
@@ -143,6 +152,8 @@ class RLSearchResult:
 
 UNPROBED = "disaggregated k ≥ 1: the probed CPU-seconds per process (--rl-rates' role_cpu) are another job's"
 """The ``left_out`` reason of a job ``RLSearchOptions.probed_cpu`` cannot price."""
+UNPROBED_COLOCATED = "colocated: the probed CPU-seconds per rank (--rl-rates' rank_cpu) are another job's"
+"""The ``left_out`` reason of a colocated job ``RLSearchOptions.probed_ranks`` cannot price."""
 
 
 def split_text(lay: RLLayout) -> str:
@@ -252,7 +263,11 @@ class _Trainers:
 
 
 def _probed(layout: RLLayout, options: RLSearchOptions) -> tuple[RLLayout, bool]:
-    """(``layout`` as ``options``' probe prices it, whether the probe's processes are another job's)."""
+    """(``layout`` as ``options``' probes price it, whether the probe of its placement is another job's)."""
+    if options.probed_ranks is not None:
+        layout = options.probed_ranks.on(layout)
+        if layout.rank_cpu is not None and rank_cpu_mismatch(layout.rank_cpu, layout) is not None:
+            return layout, True
     if options.probed_cpu is None:
         return layout, False
     layout = options.probed_cpu.on(layout)
@@ -273,6 +288,7 @@ def search_rl(w: RLWorkload, devices: int, calibration: Calibration, host: HostC
     ranked: list[RLCandidate] = []
     left_out: dict[str, int] = {}
     unprobed: list[str] = []
+    unprobed_colocated: list[str] = []
 
     def leave(reason: str) -> None:
         left_out[reason] = left_out.get(reason, 0) + 1
@@ -312,6 +328,10 @@ def search_rl(w: RLWorkload, devices: int, calibration: Calibration, host: HostC
                 layout, unpriced = _probed(RLLayout(placement, devices, chosen.parallel, g, rollout, k,
                                                     options.offload and placement == "colocated",
                                                     options.host_link_gbps), options)
+                if unpriced and placement == "colocated":
+                    leave(UNPROBED_COLOCATED)
+                    unprobed_colocated.append(f"{generation_text(layout)}, k {'≥ 1' if k else '= 0'}")
+                    continue
                 if unpriced:  # every k ≥ 1 alike: named once, at k = 1
                     leave(UNPROBED)
                     unprobed.append(f"{split_text(layout)} ({generation_text(layout)})")
@@ -326,7 +346,8 @@ def search_rl(w: RLWorkload, devices: int, calibration: Calibration, host: HostC
                                for more in range(2, options.max_staleness + 1)]
     seconds = time.perf_counter() - start
     result = RLSearchResult(sorted(ranked, key=_rank_key), seconds, len(trainer.found),
-                            sum(t.evaluated for t in trainer.found.values()), left_out, unprobed=unprobed)
+                            sum(t.evaluated for t in trainer.found.values()), left_out, unprobed=unprobed,
+                            unprobed_colocated=unprobed_colocated)
     if not ranked:
         raise UserError(_nothing_fits(w, devices, left_out))
     result.why = explain(result)
@@ -418,6 +439,10 @@ def explain(result: RLSearchResult) -> list[str]:
     else:
         lines.append(f"colocated: generate {ph.generate_s:.4g} s, train {ph.train_s:.4g} s, reshard "
                      f"{ph.reshard_s:.3g} s on all {lay.devices} devices")
+        if lay.rank_cpu is not None:
+            ranks = ", ".join(f"{x:.4g}" for x in lay.rank_cpu.rank_s)
+            lines.append(f"step {p.step_s:.4g} s: processor sharing of the probed CPU-seconds per rank over "
+                         f"{lay.shared_cores:g} cores ({ranks}), not the phases")
     gen = best_where(lambda c: c.layout.placement == lay.placement
                      and c.layout.gen_devices_per_replica != lay.gen_devices_per_replica)
     if gen is not None:

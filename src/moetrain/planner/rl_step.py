@@ -19,6 +19,9 @@ With staleness k ≥ 1 (``moetrain.rl.colocated``) the next batch generates duri
 devices, one version old: step = reshard + gather + reward + forwards + overlap(generate, train), where
 the overlap (``colocated_overlap``) fills only the device time generation leaves idle (on a CPU whose
 cores the two threads share: processor sharing). No offload, one whole model per device.
+With the ranks' CPU-seconds per step probed on one CPU (``RLLayout.rank_cpu``), a colocated step at either
+kind of k is those works shared over the CPU's cores instead (``rl_cores.colocated_cpu_step``): N ranks on
+C < N cores do not each compute as fast as a device of their own, which is what the phases assume.
 
 Disaggregated (StaleSync, docs/rl_stalesync.md): ``rollout_devices`` generate and score, the rest train
 and push the new weights (bf16, or the precision's width) to the rollout replicas after each update. With
@@ -60,7 +63,7 @@ from moetrain.planner.calibration import Calibration, Efficiency
 from moetrain.planner.comm import allgather_time, allreduce_time, p2p_time, ranks_per_node
 from moetrain.planner.compute import memory_time
 from moetrain.planner.generation import GenerationTimes, HostCosts, forward_time, generation_time
-from moetrain.planner.rl_cores import RoleCPU, shared_cpu_step
+from moetrain.planner.rl_cores import RankCPU, RoleCPU, colocated_cpu_step, shared_cpu_step
 from moetrain.planner.simulate import simulate_layout
 from moetrain.planner.workload import Workload, runtime_workload
 
@@ -156,6 +159,10 @@ class RLLayout:
     """Disaggregated on one CPU: every process's CPU-seconds per step measured alone
     (``moetrain.rl.rates.role_cpu``); with it a step at k ≥ 1 is those works shared over ``shared_cores``
     cores (``rl_cores.shared_cpu_step``) instead of the priced phases."""
+    rank_cpu: RankCPU | None = None
+    """Colocated on one CPU: every rank's CPU-seconds per step probed on the job (``moetrain.rl.rates.rank_cpu``);
+    with it the step is those works shared over ``shared_cores`` cores (``rl_cores.colocated_cpu_step``)
+    instead of the priced phases, which price each rank as if it had a device of its own."""
 
     @property
     def train_devices(self) -> int:
@@ -214,7 +221,8 @@ class RLPhases:
 PHASES_MODEL = "phases"
 """The step is the priced phases (generation, training, the push; overlapped at k ≥ 1)."""
 SHARED_CPU_MODEL = "processor sharing"
-"""The step is the probed CPU-seconds per process shared over the cores (``RLLayout.role_cpu``, ``rl_cores``)."""
+"""The step is the probed CPU-seconds per process shared over the cores (``RLLayout.role_cpu`` of a
+disaggregated job, ``RLLayout.rank_cpu`` of a colocated one; ``rl_cores``)."""
 
 
 @dataclass(frozen=True)
@@ -255,6 +263,34 @@ def _check(w: RLWorkload, layout: RLLayout) -> None:
                         "change --prompts, --group-size or --gen-ep")
     if layout.role_cpu is not None:
         _check_role_cpu(layout.role_cpu, layout)
+    if layout.rank_cpu is not None:
+        _check_rank_cpu(layout.rank_cpu, layout)
+
+
+def _check_rank_cpu(work: RankCPU, layout: RLLayout) -> None:
+    if layout.placement != "colocated" or layout.shared_cores is None:
+        raise UserError("measured CPU-seconds per rank price a colocated job on one CPU: give the layout its "
+                        "shared cores and placement colocated, or drop the rank CPU")
+    mismatch = rank_cpu_mismatch(work, layout)
+    if mismatch is not None:
+        raise UserError(mismatch)
+
+
+def rank_cpu_mismatch(work: RankCPU, layout: RLLayout) -> str | None:
+    """Why ``work``'s ranks are not the colocated ``layout``'s (None: they are): the probe measures one job's
+    ranks (``moetrain.rl.rates.rank_cpu``), each generating on a whole model (gen-ep 1), at k = 0 (the phases
+    take turns) or at k ≥ 1 (generation beside the update): it prices jobs of its ranks, gen-ep and kind."""
+    probe = "probe this layout's job (`moetrain profile --rl-out FILE --rl-job rl.yaml`)"
+    if len(work.rank_s) != layout.devices:
+        return f"CPU-seconds of {len(work.rank_s)} colocated ranks do not match the layout's {layout.devices}; {probe}"
+    if layout.gen_devices_per_replica > 1:
+        return (f"CPU-seconds of ranks generating on a whole model do not price replicas of "
+                f"{layout.gen_devices_per_replica} devices: use --gen-ep 1 with this probe")
+    if (work.staleness == 0) != (layout.staleness == 0):
+        return (f"CPU-seconds probed at k = {work.staleness} do not price a colocated job at k = {layout.staleness} "
+                f"({'the phases take turns' if layout.staleness == 0 else 'generation runs beside the update'}); "
+                f"{probe}")
+    return None
 
 
 def _check_role_cpu(work: RoleCPU, layout: RLLayout) -> None:
@@ -490,7 +526,10 @@ def price_rl_step(w: RLWorkload, layout: RLLayout, calibration: Calibration, hos
         moves = _colocated_transfers(w, layout, eff, sync)
         gather = _gather_time(w, layout, eff)
         serial = gather + w.reward_s + logprob + moves.reshard_s
-        if layout.staleness:  # the next batch generates beside the update (moetrain.rl.colocated)
+        if layout.rank_cpu is not None:  # one CPU: the ranks' measured work shares its cores
+            assert layout.shared_cores is not None
+            step, model = colocated_cpu_step(layout.rank_cpu, layout.shared_cores), SHARED_CPU_MODEL
+        elif layout.staleness:  # the next batch generates beside the update (moetrain.rl.colocated)
             device_s = _generation(w, layout, eff, HostCosts()).total_s  # without the host's floor
             step = serial + colocated_overlap(generation.total_s, device_s, train_s, layout.shared_cores)
         else:

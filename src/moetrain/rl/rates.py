@@ -13,6 +13,8 @@
   ``link_fit`` / ``with_link``: the in-node link fitted to gloo collectives;
 - ``role_cpu``: each process's CPU-seconds per step of a disaggregated StaleSync job, its roles apart
   (k = 0), which ``planner.rl_cores`` shares over the CPU's cores for k ≥ 1 (``RoleCPUProbe``);
+- ``rank_cpu``: each rank's CPU-seconds per step of a colocated job (RL Fusion or colocated StaleSync) as it
+  runs, which ``planner.rl_cores`` shares over the CPU's cores (``RankCPUProbe``);
 - ``speed_reference``: the machine's speed now, to tell a moving machine from a wrong formula;
 - ``measure_rl_rates``: generation's host costs and the sync's rates of one policy, as ``moetrain profile
   --rl-out`` writes them for ``moetrain simulate --rl --rl-rates``.
@@ -45,7 +47,7 @@ from moetrain.models.transformer import build_model
 from moetrain.planner.calibration import Calibration, load_calibration
 from moetrain.planner.comm import LinkFit, fit_link, link_residuals
 from moetrain.planner.generation import HostCosts
-from moetrain.planner.rl_cores import RoleCPU
+from moetrain.planner.rl_cores import RankCPU, RoleCPU
 from moetrain.planner.rl_rates import RLRates
 from moetrain.planner.rl_step import RLLayout, RLWorkload, SyncRates, training_prediction
 from moetrain.rl.config import GRPOConfig, RLOptions
@@ -630,3 +632,47 @@ def role_cpu(job: StaleSyncJob, short_steps: int = ROLE_CPU_SHORT_STEPS) -> Role
     replicas = roles.rollout_ranks
     work = RoleCPU(tuple(per_step[:replicas]), tuple(per_step[replicas:]))
     return RoleCPUProbe(steps, (runs[0], runs[1]), work)
+
+
+@dataclass(frozen=True)
+class RankCPUProbe:
+    """Each rank's CPU-seconds over two runs of a colocated job, and what a step costs each (``rank_cpu``)."""
+
+    steps: tuple[int, int]
+    """The two runs' steps."""
+    cpu_s: tuple[tuple[float, ...], tuple[float, ...]]
+    """Each run's CPU-seconds per rank, by rank."""
+    rank_cpu: RankCPU
+    """Per step: (the long run's − the short run's) / (their difference in steps), by rank."""
+
+
+def colocated_with_cpu(rank: int, world_size: int, spec) -> RankUsage:
+    """One rank of the colocated job ``spec`` (an ``RLRunSpec``) as ``moetrain rl``'s worker runs it, as
+    ``spawn``'s entry; what its process used (a forked rank's counts start at its fork)."""
+    from moetrain.rl.worker import run_rank  # the RL runtime's rank: only a colocated probe runs it
+
+    run_rank(spec, rank)
+    return rank_usage()
+
+
+def rank_cpu(spec, short_steps: int = ROLE_CPU_SHORT_STEPS) -> RankCPUProbe:
+    """Each rank's CPU-seconds per step of the colocated job ``spec`` (an ``RLRunSpec``), run as it is, at its
+    own k. Its ranks share the CPU's cores in every phase (at k = 0 all generate, then all train; at k ≥ 1
+    each generates beside its update), so there are no roles to keep apart: time-slicing stretches their wall
+    time, not their CPU time. A run's start and end cost the same whatever its steps, so the difference of a
+    run of ``short_steps`` and one of the job's steps, over the steps between, is what a step costs."""
+    from moetrain.rl.run import build_rl_run  # the RL runtime's spec: only a colocated probe needs it
+
+    steps = (short_steps, spec.trainer.training.steps)
+    if not 0 < short_steps < steps[1]:
+        raise UserError(f"the rank CPU probe needs a job of more than {short_steps} steps (got {steps[1]}); "
+                        "give the job more steps")
+    world_size = build_rl_run(spec).grpo.world_size
+    runs = []
+    for count in steps:
+        training = spec.trainer.training.model_copy(update={"steps": count})
+        counted = spec.model_copy(update={"trainer": spec.trainer.model_copy(update={"training": training})})
+        runs.append(tuple(usage.cpu_s for usage in spawn(colocated_with_cpu, world_size, counted)))
+    per_step = tuple((long - short) / (steps[1] - steps[0]) for short, long in zip(*runs, strict=True))
+    staleness = spec.stalesync.staleness if spec.stalesync is not None else 0
+    return RankCPUProbe(steps, (runs[0], runs[1]), RankCPU(per_step, staleness))

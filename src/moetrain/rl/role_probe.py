@@ -6,6 +6,10 @@ machine's. This module measures them for the job an rl.yaml describes, the way `
 does through the Python API: the warm-up the run would do (its weights decide how long the answers are), then
 the job's roles apart at k = 0 (``rates.role_cpu``: two runs, each rank's CPU time differenced per step) and
 what a call costs overlapped over apart (``rates.overlap_cpu``, on the job's decode rows and micro-batch).
+
+A colocated job (RL Fusion or colocated StaleSync) is priced the same way from each rank's CPU-seconds per step
+(``rates.rank_cpu``: the job run as it is, twice, each rank's CPU time differenced per step): its ranks have no
+roles to keep apart, and every phase of it shares the cores.
 """
 
 from __future__ import annotations
@@ -16,8 +20,8 @@ import torch
 
 from moetrain.errors import UserError
 from moetrain.planner.rl_cores import RoleCPU
-from moetrain.planner.rl_rates import ProbedRoleCPU
-from moetrain.rl.rates import MixedWork, check_role_cpu_job, overlap_cpu, role_cpu
+from moetrain.planner.rl_rates import ProbedRankCPU, ProbedRoleCPU
+from moetrain.rl.rates import ROLE_CPU_SHORT_STEPS, MixedWork, check_role_cpu_job, overlap_cpu, rank_cpu, role_cpu
 from moetrain.rl.run import build_rl_run, pipeline_weights, stalesync_job
 from moetrain.rl.spec import RLRunSpec
 
@@ -25,6 +29,9 @@ from moetrain.rl.spec import RLRunSpec
 def probe_job_cpu(spec: RLRunSpec, tries: int) -> ProbedRoleCPU:
     """Each process's CPU-seconds per step of ``spec``'s disaggregated StaleSync job, its roles apart, carried
     to the roles overlapped (each overlap figure the lowest of ``tries``), and this machine's cores."""
+    if not spec.disaggregated:
+        raise UserError("--rl-job: the role CPU probe measures a disaggregated StaleSync job on this machine "
+                        "(stalesync: {placement: disaggregated, staleness: K}, engine local); give such a job")
     check_probed_job(spec)
     torch.set_num_threads(1)  # as every rank of the run: the forked ranks inherit it
     run = build_rl_run(spec)
@@ -37,10 +44,28 @@ def probe_job_cpu(spec: RLRunSpec, tries: int) -> ProbedRoleCPU:
     return ProbedRoleCPU(RoleCPU(work.rollout_s, work.trainer_s, overlap.factors), float(os.cpu_count() or 1))
 
 
+def probe_colocated_cpu(spec: RLRunSpec) -> ProbedRankCPU:
+    """Each rank's CPU-seconds per step of ``spec``'s colocated job (RL Fusion, or colocated StaleSync) as it
+    runs at its k (``rates.rank_cpu``), and this machine's cores."""
+    check_probed_job(spec)
+    torch.set_num_threads(1)  # as every rank of the run: the forked ranks inherit it
+    return ProbedRankCPU(rank_cpu(spec).rank_cpu, float(os.cpu_count() or 1))
+
+
+def probe_cpu(spec: RLRunSpec, tries: int) -> ProbedRoleCPU | ProbedRankCPU:
+    """The probe of ``spec``'s placement: a disaggregated job's roles apart, a colocated job's ranks as it runs."""
+    return probe_job_cpu(spec, tries) if spec.disaggregated else probe_colocated_cpu(spec)
+
+
 def check_probed_job(spec: RLRunSpec) -> None:
     """Refuse, before anything is measured, a job the probe cannot measure."""
-    if not spec.disaggregated or spec.engine != "local":
-        raise UserError("--rl-job: the role CPU probe measures a disaggregated StaleSync job on this machine "
-                        "(stalesync: {placement: disaggregated, staleness: K}, engine local); give such a job")
+    if spec.engine != "local":
+        raise UserError("--rl-job: the CPU probe measures a job on this machine's ranks (engine local); give such "
+                        "a job")
+    if not spec.disaggregated:
+        if spec.trainer.training.steps <= ROLE_CPU_SHORT_STEPS:
+            raise UserError(f"the rank CPU probe needs a job of more than {ROLE_CPU_SHORT_STEPS} steps (got "
+                            f"{spec.trainer.training.steps}); give the job more steps")
+        return
     check_role_cpu_job(spec.roles, spec.trainer.training.steps)
 
