@@ -265,6 +265,12 @@ def test_compiled_memory_policy_on_cuda_keeps_less_and_the_gradients():
         model.zero_grad(set_to_none=True)
         kept[options] = measure_saved_bytes(model, ids, ids)
         grads = {k: p.grad.detach().float().cpu() for k, p in model.named_parameters() if p.grad is not None}
-        worst = max((_rel_err(grads[k], eager_grads[k]), k) for k in eager_grads)
-        assert worst[0] < 1e-4, (options, worst)
+        # Every parameter off, not just the worst: on the H200 (torch 2.11) the worst was a router weight at
+        # 1.0006, and torch 2.11 on a CPU shows why: every routed expert had no gradient (1.0) and every
+        # router its balance losses' only. Dynamo 2.11 zeroes the gradient of an autograd.Function that
+        # returns a no-op cast, as the fp32 combine's ``.to(fp32)`` did (moetrain.models.dispatch;
+        # tests/models/test_dispatch_compiled.py; benchmarks/notes/training.md).
+        wrong = sorted(((err, k) for k in eager_grads if (err := _rel_err(grads[k], eager_grads[k])) >= 1e-4),
+                       reverse=True)
+        assert not wrong, (options, f"{len(wrong)} of {len(eager_grads)} gradients off", wrong[:6])
     assert kept[tuple(sorted(SELECTIVE_OPTIONS))] < 0.85 * kept[()]

@@ -75,7 +75,12 @@ class _WeightedCombine(torch.autograd.Function):
         ctx.save_for_backward(y_PD, weights_TK, order_P, inverse_P)
         tokens, top_k = weights_TK.shape
         rows_TKD = y_PD[inverse_P].view(tokens, top_k, y_PD.shape[-1])
-        return (rows_TKD.float() * weights_TK.unsqueeze(-1)).sum(1).to(y_PD.dtype)
+        out_TD = (rows_TKD.float() * weights_TK.unsqueeze(-1)).sum(1)
+        # No cast to the dtype it already has: torch 2.11's Dynamo gives an autograd.Function whose forward
+        # returns a no-op .to/.float/.contiguous (the same tensor object) a zero gradient in compiled code,
+        # every backend (fixed by 2.13). In fp32 that cut every expert and gating gradient of a compiled
+        # MoE layer (tests/gpu on the H200; benchmarks/notes/training.md).
+        return out_TD if out_TD.dtype == y_PD.dtype else out_TD.to(y_PD.dtype)
 
     @staticmethod
     def backward(ctx, grad_TD: torch.Tensor):
