@@ -110,6 +110,14 @@ class _ReduceFromGroup(torch.autograd.Function):
         return grad, None
 
 
+def owned_chunk(x: torch.Tensor, chunks: int, index: int, dim: int) -> torch.Tensor:
+    """Chunk ``index`` of ``x`` along ``dim`` in storage of its own, for an ``autograd.Function``'s forward to
+    return. Not the chunk's view, even where ``.contiguous()`` would hand it back as it is: torch 2.11's Dynamo
+    gives a compiled Function whose forward returns such a tensor (a view, or a no-op ``.contiguous()`` /
+    ``.to``) a zero gradient (2.13 does not), and micro-batch 1 makes a sequence chunk contiguous."""
+    return x.chunk(chunks, dim=dim)[index].clone(memory_format=torch.contiguous_format)
+
+
 def _all_gather_cat(x: torch.Tensor, group: dist.ProcessGroup, dim: int, name: str) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     with span(name, "comm"):
@@ -160,7 +168,8 @@ class _ReduceScatter(torch.autograd.Function):
         out = x.contiguous().clone()
         with span("sp_reduce_scatter", "comm"):
             dist.all_reduce(out, group=group)
-        return out.chunk(size, dim=dim)[rank].contiguous()
+        # A copy, not the chunk itself: see ``owned_chunk``.
+        return owned_chunk(out, size, rank, dim)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]

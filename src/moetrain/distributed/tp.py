@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moetrain.distributed.comm import gather_from_group, sp_gather, sp_scatter
+from moetrain.distributed.comm import gather_from_group, owned_chunk, sp_gather, sp_scatter
 from moetrain.models.attention import GQA, MLA
 from moetrain.models.experts import SwiGLU
 from moetrain.models.router import Router
@@ -44,7 +44,7 @@ class _SplitSequence(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:  # type: ignore[override]
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         ctx.full, ctx.rank, ctx.dim = x.shape, rank, dim
-        return x.chunk(size, dim=dim)[rank].contiguous()
+        return owned_chunk(x, size, rank, dim)  # a copy: see ``owned_chunk``
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
