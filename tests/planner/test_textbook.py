@@ -8,7 +8,7 @@ import pytest
 from moetrain.config import load_cluster_config, load_model_config
 from moetrain.costs.activations import Sharding, layer_activation_bytes
 from moetrain.planner.calibration import Efficiency
-from moetrain.planner.comm import alltoall_time, alltoall_volume
+from moetrain.planner.comm import RankGroup, alltoall_time, alltoall_volume
 from moetrain.planner.device_memory import model_state_bytes
 from moetrain.planner.schedules import build_schedule, interleaved_one_f_one_b, one_f_one_b
 from moetrain.planner.timeline import simulate_timeline, uniform_costs
@@ -72,12 +72,12 @@ def test_all_to_all_volume_for_top_k() -> None:
     eff = Efficiency(bus_intra=1.0, bus_inter=1.0)
     send = float(alltoall_volume(4096, 7168, 8))
     # Inside one node: (ep − 1)/ep of the copies leave the rank, over NVLink.
-    t = float(alltoall_time(send, 8, 8, cluster, False, 8, efficiency=eff))
+    t = float(alltoall_time(send, RankGroup(8, 8), cluster, False, 8, efficiency=eff))
     expected = 7 / 8 * send / (cluster.intra_node_gbps * 1e9) + cluster.intra_node_latency_us * 1e-6
     assert t == pytest.approx(expected)
     # Across 4 nodes the hierarchical scheme sends each token once per remote node, not once per expert.
-    flat = float(alltoall_time(send, 32, 8, cluster, False, 8, efficiency=eff))
-    hier = float(alltoall_time(send, 32, 8, cluster, True, 8, efficiency=eff))
+    flat = float(alltoall_time(send, RankGroup(32, 8), cluster, False, 8, efficiency=eff))
+    hier = float(alltoall_time(send, RankGroup(32, 8), cluster, True, 8, efficiency=eff))
     assert hier < flat / 1.5
 
 
