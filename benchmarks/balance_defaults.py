@@ -100,8 +100,8 @@ def trace_cases(chosen: set[str] | None) -> list[Case]:
     model = load_model_config(traces.MODEL)
     assert model.moe is not None
     experts, top_k = model.moe.num_experts, model.moe.router.top_k
-    synthetic = traces.synthetic_traces(traces.STEPS, traces.LAYERS, experts, traces.TOKENS_PER_RANK * traces.EP,
-                                        top_k, traces.SEED)
+    shape = TraceShape(traces.STEPS, traces.LAYERS, experts, traces.EP, traces.TOKENS_PER_RANK * traces.EP, top_k)
+    synthetic = traces.synthetic_traces(shape, traces.SEED)
     out = [Case(f"{TRACES_PREFIX}{name} (E{experts}, EP{traces.EP})", synthetic[name], traces.MODEL, experts,
                 traces.EP, selects_predictor=True) for name in TRACES_SYNTHETIC]
     for name in families.RECORDED_TRACES:

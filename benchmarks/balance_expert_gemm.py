@@ -23,7 +23,7 @@ from _record import write_result
 
 from moetrain.balance.placement import EMPTY_SLOT, ExpertPlacement
 from moetrain.balance.solver import PlanRequest, plan_placement
-from moetrain.balance.traces import zipf_trace
+from moetrain.balance.traces import TraceShape, zipf_trace
 from moetrain.config import load_model_config
 from moetrain.models.experts import grouped_mm
 
@@ -79,7 +79,9 @@ def main() -> int:
     model = load_model_config(args.model)
     assert model.moe is not None
     experts, top_k = model.moe.num_experts, model.moe.router.top_k
-    loads = zipf_trace(1, 1, experts, args.tokens_per_rank * args.ep, top_k, args.zipf).tokens_per_expert[0, 0]
+    shape = TraceShape(num_steps=1, num_layers=1, num_experts=experts, num_ranks=args.ep,
+                       tokens_per_step=args.tokens_per_rank * args.ep, top_k=top_k)
+    loads = zipf_trace(shape, args.zipf).tokens_per_expert[0, 0]
     loads = loads.astype(float)
     slots = experts // args.ep + 1
     static = ExpertPlacement.contiguous(experts, args.ep, slots)

@@ -24,7 +24,7 @@ from moetrain.balance.predict import DEFAULT_CANDIDATES, Predictor, forecast_err
 from moetrain.balance.replay import replay
 from moetrain.balance.schedule import LayerSchedule, ReplanRule
 from moetrain.balance.solver import PlanRequest, plan_placement, replica_counts, solve_fixed_replicas, solve_milp
-from moetrain.balance.traces import RoutingTrace, drifting_trace, read_trace, zipf_trace
+from moetrain.balance.traces import RoutingTrace, TraceShape, drifting_trace, read_trace, zipf_trace
 from moetrain.config import load_cluster_config, load_model_config
 
 RESULTS = Path(__file__).parent / "results" / "balance_traces.json"
@@ -35,16 +35,13 @@ TRACE_MODEL, TRACE_EP = "tiny-pangu", 4
 """The recorded traces' model and EP degree (``--trace-model``, ``--trace-ep``)."""
 
 
-def synthetic_traces(steps: int, layers: int, experts: int, tokens: int, top_k: int,
-                     seed: int) -> dict[str, RoutingTrace]:
+def synthetic_traces(shape: TraceShape, seed: int) -> dict[str, RoutingTrace]:
     """The benchmark's four synthetic traces by name: two Zipf, two drifting hot sets."""
     return {
-        "zipf-s0.6": zipf_trace(steps, layers, experts, tokens, top_k, 0.6, seed=seed),
-        "zipf-s1.0": zipf_trace(steps, layers, experts, tokens, top_k, 1.0, seed=seed),
-        "drift-h16-p50": drifting_trace(steps, layers, experts, tokens, top_k, num_hot=16, hot_weight=6.0,
-                                        period=50, seed=seed),
-        "drift-h16-p20": drifting_trace(steps, layers, experts, tokens, top_k, num_hot=16, hot_weight=6.0,
-                                        period=20, seed=seed),
+        "zipf-s0.6": zipf_trace(shape, 0.6, seed=seed),
+        "zipf-s1.0": zipf_trace(shape, 1.0, seed=seed),
+        "drift-h16-p50": drifting_trace(shape, num_hot=16, hot_weight=6.0, period=50, seed=seed),
+        "drift-h16-p20": drifting_trace(shape, num_hot=16, hot_weight=6.0, period=20, seed=seed),
     }
 
 
@@ -142,7 +139,9 @@ def milp_comparison(seed: int) -> list[dict]:
     """Small instances where the exact MILP finishes: how far greedy and local search are from optimal."""
     rows = []
     for experts, ep, exponent in ((16, 4, 1.0), (16, 4, 1.5), (32, 8, 1.0), (64, 8, 1.2)):
-        loads = zipf_trace(1, 1, experts, 512 * ep, 4, exponent, seed=seed).tokens_per_expert[0, 0].astype(float)
+        shape = TraceShape(num_steps=1, num_layers=1, num_experts=experts, num_ranks=ep, tokens_per_step=512 * ep,
+                           top_k=4)
+        loads = zipf_trace(shape, exponent, seed=seed).tokens_per_expert[0, 0].astype(float)
         slots = experts // ep + 1
         spare = ep * slots - experts
         even = loads.sum() / ep
@@ -186,7 +185,7 @@ def main() -> int:
     experts, top_k = model.moe.num_experts, model.moe.router.top_k
     tokens = args.tokens_per_rank * args.ep
     costs = BalanceCostModel(model, cluster, args.ep)
-    synthetic = synthetic_traces(args.steps, args.layers, experts, tokens, top_k, args.seed)
+    synthetic = synthetic_traces(TraceShape(args.steps, args.layers, experts, args.ep, tokens, top_k), args.seed)
     report: dict = {
         "setup": {"model": args.model, "cluster": args.cluster, "ep": args.ep, "slots_per_rank": experts // args.ep + 1,
                   "tokens_per_rank": args.tokens_per_rank, "steps": args.steps, "layers": args.layers,

@@ -82,14 +82,14 @@ def score(csv: str, name: str) -> dict:
     rows, _ = prepare_all(read_rows(csv))
     rows = ROW_READINGS.get(name, list)(rows)
     options = VARIANTS[name]
-    predicted = fit.leave_one_family_out(rows, **options)
+    predicted = fit.leave_one_family_out(rows, options=fit.FitOptions(**options))
     signed = signed_pct_errors(rows, predicted)
     errors = np.abs(signed)
     families = {}
     for family in sorted({r.family for r in rows}):
         index = [i for i, r in enumerate(rows) if r.family == family]
         families[family] = {k: round(v, 1) for k, v in summarize(list(errors[index])).items()}
-    everything = fit.fit_calibration(rows, **options)
+    everything = fit.fit_calibration(rows, options=fit.FitOptions(**options))
     unseen = prepared_rows(read_rows(UNSEEN_VTRAIN_CSV))
     unseen_signed = signed_pct_errors(unseen, fit.predict_rows(unseen, everything))
     return {

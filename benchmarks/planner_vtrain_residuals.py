@@ -75,10 +75,10 @@ def _wave_time_factor(tokens: int, hidden: int, tp: int, tile_rows: int = 128, t
     return total / weight
 
 
-def _cv(rows: list[PreparedRow], **fit_options) -> dict[str, object]:
+def _cv(rows: list[PreparedRow], options: fit.FitOptions | None = None) -> dict[str, object]:
     measured = np.array([r.measured for r in rows])
-    errors = abs_pct_errors(fit.leave_one_family_out(rows, **fit_options), measured)
-    in_sample = abs_pct_errors(fit.predict_rows(rows, fit.fit_calibration(rows, **fit_options)), measured)
+    errors = abs_pct_errors(fit.leave_one_family_out(rows, options=options), measured)
+    in_sample = abs_pct_errors(fit.predict_rows(rows, fit.fit_calibration(rows, options=options)), measured)
     families = {f: {"cv": summarize(list(errors[index])), "in_sample": summarize(list(in_sample[index]))}
                 for f in sorted({r.family for r in rows})
                 for index in [[i for i, r in enumerate(rows) if r.family == f]]}
@@ -188,7 +188,7 @@ def main() -> None:
                    for r in rows]
         variants["fp16_gradients_reduced_at_4B"] = _cv(fp16_4b)
         for scale in (0.1, 0.05):
-            variants[f"soft_l1_loss_{scale:g}"] = _cv(rows, loss="soft_l1", loss_scale=scale)
+            variants[f"soft_l1_loss_{scale:g}"] = _cv(rows, fit.FitOptions(loss="soft_l1", loss_scale=scale))
         result["cv_variants"] = variants
     out_path = ROOT / "benchmarks/results/planner_vtrain_residuals.json"
     if not args.cv_variants and out_path.is_file():

@@ -2,14 +2,14 @@ import json
 
 import pytest
 
-from moetrain.balance.traces import write_trace, zipf_trace
+from moetrain.balance.traces import TraceShape, write_trace, zipf_trace
 from moetrain.cli import main
 
 
 @pytest.fixture()
 def trace_file(tmp_path):
     path = tmp_path / "trace.jsonl"
-    write_trace(zipf_trace(30, 2, 16, 4096, 4, exponent=1.2, seed=0), path)
+    write_trace(zipf_trace(TraceShape(30, 2, 16, 4, 4096, 4), exponent=1.2, seed=0), path)
     return path
 
 

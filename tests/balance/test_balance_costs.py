@@ -25,7 +25,7 @@ def test_imbalance_costs_time_and_ideal_is_a_bound(costs):
 
 def test_alltoall_priced_at_the_busiest_rank(costs):
     copies = np.array([[100.0] * 31 + [400.0]])
-    expected = 4 * comm.alltoall_time(400.0 * 7680 * 2, 32, 8, costs.cluster)
+    expected = 4 * comm.alltoall_time(400.0 * 7680 * 2, comm.RankGroup(32, 8), costs.cluster)
     assert costs.alltoall_seconds(copies)[0] == pytest.approx(float(expected))
 
 

@@ -10,7 +10,7 @@ from moetrain.balance.predict import (
     future_means,
     select_predictor,
 )
-from moetrain.balance.traces import drifting_trace, zipf_trace
+from moetrain.balance.traces import TraceShape, drifting_trace, zipf_trace
 from moetrain.errors import UserError
 
 
@@ -40,11 +40,11 @@ def test_constant_loads_have_zero_error():
 
 
 def test_selection_prefers_trend_on_drift_and_smoothing_on_noise():
-    drift = drifting_trace(120, 2, 32, 50000, 2, num_hot=4, hot_weight=10.0, period=30, seed=0)
+    drift = drifting_trace(TraceShape(120, 2, 32, 1, 50000, 2), num_hot=4, hot_weight=10.0, period=30, seed=0)
     best, errors = select_predictor(drift.tokens_per_expert, horizon=5)
     assert best.name.startswith("holt"), errors
     assert errors[best.name] == min(errors.values())
-    noise = zipf_trace(60, 2, 32, 2000, 2, exponent=1.0, seed=0)
+    noise = zipf_trace(TraceShape(60, 2, 32, 1, 2000, 2), exponent=1.0, seed=0)
     best, errors = select_predictor(noise.tokens_per_expert, horizon=5)
     assert best.name.startswith("ema") and best.theta >= 0.8, errors
 
@@ -92,7 +92,7 @@ def test_adaptive_picks_the_trend_on_a_ramp_and_smoothing_on_noise():
 def test_adaptive_state_survives_a_json_round_trip():
     # the runtime checkpoints predictor states as lists (``OnlineExpertBalancer.state_dict``)
     predictor = AdaptivePredictor()
-    loads = zipf_trace(12, 1, 8, 4000, 2, exponent=1.0, seed=3).tokens_per_expert[:, 0].astype(float)
+    loads = zipf_trace(TraceShape(12, 1, 8, 1, 4000, 2), exponent=1.0, seed=3).tokens_per_expert[:, 0].astype(float)
     state = predictor.init_state(loads[0])
     for row in loads[1:6]:
         predictor.update(state, row)

@@ -7,7 +7,7 @@ from moetrain.balance.costs import BalanceCostModel
 from moetrain.balance.predict import EMAPredictor
 from moetrain.balance.replay import replay
 from moetrain.balance.schedule import ReplanRule
-from moetrain.balance.traces import RoutingTrace, zipf_trace
+from moetrain.balance.traces import RoutingTrace, TraceShape, zipf_trace
 from moetrain.config import load_cluster_config, load_model_config
 from moetrain.errors import UserError
 
@@ -18,7 +18,7 @@ def costs() -> BalanceCostModel:
 
 
 def test_skewed_trace_migrates_and_gains(costs):
-    trace = zipf_trace(30, 2, 256, 16 * 8192, 8, exponent=1.0, seed=0)
+    trace = zipf_trace(TraceShape(30, 2, 256, 16, 16 * 8192, 8), exponent=1.0, seed=0)
     result = replay(trace, ReplanRule(costs, interval=10, horizon=50), EMAPredictor(0.8))
     summary = result.summary()
     assert summary["migrations"] >= 2  # at least once per layer
@@ -61,7 +61,7 @@ def test_decisions_name_the_traces_own_step_and_layer_ids(costs):
     assert [(d.step, d.layer) for d in result.decisions] == [(100, 3), (105, 3), (100, 7), (105, 7)]
 
 def test_replay_is_deterministic(costs):
-    trace = zipf_trace(12, 1, 256, 16 * 4096, 8, exponent=0.8, seed=2)
+    trace = zipf_trace(TraceShape(12, 1, 256, 16, 16 * 4096, 8), exponent=0.8, seed=2)
     a = replay(trace, ReplanRule(costs, interval=4), EMAPredictor(0.8))
     b = replay(trace, ReplanRule(costs, interval=4), EMAPredictor(0.8))
     assert np.array_equal(a.seconds_after, b.seconds_after)

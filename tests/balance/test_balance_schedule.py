@@ -13,7 +13,7 @@ from moetrain.balance.schedule import (
     ReplanRule,
     count_noise_samples,
 )
-from moetrain.balance.traces import drifting_trace
+from moetrain.balance.traces import TraceShape, drifting_trace
 from moetrain.config import load_cluster_config, load_model_config
 
 
@@ -25,7 +25,7 @@ def costs() -> BalanceCostModel:
 @pytest.mark.slow
 def test_adaptive_replan_follows_a_fast_drift_better_than_a_fixed_interval(costs):
     # a hot expert hands over every 10 steps, as fast as the fixed schedule re-plans
-    trace = drifting_trace(60, 1, 256, 16 * 8192, 8, num_hot=8, hot_weight=6.0, period=10, seed=1)
+    trace = drifting_trace(TraceShape(60, 1, 256, 16, 16 * 8192, 8), num_hot=8, hot_weight=6.0, period=10, seed=1)
     fixed = replay(trace, ReplanRule(costs, interval=10, adaptive=False), HoltPredictor(0.5, 0.1))
     adaptive = replay(trace, ReplanRule(costs, interval=10), HoltPredictor(0.5, 0.1))
     assert fixed.summary()["early_solves"] == 0 and len(fixed.decisions) == 6

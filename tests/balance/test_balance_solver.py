@@ -18,8 +18,11 @@ from moetrain.balance.solver import (
     solve_fixed_replicas,
     solve_milp,
 )
-from moetrain.balance.traces import zipf_trace
+from moetrain.balance.traces import TraceShape, zipf_trace
 from moetrain.errors import UserError
+
+ONE_STEP_256_ON_32 = TraceShape(1, 1, 256, 32, 32 * 8192, 8)
+"""One step, one layer: 256 experts (top-8) over 32 ranks, 8192 tokens per rank."""
 
 
 def _busiest_over_even(placement: ExpertPlacement, loads: np.ndarray) -> float:
@@ -50,7 +53,7 @@ def test_uniform_loads_balance_perfectly(solver):
 
 @pytest.mark.parametrize("solver", ["greedy", "local"])
 def test_skewed_loads_come_close_to_even(solver):
-    loads = zipf_trace(1, 1, 256, 32 * 8192, 8, exponent=1.0, seed=3).tokens_per_expert[0, 0].astype(float)
+    loads = zipf_trace(ONE_STEP_256_ON_32, exponent=1.0, seed=3).tokens_per_expert[0, 0].astype(float)
     contiguous = ExpertPlacement.contiguous(256, 32, 9)
     assert _busiest_over_even(contiguous, loads) > 4.0
     placement = plan_placement(PlanRequest(loads, 32, 9, solver))
@@ -59,7 +62,7 @@ def test_skewed_loads_come_close_to_even(solver):
 
 
 def test_fast_enough_for_256_experts_on_32_ranks():
-    loads = zipf_trace(1, 1, 256, 32 * 8192, 8, exponent=1.0, seed=4).tokens_per_expert[0, 0].astype(float)
+    loads = zipf_trace(ONE_STEP_256_ON_32, exponent=1.0, seed=4).tokens_per_expert[0, 0].astype(float)
     counts = replica_counts(loads, 32, 32)
     solve_fixed_replicas(loads, 32, 9, counts, "local")  # warm imports and caches
     start = time.perf_counter()
@@ -97,7 +100,7 @@ def test_milp_matches_brute_force_and_beats_or_equals_heuristics():
 
 
 def test_align_keeps_experts_in_place():
-    loads = zipf_trace(1, 1, 32, 4096, 4, seed=0).tokens_per_expert[0, 0].astype(float)
+    loads = zipf_trace(TraceShape(1, 1, 32, 4, 4096, 4), seed=0).tokens_per_expert[0, 0].astype(float)
     placement = plan_placement(PlanRequest(loads, 4, 9, "local"))
     # a relabelled copy of the same layout needs no move once aligned
     shuffled = ExpertPlacement.from_slot_experts(
@@ -130,7 +133,7 @@ def test_align_by_node_keeps_node_mates_together_and_keeps_the_most_experts():
 
 
 def test_warm_start_moves_few_experts():
-    trace = zipf_trace(2, 1, 256, 32 * 8192, 8, exponent=0.6, seed=5)
+    trace = zipf_trace(TraceShape(2, 1, 256, 32, 32 * 8192, 8), exponent=0.6, seed=5)
     first = plan_placement(PlanRequest(trace.tokens_per_expert[0, 0].astype(float), 32, 9, "local"))
     # the next step's noisy loads: the plan stays close to the current one
     loads = trace.tokens_per_expert[1, 0].astype(float)

@@ -3,12 +3,12 @@ import json
 import numpy as np
 import pytest
 
-from moetrain.balance.traces import drifting_trace, parse_trace_rows, read_trace, write_trace, zipf_trace
+from moetrain.balance.traces import TraceShape, drifting_trace, parse_trace_rows, read_trace, write_trace, zipf_trace
 from moetrain.errors import UserError
 
 
 def test_round_trip(tmp_path):
-    trace = zipf_trace(5, 3, 16, 256, 4, seed=1)
+    trace = zipf_trace(TraceShape(5, 3, 16, 1, 256, 4), seed=1)
     path = tmp_path / "trace.jsonl"
     write_trace(trace, path)
     rows = [json.loads(line) for line in path.read_text().splitlines()]
@@ -49,7 +49,7 @@ def test_errors(tmp_path):
 
 
 def test_zipf_is_skewed_and_counts_every_assignment():
-    trace = zipf_trace(4, 2, 64, 1000, 8, exponent=1.0, seed=0)
+    trace = zipf_trace(TraceShape(4, 2, 64, 1, 1000, 8), exponent=1.0, seed=0)
     assert (trace.tokens_per_expert.sum(axis=-1) == 8000).all()
     mean = trace.tokens_per_expert.mean(axis=0)
     # hottest expert about H_64 ≈ 4.7 times the mean share
@@ -59,7 +59,7 @@ def test_zipf_is_skewed_and_counts_every_assignment():
 
 
 def test_drifting_hot_set_moves():
-    trace = drifting_trace(120, 1, 32, 20000, 2, num_hot=4, hot_weight=8.0, period=30, seed=0)
+    trace = drifting_trace(TraceShape(120, 1, 32, 1, 20000, 2), num_hot=4, hot_weight=8.0, period=30, seed=0)
     def hot(step):
         return set(np.argsort(trace.tokens_per_expert[step, 0])[-4:].tolist())
     assert hot(0) != hot(119)

@@ -9,7 +9,7 @@ import pytest
 
 from moetrain.planner import fit
 from moetrain.planner.calibration import default_calibration
-from moetrain.planner.fit import fit_calibration, predict_rows
+from moetrain.planner.fit import FitOptions, fit_calibration, predict_rows
 from moetrain.planner.validation import PreparedRow, prepare_row
 
 
@@ -29,7 +29,7 @@ def test_family_weights_decide_where_disagreeing_sources_meet(published_rows: li
                                                               expected_log: float) -> None:
     # Two sources measure the same run: three rows of one family at MFU 0.40, one row of another at 0.50.
     rows = _copies(published_rows, "MPT-6", "A", [0.40, 0.40, 0.40]) + _copies(published_rows, "MPT-6", "B", [0.50])
-    calibration = fit_calibration(rows, family_weight_power=power, loss="linear")
+    calibration = fit_calibration(rows, options=FitOptions(family_weight_power=power, loss="linear"))
     predicted = predict_rows(rows[:1], calibration)[0]
     # The weak pull towards the prior moves the optimum by far less than the 5.6 % between the answers.
     assert math.log(predicted) == pytest.approx(expected_log, abs=0.01)
@@ -42,7 +42,7 @@ def test_the_shipped_huber_loss_bounds_the_pull_of_a_row_far_off(published_rows:
     rows = _copies(published_rows, "MPT-6", "A", [0.40, 0.40, 0.40, 0.50])
     assert fit.LOSS == "huber" and fit.LOSS_SCALE == 0.1
     robust = math.log(predict_rows(rows[:1], fit_calibration(rows))[0])
-    squares = math.log(predict_rows(rows[:1], fit_calibration(rows, loss="linear"))[0])
+    squares = math.log(predict_rows(rows[:1], fit_calibration(rows, options=FitOptions(loss="linear")))[0])
     assert robust == pytest.approx(math.log(0.40) + 0.1 / 3, abs=0.004)
     assert squares == pytest.approx((3 * math.log(0.40) + math.log(0.50)) / 4, abs=0.004)
 
@@ -51,7 +51,7 @@ def test_per_architecture_parameters_are_fitted_per_architecture(published_rows:
     ampere = _copies(published_rows, "MPT-6", "A", [0.60, 0.62, 0.64, 0.66])
     hopper = _copies(published_rows, "MPT-7", "H", [0.44, 0.45, 0.46, 0.47])
     shipped_layout = fit_calibration(ampere + hopper)
-    with_memory = fit_calibration(ampere + hopper, per_arch_params=("gemm_max", "memory"))
+    with_memory = fit_calibration(ampere + hopper, options=FitOptions(per_arch_params=("gemm_max", "memory")))
     assert set(shipped_layout.per_arch) == set(with_memory.per_arch) == {"ampere", "hopper"}
     assert all(set(v) == {"gemm_max"} for v in shipped_layout.per_arch.values())
     assert all(set(v) == {"gemm_max", "memory"} for v in with_memory.per_arch.values())
@@ -65,7 +65,8 @@ def test_per_architecture_parameters_are_fitted_per_architecture(published_rows:
 def test_a_fixed_parameter_keeps_its_value_and_the_others_absorb_the_data(published_rows: list[dict]) -> None:
     rows = _copies(published_rows, "MPT-6", "A", [0.60, 0.62, 0.64, 0.66])
     free = fit_calibration(rows)
-    held = fit_calibration(rows, fixed={"memory": 0.89}, per_arch_params=("gemm_max", "memory"))
+    held = fit_calibration(rows, options=FitOptions(per_arch_params=("gemm_max", "memory"),
+                                                 fixed={"memory": 0.89}))
     # Held, never fitted, not even per architecture.
     assert held.global_params.memory == 0.89
     assert all("memory" not in v for v in held.per_arch.values())
@@ -106,3 +107,28 @@ def test_a_fit_started_elsewhere_reaches_the_same_single_optimum(published_rows:
     assert fit.fit_loss(rows, from_elsewhere).total == pytest.approx(fit.fit_loss(rows, from_priors).total, rel=1e-3)
     assert math.log(predict_rows(rows[:1], from_elsewhere)[0]) == pytest.approx(
         math.log(predict_rows(rows[:1], from_priors)[0]), abs=0.005)
+
+
+def test_cross_validation_fits_every_fold_with_the_options(published_rows: list[dict]) -> None:
+    # Two families: each fold fits on the other alone. ``memory`` held at 0.89 stays 0.89 in every fold,
+    # also where it would be fitted per architecture, so no fold may fall back to the shipped options.
+    rows = (_copies(published_rows, "MPT-6", "A", [0.60, 0.62, 0.64, 0.66])
+            + _copies(published_rows, "MPT-6", "B", [0.50, 0.52, 0.54, 0.56]))
+    options = FitOptions(per_arch_params=("gemm_max", "memory"), fixed={"memory": 0.89})
+    fits = fit.fits_without_each_family(rows, options)
+    assert set(fits) == {"A", "B"}
+    for calibration in fits.values():
+        assert calibration.global_params.memory == 0.89
+        assert all(set(v) == {"gemm_max"} for v in calibration.per_arch.values())
+    # leave_one_family_out fits the same folds when handed the options instead of the fits
+    held_out = fit.leave_one_family_out(rows, options=options)
+    assert list(held_out) == list(fit.leave_one_family_out(rows, fits))
+
+
+def test_fit_loss_takes_the_loss_from_the_options(published_rows: list[dict]) -> None:
+    # At the priors (no prior pull) the plain least-squares objective is half the sum of squared log-ratios.
+    rows = _copies(published_rows, "MPT-6", "A", [0.40, 0.50])
+    priors = default_calibration()
+    predicted = predict_rows(rows[:1], priors)[0]
+    by_hand = sum(0.5 * math.log(predicted / measured) ** 2 for measured in (0.40, 0.50))
+    assert fit.fit_loss(rows, priors, FitOptions(loss="linear")).data == pytest.approx(by_hand, rel=1e-12)

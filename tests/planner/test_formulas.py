@@ -16,7 +16,7 @@ import pytest
 
 from moetrain.config import ClusterConfig, ParallelConfig, load_model_config
 from moetrain.planner.calibration import Efficiency
-from moetrain.planner.comm import alltoall_time, alltoall_volume
+from moetrain.planner.comm import RankGroup, alltoall_time, alltoall_volume
 from moetrain.planner.costmodel import evaluate
 from moetrain.planner.device_memory import in_flight_micro_batches
 from moetrain.planner.layer_costs import layer_costs
@@ -53,7 +53,7 @@ def test_flat_all_to_all_sends_each_copy_over_the_link_to_its_expert() -> None:
     network = 24 / 32 * send / INTER  # 7.04643072 ms
     assert in_node < network
     expected = 7.04643072e-3 + LAT_INTER + LAT_INTRA
-    got = float(alltoall_time(send, 32, 8, CLUSTER, hierarchical=False, top_k=8, efficiency=FULL_BANDWIDTH))
+    got = float(alltoall_time(send, RankGroup(32, 8), CLUSTER, hierarchical=False, top_k=8, efficiency=FULL_BANDWIDTH))
     assert got == pytest.approx(expected, rel=1e-12)
 
 
@@ -67,7 +67,7 @@ def test_hierarchical_all_to_all_crosses_the_network_once_per_node_a_token_hits(
     network = 158_524_800 / INTER + LAT_INTER
     in_node = 411_041_792 / INTRA + LAT_INTRA
     assert network == pytest.approx(3.180496e-3, rel=1e-12) and in_node == pytest.approx(1.02960448e-3, rel=1e-12)
-    got = float(alltoall_time(send, 32, 8, CLUSTER, hierarchical=True, top_k=8, efficiency=FULL_BANDWIDTH))
+    got = float(alltoall_time(send, RankGroup(32, 8), CLUSTER, hierarchical=True, top_k=8, efficiency=FULL_BANDWIDTH))
     assert got == pytest.approx(4.21010048e-3, rel=1e-12)
 
 
@@ -76,7 +76,7 @@ def test_an_all_to_all_inside_one_node_is_the_same_either_way() -> None:
     # ep 8 on 8 devices per node: 7/8 of the bytes over the in-node links, one latency
     expected = 7 / 8 * send / INTRA + LAT_INTRA  # 4.1875 µs
     for hierarchical in (False, True):
-        got = float(alltoall_time(send, 8, 8, CLUSTER, hierarchical=hierarchical, top_k=8,
+        got = float(alltoall_time(send, RankGroup(8, 8), CLUSTER, hierarchical=hierarchical, top_k=8,
                                   efficiency=FULL_BANDWIDTH))
         assert got == pytest.approx(4.1875e-6, rel=1e-12) == expected
 

@@ -7,7 +7,7 @@ import pytest
 
 from moetrain.config.cluster import ClusterConfig
 from moetrain.planner.calibration import Efficiency
-from moetrain.planner.comm import allgather_time, allreduce_time, alltoall_time, mesh_share, p2p_time
+from moetrain.planner.comm import RankGroup, allgather_time, allreduce_time, alltoall_time, mesh_share, p2p_time
 
 # 8 devices per node, 56 GB/s in the node (7 links of 8 GB/s when meshed), 25 GB/s to the network; no
 # latency and full bus efficiency, so every time is bytes / bandwidth
@@ -27,6 +27,15 @@ def test_mesh_share() -> None:
     assert float(mesh_share(MESH, 1)) == 1.0  # alone in its node: no in-node hop
 
 
+def test_rank_group_members_per_node() -> None:
+    # Nodes of 8: 8 ranks 2 apart span 16 devices, 4 on each node; 4 consecutive ranks share one node;
+    # 16 consecutive ranks fill two nodes, 8 on each; 2 ranks 8 apart sit on two nodes, one each.
+    assert int(RankGroup(8, 8, stride=2).in_node) == 4
+    assert int(RankGroup(4, 8).in_node) == 4
+    assert int(RankGroup(16, 8).in_node) == 8
+    assert int(RankGroup(2, 8, stride=8).in_node) == 1
+
+
 def test_ring_collectives_on_a_mesh() -> None:
     # two ranks of a node: each sends half the buffer over its one link to the other (8 GB/s)
     assert float(allgather_time(MB, 2, 2, MESH, FULL)) == pytest.approx(0.5 * MB / 8e9)
@@ -40,9 +49,9 @@ def test_ring_collectives_on_a_mesh() -> None:
 
 def test_all_to_all_and_send_on_a_mesh() -> None:
     # EP 2 inside a node: half the copies go to the one peer over one link
-    assert float(alltoall_time(MB, 2, 8, MESH, efficiency=FULL)) == pytest.approx(0.5 * MB / 8e9)
+    assert float(alltoall_time(MB, RankGroup(2, 8), MESH, efficiency=FULL)) == pytest.approx(0.5 * MB / 8e9)
     # EP 8 fills the node: 7/8 of the copies over the 7 links
-    assert float(alltoall_time(MB, 8, 8, MESH, efficiency=FULL)) == pytest.approx(7 / 8 * MB / 56e9)
+    assert float(alltoall_time(MB, RankGroup(8, 8), MESH, efficiency=FULL)) == pytest.approx(7 / 8 * MB / 56e9)
     # a pipeline send inside the node crosses one link; across nodes the NIC
     assert float(p2p_time(MB, False, MESH, FULL)) == pytest.approx(MB / 8e9)
     assert float(p2p_time(MB, True, MESH, FULL)) == pytest.approx(MB / 25e9)
@@ -75,9 +84,11 @@ def test_nvl72_domain_prices_expert_all_to_all_by_the_rack() -> None:
     assert gb200.devices_per_node == 4 and gb200.fabric_devices == 72
     send = 4096 * 8 * 7168 * 2.0  # one micro-batch of 4096 tokens, top-8, hidden 7168, bf16
     in_rack = 63 / 64 * send / 900e9 + 3e-6
-    assert float(alltoall_time(send, 64, gb200.fabric_devices, gb200, efficiency=FULL)) == pytest.approx(in_rack)
+    in_one_rack = RankGroup(64, gb200.fabric_devices)
+    assert float(alltoall_time(send, in_one_rack, gb200, efficiency=FULL)) == pytest.approx(in_rack)
     across = max(71 / 144 * send / 900e9, 72 / 144 * send / 50e9) + 10e-6 + 3e-6
-    assert float(alltoall_time(send, 144, gb200.fabric_devices, gb200, efficiency=FULL)) == pytest.approx(across)
+    over_two_racks = RankGroup(144, gb200.fabric_devices)
+    assert float(alltoall_time(send, over_two_racks, gb200, efficiency=FULL)) == pytest.approx(across)
     # the cost model takes the rack, not the tray: dispatch + combine, forward and backward
     w = Workload(load_model_config("deepseek-v3-671b"), gb200, 4096, 1024)
     s = Strategies.from_parallel([ParallelConfig(ep=64, dp=64)])

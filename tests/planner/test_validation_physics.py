@@ -14,7 +14,7 @@ import pytest
 
 from moetrain.config import load_cluster_config, load_model_config
 from moetrain.planner.calibration import Efficiency
-from moetrain.planner.compute import expert_compute_time, gemm_time, memory_time
+from moetrain.planner.compute import ExpertShard, expert_compute_time, gemm_time, memory_time
 from moetrain.planner.costmodel import balanced_stage_time, evaluate
 from moetrain.planner.layer_costs import attention_time_share
 from moetrain.planner.strategy import Strategies
@@ -91,12 +91,12 @@ def test_grouped_gemm_is_weight_bound_with_few_tokens() -> None:
     model = load_model_config("tiny-qwen3")
     cluster = load_cluster_config("h100-sxm-80gb")
     eff = Efficiency()
-    few = expert_compute_time(np.array([1.0]), model, cluster, eff, num_local_experts=8)[0]
+    few = expert_compute_time(np.array([1.0]), model, cluster, eff, ExpertShard(num_local_experts=8))[0]
     assert model.moe is not None
     params = 3 * model.hidden_size * model.moe.expert_ffn_hidden
     weights = memory_time(8 * params * 2.0, cluster, eff)
     assert few >= weights
-    many = expert_compute_time(np.array([1e6]), model, cluster, eff, num_local_experts=8)[0]
+    many = expert_compute_time(np.array([1e6]), model, cluster, eff, ExpertShard(num_local_experts=8))[0]
     assert many >= gemm_time(2.0 * params * 1e6, 3, cluster, eff)
 
 

@@ -130,7 +130,7 @@ class BalanceCostModel:
         on a rank holding ``num_local_experts`` experts (each pads the grouped GEMM)."""
         forward = comm.expert_compute_time(
             np.asarray(copies_per_rank, float), self.model, self.cluster, self.efficiency,
-            num_local_experts=num_local_experts,
+            shard=comm.ExpertShard(num_local_experts=num_local_experts),
         )
         return 3.0 * np.asarray(forward)
 
@@ -140,7 +140,7 @@ class BalanceCostModel:
         busiest = np.maximum(copies.max(axis=-1), copies.mean(axis=-1))
         send_bytes = busiest * self.model.hidden_size * self.activation_bytes
         one = comm.alltoall_time(
-            send_bytes, self.ep, self.cluster.devices_per_node, self.cluster,
+            send_bytes, comm.RankGroup(self.ep, self.cluster.devices_per_node), self.cluster,
             hierarchical=self.hierarchical_a2a, top_k=self.top_k, efficiency=self.efficiency,
         )
         return ALLTOALL_CALLS_PER_LAYER * np.asarray(one)

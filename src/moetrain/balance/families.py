@@ -26,25 +26,11 @@ an expert of weight 1) from which the step's token-expert counts are sampled (a 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 
-from moetrain.balance.traces import RoutingTrace
+from moetrain.balance.traces import RoutingTrace, TraceShape
 from moetrain.errors import UserError
-
-
-@dataclass(frozen=True)
-class TraceShape:
-    """Size of a synthetic trace: steps × layers × experts, the tokens of a step and the experts per token."""
-
-    num_steps: int
-    num_layers: int
-    num_experts: int
-    num_ranks: int
-    """The EP size the family is meant for: ``giant`` sizes its experts against a rank's mean load."""
-    tokens_per_step: int
-    top_k: int = 8
 
 
 def _zipf(shape: TraceShape, rng: np.random.Generator, exponent: float) -> np.ndarray:

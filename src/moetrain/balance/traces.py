@@ -127,49 +127,49 @@ def _sample_loads(rng: np.random.Generator, probs: np.ndarray, tokens: int, top_
     return rng.multinomial(tokens * top_k, probs / probs.sum())
 
 
-def zipf_trace(
-    num_steps: int,
-    num_layers: int,
-    num_experts: int,
-    tokens_per_step: int,
-    top_k: int,
-    exponent: float = 1.0,
-    seed: int = 0,
-) -> RoutingTrace:
+@dataclass(frozen=True)
+class TraceShape:
+    """Size of a synthetic trace: steps × layers × experts, the tokens of a step and the experts per token
+    (the Zipf and drifting traces below and every family of ``moetrain.balance.families``)."""
+
+    num_steps: int
+    num_layers: int
+    num_experts: int
+    num_ranks: int
+    """The EP size the trace is meant for: the ``giant`` family sizes its experts against a rank's mean load
+    (the Zipf and drifting traces do not use it)."""
+    tokens_per_step: int
+    top_k: int = 8
+
+
+def zipf_trace(shape: TraceShape, exponent: float = 1.0, seed: int = 0) -> RoutingTrace:
     """Static Zipf popularity, p(expert of popularity rank i) ∝ 1/i^exponent, shuffled per layer so
     hot experts land anywhere in the contiguous layout; counts resampled every step."""
     rng = np.random.default_rng(seed)
-    base = 1.0 / np.arange(1, num_experts + 1) ** exponent
-    probs = np.stack([rng.permutation(base) for _ in range(num_layers)])
+    base = 1.0 / np.arange(1, shape.num_experts + 1) ** exponent
+    probs = np.stack([rng.permutation(base) for _ in range(shape.num_layers)])
     loads = np.stack([
-        np.stack([_sample_loads(rng, probs[layer], tokens_per_step, top_k) for layer in range(num_layers)])
-        for _ in range(num_steps)
+        np.stack([_sample_loads(rng, probs[layer], shape.tokens_per_step, shape.top_k)
+                  for layer in range(shape.num_layers)])
+        for _ in range(shape.num_steps)
     ])
-    return RoutingTrace(np.arange(num_steps), np.arange(num_layers), loads, name=f"zipf-s{exponent:g}")
+    return RoutingTrace(np.arange(shape.num_steps), np.arange(shape.num_layers), loads, name=f"zipf-s{exponent:g}")
 
 
-def drifting_trace(
-    num_steps: int,
-    num_layers: int,
-    num_experts: int,
-    tokens_per_step: int,
-    top_k: int,
-    num_hot: int = 8,
-    hot_weight: float = 6.0,
-    period: int = 40,
-    seed: int = 0,
-) -> RoutingTrace:
+def drifting_trace(shape: TraceShape, num_hot: int = 8, hot_weight: float = 6.0, period: int = 40,
+                   seed: int = 0) -> RoutingTrace:
     """A hot set of ``num_hot`` experts, each ``hot_weight`` times as popular as the rest, that drifts:
     every ``period`` steps one hot expert hands its popularity to a new one, linearly over the
     period (a trend a predictor can follow, unlike noise)."""
     rng = np.random.default_rng(seed)
-    loads = np.zeros((num_steps, num_layers, num_experts), dtype=np.int64)
-    for layer in range(num_layers):
+    num_experts = shape.num_experts
+    loads = np.zeros((shape.num_steps, shape.num_layers, num_experts), dtype=np.int64)
+    for layer in range(shape.num_layers):
         order = rng.permutation(num_experts)
         hot = list(order[:num_hot])
         spare = list(order[num_hot:])
         leaving, arriving = hot[0], spare[0]
-        for step in range(num_steps):
+        for step in range(shape.num_steps):
             phase = (step % period) / period
             if step and step % period == 0:
                 hot.remove(leaving)
@@ -181,5 +181,5 @@ def drifting_trace(
             weights[hot] = hot_weight
             weights[leaving] = 1.0 + (hot_weight - 1.0) * (1.0 - phase)
             weights[arriving] = 1.0 + (hot_weight - 1.0) * phase
-            loads[step, layer] = _sample_loads(rng, weights, tokens_per_step, top_k)
-    return RoutingTrace(np.arange(num_steps), np.arange(num_layers), loads, name=f"drift-h{num_hot}")
+            loads[step, layer] = _sample_loads(rng, weights, shape.tokens_per_step, shape.top_k)
+    return RoutingTrace(np.arange(shape.num_steps), np.arange(shape.num_layers), loads, name=f"drift-h{num_hot}")

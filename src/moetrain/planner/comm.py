@@ -24,9 +24,11 @@ from moetrain.config.cluster import COLLECTIVE_KINDS, ClusterConfig, CollectiveL
 from moetrain.planner.calibration import Efficiency, load_calibration
 
 # Re-exported (see __all__): one import site for communication and expert compute times.
-from moetrain.planner.compute import expert_compute_time, gemm_time
+from moetrain.planner.compute import ExpertShard, expert_compute_time, gemm_time
 
 __all__ = [
+    "ExpertShard",
+    "RankGroup",
     "allgather_time",
     "allreduce_time",
     "alltoall_time",
@@ -60,6 +62,21 @@ def ranks_per_node(group, stride, devices_per_node):
     group = np.asarray(group)
     per_node = np.maximum(devices_per_node // np.maximum(np.asarray(stride), 1), 1)
     return np.minimum(group, per_node)
+
+
+@dataclass(frozen=True)
+class RankGroup:
+    """A group of ``size`` ranks laid out ``stride`` apart (the placement convention above) on nodes of
+    ``devices_per_node`` devices. Fields broadcast like the functions' arguments."""
+
+    size: object
+    devices_per_node: object
+    stride: object = 1
+
+    @property
+    def in_node(self):
+        """Members that share one node (``ranks_per_node``)."""
+        return ranks_per_node(self.size, self.stride, self.devices_per_node)
 
 
 def _links(cluster: ClusterConfig, eff: Efficiency, kind: str | None = None) -> tuple[float, float, float, float]:
@@ -125,35 +142,25 @@ def alltoall_volume(tokens, hidden: int, top_k: int, dtype_bytes: float = 2.0):
     return np.asarray(tokens, dtype=float) * top_k * hidden * dtype_bytes
 
 
-def alltoall_time(
-    bytes_per_rank,
-    ep,
-    devices_per_node,
-    cluster: ClusterConfig,
-    hierarchical: bool | np.ndarray = False,
-    top_k: int = 1,
-    stride=1,
-    efficiency: Efficiency | None = None,
-):
+def alltoall_time(bytes_per_rank, group: RankGroup, cluster: ClusterConfig, hierarchical: bool | np.ndarray = False,
+                  top_k: int = 1, efficiency: Efficiency | None = None):
     """Time of one expert-parallel all-to-all (dispatch or combine) in seconds.
 
     Args:
         bytes_per_rank: bytes one rank sends, all destinations together (``alltoall_volume``), with
-            destinations spread evenly over the ``ep`` ranks (imbalance is priced by the caller).
-        ep: expert-parallel group size.
-        devices_per_node: devices per node of the cluster.
+            destinations spread evenly over the EP ranks (imbalance is priced by the caller).
+        group: the expert-parallel group: its size, placed with the expert tensor-parallel size as stride.
         hierarchical: False: flat all-to-all, every (token, expert) copy bound for another node crosses
             the network. True: the SPEC §2 hierarchical scheme: each token crosses the network once per
             destination node (not once per expert), then an all-to-all inside the node over the fast
             links delivers it to the experts there.
         top_k: experts per token, used to turn the routed bytes into token bytes for the hierarchical
             all-gather.
-        stride: distance between consecutive EP ranks (the expert tensor-parallel size).
     """
     eff = efficiency_for(cluster, efficiency)
     intra, inter, lat_intra, lat_inter = _links(cluster, eff, "all_to_all")
-    ep = np.maximum(np.asarray(ep, dtype=float), 1.0)
-    q = np.asarray(ranks_per_node(ep, stride, devices_per_node), dtype=float)
+    ep = np.maximum(np.asarray(group.size, dtype=float), 1.0)
+    q = np.asarray(ranks_per_node(ep, group.stride, group.devices_per_node), dtype=float)
     nodes = ep / q
     send = np.asarray(bytes_per_rank, dtype=float)
     if "all_to_all" not in cluster.collective_links:

@@ -14,6 +14,7 @@ All functions broadcast over numpy arrays.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
@@ -87,28 +88,33 @@ def mlp_matrix_count(model: ModelConfig) -> int:
     return 3 if model.gated_ffn else 2
 
 
-def expert_compute_time(
-    tokens,
-    model: ModelConfig,
-    cluster: ClusterConfig,
-    efficiency: Efficiency | None = None,
-    num_local_experts=1,
-    etp=1,
-    precision: str = "bf16",
-):
+@dataclass(frozen=True)
+class ExpertShard:
+    """What one device holds of an MoE layer's routed experts. Fields broadcast like ``expert_compute_time``'s
+    tokens (one value, or one per candidate layout)."""
+
+    num_local_experts: object = 1
+    """Experts resident on the device; each adds half a tile of padded rows to the grouped GEMM, which is
+    why many small experts run slower per FLOP than few large ones."""
+    etp: object = 1
+    """Expert tensor-parallel size: each expert's FFN width is split over ``etp`` devices."""
+
+
+def expert_compute_time(tokens, model: ModelConfig, cluster: ClusterConfig, efficiency: Efficiency | None = None,
+                        shard: ExpertShard | None = None, precision: str = "bf16"):
     """Forward seconds of the routed experts on one device in one MoE layer (grouped GEMM).
 
     Args:
         tokens: (token, expert) pairs the device processes: its local experts' loads summed. Pass the
             hottest device's load to price imbalance (the all-to-all waits for it).
-        num_local_experts: experts resident on the device; each adds half a tile of padded rows, which
-            is why many small experts run slower per FLOP than few large ones.
-        etp: expert tensor-parallel size (each expert's FFN width split over ``etp`` devices).
+        shard: the device's experts (default: one whole expert).
 
     Backward costs twice this (input and weight gradients).
     """
     assert model.moe is not None, "expert_compute_time needs a MoE model"
     eff = _eff(cluster, efficiency)
+    shard = shard or ExpertShard()
+    num_local_experts, etp = shard.num_local_experts, shard.etp
     params_per_expert = mlp_params(model, model.moe.expert_ffn_hidden) / np.asarray(etp, dtype=float)
     per_token = 2.0 * params_per_expert
     padded_rows = np.asarray(tokens, dtype=float) + np.asarray(num_local_experts) * GROUPED_GEMM_TILE_ROWS / 2

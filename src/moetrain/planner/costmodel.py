@@ -262,8 +262,19 @@ class _Stages:
     """Dense layers on the first stage (those of a dense-first MoE model)."""
 
 
-def _stages(w: Workload, s: Strategies, eff: Efficiency, dense: _PassTimes, body: _PassTimes, ends: _Ends) -> _Stages:
+@dataclass(frozen=True)
+class _MicroBatchPasses:
+    """What one micro-batch costs a stage, part by part: a dense and a body (most layers') layer pass, and
+    the embedding, head and MTP ends; the stages are sums of these."""
+
+    dense: _PassTimes
+    body: _PassTimes
+    ends: _Ends
+
+
+def _stages(w: Workload, s: Strategies, eff: Efficiency, passes: _MicroBatchPasses) -> _Stages:
     model, cluster = w.model, w.cluster
+    dense, body, ends = passes.dense, passes.body, passes.ends
     pp, vpp = s.pp.astype(float), s.vpp.astype(float)
     layers_per_stage = model.num_layers / pp
     num_dense = float(model.num_layers - model.num_moe_layers) if model.moe is not None else 0.0
@@ -295,10 +306,11 @@ def _stages(w: Workload, s: Strategies, eff: Efficiency, dense: _PassTimes, body
                    head_extra, p2p, layers_per_stage, dense_first)
 
 
-def _stage_times(w: Workload, s: Strategies, st: _Stages, dense: _PassTimes, body: _PassTimes,
-                 ends: _Ends, body_layer: LayerCosts) -> StageTimes:
+def _stage_times(w: Workload, s: Strategies, st: _Stages, passes: _MicroBatchPasses,
+                 body_layer: LayerCosts) -> StageTimes:
     """The timeline's inputs: per-stage compute without the all-to-all, and the all-to-all apart."""
     model = w.model
+    dense, body, ends = passes.dense, passes.body, passes.ends
     pp = s.pp.astype(float)
     lps, dense_first = st.layers_per_stage, st.dense_first
     first_layers = dense_first * dense.timeline + (lps - dense_first) * body.timeline
@@ -348,7 +360,8 @@ def pipeline_times(w: Workload, s: Strategies, eff: Efficiency, dense: LayerCost
     dense_pass = _pass_times(w, s, eff, dense, moe_layer=False)
     body_pass = _pass_times(w, s, eff, body, moe_layer=w.model.moe is not None)
     ends = _end_times(w, s, eff, body_pass.time)
-    st = _stages(w, s, eff, dense_pass, body_pass, ends)
+    passes = _MicroBatchPasses(dense_pass, body_pass, ends)
+    st = _stages(w, s, eff, passes)
     bubble = _bubble(w, s, st, num_micro)
     per_step = num_micro * st.layers_per_stage
     mtp_on_first = np.where(s.pp == 1, model.num_mtp_layers, 0)
@@ -363,11 +376,43 @@ def pipeline_times(w: Workload, s: Strategies, eff: Efficiency, dense: LayerCost
         len(s), **{f"{name}_s": per_step * 3.0 * getattr(body, name) for name in (
             "attention", "router", "experts", "shared_experts", "dense_ffn", "elementwise")},
         head_s=num_micro * ends.head)
-    return _stage_times(w, s, st, dense_pass, body_pass, ends, body), pipeline, compute
+    return _stage_times(w, s, st, passes, body), pipeline, compute
+
+
+@dataclass(frozen=True)
+class _DataParallelCollectives:
+    """One pass of each data-parallel collective of a rank, the dense and the expert parameters' together."""
+
+    grad_sync: object
+    """Reducing the gradients: a reduce-scatter (ZeRO ≥ 1; ZeRO 0's all-reduce is two of it)."""
+    param_gather: object
+    """All-gathering the updated bf16 weights (ZeRO ≥ 1)."""
+
+
+def _dp_collectives(w: Workload, s: Strategies, eff: Efficiency, params: LocalParams) -> _DataParallelCollectives:
+    """Ring collectives of the local dense and expert parameters over their data-parallel groups."""
+    devices_per_node = w.cluster.fabric_devices
+    dense_in_node = ranks_per_node(params.dense_dp, s.tp, devices_per_node)
+    exp_in_node = ranks_per_node(params.expert_dp, s.ep * s.etp, devices_per_node)
+
+    def shard_traffic(local, group, in_node):
+        return (allgather_time(local * w.grad_bytes, group, in_node, w.cluster, eff),
+                allgather_time(local * BF16, group, in_node, w.cluster, eff))
+
+    g_d, a_d = shard_traffic(params.dense, params.dense_dp, dense_in_node)
+    g_e, a_e = shard_traffic(params.experts, params.expert_dp, exp_in_node)
+    # ZeRO's reduce-scatter run as an all-reduce (``reduce_scatter_by_all_reduce``) costs two ring passes
+    grad_sync = (g_d + g_e) * np.where((s.zero >= 1) & w.reduce_scatter_by_all_reduce, 2.0, 1.0)
+    return _DataParallelCollectives(grad_sync, a_d + a_e)
+
+
+def num_micro_batches(w: Workload, s: Strategies):
+    """Micro-batches per pipeline (per data-parallel replica) in a step."""
+    return w.global_batch / (s.dp * s.micro_batch)
 
 
 def data_parallel_traffic(w: Workload, s: Strategies, eff: Efficiency, params: LocalParams, forward_fraction,
-                          stage_time_s, num_micro) -> DataParallelTimes:
+                          stage_time_s) -> DataParallelTimes:
     """Gradient reduction and weight gathering of the dense and the expert parameters over their
     data-parallel groups, and what of it the passes that produce or consume it hide.
 
@@ -386,20 +431,11 @@ def data_parallel_traffic(w: Workload, s: Strategies, eff: Efficiency, params: L
       (Zhao et al. 2023, PyTorch FSDP, §3.3-3.4).
     ``grad_overlap`` is the share of that window the collectives can use (the first and last buckets,
     and compute slowed by the concurrent traffic, keep it below 1). A source that states the overlap gets
-    the whole window, less the chunk issued last (``dp_overlap_chunks``)."""
-    devices_per_node = w.cluster.fabric_devices
-    dense_in_node = ranks_per_node(params.dense_dp, s.tp, devices_per_node)
-    exp_in_node = ranks_per_node(params.expert_dp, s.ep * s.etp, devices_per_node)
-
-    def shard_traffic(local, group, in_node):
-        return (allgather_time(local * w.grad_bytes, group, in_node, w.cluster, eff),
-                allgather_time(local * BF16, group, in_node, w.cluster, eff))
-
-    g_d, a_d = shard_traffic(params.dense, params.dense_dp, dense_in_node)
-    g_e, a_e = shard_traffic(params.experts, params.expert_dp, exp_in_node)
-    # ZeRO's reduce-scatter run as an all-reduce (``reduce_scatter_by_all_reduce``) costs two ring passes
-    grad_sync = (g_d + g_e) * np.where((s.zero >= 1) & w.reduce_scatter_by_all_reduce, 2.0, 1.0)
-    param_gather = a_d + a_e
+    the whole window, less the chunk issued last (``dp_overlap_chunks``). ``forward_fraction`` and
+    ``stage_time_s``: the busiest stage's share of forward compute and its time per micro-batch (the window)."""
+    num_micro = num_micro_batches(w, s)
+    collectives = _dp_collectives(w, s, eff, params)
+    grad_sync, param_gather = collectives.grad_sync, collectives.param_gather
     per_step_comm = np.where(s.zero == 0, 2.0 * grad_sync, grad_sync + param_gather)
     z3_every_micro = zero3_every_micro_batch(s)
     stated = "DP" in w.comm_overlap_stated
@@ -485,7 +521,7 @@ def balanced_stage_time(num_layers: int, pp, layer_time, first_extra, last_extra
 def evaluate(w: Workload, s: Strategies, eff: Efficiency) -> StepCosts:
     """Step time, breakdown, MFU and memory for every strategy in ``s`` (arrays of len(s))."""
     model = w.model
-    num_micro = w.global_batch / (s.dp * s.micro_batch)
+    num_micro = num_micro_batches(w, s)
     dense = layer_costs(w, s, eff, moe_layer=False, num_micro=num_micro) if (
         model.moe is None or model.num_dense_layers) else None
     moe = layer_costs(w, s, eff, moe_layer=True, num_micro=num_micro) if model.moe is not None else None
@@ -493,7 +529,7 @@ def evaluate(w: Workload, s: Strategies, eff: Efficiency) -> StepCosts:
     assert body is not None
     stages, pipeline, compute = pipeline_times(w, s, eff, dense, body, num_micro)
     params = LocalParams.of(w, s)
-    dp = data_parallel_traffic(w, s, eff, params, stages.forward_fraction, pipeline.stage_time_s, num_micro)
+    dp = data_parallel_traffic(w, s, eff, params, stages.forward_fraction, pipeline.stage_time_s)
     optimizer_device, optimizer = optimizer_times(w, s, eff, params)
     step = pipeline.pipeline_s + dp.exposed_s + optimizer + eff.step_overhead_ms * 1e-3
     tokens = w.global_batch * w.seq_len

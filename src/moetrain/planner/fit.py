@@ -14,7 +14,8 @@ Regenerate the shipped file, with its cross-validated error and the held-out fit
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -48,6 +49,24 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "grad_overlap": (0.0, 1.0),
     "tp_overlap": (0.0, 0.95),
 }
+
+
+@dataclass(frozen=True)
+class FitOptions:
+    """How a fit weighs the rows and which parameters it frees. The defaults are the shipped fit; the rest
+    are variants it does not use (benchmarks/notes/planner.md, "Fit variants")."""
+
+    per_arch_params: tuple[str, ...] = PER_ARCH_PARAMS
+    """The parameters fitted per architecture."""
+    family_weight_power: float = 0.0
+    """p: each row's log-ratio weighs n^(−p/2) (its squared error n^−p), n being the number of speed rows
+    of its family (0: every row counts the same, as shipped; 1: every family counts the same)."""
+    fixed: Mapping[str, float] = field(default_factory=dict)
+    """Parameters held at given values (a kernel measurement, say) instead of fitted."""
+    loss: str = LOSS
+    """scipy's loss on the log-ratios."""
+    loss_scale: float = LOSS_SCALE
+    """The log-ratio where that loss turns linear."""
 
 
 def predict_rows(rows: list[PreparedRow], calibration: Calibration) -> np.ndarray:
@@ -129,18 +148,18 @@ class _Problem:
         return np.array([value(None, p) for p in self.glob] + [value(a, p) for a, p in self.per_arch])
 
 
-def _problem(rows: list[PreparedRow], per_arch_params: tuple[str, ...], family_weight_power: float,
-             fixed: dict[str, float]) -> _Problem:
+def _problem(rows: list[PreparedRow], options: FitOptions) -> _Problem:
     speed_rows = [r for r in rows if r.metric != "peak_memory_gib"]
     if not speed_rows:
         raise UserError("no speed rows to fit on (memory rows do not constrain efficiencies)")
-    glob, per_arch = _layout(speed_rows, per_arch_params, fixed)
+    fixed = dict(options.fixed)
+    glob, per_arch = _layout(speed_rows, options.per_arch_params, fixed)
     prior = default_calibration().global_params
     x0 = np.array([getattr(prior, p) for p in glob] + [getattr(prior, p) for _, p in per_arch])
     lower = np.array([BOUNDS[p][0] for p in glob] + [BOUNDS[p][0] for _, p in per_arch])
     upper = np.array([BOUNDS[p][1] for p in glob] + [BOUNDS[p][1] for _, p in per_arch])
     family_rows = Counter(r.family for r in speed_rows)
-    weights = np.array([family_rows[r.family] ** (-family_weight_power / 2) for r in speed_rows])
+    weights = np.array([family_rows[r.family] ** (-options.family_weight_power / 2) for r in speed_rows])
     weights = weights / np.sqrt(np.mean(weights**2))  # the prior keeps its pull relative to the data
     return _Problem(speed_rows, glob, per_arch, fixed, x0, lower, upper, np.maximum(np.abs(x0), upper * 0.05),
                     weights)
@@ -156,59 +175,52 @@ def _rho(residuals: np.ndarray, loss: str, loss_scale: float) -> np.ndarray:
     return loss_scale**2 * forms[loss]
 
 
-def fit_loss(rows: list[PreparedRow], calibration: Calibration, *, per_arch_params: tuple[str, ...] = PER_ARCH_PARAMS,
-             family_weight_power: float = 0.0, fixed: dict[str, float] | None = None, loss: str = LOSS,
-             loss_scale: float = LOSS_SCALE) -> FitLoss:
+def fit_loss(rows: list[PreparedRow], calibration: Calibration, options: FitOptions | None = None) -> FitLoss:
     """The objective ``fit_calibration`` minimises on ``rows``, at ``calibration``'s parameters: the way to
-    tell which of two fits of the same rows is the better optimum (same options as ``fit_calibration``)."""
-    problem = _problem(rows, per_arch_params, family_weight_power, dict(fixed or {}))
-    rho = 0.5 * _rho(problem.residuals(problem.point(calibration)), loss, loss_scale)
+    tell which of two fits of the same rows is the better optimum (same ``options`` as ``fit_calibration``)."""
+    options = options or FitOptions()
+    problem = _problem(rows, options)
+    rho = 0.5 * _rho(problem.residuals(problem.point(calibration)), options.loss, options.loss_scale)
     n = len(problem.speed_rows)
     return FitLoss(float(np.sum(rho[:n])), float(np.sum(rho[n:])))
 
 
-def fit_calibration(rows: list[PreparedRow], note: str = "", *, per_arch_params: tuple[str, ...] = PER_ARCH_PARAMS,
-                    family_weight_power: float = 0.0, fixed: dict[str, float] | None = None,
-                    loss: str = LOSS, loss_scale: float = LOSS_SCALE, start: Calibration | None = None) -> Calibration:
-    """Robust least-squares fit of the efficiency parameters on ``rows`` (speed rows only).
-
-    The options are variants the shipped fit does not use (benchmarks/notes/planner.md, "Fit variants"):
-    ``per_arch_params`` names the parameters fitted per architecture; ``family_weight_power`` p weighs
-    each row's log-ratio by n^(−p/2) (its squared error by n^−p), n being the number of speed rows of its
-    family (0: every row counts the same, as shipped; 1: every family counts the same); ``fixed`` holds
-    parameters at given values (a kernel measurement, say) instead of fitting them; ``loss`` and
-    ``loss_scale`` choose scipy's loss on the log-ratios and the log-ratio where it turns linear;
-    ``start`` starts the search from another fit's values instead of the priors (the prior pull stays).
+def fit_calibration(rows: list[PreparedRow], note: str = "", options: FitOptions | None = None,
+                    start: Calibration | None = None) -> Calibration:
+    """Robust least-squares fit of the efficiency parameters on ``rows`` (speed rows only), the shipped fit
+    unless ``options`` say otherwise; ``start`` starts the search from another fit's values instead of the
+    priors (the prior pull stays).
     """
     try:
         from scipy.optimize import least_squares  # optional: only a refit needs scipy
     except ImportError as exc:  # scipy is needed only to refit, not to simulate
         raise UserError("fitting needs scipy; install it with `pip install scipy`") from exc
-    problem = _problem(rows, per_arch_params, family_weight_power, dict(fixed or {}))
+    options = options or FitOptions()
+    problem = _problem(rows, options)
     begin = problem.x0 if start is None else problem.point(start)
     result = least_squares(problem.residuals, np.clip(begin, problem.lower, problem.upper),
                            bounds=(problem.lower, problem.upper), x_scale=problem.scale, diff_step=1e-3,
-                           max_nfev=400, loss=loss, f_scale=loss_scale)
+                           max_nfev=400, loss=options.loss, f_scale=options.loss_scale)
     return _unpack(result.x, problem.glob, problem.per_arch, note, problem.fixed)
 
 
-def fits_without_each_family(rows: list[PreparedRow], **fit_options) -> dict[str, Calibration]:
-    """For each family of ``rows``, the parameters fitted on every *other* family (``fit_options`` go to
-    ``fit_calibration``): the fits leave-one-family-out cross-validation predicts with. ``moetrain plan``
-    re-ranks its best layouts under each to show how much the choice depends on the calibration."""
+def fits_without_each_family(rows: list[PreparedRow], options: FitOptions | None = None) -> dict[str, Calibration]:
+    """For each family of ``rows``, the parameters fitted (with ``options``) on every *other* family: the fits
+    leave-one-family-out cross-validation predicts with. ``moetrain plan`` re-ranks its best layouts under
+    each to show how much the choice depends on the calibration."""
     fits = {}
     for family in sorted({r.family for r in rows}):
         train = [r for r in rows if r.family != family]
-        fits[family] = (fit_calibration(train, note=f"fitted without {family}", **fit_options)
+        fits[family] = (fit_calibration(train, note=f"fitted without {family}", options=options)
                         if any(r.metric != "peak_memory_gib" for r in train) else default_calibration())
     return fits
 
 
 def leave_one_family_out(rows: list[PreparedRow], fits: dict[str, Calibration] | None = None,
-                         **fit_options) -> np.ndarray:
+                         options: FitOptions | None = None) -> np.ndarray:
     """Predict each row with parameters fitted on every *other* family (memory rows need no fit);
-    ``fits`` from ``fits_without_each_family`` if already computed, else ``fit_options`` go to it."""
-    fits = fits if fits is not None else fits_without_each_family(rows, **fit_options)
+    ``fits`` from ``fits_without_each_family`` if already computed, else fitted here with ``options``."""
+    fits = fits if fits is not None else fits_without_each_family(rows, options)
     predicted = np.empty(len(rows))
     for family, calibration in fits.items():
         held = [i for i, r in enumerate(rows) if r.family == family]

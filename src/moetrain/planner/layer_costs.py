@@ -23,6 +23,7 @@ from moetrain.costs.flops import attention_core_flops, attention_projection_flop
 from moetrain.costs.params import mlp_params
 from moetrain.planner.calibration import Efficiency
 from moetrain.planner.comm import (
+    RankGroup,
     allgather_time,
     allreduce_time,
     alltoall_time,
@@ -30,7 +31,14 @@ from moetrain.planner.comm import (
     p2p_time,
     ranks_per_node,
 )
-from moetrain.planner.compute import attention_time, expert_compute_time, gemm_time, memory_time, mlp_matrix_count
+from moetrain.planner.compute import (
+    ExpertShard,
+    attention_time,
+    expert_compute_time,
+    gemm_time,
+    memory_time,
+    mlp_matrix_count,
+)
 from moetrain.planner.strategy import Strategies
 from moetrain.planner.workload import Workload
 
@@ -277,19 +285,20 @@ def _moe_block(w: Workload, s: Strategies, eff: Efficiency, tok: _Tokens) -> _Fe
     elementwise = (t_moe * moe.num_experts * 4.0 * 3, 4.0 * routed_mean * h * act)
     # Under expert tensor parallelism a device holds 1/etp of each of its experts' width and computes it for
     # the tokens its etp group gathered (below): etp times its own routed tokens, the same work as etp 1.
-    experts = expert_compute_time(routed_mean * s.etp * w.imbalance, model, cluster, eff, moe.num_experts / s.ep,
-                                  s.etp, w.precision)
+    experts = expert_compute_time(routed_mean * s.etp * w.imbalance, model, cluster, eff,
+                                  ExpertShard(num_local_experts=moe.num_experts / s.ep, etp=s.etp), w.precision)
     shared = 0.0
     if moe.num_shared_experts:
         shared = gemm_time(2.0 * mlp_params(model, moe.shared_ffn_hidden) * t_moe, mlp_matrix_count(model), cluster,
                            eff, w.precision)
     send = alltoall_volume(t_moe, h, k, act) * w.imbalance
-    one_a2a = alltoall_time(send, s.ep, cluster.fabric_devices, cluster, s.a2a == 1, k, s.etp, eff)
+    ep_group = RankGroup(s.ep, cluster.fabric_devices, stride=s.etp)
+    one_a2a = alltoall_time(send, ep_group, cluster, hierarchical=s.a2a == 1, top_k=k, efficiency=eff)
     counts = 0.0
     if w.expert_count_exchange:
         # every EP rank's int64 count per expert, gathered before the forward's dispatch
-        ep_in_node = ranks_per_node(s.ep, s.etp, cluster.fabric_devices)
-        counts = np.where(s.ep > 1, allgather_time(s.ep * moe.num_experts * 8.0, s.ep, ep_in_node, cluster, eff), 0.0)
+        counts = np.where(s.ep > 1, allgather_time(s.ep * moe.num_experts * 8.0, s.ep, ep_group.in_node, cluster, eff),
+                          0.0)
     # Expert tensor parallelism gathers the routed tokens inside the etp group before the experts and
     # scatters them after.
     etp_in_node = ranks_per_node(s.etp, 1, cluster.fabric_devices)

@@ -22,6 +22,7 @@ ranks (about twice the step), with interleaving the other chunks absorb it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -66,90 +67,128 @@ class TimelineResult:
         return self.a2a_total_s - self.a2a_exposed_s
 
 
-def uniform_costs(pp: int, vpp: int, forward: float, backward: float, a2a: float = 0.0,
-                  hide_alone: float = 0.0, p2p: float = 0.0) -> StageCosts:
-    n = pp * vpp
-    full = lambda x: np.full(n, float(x))  # noqa: E731
+def uniform_costs(num_stages: int, forward: float, backward: float, a2a: float = 0.0, hide_alone: float = 0.0,
+                  p2p: float = 0.0) -> StageCosts:
+    """Every one of ``num_stages`` global stages (pp·vpp) alike; ``a2a`` and ``hide_alone`` per forward and
+    backward together, split evenly between the two."""
+    full = lambda x: np.full(num_stages, float(x))  # noqa: E731
     return StageCosts(full(forward), full(backward), full(a2a / 2), full(a2a / 2), full(hide_alone / 2),
                       full(hide_alone / 2), p2p)
 
 
+class _ActionCost(NamedTuple):
+    """What one action costs its rank: compute, the all-to-all it issues, and the part of that all-to-all
+    hidden under compute (the rest stalls the rank). A named tuple: the replay's inner loop builds them."""
+
+    compute: float
+    comm: float
+    hidden: float
+
+
+class _ActionCosts:
+    """What each action costs its rank (see the module docstring): a forward or a backward alone (only the
+    shared expert hides a dispatch, and only with overlap on), priced once per global stage, and a fused
+    pair, whose all-to-alls run under each other's compute."""
+
+    def __init__(self, costs: StageCosts, overlap: bool) -> None:
+        def alone(compute: np.ndarray, comm: np.ndarray, hide: np.ndarray) -> list[_ActionCost]:
+            return [_ActionCost(compute[i], comm[i], min(comm[i], hide[i]) if overlap else 0.0)
+                    for i in range(len(compute))]
+
+        self._forward = alone(costs.forward, costs.a2a_forward, costs.hide_alone_forward)
+        self._backward = alone(costs.backward, costs.a2a_backward, costs.hide_alone_backward)
+
+    def of(self, action: Action, rank: int, pp: int) -> _ActionCost:
+        """What ``action`` costs on ``rank``."""
+        f_stage = action.chunk * pp + rank
+        if action.kind == "F":
+            return self._forward[f_stage]
+        if action.kind == "B":
+            return self._backward[f_stage]
+        forward, backward = self._forward[f_stage], self._backward[action.bwd_chunk * pp + rank]
+        compute = forward.compute + backward.compute
+        comm = forward.comm + backward.comm
+        return _ActionCost(compute, comm, min(comm, compute))
+
+
+@dataclass
+class _Arrivals:
+    """When each (micro-batch, stage) finished its forward and its backward: what the next action waits for."""
+
+    last_stage: int
+    p2p: float
+    f_end: dict[tuple[int, int], float] = field(default_factory=dict)
+    b_end: dict[tuple[int, int], float] = field(default_factory=dict)
+
+    def forward_input(self, micro: int, stage: int) -> float | None:
+        """When the forward of ``micro`` on ``stage`` has its input (None: not yet produced)."""
+        if stage == 0:
+            return 0.0
+        end = self.f_end.get((micro, stage - 1))
+        return None if end is None else end + self.p2p
+
+    def backward_input(self, micro: int, stage: int) -> float | None:
+        """When the backward of ``micro`` on ``stage`` has its gradient (the last stage: its own forward)."""
+        if stage == self.last_stage:
+            return self.f_end.get((micro, stage))
+        end = self.b_end.get((micro, stage + 1))
+        return None if end is None else end + self.p2p
+
+    def ready(self, action: Action, rank: int, pp: int) -> float | None:
+        """When every input of ``action`` on ``rank`` has arrived (None: one has not been produced yet)."""
+        f_stage = action.chunk * pp + rank
+        if action.kind == "F":
+            return self.forward_input(action.micro_batch, f_stage)
+        if action.kind == "B":
+            return self.backward_input(action.micro_batch, f_stage)
+        r1 = self.forward_input(action.micro_batch, f_stage)
+        r2 = self.backward_input(action.bwd_micro_batch, action.bwd_chunk * pp + rank)
+        return None if r1 is None or r2 is None else max(r1, r2)
+
+    def finish(self, action: Action, rank: int, pp: int, end: float) -> None:
+        """Record ``action``'s outputs as leaving at ``end`` (a fused pair's forward half too: the halves take
+        turns to the end of the step)."""
+        if action.kind in ("F", "FB"):
+            self.f_end[(action.micro_batch, action.chunk * pp + rank)] = end
+        if action.kind == "B":
+            self.b_end[(action.micro_batch, action.chunk * pp + rank)] = end
+        if action.kind == "FB":
+            self.b_end[(action.bwd_micro_batch, action.bwd_chunk * pp + rank)] = end
+
+
 def simulate_timeline(pp: int, vpp: int, num_micro: int, costs: StageCosts, overlap: bool = False,
                       record_spans: bool = False) -> TimelineResult:
+    """Replay the schedule of ``pp`` ranks × ``vpp`` chunks over ``num_micro`` micro-batches: each rank runs its
+    next action as soon as the rank is free and the action's inputs have arrived."""
     schedule = build_schedule(pp, vpp, num_micro, overlap)
-    last_stage = pp * vpp - 1
-    f_end: dict[tuple[int, int], float] = {}
-    b_end: dict[tuple[int, int], float] = {}
+    arrivals = _Arrivals(last_stage=pp * vpp - 1, p2p=costs.p2p)
+    action_costs = _ActionCosts(costs, overlap)
     rank_free = [0.0] * pp
     busy = [0.0] * pp
     pointer = [0] * pp
     spans: list[Span] = []
     a2a_total = 0.0
     a2a_exposed = 0.0
-
-    def f_ready(micro: int, stage: int) -> float | None:
-        if stage == 0:
-            return 0.0
-        end = f_end.get((micro, stage - 1))
-        return None if end is None else end + costs.p2p
-
-    def b_ready(micro: int, stage: int) -> float | None:
-        if stage == last_stage:
-            return f_end.get((micro, stage))
-        end = b_end.get((micro, stage + 1))
-        return None if end is None else end + costs.p2p
-
     remaining = sum(len(a) for a in schedule)
     while remaining:
         progressed = False
         for rank in range(pp):
             while pointer[rank] < len(schedule[rank]):
                 action: Action = schedule[rank][pointer[rank]]
-                f_stage = action.chunk * pp + rank
-                if action.kind == "F":
-                    ready = f_ready(action.micro_batch, f_stage)
-                elif action.kind == "B":
-                    ready = b_ready(action.micro_batch, f_stage)
-                else:
-                    b_stage = action.bwd_chunk * pp + rank
-                    r1 = f_ready(action.micro_batch, f_stage)
-                    r2 = b_ready(action.bwd_micro_batch, b_stage)
-                    ready = None if r1 is None or r2 is None else max(r1, r2)
+                ready = arrivals.ready(action, rank, pp)
                 if ready is None:
                     break
                 start = max(rank_free[rank], ready)
-                if action.kind == "F":
-                    compute = costs.forward[f_stage]
-                    comm = costs.a2a_forward[f_stage]
-                    hidden = min(comm, costs.hide_alone_forward[f_stage]) if overlap else 0.0
-                elif action.kind == "B":
-                    compute = costs.backward[f_stage]
-                    comm = costs.a2a_backward[f_stage]
-                    hidden = min(comm, costs.hide_alone_backward[f_stage]) if overlap else 0.0
-                else:
-                    compute = costs.forward[f_stage] + costs.backward[b_stage]
-                    comm = costs.a2a_forward[f_stage] + costs.a2a_backward[b_stage]
-                    hidden = min(comm, compute)
-                exposed = comm - hidden
-                end = start + compute + exposed
-                if action.kind == "F":
-                    f_end[(action.micro_batch, f_stage)] = end
-                if action.kind == "FB":
-                    # The forward half ends close to the end of the fused step (the halves take turns).
-                    f_end[(action.micro_batch, f_stage)] = end
-                if action.kind == "B":
-                    b_end[(action.micro_batch, f_stage)] = end
-                if action.kind == "FB":
-                    b_end[(action.bwd_micro_batch, action.bwd_chunk * pp + rank)] = end
+                cost = action_costs.of(action, rank, pp)
+                exposed = cost.comm - cost.hidden
+                end = start + cost.compute + exposed
+                arrivals.finish(action, rank, pp, end)
                 rank_free[rank] = end
-                busy[rank] += compute + exposed
-                a2a_total += comm
+                busy[rank] += cost.compute + exposed
+                a2a_total += cost.comm
                 a2a_exposed += exposed
                 if record_spans:
-                    spans.append(Span(rank, start, start + compute, str(action), "compute"))
-                    if comm > 0:
-                        spans.append(Span(rank, start, start + hidden, str(action), "a2a-hidden"))
-                        spans.append(Span(rank, start + compute, end, str(action), "a2a-exposed"))
+                    spans.extend(_action_spans(rank, start, end, str(action), cost))
                 pointer[rank] += 1
                 remaining -= 1
                 progressed = True
@@ -164,6 +203,16 @@ def simulate_timeline(pp: int, vpp: int, num_micro: int, costs: StageCosts, over
         a2a_exposed_s=a2a_exposed / pp,
         spans=spans,
     )
+
+
+def _action_spans(rank: int, start: float, end: float, label: str, cost: _ActionCost) -> list[Span]:
+    """An action's compute span, and with an all-to-all its hidden part (from the start) and its exposed part
+    (after the compute, to the end)."""
+    spans = [Span(rank, start, start + cost.compute, label, "compute")]
+    if cost.comm > 0:
+        spans.append(Span(rank, start, start + cost.hidden, label, "a2a-hidden"))
+        spans.append(Span(rank, start + cost.compute, end, label, "a2a-exposed"))
+    return spans
 
 
 def stage_costs_from_model(stages: StageTimes, index: int, pp: int, vpp: int) -> StageCosts:

@@ -184,20 +184,42 @@ def prepare_row(row: dict) -> PreparedRow | Unsimulable:
     """Turn one CSV row into simulator inputs, or say why it cannot be simulated."""
     row_id = row["id"]
     family = family_of(row_id)
-    metric = row["metric"].strip()
-    if metric not in METRICS:
-        return Unsimulable(row_id, family, f"metric {metric!r} is not one of {', '.join(METRICS)}")
-    needed = ("num_devices", "seq_len", "global_batch_seqs", "tp", "pp", "vocab", "layers", "hidden", "heads")
-    missing = [k for k in needed if not (row.get(k) or "").strip()]
-    if missing:
-        return Unsimulable(row_id, family, f"no {', '.join(missing)} in the row")
-    if metric in ("mfu", "tflops_per_device") and not row.get("flops_convention", "").strip():
-        return Unsimulable(row_id, family, "FLOP convention not stated")
+    problem = _unsimulable_reason(row)
+    if problem is not None:
+        return Unsimulable(row_id, family, problem)
     try:
         cluster = row_cluster(row)
         model = row_model(row)
     except (UserError, ValueError, TypeError) as exc:
         return Unsimulable(row_id, family, str(exc).splitlines()[0])
+    strategy = row_strategy(row)
+    workload = row_workload(row, model, cluster)
+    if not (row.get("recompute") or "").strip():
+        # A stack that picks its recomputation by memory saved per second lost (Pangu's Selective R/S)
+        # recomputes only what the memory needs, not the selective set in every layer.
+        adaptive = bool(re.search(r"Selective R/S", row.get("source", "")))
+        strategy = _lightest_recompute_that_fits(workload, strategy, adaptive)
+    return PreparedRow(row_id, family, row["metric"].strip(), float(row["value"]), workload, strategy,
+                       _int(row, "num_devices"), (row.get("flops_convention") or "").strip())
+
+
+def _unsimulable_reason(row: dict) -> str | None:
+    """Why the row lacks what a prediction needs, before its model and cluster are read (None: it has it)."""
+    metric = row["metric"].strip()
+    if metric not in METRICS:
+        return f"metric {metric!r} is not one of {', '.join(METRICS)}"
+    needed = ("num_devices", "seq_len", "global_batch_seqs", "tp", "pp", "vocab", "layers", "hidden", "heads")
+    missing = [k for k in needed if not (row.get(k) or "").strip()]
+    if missing:
+        return f"no {', '.join(missing)} in the row"
+    if metric in ("mfu", "tflops_per_device") and not row.get("flops_convention", "").strip():
+        return "FLOP convention not stated"
+    return None
+
+
+def row_strategy(row: dict) -> Strategies:
+    """The row's layout, its empty cells read as the module docstring says (recompute as stated: "none" when
+    empty, which ``prepare_row`` then replaces with the least that fits)."""
     tp, pp = _int(row, "tp"), _int(row, "pp")
     cp = _int(row, "cp", 1)
     num_devices = _int(row, "num_devices")
@@ -206,19 +228,24 @@ def prepare_row(row: dict) -> PreparedRow | Unsimulable:
     sp_text = (row.get("sp") or "").strip()
     sp = bool(int(sp_text)) if sp_text else tp > 1
     recompute = (row.get("recompute") or "").strip() or "none"
-    precision = (row.get("precision") or "").strip() or "bf16"
     zero = _int(row, "zero", 1)
     source = row.get("source", "")
     # Schedules that pair one micro-batch's forward with another's backward to hide the all-to-all.
     overlap = bool(re.search(r"DualPipe|fb-overlap|EP overlap", source))
     vpp, micro_batch = _pipeline_split(row, pp, dp, source)
-    strategy = Strategies(
+    return Strategies(
         tp=np.array([tp]), sp=np.array([sp and tp > 1]), pp=np.array([pp]), vpp=np.array([vpp]),
         ep=np.array([ep]), etp=np.array([etp]), cp=np.array([cp]), dp=np.array([dp]), zero=np.array([zero]),
         micro_batch=np.array([micro_batch]),
         recompute=np.array([RECOMPUTE_NAMES.index(recompute)]), a2a=np.array([A2A_NAMES.index("flat")]),
         overlap=np.array([overlap]),
     )
+
+
+def row_workload(row: dict, model: ModelConfig, cluster: ClusterConfig) -> Workload:
+    """The row's workload: its batch and precision, and the mechanisms its ``source`` states (module docstring)."""
+    precision = (row.get("precision") or "").strip() or "bf16"
+    source = row.get("source", "")
     # Sliding-window attention named in the source ("alternates 128-token sliding-window and full
     # attention layers", GPT-OSS): half the layers attend to the window only.
     window = re.search(r"alternates (\d+)-token sliding-window and full attention layers", source)
@@ -232,7 +259,7 @@ def prepare_row(row: dict) -> PreparedRow | Unsimulable:
     # Megatron-Core's drop-and-pad dispatch: every expert gets exactly its capacity, the capacity factor
     # times the balanced load (tokens above it dropped, the rest padded), and the counts never reach the host.
     padded = re.search(r"experts padded to capacity \(capacity factor ([0-9.]+)\)", source)
-    workload = Workload(
+    return Workload(
         model=model,
         cluster=cluster,
         seq_len=_int(row, "seq_len"),
@@ -264,13 +291,6 @@ def prepare_row(row: dict) -> PreparedRow | Unsimulable:
         # Float8 linears the BF16 ones.
         fp8_stored_activations=precision == "fp8" and "torchao" not in source,
     )
-    if not (row.get("recompute") or "").strip():
-        # A stack that picks its recomputation by memory saved per second lost (Pangu's Selective R/S)
-        # recomputes only what the memory needs, not the selective set in every layer.
-        adaptive = bool(re.search(r"Selective R/S", source))
-        strategy = _lightest_recompute_that_fits(workload, strategy, adaptive)
-    return PreparedRow(row_id, family, metric, float(row["value"]), workload, strategy, num_devices,
-                       (row.get("flops_convention") or "").strip())
 
 
 def _pipeline_split(row: dict, pp: int, dp: int, source: str) -> tuple[int, int]:
