@@ -28,6 +28,7 @@ from _parity import (
     train_rows,
 )
 
+from forked_ranks import forked_train_ranks
 from moetrain.cli import main
 from moetrain.config import GQAConfig, ParallelConfig, TrainingConfig, load_model_config
 from moetrain.distributed.cp import ContextParallel, load_balanced_index
@@ -240,7 +241,11 @@ def test_moetrain_train_cp2_on_a_corpus_gives_the_single_process_metrics(tmp_pat
                      "--metrics-out", str(tmp_path / "single.jsonl")]) == 0
     finally:
         torch.set_num_threads(threads)
-    assert main(["train", *shape, "--nproc", "2", "--cp", "2", "--metrics-out", str(tmp_path / "cp2.jsonl")]) == 0
+    # the CP2 ranks forked from this process, each reading back the launcher's spec file (forked_ranks): a
+    # torchrun start costs about 5 CPU-seconds a rank, and torchrun stays under test in test_launch.py
+    with forked_train_ranks():
+        assert main(["train", *shape, "--nproc", "2", "--cp", "2", "--metrics-out", str(tmp_path / "cp2.jsonl"),
+                     "--log-dir", str(tmp_path / "logs")]) == 0
     single, cp2 = ([json.loads(line) for line in (tmp_path / name).read_text().splitlines()]
                    for name in ("single.jsonl", "cp2.jsonl"))
     assert [r["step"] for r in cp2] == [r["step"] for r in single] == [1, 2, 3]

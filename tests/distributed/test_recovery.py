@@ -16,7 +16,7 @@ import torch
 
 from checkpoint_tensors import checkpoint_tensors
 from cli_in_process import Finished, InProcessCli
-from forked_ranks import train_forked
+from forked_ranks import forked_train_ranks, train_forked
 
 SHAPE = ["--steps", "8", "--seq-len", "32", "--global-batch", "4", "--micro-batch", "2", "--synthetic-data",
          "--quiet", "--save-every", "2"]
@@ -120,8 +120,10 @@ def test_a_hung_rank_times_its_peer_out_and_the_group_recovers(run, tmp_path: Pa
 @pytest.mark.slow
 @pytest.mark.dist
 def test_a_write_that_fails_on_one_rank_is_skipped_by_every_rank(run, tmp_path: Path) -> None:
-    proc = run("disk", "--nproc", "2", "--ep", "2", "--async-save", "--on-save-error", "continue",
-                fault="1:4:save_error")  # rank 1's disk is full for the checkpoint of step 4
+    # no restart here: the ranks are forked from this process (forked_ranks; torchrun starts the runs above)
+    with forked_train_ranks():
+        proc = run("disk", "--nproc", "2", "--ep", "2", "--async-save", "--on-save-error", "continue",
+                   fault="1:4:save_error")  # rank 1's disk is full for the checkpoint of step 4
     assert proc.returncode == 0, proc.stderr
     staging = tmp_path / "disk" / "ckpt" / "step-000004.tmp"
     assert (f"checkpoint step-000004 not saved: [Errno 28] No space left on device (injected): '{staging}'; "

@@ -429,7 +429,7 @@ def test_cli_refuses_a_pool_that_cannot_run_in_one_line_exit_2(capsys, argv, exp
 
 
 @pytest.mark.slow
-def test_cli_runs_two_replicas_of_two_ep_ranks_beside_a_tp2_trainer_through_torchrun(tmp_path, capsys):
+def test_cli_runs_two_replicas_of_two_ep_ranks_beside_a_tp2_trainer(tmp_path, capsys):
     """One launch for both of the CLI's pool axes: replicas beside a TP2 trainer group, and EP ranks inside
     a replica (replicas of one rank through the CLI: test_rl_nodes' one-node run)."""
     steps = _cli_steps(tmp_path, capsys, "--nproc", "6", "--rollout-replicas", "2", "--gen-ep", "2", "--tp", "2")
@@ -446,14 +446,20 @@ def test_cli_runs_two_replicas_of_two_ep_ranks_beside_a_tp2_trainer_through_torc
 
 
 def _cli_steps(tmp_path, capsys, *flags: str) -> list[dict]:
-    """The step rows of ``moetrain rl`` (tiny, k = 1) with ``flags``, run through torchrun; exit 0 asserted."""
+    """The step rows of ``moetrain rl`` (tiny, k = 1, one torch thread a rank) with ``flags``; exit 0 asserted.
+    The launcher builds, checks and writes the spec as ever; its ranks are forked from this process, each
+    reading the spec file back (``forked_ranks``): a torchrun start costs about 5 CPU-seconds a rank, and
+    torchrun starting this pipeline's ranks stays under test in test_rl_nodes.py and test_rl_restart.py."""
     import json
 
     from test_rl_stalesync import TINY
 
+    from forked_ranks import forked_rl_ranks
     from moetrain.cli import main
 
     metrics = tmp_path / "rl.jsonl"
-    argv = ["rl", *TINY, "--staleness", "1", *flags, "--metrics-out", str(metrics), "--log-dir", str(tmp_path / "log")]
-    assert main(argv) == 0, capsys.readouterr().err
+    argv = ["rl", *TINY, "--staleness", "1", "--threads", "1", *flags, "--metrics-out", str(metrics),
+            "--log-dir", str(tmp_path / "log")]
+    with forked_rl_ranks():
+        assert main(argv) == 0, capsys.readouterr().err
     return [r for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]

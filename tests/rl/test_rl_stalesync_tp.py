@@ -166,7 +166,7 @@ def test_a_lost_rank_of_a_tp_replica_that_is_not_its_leader_is_named_by_replica_
 
 
 @pytest.mark.slow
-def test_cli_runs_a_replica_of_two_tp_ranks_beside_a_trainer_through_torchrun(tmp_path, capsys):
+def test_cli_runs_a_replica_of_two_tp_ranks_beside_a_trainer(tmp_path, capsys):
 
 
     from moetrain.config import load_model_config

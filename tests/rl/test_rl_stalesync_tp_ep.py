@@ -114,7 +114,7 @@ def test_a_pool_size_other_than_tp_times_ep_is_refused_naming_both():
 
 
 @pytest.mark.slow
-def test_cli_runs_a_tp2_by_ep2_replica_beside_a_trainer_through_torchrun(tmp_path, capsys):
+def test_cli_runs_a_tp2_by_ep2_replica_beside_a_trainer(tmp_path, capsys):
     """``moetrain rl --nproc 5 --gen-tp 2 --gen-ep 2``: the spec, the worker and the job carry both degrees to
     the ranks; every push gives each of the 4 replica ranks its share (its TP ranges and half the experts)."""
     from moetrain.config import load_model_config
