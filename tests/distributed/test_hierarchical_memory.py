@@ -4,9 +4,10 @@ parts, in fp32 and bf16, for
 
 - the hierarchical dispatcher (``HierarchicalDispatcher``: 2 nodes × 2 ranks), which keeps other
   tensors than the flat all-to-all: its hop-1 source index, the mask of the assignments each hop-1 row
-  carries, the expand order, the expanded rows' source row and gating weight, and the combine's
-  first-hop output (fp32 and weighted) and second-hop rows, in place of the flat dispatch's sort order,
-  inverse, gating weights and combined rows;
+  carries, the expand order, the expanded rows' source row and gating weight, and the rows the
+  combine's first hop returns (one copy, in the activation dtype), in place of the flat dispatch's sort
+  order, inverse, gating weights and returned rows. The combine's sums keep no fp32 or weighted copy
+  and no second-hop rows (their backward is a gather);
 - the flat all-to-all under a skewed routing (one rank receives twice the mean rows, two half of it),
   compared at each rank's measured imbalance: what a rank keeps for its own tokens (sort order,
   inverse, the combine's returned rows) does not grow with the rows it receives.
@@ -149,16 +150,16 @@ def test_hierarchical_dispatch_keeps_the_formulas_bytes(measured: list[dict], dt
 def test_hierarchical_keeps_more_than_flat_tensor_by_tensor(measured: list[dict]) -> None:
     """T = 64 tokens, each to 2 nodes: S = 128 hop-1 rows sent and 128 received per rank; X = 256 rows
     expanded at each peer (T·k); hidden 128, k 4.
-    Added: source index 128·8 = 1,024; assignment mask 128·4·1 = 512; second-hop rows the combine keeps
-    128·128·d; expand order 128·4·8 = 4,096; expanded rows' source row 256·8 = 2,048 and gating weight
-    256·4 = 1,024; first-hop output in fp32 256·128·4 = 131,072 and weighted 256·128·d.
+    Added: source index 128·8 = 1,024; assignment mask 128·4·1 = 512; expand order 128·4·8 = 4,096;
+    expanded rows' source row 256·8 = 2,048 and gating weight 256·4 = 1,024; the rows the first hop
+    returns 256·128·d (once: no fp32 copy, no weighted copy, no second-hop rows).
     Gone: the flat sort order and inverse 2·256·8 = 4,096, the combine's gating weights 256·4 = 1,024
     and its returned rows 256·128·d.
-    fp32 (d = 4): 1,024 + 512 + 65,536 + 4,096 + 2,048 + 1,024 + 131,072 + 131,072 − 4,096 − 1,024
-    − 131,072 = 200,192. bf16 (d = 2): 1,024 + 512 + 32,768 + 4,096 + 2,048 + 1,024 + 131,072 + 65,536
-    − 4,096 − 1,024 − 65,536 = 167,424."""
+    Both dtypes: 1,024 + 512 + 4,096 + 2,048 + 1,024 − 4,096 − 1,024 = 3,584 (the rows cancel). The
+    combine that kept index_add's sources and the multiply's fp32 rows grew by 200,192 (fp32) and
+    167,424 (bf16)."""
     for rank, by_case in enumerate(measured):
-        for dtype, growth in (("fp32", 200_192), ("bf16", 167_424)):
+        for dtype, growth in (("fp32", 3_584), ("bf16", 3_584)):
             assert by_case["hierarchical", dtype][0] - by_case["flat", dtype][0] == growth, (rank, dtype)
 
 

@@ -34,11 +34,12 @@ def _strategy(a2a: int) -> Strategies:
 def test_hierarchical_layouts_keep_the_two_hop_tensors() -> None:
     """EP 16 on 8-GPU nodes spans 2 nodes; 512 tokens a device, top-2 in bf16. A token's 2 experts
     reach 2·(1 − (1/2)²) = 1.5 nodes on average: S = 768 hop-1 rows sent and received; 1,024 rows
-    expanded at the peer and received. Added: S·(8 index + 2 mask + 256·2 returned row) = 400,896;
-    expand order S·2·8 = 12,288; per expanded row 8 + 4 + 256·(4 + 2) = 1,548: 1,585,152. Gone: the
-    flat sort order and inverse 2·1,024·8 = 16,384, the combine's weights 1,024·4 = 4,096 and its
-    returned rows 1,024·256·2 = 524,288. Net: 1,453,568 bytes per MoE layer and micro-batch."""
+    expanded at the peer and received. Added: S·(8 index + 2 mask) = 7,680; expand order S·2·8 =
+    12,288; per expanded row 8 + 4 + 256·2 (its source row, weight and the row the combine's first hop
+    returns) = 524: 536,576. Gone: the flat sort order and inverse 2·1,024·8 = 16,384, the combine's
+    weights 1,024·4 = 4,096 and its returned rows 1,024·256·2 = 524,288. Net: 11,776 bytes per MoE
+    layer and micro-batch."""
     w = Workload(_moe_model(), load_cluster_config("h100-sxm-80gb"), SEQ, 16)
     assert w.cluster.fabric_devices == 8
     flat, hierarchical = (float(_layer_activations(w, _strategy(a2a), True, np.array([0]))[0]) for a2a in (0, 1))
-    assert hierarchical - flat == 1_453_568
+    assert hierarchical - flat == 11_776

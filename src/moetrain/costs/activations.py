@@ -423,20 +423,21 @@ def _dispatch(parts: _Parts, shape: ActivationShape, rows: _RoutedRows, opts: fr
 
 
 def _hierarchical(shape: ActivationShape, rows: _RoutedRows):
-    """What the two-hop dispatcher keeps in place of the flat one's sort order and inverse, the
-    combine's gating weights and its output rows (``HierarchicalDispatcher``; measured in
+    """What the two-hop dispatcher keeps in place of the flat one's sort order and inverse and the
+    combine's gating weights (``HierarchicalDispatcher``; measured in
     tests/distributed/test_hierarchical_memory.py). Its own tokens' side: the hop-1 source index
-    (int64, one per (token, node) row: the row gather, the weights' gather and the final index_add
-    keep it), the mask of the assignments each row carries (bool, k per row) and the rows the combine's
-    second hop returns (kept by that index_add, which saves its source). The peer's side, for the
-    ``hop1_received`` rows it expands to the ``received`` rows of its node: the expand order (int64,
-    k per hop-1 row: a view of the whole argsort), the row each expanded row came from (int64), its
-    gating weight (fp32), and the combine's first-hop output in fp32 and weighted (kept by the multiply
-    and the index_add). The peer expands as many rows as its node's devices receive, on average."""
+    (int64, one per (token, node) row: the row gather, the weights' gather and the final sum over
+    nodes keep it) and the mask of the assignments each row carries (bool, k per row); the final sum's
+    backward is a gather, so it keeps no rows. The peer's side, for the ``hop1_received`` rows it
+    expands to the ``received`` rows of its node: the expand order (int64, k per hop-1 row: a view of
+    the whole argsort), the row each expanded row came from (int64), its gating weight (fp32), and the
+    rows the combine's first hop returns, once in the activation dtype (the weights' gradient reads
+    them), in place of the flat combine's returned rows. The peer expands as many rows as its node's
+    devices receive, on average."""
     h, d, k = shape.model.hidden_size, float(shape.dtype_bytes), shape.model.moe.router.top_k
     expanded = rows.received
-    own = rows.hop1_sent * (INDEX_BYTES + k * BOOL_BYTES + h * d)
-    peer = rows.hop1_received * k * INDEX_BYTES + expanded * (INDEX_BYTES + FP32_BYTES + h * (FP32_BYTES + d))
+    own = rows.hop1_sent * (INDEX_BYTES + k * BOOL_BYTES)
+    peer = rows.hop1_received * k * INDEX_BYTES + expanded * (INDEX_BYTES + FP32_BYTES + h * d)
     return own + peer
 
 
@@ -471,7 +472,7 @@ def _moe(parts: _Parts, shape: ActivationShape, t_moe, opts: frozenset[str], out
     h, k = model.hidden_size, moe.router.top_k
     fp32 = d >= FP32_BYTES
     rows = _RoutedRows.of(shape, t_moe)
-    # the hierarchical combine sums each token's rows by index_add: no flat combine, no weights it keeps
+    # the hierarchical combine keeps its own tensors (``_hierarchical``): not the flat combine's weights or rows
     flat_combine = ~(np.asarray(shape.sharding.hierarchical, dtype=bool) & (np.asarray(shape.sharding.ep) > 1))
     swap = "swap_moe" in opts
     act = "activation" in opts

@@ -41,7 +41,7 @@ from moetrain.distributed.comm import PendingExchange, all_to_all, all_to_all_st
 from moetrain.distributed.host_reads import host_read
 from moetrain.distributed.overlap import wait_comm
 from moetrain.distributed.trace import record_async, span
-from moetrain.models.dispatch import PermuteMeta, permute_by, unpermute
+from moetrain.models.dispatch import PermuteMeta, permute_by, sum_gathered_rows, unpermute
 from moetrain.models.experts import GroupedExperts
 from moetrain.models.router import Routing, count_tokens_per_expert
 
@@ -227,17 +227,76 @@ class AllToAllDispatcher:
 class HierarchicalDispatchMeta:
     token_index: torch.Tensor
     """Source token of each hop-1 row sent (one per token and destination node)."""
-    num_tokens: int
+    row_of_token_node: torch.Tensor
+    """[T, N]: the hop-1 row sent for (token, node), or the row count where the token skips the node."""
     inter_in: list[int]
     inter_out: list[int]
     expand_row: torch.Tensor
     """At the peer: the hop-1 row each expanded (token, expert) row came from."""
     expand_weights: torch.Tensor
-    num_hop1_rows: int
+    row_of_assignment: torch.Tensor
+    """At the peer, [received hop-1 rows, K]: the expanded row of each assignment a hop-1 row carries,
+    or the expanded row count where the assignment is for another node."""
     intra_in: list[int]
     intra_out: list[int]
     to_canonical: torch.Tensor
     from_canonical: torch.Tensor
+
+
+def _row_at(positions: torch.Tensor, num_positions: int) -> torch.Tensor:
+    """The inverse of ``positions`` (row r sits at position ``positions[r]``) over ``num_positions``
+    positions: the row at each, or ``len(positions)`` (the zero row ``_with_zero_row`` appends) where
+    no row is."""
+    row_at = torch.full((num_positions,), positions.numel(), dtype=positions.dtype, device=positions.device)
+    row_at[positions] = torch.arange(positions.numel(), device=positions.device)
+    return row_at
+
+
+def _with_zero_row(rows: torch.Tensor) -> torch.Tensor:
+    return torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
+
+
+def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+class _CombineInNode(torch.autograd.Function):
+    """At the peer, each hop-1 row's experts in this node, weighted and summed:
+    out_s = Σ_j w_sj · y[row of (s, j)], in fp32 and rounded once (a gather: no atomics). Keeps one
+    copy of the returned rows (the weights' gradient reads them), their weights and hop-1 rows, where
+    autograd through a multiply and an index_add would keep the rows in fp32 and weighted too. Both
+    gradients are gathers: a row's w · g_s, its weight's ⟨g_s, y_row⟩ (as ``dispatch._WeightedCombine``)."""
+
+    @staticmethod
+    def forward(ctx, y_XD: torch.Tensor, weights_X: torch.Tensor, expand_row_X: torch.Tensor,
+                row_of_assignment_SK: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(y_XD, weights_X, expand_row_X)
+        weighted_XD = _at_least_fp32(y_XD) * weights_X.unsqueeze(-1)
+        return sum_gathered_rows(_with_zero_row(weighted_XD), row_of_assignment_SK).to(y_XD.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_SD: torch.Tensor):
+        y_XD, weights_X, expand_row_X = ctx.saved_tensors
+        grad_XD = _at_least_fp32(grad_SD[expand_row_X])
+        grad_weights_X = (_at_least_fp32(y_XD) * grad_XD).sum(-1).to(weights_X.dtype)
+        return (grad_XD * weights_X.unsqueeze(-1)).to(y_XD.dtype), grad_weights_X, None, None
+
+
+class _SumOverNodes(torch.autograd.Function):
+    """Each token's rows back from the nodes it went to, summed in fp32 and rounded once (a gather).
+    The gradient copies g_t to each of its rows, so only their token index is kept (an index_add
+    would keep the rows, for their shape)."""
+
+    @staticmethod
+    def forward(ctx, rows_SD: torch.Tensor, token_index_S: torch.Tensor,
+                row_of_token_node_TN: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(token_index_S)
+        return sum_gathered_rows(_with_zero_row(rows_SD), row_of_token_node_TN).to(rows_SD.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_TD: torch.Tensor):
+        (token_index_S,) = ctx.saved_tensors
+        return grad_TD[token_index_S], None, None
 
 
 class HierarchicalDispatcher:
@@ -283,6 +342,7 @@ class HierarchicalDispatcher:
         with span("permute"):
             pairs = pair_order[: sum(inter_in)]
             token_index, dest_node = pairs % num_tokens, pairs // num_tokens
+            row_of_token_node = _row_at(pairs, num_nodes * num_tokens).view(num_nodes, num_tokens).t()
             in_node = node_TK[token_index] == dest_node.unsqueeze(1)
             rows = x_TD[token_index]
             ids = torch.where(in_node, phys_TK[token_index], -1)
@@ -303,6 +363,7 @@ class HierarchicalDispatcher:
             expand_row = expand_order // top_k
             expanded = rows[expand_row]
             expand_weights = weights.reshape(-1)[expand_order]
+            row_of_assignment = _row_at(expand_order, ids.numel()).view(ids.shape)
         intra_in = from_my_position[:, node * n:(node + 1) * n].sum(axis=(0, 2)).tolist()
         to_me = slot_counts[:, rank]  # [src, slot], src = source node · n + position
         intra_out = to_me.reshape(num_nodes, n, slots).sum(axis=(0, 2)).tolist()
@@ -313,7 +374,7 @@ class HierarchicalDispatcher:
         to_canonical_t = _to_device(to_canonical, x_TD.device)
         tokens_per_local = torch.from_numpy(to_me.sum(0)).to(x_TD.device)
         meta = HierarchicalDispatchMeta(
-            token_index, num_tokens, inter_in, inter_out, expand_row, expand_weights, rows.shape[0],
+            token_index, row_of_token_node, inter_in, inter_out, expand_row, expand_weights, row_of_assignment,
             intra_in, intra_out, to_canonical_t, _to_device(inverse_permutation(to_canonical), x_TD.device),
         )
         return PendingDispatch(exchange, lambda received: (received[to_canonical_t], tokens_per_local, meta),
@@ -324,11 +385,10 @@ class HierarchicalDispatcher:
         back = all_to_all(y_PD[meta.from_canonical], meta.intra_in, meta.intra_out, self.intra_group,
                           "a2a_combine_intra")
         with span("unpermute"):
-            weighted = (back.float() * meta.expand_weights.unsqueeze(-1)).to(back.dtype)
-            per_node = back.new_zeros(meta.num_hop1_rows, back.shape[1]).index_add_(0, meta.expand_row, weighted)
+            per_node = _CombineInNode.apply(back, meta.expand_weights, meta.expand_row, meta.row_of_assignment)
         home = all_to_all(per_node, meta.inter_in, meta.inter_out, self.inter_group, "a2a_combine_inter")
         with span("unpermute"):
-            return home.new_zeros(meta.num_tokens, home.shape[1]).index_add_(0, meta.token_index, home)
+            return _SumOverNodes.apply(home, meta.token_index, meta.row_of_token_node)
 
 
 def shard_experts(experts: GroupedExperts, table: ExpertTable, ep_rank: int, etp_rank: int = 0,

@@ -47,6 +47,12 @@ def expert_order(expert_ids_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return order_P, inverse_P
 
 
+def sum_gathered_rows(rows_RD: torch.Tensor, index_TJ: torch.Tensor) -> torch.Tensor:
+    """out_t = Σ_j rows[index_tj] in fp32 (float64 stays float64; the caller rounds once): a gather, so
+    no scatter-add, no atomics and the same sums in every run."""
+    return rows_RD[index_TJ].sum(1, dtype=torch.promote_types(rows_RD.dtype, torch.float32))
+
+
 class _CopyRows(torch.autograd.Function):
     """``x_TD[token_index_P]``, each token copied to its k rows, with a gather for backward too: the
     gradient of token t is the sum of its k rows' gradients, read through the inverse permutation
@@ -61,8 +67,8 @@ class _CopyRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_PD: torch.Tensor):
         (inverse_P,) = ctx.saved_tensors
-        grad_TKD = grad_PD[inverse_P].view(ctx.num_tokens, -1, grad_PD.shape[-1])
-        return grad_TKD.sum(1, dtype=torch.float32).to(grad_PD.dtype), None, None
+        grad_TD = sum_gathered_rows(grad_PD, inverse_P.view(ctx.num_tokens, -1))
+        return grad_TD.to(grad_PD.dtype), None, None
 
 
 class _WeightedCombine(torch.autograd.Function):

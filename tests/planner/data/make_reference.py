@@ -31,7 +31,10 @@ search's tied first layouts reordered; no validate row moved), and when it began
 dispatcher's own tensors and to keep a device's own assignments off the load imbalance (moemem: DeepSeek-V3's
 fifth layout, pp 8 / ep 64 hierarchical, needs 93.64 GiB instead of 64.58 GiB and no longer fits, pp 4 / ep 256
 at 70.57 GiB takes its place; the Mixtral FP8 search at imbalance 1.3 keeps its times, its layouts 0.76-0.81 GiB
-lighter and its tied first layouts reordered; the Qwen3 search's tied layouts reordered; no validate row moved).
+lighter and its tied first layouts reordered; the Qwen3 search's tied layouts reordered; no validate row moved),
+and when the hierarchical combine stopped keeping its rows in fp32, weighted and after the second hop (hiercombine:
+DeepSeek-V3's fifth layout is pp 8 / ep 64 hierarchical again, 27.10 s at 64.62 GiB, in place of pp 4 / ep 256 flat,
+26.98 s at 70.57 GiB; the Qwen3 search's tied layouts reordered; no validate row moved).
 Rerun it only when a prediction is meant to change, and say why in the commit.
 """
 
