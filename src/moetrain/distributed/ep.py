@@ -41,7 +41,7 @@ from moetrain.distributed.comm import PendingExchange, all_to_all, all_to_all_st
 from moetrain.distributed.host_reads import host_read
 from moetrain.distributed.overlap import wait_comm
 from moetrain.distributed.trace import record_async, span
-from moetrain.models.dispatch import PermuteMeta, permute_by, sum_gathered_rows, unpermute
+from moetrain.models.dispatch import PermuteMeta, in_dtype, permute_by, sum_gathered_rows, unpermute
 from moetrain.models.experts import GroupedExperts
 from moetrain.models.router import Routing, count_tokens_per_expert
 
@@ -272,7 +272,7 @@ class _CombineInNode(torch.autograd.Function):
                 row_of_assignment_SK: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(y_XD, weights_X, expand_row_X)
         weighted_XD = _at_least_fp32(y_XD) * weights_X.unsqueeze(-1)
-        return sum_gathered_rows(_with_zero_row(weighted_XD), row_of_assignment_SK).to(y_XD.dtype)
+        return in_dtype(sum_gathered_rows(_with_zero_row(weighted_XD), row_of_assignment_SK), y_XD.dtype)
 
     @staticmethod
     def backward(ctx, grad_SD: torch.Tensor):
@@ -291,7 +291,7 @@ class _SumOverNodes(torch.autograd.Function):
     def forward(ctx, rows_SD: torch.Tensor, token_index_S: torch.Tensor,
                 row_of_token_node_TN: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(token_index_S)
-        return sum_gathered_rows(_with_zero_row(rows_SD), row_of_token_node_TN).to(rows_SD.dtype)
+        return in_dtype(sum_gathered_rows(_with_zero_row(rows_SD), row_of_token_node_TN), rows_SD.dtype)
 
     @staticmethod
     def backward(ctx, grad_TD: torch.Tensor):

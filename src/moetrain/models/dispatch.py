@@ -47,6 +47,15 @@ def expert_order(expert_ids_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return order_P, inverse_P
 
 
+def in_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` in ``dtype``, for an ``autograd.Function``'s forward to return: ``x`` itself where it already
+    has it, never a no-op ``.to``. torch 2.11's Dynamo gives a compiled Function whose forward returns a no-op
+    ``.to``/``.float``/``.contiguous`` (the same tensor object) a zero gradient, every backend (fixed by
+    2.13); in fp32 that cut every expert and gating gradient of a compiled MoE layer (tests/gpu on the
+    H200; benchmarks/notes/training.md)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def sum_gathered_rows(rows_RD: torch.Tensor, index_TJ: torch.Tensor) -> torch.Tensor:
     """out_t = Σ_j rows[index_tj] in fp32 (float64 stays float64; the caller rounds once): a gather, so
     no scatter-add, no atomics and the same sums in every run."""
@@ -81,12 +90,7 @@ class _WeightedCombine(torch.autograd.Function):
         ctx.save_for_backward(y_PD, weights_TK, order_P, inverse_P)
         tokens, top_k = weights_TK.shape
         rows_TKD = y_PD[inverse_P].view(tokens, top_k, y_PD.shape[-1])
-        out_TD = (rows_TKD.float() * weights_TK.unsqueeze(-1)).sum(1)
-        # No cast to the dtype it already has: torch 2.11's Dynamo gives an autograd.Function whose forward
-        # returns a no-op .to/.float/.contiguous (the same tensor object) a zero gradient in compiled code,
-        # every backend (fixed by 2.13). In fp32 that cut every expert and gating gradient of a compiled
-        # MoE layer (tests/gpu on the H200; benchmarks/notes/training.md).
-        return out_TD if out_TD.dtype == y_PD.dtype else out_TD.to(y_PD.dtype)
+        return in_dtype((rows_TKD.float() * weights_TK.unsqueeze(-1)).sum(1), y_PD.dtype)
 
     @staticmethod
     def backward(ctx, grad_TD: torch.Tensor):
