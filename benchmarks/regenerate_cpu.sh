@@ -11,6 +11,10 @@
 # on a GPU machine.
 # Not rerun here: planner_screen_vs_timeline_3a11047.json, the same benchmark at an older commit
 # (the model before the paired-schedule fix), kept as the "before" its docs compare with.
+# Nor compiled_grad_check_cpu_torch211_fixed.json, compiled_grad_check_cpu_torch211_unfixed.json and
+# compiled_grad_check_cpu_torch213_unfixed.json: the compiled-gradient check under one torch version each
+# (2.11 needs a venv of its own), before and after the fix 3c2bd06; rerun by hand with the command each
+# records, from the commit it names.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"

@@ -170,12 +170,13 @@ def colocated_probe(work: Work, rows: list[dict]) -> tuple[Job | None, str | Non
 
 
 def probe_best_disaggregated(work: Work, rows: list[dict], tries: int, colocated_yaml: str | None = None) -> Probe:
-    """Probe the best disaggregated k ≥ 1 job of one-rank replicas, the next split if the runtime refuses it;
+    """Probe the best runnable disaggregated k ≥ 1 job of one-rank replicas (the plan's ``not_runnable``
+    reasons say which the runtime refuses), the next split if the probe is refused all the same;
     ``colocated_yaml``'s job in the same profile (its ranks into ``rank_cpu``)."""
     beside = ["--rl-job", colocated_yaml] if colocated_yaml else []
     refused: dict[str, str] = {}
     candidates = [r for r in rows if r["placement"] == "disaggregated" and r["staleness"] >= 1
-                  and r["gen_devices_per_replica"] == 1]
+                  and r["gen_devices_per_replica"] == 1 and not r["not_runnable"]]
     splits = list(dict.fromkeys(r["rollout_devices"] for r in candidates))[:tries]
     for split in splits:
         row = next(r for r in candidates if r["rollout_devices"] == split)

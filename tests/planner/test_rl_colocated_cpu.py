@@ -24,7 +24,7 @@ CPU = load_cluster_config("cpu").for_ranks(4)  # as the CLI builds it for 4 rank
 WORKLOAD = RLWorkload(load_model_config("tiny-pangu"), CPU, 16, 8, 13, 16, "fp32")
 """docs/rl_plan.md's CPU example (benchmarks/rl_plan_check.py's workload)."""
 QUIET_PROBE = ProbedRoleCPU(RoleCPU((0.4289, 0.4454), (0.9707, 0.9590), (1.0625, 1.0382)), 2.0)
-"""The 2 generate / 2 train job's probe of rl_plan_check_cpu_quiet.json (rounded). On 2 cores its processes
+"""The 2 generate / 2 train job's probe of rl_plan_check_cpu_quiet.json at 440934e (rounded). On 2 cores its processes
 0.4557, 0.4732, 1.0078, 0.9956 CPU-s: 4 at half a core until 0.4557 (0.9114 s), 3 at 2/3 for 0.0175 more
 (0.0263 s), 2 at a core for 0.5224 (0.5224 s), the last 0.0122: 1.4723 s."""
 DISAGGREGATED_STEP = 1.4723
@@ -121,6 +121,22 @@ def test_gpu_clusters_price_as_on_main():
             for c in result.ranked]
     assert rows == MAIN_GPU  # exactly, every row: the colocated probe changes nothing where no rank_cpu is given
     assert {c.prediction.step_model for c in result.ranked} == {"phases"} and not result.unprobed_colocated
+    assert not any(line.startswith("caution") for line in result.why)  # a GPU is no shared host
+
+
+def test_a_winner_priced_by_its_phases_on_a_shared_cpu_says_its_ranking_may_not_hold():
+    # rl_plan_check_cpu_quiet.json (e4ef840): the phases' winner ran 3.73 s, the probed disaggregated job 1.41 s
+    unprobed = search_rl(WORKLOAD, 4, load_calibration(None))
+    assert unprobed.winner.prediction.step_model == "phases"
+    assert unprobed.why[-1] == (
+        "caution: priced by its phases, which do not see 4 ranks share 2 cores; measured steps there run longer, "
+        "by more for some jobs than others (docs/rl_plan.md), so this ranking may not hold: probe a job of each "
+        "placement (`moetrain profile --rl-out FILE --rl-job rl.yaml`, the flag once for each) and plan again "
+        "with --rl-rates FILE")
+    probed = search_rl(WORKLOAD, 4, load_calibration(None), options=RLSearchOptions(
+        probed_cpu=QUIET_PROBE, probed_ranks=ProbedRankCPU(RankCPU((0.97,) * 4, 1), 2.0)))
+    assert probed.winner.prediction.step_model == SHARED_CPU_MODEL
+    assert not any(line.startswith("caution") for line in probed.why)
 
 
 RATES = RLRates(HostCosts(host_is_device=True), SyncRates(2e9, 1e9, 5e8), "by hand",

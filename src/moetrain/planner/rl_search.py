@@ -39,8 +39,9 @@ from moetrain.planner.calibration import Calibration
 from moetrain.planner.device_memory import GIB
 from moetrain.planner.generation import HostCosts, kv_cache_bytes_per_token
 from moetrain.planner.rl_cores import RoleCPU
-from moetrain.planner.rl_rates import ProbedRankCPU, ProbedRoleCPU
+from moetrain.planner.rl_rates import PROBE_COMMAND, ProbedRankCPU, ProbedRoleCPU
 from moetrain.planner.rl_step import (
+    PHASES_MODEL,
     Placement,
     RLLayout,
     RLStepPrediction,
@@ -351,7 +352,20 @@ def search_rl(w: RLWorkload, devices: int, calibration: Calibration, host: HostC
     if not ranked:
         raise UserError(_nothing_fits(w, devices, left_out))
     result.why = explain(result)
+    cores = w.cluster.host_cores
+    if cores is not None and devices > cores and result.winner.prediction.step_model == PHASES_MODEL:
+        result.why.append(_unshared_phases_line(devices, cores))
     return result
+
+
+def _unshared_phases_line(devices: int, cores: int) -> str:
+    """The caution under a winner priced by its phases where its ranks share fewer cores: the phases do not
+    see the sharing, and measured steps there run longer than they say by more for some jobs than for
+    others (``benchmarks/rl_plan_check.py``), so the order of the jobs is not to be trusted."""
+    return (f"caution: priced by its phases, which do not see {devices} ranks share {cores} cores; measured steps "
+            f"there run longer, by more for some jobs than others (docs/rl_plan.md), so this ranking may not hold: "
+            f"probe a job of each placement (`{PROBE_COMMAND}`, the flag once for each) and plan again with "
+            f"--rl-rates FILE")
 
 
 def _rank_key(c: RLCandidate) -> tuple:
