@@ -14,11 +14,10 @@ comparison exact.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 import torch.distributed as dist
+from _replayed_block import ReplayedBlock
 from torch import nn
 
 from moetrain.balance.placement import ExpertPlacement
@@ -38,24 +37,6 @@ SEQ, MICRO_BATCH = 32, 2
 TOKENS = SEQ * MICRO_BATCH
 EP, ETP = 2, 2
 DTYPES = {"fp32": (torch.float32, 4.0), "bf16": (torch.bfloat16, 2.0)}
-
-
-@dataclass(frozen=True)
-class _Loss:
-    loss: torch.Tensor
-
-
-class _Block(nn.Module):
-    """The MoE block on replayed routing, with a loss that keeps no tensor of its own (a sum), so that
-    everything saved is the block's."""
-
-    def __init__(self, moe: MoE, replay_TK: torch.Tensor) -> None:
-        super().__init__()
-        self.moe, self.replay_TK = moe, replay_TK
-
-    def forward(self, x_BSD: torch.Tensor, labels: object = None) -> _Loss:
-        out = self.moe(x_BSD, self.replay_TK)
-        return _Loss(out.out_TD.float().sum() + out.aux_loss)
 
 
 def _balanced_replay(rank: int) -> torch.Tensor:
@@ -97,7 +78,7 @@ def _worker(rank: int, world_size: int) -> dict[tuple[str, int], int]:
     saved: dict[tuple[str, int], int] = {}
     for name, (dtype, _) in DTYPES.items():
         for etp in (1, ETP):
-            block = _Block(_block(dtype, etp, table, ep_rank, etp_rank, groups), _balanced_replay(rank))
+            block = ReplayedBlock(_block(dtype, etp, table, ep_rank, etp_rank, groups), _balanced_replay(rank))
             # the input needs a gradient, as a layer's does: else the dispatch keeps nothing for backward
             saved[name, etp] = measure_saved_bytes(block, x.to(dtype).requires_grad_(True), None)
     return saved

@@ -17,11 +17,10 @@ Routing is replayed (``Router.forward``'s router replay) so that the counts are 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 import torch.distributed as dist
+from _replayed_block import ReplayedBlock
 from torch import nn
 
 from moetrain.balance.placement import ExpertPlacement
@@ -44,23 +43,6 @@ SKEWED_RANKS = ((0, 0, 1, 2), (0, 0, 1, 2), (0, 0, 1, 3), (0, 0, 1, 3))
 """Skewed routing: the EP rank of each of a token's 4 experts, by source rank. Every source sends 2·T
 rows to rank 0 and T to rank 1; sources 0-1 send T to rank 2, sources 2-3 T to rank 3. Received:
 512, 256, 128, 128 rows; mean T·k = 256, so imbalance 2, 1, 0.5, 0.5."""
-
-
-@dataclass(frozen=True)
-class _Loss:
-    loss: torch.Tensor
-
-
-class _Block(nn.Module):
-    """The MoE block on replayed routing, with a loss that keeps no tensor of its own (a sum)."""
-
-    def __init__(self, moe: MoE, replay_TK: torch.Tensor) -> None:
-        super().__init__()
-        self.moe, self.replay_TK = moe, replay_TK
-
-    def forward(self, x_BSD: torch.Tensor, labels: object = None) -> _Loss:
-        out = self.moe(x_BSD, self.replay_TK)
-        return _Loss(out.out_TD.float().sum() + out.aux_loss)
 
 
 def _replay(rank: int, ep_ranks: tuple[int, ...]) -> torch.Tensor:
@@ -108,7 +90,7 @@ def _worker(rank: int, world_size: int) -> dict[tuple[str, str], tuple[int, int]
             moe = _block(dtype, dispatcher(), table, rank)
             received: list[int] = []
             moe.experts.register_forward_hook(lambda module, args, out, rows=received: rows.append(args[0].shape[0]))
-            block = _Block(moe, _replay(rank, ep_ranks))
+            block = ReplayedBlock(moe, _replay(rank, ep_ranks))
             # the input needs a gradient, as a layer's does: else the dispatch keeps nothing for backward
             nbytes = measure_saved_bytes(block, x.to(dtype).requires_grad_(True), None)
             measured[case, name] = (nbytes, received[0])

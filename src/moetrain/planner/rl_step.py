@@ -262,16 +262,18 @@ def _check(w: RLWorkload, layout: RLLayout) -> None:
         raise UserError(f"{w.samples} samples per step do not split over {layout.replicas} generation replicas; "
                         "change --prompts, --group-size or --gen-ep")
     if layout.role_cpu is not None:
-        _check_role_cpu(layout.role_cpu, layout)
+        _check_probe(layout, "disaggregated", "per process", role_cpu_mismatch(layout.role_cpu, layout))
     if layout.rank_cpu is not None:
-        _check_rank_cpu(layout.rank_cpu, layout)
+        _check_probe(layout, "colocated", "per rank", rank_cpu_mismatch(layout.rank_cpu, layout))
 
 
-def _check_rank_cpu(work: RankCPU, layout: RLLayout) -> None:
-    if layout.placement != "colocated" or layout.shared_cores is None:
-        raise UserError("measured CPU-seconds per rank price a colocated job on one CPU: give the layout its "
-                        "shared cores and placement colocated, or drop the rank CPU")
-    mismatch = rank_cpu_mismatch(work, layout)
+def _check_probe(layout: RLLayout, placement: Placement, per: str, mismatch: str | None) -> None:
+    """A probe's CPU-seconds (``per`` process or rank) price a job of its placement on a CPU of given cores,
+    and of its processes (``mismatch``: why not, from ``role_cpu_mismatch`` / ``rank_cpu_mismatch``)."""
+    if layout.placement != placement or layout.shared_cores is None:
+        what = "role" if placement == "disaggregated" else "rank"
+        raise UserError(f"measured CPU-seconds {per} price a {placement} job on one CPU: give the layout its "
+                        f"shared cores and placement {placement}, or drop the {what} CPU")
     if mismatch is not None:
         raise UserError(mismatch)
 
@@ -291,15 +293,6 @@ def rank_cpu_mismatch(work: RankCPU, layout: RLLayout) -> str | None:
                 f"({'the phases take turns' if layout.staleness == 0 else 'generation runs beside the update'}); "
                 f"{probe}")
     return None
-
-
-def _check_role_cpu(work: RoleCPU, layout: RLLayout) -> None:
-    if layout.placement != "disaggregated" or layout.shared_cores is None:
-        raise UserError("measured CPU-seconds per process price a disaggregated job on one CPU: give the "
-                        "layout its shared cores and placement disaggregated, or drop the role CPU")
-    mismatch = role_cpu_mismatch(work, layout)
-    if mismatch is not None:
-        raise UserError(mismatch)
 
 
 def role_cpu_mismatch(work: RoleCPU, layout: RLLayout) -> str | None:
