@@ -47,6 +47,7 @@ def test_search_counts_and_prunes_memory() -> None:
     assert result.candidates_evaluated == enumerated
     assert 0 < result.feasible < result.candidates_evaluated
     assert np.all(result.top_costs.memory.total <= 0.95 * w.cluster.hbm_bytes)
+    assert not any(line.startswith("caution") for line in result.explanation)  # a GPU is no shared host
     steps = np.array(result.timeline_step_s)
     tied = steps <= steps.min() * (1 + TIE_TOLERANCE)
     # The layouts that tie with the fastest come first, least memory first; the rest follow by step time.
@@ -231,3 +232,15 @@ def test_held_out_fits_round_trip_and_a_malformed_one_is_refused(tmp_path) -> No
         calibration_from_dict({"global": {}, "held_out_fits": {"NAR21": 0.5}}, "t")
     with pytest.raises(Exception, match=r"held-out fit NAR21\): unknown calibration parameter"):
         calibration_from_dict({"held_out_fits": {"NAR21": {"global": {"gemm_speed": 1.0}}}}, "t")
+
+
+def test_a_plan_whose_ranks_outnumber_the_cores_says_to_expect_a_longer_step() -> None:
+    # plan_train_check_cpu.json: on the 2-core machine 4 ranks ran 45 % slower than planned, 2 ranks 16 %
+    cpu = load_cluster_config("cpu")
+    eff = load_calibration().for_device("cpu")
+    four = search(Workload(load_model_config("tiny-pangu"), cpu.for_ranks(4), 128, 16), 4, eff, top_k=3)
+    assert four.explanation[-1] == (
+        "caution: 4 ranks share 2 cores here; the plan gives each its share of them, but ranks taking turns on "
+        "cores run slower than that: expect a longer step than planned (docs/quickstart.md)")
+    two = search(Workload(load_model_config("tiny-pangu"), cpu.for_ranks(2), 128, 16), 2, eff, top_k=3)
+    assert not any(line.startswith("caution") for line in two.explanation)

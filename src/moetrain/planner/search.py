@@ -309,8 +309,19 @@ def search(w: Workload, devices: int, eff: Efficiency, space: SearchSpace | None
         if left_out.step_time_s is not None and left_out.step_time_s < steps[0]:
             result.excluded = left_out
     result.explanation = explain_tie(steps, top_costs.memory.total) + explain(pool, costs, pool_step, check)
+    cores = w.cluster.host_cores
+    if cores is not None and devices > cores:
+        result.explanation.append(shared_host_caution(devices, cores))
     result.seconds = time.perf_counter() - start
     return result
+
+
+def shared_host_caution(ranks: int, cores: int) -> str:
+    """The caution under a plan whose ranks outnumber the host's cores: the plan gives each rank its share of
+    the cores (``ClusterConfig.for_ranks``), but ranks taking turns on them run slower than that share, more
+    so the more of them share a core (``benchmarks/plan_train_check.py``)."""
+    return (f"caution: {ranks} ranks share {cores} cores here; the plan gives each its share of them, but ranks "
+            "taking turns on cores run slower than that: expect a longer step than planned (docs/quickstart.md)")
 
 
 def _ranked(w: Workload, top: Strategies, costs: StepCosts, steps: list[float]) -> list[RankedLayout]:
