@@ -52,7 +52,7 @@ from moetrain.distributed.layout import ParallelDims
 from moetrain.distributed.step import train_step
 from moetrain.distributed.world import spawn
 from moetrain.models.transformer import build_model
-from moetrain.train import Trainer
+from moetrain.train import SuppliedParts, Trainer
 
 HOT_BIAS = {0: 0.5, 1: 0.4, 2: 0.3, 3: 0.2}
 
@@ -94,8 +94,8 @@ def _run(dims: ParallelDims, args: argparse.Namespace, balance: bool, defer: boo
                    run={"device": "cpu", "cluster": "cpu", "synthetic_data": True, "quiet": True,
                         "ranks_per_node": ep},
                    balance={"enabled": True, "interval": args.interval, "horizon": args.horizon})
-    trainer = _BenchTrainer(spec, dims=dims, model_cfg=model_cfg, model=model, console=Console(file=io.StringIO()),
-                            trigger_margin=1.0 if balance else float("inf"), defer=defer)
+    supplied = SuppliedParts(dims=dims, model_cfg=model_cfg, model=model, console=Console(file=io.StringIO()))
+    trainer = _BenchTrainer(spec, supplied, trigger_margin=1.0 if balance else float("inf"), defer=defer)
     balancer = trainer.balancer
     trainer.run.stage.model.train()
     losses, step_seconds, balance_seconds, ran_with = [], [], [], []

@@ -34,7 +34,7 @@ def main() -> int:
 
     from moetrain.balance.traces import read_trace
     from moetrain.config.run import RunSpec
-    from moetrain.train.trainer import Trainer
+    from moetrain.train.trainer import SuppliedParts, Trainer
 
     model = load_model_config(args.model)
     if args.no_balance_loss and model.moe is not None:
@@ -46,7 +46,7 @@ def main() -> int:
     # the loop's own routing trace: global tokens per expert, per step and MoE layer (MTP as num_layers + j)
     spec = RunSpec(model=args.model, training=training,
                    run={"device": "cpu", "quiet": True, "trace_routing": str(Path(args.out).resolve())})
-    Trainer(spec, model_cfg=model).train()
+    Trainer(spec, SuppliedParts(model_cfg=model)).train()
     out = Path(args.out)
     out.write_text(provenance_line() + out.read_text())
     loads = read_trace(args.out).tokens_per_expert  # [T, L, E]

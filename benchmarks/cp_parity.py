@@ -22,7 +22,7 @@ from moetrain.config import ParallelConfig, TrainingConfig
 from moetrain.config.run import RunSpec
 from moetrain.distributed.layout import ParallelDims
 from moetrain.distributed.world import spawn
-from moetrain.train import Trainer
+from moetrain.train import SuppliedParts, Trainer
 
 ROUNDS: list[dict[str, ParallelConfig]] = [
     {"cp2": ParallelConfig(cp=2), "cp2_ep2_overlap": ParallelConfig(cp=2, ep=2, overlap=True)},
@@ -40,7 +40,7 @@ def _spec(cfg: TrainingConfig, parallel: ParallelConfig) -> RunSpec:
 
 
 def _rows(spec: RunSpec, dims: ParallelDims | None = None) -> list[dict]:
-    return Trainer(spec, dims=dims, console=Console(file=io.StringIO())).train()
+    return Trainer(spec, SuppliedParts(dims=dims, console=Console(file=io.StringIO()))).train()
 
 
 def _worker(rank: int, world_size: int, cfg: TrainingConfig) -> dict[str, list[dict]]:

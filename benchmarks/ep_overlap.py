@@ -33,7 +33,7 @@ from moetrain.distributed.layout import ParallelDims
 from moetrain.distributed.step import train_step
 from moetrain.distributed.trace import Tracer
 from moetrain.distributed.world import spawn
-from moetrain.train import Trainer
+from moetrain.train import SuppliedParts, Trainer
 
 
 def _model(hidden: int):
@@ -56,7 +56,7 @@ def _bench(rank: int, world_size: int, args: argparse.Namespace, device_kind: st
         spec = RunSpec(model="tiny-pangu", training=cfg.model_dump(),
                        parallel=parallel.model_dump(exclude={"sp", "micro_batch"}),
                        run={"device": device_kind, "synthetic_data": True, "quiet": True})
-        trainer = Trainer(spec, dims=dims, model_cfg=model_cfg, console=Console(file=io.StringIO()))
+        trainer = Trainer(spec, SuppliedParts(dims=dims, model_cfg=model_cfg, console=Console(file=io.StringIO())))
         device = trainer.device
         trainer.run.stage.model.train()
         times, losses = [], []

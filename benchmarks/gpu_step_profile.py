@@ -24,7 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 from moetrain.config import TrainingConfig
 from moetrain.config.run import RunSpec
 from moetrain.distributed.step import train_step
-from moetrain.train import Trainer
+from moetrain.train import SuppliedParts, Trainer
 
 
 def busy_seconds(prof: profile) -> float:
@@ -109,7 +109,7 @@ def main() -> None:
                          micro_batch=args.micro_batch, seq_len=args.seq_len)
     spec = RunSpec(model=args.model, training=cfg.model_dump(),
                    run={"device": device, "cluster": args.cluster if device == "cuda" else "cpu", "quiet": True})
-    trainer = Trainer(spec, console=Console(file=io.StringIO()))
+    trainer = Trainer(spec, SuppliedParts(console=Console(file=io.StringIO())))
     trainer.run.stage.model.train()
 
     def one_step() -> None:

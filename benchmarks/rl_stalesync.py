@@ -47,7 +47,7 @@ from moetrain.rl.loop import SFTWarmup, policy_config
 from moetrain.rl.sft import sequence_len_for
 from moetrain.rl.stalesync import StaleSyncJob, run_stalesync
 from moetrain.rl.tasks import get_task
-from moetrain.train.trainer import Trainer
+from moetrain.train.trainer import SuppliedParts, Trainer
 
 
 @dataclass
@@ -79,8 +79,8 @@ def warm_up(task: str, model_cfg, seq_len: int, steps: int, seed: int) -> dict[s
                          warmup_steps=min(10, steps), seed=seed)
     spec = RunSpec(training=cfg, run={"device": "cpu", "cluster": "cpu", "quiet": True})
     hooks = SFTWarmup(spec, get_task(task))
-    trainer = Trainer(spec, model_cfg=model_cfg, console=Console(file=io.StringIO()), batches=hooks.examples,
-                      hooks=hooks)
+    trainer = Trainer(spec, SuppliedParts(model_cfg=model_cfg, console=Console(file=io.StringIO()),
+                                          batches=hooks.examples, hooks=hooks))
     trainer.train()
     return {name: value.detach().clone() for name, value in trainer.run.stage.model.state_dict().items()}
 
@@ -89,8 +89,8 @@ def _colocated(rank: int, world_size: int, job: StaleSyncJob) -> list[dict]:
     """One process: the trainer thread and the thread generating the next batch (one intra-op thread each)."""
     model = build_model(job.model_cfg, torch.device("cpu"), seed=job.spec.training.seed)
     model.load_state_dict(job.initial)
-    trainer = Trainer(job.spec, model_cfg=job.model_cfg, model=model, console=Console(file=io.StringIO()),
-                      hooks=ColocatedStaleSync(job.spec, job.options, job.stale))
+    trainer = Trainer(job.spec, SuppliedParts(model_cfg=job.model_cfg, model=model, console=Console(file=io.StringIO()),
+                                              hooks=ColocatedStaleSync(job.spec, job.options, job.stale)))
     return trainer.train()
 
 

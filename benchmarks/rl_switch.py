@@ -43,7 +43,7 @@ from moetrain.rl.loop import GRPO, policy_config
 from moetrain.rl.sft import sequence_len_for
 from moetrain.rl.switch import PHASES
 from moetrain.rl.tasks import get_task
-from moetrain.train.trainer import Trainer
+from moetrain.train.trainer import SuppliedParts, Trainer
 
 LAYOUTS = {"tp2_ep2": ParallelConfig(tp=2, dp=2, ep=2), "pp2_ep2": ParallelConfig(pp=2, dp=2, ep=2),
            "ep2": ParallelConfig(dp=2, ep=2), "tp2": ParallelConfig(tp=2)}
@@ -66,8 +66,8 @@ def _trainer(args: argparse.Namespace, parallel: ParallelConfig, dims: ParallelD
     spec = RunSpec(model=args.model, training=cfg, parallel=parallel.model_dump(exclude={"sp", "micro_batch"}),
                    run={"device": args.device, "quiet": True, "compile": False})  # RL's lengths vary step to step
     fusion = FusionOptions(offload=offload, bucket_mib=args.bucket_mib)
-    return Trainer(spec, model_cfg=model_cfg, console=Console(file=io.StringIO()), dims=dims,
-                   hooks=GRPO(spec, options, fusion=fusion))
+    return Trainer(spec, SuppliedParts(dims=dims, model_cfg=model_cfg, console=Console(file=io.StringIO()),
+                                       hooks=GRPO(spec, options, fusion=fusion)))
 
 
 STEP_PHASES = {"switch": "switch_s", "score": "score_time_s", "replay_forward": "replay_stats_time_s",

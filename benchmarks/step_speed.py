@@ -44,7 +44,7 @@ from gpu_step_profile import device_ms_by_kind, top_kernels  # noqa: E402
 from moetrain.config.run import RunSpec  # noqa: E402
 from moetrain.distributed.host_reads import HostReadCounter  # noqa: E402
 from moetrain.distributed.step import train_step  # noqa: E402
-from moetrain.train import Trainer  # noqa: E402
+from moetrain.train import SuppliedParts, Trainer  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ def run_variant(variant: Variant, args: argparse.Namespace) -> VariantResult:
                                                "micro_batch": variant.micro_batch, "seq_len": args.seq_len},
                    run={"device": device, "quiet": True, "compile": variant.mode == "compiled",
                         "synthetic_data": args.synthetic_data, "document_mask": variant.document_mask})
-    trainer = Trainer(spec, console=Console(file=io.StringIO()))
+    trainer = Trainer(spec, SuppliedParts(console=Console(file=io.StringIO())))
     trainer.run.stage.model.train()
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()

@@ -50,9 +50,10 @@ def run_spec(training: TrainingConfig, parallel: ParallelConfig, data: Path | No
 def train_rows(spec: RunSpec, dims: ParallelDims | None = None, model_cfg: ModelConfig | None = None,
                model: torch.nn.Module | None = None) -> list[dict]:
     """Every metrics row of ``Trainer(spec).train()`` (this rank's copy; identical on every rank)."""
-    from moetrain.train import Trainer
+    from moetrain.train import SuppliedParts, Trainer
 
-    trainer = Trainer(spec, dims=dims, model_cfg=model_cfg, model=model, console=Console(file=io.StringIO()))
+    trainer = Trainer(spec, SuppliedParts(dims=dims, model_cfg=model_cfg, model=model,
+                                          console=Console(file=io.StringIO())))
     return trainer.train()
 
 

@@ -42,7 +42,7 @@ from moetrain.models.experts import GroupedExperts
 from moetrain.models.router import Routing, count_tokens_per_expert
 from moetrain.models.transformer import build_model
 from moetrain.runtime_base.checkpoint_files import checkpoint_dir
-from moetrain.train import Trainer
+from moetrain.train import SuppliedParts, Trainer
 
 STEPS = 5
 EP = 4
@@ -102,8 +102,8 @@ class ReplicatedStartTrainer(Trainer):
 def _train(the_spec: RunSpec, dims: ParallelDims, trainer_class: type[Trainer] = Trainer) -> dict:
     """The run's metrics rows, and what its balancer saw and did (this rank's view; ``rows`` per EP rank)."""
     console = Console(file=io.StringIO())
-    trainer = trainer_class(the_spec, dims=dims, model_cfg=skewed_model_config(), model=skewed_model(),
-                            console=console)
+    trainer = trainer_class(the_spec, SuppliedParts(dims=dims, model_cfg=skewed_model_config(), model=skewed_model(),
+                                                    console=console))
     out = {"metrics": trainer.train(), "log": console.file.getvalue()}
     balancer = trainer.balancer
     if balancer is None:

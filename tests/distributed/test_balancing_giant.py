@@ -24,7 +24,7 @@ from moetrain.distributed.balancing import moe_layers
 from moetrain.distributed.layout import ParallelDims
 from moetrain.distributed.world import spawn
 from moetrain.models.transformer import build_model
-from moetrain.train import Trainer
+from moetrain.train import SuppliedParts, Trainer
 
 EP = 4
 STEPS = 4
@@ -51,8 +51,8 @@ def _worker(rank: int, world_size: int) -> dict:
     dims = ParallelDims.build(ParallelConfig(dp=EP, ep=EP), rank, EP)
     base = run_spec(TRAINING, ParallelConfig(dp=EP, ep=EP), None, ranks_per_node=EP)
     spec = RunSpec(**{**base.model_dump(), "balance": BalanceOptions(enabled=True, interval=2, horizon=10)})
-    trainer = Trainer(spec, dims=dims, model_cfg=giant_model_config(), model=giant_model(),
-                      console=Console(file=io.StringIO()))
+    trainer = Trainer(spec, SuppliedParts(dims=dims, model_cfg=giant_model_config(), model=giant_model(),
+                                          console=Console(file=io.StringIO())))
     trainer.train()
     balancer = trainer.balancer
     rows = torch.tensor([sum(h.local_rows) for h in balancer.history], dtype=torch.float64)

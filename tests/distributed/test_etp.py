@@ -40,7 +40,7 @@ from moetrain.models.dispatch import LocalDispatcher
 from moetrain.models.experts import GroupedExperts
 from moetrain.models.router import Routing, count_tokens_per_expert
 from moetrain.runtime_base.checkpoint_files import checkpoint_dir
-from moetrain.train import Trainer
+from moetrain.train import SuppliedParts, Trainer
 
 TINY = load_model_config("tiny-pangu")
 
@@ -194,7 +194,7 @@ def _trained(name: str, parallel: ParallelConfig, dims: ParallelDims, data: Path
         spec = run_spec(TRAINING, parallel, data, save_dir=str(root / name), save_every=SAVED_AT)
     else:
         spec = run_spec(TRAINING, parallel, data)
-    trainer = Trainer(spec, dims=dims, console=Console(file=io.StringIO()))
+    trainer = Trainer(spec, SuppliedParts(dims=dims, console=Console(file=io.StringIO())))
     passes = [0]
     for _, block in moe_layers(trainer.run.stage.model):
         block.register_forward_hook(lambda *args: passes.__setitem__(0, passes[0] + 1))

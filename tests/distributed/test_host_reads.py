@@ -40,9 +40,9 @@ def test_the_counter_sees_every_kind_of_read_and_files_declared_ones_apart():
 
 
 def _step_reads(spec, dims=None) -> tuple[dict, list[str]]:
-    from moetrain.train import Trainer
+    from moetrain.train import SuppliedParts, Trainer
 
-    trainer = Trainer(spec, dims=dims, console=Console(file=io.StringIO()))
+    trainer = Trainer(spec, SuppliedParts(dims=dims, console=Console(file=io.StringIO())))
     batch = trainer.next_batch()
     with HostReadCounter() as reads:
         train_step(trainer.run, 0, batch)

@@ -2,21 +2,28 @@
 at step 5, with checkpoints every 2 steps, is restarted with its peer from step 4; the run ends with the final
 weights and moments of the uninterrupted run bit for bit, and a metrics file whose rows are exactly the
 uninterrupted run's (timings aside). A rank that fails in every attempt ends the run after N restarts with one
-line naming it and the cause; a lone process recovers the same way."""
+line naming it and the cause; a lone process recovers the same way. A save that fails on one rank (its own
+write, or the coordinator's seal) is skipped by every rank, and training goes on."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
+import moetrain.train.saver
 from checkpoint_tensors import checkpoint_tensors
 from cli_in_process import Finished, InProcessCli
 from forked_ranks import forked_train_ranks, train_forked
+from moetrain.distributed.checkpoint import finish_folder
+from moetrain.train.saver import CheckpointSaver
 
 SHAPE = ["--steps", "8", "--seq-len", "32", "--global-batch", "4", "--micro-batch", "2", "--synthetic-data",
          "--quiet", "--save-every", "2"]
@@ -117,17 +124,45 @@ def test_a_hung_rank_times_its_peer_out_and_the_group_recovers(run, tmp_path: Pa
     _assert_recovered_at_step_2(proc, "rank 1 stopped without a report (a signal, or an exit)", tmp_path / "hung")
 
 
+def _seal_fails_at_step_4(staging: Path, final: Path, step: int, identity: dict | str,
+                          expert_placement: dict | None = None) -> Path:
+    """The coordinator's own part of the save (the checksums, ``COMPLETE``, the rename) meets a full disk at
+    step 4, as ``save_error`` fails a rank's DCP write. Only the coordinator seals, so only it sees this."""
+    if step == 4:
+        raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (injected)", str(staging))
+    return finish_folder(staging, final, step, identity, expert_placement)
+
+
 @pytest.mark.slow
 @pytest.mark.dist
-def test_a_write_that_fails_on_one_rank_is_skipped_by_every_rank(run, tmp_path: Path) -> None:
+@pytest.mark.parametrize("failing", ["rank 1's write", "the coordinator's seal"])
+def test_a_write_that_fails_on_one_rank_is_skipped_by_every_rank(run, tmp_path: Path, failing: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # DCP itself tells every rank of a failed write (its gather and broadcast), so rank 1's full disk reaches
+    # rank 0 anyway; a failed seal is known to the coordinator alone, and only the saver's broadcast of the
+    # coordinator's outcome makes rank 1 skip the checkpoint too. Each rank records the saves it gave up
+    # (its console is quiet): the forked ranks inherit these patches
+    failed = tmp_path / "failed"
+    failed.mkdir()
+    give_up = CheckpointSaver._failed
+
+    def recorded(saver: CheckpointSaver, step: int, staging: Path, error: str) -> None:
+        with (failed / f"rank{dist.get_rank()}").open("a", encoding="utf-8") as record:
+            record.write(f"{step}\n")
+        give_up(saver, step, staging, error)
+
+    monkeypatch.setattr(CheckpointSaver, "_failed", recorded)
+    if failing == "the coordinator's seal":
+        monkeypatch.setattr(moetrain.train.saver, "finish_folder", _seal_fails_at_step_4)
     # no restart here: the ranks are forked from this process (forked_ranks; torchrun starts the runs above)
     with forked_train_ranks():
         proc = run("disk", "--nproc", "2", "--ep", "2", "--async-save", "--on-save-error", "continue",
-                   fault="1:4:save_error")  # rank 1's disk is full for the checkpoint of step 4
+                   fault="1:4:save_error" if failing == "rank 1's write" else None)  # a full disk at step 4
     assert proc.returncode == 0, proc.stderr
     staging = tmp_path / "disk" / "ckpt" / "step-000004.tmp"
     assert (f"checkpoint step-000004 not saved: [Errno 28] No space left on device (injected): '{staging}'; "
             "step-000002 is intact; training goes on (--on-save-error continue)") in proc.stdout, proc.stdout
+    assert {p.name: p.read_text() for p in failed.iterdir()} == {"rank0": "4\n", "rank1": "4\n"}
     assert sorted(p.name for p in (tmp_path / "disk" / "ckpt").iterdir()) == \
         ["step-000002", "step-000006", "step-000008"]
     rows = [json.loads(line) for line in (tmp_path / "disk" / "metrics.jsonl").read_text().splitlines()]

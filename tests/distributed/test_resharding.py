@@ -28,7 +28,7 @@ from moetrain.distributed.checkpoint import load_checkpoint
 from moetrain.distributed.layout import ParallelDims
 from moetrain.distributed.world import spawn
 from moetrain.runtime_base.checkpoint_files import checkpoint_dir
-from moetrain.train import Trainer
+from moetrain.train import SuppliedParts, Trainer
 
 STEPS, SAVED_AT = 4, 2
 TRAINING = TrainingConfig(steps=STEPS, global_batch=8, micro_batch=2, seq_len=32, warmup_steps=2)
@@ -104,7 +104,7 @@ def test_parallel_checkpoint_resumes_in_the_single_process(runs: dict) -> None:
     try:
         console = Console(file=io.StringIO())
         # The single-process run's own checkpoint, loaded in one process: what the parallel one must match.
-        own = Trainer(run_spec(TRAINING, ParallelConfig(), corpus), console=console)
+        own = Trainer(run_spec(TRAINING, ParallelConfig(), corpus), SuppliedParts(console=console))
         try:
             step = load_checkpoint(checkpoint_dir(root / "single", SAVED_AT), own.run, own.model_cfg, own.identity())
             assert step == SAVED_AT
@@ -112,7 +112,7 @@ def test_parallel_checkpoint_resumes_in_the_single_process(runs: dict) -> None:
         finally:
             own.close()
         trainer = Trainer(run_spec(TRAINING, ParallelConfig(), corpus, save_dir=str(root / "to_single"), resume=True),
-                          console=console)
+                          SuppliedParts(console=console))
         load, loaded = trainer.load, {}
 
         def load_and_keep() -> bool:  # the state the resumed run starts from

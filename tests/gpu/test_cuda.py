@@ -26,7 +26,7 @@ from moetrain.models import build_model
 from moetrain.models.dispatch import permute, unpermute
 from moetrain.models.experts import grouped_mm, native_grouped_mm_ok
 from moetrain.models.router import Routing, count_tokens_per_expert
-from moetrain.train import Trainer
+from moetrain.train import SuppliedParts, Trainer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -179,7 +179,7 @@ def test_trainer_trains_in_bf16_on_cuda(tmp_path, monkeypatch):
     cfg = TrainingConfig(steps=30, global_batch=8, micro_batch=4, seq_len=64, lr=3e-3, warmup_steps=3)
     spec = RunSpec(training=cfg, run={"device": "cuda", "cluster": "h100-sxm-80gb", "data": str(corpus),
                                       "quiet": True})
-    trainer = Trainer(spec, console=Console(file=io.StringIO()))
+    trainer = Trainer(spec, SuppliedParts(console=Console(file=io.StringIO())))
     assert trainer.run.autocast_dtype == torch.bfloat16
     rows = trainer.train()
     losses = [row["loss"] for row in rows]

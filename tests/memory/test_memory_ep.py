@@ -23,7 +23,7 @@ from moetrain.distributed.world import spawn
 from moetrain.memory import MemoryPlan
 from moetrain.memory.policy import num_blocks
 from moetrain.memory.runtime import apply_memory_policy
-from moetrain.train import Trainer
+from moetrain.train import SuppliedParts, Trainer
 
 EP = 2
 TRAINING = TrainingConfig(steps=2, global_batch=4, micro_batch=2, seq_len=32, warmup_steps=1)
@@ -49,8 +49,8 @@ def _train(rank: int, a2a: str, data, policy: str) -> dict:
     number of count exchanges (one per dispatch) the run made."""
     parallel = ParallelConfig(dp=EP, ep=EP, a2a=a2a)
     dims = ParallelDims.build(parallel, rank, RANKS_PER_NODE[a2a])
-    trainer = Trainer(_spec(data, "none" if policy == "permute" else policy, a2a), dims=dims,
-                      console=Console(file=io.StringIO()))
+    trainer = Trainer(_spec(data, "none" if policy == "permute" else policy, a2a),
+                      SuppliedParts(dims=dims, console=Console(file=io.StringIO())))
     model = trainer.run.stage.model
     if policy == "permute":  # the one option alone, on every layer (after the EP dispatcher is installed)
         apply_memory_policy(model, MemoryPlan.uniform(("permute",), num_blocks(trainer.model_cfg)))
@@ -85,7 +85,7 @@ def reference(corpus) -> list[dict]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return Trainer(_spec(corpus), console=Console(file=io.StringIO())).train()
+        return Trainer(_spec(corpus), SuppliedParts(console=Console(file=io.StringIO()))).train()
     finally:
         torch.set_num_threads(threads)
 

@@ -21,7 +21,7 @@ from moetrain.distributed.layout import ParallelDims
 from moetrain.distributed.world import spawn
 from moetrain.rl.colocated import ColocatedStaleSync, fits_beside_update
 from moetrain.rl.config import StaleSyncOptions
-from moetrain.train.trainer import Trainer
+from moetrain.train.trainer import SuppliedParts, Trainer
 from refusals import refused
 
 
@@ -35,7 +35,8 @@ def _colocated(steps: int, staleness: int = 1, decoupled: bool = False, spec_upd
         spec = spec.model_copy(update={"training": spec.training.model_copy(update={"micro_batch": micro_batch})})
     stale = StaleSyncOptions(staleness=staleness, placement="colocated", loss="decoupled" if decoupled else "tis")
     hooks = hooks_cls(spec, options, stale)
-    trainer = Trainer(spec, model_cfg=model.cfg, model=model, console=Console(file=io.StringIO()), hooks=hooks)
+    trainer = Trainer(spec, SuppliedParts(model_cfg=model.cfg, model=model, console=Console(file=io.StringIO()),
+                                          hooks=hooks))
     rows = trainer.train()
     return hooks, rows, {k: v.detach().clone() for k, v in trainer.run.stage.model.state_dict().items()}
 
@@ -135,8 +136,9 @@ def _two_ranks(rank: int, world_size: int):
                    run=spec.run)
     dims = ParallelDims.build(ParallelConfig(dp=2, ep=2), rank)
     stale = StaleSyncOptions(staleness=1, placement="colocated")
-    trainer = Trainer(spec, model_cfg=model.cfg, model=model, dims=dims, console=Console(file=io.StringIO()),
-                      hooks=ColocatedStaleSync(spec, options, stale))
+    trainer = Trainer(spec, SuppliedParts(dims=dims, model_cfg=model.cfg, model=model,
+                                          console=Console(file=io.StringIO()),
+                                          hooks=ColocatedStaleSync(spec, options, stale)))
     return trainer.train()
 
 

@@ -25,7 +25,7 @@ from moetrain.rl.offload import HostOffload, offload_decision
 from moetrain.rl.sft import sequence_len_for
 from moetrain.rl.switch import PHASES, Switch, SwitchOrderError
 from moetrain.rl.tasks import get_task
-from moetrain.train.trainer import Trainer
+from moetrain.train.trainer import SuppliedParts, Trainer
 
 SEED = 3
 """The trained weights' seed; generation models start from seed 0, so an unsynced tensor shows."""
@@ -126,8 +126,8 @@ def _rl_trainer(parallel: ParallelConfig, dims: ParallelDims | None = None,
                    run={"device": "cpu", "cluster": "cpu", "quiet": True, "threads": 1})
     hooks = GRPO(spec, options, fusion=fusion)
     hooks.task = _ParityScore(hooks.task)
-    return Trainer(spec, model_cfg=model.cfg, model=model, console=Console(file=io.StringIO()), dims=dims,
-                   hooks=hooks)
+    return Trainer(spec, SuppliedParts(dims=dims, model_cfg=model.cfg, model=model, console=Console(file=io.StringIO()),
+                                       hooks=hooks))
 
 
 def _worker(rank: int, world_size: int) -> dict:

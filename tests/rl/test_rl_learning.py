@@ -25,7 +25,7 @@ from moetrain.rl.loop import GRPO, SFTWarmup, policy_logprobs
 from moetrain.rl.sft import sequence_len_for, sft_sequence
 from moetrain.rl.tasks import get_task, heldout_problems
 from moetrain.rl.tokenizer import CharTokenizer
-from moetrain.train.trainer import Trainer
+from moetrain.train.trainer import SuppliedParts, Trainer
 
 TASK = get_task("sort")
 SEQ_LEN = sequence_len_for(TASK, TASK.max_answer_chars + 2)
@@ -53,8 +53,8 @@ def _warmed_up_policy(seed: int) -> MoETransformer:
                          seed=seed)
     spec = RunSpec(training=cfg, run=RUN)
     hooks = SFTWarmup(spec, TASK)
-    warm_up = Trainer(spec, model_cfg=model.cfg, model=model, console=Console(file=io.StringIO()),
-                      batches=hooks.examples, hooks=hooks)
+    warm_up = Trainer(spec, SuppliedParts(model_cfg=model.cfg, model=model, console=Console(file=io.StringIO()),
+                                          batches=hooks.examples, hooks=hooks))
     warm_up.train()
     policy = small_model(seed=seed)
     policy.load_state_dict(warm_up.run.stage.model.state_dict())
@@ -71,8 +71,8 @@ def test_grpo_raises_the_expected_reward_on_held_out_problems():
     cfg = TrainingConfig(steps=12, global_batch=256, micro_batch=256, seq_len=SEQ_LEN, lr=1e-3, warmup_steps=2,
                          seed=seed)
     spec = RunSpec(training=cfg, run=RUN)
-    trainer = Trainer(spec, model_cfg=model.cfg, model=model, console=Console(file=io.StringIO()),
-                      hooks=GRPO(spec, options))
+    trainer = Trainer(spec, SuppliedParts(model_cfg=model.cfg, model=model, console=Console(file=io.StringIO()),
+                                          hooks=GRPO(spec, options)))
     rows = [r for r in trainer.train() if "reward" in r]
     after = expected_reward(trainer.run.stage.model, seed)
     assert 0.2 < before < 0.5 and min(r["uniform_groups"] for r in rows) < 0.8, before  # signal to learn from

@@ -12,7 +12,7 @@ from moetrain.rl.config import GRPOConfig, RLOptions
 from moetrain.rl.loop import GRPO, SFTWarmup
 from moetrain.rl.sft import sequence_len_for
 from moetrain.rl.tasks import get_task
-from moetrain.train.trainer import Trainer
+from moetrain.train.trainer import SuppliedParts, Trainer
 
 TASK = get_task("addition")
 SEQ_LEN = sequence_len_for(TASK, TASK.max_answer_chars + 2)
@@ -26,8 +26,8 @@ def _trainer(steps=3, replay=True, keep_logprobs=False, seed=0, **run) -> Traine
                          seed=seed)
     run = {k: str(v) if k in ("save_dir", "metrics_out") else v for k, v in run.items()}
     spec = RunSpec(training=cfg, run={"device": "cpu", "cluster": "cpu", "quiet": True, **run})
-    return Trainer(spec, model_cfg=model.cfg, model=model, console=Console(file=io.StringIO()),
-                   hooks=GRPO(spec, options, keep_logprobs=keep_logprobs))
+    return Trainer(spec, SuppliedParts(model_cfg=model.cfg, model=model, console=Console(file=io.StringIO()),
+                                       hooks=GRPO(spec, options, keep_logprobs=keep_logprobs)))
 
 
 def test_trainer_logprobs_of_generated_tokens_equal_the_rollout_engines_with_replay():
@@ -84,8 +84,8 @@ def test_sft_warm_up_trains_on_answers_only():
     cfg = TrainingConfig(steps=2, global_batch=8, micro_batch=8, seq_len=SEQ_LEN, lr=1e-3, warmup_steps=0)
     spec = RunSpec(training=cfg, run={"device": "cpu", "cluster": "cpu", "quiet": True})
     warm_up = SFTWarmup(spec, TASK)
-    trainer = Trainer(spec, model_cfg=model.cfg, console=Console(file=io.StringIO()), batches=warm_up.examples,
-                      hooks=warm_up)
+    trainer = Trainer(spec, SuppliedParts(model_cfg=model.cfg, console=Console(file=io.StringIO()),
+                                          batches=warm_up.examples, hooks=warm_up))
     batch = trainer.next_batch()
     micro = batch.micro_batches[0]
     for row in range(8):

@@ -32,7 +32,7 @@ from moetrain.rl.stalesync import (
     run_stalesync,
 )
 from moetrain.rl.tasks import get_task
-from moetrain.train.trainer import Trainer
+from moetrain.train.trainer import SuppliedParts, Trainer
 from refusals import refused
 
 TASK = get_task("addition")
@@ -70,7 +70,8 @@ def _synchronous(steps: int):
 def _synchronous_once(steps: int):
     model, options, spec = _setup(steps)
     hooks = _RecordingGRPO(spec, options)
-    trainer = Trainer(spec, model_cfg=model.cfg, model=model, console=Console(file=io.StringIO()), hooks=hooks)
+    trainer = Trainer(spec, SuppliedParts(model_cfg=model.cfg, model=model, console=Console(file=io.StringIO()),
+                                          hooks=hooks))
     rows = trainer.train()
     return rows, hooks.samples, {k: v.detach().clone() for k, v in trainer.run.stage.model.state_dict().items()}
 

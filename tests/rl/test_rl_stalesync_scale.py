@@ -32,7 +32,7 @@ from moetrain.rl.roles import Roles
 from moetrain.rl.spec import resolve_rl_spec
 from moetrain.rl.stalesync import RolloutWorker, Schedule, StaleSyncJob, run_stalesync
 from moetrain.rl.tokenizer import CharTokenizer
-from moetrain.train.trainer import Trainer
+from moetrain.train.trainer import SuppliedParts, Trainer
 from refusals import refused
 
 TP2 = {"tp": 2}
@@ -58,8 +58,8 @@ def _synchronous_in_layout(rank: int, world_size: int, steps: int, parallel: dic
     spec = _layout_spec(steps, parallel)
     dims = ParallelDims.build(ParallelConfig(**parallel), rank)
     hooks = GRPO(spec, options, reference=reference)
-    trainer = Trainer(spec, model_cfg=model.cfg, model=model, dims=dims, console=Console(file=io.StringIO()),
-                      hooks=hooks)
+    trainer = Trainer(spec, SuppliedParts(dims=dims, model_cfg=model.cfg, model=model,
+                                          console=Console(file=io.StringIO()), hooks=hooks))
     samples = []
     original = hooks.rollout
 

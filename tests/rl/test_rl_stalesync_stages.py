@@ -17,7 +17,7 @@ from moetrain.rl.config import StaleSyncOptions
 from moetrain.rl.roles import Roles
 from moetrain.rl.stalesync import StaleSyncJob, run_stalesync
 from moetrain.rl.stalesync_stages import RewardWorker, StageReport
-from moetrain.train.trainer import Trainer
+from moetrain.train.trainer import SuppliedParts, Trainer
 from refusals import refused
 
 KL = 0.05
@@ -56,7 +56,8 @@ def test_k0_with_reward_and_reference_workers_is_the_synchronous_loop_with_its_r
     reference = build_model(model.cfg, "cpu")
     reference.load_state_dict(model.state_dict())
     recorded = _RecordingGRPO(spec, options, reference=reference)
-    sync = Trainer(spec, model_cfg=model.cfg, model=model, console=Console(file=io.StringIO()), hooks=recorded)
+    sync = Trainer(spec, SuppliedParts(model_cfg=model.cfg, model=model, console=Console(file=io.StringIO()),
+                                       hooks=recorded))
     rows = sync.train()
     state = {k: v.detach().clone() for k, v in sync.run.stage.model.state_dict().items()}
     *rollouts, trainer, reward, ref = _pipeline(steps, staleness=0, replicas=replicas)

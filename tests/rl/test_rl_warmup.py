@@ -15,7 +15,7 @@ from moetrain.rl.loop import WARMUP_DECISION_FILE, SFTWarmup
 from moetrain.rl.sft import sequence_len_for
 from moetrain.rl.tasks import get_task, heldout_problems, split_of
 from moetrain.rl.warmup import WarmupCheck, WarmupDecision, decide, validation_problems
-from moetrain.train.trainer import Trainer
+from moetrain.train.trainer import SuppliedParts, Trainer
 
 TASK = get_task("addition")
 CRITERION = WarmupCriterion(target=0.3, check_every=10)
@@ -63,8 +63,8 @@ def _sft(tmp_path, criterion, steps, task=TASK):
     spec = RunSpec(training=cfg, run={"device": "cpu", "cluster": "cpu", "quiet": True, "save_dir": str(tmp_path),
                                       "resume": True})
     hooks = SFTWarmup(spec, task, criterion=criterion, eval_size=16)
-    return Trainer(spec, model_cfg=model.cfg, console=Console(file=io.StringIO()), batches=hooks.examples,
-                   hooks=hooks)
+    return Trainer(spec, SuppliedParts(model_cfg=model.cfg, console=Console(file=io.StringIO()), batches=hooks.examples,
+                                       hooks=hooks))
 
 
 def test_the_trainer_stops_at_the_cap_saves_and_a_later_run_reuses_the_stopped_warm_up(tmp_path):

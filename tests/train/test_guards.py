@@ -8,6 +8,7 @@ import io
 import math
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -16,8 +17,11 @@ from rich.console import Console
 from moetrain.config import ParallelConfig, TrainingConfig
 from moetrain.config.run import RunSpec
 from moetrain.errors import UserError
-from moetrain.train import Trainer
+from moetrain.train import SuppliedParts, Trainer
 from moetrain.train.faults import Fault, injected_faults, parse_fault
+
+if TYPE_CHECKING:
+    from moetrain.distributed.layout import ParallelDims
 
 TRAINING = TrainingConfig(steps=6, global_batch=4, micro_batch=2, seq_len=32, lr=3e-3, warmup_steps=2)
 
@@ -26,8 +30,8 @@ class RecordingTrainer(Trainer):
     """The trainer, keeping the state after each step (weights, buffers, AdamW moments and step) and the
     data position of each batch it reads."""
 
-    def __init__(self, spec: RunSpec, **kwargs) -> None:
-        super().__init__(spec, console=Console(file=io.StringIO(), width=400), **kwargs)
+    def __init__(self, spec: RunSpec, dims: ParallelDims | None = None) -> None:
+        super().__init__(spec, SuppliedParts(dims=dims, console=Console(file=io.StringIO(), width=400)))
         self.states: dict[int, dict[str, torch.Tensor]] = {}
         self.positions: list[int] = []
 

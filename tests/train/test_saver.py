@@ -19,7 +19,7 @@ from moetrain.config.run import RunSpec
 from moetrain.distributed.checkpoint import CheckpointWriter, checkpoint_state
 from moetrain.errors import UserError
 from moetrain.runtime_base.checkpoint_files import COMPLETE_MARKER, complete_checkpoints, verify_checkpoint
-from moetrain.train import Trainer
+from moetrain.train import SuppliedParts, Trainer
 from moetrain.train.saver import CheckpointSaver, SavePolicy
 
 TRAINING = TrainingConfig(steps=6, global_batch=4, micro_batch=2, seq_len=32, lr=3e-3, warmup_steps=2)
@@ -29,7 +29,7 @@ class ObservedTrainer(Trainer):
     """The trainer, keeping its console output and the complete checkpoints seen after each save."""
 
     def __init__(self, spec: RunSpec) -> None:
-        super().__init__(spec, console=Console(file=io.StringIO(), width=400))
+        super().__init__(spec, SuppliedParts(console=Console(file=io.StringIO(), width=400)))
         self.seen: list[list[int]] = []
 
     def save(self):

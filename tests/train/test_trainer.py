@@ -9,7 +9,7 @@ from rich.console import Console
 from moetrain.config import ModelConfig, ParallelConfig, TrainingConfig, load_model_config
 from moetrain.config.run import RunSpec
 from moetrain.errors import UserError
-from moetrain.train import Trainer
+from moetrain.train import SuppliedParts, Trainer
 
 WORDS = ["the", "king", "and", "queen", "of", "denmark", "speak", "love", "death", "honour", "night",
          "crown", "ghost", "sword", "my", "lord", "good", "sir", "what", "say", "you", "now", "mark", "me"]
@@ -42,7 +42,7 @@ def _trainer(corpus: str, micro_batch: int = 2, model_cfg: ModelConfig | None = 
     run = {key: str(value) if value is not None and key in ("save_dir", "metrics_out", "trace_routing") else value
            for key, value in run.items()}
     spec = RunSpec(training=cfg, run={"device": "cpu", "cluster": "cpu", "data": corpus, "quiet": True, **run})
-    return Trainer(spec, model_cfg=model_cfg, console=Console(file=io.StringIO()))
+    return Trainer(spec, SuppliedParts(model_cfg=model_cfg, console=Console(file=io.StringIO())))
 
 
 @pytest.mark.slow

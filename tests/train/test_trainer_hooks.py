@@ -9,7 +9,7 @@ from rich.console import Console
 from moetrain.config import TrainingConfig, load_model_config
 from moetrain.config.run import RunSpec
 from moetrain.data.synthetic import SyntheticDataset
-from moetrain.train import Trainer
+from moetrain.train import SuppliedParts, Trainer
 from moetrain.train.trainer import TrainerHooks
 
 TRAINING = TrainingConfig(steps=5, global_batch=4, micro_batch=2, seq_len=32, lr=3e-3, warmup_steps=2)
@@ -88,11 +88,11 @@ def _spec(**run) -> RunSpec:
 
 
 def test_hooks_on_a_given_batch_source_train_its_batches_as_the_plain_loop():
-    plain = Trainer(_spec(synthetic_data=True), console=Console(file=io.StringIO())).train()
+    plain = Trainer(_spec(synthetic_data=True), SuppliedParts(console=Console(file=io.StringIO()))).train()
     source = RecordedSource(load_model_config(_spec().model).vocab_size)
     # no corpus is read when the batches are given: the data path is never opened
-    hooked = Trainer(_spec(data="/nonexistent/corpus.jsonl"), console=Console(file=io.StringIO()),
-                     batches=source, hooks=NotingHooks())
+    hooked = Trainer(_spec(data="/nonexistent/corpus.jsonl"),
+                     SuppliedParts(console=Console(file=io.StringIO()), batches=source, hooks=NotingHooks()))
     rows = hooked.train()
     assert source.steps == [0, 1, 2]
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -106,13 +106,14 @@ def test_the_hooks_are_called_at_their_points_in_the_stated_order(tmp_path):
     vocab = load_model_config(_spec().model).vocab_size
     run = {"data": "/nonexistent/corpus.jsonl", "save_dir": str(tmp_path / "ckpt")}
     first = RecordingHooks(vocab)
-    Trainer(_spec(stop_at=2, **run), console=Console(file=io.StringIO()), hooks=first).train()
+    Trainer(_spec(stop_at=2, **run), SuppliedParts(console=Console(file=io.StringIO()), hooks=first)).train()
     # finished is asked before each step and after it (where a True would save); step 2 is the last of
     # this run, so it saves without asking
     assert first.calls == [("attach", 0), ("finished", 0), ("next_batch", 0), ("after_step", 1),
                            ("finished", 1), ("finished", 1), ("next_batch", 1), ("after_step", 2),
                            ("saved", 2), ("close", 2)]
     resumed = RecordingHooks(vocab)
-    Trainer(_spec(stop_at=3, resume=True, **run), console=Console(file=io.StringIO()), hooks=resumed).train()
+    Trainer(_spec(stop_at=3, resume=True, **run),
+            SuppliedParts(console=Console(file=io.StringIO()), hooks=resumed)).train()
     assert resumed.calls == [("attach", 0), ("loaded", 2), ("finished", 2), ("next_batch", 2), ("after_step", 3),
                              ("saved", 3), ("close", 3)]

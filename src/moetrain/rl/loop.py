@@ -1,5 +1,5 @@
 """The RL hooks of the runtime's ``Trainer``: the SFT warm-up's, and GRPO's, whose batch for step s is a fresh,
-scored set of rollouts (``Trainer(spec, hooks=GRPO(spec, options))``).
+scored set of rollouts (``Trainer(spec, SuppliedParts(hooks=GRPO(spec, options)))``).
 
 One step (synchronous, colocated: in one process generation runs on the training model's own
 parameters; across ranks, RL Fusion (``moetrain.rl.fusion``) reshards the current weights into a
@@ -121,7 +121,7 @@ class SFTWarmup(TrainerHooks):
         training = spec.training
         self.task, self.tokenizer = task, CharTokenizer()
         self.examples = TaskSFTDataset(task, self.tokenizer, training.seq_len, training.seed)
-        """The batch source to give the trainer (``Trainer(batches=...)``)."""
+        """The batch source to give the trainer (``SuppliedParts(batches=...)``)."""
         self.criterion = criterion if criterion is not None and criterion.enabled else None
         self.decision: WarmupDecision | None = None
         self.validation = (warmup_validation(task, training.seed, self.criterion, eval_size)

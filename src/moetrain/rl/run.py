@@ -167,7 +167,7 @@ def warm_up(run: RLRun, model: MoETransformer | None, console: Console | None = 
     dir) from ``model`` (None: initialised from the seed)."""
     from moetrain.rl.loop import SFTWarmup  # lazy, heavy: torch
     from moetrain.runtime_base.checkpoint_files import latest_checkpoint  # lazy, heavy: torch
-    from moetrain.train.trainer import Trainer  # lazy, heavy: torch
+    from moetrain.train.trainer import SuppliedParts, Trainer  # lazy, heavy: torch
 
     spec = run.sft
     assert spec is not None
@@ -176,8 +176,8 @@ def warm_up(run: RLRun, model: MoETransformer | None, console: Console | None = 
         spec = spec.model_copy(update={"run": spec.run.model_copy(update={"resume": True})})
     hooks = SFTWarmup(spec, get_task(run.options.task), criterion=run.spec.sft.criterion,
                       eval_size=run.options.eval_size)
-    trainer = Trainer(spec, model_cfg=run.model_cfg, model=model, console=console, batches=hooks.examples,
-                      hooks=hooks)
+    trainer = Trainer(spec, SuppliedParts(model_cfg=run.model_cfg, model=model, console=console, batches=hooks.examples,
+                                          hooks=hooks))
     trainer.console.print(trainer.describe())
     rows = trainer.train()
     if rows:
@@ -194,10 +194,10 @@ def train_grpo(run: RLRun, model: MoETransformer | None, reference: MoETransform
     reward curve (the whole curve after a resume)."""
     from moetrain.rl.colocated import rl_hooks  # lazy, heavy: torch
     from moetrain.rl.plot import plot_reward_curve  # lazy: matplotlib, only for the curve
-    from moetrain.train.trainer import Trainer  # lazy, heavy: torch
+    from moetrain.train.trainer import SuppliedParts, Trainer  # lazy, heavy: torch
 
     hooks = rl_hooks(run.grpo, run.options, run.stale, reference=reference, fusion=run.fusion)
-    trainer = Trainer(run.grpo, model_cfg=run.model_cfg, model=model, console=console, hooks=hooks)
+    trainer = Trainer(run.grpo, SuppliedParts(model_cfg=run.model_cfg, model=model, console=console, hooks=hooks))
     trainer.console.print(trainer.describe())
     rows = trainer.train()
     trainer.print_summary()

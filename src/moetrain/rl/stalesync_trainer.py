@@ -31,7 +31,7 @@ from moetrain.rl.rollout_queue import BatchReceiver, QueuedBatch, broadcast_batc
 from moetrain.rl.stalesync_job import START_TAG, Channels, Slices, StaleSyncJob
 from moetrain.rl.stalesync_push import WeightPush
 from moetrain.rl.stalesync_schedule import Schedule
-from moetrain.train.trainer import Trainer
+from moetrain.train.trainer import SuppliedParts, Trainer
 
 PEER_LOST = re.compile(r"Connection (reset|closed) by peer|Socket Timeout|timed out", re.I)
 """gloo's errors of a rank whose peer is gone (as ``distributed.launch`` recognises them)."""
@@ -191,7 +191,7 @@ def train_rank(job: StaleSyncJob, channels: Channels) -> TrainerReport:
         model.load_state_dict(job.initial)
     start = time.perf_counter()
     hooks = StaleSyncHooks(job, channels)
-    trainer = Trainer(job.spec, dims=channels.dims, model_cfg=job.model_cfg, model=model, hooks=hooks)
+    trainer = Trainer(job.spec, SuppliedParts(dims=channels.dims, model_cfg=job.model_cfg, model=model, hooks=hooks))
     trainer.console.print(trainer.describe())
     rows = trainer.train()
     assert hooks.push is not None

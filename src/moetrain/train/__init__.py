@@ -11,6 +11,7 @@ import importlib
 
 _LAZY = {
     "Trainer": "moetrain.train.trainer",
+    "SuppliedParts": "moetrain.train.trainer",
 }
 
 

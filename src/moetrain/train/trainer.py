@@ -11,14 +11,14 @@ identical: the step's metrics are all-reduced).
 Batches are a function of the step (``PackedDataset.step_batch``), so a resumed run reads exactly the
 data the uninterrupted one would have, under any layout.
 
-A run of another objective (the RL warm-up and GRPO, StaleSync's trainer side) is the same ``Trainer``
-given two objects: a batch source (``batches=``) and one ``TrainerHooks`` (``hooks=``), whose methods the
-loop calls at fixed points, passing the trainer and what the point knows (the step, its batch, the
-checkpoint's folder). One hooks object rather than a list: the RL objectives differ inside (where samples
-come from, which policies the loss compares), not by stacking independent callbacks, and with one object
-there is no rule to learn for which of several hooks makes the batch, names the run or prints its summary.
-A hooks object keeps its own state (GRPO's step statistics, StaleSync's queues); the trainer keeps none of
-it. The call order, for a run that resumes and saves:
+A run of another objective (the RL warm-up and GRPO, StaleSync's trainer side) is the same ``Trainer`` given
+two objects: a batch source and one ``TrainerHooks`` (``Trainer(spec, SuppliedParts(batches=...,
+hooks=...))``), whose methods the loop calls at fixed points, passing the trainer and what the point knows
+(the step, its batch, the checkpoint's folder). One hooks object rather than a list: the RL objectives
+differ inside (where samples come from, which policies the loss compares), not by stacking independent
+callbacks, and with one object there is no rule to learn for which of several hooks makes the batch, names
+the run or prints its summary. A hooks object keeps its own state (GRPO's step statistics, StaleSync's
+queues); the trainer keeps none of it. The call order, for a run that resumes and saves:
 
     attach → loaded → per step: finished → next_batch → after_step → finished → saved → ... → close
 
@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -178,20 +179,37 @@ class TrainerHooks:
         """When the run ends or fails, before the trainer releases its own: what the hooks release."""
 
 
+@dataclass(frozen=True)
+class SuppliedParts:
+    """What a caller hands the trainer in place of what it would build from the spec. Every field is
+    optional; an empty one (the default) is a plain run of ``spec``."""
+
+    dims: ParallelDims | None = None
+    """This rank's place in a layout the caller built (tests run several layouts side by side in one
+    world); None: the trainer joins the world torchrun set up and places itself by ``spec.parallel``."""
+    model_cfg: ModelConfig | None = None
+    """Instead of loading ``spec.model``."""
+    model: MoETransformer | None = None
+    """A model the caller built from the seed (e.g. with a skewed router); None: built from ``model_cfg``."""
+    console: Console | None = None
+    """Where the reporter's lines go; None: the terminal, quiet on every rank but the reporter."""
+    batches: BatchSource | None = None
+    """The batch source instead of ``spec.run.data`` (no corpus is read then)."""
+    hooks: TrainerHooks | None = None
+    """The objective's hooks (``TrainerHooks``); None: a plain run."""
+
+
 class Trainer:
     """The step loop. A run of another objective changes it only through the objects it is given: its
-    batch source (``batches``) and its ``TrainerHooks`` (``hooks``)."""
+    batch source and its ``TrainerHooks`` (``SuppliedParts.batches``, ``SuppliedParts.hooks``)."""
 
-    def __init__(self, spec: RunSpec, *, dims: ParallelDims | None = None, model_cfg: ModelConfig | None = None,
-                 model: MoETransformer | None = None, console: Console | None = None,
-                 batches: BatchSource | None = None, hooks: TrainerHooks | None = None) -> None:
-        """``dims``: this rank's place in a layout built by the caller (tests run several layouts side by
-        side in one world); ``model_cfg``/``model``: instead of ``spec.model`` (a model the caller built
-        from the seed, e.g. with a skewed router); ``batches``: the batch source instead of
-        ``spec.run.data`` (no corpus is read then); ``hooks``: the objective's hooks (``TrainerHooks``)."""
+    def __init__(self, spec: RunSpec, supplied: SuppliedParts | None = None) -> None:
+        """``supplied``: the parts the caller built itself (``SuppliedParts``); the spec gives the rest."""
+        supplied = SuppliedParts() if supplied is None else supplied
+        dims, console = supplied.dims, supplied.console
         self.spec, self.cfg = spec, spec.training
-        self.hooks = hooks if hooks is not None else TrainerHooks()
-        self.model_cfg = model_cfg or load_model_config(spec.model)
+        self.hooks = supplied.hooks if supplied.hooks is not None else TrainerHooks()
+        self.model_cfg = supplied.model_cfg or load_model_config(spec.model)
         check_run(spec, self.model_cfg)  # the same checks as before any rank started (cheap, torch-free)
         self.device = resolve_device(spec.run.device)
         self.threads: ThreadChoice | None = None
@@ -225,7 +243,7 @@ class Trainer:
         self.step_fields: dict[str, Any] = {}
         """The current step's metrics row fields noted so far (``note``); the loop starts each step empty."""
         try:
-            self._build(model, batches)
+            self._build(supplied.model, supplied.batches)
             self.hooks.attach(self)
         except BaseException:
             self._own_world.close()
