@@ -245,7 +245,7 @@ class HierarchicalDispatchMeta:
 
 def _row_at(positions: torch.Tensor, num_positions: int) -> torch.Tensor:
     """The inverse of ``positions`` (row r sits at position ``positions[r]``) over ``num_positions``
-    positions: the row at each, or ``len(positions)`` (the zero row ``_with_zero_row`` appends) where
+    positions: the row at each, or ``len(positions)`` (the zero row after the rows) where
     no row is."""
     row_at = torch.full((num_positions,), positions.numel(), dtype=positions.dtype, device=positions.device)
     row_at[positions] = torch.arange(positions.numel(), device=positions.device)
@@ -271,8 +271,11 @@ class _CombineInNode(torch.autograd.Function):
     def forward(ctx, y_XD: torch.Tensor, weights_X: torch.Tensor, expand_row_X: torch.Tensor,
                 row_of_assignment_SK: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(y_XD, weights_X, expand_row_X)
-        weighted_XD = _at_least_fp32(y_XD) * weights_X.unsqueeze(-1)
-        return in_dtype(sum_gathered_rows(_with_zero_row(weighted_XD), row_of_assignment_SK), y_XD.dtype)
+        # the weighted rows in fp32 with the zero row after them, written in place: one copy, not two
+        rows, width = y_XD.shape
+        weighted_XD = y_XD.new_zeros(rows + 1, width, dtype=torch.promote_types(y_XD.dtype, torch.float32))
+        torch.mul(y_XD, weights_X.unsqueeze(-1), out=weighted_XD[:rows])
+        return in_dtype(sum_gathered_rows(weighted_XD, row_of_assignment_SK), y_XD.dtype)
 
     @staticmethod
     def backward(ctx, grad_SD: torch.Tensor):

@@ -89,9 +89,7 @@ class _Costs:
     """Bytes and added seconds of an option set on one layer, memoised."""
 
     def __init__(self, shape: ActivationShape, speed: DeviceSpeed) -> None:
-        self.shape = shape  # the activation formulas read it whole
-        self.model, self.seq_len, self.micro_batch = shape.model, shape.seq_len, shape.micro_batch
-        self.dtype_bytes, self.flash, self.speed = shape.dtype_bytes, shape.flash, speed
+        self.shape, self.speed = shape, speed
         self._bytes: dict[tuple[bool, frozenset[str]], tuple[float, float]] = {}
 
     def bytes(self, moe: bool, options: frozenset[str]) -> tuple[float, float]:
@@ -105,14 +103,15 @@ class _Costs:
         return self._bytes[key]
 
     def layer_forward_s(self, moe: bool) -> float:
-        tokens = self.seq_len * self.micro_batch
-        flops = layer_forward_flops(self.model, self.seq_len, moe, causal=True).total * tokens
+        shape = self.shape
+        tokens = shape.seq_len * shape.micro_batch
+        flops = layer_forward_flops(shape.model, shape.seq_len, moe, causal=True).total * tokens
         return flops / self.speed.flops_per_s
 
     def option_s(self, moe: bool, option: str) -> float:
         """Seconds one option adds to one layer's step (alone)."""
-        m, d, s = self.model, self.dtype_bytes, self.speed
-        tokens = self.seq_len * self.micro_batch
+        m, d, s = self.shape.model, self.shape.dtype_bytes, self.speed
+        tokens = self.shape.seq_len * self.shape.micro_batch
         h = m.hidden_size
         elementwise = lambda nbytes: nbytes / s.bytes_per_s  # noqa: E731
         routed = tokens * (m.moe.router.top_k if (moe and m.moe) else 0)
@@ -135,7 +134,7 @@ class _Costs:
         if option == "router":
             return (2 * tokens * h * m.moe.num_experts / s.flops_per_s) if (moe and m.moe) else 0.0
         if option == "attention":
-            flops = (attention_projection_flops(m) + attention_core_flops(m, self.seq_len, causal=True)) * tokens
+            flops = (attention_projection_flops(m) + attention_core_flops(m, self.shape.seq_len, causal=True)) * tokens
             return flops / s.flops_per_s + elementwise(10 * tokens * h * d)
         if option == "layer":
             return self.layer_forward_s(moe) + elementwise(30 * tokens * h * d)
@@ -207,7 +206,7 @@ def choose_memory_plan(shape: ActivationShape, policy: PolicyName, budget_bytes:
 def _greedy(costs: _Costs, kinds: list[bool], budget: float, total: Callable[[list[frozenset[str]]], float],
             excluded: frozenset[str]) -> list[frozenset[str]]:
     """Increase (best bytes saved per second added first, one layer at a time), then decrease."""
-    model, speed = costs.model, costs.speed
+    model, speed = costs.shape.model, costs.speed
     sets: list[frozenset[str]] = [frozenset()] * len(kinds)
     added_order: list[tuple[str, bool]] = []
     while total(sets) > budget:

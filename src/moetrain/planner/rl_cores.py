@@ -105,10 +105,6 @@ class RankCPU:
     staleness: int
     """The k the probe ran at: its works price the colocated jobs of that kind (k = 0, or every k ≥ 1)."""
 
-    @property
-    def total_s(self) -> float:
-        return sum(self.rank_s)
-
 
 def colocated_cpu_step(work: RankCPU, cores: float) -> float:
     """The step of a colocated job on one CPU of ``cores`` cores: every rank's CPU-seconds per step shared by

@@ -159,11 +159,17 @@ def _role_cpu_section(section: object, source: str) -> ProbedRoleCPU | None:
     if not isinstance(overlap, list) or len(overlap) != 2 or not all(_positive(v) for v in overlap):
         raise UserError(f"{source}: role_cpu.overlap must be two positive factors, [rollout, trainer] (got "
                         f"{overlap!r}); probe the job again with `{PROBE_COMMAND}`")
+    cores = _cores(section, "role_cpu", source)
+    return ProbedRoleCPU(RoleCPU(rollout, trainer, (float(overlap[0]), float(overlap[1]))), cores)
+
+
+def _cores(section: dict, name: str, source: str) -> float:
+    """A probe section's ``cores``: the probed machine's core count, positive."""
     cores = section.get("cores")
     if not _positive(cores):
-        raise UserError(f"{source}: role_cpu.cores must be the probed machine's positive core count (got "
+        raise UserError(f"{source}: {name}.cores must be the probed machine's positive core count (got "
                         f"{cores!r}); probe the job again with `{PROBE_COMMAND}`")
-    return ProbedRoleCPU(RoleCPU(rollout, trainer, (float(overlap[0]), float(overlap[1]))), float(cores))
+    return float(cores)
 
 
 RANK_CPU_KEYS = ("rank_s", "staleness", "cores")
@@ -182,8 +188,4 @@ def _rank_cpu_section(section: object, source: str) -> ProbedRankCPU | None:
     if not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0:
         raise UserError(f"{source}: rank_cpu.staleness must be the probed job's k, an integer ≥ 0 (got "
                         f"{staleness!r}); probe the job again with `{PROBE_COMMAND}`")
-    cores = section["cores"]
-    if not _positive(cores):
-        raise UserError(f"{source}: rank_cpu.cores must be the probed machine's positive core count (got "
-                        f"{cores!r}); probe the job again with `{PROBE_COMMAND}`")
-    return ProbedRankCPU(RankCPU(ranks, staleness), float(cores))
+    return ProbedRankCPU(RankCPU(ranks, staleness), _cores(section, "rank_cpu", source))

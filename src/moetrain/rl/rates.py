@@ -33,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
@@ -604,34 +605,51 @@ class RoleCPUProbe:
     """Per step: (the long run's − the short run's) / (their difference in steps), by process."""
 
 
+def check_probe_steps(probe: str, steps: int, short_steps: int = ROLE_CPU_SHORT_STEPS) -> None:
+    """Refuse a job too short for a CPU probe's two runs (``per_step_cpu``), before any probe runs."""
+    if not 0 < short_steps < steps:
+        raise UserError(f"the {probe} CPU probe needs a job of more than {short_steps} steps (got {steps}); "
+                        "give the job more steps")
+
+
+RunCPU = tuple[float, ...]
+"""One run's CPU-seconds, by rank."""
+
+
+def per_step_cpu(cpu_of_run: Callable[[int], RunCPU], steps: tuple[int, int]) -> tuple[tuple[RunCPU, RunCPU], RunCPU]:
+    """(each run's CPU-seconds by rank, what a step costs each rank): ``cpu_of_run(n)`` runs the job for n
+    steps. A run's start (fork, model, process groups) and its end (the final evaluation) cost the same
+    whatever its steps, so the difference of the two runs, over the steps between, is what a step costs."""
+    short, long = (cpu_of_run(count) for count in steps)
+    per_step = tuple((b - a) / (steps[1] - steps[0]) for a, b in zip(short, long, strict=True))
+    return (short, long), per_step
+
+
 def check_role_cpu_job(roles: Roles, steps: int, short_steps: int = ROLE_CPU_SHORT_STEPS) -> None:
     """Refuse a job ``role_cpu`` cannot split into its processes' work per step (before any probe runs)."""
     if roles.ranks_per_replica != 1 or roles.world_size != roles.rollout_ranks + len(roles.trainer_group):
         raise UserError("the role CPU probe measures one-rank replicas beside the trainer group, with no reward "
                         "or reference worker; probe such a job")
-    if not 0 < short_steps < steps:
-        raise UserError(f"the role CPU probe needs a job of more than {short_steps} steps (got {steps}); "
-                        "give the job more steps")
+    check_probe_steps("role", steps, short_steps)
 
 
 def role_cpu(job: StaleSyncJob, short_steps: int = ROLE_CPU_SHORT_STEPS) -> RoleCPUProbe:
     """Each process's CPU-seconds per step of a disaggregated job (one-rank replicas) while its roles do not
     overlap: the job at k = 0, where the replicas generate and then the trainer ranks train, never more
-    processes running than the replicas or the trainer group. A run's start (fork, model, process groups)
-    and its end (the final evaluation) cost the same whatever its steps, so the difference of a run of
-    ``short_steps`` and one of the job's steps, over the steps between, is what a step costs."""
+    processes running than the replicas or the trainer group; a run of ``short_steps`` and one of the job's
+    steps, differenced (``per_step_cpu``)."""
     roles = job.roles
     steps = (short_steps, job.spec.training.steps)
     check_role_cpu_job(roles, steps[1], short_steps)
     apart = replace(job, stale=job.stale.model_copy(update={"staleness": 0}))
-    runs = []
-    for count in steps:
+
+    def cpu_of_run(count: int) -> RunCPU:
         training = job.spec.training.model_copy(update={"steps": count})
-        runs.append(tuple(run_cpu_seconds(replace(apart, spec=job.spec.model_copy(update={"training": training})))))
-    per_step = [(long - short) / (steps[1] - steps[0]) for short, long in zip(*runs, strict=True)]
+        return tuple(run_cpu_seconds(replace(apart, spec=job.spec.model_copy(update={"training": training}))))
+
+    runs, per_step = per_step_cpu(cpu_of_run, steps)
     replicas = roles.rollout_ranks
-    work = RoleCPU(tuple(per_step[:replicas]), tuple(per_step[replicas:]))
-    return RoleCPUProbe(steps, (runs[0], runs[1]), work)
+    return RoleCPUProbe(steps, runs, RoleCPU(per_step[:replicas], per_step[replicas:]))
 
 
 @dataclass(frozen=True)
@@ -659,20 +677,19 @@ def rank_cpu(spec, short_steps: int = ROLE_CPU_SHORT_STEPS) -> RankCPUProbe:
     """Each rank's CPU-seconds per step of the colocated job ``spec`` (an ``RLRunSpec``), run as it is, at its
     own k. Its ranks share the CPU's cores in every phase (at k = 0 all generate, then all train; at k ≥ 1
     each generates beside its update), so there are no roles to keep apart: time-slicing stretches their wall
-    time, not their CPU time. A run's start and end cost the same whatever its steps, so the difference of a
-    run of ``short_steps`` and one of the job's steps, over the steps between, is what a step costs."""
+    time, not their CPU time. A run of ``short_steps`` and one of the job's steps, differenced
+    (``per_step_cpu``)."""
     from moetrain.rl.run import build_rl_run  # the RL runtime's spec: only a colocated probe needs it
 
     steps = (short_steps, spec.trainer.training.steps)
-    if not 0 < short_steps < steps[1]:
-        raise UserError(f"the rank CPU probe needs a job of more than {short_steps} steps (got {steps[1]}); "
-                        "give the job more steps")
+    check_probe_steps("rank", steps[1], short_steps)
     world_size = build_rl_run(spec).grpo.world_size
-    runs = []
-    for count in steps:
+
+    def cpu_of_run(count: int) -> RunCPU:
         training = spec.trainer.training.model_copy(update={"steps": count})
         counted = spec.model_copy(update={"trainer": spec.trainer.model_copy(update={"training": training})})
-        runs.append(tuple(usage.cpu_s for usage in spawn(colocated_with_cpu, world_size, counted)))
-    per_step = tuple((long - short) / (steps[1] - steps[0]) for short, long in zip(*runs, strict=True))
+        return tuple(usage.cpu_s for usage in spawn(colocated_with_cpu, world_size, counted))
+
+    runs, per_step = per_step_cpu(cpu_of_run, steps)
     staleness = spec.stalesync.staleness if spec.stalesync is not None else 0
-    return RankCPUProbe(steps, (runs[0], runs[1]), RankCPU(per_step, staleness))
+    return RankCPUProbe(steps, runs, RankCPU(per_step, staleness))

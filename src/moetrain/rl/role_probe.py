@@ -21,7 +21,7 @@ import torch
 from moetrain.errors import UserError
 from moetrain.planner.rl_cores import RoleCPU
 from moetrain.planner.rl_rates import ProbedRankCPU, ProbedRoleCPU
-from moetrain.rl.rates import ROLE_CPU_SHORT_STEPS, MixedWork, check_role_cpu_job, overlap_cpu, rank_cpu, role_cpu
+from moetrain.rl.rates import MixedWork, check_probe_steps, check_role_cpu_job, overlap_cpu, rank_cpu, role_cpu
 from moetrain.rl.run import build_rl_run, pipeline_weights, stalesync_job
 from moetrain.rl.spec import RLRunSpec
 
@@ -63,9 +63,7 @@ def check_probed_job(spec: RLRunSpec) -> None:
         raise UserError("--rl-job: the CPU probe measures a job on this machine's ranks (engine local); give such "
                         "a job")
     if not spec.disaggregated:
-        if spec.trainer.training.steps <= ROLE_CPU_SHORT_STEPS:
-            raise UserError(f"the rank CPU probe needs a job of more than {ROLE_CPU_SHORT_STEPS} steps (got "
-                            f"{spec.trainer.training.steps}); give the job more steps")
+        check_probe_steps("rank", spec.trainer.training.steps)
         return
     check_role_cpu_job(spec.roles, spec.trainer.training.steps)
 
