@@ -66,7 +66,7 @@ step_speed() {
         $PY benchmarks/step_speed.py --device cpu --seq-len 64 --global-batch 8 --steps 3 \
             --variants compiled:8:dense,eager:8:dense --out "$RESULTS/step_speed_$TAG.json"
     else
-        $PY benchmarks/step_speed.py --device cuda --model $SMALL --seq-len 4096 --global-batch 8 --steps 6 \
+        $PY benchmarks/step_speed.py --device cuda --model $SMALL --seq-len 4096 --global-batch 8 --steps 10 \
             --variants compiled:8:block,eager:8:dense,compiled:8:dense --out "$RESULTS/step_speed_$TAG.json"
     fi
 }

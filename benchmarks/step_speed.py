@@ -9,8 +9,9 @@ A variant is ``eager`` or ``compiled``, optionally with its micro-batch and docu
 and ``auto``). For each it builds ``moetrain.train.Trainer`` from the run spec ``moetrain train`` would (bf16
 autocast on CUDA, fp32 on CPU, the embedded corpus) and steps it as its loop does
 (``distributed.step.train_step``). Reports per variant: the first step (compilation included), the median of
-the other steps, tokens/s and MFU (the trainer's own formula, against the GPU's own cluster preset), peak
-device memory, the operators dispatched per step (torch.profiler: top-level ``aten::`` calls on the host),
+the other steps that did not compile (a new document mask or shape recompiles: such steps are recorded in
+``compiled_steps``, not timed), tokens/s and MFU (the trainer's own formula, against the GPU's own cluster
+preset), peak device memory, the operators dispatched per step (torch.profiler: top-level ``aten::`` calls on the host),
 and from one profiled step the device kernels, the device time by kind of kernel
 (``gpu_step_profile.kernel_kind``) and the kernels with the most device time (CUDA); the host reads per
 step (``HostReadCounter``, eager only: declared by reason and undeclared), and on CUDA whether a whole
@@ -43,8 +44,10 @@ from gpu_step_profile import device_ms_by_kind, top_kernels  # noqa: E402
 
 from moetrain.config.run import RunSpec  # noqa: E402
 from moetrain.distributed.host_reads import HostReadCounter  # noqa: E402
+from moetrain.distributed.parallelize import compile_events  # noqa: E402
 from moetrain.distributed.step import train_step  # noqa: E402
 from moetrain.train import SuppliedParts, Trainer  # noqa: E402
+from moetrain.train.metrics import timed_rows  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,9 @@ class VariantResult:
     device_ms_by_kind: dict[str, float] = field(default_factory=dict)
     """One profiled step's device time by kind of kernel (CUDA)."""
     top_kernels: list[dict] = field(default_factory=list)
+    compiled_steps: list[bool] = field(default_factory=list)
+    """Per timed step: whether torch compiled during it (``distributed.parallelize.compile_events``); the
+    median leaves those out, and the first step (``train.metrics.timed_rows``)."""
 
 
 def _sync(device: str) -> None:
@@ -119,19 +125,22 @@ def run_variant(variant: Variant, args: argparse.Namespace) -> VariantResult:
     trainer.run.stage.model.train()
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    losses, times = [], []
+    losses, times, compiled = [], [], []
     for _ in range(args.steps):
         _sync(device)
-        start = time.perf_counter()
+        start, compiles = time.perf_counter(), compile_events()
         losses.append(_step(trainer))
         _sync(device)
         times.append(time.perf_counter() - start)
-    median = statistics.median(times[1:])
+        compiled.append(compile_events() > compiles)
+    rows = [{"step_time_s": t, "compiled": c} for t, c in zip(times, compiled, strict=True)]
+    median = statistics.median(r["step_time_s"] for r in timed_rows(rows))
     tokens = args.global_batch * args.seq_len
     result = VariantResult(
         variant.name, variant.micro_batch, trainer.run.document_mask, times[0], median, times, tokens / median,
         tokens / median * trainer.flops_per_token / trainer.peak_flops,
-        torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None, 0.0, None, losses=losses)
+        torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None, 0.0, None, losses=losses,
+        compiled_steps=compiled)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=activities) as prof:
         losses.append(_step(trainer))

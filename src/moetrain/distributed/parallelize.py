@@ -12,6 +12,7 @@ index (its keys print exactly as the ``ModuleList`` indices did).
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 from torch import nn
@@ -150,3 +151,14 @@ def apply_compile(model: MoETransformer, backend: str = "inductor") -> int:
     for layer in layers:
         layer.compile(backend=backend)
     return len(layers)
+
+
+def compile_events() -> int:
+    """How much compiling torch has done in this process so far: Dynamo's graphs (recompiles included),
+    AOTAutograd's forward and backward graphs, Inductor's. A step during which this grows spent part of its
+    time compiling (a new shape, a new mask: not only the first step), so throughput leaves it out
+    (``train.metrics.summary_table``). 0 while the compiler is not loaded: nothing has compiled."""
+    dynamo_utils = sys.modules.get("torch._dynamo.utils")
+    if dynamo_utils is None:
+        return 0
+    return sum(sum(group.values()) for group in dynamo_utils.counters.values())

@@ -164,6 +164,21 @@ def moe_layer_labels(model_cfg: ModelConfig) -> list[str]:
     return [f"MoE layer {i}" if i < model_cfg.num_layers else f"MTP layer {i}" for i in moe_layer_indices(model_cfg)]
 
 
+def timed_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows throughput is measured on: not the first (one-off start-up costs: allocator warm-up, kernel
+    choice) and none during which torch compiled (``compiled``: the first step of a compiled run, and any
+    later one that meets a new shape or mask); all of them when nothing else is left."""
+    timed = [r for r in rows[1:] if not r.get("compiled")]
+    return timed or rows[1:] or rows
+
+
+def timed_steps_note(rows: list[dict[str, Any]], timed: list[dict[str, Any]]) -> str:
+    """Which steps ``timed_rows`` left out, in words, when steps after the first compiled."""
+    if any(r.get("compiled") for r in timed):
+        return f"{len(timed)} of {len(rows)}, every one compiling: a longer run measures the compiled speed"
+    return f"{len(timed)} of {len(rows)} (left out: step 1 and {len(rows) - 1 - len(timed)} later that compiled)"
+
+
 def summary_table(rows: list[dict[str, Any]], title: str, model_cfg: ModelConfig | None = None,
                   show_mfu: bool = True) -> Table:
     """First/last loss, throughput, MFU and per-layer expert load over the run's logged steps. With the
@@ -176,10 +191,12 @@ def summary_table(rows: list[dict[str, Any]], title: str, model_cfg: ModelConfig
     if not rows:
         table.add_row("steps", "0")
         return table
-    timed = rows[1:] or rows  # step 1 includes one-off start-up costs (allocator warm-up, kernel choice)
+    timed = timed_rows(rows)
     tokens = sum(r["tokens"] for r in timed)
     seconds = sum(r["step_time_s"] for r in timed)
     table.add_row("steps", f"{rows[0]['step']}–{rows[-1]['step']}")
+    if any(r.get("compiled") for r in rows[1:]):
+        table.add_row("timed steps", timed_steps_note(rows, timed))
     table.add_row("first loss", f"{rows[0]['loss']:.4f}")
     table.add_row("last loss", f"{rows[-1]['loss']:.4f}")
     table.add_row("tokens/s", f"{tokens / seconds:,.0f}" if seconds > 0 else "n/a")

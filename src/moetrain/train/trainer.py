@@ -48,7 +48,7 @@ from moetrain.data import PreparedData, StepBatch, prepare_data
 from moetrain.data.synthetic import SyntheticDataset
 from moetrain.distributed.checkpoint import checkpoint_state, load_checkpoint, read_expert_placement
 from moetrain.distributed.layout import ParallelDims
-from moetrain.distributed.parallelize import apply_compile
+from moetrain.distributed.parallelize import apply_compile, compile_events
 from moetrain.distributed.step import LayoutRun, StepResult, build_layout, train_step
 from moetrain.distributed.trace import Tracer
 from moetrain.distributed.world import join_world
@@ -478,7 +478,7 @@ class Trainer:
         while self.step < last_step and not self.finished():
             self.fault(self.step, "step")
             self.step_fields = {}
-            start = time.perf_counter()
+            start, compiled_before = time.perf_counter(), compile_events()
             batch = self.next_batch()
             batch_done = time.perf_counter()
             with self.tracer.active():
@@ -488,7 +488,8 @@ class Trainer:
             extra = {**self.after_step(), **self.hooks.after_step(self, self.step, batch), **self.step_fields}
             # the step's parts as the host sees them (no added sync: on an accelerator the host may run ahead)
             extra.update(batch_time_s=batch_done - start, train_step_time_s=step_done - batch_done,
-                         after_step_time_s=time.perf_counter() - step_done)
+                         after_step_time_s=time.perf_counter() - step_done,
+                         compiled=compile_events() > compiled_before)
             verdict = self.guard.judge(self.step, result.loss, result.grad_norm, result.skipped)
             extra.update(self.verdict_fields(verdict, result.skipped))
             row = self.log(result, batch.global_tokens, time.perf_counter() - start, extra)
