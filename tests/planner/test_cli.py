@@ -240,7 +240,7 @@ def test_cpu_ranks_are_priced_as_this_runtime_trains_them(capsys: pytest.Capture
     the backward, so none of the data-parallel traffic hides; tiny-pangu's q/k and v head dims differ, so
     torch's CPU attention materialises the scores. On GPUs the published stacks' overlap stays."""
     from moetrain.config import load_cluster_config, load_model_config
-    from moetrain.planner.workload import runtime_workload
+    from moetrain.planner.workload import Workload, runtime_workload
 
     def simulate(cluster: str) -> dict:
         assert main(["simulate", "--model", "tiny-pangu", "--seq-len", "128", "--global-batch", "16",
@@ -253,8 +253,8 @@ def test_cpu_ranks_are_priced_as_this_runtime_trains_them(capsys: pytest.Capture
     assert gpu["exposed_s"] < gpu["total_s"]
     tiny, cpu_cluster = load_model_config("tiny-pangu"), load_cluster_config("cpu")
     assert tiny.attention.qk_head_dim != tiny.attention.v_head_dim
-    assert not runtime_workload(tiny, cpu_cluster, 128, 16).flash_attention
-    assert runtime_workload(tiny, load_cluster_config("h100-sxm-80gb"), 128, 16).flash_attention
+    assert not runtime_workload(Workload(tiny, cpu_cluster, 128, 16)).flash_attention
+    assert runtime_workload(Workload(tiny, load_cluster_config("h100-sxm-80gb"), 128, 16)).flash_attention
 
 
 def test_comm_overlap_flag_states_the_stack_overlap(capsys: pytest.CaptureFixture[str]) -> None:

@@ -21,7 +21,7 @@ from moetrain.planner.rl_search import (
     search_rl,
 )
 from moetrain.planner.rl_step import RLLayout, RLWorkload, price_rl_step, training_workload
-from moetrain.planner.search import SearchSpace, search
+from moetrain.planner.search import SearchOptions, SearchSpace, search
 
 CALIBRATION = load_calibration(None)
 CLOUDMATRIX = str(Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "cloudmatrix-384-die.yaml")
@@ -43,8 +43,8 @@ def _brute_force(w: RLWorkload, devices: int, max_k: int, host: HostCosts):
     for (placement, rollout), g, k in itertools.product(splits, range(1, experts + 1), range(max_k + 1)):
         train_devices = devices - rollout if placement == "disaggregated" else devices
         if train_devices not in trainers:
-            trainers[train_devices] = search(training_workload(w), train_devices, eff, SearchSpace(cp=(1,)),
-                                             top_k=1, timeline_top=1, time_every_choice=False).ranked
+            trainers[train_devices] = search(training_workload(w), train_devices, eff, SearchOptions(
+                SearchSpace(cp=(1,)), top_k=1, timeline_top=1, time_every_choice=False)).ranked
         if experts % g or not trainers[train_devices]:
             continue
         layout = RLLayout(placement, devices, trainers[train_devices][0].parallel, g, rollout, k)
