@@ -16,7 +16,7 @@ from moetrain.config.model import ModelConfig
 from moetrain.errors import UserError
 from moetrain.planner.calibration import Calibration, Efficiency
 from moetrain.planner.comm import collective_terms, fit_link
-from moetrain.planner.generation import SAMPLING_PASSES, Replica, forward_time, generation_time
+from moetrain.planner.generation import SAMPLING_PASSES, HostCosts, Replica, forward_time, generation_time
 from moetrain.planner.rl_step import RLLayout, RLWorkload, SyncRates, price_rl_step
 from moetrain.planner.workload import Workload
 
@@ -212,6 +212,11 @@ def test_logprob_forward_on_the_generation_model():
     # the head on the 6 completion tokens of each 16-token sequence only
     assert priced.phases.logprob_s == pytest.approx(2 * forward_time(w, Replica(8, 1), 16, eff, chunk_rows=2,
                                                                      head_share=6 / 16), rel=1e-9)
+    # on a CPU's eager stack each layer pass costs its 100 µs floor more (the device's own time is ~0 here):
+    # 2 forwards × 4 chunks × 2 layers
+    host = HostCosts(layer_forward_us=100.0, host_is_device=True)
+    eager = price_rl_step(rl, layout, _calibration(), host)
+    assert eager.phases.logprob_s - priced.phases.logprob_s == pytest.approx(2 * 4 * 2 * 100e-6, rel=1e-6)
 
 
 def test_collective_probe_rows_and_sync_rates():

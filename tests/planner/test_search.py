@@ -47,6 +47,7 @@ def test_search_counts_and_prunes_memory() -> None:
     enumerated = sum(len(b) for b in enumerate_strategies(w, 64, SearchSpace()))
     assert result.candidates_evaluated == enumerated
     assert 0 < result.feasible < result.candidates_evaluated
+    assert len(result.top) == len(result.ranked) == len(result.timeline_step_s) == 3  # top_k, not timeline_top
     assert np.all(result.top_costs.memory.total <= 0.95 * w.cluster.hbm_bytes)
     assert not any(line.startswith("caution") for line in result.explanation)  # a GPU is no shared host
     steps = np.array(result.timeline_step_s)
