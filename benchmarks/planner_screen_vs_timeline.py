@@ -29,6 +29,7 @@ from moetrain.planner.calibration import load_calibration  # noqa: E402
 from moetrain.planner.costmodel import evaluate  # noqa: E402
 from moetrain.planner.search import (  # noqa: E402
     MEMORY_LIMIT_FRACTION,
+    SearchOptions,
     SearchSpace,
     describe,
     enumerate_strategies,
@@ -79,7 +80,7 @@ def main() -> None:
         timeline = np.array([timeline_step(costs, layouts, i, eff) for i in range(len(layouts))])
         ratio = timeline / screen
         fastest = int(np.argmin(timeline))
-        plan = search(w, devices, eff, top_k=1)
+        plan = search(w, devices, eff, SearchOptions(top_k=1))
         entry = {
             "search": f"{model} on {devices} × {cluster}, seq {seq_len}, batch {batch}",
             "paired_layouts_timed": len(layouts),

@@ -23,7 +23,7 @@ from _record import write_result  # noqa: E402
 
 from moetrain.config import load_cluster_config, load_model_config  # noqa: E402
 from moetrain.planner.calibration import load_calibration  # noqa: E402
-from moetrain.planner.search import search  # noqa: E402
+from moetrain.planner.search import SearchOptions, search  # noqa: E402
 from moetrain.planner.workload import Workload  # noqa: E402
 
 
@@ -45,7 +45,7 @@ def main() -> None:
     held_out = calibration.held_out_for_device(cluster.device)
     runs = []
     for _ in range(args.repeats):
-        result = search(workload, args.devices, eff, top_k=5, held_out=held_out)
+        result = search(workload, args.devices, eff, SearchOptions(top_k=5, held_out=held_out))
         check = result.calibration_check
         runs.append({"candidates_evaluated": result.candidates_evaluated, "feasible": result.feasible,
                      "seconds": result.seconds, "calibration_check_seconds": check.seconds if check else 0.0,

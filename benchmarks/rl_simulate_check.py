@@ -105,7 +105,7 @@ from moetrain.models.transformer import build_model
 from moetrain.planner.calibration import Calibration
 from moetrain.planner.comm import LinkFit
 from moetrain.planner.generation import HostCosts
-from moetrain.planner.rl_step import RLLayout, RLWorkload, price_rl_step
+from moetrain.planner.rl_step import RLLayout, RLWorkload, price_rl_step, training_prediction
 from moetrain.rl.generate import SamplingParams
 from moetrain.rl.loop import policy_config
 from moetrain.rl.rates import (
@@ -230,7 +230,8 @@ def colocated_rows(measured: dict, calibration: Calibration, host: HostCosts, ca
         # forward's paced capacity (the bubble as the generation's rates price it, as before the move)
         train_calibration, busy = training_calibration(workload, layout, one_core, one_core_host, capacity.paced,
                                                        bubble_calibration=calibration)
-        predicted = price_rl_step(workload, layout, calibration, host, sync, train_calibration)
+        training = training_prediction(workload, layout, train_calibration)
+        predicted = price_rl_step(workload, layout, calibration, host, sync, training)
         alone = price_rl_step(workload, layout, one_core, one_core_host).phases.generate_s
         loaded = (price_rl_step(workload, layout, *at_load, shared_sync(sync_rates, load_slow, 8)).step_s
                   if at_load else None)

@@ -240,7 +240,7 @@ def test_cpu_ranks_are_priced_as_this_runtime_trains_them(capsys: pytest.Capture
     the backward, so none of the data-parallel traffic hides; tiny-pangu's q/k and v head dims differ, so
     torch's CPU attention materialises the scores. On GPUs the published stacks' overlap stays."""
     from moetrain.config import load_cluster_config, load_model_config
-    from moetrain.planner.workload import runtime_workload
+    from moetrain.planner.workload import Workload, runtime_workload
 
     def simulate(cluster: str) -> dict:
         assert main(["simulate", "--model", "tiny-pangu", "--seq-len", "128", "--global-batch", "16",
@@ -253,8 +253,31 @@ def test_cpu_ranks_are_priced_as_this_runtime_trains_them(capsys: pytest.Capture
     assert gpu["exposed_s"] < gpu["total_s"]
     tiny, cpu_cluster = load_model_config("tiny-pangu"), load_cluster_config("cpu")
     assert tiny.attention.qk_head_dim != tiny.attention.v_head_dim
-    assert not runtime_workload(tiny, cpu_cluster, 128, 16).flash_attention
-    assert runtime_workload(tiny, load_cluster_config("h100-sxm-80gb"), 128, 16).flash_attention
+    assert not runtime_workload(Workload(tiny, cpu_cluster, 128, 16)).flash_attention
+    assert runtime_workload(Workload(tiny, load_cluster_config("h100-sxm-80gb"), 128, 16)).flash_attention
+
+
+def test_runtime_workload_keeps_the_asked_workload_and_sets_the_runtime():
+    """``runtime_workload(w)``: ``w``'s model, cluster, batch, precision, imbalance and head share, the
+    runtime's semantics, and the defaults on every other field whatever ``w`` says (``cli.workload`` on CPU
+    ranks, ``rl_step.training_workload``)."""
+    from dataclasses import fields
+
+    from moetrain.config import load_cluster_config, load_model_config
+    from moetrain.planner.workload import Workload, runtime_workload
+
+    asked = Workload(load_model_config("tiny-pangu"), load_cluster_config("cpu"), 96, 12, "fp16", imbalance=1.25,
+                     head_share=0.375, comm_overlap_stated=("DP",))
+    run = runtime_workload(asked)
+    runtime = {"flash_attention": False, "grad_bytes": 2.0, "overlap_grad_comm": False, "overlap_tp_comm": False,
+               "reduce_scatter_by_all_reduce": True, "project_tensor_parallel": True, "expert_count_exchange": True}
+    kept = {"model", "cluster", "seq_len", "global_batch", "precision", "imbalance", "head_share"}
+    for f in fields(Workload):
+        expected = getattr(asked, f.name) if f.name in kept else runtime.get(f.name, f.default)
+        assert getattr(run, f.name) == expected, f.name
+    assert (run.seq_len, run.global_batch, run.imbalance, run.head_share, run.comm_overlap_stated) == (
+        96, 12, 1.25, 0.375, ())
+    assert runtime_workload(Workload(asked.model, asked.cluster, 96, 12, "bf16")).grad_bytes == 4.0
 
 
 def test_comm_overlap_flag_states_the_stack_overlap(capsys: pytest.CaptureFixture[str]) -> None:

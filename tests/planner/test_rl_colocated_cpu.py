@@ -189,3 +189,23 @@ def test_plan_names_the_model_of_every_row_and_the_colocated_jobs_left_out(tmp_p
             "--rl-out FILE --rl-job rl.yaml` to rank it") in text
     row = next(line for line in text.splitlines() if "colocated: all 4" in line)
     assert "processor sharing" in row
+
+
+SIMULATE = ["simulate", "--rl", "--model", "tiny-pangu", "--cluster", "cpu", "--devices", "4", "--placement",
+            "colocated", "--prompts", "16", "--group-size", "8", "--prompt-len", "13", "--response-len", "16",
+            "--dtype", "fp32", "--micro-batch", "8", "--json"]
+
+
+def test_simulate_prices_a_probed_colocated_step_by_its_ranks(tmp_path, capsys):
+    """``simulate --rl --rl-rates`` with a ``rank_cpu`` section: the colocated step at the probe's kind of k is
+    its ranks shared over the probed cores (1.935 s, worked out in the plan test above), not its phases; at
+    the other kind of k the probe is another job's, and the command refuses it in one line."""
+    rates = tmp_path / "rates.yaml"
+    RATES.save(rates)
+    assert main([*SIMULATE, "--staleness", "1", "--rl-rates", str(rates)]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["predictions"]
+    assert (row["step_model"], row["shared_cores"], row["step_s"]) == (SHARED_CPU_MODEL, 2.0, pytest.approx(1.935))
+    assert main([*SIMULATE, "--staleness", "0", "--rl-rates", str(rates)]) == 2
+    assert capsys.readouterr().err == (
+        "moetrain simulate: error: CPU-seconds probed at k = 1 do not price a colocated job at k = 0 (the phases "
+        "take turns); probe this layout's job (`moetrain profile --rl-out FILE --rl-job rl.yaml`)\n")

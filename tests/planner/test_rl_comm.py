@@ -16,7 +16,7 @@ from moetrain.config.model import ModelConfig
 from moetrain.errors import UserError
 from moetrain.planner.calibration import Calibration, Efficiency
 from moetrain.planner.comm import collective_terms, fit_link
-from moetrain.planner.generation import SAMPLING_PASSES, forward_time, generation_time
+from moetrain.planner.generation import SAMPLING_PASSES, HostCosts, Replica, forward_time, generation_time
 from moetrain.planner.rl_step import RLLayout, RLWorkload, SyncRates, price_rl_step
 from moetrain.planner.workload import Workload
 
@@ -200,17 +200,23 @@ def test_logprob_forward_on_the_generation_model():
     eff = IDEAL
     # the layers as the prefill prices them (prefill = layers + one decode head; this cluster's head GEMM
     # and memory passes take ~0), then the log-softmax: 4 fp32 read+write passes over tokens × vocab
-    prefill = generation_time(w, 8, 1, 16, 1, eff).prefill_s
+    prefill = generation_time(w, Replica(8, 1), 16, 1, eff).prefill_s
     softmax = SAMPLING_PASSES * 2 * 4.0 * 8 * 16 * 1000 / 1e18
-    assert forward_time(w, 8, 1, 16, eff) == pytest.approx(prefill + softmax, rel=1e-6)
+    assert forward_time(w, Replica(8, 1), 16, eff) == pytest.approx(prefill + softmax, rel=1e-6)
     # in chunks of 2 rows: 4 chunks of the 2-row forward
-    assert forward_time(w, 8, 1, 16, eff, chunk_rows=2) == pytest.approx(4 * forward_time(w, 2, 1, 16, eff))
+    assert forward_time(w, Replica(8, 1), 16, eff, chunk_rows=2) == pytest.approx(4 * forward_time(w, Replica(2, 1), 16,
+                                                                                                      eff))
     rl = RLWorkload(DENSE, SLOW_LINK, 4, 2, 10, 6, "fp32", logprob_forwards=2, logprob_on_generation=True)
     layout = RLLayout("colocated", 4, ParallelConfig(dp=4, micro_batch=2))
     priced = price_rl_step(rl, layout, _calibration())
     # the head on the 6 completion tokens of each 16-token sequence only
-    assert priced.phases.logprob_s == pytest.approx(2 * forward_time(w, 8, 1, 16, eff, chunk_rows=2,
+    assert priced.phases.logprob_s == pytest.approx(2 * forward_time(w, Replica(8, 1), 16, eff, chunk_rows=2,
                                                                      head_share=6 / 16), rel=1e-9)
+    # on a CPU's eager stack each layer pass costs its 100 µs floor more (the device's own time is ~0 here):
+    # 2 forwards × 4 chunks × 2 layers
+    host = HostCosts(layer_forward_us=100.0, host_is_device=True)
+    eager = price_rl_step(rl, layout, _calibration(), host)
+    assert eager.phases.logprob_s - priced.phases.logprob_s == pytest.approx(2 * 4 * 2 * 100e-6, rel=1e-6)
 
 
 def test_collective_probe_rows_and_sync_rates():
@@ -251,8 +257,8 @@ def test_profile_comm_writes_a_cluster_with_the_fitted_link(tmp_path, capsys):
 
 
 def test_training_calibration_prices_training_only():
-    # a training calibration at half the GEMM rate: the training phase is the planner's step under it, the
-    # generation and transfers stay those of the step's calibration
+    # a training step priced at half the GEMM rate (the caller's ``training``): the training phase is the
+    # planner's step under it, the generation and transfers stay those of the step's calibration
     from dataclasses import replace
 
     from moetrain.planner.rl_step import training_prediction
@@ -260,7 +266,7 @@ def test_training_calibration_prices_training_only():
     w, layout = _workload(), RLLayout("colocated", 4, ParallelConfig(tp=2, dp=2, micro_batch=2))
     slower = Calibration(replace(IDEAL, gemm_max=0.5), {})
     base = price_rl_step(w, layout, _calibration())
-    mixed = price_rl_step(w, layout, _calibration(), train_calibration=slower)
+    mixed = price_rl_step(w, layout, _calibration(), training=training_prediction(w, layout, slower))
     assert mixed.phases.train_s == pytest.approx(float(training_prediction(w, layout, slower).step_time_s))
     assert mixed.phases.train_s > base.phases.train_s
     assert (mixed.phases.generate_s, mixed.phases.reshard_s) == (base.phases.generate_s, base.phases.reshard_s)

@@ -5,6 +5,7 @@ k, what today's runtime runs, and what nothing fits."""
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import pytest
 from moetrain.config import ParallelConfig, load_cluster_config, load_model_config
 from moetrain.errors import UserError
 from moetrain.planner.calibration import load_calibration
+from moetrain.planner.device_memory import GIB
 from moetrain.planner.generation import HostCosts
 from moetrain.planner.rl_search import (
     RLSearchOptions,
@@ -20,8 +22,8 @@ from moetrain.planner.rl_search import (
     rollout_grid,
     search_rl,
 )
-from moetrain.planner.rl_step import RLLayout, RLWorkload, price_rl_step, training_workload
-from moetrain.planner.search import SearchSpace, search
+from moetrain.planner.rl_step import RLLayout, RLWorkload, price_rl_step, training_prediction, training_workload
+from moetrain.planner.search import SearchOptions, SearchSpace, search
 
 CALIBRATION = load_calibration(None)
 CLOUDMATRIX = str(Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "cloudmatrix-384-die.yaml")
@@ -43,8 +45,8 @@ def _brute_force(w: RLWorkload, devices: int, max_k: int, host: HostCosts):
     for (placement, rollout), g, k in itertools.product(splits, range(1, experts + 1), range(max_k + 1)):
         train_devices = devices - rollout if placement == "disaggregated" else devices
         if train_devices not in trainers:
-            trainers[train_devices] = search(training_workload(w), train_devices, eff, SearchSpace(cp=(1,)),
-                                             top_k=1, timeline_top=1, time_every_choice=False).ranked
+            trainers[train_devices] = search(training_workload(w), train_devices, eff, SearchOptions(
+                SearchSpace(cp=(1,)), top_k=1, timeline_top=1, time_every_choice=False)).ranked
         if experts % g or not trainers[train_devices]:
             continue
         layout = RLLayout(placement, devices, trainers[train_devices][0].parallel, g, rollout, k)
@@ -85,6 +87,28 @@ def test_every_k_from_one_up_prices_the_same_and_the_smallest_is_kept():
         assert by_k[k].step_s == pytest.approx(direct.step_s, rel=1e-12)
     assert result.winner.staleness == (1 if by_k[1].step_s < by_k[0].step_s else 0)
     assert any("prices the same" in line for line in result.why)
+
+
+def test_colocated_generation_sits_beside_the_training_state_of_its_k():
+    """Colocated at k = 0 a device holds the replica beside the weights, grads and optimizer state; at k ≥ 1 the
+    update runs beside generation, so its activations too (the trainer's whole peak). A device that holds the
+    first but not the second leaves the k ≥ 1 jobs out, by name."""
+    w = _workload()
+    options = RLSearchOptions(placements=("colocated",), max_staleness=1)
+    result = search_rl(w, 1, CALIBRATION, options=options)
+    (k0,), (k1,) = ([c for c in result.ranked if c.staleness == k] for k in (0, 1))
+    memory = training_prediction(w, k0.layout, CALIBRATION).memory_gib
+    resident = memory["weights"] + memory["grads"] + memory["optimizer"]
+    assert memory["total"] > resident
+    assert k0.device_gib == pytest.approx(k0.generation_gib + resident, rel=1e-12)
+    assert k1.device_gib == pytest.approx(k1.generation_gib + memory["total"], rel=1e-12)
+    # 95 % of the HBM at the trainer's peak and half the replica: the trainer and k = 0 fit, k = 1 does not
+    limit_gib = memory["total"] + k1.generation_gib / 2
+    assert k0.device_gib < limit_gib < k1.device_gib
+    small = replace(w, cluster=w.cluster.model_copy(update={"hbm_gb": limit_gib * GIB / 0.95 / 1e9}))
+    narrow = search_rl(small, 1, CALIBRATION, options=options)
+    assert [(c.staleness, c.layout.train) for c in narrow.ranked] == [(0, k0.layout.train)]
+    assert narrow.left_out == {"colocated: generation does not fit beside the training state": 1}
 
 
 def test_two_devices_plan_what_the_runtime_runs():

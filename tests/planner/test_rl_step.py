@@ -15,7 +15,7 @@ from moetrain.config.cluster import ClusterConfig
 from moetrain.config.model import ModelConfig
 from moetrain.errors import UserError
 from moetrain.planner.calibration import Calibration, Efficiency, load_calibration
-from moetrain.planner.generation import SAMPLING_PASSES, HostCosts, generation_time
+from moetrain.planner.generation import SAMPLING_PASSES, HostCosts, Replica, generation_time
 from moetrain.planner.rl_step import RLLayout, RLWorkload, colocated_overlap, price_rl_step
 from moetrain.planner.workload import Workload
 
@@ -33,7 +33,7 @@ IDEAL = Efficiency(gemm_max=1.0, gemm_overhead_us=0.0, moe_overhead_us=0.0, atte
 
 def test_decode_step_is_bytes_over_bandwidth():
     rows, prompt, response = 4, 10, 6
-    times = generation_time(Workload(DENSE, FAST, prompt + response, rows), rows, 1, prompt, response, IDEAL)
+    times = generation_time(Workload(DENSE, FAST, prompt + response, rows), Replica(rows, 1), prompt, response, IDEAL)
     context = prompt + response / 2  # the mean context over the decode steps
     kv = rows * context * 2 * 2 * 16 * 2  # K and V, 2 kv heads of 16, bf16
     layers = 2 * (LAYER_PARAMS * 2 + kv)
@@ -48,9 +48,9 @@ def test_decode_step_is_bytes_over_bandwidth():
 
 def test_host_floor_adds_on_a_cpu_and_hides_on_an_accelerator():
     w = Workload(DENSE, FAST, 16, 4)
-    bare = generation_time(w, 4, 1, 10, 6, IDEAL)
-    cpu = generation_time(w, 4, 1, 10, 6, IDEAL, HostCosts(layer_forward_us=100.0, host_is_device=True))
-    gpu = generation_time(w, 4, 1, 10, 6, IDEAL, HostCosts(layer_forward_us=100.0))
+    bare = generation_time(w, Replica(4, 1), 10, 6, IDEAL)
+    cpu = generation_time(w, Replica(4, 1, HostCosts(layer_forward_us=100.0, host_is_device=True)), 10, 6, IDEAL)
+    gpu = generation_time(w, Replica(4, 1, HostCosts(layer_forward_us=100.0)), 10, 6, IDEAL)
     # 2 layers × 100 µs per forward; the device's own time (ns here) is below the floor on the accelerator
     assert cpu.decode_step_s - bare.decode_step_s == pytest.approx(2 * 100e-6, rel=1e-3)
     head_and_sampling = bare.decode_step_s - 2 * (LAYER_PARAMS * 2 + 4 * 13 * 128) / 1e12
@@ -61,33 +61,33 @@ def test_engine_work_adds_per_decode_forward_on_a_cpu():
     # 4 rows, 6 new tokens: 5 decode forwards, each with the engine's 30 µs + 4 rows × 5 µs on a CPU
     w = Workload(DENSE, FAST, 16, 4)
     base = HostCosts(layer_forward_us=100.0, host_is_device=True)
-    bare = generation_time(w, 4, 1, 10, 6, IDEAL, base)
+    bare = generation_time(w, Replica(4, 1, base), 10, 6, IDEAL)
     engine = HostCosts(layer_forward_us=100.0, host_is_device=True, engine_step_us=30.0, engine_row_us=5.0)
-    timed = generation_time(w, 4, 1, 10, 6, IDEAL, engine)
+    timed = generation_time(w, Replica(4, 1, engine), 10, 6, IDEAL)
     assert engine.engine_step_s(4) == pytest.approx(50e-6)
     assert timed.decode_s - bare.decode_s == pytest.approx(5 * 50e-6, rel=1e-9)
     assert timed.decode_step_s - bare.decode_step_s == pytest.approx(50e-6, rel=1e-9)
     assert timed.prefill_s == bare.prefill_s
     # on an accelerator the host issues it while the device runs the step: no change
-    gpu = generation_time(w, 4, 1, 10, 6, IDEAL, HostCosts(layer_forward_us=100.0, engine_step_us=30.0,
-                                                           engine_row_us=5.0))
-    assert gpu.decode_s == generation_time(w, 4, 1, 10, 6, IDEAL, HostCosts(layer_forward_us=100.0)).decode_s
+    gpu_host = HostCosts(layer_forward_us=100.0, engine_step_us=30.0, engine_row_us=5.0)
+    gpu = generation_time(w, Replica(4, 1, gpu_host), 10, 6, IDEAL)
+    assert gpu.decode_s == generation_time(w, Replica(4, 1, HostCosts(layer_forward_us=100.0)), 10, 6, IDEAL).decode_s
 
 
 def test_decode_priced_at_the_running_rows():
     # 8 rows of which half run on average: each decode step is the 4-row step; the prefill stays at 8 rows
     w = Workload(DENSE, FAST, 16, 8)
     host = HostCosts(layer_forward_us=100.0, host_is_device=True, engine_step_us=30.0, engine_row_us=5.0)
-    half = generation_time(w, 8, 1, 10, 6, IDEAL, host, running_share=0.5)
-    four = generation_time(w, 4, 1, 10, 6, IDEAL, host)
+    half = generation_time(w, Replica(8, 1, host), 10, 6, IDEAL, running_share=0.5)
+    four = generation_time(w, Replica(4, 1, host), 10, 6, IDEAL)
     assert half.decode_s == pytest.approx(four.decode_s, rel=1e-12)
-    assert half.prefill_s == generation_time(w, 8, 1, 10, 6, IDEAL, host).prefill_s
+    assert half.prefill_s == generation_time(w, Replica(8, 1, host), 10, 6, IDEAL).prefill_s
     with pytest.raises(ValueError, match="running share"):
-        generation_time(w, 8, 1, 10, 6, IDEAL, host, running_share=0.0)
+        generation_time(w, Replica(8, 1, host), 10, 6, IDEAL, running_share=0.0)
     rl = RLWorkload(DENSE, FAST, 4, 2, 10, 6, "fp32", decode_running_share=0.5)
     priced = price_rl_step(rl, RLLayout("colocated", 1, ParallelConfig(micro_batch=8)), Calibration(IDEAL, {}), host)
     assert priced.phases.decode_s == pytest.approx(
-        generation_time(Workload(DENSE, FAST, 16, 8, "fp32"), 4, 1, 10, 6, IDEAL, host).decode_s, rel=1e-12)
+        generation_time(Workload(DENSE, FAST, 16, 8, "fp32"), Replica(4, 1, host), 10, 6, IDEAL).decode_s, rel=1e-12)
 
 
 def test_runtime_reduce_scatter_runs_as_an_all_reduce():
@@ -283,7 +283,7 @@ def test_replicas_beside_a_trainer_group_share_the_cores_and_pack_each_bucket_on
     ph = p.phases
     assert (p.replicas, p.train_devices) == (2, 2)
     eff = cal.for_device("cpu")
-    half = generation_time(w.samples_workload, 64, 1, 16, 8, eff, HostCosts())  # 64 of the 128 rows
+    half = generation_time(w.samples_workload, Replica(64, 1), 16, 8, eff)  # 64 of the 128 rows
     assert ph.generate_s == pytest.approx(half.total_s)
     weights = weight_bytes(w)
     rollout = ph.generate_s + ph.push_s - weights * per_byte  # the trainer ranks packed every bucket
@@ -348,7 +348,7 @@ def test_a_logprob_forward_runs_the_head_on_the_scored_tokens_only():
     from moetrain.planner.generation import forward_time
 
     w = Workload(DENSE, FAST, 16, 4)
-    full, quarter = (forward_time(w, 4, 1, 16, IDEAL, head_share=share) for share in (1.0, 0.25))
+    full, quarter = (forward_time(w, Replica(4, 1), 16, IDEAL, head_share=share) for share in (1.0, 0.25))
     tokens = 4 * 16  # rows × positions
     head = 2 * 64 * 1000 * tokens / 1e21  # 2·h·V multiply-adds per token at 1e9 TFLOP/s
     softmax = SAMPLING_PASSES * 2 * 4 * tokens * 1000 / 1e12  # fp32 passes over the logits at 1 TB/s

@@ -15,7 +15,7 @@ from moetrain.config import ParallelConfig, load_cluster_config, load_model_conf
 from moetrain.config.parallel import runtime_limits
 from moetrain.planner.calibration import load_calibration
 from moetrain.planner.runnable import runnable_mask
-from moetrain.planner.search import SearchSpace, enumerate_strategies, search
+from moetrain.planner.search import SearchOptions, SearchSpace, enumerate_strategies, search
 from moetrain.planner.strategy import Strategies
 from moetrain.planner.workload import Workload
 
@@ -98,8 +98,8 @@ def test_when_nothing_runnable_fits_the_search_says_which_rule_blocks() -> None:
                  load_cluster_config("cpu"), 128, 16, "bf16", 1.0)
     space = SearchSpace(tp=(2,), sp=(0,), cp=(1,), pp=(1,), zero=(1,))
     eff = load_calibration(None).for_device(w.cluster.device)
-    result = search(w, 4, eff, space, top_k=1)
+    result = search(w, 4, eff, SearchOptions(space, top_k=1))
     assert len(result.top) == 0 and result.excluded is not None
     assert result.excluded.reasons == ["tp 2 without sequence parallelism: the runtime runs tp > 1 with sp only"]
-    anything = search(w, 4, eff, space, top_k=1, runnable_only=False)
+    anything = search(w, 4, eff, SearchOptions(space, top_k=1, runnable_only=False))
     assert len(anything.top) == 1

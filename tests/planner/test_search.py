@@ -13,6 +13,7 @@ from moetrain.planner.costmodel import evaluate
 from moetrain.planner.layer_costs import layer_costs
 from moetrain.planner.search import (
     TIE_TOLERANCE,
+    SearchOptions,
     SearchSpace,
     describe,
     enumerate_strategies,
@@ -42,10 +43,11 @@ def test_every_enumerated_layout_divides() -> None:
 
 def test_search_counts_and_prunes_memory() -> None:
     w = Workload(load_model_config("qwen3-30b-a3b"), load_cluster_config("h100-sxm-80gb"), 4096, 256)
-    result = search(w, 64, load_calibration().for_device("h100-sxm-80gb"), top_k=3)
+    result = search(w, 64, load_calibration().for_device("h100-sxm-80gb"), SearchOptions(top_k=3))
     enumerated = sum(len(b) for b in enumerate_strategies(w, 64, SearchSpace()))
     assert result.candidates_evaluated == enumerated
     assert 0 < result.feasible < result.candidates_evaluated
+    assert len(result.top) == len(result.ranked) == len(result.timeline_step_s) == 3  # top_k, not timeline_top
     assert np.all(result.top_costs.memory.total <= 0.95 * w.cluster.hbm_bytes)
     assert not any(line.startswith("caution") for line in result.explanation)  # a GPU is no shared host
     steps = np.array(result.timeline_step_s)
@@ -97,7 +99,7 @@ def test_the_timeline_ranks_the_screens_best_of_every_choice_too() -> None:
     w = Workload(load_model_config("pangu-ultra-moe-718b"), load_cluster_config("h100-sxm-80gb"), 8192, 1536)
     eff = load_calibration().for_device("h100-sxm-80gb")
     # A held-out "fit" equal to the calibration itself exposes the timed layouts' step times.
-    result = search(w, 2048, eff, top_k=3, held_out={"same": eff})
+    result = search(w, 2048, eff, SearchOptions(top_k=3, held_out={"same": eff}))
     timed = result.calibration_check.step_s[0]
     assert timed[0] == pytest.approx(result.timeline_step_s[0])
     assert timed[0] <= timed.min() * (1 + TIE_TOLERANCE)
@@ -113,7 +115,7 @@ def test_the_calibration_check_reranks_the_timed_layouts_under_each_held_out_fit
     eff = load_calibration().for_device("h100-sxm-80gb")
     fits = {"same": eff, "slow element-wise kernels": replace(eff, memory=0.05),
             "no MoE overhead": replace(eff, moe_overhead_us=0.0)}
-    check = search(w, 64, eff, top_k=3, held_out=fits).calibration_check
+    check = search(w, 64, eff, SearchOptions(top_k=3, held_out=fits)).calibration_check
     assert check.fits == list(fits) and check.step_s.shape == (3, len(check.labels))
     regret = check.winner_regret_pct()
     assert regret[0] <= TIE_TOLERANCE * 100
@@ -127,9 +129,9 @@ def test_the_calibration_check_reranks_the_timed_layouts_under_each_held_out_fit
     assert summary["winner_step_time_s_range"] == [check.step_s[:, 0].min(), check.step_s[:, 0].max()]
     assert (f"the winner is at worst {regret[worst]:.1f} % slower than the best (without {check.fits[worst]}, "
             f"where {summary['best_under_worst_fit']} wins)") in check.line()
-    same_only = search(w, 64, eff, top_k=3, held_out={"same": eff}).calibration_check
+    same_only = search(w, 64, eff, SearchOptions(top_k=3, held_out={"same": eff})).calibration_check
     assert same_only.line().endswith("the winner is the fastest under every fit")
-    assert search(w, 64, eff, top_k=3).calibration_check is None
+    assert search(w, 64, eff, SearchOptions(top_k=3)).calibration_check is None
 
 
 def test_the_screen_prices_the_paired_schedule_as_the_timeline_replays_it() -> None:
@@ -238,9 +240,9 @@ def test_a_plan_whose_ranks_outnumber_the_cores_says_to_expect_a_longer_step() -
     # plan_train_check_cpu.json: on the 2-core machine 4 ranks ran 45 % slower than planned, 2 ranks 16 %
     cpu = load_cluster_config("cpu")
     eff = load_calibration().for_device("cpu")
-    four = search(Workload(load_model_config("tiny-pangu"), cpu.for_ranks(4), 128, 16), 4, eff, top_k=3)
+    four = search(Workload(load_model_config("tiny-pangu"), cpu.for_ranks(4), 128, 16), 4, eff, SearchOptions(top_k=3))
     assert four.explanation[-1] == (
         "caution: 4 ranks share 2 cores here; the plan gives each its share of them, but ranks taking turns on "
         "cores run slower than that: expect a longer step than planned (docs/quickstart.md)")
-    two = search(Workload(load_model_config("tiny-pangu"), cpu.for_ranks(2), 128, 16), 2, eff, top_k=3)
+    two = search(Workload(load_model_config("tiny-pangu"), cpu.for_ranks(2), 128, 16), 2, eff, SearchOptions(top_k=3))
     assert not any(line.startswith("caution") for line in two.explanation)

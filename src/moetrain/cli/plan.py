@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def plan_layouts(args: argparse.Namespace) -> tuple[dict, dict]:
     """(the --json mapping, the plan file mapping)."""
     # lazy: the search and rich load when the command runs, not when the parser imports every command module
-    from moetrain.planner.search import search
+    from moetrain.planner.search import SearchOptions, search
     from moetrain.status import say, status_console
 
     workload, calibration = build_workload(args)
@@ -45,8 +45,9 @@ def plan_layouts(args: argparse.Namespace) -> tuple[dict, dict]:
     # a search of a large model takes seconds; with --json, stdout is the answer alone
     say(status_console(quiet=args.json), f"searching the layouts of {workload.model.name} on {args.devices:,} × "
         f"{workload.cluster.name}…")
-    result = search(workload, args.devices, calibration.for_device(device), top_k=max(args.top, 1),
-                    held_out=calibration.held_out_for_device(device), runnable_only=not args.any_layout)
+    options = SearchOptions(top_k=max(args.top, 1), held_out=calibration.held_out_for_device(device),
+                            runnable_only=not args.any_layout)
+    result = search(workload, args.devices, calibration.for_device(device), options)
     if len(result.top) == 0:
         where = (f"{args.devices} × {workload.cluster.name} at seq {workload.seq_len}, "
                  f"batch {workload.global_batch}")

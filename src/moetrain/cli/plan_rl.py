@@ -16,6 +16,7 @@ import yaml
 from moetrain.cli.common import output_file
 from moetrain.cli.simulate_rl import (
     PLACEMENTS,
+    MeasuredRates,
     add_rl_workload_arguments,
     build_rl_workload,
     check_rl_workload,
@@ -45,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_rl_workload_arguments(g)
 
 
-def _options(args: argparse.Namespace, workload, sync, probed, probed_ranks):
+def _options(args: argparse.Namespace, workload, rates: MeasuredRates):
     from moetrain.planner.rl_search import RLSearchOptions  # lazy: the RL search loads when the command runs
 
     if args.offload and args.host_link_gbps is None and workload.cluster.device != "cpu":
@@ -54,8 +55,8 @@ def _options(args: argparse.Namespace, workload, sync, probed, probed_ranks):
     return RLSearchOptions(placements=placements, max_staleness=args.max_staleness,
                            rollout_devices=args.rollout_devices, gen_devices_per_replica=args.gen_ep,
                            offload=args.offload, host_link_gbps=args.host_link_gbps,
-                           runnable_trainer_only=not args.any_layout, sync=sync, probed_cpu=probed,
-                           probed_ranks=probed_ranks)
+                           runnable_trainer_only=not args.any_layout, sync=rates.sync, probed_cpu=rates.role_cpu,
+                           probed_ranks=rates.rank_cpu)
 
 
 def plan_rl(args: argparse.Namespace):
@@ -66,12 +67,12 @@ def plan_rl(args: argparse.Namespace):
 
     check_rl_workload(args, positive=("gen_ep", "rollout_devices"), non_negative=("max_staleness",))
     workload, calibration = build_rl_workload(args)
-    host, sync, probed, probed_ranks = measured_rates(args)  # the rates simulate --rl prices with, read alike
-    options = _options(args, workload, sync, probed, probed_ranks)
+    rates = measured_rates(args)  # the rates simulate --rl prices with, read alike
+    options = _options(args, workload, rates)
     check_options(args.devices, options)
     say(status_console(quiet=args.json), f"searching the RL jobs of {workload.model.name} on {args.devices:,} × "
         f"{workload.cluster.name}…")
-    result = search_rl(workload, args.devices, calibration, host, options)
+    result = search_rl(workload, args.devices, calibration, rates.host, options)
     return result, workload
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
 
 from moetrain.cli.workload import build_workload, parallel_from_args
@@ -15,7 +15,7 @@ from moetrain.errors import UserError
 if TYPE_CHECKING:  # the planner's types load when a command runs (lazy imports below)
     from moetrain.planner.generation import HostCosts
     from moetrain.planner.rl_rates import ProbedRankCPU, ProbedRoleCPU
-    from moetrain.planner.rl_step import SyncRates
+    from moetrain.planner.rl_step import RLLayout, SyncRates
 
 PLACEMENTS = ("colocated", "disaggregated", "both")
 
@@ -138,10 +138,9 @@ def simulate_rl(args: argparse.Namespace) -> dict:
 
     _check(args)
     workload, calibration = build_rl_workload(args)
-    host, sync, probed, probed_ranks = measured_rates(args)
-    layouts = [probed.on(layout) if probed else layout for layout in _layouts(args, workload)]
-    layouts = [probed_ranks.on(layout) if probed_ranks else layout for layout in layouts]
-    predictions = [price_rl_step(workload, layout, calibration, host, sync) for layout in layouts]
+    rates = measured_rates(args)
+    layouts = [rates.on(layout) for layout in _layouts(args, workload)]
+    predictions = [price_rl_step(workload, layout, calibration, rates.host, rates.sync) for layout in layouts]
     rows = [{**{k: v for k, v in asdict(p).items() if k != "phases"}, "phases_s": asdict(p.phases),
              "shared_cores": layout.shared_cores}
             for p, layout in zip(predictions, layouts, strict=True)]
@@ -156,19 +155,37 @@ def simulate_rl(args: argparse.Namespace) -> dict:
     }
 
 
-def measured_rates(args: argparse.Namespace) -> tuple[HostCosts, SyncRates | None, ProbedRoleCPU | None,
-                                                   ProbedRankCPU | None]:
-    """(host costs, sync rates, probed role CPU, probed rank CPU) that ``--rl-rates`` and ``--graphs`` set: what
-    ``simulate --rl`` and ``plan --rl`` price with (none measured: the device work and the link alone, the phases)."""
+@dataclass(frozen=True)
+class MeasuredRates:
+    """What ``--rl-rates`` and ``--graphs`` set: the rates ``simulate --rl`` and ``plan --rl`` price with (none
+    measured: the device work and the link alone, every step by its phases)."""
+
+    host: HostCosts
+    """Generation's host costs (``--graphs``: no MoE pass cost)."""
+    sync: SyncRates | None = None
+    """The weight sync's measured host rates; None: the link alone."""
+    role_cpu: ProbedRoleCPU | None = None
+    """One disaggregated job's probed CPU-seconds per process (the file's ``role_cpu``)."""
+    rank_cpu: ProbedRankCPU | None = None
+    """One colocated job's probed CPU-seconds per rank (the file's ``rank_cpu``)."""
+
+    def on(self, layout: RLLayout) -> RLLayout:
+        """``layout`` as the probes price it (``ProbedRoleCPU.on``, ``ProbedRankCPU.on``)."""
+        layout = self.role_cpu.on(layout) if self.role_cpu else layout
+        return self.rank_cpu.on(layout) if self.rank_cpu else layout
+
+
+def measured_rates(args: argparse.Namespace) -> MeasuredRates:
+    """The rates of ``--rl-rates`` and ``--graphs``, read alike for ``simulate --rl`` and ``plan --rl``."""
     # lazy: the RL pricing loads when the command runs, not when the parser imports every command module
     from moetrain.planner.generation import HostCosts
     from moetrain.planner.rl_rates import load_rl_rates
 
     if args.rl_rates is None:
-        return HostCosts(moe_pass_us=0.0 if args.graphs else None), None, None, None
+        return MeasuredRates(HostCosts(moe_pass_us=0.0 if args.graphs else None))
     rates = load_rl_rates(args.rl_rates)
     host = replace(rates.host, moe_pass_us=0.0) if args.graphs else rates.host
-    return host, rates.sync, rates.role_cpu, rates.rank_cpu
+    return MeasuredRates(host, rates.sync, rates.role_cpu, rates.rank_cpu)
 
 
 def step_model_text(step_model: str, shared_cores: float | None, placement: str = "disaggregated") -> str:

@@ -88,7 +88,8 @@ def build_workload(args: argparse.Namespace) -> tuple[Workload, Calibration]:
             raise UserError("--split-wgrad prices a published stack on accelerators; this project's runtime "
                             "computes weight and input gradients together, drop the flag")
         # CPU ranks run on gloo, which only this project's runtime drives: price it as it trains
-        workload = runtime_workload(model, cluster, args.seq_len, args.global_batch, args.dtype, args.imbalance)
+        asked = Workload(model, cluster, args.seq_len, args.global_batch, args.dtype, args.imbalance)
+        workload = runtime_workload(asked)
     else:
         # accelerators: the published stacks' semantics the shipped fit was made on (Megatron-Core-like
         # overlap and collectives)

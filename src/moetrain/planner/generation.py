@@ -196,13 +196,24 @@ def _layers_forward(w: Workload, rows: int, devices: int, seq_len: int, eff: Eff
     return total
 
 
-def forward_time(w: Workload, rows: int, devices: int, seq_len: int, eff: Efficiency,
-                 host: HostCosts | None = None, chunk_rows: int | None = None, head_share: float = 1.0) -> float:
-    """A log-prob forward of ``rows`` whole sequences of ``seq_len`` tokens on one generation replica of
-    ``devices`` devices, in chunks of ``chunk_rows`` rows (all at once by default): per chunk every layer
-    (as the prefill), the output head on the scored tokens (``head_share`` of them: the completions), and
-    the log-softmax over their logits (``SAMPLING_PASSES`` fp32 passes: read and write)."""
-    host = host or HostCosts()
+@dataclass(frozen=True)
+class Replica:
+    """One generation replica and the rows it runs: ``rows`` samples on ``devices`` devices (its experts split
+    over them, attention replicated: each device runs its share of the rows), with its stack's host costs."""
+
+    rows: int
+    devices: int
+    host: HostCosts = HostCosts()
+    """What its eager stack spends beside the device's work (measured; none by default)."""
+
+
+def forward_time(w: Workload, replica: Replica, seq_len: int, eff: Efficiency, chunk_rows: int | None = None,
+                 head_share: float = 1.0) -> float:
+    """A log-prob forward of the replica's rows, whole sequences of ``seq_len`` tokens, in chunks of
+    ``chunk_rows`` rows (all at once by default): per chunk every layer (as the prefill), the output head on
+    the scored tokens (``head_share`` of them: the completions), and the log-softmax over their logits
+    (``SAMPLING_PASSES`` fp32 passes: read and write)."""
+    rows, devices, host = replica.rows, replica.devices, replica.host
     eff = host.efficiency(eff)
     chunk = min(chunk_rows or rows, rows)
     chunks = -(-rows // chunk)
@@ -213,16 +224,16 @@ def forward_time(w: Workload, rows: int, devices: int, seq_len: int, eff: Effici
     return chunks * (_layers_forward(w, chunk, devices, seq_len, eff, host) + head + softmax)
 
 
-def generation_time(w: Workload, rows: int, devices: int, prompt_len: int, response_len: int, eff: Efficiency,
-                    host: HostCosts | None = None, running_share: float = 1.0) -> GenerationTimes:
-    """``rows`` samples of ``response_len`` new tokens after prompts of ``prompt_len`` on one replica of
-    ``devices`` devices (``w``: model, cluster and precision; its batch fields are not used).
-    ``running_share``: the mean share of the rows still running in a decode step (a row that stopped
-    leaves the batch, and the engine computes the running rows only): each decode step is priced at
-    round(share × rows) rows (1: every row runs to ``response_len``)."""
+def generation_time(w: Workload, replica: Replica, prompt_len: int, response_len: int, eff: Efficiency,
+                    running_share: float = 1.0) -> GenerationTimes:
+    """The replica's rows, each ``response_len`` new tokens after a prompt of ``prompt_len`` (``w``: model,
+    cluster and precision; its batch fields are not used). ``running_share``: the mean share of the rows
+    still running in a decode step (a row that stopped leaves the batch, and the engine computes the
+    running rows only): each decode step is priced at round(share × rows) rows (1: every row runs to
+    ``response_len``)."""
     if not 0.0 < running_share <= 1.0:
         raise ValueError(f"running share {running_share} must be in (0, 1]")
-    host = host or HostCosts()
+    rows, devices, host = replica.rows, replica.devices, replica.host
     eff = host.efficiency(eff)
     prefill = _layers_forward(w, rows, devices, prompt_len, eff, host)
     # The prefill's head runs on each row's last prompt token only (one decode step's head); it gives the

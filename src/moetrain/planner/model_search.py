@@ -17,11 +17,13 @@ from moetrain.config.parallel import ParallelConfig
 from moetrain.costs.params import count_params
 from moetrain.errors import UserError
 from moetrain.planner.calibration import Efficiency
-from moetrain.planner.search import SearchSpace, search
+from moetrain.planner.search import SearchOptions, SearchSpace, search
 from moetrain.planner.workload import Workload
 
 COARSE = SearchSpace(tp=(1, 2, 4, 8), cp=(1, 2), vpp=(1, 2, 4), etp=(1,), zero=(1,), micro_batch=(1, 2),
                      recompute=(0, 1, 2), a2a=(0, 1), overlap=(1,), sp=(0, 1))
+SHAPE_SEARCH = SearchOptions(COARSE, top_k=1, timeline_top=3, time_every_choice=False, runnable_only=False)
+"""How each shape's best layout is found: the coarse space, its three best timed, runnable today or not."""
 
 
 def _reshape(base: ModelConfig, experts: int, hidden: int, layers: int) -> ModelConfig | None:
@@ -114,8 +116,7 @@ def search_model_shapes(workload: Workload, devices: int, eff: Efficiency, budge
                 w = Workload(model, workload.cluster, workload.seq_len, workload.global_batch, workload.precision,
                              workload.imbalance, grad_bytes=workload.grad_bytes)
                 # Shapes are compared at the hardware's best layout, runnable today or not.
-                result = search(w, devices, eff, COARSE, top_k=1, timeline_top=3, time_every_choice=False,
-                                runnable_only=False)
+                result = search(w, devices, eff, SHAPE_SEARCH)
                 evaluated += result.candidates_evaluated
                 if len(result.top) == 0:
                     continue

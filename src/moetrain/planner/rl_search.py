@@ -53,7 +53,7 @@ from moetrain.planner.rl_step import (
     training_workload,
     weight_bytes,
 )
-from moetrain.planner.search import MEMORY_LIMIT_FRACTION, SearchSpace, describe, search
+from moetrain.planner.search import MEMORY_LIMIT_FRACTION, SearchOptions, SearchSpace, describe, search
 from moetrain.planner.simulate import LayoutPrediction, simulate_layout
 from moetrain.planner.strategy import Strategies
 
@@ -255,8 +255,9 @@ class _Trainers:
         if count not in self.found:
             workload, eff = training_workload(self.w), self.calibration.for_device(self.w.cluster.device)
             space = SearchSpace(cp=(1,)) if self.runnable_only else SearchSpace()
-            found = search(workload, count, eff, space, top_k=1, timeline_top=1, time_every_choice=False,
-                           runnable_only=self.runnable_only)
+            options = SearchOptions(space, top_k=1, timeline_top=1, time_every_choice=False,
+                                    runnable_only=self.runnable_only)
+            found = search(workload, count, eff, options)
             parallel = found.ranked[0].parallel if found.ranked else None
             prediction = simulate_layout(workload, parallel, count, self.calibration) if parallel else None
             self.found[count] = _Trainer(parallel, prediction, found.candidates_evaluated)
@@ -282,20 +283,54 @@ def search_rl(w: RLWorkload, devices: int, calibration: Calibration, host: HostC
     when the options leave nothing to search or nothing fits."""
     options = options or RLSearchOptions()
     start = time.perf_counter()
-    host = host or HostCosts()
     check_options(devices, options)
-    trainer = _Trainers(w, calibration, options.runnable_trainer_only)
-    limit = MEMORY_LIMIT_FRACTION * w.cluster.hbm_bytes
-    ranked: list[RLCandidate] = []
-    left_out: dict[str, int] = {}
-    unprobed: list[str] = []
-    unprobed_colocated: list[str] = []
-
-    def leave(reason: str) -> None:
-        left_out[reason] = left_out.get(reason, 0) + 1
-
+    walk = _Walk(w, devices, calibration, host or HostCosts(), options)
     for placement, rollout in _splits(devices, options):
-        generating = devices if placement == "colocated" else rollout
+        walk.split(placement, rollout)
+    seconds = time.perf_counter() - start
+    trainers = walk.trainer.found
+    result = RLSearchResult(sorted(walk.ranked, key=_rank_key), seconds, len(trainers),
+                            sum(t.evaluated for t in trainers.values()), walk.left_out, unprobed=walk.unprobed,
+                            unprobed_colocated=walk.unprobed_colocated)
+    if not walk.ranked:
+        raise UserError(_nothing_fits(w, devices, walk.left_out))
+    result.why = explain(result)
+    cores = w.cluster.host_cores
+    if cores is not None and devices > cores and result.winner.prediction.step_model == PHASES_MODEL:
+        result.why.append(_unshared_phases_line(devices, cores))
+    return result
+
+
+@dataclass
+class _Walk:
+    """One ``search_rl``: its inputs, the training searches it has run, the candidates it has priced and those
+    it has left out (by the reason, and the jobs the probes cannot price, by name)."""
+
+    w: RLWorkload
+    devices: int
+    calibration: Calibration
+    host: HostCosts
+    options: RLSearchOptions
+    ranked: list[RLCandidate] = field(default_factory=list)
+    left_out: dict[str, int] = field(default_factory=dict)
+    unprobed: list[str] = field(default_factory=list)
+    unprobed_colocated: list[str] = field(default_factory=list)
+    trainer: _Trainers = field(init=False)
+    limit: float = field(init=False)
+    """Bytes a device may hold (``MEMORY_LIMIT_FRACTION`` of its HBM)."""
+
+    def __post_init__(self) -> None:
+        self.trainer = _Trainers(self.w, self.calibration, self.options.runnable_trainer_only)
+        self.limit = MEMORY_LIMIT_FRACTION * self.w.cluster.hbm_bytes
+
+    def leave(self, reason: str) -> None:
+        self.left_out[reason] = self.left_out.get(reason, 0) + 1
+
+    def split(self, placement: Placement, rollout: int) -> None:
+        """One split: every generation layout whose replicas split the samples and fit their devices, with the
+        training search's best layout on the training devices, at k = 0 and k = 1."""
+        w, options = self.w, self.options
+        generating = self.devices if placement == "colocated" else rollout
         sizes = ([options.gen_devices_per_replica] if options.gen_devices_per_replica
                  else replica_sizes(w, generating))
         for g in sizes:
@@ -303,59 +338,56 @@ def search_rl(w: RLWorkload, devices: int, calibration: Calibration, host: HostC
                 continue
             replicas = generating // g
             if w.samples % replicas:
-                leave("the step's samples do not split over the replicas")
+                self.leave("the step's samples do not split over the replicas")
                 continue
             gen_bytes = generation_bytes(w, g, w.samples // replicas)
-            if gen_bytes > limit:
-                leave("a generation replica does not fit its devices")
+            if gen_bytes > self.limit:
+                self.leave("a generation replica does not fit its devices")
                 continue
-            train_devices = devices - rollout if placement == "disaggregated" else devices
-            chosen = trainer(train_devices)
+            chosen = self.trainer(self.devices - rollout if placement == "disaggregated" else self.devices)
             if chosen.parallel is None or chosen.prediction is None:
-                leave("no trainer layout fits the training devices")
+                self.leave("no trainer layout fits the training devices")
                 continue
-            memory = chosen.prediction.memory_gib
             for k in range(min(options.max_staleness, 1) + 1):
-                if placement == "colocated" and k and (g > 1 or options.offload):
-                    continue  # rl_step: colocated k ≥ 1 generates on a whole model per device beside the update
-                device_bytes = gen_bytes
-                if placement == "colocated":
-                    kept = ("weights",) if options.offload else ("weights", "grads", "optimizer")
-                    resident = memory["total"] if k else sum(memory[part] for part in kept)
-                    device_bytes += resident * GIB
-                if device_bytes > limit:
-                    leave("colocated: generation does not fit beside the training state")
-                    continue
-                layout, unpriced = _probed(RLLayout(placement, devices, chosen.parallel, g, rollout, k,
-                                                    options.offload and placement == "colocated",
-                                                    options.host_link_gbps), options)
-                if unpriced and placement == "colocated":
-                    leave(UNPROBED_COLOCATED)
-                    unprobed_colocated.append(f"{generation_text(layout)}, k {'≥ 1' if k else '= 0'}")
-                    continue
-                if unpriced:  # every k ≥ 1 alike: named once, at k = 1
-                    leave(UNPROBED)
-                    unprobed.append(f"{split_text(layout)} ({generation_text(layout)})")
-                    continue
-                prediction = price_rl_step(w, layout, calibration, host, options.sync, training=chosen.prediction)
-                candidate = RLCandidate(layout, prediction, chosen.evaluated, gen_bytes / GIB, device_bytes / GIB,
-                                        tuple(rl_runtime_limits(w, layout)))
-                ranked.append(candidate)
-                if k == 1:  # every k ≥ 1 prices the same in the steady state (module docstring)
-                    ranked += [replace(candidate, layout=replace(layout, staleness=more),
-                                       prediction=replace(prediction, staleness=more))
-                               for more in range(2, options.max_staleness + 1)]
-    seconds = time.perf_counter() - start
-    result = RLSearchResult(sorted(ranked, key=_rank_key), seconds, len(trainer.found),
-                            sum(t.evaluated for t in trainer.found.values()), left_out, unprobed=unprobed,
-                            unprobed_colocated=unprobed_colocated)
-    if not ranked:
-        raise UserError(_nothing_fits(w, devices, left_out))
-    result.why = explain(result)
-    cores = w.cluster.host_cores
-    if cores is not None and devices > cores and result.winner.prediction.step_model == PHASES_MODEL:
-        result.why.append(_unshared_phases_line(devices, cores))
-    return result
+                self.price(RLLayout(placement, self.devices, chosen.parallel, g, rollout, k,
+                                    options.offload and placement == "colocated", options.host_link_gbps),
+                           chosen, gen_bytes)
+
+    def price(self, layout: RLLayout, chosen: _Trainer, gen_bytes: float) -> None:
+        """``layout`` (k = 0 or 1) priced and ranked, k = 1's price carried to every larger k; or left out:
+        colocated k ≥ 1 on replicas of several devices or with offload (not run), memory, or a probe that is
+        another job's."""
+        placement, k, options = layout.placement, layout.staleness, self.options
+        if placement == "colocated" and k and (layout.gen_devices_per_replica > 1 or options.offload):
+            return  # rl_step: colocated k ≥ 1 generates on a whole model per device beside the update
+        assert chosen.prediction is not None
+        device_bytes = gen_bytes
+        if placement == "colocated":
+            memory = chosen.prediction.memory_gib
+            kept = ("weights",) if options.offload else ("weights", "grads", "optimizer")
+            resident = memory["total"] if k else sum(memory[part] for part in kept)
+            device_bytes += resident * GIB
+        if device_bytes > self.limit:
+            self.leave("colocated: generation does not fit beside the training state")
+            return
+        layout, unpriced = _probed(layout, options)
+        if unpriced and placement == "colocated":
+            self.leave(UNPROBED_COLOCATED)
+            self.unprobed_colocated.append(f"{generation_text(layout)}, k {'≥ 1' if k else '= 0'}")
+            return
+        if unpriced:  # every k ≥ 1 alike: named once, at k = 1
+            self.leave(UNPROBED)
+            self.unprobed.append(f"{split_text(layout)} ({generation_text(layout)})")
+            return
+        prediction = price_rl_step(self.w, layout, self.calibration, self.host, options.sync,
+                                   training=chosen.prediction)
+        candidate = RLCandidate(layout, prediction, chosen.evaluated, gen_bytes / GIB, device_bytes / GIB,
+                                tuple(rl_runtime_limits(self.w, layout)))
+        self.ranked.append(candidate)
+        if k == 1:  # every k ≥ 1 prices the same in the steady state (module docstring)
+            self.ranked += [replace(candidate, layout=replace(layout, staleness=more),
+                                    prediction=replace(prediction, staleness=more))
+                            for more in range(2, options.max_staleness + 1)]
 
 
 def _unshared_phases_line(devices: int, cores: int) -> str:

@@ -62,7 +62,7 @@ from moetrain.errors import UserError
 from moetrain.planner.calibration import Calibration, Efficiency
 from moetrain.planner.comm import allgather_time, allreduce_time, p2p_time, ranks_per_node
 from moetrain.planner.compute import memory_time
-from moetrain.planner.generation import GenerationTimes, HostCosts, forward_time, generation_time
+from moetrain.planner.generation import GenerationTimes, HostCosts, Replica, forward_time, generation_time
 from moetrain.planner.rl_cores import RankCPU, RoleCPU, colocated_cpu_step, shared_cpu_step
 from moetrain.planner.simulate import simulate_layout
 from moetrain.planner.workload import Workload, runtime_workload
@@ -324,12 +324,12 @@ def training_prediction(w: RLWorkload, layout: RLLayout, calibration: Calibratio
 def training_workload(w: RLWorkload) -> Workload:
     """The step's samples as the training runtime of ``moetrain rl`` trains them (``training_prediction``):
     what the RL planner's trainer search (``moetrain.planner.rl_search``) ranks layouts on."""
-    return runtime_workload(w.model, w.cluster, w.seq_len, w.samples, w.precision, head_share=w.head_share)
+    return runtime_workload(Workload(w.model, w.cluster, w.seq_len, w.samples, w.precision, head_share=w.head_share))
 
 
 def _generation(w: RLWorkload, layout: RLLayout, eff: Efficiency, host: HostCosts) -> GenerationTimes:
-    return generation_time(w.samples_workload, w.samples // layout.replicas, layout.gen_devices_per_replica,
-                           w.prompt_len, w.response_len, eff, host, w.decode_running_share)
+    replica = Replica(w.samples // layout.replicas, layout.gen_devices_per_replica, host)
+    return generation_time(w.samples_workload, replica, w.prompt_len, w.response_len, eff, w.decode_running_share)
 
 
 def weight_bytes(w: RLWorkload) -> float:
@@ -493,25 +493,25 @@ def colocated_overlap(generation_s: float, generation_device_s: float, train_s: 
 
 
 def price_rl_step(w: RLWorkload, layout: RLLayout, calibration: Calibration, host: HostCosts | None = None,
-                  sync: SyncRates | None = None, train_calibration: Calibration | None = None,
-                  training=None) -> RLStepPrediction:
+                  sync: SyncRates | None = None, training=None) -> RLStepPrediction:
     """One RL step of ``w`` in ``layout``; ``host``: the eager stack's host costs (measured; none by default);
-    ``sync``: the weight sync's host work per byte (measured; the link alone by default);
-    ``train_calibration``: the training step's rates when they differ from the other phases' (processes
-    sharing a CPU's cores: a pipeline stage that waits leaves its share to the stages that compute, so
-    the training layout's ranks compute faster than when every rank computes at once, as in generation);
-    ``calibration`` by default; ``training``: the layout's ``training_prediction`` when the caller has it
-    already (a search pricing one training layout under many splits)."""
+    ``sync``: the weight sync's host work per byte (measured; the link alone by default); ``training``: the
+    training step (``training_prediction``) when the caller has it already (a search pricing one training
+    layout under many splits) or prices it with other rates than the other phases' (processes sharing a
+    CPU's cores: a pipeline stage that waits leaves its share to the stages that compute, so the training
+    layout's ranks compute faster than when every rank computes at once, as in generation); by default
+    ``training_prediction(w, layout, calibration)``."""
     _check(w, layout)
     host, model = host or HostCosts(), PHASES_MODEL
     eff = calibration.for_device(w.cluster.device)
-    training = training or training_prediction(w, layout, train_calibration or calibration)
+    training = training or training_prediction(w, layout, calibration)
     train_s, fits = float(training.step_time_s), bool(training.fits_memory)
     generation = _generation(w, layout, eff, host)
     gather = 0.0
     if layout.placement == "colocated" and w.logprob_on_generation:
-        logprob = w.logprob_forwards * forward_time(w.samples_workload, w.samples, layout.gen_devices_per_replica,
-                                                    w.seq_len, eff, host, layout.train.micro_batch, w.head_share)
+        replica = Replica(w.samples, layout.gen_devices_per_replica, host)
+        logprob = w.logprob_forwards * forward_time(w.samples_workload, replica, w.seq_len, eff,
+                                                    layout.train.micro_batch, w.head_share)
     else:
         # A forward over the samples costs a third of training's forward + backward (backward = 2 forwards).
         logprob = w.logprob_forwards * (train_s - float(training.optimizer_s)) / 3.0

@@ -50,6 +50,26 @@ class SearchSpace:
     sp: tuple[int, ...] = (0, 1)
 
 
+@dataclass(frozen=True)
+class SearchOptions:
+    """What ``search`` searches and how much of it it times and reports."""
+
+    space: SearchSpace = field(default_factory=SearchSpace)
+    top_k: int = 10
+    """Layouts kept in ``SearchResult.top`` (and ``ranked``)."""
+    timeline_top: int = 10
+    """The screen's best layouts of each schedule kind that the event-driven timeline times."""
+    held_out: dict[str, Efficiency] | None = None
+    """The efficiencies of the calibration's cross-validation fits, by the family each leaves out: the
+    winner is re-ranked under each (``SearchResult.calibration_check``); None: no check."""
+    time_every_choice: bool = True
+    """Time the screen's best layout of every value of each choice with the timeline too, not only its best
+    overall (off for quick comparisons)."""
+    runnable_only: bool = True
+    """Rank only layouts the runtime can run (``runtime_limits`` empty); the fastest one left out, if faster,
+    is reported in ``SearchResult.excluded``."""
+
+
 @dataclass
 class CalibrationCheck:
     """The winner against the other layouts the search timed (the screen's best and its best layout of
@@ -257,20 +277,15 @@ class _Screen:
                     self.alternatives[(dim, int(v))] = (float(masked[i]), batch.take([i]))
 
 
-def search(w: Workload, devices: int, eff: Efficiency, space: SearchSpace | None = None, top_k: int = 10,
-           timeline_top: int = 10, held_out: dict[str, Efficiency] | None = None,
-           time_every_choice: bool = True, runnable_only: bool = True) -> SearchResult:
-    """The best layouts of ``w`` on ``devices`` under ``eff``. ``held_out``: the efficiencies of the
-    calibration's cross-validation fits, by the family each leaves out; the winner is re-ranked under each
-    (``SearchResult.calibration_check``). ``time_every_choice``: time the screen's best layout of every
-    value of each choice with the timeline too, not only its best overall (off for quick comparisons).
-    ``runnable_only``: rank only layouts the runtime can run (``runtime_limits`` empty); the fastest one
-    left out, if faster, is reported in ``SearchResult.excluded``."""
-    space = space or SearchSpace()
+def search(w: Workload, devices: int, eff: Efficiency, options: SearchOptions | None = None) -> SearchResult:
+    """The best layouts of ``w`` on ``devices`` under ``eff``, searched as ``options`` say (by default: every
+    layout of ``SearchSpace``, the ten best timed and kept, only runnable ones ranked, no calibration check)."""
+    options = options or SearchOptions()
+    top_k, width = options.top_k, max(options.top_k, options.timeline_top)
     start = time.perf_counter()
-    screen = _Screen(keep=max(top_k, timeline_top) * 20)
-    for batch in enumerate_strategies(w, devices, space):
-        screen.add(w, batch, evaluate(w, batch, eff), runnable_only)
+    screen = _Screen(keep=width * 20)
+    for batch in enumerate_strategies(w, devices, options.space):
+        screen.add(w, batch, evaluate(w, batch, eff), options.runnable_only)
     best, excluded, not_runnable = screen.best, screen.excluded, screen.not_runnable
     evaluated, feasible, alternatives = screen.evaluated, screen.feasible, screen.alternatives
     seconds_screen = time.perf_counter() - start
@@ -284,9 +299,8 @@ def search(w: Workload, devices: int, eff: Efficiency, space: SearchSpace | None
     # Re-score with the timeline (bubble and overlap as the schedule really plays out), which decides: the
     # screen's best of both schedule kinds and its best layout of every value of each choice, which the
     # timeline may rank above them (the net under the screen's approximations).
-    width = max(top_k, timeline_top)
     picks = np.concatenate([np.nonzero(best.overlap)[0][:width], np.nonzero(~best.overlap)[0][:width]])
-    per_choice = [layout for _, (_, layout) in sorted(alternatives.items())] if time_every_choice else []
+    per_choice = [layout for _, (_, layout) in sorted(alternatives.items())] if options.time_every_choice else []
     pool = _distinct([best.take(np.sort(picks))] + per_choice)
     costs = evaluate(w, pool, eff)
     pool_step = np.array([timeline_step(costs, pool, i, eff) for i in range(len(pool))])
@@ -297,10 +311,10 @@ def search(w: Workload, devices: int, eff: Efficiency, space: SearchSpace | None
     top_costs = costs.take(np.arange(len(top)))
     steps = [float(x) for x in pool_step[:top_k]]
     check = None
-    if held_out:
+    if options.held_out:
         check_start = time.perf_counter()
-        check = CalibrationCheck(list(held_out), [describe(pool, i) for i in range(len(pool))],
-                                 np.array([_timeline_steps(w, pool, e) for e in held_out.values()]))
+        check = CalibrationCheck(list(options.held_out), [describe(pool, i) for i in range(len(pool))],
+                                 np.array([_timeline_steps(w, pool, e) for e in options.held_out.values()]))
         check.seconds = time.perf_counter() - check_start
     result = SearchResult(evaluated, 0.0, feasible, top, top_costs, steps, calibration_check=check,
                           not_runnable=not_runnable, ranked=_ranked(w, top, top_costs, steps))

@@ -99,16 +99,18 @@ class Workload:
         return 4.0 if self.precision == "fp32" else BF16
 
 
-def runtime_workload(model: ModelConfig, cluster: ClusterConfig, seq_len: int, global_batch: int,
-                     precision: str = "bf16", imbalance: float = 1.0, head_share: float = 1.0) -> Workload:
-    """The workload as this project's runtime trains it (``moetrain train`` and ``moetrain rl``): ZeRO
-    reduces the gradients in the optimizer step, after the backward (nothing hides them); the
-    tensor-parallel collectives are synchronous; a reduce-scatter runs as an all-reduce (gloo has none);
-    tensor parallelism is the project's (whole head and shared expert, the routers' gathers); the dispatch
-    gathers the per-expert counts first; and attention is fused unless the CPU kernel falls back to
-    materialising the scores (it fuses only equal q/k and v head dims)."""
+def runtime_workload(w: Workload) -> Workload:
+    """The workload ``w`` asks for as this project's runtime trains it (``moetrain train`` and ``moetrain
+    rl``): ``w``'s model, cluster, batch, precision, imbalance and head share; ZeRO reduces the gradients in
+    the optimizer step, after the backward (nothing hides them); the tensor-parallel collectives are
+    synchronous; a reduce-scatter runs as an all-reduce (gloo has none); tensor parallelism is the
+    project's (whole head and shared expert, the routers' gathers); the dispatch gathers the per-expert
+    counts first; gradients reduce in fp32 (fp16 runs: fp16); attention is fused unless the CPU kernel falls
+    back to materialising the scores (it fuses only equal q/k and v head dims); every other field is the
+    default (no stated overlap, no sliding window, …), whatever ``w`` says."""
+    model, cluster = w.model, w.cluster
     flash = not cluster.host_is_device or model.attention.qk_head_dim == model.attention.v_head_dim
-    return Workload(model, cluster, seq_len, global_batch, precision, imbalance, flash_attention=flash,
-                    grad_bytes=2.0 if precision == "fp16" else 4.0, overlap_grad_comm=False,
+    return Workload(model, cluster, w.seq_len, w.global_batch, w.precision, w.imbalance, flash_attention=flash,
+                    grad_bytes=2.0 if w.precision == "fp16" else 4.0, overlap_grad_comm=False,
                     overlap_tp_comm=False, reduce_scatter_by_all_reduce=True, project_tensor_parallel=True,
-                    head_share=head_share, expert_count_exchange=True)
+                    head_share=w.head_share, expert_count_exchange=True)
