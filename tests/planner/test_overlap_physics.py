@@ -10,7 +10,7 @@ import pytest
 
 from moetrain.config import load_cluster_config, load_model_config
 from moetrain.planner.calibration import Efficiency
-from moetrain.planner.compute import attention_head_dim_factor
+from moetrain.planner.compute import attention_head_dim_factor, attention_time
 from moetrain.planner.costmodel import evaluate
 from moetrain.planner.strategy import Strategies
 from moetrain.planner.workload import Workload
@@ -36,6 +36,23 @@ def test_head_dim_law_is_one_at_128_and_grows_with_head_dim() -> None:
     # d/(d + 50) normalised at 128: 64 → 0.79, 256 → 1.16 (FlashAttention-3 head-dim ratios).
     assert factors[0] == pytest.approx((64 / 114) / (128 / 178))
     assert factors[3] == pytest.approx((256 / 306) / (128 / 178))
+
+
+def test_blackwell_attention_pays_its_non_matmul_work_at_twice_the_tensor_core_rate() -> None:
+    # d0 = 100 on Blackwell, still normalised at head dim 128 on Hopper (d0 = 50): 128 → 0.78, 64 → 0.54
+    factors = attention_head_dim_factor(np.array([64.0, 128.0]), "blackwell")
+    assert factors[0] == pytest.approx((64 / 164) / (128 / 178))
+    assert factors[1] == pytest.approx((128 / 228) / (128 / 178))
+    assert attention_head_dim_factor(128.0, "ampere") == pytest.approx(1.0)  # no scale set for Ampere
+
+
+def test_attention_time_reads_the_clusters_architecture() -> None:
+    eff = replace(Efficiency(), attention=0.25)
+    flops = 1e15
+    h100, b200 = load_cluster_config("h100-sxm-80gb"), load_cluster_config("b200")
+    assert attention_time(flops, h100, eff) == pytest.approx(flops / (989.4e12 * 0.25))
+    assert attention_time(flops, b200, eff, head_dim=64) == pytest.approx(
+        flops / (2250e12 * 0.25 * (64 / 164) / (128 / 178)))
 
 
 def test_tp_overlap_only_in_stacks_that_overlap() -> None:

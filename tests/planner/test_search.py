@@ -171,7 +171,11 @@ def test_the_screen_hides_the_paired_all_to_all_under_the_tp_traffic_too() -> No
     expert TP prices the experts at the etp group's gathered tokens, that layout's passes outlast its
     all-to-all; the flat all-to-all over EP 64 (with the etp gathers) still outlasts them."""
     w = Workload(load_model_config("deepseek-v3-671b"), load_cluster_config("h800-sxm-80gb"), 4096, 15360)
-    eff = load_calibration().for_device("h800-sxm-80gb")
+    # the shipped fit for Hopper when this was measured (5ed0f7d), held here: a refit moves the balance of
+    # all-to-all and passes this case is about
+    eff = replace(Efficiency(), gemm_max=0.6331, gemm_overhead_us=2.430, moe_overhead_us=1583.3, attention=0.2503,
+                  memory=0.6151, fp8_gain=2.0, bus_intra=0.9627, bus_inter=1.0, grad_overlap=0.0306,
+                  tp_overlap=0.0146)
     layout = Strategies.from_parallel([ParallelConfig(tp=2, sp=True, pp=2, vpp=4, ep=64, etp=2, dp=512, zero=2,
                                                       recompute="selective", a2a="flat", overlap=True)])
     costs = evaluate(w, layout, eff)

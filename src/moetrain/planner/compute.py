@@ -22,7 +22,7 @@ import numpy as np
 from moetrain.config.cluster import ClusterConfig
 from moetrain.config.model import ModelConfig
 from moetrain.costs.params import mlp_params
-from moetrain.planner.calibration import Efficiency, load_calibration
+from moetrain.planner.calibration import Efficiency, arch_of, load_calibration
 
 # Grouped GEMMs pad each expert's rows to the kernel's tile; on average half a tile is wasted per expert.
 GROUPED_GEMM_TILE_ROWS = 128
@@ -56,25 +56,37 @@ def gemm_time(flops, num_calls, cluster: ClusterConfig, efficiency: Efficiency |
 # row sums) against 2·head_dim multiply-adds, so its speed per FLOP grows with the head dimension as
 # d / (d + d0). d0 ≈ 50 reproduces the head-dim ratios of the FlashAttention-3 H100 benchmarks (Shah et
 # al. 2024, §4.1: head dim 64 runs at about 0.77× the FLOP rate of head dim 128, 256 at about 1.15×;
-# read off their figures, approximate). ``Efficiency.attention`` is the value at head dim 128.
+# read off their figures, approximate). ``Efficiency.attention`` is the value at head dim 128 on Hopper.
 ATTENTION_HEAD_DIM_HALF_SPEED = 50.0
 REFERENCE_HEAD_DIM = 128.0
+# d0 is that non-matmul work counted in tensor-core time, so it grows with the tensor cores' FLOP per SM and
+# clock where the units doing the rest do not. From Hopper to Blackwell the tensor cores doubled per SM while
+# the exponential units (16 per clock and SM) and shared-memory bandwidth (128 B per clock and SM) stayed
+# (Zadouri et al. 2026, FlashAttention-4, §2: the forward is bound by the exponential, the backward by shared
+# memory): d0 ≈ 100. That puts head dim 128 on Blackwell at 0.78 of Hopper's share of peak; the published
+# kernels agree: cuDNN 9.13 reaches about 1,235 TFLOPS of a B200's 2,250 (55 %; FlashAttention-4's 1,605 is
+# "up to 1.3×" it), FlashAttention-3 740 of an H100's 989 (75 %), a ratio of 0.73. Ampere halves the tensor
+# cores per SM instead, but its kernels do not run faster at head dim 128 than Hopper's (FlashAttention-2
+# about 70 % of an A100's peak), so no scale is set there.
+ATTENTION_NON_MATMUL_SCALE: dict[str, float] = {"blackwell": 2.0}
 
 
-def attention_head_dim_factor(head_dim) -> np.ndarray:
-    """Attention speed at ``head_dim`` relative to head dim 128 (1.0 there)."""
+def attention_head_dim_factor(head_dim, arch: str = "hopper") -> np.ndarray:
+    """Attention speed at ``head_dim`` on ``arch`` (``calibration.arch_of``) relative to head dim 128 on
+    Hopper (1.0 there)."""
     d = np.asarray(head_dim, dtype=float)
     d0, ref = ATTENTION_HEAD_DIM_HALF_SPEED, REFERENCE_HEAD_DIM
-    return (d / (d + d0)) / (ref / (ref + d0))
+    d0_arch = d0 * ATTENTION_NON_MATMUL_SCALE.get(arch, 1.0)
+    return (d / (d + d0_arch)) / (ref / (ref + d0))
 
 
 def attention_time(flops, cluster: ClusterConfig, efficiency: Efficiency | None = None,
                    head_dim: float = REFERENCE_HEAD_DIM):
     """Seconds of fused attention (QKᵀ and PV) totalling ``flops`` with heads of ``head_dim`` (for MLA,
-    the mean of the query-key and value dimensions)."""
+    the mean of the query-key and value dimensions) on ``cluster``'s devices."""
     eff = _eff(cluster, efficiency)
-    rate = cluster.peak_flops("bf16") * eff.attention * attention_head_dim_factor(head_dim)
-    return np.asarray(flops, dtype=float) / rate
+    factor = attention_head_dim_factor(head_dim, arch_of(cluster.device))
+    return np.asarray(flops, dtype=float) / (cluster.peak_flops("bf16") * eff.attention * factor)
 
 
 def memory_time(num_bytes, cluster: ClusterConfig, efficiency: Efficiency | None = None):

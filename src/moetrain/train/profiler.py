@@ -21,6 +21,7 @@ from moetrain.distributed.weight_sync import WeightSync, payload_crc, tensor_vie
 from moetrain.distributed.world import spawn
 from moetrain.errors import UserError
 from moetrain.models.transformer import build_model
+from moetrain.planner.calibration import arch_of
 from moetrain.planner.compute import attention_head_dim_factor
 from moetrain.runtime_base.host_memory import keep_freed_host_memory
 from moetrain.runtime_base.optim import build_optimizer, clip_gradients
@@ -107,12 +108,13 @@ class AttentionProbe:
     """Of the peak, brought to head dim 128: the median over the sequence lengths."""
 
 
-def probe_attention(device: str, dtype: torch.dtype, repeats: int, peak_flops: float) -> AttentionProbe:
-    """Attention (SDPA, causal): the causal half of 4·b·h·s²·d, forward, brought to head dim 128 (what
-    ``Efficiency.attention`` is; the cost model prices the backward at
-    ``layer_costs.ATTENTION_BACKWARD_OVER_FORWARD`` × the forward, and the ratio measured here is kept beside
-    it for comparison)."""
+def probe_attention(device: str, dtype: torch.dtype, repeats: int, cluster: ClusterConfig) -> AttentionProbe:
+    """Attention (SDPA, causal): the causal half of 4·b·h·s²·d, forward, against ``cluster``'s peak and
+    brought to head dim 128 on Hopper for its architecture (what ``Efficiency.attention`` is; the cost model
+    prices the backward at ``layer_costs.ATTENTION_BACKWARD_OVER_FORWARD`` × the forward, and the ratio
+    measured here is kept beside it for comparison)."""
     rows, efficiencies = [], []
+    peak_flops, arch = cluster.peak_flops("bf16"), arch_of(cluster.device)
     batch, heads, head_dim, seqs = ATTENTION_SHAPES[_kind(device)]
     for seq in seqs:
         q = torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
@@ -121,7 +123,7 @@ def probe_attention(device: str, dtype: torch.dtype, repeats: int, peak_flops: f
         t_fwd_bwd = _timed(lambda q=q, grad=grad: torch.autograd.grad(
             F.scaled_dot_product_attention(q, q, q, is_causal=True), q, grad), repeats, device)
         f = 4.0 * batch * heads * seq * seq * head_dim / 2
-        efficiencies.append(f / t / peak_flops / float(attention_head_dim_factor(head_dim)))
+        efficiencies.append(f / t / peak_flops / float(attention_head_dim_factor(head_dim, arch)))
         rows.append({"batch": batch, "heads": heads, "head_dim": head_dim, "seq": seq, "seconds": t,
                      "backward_over_forward": (t_fwd_bwd - t) / t})
         del q, grad
@@ -256,7 +258,7 @@ def probe_device(cluster: ClusterConfig, model: ModelConfig, device: str, repeat
         keep_freed_host_memory()  # the runtime's CPU processes do: the probes run under the same allocator
     dtype = torch.float32 if kind == "cpu" else torch.bfloat16
     gemm = probe_gemm(device, dtype, repeats)
-    attention = probe_attention(device, dtype, repeats, cluster.peak_flops("bf16"))
+    attention = probe_attention(device, dtype, repeats, cluster)
     bandwidth = probe_memory_bandwidth(device, dtype, repeats)
     grouped = probe_grouped_gemm(model, device, dtype, repeats, gemm)
     host = probe_host(model, device, repeats)

@@ -34,7 +34,10 @@ at 70.57 GiB takes its place; the Mixtral FP8 search at imbalance 1.3 keeps its 
 lighter and its tied first layouts reordered; the Qwen3 search's tied layouts reordered; no validate row moved),
 and when the hierarchical combine stopped keeping its rows in fp32, weighted and after the second hop (hiercombine:
 DeepSeek-V3's fifth layout is pp 8 / ep 64 hierarchical again, 27.10 s at 64.62 GiB, in place of pp 4 / ep 256 flat,
-26.98 s at 70.57 GiB; the Qwen3 search's tied layouts reordered; no validate row moved).
+26.98 s at 70.57 GiB; the Qwen3 search's tied layouts reordered; no validate row moved), and when Blackwell's
+attention began to pay its non-matmul work at twice Hopper's tensor-core rate, with the refit (bwattn: every
+row moves, MBR-11 −2.3 % and MBR-4 +2.0 % the most; the Mixtral FP8 winner moves from cp 4 / micro-batch 4 to
+cp 2 / micro-batch 2, the Qwen3 A100 winner to cp 1 / micro-batch 1, Pangu on 6,144 NPUs 7.187 → 7.031 s).
 Rerun it only when a prediction is meant to change, and say why in the commit.
 """
 
