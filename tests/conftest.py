@@ -6,6 +6,17 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 
+def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginManager) -> None:
+    """pyproject's addopts run the suite on two pytest-xdist workers, each taking whole files
+    (``--numprocesses 2 --dist loadfile``: a module's shared runs and its Ray cluster stay in one process).
+    Where pytest-xdist is not installed (``pip install -e '.[dev]'`` brings it) or is turned off
+    (``-p no:xdist``), accept the two options and run every test in this one process."""
+    if not pluginmanager.has_plugin("xdist"):
+        group = parser.getgroup("xdist", "pytest-xdist is not installed: these options are ignored")
+        group.addoption("--numprocesses", dest="numprocesses", default=None)
+        group.addoption("--dist", dest="dist", default="no")
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     import torch
