@@ -118,11 +118,8 @@ def main() -> None:
             profiles.append((measured_i, out_i))
         profile, calibration = max(profiles, key=lambda p: p[0]["efficiencies"]["gemm_max"])
         if measured_row is not None:
-            # the steps step_speed.py timed: not the first, none that compiled (``train.metrics.timed_rows``;
-            # records older than ``compiled_steps``: all but the first)
-            steps_s = measured_row["steps_s"]
-            compiled = measured_row.get("compiled_steps") or [False] * len(steps_s)
-            measured_steps = [t for t, c in zip(steps_s[1:], compiled[1:], strict=True) if not c] or steps_s[1:]
+            # the steps step_speed.py timed (records older than ``timed_steps_s``: all but the first)
+            measured_steps = measured_row.get("timed_steps_s") or measured_row["steps_s"][1:]
         else:
             _moetrain("train", "--model", args.model, "--cluster", cluster, "--steps", str(args.steps),
                       "--global-batch", str(args.global_batch), "--micro-batch", str(args.micro_batch), "--seq-len",

@@ -94,6 +94,8 @@ class VariantResult:
     compiled_steps: list[bool] = field(default_factory=list)
     """Per timed step: whether torch compiled during it (``distributed.parallelize.compile_events``); the
     median leaves those out, and the first step (``train.metrics.timed_rows``)."""
+    timed_steps_s: list[float] = field(default_factory=list)
+    """The steps the median is taken over (``steps_s`` less the first and those that compiled)."""
 
 
 def _sync(device: str) -> None:
@@ -133,14 +135,15 @@ def run_variant(variant: Variant, args: argparse.Namespace) -> VariantResult:
         _sync(device)
         times.append(time.perf_counter() - start)
         compiled.append(compile_events() > compiles)
-    rows = [{"step_time_s": t, "compiled": c} for t, c in zip(times, compiled, strict=True)]
-    median = statistics.median(r["step_time_s"] for r in timed_rows(rows))
+    timed = [r["step_time_s"] for r in timed_rows([{"step_time_s": t, "compiled": c}
+                                                    for t, c in zip(times, compiled, strict=True)])]
+    median = statistics.median(timed)
     tokens = args.global_batch * args.seq_len
     result = VariantResult(
         variant.name, variant.micro_batch, trainer.run.document_mask, times[0], median, times, tokens / median,
         tokens / median * trainer.flops_per_token / trainer.peak_flops,
         torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None, 0.0, None, losses=losses,
-        compiled_steps=compiled)
+        compiled_steps=compiled, timed_steps_s=timed)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=activities) as prof:
         losses.append(_step(trainer))

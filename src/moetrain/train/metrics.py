@@ -172,8 +172,11 @@ def timed_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return timed or rows[1:] or rows
 
 
-def timed_steps_note(rows: list[dict[str, Any]], timed: list[dict[str, Any]]) -> str:
-    """Which steps ``timed_rows`` left out, in words, when steps after the first compiled."""
+def timed_steps_note(rows: list[dict[str, Any]]) -> str | None:
+    """Which steps ``timed_rows`` left out, in words, when a step after the first compiled (None: none did)."""
+    if not any(r.get("compiled") for r in rows[1:]):
+        return None
+    timed = timed_rows(rows)
     if any(r.get("compiled") for r in timed):
         return f"{len(timed)} of {len(rows)}, every one compiling: a longer run measures the compiled speed"
     return f"{len(timed)} of {len(rows)} (left out: step 1 and {len(rows) - 1 - len(timed)} later that compiled)"
@@ -195,8 +198,8 @@ def summary_table(rows: list[dict[str, Any]], title: str, model_cfg: ModelConfig
     tokens = sum(r["tokens"] for r in timed)
     seconds = sum(r["step_time_s"] for r in timed)
     table.add_row("steps", f"{rows[0]['step']}–{rows[-1]['step']}")
-    if any(r.get("compiled") for r in rows[1:]):
-        table.add_row("timed steps", timed_steps_note(rows, timed))
+    if note := timed_steps_note(rows):
+        table.add_row("timed steps", note)
     table.add_row("first loss", f"{rows[0]['loss']:.4f}")
     table.add_row("last loss", f"{rows[-1]['loss']:.4f}")
     table.add_row("tokens/s", f"{tokens / seconds:,.0f}" if seconds > 0 else "n/a")
