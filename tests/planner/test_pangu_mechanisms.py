@@ -75,6 +75,39 @@ def test_split_weight_grad_hides_half_of_the_unpaired_exchange() -> None:
     assert float(out[True].a2a_exposed[0]) == pytest.approx(total - under_pair - (1.0 - paired) * 0.5 * total)
 
 
+@pytest.mark.parametrize(("bidirectional", "pp", "num_micro", "unpaired_units"), [
+    (True, 4, 16, 3.0),  # DualPipe pairs after pp − 1 units
+    (False, 4, 16, 0.7 * 1.5 + 1.0),  # 1F1B: the fill's warm-up share of (pp − 1)/2 forwards, plus one
+])
+def test_the_paired_schedule_hides_the_fixed_cost_per_moe_pass(bidirectional: bool, pp: int, num_micro: int,
+                                                                unpaired_units: float) -> None:
+    """The device idles behind the host after each dropless dispatch (moe_overhead_us); in a paired step the
+    host has already issued the other micro-batch's half, which the device runs meanwhile. So the overlapped
+    schedule pays the fixed cost only on its unpaired units: (num_micro − unpaired) / num_micro of the passes
+    are paired, here 13/16 (DualPipe) and 13.95/16 (interleaving off, 1F1B warm-up)."""
+    model = load_model_config("tiny-pangu")
+    cluster = load_cluster_config("h100-sxm-80gb")
+    w = Workload(model, cluster, 256, 64, bidirectional_pairing=bidirectional)
+    eff = Efficiency(moe_overhead_us=1000.0)
+    plain = layer_costs(w, _layout(ep=8, pp=pp, dp=8), eff, moe_layer=True, num_micro=num_micro)
+    paired = layer_costs(w, _layout(ep=8, pp=pp, dp=8, overlap=True), eff, moe_layer=True, num_micro=num_micro)
+    hidden_share = (num_micro - unpaired_units) / num_micro
+    assert float(plain.moe_pass) == pytest.approx(1e-3)
+    assert float(paired.moe_pass[0]) == pytest.approx(1e-3 * (1.0 - hidden_share), rel=1e-9)
+    # forward once, backward twice (input and weight gradients): the layer's compute drops by 3 × the hidden part
+    assert float(plain.fwd[0] - paired.fwd[0]) == pytest.approx(1e-3 * hidden_share, rel=1e-9)
+    assert float(plain.compute[0] - paired.compute[0]) == pytest.approx(3e-3 * hidden_share, rel=1e-9)
+
+
+def test_a_cpu_pays_the_moe_pass_cost_paired_or_not() -> None:
+    # On a CPU the host is the device: the pass's fixed cost is its own work, which pairing cannot hide.
+    w = Workload(load_model_config("tiny-pangu"), load_cluster_config("cpu"), 256, 64)
+    eff = Efficiency(moe_overhead_us=1000.0)
+    layout = _layout(ep=2, pp=2, dp=1, overlap=True)
+    assert w.cluster.host_is_device
+    assert float(layer_costs(w, layout, eff, moe_layer=True, num_micro=16).moe_pass) == pytest.approx(1e-3)
+
+
 def test_selective_recompute_share_of_each_code() -> None:
     codes = np.array([0.0, 0.35, 1.0, 1.5, 2.0])
     assert selective_recompute_share(codes) == pytest.approx([0.0, 0.35, 1.0, 1.0, 1.0])

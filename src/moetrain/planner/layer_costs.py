@@ -263,14 +263,25 @@ def _attention(w: Workload, s: Strategies, eff: Efficiency, tok: _Tokens) -> _At
     return _AttentionTimes(proj, core, core_bwd, mla_up, norm_bytes)
 
 
-def moe_pass_seconds(w: Workload, eff: Efficiency) -> float:
+def moe_pass_seconds(w: Workload, eff: Efficiency, s: Strategies | None = None, num_micro=None):
     """The fixed cost of one MoE layer's forward pass: the device idles while the host issues the pass's
     kernels after the dispatch synchronised on the token counts; a dispatch padded to capacity never
-    synchronises (``Workload.moe_padded_to_capacity``), so its host runs ahead and the device does not idle."""
-    return 0.0 if w.moe_padded_to_capacity else eff.moe_overhead_us * 1e-6
+    synchronises (``Workload.moe_padded_to_capacity``), so its host runs ahead and the device does not idle.
+
+    Under the overlapped schedule (``Strategies.overlap``) a paired pass does not idle the device either:
+    the host issued the other micro-batch's half of the pair before it waits on this one's counts, and the
+    device runs that half while the host waits and issues (DualPipe interleaves the two halves' kernels for
+    exactly this, DeepSeek-V3 §3.2.1). So only the unpaired share (``paired_share``) pays. Where the host is
+    the device (a CPU) the cost is the host's own work, which no pairing hides. Without ``s`` and
+    ``num_micro``: the unpaired cost."""
+    full = 0.0 if w.moe_padded_to_capacity else eff.moe_overhead_us * 1e-6
+    if s is None or num_micro is None or w.cluster.host_is_device or not np.any(s.overlap):
+        return full
+    paired = paired_share(s.pp, s.vpp, num_micro * s.vpp, w.bidirectional_pairing)
+    return full * np.where(s.overlap, 1.0 - paired, 1.0)
 
 
-def _moe_block(w: Workload, s: Strategies, eff: Efficiency, tok: _Tokens) -> _FeedForward:
+def _moe_block(w: Workload, s: Strategies, eff: Efficiency, tok: _Tokens, moe_pass) -> _FeedForward:
     """Router, routed experts (on the hottest rank: ``imbalance`` × the mean load), shared experts and the
     all-to-all of one direction. MoE layers see ``t/tp`` tokens per device (Megatron requires sequence
     parallelism with MoE and TP)."""
@@ -311,7 +322,7 @@ def _moe_block(w: Workload, s: Strategies, eff: Efficiency, tok: _Tokens) -> _Fe
         router_tp = (2.0 * allgather_time(tok.att * moe.num_experts * 4.0, s.tp, tp_in_node, cluster, eff)
                      + allreduce_time(moe.num_experts * 8.0, s.tp, tp_in_node, cluster, eff))
     return _FeedForward(
-        time=router + experts + shared + moe_pass_seconds(w, eff), elementwise_bytes=elementwise, num_kernels=12,
+        time=router + experts + shared + moe_pass, elementwise_bytes=elementwise, num_kernels=12,
         # attention's gather and scatter, and the shared expert's when there is one and it is split over tp
         # (the routed experts exchange their tokens through the all-to-all instead)
         num_tp_collectives=2.0 + (2.0 if moe.num_shared_experts and not w.project_tensor_parallel else 0.0),
@@ -355,7 +366,8 @@ def layer_costs(w: Workload, s: Strategies, eff: Efficiency, moe_layer: bool, nu
     tok = _tokens(w, s)
     attn = _attention(w, s, eff, tok)
     is_moe = moe_layer and model.moe is not None
-    ffn = _moe_block(w, s, eff, tok) if is_moe else _dense_block(w, eff, tok)
+    moe_pass = moe_pass_seconds(w, eff, s, num_micro) if is_moe else 0.0
+    ffn = _moe_block(w, s, eff, tok, moe_pass) if is_moe else _dense_block(w, eff, tok)
     # Non-GEMM kernels per layer pass (norms, residual adds, rope, activation, softmax; router top-k and
     # permutes in MoE layers): each pays the launch cost too, which dominates small models.
     num_norms = 4 if model.norm_style == "sandwich" else 2
@@ -381,7 +393,7 @@ def layer_costs(w: Workload, s: Strategies, eff: Efficiency, moe_layer: bool, nu
     parts = dict(attention=attn.proj + attn.core, router=ffn.router, experts=ffn.experts,
                  shared_experts=np.broadcast_to(ffn.shared_time, tok.att.shape) if is_moe else 0.0,
                  dense_ffn=ffn.dense_ffn, elementwise=elem, attention_core=attn.core,
-                 moe_pass=moe_pass_seconds(w, eff) if is_moe else 0.0)
+                 moe_pass=moe_pass)
     tp_comm = ffn.num_tp_collectives * one_tp * (2.0 + full_share) + ffn.router_tp_comm * (1.0 + full_share)
     costs = LayerCosts(fwd, bwd, recompute, tp_comm,
                        _cp_exposed(w, s, eff, tok, attn), **parts)

@@ -38,6 +38,11 @@ DeepSeek-V3's fifth layout is pp 8 / ep 64 hierarchical again, 27.10 s at 64.62 
 attention began to pay its non-matmul work at twice Hopper's tensor-core rate, with the refit (bwattn: every
 row moves, MBR-11 −2.3 % and MBR-4 +2.0 % the most; the Mixtral FP8 winner moves from cp 4 / micro-batch 4 to
 cp 2 / micro-batch 2, the Qwen3 A100 winner to cp 1 / micro-batch 1, Pangu on 6,144 NPUs 7.187 → 7.031 s).
+And when the paired schedule began to hide the fixed cost per MoE pass, with the refit (pairhide: DSV3-1 +1.6 %,
+TT-6 −2.1 %, MBR-11 −1.5 %, every other validate row within 1 %; every GPU search's winner is an overlapped layout
+with many micro-batches that now pays the pass cost on its unpaired units only: Pangu on 6,144 NPUs 7.031 → 6.250 s,
+Mixtral FP8 5.65 → 4.44 s at tp 2 / etp 2, Qwen3 on 32 A100 8.88 → 7.11 s at pp 1 / ep 32 hierarchical, DeepSeek-V3
+26.81 → 20.99 s at pp 4 / cp 8; the CPU search, whose host pays the cost itself, did not move).
 Rerun it only when a prediction is meant to change, and say why in the commit.
 """
 
