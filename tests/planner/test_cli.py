@@ -270,7 +270,8 @@ def test_runtime_workload_keeps_the_asked_workload_and_sets_the_runtime():
                      head_share=0.375, comm_overlap_stated=("DP",))
     run = runtime_workload(asked)
     runtime = {"flash_attention": False, "grad_bytes": 2.0, "overlap_grad_comm": False, "overlap_tp_comm": False,
-               "reduce_scatter_by_all_reduce": True, "project_tensor_parallel": True, "expert_count_exchange": True}
+               "reduce_scatter_by_all_reduce": True, "project_tensor_parallel": True, "expert_count_exchange": True,
+               "paired_count_sync_hidden": False}
     kept = {"model", "cluster", "seq_len", "global_batch", "precision", "imbalance", "head_share"}
     for f in fields(Workload):
         expected = getattr(asked, f.name) if f.name in kept else runtime.get(f.name, f.default)

@@ -25,7 +25,7 @@ from moetrain.planner.layer_costs import (
 from moetrain.planner.simulate import simulate_layout
 from moetrain.planner.strategy import Strategies
 from moetrain.planner.validation import metric_of, prepare_row, read_rows
-from moetrain.planner.workload import Workload
+from moetrain.planner.workload import Workload, runtime_workload
 
 REFERENCE_CSV = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "pangu_ultra_moe_reference.csv"
 
@@ -97,6 +97,18 @@ def test_the_paired_schedule_hides_the_fixed_cost_per_moe_pass(bidirectional: bo
     # forward once, backward twice (input and weight gradients): the layer's compute drops by 3 × the hidden part
     assert float(plain.fwd[0] - paired.fwd[0]) == pytest.approx(1e-3 * hidden_share, rel=1e-9)
     assert float(plain.compute[0] - paired.compute[0]) == pytest.approx(3e-3 * hidden_share, rel=1e-9)
+
+
+def test_this_runtime_pays_the_moe_pass_cost_paired_or_not() -> None:
+    # The runtime reads the counts on the compute stream without handing the turn over (distributed.ep): the
+    # read waits for the other half's queued kernels too, and the device idles as in an unpaired pass.
+    asked = Workload(load_model_config("tiny-pangu"), load_cluster_config("h100-sxm-80gb"), 256, 64)
+    eff = Efficiency(moe_overhead_us=1000.0)
+    layout = _layout(ep=8, pp=4, dp=8, overlap=True)
+    assert float(layer_costs(asked, layout, eff, moe_layer=True, num_micro=16).moe_pass[0]) < 1e-3
+    runtime = runtime_workload(asked)
+    assert not runtime.paired_count_sync_hidden
+    assert float(layer_costs(runtime, layout, eff, moe_layer=True, num_micro=16).moe_pass) == pytest.approx(1e-3)
 
 
 def test_a_cpu_pays_the_moe_pass_cost_paired_or_not() -> None:

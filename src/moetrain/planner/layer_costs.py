@@ -271,11 +271,13 @@ def moe_pass_seconds(w: Workload, eff: Efficiency, s: Strategies | None = None, 
     Under the overlapped schedule (``Strategies.overlap``) a paired pass does not idle the device either:
     the host issued the other micro-batch's half of the pair before it waits on this one's counts, and the
     device runs that half while the host waits and issues (DualPipe interleaves the two halves' kernels for
-    exactly this, DeepSeek-V3 §3.2.1). So only the unpaired share (``paired_share``) pays. Where the host is
-    the device (a CPU) the cost is the host's own work, which no pairing hides. Without ``s`` and
-    ``num_micro``: the unpaired cost."""
+    exactly this, DeepSeek-V3 §3.2.1). So only the unpaired share (``paired_share``) pays. Not in a stack
+    whose count read waits for the other half's kernels too (``Workload.paired_count_sync_hidden``: this
+    project's runtime), nor where the host is the device (a CPU): there the cost is the host's own work,
+    which no pairing hides. Without ``s`` and ``num_micro``: the unpaired cost."""
     full = 0.0 if w.moe_padded_to_capacity else eff.moe_overhead_us * 1e-6
-    if s is None or num_micro is None or w.cluster.host_is_device or not np.any(s.overlap):
+    hides = w.paired_count_sync_hidden and not w.cluster.host_is_device
+    if s is None or num_micro is None or not hides or not np.any(s.overlap):
         return full
     paired = paired_share(s.pp, s.vpp, num_micro * s.vpp, w.bidirectional_pairing)
     return full * np.where(s.overlap, 1.0 - paired, 1.0)

@@ -92,6 +92,14 @@ class Workload:
     the pass's kernels ahead of the device, and the fixed cost per pass (``moe_overhead_us``, the device
     idling behind the host after that sync) is not paid. Every expert then computes its capacity, the
     capacity factor times the balanced load, which ``imbalance`` carries."""
+    paired_count_sync_hidden: bool = True
+    """In the overlapped schedule the stack issues the other micro-batch's half of a paired step before it waits
+    on this half's token counts, and the counts' copy to the host waits for the counts alone (DualPipe interleaves
+    the halves' kernels; Megatron-Core copies the counts on a stream of its own), so the device runs that half
+    while the host waits: a paired pass pays no ``moe_overhead_us`` (``layer_costs.moe_pass_seconds``). False
+    for this project's runtime, which reads the counts on the compute stream without handing the turn to the
+    other micro-batch (``distributed.ep._read_counts``): the read waits for everything queued before it, and
+    the device idles as in an unpaired pass."""
 
     @property
     def activation_bytes(self) -> float:
@@ -105,12 +113,13 @@ def runtime_workload(w: Workload) -> Workload:
     the optimizer step, after the backward (nothing hides them); the tensor-parallel collectives are
     synchronous; a reduce-scatter runs as an all-reduce (gloo has none); tensor parallelism is the
     project's (whole head and shared expert, the routers' gathers); the dispatch gathers the per-expert
-    counts first; gradients reduce in fp32 (fp16 runs: fp16); attention is fused unless the CPU kernel falls
-    back to materialising the scores (it fuses only equal q/k and v head dims); every other field is the
+    counts first and reads them on the compute stream, so a paired pass still pays the count sync; gradients
+    reduce in fp32 (fp16 runs: fp16); attention is fused unless the CPU kernel falls back to materialising the
+    scores (it fuses only equal q/k and v head dims); every other field is the
     default (no stated overlap, no sliding window, …), whatever ``w`` says."""
     model, cluster = w.model, w.cluster
     flash = not cluster.host_is_device or model.attention.qk_head_dim == model.attention.v_head_dim
     return Workload(model, cluster, w.seq_len, w.global_batch, w.precision, w.imbalance, flash_attention=flash,
                     grad_bytes=2.0 if w.precision == "fp16" else 4.0, overlap_grad_comm=False,
                     overlap_tp_comm=False, reduce_scatter_by_all_reduce=True, project_tensor_parallel=True,
-                    head_share=w.head_share, expert_count_exchange=True)
+                    head_share=w.head_share, expert_count_exchange=True, paired_count_sync_hidden=False)
