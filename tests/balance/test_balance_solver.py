@@ -1,5 +1,4 @@
 import itertools
-import time
 
 import numpy as np
 import pytest
@@ -15,7 +14,6 @@ from moetrain.balance.solver import (
     replica_counts,
     replicate_hot,
     rings_cross_nodes,
-    solve_fixed_replicas,
     solve_milp,
 )
 from moetrain.balance.traces import TraceShape, zipf_trace
@@ -59,20 +57,6 @@ def test_skewed_loads_come_close_to_even(solver):
     placement = plan_placement(PlanRequest(loads, 32, 9, solver))
     assert _busiest_over_even(placement, loads) < (1.01 if solver == "local" else 1.05)
     assert placement.num_replicas().sum() <= 32 * 9
-
-
-def test_fast_enough_for_256_experts_on_32_ranks():
-    loads = zipf_trace(ONE_STEP_256_ON_32, exponent=1.0, seed=4).tokens_per_expert[0, 0].astype(float)
-    counts = replica_counts(loads, 32, 32)
-    solve_fixed_replicas(loads, 32, 9, counts, "local")  # warm imports and caches
-    start = time.perf_counter()
-    solve_fixed_replicas(loads, 32, 9, counts, "greedy")
-    greedy = time.perf_counter() - start
-    start = time.perf_counter()
-    solve_fixed_replicas(loads, 32, 9, counts, "local")
-    local = time.perf_counter() - start
-    # a step of a model this size takes seconds; generous bounds for a loaded CI machine
-    assert greedy < 0.25 and local < 0.5, (greedy, local)
 
 
 def _brute_force_no_replicas(loads: np.ndarray, ranks: int, slots: int) -> float:
