@@ -263,7 +263,8 @@ def _attention(w: Workload, s: Strategies, eff: Efficiency, tok: _Tokens) -> _At
     return _AttentionTimes(proj, core, core_bwd, mla_up, norm_bytes)
 
 
-def moe_pass_seconds(w: Workload, eff: Efficiency, s: Strategies | None = None, num_micro=None):
+def moe_pass_seconds(w: Workload, eff: Efficiency, s: Strategies | None = None,
+                     num_micro=None) -> float | np.ndarray:
     """The fixed cost of one MoE layer's forward pass: the device idles while the host issues the pass's
     kernels after the dispatch synchronised on the token counts; a dispatch padded to capacity never
     synchronises (``Workload.moe_padded_to_capacity``), so its host runs ahead and the device does not idle.

@@ -115,8 +115,8 @@ def runtime_workload(w: Workload) -> Workload:
     project's (whole head and shared expert, the routers' gathers); the dispatch gathers the per-expert
     counts first and reads them on the compute stream, so a paired pass still pays the count sync; gradients
     reduce in fp32 (fp16 runs: fp16); attention is fused unless the CPU kernel falls back to materialising the
-    scores (it fuses only equal q/k and v head dims); every other field is the
-    default (no stated overlap, no sliding window, …), whatever ``w`` says."""
+    scores (it fuses only equal q/k and v head dims); every other field is the default (no stated overlap,
+    no sliding window, …), whatever ``w`` says."""
     model, cluster = w.model, w.cluster
     flash = not cluster.host_is_device or model.attention.qk_head_dim == model.attention.v_head_dim
     return Workload(model, cluster, w.seq_len, w.global_batch, w.precision, w.imbalance, flash_attention=flash,
