@@ -9,14 +9,13 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from moetrain.cli.common import output_file
 from moetrain.cli.simulate_rl import (
     PLACEMENTS,
-    MeasuredRates,
     add_rl_workload_arguments,
     build_rl_workload,
     check_rl_workload,
@@ -26,6 +25,9 @@ from moetrain.cli.simulate_rl import (
 from moetrain.config.run import spec_source_from_plan
 from moetrain.errors import UserError
 from moetrain.rl.spec import resolve_rl_spec
+
+if TYPE_CHECKING:  # the planner's types load when a command runs
+    from moetrain.planner.rl_rates import RLRates
 
 DEFAULT_OUT = "rl.yaml"
 NOT_RUNNABLE = "not runnable yet: "
@@ -46,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_rl_workload_arguments(g)
 
 
-def _options(args: argparse.Namespace, workload, rates: MeasuredRates):
+def _options(args: argparse.Namespace, workload, rates: RLRates):
     from moetrain.planner.rl_search import RLSearchOptions  # lazy: the RL search loads when the command runs
 
     if args.offload and args.host_link_gbps is None and workload.cluster.device != "cpu":

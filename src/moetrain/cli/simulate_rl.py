@@ -6,16 +6,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from typing import TYPE_CHECKING
 
 from moetrain.cli.workload import build_workload, parallel_from_args
 from moetrain.errors import UserError
 
 if TYPE_CHECKING:  # the planner's types load when a command runs (lazy imports below)
-    from moetrain.planner.generation import HostCosts
-    from moetrain.planner.rl_rates import ProbedRankCPU, ProbedRoleCPU
-    from moetrain.planner.rl_step import RLLayout, SyncRates
+    from moetrain.planner.rl_rates import RLRates
 
 PLACEMENTS = ("colocated", "disaggregated", "both")
 
@@ -155,37 +153,17 @@ def simulate_rl(args: argparse.Namespace) -> dict:
     }
 
 
-@dataclass(frozen=True)
-class MeasuredRates:
-    """What ``--rl-rates`` and ``--graphs`` set: the rates ``simulate --rl`` and ``plan --rl`` price with (none
-    measured: the device work and the link alone, every step by its phases)."""
-
-    host: HostCosts
-    """Generation's host costs (``--graphs``: no MoE pass cost)."""
-    sync: SyncRates | None = None
-    """The weight sync's measured host rates; None: the link alone."""
-    role_cpu: ProbedRoleCPU | None = None
-    """One disaggregated job's probed CPU-seconds per process (the file's ``role_cpu``)."""
-    rank_cpu: ProbedRankCPU | None = None
-    """One colocated job's probed CPU-seconds per rank (the file's ``rank_cpu``)."""
-
-    def on(self, layout: RLLayout) -> RLLayout:
-        """``layout`` as the probes price it (``ProbedRoleCPU.on``, ``ProbedRankCPU.on``)."""
-        layout = self.role_cpu.on(layout) if self.role_cpu else layout
-        return self.rank_cpu.on(layout) if self.rank_cpu else layout
-
-
-def measured_rates(args: argparse.Namespace) -> MeasuredRates:
-    """The rates of ``--rl-rates`` and ``--graphs``, read alike for ``simulate --rl`` and ``plan --rl``."""
+def measured_rates(args: argparse.Namespace) -> RLRates:
+    """The rates of ``--rl-rates`` and ``--graphs``, read alike for ``simulate --rl`` and ``plan --rl`` (no file:
+    none measured, the device work and the link alone, every step by its phases)."""
     # lazy: the RL pricing loads when the command runs, not when the parser imports every command module
     from moetrain.planner.generation import HostCosts
-    from moetrain.planner.rl_rates import load_rl_rates
+    from moetrain.planner.rl_rates import RLRates, load_rl_rates
 
     if args.rl_rates is None:
-        return MeasuredRates(HostCosts(moe_pass_us=0.0 if args.graphs else None))
+        return RLRates(HostCosts(moe_pass_us=0.0 if args.graphs else None))
     rates = load_rl_rates(args.rl_rates)
-    host = replace(rates.host, moe_pass_us=0.0) if args.graphs else rates.host
-    return MeasuredRates(host, rates.sync, rates.role_cpu, rates.rank_cpu)
+    return replace(rates, host=replace(rates.host, moe_pass_us=0.0)) if args.graphs else rates
 
 
 def step_model_text(step_model: str, shared_cores: float | None, placement: str = "disaggregated") -> str:

@@ -263,8 +263,7 @@ def _attention(w: Workload, s: Strategies, eff: Efficiency, tok: _Tokens) -> _At
     return _AttentionTimes(proj, core, core_bwd, mla_up, norm_bytes)
 
 
-def moe_pass_seconds(w: Workload, eff: Efficiency, s: Strategies | None = None,
-                     num_micro=None) -> float | np.ndarray:
+def moe_pass_seconds(w: Workload, eff: Efficiency, overlap=False, paired=0.0) -> float | np.ndarray:
     """The fixed cost of one MoE layer's forward pass: the device idles while the host issues the pass's
     kernels after the dispatch synchronised on the token counts; a dispatch padded to capacity never
     synchronises (``Workload.moe_padded_to_capacity``), so its host runs ahead and the device does not idle.
@@ -275,13 +274,13 @@ def moe_pass_seconds(w: Workload, eff: Efficiency, s: Strategies | None = None,
     exactly this, DeepSeek-V3 §3.2.1). So only the unpaired share (``paired_share``) pays. Not in a stack
     whose count read waits for the other half's kernels too (``Workload.paired_count_sync_hidden``: this
     project's runtime), nor where the host is the device (a CPU): there the cost is the host's own work,
-    which no pairing hides. Without ``s`` and ``num_micro``: the unpaired cost."""
+    which no pairing hides. ``overlap``, ``paired``: the layouts' ``Strategies.overlap`` and ``paired_share``
+    (by default: not paired, the whole cost)."""
     full = 0.0 if w.moe_padded_to_capacity else eff.moe_overhead_us * 1e-6
     hides = w.paired_count_sync_hidden and not w.cluster.host_is_device
-    if s is None or num_micro is None or not hides or not np.any(s.overlap):
+    if not hides or not np.any(overlap):
         return full
-    paired = paired_share(s.pp, s.vpp, num_micro * s.vpp, w.bidirectional_pairing)
-    return full * np.where(s.overlap, 1.0 - paired, 1.0)
+    return full * np.where(overlap, 1.0 - np.asarray(paired, dtype=float), 1.0)
 
 
 def _moe_block(w: Workload, s: Strategies, eff: Efficiency, tok: _Tokens, moe_pass) -> _FeedForward:
@@ -369,7 +368,10 @@ def layer_costs(w: Workload, s: Strategies, eff: Efficiency, moe_layer: bool, nu
     tok = _tokens(w, s)
     attn = _attention(w, s, eff, tok)
     is_moe = moe_layer and model.moe is not None
-    moe_pass = moe_pass_seconds(w, eff, s, num_micro) if is_moe else 0.0
+    # the share of a rank's passes the paired schedule fuses with another micro-batch's: it sets how much of
+    # the pass's fixed cost and of its all-to-all (below) the schedule hides
+    paired = paired_share(s.pp, s.vpp, num_micro * s.vpp, w.bidirectional_pairing)
+    moe_pass = moe_pass_seconds(w, eff, s.overlap, paired) if is_moe else 0.0
     ffn = _moe_block(w, s, eff, tok, moe_pass) if is_moe else _dense_block(w, eff, tok)
     # Non-GEMM kernels per layer pass (norms, residual adds, rope, activation, softmax; router top-k and
     # permutes in MoE layers): each pays the launch cost too, which dominates small models.
@@ -408,7 +410,6 @@ def layer_costs(w: Workload, s: Strategies, eff: Efficiency, moe_layer: bool, nu
     # Overlapped F&B pairing (SPEC §2): in the steady state each all-to-all runs under the other
     # micro-batch's compute; in warm-up/cool-down the shared expert (and split-off weight gradients) hide
     # part of it.
-    paired = paired_share(s.pp, s.vpp, num_micro * s.vpp, w.bidirectional_pairing)
     # A paired step's all-to-all runs on its own stream for as long as the compute stream is busy: the
     # passes, and the TP and CP traffic the compute stream waits on (the timeline's paired step, which the
     # screen stands in for, hides it under the same window).

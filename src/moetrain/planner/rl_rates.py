@@ -75,10 +75,12 @@ class ProbedRankCPU:
 
 @dataclass(frozen=True)
 class RLRates:
-    """Host costs of generation and the weight sync's rates, measured on one machine for one policy."""
+    """Host costs of generation and the weight sync's rates, measured on one machine for one policy: what
+    ``moetrain simulate --rl`` and ``moetrain plan --rl`` price with (``--rl-rates``)."""
 
     host: HostCosts
-    sync: SyncRates
+    sync: SyncRates | None = None
+    """The weight sync's measured host rates; None: not measured (the link alone prices the sync)."""
     measured_on: str = ""
     """What measured them (the command, the model)."""
     role_cpu: ProbedRoleCPU | None = None
@@ -86,8 +88,14 @@ class RLRates:
     rank_cpu: ProbedRankCPU | None = None
     """One colocated job's probed CPU-seconds per rank (``--rl-job`` of a colocated job); None: not probed."""
 
+    def on(self, layout: RLLayout) -> RLLayout:
+        """``layout`` as the probes price it (``ProbedRoleCPU.on``, ``ProbedRankCPU.on``)."""
+        layout = self.role_cpu.on(layout) if self.role_cpu else layout
+        return self.rank_cpu.on(layout) if self.rank_cpu else layout
+
     def to_dict(self) -> dict:
-        data = {"measured_on": self.measured_on, "host": asdict(self.host), "sync": asdict(self.sync)}
+        data = {"measured_on": self.measured_on, "host": asdict(self.host)}
+        data |= {"sync": asdict(self.sync)} if self.sync is not None else {}
         data |= {"role_cpu": self.role_cpu.to_dict()} if self.role_cpu is not None else {}
         return data | ({"rank_cpu": self.rank_cpu.to_dict()} if self.rank_cpu is not None else {})
 
