@@ -1,20 +1,24 @@
 """``moetrain validate --explain ROW``: the terms add up to the predicted step, a hand-computed term and
-sensitivity on a one-device dense row, and one-line errors for an unknown or unsimulable row."""
+sensitivity on a one-device dense row, and one-line errors for an unknown or unsimulable row; with --cv, the
+held-out prediction is the cross-validation's and its move from the all-rows fit is split by parameter."""
 
 from __future__ import annotations
 
 import csv
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import yaml
 
 from moetrain.cli import main
 from moetrain.costs.flops import attention_core_flops
-from moetrain.planner.calibration import load_calibration
+from moetrain.planner.calibration import Calibration, load_calibration
 from moetrain.planner.compute import attention_head_dim_factor
-from moetrain.planner.explain import explain
-from moetrain.planner.validation import prepare_row
+from moetrain.planner.explain import explain, explain_held_out
+from moetrain.planner.fit import leave_one_family_out
+from moetrain.planner.validation import prepare_all, prepare_row, read_rows
 
 HEADER = ("id,model,attention,ffn_act,layers,dense_layers,hidden,ffn_hidden,heads,kv_heads,head_dim,q_lora_rank,"
            "kv_lora_rank,qk_nope_dim,qk_rope_dim,v_head_dim,num_experts,topk,moe_ffn_hidden,shared_experts,vocab,"
@@ -85,3 +89,73 @@ def test_explain_refuses_unknown_and_unsimulable_rows(tmp_path: Path, capsys: py
     assert main(["validate", str(path), "--explain", "HAND-1"]) == 0
     out = capsys.readouterr().out
     assert "fused attention" in out and "sensitivity" in out
+
+
+def _with_held_out(calibration: Calibration, family: str, **changed: float) -> Calibration:
+    held = replace(calibration, global_params=replace(calibration.global_params, **changed), held_out_fits={})
+    return replace(calibration, held_out_fits={family: held})
+
+
+def test_held_out_attention_alone_moves_the_error_as_its_share_says() -> None:
+    row = prepare_row(dict(ONE_DEVICE))
+    calibration = load_calibration()
+    e_all = explain(row, calibration)
+    terms = {t.name: t.seconds for t in e_all.terms}
+    # the fit without HAND finds attention 1.25× faster: only the fused attention term shrinks, by 1/1.25,
+    # and tokens/s goes as 1/step
+    faster = calibration.global_params.attention * 1.25
+    e = explain_held_out(row, _with_held_out(calibration, "HAND", attention=faster))
+    step = e_all.step_time_s - terms["fused attention"] * (1 - 1 / 1.25)
+    by_hand = (e_all.predicted * e_all.step_time_s / step - row.measured) / row.measured * 100
+    h = e.held_out
+    assert h is not None and h.family == "HAND"
+    assert h.all_rows_error_pct == pytest.approx(e_all.error_pct)
+    assert h.held_out_error_pct == pytest.approx(e.error_pct)
+    assert e.error_pct - e_all.error_pct == pytest.approx(by_hand - e_all.error_pct, rel=0.01)
+    assert [p.name for p in h.shifts] == ["attention"]
+    assert h.shifts[0].all_rows == calibration.global_params.attention and h.shifts[0].held_out == faster
+    assert h.shifts[0].alone_pct == pytest.approx(e.error_pct - e_all.error_pct)
+    assert h.together_pct == pytest.approx(0.0, abs=1e-9)
+
+
+def test_held_out_moves_add_up_and_rank_by_effect() -> None:
+    row = prepare_row(dict(ONE_DEVICE))
+    calibration = load_calibration()
+    g = calibration.global_params
+    # a link efficiency moves too, but a one-device row has no traffic: listed, no effect
+    held = _with_held_out(calibration, "HAND", attention=g.attention * 1.25, memory=g.memory * 0.8,
+                          bus_inter=g.bus_inter * 0.5)
+    h = explain_held_out(row, held).held_out
+    assert h is not None
+    assert [p.name for p in h.shifts][-1] == "bus_inter" and h.shifts[-1].alone_pct == 0.0
+    assert {p.name for p in h.shifts} == {"attention", "memory", "bus_inter"}
+    assert abs(h.shifts[0].alone_pct) >= abs(h.shifts[1].alone_pct) > 0
+    assert h.all_rows_error_pct + sum(p.alone_pct for p in h.shifts) + h.together_pct == pytest.approx(
+        h.held_out_error_pct)
+
+
+def test_explain_cv_predicts_as_the_cross_validation_does(calibration_csv: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", str(calibration_csv), "--explain", "DSV3-1", "--cv", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    rows, _ = prepare_all(read_rows(calibration_csv))
+    calibration = load_calibration()
+    cv = leave_one_family_out(rows, calibration.held_out_fits)
+    index = [r.row_id for r in rows].index("DSV3-1")
+    assert out["predicted"] == pytest.approx(float(cv[index]), rel=1e-9)
+    assert out["held_out"]["family"] == "DSV3"
+    all_rows = explain(rows[index], calibration)
+    assert out["held_out"]["all_rows_error_pct"] == pytest.approx(all_rows.error_pct, rel=1e-9)
+
+
+def test_explain_cv_refuses_a_calibration_without_the_family(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    path = _write(tmp_path / "rows.csv", [ONE_DEVICE])
+    plain = tmp_path / "plain.yaml"
+    plain.write_text(yaml.safe_dump({"global": {"attention": 0.5}, "per_arch": {}}))
+    assert main(["validate", str(path), "--explain", "HAND-1", "--cv", "--calibration", str(plain)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "holds no fit without family HAND" in err and "--fit OUT.yaml --cv" in err
+    assert main(["validate", str(path), "--explain", "HAND-1", "--fit", str(tmp_path / "out.yaml")]) == 2
+    assert "drop --fit" in capsys.readouterr().err
+    assert not (tmp_path / "out.yaml").exists()

@@ -23,7 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object with rows and summary")
     parser.add_argument("--explain", metavar="ROW",
                         help="for the row with this id: each term's share of the predicted step and the "
-                             "sensitivity of its error to each fitted efficiency")
+                             "sensitivity of its error to each fitted efficiency; with --cv, under the "
+                             "calibration's fit without the row's family, and which parameters moved that miss")
 
 
 def validate(args: argparse.Namespace) -> dict:
@@ -73,10 +74,11 @@ def validate(args: argparse.Namespace) -> dict:
 
 
 def explain_row(args: argparse.Namespace):
-    """The ``--explain ROW`` report for one row of ``args.file``, refused in one line when the id is not
-    in the file or the row cannot be simulated."""
+    """The ``--explain ROW`` report for one row of ``args.file`` (with ``--cv``: held out), refused in one
+    line when the id is not in the file, the row cannot be simulated, or, held out, the calibration has no
+    fit without the row's family."""
     # lazy: as in ``validate``
-    from moetrain.planner.explain import explain
+    from moetrain.planner.explain import explain, explain_held_out
     from moetrain.planner.validation import prepare_row, read_rows
 
     rows = read_rows(args.file)
@@ -88,15 +90,23 @@ def explain_row(args: argparse.Namespace):
     prepared = prepare_row(match[0])
     if not hasattr(prepared, "workload"):
         raise UserError(f"--explain {args.explain}: the row cannot be simulated ({prepared.reason})")
-    return explain(prepared, load_calibration(args.calibration))
+    calibration = load_calibration(args.calibration)
+    if not args.cv:
+        return explain(prepared, calibration)
+    if prepared.family not in calibration.held_out_fits:
+        kept = ", ".join(sorted(calibration.held_out_fits)) or "none"
+        raise UserError(f"--explain {args.explain} --cv: the calibration holds no fit without family "
+                        f"{prepared.family} (it holds: {kept}); write one with `moetrain validate {args.file} "
+                        "--fit OUT.yaml --cv` and pass --calibration OUT.yaml, or drop --cv")
+    return explain_held_out(prepared, calibration)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.explain:
         from moetrain.planner.explain import format_explanation  # lazy: as in ``validate``
 
-        if args.fit or args.cv:
-            raise UserError("--explain explains one row under one calibration; drop --fit and --cv")
+        if args.fit:
+            raise UserError("--explain explains one row under a calibration already written; drop --fit")
         explanation = explain_row(args)
         print(json.dumps(explanation.to_dict(), indent=2) if args.json else format_explanation(explanation))
         return 0

@@ -16,11 +16,17 @@ and recompute. The terms add up to the predicted step exactly.
 Sensitivity: for each fitted efficiency p (``fit.BOUNDS``), d(error)/d(log p) in percentage points of
 the row's signed error, by a central difference of ±``LOG_STEP`` in log p. A term that the miss points
 to has a large sensitivity of the sign that would close the miss.
+
+Held out (``--explain ROW --cv``): the row as the leave-one-family-out check predicts it, under the
+calibration's fit without the row's family (``Calibration.held_out_fits``), and why that miss differs from
+the fit on every row: each fitted efficiency moved alone from its all-rows value to its held-out one, and
+what the moves do together beyond the sum of the single ones, so the lines add up to the difference. A
+parameter that only the left-out family informs falls back to its prior there, and shows at the top.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
@@ -31,6 +37,10 @@ from moetrain.planner.validation import PreparedRow, metric_of
 
 LOG_STEP = 0.05
 """Half-width of the central difference in log parameter (±5 %)."""
+
+SAME_VALUE_RTOL = 1e-9
+"""Held-out values within this of the all-rows ones did not move (two fits ending at one bound differ in the
+last bits)."""
 
 FITTED = ("gemm_max", "gemm_overhead_us", "moe_overhead_us", "attention", "memory", "fp8_gain", "bus_intra",
           "bus_inter", "grad_overlap", "tp_overlap")
@@ -60,12 +70,43 @@ class Explanation:
     """Fitted efficiency → d(error %)/d(log p), largest magnitude first."""
     efficiency: dict[str, float]
     """The efficiencies the prediction used (the row's device's values)."""
+    held_out: HeldOutShift | None = None
+    """With ``--cv``: the prediction above is the held-out one, and this is how it differs from the
+    all-rows fit's."""
 
     def to_dict(self) -> dict:
-        return {"id": self.row_id, "metric": self.metric, "measured": self.measured, "predicted": self.predicted,
-                "error_pct": self.error_pct, "step_time_s": self.step_time_s,
-                "terms": [{"name": t.name, "seconds": t.seconds, "share": t.share} for t in self.terms],
-                "sensitivity_pct_per_log": self.sensitivity, "efficiency": self.efficiency}
+        out = {"id": self.row_id, "metric": self.metric, "measured": self.measured, "predicted": self.predicted,
+               "error_pct": self.error_pct, "step_time_s": self.step_time_s,
+               "terms": [{"name": t.name, "seconds": t.seconds, "share": t.share} for t in self.terms],
+               "sensitivity_pct_per_log": self.sensitivity, "efficiency": self.efficiency}
+        if self.held_out is not None:
+            out["held_out"] = asdict(self.held_out)
+        return out
+
+
+@dataclass(frozen=True)
+class ParameterShift:
+    name: str
+    all_rows: float
+    """Its value (the row's device's) in the fit on every row."""
+    held_out: float
+    """Its value in the fit without the row's family."""
+    alone_pct: float
+    """Points of signed error the row's all-rows prediction gains when only this parameter moves to its
+    held-out value."""
+
+
+@dataclass(frozen=True)
+class HeldOutShift:
+    """How a row's miss under the fit without its family differs from its miss under the fit on every row."""
+
+    family: str
+    all_rows_error_pct: float
+    held_out_error_pct: float
+    shifts: tuple[ParameterShift, ...]
+    """The fitted efficiencies whose values differ, largest ``alone_pct`` magnitude first."""
+    together_pct: float
+    """held-out error − all-rows error − Σ alone: what the moves do together beyond their single effects."""
 
 
 def compute_weights(row: PreparedRow, eff: Efficiency, costs: StepCosts) -> dict[str, float]:
@@ -147,6 +188,31 @@ def explain(row: PreparedRow, calibration: Calibration) -> Explanation:
         {name: float(getattr(eff, name)) for name in FITTED})
 
 
+def held_out_shift(row: PreparedRow, all_rows: Calibration, held_out: Calibration) -> HeldOutShift:
+    """The row's error under ``held_out`` (the fit without its family) against ``all_rows``, by parameter
+    (module docstring)."""
+    device = row.workload.cluster.device
+    eff_all, eff_held = all_rows.for_device(device), held_out.for_device(device)
+    base = _error_pct(row, eff_all)
+    target = _error_pct(row, eff_held)
+    shifts = []
+    for name in FITTED:
+        before, after = float(getattr(eff_all, name)), float(getattr(eff_held, name))
+        if not np.isclose(before, after, rtol=SAME_VALUE_RTOL, atol=0.0):
+            alone = _error_pct(row, replace(eff_all, **{name: after})) - base
+            shifts.append(ParameterShift(name, before, after, alone))
+    shifts.sort(key=lambda p: -abs(p.alone_pct))
+    together = target - base - sum(p.alone_pct for p in shifts)
+    return HeldOutShift(row.family, base, target, tuple(shifts), together)
+
+
+def explain_held_out(row: PreparedRow, calibration: Calibration) -> Explanation:
+    """``explain`` under the calibration's fit without the row's family (``Calibration.held_out_fits``,
+    which must hold it), with the ``HeldOutShift`` from the all-rows fit attached."""
+    held_out = calibration.held_out_fits[row.family]
+    return replace(explain(row, held_out), held_out=held_out_shift(row, calibration, held_out))
+
+
 def format_explanation(e: Explanation) -> str:
     lines = [f"{e.row_id}: {e.metric} measured {e.measured:.4g}, predicted {e.predicted:.4g} "
              f"({e.error_pct:+.1f} %); predicted step {e.step_time_s:.4g} s",
@@ -156,4 +222,15 @@ def format_explanation(e: Explanation) -> str:
     lines += ["", "sensitivity of the error to each fitted efficiency (points of error per unit log p):"]
     for name, d in e.sensitivity.items():
         lines.append(f"  {name:20s} {d:+8.2f}   (value {e.efficiency[name]:.4g})")
+    if e.held_out is not None:
+        h = e.held_out
+        without = f"without {h.family}"
+        width = max(len(without), 11)
+        lines += ["", f"held out: the fit without family {h.family} (above) misses by {h.held_out_error_pct:+.1f} %, "
+                  f"the fit on every row by {h.all_rows_error_pct:+.1f} %; each parameter moved alone from the "
+                  "second to the first:",
+                  f"  {'parameter':20s} {'every row':>11s} {without:>{width}s} {'points':>8s}"]
+        for p in h.shifts:
+            lines.append(f"  {p.name:20s} {p.all_rows:11.4g} {p.held_out:{width}.4g} {p.alone_pct:+8.2f}")
+        lines.append(f"  {'together, beyond the single moves':{33 + width}s} {h.together_pct:+8.2f}")
     return "\n".join(lines)
