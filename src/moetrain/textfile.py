@@ -38,6 +38,16 @@ def decode_text(data: bytes, source: str, mend: str, binary_mend: str | None = N
     return text.removeprefix(_BOM)
 
 
+def require_file(path: Path, what: str, mend: str) -> None:
+    """Refuse in one line a ``path`` that is not a regular file, saying which it is: missing, a folder, or
+    something else (a device, a pipe). ``what`` names it ("plan file 'p.yaml'"), ``mend`` says what to give."""
+    if path.is_file():
+        return
+    state = ("is a folder, not a file" if path.is_dir() else "is not a regular file" if path.exists()
+             else "does not exist")
+    raise UserError(f"{what} {state}; {mend}")
+
+
 def read_text(path: Path, source: str, mend: str, binary_mend: str | None = None) -> str:
     """The file at ``path`` decoded by ``decode_text``; an unreadable file is a one-line error too."""
     try:

@@ -164,6 +164,10 @@ def test_bad_rates_for_a_plan_are_one_line(tmp_path, capsys):
     missing = tmp_path / "missing.yaml"
     refused(capsys, [*argv, str(missing)], f"RL rates file {str(missing)!r} does not exist; write one with "
             "`moetrain profile --rl-out FILE`")
+    folder = tmp_path / "a-folder"
+    folder.mkdir()
+    refused(capsys, [*argv, str(folder)], f"RL rates file {str(folder)!r} is a folder, not a file; write one with "
+            "`moetrain profile --rl-out FILE`")
     path = tmp_path / "rates.yaml"
     replace(RATES, role_cpu=LIGHT).save(path)
     path.write_text(path.read_text().replace("cores: 3.0", "cores: -3"))

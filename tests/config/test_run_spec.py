@@ -90,7 +90,8 @@ def test_a_bad_config_file_is_one_line(tmp_path, text: str, message: str) -> Non
 def test_a_config_that_is_not_utf8_is_one_line(tmp_path) -> None:
     config = tmp_path / "run.yaml"
     config.write_bytes(b"model: tiny-pangu\ntraining: {steps: \xff}\n")
-    with pytest.raises(UserError, match=r"is not UTF-8 text \(byte 36\); save it as UTF-8 YAML"):
+    # 0xff is the 36th byte: line 2 ("training: {steps: "), column 19
+    with pytest.raises(UserError, match=r"is not UTF-8 text: byte 0xff at line 2, column 19; save it as UTF-8 YAML"):
         train_cli.build_spec(_args("--config", str(config)))
 
 

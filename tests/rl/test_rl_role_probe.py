@@ -100,7 +100,8 @@ def test_rl_job_needs_rl_out_and_a_readable_job(tmp_path, capsys):
                                        "CPU-seconds go into)\n")
     missing = tmp_path / "rl.yaml"
     assert main(["profile", "--device", "cpu", "--rl-out", str(tmp_path / "r.yaml"), "--rl-job", str(missing)]) == 2
-    assert capsys.readouterr().err == f"moetrain profile: error: --rl-job {missing}: no such file\n"
+    assert capsys.readouterr().err == (f"moetrain profile: error: --rl-job {missing} does not exist; give a YAML "
+                                       "file with model, sft, rl, trainer, generation, rollout, stalesync\n")
 
 
 @pytest.mark.parametrize(("change", "message"), [

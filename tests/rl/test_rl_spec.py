@@ -144,7 +144,7 @@ def test_a_config_of_the_wrong_kind_is_one_line(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(("argv", "expected"), [
-    (["--plan", "rl_plan.yaml"], ("--plan rl_plan.yaml: no such file",)),
+    (["--plan", "rl_plan.yaml"], ("--plan rl_plan.yaml does not exist; give a YAML file with model, rl",)),
     (["--stale-loss", "decoupled"], ("--stale-loss", "give --staleness K")),
 ])
 def test_what_the_flags_cannot_give_is_one_line(capsys, argv, expected):

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from moetrain.errors import UserError
+from moetrain.textfile import require_file
 
 
 @dataclass(frozen=True)
@@ -94,8 +95,7 @@ def parse_trace_rows(rows: list[dict], source: str = "trace") -> RoutingTrace:
 
 def read_trace(path: str | Path) -> RoutingTrace:
     p = Path(path)
-    if not p.is_file():
-        raise UserError(f"trace file {str(path)!r} does not exist; record one with `moetrain train --trace-routing`")
+    require_file(p, f"trace file {str(path)!r}", "record one with `moetrain train --trace-routing`")
     rows = []
     with open(p) as f:
         for line_number, line in enumerate(f, 1):

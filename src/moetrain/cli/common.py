@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from moetrain.config.run import MemoryOptions
 from moetrain.errors import UserError
 from moetrain.memory.policy import POLICIES
+from moetrain.textfile import read_text, require_file
 
 
 def add_model_arg(parser: argparse.ArgumentParser, default: str | None = None) -> None:
@@ -123,14 +124,11 @@ def memory_options(args: argparse.Namespace):
 
 def yaml_source(path: str, flag: str, sections: str) -> dict[str, Any]:
     """The mapping of sections in the YAML file ``path`` (given by ``flag``); unreadable is one line."""
+    require_file(Path(path), f"{flag} {path}", f"give a YAML file with {sections}")
+    text = read_text(Path(path), f"{flag} {path}", "save it as UTF-8 YAML")
     try:
-        text = Path(path).read_text(encoding="utf-8")
         data = yaml.safe_load(text)
-    except FileNotFoundError:
-        raise UserError(f"{flag} {path}: no such file") from None
-    except UnicodeDecodeError as exc:
-        raise UserError(f"{flag} {path} is not UTF-8 text (byte {exc.start}); save it as UTF-8 YAML") from None
-    except (OSError, yaml.YAMLError) as exc:
+    except yaml.YAMLError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(f"{flag} {path} is not readable YAML ({first}); fix the file") from None
     if not isinstance(data, dict):

@@ -13,7 +13,7 @@ from moetrain.config.cluster import ClusterConfig
 from moetrain.config.model import ModelConfig
 from moetrain.config.parallel import ParallelConfig
 from moetrain.errors import UserError, describe_validation_error
-from moetrain.textfile import read_text
+from moetrain.textfile import read_text, require_file
 
 ConfigT = TypeVar("ConfigT", bound=BaseModel)
 
@@ -45,8 +45,7 @@ def _read_yaml(text: str, source: str) -> dict:
 def _load(kind: str, name_or_path: str, schema: type[ConfigT]) -> ConfigT:
     path = Path(name_or_path)
     if name_or_path.endswith((".yaml", ".yml")) or path.is_file():
-        if not path.is_file():
-            raise UserError(f"{kind} file {name_or_path!r} does not exist; give a preset name or an existing YAML path")
+        require_file(path, f"{kind} file {name_or_path!r}", "give a preset name or an existing YAML path")
         text, source = read_text(path, f"{kind} file {path}", "save it as UTF-8"), str(path)
     else:
         preset = _PRESETS / f"{kind}s" / f"{name_or_path}.yaml"
@@ -91,8 +90,7 @@ def cluster_for_device(device_name: str) -> str:
 def load_plan_file(path: str) -> dict:
     """Read a plan written by ``moetrain plan``; returns its mapping with ``parallel`` validated."""
     p = Path(path)
-    if not p.is_file():
-        raise UserError(f"plan file {path!r} does not exist; write one with `moetrain plan --out {path}`")
+    require_file(p, f"plan file {path!r}", f"write one with `moetrain plan --out {path}`")
     text = read_text(p, f"plan file {path}", "save it as UTF-8 or write it again with `moetrain plan`")
     data = _read_yaml(text, path)
     if "parallel" not in data:

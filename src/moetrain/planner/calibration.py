@@ -25,6 +25,7 @@ from pathlib import Path
 import yaml
 
 from moetrain.errors import UserError
+from moetrain.textfile import require_file
 
 # Accelerator id (validation schema's ``hardware`` column, ClusterConfig.device) → architecture.
 _ARCH_OF_DEVICE: dict[str, str] = {
@@ -231,8 +232,7 @@ def read_profile_file(path: str | Path, kind: str, flag: str, sections: str) -> 
     """The mapping in a file ``moetrain profile {flag}`` wrote (YAML, or JSON by its suffix); a missing,
     malformed or non-mapping file is one ``UserError`` naming the ``kind`` of file and its ``sections``."""
     p = Path(path)
-    if not p.is_file():
-        raise UserError(f"{kind} file {str(path)!r} does not exist; write one with `moetrain profile {flag}`")
+    require_file(p, f"{kind} file {str(path)!r}", f"write one with `moetrain profile {flag}`")
     try:
         data = json.loads(p.read_text()) if p.suffix == ".json" else yaml.safe_load(p.read_text())
     except (json.JSONDecodeError, yaml.YAMLError) as exc:

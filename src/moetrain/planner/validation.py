@@ -44,7 +44,7 @@ from moetrain.planner.calibration import Calibration, Efficiency
 from moetrain.planner.costmodel import StepCosts, evaluate
 from moetrain.planner.strategy import A2A_NAMES, RECOMPUTE_NAMES, Strategies
 from moetrain.planner.workload import Workload
-from moetrain.textfile import read_text
+from moetrain.textfile import read_text, require_file
 
 METRICS = ("step_time_s", "tflops_per_device", "tokens_per_s_per_device", "mfu", "peak_memory_gib")
 # Without any of these columns no row can be simulated (``prepare_row`` needs them all).
@@ -358,9 +358,7 @@ def read_rows(path: str | Path) -> list[dict]:
     """The rows of a validation CSV (UTF-8), refused with one line when a column a prediction needs is
     missing, the file holds no rows, or a numeric cell is not a number."""
     p = Path(path)
-    if not p.is_file():
-        raise UserError(f"validation file {str(path)!r} does not exist; give a CSV in the schema of "
-                        "shared/validation/README.md")
+    require_file(p, f"validation file {str(path)!r}", "give a CSV in the schema of shared/validation/README.md")
     text = read_text(p, f"validation file {path}", "save it as UTF-8", "give a CSV text file")
     reader = csv.DictReader(io.StringIO(text, newline=""))
     rows: list[dict] = []
