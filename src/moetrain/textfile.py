@@ -2,7 +2,8 @@
 
 Every reader of user input (YAML configs and plans, validation CSVs, ``--data`` corpora) goes through
 ``read_text``, so that a Latin-1 or binary file is refused where it is read, with its line and column,
-instead of surfacing as a ``UnicodeDecodeError`` traceback or being trained on as replacement characters.
+instead of surfacing as a ``UnicodeDecodeError`` traceback or being trained on as replacement characters;
+the readers of one named file check it with ``require_file`` first, so that a folder is not called missing.
 """
 
 from __future__ import annotations
