@@ -41,6 +41,7 @@ run planner_validation.py --cv
 run planner_moe_probe.py
 run planner_source_consistency.py
 run planner_vtrain_heldout.py
+run planner_vtrain_bubble.py
 run planner_vtrain_residuals.py  # --cv-variants reruns its slow variants (kept from the last run otherwise)
 run planner_dgxc_heldout.py --cv-variant --cv-with-dgxc
 # planner_fit_basins*.json compare the fold without MPT with branch planfit5's fit of it, from an export of that
