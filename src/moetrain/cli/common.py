@@ -124,9 +124,9 @@ def memory_options(args: argparse.Namespace):
 
 def yaml_source(path: str, flag: str, sections: str) -> dict[str, Any]:
     """The mapping of sections in the YAML file ``path`` (given by ``flag``); unreadable is one line."""
-    source = f"{flag} {path}"
-    require_file(Path(path), source, f"give a YAML file with {sections}")
-    text = read_text(Path(path), source, "save it as UTF-8 YAML")
+    file, source = Path(path), f"{flag} {path}"
+    require_file(file, source, f"give a YAML file with {sections}")
+    text = read_text(file, source, "save it as UTF-8 YAML")
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:

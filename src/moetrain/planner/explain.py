@@ -188,13 +188,13 @@ def explain(row: PreparedRow, calibration: Calibration) -> Explanation:
         {name: float(getattr(eff, name)) for name in FITTED})
 
 
-def held_out_shift(row: PreparedRow, all_rows: Calibration, held_out: Calibration) -> HeldOutShift:
-    """The row's error under ``held_out`` (the fit without its family) against ``all_rows``, by parameter
-    (module docstring)."""
+def held_out_shift(row: PreparedRow, all_rows: Calibration, held_out: Calibration,
+                   target: float) -> HeldOutShift:
+    """The row's error under ``held_out`` (the fit without its family; ``target``, that error as ``explain``
+    found it) against ``all_rows``, by parameter (module docstring)."""
     device = row.workload.cluster.device
     eff_all, eff_held = all_rows.for_device(device), held_out.for_device(device)
     base = _error_pct(row, eff_all)
-    target = _error_pct(row, eff_held)
     shifts = []
     for name in FITTED:
         before, after = float(getattr(eff_all, name)), float(getattr(eff_held, name))
@@ -210,7 +210,8 @@ def explain_held_out(row: PreparedRow, calibration: Calibration) -> Explanation:
     """``explain`` under the calibration's fit without the row's family (``Calibration.held_out_fits``,
     which must hold it), with the ``HeldOutShift`` from the all-rows fit attached."""
     held_out = calibration.held_out_fits[row.family]
-    return replace(explain(row, held_out), held_out=held_out_shift(row, calibration, held_out))
+    e = explain(row, held_out)
+    return replace(e, held_out=held_out_shift(row, calibration, held_out, e.error_pct))
 
 
 def format_explanation(e: Explanation) -> str:
