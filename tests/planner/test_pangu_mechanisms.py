@@ -13,7 +13,9 @@ import pytest
 
 from moetrain.cli import main
 from moetrain.config import ParallelConfig, load_cluster_config, load_model_config
+from moetrain.costs.flops import mla_up_projection_flops, training_flops_per_token
 from moetrain.planner.calibration import Efficiency, load_calibration
+from moetrain.planner.compute import gemm_time
 from moetrain.planner.costmodel import evaluate
 from moetrain.planner.layer_costs import (
     layer_costs,
@@ -123,6 +125,34 @@ def test_a_cpu_pays_the_moe_pass_cost_paired_or_not() -> None:
 def test_selective_recompute_share_of_each_code() -> None:
     codes = np.array([0.0, 0.35, 1.0, 1.5, 2.0])
     assert selective_recompute_share(codes) == pytest.approx([0.0, 0.35, 1.0, 1.0, 1.0])
+
+
+def test_mla_up_projection_flops_by_hand() -> None:
+    # tiny-pangu: 4 heads, q latent 64 -> 4·(32 + 16), kv latent 32 -> 4·(32 + 32): 2·4·(64·48 + 32·64) per token.
+    assert mla_up_projection_flops(load_model_config("tiny-pangu")) == 2 * 4 * (64 * 48 + 32 * 64) == 40960
+    assert mla_up_projection_flops(load_model_config("tiny-qwen3")) == 0.0  # no latents
+
+
+def test_selective_recompute_runs_again_what_its_memory_set_frees() -> None:
+    """The selective set (norms, MLA up-projections, activation, permute, router) keeps the core attention's
+    tensors, so its recompute is the up-projections and half the element-wise kernels, whatever attention
+    costs; full recompute runs the attention again."""
+    model, cluster = load_model_config("tiny-pangu"), load_cluster_config("h100-sxm-80gb")
+    w = Workload(model, cluster, 256, 64)
+
+    def recompute(level: float, attention: float) -> float:
+        eff = Efficiency(attention=attention)
+        return float(layer_costs(w, _layout(recompute=level), eff, moe_layer=True, num_micro=8).recompute[0])
+
+    assert recompute(1.0, 0.1) == pytest.approx(recompute(1.0, 0.5))
+    assert recompute(2.0, 0.1) > recompute(2.0, 0.5)
+    eff = Efficiency()
+    costs = layer_costs(w, _layout(recompute=1.0), eff, moe_layer=True, num_micro=8)
+    up = gemm_time(40960 * 256, 2, cluster, eff, "bf16")  # one micro-batch of 256 tokens, two GEMMs
+    assert float(costs.recompute[0]) == pytest.approx(up + 0.5 * float(costs.elementwise[0]))
+    # Hardware FLOPs: the up-projections again in the 8 layers and the MTP module, over 3× the forward.
+    factor = float(evaluate(w, _layout(recompute=1.0), eff).hardware_flops_factor[0])
+    assert factor == pytest.approx(1.0 + 9 * 40960 / training_flops_per_token(model, 256))
 
 
 def test_selective_recompute_on_a_share_of_the_layers_is_linear() -> None:

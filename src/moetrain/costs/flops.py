@@ -25,6 +25,16 @@ def attention_projection_flops(model: ModelConfig) -> float:
     return 2.0 * (attention_params(model) - norms)
 
 
+def mla_up_projection_flops(model: ModelConfig) -> float:
+    """Forward FLOPs per token of MLA's up-projections (q from its latent, k and v from theirs), which
+    fine-grained selective recompute runs again; 0 for attention without latents."""
+    attn = model.attention
+    if isinstance(attn, GQAConfig):
+        return 0.0
+    return 2.0 * attn.num_heads * (attn.q_lora_rank * attn.qk_head_dim
+                                   + attn.kv_lora_rank * (attn.qk_nope_head_dim + attn.v_head_dim))
+
+
 def attention_core_flops(model: ModelConfig, seq_len, causal: bool = False):
     """Forward FLOPs per token of QKᵀ and PV: 2·heads·context·(qk_dim + v_dim); context is seq_len,
     or (seq_len+1)/2 on average with a causal mask when ``causal``."""

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from moetrain.config.parallel import ParallelConfig
-from moetrain.costs.flops import model_forward_flops, training_flops_per_token
+from moetrain.costs.flops import mla_up_projection_flops, model_forward_flops, training_flops_per_token
 from moetrain.planner.calibration import Efficiency
 from moetrain.planner.comm import allgather_time, p2p_time, ranks_per_node
 from moetrain.planner.compute import gemm_time, memory_time
@@ -484,10 +484,12 @@ def hardware_flops_factor(w: Workload, s: Strategies) -> np.ndarray:
     """Hardware over model FLOPs (HFU-style sources count what recomputation runs again): full recompute
     repeats every layer's forward but not the output head (Narayanan et al. SC21 eq. 3:
     96·B·s·l·h²·(1 + s/6h + V/16lh), the logits counted three times, not four); selective recompute
-    repeats the core attention forward (Korthikanti et al. 2022 §5)."""
+    repeats the one matmul of its set, MLA's up-projections, in every layer (the MTP modules' too), and
+    not the core attention of Korthikanti et al. 2022 §5, whose tensors that set keeps."""
     forward = model_forward_flops(w.model, w.seq_len)
     full_extra = (forward.forward - forward.head) / forward.training
-    selective_extra = forward.attention_core / forward.training
+    layers = w.model.num_layers + w.model.num_mtp_layers
+    selective_extra = layers * mla_up_projection_flops(w.model) / forward.training
     full_share = full_recompute_share(s.recompute)
     selective_share = selective_recompute_share(s.recompute)
     return 1.0 + (full_share * full_extra + (1.0 - full_share) * selective_share * selective_extra)

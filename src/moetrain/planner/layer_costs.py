@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from moetrain.config.model import MLAConfig
-from moetrain.costs.flops import attention_core_flops, attention_projection_flops
+from moetrain.costs.flops import attention_core_flops, attention_projection_flops, mla_up_projection_flops
 from moetrain.costs.params import mlp_params
 from moetrain.planner.calibration import Efficiency
 from moetrain.planner.comm import (
@@ -73,8 +73,8 @@ class LayerCosts:
     fwd: object
     bwd: object
     recompute: object
-    """Forward work run again in the backward (selective: core attention, MLA up-projections, half the
-    element-wise kernels; full: the whole forward)."""
+    """Forward work run again in the backward (selective: MLA up-projections and half the element-wise
+    kernels; full: the whole forward)."""
     tp_comm: object
     """Tensor-parallel collectives of forward, backward and recompute."""
     cp_exposed: object
@@ -163,10 +163,11 @@ def full_recompute_share(recompute) -> np.ndarray:
 
 
 def selective_recompute_share(recompute) -> np.ndarray:
-    """Share of the layers that recompute the selective set (core attention, MLA up-projections, norms and
-    activations): 0 for code 0, 1 from code 1 on (a layer recomputed whole recomputes that set too); a code
-    between 0 and 1 recomputes it on that share of the layers only, as a stack that recomputes just what
-    device memory needs does (Pangu's Selective R/S, ``../shared/research/pangu-system.md`` §8)."""
+    """Share of the layers that recompute the selective set (norms, MLA up-projections, activation, permute
+    and router: ``costs.activations.SELECTIVE_OPTIONS``): 0 for code 0, 1 from code 1 on (a layer recomputed
+    whole recomputes that set too); a code between 0 and 1 recomputes it on that share of the layers only, as
+    a stack that recomputes just what device memory needs does (Pangu's Selective R/S,
+    ``../shared/research/pangu-system.md`` §8)."""
     return np.clip(np.asarray(recompute, dtype=float), 0.0, 1.0)
 
 
@@ -257,9 +258,7 @@ def _attention(w: Workload, s: Strategies, eff: Efficiency, tok: _Tokens) -> _At
         norm_bytes = norm_bytes + 2.0 * rotary_width * t_att * act
     mla_up = 0.0
     if is_mla:
-        up_flops = 2.0 * (attn.q_lora_rank * attn.num_heads * attn.qk_head_dim + attn.kv_lora_rank
-                          * attn.num_heads * (attn.qk_nope_head_dim + attn.v_head_dim))
-        mla_up = gemm_time(up_flops * t_att / tp, 2, cluster, eff, w.precision)
+        mla_up = gemm_time(mla_up_projection_flops(model) * t_att / tp, 2, cluster, eff, w.precision)
     return _AttentionTimes(proj, core, core_bwd, mla_up, norm_bytes)
 
 
@@ -385,8 +384,11 @@ def layer_costs(w: Workload, s: Strategies, eff: Efficiency, moe_layer: bool, nu
     # Backward: input and weight gradients (2× the GEMMs), attention as above, element-wise twice.
     bwd = 2.0 * (attn.proj + ffn.time + elem) + attn.core_bwd
     full_share = full_recompute_share(s.recompute)
+    # Selective recompute runs again what its memory set frees (``costs.activations.SELECTIVE_OPTIONS``:
+    # norms, MLA up-projections, activation, permute, router): not the core attention, whose kept tensors
+    # it leaves in place. Norms, activation, permute and router are about half the element-wise bytes.
     recompute = full_share * fwd + (1.0 - full_share) * selective_recompute_share(s.recompute) * (
-        attn.core + attn.mla_up + 0.5 * elem)
+        attn.mla_up + 0.5 * elem)
     # Tensor-parallel collectives: per layer forward, an all-gather and a reduce-scatter (or one
     # all-reduce) around attention and around the FFN, each of the full t_att × h activation.
     tp_in_node = ranks_per_node(s.tp, 1, cluster.fabric_devices)
