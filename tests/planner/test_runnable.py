@@ -79,7 +79,7 @@ def test_a_plan_says_what_the_runtime_limits_cost(tmp_path, capsys) -> None:
     plan = yaml.safe_load(out.read_text())
     assert runtime_limits(ParallelConfig(**plan["parallel"]), 32, 512, 8) == []
     # the cost model's favourite runs the hierarchical all-to-all with expert TP, which the runtime cannot run
-    assert "runtime limits: the fastest layout overall (tp2 sp pp2 vpp2 ep8 etp2" in text
+    assert "runtime limits: the fastest layout overall (tp2 sp pp1 ep8 etp2" in text
     limits = plan["runtime_limits"]
     assert "the hierarchical all-to-all with etp 2: the runtime runs it with etp 1 only" in limits
     assert "--any-layout ranks every layout" in text
