@@ -1,6 +1,6 @@
 """Mechanisms the published runs exposed: uneven pipeline splits balanced at whole-layer granularity,
 sliding-window attention, recomputation inferred from device memory (partial full recompute), stated
-communication overlap, and the grouped-GEMM roofline."""
+communication overlap, the asynchronous input-gradient TP collectives, and the grouped-GEMM roofline."""
 
 from __future__ import annotations
 
@@ -14,12 +14,13 @@ import pytest
 
 from moetrain.config import load_cluster_config, load_model_config
 from moetrain.planner.calibration import Efficiency
+from moetrain.planner.comm import allgather_time
 from moetrain.planner.compute import ExpertShard, expert_compute_time, gemm_time, memory_time
 from moetrain.planner.costmodel import balanced_stage_time, evaluate
-from moetrain.planner.layer_costs import attention_time_share
+from moetrain.planner.layer_costs import attention_time_share, layer_costs
 from moetrain.planner.strategy import Strategies
 from moetrain.planner.validation import prepare_all, prepare_row, read_rows
-from moetrain.planner.workload import Workload
+from moetrain.planner.workload import Workload, runtime_workload
 
 
 def _layout(tp: int = 1, pp: int = 1, vpp: int = 1, dp: int = 8, recompute: float = 0.0) -> Strategies:
@@ -80,11 +81,52 @@ def test_partial_full_recompute_lies_between_selective_and_full() -> None:
 def test_stated_comm_overlap_hides_tp_under_the_layer() -> None:
     eff = replace(Efficiency(), tp_overlap=0.0, grad_overlap=0.0)
     layout = _layout(tp=4, dp=2)
-    plain = evaluate(_workload(), layout, eff)
-    stated = evaluate(_workload(comm_overlap_stated=("DP", "TP")), layout, eff)
+    plain = evaluate(_workload(async_tp_input_grad=False), layout, eff)
+    stated = evaluate(_workload(async_tp_input_grad=False, comm_overlap_stated=("DP", "TP")), layout, eff)
     assert plain.pipeline.tp_exposed_s[0] == pytest.approx(plain.pipeline.tp_comm_s[0])
     assert stated.pipeline.tp_exposed_s[0] < plain.pipeline.tp_exposed_s[0]
     assert stated.dp.exposed_s[0] <= plain.dp.exposed_s[0]
+
+
+def test_async_tp_hides_the_column_layers_input_gradient_collectives() -> None:
+    """A dense layer on TP 4: two all-reduces (4 all-gather prices) a pass; of the backward's, the column-parallel
+    layers' input gradients (2 all-gather prices) run under their weight-gradient GEMMs, hidden up to half the
+    layer's forward GEMM time."""
+    cluster = load_cluster_config("h100-sxm-80gb")
+    layout = _layout(tp=4)
+    model = load_model_config("tiny-qwen3")
+
+    def dense(eff: Efficiency, async_tp: bool):
+        return layer_costs(_workload(async_tp_input_grad=async_tp), layout, eff, moe_layer=False, num_micro=8)
+
+    eff = Efficiency()
+    sync, async_ = dense(eff, False), dense(eff, True)
+    assert float(sync.tp_async_hidden) == 0.0
+    assert float(async_.tp_comm[0]) == pytest.approx(float(sync.tp_comm[0]))  # the same traffic, less of it shown
+    one = allgather_time(256 * model.hidden_size * 2.0, 4, 4, cluster, eff)
+    gemms = float(async_.attention[0] - async_.attention_core[0] + async_.dense_ffn[0])
+    assert 2 * one < 0.5 * gemms  # the collectives are the shorter here
+    assert float(async_.tp_async_hidden[0]) == pytest.approx(2 * one)
+    # A slow link: the weight-gradient GEMMs bound what hides.
+    slow = replace(eff, bus_intra=0.01)
+    assert float(dense(slow, True).tp_async_hidden[0]) == pytest.approx(0.5 * gemms)
+    # Exposed: what is not hidden, less the fitted share; stated TP overlap prices the layer's window alone.
+    no_share = replace(eff, tp_overlap=0.0)
+    exposed = {a: evaluate(_workload(async_tp_input_grad=a), layout, no_share).pipeline for a in (False, True)}
+    assert exposed[True].tp_comm_s[0] == pytest.approx(exposed[False].tp_comm_s[0])
+    assert exposed[True].tp_exposed_s[0] < exposed[False].tp_exposed_s[0]
+    stated = {a: evaluate(_workload(async_tp_input_grad=a, comm_overlap_stated=("TP",)), layout, no_share).pipeline
+              for a in (False, True)}
+    assert stated[True].tp_exposed_s[0] == pytest.approx(stated[False].tp_exposed_s[0])
+
+
+def test_which_stacks_run_the_async_tp_collectives(calibration_csv: Path) -> None:
+    rows = {r["id"]: r for r in read_rows(calibration_csv)}
+    # Megatron-LM 2021 (fp16) waits in line; Megatron-DeepSpeed (2022 on) and the bf16 stacks do not.
+    assert not prepare_row(rows["NAR21-03"]).workload.async_tp_input_grad
+    assert prepare_row(rows["VTRAIN-M-032"]).workload.async_tp_input_grad
+    assert prepare_row(rows["MEGH100-2"]).workload.async_tp_input_grad
+    assert not runtime_workload(_workload()).async_tp_input_grad  # this project's TP collectives are synchronous
 
 
 def test_grouped_gemm_is_weight_bound_with_few_tokens() -> None:

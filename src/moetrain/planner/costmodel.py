@@ -154,7 +154,7 @@ class _PassTimes:
 
 
 def _exposed_tp(w: Workload, eff: Efficiency, layer: LayerCosts):
-    return exposed_tp(w, eff, layer.tp_comm, layer.compute)
+    return exposed_tp(w, eff, layer.tp_comm, layer.compute, layer.tp_async_hidden)
 
 
 def _pass_times(w: Workload, s: Strategies, eff: Efficiency, layer: LayerCosts | None,

@@ -77,6 +77,9 @@ class LayerCosts:
     kernels; full: the whole forward)."""
     tp_comm: object
     """Tensor-parallel collectives of forward, backward and recompute."""
+    tp_async_hidden: object
+    """Of ``tp_comm``: the backward's input-gradient collectives of the column-parallel layers, which a stack
+    with ``Workload.async_tp_input_grad`` runs under those layers' weight-gradient GEMMs."""
     cp_exposed: object
     """Context-parallel exchange that the attention kernels do not hide."""
     a2a: object = 0.0
@@ -213,13 +216,14 @@ def unpaired_a2a_hidden(total_a2a, shared_time, split_weight_grad: bool):
     return np.maximum(by_shared, UNPAIRED_A2A_HIDDEN_WITH_SPLIT_DW * total_a2a)
 
 
-def exposed_tp(w: Workload, eff: Efficiency, tp_comm, compute):
-    """Tensor-parallel collectives of a layer pass (``tp_comm``) that its ``compute`` does not hide."""
+def exposed_tp(w: Workload, eff: Efficiency, tp_comm, compute, async_hidden=0.0):
+    """Tensor-parallel collectives of a layer pass (``tp_comm``) that its ``compute`` does not hide;
+    ``async_hidden`` of them run under the weight-gradient GEMMs (``LayerCosts.tp_async_hidden``)."""
     if "TP" in w.comm_overlap_stated:
         # Stated TP overlap (Transformer Engine userbuffers, AsyncTP): the collectives run under the
         # layer's GEMMs; only what exceeds the layer's compute shows.
         return np.maximum(tp_comm - compute, 0.0)
-    return (1.0 - (eff.tp_overlap if w.overlap_tp_comm else 0.0)) * tp_comm
+    return (1.0 - (eff.tp_overlap if w.overlap_tp_comm else 0.0)) * (tp_comm - async_hidden)
 
 
 def _tokens(w: Workload, s: Strategies) -> _Tokens:
@@ -402,7 +406,14 @@ def layer_costs(w: Workload, s: Strategies, eff: Efficiency, moe_layer: bool, nu
                  dense_ffn=ffn.dense_ffn, elementwise=elem, attention_core=attn.core,
                  moe_pass=moe_pass)
     tp_comm = ffn.num_tp_collectives * one_tp * (2.0 + full_share) + ffn.router_tp_comm * (1.0 + full_share)
-    costs = LayerCosts(fwd, bwd, recompute, tp_comm,
+    # Of the backward's collectives, half are the column-parallel layers' input gradients (q/k/v and the
+    # first FFN matrix), which Megatron's asynchronous TP all-reduce and Transformer Engine's Linear start
+    # before those layers' weight-gradient GEMMs and wait for after: hidden up to the GEMMs' time (the
+    # backward's weight gradients cost the forward GEMMs once more; the column-parallel ones about half).
+    column_wgrad = 0.5 * (attn.proj + ffn.dense_ffn + ffn.shared_time)
+    async_hidden = (np.minimum(0.5 * ffn.num_tp_collectives * one_tp, column_wgrad)
+                    if w.async_tp_input_grad else 0.0)
+    costs = LayerCosts(fwd, bwd, recompute, tp_comm, async_hidden,
                        _cp_exposed(w, s, eff, tok, attn), **parts)
     if not is_moe:
         return costs
@@ -415,9 +426,10 @@ def layer_costs(w: Workload, s: Strategies, eff: Efficiency, moe_layer: bool, nu
     # A paired step's all-to-all runs on its own stream for as long as the compute stream is busy: the
     # passes, and the TP and CP traffic the compute stream waits on (the timeline's paired step, which the
     # screen stands in for, hides it under the same window).
-    window = costs.compute + exposed_tp(w, eff, tp_comm, costs.compute) + costs.cp_exposed
+    window = costs.compute + exposed_tp(w, eff, tp_comm, costs.compute, async_hidden) + costs.cp_exposed
     hidden_paired = np.minimum(total_a2a, window)
     hidden_alone = unpaired_a2a_hidden(total_a2a, ffn.shared_time, w.split_weight_grad)
     hidden = np.where(s.overlap, paired * hidden_paired + (1 - paired) * hidden_alone, 0.0)
-    return LayerCosts(costs.fwd, costs.bwd, costs.recompute, costs.tp_comm, costs.cp_exposed, total_a2a,
+    return LayerCosts(costs.fwd, costs.bwd, costs.recompute, costs.tp_comm, costs.tp_async_hidden, costs.cp_exposed,
+                      total_a2a,
                       total_a2a - hidden, hidden_alone, **parts)

@@ -20,7 +20,9 @@ layers, and a MoE dispatch that pads the experts' inputs to a capacity ("experts
 without a recompute cell gets the least recomputation that fits its device's memory
 (``_lightest_recompute_that_fits``): the run ran, so it fit. FP8 rows store their linear layers' inputs
 in FP8 unless the source names torchao; GPT-3-style models (learned absolute positions) and rows naming
-ALiBi have no rotary pass. A source stating "gradients reduced in BF16" prices 2 B gradients. torchtitan
+ALiBi have no rotary pass. A source stating "gradients reduced in BF16" prices 2 B gradients. Stacks
+after the fp16 era, and Megatron-DeepSpeed's fp16 runs, reduce the backward's column-parallel input
+gradients under the weight-gradient GEMMs (``Workload.async_tp_input_grad``). torchtitan
 pipeline rows that leave the micro-batches unstated take torchtitan's defaults (``_pipeline_split``).
 """
 
@@ -276,6 +278,8 @@ def row_workload(row: dict, model: ModelConfig, cluster: ClusterConfig) -> Workl
         flash_attention=precision != "fp16",
         overlap_grad_comm=precision != "fp16",
         overlap_tp_comm=precision != "fp16",
+        # Megatron's asynchronous TP all-reduce (2022 on, Megatron-DeepSpeed too) and Transformer Engine
+        async_tp_input_grad=precision != "fp16" or "Megatron-DeepSpeed" in source,
         comm_overlap_stated=tuple(sorted(overlap_stated)),
         cp_gathers_mla_latent=False,  # the published stacks exchange up-projected keys and values
         bidirectional_pairing=bool(re.search(r"DualPipe", source)),

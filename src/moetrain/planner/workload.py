@@ -33,7 +33,13 @@ class Workload:
     overlap_tp_comm: bool = True
     """The framework can hide tensor-parallel collectives under GEMMs (Transformer Engine userbuffers,
     torch AsyncTP); ``Efficiency.tp_overlap`` says how much it hides. False for stacks whose TP
-    all-reduces are synchronous (Megatron-LM 2021, Megatron-DeepSpeed)."""
+    all-reduces are synchronous (Megatron-LM 2021, Megatron-DeepSpeed: apart from the input gradients of
+    ``async_tp_input_grad``)."""
+    async_tp_input_grad: bool = True
+    """In the backward, the column-parallel layers' input-gradient collectives run under those layers'
+    weight-gradient GEMMs (Megatron's asynchronous tensor-parallel all-reduce, on by default in Megatron-LM
+    since late 2021 and in Megatron-DeepSpeed since 2022, and Transformer Engine's Linear). False for this
+    project's runtime and for Megatron-LM 2021, whose TP collectives wait in line."""
     reduce_scatter_by_all_reduce: bool = False
     """The framework reduce-scatters with an all-reduce of the whole buffer and keeps its shard (this
     project's runtime: ZeRO's gradient reduction, ``distributed.zero``, and the sequence-parallel exits,
@@ -121,5 +127,6 @@ def runtime_workload(w: Workload) -> Workload:
     flash = not cluster.host_is_device or model.attention.qk_head_dim == model.attention.v_head_dim
     return Workload(model, cluster, w.seq_len, w.global_batch, w.precision, w.imbalance, flash_attention=flash,
                     grad_bytes=2.0 if w.precision == "fp16" else 4.0, overlap_grad_comm=False,
-                    overlap_tp_comm=False, reduce_scatter_by_all_reduce=True, project_tensor_parallel=True,
-                    head_share=w.head_share, expert_count_exchange=True, paired_count_sync_hidden=False)
+                    overlap_tp_comm=False, async_tp_input_grad=False, reduce_scatter_by_all_reduce=True,
+                    project_tensor_parallel=True, head_share=w.head_share, expert_count_exchange=True,
+                    paired_count_sync_hidden=False)
