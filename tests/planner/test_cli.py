@@ -270,6 +270,7 @@ def test_runtime_workload_keeps_the_asked_workload_and_sets_the_runtime():
                      head_share=0.375, comm_overlap_stated=("DP",))
     run = runtime_workload(asked)
     runtime = {"flash_attention": False, "grad_bytes": 2.0, "overlap_grad_comm": False, "overlap_tp_comm": False,
+               "async_tp_input_grad": False,
                "reduce_scatter_by_all_reduce": True, "project_tensor_parallel": True, "expert_count_exchange": True,
                "paired_count_sync_hidden": False}
     kept = {"model", "cluster", "seq_len", "global_batch", "precision", "imbalance", "head_share"}

