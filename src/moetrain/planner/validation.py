@@ -278,7 +278,8 @@ def row_workload(row: dict, model: ModelConfig, cluster: ClusterConfig) -> Workl
         flash_attention=precision != "fp16",
         overlap_grad_comm=precision != "fp16",
         overlap_tp_comm=precision != "fp16",
-        # Megatron's asynchronous TP all-reduce (2022 on, Megatron-DeepSpeed too) and Transformer Engine
+        # Megatron's asynchronous TP all-reduce (Megatron-LM from late 2021, Megatron-DeepSpeed from 2022) and
+        # Transformer Engine's Linear
         async_tp_input_grad=precision != "fp16" or "Megatron-DeepSpeed" in source,
         comm_overlap_stated=tuple(sorted(overlap_stated)),
         cp_gathers_mla_latent=False,  # the published stacks exchange up-projected keys and values
