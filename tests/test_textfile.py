@@ -1,5 +1,6 @@
 """``textfile.require_file``: a path that is not a regular file is refused in one line that says which it is,
-and every command that reads a user's file says so for a folder instead of calling it missing."""
+and every command that reads a user's file says so for a folder instead of calling it missing; a calibration
+file that is not UTF-8 is refused where it is read, like every other file a user names."""
 
 from __future__ import annotations
 
@@ -42,3 +43,13 @@ def test_a_folder_given_as_a_file_is_called_a_folder(tmp_path: Path, capsys: pyt
     folder.mkdir()
     (tmp_path / "runs.yaml").mkdir()
     refused(capsys, [a.replace("{d}", str(folder)) for a in argv], message.replace("{d}", str(folder)))
+
+
+def test_a_calibration_file_that_is_not_utf8_is_refused_in_one_line(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "cal.yaml"
+    bad.write_bytes(b"global:\n  gemm_max: 0.7 # caf\xe9\n")
+    refused(capsys, ["simulate", "--model", "tiny-pangu", "--cluster", "cpu", "--devices", "1", "--seq-len", "64",
+                     "--global-batch", "4", "--calibration", str(bad)],
+            f"calibration file {bad} is not UTF-8 text: byte 0xe9 at line 2, column 22; save it as UTF-8 or write "
+            "it again with `moetrain profile --out FILE`")

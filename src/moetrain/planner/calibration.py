@@ -25,7 +25,7 @@ from pathlib import Path
 import yaml
 
 from moetrain.errors import UserError
-from moetrain.textfile import require_file
+from moetrain.textfile import read_text, require_file
 
 # Accelerator id (validation schema's ``hardware`` column, ClusterConfig.device) → architecture.
 _ARCH_OF_DEVICE: dict[str, str] = {
@@ -234,7 +234,8 @@ def read_profile_file(path: str | Path, kind: str, flag: str, sections: str) -> 
     p = Path(path)
     require_file(p, f"{kind} file {str(path)!r}", f"write one with `moetrain profile {flag}`")
     try:
-        data = json.loads(p.read_text()) if p.suffix == ".json" else yaml.safe_load(p.read_text())
+        text = read_text(p, f"{kind} file {path}", f"save it as UTF-8 or write it again with `moetrain profile {flag}`")
+        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
         raise UserError(f"{path}: not a valid {kind} file ({str(exc).splitlines()[0]})") from None
     if not isinstance(data, dict):

@@ -153,10 +153,6 @@ class _PassTimes:
     timeline: object
 
 
-def _exposed_tp(w: Workload, eff: Efficiency, layer: LayerCosts):
-    return exposed_tp(w, eff, layer.tp_comm, layer.compute, layer.tp_async_hidden)
-
-
 def _pass_times(w: Workload, s: Strategies, eff: Efficiency, layer: LayerCosts | None,
                 moe_layer: bool) -> _PassTimes:
     """Host floor: an eager stack issues every kernel of a layer pass from Python; when the kernels are
@@ -167,7 +163,7 @@ def _pass_times(w: Workload, s: Strategies, eff: Efficiency, layer: LayerCosts |
     if layer is None:
         return _PassTimes(0.0, 0.0, 0.0)
     host_share = 1.0 + HOST_FORWARD_SHARE * full_recompute_share(s.recompute)
-    without_a2a = layer.compute + _exposed_tp(w, eff, layer) + layer.cp_exposed
+    without_a2a = layer.compute + exposed_tp(w, eff, layer) + layer.cp_exposed
     device = without_a2a + layer.a2a_exposed
     if w.cluster.host_is_device:
         excess = _host_excess(w, s, eff, moe_layer) * host_share
@@ -369,7 +365,7 @@ def pipeline_times(w: Workload, s: Strategies, eff: Efficiency, dense: LayerCost
         st.layers_per_stage - st.dense_first + mtp_on_first) * (body_pass.time - body_pass.device))
     pipeline = PipelineTimes.broadcast(
         len(s), stage_time_s=st.slowest, bubble_s=bubble, pipeline_s=num_micro * st.slowest + bubble,
-        tp_comm_s=per_step * body.tp_comm, tp_exposed_s=per_step * _exposed_tp(w, eff, body),
+        tp_comm_s=per_step * body.tp_comm, tp_exposed_s=per_step * exposed_tp(w, eff, body),
         a2a_s=per_step * body.a2a, a2a_exposed_s=per_step * body.a2a_exposed, cp_exposed_s=per_step * body.cp_exposed,
         p2p_s=num_micro * st.p2p, host_wait_s=host_wait)
     compute = ComputeTimes.broadcast(

@@ -14,7 +14,7 @@ recompute on that share of the layers only (``selective_recompute_share``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -216,14 +216,14 @@ def unpaired_a2a_hidden(total_a2a, shared_time, split_weight_grad: bool):
     return np.maximum(by_shared, UNPAIRED_A2A_HIDDEN_WITH_SPLIT_DW * total_a2a)
 
 
-def exposed_tp(w: Workload, eff: Efficiency, tp_comm, compute, async_hidden=0.0):
-    """Tensor-parallel collectives of a layer pass (``tp_comm``) that its ``compute`` does not hide;
-    ``async_hidden`` of them run under the weight-gradient GEMMs (``LayerCosts.tp_async_hidden``)."""
+def exposed_tp(w: Workload, eff: Efficiency, layer: LayerCosts):
+    """The layer pass's tensor-parallel collectives (``LayerCosts.tp_comm``) that its compute does not hide;
+    ``LayerCosts.tp_async_hidden`` of them run under the weight-gradient GEMMs."""
     if "TP" in w.comm_overlap_stated:
         # Stated TP overlap (Transformer Engine userbuffers, AsyncTP): the collectives run under the
         # layer's GEMMs; only what exceeds the layer's compute shows.
-        return np.maximum(tp_comm - compute, 0.0)
-    return (1.0 - (eff.tp_overlap if w.overlap_tp_comm else 0.0)) * (tp_comm - async_hidden)
+        return np.maximum(layer.tp_comm - layer.compute, 0.0)
+    return (1.0 - (eff.tp_overlap if w.overlap_tp_comm else 0.0)) * (layer.tp_comm - layer.tp_async_hidden)
 
 
 def _tokens(w: Workload, s: Strategies) -> _Tokens:
@@ -426,10 +426,8 @@ def layer_costs(w: Workload, s: Strategies, eff: Efficiency, moe_layer: bool, nu
     # A paired step's all-to-all runs on its own stream for as long as the compute stream is busy: the
     # passes, and the TP and CP traffic the compute stream waits on (the timeline's paired step, which the
     # screen stands in for, hides it under the same window).
-    window = costs.compute + exposed_tp(w, eff, tp_comm, costs.compute, async_hidden) + costs.cp_exposed
+    window = costs.compute + exposed_tp(w, eff, costs) + costs.cp_exposed
     hidden_paired = np.minimum(total_a2a, window)
     hidden_alone = unpaired_a2a_hidden(total_a2a, ffn.shared_time, w.split_weight_grad)
     hidden = np.where(s.overlap, paired * hidden_paired + (1 - paired) * hidden_alone, 0.0)
-    return LayerCosts(costs.fwd, costs.bwd, costs.recompute, costs.tp_comm, costs.tp_async_hidden, costs.cp_exposed,
-                      total_a2a,
-                      total_a2a - hidden, hidden_alone, **parts)
+    return replace(costs, a2a=total_a2a, a2a_exposed=total_a2a - hidden, a2a_alone_hidden=hidden_alone)
