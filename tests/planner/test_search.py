@@ -114,7 +114,7 @@ def test_the_calibration_check_reranks_the_timed_layouts_under_each_held_out_fit
     w = Workload(load_model_config("qwen3-30b-a3b"), load_cluster_config("h100-sxm-80gb"), 4096, 256)
     eff = load_calibration().for_device("h100-sxm-80gb")
     fits = {"same": eff, "slow network": replace(eff, bus_inter=0.2),
-            "no MoE overhead": replace(eff, moe_overhead_us=0.0)}
+            "slow in-node links": replace(eff, bus_intra=0.2)}
     check = search(w, 64, eff, SearchOptions(top_k=3, held_out=fits)).calibration_check
     assert check.fits == list(fits) and check.step_s.shape == (3, len(check.labels))
     regret = check.winner_regret_pct()
@@ -153,10 +153,12 @@ def test_the_screen_prices_the_paired_schedule_as_the_timeline_replays_it() -> N
     costs = evaluate(w, best, eff)
     timeline = np.array([timeline_step(costs, best, i, eff) for i in range(len(best))])
     ratio = timeline / costs.step_time_s
-    # The screen hides a paired step's all-to-all under each layer's compute, the timeline under the whole
-    # step's (the head and embedding too): where a layer's all-to-all outlasts its compute (tp 1 pp 1 ep 64
-    # cp 8 with the hierarchical exchange: 1.711 s screened, 1.620 s replayed) the screen is up to 5.3 % slow.
-    assert np.all((ratio > 0.94) & (ratio < 1.02)), (ratio.min(), ratio.max())
+    # Both hide a paired step's all-to-all under the compute of the layer it is paired with. When the
+    # timeline hid it under the whole step's (the head's and embedding's too), the screen was up to 5.3 %
+    # slower where a layer's all-to-all outlasts its compute (tp 1 pp 1 ep 64 cp 8 with the hierarchical
+    # exchange: 1.711 s screened, 1.620 s replayed), and the search's winner 1.6 % slower than the fastest
+    # layout the timeline timed (screen rank 55). Now 0.99999-1.0014.
+    assert np.all((ratio > 0.995) & (ratio < 1.01)), (ratio.min(), ratio.max())
     # A paired layout without interleaving: the screen charges the serialised pipeline, as the timeline does.
     # (Without the fixed cost per MoE pass, which the paired schedule hides and which would offset it.)
     plain = Strategies.from_parallel([ParallelConfig(pp=4, dp=16, ep=8, micro_batch=1, overlap=True),
@@ -175,8 +177,9 @@ def test_the_screen_hides_the_paired_all_to_all_under_the_tp_traffic_too() -> No
     layout, benchmarks/results/planner_screen_vs_timeline.json); with the same window it was within 1 %. Since
     expert TP prices the experts at the etp group's gathered tokens, that layout's passes outlast its
     all-to-all; the flat all-to-all over EP 64 (with the etp gathers) still outlasts them. Since the paired
-    schedule hides the fixed cost per MoE pass, the paired steps are all-to-all bound, and the screen's share of
-    exposed warm-up makes it 3.7 % slower than the timeline; without the TP traffic in the window, 7.1 %."""
+    schedule hides the fixed cost per MoE pass, the paired steps are all-to-all bound; while the timeline hid a
+    paired step's all-to-all under the whole stage's compute, the screen was 3.7 % slower than the timeline
+    (7.1 % without the TP traffic in the window). Both now hide it under each layer's: 0.2 % apart."""
     w = Workload(load_model_config("deepseek-v3-671b"), load_cluster_config("h800-sxm-80gb"), 4096, 15360)
     # the shipped fit for Hopper when this was measured (5ed0f7d), held here: a refit moves the balance of
     # all-to-all and passes this case is about
@@ -188,7 +191,7 @@ def test_the_screen_hides_the_paired_all_to_all_under_the_tp_traffic_too() -> No
     costs = evaluate(w, layout, eff)
     body = layer_costs(w, layout, eff, moe_layer=True, num_micro=costs.num_micro_batches)
     assert float(body.a2a[0]) > float(body.compute[0]) > 0 and float(costs.pipeline.tp_exposed_s[0]) > 0
-    assert timeline_step(costs, layout, 0, eff) == pytest.approx(float(costs.step_time_s[0]), rel=0.045)
+    assert timeline_step(costs, layout, 0, eff) == pytest.approx(float(costs.step_time_s[0]), rel=0.01)
 
 
 def test_timeline_agrees_with_analytic_model_for_uniform_stages() -> None:

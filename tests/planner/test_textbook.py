@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -54,6 +56,20 @@ def test_overlap_hides_all_to_all_in_steady_state() -> None:
     single_paired = simulate_timeline(1, 1, 8, uniform_costs(1, 1.0, 2.0, a2a=1.0), overlap=True)
     assert single_plain.step_time_s == pytest.approx(8 * 4.0)
     assert single_paired.step_time_s == pytest.approx(8 * 3.0 + 1.0)
+
+
+def test_a_paired_step_hides_no_more_than_its_layers_caps() -> None:
+    # One rank, two micro-batches: F0 alone, the pair (F1, B0), B1 alone. F 1 s, B 2 s, 2 s of all-to-all
+    # each, of which a pair hides at most 0.5 s per half (the layers' caps). Alone nothing hides:
+    # F0 = 1 + 2 = 3 s; the pair = 3 + 4 − min(4, 3, 0.5 + 0.5) = 6 s; B1 = 2 + 2 = 4 s: 13 s.
+    capped = replace(uniform_costs(1, 1.0, 2.0, a2a=4.0), hide_paired_forward=np.array([0.5]),
+                     hide_paired_backward=np.array([0.5]))
+    result = simulate_timeline(1, 1, 2, capped, overlap=True)
+    assert result.step_time_s == pytest.approx(13.0)
+    assert result.a2a_exposed_s == pytest.approx(2.0 + 3.0 + 2.0)
+    # Without caps the pair hides as much as its compute, 3 s: 3 + 4 + 4 = 11 s.
+    assert simulate_timeline(1, 1, 2, uniform_costs(1, 1.0, 2.0, a2a=4.0), overlap=True).step_time_s == (
+        pytest.approx(11.0))
 
 
 def test_an_action_alone_hides_its_own_share_and_places_its_spans() -> None:

@@ -66,6 +66,10 @@ class StageTimes(Columns):
     first_a2a_alone_hidden_s: np.ndarray
     """Of ``first_a2a_s``: what the shared expert hides when the pass is not paired."""
     other_a2a_alone_hidden_s: np.ndarray
+    first_a2a_paired_hidden_s: np.ndarray
+    """Of ``first_a2a_s``: the most a paired step hides, each layer's under the compute of the layer it is
+    paired with (``LayerCosts.a2a_paired_hidden``)."""
+    other_a2a_paired_hidden_s: np.ndarray
     forward_fraction: np.ndarray
     """Share of a layer's compute that the forward takes."""
 
@@ -327,6 +331,8 @@ def _stage_times(w: Workload, s: Strategies, st: _Stages, passes: _MicroBatchPas
         other_a2a_s=moe_other * body_layer.a2a,
         first_a2a_alone_hidden_s=moe_first * body_layer.a2a_alone_hidden,
         other_a2a_alone_hidden_s=moe_other * body_layer.a2a_alone_hidden,
+        first_a2a_paired_hidden_s=moe_first * body_layer.a2a_paired_hidden,
+        other_a2a_paired_hidden_s=moe_other * body_layer.a2a_paired_hidden,
         forward_fraction=body_layer.fwd / body_layer.compute)
 
 

@@ -88,6 +88,9 @@ class LayerCosts:
     """Of ``a2a``: what neither the paired schedule nor the shared expert hides."""
     a2a_alone_hidden: object = 0.0
     """Of ``a2a``: what the shared expert alone hides (a forward or backward that is not paired)."""
+    a2a_paired_hidden: object = 0.0
+    """Of ``a2a``: what a paired pass hides, under the compute of the layer it is paired with (the window
+    below); the event-driven timeline caps a paired step's hidden all-to-all at this per layer too."""
     attention: object = 0.0
     """Forward time of the projections and the core attention (the parts below are forward times too)."""
     router: object = 0.0
@@ -423,11 +426,14 @@ def layer_costs(w: Workload, s: Strategies, eff: Efficiency, moe_layer: bool, nu
     # Overlapped F&B pairing (SPEC §2): in the steady state each all-to-all runs under the other
     # micro-batch's compute; in warm-up/cool-down the shared expert (and split-off weight gradients) hide
     # part of it.
-    # A paired step's all-to-all runs on its own stream for as long as the compute stream is busy: the
-    # passes, and the TP and CP traffic the compute stream waits on (the timeline's paired step, which the
-    # screen stands in for, hides it under the same window).
+    # A paired step's all-to-all runs on its own stream for as long as the compute stream is busy with the
+    # layer it is paired with: the passes, and the TP and CP traffic the compute stream waits on. Only that
+    # layer's: the dispatch must land before the experts run and the combine before the next layer, so
+    # the excess of an exchange that outlasts the layer stalls the pair (the timeline's paired step, which
+    # the screen stands in for, caps its hidden all-to-all at the same per-layer window).
     window = costs.compute + exposed_tp(w, eff, costs) + costs.cp_exposed
     hidden_paired = np.minimum(total_a2a, window)
     hidden_alone = unpaired_a2a_hidden(total_a2a, ffn.shared_time, w.split_weight_grad)
     hidden = np.where(s.overlap, paired * hidden_paired + (1 - paired) * hidden_alone, 0.0)
-    return replace(costs, a2a=total_a2a, a2a_exposed=total_a2a - hidden, a2a_alone_hidden=hidden_alone)
+    return replace(costs, a2a=total_a2a, a2a_exposed=total_a2a - hidden, a2a_alone_hidden=hidden_alone,
+                   a2a_paired_hidden=hidden_paired)

@@ -7,8 +7,13 @@ Per action the durations are:
 
 - ``F`` alone: f + a_f − hidden_alone_f (only the shared expert can hide a dispatch when overlap is on)
 - ``B`` alone: b + a_b − hidden_alone_b
-- ``FB`` pair (overlap on): f + b + max(0, a_f + a_b − (f + b)): each all-to-all runs under the other
-  micro-batch's compute.
+- ``FB`` pair (overlap on): f + b + a_f + a_b − min(a_f + a_b, f + b, h_f + h_b): each all-to-all runs under
+  the other micro-batch's compute, a layer's under the layer it is paired with, so no more than the
+  per-layer caps ``h`` (``LayerCosts.a2a_paired_hidden`` summed over the stage's MoE layers) hide. The
+  dependencies allow no more: a layer's dispatch must land before its experts run, and its combine before
+  the next layer starts, so a layer whose exchange outlasts the paired compute stalls the pair there; the
+  head's and the embedding's compute hide at most the excess of the layer next to them, which the cap
+  leaves out.
 
 A step starts when all its inputs have arrived and its outputs (activation forward, gradient backward)
 leave when the whole step is done. The runtime's executor (``moetrain.distributed.pipeline``) receives
@@ -41,6 +46,10 @@ class StageCosts:
     hide_alone_forward: np.ndarray
     hide_alone_backward: np.ndarray
     p2p: float = 0.0
+    hide_paired_forward: np.ndarray | None = None
+    """The most a paired step hides of each stage's forward and backward all-to-all (see the module
+    docstring); None: as much as the pair's compute (stages whose layers' all-to-all never outlasts it)."""
+    hide_paired_backward: np.ndarray | None = None
 
 
 @dataclass
@@ -97,6 +106,9 @@ class _ActionCosts:
 
         self._forward = alone(costs.forward, costs.a2a_forward, costs.hide_alone_forward)
         self._backward = alone(costs.backward, costs.a2a_backward, costs.hide_alone_backward)
+        unbounded = np.full(len(costs.forward), np.inf)
+        self._paired_forward = unbounded if costs.hide_paired_forward is None else costs.hide_paired_forward
+        self._paired_backward = unbounded if costs.hide_paired_backward is None else costs.hide_paired_backward
 
     def of(self, action: Action, rank: int, pp: int) -> _ActionCost:
         """What ``action`` costs on ``rank``."""
@@ -105,10 +117,12 @@ class _ActionCosts:
             return self._forward[f_stage]
         if action.kind == "B":
             return self._backward[f_stage]
-        forward, backward = self._forward[f_stage], self._backward[action.bwd_chunk * pp + rank]
+        b_stage = action.bwd_chunk * pp + rank
+        forward, backward = self._forward[f_stage], self._backward[b_stage]
         compute = forward.compute + backward.compute
         comm = forward.comm + backward.comm
-        return _ActionCost(compute, comm, min(comm, compute))
+        cap = float(self._paired_forward[f_stage] + self._paired_backward[b_stage])
+        return _ActionCost(compute, comm, min(comm, compute, cap))
 
 
 @dataclass
@@ -224,6 +238,7 @@ def stage_costs_from_model(stages: StageTimes, index: int, pp: int, vpp: int) ->
     total = np.full(n, middle / vpp)
     a2a = np.full(n, float(stages.other_a2a_s[index]) / vpp)
     hide = np.full(n, float(stages.other_a2a_alone_hidden_s[index]) / vpp)
+    paired = np.full(n, float(stages.other_a2a_paired_hidden_s[index]) / vpp)
     if n == 1:
         total[0] = first
     else:
@@ -231,8 +246,10 @@ def stage_costs_from_model(stages: StageTimes, index: int, pp: int, vpp: int) ->
         total[-1] += last - middle
     a2a[0] += (float(stages.first_a2a_s[index]) - float(stages.other_a2a_s[index])) / vpp
     hide[0] += (float(stages.first_a2a_alone_hidden_s[index]) - float(stages.other_a2a_alone_hidden_s[index])) / vpp
+    paired[0] += (float(stages.first_a2a_paired_hidden_s[index]) - float(stages.other_a2a_paired_hidden_s[index])) / vpp
     share = float(stages.forward_fraction[index])
-    return StageCosts(share * total, (1 - share) * total, a2a / 2, a2a / 2, hide / 2, hide / 2, 0.0)
+    return StageCosts(share * total, (1 - share) * total, a2a / 2, a2a / 2, hide / 2, hide / 2, 0.0,
+                      paired / 2, paired / 2)
 
 
 GANTT_COLOURS = {"F": "#4C72B0", "B": "#55A868", "FB": "#8172B2", "a2a-hidden": "#CCCCCC", "a2a-exposed": "#DD8452"}
