@@ -52,7 +52,7 @@ FILL_WARMUP_EXPOSED = 0.7
 """Share of the pipeline-fill warm-up forwards (2·(pp − r − 1) on rank r with interleaving, pp − r − 1
 without) whose unpaired all-to-all lengthens the step; the rest runs while later ranks still wait for
 their first input. Not a fitted efficiency: it makes the screen agree with the event-driven timeline it
-stands in for (timeline/screen step 0.93-1.01, medians 0.999-1.002, over the 300 best paired layouts of
+stands in for (timeline/screen step 0.995-1.007, medians 0.999-1.002, over the 300 best paired layouts of
 six searches: ``benchmarks/planner_screen_vs_timeline.py``; ``tests/planner/test_search.py`` checks the
 agreement on one)."""
 
