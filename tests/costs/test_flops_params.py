@@ -1,7 +1,13 @@
 import numpy as np
 
 from moetrain.config import load_model_config
-from moetrain.costs.flops import attention_core_flops, model_forward_flops
+from moetrain.costs.flops import (
+    LinearWidths,
+    attention_core_flops,
+    attention_linear_widths,
+    mlp_linear_widths,
+    model_forward_flops,
+)
 from moetrain.costs.params import count_params, swiglu_params
 
 
@@ -31,3 +37,15 @@ def test_training_flops_near_six_times_active_params_for_short_sequences():
     # router and norms are tiny; 6·active differs only by the norm gains
     assert abs(per_token / (6 * counts.active) - 1) < 1e-3
     assert swiglu_params(10, 20) == 600
+
+
+def test_linear_widths_of_mla_and_gqa_by_hand() -> None:
+    # DeepSeek-V3's MLA: q latent 1,536, kv latent 512 (+ 64 rope), 128 heads of qk 128 + 64 and v 128
+    mla = attention_linear_widths(load_model_config("deepseek-v3-671b"))
+    assert mla.inner_inputs == 1536 + 512 + 128 * 128
+    assert mla.inner_outputs == 1536 + (512 + 64) + 128 * 192 + 128 * (128 + 128)
+    # Mixtral's GQA: 32 heads and 8 kv heads of 128; its SwiGLU experts write gate and up
+    mixtral = load_model_config("mixtral-8x7b")
+    gqa = attention_linear_widths(mixtral)
+    assert (gqa.inner_inputs, gqa.inner_outputs) == (32 * 128, (32 + 2 * 8) * 128)
+    assert mlp_linear_widths(mixtral, 14336) == LinearWidths(14336, 2 * 14336)

@@ -53,7 +53,7 @@ def test_terms_add_up_and_attention_is_hand_computed() -> None:
     assert sum(terms.values()) == pytest.approx(e.step_time_s, rel=1e-9)
     assert sum(t.share for t in e.terms) == pytest.approx(1.0)
     for name in ("TP collectives (exposed)", "expert all-to-all (exposed)", "PP bubble", "DP/ZeRO traffic (exposed)",
-                 "routed experts (grouped GEMM)", "MoE fixed cost per pass", "recompute"):
+                 "routed experts (grouped GEMM)", "MoE fixed cost per pass", "recompute", "FP8 operand casts"):
         assert terms[name] == 0.0
     # fused attention by hand: causal core FLOPs of 2 × 4096 tokens at peak × attention efficiency (head dim
     # 128: factor 1), forward + 3 × backward, 24 layers, 4 micro-batches; the embedding's element-wise pass
@@ -77,6 +77,7 @@ def test_explain_a_deepseek_row_names_its_terms(calibration_csv: Path, capsys: p
     assert sum(terms.values()) == pytest.approx(out["step_time_s"])
     assert terms["routed experts (grouped GEMM)"] > 0 and terms["expert all-to-all (exposed)"] > 0
     assert terms["PP bubble"] > 0 and terms["MoE fixed cost per pass"] > 0
+    assert terms["FP8 operand casts"] > 0  # DeepSeek-V3 trains its linears in FP8
     assert set(out["sensitivity_pct_per_log"]) >= {"gemm_max", "attention", "moe_overhead_us", "bus_inter"}
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moetrain.config import load_cluster_config
+from moetrain.config import load_cluster_config, load_model_config
 from moetrain.config.model import GQAConfig, ModelConfig
 from moetrain.planner.calibration import Efficiency
 from moetrain.planner.compute import memory_time
@@ -86,3 +86,58 @@ def test_fp8_runs_keep_the_output_head_in_bf16() -> None:
         costs = evaluate(_workload(precision), _one(), eff)
         # one sequence per micro-batch, 8 micro-batches
         assert float(costs.compute.head_s[0]) == pytest.approx(8 * (gemm + logits))
+
+
+def _fp8_gemms_at_bf16_rate() -> Efficiency:
+    # FP8 GEMMs as fast as BF16 ones: an FP8 pass then differs from a BF16 one by its casts alone
+    return Efficiency(fp8_gain=1.0)
+
+
+def test_fp8_casts_of_a_dense_layer_by_hand() -> None:
+    eff = _fp8_gemms_at_bf16_rate()
+    q_w, qkv_w = HEADS * HEAD_DIM, (HEADS + 2 * KV_HEADS) * HEAD_DIM
+    # forward: attention's input and o's input, the MLP's input and its down-projection's input
+    forward = SEQ * (HIDDEN + q_w + HIDDEN + FFN)
+    # backward: the gradients of o's and qkv's outputs, of the down-projection's and of gate + up's outputs
+    backward = SEQ * (HIDDEN + qkv_w + HIDDEN + 2 * FFN)
+    cluster = load_cluster_config("h100-sxm-80gb")
+    expected = float(memory_time(4.0 * (forward + backward), cluster, eff))
+    fp8 = layer_costs(_workload("fp8"), _one(), eff, moe_layer=False, num_micro=8.0)
+    bf16 = layer_costs(_workload(), _one(), eff, moe_layer=False, num_micro=8.0)
+    assert float(fp8.fp8_casts[0]) == pytest.approx(expected)
+    assert float(fp8.fwd[0] - bf16.fwd[0]) == pytest.approx(float(memory_time(4.0 * forward, cluster, eff)))
+    assert float(fp8.bwd[0] - bf16.bwd[0]) == pytest.approx(float(memory_time(4.0 * backward, cluster, eff)))
+    # full recompute quantises the forward's inputs again
+    full_fp8 = layer_costs(_workload("fp8"), _one(2.0), eff, moe_layer=False, num_micro=8.0)
+    full_bf16 = layer_costs(_workload(), _one(2.0), eff, moe_layer=False, num_micro=8.0)
+    assert float(full_fp8.recompute[0] - full_bf16.recompute[0]) == pytest.approx(
+        float(memory_time(4.0 * forward, cluster, eff)))
+
+
+def test_no_fp8_casts_in_bf16_or_without_an_fp8_peak() -> None:
+    eff = Efficiency()
+    assert float(np.asarray(layer_costs(_workload(), _one(), eff, moe_layer=False, num_micro=8.0).fp8_casts)) == 0.0
+    ampere = layer_costs(_workload("fp8", cluster="a100-sxm-80gb"), _one(), eff, moe_layer=False, num_micro=8.0)
+    assert float(np.asarray(ampere.fp8_casts)) == 0.0  # no FP8 tensor cores: the GEMMs run in BF16
+
+
+def test_fp8_casts_of_a_moe_layer_by_hand() -> None:
+    model = load_model_config("tiny-pangu")
+    moe = model.moe
+    eff = _fp8_gemms_at_bf16_rate()
+    w = Workload(model, load_cluster_config("h100-sxm-80gb"), SEQ, 8, precision="fp8")
+    layer = layer_costs(w, _one(), eff, moe_layer=True, num_micro=8.0)
+    a, h = model.attention, model.hidden_size
+    routed = SEQ * moe.router.top_k
+    f_e, f_s = moe.expert_ffn_hidden, moe.shared_ffn_hidden
+    # MLA: the hidden state into the down-projections, q's and kv's latents into the up-projections, the heads'
+    # output into o; the experts as MLPs over their routed tokens, the shared experts (one MLP of their summed
+    # width) over every token
+    forward = (SEQ * (h + a.q_lora_rank + a.kv_lora_rank + a.num_heads * a.v_head_dim)
+               + routed * (h + f_e) + SEQ * (h + f_s))
+    backward = (SEQ * (h + a.q_lora_rank + a.kv_lora_rank + a.qk_rope_head_dim
+                       + a.num_heads * (a.qk_nope_head_dim + a.qk_rope_head_dim)
+                       + a.num_heads * (a.qk_nope_head_dim + a.v_head_dim))
+                + routed * (h + 2 * f_e) + SEQ * (h + 2 * f_s))
+    expected = float(memory_time(4.0 * (forward + backward), w.cluster, eff))
+    assert float(np.asarray(layer.fp8_casts).ravel()[0]) == pytest.approx(expected)

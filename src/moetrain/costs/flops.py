@@ -133,3 +133,40 @@ def model_forward_flops(
 def training_flops_per_token(model: ModelConfig, seq_len, causal: bool = False, include_mtp: bool = True):
     """Model FLOPs (no recompute) per trained token: 3 × forward."""
     return model_forward_flops(model, seq_len, causal, include_mtp).training
+
+
+@dataclass(frozen=True)
+class LinearWidths:
+    """Per token, the widths of a block's linear-layer tensors that an FP8 stack quantises, besides the
+    block's hidden-wide input and output: the other inputs (``inner_inputs``, quantised in the forward) and
+    the other outputs (``inner_outputs``, whose gradients the backward quantises). The block's input is one
+    hidden-wide tensor however many projections read it, and the gradient of its output one more."""
+
+    inner_inputs: float
+    inner_outputs: float
+
+
+def attention_linear_widths(model: ModelConfig) -> LinearWidths:
+    """Attention: GQA reads the hidden state into q, k, v (one tensor) and the heads' output into o; MLA
+    reads it into the down-projections, their latents into the up-projections (q's latent only with a q
+    LoRA rank) and the heads' output into o."""
+    attn = model.attention
+    if isinstance(attn, GQAConfig):
+        heads_out = attn.num_heads * attn.head_dim
+        return LinearWidths(heads_out, (attn.num_heads + 2 * attn.num_kv_heads) * attn.head_dim)
+    q_out = attn.num_heads * attn.qk_head_dim
+    kv_up_out = attn.num_heads * (attn.qk_nope_head_dim + attn.v_head_dim)
+    heads_out = attn.num_heads * attn.v_head_dim
+    if attn.q_lora_rank:
+        inputs = attn.q_lora_rank + attn.kv_lora_rank + heads_out
+        outputs = attn.q_lora_rank + attn.kv_lora_rank + attn.qk_rope_head_dim + q_out + kv_up_out
+    else:
+        inputs = attn.kv_lora_rank + heads_out
+        outputs = q_out + attn.kv_lora_rank + attn.qk_rope_head_dim + kv_up_out
+    return LinearWidths(inputs, outputs)
+
+
+def mlp_linear_widths(model: ModelConfig, ffn_hidden: float) -> LinearWidths:
+    """An MLP of width ``ffn_hidden``: the activation is the second matrix's input; the first matrix writes
+    gate and up (swiglu) or up alone."""
+    return LinearWidths(ffn_hidden, (2 if model.gated_ffn else 1) * ffn_hidden)

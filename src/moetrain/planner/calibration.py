@@ -87,7 +87,8 @@ class Efficiency:
     memory: float = 0.7
     """Fraction of HBM bandwidth that element-wise kernels (norms, activations, permutes) reach."""
     fp8_gain: float = 1.5
-    """Speed-up of an FP8 GEMM over the same BF16 GEMM, casts included (≤ the peak ratio 2)."""
+    """Speed-up of an FP8 GEMM over the same BF16 GEMM (≤ the peak ratio 2), its operands already quantised:
+    the casts are priced apart, as memory traffic (``layer_costs.FP8_CAST_BYTES_PER_ELEMENT``)."""
     bus_intra: float = 0.8
     """Fraction of the in-node link bandwidth a collective reaches (NCCL/HCCL bus efficiency)."""
     bus_inter: float = 0.8

@@ -4,7 +4,8 @@ Three operation classes (Calculon, Isaev et al. SC23, uses the same split):
 
 - GEMMs: ``flops / (peak × gemm_max)`` plus a fixed ``gemm_overhead_us`` per call, so a small GEMM
   reaches a lower fraction of the peak than a large one (efficiency = W / (W + peak·gemm_max·t0)).
-  FP8 GEMMs run ``fp8_gain`` times faster than BF16 on hardware with an FP8 peak.
+  FP8 GEMMs run ``fp8_gain`` times faster than BF16 on hardware with an FP8 peak; quantising their
+  operands is an element-wise cost apart (``layer_costs.FP8_CAST_BYTES_PER_ELEMENT``).
 - Fused attention (QKᵀ, softmax, PV): ``flops / (peak × attention)``; always BF16.
 - Element-wise kernels (norms, activation functions, permutes, optimizer update): memory-bound,
   ``bytes / (HBM bandwidth × memory)``.

@@ -8,8 +8,8 @@ The step of the cost model (``costmodel.evaluate``) is
 where ``stage`` is the busiest pipeline stage's time per micro-batch. Of ``m · stage`` the exposed
 communication (TP, all-to-all, CP, pipeline send/recv) and the device's wait for the host are priced
 per term; the rest is compute, which is split over the layer's parts (GEMMs, fused attention, the
-grouped GEMM of the routed experts, the fixed cost per MoE pass, element-wise kernels, the recompute,
-the output head) in proportion to what each costs per micro-batch on that stage: forward, backward
+grouped GEMM of the routed experts, the fixed cost per MoE pass, element-wise kernels, FP8 operand casts,
+the recompute, the output head) in proportion to what each costs per micro-batch on that stage: forward, backward
 (2× the GEMMs and element-wise kernels, ``ATTENTION_BACKWARD_OVER_FORWARD`` × the fused attention)
 and recompute. The terms add up to the predicted step exactly.
 
@@ -126,6 +126,7 @@ def compute_weights(row: PreparedRow, eff: Efficiency, costs: StepCosts) -> dict
         "routed experts (grouped GEMM)": 3.0 * first(layer.experts),
         "MoE fixed cost per pass": 3.0 * first(layer.moe_pass),
         "element-wise kernels": 3.0 * first(layer.elementwise),
+        "FP8 operand casts": first(layer.fp8_casts),
     }
     weights = {k: v * layers for k, v in weights.items()}
     weights["recompute"] = layers * first(layer.recompute)

@@ -19,7 +19,13 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from moetrain.config.model import MLAConfig
-from moetrain.costs.flops import attention_core_flops, attention_projection_flops, mla_up_projection_flops
+from moetrain.costs.flops import (
+    attention_core_flops,
+    attention_linear_widths,
+    attention_projection_flops,
+    mla_up_projection_flops,
+    mlp_linear_widths,
+)
 from moetrain.costs.params import mlp_params
 from moetrain.planner.calibration import Efficiency
 from moetrain.planner.comm import (
@@ -47,6 +53,13 @@ from moetrain.planner.workload import Workload
 # sequence 4096 (cuDNN 2.97-3.03, FlashAttention-2 3.03, memory-efficient 3.39, and 3.35 for MLA's 192/128
 # heads: benchmarks/gpu_attention_probe.py, benchmarks/results/gpu_attention_probe.json).
 ATTENTION_BACKWARD_OVER_FORWARD = 3.0
+
+FP8_CAST_BYTES_PER_ELEMENT = 4.0
+"""HBM bytes per element an FP8 stack moves to quantise a linear layer's input (forward) or output gradient
+(backward): one BF16 read and two FP8 writes, the row-wise copy for the forward or data-gradient GEMM and the
+column-wise (transposed) one for the weight-gradient GEMM. Transformer Engine's cast-transpose (Hopper FP8)
+and MXFP8 quantise kernels (Blackwell) write both in one pass; the per-block scales add 1/32 of a byte
+(MXFP8), and the amax read of current scaling, which would add 2 bytes, is not counted."""
 
 FILL_WARMUP_EXPOSED = 0.7
 """Share of the pipeline-fill warm-up forwards (2·(pp − r − 1) on rank r with interleaving, pp − r − 1
@@ -102,6 +115,8 @@ class LayerCosts:
     """Of ``attention``: the fused core (QKᵀ, softmax, PV), forward."""
     moe_pass: object = 0.0
     """Of the MoE block's forward: the fixed cost per MoE layer pass (``Efficiency.moe_overhead_us``)."""
+    fp8_casts: object = 0.0
+    """Quantising the FP8 GEMMs' operands, forward and backward of the pass (``FP8_CAST_BYTES_PER_ELEMENT``)."""
 
     @property
     def compute(self):
@@ -348,6 +363,47 @@ def _dense_block(w: Workload, eff: Efficiency, tok: _Tokens) -> _FeedForward:
                         dense_ffn=ffn)
 
 
+@dataclass(frozen=True)
+class _Fp8Casts:
+    forward: object
+    """Quantising the layer's linear inputs, forward (a recompute does it again)."""
+    backward: object
+    """Quantising the gradients of the layer's linear outputs."""
+
+
+def _fp8_casts(w: Workload, s: Strategies, eff: Efficiency, tok: _Tokens, is_moe: bool) -> _Fp8Casts:
+    """What an FP8 layer pass spends quantising its GEMM operands (``FP8_CAST_BYTES_PER_ELEMENT``): memory-bound,
+    so it does not shrink with the FP8 peak, and against a narrow GEMM (fine-grained experts, whose inputs
+    are as wide as their FLOPs are few) it is a large share. Weights are quantised once per step (Transformer
+    Engine keeps them across micro-batches) and not counted; the output head runs in BF16. Nothing without
+    an FP8 peak or an FP8 precision."""
+    model = w.model
+    if w.precision != "fp8" or not w.cluster.peak_tflops_fp8:
+        return _Fp8Casts(0.0, 0.0)
+    h = model.hidden_size
+    inner_tokens = tok.att / tok.tp
+    attn = attention_linear_widths(model)
+    fwd = tok.split * h + inner_tokens * attn.inner_inputs
+    bwd = tok.split * h + inner_tokens * attn.inner_outputs
+    if is_moe:
+        moe = model.moe
+        t_moe = tok.att / tok.tp
+        routed = t_moe * moe.router.top_k * s.etp * w.imbalance
+        expert = mlp_linear_widths(model, moe.expert_ffn_hidden / s.etp)
+        fwd = fwd + routed * (h + expert.inner_inputs)
+        bwd = bwd + routed * (h + expert.inner_outputs)
+        if moe.num_shared_experts:
+            shared = mlp_linear_widths(model, moe.shared_ffn_hidden)
+            fwd = fwd + t_moe * (h + shared.inner_inputs)
+            bwd = bwd + t_moe * (h + shared.inner_outputs)
+    else:
+        dense = mlp_linear_widths(model, model.dense_ffn_hidden)
+        fwd = fwd + tok.split * h + inner_tokens * dense.inner_inputs
+        bwd = bwd + tok.split * h + inner_tokens * dense.inner_outputs
+    return _Fp8Casts(memory_time(FP8_CAST_BYTES_PER_ELEMENT * fwd, w.cluster, eff),
+                     memory_time(FP8_CAST_BYTES_PER_ELEMENT * bwd, w.cluster, eff))
+
+
 def _cp_exposed(w: Workload, s: Strategies, eff: Efficiency, tok: _Tokens, attn: _AttentionTimes):
     """Context parallelism: ring exchange of K and V (and their gradients) under the attention kernels;
     MLA's latent gathered up front when the stack does so (nothing hides it)."""
@@ -387,9 +443,10 @@ def layer_costs(w: Workload, s: Strategies, eff: Efficiency, moe_layer: bool, nu
     for term in ffn.elementwise_bytes:
         elementwise_bytes = elementwise_bytes + term
     elem = memory_time(elementwise_bytes, cluster, eff) + kernels * eff.gemm_overhead_us * 1e-6
-    fwd = attn.proj + attn.core + ffn.time + elem
+    casts = _fp8_casts(w, s, eff, tok, is_moe)
+    fwd = attn.proj + attn.core + ffn.time + elem + casts.forward
     # Backward: input and weight gradients (2× the GEMMs), attention as above, element-wise twice.
-    bwd = 2.0 * (attn.proj + ffn.time + elem) + attn.core_bwd
+    bwd = 2.0 * (attn.proj + ffn.time + elem) + attn.core_bwd + casts.backward
     full_share = full_recompute_share(s.recompute)
     # Selective recompute runs again what its memory set frees (``costs.activations.SELECTIVE_OPTIONS``:
     # norms, MLA up-projections, activation, permute, router): not the core attention, whose kept tensors
@@ -407,7 +464,7 @@ def layer_costs(w: Workload, s: Strategies, eff: Efficiency, moe_layer: bool, nu
     parts = dict(attention=attn.proj + attn.core, router=ffn.router, experts=ffn.experts,
                  shared_experts=np.broadcast_to(ffn.shared_time, tok.att.shape) if is_moe else 0.0,
                  dense_ffn=ffn.dense_ffn, elementwise=elem, attention_core=attn.core,
-                 moe_pass=moe_pass)
+                 moe_pass=moe_pass, fp8_casts=casts.forward + casts.backward)
     tp_comm = ffn.num_tp_collectives * one_tp * (2.0 + full_share) + ffn.router_tp_comm * (1.0 + full_share)
     # Of the backward's collectives, half are the column-parallel layers' input gradients (q/k/v and the
     # first FFN matrix), which Megatron's asynchronous TP all-reduce and Transformer Engine's Linear start
