@@ -36,7 +36,6 @@ import torch
 import torch.distributed as dist
 from _record import write_result
 
-from moetrain.distributed.world import free_port
 from moetrain.models.transformer import build_model
 from moetrain.rl.config import GRPOConfig, RLOptions
 from moetrain.rl.fusion import sample_generators
@@ -57,9 +56,8 @@ ROLES = Roles(replicas=2, trainer_ranks=2, ranks_per_replica=2, replica_tp=2)
 def store_write_s(writes: int, repeats: int) -> dict[str, list[float]]:
     """Seconds per call of ``writes`` ``set`` and ``add`` calls from a TCPStore client to a server in this
     process, each timing repeated ``repeats`` times."""
-    port = free_port()
-    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-    client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=30))
     key = KEY.format(rank=0)
     times: dict[str, list[float]] = {"set": [], "set_delivered": [], "add": []}
     for _ in range(repeats):

@@ -4,16 +4,35 @@ each its own process with its own torchrun agent, joined by c10d rendezvous on a
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range, from which every port-0 bind is served."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port for the rendezvous, below the ephemeral range: the agents bind it a second or two later, and
+    a port from that range could meanwhile be handed to any process that binds port 0 (the other test worker's
+    stores and gloo sockets): EADDRINUSE. Drawn at random, so the other worker's draw rarely meets it."""
+    low = _ephemeral_low()
+    for _ in range(100):
+        port = random.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port below {low}")
 
 
 def run_as_nodes(argv: list[str], nodes: int, log_root: Path, timeout_s: float = 240,

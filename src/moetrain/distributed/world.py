@@ -2,7 +2,7 @@
 
 ``init_world`` reads torchrun's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...) and picks
 gloo on CPU, NCCL on GPU. ``spawn`` starts ``world_size`` processes running ``fn(rank, world_size,
-*args)`` on one machine with a free port, sets one thread per rank (several ranks share few cores),
+*args)`` on one machine around a store it hosts itself, sets one thread per rank (several ranks share few cores),
 and returns each rank's return value; a rank that raises makes ``spawn`` raise with that rank's
 message (torch.multiprocessing ends the others).
 """
@@ -13,7 +13,6 @@ import contextlib
 import datetime
 import gc
 import os
-import socket
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -47,15 +46,11 @@ def _init_process_group(backend: str, timeout_s: float, **kwargs: Any) -> None:
     dist.init_process_group(backend, timeout=_TIMEOUT, **kwargs)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def init_world(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int, torch.device]:
-    """Join the process group torchrun (or ``spawn``, or a Ray actor) described in the environment; a CPU
-    rank keeps the host memory it frees (``moetrain.runtime_base.host_memory``)."""
+def init_world(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+               store: dist.Store | None = None) -> tuple[int, int, torch.device]:
+    """Join the process group torchrun (or ``spawn``, or a Ray actor) described in the environment, through
+    ``store`` when given (else the one ``MASTER_ADDR:MASTER_PORT`` names); a CPU rank keeps the host memory it
+    frees (``moetrain.runtime_base.host_memory``)."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -68,7 +63,8 @@ def init_world(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S)
         keep_freed_host_memory()  # a CPU rank: its activations live in host memory, reused step after step
     if not dist.is_initialized():
         _init_process_group(backend, timeout_s, rank=rank, world_size=world_size,
-                            device_id=device if backend == "nccl" else None)
+                            device_id=device if backend == "nccl" else None,
+                            **({"store": store} if store is not None else {}))
     return rank, world_size, device
 
 
@@ -95,13 +91,16 @@ def join_world(device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> It
 
 @dataclass(frozen=True)
 class Rendezvous:
-    """How a rank joins its group: the store rank 0 hosts at ``master_addr:master_port``, the backend, and
-    how long its collectives wait for a peer."""
+    """How a rank joins its group: the store at ``master_addr:master_port``, the backend, and how long its
+    collectives wait for a peer."""
 
     master_port: int
     master_addr: str = "127.0.0.1"
     backend: str = "gloo"
     timeout_s: float = DEFAULT_TIMEOUT_S
+    store_hosted: bool = False
+    """True: the process that started the ranks hosts the store (``spawn``) and every rank joins it as a
+    client; False: rank 0 hosts it."""
 
 
 def run_in_world(fn: Callable[..., Any], rank: int, world_size: int, args: tuple, rendezvous: Rendezvous,
@@ -113,10 +112,14 @@ def run_in_world(fn: Callable[..., Any], rank: int, world_size: int, args: tuple
                       LOCAL_RANK=str(rank if local_rank is None else local_rank),
                       MASTER_ADDR=rendezvous.master_addr, MASTER_PORT=str(rendezvous.master_port))
     torch.set_num_threads(1)
-    init_world(rendezvous.backend, rendezvous.timeout_s)
+    store = None
+    if rendezvous.store_hosted:
+        store = dist.TCPStore(rendezvous.master_addr, rendezvous.master_port, is_master=False,
+                              timeout=datetime.timedelta(seconds=rendezvous.timeout_s))
+    init_world(rendezvous.backend, rendezvous.timeout_s, store)
     try:
         result = fn(rank, world_size, *args)
-        # Rank 0 hosts the store every group was built from: no rank leaves before the slowest is done.
+        # Rank 0 may host the store every group was built from: no rank leaves before the slowest is done.
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -145,7 +148,12 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "g
             # freed here, where its threads run: freed in a forked child, its destructor waits forever on
             # threads the child does not have (a test hung that way in CI).
             gc.collect()
-        rendezvous = Rendezvous(free_port(), backend=backend, timeout_s=timeout_s)
+        # The store listens on a port the kernel picks as it binds (port 0), held until the ranks are done. A
+        # free port looked up first and bound later by rank 0 could be taken in between by another process
+        # on the machine (the other test worker's ranks): EADDRINUSE, seen in CI-sized runs.
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=timeout_s))
+        rendezvous = Rendezvous(store.port, backend=backend, timeout_s=timeout_s, store_hosted=True)
         mp.start_processes(_entry, args=(world_size, rendezvous, result_dir, fn, args),
                            nprocs=world_size, join=True, start_method=method)
         return [torch.load(Path(result_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
