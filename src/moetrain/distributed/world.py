@@ -2,8 +2,8 @@
 
 ``init_world`` reads torchrun's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...) and picks
 gloo on CPU, NCCL on GPU. ``spawn`` starts ``world_size`` processes running ``fn(rank, world_size,
-*args)`` on one machine around a store it hosts itself, sets one thread per rank (several ranks share few cores),
-and returns each rank's return value; a rank that raises makes ``spawn`` raise with that rank's
+*args)`` on one machine around a store it hosts itself, sets one thread per rank (several ranks share
+few cores), and returns each rank's return value; a rank that raises makes ``spawn`` raise with that rank's
 message (torch.multiprocessing ends the others).
 """
 

@@ -386,16 +386,17 @@ def _fp8_casts(w: Workload, s: Strategies, eff: Efficiency, tok: _Tokens, is_moe
     fwd = tok.split * h + inner_tokens * attn.inner_inputs
     bwd = tok.split * h + inner_tokens * attn.inner_outputs
     if is_moe:
+        # MoE layers see t/tp tokens per device (``_moe_block``); the routed ones on the hottest rank, each
+        # expert 1/etp wide for etp times the tokens
         moe = model.moe
-        t_moe = tok.att / tok.tp
-        routed = t_moe * moe.router.top_k * s.etp * w.imbalance
+        routed = inner_tokens * moe.router.top_k * s.etp * w.imbalance
         expert = mlp_linear_widths(model, moe.expert_ffn_hidden / s.etp)
         fwd = fwd + routed * (h + expert.inner_inputs)
         bwd = bwd + routed * (h + expert.inner_outputs)
         if moe.num_shared_experts:
             shared = mlp_linear_widths(model, moe.shared_ffn_hidden)
-            fwd = fwd + t_moe * (h + shared.inner_inputs)
-            bwd = bwd + t_moe * (h + shared.inner_outputs)
+            fwd = fwd + inner_tokens * (h + shared.inner_inputs)
+            bwd = bwd + inner_tokens * (h + shared.inner_outputs)
     else:
         dense = mlp_linear_widths(model, model.dense_ffn_hidden)
         fwd = fwd + tok.split * h + inner_tokens * dense.inner_inputs
