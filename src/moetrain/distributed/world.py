@@ -16,7 +16,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -126,10 +126,11 @@ def run_in_world(fn: Callable[..., Any], rank: int, world_size: int, args: tuple
     return result
 
 
-def _entry(rank: int, world_size: int, rendezvous: Rendezvous, result_dir: str, fn: Callable[..., Any],
-           args: tuple) -> None:
+def _entry(rank: int, world_size: int, rendezvous: Rendezvous, ports: Any, result_dir: str,
+           fn: Callable[..., Any], args: tuple) -> None:
     # what a forked child inherits is never the child's to collect (see ``spawn``)
     gc.freeze()
+    rendezvous = replace(rendezvous, master_port=ports.get())  # the store's port, once the parent has bound it
     result = run_in_world(fn, rank, world_size, args, rendezvous)
     torch.save(result, Path(result_dir) / f"rank{rank}.pt")
 
@@ -148,12 +149,25 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "g
             # freed here, where its threads run: freed in a forked child, its destructor waits forever on
             # threads the child does not have (a test hung that way in CI).
             gc.collect()
-        # The store listens on a port the kernel picks as it binds (port 0), held until the ranks are done. A
-        # free port looked up first and bound later by rank 0 could be taken in between by another process
-        # on the machine (the other test worker's ranks): EADDRINUSE, seen in CI-sized runs.
-        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=timeout_s))
-        rendezvous = Rendezvous(store.port, backend=backend, timeout_s=timeout_s, store_hosted=True)
-        mp.start_processes(_entry, args=(world_size, rendezvous, result_dir, fn, args),
-                           nprocs=world_size, join=True, start_method=method)
+        # The parent hosts the group's store on a port the kernel picks as it binds (port 0) and keeps it until
+        # the ranks are done. A free port looked up first and bound later by rank 0 could be taken in between
+        # by any process that binds port 0 (the other test worker's stores and sockets): EADDRINUSE. The store
+        # starts after the fork, as its server runs a thread: a child forked while that thread held a lock
+        # would wait on it forever. The ranks read its port from a pipe.
+        ports = mp.get_context(method).SimpleQueue()
+        rendezvous = Rendezvous(0, backend=backend, timeout_s=timeout_s, store_hosted=True)
+        ranks = mp.start_processes(_entry, args=(world_size, rendezvous, ports, result_dir, fn, args),
+                                   nprocs=world_size, join=False, start_method=method)
+        try:
+            store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                  timeout=datetime.timedelta(seconds=timeout_s))
+            for _ in range(world_size):
+                ports.put(store.port)
+        except BaseException:
+            for process in ranks.processes:
+                process.terminate()
+            raise
+        while not ranks.join():
+            pass
+        del store
         return [torch.load(Path(result_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
