@@ -158,16 +158,20 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "g
         rendezvous = Rendezvous(0, backend=backend, timeout_s=timeout_s, store_hosted=True)
         ranks = mp.start_processes(_entry, args=(world_size, rendezvous, ports, result_dir, fn, args),
                                    nprocs=world_size, join=False, start_method=method)
+        store = None
         try:
             store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                   timeout=datetime.timedelta(seconds=timeout_s))
             for _ in range(world_size):
                 ports.put(store.port)
+            while not ranks.join():
+                pass
         except BaseException:
             for process in ranks.processes:
-                process.terminate()
+                if process.is_alive():
+                    process.terminate()
             raise
-        while not ranks.join():
-            pass
-        del store
+        finally:
+            # stop the server's thread now, not when a traceback lets go of it: a later spawn forks again
+            del store
         return [torch.load(Path(result_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
