@@ -236,17 +236,22 @@ def stage_costs_from_model(stages: StageTimes, index: int, pp: int, vpp: int) ->
                            float(stages.last_compute_s[index]))
     n = pp * vpp
     total = np.full(n, middle / vpp)
-    a2a = np.full(n, float(stages.other_a2a_s[index]) / vpp)
-    hide = np.full(n, float(stages.other_a2a_alone_hidden_s[index]) / vpp)
-    paired = np.full(n, float(stages.other_a2a_paired_hidden_s[index]) / vpp)
     if n == 1:
         total[0] = first
     else:
         total[0] += first - middle
         total[-1] += last - middle
-    a2a[0] += (float(stages.first_a2a_s[index]) - float(stages.other_a2a_s[index])) / vpp
-    hide[0] += (float(stages.first_a2a_alone_hidden_s[index]) - float(stages.other_a2a_alone_hidden_s[index])) / vpp
-    paired[0] += (float(stages.first_a2a_paired_hidden_s[index]) - float(stages.other_a2a_paired_hidden_s[index])) / vpp
+
+    def per_stage(first_s: np.ndarray, other_s: np.ndarray) -> np.ndarray:
+        """An all-to-all quantity of every global stage: 1/vpp of a stage's, the first stage's own (its dense
+        layers have none)."""
+        values = np.full(n, float(other_s[index]) / vpp)
+        values[0] += (float(first_s[index]) - float(other_s[index])) / vpp
+        return values
+
+    a2a = per_stage(stages.first_a2a_s, stages.other_a2a_s)
+    hide = per_stage(stages.first_a2a_alone_hidden_s, stages.other_a2a_alone_hidden_s)
+    paired = per_stage(stages.first_a2a_paired_hidden_s, stages.other_a2a_paired_hidden_s)
     share = float(stages.forward_fraction[index])
     return StageCosts(share * total, (1 - share) * total, a2a / 2, a2a / 2, hide / 2, hide / 2, 0.0,
                       paired / 2, paired / 2)
