@@ -24,6 +24,8 @@ ALiBi have no rotary pass. A source stating "gradients reduced in BF16" prices 2
 after the fp16 era, and Megatron-DeepSpeed's fp16 runs, reduce the backward's column-parallel input
 gradients under the weight-gradient GEMMs (``Workload.async_tp_input_grad``). torchtitan
 pipeline rows that leave the micro-batches unstated take torchtitan's defaults (``_pipeline_split``).
+Cells a row leaves empty but its run's released launch script states (the SC21 runs' micro-batch,
+interleaving and DDP mode) are filled from that script first (``launch_facts``).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from moetrain.costs.flops import training_flops_per_token
 from moetrain.errors import UserError
 from moetrain.planner.calibration import Calibration, Efficiency
 from moetrain.planner.costmodel import StepCosts, evaluate
+from moetrain.planner.launch_facts import with_launch_facts
 from moetrain.planner.strategy import A2A_NAMES, RECOMPUTE_NAMES, Strategies
 from moetrain.planner.workload import Workload
 from moetrain.textfile import read_text, require_file
@@ -184,6 +187,7 @@ def row_model(row: dict) -> ModelConfig:
 
 def prepare_row(row: dict) -> PreparedRow | Unsimulable:
     """Turn one CSV row into simulator inputs, or say why it cannot be simulated."""
+    row = with_launch_facts(row)
     row_id = row["id"]
     family = family_of(row_id)
     problem = _unsimulable_reason(row)
@@ -252,8 +256,8 @@ def row_workload(row: dict, model: ModelConfig, cluster: ClusterConfig) -> Workl
     # attention layers", GPT-OSS): half the layers attend to the window only.
     window = re.search(r"alternates (\d+)-token sliding-window and full attention layers", source)
     # Overlap the source states ("with DP/TP/PP comm overlap", "AsyncTP"; "no AsyncTP" states its absence).
-    stated = re.search(r"\b([A-Z]{2}(?:/[A-Z]{2})*)[- ]comm overlap", source)
-    overlap_stated = set(stated.group(1).split("/")) if stated else set()
+    overlap_stated = {kind for stated in re.findall(r"\b([A-Z]{2}(?:/[A-Z]{2})*)[- ]comm overlap", source)
+                      for kind in stated.split("/")}
     # AsyncTP (torch) and MC2 (MindSpeed's fused matmul + collective on Ascend) run the TP collectives under
     # the GEMMs
     if re.search(r"(?<!no )(AsyncTP|MC2)", source):
@@ -276,7 +280,8 @@ def row_workload(row: dict, model: ModelConfig, cluster: ClusterConfig) -> Workl
         # attention scores and reduced gradients after the backward; later stacks fuse attention (flash)
         # and overlap the data-parallel and tensor-parallel traffic with compute.
         flash_attention=precision != "fp16",
-        overlap_grad_comm=precision != "fp16",
+        # (and those that state it: torch DDP in the SC21 launch script, ``launch_facts``)
+        overlap_grad_comm=precision != "fp16" or "DP" in overlap_stated,
         overlap_tp_comm=precision != "fp16",
         # Megatron's asynchronous TP all-reduce (Megatron-LM from late 2021, Megatron-DeepSpeed from 2022) and
         # Transformer Engine's Linear
