@@ -21,8 +21,8 @@ from moetrain.planner.workload import Workload
 
 QWEN = ["--model", "qwen3-30b-a3b", "--cluster", "h100-sxm-80gb", "--devices", "64", "--seq-len", "4096",
         "--global-batch", "256"]
-MIXTRAL = ["--model", "mixtral-8x7b", "--cluster", "h100-sxm-80gb", "--devices", "32", "--seq-len", "4096",
-           "--global-batch", "512"]
+MIXTRAL = ["--model", "mixtral-8x7b", "--cluster", "h100-sxm-80gb", "--devices", "64", "--seq-len", "4096",
+           "--global-batch", "1024"]
 
 
 @pytest.mark.parametrize(("model", "cluster", "devices", "batch"), [
@@ -77,7 +77,7 @@ def test_a_plan_says_what_the_runtime_limits_cost(tmp_path, capsys) -> None:
     assert main(["plan", *MIXTRAL, "--out", str(out)]) == 0
     text = capsys.readouterr().out
     plan = yaml.safe_load(out.read_text())
-    assert runtime_limits(ParallelConfig(**plan["parallel"]), 32, 512, 8) == []
+    assert runtime_limits(ParallelConfig(**plan["parallel"]), 32, 1024, 8) == []
     # the cost model's favourite runs the hierarchical all-to-all with expert TP, which the runtime cannot run
     assert "runtime limits: the fastest layout overall (tp2 sp pp1 ep8 etp2" in text
     limits = plan["runtime_limits"]
@@ -89,9 +89,9 @@ def test_any_layout_ranks_what_the_runtime_cannot_run(tmp_path, capsys) -> None:
     assert main(["plan", *MIXTRAL, "--any-layout", "--json", "--out", str(tmp_path / "plan.yaml")]) == 0
     summary = json.loads(capsys.readouterr().out)
     winner = ParallelConfig(**summary["top"][0]["parallel"])
-    assert runtime_limits(winner, 32, 512, 8) != [] and summary["runnable_only"] is False
+    assert runtime_limits(winner, 32, 1024, 8) != [] and summary["runnable_only"] is False
     plan = yaml.safe_load((tmp_path / "plan.yaml").read_text())
-    assert plan["runtime_support"] == runtime_limits(winner, 32, 512, 8)
+    assert plan["runtime_support"] == runtime_limits(winner, 32, 1024, 8)
 
 
 def test_when_nothing_runnable_fits_the_search_says_which_rule_blocks() -> None:
