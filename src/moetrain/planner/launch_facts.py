@@ -27,8 +27,9 @@ class LaunchFacts:
     script: str
     """Where the facts are written, quoted into the row's source when they are used."""
     micro_batch: int | None = None
-    vpp: int | None = None
-    """Virtual pipeline stages per rank."""
+    layers_per_virtual_stage: int | None = None
+    """Megatron's ``--num-layers-per-virtual-pipeline-stage``: the row's layers / pp / this are its virtual
+    stages per rank."""
     overlapped: tuple[str, ...] = ()
     """Traffic the script's stack overlaps with compute ("DP": gradient reduction under the backward)."""
 
@@ -37,10 +38,8 @@ _SC21 = "Narayanan et al. SC21"
 _SC21_SCRIPT = "Megatron-LM examples/sc21/run_table_1.sh"
 
 
-def _sc21(micro_batch: int, layers: int = 0, pp: int = 1, layers_per_virtual_stage: int = 0,
-          torch_ddp: bool = False) -> LaunchFacts:
-    vpp = layers // pp // layers_per_virtual_stage if layers_per_virtual_stage else None
-    return LaunchFacts(_SC21, _SC21_SCRIPT, micro_batch, vpp, ("DP",) if torch_ddp else ())
+def _sc21(micro_batch: int, layers_per_virtual_stage: int | None = None, torch_ddp: bool = False) -> LaunchFacts:
+    return LaunchFacts(_SC21, _SC21_SCRIPT, micro_batch, layers_per_virtual_stage, ("DP",) if torch_ddp else ())
 
 
 LAUNCH_FACTS: dict[str, LaunchFacts] = {
@@ -49,10 +48,10 @@ LAUNCH_FACTS: dict[str, LaunchFacts] = {
     "NAR21-03": _sc21(16, torch_ddp=True),  # 7.5B
     "NAR21-04": _sc21(8, torch_ddp=True),  # 18B
     "NAR21-05": _sc21(4),  # 39B
-    "NAR21-06": _sc21(2, 60, 4, 5),  # 76B
-    "NAR21-07": _sc21(2, 80, 8, 5),  # 145B
-    "NAR21-08": _sc21(1, 96, 16, 3),  # 310B
-    "NAR21-09": _sc21(1, 105, 35, 1),  # 530B
+    "NAR21-06": _sc21(2, 5),  # 76B
+    "NAR21-07": _sc21(2, 5),  # 145B
+    "NAR21-08": _sc21(1, 3),  # 310B
+    "NAR21-09": _sc21(1, 1),  # 530B
     "NAR21-10": _sc21(1),  # 1T
 }
 
@@ -67,7 +66,10 @@ def with_launch_facts(row: dict) -> dict:
         return row
     filled = dict(row)
     used = []
-    for column, value in (("micro_batch", facts.micro_batch), ("vpp", facts.vpp)):
+    vpp = None
+    if facts.layers_per_virtual_stage:
+        vpp = int(row["layers"]) // int(row["pp"]) // facts.layers_per_virtual_stage
+    for column, value in (("micro_batch", facts.micro_batch), ("vpp", vpp)):
         if value is not None and not (row.get(column) or "").strip():
             filled[column] = str(value)
             used.append(f"{column} {value}")
