@@ -78,3 +78,26 @@ SEQUENCE = textwrap.dedent("""
 def test_spawn_fails_with_its_rank_and_the_next_spawn_runs():
     out = _run_script(SEQUENCE, 180, "spawn hung after a failed spawn")
     assert out.split("\n")[:3] == ["[(3, 0), (3, 1), (3, 2)]", "raised: True", "[(2, 0), (2, 1)]"], out
+
+
+def test_each_torchrun_attempt_joins_the_agents_store_under_its_own_keys(monkeypatch) -> None:
+    """Under torchrun every rank is a client of the agent's store (no rank binds a port), and a restarted
+    attempt's keys are apart from the failed one's, so no rank reads a dead peer's address."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from moetrain.distributed.world import _agent_store_of_this_attempt
+
+    agent = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=10))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(agent.port))
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    assert _agent_store_of_this_attempt(10.0) is None  # spawn, Ray, or torchrun not sharing its store
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    for attempt in ("0", "1"):
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", attempt)
+        _agent_store_of_this_attempt(10.0).set("rank0/address", f"from attempt {attempt}")
+    assert agent.get("moetrain/attempt0/rank0/address") == b"from attempt 0"
+    assert agent.get("moetrain/attempt1/rank0/address") == b"from attempt 1"

@@ -106,9 +106,7 @@ def launch(spec: RunSpec, log_dir: Path | None = None, entry: Entry | None = Non
     restarts = spec.run.max_restarts
     if restarts > 0:
         env[RECOVERY_ENV] = str(log_dir)
-        # The ranks' own store, new in each attempt: sharing the agent's, a restarted rank can read a peer's
-        # address from the failed attempt and fail to connect (pytorch/pytorch#135712)
-        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        # Each attempt joins the agent's store under its own keys (``world.init_world``)
         for name in ("progress.json", "restarts.jsonl"):  # a log folder reused from an earlier run
             (log_dir / name).unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", *nodes.torchrun_args(ranks), f"--max-restarts={restarts}",

@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from moetrain.runtime_base.host_memory import keep_freed_host_memory
+from moetrain.runtime_base.recovery import RESTART_ENV
 
 DEFAULT_TIMEOUT_S = 60.0
 """Collective timeout: a rank stuck waiting for a dead peer gives up after this long."""
@@ -46,11 +47,23 @@ def _init_process_group(backend: str, timeout_s: float, **kwargs: Any) -> None:
     dist.init_process_group(backend, timeout=_TIMEOUT, **kwargs)
 
 
+def _agent_store_of_this_attempt(timeout_s: float) -> dist.Store | None:
+    """Under torchrun, the store its agent hosts for the whole job (every rank a client: no rank binds a port
+    of its own, which another process could take between torchrun picking it and rank 0 binding it), with
+    this attempt's keys apart from those of a failed one, which a restarted rank could otherwise read for a
+    peer's address (pytorch/pytorch#135712). None outside torchrun or where it shares no store."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                           timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.PrefixStore(f"moetrain/attempt{os.environ.get(RESTART_ENV, '0')}", client)
+
+
 def init_world(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                store: dist.Store | None = None) -> tuple[int, int, torch.device]:
     """Join the process group torchrun (or ``spawn``, or a Ray actor) described in the environment, through
-    ``store`` when given (else the one ``MASTER_ADDR:MASTER_PORT`` names); a CPU rank keeps the host memory it
-    frees (``moetrain.runtime_base.host_memory``)."""
+    ``store`` when given (else torchrun's agent store, keyed by attempt, or the one ``MASTER_ADDR:MASTER_PORT``
+    names); a CPU rank keeps the host memory it frees (``moetrain.runtime_base.host_memory``)."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -62,6 +75,7 @@ def init_world(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
         device = torch.device("cpu")
         keep_freed_host_memory()  # a CPU rank: its activations live in host memory, reused step after step
     if not dist.is_initialized():
+        store = store if store is not None else _agent_store_of_this_attempt(timeout_s)
         _init_process_group(backend, timeout_s, rank=rank, world_size=world_size,
                             device_id=device if backend == "nccl" else None,
                             **({"store": store} if store is not None else {}))
