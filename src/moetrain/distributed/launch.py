@@ -106,7 +106,6 @@ def launch(spec: RunSpec, log_dir: Path | None = None, entry: Entry | None = Non
     restarts = spec.run.max_restarts
     if restarts > 0:
         env[RECOVERY_ENV] = str(log_dir)
-        # Each attempt joins the agent's store under its own keys (``world.init_world``)
         for name in ("progress.json", "restarts.jsonl"):  # a log folder reused from an earlier run
             (log_dir / name).unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", *nodes.torchrun_args(ranks), f"--max-restarts={restarts}",

@@ -47,6 +47,11 @@ def _init_process_group(backend: str, timeout_s: float, **kwargs: Any) -> None:
     dist.init_process_group(backend, timeout=_TIMEOUT, **kwargs)
 
 
+def _store_client(addr: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """A client of the store another process hosts at ``addr:port``."""
+    return dist.TCPStore(addr, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+
+
 def _agent_store_of_this_attempt(timeout_s: float) -> dist.Store | None:
     """Under torchrun, the store its agent hosts for the whole job (every rank a client: no rank binds a port
     of its own, which another process could take between torchrun picking it and rank 0 binding it), with
@@ -54,8 +59,7 @@ def _agent_store_of_this_attempt(timeout_s: float) -> dist.Store | None:
     peer's address (pytorch/pytorch#135712). None outside torchrun or where it shares no store."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
         return None
-    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                           timeout=datetime.timedelta(seconds=timeout_s))
+    client = _store_client(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout_s)
     return dist.PrefixStore(f"moetrain/attempt{os.environ.get(RESTART_ENV, '0')}", client)
 
 
@@ -126,10 +130,8 @@ def run_in_world(fn: Callable[..., Any], rank: int, world_size: int, args: tuple
                       LOCAL_RANK=str(rank if local_rank is None else local_rank),
                       MASTER_ADDR=rendezvous.master_addr, MASTER_PORT=str(rendezvous.master_port))
     torch.set_num_threads(1)
-    store = None
-    if rendezvous.store_hosted:
-        store = dist.TCPStore(rendezvous.master_addr, rendezvous.master_port, is_master=False,
-                              timeout=datetime.timedelta(seconds=rendezvous.timeout_s))
+    store = (_store_client(rendezvous.master_addr, rendezvous.master_port, rendezvous.timeout_s)
+             if rendezvous.store_hosted else None)
     init_world(rendezvous.backend, rendezvous.timeout_s, store)
     try:
         result = fn(rank, world_size, *args)

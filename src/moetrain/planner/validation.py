@@ -2,11 +2,12 @@
 predict each row's metric, and score the predictions.
 
 A row becomes a ``ModelConfig`` (the architecture columns), a ``ClusterConfig`` (the hardware table),
-one strategy (the layout columns) and a ``Workload``. An empty vpp/ep/etp/cp is 1 (the README's reading).
-For the other unknown cells the README says only that the source does not state them; this module reads
-an empty micro-batch as 1, an empty ZeRO stage as 1, an empty sp as "on when tp > 1" and an empty
-recompute as "none" (then the least that fits, below). Rows that lack what a prediction needs (device count, sequence
-length, batch, TP/PP, a published peak) are returned as *unsimulable* with the reason.
+one strategy (the layout columns) and a ``Workload``. An empty vpp/ep/etp/cp is 1 (the README's
+reading). For the other unknown cells the README says only that the source does not state them; this
+module reads an empty micro-batch as 1, an empty ZeRO stage as 1, an empty sp as "on when tp > 1" and
+an empty recompute as "none" (then the least that fits, below). Rows that lack what a prediction needs
+(device count, sequence length, batch, TP/PP, a published peak) are returned as *unsimulable* with the
+reason.
 
 A row's ``source`` may describe the cluster's network more precisely than the hardware table (vTrain's
 rows state "800 Gb/s inter-node per node", which the README's hardware table also gives for vTrain's
