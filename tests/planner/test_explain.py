@@ -15,7 +15,7 @@ import yaml
 from moetrain.cli import main
 from moetrain.costs.flops import attention_core_flops
 from moetrain.planner.calibration import Calibration, load_calibration
-from moetrain.planner.compute import attention_head_dim_factor
+from moetrain.planner.compute import attention_speed_factor
 from moetrain.planner.explain import explain, explain_held_out
 from moetrain.planner.fit import leave_one_family_out
 from moetrain.planner.validation import prepare_all, prepare_row, read_rows
@@ -59,7 +59,7 @@ def test_terms_add_up_and_attention_is_hand_computed() -> None:
     # 128: factor 1), forward + 3 × backward, 24 layers, 4 micro-batches; the embedding's element-wise pass
     # (spread over the parts) is well under 1 % of a layer
     flops = attention_core_flops(row.workload.model, 4096, causal=True) * 2 * 4096
-    core = flops / (989.4e12 * eff.attention * float(attention_head_dim_factor(128)))
+    core = flops / (989.4e12 * eff.attention * float(attention_speed_factor(128)))
     assert terms["fused attention"] == pytest.approx(4 * 24 * (1 + 3) * core, rel=0.01)
     # a tokens/s metric goes as 1/step and attention time as 1/attention, so d(error %)/d(log attention) =
     # (100 + error) × attention's share of the step

@@ -10,7 +10,7 @@ import pytest
 
 from moetrain.config import load_cluster_config, load_model_config
 from moetrain.planner.calibration import Efficiency
-from moetrain.planner.compute import attention_head_dim_factor, attention_time
+from moetrain.planner.compute import attention_speed_factor, attention_time
 from moetrain.planner.costmodel import evaluate
 from moetrain.planner.strategy import Strategies
 from moetrain.planner.workload import Workload
@@ -30,7 +30,7 @@ def _workload(**kwargs: object) -> Workload:
 
 
 def test_head_dim_law_is_one_at_128_and_grows_with_head_dim() -> None:
-    factors = attention_head_dim_factor(np.array([64.0, 128.0, 192.0, 256.0]))
+    factors = attention_speed_factor(np.array([64.0, 128.0, 192.0, 256.0]))
     assert factors[1] == pytest.approx(1.0)
     assert np.all(np.diff(factors) > 0)
     # d/(d + 50) normalised at 128: 64 → 0.79, 256 → 1.16 (FlashAttention-3 head-dim ratios).
@@ -40,10 +40,22 @@ def test_head_dim_law_is_one_at_128_and_grows_with_head_dim() -> None:
 
 def test_blackwell_attention_pays_its_non_matmul_work_at_twice_the_tensor_core_rate() -> None:
     # d0 = 100 on Blackwell, still normalised at head dim 128 on Hopper (d0 = 50): 128 → 0.78, 64 → 0.54
-    factors = attention_head_dim_factor(np.array([64.0, 128.0]), "blackwell")
+    factors = attention_speed_factor(np.array([64.0, 128.0]), "blackwell")
     assert factors[0] == pytest.approx((64 / 164) / (128 / 178))
     assert factors[1] == pytest.approx((128 / 228) / (128 / 178))
-    assert attention_head_dim_factor(128.0, "ampere") == pytest.approx(1.0)  # no scale set for Ampere
+
+
+def test_ampere_runs_fused_attention_at_flashattention2s_share_of_its_peak() -> None:
+    # FlashAttention-2: 50-73 % of an A100's peak (Dao 2023), 35 % of an H100's (FlashAttention-3 paper);
+    # the midpoint over 35 %: 0.615 / 0.35 = 1.757; the head-dim law as on Hopper (d0 = 50).
+    assert attention_speed_factor(128.0, "ampere") == pytest.approx(1.7571428571)
+    assert attention_speed_factor(64.0, "ampere") == pytest.approx((64 / 114) / (128 / 178) * 1.7571428571)
+    eff = replace(Efficiency(), attention=0.25)
+    a100 = load_cluster_config("a100-sxm-80gb")
+    assert attention_time(1e15, a100, eff) == pytest.approx(1e15 / (312e12 * 0.25 * 1.7571428571))
+    # Hopper and Blackwell keep their share; an unknown device class (Ascend) too.
+    assert attention_speed_factor(128.0, "hopper") == pytest.approx(1.0)
+    assert attention_speed_factor(128.0, "ascend") == pytest.approx(1.0)
 
 
 def test_attention_time_reads_the_clusters_architecture() -> None:

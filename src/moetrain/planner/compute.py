@@ -6,7 +6,8 @@ Three operation classes (Calculon, Isaev et al. SC23, uses the same split):
   reaches a lower fraction of the peak than a large one (efficiency = W / (W + peak·gemm_max·t0)).
   FP8 GEMMs run ``fp8_gain`` times faster than BF16 on hardware with an FP8 peak; quantising their
   operands is an element-wise cost apart (``layer_costs.FP8_CAST_BYTES_PER_ELEMENT``).
-- Fused attention (QKᵀ, softmax, PV): ``flops / (peak × attention)``; always BF16.
+- Fused attention (QKᵀ, softmax, PV): ``flops / (peak × attention)`` at head dim 128 on Hopper, scaled by
+  head dim and architecture (``attention_speed_factor``); always BF16.
 - Element-wise kernels (norms, activation functions, permutes, optimizer update): memory-bound,
   ``bytes / (HBM bandwidth × memory)``.
 
@@ -66,19 +67,29 @@ REFERENCE_HEAD_DIM = 128.0
 # (Zadouri et al. 2026, FlashAttention-4, §2: the forward is bound by the exponential, the backward by shared
 # memory): d0 ≈ 100. That puts head dim 128 on Blackwell at 0.78 of Hopper's share of peak; the published
 # kernels agree: cuDNN 9.13 reaches about 1,235 TFLOPS of a B200's 2,250 (55 %; FlashAttention-4's 1,605 is
-# "up to 1.3×" it), FlashAttention-3 740 of an H100's 989 (75 %), a ratio of 0.73. Ampere halves the tensor
-# cores per SM instead, but its kernels do not run faster at head dim 128 than Hopper's (FlashAttention-2
-# about 70 % of an A100's peak), so no scale is set there.
+# "up to 1.3×" it), FlashAttention-3 740 of an H100's 989 (75 %), a ratio of 0.73.
 ATTENTION_NON_MATMUL_SCALE: dict[str, float] = {"blackwell": 2.0}
+# Share of the peak the fused attention kernel reaches on an architecture over its share on Hopper.
+# ``Efficiency.attention``, fitted on published runs, sits at the share of a kernel written before Hopper
+# (0.25 of peak forward, where this project's H100 probe measured FlashAttention-2 at 0.31 and cuDNN at
+# 0.58: benchmarks/results/gpu_attention_probe.json), not at Hopper's own kernels'. FlashAttention-2 was
+# written for Ampere: it reaches 50-73 % of an A100's peak (Dao 2023, arXiv:2307.08691, abstract) and 35 %
+# of an H100's, whose asynchronous tensor-core and copy instructions it does not use (Shah et al. 2024,
+# FlashAttention-3, arXiv:2407.08608, abstract). So an Ampere device runs fused attention at
+# (50 + 73) / 2 / 35 = 1.76 times the Hopper share. (Blackwell's scale above compares its cuDNN kernel with
+# FlashAttention-3 on Hopper instead; its rows, predicted too fast already, do not support pricing it
+# against the FlashAttention-2 share.)
+ATTENTION_SHARE_OVER_HOPPER: dict[str, float] = {"ampere": (0.50 + 0.73) / 2 / 0.35}
 
 
-def attention_head_dim_factor(head_dim, arch: str = "hopper") -> np.ndarray:
-    """Attention speed at ``head_dim`` on ``arch`` (``calibration.arch_of``) relative to head dim 128 on
-    Hopper (1.0 there)."""
+def attention_speed_factor(head_dim, arch: str = "hopper") -> np.ndarray:
+    """Attention speed (share of ``arch``'s peak) at ``head_dim`` on ``arch`` (``calibration.arch_of``)
+    relative to head dim 128 on Hopper (1.0 there): the head-dim law with the architecture's d0, times
+    the architecture's kernel share (``ATTENTION_SHARE_OVER_HOPPER``)."""
     d = np.asarray(head_dim, dtype=float)
     d0, ref = ATTENTION_HEAD_DIM_HALF_SPEED, REFERENCE_HEAD_DIM
     d0_arch = d0 * ATTENTION_NON_MATMUL_SCALE.get(arch, 1.0)
-    return (d / (d + d0_arch)) / (ref / (ref + d0))
+    return (d / (d + d0_arch)) / (ref / (ref + d0)) * ATTENTION_SHARE_OVER_HOPPER.get(arch, 1.0)
 
 
 def attention_time(flops, cluster: ClusterConfig, efficiency: Efficiency | None = None,
@@ -86,7 +97,7 @@ def attention_time(flops, cluster: ClusterConfig, efficiency: Efficiency | None 
     """Seconds of fused attention (QKᵀ and PV) totalling ``flops`` with heads of ``head_dim`` (for MLA,
     the mean of the query-key and value dimensions) on ``cluster``'s devices."""
     eff = _eff(cluster, efficiency)
-    factor = attention_head_dim_factor(head_dim, arch_of(cluster.device))
+    factor = attention_speed_factor(head_dim, arch_of(cluster.device))
     return np.asarray(flops, dtype=float) / (cluster.peak_flops("bf16") * eff.attention * factor)
 
 

@@ -22,7 +22,7 @@ from moetrain.distributed.world import spawn
 from moetrain.errors import UserError
 from moetrain.models.transformer import build_model
 from moetrain.planner.calibration import arch_of
-from moetrain.planner.compute import attention_head_dim_factor
+from moetrain.planner.compute import attention_speed_factor
 from moetrain.runtime_base.host_memory import keep_freed_host_memory
 from moetrain.runtime_base.optim import build_optimizer, clip_gradients
 from moetrain.runtime_base.precision import autocast, autocast_dtype
@@ -123,7 +123,7 @@ def probe_attention(device: str, dtype: torch.dtype, repeats: int, cluster: Clus
         t_fwd_bwd = _timed(lambda q=q, grad=grad: torch.autograd.grad(
             F.scaled_dot_product_attention(q, q, q, is_causal=True), q, grad), repeats, device)
         f = 4.0 * batch * heads * seq * seq * head_dim / 2
-        efficiencies.append(f / t / peak_flops / float(attention_head_dim_factor(head_dim, arch)))
+        efficiencies.append(f / t / peak_flops / float(attention_speed_factor(head_dim, arch)))
         rows.append({"batch": batch, "heads": heads, "head_dim": head_dim, "seq": seq, "seconds": t,
                      "backward_over_forward": (t_fwd_bwd - t) / t})
         del q, grad
