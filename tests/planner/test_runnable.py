@@ -78,11 +78,19 @@ def test_a_plan_says_what_the_runtime_limits_cost(tmp_path, capsys) -> None:
     text = capsys.readouterr().out
     plan = yaml.safe_load(out.read_text())
     assert runtime_limits(ParallelConfig(**plan["parallel"]), 32, 1024, 8) == []
-    # the cost model's favourite runs the hierarchical all-to-all with expert TP, which the runtime cannot run
-    assert "runtime limits: the fastest layout overall (tp2 sp pp1 ep8 etp2" in text
+    # the cost model's favourite runs ZeRO-2 under the overlapped schedule, which the runtime cannot run
+    assert "runtime limits: the fastest layout overall (" in text
     limits = plan["runtime_limits"]
-    assert "the hierarchical all-to-all with etp 2: the runtime runs it with etp 1 only" in limits
+    assert ("ZeRO-2 with the overlapped schedule: the runtime runs ZeRO-2/3 without overlap only (use zero 1 to "
+            "overlap)") in limits
     assert "--any-layout ranks every layout" in text
+
+
+def test_the_runtime_names_the_all_to_all_it_cannot_run_with_expert_tp() -> None:
+    hierarchical_etp = ParallelConfig(tp=2, sp=True, ep=8, etp=2, dp=8, a2a="hierarchical")
+    assert runtime_limits(hierarchical_etp, 32, 1024, 8) == [
+        "the hierarchical all-to-all with etp 2: the runtime runs it with etp 1 only (or use the flat all-to-all)"]
+    assert runtime_limits(hierarchical_etp.model_copy(update={"a2a": "flat"}), 32, 1024, 8) == []
 
 
 def test_any_layout_ranks_what_the_runtime_cannot_run(tmp_path, capsys) -> None:

@@ -114,7 +114,7 @@ def test_the_calibration_check_reranks_the_timed_layouts_under_each_held_out_fit
     w = Workload(load_model_config("qwen3-30b-a3b"), load_cluster_config("h100-sxm-80gb"), 4096, 256)
     eff = load_calibration().for_device("h100-sxm-80gb")
     fits = {"same": eff, "slow network": replace(eff, bus_inter=0.2),
-            "slow in-node links": replace(eff, bus_intra=0.2)}
+            "slow in-node links": replace(eff, bus_intra=0.1)}
     check = search(w, 64, eff, SearchOptions(top_k=3, held_out=fits)).calibration_check
     assert check.fits == list(fits) and check.step_s.shape == (3, len(check.labels))
     regret = check.winner_regret_pct()
