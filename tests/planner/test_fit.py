@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from moetrain.planner import fit
-from moetrain.planner.calibration import default_calibration
+from moetrain.planner.calibration import HOST_US_PER_KERNEL_EAGER, Efficiency, default_calibration
 from moetrain.planner.fit import FitOptions, fit_calibration, predict_rows
 from moetrain.planner.validation import PreparedRow, prepare_row
 
@@ -132,3 +134,20 @@ def test_fit_loss_takes_the_loss_from_the_options(published_rows: list[dict]) ->
     predicted = predict_rows(rows[:1], priors)[0]
     by_hand = sum(0.5 * math.log(predicted / measured) ** 2 for measured in (0.40, 0.50))
     assert fit.fit_loss(rows, priors, FitOptions(loss="linear")).data == pytest.approx(by_hand, rel=1e-12)
+
+
+def test_the_moe_pass_prior_is_the_measured_host_time_of_its_kernels() -> None:
+    # A host-bound step of this project's eager runtime on an H100 host: its measured time over its kernels.
+    results = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+    step_s = json.loads((results / "planner_step_check_gpu.json").read_text())["measured_step_time_s"]
+    kernels = json.loads((results / "gpu_step_profile_tiny.json").read_text())["device_events_per_step"]
+    per_kernel_us = step_s / kernels * 1e6
+    assert per_kernel_us == pytest.approx(HOST_US_PER_KERNEL_EAGER, rel=1e-4)  # 22.9 µs
+    # 30 to 50 kernels after the count sync: their geometric mean, 38.7 kernels, 0.89 ms.
+    assert Efficiency().moe_overhead_us == pytest.approx(math.sqrt(30 * 50) * per_kernel_us, rel=1e-4)
+    assert default_calibration().global_params.moe_overhead_us == pytest.approx(885.7, abs=0.1)
+
+
+def test_rows_without_an_moe_layer_leave_the_moe_pass_cost_at_its_prior(published_rows: list[dict]) -> None:
+    fitted = fit_calibration(_copies(published_rows, "MPT-6", "A", [0.60, 0.62, 0.64, 0.66]))
+    assert fitted.global_params.moe_overhead_us == pytest.approx(885.7, abs=0.1)

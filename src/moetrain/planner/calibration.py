@@ -68,6 +68,17 @@ def arch_of(device: str) -> str:
     return _ARCH_OF_DEVICE.get(device, device)
 
 
+# The prior of ``Efficiency.moe_overhead_us``: the 30-50 kernels a dropless MoE layer issues after its
+# token-count sync, at the host time per kernel of an eager PyTorch stack that the host bounds. This
+# project's runtime took 349.3 ms per tiny-pangu step on an H100 host with the device 7 % busy
+# (benchmarks/results/planner_step_check_gpu.json) for 15,274 kernels per step
+# (benchmarks/results/gpu_step_profile_tiny.json): 22.9 µs each. The prior is the geometric mean of 30
+# and 50 such kernels, 0.89 ms (0.69-1.14 ms); it was 0.5 ms, from a guessed 10-20 µs per kernel.
+MOE_PASS_HOST_KERNELS = (30, 50)
+HOST_US_PER_KERNEL_EAGER = 349.2867 / 15274 * 1e3
+MOE_PASS_PRIOR_US = (MOE_PASS_HOST_KERNELS[0] * MOE_PASS_HOST_KERNELS[1]) ** 0.5 * HOST_US_PER_KERNEL_EAGER
+
+
 @dataclass(frozen=True)
 class Efficiency:
     """Efficiency factors for one device (global values with that device's overrides applied)."""
@@ -77,11 +88,11 @@ class Efficiency:
     gemm_overhead_us: float = 8.0
     """Fixed cost per kernel call (launch, tail wave; GEMMs and element-wise kernels alike): why a small
     GEMM is slower per FLOP and why small models are launch-bound."""
-    moe_overhead_us: float = 500.0
+    moe_overhead_us: float = MOE_PASS_PRIOR_US
     """Fixed cost per MoE layer pass (router top-k, token-count sync, permute/unpermute kernel chains).
-    Prior: a dropless MoE layer synchronises the host on the per-expert token counts (they size the
-    all-to-all splits and the grouped GEMM), after which the device idles while the host issues the
-    layer's remaining 30-50 kernels at 10-20 µs each: 0.3-1 ms per pass."""
+    Prior (``MOE_PASS_PRIOR_US``): a dropless MoE layer synchronises the host on the per-expert token
+    counts (they size the all-to-all splits and the grouped GEMM), after which the device idles while the
+    host issues the layer's remaining 30-50 kernels."""
     attention: float = 0.55
     """Fraction of the dense peak fused (flash) attention reaches on QKᵀ and PV."""
     memory: float = 0.7
