@@ -6,10 +6,12 @@ killed actor (a replica or a trainer rank) is restarted and the run ends equal t
 hung worker is named within the run's timeout; and the CLI refuses in one line what the engine cannot run."""
 
 import contextlib
+import datetime
 import json
 import os
 import re
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -19,6 +21,7 @@ import torch
 from test_rl_stalesync import COMPARED, TINY, _setup
 from test_rl_stalesync_scale import TP2
 from test_rl_stalesync_scale import _job as _scale_job
+from torch.distributed import TCPStore
 
 from forked_ranks import forked_rl_ranks
 from moetrain.cli import main
@@ -57,6 +60,24 @@ def cluster():
     yield
     ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
     ray.shutdown()
+
+
+@needs_ray
+def test_rank_zero_hosts_each_attempts_store_on_the_port_it_bound() -> None:
+    """The rendezvous port is bound when it is chosen and held, so no other process (another run's rank 0)
+    can take it before the ranks join; each attempt's store is new, without a failed attempt's keys."""
+    from moetrain.rl.ray_engine import RankActor
+
+    actor = RankActor("rank 0")
+    first = actor.host_store(30.0)
+    with socket.socket() as other, pytest.raises(OSError):
+        other.bind(("", first.port))
+    client = TCPStore(first.host, first.port, is_master=False, timeout=datetime.timedelta(seconds=10))
+    client.set("rank 1's address", "from attempt 0")
+    second = actor.host_store(30.0)
+    again = TCPStore(second.host, second.port, is_master=False, timeout=datetime.timedelta(seconds=10))
+    assert second.pid == first.pid == os.getpid()
+    assert not again.check(["rank 1's address"])
 
 
 def _job(steps: int, staleness: int, save_dir: Path | None = None) -> StaleSyncJob:

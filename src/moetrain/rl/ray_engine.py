@@ -1,10 +1,11 @@
 """StaleSync's Ray engine (``moetrain rl --staleness K --engine ray``): the pipeline's ranks as Ray actors.
 
 Ray is only the launcher and the placement layer. The driver (the ``moetrain rl`` process) reserves one
-CPU per rank in a placement group, starts one actor per rank in it, asks rank 0's actor for its node's
-address and a free port, and has every actor run ``moetrain.distributed.world.run_in_world``: the
-function ``spawn``'s processes run, which joins the torch.distributed (gloo) group at that address and
-then runs the rank's code, the same code the local engine runs (``run_stalesync`` in tests; from the
+CPU per rank in a placement group, starts one actor per rank in it, has rank 0's actor host each
+attempt's rendezvous store (on a port the OS assigns as it binds, so no other process can take it in
+between), and has every actor run ``moetrain.distributed.world.run_in_world``: the function ``spawn``'s
+processes run, which joins the torch.distributed (gloo) group through that store and then runs the
+rank's code, the same code the local engine runs (``run_stalesync`` in tests; from the
 CLI, the torchrun entry ``moetrain.rl.worker.run_rank`` on the run's spec). Any layout torchrun runs
 runs here: R rollout replicas and a trainer group of several ranks are R + T actors. Batches and weights
 travel over that group, never through Ray; the driver only waits on the actors' return values.
@@ -28,8 +29,8 @@ A rank that hangs (no reply) is found by its peers: each of their collectives gi
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
-import socket
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -37,6 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
+
+from torch.distributed import TCPStore
 
 from moetrain.distributed.world import DEFAULT_TIMEOUT_S, Rendezvous, run_in_world
 from moetrain.errors import UserError
@@ -109,11 +112,12 @@ class Restarts:
 
 @dataclass(frozen=True)
 class ActorAddress:
-    """Where a rank's actor runs: its node's address, a free port there, its process id."""
+    """Where a rank's actor runs: its node's address, its process id and, for rank 0's, the port of the
+    attempt's rendezvous store it hosts (0 for the others)."""
 
     host: str
-    port: int
     pid: int
+    port: int = 0
 
 
 class RankActor:
@@ -121,6 +125,7 @@ class RankActor:
 
     def __init__(self, name: str) -> None:
         self.name = name
+        self._store = None
 
     def __repr__(self) -> str:  # Ray prefixes the actor's printed lines with it
         return self.name
@@ -128,11 +133,19 @@ class RankActor:
     def address(self) -> ActorAddress:
         import ray  # optional dependency; present in an actor, which Ray started
 
+        return ActorAddress(ray.util.get_node_ip_address(), os.getpid())
+
+    def host_store(self, timeout_s: float) -> ActorAddress:
+        """Host a new rendezvous store (rank 0's actor, once per attempt) and say where: bound at once to a
+        port the OS picks, where a port picked free and bound later could be taken in between by another
+        process, whose store the ranks would then join. A fresh store each attempt holds no key of a failed
+        one (pytorch/pytorch#135712); it stays up, with this actor, until the next attempt replaces it."""
+        import ray  # optional dependency; present in an actor, which Ray started
+
         host = ray.util.get_node_ip_address()
-        with socket.socket() as sock:
-            sock.bind(("", 0))
-            port = sock.getsockname()[1]
-        return ActorAddress(host, port, os.getpid())
+        self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                               timeout=datetime.timedelta(seconds=timeout_s))
+        return ActorAddress(host, os.getpid(), self._store.port)
 
     def run(self, fn: Callable[..., Any], rank: int, world_size: int, args: tuple, master: ActorAddress,
             setting: RankSetting) -> Any:
@@ -143,7 +156,7 @@ class RankActor:
             else:
                 os.environ[name] = value
         # LOCAL_RANK 0: Ray gives each actor its own devices (CUDA_VISIBLE_DEVICES), so its first is its own
-        rendezvous = Rendezvous(master.port, master.host, timeout_s=setting.timeout_s)
+        rendezvous = Rendezvous(master.port, master.host, timeout_s=setting.timeout_s, store_hosted=True)
         return run_in_world(fn, rank, world_size, args, rendezvous, local_rank=0)
 
 
@@ -198,7 +211,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, names: Sequen
         addresses = _gather(ray, [actor.address.remote() for actor in actors], names, None, PLACE_TIMEOUT_S)
         for attempt in range(restarts.max_restarts + 1):
             setting = RankSetting(group_timeout_s, restarts.env(attempt))
-            refs = [actor.run.remote(fn, rank, world_size, args, addresses[0], setting)
+            master = _gather(ray, [actors[0].host_store.remote(group_timeout_s)], names[:1], addresses[:1],
+                             PLACE_TIMEOUT_S)[0]
+            refs = [actor.run.remote(fn, rank, world_size, args, master, setting)
                     for rank, actor in enumerate(actors)]
             try:
                 return _gather(ray, refs, names, addresses, timeout_s)
