@@ -52,6 +52,13 @@ def _store_client(addr: str, port: int, timeout_s: float) -> dist.TCPStore:
     return dist.TCPStore(addr, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
 
 
+def store_server(addr: str, timeout_s: float) -> dist.TCPStore:
+    """A store hosted here for ranks to join as clients (``Rendezvous.store_hosted``), on a port the kernel
+    picks as it binds (its ``port``): a free port looked up first and bound later could be taken in between
+    by any other process that binds port 0, whose store the ranks would then join, or EADDRINUSE."""
+    return dist.TCPStore(addr, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s))
+
+
 def _agent_store_of_this_attempt(timeout_s: float) -> dist.Store | None:
     """Under torchrun, the store its agent hosts for the whole job (every rank a client: no rank binds a port
     of its own, which another process could take between torchrun picking it and rank 0 binding it), with
@@ -165,9 +172,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "g
             # freed here, where its threads run: freed in a forked child, its destructor waits forever on
             # threads the child does not have (a test hung that way in CI).
             gc.collect()
-        # The parent hosts the group's store on a port the kernel picks as it binds (port 0) and keeps it until
-        # the ranks are done. A free port looked up first and bound later by rank 0 could be taken in between
-        # by any process that binds port 0 (the other test worker's stores and sockets): EADDRINUSE. The store
+        # The parent hosts the group's store (``store_server``) and keeps it until the ranks are done. It
         # starts after the fork, as its server runs a thread: a child forked while that thread held a lock
         # would wait on it forever. The ranks read its port from a pipe.
         ports = mp.get_context(method).SimpleQueue()
@@ -176,8 +181,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "g
                                    nprocs=world_size, join=False, start_method=method)
         store = None
         try:
-            store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                  timeout=datetime.timedelta(seconds=timeout_s))
+            store = store_server("127.0.0.1", timeout_s)
             for _ in range(world_size):
                 ports.put(store.port)
             while not ranks.join():

@@ -29,7 +29,6 @@ A rank that hangs (no reply) is found by its peers: each of their collectives gi
 from __future__ import annotations
 
 import contextlib
-import datetime
 import os
 import sys
 import time
@@ -39,9 +38,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from torch.distributed import TCPStore
-
-from moetrain.distributed.world import DEFAULT_TIMEOUT_S, Rendezvous, run_in_world
+from moetrain.distributed.world import DEFAULT_TIMEOUT_S, Rendezvous, run_in_world, store_server
 from moetrain.errors import UserError
 from moetrain.runtime_base.recovery import (
     RECOVERY_ENV,
@@ -136,15 +133,13 @@ class RankActor:
         return ActorAddress(ray.util.get_node_ip_address(), os.getpid())
 
     def host_store(self, timeout_s: float) -> ActorAddress:
-        """Host a new rendezvous store (rank 0's actor, once per attempt) and say where: bound at once to a
-        port the OS picks, where a port picked free and bound later could be taken in between by another
-        process, whose store the ranks would then join. A fresh store each attempt holds no key of a failed
-        one (pytorch/pytorch#135712); it stays up, with this actor, until the next attempt replaces it."""
+        """Host a new rendezvous store (rank 0's actor, once per attempt; ``world.store_server``) and say
+        where. A fresh store each attempt holds no key of a failed one (pytorch/pytorch#135712); it stays up,
+        with this actor, until the next attempt replaces it."""
         import ray  # optional dependency; present in an actor, which Ray started
 
         host = ray.util.get_node_ip_address()
-        self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                               timeout=datetime.timedelta(seconds=timeout_s))
+        self._store = store_server(host, timeout_s)
         return ActorAddress(host, os.getpid(), self._store.port)
 
     def run(self, fn: Callable[..., Any], rank: int, world_size: int, args: tuple, master: ActorAddress,
