@@ -8,9 +8,17 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import yaml
 
+from moetrain.planner import calibration as calibration_module
 from moetrain.planner import fit
-from moetrain.planner.calibration import HOST_US_PER_KERNEL_EAGER, Efficiency, default_calibration
+from moetrain.planner.calibration import (
+    HOST_US_PER_KERNEL_EAGER,
+    MEASURED_PRIORS,
+    Calibration,
+    Efficiency,
+    default_calibration,
+)
 from moetrain.planner.fit import FitOptions, fit_calibration, predict_rows
 from moetrain.planner.validation import PreparedRow, prepare_row
 
@@ -151,3 +159,73 @@ def test_the_moe_pass_prior_is_the_measured_host_time_of_its_kernels() -> None:
 def test_rows_without_an_moe_layer_leave_the_moe_pass_cost_at_its_prior(published_rows: list[dict]) -> None:
     fitted = fit_calibration(_copies(published_rows, "MPT-6", "A", [0.60, 0.62, 0.64, 0.66]))
     assert fitted.global_params.moe_overhead_us == pytest.approx(885.7, abs=0.1)
+
+
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+
+
+def test_hoppers_gemm_prior_is_the_rate_moetrain_profile_fitted_on_each_hopper_device() -> None:
+    profiled = []
+    for name in ("planner_step_check_gpu.json", "planner_step_check_gpu_pangu-shaped-small.json",
+                 "planner_step_check_h200_pangu-shaped-small.json"):
+        check = json.loads((RESULTS / name).read_text())
+        assert "H100" in check["machine"]["device"] or "H200" in check["machine"]["device"]
+        profiled.append(yaml.safe_load(check["calibration"])["per_arch"]["hopper"]["gemm_max"])
+    assert profiled == pytest.approx([0.7218, 0.7181, 0.6855], abs=1e-4)
+    geometric_mean = math.exp(sum(math.log(v) for v in profiled) / 3)  # 0.7082
+    prior = MEASURED_PRIORS[("hopper", "gemm_max")]
+    assert prior.value == pytest.approx(geometric_mean, rel=1e-9) and prior.spread == 0.10
+    # the priors a fit starts from and falls back to: the measured rate on Hopper, the generic one elsewhere
+    assert default_calibration().for_device("h100-sxm-80gb").gemm_max == pytest.approx(0.7082, abs=1e-4)
+    assert default_calibration().for_device("a100-sxm-80gb").gemm_max == Efficiency().gemm_max == 0.75
+
+
+def test_a_measured_prior_one_spread_off_costs_what_a_row_ten_percent_off_costs(published_rows: list[dict]) -> None:
+    # Four H100 rows, each measured exactly as the priors predict them, so the data costs nothing there.
+    hopper = default_calibration()
+    rows = _copies(published_rows, "MPT-7", "H", [predict_rows(_copies(published_rows, "MPT-7", "H", [1.0]),
+                                                               hopper)[0]] * 4)
+    assert fit.fit_loss(rows, hopper).total == pytest.approx(0.0, abs=1e-20)
+
+    def moved(param: str, factor: float) -> Calibration:
+        per_arch = {"hopper": dict(hopper.per_arch["hopper"])}
+        if param == "gemm_max":
+            per_arch["hopper"]["gemm_max"] *= factor
+        glob = hopper.global_params if param == "gemm_max" else replace(
+            hopper.global_params, **{param: getattr(hopper.global_params, param) * factor})
+        return replace(hopper, global_params=glob, per_arch=per_arch)
+
+    # Hopper's GEMM rate 10 % (one spread) above its measurement: a residual of 0.1, in the Huber loss's
+    # squared part, halved as scipy's cost: 0.5 · 0.1² = 0.005, what one row 10 % off costs.
+    assert fit.fit_loss(rows, moved("gemm_max", 1.10)).prior == pytest.approx(0.5 * 0.1**2, rel=1e-9)
+    # a parameter with a generic prior moved as far pulls with PRIOR_WEIGHT 0.05: 0.5 · (0.05 · 0.1)²
+    assert fit.fit_loss(rows, moved("memory", 1.10)).prior == pytest.approx(0.5 * (0.05 * 0.1) ** 2, rel=1e-9)
+
+
+def test_the_measured_prior_holds_a_fit_back_from_rows_that_alone_would_move_it(
+        published_rows: list[dict], monkeypatch: pytest.MonkeyPatch) -> None:
+    # Four H100 rows measured as the model predicts them at a GEMM rate 30 % above the measured one; every
+    # other parameter held, so the GEMM rate alone answers them.
+    g0 = MEASURED_PRIORS[("hopper", "gemm_max")].value
+    at_data = replace(default_calibration(), per_arch={"hopper": {"gemm_max": 1.3 * g0}})
+    measured = predict_rows(_copies(published_rows, "MPT-7", "H", [1.0]), at_data)[0]
+    rows = _copies(published_rows, "MPT-7", "H", [measured] * 4)
+    only_gemm = FitOptions(fixed={p: getattr(Efficiency(), p) for p in fit.BOUNDS if p != "gemm_max"})
+    held_back = fit_calibration(rows, options=only_gemm).per_arch["hopper"]["gemm_max"]
+    monkeypatch.setattr(fit, "MEASURED_PRIORS", {})
+    monkeypatch.setattr(calibration_module, "MEASURED_PRIORS", {})
+    generic = fit_calibration(rows, options=only_gemm).per_arch["hopper"]["gemm_max"]
+    # The generic prior's weak pull leaves the rows' answer.
+    assert generic == pytest.approx(1.3 * g0, rel=0.01)
+
+    # The measured one holds the rate back to where the pulls balance. Beyond one spread the prior is in the
+    # Huber loss's linear part and pulls with C/g0 (C = 0.1); the four rows, each within C of its measurement
+    # there, pull with 4·r·dr/dg, r their log-ratio.
+    def log_ratio(g: float) -> float:
+        at = replace(default_calibration(), per_arch={"hopper": {"gemm_max": g}})
+        return math.log(predict_rows(rows[:1], at)[0] / measured)
+
+    assert 1.1 * g0 < held_back < generic
+    r, slope = log_ratio(held_back), (log_ratio(1.001 * held_back) - log_ratio(0.999 * held_back)) / (0.002 * held_back)
+    assert -0.1 < r < 0.0
+    assert 4 * r * slope == pytest.approx(-0.1 / g0, rel=0.03)

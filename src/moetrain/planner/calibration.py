@@ -80,6 +80,34 @@ MOE_PASS_PRIOR_US = (MOE_PASS_HOST_KERNELS[0] * MOE_PASS_HOST_KERNELS[1]) ** 0.5
 
 
 @dataclass(frozen=True)
+class MeasuredPrior:
+    """A fitted parameter's value as a kernel probe measured it on the hardware, and how far from it a fit
+    on published runs may sit before the pull back costs as much as a row that misses by the fit's loss
+    scale (``fit.LOSS_SCALE``, 10 %)."""
+
+    value: float
+    spread: float
+    """Relative deviation from ``value`` that the fit weighs like one row 10 % off."""
+
+
+# Hopper's large-GEMM rate as ``moetrain profile`` fitted it on each Hopper device this project has run on
+# (``per_arch.hopper.gemm_max`` in the calibration each check recorded): an H100 at 7d18c21
+# (benchmarks/results/planner_step_check_gpu.json), an H100 at a434bcb
+# (planner_step_check_gpu_pangu-shaped-small.json) and an H200 at 7b5f6aa
+# (planner_step_check_h200_pangu-shaped-small.json). ``gemm_max`` is the one fitted parameter such a probe
+# measures as the model defines it (a large GEMM's share of the peak); the fitted attention and element-wise
+# efficiencies also carry costs the probes do not run (benchmarks/notes/planner.md, "Free parameters").
+HOPPER_GEMM_MAX_PROFILED = (0.7217561951601656, 0.7180529310674478, 0.6854948827405707)
+# The spread: the probes' large GEMMs reach 0.69-0.79 of the peak across shapes and the two devices, and a
+# fitted rate stands for every GEMM of a training step.
+MEASURED_PRIORS: dict[tuple[str, str], MeasuredPrior] = {
+    ("hopper", "gemm_max"): MeasuredPrior(
+        value=(HOPPER_GEMM_MAX_PROFILED[0] * HOPPER_GEMM_MAX_PROFILED[1] * HOPPER_GEMM_MAX_PROFILED[2]) ** (1 / 3),
+        spread=0.10),
+}
+
+
+@dataclass(frozen=True)
 class Efficiency:
     """Efficiency factors for one device (global values with that device's overrides applied)."""
 
@@ -269,5 +297,9 @@ def with_shipped_cpu(calibration: Calibration) -> Calibration:
 
 
 def default_calibration() -> Calibration:
-    """Physics priors only (no fit): used when the shipped file is missing and as the fit's start."""
-    return Calibration(Efficiency(), {}, "priors")
+    """Physics priors only (no fit), the measured ones per architecture (``MEASURED_PRIORS``): used when the
+    shipped file is missing and as the fit's start and prior."""
+    per_arch: dict[str, dict[str, float]] = {}
+    for (arch, param), prior in MEASURED_PRIORS.items():
+        per_arch.setdefault(arch, {})[param] = prior.value
+    return Calibration(Efficiency(), per_arch, "priors")

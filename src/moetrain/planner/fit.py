@@ -20,7 +20,14 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from moetrain.errors import UserError
-from moetrain.planner.calibration import PER_ARCH_PARAMS, Calibration, Efficiency, arch_of, default_calibration
+from moetrain.planner.calibration import (
+    MEASURED_PRIORS,
+    PER_ARCH_PARAMS,
+    Calibration,
+    Efficiency,
+    arch_of,
+    default_calibration,
+)
 from moetrain.planner.costmodel import evaluate
 from moetrain.planner.strategy import Strategies
 from moetrain.planner.validation import PreparedRow, metric_of
@@ -36,6 +43,9 @@ MIN_ROWS_PER_ARCH = 4
 LOSS = "huber"
 LOSS_SCALE = 0.1
 # ``Efficiency`` fields not in BOUNDS (``calibration.NOT_FITTED``) keep their default in a fit.
+# The pull towards a generic prior: weak, so that only a parameter the rows leave unidentified stays there.
+# A measured prior (``calibration.MEASURED_PRIORS``) pulls with LOSS_SCALE / spread instead: a parameter one
+# spread away from its measurement costs what a row LOSS_SCALE off costs.
 PRIOR_WEIGHT = 0.05
 BOUNDS: dict[str, tuple[float, float]] = {
     "gemm_max": (0.2, 0.95),
@@ -133,12 +143,14 @@ class _Problem:
     upper: np.ndarray
     scale: np.ndarray
     weights: np.ndarray
+    prior_weights: np.ndarray
+    """Per free parameter: PRIOR_WEIGHT, or LOSS_SCALE / spread for a measured prior."""
 
     def residuals(self, x: np.ndarray) -> np.ndarray:
         predicted = predict_rows(self.speed_rows, _unpack(x, self.glob, self.per_arch, "", self.fixed))
         measured = np.array([r.measured for r in self.speed_rows])
         fit_term = self.weights * np.log(np.maximum(predicted, 1e-12) / measured)
-        return np.concatenate([fit_term, PRIOR_WEIGHT * (x - self.x0) / self.scale])
+        return np.concatenate([fit_term, self.prior_weights * (x - self.x0) / self.scale])
 
     def point(self, calibration: Calibration) -> np.ndarray:
         """``calibration``'s values of the free parameters (per-architecture ones where it has them)."""
@@ -154,15 +166,19 @@ def _problem(rows: list[PreparedRow], options: FitOptions) -> _Problem:
         raise UserError("no speed rows to fit on (memory rows do not constrain efficiencies)")
     fixed = dict(options.fixed)
     glob, per_arch = _layout(speed_rows, options.per_arch_params, fixed)
-    prior = default_calibration().global_params
-    x0 = np.array([getattr(prior, p) for p in glob] + [getattr(prior, p) for _, p in per_arch])
+    priors = default_calibration()
+    x0 = np.array([getattr(priors.global_params, p) for p in glob]
+                  + [priors.per_arch.get(a, {}).get(p, getattr(priors.global_params, p)) for a, p in per_arch])
+    prior_weights = np.array([PRIOR_WEIGHT] * len(glob) + [
+        LOSS_SCALE / MEASURED_PRIORS[(a, p)].spread if (a, p) in MEASURED_PRIORS else PRIOR_WEIGHT
+        for a, p in per_arch])
     lower = np.array([BOUNDS[p][0] for p in glob] + [BOUNDS[p][0] for _, p in per_arch])
     upper = np.array([BOUNDS[p][1] for p in glob] + [BOUNDS[p][1] for _, p in per_arch])
     family_rows = Counter(r.family for r in speed_rows)
     weights = np.array([family_rows[r.family] ** (-options.family_weight_power / 2) for r in speed_rows])
     weights = weights / np.sqrt(np.mean(weights**2))  # the prior keeps its pull relative to the data
     return _Problem(speed_rows, glob, per_arch, fixed, x0, lower, upper, np.maximum(np.abs(x0), upper * 0.05),
-                    weights)
+                    weights, prior_weights)
 
 
 def _rho(residuals: np.ndarray, loss: str, loss_scale: float) -> np.ndarray:
