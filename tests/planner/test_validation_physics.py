@@ -228,3 +228,25 @@ def test_dgxc_rows_are_the_stated_runs(published_rows: list[dict]) -> None:
     assert len(moe) == 14 and all(int(p.strategy.ep[0]) == 8 for p in moe)
     with path.open(newline="") as f:
         assert csv.DictReader(f).fieldnames == list(published_rows[0])
+
+
+def test_llama3_rows_are_the_stated_runs(published_rows: list[dict]) -> None:
+    """benchmarks/data/llama3_heldout.csv: Table 4 of the Llama 3 paper, none of it in the calibration file; each
+    value the BF16 MFU its source quotes, each layout the stated one with 16M tokens per batch."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "llama3_heldout.csv"
+    held = read_rows(path)
+    prepared, unsimulable = prepare_all(held)
+    assert unsimulable == [] and len(prepared) == 3
+    assert not {r["id"] for r in held} & {r["id"] for r in published_rows}
+    for row in held:
+        mfu = float(re.search(r"BF16 MFU (0\.\d+)", row["source"]).group(1))
+        tflops = float(re.search(r"(\d+) TFLOP/s per GPU", row["source"]).group(1))
+        assert float(row["value"]) == mfu and row["metric"] == "mfu"
+        assert tflops / 989.4 == pytest.approx(mfu, abs=0.006)  # the two columns agree at the H100's peak
+        tp, pp, cp, dp = (int(row[k]) for k in ("tp", "pp", "cp", "dp"))
+        assert (tp, pp) == (8, 16) and int(row["num_devices"]) == tp * pp * cp * dp, row["id"]
+        assert int(row["global_batch_seqs"]) * int(row["seq_len"]) == 16 * 2**20, row["id"]  # 16M tokens
+    # 126 layers, the embedding and the head as 128 one-layer chunks, 8 per rank
+    assert all(int(p.strategy.vpp[0]) == 8 and p.workload.model.num_layers == 126 for p in prepared)
+    with path.open(newline="") as f:
+        assert csv.DictReader(f).fieldnames == list(published_rows[0])
