@@ -44,6 +44,7 @@ run planner_vtrain_heldout.py
 run planner_vtrain_bubble.py
 run planner_vtrain_residuals.py  # --cv-variants reruns its slow variants (kept from the last run otherwise)
 run planner_dgxc_heldout.py --cv-variant --cv-with-dgxc
+run planner_llama3_heldout.py
 # planner_fit_basins*.json compare the fold without MPT with branch planfit5's fit of it, from an export of that
 # branch in /tmp/pf5 (commands in benchmarks/planner_fit_basins.py's docstring); skipped without the export.
 if [[ -d /tmp/pf5/src ]]; then
