@@ -210,14 +210,24 @@ def test_held_out_vtrain_rows_complement_the_calibration_file(published_rows: li
         assert csv.DictReader(f).fieldnames == list(published_rows[0])
 
 
+def _held_out_file(name: str, published_rows: list[dict]) -> tuple[list[dict], list]:
+    """A held-out file of benchmarks/data: its raw rows and the prepared ones, after checking that the simulator
+    takes every row, that no id is one of the calibration file's and that the columns are its columns."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / name
+    held = read_rows(path)
+    prepared, unsimulable = prepare_all(held)
+    assert unsimulable == []
+    assert not {r["id"] for r in held} & {r["id"] for r in published_rows}
+    with path.open(newline="") as f:
+        assert csv.DictReader(f).fieldnames == list(published_rows[0])
+    return held, prepared
+
+
 def test_dgxc_rows_are_the_stated_runs(published_rows: list[dict]) -> None:
     """benchmarks/data/dgxc_heldout.csv: NVIDIA's DGX Cloud benchmark runs, none of them in the calibration file,
     each value the step time its source quotes, each layout consistent with its stated gradient accumulation."""
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "dgxc_heldout.csv"
-    held = read_rows(path)
-    prepared, unsimulable = prepare_all(held)
-    assert unsimulable == [] and len(prepared) == 48
-    assert not {r["id"] for r in held} & {r["id"] for r in published_rows}
+    held, prepared = _held_out_file("dgxc_heldout.csv", published_rows)
+    assert len(prepared) == 48
     for row in held:
         assert float(row["value"]) == float(re.search(r"training step time (\d+(?:\.\d+)?) s", row["source"]).group(1))
         tp, pp, cp, dp = (int(row[k]) for k in ("tp", "pp", "cp", "dp"))
@@ -226,18 +236,13 @@ def test_dgxc_rows_are_the_stated_runs(published_rows: list[dict]) -> None:
         assert int(row["global_batch_seqs"]) == accumulation * dp * int(row["micro_batch"]), row["id"]
     moe = [p for p in prepared if p.workload.model.moe is not None]
     assert len(moe) == 14 and all(int(p.strategy.ep[0]) == 8 for p in moe)
-    with path.open(newline="") as f:
-        assert csv.DictReader(f).fieldnames == list(published_rows[0])
 
 
 def test_llama3_rows_are_the_stated_runs(published_rows: list[dict]) -> None:
     """benchmarks/data/llama3_heldout.csv: Table 4 of the Llama 3 paper, none of it in the calibration file; each
     value the BF16 MFU its source quotes, each layout the stated one with 16M tokens per batch."""
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "llama3_heldout.csv"
-    held = read_rows(path)
-    prepared, unsimulable = prepare_all(held)
-    assert unsimulable == [] and len(prepared) == 3
-    assert not {r["id"] for r in held} & {r["id"] for r in published_rows}
+    held, prepared = _held_out_file("llama3_heldout.csv", published_rows)
+    assert len(prepared) == 3
     for row in held:
         mfu = float(re.search(r"BF16 MFU (0\.\d+)", row["source"]).group(1))
         tflops = float(re.search(r"(\d+) TFLOP/s per GPU", row["source"]).group(1))
@@ -248,5 +253,3 @@ def test_llama3_rows_are_the_stated_runs(published_rows: list[dict]) -> None:
         assert int(row["global_batch_seqs"]) * int(row["seq_len"]) == 16 * 2**20, row["id"]  # 16M tokens
     # 126 layers, the embedding and the head as 128 one-layer chunks, 8 per rank
     assert all(int(p.strategy.vpp[0]) == 8 and p.workload.model.num_layers == 126 for p in prepared)
-    with path.open(newline="") as f:
-        assert csv.DictReader(f).fieldnames == list(published_rows[0])
