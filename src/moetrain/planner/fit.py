@@ -154,10 +154,16 @@ class _Problem:
 
     def point(self, calibration: Calibration) -> np.ndarray:
         """``calibration``'s values of the free parameters (per-architecture ones where it has them)."""
-        def value(arch: str | None, param: str) -> float:
-            per_arch = calibration.per_arch.get(arch, {}) if arch else {}
-            return per_arch.get(param, getattr(calibration.global_params, param))
-        return np.array([value(None, p) for p in self.glob] + [value(a, p) for a, p in self.per_arch])
+        return _free_values(calibration, self.glob, self.per_arch)
+
+
+def _free_values(calibration: Calibration, glob: list[str], per_arch: list[tuple[str, str]]) -> np.ndarray:
+    """The values of the free parameters ``glob`` and ``per_arch`` in ``calibration``: a per-architecture one
+    where it has one, else the global value."""
+    def value(arch: str | None, param: str) -> float:
+        overrides = calibration.per_arch.get(arch, {}) if arch else {}
+        return overrides.get(param, getattr(calibration.global_params, param))
+    return np.array([value(None, p) for p in glob] + [value(a, p) for a, p in per_arch])
 
 
 def _problem(rows: list[PreparedRow], options: FitOptions) -> _Problem:
@@ -166,9 +172,7 @@ def _problem(rows: list[PreparedRow], options: FitOptions) -> _Problem:
         raise UserError("no speed rows to fit on (memory rows do not constrain efficiencies)")
     fixed = dict(options.fixed)
     glob, per_arch = _layout(speed_rows, options.per_arch_params, fixed)
-    priors = default_calibration()
-    x0 = np.array([getattr(priors.global_params, p) for p in glob]
-                  + [priors.per_arch.get(a, {}).get(p, getattr(priors.global_params, p)) for a, p in per_arch])
+    x0 = _free_values(default_calibration(), glob, per_arch)
     prior_weights = np.array([PRIOR_WEIGHT] * len(glob) + [
         LOSS_SCALE / MEASURED_PRIORS[(a, p)].spread if (a, p) in MEASURED_PRIORS else PRIOR_WEIGHT
         for a, p in per_arch])
