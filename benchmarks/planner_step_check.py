@@ -10,13 +10,21 @@ the measured step time with ``moetrain simulate`` using the profiled calibration
         --seq-len 4096 --global-batch 8 --measured benchmarks/results/step_speed_h200.json \
         --variant compiled:8:block                        # the step measured there, not trained again
 
+    python benchmarks/planner_step_check.py --device cuda --cluster h200-sxm-141gb \
+        --model benchmarks/data/pangu-shaped-small.yaml --seq-len 4096 --global-batch 8 \
+        --measured benchmarks/results/step_speed_h200.json --variant compiled:8:block \
+        --calibration benchmarks/results/planner_step_check_h200_pangu-shaped-small.json \
+        --out benchmarks/results/planner_step_check_h200_pangu-shaped-small_repriced.json
+                                       # that check re-priced on any machine, with the profile it recorded
+
 The trainer's defaults (moetrain.config.TrainingConfig: global batch 16, micro-batch 4, seq 128) are
 passed explicitly to both sides so that they describe the same step: fp32 on CPU, bf16 autocast on
 CUDA (``--precision bf16`` for the simulator). ``--measured`` takes the measured step from a
 ``step_speed.py`` result (its variant's micro-batch and median step) instead of training again, and with
-it the device time by kind of kernel, which the check sets against the simulator's terms (``terms``:
-the experts' grouped GEMMs; attention with the dense GEMMs of projections, router, shared experts and
-head; element-wise kernels; the optimizer; what the device did not fill). Writes
+it the device time by kind of kernel, which the check sets against the simulator's terms (``terms``,
+which add up to the simulated step: the experts' grouped GEMMs; the fused attention core; the dense
+GEMMs of projections, router, shared experts, dense FFN and head; element-wise kernels; the optimizer;
+what the device did not fill; the rest). Writes
 ``benchmarks/results/planner_step_check_<device>[_<model>].json``.
 """
 
@@ -51,20 +59,47 @@ def measured_step(path: str, variants: str) -> dict:
 
 
 def compare_terms(simulated: dict, measured_s: float, device_ms_by_kind: dict[str, float]) -> list[dict]:
-    """Simulated seconds per step against the measured device time of the kinds of kernel that run them."""
+    """The simulated step (``moetrain simulate --json``) term by term against the measured device time of
+    the kinds of kernel that run each term (``gpu_step_profile.KERNEL_KINDS``). The simulated terms add up
+    to the simulated step: what no kind of kernel runs (communication, the pipeline bubble, MTP modules,
+    the per-step overhead) is the last row, ``other``, measured as 0 on one device."""
     compute = simulated["compute_s"]
+    part = lambda name: compute.get(name, 0.0)  # noqa: E731  (parts the model has not are absent)
     kinds = {kind: ms / 1e3 for kind, ms in device_ms_by_kind.items()}
     busy = sum(kinds.values())
+    core = simulated["attention_core_s"]
     rows = [
-        ("experts (grouped GEMMs)", compute["experts"], kinds.get("grouped_gemm", 0.0)),
-        ("attention and dense GEMMs",
-         compute["attention"] + compute["router"] + compute["shared_experts"] + compute["head"],
-         kinds.get("attention", 0.0) + kinds.get("gemm", 0.0)),
-        ("element-wise", compute["elementwise"], kinds.get("elementwise", 0.0) + kinds.get("copy", 0.0)),
+        ("experts (grouped GEMMs)", part("experts"), kinds.get("grouped_gemm", 0.0)),
+        ("fused attention core", core, kinds.get("attention", 0.0)),
+        ("dense GEMMs", part("attention") - core + part("router") + part("shared_experts") + part("dense_ffn")
+         + part("head"), kinds.get("gemm", 0.0)),
+        ("element-wise", part("elementwise") + part("embed") + part("fp8_casts"),
+         kinds.get("elementwise", 0.0) + kinds.get("copy", 0.0)),
+        # the optimizer step as priced, no faster than the profile's timing of the trainer's whole update, which
+        # on a GPU is the device's own time (the simulator books what it has beyond the device formula as the
+        # host's, ``host_wait_s``: taken out of the idle row below)
         ("optimizer", simulated["optimizer_s"], kinds.get("optimizer", 0.0)),
-        ("device idle (host-bound)", simulated.get("host_wait_s", 0.0), max(0.0, measured_s - busy)),
+        # the layers' wait for the host, and the MoE layer's fixed cost: the device idling while the host issues
+        # the pass after the dispatch's count sync (``layer_costs.moe_pass_seconds``)
+        ("device idle (host-bound)",
+         simulated["host_wait_s"] - (simulated["optimizer_s"] - simulated["optimizer_device_s"]) + part("moe_fixed"),
+         max(0.0, measured_s - busy)),
     ]
+    named = sum(sim for _, sim, _ in rows)
+    rows.append(("other (communication, bubble, MTP)", simulated["step_time_s"] - named, 0.0))
     return [{"term": term, "simulated_s": sim, "measured_s": meas, "miss_s": sim - meas} for term, sim, meas in rows]
+
+
+def calibration_file(path: str, folder: str) -> str:
+    """``path`` as a calibration file: a planner_step_check result gives the calibration it recorded (written
+    into ``folder``); anything else is taken as a calibration file already."""
+    if path.endswith(".json"):
+        recorded = json.loads(Path(path).read_text()).get("calibration")
+        if isinstance(recorded, str):
+            out = Path(folder) / "recorded_calibration.yaml"
+            out.write_text(recorded)
+            return str(out)
+    return path
 
 
 def main() -> None:
@@ -87,10 +122,16 @@ def main() -> None:
     parser.add_argument("--measured", default=None, help="a step_speed.py result holding the measured step")
     parser.add_argument("--variant", default=None, help="with --measured: its variant (e.g. compiled:8:block; a comma "
                                                         "list: the first the result holds)")
+    parser.add_argument("--calibration", default=None,
+                        help="price the step with this calibration instead of profiling the device (with --measured "
+                             "and --cluster: re-price a recorded check on any machine, e.g. the calibration a GPU "
+                             "check recorded, saved to a file)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.calibration and not (args.measured and args.cluster):
+        parser.error("--calibration re-prices a measured step: give --measured and --cluster too")
     cuda = args.device == "cuda"
-    if cuda:
+    if cuda and not args.cluster:
         import torch
 
         from moetrain.config import cluster_for_device
@@ -110,13 +151,14 @@ def main() -> None:
         # The machine may be shared: profile several times and keep the least disturbed profile (the fastest
         # GEMMs), as rl_simulate_check.py does; every profile's GEMM efficiency is recorded.
         profiles = []
-        for i in range(args.profiles or (1 if cuda else 3)):
+        for i in range(0 if args.calibration else args.profiles or (1 if cuda else 3)):
             out_i = str(Path(tmp) / f"profile{i}.yaml")
             measured_i = json.loads(_moetrain("profile", "--cluster", cluster, "--device", args.device, "--model",
                                               args.model, "--out", out_i, "--repeats", "7", "--threads",
                                               str(args.threads), "--json"))
             profiles.append((measured_i, out_i))
-        profile, calibration = max(profiles, key=lambda p: p[0]["efficiencies"]["gemm_max"])
+        profile, calibration = (max(profiles, key=lambda p: p[0]["efficiencies"]["gemm_max"]) if profiles
+                                else ({"measurements": None}, calibration_file(args.calibration, tmp)))
         if measured_row is not None:
             # the steps step_speed.py timed (records older than ``timed_steps_s``: all but the first)
             measured_steps = measured_row.get("timed_steps_s") or measured_row["steps_s"][1:]
@@ -129,7 +171,7 @@ def main() -> None:
             measured_steps = [r["step_time_s"] for r in rows[args.skip:]]
         simulated = json.loads(_moetrain(
             "simulate", "--model", args.model, "--cluster", cluster, "--devices", "1", "--seq-len", str(args.seq_len),
-            "--global-batch", str(args.global_batch), "--micro-batch", str(args.micro_batch), "--precision", dtype,
+            "--global-batch", str(args.global_batch), "--micro-batch", str(args.micro_batch), "--dtype", dtype,
             "--calibration", calibration, "--json"))
         profiled = Path(calibration).read_text()
     measured = statistics.median(measured_steps)
@@ -139,7 +181,7 @@ def main() -> None:
     if measured_row is not None and measured_row.get("device_ms_by_kind"):
         terms = compare_terms(simulated, measured, measured_row["device_ms_by_kind"])
         for t in terms:
-            print(f"  {t['term']:28s} simulated {t['simulated_s'] * 1e3:8.1f} ms  measured "
+            print(f"  {t['term']:36s} simulated {t['simulated_s'] * 1e3:8.1f} ms  measured "
                   f"{t['measured_s'] * 1e3:8.1f} ms  miss {t['miss_s'] * 1e3:+8.1f} ms")
     write_result(out, {
         "model": args.model,
@@ -149,7 +191,9 @@ def main() -> None:
         "seq_len": args.seq_len,
         "global_batch": args.global_batch,
         "micro_batch": args.micro_batch,
-        "simulated": {k: simulated[k] for k in ("compute_s", "optimizer_s", "bubble_s", "host_wait_s", "memory_gib")},
+        "simulated": {k: simulated[k] for k in ("compute_s", "attention_core_s", "optimizer_s", "optimizer_device_s",
+                                                "bubble_s", "host_wait_s", "memory_gib")},
+        "calibration_from": args.calibration or "moetrain profile on this machine (this run)",
         "measured_from": f"{args.measured} {measured_row['variant']}" if measured_row else "moetrain train (this run)",
         "measured_step_time_s": measured,
         "measured_steps_s": measured_steps,

@@ -69,9 +69,11 @@ def simulate_layout(args: argparse.Namespace) -> dict:
         "bubble_s": p.bubble_s,
         "bubble_fraction": p.bubble_fraction,
         "optimizer_s": p.optimizer_s,
+        "optimizer_device_s": p.optimizer_device_s,
         "host_wait_s": p.host_wait_s,
         "host_is_device": workload.cluster.host_is_device,
         "compute_s": p.compute_s,
+        "attention_core_s": p.attention_core_s,
         "communication_s": {name: ({} if t.total_s is None else {"total_s": t.total_s}) | {"exposed_s": t.exposed_s}
                             for name, t in p.communication_s.items()},
         "memory_gib": p.memory_gib,
@@ -118,12 +120,15 @@ def run(args: argparse.Namespace) -> int:
     print("\ncompute (per step, busiest stage)      seconds")
     for name, value in result["compute_s"].items():
         print(f"  {name:34s} {value:10.4g}")
+        if name == "attention":
+            print(f"  {'  of which the fused core':34s} {result['attention_core_s']:10.4g}")
     print("\ncommunication                         total       exposed")
     for name, value in result["communication_s"].items():
         total = value.get("total_s")
         print(f"  {name:34s} {'' if total is None else f'{total:10.4g}':>10s}  {value['exposed_s']:10.4g}")
     print(f"  {'pipeline bubble':34s} {'':10s}  {result['bubble_s']:10.4g}  ({result['bubble_fraction']:.1%})")
-    print(f"  {'optimizer step':34s} {'':10s}  {result['optimizer_s']:10.4g}")
+    # the device's part: what the host adds is in the next line, with the layers' wait for it
+    print(f"  {'optimizer step':34s} {'':10s}  {result['optimizer_device_s']:10.4g}")
     if result["host_wait_s"] > 0:
         # on a CPU the host's own work (Python, dispatch, autograd) adds to the kernels' instead of idling them
         host = "host work beyond the kernels" if result["host_is_device"] else "device waiting for the host"

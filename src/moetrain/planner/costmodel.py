@@ -33,6 +33,7 @@ from moetrain.planner.compute import gemm_time, memory_time
 from moetrain.planner.device_memory import LocalParams, MemoryBytes, device_memory, zero3_every_micro_batch
 from moetrain.planner.layer_costs import (
     LayerCosts,
+    LayerParts,
     exposed_tp,
     full_recompute_share,
     layer_costs,
@@ -106,18 +107,30 @@ class DataParallelTimes(Columns):
 
 @dataclass(frozen=True)
 class ComputeTimes(Columns):
-    """Compute per step on the busiest stage, forward + backward + recompute (3× the forward), by layer
-    part; parts a layer does not have are 0 (``router_s`` etc. of a dense model, ``dense_ffn_s`` of an
-    MoE model)."""
+    """Compute per step on the busiest stage, forward, backward and recompute, part by part
+    (``layer_costs.LayerParts``) over the stage's own layers: the dense ones of a dense-first MoE model
+    where the stage holds them, and its ends. Parts the stage does not have are 0 (``router_s`` etc. of a
+    dense model). Apart from ``attention_core_s`` (of ``attention_s``) the fields add up to the stage's
+    compute: with the host's wait and the exposed communication, to the pipeline's time."""
 
     attention_s: np.ndarray
+    """Projections and the fused core."""
+    attention_core_s: np.ndarray
+    """Of ``attention_s``: the fused core (QKᵀ, softmax, PV)."""
     router_s: np.ndarray
     experts_s: np.ndarray
     shared_experts_s: np.ndarray
     dense_ffn_s: np.ndarray
     elementwise_s: np.ndarray
+    moe_fixed_s: np.ndarray
+    """The MoE layers' fixed cost per pass (``Efficiency.moe_overhead_us``)."""
+    fp8_casts_s: np.ndarray
+    embed_s: np.ndarray
+    """Embedding (first stage)."""
     head_s: np.ndarray
     """Output head and loss (last stage)."""
+    mtp_s: np.ndarray
+    """Multi-token prediction modules (last stage), on the device."""
 
 
 @dataclass(frozen=True)
@@ -133,6 +146,9 @@ class StepCosts(Columns):
     num_micro_batches: np.ndarray
     """Per pipeline (per data-parallel replica)."""
     optimizer_s: np.ndarray
+    """The optimizer step, no faster than the host issues it."""
+    optimizer_device_s: np.ndarray
+    """Of ``optimizer_s``: the device's part (the rest is in ``host_wait_s``)."""
     host_wait_s: np.ndarray
     """The pipeline's ``host_wait_s`` plus the optimizer step's wait for the host."""
     stages: StageTimes
@@ -374,11 +390,40 @@ def pipeline_times(w: Workload, s: Strategies, eff: Efficiency, dense: LayerCost
         tp_comm_s=per_step * body.tp_comm, tp_exposed_s=per_step * exposed_tp(w, eff, body),
         a2a_s=per_step * body.a2a, a2a_exposed_s=per_step * body.a2a_exposed, cp_exposed_s=per_step * body.cp_exposed,
         p2p_s=num_micro * st.p2p, host_wait_s=host_wait)
-    compute = ComputeTimes.broadcast(
-        len(s), **{f"{name}_s": per_step * 3.0 * getattr(body, name) for name in (
-            "attention", "router", "experts", "shared_experts", "dense_ffn", "elementwise")},
-        head_s=num_micro * ends.head)
+    compute = _busiest_stage_compute(w, s, st, passes, dense, body, num_micro)
     return _stage_times(w, s, st, passes, body), pipeline, compute
+
+
+def _busiest_stage_compute(w: Workload, s: Strategies, st: _Stages, passes: _MicroBatchPasses,
+                           dense: LayerCosts | None, body: LayerCosts, num_micro) -> ComputeTimes:
+    """The busiest stage's compute per step, part by part: its dense and body layers' ``LayerParts`` and its
+    ends. A single stage holds everything; of several, the slowest one's own (the first holds the dense
+    layers and the embedding, the last the head and MTP); an uneven split, balanced layer by layer, is
+    told by its mean rank (every part over pp)."""
+    model = w.model
+    pp = s.pp.astype(float)
+    ends = passes.ends
+    num_dense = float(model.num_layers - model.num_moe_layers) if model.moe is not None else 0.0
+    first_busiest = (pp == 1) | ((st.first >= st.last) & ((pp <= 2) | (st.first >= st.middle)))
+    last_busiest = (pp == 1) | (~first_busiest & ((pp <= 2) | (st.last >= st.middle)))
+    n_dense = np.where(st.uneven, num_dense / pp, np.where(first_busiest, st.dense_first, 0.0))
+    n_body = np.where(st.uneven, (model.num_layers - num_dense) / pp, st.layers_per_stage - n_dense)
+    holds_first = np.where(st.uneven, 1.0 / pp, first_busiest)
+    holds_last = np.where(st.uneven, 1.0 / pp, last_busiest)
+    # the MTP modules' layer pass carries the host floor; the pipeline's host wait counts it on one stage
+    mtp_gap = np.where(pp == 1, model.num_mtp_layers * (passes.body.time - passes.body.device), 0.0)
+    dense_parts = dense.parts if dense is not None else LayerParts()
+
+    def stage_total(name: str):
+        return num_micro * (n_dense * getattr(dense_parts, name) + n_body * getattr(body.parts, name))
+
+    return ComputeTimes.broadcast(
+        len(s), attention_s=stage_total("attention_projections") + stage_total("attention_core"),
+        attention_core_s=stage_total("attention_core"),
+        **{f"{name}_s": stage_total(name) for name in (
+            "router", "experts", "shared_experts", "dense_ffn", "elementwise", "moe_fixed", "fp8_casts")},
+        embed_s=num_micro * holds_first * ends.embed, head_s=num_micro * holds_last * ends.head,
+        mtp_s=num_micro * holds_last * (ends.mtp - mtp_gap))
 
 
 @dataclass(frozen=True)
@@ -543,5 +588,6 @@ def evaluate(w: Workload, s: Strategies, eff: Efficiency) -> StepCosts:
     return StepCosts(
         step_time_s=column(step), tokens_per_s=column(tokens / step), mfu=column(mfu),
         hardware_flops_factor=column(hardware_flops_factor(w, s)), num_micro_batches=column(num_micro),
-        optimizer_s=column(optimizer), host_wait_s=column(pipeline.host_wait_s + (optimizer - optimizer_device)),
+        optimizer_s=column(optimizer), optimizer_device_s=column(optimizer_device),
+        host_wait_s=column(pipeline.host_wait_s + (optimizer - optimizer_device)),
         stages=stages, pipeline=pipeline, dp=dp, compute=compute, memory=device_memory(w, s, params, num_micro))

@@ -80,6 +80,31 @@ warm-up and cool-down (``docs/zh/features/megatron_moe/megatron-moe-fb-overlap.m
 
 
 @dataclass(frozen=True)
+class LayerParts:
+    """One layer pass's compute part by part, forward, backward and recompute together: the parts add up to
+    ``LayerCosts.compute``, so a step's time can be told by what spends it (``costmodel.ComputeTimes``)."""
+
+    attention_projections: object = 0.0
+    """The projections' GEMMs (MLA's up-projections again under selective recompute)."""
+    attention_core: object = 0.0
+    """The fused core (QKᵀ, softmax, PV): its forward and its own backward (``ATTENTION_BACKWARD_OVER_FORWARD``)."""
+    router: object = 0.0
+    experts: object = 0.0
+    shared_experts: object = 0.0
+    dense_ffn: object = 0.0
+    elementwise: object = 0.0
+    """Norms, residuals, rotary, activation, permutes: the memory-bound kernels and every kernel's launch."""
+    moe_fixed: object = 0.0
+    """The MoE layer's fixed cost per pass (``moe_pass_seconds``)."""
+    fp8_casts: object = 0.0
+
+    @property
+    def total(self):
+        return (self.attention_projections + self.attention_core + self.router + self.experts
+                + self.shared_experts + self.dense_ffn + self.elementwise + self.moe_fixed + self.fp8_casts)
+
+
+@dataclass(frozen=True)
 class LayerCosts:
     """One layer pass of one micro-batch on one device; each field an array over strategies (or 0.0)."""
 
@@ -117,6 +142,8 @@ class LayerCosts:
     """Of the MoE block's forward: the fixed cost per MoE layer pass (``Efficiency.moe_overhead_us``)."""
     fp8_casts: object = 0.0
     """Quantising the FP8 GEMMs' operands, forward and backward of the pass (``FP8_CAST_BYTES_PER_ELEMENT``)."""
+    parts: LayerParts = LayerParts()
+    """``compute`` part by part."""
 
     @property
     def compute(self):
@@ -452,8 +479,8 @@ def layer_costs(w: Workload, s: Strategies, eff: Efficiency, moe_layer: bool, nu
     # Selective recompute runs again what its memory set frees (``costs.activations.SELECTIVE_OPTIONS``:
     # norms, MLA up-projections, activation, permute, router): not the core attention, whose kept tensors
     # it leaves in place. Norms, activation, permute and router are about half the element-wise bytes.
-    recompute = full_share * fwd + (1.0 - full_share) * selective_recompute_share(s.recompute) * (
-        attn.mla_up + 0.5 * elem)
+    selective_share = (1.0 - full_share) * selective_recompute_share(s.recompute)
+    recompute = full_share * fwd + selective_share * (attn.mla_up + 0.5 * elem)
     # Tensor-parallel collectives: per layer forward, an all-gather and a reduce-scatter (or one
     # all-reduce) around attention and around the FFN, each of the full t_att × h activation.
     tp_in_node = ranks_per_node(s.tp, 1, cluster.fabric_devices)
@@ -466,6 +493,15 @@ def layer_costs(w: Workload, s: Strategies, eff: Efficiency, moe_layer: bool, nu
                  shared_experts=np.broadcast_to(ffn.shared_time, tok.att.shape) if is_moe else 0.0,
                  dense_ffn=ffn.dense_ffn, elementwise=elem, attention_core=attn.core,
                  moe_pass=moe_pass, fp8_casts=casts.forward + casts.backward)
+    # forward and backward (twice the forward, the core attention its own ratio), and what recompute repeats
+    passes = 3.0 + full_share
+    step_parts = LayerParts(
+        attention_projections=passes * attn.proj + selective_share * attn.mla_up,
+        attention_core=(1.0 + full_share) * attn.core + attn.core_bwd,
+        router=passes * ffn.router, experts=passes * ffn.experts,
+        shared_experts=passes * ffn.shared_time, dense_ffn=passes * ffn.dense_ffn,
+        elementwise=passes * elem + selective_share * 0.5 * elem, moe_fixed=passes * moe_pass,
+        fp8_casts=(1.0 + full_share) * casts.forward + casts.backward)
     tp_comm = ffn.num_tp_collectives * one_tp * (2.0 + full_share) + ffn.router_tp_comm * (1.0 + full_share)
     # Of the backward's collectives, half are the column-parallel layers' input gradients (q/k/v and the
     # first FFN matrix), which Megatron's asynchronous TP all-reduce and Transformer Engine's Linear start
@@ -475,7 +511,7 @@ def layer_costs(w: Workload, s: Strategies, eff: Efficiency, moe_layer: bool, nu
     async_hidden = (np.minimum(0.5 * ffn.num_tp_collectives * one_tp, column_wgrad)
                     if w.async_tp_input_grad else 0.0)
     costs = LayerCosts(fwd, bwd, recompute, tp_comm, async_hidden,
-                       _cp_exposed(w, s, eff, tok, attn), **parts)
+                       _cp_exposed(w, s, eff, tok, attn), **parts, parts=step_parts)
     if not is_moe:
         return costs
     # dispatch + combine in the forward, and again in the backward and in a full recompute; the counts'

@@ -43,9 +43,13 @@ class LayoutPrediction:
     """Idle time of the busiest pipeline rank."""
     bubble_fraction: float
     optimizer_s: float
+    optimizer_device_s: float
+    """Of ``optimizer_s``: the device's part; the rest is in ``host_wait_s``."""
     host_wait_s: float
     compute_s: dict[str, float]
-    """Per step on the busiest stage, by layer part (those the model's layers have) and the head."""
+    """Per step on the busiest stage, by part (``_compute_parts``): they add up to its compute."""
+    attention_core_s: float
+    """Of ``compute_s["attention"]``: the fused core."""
     communication_s: dict[str, Traffic]
     memory_gib: dict[str, float]
     """weights, grads, optimizer, activations, buffers and their total, per device."""
@@ -58,11 +62,18 @@ class LayoutPrediction:
 
 
 def _compute_parts(workload: Workload, costs: StepCosts) -> dict[str, float]:
+    """The busiest stage's compute per step by part (``ComputeTimes``, which add up to it): the layer parts
+    the model has, the head, and the rest where they cost anything."""
     c = costs.compute
-    ffn = ({"router": c.router_s, "experts": c.experts_s, "shared_experts": c.shared_experts_s}
-           if workload.model.moe is not None else {"dense_ffn": c.dense_ffn_s})
-    parts = {"attention": c.attention_s, **ffn, "elementwise": c.elementwise_s, "head": c.head_s}
-    return {name: float(value[0]) for name, value in parts.items()}
+    moe = workload.model.moe is not None
+    always = {"attention": c.attention_s, **({"router": c.router_s, "experts": c.experts_s,
+                                              "shared_experts": c.shared_experts_s} if moe else {}),
+              "dense_ffn": c.dense_ffn_s, "elementwise": c.elementwise_s, "head": c.head_s}
+    if moe and not workload.model.num_dense_layers:
+        del always["dense_ffn"]
+    if_any = {"moe_fixed": c.moe_fixed_s, "fp8_casts": c.fp8_casts_s, "embed": c.embed_s, "mtp": c.mtp_s}
+    parts = {name: float(value[0]) for name, value in always.items()}
+    return parts | {name: float(value[0]) for name, value in if_any.items() if float(value[0]) > 0.0}
 
 
 def _memory_gib(costs: StepCosts) -> dict[str, float]:
@@ -106,7 +117,8 @@ def simulate_layout(workload: Workload, parallel: ParallelConfig, devices: int, 
         tokens_per_s=tokens / step, tokens_per_s_per_device=tokens / step / devices,
         mfu=float(costs.mfu_at(step)[0]), bubble_s=timeline.step_time_s - timeline.busy_s[busiest],
         bubble_fraction=timeline.bubble_fraction[busiest], optimizer_s=first(costs.optimizer_s),
-        host_wait_s=first(costs.host_wait_s), compute_s=_compute_parts(workload, costs),
+        optimizer_device_s=first(costs.optimizer_device_s), host_wait_s=first(costs.host_wait_s),
+        compute_s=_compute_parts(workload, costs), attention_core_s=first(costs.compute.attention_core_s),
         communication_s=communication, memory_gib=memory, hbm_gib=workload.cluster.hbm_bytes / GIB,
         fits_memory=memory["total"] * GIB <= workload.cluster.hbm_bytes,
         step_time_s_held_out_fits={
