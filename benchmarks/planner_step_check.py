@@ -49,12 +49,13 @@ def _moetrain(*args: str) -> str:
                           text=True).stdout
 
 
-def measured_step(path: str, variants: str) -> dict:
-    """The row of a ``step_speed.py`` result of the first of ``variants`` (comma list) that it holds."""
-    rows = {row["variant"]: row for row in json.loads(Path(path).read_text())["variants"]}
+def measured_step(path: str, variants: str) -> tuple[dict, dict]:
+    """(the record, its row) of a ``step_speed.py`` result: the first of ``variants`` (comma list) it holds."""
+    record = json.loads(Path(path).read_text())
+    rows = {row["variant"]: row for row in record["variants"]}
     for variant in variants.split(","):
         if variant in rows:
-            return rows[variant]
+            return record, rows[variant]
     raise SystemExit(f"{path} has none of the variants {variants!r}; it has {sorted(rows)}")
 
 
@@ -88,6 +89,27 @@ def compare_terms(simulated: dict, measured_s: float, device_ms_by_kind: dict[st
     named = sum(sim for _, sim, _ in rows)
     rows.append(("other (communication, bubble, MTP)", simulated["step_time_s"] - named, 0.0))
     return [{"term": term, "simulated_s": sim, "measured_s": meas, "miss_s": sim - meas} for term, sim, meas in rows]
+
+
+def corpus_document_tokens(model: str) -> float:
+    """Mean document length in tokens (EOS included) of the embedded corpus under ``model``'s vocabulary: what
+    a step_speed record older than its ``document_tokens_mean`` trained on."""
+    from moetrain.config import load_model_config
+    from moetrain.data.prepare import prepare_data
+
+    stream = prepare_data(None, load_model_config(model).vocab_size, seq_len=1, seed=0).dataset.stream
+    return len(stream.tokens) / (int(stream.document_index[-1]) + 1)
+
+
+def document_flags(model: str, measured_record: dict | None, measured_row: dict | None, device: str) -> list[str]:
+    """``moetrain simulate``'s flags for the documents the measured step trained on: the corpus's, unless the
+    step ran on synthetic data; its document mask as the run resolved it (the trainer's auto: block in
+    compiled CUDA layers, dense elsewhere)."""
+    if measured_record is not None and not str(measured_record.get("data", "shakespeare")).startswith("shakespeare"):
+        return []
+    tokens = (measured_row or {}).get("document_tokens_mean") or corpus_document_tokens(model)
+    mask = (measured_row or {}).get("document_mask") or ("dense" if device == "cpu" else "block")
+    return ["--document-tokens", f"{tokens:.1f}", "--document-mask", mask]
 
 
 def calibration_file(path: str, folder: str) -> str:
@@ -138,7 +160,7 @@ def main() -> None:
 
         device_cluster = cluster_for_device(torch.cuda.get_device_name())
     cluster = args.cluster or (device_cluster if cuda else "cpu")
-    measured_row = measured_step(args.measured, args.variant) if args.measured else None
+    measured_record, measured_row = measured_step(args.measured, args.variant) if args.measured else (None, None)
     if measured_row is not None:
         args.micro_batch = measured_row["micro_batch"]
     dtype = "bf16" if cuda else "fp32"
@@ -169,10 +191,11 @@ def main() -> None:
                       "--metrics-out", str(metrics), "--quiet")
             rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
             measured_steps = [r["step_time_s"] for r in rows[args.skip:]]
+        documents = document_flags(args.model, measured_record, measured_row, args.device)
         simulated = json.loads(_moetrain(
             "simulate", "--model", args.model, "--cluster", cluster, "--devices", "1", "--seq-len", str(args.seq_len),
             "--global-batch", str(args.global_batch), "--micro-batch", str(args.micro_batch), "--dtype", dtype,
-            "--calibration", calibration, "--json"))
+            "--calibration", calibration, *documents, "--json"))
         profiled = Path(calibration).read_text()
     measured = statistics.median(measured_steps)
     error = (simulated["step_time_s"] - measured) / measured * 100
@@ -194,6 +217,7 @@ def main() -> None:
         "simulated": {k: simulated[k] for k in ("compute_s", "attention_core_s", "optimizer_s", "optimizer_device_s",
                                                 "bubble_s", "host_wait_s", "memory_gib")},
         "calibration_from": args.calibration or "moetrain profile on this machine (this run)",
+        "simulate_document_flags": documents,
         "measured_from": f"{args.measured} {measured_row['variant']}" if measured_row else "moetrain train (this run)",
         "measured_step_time_s": measured,
         "measured_steps_s": measured_steps,

@@ -96,6 +96,9 @@ class VariantResult:
     median leaves those out, and the first step (``train.metrics.timed_rows``)."""
     timed_steps_s: list[float] = field(default_factory=list)
     """The steps the median is taken over (``steps_s`` less the first and those that compiled)."""
+    document_tokens_mean: float | None = None
+    """Mean length in tokens (EOS included) of the corpus's documents, which attention does not cross (None:
+    synthetic data, one document per sequence): what ``moetrain simulate --document-tokens`` prices."""
 
 
 def _sync(device: str) -> None:
@@ -114,6 +117,13 @@ def _step(trainer: Trainer, counter: HostReadCounter | None = None) -> float:
 def _top_level_ops(prof: profile) -> int:
     return sum(1 for e in prof.events() if e.name.startswith("aten::")
                and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")))
+
+
+def _document_tokens_mean(trainer: Trainer) -> float | None:
+    if trainer.data is None:
+        return None
+    stream = trainer.data.dataset.stream
+    return len(stream.tokens) / (int(stream.document_index[-1]) + 1)
 
 
 def run_variant(variant: Variant, args: argparse.Namespace) -> VariantResult:
@@ -143,7 +153,7 @@ def run_variant(variant: Variant, args: argparse.Namespace) -> VariantResult:
         variant.name, variant.micro_batch, trainer.run.document_mask, times[0], median, times, tokens / median,
         tokens / median * trainer.flops_per_token / trainer.peak_flops,
         torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None, 0.0, None, losses=losses,
-        compiled_steps=compiled, timed_steps_s=timed)
+        compiled_steps=compiled, timed_steps_s=timed, document_tokens_mean=_document_tokens_mean(trainer))
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=activities) as prof:
         losses.append(_step(trainer))

@@ -205,9 +205,12 @@ def test_sdpa_is_a_fused_kernel_for_the_mla_head_dims():
     assert torch.cuda.max_memory_allocated() - start < scores_bytes / 4
 
 
-def test_profile_measures_the_host_issue_floor_on_cuda():
+def test_profile_measures_the_host_issue_floor_and_the_masked_attention_on_cuda():
     """On a GPU the profile times the runtime's own model at 16 tokens: the host's issue time per layer pass
-    and per optimizer step, which the simulator uses as a floor (CPU profiles leave them at 0)."""
+    and per optimizer step, which the simulator uses as a floor (CPU profiles leave them at 0). It also
+    times the document mask's kernels at the model's head dims, per computed tile against the causal
+    kernel: FlexAttention's tiles (fewer than the causal kernel's, 4 documents a row) and the dense mask's
+    (the whole square); CPU profiles leave those slowdowns at 1."""
     from moetrain.train.profiler import profile_device
 
     measured, efficiencies = profile_device(load_cluster_config("h100-sxm-80gb"), load_model_config("tiny-pangu"),
@@ -217,6 +220,9 @@ def test_profile_measures_the_host_issue_floor_on_cuda():
     assert efficiencies["host_layer_us"] > 0 and efficiencies["host_optimizer_ms"] > 0
     # a kernel launch costs microseconds, so an eager layer pass of tens of kernels costs well above 10 µs
     assert efficiencies["host_layer_us"] > 10
+    masked = measured["masked_attention"]
+    assert masked["seq"] == 1024 and 0 < masked["block_work"] < 1 < masked["dense_work"]
+    assert efficiencies["attention_block_slowdown"] > 0 and efficiencies["attention_dense_slowdown"] > 0
 
 
 def test_block_document_mask_on_cuda_equals_the_dense_mask_forward_and_backward():

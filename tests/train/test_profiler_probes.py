@@ -15,8 +15,11 @@ from moetrain.train.profiler import (
     GemmLine,
     GroupedGemmProbe,
     HostTimes,
+    MaskedAttentionProbe,
+    _tile_work,
     probe_gemm,
     probe_grouped_gemm,
+    probe_masked_attention,
     probe_memory_bandwidth,
 )
 
@@ -64,3 +67,29 @@ def test_cpu_probes_give_a_line_and_a_bandwidth() -> None:
     assert probe_memory_bandwidth("cpu", torch.float32, repeats=1).bytes_moved == 3 * 8 * 1024 * 1024 * 4
     grouped = probe_grouped_gemm(load_model_config("tiny-pangu"), "cpu", torch.float32, 1, gemm)
     assert grouped is not None and grouped.seconds > 0 and grouped.moe_overhead_us >= 0
+
+
+def test_masked_attention_slowdowns_are_time_per_computed_tile() -> None:
+    # causal 1 ms; the block mask computes half the causal tiles in 2 ms: 4x per tile; the dense mask the
+    # square (1.6x the causal tiles) in 3.2 ms: 2x per tile
+    probe = MaskedAttentionProbe(4, 512, 1e-3, 2e-3, 3.2e-3, 0.5, 1.6)
+    profile = _profile(None)
+    profile = DeviceProfile(**{**profile.__dict__, "masked_attention": probe})
+    eff = profile.efficiencies()
+    assert eff["attention_block_slowdown"] == pytest.approx(4.0)
+    assert eff["attention_dense_slowdown"] == pytest.approx(2.0)
+    assert profile.measured()["masked_attention"]["block_work"] == 0.5
+
+
+def test_tile_work_counts_the_block_masks_tiles() -> None:
+    """512 tokens in 4 tiles a side, 4 documents of one tile each: the block mask keeps the 4 diagonal tiles
+    of the causal 10; the square has 16."""
+    from moetrain.models.attention import document_block_mask
+
+    document_ids = (torch.arange(512) // 128).expand(2, 512)
+    assert _tile_work(document_block_mask(document_ids), 2, 512) == (pytest.approx(0.4), pytest.approx(1.6))
+
+
+def test_no_masked_attention_probe_off_a_gpu() -> None:
+    # FlexAttention has no backward on a CPU: the slowdowns stay unmeasured (1.0, the causal kernel's time)
+    assert probe_masked_attention(load_model_config("tiny-pangu"), "cpu", torch.float32, 1) is None

@@ -11,6 +11,7 @@ from moetrain.cli.parsing import add_renamed_flag
 from moetrain.config import ParallelConfig, limits, load_cluster_config, load_model_config
 from moetrain.errors import UserError
 from moetrain.planner.calibration import Calibration, load_calibration
+from moetrain.planner.documents import DocumentPacking
 from moetrain.planner.workload import Workload, runtime_workload
 
 PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
@@ -38,6 +39,15 @@ def add_workload_args(parser: argparse.ArgumentParser, batch_required: bool = Tr
                    "the GEMMs: Transformer Engine userbuffers, AsyncTP, MindSpeed MC2), DP (gradient reduction "
                    "and weight gathers under the passes); priced with its whole window instead of the fitted "
                    "shares, as validate prices a row whose source states it (default: none stated)")
+    g.add_argument("--document-tokens", type=float, default=None, metavar="L",
+                   help="the sequences are packed from documents of L tokens on average that attention must not "
+                   "cross (this project's data loader): a micro-batch holding a boundary runs its attention under "
+                   "the document mask, priced as --document-mask says (default: one stream, plain causal)")
+    g.add_argument("--document-mask", choices=("block", "dense"), default=None,
+                   help="with --document-tokens, how the mask reaches the kernel, as `moetrain train "
+                   "--document-mask` says: block (FlexAttention tiles, compiled CUDA layers) or dense (a boolean "
+                   "mask; the fused kernel computes the whole square) (default: block on accelerators, dense on a "
+                   "CPU, as the runtime's auto)")
     g.add_argument("--split-wgrad", action="store_true",
                    help="the stack computes weight gradients apart from input gradients and runs them under the "
                    "expert all-to-all (Megatron-Core --delay-wgrad-compute, MindSpeed --moe-fb-overlap, DualPipe): "
@@ -62,6 +72,20 @@ def require_batch(args: argparse.Namespace) -> None:
         raise UserError(f"the following arguments are required: {', '.join(missing)} (or --rl for an RL step)")
 
 
+def document_packing(args: argparse.Namespace, host_is_device: bool) -> DocumentPacking | None:
+    """--document-tokens and --document-mask as the workload's ``documents``, refused in one line when
+    the length is not positive or the mask comes without it."""
+    tokens, mask = getattr(args, "document_tokens", None), getattr(args, "document_mask", None)
+    if tokens is None:
+        if mask is not None:
+            raise UserError(f"--document-mask {mask} prices packed documents: add --document-tokens L, their mean "
+                            "length in tokens")
+        return None
+    if not tokens > 0:
+        raise UserError(f"--document-tokens is a mean document length in tokens and must be positive (got {tokens})")
+    return DocumentPacking(tokens, mask or ("dense" if host_is_device else "block"))
+
+
 def build_workload(args: argparse.Namespace) -> tuple[Workload, Calibration]:
     """The workload the flags describe and the calibration to price it with (``for_device`` of its
     cluster gives the efficiencies; its ``accuracy`` is what simulate and plan print)."""
@@ -79,6 +103,7 @@ def build_workload(args: argparse.Namespace) -> tuple[Workload, Calibration]:
     cluster = cluster.for_ranks(min(args.devices, cluster.devices_per_node))
     calibration = load_calibration(args.calibration)
     stated = comm_overlap(getattr(args, "comm_overlap", ""))
+    documents = document_packing(args, cluster.host_is_device)
     split_wgrad = bool(getattr(args, "split_wgrad", False))
     if cluster.host_is_device:
         if stated:
@@ -88,14 +113,15 @@ def build_workload(args: argparse.Namespace) -> tuple[Workload, Calibration]:
             raise UserError("--split-wgrad prices a published stack on accelerators; this project's runtime "
                             "computes weight and input gradients together, drop the flag")
         # CPU ranks run on gloo, which only this project's runtime drives: price it as it trains
-        asked = Workload(model, cluster, args.seq_len, args.global_batch, args.dtype, args.imbalance)
+        asked = Workload(model, cluster, args.seq_len, args.global_batch, args.dtype, args.imbalance,
+                         documents=documents)
         workload = runtime_workload(asked)
     else:
         # accelerators: the published stacks' semantics the shipped fit was made on (Megatron-Core-like
         # overlap and collectives)
         workload = Workload(model, cluster, args.seq_len, args.global_batch, args.dtype, args.imbalance,
                             grad_bytes=2.0 if args.dtype == "fp16" else 4.0, comm_overlap_stated=stated,
-                            split_weight_grad=split_wgrad)
+                            split_weight_grad=split_wgrad, documents=documents)
     return workload, calibration
 
 

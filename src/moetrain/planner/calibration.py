@@ -58,8 +58,10 @@ PER_ARCH_PARAMS: tuple[str, ...] = ("gemm_max",)
 # optimizer update, the per-step cost the model does price, is memory traffic
 # (``costmodel.OPTIMIZER_BYTES_PER_PARAM``). The host issue times stay zero for the published runs (their
 # kernels are large, so the device is the bottleneck); ``moetrain profile`` measures them where they matter.
+# So it does the masked attention kernels' slowdowns: no published run states a document mask.
 NOT_FITTED: tuple[str, ...] = ("step_overhead_ms", "host_layer_us", "host_optimizer_ms", "host_probe_tokens",
-                               "host_wide_layer_us", "host_wide_batch", "host_wide_seq")
+                               "host_wide_layer_us", "host_wide_batch", "host_wide_seq",
+                               "attention_block_slowdown", "attention_dense_slowdown")
 
 
 
@@ -159,6 +161,13 @@ class Efficiency:
     as a line in the tokens of a pass (``costmodel._host_excess``). 0: not measured (a constant excess)."""
     host_wide_batch: float = 4.0
     host_wide_seq: float = 128.0
+    attention_block_slowdown: float = 1.0
+    """FlexAttention's time per computed tile, forward and backward, over the fused causal kernel's at the
+    same shape: what a micro-batch under the document mask's tiles pays per tile it computes
+    (``documents.core_time_factor``). ``moetrain profile`` measures it on a GPU at the model's head dims;
+    1.0: not measured (priced as the causal kernel)."""
+    attention_dense_slowdown: float = 1.0
+    """The same for the fused kernel handed a dense boolean mask (it computes the whole square)."""
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from moetrain.config.cluster import ClusterConfig
 from moetrain.config.model import ModelConfig
+from moetrain.planner.documents import DocumentPacking
 
 BF16 = 2.0
 
@@ -98,6 +99,11 @@ class Workload:
     the pass's kernels ahead of the device, and the fixed cost per pass (``moe_overhead_us``, the device
     idling behind the host after that sync) is not paid. Every expert then computes its capacity, the
     capacity factor times the balanced load, which ``imbalance`` carries."""
+    documents: DocumentPacking | None = None
+    """The sequences are packed from documents that attention must not cross (this project's data loader):
+    a micro-batch holding a boundary runs its core attention under the document mask, at the masked
+    kernel's cost (``documents.core_time_factor``). None: every sequence is one stream, plain causal (the
+    published runs, which attend across their packed documents or do not say)."""
     paired_count_sync_hidden: bool = True
     """In the overlapped schedule the stack issues the other micro-batch's half of a paired step before it waits
     on this half's token counts, and the counts' copy to the host waits for the counts alone (DualPipe interleaves
@@ -121,12 +127,12 @@ def runtime_workload(w: Workload) -> Workload:
     project's (whole head and shared expert, the routers' gathers); the dispatch gathers the per-expert
     counts first and reads them on the compute stream, so a paired pass still pays the count sync; gradients
     reduce in fp32 (fp16 runs: fp16); attention is fused unless the CPU kernel falls back to materialising the
-    scores (it fuses only equal q/k and v head dims); every other field is the default (no stated overlap,
-    no sliding window, …), whatever ``w`` says."""
+    scores (it fuses only equal q/k and v head dims), over ``w``'s packed documents; every other field is the
+    default (no stated overlap, no sliding window, …), whatever ``w`` says."""
     model, cluster = w.model, w.cluster
     flash = not cluster.host_is_device or model.attention.qk_head_dim == model.attention.v_head_dim
     return Workload(model, cluster, w.seq_len, w.global_batch, w.precision, w.imbalance, flash_attention=flash,
                     grad_bytes=2.0 if w.precision == "fp16" else 4.0, overlap_grad_comm=False,
                     overlap_tp_comm=False, async_tp_input_grad=False, reduce_scatter_by_all_reduce=True,
                     project_tensor_parallel=True, head_share=w.head_share, expert_count_exchange=True,
-                    paired_count_sync_hidden=False)
+                    paired_count_sync_hidden=False, documents=w.documents)

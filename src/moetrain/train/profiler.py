@@ -12,6 +12,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import flex_attention
 
 from moetrain.config.cluster import ClusterConfig
 from moetrain.config.model import ModelConfig
@@ -20,6 +21,7 @@ from moetrain.costs.params import count_params
 from moetrain.distributed.weight_sync import WeightSync, payload_crc, tensor_views
 from moetrain.distributed.world import spawn
 from moetrain.errors import UserError
+from moetrain.models.attention import document_block_mask
 from moetrain.models.transformer import build_model
 from moetrain.planner.calibration import arch_of
 from moetrain.planner.compute import attention_speed_factor
@@ -130,6 +132,82 @@ def probe_attention(device: str, dtype: torch.dtype, repeats: int, cluster: Clus
     return AttentionProbe(rows, float(np.median(efficiencies)))
 
 
+# The document-masked kernels at the model's own head dims (CUDA only: FlexAttention has no CPU backward):
+# (batch, tokens per row) and documents per row, all of equal length from the row's start.
+MASKED_ATTENTION_SHAPE = (4, 4096)
+MASKED_ATTENTION_DOCUMENTS = 4
+
+
+@dataclass(frozen=True)
+class MaskedAttentionProbe:
+    """Forward and backward of the core attention at the model's head dims under a plain causal mask and under
+    a document mask (``MASKED_ATTENTION_DOCUMENTS`` equal documents per row), the latter as FlexAttention
+    tiles (``block``) and as a dense boolean mask (``dense``), with the tiles each computes."""
+
+    batch: int
+    seq: int
+    causal_s: float
+    block_s: float
+    dense_s: float
+    block_work: float
+    """Tiles the document mask's FlexAttention computes over the causal kernel's (``BlockMask`` counts)."""
+    dense_work: float
+    """The square's tiles over the causal kernel's."""
+
+    @property
+    def block_slowdown(self) -> float:
+        """``Efficiency.attention_block_slowdown``: seconds per computed tile over the causal kernel's."""
+        return self.block_s / (self.causal_s * self.block_work)
+
+    @property
+    def dense_slowdown(self) -> float:
+        return self.dense_s / (self.causal_s * self.dense_work)
+
+    def measured(self) -> dict:
+        return {"batch": self.batch, "seq": self.seq, "causal_s": self.causal_s, "block_s": self.block_s,
+                "dense_s": self.dense_s, "block_work": self.block_work, "dense_work": self.dense_work}
+
+
+def _tile_work(block_mask, batch: int, seq: int) -> tuple[float, float]:
+    """(the block mask's computed tiles, the square's) over the causal kernel's tiles, per row."""
+    n = -(-seq // block_mask.BLOCK_SIZE[0])
+    causal = n * (n + 1) / 2
+    computed = block_mask.kv_num_blocks.sum().item()
+    if block_mask.full_kv_num_blocks is not None:
+        computed += block_mask.full_kv_num_blocks.sum().item()
+    return computed / batch / causal, n * n / causal
+
+
+def probe_masked_attention(model: ModelConfig, device: str, dtype: torch.dtype,
+                           repeats: int) -> MaskedAttentionProbe | None:
+    """The masked kernels' time per tile over the causal kernel's (``documents.core_time_factor``); None off a
+    GPU, where FlexAttention has no backward."""
+    if _kind(device) != "cuda":
+        return None
+    attn = model.attention
+    batch, seq = MASKED_ATTENTION_SHAPE[0], min(MASKED_ATTENTION_SHAPE[1], model.max_seq_len)
+    q = torch.randn(batch, attn.num_heads, seq, attn.qk_head_dim, device=device, dtype=dtype, requires_grad=True)
+    k = torch.randn_like(q, requires_grad=True)
+    v = torch.randn(batch, attn.num_heads, seq, attn.v_head_dim, device=device, dtype=dtype, requires_grad=True)
+    grad = torch.ones(batch, attn.num_heads, seq, attn.v_head_dim, device=device, dtype=dtype)
+    document_ids = (torch.arange(seq, device=device) * MASKED_ATTENTION_DOCUMENTS // seq).expand(batch, seq)
+    block_mask = document_block_mask(document_ids)
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
+    dense_mask = ((document_ids.unsqueeze(2) == document_ids.unsqueeze(1)) & causal).unsqueeze(1)
+    flex = torch.compile(flex_attention)  # the runtime's block path: the compiler generates the fused kernel
+
+    def forward_backward(attend):
+        return lambda: torch.autograd.grad(attend(), (q, k, v), grad)
+
+    causal_s = _timed(forward_backward(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
+                      repeats, device)
+    block_s = _timed(forward_backward(lambda: flex(q, k, v, block_mask=block_mask)), repeats, device)
+    dense_s = _timed(forward_backward(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask)),
+                     repeats, device)
+    block_work, dense_work = _tile_work(block_mask, batch, seq)
+    return MaskedAttentionProbe(batch, seq, causal_s, block_s, dense_s, block_work, dense_work)
+
+
 @dataclass(frozen=True)
 class BandwidthProbe:
     seconds: float
@@ -216,6 +294,7 @@ class DeviceProfile:
     grouped_gemm: GroupedGemmProbe | None
     host: HostTimes | None
     bus: BusProbe | None
+    masked_attention: MaskedAttentionProbe | None = None
 
     def measured(self) -> dict:
         """The raw measurements, as ``moetrain profile --json`` prints them."""
@@ -230,6 +309,8 @@ class DeviceProfile:
             out["host"] = self.host.measured()
         if self.bus is not None:
             out["all_reduce_seconds"] = self.bus.all_reduce_seconds
+        if self.masked_attention is not None:
+            out["masked_attention"] = self.masked_attention.measured()
         return out
 
     def efficiencies(self) -> dict[str, float]:
@@ -247,6 +328,9 @@ class DeviceProfile:
             out["bus_intra"] = float(self.bus.bus_intra)
         if self.host is not None:
             out.update(self.host.efficiencies(self.model))
+        if self.masked_attention is not None:
+            out["attention_block_slowdown"] = float(self.masked_attention.block_slowdown)
+            out["attention_dense_slowdown"] = float(self.masked_attention.dense_slowdown)
         return out
 
 
@@ -262,10 +346,11 @@ def probe_device(cluster: ClusterConfig, model: ModelConfig, device: str, repeat
     bandwidth = probe_memory_bandwidth(device, dtype, repeats)
     grouped = probe_grouped_gemm(model, device, dtype, repeats, gemm)
     host = probe_host(model, device, repeats)
+    masked = probe_masked_attention(model, device, dtype, repeats)
     if kind == "cuda":
         torch.cuda.empty_cache()  # the probe model's memory goes back before the training run
     return DeviceProfile(cluster, model, torch.cuda.get_device_name(device) if kind == "cuda" else device, dtype,
-                         gemm, attention, bandwidth, grouped, host, probe_bus(cluster, device, repeats))
+                         gemm, attention, bandwidth, grouped, host, probe_bus(cluster, device, repeats), masked)
 
 
 def profile_device(cluster: ClusterConfig, model: ModelConfig, device: str, repeats: int) -> tuple[dict, dict]:
