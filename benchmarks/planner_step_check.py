@@ -112,6 +112,45 @@ def document_flags(model: str, measured_record: dict | None, measured_row: dict 
     return ["--document-tokens", f"{tokens:.1f}", "--document-mask", mask]
 
 
+def masked_steps(row: dict, model: str, seq_len: int, global_batch: int) -> list[bool]:
+    """Per step of a step_speed row (its ``steps_s``, then the profiled step): whether a micro-batch ran under
+    the document mask. A record older than ``masked_steps`` is read again from the corpus: the batches are a
+    function of the step and the trainer's seed (``data.packing``)."""
+    if row.get("masked_steps"):
+        return list(row["masked_steps"])
+    from moetrain.config import TrainingConfig, load_model_config
+    from moetrain.data.prepare import prepare_data
+
+    data = prepare_data(None, load_model_config(model).vocab_size, seq_len, TrainingConfig().seed).dataset
+    return [any(mb.document_ids is not None for mb in data.step_batch(step, global_batch, row["micro_batch"])
+                .micro_batches) for step in range(len(row["steps_s"]) + 1)]
+
+
+def timed_steps(row: dict, skip: int) -> list[int]:
+    """The indices of the steps step_speed.py timed: not the first, none that compiled (``timed_steps_s``). A
+    record older than ``compiled_steps`` does not say which compiled: its first ``skip`` steps are left out."""
+    n = len(row["steps_s"])
+    if not row.get("compiled_steps"):
+        return list(range(max(skip, 1), n))
+    return [i for i in range(1, n) if not row["compiled_steps"][i]] or list(range(1, n))
+
+
+def steps_by_mask(row: dict, skip: int, masked: list[bool], plain_simulated_s: float) -> dict:
+    """The timed steps split by whether they ran under the document mask; the plain ones against the step the
+    simulator prices without documents, which is what they ran."""
+    out = {}
+    for kind, wanted in (("plain", False), ("masked", True)):
+        steps = [i for i in timed_steps(row, skip) if masked[i] == wanted]
+        times = [row["steps_s"][i] for i in steps]
+        out[kind] = {"steps": steps, "steps_s": times, "median_s": statistics.median(times) if times else None}
+    plain = out["plain"]
+    plain["simulated_s"] = plain_simulated_s
+    if plain["median_s"]:
+        plain["error_pct"] = (plain_simulated_s - plain["median_s"]) / plain["median_s"] * 100
+    out["profiled_step_masked"] = masked[len(row["steps_s"])]
+    return out
+
+
 def calibration_file(path: str, folder: str) -> str:
     """``path`` as a calibration file: a planner_step_check result gives the calibration it recorded (written
     into ``folder``); anything else is taken as a calibration file already."""
@@ -131,7 +170,9 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--skip", type=int, default=2, help="first steps left out (warm-up)")
+    parser.add_argument("--skip", type=int, default=2,
+                        help="first steps left out (warm-up; with --measured, of a record that does not say which "
+                             "steps compiled)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads for both profile and train (1 avoids OpenMP oversubscription "
                              "on a shared machine)")
@@ -182,8 +223,7 @@ def main() -> None:
         profile, calibration = (max(profiles, key=lambda p: p[0]["efficiencies"]["gemm_max"]) if profiles
                                 else ({"measurements": None}, calibration_file(args.calibration, tmp)))
         if measured_row is not None:
-            # the steps step_speed.py timed (records older than ``timed_steps_s``: all but the first)
-            measured_steps = measured_row.get("timed_steps_s") or measured_row["steps_s"][1:]
+            measured_steps = [measured_row["steps_s"][i] for i in timed_steps(measured_row, args.skip)]
         else:
             _moetrain("train", "--model", args.model, "--cluster", cluster, "--steps", str(args.steps),
                       "--global-batch", str(args.global_batch), "--micro-batch", str(args.micro_batch), "--seq-len",
@@ -192,14 +232,31 @@ def main() -> None:
             rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
             measured_steps = [r["step_time_s"] for r in rows[args.skip:]]
         documents = document_flags(args.model, measured_record, measured_row, args.device)
-        simulated = json.loads(_moetrain(
-            "simulate", "--model", args.model, "--cluster", cluster, "--devices", "1", "--seq-len", str(args.seq_len),
-            "--global-batch", str(args.global_batch), "--micro-batch", str(args.micro_batch), "--dtype", dtype,
-            "--calibration", calibration, *documents, "--json"))
+
+        def simulate(*flags: str) -> dict:
+            return json.loads(_moetrain(
+                "simulate", "--model", args.model, "--cluster", cluster, "--devices", "1", "--seq-len",
+                str(args.seq_len), "--global-batch", str(args.global_batch), "--micro-batch", str(args.micro_batch),
+                "--dtype", dtype, "--calibration", calibration, *flags, "--json"))
+
+        simulated = simulate(*documents)
+        by_mask = None
+        if measured_row is not None and documents:
+            by_mask = steps_by_mask(measured_row, args.skip, masked_steps(measured_row, args.model, args.seq_len,
+                                                                          args.global_batch), simulate()["step_time_s"])
         profiled = Path(calibration).read_text()
     measured = statistics.median(measured_steps)
     error = (simulated["step_time_s"] - measured) / measured * 100
     print(f"measured median step {measured:.4f} s, simulated {simulated['step_time_s']:.4f} s ({error:+.1f}%)")
+    if by_mask is not None:
+        plain, masked = by_mask["plain"], by_mask["masked"]
+        if plain["median_s"]:
+            print(f"  steps without a document mask {plain['steps']}: measured median {plain['median_s']:.4f} s, "
+                  f"simulated without documents {plain['simulated_s']:.4f} s ({plain['error_pct']:+.1f}%)")
+        if masked["median_s"]:
+            print(f"  steps under the document mask {masked['steps']}: measured median {masked['median_s']:.4f} s")
+        print(f"  the profiled step (the terms below) {'ran' if by_mask['profiled_step_masked'] else 'did not run'} "
+              "under the document mask")
     terms = []
     if measured_row is not None and measured_row.get("device_ms_by_kind"):
         terms = compare_terms(simulated, measured, measured_row["device_ms_by_kind"])
@@ -218,6 +275,7 @@ def main() -> None:
                                                 "bubble_s", "host_wait_s", "memory_gib")},
         "calibration_from": args.calibration or "moetrain profile on this machine (this run)",
         "simulate_document_flags": documents,
+        "steps_by_mask": by_mask,
         "measured_from": f"{args.measured} {measured_row['variant']}" if measured_row else "moetrain train (this run)",
         "measured_step_time_s": measured,
         "measured_steps_s": measured_steps,

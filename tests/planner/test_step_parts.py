@@ -124,3 +124,30 @@ def test_the_check_sets_each_term_against_its_kernels_and_both_sides_add_up() ->
     # experts, core, dense GEMMs, element-wise (with the embedding), optimizer, idle: the rest is "other"
     other = 1.0 - (0.3 + 0.1 + 0.27 + 0.105 + 0.07 + 0.05)
     assert rows["other (communication, bubble, MTP)"]["simulated_s"] == pytest.approx(other)
+
+
+def test_timed_steps_leave_out_the_first_and_those_that_compiled() -> None:
+    timed = _step_check_script().timed_steps
+    row = {"steps_s": [30.0, 0.5, 12.0, 0.5, 0.4], "compiled_steps": [True, False, True, False, False]}
+    assert timed(row, skip=2) == [1, 3, 4]
+    # a record that does not say which steps compiled: its first ``skip`` are left out
+    assert timed({"steps_s": [30.0, 12.0, 1.3, 0.5, 0.4]}, skip=3) == [3, 4]
+
+
+def test_the_timed_steps_split_by_the_document_mask() -> None:
+    row = {"steps_s": [30.0, 0.51, 0.42, 0.50, 0.52], "compiled_steps": [True, False, False, False, False]}
+    split = _step_check_script().steps_by_mask(row, 2, [False, True, False, True, True, False], 0.40)
+    assert split["plain"] == {"steps": [2], "steps_s": [0.42], "median_s": 0.42, "simulated_s": 0.40,
+                              "error_pct": pytest.approx((0.40 - 0.42) / 0.42 * 100)}
+    assert split["masked"] == {"steps": [1, 3, 4], "steps_s": [0.51, 0.50, 0.52], "median_s": 0.51}
+    assert split["profiled_step_masked"] is False
+
+
+def test_the_h200_steps_under_the_document_mask_are_read_again_from_the_corpus() -> None:
+    """The H200's step_speed record (7b5f6aa) predates ``masked_steps``: its batches are read again. Steps 0 and 4
+    hold no document boundary; in both of its variants step 4 is the fast one (0.423 and 0.422 s against
+    0.51-0.55 s for the masked steps after compiling)."""
+    row = {"steps_s": [0.0] * 6, "micro_batch": 8}
+    masked = _step_check_script().masked_steps(row, str(ROOT / "benchmarks" / "data" / "pangu-shaped-small.yaml"),
+                                               4096, 8)
+    assert masked == [False, True, True, True, False, True, True]
