@@ -59,7 +59,7 @@ run planner_speed.py
 run planner_step_check.py
 # the H200's recorded step and profile priced again by this commit's simulator (no GPU needed)
 run planner_step_check.py --device cuda --cluster h200-sxm-141gb --model benchmarks/data/pangu-shaped-small.yaml \
-    --seq-len 4096 --global-batch 8 --measured $R/step_speed_h200.json --variant compiled:8:block \
+    --seq-len 4096 --global-batch 8 --measured $R/step_speed_h200.json --variant compiled:8:block --skip 3 \
     --calibration $R/planner_step_check_h200_pangu-shaped-small.json \
     --out $R/planner_step_check_h200_pangu-shaped-small_repriced.json
 run plan_train_check.py --out $R/plan_train_check_cpu.json
