@@ -115,3 +115,66 @@ def test_rows_inside_one_document_are_plain_causal_attention():
     x = torch.randn(2, 6, 32)
     m = _mla("sdpa")
     torch.testing.assert_close(m(x, masked), m(x, plain), atol=1e-6, rtol=1e-5)
+
+
+def _grads(module: torch.nn.Module, x: torch.Tensor, ctx) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    x = x.clone().requires_grad_(True)
+    out = module(x, ctx)
+    (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+    grads = [p.grad.clone() for p in module.parameters()]
+    module.zero_grad()
+    return out.detach(), [x.grad, *grads]
+
+
+def test_masking_only_the_boundary_rows_equals_masking_every_row():
+    """A micro-batch of two rows with a boundary and two without: masking only the boundary rows (the causal
+    kernel over every row, the masked one over those rows in their place) gives the outputs and the
+    gradients of masking every row, for both backends of MLA and for grouped-query attention."""
+    from moetrain.models.attention import boundary_rows
+
+    docs = _documents([[120, 5, 175], [300], [1, 298, 1], [300]])
+    rows = boundary_rows(docs)
+    assert rows.tolist() == [0, 2]
+    ids = torch.zeros(docs.shape, dtype=torch.long)
+    every = build_attention_context(ids, docs)
+    only = build_attention_context(ids, docs, boundary_rows_R=rows)
+    assert only.mask_B1SS.shape[0] == 2 and torch.equal(only.positions_BS, every.positions_BS)
+    x = torch.randn(4, 300, 32)
+    gqa = GQA(32, GQAConfig(num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True), 1e-6, Rotary(1e4), "sdpa")
+    for module in (_mla("sdpa"), _mla("eager"), gqa):
+        out_every, grads_every = _grads(module, x, every)
+        out_only, grads_only = _grads(module, x, only)
+        torch.testing.assert_close(out_only, out_every, atol=2e-5, rtol=1e-4)
+        for g_only, g_every in zip(grads_only, grads_every, strict=True):
+            torch.testing.assert_close(g_only, g_every, atol=2e-5, rtol=1e-4)
+    # FlexAttention's tiles for the boundary rows alone (forward: it has no CPU backward)
+    block = build_attention_context(ids, docs, document_mask="block", boundary_rows_R=rows)
+    assert block.block_mask.kv_num_blocks.shape[0] == 2
+    with torch.no_grad():
+        torch.testing.assert_close(_mla("sdpa")(x, block), _mla("sdpa")(x, every), atol=2e-5, rtol=1e-4)
+
+
+def test_no_boundary_row_is_plain_causal():
+    ids = torch.zeros(2, 6, dtype=torch.long)
+    ctx = build_attention_context(ids, torch.zeros(2, 6, dtype=torch.long), boundary_rows_R=torch.zeros(0).long())
+    assert ctx.mask_B1SS is None and ctx.block_mask is None and ctx.masked_rows_R is None
+
+
+def test_a_compiled_layer_masks_a_changing_count_of_boundary_rows():
+    """Compiled, as the runtime's layers are: micro-batches with one and then two boundary rows (the count
+    changes from step to step) give the eager layer's outputs and gradients."""
+    from moetrain.models.attention import boundary_rows
+
+    torch._dynamo.reset()
+    module = _mla("sdpa")
+    compiled = torch.compile(module)
+    ids = torch.zeros(3, 160, dtype=torch.long)
+    for lengths in ([[60, 100], [160], [160]], [[60, 100], [160], [159, 1]], [[10, 150], [80, 80], [160]]):
+        docs = _documents(lengths)
+        ctx = build_attention_context(ids, docs, boundary_rows_R=boundary_rows(docs))
+        x = torch.randn(3, 160, 32)
+        out_eager, grads_eager = _grads(module, x, ctx)
+        out_compiled, grads_compiled = _grads(compiled, x, ctx)
+        torch.testing.assert_close(out_compiled, out_eager, atol=2e-5, rtol=1e-4)
+        for g_compiled, g_eager in zip(grads_compiled, grads_eager, strict=True):
+            torch.testing.assert_close(g_compiled, g_eager, atol=2e-5, rtol=1e-4)

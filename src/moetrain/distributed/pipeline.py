@@ -66,6 +66,9 @@ class MicroBatch:
     """Replaces the language-model loss when set (RL); the MTP loss, if any, stays next-token."""
     expert_ids: torch.Tensor | None = None
     """Router replay: the experts each token must use, int64 [B, S, M, K] over the M decoder MoE layers."""
+    boundary_rows: torch.Tensor | None = None
+    """With ``document_ids``: the rows that hold a document boundary (int64 [R], found on the host), the only
+    ones the attention masks (``models.attention``); None: every row is masked."""
 
 
 @dataclass
@@ -234,7 +237,8 @@ class Executor:
         if cp is not None:
             attn_ctx = cp.attention_context(mb.input_ids, mb.document_ids)
         else:
-            attn_ctx = build_attention_context(mb.input_ids, mb.document_ids, document_mask=step.document_mask)
+            attn_ctx = build_attention_context(mb.input_ids, mb.document_ids, document_mask=step.document_mask,
+                                               boundary_rows_R=mb.boundary_rows)
         with span(f"F{chunk.index}", "compute"), autocast(step.autocast_dtype, step.device.type):
             out, aux = chunk_forward(self.stage.model, chunk, x, RankMicroBatch(mb, attn_ctx, cp), step)
         if chunk.is_last:

@@ -31,7 +31,7 @@ from moetrain.distributed.parallelize import StageModel, model_moe_blocks, paral
 from moetrain.distributed.pipeline import Executor, MicroBatch, StepContext
 from moetrain.distributed.trace import span
 from moetrain.distributed.zero import build_sharded_optimizer
-from moetrain.models.attention import DocumentMask
+from moetrain.models.attention import DocumentMask, boundary_rows
 from moetrain.models.transformer import MoETransformer, build_model
 from moetrain.runtime_base.optim import lr_multiplier
 from moetrain.schedules import interleaved_1f1b, overlapped
@@ -117,7 +117,9 @@ def _step_context(run: LayoutRun, batch: StepBatch, loss_scale: float = 1.0) -> 
         MicroBatch(m.input_ids.to(device, non_blocking=True), m.labels.to(device, non_blocking=True),
                    None if m.document_ids is None else m.document_ids.to(device, non_blocking=True),
                    None if m.objective is None else m.objective.to(device),  # RL (moetrain.rl)
-                   None if m.expert_ids is None else m.expert_ids.to(device, non_blocking=True))
+                   None if m.expert_ids is None else m.expert_ids.to(device, non_blocking=True),
+                   # found before the copy, on the host's ids: no device value is waited for
+                   None if m.document_ids is None else boundary_rows(m.document_ids).to(device, non_blocking=True))
         for m in batch.micro_batches
     ]
     normalizer: float = max(batch.global_label_tokens, 1)

@@ -21,7 +21,12 @@ Packed documents (``document_ids``) are masked one of two ways, chosen when the 
   choice of compiled CUDA layers.
 Either way a row inside one document needs no mask at all: it is plain causal attention at positions
 0..S-1, the fused causal kernel's fast path, so the data loader gives a micro-batch of such rows no
-documents (``moetrain.data.packing``).
+documents (``moetrain.data.packing``). In a micro-batch that holds a boundary only the rows that hold one
+need the mask: given them (``boundary_rows_R``, read on the host before the batch's copy, so no device value
+is waited for), the context carries the mask of those rows alone, and the core attention runs the causal
+kernel over every row and the masked one over those rows, whose outputs replace theirs. On an H200 a
+masked 8-row step of the 1.56 B model took about 86 ms more than a plain one when the whole micro-batch
+ran FlexAttention (``benchmarks/notes/planner.md``, the H200 step check).
 
 Under context parallelism (``moetrain.distributed.cp``) a layer computes the queries of its share of
 the sequence only; ``AttentionContext.gather_kv`` brings the keys' sources of the whole sequence, and
@@ -33,7 +38,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -66,6 +71,9 @@ class AttentionContext:
     block_mask: BlockMask | None = None
     """The document mask as FlexAttention tiles (``document_mask="block"``); then ``mask_B1SS`` is None
     and the core attention runs ``flex_attention``."""
+    masked_rows_R: torch.Tensor | None = None
+    """The rows (int64 [R]) the mask is for, when not every row: ``mask_B1SS`` (as [R, 1, S, S]) or
+    ``block_mask`` covers those rows alone and the others are plain causal."""
 
 
 def document_block_mask(document_ids_BS: torch.Tensor) -> BlockMask:
@@ -82,24 +90,28 @@ def build_attention_context(
     input_ids_BS: torch.Tensor, document_ids_BS: torch.Tensor | None,
     query_index_S: torch.Tensor | None = None, key_index_S: torch.Tensor | None = None,
     gather_kv: Callable[[torch.Tensor], torch.Tensor] | None = None, document_mask: DocumentMask = "dense",
+    boundary_rows_R: torch.Tensor | None = None,
 ) -> AttentionContext:
     """The context of full sequences ``input_ids_BS`` (and their documents). With ``query_index_S``
     the layer computes only the queries at those sequence indices, against keys at ``key_index_S``
     (in the order ``gather_kv`` delivers them): positions and the causal + document mask are taken
     from the full sequence, so each token keeps its true position (context parallelism, which always
-    masks ``dense``). ``document_mask``: how the document mask is handed to the kernel (module doc)."""
+    masks ``dense``). ``document_mask``: how the document mask is handed to the kernel (module doc);
+    ``boundary_rows_R``: the rows that hold a document boundary, the only ones masked (module doc)."""
     batch, seq = input_ids_BS.shape
     device = input_ids_BS.device
     if query_index_S is None:
-        if document_ids_BS is None:
+        if document_ids_BS is None or (boundary_rows_R is not None and boundary_rows_R.numel() == 0):
             positions = torch.arange(seq, device=device).expand(batch, seq)
-            return AttentionContext(positions, None)
+            return AttentionContext(positions, None)  # no row holds a boundary: plain causal
+        positions = positions_from_documents(document_ids_BS)
+        documents = document_ids_BS if boundary_rows_R is None else document_ids_BS.index_select(0, boundary_rows_R)
         if document_mask == "block":
-            return AttentionContext(positions_from_documents(document_ids_BS), None,
-                                    block_mask=document_block_mask(document_ids_BS))
+            return AttentionContext(positions, None, block_mask=document_block_mask(documents),
+                                    masked_rows_R=boundary_rows_R)
         causal = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
-        same_doc = document_ids_BS.unsqueeze(2) == document_ids_BS.unsqueeze(1)
-        return AttentionContext(positions_from_documents(document_ids_BS), (same_doc & causal).unsqueeze(1))
+        same_doc = documents.unsqueeze(2) == documents.unsqueeze(1)
+        return AttentionContext(positions, (same_doc & causal).unsqueeze(1), masked_rows_R=boundary_rows_R)
     assert key_index_S is not None, "a query subset needs the keys' sequence indices"
     if document_ids_BS is None:
         positions = torch.arange(seq, device=device).expand(batch, seq)
@@ -110,6 +122,21 @@ def build_attention_context(
         same_doc = document_ids_BS[:, query_index_S].unsqueeze(2) == document_ids_BS[:, key_index_S].unsqueeze(1)
         mask_1SS = mask_1SS & same_doc
     return AttentionContext(positions[:, query_index_S], mask_1SS.unsqueeze(1), positions[:, key_index_S], gather_kv)
+
+
+def boundary_rows(document_ids_BS: torch.Tensor) -> torch.Tensor:
+    """The rows that hold a document boundary (their ids are not all 0: a row's ids restart at 0), as int64
+    indices: for a host tensor, so that the device never waits for the count."""
+    return (document_ids_BS != 0).any(dim=1).nonzero().flatten()
+
+
+def full_mask(ctx: AttentionContext, batch: int) -> torch.Tensor | None:
+    """``ctx``'s mask over every row: the masked rows' own, plain causal for the others."""
+    if ctx.masked_rows_R is None or ctx.mask_B1SS is None:
+        return ctx.mask_B1SS
+    seq = ctx.mask_B1SS.shape[-1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=ctx.mask_B1SS.device).tril()
+    return causal.expand(batch, 1, seq, seq).index_copy(0, ctx.masked_rows_R, ctx.mask_B1SS)
 
 
 def _masked_softmax_scores(scores_BHSS: torch.Tensor, mask_B1SS: torch.Tensor | None) -> torch.Tensor:
@@ -129,6 +156,23 @@ def core_attention(
     backend: AttentionBackend,
 ) -> torch.Tensor:
     """softmax(q·kᵀ·scale + mask)·v with GQA broadcasting (G divides H); returns [B, H, S, V]."""
+    if ctx.masked_rows_R is not None:
+        # every row through the causal kernel, then the boundary rows through the masked one in their place
+        rows = ctx.masked_rows_R
+        out = core_attention(q_BHSD, k_BGSD, v_BGSV, replace(ctx, mask_B1SS=None, block_mask=None,
+                                                             masked_rows_R=None), scale, backend)
+        # The rows are gathered as a product with their one-hot selection (exact: one term of 1·x): Inductor's
+        # CPU backward through a one-row index_select into SDPA came out wrong (torch 2.13; the compiled test
+        # in tests/models/test_attention.py). Built by comparison: one_hot's range check would wait for the
+        # device.
+        pick_RB = (rows.unsqueeze(1) == torch.arange(q_BHSD.shape[0], device=rows.device)).to(q_BHSD.dtype)
+
+        def pick(t_B: torch.Tensor) -> torch.Tensor:
+            return torch.einsum("rb,b...->r...", pick_RB, t_B)
+
+        masked = core_attention(pick(q_BHSD), pick(k_BGSD), pick(v_BGSV), replace(ctx, masked_rows_R=None), scale,
+                                backend)
+        return out.index_copy(0, rows, masked)
     heads, groups = q_BHSD.shape[1], k_BGSD.shape[1]
     if ctx.block_mask is not None:
         # Inside a compiled layer the compiler generates the fused kernel; called eagerly flex_attention is
@@ -223,7 +267,7 @@ class MLA(nn.Module):
         if self.backend == "eager" and ctx.block_mask is None:
             q_nope, q_rope, k_nope, k_rope, v = qkv
             scores = (q_nope @ k_nope.transpose(-1, -2) + q_rope @ k_rope.transpose(-1, -2)) * self.scale
-            out_BHSV = _masked_softmax_scores(scores, ctx.mask_B1SS).to(v.dtype) @ v
+            out_BHSV = _masked_softmax_scores(scores, full_mask(ctx, scores.shape[0])).to(v.dtype) @ v
         else:
             q, k, v = qkv
             out_BHSV = core_attention(q, k, v, ctx, self.scale, "sdpa")  # flex when ctx holds a block mask

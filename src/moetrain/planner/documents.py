@@ -1,9 +1,10 @@
 """Attention over packed documents, as the runtime computes it.
 
 The runtime packs documents back to back into rows of ``seq_len`` tokens (``moetrain.data.packing``), and
-attention must not cross them. A micro-batch whose rows each lie inside one document runs the fused causal
-kernel, as a run without documents does. Otherwise the document mask reaches the kernel one of two ways
-(``moetrain.models.attention``):
+attention must not cross them. A row that lies inside one document is plain causal attention. The core
+attention runs the fused causal kernel over every row of a micro-batch, and then the rows that hold a
+boundary again under the document mask, their outputs replacing the causal ones (``moetrain.models.attention``).
+The mask reaches that kernel one of two ways:
 
 - ``block``: FlexAttention tiles of ``TILE`` × ``TILE`` (compiled CUDA layers): the kernel computes every
   tile that holds a causal same-document pair, each in full, and skips the others;
@@ -11,11 +12,11 @@ kernel, as a run without documents does. Otherwise the document mask reaches the
 
 So the core attention of a micro-batch costs the causal kernel's time × a factor:
 
-    (1 − m) + m · f_kernel · w
+    1 + p · f_kernel · w
 
-with m the share of micro-batches that hold a boundary, w the tiles the masked kernel computes over the
-causal kernel's (block: the rows' kept tiles; dense: the square, 2n/(n + 1) for n tiles a side), and
-f_kernel its time per tile over the causal kernel's (``Efficiency.attention_block_slowdown`` and
+with p the share of rows that hold a boundary, w the tiles the masked kernel computes for such a row over the
+causal kernel's (block: its kept tiles; dense: the square, 2n/(n + 1) for n tiles a side), and f_kernel its
+time per tile over the causal kernel's (``Efficiency.attention_block_slowdown`` and
 ``attention_dense_slowdown``, which ``moetrain profile`` measures on a GPU at the model's head dims).
 
 Documents are modelled as all of the mean length, laid back to back, each row at a uniformly random offset
@@ -79,16 +80,13 @@ def dropped_tile_share(seq_len: int, mean_tokens: float) -> float:
     return float(np.mean(shares)) if shares else 0.0
 
 
-def core_time_factor(seq_len: int, micro_batch, packing: DocumentPacking | None, block_slowdown: float,
-                     dense_slowdown: float):
-    """The core attention's time over the causal kernel's, per micro-batch of ``micro_batch`` rows (an array
-    over strategies): 1 without documents (module docstring)."""
+def core_time_factor(seq_len: int, packing: DocumentPacking | None, block_slowdown: float, dense_slowdown: float):
+    """The core attention's time over the causal kernel's, per micro-batch: 1 without documents (module
+    docstring)."""
     if packing is None:
         return 1.0
     p = row_boundary_share(seq_len, packing.mean_tokens)
-    masked = 1.0 - (1.0 - p) ** np.asarray(micro_batch, dtype=float)
     if packing.mask == "dense":
         n = -(-seq_len // TILE)
-        return (1.0 - masked) + masked * dense_slowdown * 2.0 * n / (n + 1)
-    # the masked micro-batches' rows: those without a boundary keep every causal tile, the others lose a share
-    return (1.0 - masked) + block_slowdown * (masked - p * dropped_tile_share(seq_len, float(packing.mean_tokens)))
+        return 1.0 + p * dense_slowdown * 2.0 * n / (n + 1)
+    return 1.0 + p * block_slowdown * (1.0 - dropped_tile_share(seq_len, float(packing.mean_tokens)))

@@ -287,9 +287,8 @@ def _attention(w: Workload, s: Strategies, eff: Efficiency, tok: _Tokens) -> _At
     window_share = attention_time_share(w.seq_len, w.attention_window, w.window_layer_share)
     if w.flash_attention:
         head_dim = (attn.qk_head_dim + attn.v_head_dim) / 2 if is_mla else attn.head_dim
-        # packed documents: the micro-batches holding a boundary run the masked kernel (``documents``)
-        masked = core_time_factor(w.seq_len, s.micro_batch, w.documents, eff.attention_block_slowdown,
-                                  eff.attention_dense_slowdown)
+        # packed documents: the rows holding a boundary run the masked kernel too (``documents``)
+        masked = core_time_factor(w.seq_len, w.documents, eff.attention_block_slowdown, eff.attention_dense_slowdown)
         core = attention_time(attention_core_flops(model, w.seq_len, causal=True) * t_att / tp, cluster, eff,
                               head_dim) * window_share * masked
         core_bwd = ATTENTION_BACKWARD_OVER_FORWARD * core

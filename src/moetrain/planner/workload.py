@@ -101,7 +101,7 @@ class Workload:
     capacity factor times the balanced load, which ``imbalance`` carries."""
     documents: DocumentPacking | None = None
     """The sequences are packed from documents that attention must not cross (this project's data loader):
-    a micro-batch holding a boundary runs its core attention under the document mask, at the masked
+    the rows holding a boundary run their core attention again under the document mask, at the masked
     kernel's cost (``documents.core_time_factor``). None: every sequence is one stream, plain causal (the
     published runs, which attend across their packed documents or do not say)."""
     paired_count_sync_hidden: bool = True
