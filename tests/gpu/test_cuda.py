@@ -228,13 +228,15 @@ def test_profile_measures_the_host_issue_floor_and_the_masked_attention_on_cuda(
 def test_block_document_mask_on_cuda_equals_the_dense_mask_forward_and_backward():
     """FlexAttention tiles, compiled as in a compiled layer (eagerly flex_attention is an unfused reference),
     against SDPA with the dense boolean mask: MLA's head dims (192 query-key, 128 value) in bf16, rows of
-    several documents (boundaries inside tiles) and of one."""
-    from moetrain.models.attention import build_attention_context, core_attention
+    several documents (boundaries inside tiles) and of one; every row masked, and only the boundary rows
+    (the causal kernel over every row, the masked one over those rows, as the runtime runs it)."""
+    from moetrain.models.attention import boundary_rows, build_attention_context, core_attention
 
     torch.manual_seed(0)
-    batch, heads, seq = 2, 8, 1024
-    lengths = [[300, 500, 224], [1024]]
-    docs = torch.tensor([[d for d, n in enumerate(row) for _ in range(n)] for row in lengths], device="cuda")
+    batch, heads, seq = 3, 8, 1024
+    lengths = [[300, 500, 224], [1024], [1000, 24]]
+    docs_cpu = torch.tensor([[d for d, n in enumerate(row) for _ in range(n)] for row in lengths])
+    docs, rows = docs_cpu.cuda(), boundary_rows(docs_cpu).cuda()
     ids = torch.zeros(batch, seq, dtype=torch.long, device="cuda")
     q, k = (torch.randn(batch, heads, seq, 192, device="cuda", dtype=torch.bfloat16, requires_grad=True)
             for _ in range(2))
@@ -242,12 +244,13 @@ def test_block_document_mask_on_cuda_equals_the_dense_mask_forward_and_backward(
     grad = torch.randn(batch, heads, seq, 128, device="cuda", dtype=torch.bfloat16)
     attend = torch.compile(lambda q, k, v, ctx: core_attention(q, k, v, ctx, 192**-0.5, "sdpa"))
     results = []
-    for mask in ("dense", "block"):
-        ctx = build_attention_context(ids, docs, document_mask=mask)
+    for mask, boundary in (("dense", None), ("block", None), ("dense", rows), ("block", rows)):
+        ctx = build_attention_context(ids, docs, document_mask=mask, boundary_rows_R=boundary)
         out = attend(q, k, v, ctx)
         results.append((out, *torch.autograd.grad(out, (q, k, v), grad)))
-    for dense, block in zip(*results):
-        assert _rel_err(block.float(), dense.float()) < 1e-2
+    for dense, *others in zip(*results):
+        for other in others:
+            assert _rel_err(other.float(), dense.float()) < 1e-2
 
 
 def test_compiled_memory_policy_on_cuda_keeps_less_and_the_gradients():
