@@ -3,18 +3,16 @@ must match what the code says now, and name every field and every flag that sets
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
+
+from scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "config.md"
 
 
 def _generator():
-    spec = importlib.util.spec_from_file_location("config_reference", ROOT / "tools" / "config_reference.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("tools/config_reference.py")
 
 
 def test_config_reference_is_up_to_date() -> None:

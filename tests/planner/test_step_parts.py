@@ -4,7 +4,6 @@ optimizer add up to the step, as ``benchmarks/planner_step_check.py`` sets them 
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from moetrain.planner.costmodel import evaluate
 from moetrain.planner.layer_costs import layer_costs
 from moetrain.planner.strategy import Strategies
 from moetrain.planner.workload import Workload
+from scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = load_model_config(str(ROOT / "benchmarks" / "data" / "pangu-shaped-small.yaml"))  # 1 dense + 3 MoE layers
@@ -94,10 +94,7 @@ def test_of_two_stages_the_busiest_holds_its_own_layers_and_ends() -> None:
 
 
 def _step_check_script():
-    spec = importlib.util.spec_from_file_location("planner_step_check", ROOT / "benchmarks" / "planner_step_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/planner_step_check.py")
 
 
 def test_the_check_sets_each_term_against_its_kernels_and_both_sides_add_up() -> None:

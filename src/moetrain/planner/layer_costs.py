@@ -14,7 +14,7 @@ recompute on that share of the layers only (``selective_recompute_share``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
@@ -101,8 +101,7 @@ class LayerParts:
 
     @property
     def total(self):
-        return (self.attention_projections + self.attention_core + self.router + self.experts
-                + self.shared_experts + self.dense_ffn + self.elementwise + self.moe_fixed + self.fp8_casts)
+        return sum(getattr(self, f.name) for f in fields(self))
 
 
 @dataclass(frozen=True)
