@@ -151,6 +151,21 @@ def steps_by_mask(row: dict, skip: int, masked: list[bool], plain_simulated_s: f
     return out
 
 
+def print_split_and_terms(by_mask: dict | None, terms: list[dict]) -> None:
+    if by_mask is not None:
+        plain, masked = by_mask["plain"], by_mask["masked"]
+        if plain["median_s"]:
+            print(f"  steps without a document mask {plain['steps']}: measured median {plain['median_s']:.4f} s, "
+                  f"simulated without documents {plain['simulated_s']:.4f} s ({plain['error_pct']:+.1f}%)")
+        if masked["median_s"]:
+            print(f"  steps under the document mask {masked['steps']}: measured median {masked['median_s']:.4f} s")
+        print(f"  the profiled step (the terms below) {'ran' if by_mask['profiled_step_masked'] else 'did not run'} "
+              "under the document mask")
+    for t in terms:
+        print(f"  {t['term']:36s} simulated {t['simulated_s'] * 1e3:8.1f} ms  measured "
+              f"{t['measured_s'] * 1e3:8.1f} ms  miss {t['miss_s'] * 1e3:+8.1f} ms")
+
+
 def calibration_file(path: str, folder: str) -> str:
     """``path`` as a calibration file: a planner_step_check result gives the calibration it recorded (written
     into ``folder``); anything else is taken as a calibration file already."""
@@ -163,7 +178,7 @@ def calibration_file(path: str, folder: str) -> str:
     return path
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-pangu")
     parser.add_argument("--steps", type=int, default=8)
@@ -193,6 +208,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.calibration and not (args.measured and args.cluster):
         parser.error("--calibration re-prices a measured step: give --measured and --cluster too")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     cuda = args.device == "cuda"
     if cuda and not args.cluster:
         import torch
@@ -248,21 +268,10 @@ def main() -> None:
     measured = statistics.median(measured_steps)
     error = (simulated["step_time_s"] - measured) / measured * 100
     print(f"measured median step {measured:.4f} s, simulated {simulated['step_time_s']:.4f} s ({error:+.1f}%)")
-    if by_mask is not None:
-        plain, masked = by_mask["plain"], by_mask["masked"]
-        if plain["median_s"]:
-            print(f"  steps without a document mask {plain['steps']}: measured median {plain['median_s']:.4f} s, "
-                  f"simulated without documents {plain['simulated_s']:.4f} s ({plain['error_pct']:+.1f}%)")
-        if masked["median_s"]:
-            print(f"  steps under the document mask {masked['steps']}: measured median {masked['median_s']:.4f} s")
-        print(f"  the profiled step (the terms below) {'ran' if by_mask['profiled_step_masked'] else 'did not run'} "
-              "under the document mask")
     terms = []
     if measured_row is not None and measured_row.get("device_ms_by_kind"):
         terms = compare_terms(simulated, measured, measured_row["device_ms_by_kind"])
-        for t in terms:
-            print(f"  {t['term']:36s} simulated {t['simulated_s'] * 1e3:8.1f} ms  measured "
-                  f"{t['measured_s'] * 1e3:8.1f} ms  miss {t['miss_s'] * 1e3:+8.1f} ms")
+    print_split_and_terms(by_mask, terms)
     write_result(out, {
         "model": args.model,
         "device": args.device,

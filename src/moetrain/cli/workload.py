@@ -41,8 +41,8 @@ def add_workload_args(parser: argparse.ArgumentParser, batch_required: bool = Tr
                    "shares, as validate prices a row whose source states it (default: none stated)")
     g.add_argument("--document-tokens", type=float, default=None, metavar="L",
                    help="the sequences are packed from documents of L tokens on average that attention must not "
-                   "cross (this project's data loader): a micro-batch holding a boundary runs its attention under "
-                   "the document mask, priced as --document-mask says (default: one stream, plain causal)")
+                   "cross (this project's data loader): the rows holding a boundary run their attention again "
+                   "under the document mask, priced as --document-mask says (default: one stream, plain causal)")
     g.add_argument("--document-mask", choices=("block", "dense"), default=None,
                    help="with --document-tokens, how the mask reaches the kernel, as `moetrain train "
                    "--document-mask` says: block (FlexAttention tiles, compiled CUDA layers) or dense (a boolean "
