@@ -97,8 +97,8 @@ def corpus_document_tokens(model: str) -> float:
     from moetrain.config import load_model_config
     from moetrain.data.prepare import prepare_data
 
-    stream = prepare_data(None, load_model_config(model).vocab_size, seq_len=1, seed=0).dataset.stream
-    return len(stream.tokens) / (int(stream.document_index[-1]) + 1)
+    data = prepare_data(None, load_model_config(model).vocab_size, seq_len=1, seed=0)
+    return data.dataset.stream.mean_document_tokens
 
 
 def document_flags(model: str, measured_record: dict | None, measured_row: dict | None, device: str) -> list[str]:
@@ -122,8 +122,8 @@ def masked_steps(row: dict, model: str, seq_len: int, global_batch: int) -> list
     from moetrain.data.prepare import prepare_data
 
     data = prepare_data(None, load_model_config(model).vocab_size, seq_len, TrainingConfig().seed).dataset
-    return [any(mb.document_ids is not None for mb in data.step_batch(step, global_batch, row["micro_batch"])
-                .micro_batches) for step in range(len(row["steps_s"]) + 1)]
+    return [data.step_batch(step, global_batch, row["micro_batch"]).masked
+            for step in range(len(row["steps_s"]) + 1)]
 
 
 def timed_steps(row: dict, skip: int) -> list[int]:

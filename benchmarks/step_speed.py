@@ -122,19 +122,10 @@ def _top_level_ops(prof: profile) -> int:
                and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")))
 
 
-def _document_tokens_mean(trainer: Trainer) -> float | None:
-    if trainer.data is None:
-        return None
-    stream = trainer.data.dataset.stream
-    return len(stream.tokens) / (int(stream.document_index[-1]) + 1)
-
-
 def _masked_steps(trainer: Trainer, steps: int, global_batch: int, micro_batch: int) -> list[bool]:
     """Whether each of the first ``steps`` steps ran a micro-batch under the document mask: the batches are a
     function of the step (``data.packing``), so they are read again rather than watched."""
-    return [any(mb.document_ids is not None for mb in trainer.dataset.step_batch(step, global_batch,
-                                                                                 micro_batch).micro_batches)
-            for step in range(steps)]
+    return [trainer.dataset.step_batch(step, global_batch, micro_batch).masked for step in range(steps)]
 
 
 def run_variant(variant: Variant, args: argparse.Namespace) -> VariantResult:
@@ -164,7 +155,8 @@ def run_variant(variant: Variant, args: argparse.Namespace) -> VariantResult:
         variant.name, variant.micro_batch, trainer.run.document_mask, times[0], median, times, tokens / median,
         tokens / median * trainer.flops_per_token / trainer.peak_flops,
         torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None, 0.0, None, losses=losses,
-        compiled_steps=compiled, timed_steps_s=timed, document_tokens_mean=_document_tokens_mean(trainer),
+        compiled_steps=compiled, timed_steps_s=timed,
+        document_tokens_mean=None if trainer.data is None else trainer.data.dataset.stream.mean_document_tokens,
         masked_steps=_masked_steps(trainer, args.steps + 1, args.global_batch, variant.micro_batch))
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=activities) as prof:

@@ -230,7 +230,8 @@ def test_block_document_mask_on_cuda_equals_the_dense_mask_forward_and_backward(
     against SDPA with the dense boolean mask: MLA's head dims (192 query-key, 128 value) in bf16, rows of
     several documents (boundaries inside tiles) and of one; every row masked, and only the boundary rows
     (the causal kernel over every row, the masked one over those rows, as the runtime runs it)."""
-    from moetrain.models.attention import boundary_rows, build_attention_context, core_attention
+    from moetrain.data import boundary_rows
+    from moetrain.models.attention import build_attention_context, core_attention
 
     torch.manual_seed(0)
     batch, heads, seq = 3, 8, 1024

@@ -130,7 +130,7 @@ def test_masking_only_the_boundary_rows_equals_masking_every_row():
     """A micro-batch of two rows with a boundary and two without: masking only the boundary rows (the causal
     kernel over every row, the masked one over those rows in their place) gives the outputs and the
     gradients of masking every row, for both backends of MLA and for grouped-query attention."""
-    from moetrain.models.attention import boundary_rows
+    from moetrain.data import boundary_rows
 
     docs = _documents([[120, 5, 175], [300], [1, 298, 1], [300]])
     rows = boundary_rows(docs)
@@ -163,7 +163,7 @@ def test_no_boundary_row_is_plain_causal():
 def test_a_compiled_layer_masks_a_changing_count_of_boundary_rows():
     """Compiled, as the runtime's layers are: micro-batches with one and then two boundary rows (the count
     changes from step to step) give the eager layer's outputs and gradients."""
-    from moetrain.models.attention import boundary_rows
+    from moetrain.data import boundary_rows
 
     torch._dynamo.reset()
     module = _mla("sdpa")

@@ -14,6 +14,7 @@ _LAZY = {
     "MicroBatch": "moetrain.data.packing",
     "PackedDataset": "moetrain.data.packing",
     "StepBatch": "moetrain.data.packing",
+    "boundary_rows": "moetrain.data.packing",
     "Document": "moetrain.data.corpus",
     "cache_dir": "moetrain.data.corpus",
     "PreparedData": "moetrain.data.prepare",

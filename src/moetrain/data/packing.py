@@ -46,6 +46,11 @@ class TokenStream:
     tokens: np.ndarray
     document_index: np.ndarray
 
+    @property
+    def mean_document_tokens(self) -> float:
+        """Mean length of the documents in tokens, EOS included (``moetrain simulate --document-tokens``)."""
+        return len(self.tokens) / (int(self.document_index[-1]) + 1)
+
 
 def tokenize_documents(documents: list[Document], tokenizer: Tokenizer) -> TokenStream:
     eos = eos_id(tokenizer)
@@ -100,6 +105,17 @@ class StepBatch:
     global_tokens: int
     """Input tokens of the whole global batch (for tokens/s and MFU)."""
 
+    @property
+    def masked(self) -> bool:
+        """Whether a micro-batch holds a document boundary, so that its attention runs under the mask."""
+        return any(mb.document_ids is not None for mb in self.micro_batches)
+
+
+def boundary_rows(document_ids_BS: torch.Tensor) -> torch.Tensor:
+    """The rows that hold a document boundary, as int64 indices: a row's ids restart at 0, so a row of all 0
+    lies inside one document. On the host's ids, so that the device never waits for the count."""
+    return (document_ids_BS != 0).any(dim=1).nonzero().flatten()
+
 
 class PackedDataset:
     """Fixed-length samples over a token stream, in a seeded order that is a function of the step."""
@@ -152,7 +168,6 @@ class PackedDataset:
         inputs, labels, documents = (torch.from_numpy(np.stack(part)) for part in zip(*samples))
         # A row inside one document needs no document mask: it is plain causal attention at positions
         # 0..S-1 (``moetrain.models.attention``), so a micro-batch of such rows carries no documents.
-        crosses_document = (documents != 0).any(dim=1)  # a row's ids start at 0: all 0 is one document
         global_label_tokens = int((labels != IGNORE_INDEX).sum())
         per_rank = global_batch // dp_size
         micro_batches = []
@@ -162,7 +177,7 @@ class PackedDataset:
             micro_batches.append(MicroBatch(
                 input_ids=inputs[rows],
                 labels=micro_labels,
-                document_ids=documents[rows] if bool(crosses_document[rows].any()) else None,
+                document_ids=documents[rows] if boundary_rows(documents[rows]).numel() else None,
                 num_label_tokens=int((micro_labels != IGNORE_INDEX).sum()),
             ))
         return StepBatch(micro_batches, global_label_tokens, global_tokens=global_batch * self.seq_len)

@@ -24,14 +24,14 @@ import torch.distributed as dist
 
 from moetrain.config import ModelConfig, TrainingConfig
 from moetrain.config.model import moe_layer_indices
-from moetrain.data import StepBatch
+from moetrain.data import StepBatch, boundary_rows
 from moetrain.distributed.host_reads import host_read
 from moetrain.distributed.layout import ParallelDims
 from moetrain.distributed.parallelize import StageModel, model_moe_blocks, parallelize
 from moetrain.distributed.pipeline import Executor, MicroBatch, StepContext
 from moetrain.distributed.trace import span
 from moetrain.distributed.zero import build_sharded_optimizer
-from moetrain.models.attention import DocumentMask, boundary_rows
+from moetrain.models.attention import DocumentMask
 from moetrain.models.transformer import MoETransformer, build_model
 from moetrain.runtime_base.optim import lr_multiplier
 from moetrain.schedules import interleaved_1f1b, overlapped

@@ -10,8 +10,8 @@ communication (TP, all-to-all, CP, pipeline send/recv) and the device's wait for
 per term; the rest is compute, which is split over the layer's parts (GEMMs, fused attention, the
 grouped GEMM of the routed experts, the fixed cost per MoE pass, element-wise kernels, FP8 operand casts,
 the recompute, the output head) in proportion to what each costs per micro-batch on that stage: forward, backward
-(2× the GEMMs and element-wise kernels, ``ATTENTION_BACKWARD_OVER_FORWARD`` × the fused attention)
-and recompute. The terms add up to the predicted step exactly.
+(2× the GEMMs and element-wise kernels, the fused attention its own ratio) and recompute, as the cost
+model prices them (``layer_costs.LayerParts``). The terms add up to the predicted step exactly.
 
 Sensitivity: for each fitted efficiency p (``fit.BOUNDS``), d(error)/d(log p) in percentage points of
 the row's signed error, by a central difference of ±``LOG_STEP`` in log p. A term that the miss points
@@ -32,7 +32,7 @@ import numpy as np
 
 from moetrain.planner.calibration import Calibration, Efficiency
 from moetrain.planner.costmodel import StepCosts, evaluate
-from moetrain.planner.layer_costs import ATTENTION_BACKWARD_OVER_FORWARD, layer_costs
+from moetrain.planner.layer_costs import layer_costs
 from moetrain.planner.validation import PreparedRow, metric_of
 
 LOG_STEP = 0.05
@@ -117,16 +117,15 @@ def compute_weights(row: PreparedRow, eff: Efficiency, costs: StepCosts) -> dict
     layer = layer_costs(w, s, eff, moe_layer=moe_layer, num_micro=costs.num_micro_batches)
     first = lambda v: float(np.broadcast_to(np.asarray(v, dtype=float), (len(s),))[0])  # noqa: E731
     layers = w.model.num_layers / float(s.pp[0])
-    core = first(layer.attention_core)
-    projections = first(layer.attention) - core
-    gemm_fwd = projections + first(layer.router) + first(layer.shared_experts) + first(layer.dense_ffn)
+    trained = layer.parts - layer.recompute_parts  # forward and backward, part by part
     weights = {
-        "dense GEMMs (projections, router, shared experts, dense FFN)": 3.0 * gemm_fwd,
-        "fused attention": (1.0 + ATTENTION_BACKWARD_OVER_FORWARD) * core,
-        "routed experts (grouped GEMM)": 3.0 * first(layer.experts),
-        "MoE fixed cost per pass": 3.0 * first(layer.moe_pass),
-        "element-wise kernels": 3.0 * first(layer.elementwise),
-        "FP8 operand casts": first(layer.fp8_casts),
+        "dense GEMMs (projections, router, shared experts, dense FFN)": first(
+            trained.attention_projections + trained.router + trained.shared_experts + trained.dense_ffn),
+        "fused attention": first(trained.attention_core),
+        "routed experts (grouped GEMM)": first(trained.experts),
+        "MoE fixed cost per pass": first(trained.moe_fixed),
+        "element-wise kernels": first(trained.elementwise),
+        "FP8 operand casts": first(trained.fp8_casts),
     }
     weights = {k: v * layers for k, v in weights.items()}
     weights["recompute"] = layers * first(layer.recompute)

@@ -103,6 +103,12 @@ class LayerParts:
     def total(self):
         return sum(getattr(self, f.name) for f in fields(self))
 
+    def __add__(self, other: LayerParts) -> LayerParts:
+        return LayerParts(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+
+    def __sub__(self, other: LayerParts) -> LayerParts:
+        return LayerParts(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
+
 
 @dataclass(frozen=True)
 class LayerCosts:
@@ -144,6 +150,8 @@ class LayerCosts:
     """Quantising the FP8 GEMMs' operands, forward and backward of the pass (``FP8_CAST_BYTES_PER_ELEMENT``)."""
     parts: LayerParts = LayerParts()
     """``compute`` part by part."""
+    recompute_parts: LayerParts = LayerParts()
+    """Of ``parts``: what recompute runs again (``recompute`` part by part)."""
 
     @property
     def compute(self):
@@ -482,7 +490,19 @@ def layer_costs(w: Workload, s: Strategies, eff: Efficiency, moe_layer: bool, nu
     # norms, MLA up-projections, activation, permute, router): not the core attention, whose kept tensors
     # it leaves in place. Norms, activation, permute and router are about half the element-wise bytes.
     selective_share = (1.0 - full_share) * selective_recompute_share(s.recompute)
-    recompute = full_share * fwd + selective_share * (attn.mla_up + 0.5 * elem)
+    # forward and backward (twice the forward, the core attention its own ratio), part by part
+    trained = LayerParts(
+        attention_projections=3.0 * attn.proj, attention_core=attn.core + attn.core_bwd, router=3.0 * ffn.router,
+        experts=3.0 * ffn.experts, shared_experts=3.0 * ffn.shared_time, dense_ffn=3.0 * ffn.dense_ffn,
+        elementwise=3.0 * elem, moe_fixed=3.0 * moe_pass, fp8_casts=casts.forward + casts.backward)
+    # what recompute runs again: the whole forward on the fully recomputed share, the selective set elsewhere
+    recomputed = LayerParts(
+        attention_projections=full_share * attn.proj + selective_share * attn.mla_up,
+        attention_core=full_share * attn.core, router=full_share * ffn.router, experts=full_share * ffn.experts,
+        shared_experts=full_share * ffn.shared_time, dense_ffn=full_share * ffn.dense_ffn,
+        elementwise=(full_share + 0.5 * selective_share) * elem, moe_fixed=full_share * moe_pass,
+        fp8_casts=full_share * casts.forward)
+    recompute = recomputed.total
     # Tensor-parallel collectives: per layer forward, an all-gather and a reduce-scatter (or one
     # all-reduce) around attention and around the FFN, each of the full t_att × h activation.
     tp_in_node = ranks_per_node(s.tp, 1, cluster.fabric_devices)
@@ -495,15 +515,6 @@ def layer_costs(w: Workload, s: Strategies, eff: Efficiency, moe_layer: bool, nu
                  shared_experts=np.broadcast_to(ffn.shared_time, tok.att.shape) if is_moe else 0.0,
                  dense_ffn=ffn.dense_ffn, elementwise=elem, attention_core=attn.core,
                  moe_pass=moe_pass, fp8_casts=casts.forward + casts.backward)
-    # forward and backward (twice the forward, the core attention its own ratio), and what recompute repeats
-    passes = 3.0 + full_share
-    step_parts = LayerParts(
-        attention_projections=passes * attn.proj + selective_share * attn.mla_up,
-        attention_core=(1.0 + full_share) * attn.core + attn.core_bwd,
-        router=passes * ffn.router, experts=passes * ffn.experts,
-        shared_experts=passes * ffn.shared_time, dense_ffn=passes * ffn.dense_ffn,
-        elementwise=passes * elem + selective_share * 0.5 * elem, moe_fixed=passes * moe_pass,
-        fp8_casts=(1.0 + full_share) * casts.forward + casts.backward)
     tp_comm = ffn.num_tp_collectives * one_tp * (2.0 + full_share) + ffn.router_tp_comm * (1.0 + full_share)
     # Of the backward's collectives, half are the column-parallel layers' input gradients (q/k/v and the
     # first FFN matrix), which Megatron's asynchronous TP all-reduce and Transformer Engine's Linear start
@@ -513,7 +524,8 @@ def layer_costs(w: Workload, s: Strategies, eff: Efficiency, moe_layer: bool, nu
     async_hidden = (np.minimum(0.5 * ffn.num_tp_collectives * one_tp, column_wgrad)
                     if w.async_tp_input_grad else 0.0)
     costs = LayerCosts(fwd, bwd, recompute, tp_comm, async_hidden,
-                       _cp_exposed(w, s, eff, tok, attn), **parts, parts=step_parts)
+                       _cp_exposed(w, s, eff, tok, attn), **parts, parts=trained + recomputed,
+                       recompute_parts=recomputed)
     if not is_moe:
         return costs
     # dispatch + combine in the forward, and again in the backward and in a full recompute; the counts'

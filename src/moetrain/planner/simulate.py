@@ -65,12 +65,13 @@ def _compute_parts(workload: Workload, costs: StepCosts) -> dict[str, float]:
     """The busiest stage's compute per step by part (``ComputeTimes``, which add up to it): the layer parts
     the model has, the head, and the rest where they cost anything."""
     c = costs.compute
-    moe = workload.model.moe is not None
-    always = {"attention": c.attention_s, **({"router": c.router_s, "experts": c.experts_s,
-                                              "shared_experts": c.shared_experts_s} if moe else {}),
-              "dense_ffn": c.dense_ffn_s, "elementwise": c.elementwise_s, "head": c.head_s}
-    if moe and not workload.model.num_dense_layers:
-        del always["dense_ffn"]
+    model = workload.model
+    always = {"attention": c.attention_s}
+    if model.moe is not None:
+        always |= {"router": c.router_s, "experts": c.experts_s, "shared_experts": c.shared_experts_s}
+    if model.moe is None or model.num_dense_layers:
+        always["dense_ffn"] = c.dense_ffn_s
+    always |= {"elementwise": c.elementwise_s, "head": c.head_s}
     if_any = {"moe_fixed": c.moe_fixed_s, "fp8_casts": c.fp8_casts_s, "embed": c.embed_s, "mtp": c.mtp_s}
     parts = {name: float(value[0]) for name, value in always.items()}
     return parts | {name: float(value[0]) for name, value in if_any.items() if float(value[0]) > 0.0}
