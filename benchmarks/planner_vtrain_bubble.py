@@ -23,7 +23,6 @@ from _record import write_result
 
 from moetrain.planner.calibration import load_calibration
 from moetrain.planner.costmodel import evaluate
-from moetrain.planner.explain import step_terms
 from moetrain.planner.validation import PreparedRow, prepare_all, read_rows
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,8 +46,7 @@ def held_out_run(row: PreparedRow, fold) -> Run:
     eff = fold.for_device(row.workload.cluster.device)
     costs = evaluate(row.workload, row.strategy, eff)
     step, bubble = float(costs.step_time_s[0]), float(costs.pipeline.bubble_s[0])
-    recompute_per_micro = {t.name: t.seconds for t in step_terms(row, eff, costs)}["recompute"] / float(
-        costs.num_micro_batches[0])
+    recompute_per_micro = float(costs.recompute.total_s()[0]) / float(costs.num_micro_batches[0])
     shorter = bubble * (1.0 - recompute_per_micro / float(costs.pipeline.stage_time_s[0]))
     return Run(row.row_id, int(row.strategy.tp[0]), int(row.strategy.pp[0]), bubble / step,
                (step - row.measured) / row.measured * 100.0,

@@ -15,8 +15,8 @@ import yaml
 from moetrain.cli import main
 from moetrain.costs.flops import attention_core_flops
 from moetrain.planner.calibration import Calibration, load_calibration
-from moetrain.planner.compute import attention_speed_factor
-from moetrain.planner.explain import explain, explain_held_out
+from moetrain.planner.compute import ExpertShard, attention_speed_factor, expert_compute_time
+from moetrain.planner.explain import UNEVEN_SPLIT, explain, explain_held_out
 from moetrain.planner.fit import leave_one_family_out
 from moetrain.planner.validation import prepare_all, prepare_row, read_rows
 
@@ -68,6 +68,51 @@ def test_terms_add_up_and_attention_is_hand_computed() -> None:
     # nothing in this row moves with the links or the overlaps
     for name in ("bus_intra", "bus_inter", "grad_overlap", "tp_overlap", "moe_overhead_us"):
         assert abs(e.sensitivity[name]) < 1e-9
+
+
+# One H100 trains 1 dense and 3 MoE layers (16 experts of 1024, top 4, a shared expert) on 8 sequences of
+# 2048 tokens in micro-batches of 2.
+DENSE_FIRST = {**ONE_DEVICE, "id": "HAND-3", "layers": "4", "dense_layers": "1", "num_experts": "16", "topk": "4",
+               "moe_ffn_hidden": "1024", "shared_experts": "1", "seq_len": "2048"}
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_a_dense_first_moe_row_counts_its_moe_layers_by_hand(recompute: str) -> None:
+    """The routed experts and the fixed cost per MoE pass come from the 3 MoE layers alone, forward and
+    twice that backward (what full recompute runs again is the recompute term); the explanation once
+    priced all 4 layers as MoE layers."""
+    row = prepare_row({**DENSE_FIRST, "recompute": recompute})
+    calibration = load_calibration()
+    eff = calibration.for_device("h100-sxm-80gb")
+    model = row.workload.model
+    terms = {t.name: t.seconds for t in explain(row, calibration).terms}
+    num_micro, tokens = 4, 2 * 2048
+    expert_fwd = float(expert_compute_time(tokens * 4, model, row.workload.cluster, eff,
+                                           ExpertShard(num_local_experts=16, etp=1)))
+    assert terms["routed experts (grouped GEMM)"] == pytest.approx(num_micro * 3 * 3.0 * expert_fwd, rel=1e-9)
+    assert terms["MoE fixed cost per pass"] == pytest.approx(num_micro * 3 * 3.0 * eff.moe_overhead_us * 1e-6,
+                                                             rel=1e-9)
+    if recompute == "full":  # the forward of every layer again, the experts' among it
+        assert terms["recompute"] > num_micro * 3 * expert_fwd
+    else:
+        assert terms["recompute"] == 0.0
+    assert UNEVEN_SPLIT not in terms and "other" not in terms
+
+
+def test_an_uneven_pipeline_split_is_a_term_of_its_own() -> None:
+    """5 dense layers over 2 stages: the parts are the mean rank's 2.5 layers; the slowest rank's third
+    layer (less the head and embedding it balances against) is the uneven split's term."""
+    even = explain(prepare_row({**ONE_DEVICE, "layers": "4", "dense_layers": "4", "num_devices": "2", "pp": "2"}),
+                   load_calibration())
+    uneven = explain(prepare_row({**ONE_DEVICE, "layers": "5", "dense_layers": "5", "num_devices": "2", "pp": "2"}),
+                     load_calibration())
+    assert UNEVEN_SPLIT not in {t.name for t in even.terms}
+    terms = {t.name: t.seconds for t in uneven.terms}
+    assert sum(terms.values()) == pytest.approx(uneven.step_time_s, rel=1e-9)
+    assert terms[UNEVEN_SPLIT] > 0
+    # the mean rank's 2.5 layers against the even split's 2: the layer parts scale by 5/4
+    even_terms = {t.name: t.seconds for t in even.terms}
+    assert terms["fused attention"] == pytest.approx(even_terms["fused attention"] * 5 / 4, rel=1e-9)
 
 
 def test_explain_a_deepseek_row_names_its_terms(calibration_csv: Path, capsys: pytest.CaptureFixture[str]) -> None:

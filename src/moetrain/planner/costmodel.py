@@ -21,7 +21,7 @@ uses the causal half (fused kernels skip masked blocks).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
@@ -132,6 +132,11 @@ class ComputeTimes(Columns):
     mtp_s: np.ndarray
     """Multi-token prediction modules (last stage), on the device."""
 
+    def total_s(self) -> np.ndarray:
+        """The stage's compute: every part (``attention_core_s`` is in ``attention_s``)."""
+        return sum((getattr(self, f.name) for f in fields(self) if f.name != "attention_core_s"),
+                   start=np.zeros(len(self)))
+
 
 @dataclass(frozen=True)
 class StepCosts(Columns):
@@ -155,6 +160,9 @@ class StepCosts(Columns):
     pipeline: PipelineTimes
     dp: DataParallelTimes
     compute: ComputeTimes
+    recompute: ComputeTimes
+    """Of ``compute``: what recompute runs again, part by part (the embedding and the head are never
+    recomputed)."""
     memory: MemoryBytes
 
     def mfu_at(self, step_time_s) -> np.ndarray:
@@ -370,7 +378,7 @@ def _bubble(w: Workload, s: Strategies, st: _Stages, num_micro):
 
 
 def pipeline_times(w: Workload, s: Strategies, eff: Efficiency, dense: LayerCosts | None, body: LayerCosts,
-                   num_micro) -> tuple[StageTimes, PipelineTimes, ComputeTimes]:
+                   num_micro) -> tuple[StageTimes, PipelineTimes, ComputeTimes, ComputeTimes]:
     """Stage times, bubble and the communication inside the pipeline. ``dense``: the dense layers'
     costs (None when every layer is an MoE layer); ``body``: the costs of most layers (MoE layers in an
     MoE model)."""
@@ -390,16 +398,18 @@ def pipeline_times(w: Workload, s: Strategies, eff: Efficiency, dense: LayerCost
         tp_comm_s=per_step * body.tp_comm, tp_exposed_s=per_step * exposed_tp(w, eff, body),
         a2a_s=per_step * body.a2a, a2a_exposed_s=per_step * body.a2a_exposed, cp_exposed_s=per_step * body.cp_exposed,
         p2p_s=num_micro * st.p2p, host_wait_s=host_wait)
-    compute = _busiest_stage_compute(w, s, st, passes, dense, body, num_micro)
-    return _stage_times(w, s, st, passes, body), pipeline, compute
+    compute, recompute = _busiest_stage_compute(w, s, st, passes, dense, body, num_micro)
+    return _stage_times(w, s, st, passes, body), pipeline, compute, recompute
 
 
 def _busiest_stage_compute(w: Workload, s: Strategies, st: _Stages, passes: _MicroBatchPasses,
-                           dense: LayerCosts | None, body: LayerCosts, num_micro) -> ComputeTimes:
+                           dense: LayerCosts | None, body: LayerCosts,
+                           num_micro) -> tuple[ComputeTimes, ComputeTimes]:
     """The busiest stage's compute per step, part by part: its dense and body layers' ``LayerParts`` and its
     ends. A single stage holds everything; of several, the slowest one's own (the first holds the dense
     layers and the embedding, the last the head and MTP); an uneven split, balanced layer by layer, is
-    told by its mean rank (every part over pp)."""
+    told by its mean rank (every part over pp). Second: of that, what recompute runs again, part by part
+    (the layers' ``recompute_parts`` and the MTP modules' layer's recompute)."""
     model = w.model
     pp = s.pp.astype(float)
     ends = passes.ends
@@ -412,18 +422,24 @@ def _busiest_stage_compute(w: Workload, s: Strategies, st: _Stages, passes: _Mic
     holds_last = np.where(st.uneven, 1.0 / pp, last_busiest)
     # the MTP modules' layer pass carries the host floor; the pipeline's host wait counts it on one stage
     mtp_gap = np.where(pp == 1, model.num_mtp_layers * (passes.body.time - passes.body.device), 0.0)
-    dense_parts = dense.parts if dense is not None else LayerParts()
 
-    def stage_total(name: str):
-        return num_micro * (n_dense * getattr(dense_parts, name) + n_body * getattr(body.parts, name))
+    def stage_times(dense_parts: LayerParts, body_parts: LayerParts, embed, head, mtp) -> ComputeTimes:
+        def total(name: str):
+            return num_micro * (n_dense * getattr(dense_parts, name) + n_body * getattr(body_parts, name))
 
-    return ComputeTimes.broadcast(
-        len(s), attention_s=stage_total("attention_projections") + stage_total("attention_core"),
-        attention_core_s=stage_total("attention_core"),
-        **{f"{name}_s": stage_total(name) for name in (
-            "router", "experts", "shared_experts", "dense_ffn", "elementwise", "moe_fixed", "fp8_casts")},
-        embed_s=num_micro * holds_first * ends.embed, head_s=num_micro * holds_last * ends.head,
-        mtp_s=num_micro * holds_last * (ends.mtp - mtp_gap))
+        return ComputeTimes.broadcast(
+            len(s), attention_s=total("attention_projections") + total("attention_core"),
+            attention_core_s=total("attention_core"),
+            **{f"{name}_s": total(name) for name in (
+                "router", "experts", "shared_experts", "dense_ffn", "elementwise", "moe_fixed", "fp8_casts")},
+            embed_s=num_micro * holds_first * embed, head_s=num_micro * holds_last * head,
+            mtp_s=num_micro * holds_last * mtp)
+
+    compute = stage_times(dense.parts if dense is not None else LayerParts(), body.parts, ends.embed, ends.head,
+                          ends.mtp - mtp_gap)
+    recompute = stage_times(dense.recompute_parts if dense is not None else LayerParts(), body.recompute_parts,
+                            0.0, 0.0, model.num_mtp_layers * body.recompute)
+    return compute, recompute
 
 
 @dataclass(frozen=True)
@@ -576,7 +592,7 @@ def evaluate(w: Workload, s: Strategies, eff: Efficiency) -> StepCosts:
     moe = layer_costs(w, s, eff, moe_layer=True, num_micro=num_micro) if model.moe is not None else None
     body = moe if moe is not None else dense
     assert body is not None
-    stages, pipeline, compute = pipeline_times(w, s, eff, dense, body, num_micro)
+    stages, pipeline, compute, recompute = pipeline_times(w, s, eff, dense, body, num_micro)
     params = LocalParams.of(w, s)
     dp = data_parallel_traffic(w, s, eff, params, stages.forward_fraction, pipeline.stage_time_s)
     optimizer_device, optimizer = optimizer_times(w, s, eff, params)
@@ -590,4 +606,5 @@ def evaluate(w: Workload, s: Strategies, eff: Efficiency) -> StepCosts:
         hardware_flops_factor=column(hardware_flops_factor(w, s)), num_micro_batches=column(num_micro),
         optimizer_s=column(optimizer), optimizer_device_s=column(optimizer_device),
         host_wait_s=column(pipeline.host_wait_s + (optimizer - optimizer_device)),
-        stages=stages, pipeline=pipeline, dp=dp, compute=compute, memory=device_memory(w, s, params, num_micro))
+        stages=stages, pipeline=pipeline, dp=dp, compute=compute, recompute=recompute,
+        memory=device_memory(w, s, params, num_micro))

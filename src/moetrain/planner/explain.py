@@ -7,11 +7,12 @@ The step of the cost model (``costmodel.evaluate``) is
 
 where ``stage`` is the busiest pipeline stage's time per micro-batch. Of ``m · stage`` the exposed
 communication (TP, all-to-all, CP, pipeline send/recv) and the device's wait for the host are priced
-per term; the rest is compute, which is split over the layer's parts (GEMMs, fused attention, the
-grouped GEMM of the routed experts, the fixed cost per MoE pass, element-wise kernels, FP8 operand casts,
-the recompute, the output head) in proportion to what each costs per micro-batch on that stage: forward, backward
-(2× the GEMMs and element-wise kernels, the fused attention its own ratio) and recompute, as the cost
-model prices them (``layer_costs.LayerParts``). The terms add up to the predicted step exactly.
+per term; the rest is compute: the busiest stage's own parts (``costmodel.ComputeTimes``: its dense and MoE
+layers' GEMMs, fused attention, the grouped GEMM of the routed experts, the fixed cost per MoE pass,
+element-wise kernels and FP8 operand casts, forward and backward; what recompute runs again; the embedding,
+the output head and the MTP modules), as the cost model prices them (``layer_costs.LayerParts``). A layer
+count that pp·vpp does not divide is split unevenly: the parts are then the mean rank's, and what the
+slowest rank holds beyond them is a term of its own. The terms add up to the predicted step exactly.
 
 Sensitivity: for each fitted efficiency p (``fit.BOUNDS``), d(error)/d(log p) in percentage points of
 the row's signed error, by a central difference of ±``LOG_STEP`` in log p. A term that the miss points
@@ -32,7 +33,6 @@ import numpy as np
 
 from moetrain.planner.calibration import Calibration, Efficiency
 from moetrain.planner.costmodel import StepCosts, evaluate
-from moetrain.planner.layer_costs import layer_costs
 from moetrain.planner.validation import PreparedRow, metric_of
 
 LOG_STEP = 0.05
@@ -41,6 +41,10 @@ LOG_STEP = 0.05
 SAME_VALUE_RTOL = 1e-9
 """Held-out values within this of the all-rows ones did not move (two fits ending at one bound differ in the
 last bits)."""
+
+UNEVEN_SPLIT = "uneven PP split (slowest rank over the mean)"
+"""The term of a layer count that pp·vpp does not divide: the compute parts are the mean rank's, the
+stage time the slowest rank's."""
 
 FITTED = ("gemm_max", "gemm_overhead_us", "moe_overhead_us", "attention", "memory", "fp8_gain", "bus_intra",
           "bus_inter", "grad_overlap", "tp_overlap")
@@ -109,31 +113,30 @@ class HeldOutShift:
     """held-out error − all-rows error − Σ alone: what the moves do together beyond their single effects."""
 
 
-def compute_weights(row: PreparedRow, eff: Efficiency, costs: StepCosts) -> dict[str, float]:
-    """Seconds per micro-batch of each compute part on the busiest stage (its MoE or dense layers, forward,
-    backward and recompute, and the head), the weights the stage's compute is split by."""
-    w, s = row.workload, row.strategy
-    moe_layer = w.model.moe is not None
-    layer = layer_costs(w, s, eff, moe_layer=moe_layer, num_micro=costs.num_micro_batches)
-    first = lambda v: float(np.broadcast_to(np.asarray(v, dtype=float), (len(s),))[0])  # noqa: E731
-    layers = w.model.num_layers / float(s.pp[0])
-    trained = layer.parts - layer.recompute_parts  # forward and backward, part by part
-    weights = {
-        "dense GEMMs (projections, router, shared experts, dense FFN)": first(
-            trained.attention_projections + trained.router + trained.shared_experts + trained.dense_ffn),
-        "fused attention": first(trained.attention_core),
-        "routed experts (grouped GEMM)": first(trained.experts),
-        "MoE fixed cost per pass": first(trained.moe_fixed),
-        "element-wise kernels": first(trained.elementwise),
-        "FP8 operand casts": first(trained.fp8_casts),
+def compute_terms(costs: StepCosts) -> dict[str, float]:
+    """Seconds per step of each compute part on the busiest stage (``StepCosts.compute``: its own dense and
+    MoE layers, forward and backward, and its ends; what recompute runs again apart)."""
+    trained, again = costs.compute, costs.recompute
+
+    def seconds(*names: str) -> float:
+        return sum(float(getattr(trained, n)[0]) - float(getattr(again, n)[0]) for n in names)
+
+    return {
+        "dense GEMMs (projections, router, shared experts, dense FFN)": seconds(
+            "attention_s", "router_s", "shared_experts_s", "dense_ffn_s") - seconds("attention_core_s"),
+        "fused attention": seconds("attention_core_s"),
+        "routed experts (grouped GEMM)": seconds("experts_s"),
+        "MoE fixed cost per pass": seconds("moe_fixed_s"),
+        "element-wise kernels": seconds("elementwise_s"),
+        "FP8 operand casts": seconds("fp8_casts_s"),
+        "recompute": float(again.total_s()[0]),
+        "embedding": seconds("embed_s"),
+        "output head and loss": seconds("head_s"),
+        "MTP modules": seconds("mtp_s"),
     }
-    weights = {k: v * layers for k, v in weights.items()}
-    weights["recompute"] = layers * first(layer.recompute)
-    weights["output head and loss"] = float(costs.compute.head_s[0]) / max(float(costs.num_micro_batches[0]), 1.0)
-    return weights
 
 
-def step_terms(row: PreparedRow, eff: Efficiency, costs: StepCosts) -> tuple[Term, ...]:
+def step_terms(eff: Efficiency, costs: StepCosts) -> tuple[Term, ...]:
     """The predicted step as terms that add up to it (see the module docstring)."""
     p, dp = costs.pipeline, costs.dp
     step = float(costs.step_time_s[0])
@@ -145,10 +148,11 @@ def step_terms(row: PreparedRow, eff: Efficiency, costs: StepCosts) -> tuple[Ter
         "PP send/recv": float(p.p2p_s[0]),
         "device waits for host": float(p.host_wait_s[0]),
     }
-    compute = max(num_micro * float(p.stage_time_s[0]) - sum(exposed.values()), 0.0)
-    weights = compute_weights(row, eff, costs)
-    total_weight = sum(weights.values())
-    seconds = {k: compute * v / total_weight for k, v in weights.items()} if total_weight > 0 else {}
+    seconds = compute_terms(costs)
+    stage_compute = num_micro * float(p.stage_time_s[0]) - sum(exposed.values())
+    beyond_mean = stage_compute - sum(seconds.values())
+    if abs(beyond_mean) > 1e-9 * max(step, 1e-30):
+        seconds[UNEVEN_SPLIT] = beyond_mean
     seconds.update(exposed)
     seconds["PP bubble"] = float(p.bubble_s[0])
     seconds["DP/ZeRO traffic (exposed)"] = float(dp.exposed_s[0])
@@ -184,7 +188,7 @@ def explain(row: PreparedRow, calibration: Calibration) -> Explanation:
     predicted = metric_of(row, costs, 0)
     return Explanation(
         row.row_id, row.metric, row.measured, predicted, (predicted - row.measured) / row.measured * 100.0,
-        float(costs.step_time_s[0]), step_terms(row, eff, costs), sensitivities(row, eff),
+        float(costs.step_time_s[0]), step_terms(eff, costs), sensitivities(row, eff),
         {name: float(getattr(eff, name)) for name in FITTED})
 
 
@@ -215,11 +219,12 @@ def explain_held_out(row: PreparedRow, calibration: Calibration) -> Explanation:
 
 
 def format_explanation(e: Explanation) -> str:
+    width = max(len(t.name) for t in e.terms)
     lines = [f"{e.row_id}: {e.metric} measured {e.measured:.4g}, predicted {e.predicted:.4g} "
              f"({e.error_pct:+.1f} %); predicted step {e.step_time_s:.4g} s",
-             "", f"{'term (busiest stage, per step)':52s} {'seconds':>10s} {'share':>7s}"]
+             "", f"{'term (busiest stage, per step)':{width + 2}s} {'seconds':>10s} {'share':>7s}"]
     for t in e.terms:
-        lines.append(f"  {t.name:50s} {t.seconds:10.4g} {t.share * 100:6.1f}%")
+        lines.append(f"  {t.name:{width}s} {t.seconds:10.4g} {t.share * 100:6.1f}%")
     lines += ["", "sensitivity of the error to each fitted efficiency (points of error per unit log p):"]
     for name, d in e.sensitivity.items():
         lines.append(f"  {name:20s} {d:+8.2f}   (value {e.efficiency[name]:.4g})")
