@@ -16,8 +16,9 @@ and from one profiled step the device kernels, the device time by kind of kernel
 (``gpu_step_profile.kernel_kind``) and the kernels with the most device time (CUDA); the host reads per
 step (``HostReadCounter``, eager only: declared by reason and undeclared), and on CUDA whether a whole
 step passes under ``torch.cuda.set_sync_debug_mode("error")`` (the step's declared reads lift it).
-``--synthetic-data`` trains on counting sequences of one document each, so attention runs plain causal
-instead of with the corpus's document mask.
+``--fallback`` names variants run only when one of ``--variants`` failed. ``--synthetic-data`` trains on
+counting sequences of one document each, so attention runs plain causal instead of with the corpus's
+document mask.
 """
 
 from __future__ import annotations
@@ -202,6 +203,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8, help="timed steps per variant (the first includes compiling)")
     p.add_argument("--variants", default="eager,compiled",
                    help="comma list of eager|compiled[:micro_batch[:auto|dense|block]]")
+    p.add_argument("--fallback", default=None,
+                   help="comma list of variants run only when one of --variants failed (a dense mask for a "
+                        "FlexAttention variant that did not compile): their time is spent only where needed")
     p.add_argument("--synthetic-data", action="store_true",
                    help="counting sequences, one document each: plain causal attention, no document mask")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/step_speed_<device>.json; "
@@ -209,9 +213,13 @@ def main() -> None:
     args = p.parse_args()
     load_before = os.getloadavg()[0]
     variants = [Variant.parse(text, args.micro_batch) for text in args.variants.split(",")]
+    fallbacks = [Variant.parse(text, args.micro_batch) for text in (args.fallback or "").split(",") if text]
     out = args.out or f"benchmarks/results/step_speed_{device_tag()}.json"
     results, failed = [], []
-    for variant in variants:
+    for index, variant in enumerate(variants + fallbacks):
+        if index == len(variants) and not failed:
+            print(f"no variant failed: the fallback ({args.fallback}) is not run")
+            break
         try:
             results.append(run_variant(variant, args))
             print_row(results[-1])
