@@ -13,8 +13,13 @@ double-counted), and the operators with the most device time and the most host t
 from __future__ import annotations
 
 import argparse
+import getpass
 import io
+import os
+import re
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 from _record import write_result
@@ -57,6 +62,9 @@ the experts' grouped GEMMs, the other (dense) GEMMs, the optimizer, copies, and 
 (element-wise and reduction kernels: norms, activations, permutations, losses)."""
 
 
+KERNEL_NAME_CHARS = 160
+"""A kernel's name as a record keeps it (CUTLASS's template names run to thousands)."""
+
 def kernel_kind(name: str) -> str:
     lower = name.lower()
     return next((kind for kind, words in KERNEL_KINDS if any(w in lower for w in words)), "elementwise")
@@ -76,13 +84,62 @@ def device_ms_by_kind(prof: profile) -> dict[str, float]:
 
 
 def top_kernels(prof: profile, limit: int) -> list[dict]:
-    """The device kernels with the most time: name (cut to 160 characters), kind, calls, milliseconds."""
+    """The device kernels with the most time: name (cut to ``KERNEL_NAME_CHARS``), kind, calls, milliseconds."""
     by_name: dict[str, list[float]] = {}
     for event in _kernels(prof):
         by_name.setdefault(event.name, []).append((event.time_range.end - event.time_range.start) / 1e3)
     rows = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:limit]
-    return [{"name": name[:160], "kind": kernel_kind(name), "calls": len(ms), "device_ms": round(sum(ms), 3)}
+    return [{"name": name[:KERNEL_NAME_CHARS], "kind": kernel_kind(name), "calls": len(ms),
+             "device_ms": round(sum(ms), 3)}
             for name, ms in rows]
+
+
+KERNEL_SOURCE_CHARS = 6000
+"""The most of one kernel's source a record keeps (Inductor's element-wise kernels run 1-4 kB)."""
+
+
+def inductor_cache_dir() -> Path:
+    """Where Inductor writes the kernels it generates (``TORCHINDUCTOR_CACHE_DIR``, else its default)."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+    except ImportError:  # an older torch: the same rule by hand
+        return Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+                    or Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}")
+    return Path(cache_dir())
+
+
+def _function_at(text: str, start: int) -> str:
+    """The Triton kernel whose ``def`` starts at ``start``: its decorators (from Inductor's
+    ``@triton_heuristics`` line) and its indented body."""
+    decorator = text.rfind("@triton_heuristics", max(0, start - 3000), start)
+    begin = decorator if decorator >= 0 else start
+    lines = text[start:].split("\n")
+    body = [lines[0]]
+    for line in lines[1:]:
+        if line.strip() and not line[0].isspace():
+            break
+        body.append(line)
+    return (text[begin:start] + "\n".join(body).rstrip())[:KERNEL_SOURCE_CHARS]
+
+
+def triton_kernel_sources(names: list[str], root: Path) -> dict[str, str]:
+    """The source of each Triton kernel of ``names`` (a profile's, perhaps cut short) that Inductor wrote
+    under ``root``, so that a slow kernel's tiling and loads can be read after the device is gone. Kernel
+    names repeat across graphs (each numbers its own kernels), so the newest file's is taken: the graph
+    compiled last, by the run that profiled. Names not found are left out."""
+    files = sorted(root.rglob("*.py"), key=lambda f: f.stat().st_mtime, reverse=True) if root.is_dir() else []
+    found: dict[str, str] = {}
+    for path in files:
+        wanted = [n for n in names if n not in found]
+        if not wanted:
+            break
+        text = path.read_text(errors="replace")
+        for name in wanted:
+            # a whole name ends at its parameters; one ``top_kernels`` cut short is matched as a prefix
+            match = re.search(f"def {re.escape(name)}" + (r"\(" if len(name) < KERNEL_NAME_CHARS else ""), text)
+            if match:
+                found[name] = _function_at(text, match.start())
+    return {n: found[n] for n in names if n in found}
 
 
 def top_ops(prof: profile, key: str, limit: int) -> list[dict]:

@@ -41,7 +41,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _record import device_tag, write_result  # noqa: E402
-from gpu_step_profile import device_ms_by_kind, top_kernels  # noqa: E402
+from gpu_step_profile import device_ms_by_kind, inductor_cache_dir, top_kernels, triton_kernel_sources  # noqa: E402
 
 from moetrain.config.run import RunSpec  # noqa: E402
 from moetrain.distributed.host_reads import HostReadCounter  # noqa: E402
@@ -49,6 +49,9 @@ from moetrain.distributed.parallelize import compile_events  # noqa: E402
 from moetrain.distributed.step import train_step  # noqa: E402
 from moetrain.train import SuppliedParts, Trainer  # noqa: E402
 from moetrain.train.metrics import timed_rows  # noqa: E402
+
+TRITON_SOURCES = 10
+"""How many of the profiled step's slowest Triton kernels a record keeps the source of."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,9 @@ class VariantResult:
     document_tokens_mean: float | None = None
     """Mean length in tokens (EOS included) of the corpus's documents, which attention does not cross (None:
     synthetic data, one document per sequence): what ``moetrain simulate --document-tokens`` prices."""
+    kernel_sources: dict[str, str] = field(default_factory=dict)
+    """The source Inductor generated for the profiled step's Triton kernels with the most device time (CUDA,
+    compiled; ``gpu_step_profile.triton_kernel_sources``): their tiling and loads, read after the device is gone."""
     masked_steps: list[bool] = field(default_factory=list)
     """Per step, ``steps_s``'s and then the profiled one: whether a micro-batch held a document boundary and ran
     its attention under the document mask (the others run the plain causal kernel)."""
@@ -168,6 +174,11 @@ def run_variant(variant: Variant, args: argparse.Namespace) -> VariantResult:
                                              if e.device_type == torch.autograd.DeviceType.CUDA)
         result.device_ms_by_kind = device_ms_by_kind(prof)
         result.top_kernels = top_kernels(prof, 30)
+        triton = [k["name"] for k in result.top_kernels if k["name"].startswith("triton_")][:TRITON_SOURCES]
+        try:
+            result.kernel_sources = triton_kernel_sources(triton, inductor_cache_dir())
+        except Exception as exc:  # noqa: BLE001 - the sources are a reading aid: the variant's figures stay
+            print(f"kernel sources left out: {type(exc).__name__}: {exc}")
     name = variant.mode
     if name == "eager":
         counter = HostReadCounter()
