@@ -84,6 +84,7 @@ run ep_overlap.py --global-batch 64 --out $R/ep_overlap_cpu.json
 run ep_overlap.py --nproc 2 --global-batch 32 --out $R/ep_overlap_cpu_2ranks.json
 run memory_policy.py --device cpu --seq-len 256 --budget-fraction 0.3
 run step_speed.py --device cpu --steps 4 --out $R/step_speed_cpu.json
+run row_split_compiles.py
 run checkpoint_stall.py --step-seconds 4 --steps-between 8 --out $R/checkpoint_stall_cpu.json
 run rl_switch.py --out $R/rl_switch_cpu.json
 run rl_switch.py --ranks 2 --out $R/rl_switch_cpu_2ranks.json
