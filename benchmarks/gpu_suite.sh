@@ -7,10 +7,11 @@
 #     bash benchmarks/gpu_suite.sh step_speed memory    # chosen steps only
 #
 # Order (what matters most first): tests/gpu, the step's speed (compiled with FlexAttention tiles, eager
-# with the dense mask; compiled with the dense mask only if a variant failed), the MoE layer beside torchtitan and Megatron-Core, the memory policies in
-# compiled layers, the simulator against the measured step, RL generation with the KV cache, RL Fusion's
-# switch by phase. The GPU benchmarks left out of the slot (moe_layer.py, gpu_attention_probe.py,
-# gpu_attention_layout.py, gpu_step_profile.py, balance_expert_gemm.py, train_demo.py) run on their own.
+# with the dense mask; compiled with the dense mask only if a variant failed), the MoE layer beside
+# torchtitan and Megatron-Core, the memory policies in compiled layers, the simulator against the measured
+# step, RL generation with the KV cache, RL Fusion's switch by phase. The GPU benchmarks left out of the
+# slot (moe_layer.py, gpu_attention_probe.py, gpu_attention_layout.py, gpu_step_profile.py,
+# balance_expert_gemm.py, train_demo.py) run on their own.
 # Results are named by the device they ran on (step_speed_h200.json ...) and written to
 # $RESULTS (benchmarks/results; a temporary folder in a dry run), the logs to $RESULTS/gpu_logs; after
 # every step both are packed into $OUT/gpu_suite.tgz when $OUT is set (the device tool's return folder),
