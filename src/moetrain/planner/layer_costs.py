@@ -116,9 +116,6 @@ class LayerCosts:
 
     fwd: object
     bwd: object
-    recompute: object
-    """Forward work run again in the backward (selective: MLA up-projections and half the element-wise
-    kernels; full: the whole forward)."""
     tp_comm: object
     """Tensor-parallel collectives of forward, backward and recompute."""
     tp_async_hidden: object
@@ -148,10 +145,21 @@ class LayerCosts:
     """Of the MoE block's forward: the fixed cost per MoE layer pass (``Efficiency.moe_overhead_us``)."""
     fp8_casts: object = 0.0
     """Quantising the FP8 GEMMs' operands, forward and backward of the pass (``FP8_CAST_BYTES_PER_ELEMENT``)."""
-    parts: LayerParts = LayerParts()
-    """``compute`` part by part."""
+    trained_parts: LayerParts = LayerParts()
+    """Forward and backward (``fwd + bwd``) part by part."""
     recompute_parts: LayerParts = LayerParts()
-    """Of ``parts``: what recompute runs again (``recompute`` part by part)."""
+    """Forward work run again in the backward, part by part (selective: MLA up-projections and half the
+    element-wise kernels; full: the whole forward)."""
+
+    @property
+    def recompute(self):
+        """Forward work run again in the backward (``recompute_parts`` summed)."""
+        return self.recompute_parts.total
+
+    @property
+    def parts(self) -> LayerParts:
+        """``compute`` part by part."""
+        return self.trained_parts + self.recompute_parts
 
     @property
     def compute(self):
@@ -502,7 +510,6 @@ def layer_costs(w: Workload, s: Strategies, eff: Efficiency, moe_layer: bool, nu
         shared_experts=full_share * ffn.shared_time, dense_ffn=full_share * ffn.dense_ffn,
         elementwise=(full_share + 0.5 * selective_share) * elem, moe_fixed=full_share * moe_pass,
         fp8_casts=full_share * casts.forward)
-    recompute = recomputed.total
     # Tensor-parallel collectives: per layer forward, an all-gather and a reduce-scatter (or one
     # all-reduce) around attention and around the FFN, each of the full t_att × h activation.
     tp_in_node = ranks_per_node(s.tp, 1, cluster.fabric_devices)
@@ -523,9 +530,8 @@ def layer_costs(w: Workload, s: Strategies, eff: Efficiency, moe_layer: bool, nu
     column_wgrad = 0.5 * (attn.proj + ffn.dense_ffn + ffn.shared_time)
     async_hidden = (np.minimum(0.5 * ffn.num_tp_collectives * one_tp, column_wgrad)
                     if w.async_tp_input_grad else 0.0)
-    costs = LayerCosts(fwd, bwd, recompute, tp_comm, async_hidden,
-                       _cp_exposed(w, s, eff, tok, attn), **parts, parts=trained + recomputed,
-                       recompute_parts=recomputed)
+    costs = LayerCosts(fwd, bwd, tp_comm, async_hidden, _cp_exposed(w, s, eff, tok, attn), **parts,
+                       trained_parts=trained, recompute_parts=recomputed)
     if not is_moe:
         return costs
     # dispatch + combine in the forward, and again in the backward and in a full recompute; the counts'
