@@ -53,7 +53,11 @@ if TYPE_CHECKING:
     from moetrain.rl.spec import RLRunSpec
 
 PLACE_TIMEOUT_S = 60.0
-"""How long the driver waits for the cluster to place every actor before it gives up."""
+"""How long the driver waits for the cluster to reserve every actor's CPU before it gives up."""
+
+START_TIMEOUT_S = 300.0
+"""How long the driver waits for a placed actor's process to start and answer (a fresh Python importing
+torch: seconds on an idle machine, over a minute on a loaded one) before it gives up."""
 
 
 def import_ray() -> ModuleType:
@@ -203,11 +207,12 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, names: Sequen
         actor_cls = ray.remote(num_cpus=1, max_restarts=-1 if restarts.max_restarts else 0)(RankActor)
         actors = [actor_cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
             group, placement_group_bundle_index=rank)).remote(names[rank]) for rank in range(world_size)]
-        addresses = _gather(ray, [actor.address.remote() for actor in actors], names, None, PLACE_TIMEOUT_S)
+        addresses = _gather(ray, [actor.address.remote() for actor in actors], names, None, START_TIMEOUT_S,
+                            "its Ray actor did not start")
         for attempt in range(restarts.max_restarts + 1):
             setting = RankSetting(group_timeout_s, restarts.env(attempt))
             master = _gather(ray, [actors[0].host_store.remote(group_timeout_s)], names[:1], addresses[:1],
-                             PLACE_TIMEOUT_S)[0]
+                             START_TIMEOUT_S, "did not host the rendezvous store")[0]
             refs = [actor.run.remote(fn, rank, world_size, args, master, setting)
                     for rank, actor in enumerate(actors)]
             try:
@@ -232,7 +237,7 @@ def _restart(ray: ModuleType, actors: list, before: list[ActorAddress], dead: in
     for rank, actor in enumerate(actors):
         if rank != dead:
             ray.kill(actor, no_restart=False)
-    deadline = time.monotonic() + PLACE_TIMEOUT_S
+    deadline = time.monotonic() + START_TIMEOUT_S
     addresses = []
     for rank, actor in enumerate(actors):
         while True:
@@ -242,28 +247,29 @@ def _restart(ray: ModuleType, actors: list, before: list[ActorAddress], dead: in
                 address = None
             except ray.exceptions.GetTimeoutError:
                 raise RayRankError(f"rank {rank} failed: {names[rank]} was not restarted by Ray within "
-                                   f"{PLACE_TIMEOUT_S:.0f} s", rank) from None
+                                   f"{START_TIMEOUT_S:.0f} s", rank) from None
             if address is not None and address.pid != before[rank].pid:
                 addresses.append(address)
                 break
             if time.monotonic() > deadline:
                 raise RayRankError(f"rank {rank} failed: {names[rank]} was not restarted by Ray within "
-                                   f"{PLACE_TIMEOUT_S:.0f} s", rank)
+                                   f"{START_TIMEOUT_S:.0f} s", rank)
             time.sleep(0.2)
     return addresses
 
 
 def _gather(ray: ModuleType, refs: list, names: Sequence[str], addresses: list[ActorAddress] | None,
-            timeout_s: float | None) -> list[Any]:
-    """Every ref's value, in rank order; the first failure (in the order they happen) is raised at once."""
+            timeout_s: float | None, late: str = "did not finish") -> list[Any]:
+    """Every ref's value, in rank order; the first failure (in the order they happen) is raised at once.
+    ``late`` says what a rank did not do when ``timeout_s`` runs out (the failure line's words)."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     rank_of = {ref: rank for rank, ref in enumerate(refs)}
     pending, values = list(refs), {}
     while pending:
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
-            late = ", ".join(names[rank_of[ref]] for ref in pending)
-            raise RayRankError(f"{late}: no result after {timeout_s:.0f} s", None)
+            waited_on = ", ".join(names[rank_of[ref]] for ref in pending)
+            raise RayRankError(f"{waited_on}: {late} within {timeout_s:.0f} s", None)
         ready, pending = ray.wait(pending, num_returns=1, timeout=left)
         for ref in ready:
             rank = rank_of[ref]
