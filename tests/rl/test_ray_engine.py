@@ -378,8 +378,10 @@ def test_a_hung_rollout_worker_is_named_within_the_runs_timeout(cluster, tmp_pat
     config.write_text("trainer:\n  run:\n    timeout_s: 10\n")
     code, _, err = _cli_run(tmp_path, capsys, "--steps", "4", "--config", str(config))
     assert code == 1
-    assert time.monotonic() - start < 90  # the warm-up, the actors' start, the 10 s timeout and a 5 s grace
+    # the hang ends the run (the actors' start-up, over a minute on a loaded machine, is in this bound) ...
+    assert time.monotonic() - start < 240
     lines = err.strip().splitlines()
     assert len(lines) == 1, lines
     assert re.match(r"moetrain rl: rank 1 failed: StaleSyncWorkerError: StaleSync rollout worker \(rank 0\) "
                     r"stopped responding: the trainer \(rank 1\) lost it", lines[0]), lines
+    assert "Timed out waiting 10000ms" in lines[0], lines  # ... at the run's timeout_s: gloo's words for 10 s
