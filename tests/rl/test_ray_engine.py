@@ -256,15 +256,11 @@ def test_cli_k0_on_ray_actors_equals_the_cli_on_the_local_engine(cluster, tmp_pa
     for bit. The local engine's ranks, the reference, are forked from this process (``forked_ranks``; the
     StaleSync CLI tests run that engine's ranks under torchrun)."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # one thread a rank, as each actor runs (forked ranks need it)
-    # Up to four ranks share two cores with another test worker, so the run's collectives wait up to 300 s (the
-    # results do not depend on it); the actors' start-up has its own bound (``START_TIMEOUT_S``).
-    config = tmp_path / "rl.yaml"
-    config.write_text("trainer:\n  run:\n    timeout_s: 300\n")
     runs = {}
     for engine in ("local", "ray"):
         out = tmp_path / engine
         argv = ["rl", *TINY, *layout, "--staleness", "0", "--engine", engine, "--metrics-out", str(out / "rl.jsonl"),
-                "--save-dir", str(out / "run"), "--log-dir", str(out / "log"), "--config", str(config)]
+                "--save-dir", str(out / "run"), "--log-dir", str(out / "log")]
         with forked_rl_ranks() if engine == "local" else contextlib.nullcontext():
             assert main(argv) == 0, capsys.readouterr().err
         rows = [json.loads(line) for line in (out / "rl.jsonl").read_text().splitlines()]

@@ -240,20 +240,20 @@ def _restart(ray: ModuleType, actors: list, before: list[ActorAddress], dead: in
     deadline = time.monotonic() + START_TIMEOUT_S
     addresses = []
     for rank, actor in enumerate(actors):
+        late = RayRankError(f"rank {rank} failed: {names[rank]} was not restarted by Ray within "
+                            f"{START_TIMEOUT_S:.0f} s", rank)
         while True:
             try:
                 address = ray.get(actor.address.remote(), timeout=max(deadline - time.monotonic(), 0.1))
             except ray.exceptions.RayActorError:  # a call that reached the process being killed
                 address = None
             except ray.exceptions.GetTimeoutError:
-                raise RayRankError(f"rank {rank} failed: {names[rank]} was not restarted by Ray within "
-                                   f"{START_TIMEOUT_S:.0f} s", rank) from None
+                raise late from None
             if address is not None and address.pid != before[rank].pid:
                 addresses.append(address)
                 break
             if time.monotonic() > deadline:
-                raise RayRankError(f"rank {rank} failed: {names[rank]} was not restarted by Ray within "
-                                   f"{START_TIMEOUT_S:.0f} s", rank)
+                raise late
             time.sleep(0.2)
     return addresses
 
