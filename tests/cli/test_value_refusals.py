@@ -11,7 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from moetrain.config.limits import MAX_DEVICES, MAX_RUN_TOKENS, MAX_TOKENS_PER_STEP, PROCESSES_PER_CORE
+from moetrain.config.limits import (
+    MAX_DEVICES,
+    MAX_EVAL_PROBLEMS,
+    MAX_RUN_TOKENS,
+    MAX_TOKENS_PER_STEP,
+    PROCESSES_PER_CORE,
+)
 from moetrain.data import corpus
 from moetrain.data.size import SHAKESPEARE_DOCUMENTS, SHAKESPEARE_TEXT_BYTES, corpus_size
 from moetrain.models.transformer import MoETransformer
@@ -138,6 +144,25 @@ RUN_TOKENS = 10**12 * 16 * 128
          f"--global-batch 100000000 × --seq-len 128 = {10**8 * 128:,} tokens per step, more than "
          f"{MAX_TOKENS_PER_STEP:,} (twice the largest published batch, DeepSeek-V3's 62.9M tokens); lower "
          "--global-batch"),
+        # moetrain rl has no --seq-len or --global-batch: its refusals name the flags that set them. addition's
+        # longest prompt is "999+999=" (8 characters); a sample is its prompt and its new tokens
+        (["rl", "--max-new-tokens", "2000"],
+         "--max-new-tokens 2000: the addition task's longest prompt (8 characters) and 2,000 new tokens span 2,008 "
+         "positions, beyond tiny-pangu's max_seq_len 1024 (its rotary range); give --max-new-tokens 1016 or less"),
+        (["rl", "--prompts", "100000000000"],
+         f"--prompts 100000000000 × --group-size 8 samples × 14 positions = {10**11 * 8 * 14:,} tokens per step, "
+         f"more than {MAX_TOKENS_PER_STEP:,} (twice the largest published batch, DeepSeek-V3's 62.9M tokens); lower "
+         "--prompts or --group-size"),
+        (["rl", "--sft-batch", "99999999999"],
+         f"--sft-batch 99999999999 examples × 14 positions = {99999999999 * 14:,} tokens per step, more than "
+         f"{MAX_TOKENS_PER_STEP:,} (twice the largest published batch, DeepSeek-V3's 62.9M tokens); lower --sft-batch"),
+        (["rl", "--sft-steps", "99999999999999"],
+         f"--sft-steps 99999999999999 × --sft-batch 64 examples × 14 positions = {99999999999999 * 64 * 14:.2e} "
+         f"tokens, more than {MAX_RUN_TOKENS:.0e} (25 times the longest published pre-training run); lower "
+         "--sft-steps"),
+        (["rl", "--eval-size", "999999999"],
+         f"--eval-size 999999999 is more than {MAX_EVAL_PROBLEMS:,} held-out problems (each evaluation generates an "
+         "answer to every one); lower --eval-size"),
     ],
 )
 def test_a_value_beyond_what_it_can_mean_is_refused_within_a_second(argv, message, capsys, tmp_path, monkeypatch):

@@ -1,3 +1,4 @@
+import itertools
 import random
 
 import pytest
@@ -15,6 +16,7 @@ from moetrain.rl.tasks import (
     split_of,
 )
 from moetrain.rl.tokenizer import CharTokenizer
+from moetrain.rl.warmup import validation_problems
 
 
 @pytest.mark.parametrize("name", sorted(TASKS))
@@ -64,6 +66,36 @@ def test_countdown_accepts_any_correct_expression_and_nothing_else():
     for bad in ("3*5+8", "3*5", "3*5+7+7", "22", "3**5", "__import__('os')", "3*5+7/0", "(3*5+7", "", "3 5 7"):
         assert task.score(problem, bad) == 0.0, bad
     assert task.score(Problem("4,2,3>6=", "4/2*3", (4, 2, 3), 6), "4/2*3") == 1.0  # exact rationals
+
+
+def _every_heldout_countdown_prompt() -> set[str]:
+    """Countdown's whole problem space enumerated, apart from its sampler: three numbers of 1-9, two of + - *
+    applied left to right (a product after a sum brackets the sum), a positive target; then the held-out
+    tenth of the hash split."""
+    prompts = set()
+    for numbers in itertools.product(range(1, 10), repeat=3):
+        for ops in itertools.product("+-*", repeat=2):
+            value = numbers[0]
+            for op, number in zip(ops, numbers[1:], strict=True):
+                value = value + number if op == "+" else value - number if op == "-" else value * number
+            if value > 0:
+                prompts.add(f"{','.join(map(str, numbers))}>{value}=")
+    return {p for p in prompts if split_of(p) == "heldout"}
+
+
+def test_an_evaluation_set_beyond_the_tasks_heldout_problems_is_refused_with_their_count():
+    everything = _every_heldout_countdown_prompt()
+    assert len(everything) == 474
+    task = get_task("countdown")
+    assert {p.prompt for p in heldout_problems(task, 0, 474)} == everything  # the search finds every one
+    with pytest.raises(UserError) as caught:
+        heldout_problems(task, 0, 2000)
+    assert str(caught.value) == ("--eval-size 2000: the countdown task gave only 474 distinct held-out problems "
+                                 "(4,740 draws in a row brought no new one); give --eval-size 474 or less")
+    # the warm-up's validation set takes what the evaluation set leaves, and says how many it checks on
+    evaluation = heldout_problems(task, 0, 256)
+    validation = validation_problems(task, 0, 256, evaluation)
+    assert {p.prompt for p in validation} == everything - {p.prompt for p in evaluation}
 
 
 def test_unknown_task_is_a_user_error():

@@ -19,6 +19,9 @@ MAX_TOKENS_PER_STEP = 2**27
 sequences of 4,096 tokens, 62.9M tokens)."""
 MAX_RUN_TOKENS = 10**15
 """Tokens a whole run trains on: 25 times the longest published pre-training runs (about 40T tokens)."""
+MAX_EVAL_PROBLEMS = 2**16
+"""65,536 problems in one evaluation set: over ten times the largest common RL benchmarks' test sets
+(MATH's 5,000 problems; GSM8K's 1,319), and each evaluation generates an answer to every one."""
 PROCESSES_PER_CORE = 8
 """Ranks or threads one CPU core may carry: beyond it they only wait for each other."""
 
@@ -29,20 +32,27 @@ def check_devices(devices: int, flag: str = "--devices") -> None:
                         "accelerators, ten times the largest built); check the number")
 
 
-def check_batch_tokens(global_batch: int, seq_len: int) -> None:
-    tokens = global_batch * seq_len
+def check_step_tokens(tokens: int, product: str, mend: str) -> None:
+    """``product`` (the flags that multiply to ``tokens``, with their values) names what to lower."""
     if tokens > MAX_TOKENS_PER_STEP:
-        raise UserError(f"--global-batch {global_batch} × --seq-len {seq_len} = {tokens:,} tokens per step, "
-                        f"more than {MAX_TOKENS_PER_STEP:,} (twice the largest published batch, DeepSeek-V3's 62.9M "
-                        "tokens); lower --global-batch")
+        raise UserError(f"{product} = {tokens:,} tokens per step, more than {MAX_TOKENS_PER_STEP:,} (twice the "
+                        f"largest published batch, DeepSeek-V3's 62.9M tokens); {mend}")
+
+
+def check_total_tokens(tokens: int, product: str, mend: str) -> None:
+    if tokens > MAX_RUN_TOKENS:
+        raise UserError(f"{product} = {tokens:.2e} tokens, more than {MAX_RUN_TOKENS:.0e} (25 times the longest "
+                        f"published pre-training run); {mend}")
+
+
+def check_batch_tokens(global_batch: int, seq_len: int) -> None:
+    check_step_tokens(global_batch * seq_len, f"--global-batch {global_batch} × --seq-len {seq_len}",
+                      "lower --global-batch")
 
 
 def check_run_tokens(steps: int, global_batch: int, seq_len: int) -> None:
-    tokens = steps * global_batch * seq_len
-    if tokens > MAX_RUN_TOKENS:
-        raise UserError(f"--steps {steps} × --global-batch {global_batch} × --seq-len {seq_len} = {tokens:.2e} "
-                        f"tokens, more than {MAX_RUN_TOKENS:.0e} (25 times the longest published pre-training run); "
-                        "lower --steps")
+    check_total_tokens(steps * global_batch * seq_len,
+                       f"--steps {steps} × --global-batch {global_batch} × --seq-len {seq_len}", "lower --steps")
 
 
 def check_seq_len(seq_len: int, max_seq_len: int, model_name: str) -> None:

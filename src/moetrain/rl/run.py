@@ -17,12 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from moetrain.config import ModelConfig, load_model_config
+from moetrain.config import ModelConfig, limits, load_model_config
 from moetrain.config.run import RunSpec, resolve_run_spec
 from moetrain.errors import UserError
 from moetrain.rl.config import FusionOptions, RLOptions, StaleSyncOptions
 from moetrain.rl.spec import DEFAULT_MODEL, RLRunSpec
-from moetrain.rl.tasks import get_task
+from moetrain.rl.tasks import Task, get_task, heldout_problems
 from moetrain.rl.tokenizer import CharTokenizer
 from moetrain.status import say
 from moetrain.train.checks import check_run
@@ -68,6 +68,15 @@ class RLRun:
 
 def build_rl_run(spec: RLRunSpec) -> RLRun:
     """The run of ``spec``, every check done: what each process of the run builds first."""
+    warms_up = bool(spec.sft.steps) and spec.initial_weights is None
+    if spec.start_from:
+        from moetrain.rl.start import starting_config  # lazy, heavy: torch; --start-from only
+
+        base_cfg = starting_config(Path(spec.start_from), spec.model)
+    else:
+        base_cfg = load_model_config(spec.model or DEFAULT_MODEL)
+    check_rl_sizes(spec, base_cfg, warms_up)  # before the imports below, which take seconds
+
     from moetrain.rl.loop import policy_config  # lazy, heavy: torch (the launcher imports this module torch-free)
 
     stale = spec.stalesync
@@ -75,14 +84,9 @@ def build_rl_run(spec: RLRunSpec) -> RLRun:
         from moetrain.rl.colocated import check_colocated  # lazy, heavy: torch; colocated StaleSync only
 
         check_colocated(stale, spec.generation)
-    if spec.start_from:
-        from moetrain.rl.start import starting_config  # lazy, heavy: torch; --start-from only
-
-        model_cfg = policy_config(starting_config(Path(spec.start_from), spec.model))
-    else:
-        model_cfg = policy_config(load_model_config(spec.model or DEFAULT_MODEL))
+    model_cfg = policy_config(base_cfg)
     CharTokenizer().check_fits(model_cfg.vocab_size, model_cfg.name)
-    sft = _sft_spec(spec) if spec.sft.steps and spec.initial_weights is None else None
+    sft = _sft_spec(spec) if warms_up else None
     if sft is not None:
         check_run(sft, model_cfg)
     grpo = _grpo_spec(spec)
@@ -98,6 +102,43 @@ def build_rl_run(spec: RLRunSpec) -> RLRun:
         if gen_ep > 1 and experts % gen_ep:
             raise UserError(f"--gen-ep {gen_ep}: {model_cfg.name}'s {experts} experts do not divide by it")
     return RLRun(spec, model_cfg, sft, grpo)
+
+
+def check_rl_sizes(spec: RLRunSpec, model_cfg: ModelConfig, warms_up: bool) -> None:
+    """The sizes ``check_run`` bounds (``moetrain.config.limits``), named by the flags of ``moetrain rl``,
+    which has no --seq-len or --global-batch: the task and --max-new-tokens set a sample's positions,
+    --prompts × --group-size (GRPO) and --sft-batch (the warm-up) the samples of a step. Then the
+    evaluation set, which a task with few distinct held-out problems cannot fill."""
+    task = get_task(spec.rl.task)
+    positions = spec.trainer.training.seq_len
+    if positions > model_cfg.max_seq_len:
+        raise UserError(_positions_beyond_the_model(spec, model_cfg, task))
+    prompts, group = spec.rl.prompts_per_step, spec.rl.grpo.group_size
+    grpo = f"--prompts {prompts} × --group-size {group} samples × {positions:,} positions"
+    limits.check_step_tokens(spec.samples_per_step * positions, grpo, "lower --prompts or --group-size")
+    steps = spec.trainer.training.steps
+    limits.check_total_tokens(steps * spec.samples_per_step * positions, f"--steps {steps} × {grpo}", "lower --steps")
+    if warms_up:
+        sft = f"--sft-batch {spec.sft.batch} examples × {positions:,} positions"
+        limits.check_step_tokens(spec.sft.batch * positions, sft, "lower --sft-batch")
+        limits.check_total_tokens(spec.sft.steps * spec.sft.batch * positions, f"--sft-steps {spec.sft.steps} × {sft}",
+                                  "lower --sft-steps")
+    if spec.rl.eval_size > limits.MAX_EVAL_PROBLEMS:
+        raise UserError(f"--eval-size {spec.rl.eval_size} is more than {limits.MAX_EVAL_PROBLEMS:,} held-out problems "
+                        "(each evaluation generates an answer to every one); lower --eval-size")
+    heldout_problems(task, spec.trainer.training.seed, spec.rl.eval_size)  # refuses a set the task cannot fill
+
+
+def _positions_beyond_the_model(spec: RLRunSpec, model_cfg: ModelConfig, task: Task) -> str:
+    new_tokens = spec.rl.max_new_tokens or task.max_answer_chars + 2
+    tp = spec.trainer.parallel.tp
+    most = model_cfg.max_seq_len // tp * tp - task.max_prompt_chars  # positions are rounded up to a multiple of tp
+    given = f"--max-new-tokens {new_tokens}: " if spec.rl.max_new_tokens else ""
+    mend = (f"give --max-new-tokens {most} or less" if most > 0 else
+            "its prompts alone fill them: use a model whose max_seq_len is longer (--model)")
+    return (f"{given}the {task.name} task's longest prompt ({task.max_prompt_chars} characters) and {new_tokens:,} new "
+            f"tokens span {spec.trainer.training.seq_len:,} positions, beyond {model_cfg.name}'s max_seq_len "
+            f"{model_cfg.max_seq_len} (its rotary range); {mend}")
 
 
 def _sft_spec(spec: RLRunSpec) -> RunSpec:

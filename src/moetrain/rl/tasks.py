@@ -180,12 +180,33 @@ def problem_at(task: Task, seed: int, purpose: str, index: int, split: Split = "
             return problem
 
 
-def heldout_problems(task: Task, seed: int, count: int) -> list[Problem]:
-    """A fixed evaluation set of distinct held-out problems."""
-    seen: dict[str, Problem] = {}
-    index = 0
-    while len(seen) < count and index < 50 * count:
-        problem = problem_at(task, seed, "eval", index, "heldout")
-        seen.setdefault(problem.prompt, problem)
+DRY_DRAWS = 1_000
+"""A search for distinct held-out problems ends after max(DRY_DRAWS, 10 × found) draws in a row that bring
+no new one: the task has run out of them (countdown's three numbers of 1-9 hold about 470)."""
+
+
+def distinct_problems(task: Task, seed: int, purpose: str, count: int,
+                      exclude: frozenset[str] = frozenset()) -> list[Problem]:
+    """Up to ``count`` distinct held-out problems of the stream ``purpose``, none of them in ``exclude``, in
+    the stream's order; fewer where the task's held-out problems run out (``DRY_DRAWS``)."""
+    found: dict[str, Problem] = {}
+    index = dry = 0
+    while len(found) < count and dry < max(DRY_DRAWS, 10 * len(found)):
+        problem = problem_at(task, seed, purpose, index, "heldout")
         index += 1
-    return list(seen.values())
+        if problem.prompt in found or problem.prompt in exclude:
+            dry += 1
+        else:
+            found[problem.prompt] = problem
+            dry = 0
+    return list(found.values())
+
+
+def heldout_problems(task: Task, seed: int, count: int) -> list[Problem]:
+    """A fixed evaluation set of ``count`` distinct held-out problems; refused where the task has fewer."""
+    problems = distinct_problems(task, seed, "eval", count)
+    if len(problems) < count:
+        raise UserError(f"--eval-size {count}: the {task.name} task gave only {len(problems)} distinct held-out "
+                        f"problems ({max(DRY_DRAWS, 10 * len(problems)):,} draws in a row brought no new one); give "
+                        f"--eval-size {len(problems)} or less")
+    return problems

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from moetrain.rl.config import WarmupCriterion
-from moetrain.rl.tasks import Problem, Task, heldout_problems, problem_at
+from moetrain.rl.tasks import Problem, Task, distinct_problems, heldout_problems
 
 StopReason = Literal["target", "cap"]
 
@@ -65,17 +65,10 @@ def decide(check: WarmupCheck, criterion: WarmupCriterion, cap: int) -> WarmupDe
 
 
 def validation_problems(task: Task, seed: int, count: int, evaluation: list[Problem]) -> list[Problem]:
-    """``count`` distinct held-out problems of their own stream, none of them in ``evaluation``."""
-    taken = {p.prompt for p in evaluation}
-    found: list[Problem] = []
-    for index in range(50 * count):
-        problem = problem_at(task, seed, "validation", index, "heldout")
-        if problem.prompt not in taken:
-            taken.add(problem.prompt)
-            found.append(problem)
-            if len(found) == count:
-                break
-    return found
+    """Up to ``count`` distinct held-out problems of their own stream, none of them in ``evaluation`` (fewer
+    where the task runs out of them: countdown's 256-problem evaluation set leaves about 220; the warm-up says
+    how many it checks on)."""
+    return distinct_problems(task, seed, "validation", count, frozenset(p.prompt for p in evaluation))
 
 
 def warmup_validation(task: Task, seed: int, criterion: WarmupCriterion, eval_size: int) -> list[Problem]:
