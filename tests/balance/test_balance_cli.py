@@ -60,7 +60,16 @@ def test_spare_slot_choice(trace_file, capsys):
         (["--ep", "4", "--model", "deepseek-v3-671b"], "model 'deepseek-v3-671b' has 256 experts, the trace 16"),
         (["--ep", "4", "--spare-slots", "1,x"], "--spare-slots '1,x': expected spare slot counts >= 0"),
         (["--ep", "4", "--slots-per-rank", "3"],
-         "slots_per_rank=3 is below the 4 experts each rank must hold; use at least 4"),
+         "--slots-per-rank 3 cannot hold 16 experts on 4 ranks; give at least 4 (default 5: one spare slot for "
+         "replicas)"),
+        # no rank holds two replicas of an expert: more slots than experts stay empty (and a typo's table would
+        # not fit in memory)
+        (["--ep", "4", "--slots-per-rank", "9999999999"],
+         "--slots-per-rank 9999999999: a rank holds at most one replica of each of the 16 experts; give at most 16 "
+         "(default 5: one spare slot for replicas)"),
+        (["--ep", "4", "--spare-slots", "0,13"],
+         "--spare-slots 0,13: 13 spare slots beside the 4 experts each of 4 ranks holds exceed the 16 experts a rank "
+         "can hold one replica each of; give at most 12"),
     ],
 )
 def test_errors_exit_2_with_one_line(trace_file, capsys, extra, message):

@@ -69,10 +69,18 @@ def check_online_balance(parallel: ParallelConfig, model_cfg: ModelConfig, inter
         raise UserError(f"--online-balance moves ZeRO-1 optimizer shards; it does not run with zero {parallel.zero} "
                         "yet: use zero 1")
     if slots_per_rank is not None:
-        needed = -(-model_cfg.moe.num_experts // parallel.ep)
-        spare = BALANCE_DEFAULTS.spare_slots_per_rank
-        if slots_per_rank < needed:
-            raise UserError(f"--slots-per-rank {slots_per_rank} cannot hold {model_cfg.moe.num_experts} experts on "
-                            f"{parallel.ep} ranks; give at least {needed} "
-                            f"(default {needed + spare}: {'one spare slot' if spare == 1 else f'{spare} spare slots'} "
-                            "for replicas)")
+        check_slots_per_rank(slots_per_rank, model_cfg.moe.num_experts, parallel.ep)
+
+
+def check_slots_per_rank(slots_per_rank: int, num_experts: int, ep: int) -> None:
+    """Enough slots for every expert, and no more than a rank can fill: it holds at most one replica of
+    each expert."""
+    needed = -(-num_experts // ep)
+    spare = BALANCE_DEFAULTS.spare_slots_per_rank
+    default = f"default {needed + spare}: {'one spare slot' if spare == 1 else f'{spare} spare slots'} for replicas"
+    if slots_per_rank < needed:
+        raise UserError(f"--slots-per-rank {slots_per_rank} cannot hold {num_experts} experts on {ep} ranks; give at "
+                        f"least {needed} ({default})")
+    if slots_per_rank > num_experts:
+        raise UserError(f"--slots-per-rank {slots_per_rank}: a rank holds at most one replica of each of the "
+                        f"{num_experts} experts; give at most {num_experts} ({default})")

@@ -7,7 +7,7 @@ import argparse
 import json
 from typing import TYPE_CHECKING
 
-from moetrain.balance.online import BALANCE_DEFAULTS
+from moetrain.balance.online import BALANCE_DEFAULTS, check_slots_per_rank
 from moetrain.cli.parsing import add_renamed_flag
 from moetrain.config import load_cluster_config, load_model_config, model_presets
 from moetrain.errors import UserError
@@ -64,6 +64,17 @@ def _parse_spare(text: str | None) -> tuple[int, ...] | None:
     if not counts or min(counts) < 0:
         raise UserError(f"--spare-slots {text!r}: expected spare slot counts >= 0 separated by commas, e.g. 0,1,2")
     return counts
+
+
+def _check_slots(args: argparse.Namespace, spare_options: tuple[int, ...] | None, num_experts: int) -> None:
+    if args.slots_per_rank is not None:
+        check_slots_per_rank(args.slots_per_rank, num_experts, args.ep)
+    if spare_options:
+        needed = num_experts // args.ep  # --ep divides the experts (``_cost_model``)
+        if needed + max(spare_options) > num_experts:
+            raise UserError(f"--spare-slots {args.spare_slots}: {max(spare_options)} spare slots beside the {needed} "
+                            f"experts each of {args.ep} ranks holds exceed the {num_experts} experts a rank can hold "
+                            f"one replica each of; give at most {num_experts - needed}")
 
 
 def _render_spare(choice) -> list[str]:
@@ -195,6 +206,7 @@ def run(args: argparse.Namespace) -> int:
     spare_options = _parse_spare(args.spare_slots)
     trace = read_trace(args.trace_routing)
     costs = _cost_model(args, trace.num_experts)
+    _check_slots(args, spare_options, trace.num_experts)
     predictor, errors = _predictor(args, trace.tokens_per_expert, min(args.balance_interval, args.balance_horizon))
     rule = ReplanRule(costs, args.balance_interval, args.balance_horizon, args.solver)
     result = replay(trace, rule, predictor, args.slots_per_rank)
