@@ -14,6 +14,7 @@ import pytest
 from moetrain.config.limits import (
     MAX_DEVICES,
     MAX_EVAL_PROBLEMS,
+    MAX_REPEATS,
     MAX_RUN_TOKENS,
     MAX_TOKENS_PER_STEP,
     PROCESSES_PER_CORE,
@@ -144,6 +145,8 @@ RUN_TOKENS = 10**12 * 16 * 128
          f"--global-batch 100000000 × --seq-len 128 = {10**8 * 128:,} tokens per step, more than "
          f"{MAX_TOKENS_PER_STEP:,} (twice the largest published batch, DeepSeek-V3's 62.9M tokens); lower "
          "--global-batch"),
+        (["train", "--seed", "-5"], "--seed: Input should be greater than or equal to 0, got -5"),
+        (["train", "--seed", str(10**23)], f"--seed: Input should be less than 4294967296, got {10**23}"),
         # moetrain rl has no --seq-len or --global-batch: its refusals name the flags that set them. addition's
         # longest prompt is "999+999=" (8 characters); a sample is its prompt and its new tokens
         (["rl", "--max-new-tokens", "2000"],
@@ -163,6 +166,19 @@ RUN_TOKENS = 10**12 * 16 * 128
         (["rl", "--eval-size", "999999999"],
          f"--eval-size 999999999 is more than {MAX_EVAL_PROBLEMS:,} held-out problems (each evaluation generates an "
          "answer to every one); lower --eval-size"),
+        (["memory", "--model", "tiny-pangu", "--seq-len", "4000000", "--measure"],
+         "--seq-len 4000000 exceeds tiny-pangu's max_seq_len 1024 (its rotary range); lower --seq-len or use a model "
+         "whose max_seq_len reaches it"),
+        (["memory", "--model", "tiny-pangu", "--micro-batch", "99999999999"],
+         f"--micro-batch 99999999999 × --seq-len 64 = {99999999999 * 64:,} tokens per step, more than "
+         f"{MAX_TOKENS_PER_STEP:,} (twice the largest published batch, DeepSeek-V3's 62.9M tokens); lower "
+         "--micro-batch"),
+        (["memory", "--model", "tiny-pangu", "--measure", "--repeats", "0"],
+         f"--repeats 0 must lie in 1..{MAX_REPEATS:,} (timed repetitions per measurement; a median of "
+         f"{MAX_REPEATS:,} no longer moves); give a count in that range"),
+        (["profile", "--device", "cpu", "--repeats", "999999999"],
+         f"--repeats 999999999 must lie in 1..{MAX_REPEATS:,} (timed repetitions per measurement; a median of "
+         f"{MAX_REPEATS:,} no longer moves); give a count in that range"),
     ],
 )
 def test_a_value_beyond_what_it_can_mean_is_refused_within_a_second(argv, message, capsys, tmp_path, monkeypatch):

@@ -6,7 +6,7 @@ import argparse
 import json
 
 from moetrain.cli.common import add_memory_policy_args, add_model_arg, memory_options
-from moetrain.config import load_model_config
+from moetrain.config import limits, load_model_config
 from moetrain.costs.activations import activation_bytes_per_layer
 from moetrain.costs.flops import training_flops_per_token
 from moetrain.errors import UserError
@@ -35,6 +35,10 @@ def run(args: argparse.Namespace) -> int:
         cfg = load_model_config(args.model)
     except ValueError as exc:
         raise UserError(str(exc)) from exc
+    limits.check_seq_len(args.seq_len, cfg.max_seq_len, cfg.name)
+    limits.check_step_tokens(args.micro_batch * args.seq_len, f"--micro-batch {args.micro_batch} × --seq-len "
+                             f"{args.seq_len}", "lower --micro-batch")
+    limits.check_repeats(args.repeats)
     dtype_bytes = 4.0  # the CPU runs (and --measure) are fp32
     report: dict = {"model": cfg.name, "seq_len": args.seq_len, "micro_batch": args.micro_batch,
                     "policy": options.policy, "dtype_bytes": dtype_bytes}

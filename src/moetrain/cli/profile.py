@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from moetrain.cli.common import output_file, yaml_source
+from moetrain.config import limits
 from moetrain.errors import UserError
 from moetrain.rl.spec import check_spec_kind, resolve_rl_spec
 
@@ -50,8 +51,7 @@ def run(args: argparse.Namespace) -> int:
 
     from moetrain.train.calibrate import profile_calibration, resolve_device
 
-    if args.repeats <= 0:
-        raise UserError(f"--repeats must be positive (got {args.repeats})")
+    limits.check_repeats(args.repeats)
     if args.comm_ranks is not None and (args.comm_ranks < 2 or args.comm_ranks % 2):
         raise UserError(f"--comm-ranks must be an even number of ranks, 2 or more (got {args.comm_ranks})")
     if args.comm_out is not None and args.comm_ranks is None:

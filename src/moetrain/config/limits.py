@@ -22,6 +22,9 @@ MAX_RUN_TOKENS = 10**15
 MAX_EVAL_PROBLEMS = 2**16
 """65,536 problems in one evaluation set: over ten times the largest common RL benchmarks' test sets
 (MATH's 5,000 problems; GSM8K's 1,319), and each evaluation generates an answer to every one."""
+MAX_REPEATS = 1_000
+"""Timed repetitions of one measurement: a median of a thousand no longer moves by more than the machine's
+own drift from minute to minute."""
 PROCESSES_PER_CORE = 8
 """Ranks or threads one CPU core may carry: beyond it they only wait for each other."""
 
@@ -69,3 +72,9 @@ def check_processes(count: int, flag: str, what: str) -> None:
     if count > limit:
         raise UserError(f"{flag} {count} asks for {count:,} {what} on this machine, which has {cores} core"
                         f"{'s' * (cores > 1)}; give at most {limit} ({PROCESSES_PER_CORE} per core)")
+
+
+def check_repeats(repeats: int, flag: str = "--repeats") -> None:
+    if not 1 <= repeats <= MAX_REPEATS:
+        raise UserError(f"{flag} {repeats} must lie in 1..{MAX_REPEATS:,} (timed repetitions per measurement; a median "
+                        f"of {MAX_REPEATS:,} no longer moves); give a count in that range")

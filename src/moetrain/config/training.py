@@ -24,7 +24,7 @@ class TrainingConfig(BaseModel):
     beta2: float = Field(default=0.95, ge=0, lt=1)
     eps: float = Field(default=1e-8, gt=0)
     grad_clip: float = Field(default=1.0, ge=0)
-    seed: int = 1234
+    seed: int = Field(default=1234, ge=0, lt=2**32)  # numpy's generators refuse a negative seed, torch's a 65-bit one
     dtype: Literal["auto", "fp32", "bf16"] = "auto"
     """auto: bf16 autocast on GPU, fp32 on CPU."""
 
