@@ -166,6 +166,17 @@ RUN_TOKENS = 10**12 * 16 * 128
         (["rl", "--eval-size", "999999999"],
          f"--eval-size 999999999 is more than {MAX_EVAL_PROBLEMS:,} held-out problems (each evaluation generates an "
          "answer to every one); lower --eval-size"),
+        # simulate --rl and plan --rl price a sample of --prompt-len + --response-len tokens, a step of
+        # --prompts × --group-size samples: no --seq-len or --global-batch either
+        (["plan", "--model", "tiny-pangu", "--cluster", "cpu", "--devices", "2", "--rl", "--prompt-len", "64",
+          "--response-len", "99999999999"],
+         "--prompt-len 64 + --response-len 99999999999 = 100,000,000,063 tokens per sample, beyond tiny-pangu's "
+         "max_seq_len 1024 (its rotary range); lower --response-len or --prompt-len"),
+        (["simulate", "--model", "tiny-pangu", "--cluster", "cpu", "--devices", "2", "--rl", "--prompt-len", "64",
+          "--response-len", "64", "--prompts", "100000000"],
+         f"--prompts 100000000 × --group-size 8 samples × 128 tokens = {10**8 * 8 * 128:,} tokens per step, more "
+         f"than {MAX_TOKENS_PER_STEP:,} (twice the largest published batch, DeepSeek-V3's 62.9M tokens); lower "
+         "--prompts or --group-size"),
         (["memory", "--model", "tiny-pangu", "--seq-len", "4000000", "--measure"],
          "--seq-len 4000000 exceeds tiny-pangu's max_seq_len 1024 (its rotary range); lower --seq-len or use a model "
          "whose max_seq_len reaches it"),

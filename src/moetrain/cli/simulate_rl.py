@@ -10,6 +10,7 @@ from dataclasses import asdict, replace
 from typing import TYPE_CHECKING
 
 from moetrain.cli.workload import build_workload, parallel_from_args
+from moetrain.config import limits, load_model_config
 from moetrain.errors import UserError
 
 if TYPE_CHECKING:  # the planner's types load when a command runs (lazy imports below)
@@ -115,10 +116,24 @@ def _layouts(args: argparse.Namespace, workload) -> list:
     return layouts
 
 
+def _check_sample_sizes(args: argparse.Namespace) -> None:
+    """What ``build_workload`` checks of --seq-len and --global-batch, named by the flags an RL step has:
+    a sample is its prompt and response, a step's batch --prompts × --group-size samples."""
+    model = load_model_config(args.model)
+    sample = f"--prompt-len {args.prompt_len} + --response-len {args.response_len}"
+    tokens = args.prompt_len + args.response_len
+    if tokens > model.max_seq_len:
+        raise UserError(f"{sample} = {tokens:,} tokens per sample, beyond {model.name}'s max_seq_len "
+                        f"{model.max_seq_len} (its rotary range); lower --response-len or --prompt-len")
+    limits.check_step_tokens(args.prompts * args.group_size * tokens, f"--prompts {args.prompts} × --group-size "
+                             f"{args.group_size} samples × {tokens:,} tokens", "lower --prompts or --group-size")
+
+
 def build_rl_workload(args: argparse.Namespace):
     """(the ``RLWorkload`` of the flags, the calibration to price it with)."""
     from moetrain.planner.rl_step import RLWorkload  # lazy: as above
 
+    _check_sample_sizes(args)
     args.seq_len = args.prompt_len + args.response_len
     args.global_batch = args.prompts * args.group_size
     base, calibration = build_workload(args)
