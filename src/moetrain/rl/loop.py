@@ -59,7 +59,7 @@ from moetrain.rl.grpo import (
 )
 from moetrain.rl.replay import RoutingRecorder, decoder_layers, routing_mismatch
 from moetrain.rl.sft import TaskSFTDataset, prompt_ids
-from moetrain.rl.tasks import Problem, Task, get_task, heldout_problems, problem_at
+from moetrain.rl.tasks import Problem, Task, get_task, heldout_problems, new_tokens_for, problem_at
 from moetrain.rl.tokenizer import CharTokenizer
 from moetrain.rl.warmup import WarmupCheck, WarmupDecision, decide, warmup_validation
 from moetrain.train.trainer import Trainer, TrainerHooks
@@ -154,7 +154,7 @@ class SFTWarmup(TrainerHooks):
             model, rank = whole_model(trainer.run, trainer.model_cfg), trainer.dims.rank
             share = self.validation[rank::world]
         engine = RolloutEngine(model, self.tokenizer.pad_id, self.tokenizer.decode, trainer.run.autocast_dtype)
-        correct = greedy_correct(engine, self.task, self.tokenizer, share, self.task.max_answer_chars + 2)
+        correct = greedy_correct(engine, self.task, self.tokenizer, share, new_tokens_for(self.task, None))
         if world > 1:
             total = torch.tensor([correct], dtype=torch.float64, device=trainer.device)
             dist.all_reduce(total, group=trainer.dims.get_group("world"))
@@ -238,7 +238,7 @@ class GRPO(TrainerHooks):
 
     @property
     def max_new_tokens(self) -> int:
-        return self.options.max_new_tokens or self.task.max_answer_chars + 2
+        return new_tokens_for(self.task, self.options.max_new_tokens)
 
     def identity(self, trainer: Trainer) -> str:
         # The task and every RL option are part of what is learned: a checkpoint resumes only into the same.

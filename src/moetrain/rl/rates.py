@@ -58,7 +58,7 @@ from moetrain.rl.loop import policy_config, step_problems
 from moetrain.rl.roles import Roles
 from moetrain.rl.sft import prompt_ids
 from moetrain.rl.stalesync import StaleSyncJob, run_stalesync
-from moetrain.rl.tasks import get_task
+from moetrain.rl.tasks import get_task, new_tokens_for
 from moetrain.rl.tokenizer import CharTokenizer
 from moetrain.runtime_base.host_memory import keep_freed_host_memory
 from moetrain.train.profiler import profile_sync_rates, profile_weight_sync
@@ -461,7 +461,7 @@ def replica_generation(config: dict):
     problems = step_problems(task, options, 0, 2)
     rows = len(problems) // config["ranks"]
     prompts = [prompt_ids(tokenizer, p) for p in problems[:rows]]
-    params = SamplingParams(max_new_tokens=task.max_answer_chars + 2, temperature=1.0,
+    params = SamplingParams(max_new_tokens=new_tokens_for(task, None), temperature=1.0,
                             stop_token_ids=(tokenizer.eos_id,))
 
     def run() -> None:

@@ -22,7 +22,7 @@ from moetrain.config.run import RunSpec, resolve_run_spec
 from moetrain.errors import UserError
 from moetrain.rl.config import FusionOptions, RLOptions, StaleSyncOptions
 from moetrain.rl.spec import DEFAULT_MODEL, RLRunSpec
-from moetrain.rl.tasks import Task, get_task, heldout_problems
+from moetrain.rl.tasks import Task, get_task, heldout_problems, new_tokens_for
 from moetrain.rl.tokenizer import CharTokenizer
 from moetrain.status import say
 from moetrain.train.checks import check_run
@@ -130,7 +130,7 @@ def check_rl_sizes(spec: RLRunSpec, model_cfg: ModelConfig, warms_up: bool) -> N
 
 
 def _positions_beyond_the_model(spec: RLRunSpec, model_cfg: ModelConfig, task: Task) -> str:
-    new_tokens = spec.rl.max_new_tokens or task.max_answer_chars + 2
+    new_tokens = new_tokens_for(task, spec.rl.max_new_tokens)
     tp = spec.trainer.parallel.tp
     most = model_cfg.max_seq_len // tp * tp - task.max_prompt_chars  # positions are rounded up to a multiple of tp
     given = f"--max-new-tokens {new_tokens}: " if spec.rl.max_new_tokens else ""

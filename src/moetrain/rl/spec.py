@@ -33,7 +33,7 @@ from moetrain.config.run import RunSpec, fill_data_parallel, merge_sources
 from moetrain.errors import UserError, describe_validation_error
 from moetrain.rl.config import FusionOptions, GRPOConfig, RLOptions, StaleSyncOptions, WarmupCriterion
 from moetrain.rl.roles import Roles
-from moetrain.rl.tasks import get_task, sequence_len_for
+from moetrain.rl.tasks import get_task, new_tokens_for, sequence_len_for
 
 DEFAULT_MODEL = "tiny-pangu"
 SPEC_ENV = "MOETRAIN_RL_SPEC"
@@ -219,7 +219,7 @@ def _trainer_run(spec: RLRunSpec) -> RunSpec:
     training = trainer.training
     task = get_task(spec.rl.task)
     tp = trainer.parallel.tp
-    seq_len = -(-sequence_len_for(task, spec.rl.max_new_tokens or task.max_answer_chars + 2) // tp) * tp
+    seq_len = -(-sequence_len_for(task, new_tokens_for(task, spec.rl.max_new_tokens)) // tp) * tp
     if training.global_batch != spec.samples_per_step:  # a trainer given whole, as a RunSpec
         raise ValueError(f"trainer.training.global_batch {training.global_batch}: RL sets it to "
                          f"{spec.samples_per_step} ({DERIVED['global_batch']}); drop it")

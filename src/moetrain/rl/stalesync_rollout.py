@@ -31,7 +31,7 @@ from moetrain.rl.rollout_queue import BatchSender, QueuedBatch, pack
 from moetrain.rl.sft import prompt_ids
 from moetrain.rl.stalesync_job import START_TAG, Channels, Slices, StaleSyncJob
 from moetrain.rl.stalesync_schedule import Schedule
-from moetrain.rl.tasks import get_task
+from moetrain.rl.tasks import get_task, new_tokens_for
 from moetrain.rl.tokenizer import CharTokenizer
 from moetrain.rl.tp_generation import check_experts_divide, tp_ep_generation_model, tp_generation_model
 from moetrain.train.faults import injected_faults
@@ -90,7 +90,7 @@ class RolloutWorker:
         self.progress = channels.progress or ReplicaProgress(None, rank, roles)
         self.progress.watch(self.model)
         self.engine = RolloutEngine(self.model, self.tokenizer.pad_id, self.tokenizer.decode)
-        max_new = job.options.max_new_tokens or self.task.max_answer_chars + 2
+        max_new = new_tokens_for(self.task, job.options.max_new_tokens)
         self.sampling = sampling_params(job.options, max_new, self.tokenizer.eos_id)
         self.channels = channels
         self.leads = rank in roles.replica_leaders

@@ -155,6 +155,12 @@ def get_task(name: str) -> Task:
     return TASKS[name]
 
 
+def new_tokens_for(task: Task, max_new_tokens: int | None) -> int:
+    """Generated tokens per sample at most: ``max_new_tokens`` (``rl.max_new_tokens``), else the task's
+    longest answer + 2, the default every RL path (generation, evaluation, the sequence length) takes."""
+    return max_new_tokens or task.max_answer_chars + 2
+
+
 def sequence_len_for(task: Task, max_new_tokens: int) -> int:
     """Input tokens of the longest sample: BOS, prompt and completion, less the last token (never an input)."""
     return 1 + task.max_prompt_chars + max_new_tokens - 1
@@ -185,13 +191,17 @@ DRY_DRAWS = 1_000
 no new one: the task has run out of them (countdown's three numbers of 1-9 hold about 470)."""
 
 
+def _dry_limit(found: int) -> int:
+    return max(DRY_DRAWS, 10 * found)
+
+
 def distinct_problems(task: Task, seed: int, purpose: str, count: int,
                       exclude: frozenset[str] = frozenset()) -> list[Problem]:
     """Up to ``count`` distinct held-out problems of the stream ``purpose``, none of them in ``exclude``, in
     the stream's order; fewer where the task's held-out problems run out (``DRY_DRAWS``)."""
     found: dict[str, Problem] = {}
     index = dry = 0
-    while len(found) < count and dry < max(DRY_DRAWS, 10 * len(found)):
+    while len(found) < count and dry < _dry_limit(len(found)):
         problem = problem_at(task, seed, purpose, index, "heldout")
         index += 1
         if problem.prompt in found or problem.prompt in exclude:
@@ -207,6 +217,6 @@ def heldout_problems(task: Task, seed: int, count: int) -> list[Problem]:
     problems = distinct_problems(task, seed, "eval", count)
     if len(problems) < count:
         raise UserError(f"--eval-size {count}: the {task.name} task gave only {len(problems)} distinct held-out "
-                        f"problems ({max(DRY_DRAWS, 10 * len(problems)):,} draws in a row brought no new one); give "
+                        f"problems ({_dry_limit(len(problems)):,} draws in a row brought no new one); give "
                         f"--eval-size {len(problems)} or less")
     return problems
