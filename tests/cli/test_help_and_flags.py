@@ -88,7 +88,9 @@ def test_a_required_flag_given_by_its_old_name_counts_as_given(capsys):
     ("argv", "message"),
     [
         (["train", "--steps", "abc"], "--steps 'abc' is not an integer"),
-        (["train", "--lr", "fast"], "--lr 'fast' is not a number"),
+        (["train", "--lr", "fast"], "--lr 'fast' is not a finite number"),
+        (["train", "--lr", "nan"], "--lr 'nan' is not a finite number"),
+        (["convert", "--max-shard-gib", "inf"], "--max-shard-gib 'inf' is not a finite number"),
         (["train", "--stepz", "3"], "unknown flag --stepz (did you mean --steps?)"),
         (["simulate", "--model", "m", "--cluster", "c", "--devices", "2", "--dtype", "fp4"],
          "--dtype 'fp4': choose one of bf16, fp16, fp8, fp32"),
@@ -99,6 +101,27 @@ def test_a_bad_flag_is_one_line_naming_it(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err == f"moetrain {argv[0]}: error: {message}; see moetrain {argv[0]} --help\n"
+
+
+def _float_flags() -> list[tuple[str, str]]:
+    return [(name, action.option_strings[0]) for name, parser in PARSER.commands.items()
+            for action in parser._actions if action.type is float]
+
+
+def test_every_float_flag_of_every_command_refuses_nan_and_infinity(capsys):
+    flags = _float_flags()
+    assert len(flags) > 20  # the sweep reaches the commands' float flags, not an empty list
+    for command, flag in flags:
+        for text in ("nan", "inf", "1e999"):
+            with pytest.raises(SystemExit) as exit_info:
+                PARSER.commands[command].parse_args([flag, text])
+            assert exit_info.value.code == 2
+            assert capsys.readouterr().err == (f"moetrain {command}: error: {flag} '{text}' is not a finite "
+                                               f"number; see moetrain {command} --help\n")
+
+
+def test_a_float_flag_takes_an_ordinary_number():
+    assert PARSER.commands["train"].parse_args(["--lr", "3e-4"]).lr == 3e-4
 
 
 def test_an_unknown_command_lists_the_commands(capsys):

@@ -79,6 +79,8 @@ def test_a_plan_sets_its_layout_model_shape_and_recompute() -> None:
     ("training: {stepz: 3}\n", "run.yaml: training.stepz: unknown field"),
     ("- a list\n", "must hold a mapping of sections"),
     ("training: [\n", "is not readable YAML"),
+    ("training: {lr: .nan}\n", "run.yaml: training.lr: Input should be a finite number, got NaN"),
+    ("training: {grad_clip: .inf}\n", "run.yaml: training.grad_clip: Input should be a finite number"),
 ])
 def test_a_bad_config_file_is_one_line(tmp_path, text: str, message: str) -> None:
     config = tmp_path / "run.yaml"

@@ -14,11 +14,12 @@ from __future__ import annotations
 import argparse
 import copy
 import difflib
+import math
 import re
 import sys
 from typing import Any, NoReturn
 
-_TYPE_NAMES = {"int": "an integer", "float": "a number"}
+_TYPE_NAMES = {"int": "an integer", "float": "a finite number"}
 _INVALID_VALUE = re.compile(r"^argument (?P<flag>[^:]+): invalid (?P<type>\w+) value: (?P<value>.*)$")
 _INVALID_CHOICE = re.compile(
     r"^argument (?P<flag>[^:]+): invalid choice: (?P<value>.*) \(choose from (?P<choices>.*)\)$")
@@ -47,11 +48,28 @@ def one_line(message: str) -> str:
     return message.removeprefix("argument ")
 
 
+def finite_float(text: str) -> float:
+    """``float`` that refuses ``nan`` and ``inf``: no flag of a training run means either, and either passed on
+    turns into a NaN loss, a hang or a traceback far from the typo."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(text)
+    return value
+
+
 class CommandParser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` whose usage errors are one line on stderr (exit 2) instead of the usage block."""
+    """An ``ArgumentParser`` whose usage errors are one line on stderr (exit 2) instead of the usage block,
+    and whose ``type=float`` options take finite numbers only."""
 
     commands: dict[str, argparse.ArgumentParser]
     """The subcommands' parsers by name (top-level parser only), to blame a stray flag on its command."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # argparse looks every ``type`` up in this registry before calling it, and argument groups share it,
+        # so every ``type=float`` flag of every command parses through ``finite_float`` (and argparse still
+        # names the type "float" in its error, which ``one_line`` words as "a finite number").
+        self.register("type", float, finite_float)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {one_line(message)}; see {self.prog} --help\n")

@@ -19,7 +19,7 @@ class CollectiveLink(BaseModel):
     (``moetrain profile --comm-ranks``): gloo's all-reduce, for one, runs an algorithm of its own whose
     per-message cost is several times an all-gather's."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
 
     latency_us: float = Field(ge=0)
     gbps: float = Field(gt=0)
@@ -27,7 +27,7 @@ class CollectiveLink(BaseModel):
 
 
 class ClusterConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
 
     name: str
     device: str

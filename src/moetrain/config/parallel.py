@@ -14,7 +14,7 @@ RecomputeLevel = Literal["none", "selective", "full"]
 
 
 class ParallelConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
 
     tp: int = Field(default=1, gt=0)
     sp: bool = False

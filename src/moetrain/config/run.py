@@ -27,7 +27,7 @@ DocumentMaskChoice = Literal["auto", "dense", "block"]
 class RunOptions(BaseModel):
     """How to run (not what to learn): device, data, paths, checkpoints, progress."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     device: str = "auto"
     """cpu, cuda, cuda:N or auto (cuda when available). Each rank of a multi-rank CUDA run takes its local GPU."""
@@ -85,7 +85,7 @@ class RunOptions(BaseModel):
 class MemoryOptions(BaseModel):
     """Selective recompute and swap (``moetrain.memory``); a plan's ``recompute`` sets the policy."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     policy: MemoryPolicyName = "none"
     budget_fraction: float | None = Field(default=None, gt=0, le=1)
@@ -105,7 +105,7 @@ class MemoryOptions(BaseModel):
 class BalanceOptions(BaseModel):
     """Online expert balancing (``moetrain.balance``): migrate and replicate hot experts while training."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     enabled: bool = False
     interval: int | None = Field(default=None, gt=0)
@@ -125,7 +125,7 @@ class GuardOptions(BaseModel):
     """Bad-step guards (``moetrain.train.guards``): a step whose loss or gradient norm is not finite is
     always skipped; these decide when the run rolls back to its last checkpoint instead."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     spike_factor: float | None = Field(default=None, gt=1)
     """Roll back when a step's loss exceeds this multiple of the median of the last ``spike_window``
@@ -141,7 +141,7 @@ class GuardOptions(BaseModel):
 class RunSpec(BaseModel):
     """Model, training, parallel layout and run options of one run."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str = "tiny-pangu"
     """Model preset name or YAML file."""

@@ -12,7 +12,7 @@ from moetrain.rl.tasks import TASKS
 
 
 class GRPOConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
 
     group_size: int = Field(default=8, ge=2)
     """Samples per prompt (G)."""
@@ -30,7 +30,7 @@ class GRPOConfig(BaseModel):
 
 
 class RLOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
 
     task: str = "addition"
     prompts_per_step: int = Field(default=32, gt=0)
@@ -68,7 +68,7 @@ class WarmupCriterion(BaseModel):
     reaches ``target``, else at the step cap. Part of what the warm-up learns (a saved warm-up is reused
     only under the same criterion)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
 
     target: float = Field(default=0.3, ge=0, le=1)
     """Greedy validation accuracy at which the warm-up stops (0: no checks, every step of the cap)."""
@@ -86,7 +86,7 @@ class FusionOptions(BaseModel):
     """RL Fusion across ranks: the generation layout and the switch between it and the training layout.
     Not part of what is learned (a run may resume under another generation layout)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
 
     gen_ep: int = Field(default=1, ge=1)
     """Expert-parallel degree of generation; world / gen_ep data-parallel generation replicas (1: every
@@ -113,7 +113,7 @@ class StaleSyncOptions(BaseModel):
     """StaleSync (docs/rl_stalesync.md): rollout and training as separate workers, the trainer admitting
     samples at most ``staleness`` weight versions old. Not part of what is learned."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
 
     staleness: int = Field(default=0, ge=0)
     """k: the trainer admits a sample only if current version − sample version ≤ k (0: synchronous)."""

@@ -44,7 +44,7 @@ SPEC_FILE = "rl_spec.json"
 class WarmupSpec(BaseModel):
     """The supervised warm-up on reference answers of the task's training split (``moetrain.rl.warmup``)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
 
     steps: int = Field(default=600, ge=0)
     """Most SFT steps (and the horizon of its learning-rate schedule); the criterion stops it sooner; 0 skips it."""
@@ -67,7 +67,7 @@ class RolloutPool(BaseModel):
     the gen_ep ranks at each TP position). Left empty, the spec fills them in; a pool sized otherwise is
     not built yet and is refused."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
 
     replicas: int | None = Field(default=None, gt=0)
     ranks_per_replica: int | None = Field(default=None, gt=0)
@@ -96,7 +96,7 @@ DERIVED = {
 class RLRunSpec(BaseModel):
     """One RL run: what it learns, in which layouts, where the workers run."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str | None = None
     """Model preset name or YAML file (default: the model of ``start_from``, else tiny-pangu)."""
