@@ -66,5 +66,7 @@ def test_convert_refuses_a_folder_with_checkpoints(tmp_path, capsys) -> None:
     _, hf_folder = make_reference("mixtral", tmp_path)
     ckpt = tmp_path / "ckpt"
     assert main(["convert", "--from-hf", str(hf_folder), "--to", str(ckpt)]) == 0
+    capsys.readouterr()  # transformers' progress bars while the reference was saved
     assert main(["convert", "--from-hf", str(hf_folder), "--to", str(ckpt)]) == 2
-    assert "already holds checkpoints; convert into an empty folder" in capsys.readouterr().err
+    assert capsys.readouterr().err == (f"moetrain convert: error: --to {ckpt} already holds model.yaml, step-000000; "
+                                       "convert into a new or empty folder\n")

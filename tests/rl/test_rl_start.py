@@ -72,3 +72,46 @@ def test_a_missing_path_and_a_checkpoint_without_its_model_are_refused(pangu_che
     bare.mkdir()
     (bare / "step-000000").symlink_to(folder / "step-000000", target_is_directory=True)
     refused(capsys, ["rl", *TINY, "--from", str(bare)], f"--from {bare}: ", "records no model", "pass --model")
+
+
+FROM_TAKES = ("a moetrain checkpoint (a --save-dir with step-NNNNNN/ folders, or one of them, with its COMPLETE "
+              "marker) or a Hugging Face model folder (config.json + *.safetensors)")
+
+
+def test_a_folder_or_file_without_weights_is_refused_before_any_model(tmp_path, capsys):
+    empty = (tmp_path / "empty").resolve()
+    empty.mkdir()
+    assert refused(capsys, ["rl", *TINY, "--from", str(empty)]) == \
+        f"moetrain rl: error: --from {empty} holds no weights; give {FROM_TAKES}"
+    # an interrupted save's staging folder is no checkpoint, and reading --from leaves it where it is
+    (empty / "step-000004.tmp").mkdir()
+    assert refused(capsys, ["rl", *TINY, "--from", str(empty)]) == \
+        f"moetrain rl: error: --from {empty} holds no weights; give {FROM_TAKES}"
+    assert (empty / "step-000004.tmp").is_dir()
+    file = empty / "weights.pt"
+    file.write_text("kept")
+    assert refused(capsys, ["rl", *TINY, "--from", str(file)]) == \
+        f"moetrain rl: error: --from {file} is a file; give {FROM_TAKES}"
+    assert file.read_text() == "kept"
+
+
+@pytest.fixture
+def hf_folder(tmp_path):
+    return save_pretrained(build_model(policy_config(load_model_config("tiny-qwen3")), "cpu", seed=3),
+                           tmp_path.resolve() / "hf")
+
+
+def test_a_damaged_safetensors_file_is_refused_before_any_model(hf_folder, capsys):
+    weights = hf_folder / "model.safetensors"
+    weights.write_text("junk\n")
+    assert refused(capsys, ["rl", *TINY, "--from", str(hf_folder)]) == (
+        f"moetrain rl: error: {weights}: not a readable safetensors file (Error while deserializing header: header "
+        "too small); replace it with the model's own (download or export it again)")
+    assert weights.read_text() == "junk\n"
+
+
+def test_a_config_json_that_is_no_object_is_refused(hf_folder, capsys):
+    (hf_folder / "config.json").write_text("[1, 2]")
+    assert refused(capsys, ["rl", *TINY, "--from", str(hf_folder)]) == (
+        f"moetrain rl: error: {hf_folder / 'config.json'}: holds a JSON list, not an object ({{...}}); give the "
+        "model's own config.json")

@@ -15,13 +15,14 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from moetrain.cli.common import add_node_args, node_flags, yaml_source
+from moetrain.cli.common import add_node_args, node_flags, output_file, yaml_source
 from moetrain.cli.parsing import format_default
 from moetrain.cli.plan_rl import NOT_RUNNABLE
 from moetrain.config import limits, load_cluster_config
 from moetrain.errors import UserError
 from moetrain.rl.config import StaleSyncOptions
 from moetrain.rl.node_placement import node_problems
+from moetrain.rl.plot import check_figure_file
 from moetrain.rl.spec import PLAN_SECTIONS, RLRunSpec, check_spec_kind, plan_source, resolve_rl_spec
 
 HELP = ("post-train with RL: SFT warm-up on a verifiable task, then GRPO with router replay; one process, "
@@ -282,6 +283,7 @@ def run(args: argparse.Namespace) -> int:
 
     nodes = node_flags(args)
     spec = build_rl_spec(args)
+    _check_plot(spec, args)
     if args.plan and nodes.count == 1:
         _check_plan_fits_a_node(spec, args.plan)
     if nodes.count > 1:
@@ -291,6 +293,18 @@ def run(args: argparse.Namespace) -> int:
     from moetrain.rl.launch import run_rl  # lazy, heavy: torch and the RL runtime
 
     return run_rl(spec, nodes)
+
+
+def _check_plot(spec: RLRunSpec, args: argparse.Namespace) -> None:
+    """The reward curve's file, before any training: matplotlib would refuse its suffix only after the run,
+    and a missing folder is created now, as ``--save-dir`` is."""
+    if spec.plot is None:
+        return
+    path, flag = (args.plot, "--plot") if args.plot is not None else \
+        (spec.plot, f"--config {args.config}: plot" if args.config else "--plot")
+    if not Path(path).is_dir():  # a folder: output_file's refusal names the mend
+        check_figure_file(path, flag)
+    output_file(path, flag, "reward.png")
 
 
 def _check_plan_fits_a_node(spec: RLRunSpec, plan: str) -> None:

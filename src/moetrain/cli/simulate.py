@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from moetrain.cli.common import add_strategy_args, output_file
 from moetrain.cli.plan import on_off
@@ -11,6 +12,7 @@ from moetrain.cli.simulate_rl import add_rl_arguments, run_rl
 from moetrain.cli.workload import add_workload_args, build_workload, parallel_from_args, require_batch
 from moetrain.errors import UserError
 from moetrain.planner.calibration import accuracy_line
+from moetrain.rl.plot import check_figure_file
 
 HELP = "predict step time, tokens/s, MFU, time breakdown and memory per device for one parallel layout"
 
@@ -41,6 +43,8 @@ def simulate_layout(args: argparse.Namespace) -> dict:
 
     require_batch(args)
     if args.timeline:
+        if not Path(args.timeline).is_dir():  # a folder: output_file's refusal names the mend
+            check_figure_file(args.timeline, "--timeline")
         output_file(args.timeline, "--timeline", "timeline.png")
     workload, calibration = build_workload(args)
     parallel = parallel_from_args(args, workload, args.devices)

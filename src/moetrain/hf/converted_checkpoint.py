@@ -40,12 +40,21 @@ def write_model_yaml(cfg: ModelConfig, path: Path) -> Path:
     return path
 
 
+def check_convert_target(save_dir: Path, named: str) -> None:
+    """Refuse a folder that holds what ``write_converted_checkpoint`` writes (checkpoints, ``model.yaml``):
+    a user's weights and model config are never overwritten. ``named``: how the error names the folder."""
+    held = sorted(p.name for p in save_dir.iterdir() if p.name.startswith("step-") or p.name == MODEL_YAML) \
+        if save_dir.is_dir() else []
+    if held:
+        shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+        raise UserError(f"{named} already holds {shown}; convert into a new or empty folder")
+
+
 def write_converted_checkpoint(model: MoETransformer, cfg: ModelConfig, save_dir: str | Path) -> Path:
     """Write ``save_dir/model.yaml`` and ``save_dir/step-000000``; returns the step folder."""
     save_dir = Path(save_dir)
     final = checkpoint_dir(save_dir, 0)
-    if save_dir.is_dir() and any(p.name.startswith("step-") for p in save_dir.iterdir()):
-        raise UserError(f"{save_dir} already holds checkpoints; convert into an empty folder")
+    check_convert_target(save_dir, str(save_dir))
     save_dir.mkdir(parents=True, exist_ok=True)
     staging = final.with_name(final.name + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)

@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from moetrain.config.model import ModelConfig
 from moetrain.errors import UserError
@@ -25,22 +26,41 @@ from moetrain.models.transformer import MoETransformer
 _MAX_NAMES = 5  # tensors named in an error before "... and N more"
 
 
-def read_hf_config(path: Path) -> dict:
+def _json_object(file: Path, what: str) -> dict[str, Any]:
+    """The JSON object in ``file``: anything else (bad JSON, a list, undecodable bytes) is one line."""
+    try:
+        raw = file.read_bytes()
+    except OSError as exc:
+        raise UserError(f"{file}: cannot be read ({exc.strerror}); {what}") from None
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except ValueError as exc:  # UnicodeDecodeError is one too
+        raise UserError(f"{file}: not valid JSON ({exc}); {what}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{file}: holds a JSON {type(data).__name__}, not an object ({{...}}); {what}")
+    return data
+
+
+def read_hf_config(path: Path) -> dict[str, Any]:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise UserError(f"{path}: no config.json; give a Hugging Face model folder")
-    try:
-        return json.loads(config_file.read_text())
-    except ValueError as exc:
-        raise UserError(f"{config_file}: not valid JSON ({exc})") from None
+    return _json_object(config_file, "give the model's own config.json")
+
+
+def _shard_names(index: Path) -> list[str]:
+    """The shard files ``model.safetensors.index.json`` maps its tensors to."""
+    weight_map = _json_object(index, "give the model's own index file").get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise UserError(f"{index}: no weight_map of tensor names to shard files; give the model's own index file")
+    return sorted(set(weight_map.values()))
 
 
 def safetensors_files(path: Path) -> list[Path]:
     """The shards named by ``model.safetensors.index.json``, else every ``*.safetensors`` file."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [path / name for name in names]
+        files = [path / name for name in _shard_names(index)]
         missing = [str(f.name) for f in files if not f.is_file()]
         if missing:
             raise UserError(f"{path}: shards listed in {index.name} are missing: {', '.join(missing)}")
@@ -48,6 +68,25 @@ def safetensors_files(path: Path) -> list[Path]:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise UserError(f"{path}: no *.safetensors files (PyTorch .bin checkpoints are not read; convert them)")
+    return files
+
+
+def _unreadable(file: Path, exc: Exception) -> UserError:
+    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return UserError(f"{file}: not a readable safetensors file ({reason}); replace it with the model's own "
+                     "(download or export it again)")
+
+
+def readable_safetensors(path: Path) -> list[Path]:
+    """``safetensors_files``, each one's header read: a damaged file is refused before any model is built
+    (opening reads the header only; the tensors stay on disk)."""
+    files = safetensors_files(path)
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu"):
+                pass
+        except (SafetensorError, OSError) as exc:
+            raise _unreadable(file, exc) from None
     return files
 
 
@@ -131,7 +170,7 @@ def load_pretrained(
     hf = read_hf_config(path)
     family = family_of(hf, str(path / "config.json"))
     cfg = model_config_from_hf(hf, name=name or path.name, source=str(path / "config.json"))
-    files = safetensors_files(path)
+    files = readable_safetensors(path)
 
     model = MoETransformer(cfg, backend=backend, device="meta").to(dtype)  # no storage yet
     model = model.to_empty(device=device)  # the one full copy, uninitialised until filled below
@@ -143,8 +182,17 @@ def load_pretrained(
     filler = _Filler(model, cfg, family, rope_interleave=interleaved)
     with torch.no_grad():
         for file in files:
-            with safe_open(str(file), framework="pt", device="cpu") as shard:
-                for key in shard.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    filler.add(key, lambda key=key, shard=shard: shard.get_tensor(key))
+            _stream(file, filler)
     filler.check_complete(path)
     return model, cfg
+
+
+def _stream(file: Path, filler: _Filler) -> None:
+    """Every tensor of one shard into the model; a tensor the header promises but the file cannot give
+    (a dtype torch lacks, a file changed since its header was read) is one line naming the file."""
+    try:
+        with safe_open(str(file), framework="pt", device="cpu") as shard:
+            for key in shard.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                filler.add(key, lambda key=key, shard=shard: shard.get_tensor(key))
+    except (SafetensorError, OSError) as exc:
+        raise _unreadable(file, exc) from None

@@ -1,9 +1,38 @@
-"""The reward curve of an RL run as a PNG: reward per step (and its running mean), held-out accuracy."""
+"""The reward curve of an RL run as a PNG: reward per step (and its running mean), held-out accuracy; the
+check of a figure file's suffix that ``rl --plot`` and ``simulate --timeline`` run before their work."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
+
+from moetrain.errors import UserError
+
+
+def figure_formats() -> list[str]:
+    """The file suffixes matplotlib writes a figure as (its own list, Pillow's formats included), less pgf
+    where its TeX program is missing: matplotlib lists it anyway and fails only when it saves."""
+    # lazy, heavy: matplotlib loads only for a run that draws; backend_bases loads no GUI and no pyplot
+    import matplotlib
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = set(FigureCanvasBase.get_supported_filetypes())
+    if shutil.which(matplotlib.rcParams["pgf.texsystem"]) is None:
+        formats.discard("pgf")
+    return sorted(formats)
+
+
+def check_figure_file(path: str, flag: str) -> None:
+    """Refuse, before the work that draws it, a figure file whose suffix matplotlib cannot write: it would
+    fail only after the work (or, with no suffix, silently write PATH.png instead of PATH)."""
+    suffix = Path(path).suffix.lower().removeprefix(".")
+    formats = figure_formats()
+    if suffix in formats:
+        return
+    problem = "has no suffix" if not suffix else f"has the suffix .{suffix}, which matplotlib cannot write"
+    raise UserError(f"{flag} {path} {problem}; end it in one of .{', .'.join(formats)} "
+                    f"(e.g. {Path(path).with_suffix('.png')})")
 
 
 def plot_reward_curve(rows: list[dict[str, Any]], path: Path, title: str, window: int = 10) -> Path:

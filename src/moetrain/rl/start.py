@@ -21,21 +21,37 @@ from moetrain.config import ModelConfig
 from moetrain.errors import UserError
 from moetrain.hf.configs import model_config_from_hf
 from moetrain.hf.converted_checkpoint import checkpoint_model_config, newest_step_folder, read_checkpoint_model
-from moetrain.hf.load import load_pretrained, read_hf_config
+from moetrain.hf.load import load_pretrained, read_hf_config, readable_safetensors
 from moetrain.models.transformer import build_model
+from moetrain.runtime_base.checkpoint_files import COMPLETE_MARKER
 
 
 def is_hf_folder(path: Path) -> bool:
     return (path / "config.json").is_file()
 
 
+WHAT_FROM_TAKES = ("a moetrain checkpoint (a --save-dir with step-NNNNNN/ folders, or one of them, with its "
+                   f"{COMPLETE_MARKER} marker) or a Hugging Face model folder (config.json + *.safetensors)")
+
+
+def _has_step_folders(path: Path) -> bool:
+    """``step-NNNNNN/`` folders, complete or not (an unfinished ``.tmp`` one is no checkpoint)."""
+    return any(p.is_dir() and p.name.removeprefix("step-").isdigit() for p in path.glob("step-*"))
+
+
 def starting_config(path: Path, model: str | None) -> ModelConfig:
-    """The model config of the weights at ``path`` (cheap: reads the config only)."""
+    """The model config of the weights at ``path`` (cheap: reads the config and the safetensors headers only),
+    refusing a path that holds no weights before any model is built."""
     if not path.exists():
-        raise UserError(f"--from {path}: no such file or folder; give a moetrain checkpoint or a Hugging Face "
-                        "model folder")
+        raise UserError(f"--from {path}: no such file or folder; give {WHAT_FROM_TAKES}")
+    if not path.is_dir():
+        raise UserError(f"--from {path} is a file; give {WHAT_FROM_TAKES}")
     if is_hf_folder(path):
-        return model_config_from_hf(read_hf_config(path), name=path.name, source=str(path / "config.json"))
+        cfg = model_config_from_hf(read_hf_config(path), name=path.name, source=str(path / "config.json"))
+        readable_safetensors(path)
+        return cfg
+    if not (path / COMPLETE_MARKER).is_file() and not _has_step_folders(path):
+        raise UserError(f"--from {path} holds no weights; give {WHAT_FROM_TAKES}")
     try:
         return checkpoint_model_config(newest_step_folder(path), model)[0]
     except UserError as exc:
