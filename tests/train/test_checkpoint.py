@@ -11,6 +11,7 @@ from moetrain.distributed.parallelize import model_moe_blocks
 from moetrain.distributed.step import build_layout
 from moetrain.distributed.world import join_world
 from moetrain.errors import UserError
+from moetrain.hf.converted_checkpoint import newest_step_folder
 from moetrain.runtime_base.checkpoint_files import COMPLETE_MARKER, checkpoint_dir, latest_checkpoint, run_identity
 
 MODEL = load_model_config("tiny-pangu")
@@ -54,7 +55,10 @@ def test_latest_skips_unfinished_saves_and_removes_them(tmp_path, world):
     crashed = tmp_path / "step-000006.tmp"
     crashed.mkdir()
     (crashed / "__0_0.distcp").write_bytes(b"partial")
-    assert latest_checkpoint(tmp_path) == checkpoint_dir(tmp_path, 4)
+    # a reader (convert --to-hf, rl --from) may look while the run writes step 6: it leaves the folder be
+    assert newest_step_folder(tmp_path) == checkpoint_dir(tmp_path, 4)
+    assert (crashed / "__0_0.distcp").read_bytes() == b"partial"
+    assert latest_checkpoint(tmp_path) == checkpoint_dir(tmp_path, 4)  # the run itself clears it
     assert not crashed.exists()
     assert latest_checkpoint(tmp_path / "absent") is None
 

@@ -71,7 +71,7 @@ def write_converted_checkpoint(model: MoETransformer, cfg: ModelConfig, save_dir
 def newest_step_folder(path: Path) -> Path:
     if (path / COMPLETE_MARKER).is_file():
         return path
-    newest = latest_checkpoint(path)
+    newest = latest_checkpoint(path, remove_unfinished=False)  # a reader: the run may be saving now
     if newest is None:
         raise UserError(f"{path} holds no complete checkpoint (step-NNNNNN/ with a {COMPLETE_MARKER} marker)")
     return newest

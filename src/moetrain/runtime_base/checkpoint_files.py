@@ -167,15 +167,18 @@ def verify_checkpoint(path: Path) -> dict[str, Any]:
     return marker
 
 
-def latest_checkpoint(save_dir: Path) -> Path | None:
-    """The newest complete checkpoint in ``save_dir`` (None if there is none). Unfinished ``.tmp``
-    folders from an interrupted save are removed; a final-named folder without a marker is corrupt."""
+def latest_checkpoint(save_dir: Path, remove_unfinished: bool = True) -> Path | None:
+    """The newest complete checkpoint in ``save_dir`` (None if there is none); a final-named folder without a
+    marker is corrupt. The run that owns ``save_dir`` removes unfinished ``.tmp`` folders from an interrupted
+    save; a reader (``convert --to-hf``, ``rl --from``) passes ``remove_unfinished=False``: the run it reads
+    may still be writing one."""
     if not save_dir.is_dir():
         return None
     steps: list[tuple[int, Path]] = []
     for entry in save_dir.iterdir():
-        if entry.is_dir() and entry.name.endswith(".tmp") and _is_coordinator():
-            shutil.rmtree(entry, ignore_errors=True)
+        if entry.is_dir() and entry.name.endswith(".tmp"):
+            if remove_unfinished and _is_coordinator():
+                shutil.rmtree(entry, ignore_errors=True)
             continue
         match = _STEP_DIR.match(entry.name)
         if match and entry.is_dir():
