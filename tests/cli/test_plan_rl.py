@@ -121,6 +121,20 @@ def test_a_plan_that_leaves_no_trainer_or_no_job_is_one_line(capsys, tmp_path, e
     assert not (tmp_path / "x.yaml").exists()
 
 
+@pytest.mark.parametrize(("command", "extra", "message"), [
+    ("plan", ["--seq-len", "99"], "--seq-len sizes a training step; with --rl the step is sized by --prompt-len + "
+     "--response-len and --prompts × --group-size, so drop --seq-len"),
+    ("simulate", ["--seq-len", "99", "--global-batch", "3"], "--seq-len and --global-batch size a training step; "
+     "with --rl the step is sized by --prompt-len + --response-len and --prompts × --group-size, so drop --seq-len "
+     "and --global-batch"),
+    ("simulate", ["--timeline", "t.png"], "--timeline draws a training step's pipeline schedule; an RL step has "
+     "none to draw, so drop --timeline (or --rl)"),
+])
+def test_training_step_flags_beside_rl_are_refused_not_ignored(capsys, tmp_path, command, extra, message):
+    argv = [command, *CPU_PLAN[1:], *extra]
+    assert refused(capsys, argv) == f"moetrain {command}: error: {message}"
+
+
 def test_too_few_devices_for_the_smallest_job_is_one_line(capsys, tmp_path):
     refused(capsys, ["plan", "--rl", "--model", "pangu-ultra-moe-718b", "--cluster", CLOUDMATRIX, "--devices", "8",
                      "--prompt-len", "1024", "--response-len", "4096", "--out", str(tmp_path / "x.yaml")],

@@ -65,6 +65,9 @@ def add_rl_workload_arguments(g) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
+    if args.timeline:
+        raise UserError("--timeline draws a training step's pipeline schedule; an RL step has none to draw, so "
+                        "drop --timeline (or --rl)")
     check_rl_workload(args, positive=("gen_ep",), non_negative=("staleness",))
 
 
@@ -73,6 +76,11 @@ def check_rl_workload(args: argparse.Namespace, positive: tuple[str, ...] = (),
     """The checks of ``add_rl_workload_arguments``' flags (and of ``positive`` and ``non_negative`` more)."""
     if args.placement not in PLACEMENTS:
         raise UserError(f"--placement {args.placement!r}: choose one of {', '.join(PLACEMENTS)}")
+    given = [f"--{flag.replace('_', '-')}" for flag in ("seq_len", "global_batch") if getattr(args, flag) is not None]
+    if given:  # they would be overwritten by the RL sizes below, silently
+        raise UserError(f"{' and '.join(given)} size{'s' * (len(given) == 1)} a training step; with --rl the step is "
+                        "sized by --prompt-len + --response-len and --prompts × --group-size, so drop "
+                        f"{' and '.join(given)}")
     for flag in ("prompt_len", "response_len"):
         if getattr(args, flag) is None:
             raise UserError(f"--rl needs --{flag.replace('_', '-')} (tokens per sample)")
