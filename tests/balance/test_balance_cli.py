@@ -1,4 +1,6 @@
 import json
+import time
+import warnings
 
 import pytest
 
@@ -76,3 +78,79 @@ def test_errors_exit_2_with_one_line(trace_file, capsys, extra, message):
     assert main(["balance", "--trace-routing", str(trace_file), *extra]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err
+
+
+def refused_within(capsys, argv: list[str], message: str, seconds: float = 2.0) -> None:
+    """``moetrain argv`` exits 2 within ``seconds`` with stderr exactly ``moetrain balance: error: <message>``:
+    one line, no warning above it (a numpy warning fails the test here: pytest would swallow its line)."""
+    start = time.monotonic()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        code = main(argv)
+    elapsed = time.monotonic() - start
+    err = capsys.readouterr().err
+    assert code == 2 and err == f"moetrain balance: error: {message}\n", err
+    assert elapsed < seconds, f"refused after {elapsed:.2f} s"
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--balance-interval", "-1"], "--balance-interval -1: give a positive number of steps (default 10)"),
+        (["--balance-interval", "0"], "--balance-interval 0: give a positive number of steps (default 10)"),
+        (["--balance-horizon", "-1"], "--balance-horizon -1: give a positive number of steps (default 50)"),
+        (["--seq-len", "0"], "--seq-len 0: give a positive number of tokens per sequence (default 4096)"),
+    ],
+)
+def test_a_count_below_one_is_refused_before_the_replay(trace_file, capsys, extra, message):
+    # a negative horizon once reached the forecast-error window as a numpy broadcast error, and a 0 printed
+    # numpy's division warning above the refusal
+    refused_within(capsys, ["balance", "--trace-routing", str(trace_file), "--ep", "4", "--cluster", "cpu", *extra],
+                   message)
+
+
+def test_the_exact_solver_replays_a_small_trace(trace_file, capsys):
+    # its drift-triggered re-plans once asked the MILP for an incremental plan, which it has no form of
+    assert main(["balance", "--trace-routing", str(trace_file), "--ep", "4", "--cluster", "cpu", "--solver", "milp",
+                 "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["solver"] == "milp" and report["imbalance_before"] > report["imbalance_after"] >= 1.0
+
+
+def test_the_exact_solver_refuses_a_large_instance(tmp_path, capsys):
+    path = tmp_path / "trace.jsonl"
+    write_trace(zipf_trace(TraceShape(2, 1, 128, 16, 4096, 8), seed=0), path)
+    refused_within(capsys, ["balance", "--trace-routing", str(path), "--ep", "16", "--cluster", "cpu", "--solver",
+                            "milp"],
+                   "--solver milp: 128 experts on 16 ranks are 2048 expert-rank pairs, more than the 1024 the exact "
+                   "program is for (a replay solves every layer at every re-plan, each solve up to 10 s); use "
+                   "--solver local", seconds=5.0)
+
+
+@pytest.mark.parametrize(
+    ("count", "message"),
+    [
+        ("Infinity", ":2: tokens_per_expert[1] is Infinity, not a whole number of tokens from 0 to 2^53; record it "
+                     "again with `moetrain train --trace-routing FILE`"),
+        ("NaN", ":2: tokens_per_expert[1] is NaN, not a whole number of tokens from 0 to 2^53; record it again with "
+                "`moetrain train --trace-routing FILE`"),
+        ("2.5", ":2: tokens_per_expert[1] is 2.5, not a whole number of tokens from 0 to 2^53; record it again with "
+                "`moetrain train --trace-routing FILE`"),
+    ],
+)
+def test_a_count_that_is_no_whole_number_is_refused_by_line(tmp_path, capsys, count, message):
+    path = tmp_path / "trace.jsonl"
+    path.write_text('{"step": 0, "layer": 0, "tokens_per_expert": [1, 2]}\n'
+                    f'{{"step": 1, "layer": 0, "tokens_per_expert": [1, {count}]}}\n', encoding="utf-8")
+    refused_within(capsys, ["balance", "--trace-routing", str(path), "--ep", "2", "--cluster", "cpu"],
+                   f"{path}{message}")
+
+
+def test_a_trace_that_is_not_utf8_is_refused_by_line(trace_file, capsys):
+    lines = trace_file.read_bytes().split(b"\n")
+    lines[2] = lines[2].replace(b"}", b',"note":"M\xe9gatron"}')
+    trace_file.write_bytes(b"\n".join(lines))
+    column = len(lines[2].split(b"\xe9")[0]) + 1
+    refused_within(capsys, ["balance", "--trace-routing", str(trace_file), "--ep", "4", "--cluster", "cpu"],
+                   f"trace file {trace_file} is not UTF-8 text: byte 0xe9 at line 3, column {column}; save it as UTF-8 "
+                   "or record it again with `moetrain train --trace-routing FILE`")

@@ -206,6 +206,22 @@ def test_a_calibration_file_with_a_malformed_accuracy_is_refused(tmp_path: Path,
                     "'accuracy' must be a mapping")
 
 
+@pytest.mark.parametrize("command", ["simulate", "plan"])
+def test_a_plan_given_as_the_calibration_is_refused_before_any_search(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str) -> None:
+    from refusals import refused_within
+
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("model: tiny-pangu\ncluster: cpu\ndevices: 2\nseq_len: 128\nglobal_batch: 16\n"
+                    "parallel: {tp: 1, ep: 2}\n")
+    out = ["--out", str(tmp_path / "out.yaml")] if command == "plan" else []
+    refused_within(capsys, [command, *TINY, "--devices", "2", "--calibration", str(plan), *out],
+                   f"{plan}: not a calibration file (it has model, cluster, devices, seq_len, …; a calibration file "
+                   "has global and per_arch sections); write one with `moetrain profile --out FILE` or "
+                   "`moetrain validate --fit FILE`", seconds=2.0)
+    assert not (tmp_path / "out.yaml").exists()
+
+
 def test_a_reader_that_closes_the_pipe_stops_the_command_quietly(tmp_path: Path) -> None:
     # `moetrain plan ... | head -1`: no traceback, and the exit status of a command stopped by SIGPIPE.
     import subprocess

@@ -449,14 +449,16 @@ class ReplanRule:
             return timed_plan(request, pricing.score)
 
         cpu_start = time.process_time()
-        # early (drift-triggered) solves offer only moves that build on the current placement ...
-        candidate, solve_s = plan("incremental" if early else "all")
+        # early (drift-triggered) solves offer only moves that build on the current placement ... (the exact
+        # program has no such moves: it solves from scratch, then keeps the most experts in place, every time)
+        incremental = early and self.solver != "milp"
+        candidate, solve_s = plan("incremental" if incremental else "all")
         seconds = float(self.costs.layer_seconds(candidate, forecast))
         # ... unless those stall far from the ideal, and from what the last solve reached (a local optimum
         # a few exchanges cannot leave): then the placements from scratch join them, each still scored with
         # its migration. Where no placement gets near the ideal (a few whole experts per rank, replicas'
         # all-reduces), the reference is as far and the incremental plan stands.
-        fallback = early and self.stall_remedies and seconds > fallback_above_s
+        fallback = incremental and self.stall_remedies and seconds > fallback_above_s
         if fallback:
             scratch, more_s = plan("scratch")
             solve_s += more_s

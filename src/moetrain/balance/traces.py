@@ -17,13 +17,14 @@ popular experts change over time, which is what a predictor must follow).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from moetrain.errors import UserError
-from moetrain.textfile import require_file
+from moetrain.textfile import read_text, require_file
 
 
 @dataclass(frozen=True)
@@ -93,27 +94,67 @@ def parse_trace_rows(rows: list[dict], source: str = "trace") -> RoutingTrace:
     return RoutingTrace(np.array(steps, dtype=np.int64), np.array(layers, dtype=np.int64), loads, name=source)
 
 
+_RECORD = "record it again with `moetrain train --trace-routing FILE`"
+# The largest count (or step, or layer) read: every whole number up to it is exact as a float, which the cost
+# model prices loads in, and it fits the int64 trace; no real step routes this many tokens.
+_MAX_WHOLE = 2**53
+
+
+def _whole(value: object) -> int | None:
+    """``value`` as a whole number from 0 to ``_MAX_WHOLE`` (JSON's 3 or 3.0), or None: a fraction, a
+    negative, NaN, Infinity, a string or a bool is no count of tokens."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    if not (isinstance(value, int) or math.isfinite(value) and value == int(value)):
+        return None
+    return int(value) if 0 <= value <= _MAX_WHOLE else None
+
+
+def _trace_row(line: str, where: str, first: bool) -> dict | None:
+    """One JSONL line as a row (None for a provenance line heading the file); a malformed row is one
+    ``UserError`` naming ``where`` (file:line), and so is a bad number (``_whole_numbers``)."""
+    malformed = UserError(f"{where}: expected a JSON row with step, layer and tokens_per_expert")
+    try:
+        row = json.loads(line)
+    except (json.JSONDecodeError, RecursionError):
+        raise malformed from None
+    if first and isinstance(row, dict) and "provenance" in row:
+        return None
+    if not isinstance(row, dict) or not {"step", "layer", "tokens_per_expert"} <= set(row):
+        raise malformed
+    return _whole_numbers(row, where)
+
+
+def _whole_numbers(row: dict, where: str) -> dict:
+    """The row's step, layer and counts as whole numbers, or one ``UserError`` naming the first that is not
+    (JSON admits NaN, Infinity and fractions, which no count of tokens is)."""
+    counts = row["tokens_per_expert"]
+    if not isinstance(counts, list) or not counts:
+        raise UserError(f"{where}: tokens_per_expert must be a list of token counts, one per expert; {_RECORD}")
+    for key in ("step", "layer"):
+        if _whole(row[key]) is None:
+            raise UserError(f"{where}: {key} is {json.dumps(row[key])}, not a whole number from 0 to 2^53; {_RECORD}")
+    parsed = [_whole(x) for x in counts]
+    if None in parsed:
+        bad = parsed.index(None)
+        raise UserError(f"{where}: tokens_per_expert[{bad}] is {json.dumps(counts[bad])}, not a whole number of "
+                        f"tokens from 0 to 2^53; {_RECORD}")
+    return {"step": _whole(row["step"]), "layer": _whole(row["layer"]), "tokens_per_expert": parsed}
+
+
 def read_trace(path: str | Path) -> RoutingTrace:
+    """The trace in a JSONL file (UTF-8), each bad line refused in one line naming the file and the line."""
     p = Path(path)
     require_file(p, f"trace file {str(path)!r}", "record one with `moetrain train --trace-routing`")
+    text = read_text(p, f"trace file {path}", f"save it as UTF-8 or {_RECORD}",
+                     "give the JSONL routing trace `moetrain train --trace-routing FILE` writes")
     rows = []
-    with open(p) as f:
-        for line_number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                if line_number == 1 and "provenance" in row:
-                    continue
-                rows.append({
-                    "step": int(row["step"]),
-                    "layer": int(row["layer"]),
-                    "tokens_per_expert": [int(x) for x in row["tokens_per_expert"]],
-                })
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-                raise UserError(
-                    f"{p}:{line_number}: expected a JSON row with step, layer and tokens_per_expert"
-                ) from None
+    # split at newlines only, as the line numbers of ``read_text``'s refusals count them
+    for line_number, line in enumerate(text.split("\n"), 1):
+        if line.strip():
+            row = _trace_row(line, f"{p}:{line_number}", line_number == 1)
+            if row is not None:
+                rows.append(row)
     return parse_trace_rows(rows, source=p.name)
 
 

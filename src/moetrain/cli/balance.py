@@ -20,6 +20,9 @@ if TYPE_CHECKING:  # the command loads these when it runs (``run``)
     from moetrain.balance.replay import ReplayResult
     from moetrain.balance.traces import RoutingTrace
 
+DEFAULT_SEQ_LEN = 4096
+"""``--seq-len``: the sequence length the cost model prices attention at."""
+
 HELP = "replay a routing trace through expert-load prediction, placement and migration; predicted gain"
 
 
@@ -35,7 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                         "with the trace's expert count)")
     parser.add_argument("--cluster", default="atlas-800t-a2", help="cluster preset or YAML for the cost model")
     parser.add_argument("--solver", choices=["greedy", "local", "milp"], default=BALANCE_DEFAULTS.solver,
-                        help="placement solver (milp: exact, small instances only)")
+                        help="placement solver (milp: exact, small instances only; every re-plan solves from "
+                             "scratch)")
     parser.add_argument("--predictor", default=BALANCE_DEFAULTS.predictor,
                         help="adaptive (the runtime's: a bank of EMA and Holt forecasts, the one with the lowest "
                              "recent error forecasts), auto (the lowest forecast error on the trace's first quarter, "
@@ -46,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     horizon = parser.add_argument("--balance-horizon", type=int, default=BALANCE_DEFAULTS.horizon,
                                   help="steps over which a migration's predicted saving must repay its cost")
     add_renamed_flag(parser, "--horizon", horizon)
-    parser.add_argument("--seq-len", type=int, default=4096, help="sequence length for the attention cost")
+    parser.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN, help="sequence length for the attention cost")
     parser.add_argument("--a2a", choices=["flat", "hierarchical"], default="flat", help="expert all-to-all kind")
     parser.add_argument("--spare-slots", metavar="N,N,...",
                         help="also replay with experts/ep + N slots per rank for each N (e.g. 0,1,2) and recommend "
@@ -64,6 +68,27 @@ def _parse_spare(text: str | None) -> tuple[int, ...] | None:
     if not counts or min(counts) < 0:
         raise UserError(f"--spare-slots {text!r}: expected spare slot counts >= 0 separated by commas, e.g. 0,1,2")
     return counts
+
+
+def _check_counts(args: argparse.Namespace) -> None:
+    """Refuse a step or token count below 1 before the trace is read (a negative horizon once reached the
+    forecast-error window as a numpy broadcast error)."""
+    counts = (("--balance-interval", args.balance_interval, f"steps (default {BALANCE_DEFAULTS.interval})"),
+              ("--balance-horizon", args.balance_horizon, f"steps (default {BALANCE_DEFAULTS.horizon})"),
+              ("--seq-len", args.seq_len, f"tokens per sequence (default {DEFAULT_SEQ_LEN})"))
+    for flag, value, unit in counts:
+        if value < 1:
+            raise UserError(f"{flag} {value}: give a positive number of {unit}")
+
+
+def _check_milp_size(args: argparse.Namespace, num_experts: int) -> None:
+    """Refuse an exact program too large to replay in reasonable time (each solve runs up to its time limit)."""
+    from moetrain.balance.solver import MILP_MAX_PAIRS  # lazy: scipy loads when the command runs (``run``)
+
+    if args.solver == "milp" and num_experts * args.ep > MILP_MAX_PAIRS:
+        raise UserError(f"--solver milp: {num_experts} experts on {args.ep} ranks are {num_experts * args.ep} "
+                        f"expert-rank pairs, more than the {MILP_MAX_PAIRS} the exact program is for (a replay solves "
+                        "every layer at every re-plan, each solve up to 10 s); use --solver local")
 
 
 def _check_slots(args: argparse.Namespace, spare_options: tuple[int, ...] | None, num_experts: int) -> None:
@@ -203,10 +228,12 @@ def run(args: argparse.Namespace) -> int:
     from moetrain.balance.slots import choose_spare_slots
     from moetrain.balance.traces import read_trace
 
+    _check_counts(args)
     spare_options = _parse_spare(args.spare_slots)
     trace = read_trace(args.trace_routing)
     costs = _cost_model(args, trace.num_experts)
     _check_slots(args, spare_options, trace.num_experts)
+    _check_milp_size(args, trace.num_experts)
     predictor, errors = _predictor(args, trace.tokens_per_expert, min(args.balance_interval, args.balance_horizon))
     rule = ReplanRule(costs, args.balance_interval, args.balance_horizon, args.solver)
     result = replay(trace, rule, predictor, args.slots_per_rank)

@@ -30,22 +30,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def validate(args: argparse.Namespace) -> dict:
     # lazy: the fit and the simulator load when the command runs, not when the parser imports every command
     from moetrain.planner.fit import fit_calibration, fits_without_each_family, leave_one_family_out, predict_rows
-    from moetrain.planner.validation import abs_pct_errors, prepare_all, read_rows, summarize
+    from moetrain.planner.validation import abs_pct_errors, prepare_all, read_rows, require_simulable, summarize
 
     if args.fit:
         output_file(args.fit, "--fit", "calibration.yaml")
     rows = read_rows(args.file)
+    # read before the rows are prepared (each sizes its recomputation by memory), so a bad file stops first
+    calibration = None if args.fit else load_calibration(args.calibration)
     prepared, skipped = prepare_all(rows)
+    require_simulable(prepared, skipped, args.file)
     result: dict = {}
-    if args.fit:
+    if calibration is None:
         calibration = fit_calibration(prepared, note=f"moetrain validate {args.file} --fit {args.fit}"
                                       + (" --cv" if args.cv else ""))
-    else:
-        calibration = load_calibration(args.calibration)
     held_out_fits = fits_without_each_family(prepared) if args.cv else {}
     predicted = leave_one_family_out(prepared, held_out_fits) if args.cv else predict_rows(prepared, calibration)
     measured = [r.measured for r in prepared]
-    errors = abs_pct_errors(predicted, measured) if prepared else []
+    errors = abs_pct_errors(predicted, measured)
     result["mode"] = "leave-one-family-out" if args.cv else "calibrated"
     result["free_parameters"] = calibration.free_parameter_count
     result["rows"] = [

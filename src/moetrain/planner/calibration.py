@@ -18,6 +18,7 @@ File format (YAML or JSON)::
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from importlib import resources
 from pathlib import Path
@@ -242,15 +243,50 @@ def accuracy_line(accuracy: dict) -> str | None:
             f"90th percentile {float(a['p90_abs_pct_error']):.1f} %")
 
 
-def calibration_from_dict(data: dict, source: str) -> Calibration:
+# Efficiencies the cost model divides by (shares of a peak, a speed-up): at 0 every step would take forever.
+_RATES = ("gemm_max", "attention", "memory", "fp8_gain", "bus_intra", "bus_inter")
+# What ``Calibration.to_dict`` writes at the top of a file: anything else is some other file.
+_FILE_KEYS = ("fitted_on", "free_parameters", "global", "per_arch", "accuracy", "held_out_fits")
+_WRITE_ONE = "write one with `moetrain profile --out FILE` or `moetrain validate --fit FILE`"
+
+
+def _parameters(values: object, where: str, source: str) -> dict[str, float]:
+    """``values`` (the ``where`` section of ``source``) as known parameters with finite values, none below 0 and
+    the rates above it; anything else is one ``UserError`` naming the parameter."""
+    if not isinstance(values, dict):
+        raise UserError(f"{source}: {where} must map parameter names to numbers, e.g. {{gemm_max: 0.7}}")
     known = {f.name for f in fields(Efficiency)}
-    glob = data.get("global", {}) or {}
-    unknown = set(glob) - known
-    for overrides in (data.get("per_arch", {}) or {}).values():
-        unknown |= set(overrides) - known
+    unknown = set(map(str, values)) - known
     if unknown:
         raise UserError(f"{source}: unknown calibration parameter(s) {sorted(unknown)}; known: {sorted(known)}")
-    per_arch = {str(k): {p: float(x) for p, x in v.items()} for k, v in (data.get("per_arch", {}) or {}).items()}
+    parameters: dict[str, float] = {}
+    for name, value in values.items():
+        number = float(value) if isinstance(value, int | float) and not isinstance(value, bool) else math.nan
+        if not math.isfinite(number) or number < 0 or (name in _RATES and number == 0):
+            least = "above 0" if name in _RATES else "0 or more"
+            raise UserError(f"{source}: {where}.{name} is {value!r}; give a finite number {least}")
+        parameters[name] = number
+    return parameters
+
+
+def _check_calibration_file(data: dict, source: str) -> None:
+    """Refuse a mapping that is not a calibration file (a plan, a model or a cluster YAML given by mistake):
+    keys a calibration file does not have, or neither of its parameter sections."""
+    unknown = [str(k) for k in data if k not in _FILE_KEYS]
+    if unknown:
+        shown = ", ".join(unknown[:4]) + (", …" if len(unknown) > 4 else "")
+        raise UserError(f"{source}: not a calibration file (it has {shown}; a calibration file has global and "
+                        f"per_arch sections); {_WRITE_ONE}")
+    if "global" not in data and "per_arch" not in data:
+        raise UserError(f"{source}: not a calibration file (no global or per_arch section); {_WRITE_ONE}")
+
+
+def calibration_from_dict(data: dict, source: str) -> Calibration:
+    glob = _parameters(data.get("global") or {}, "global", source)
+    arches = data.get("per_arch") or {}
+    if not isinstance(arches, dict):
+        raise UserError(f"{source}: per_arch must map architectures to parameters, e.g. {{hopper: {{gemm_max: 0.7}}}}")
+    per_arch = {str(k): _parameters(v, f"per_arch.{k}", source) for k, v in arches.items()}
     accuracy = data.get("accuracy") or {}
     if not isinstance(accuracy, dict):
         raise UserError(f"{source}: 'accuracy' must be a mapping (mode, rows, median_abs_pct_error, "
@@ -260,7 +296,7 @@ def calibration_from_dict(data: dict, source: str) -> Calibration:
         raise UserError(f"{source}: 'held_out_fits' must map each left-out family to a mapping with 'global' and "
                         "'per_arch', as `moetrain validate --fit --cv` writes it")
     return Calibration(
-        Efficiency(**{k: float(v) for k, v in glob.items()}), per_arch, str(data.get("fitted_on", "")),
+        Efficiency(**glob), per_arch, str(data.get("fitted_on", "")),
         {str(k): v for k, v in accuracy.items()},
         {str(family): calibration_from_dict(fit, f"{source} (held-out fit {family})")
          for family, fit in held_out.items()},
@@ -274,6 +310,7 @@ def load_calibration(path: str | Path | None = None) -> Calibration:
         text = (resources.files("moetrain.planner") / "calibration_default.yaml").read_text()
         return with_shipped_cpu(calibration_from_dict(yaml.safe_load(text) or {}, "calibration_default.yaml"))
     data = read_profile_file(path, "calibration", "--out FILE", "'global' and 'per_arch' sections")
+    _check_calibration_file(data, str(path))
     return calibration_from_dict(data, str(path))
 
 

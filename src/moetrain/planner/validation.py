@@ -40,12 +40,13 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
+from pydantic import ValidationError
 
 from moetrain.config.cluster import ClusterConfig
 from moetrain.config.model import GQAConfig, MLAConfig, ModelConfig, MoEConfig, RouterConfig
 from moetrain.config.presets import load_cluster_config
 from moetrain.costs.flops import training_flops_per_token
-from moetrain.errors import UserError
+from moetrain.errors import UserError, describe_validation_error
 from moetrain.planner.calibration import Calibration, Efficiency
 from moetrain.planner.costmodel import StepCosts, evaluate
 from moetrain.planner.launch_facts import with_launch_facts
@@ -57,11 +58,25 @@ METRICS = ("step_time_s", "tflops_per_device", "tokens_per_s_per_device", "mfu",
 # Without any of these columns no row can be simulated (``prepare_row`` needs them all).
 REQUIRED_COLUMNS = ("id", "attention", "ffn_act", "layers", "hidden", "heads", "vocab", "seq_len", "global_batch_seqs",
                     "hardware", "num_devices", "tp", "pp", "metric", "value")
-# Cells read as whole numbers (``_int``); ``value`` is any finite number.
+# Cells read as whole numbers (``_int``); ``value`` is a positive finite number.
 INTEGER_COLUMNS = ("layers", "dense_layers", "hidden", "ffn_hidden", "heads", "kv_heads", "head_dim", "q_lora_rank",
                    "kv_lora_rank", "qk_nope_dim", "qk_rope_dim", "v_head_dim", "num_experts", "topk",
                    "moe_ffn_hidden", "shared_experts", "vocab", "seq_len", "global_batch_seqs", "num_devices",
                    "devices_per_node", "tp", "sp", "pp", "vpp", "ep", "etp", "cp", "dp", "zero", "micro_batch")
+# The whole numbers each cell may hold (least, most; None: no most). A size or a parallel degree is at least 1
+# (a 0 divides the step by zero and predicts NaN); these count what a model may have none of; sp is a flag
+# and zero a ZeRO stage (shared/validation/README.md).
+INTEGER_BOUNDS: dict[str, tuple[int, int | None]] = {
+    **{column: (1, None) for column in INTEGER_COLUMNS},
+    **{column: (0, None) for column in ("dense_layers", "ffn_hidden", "q_lora_rank", "num_experts", "shared_experts")},
+    "sp": (0, 1), "zero": (0, 3),
+}
+# Text cells with a fixed set of values (shared/validation/README.md); an empty one is read as the module
+# docstring says.
+CHOICE_COLUMNS: dict[str, tuple[str, ...]] = {
+    "attention": ("mha", "gqa", "mla"), "ffn_act": ("gelu", "swiglu", "relu2"), "recompute": RECOMPUTE_NAMES,
+    "precision": ("bf16", "fp16", "fp8"), "flops_convention": ("model", "hardware", "na"), "metric": METRICS,
+}
 
 # Hardware ids with a cluster preset of their own.
 _PRESET_OF_HARDWARE = {
@@ -198,6 +213,8 @@ def prepare_row(row: dict) -> PreparedRow | Unsimulable:
     try:
         cluster = row_cluster(row)
         model = row_model(row)
+    except ValidationError as exc:  # pydantic's own text is several lines, the first naming no field
+        return Unsimulable(row_id, family, describe_validation_error("the row's model or cluster", exc))
     except (UserError, ValueError, TypeError) as exc:
         return Unsimulable(row_id, family, str(exc).splitlines()[0])
     strategy = row_strategy(row)
@@ -216,7 +233,8 @@ def _unsimulable_reason(row: dict) -> str | None:
     metric = row["metric"].strip()
     if metric not in METRICS:
         return f"metric {metric!r} is not one of {', '.join(METRICS)}"
-    needed = ("num_devices", "seq_len", "global_batch_seqs", "tp", "pp", "vocab", "layers", "hidden", "heads")
+    needed = ("num_devices", "seq_len", "global_batch_seqs", "tp", "pp", "vocab", "layers", "hidden", "heads",
+              "attention", "ffn_act")
     missing = [k for k in needed if not (row.get(k) or "").strip()]
     if missing:
         return f"no {', '.join(missing)} in the row"
@@ -233,8 +251,8 @@ def row_strategy(row: dict) -> Strategies:
     num_devices = _int(row, "num_devices")
     dp = _int(row, "dp") or num_devices // (tp * pp * cp)
     ep, etp = _int(row, "ep", 1), _int(row, "etp", 1)
-    sp_text = (row.get("sp") or "").strip()
-    sp = bool(int(sp_text)) if sp_text else tp > 1
+    sp_stated = _int(row, "sp")
+    sp = bool(sp_stated) if sp_stated is not None else tp > 1
     recompute = (row.get("recompute") or "").strip() or "none"
     zero = _int(row, "zero", 1)
     source = row.get("source", "")
@@ -341,29 +359,71 @@ def _lightest_recompute_that_fits(workload: Workload, strategy: Strategies, adap
     return candidates.take(np.array([chosen]))
 
 
-def _cell_problem(column: str, text: str) -> str | None:
-    """Why a numeric cell cannot be read (None when it can, or when it is empty: the source did not say)."""
-    if not text:
-        return None
+def _number_problem(text: str) -> str | None:
+    """Why ``text`` is not a finite number (None when it is)."""
     try:
         number = float(text)
     except ValueError:
         return "not a number"
-    if not math.isfinite(number):
-        return "not a finite number"
-    if column in INTEGER_COLUMNS and number != int(number):
-        return "not a whole number"
+    return None if math.isfinite(number) else "not a finite number"
+
+
+def _cell_problem(column: str, text: str) -> str | None:
+    """Why a whole-number or fixed-choice cell cannot be read, naming what it may hold (None when it can, or
+    when it is empty: the source did not say)."""
+    if not text:
+        return None
+    if column in CHOICE_COLUMNS:
+        choices = CHOICE_COLUMNS[column]
+        return None if text in choices else f"not one of {', '.join(choices)}"
+    least, most = INTEGER_BOUNDS[column]
+    allowed = f"a whole number of at least {least}" if most is None else f"a whole number from {least} to {most}"
+    problem = _number_problem(text)
+    if problem or float(text) != int(float(text)):
+        return problem or f"not {allowed}"
+    number = int(float(text))
+    return None if least <= number and (most is None or number <= most) else f"not {allowed}"
+
+
+def _value_problem(text: str) -> str | None:
+    """Why the measurement cell is unusable: every row needs one, and a rate, a time or a memory is above 0."""
+    if not text:
+        return "value is empty"
+    problem = _number_problem(text) or (None if float(text) > 0 else "not a positive number")
+    return f"value is {text!r}, {problem}" if problem else None
+
+
+def _layout_problem(row: dict) -> str | None:
+    """Why the row's parallel degrees cannot lay out its devices (None when they can, or when a degree the
+    check needs is not stated): tp·pp·cp must divide num_devices, and with dp stated multiply to it."""
+    tp, pp, num_devices, dp = _int(row, "tp"), _int(row, "pp"), _int(row, "num_devices"), _int(row, "dp")
+    cp = _int(row, "cp", 1)
+    if tp is None or pp is None or num_devices is None:
+        return None
+    model_parallel = tp * pp * cp
+    if dp is not None and model_parallel * dp != num_devices:
+        return f"tp·pp·cp·dp = {tp}·{pp}·{cp}·{dp} = {model_parallel * dp} devices, not num_devices {num_devices}"
+    if num_devices % model_parallel:
+        return f"tp·pp·cp = {tp}·{pp}·{cp} = {model_parallel} does not divide num_devices {num_devices}"
     return None
 
 
 def _check_row(row: dict, line: int, path: str | Path) -> None:
-    """Refuse, by line, column and value, a numeric cell the simulator could not read."""
-    for column in (*INTEGER_COLUMNS, "value"):
+    """Refuse, by line, column and value, a cell the simulator could not read or a layout that does not fit
+    the row's devices."""
+    where = f"{path} line {line} (id {row.get('id') or '?'})"
+    for column in (*INTEGER_COLUMNS, *CHOICE_COLUMNS):
         text = (row.get(column) or "").strip()
         problem = _cell_problem(column, text)
         if problem:
-            raise UserError(f"{path} line {line} (id {row.get('id') or '?'}): {column} is {text!r}, {problem}; "
-                            "fix that cell or leave it empty if the source does not say")
+            raise UserError(f"{where}: {column} is {text!r}, {problem}; fix that cell or leave it empty if the "
+                            "source does not say")
+    problem = _value_problem((row.get("value") or "").strip())
+    if problem:
+        raise UserError(f"{where}: {problem}; give the measurement, a positive number in the unit its metric names")
+    problem = _layout_problem(row)
+    if problem:
+        raise UserError(f"{where}: {problem}; fix the row's tp, pp, cp, dp or num_devices")
 
 
 def read_rows(path: str | Path) -> list[dict]:
@@ -428,6 +488,17 @@ def summarize(errors: list[float]) -> dict[str, float]:
         "p90_abs_pct_error": float(np.percentile(arr, 90)),
         "n": int(arr.size),
     }
+
+
+def require_simulable(prepared: list[PreparedRow], skipped: list[Unsimulable], source: str | Path) -> None:
+    """Refuse in one line a file none of whose rows can be simulated, with the first rows' reasons: a score
+    over no rows is no score."""
+    if prepared:
+        return
+    shown = "; ".join(f"{s.row_id}: {s.reason}" for s in skipped[:3])
+    more = f"; and {len(skipped) - 3} more" if len(skipped) > 3 else ""
+    raise UserError(f"{source}: no row can be simulated ({shown}{more}); give each row what "
+                    "shared/validation/README.md says a prediction needs")
 
 
 def prepare_all(rows: list[dict]) -> tuple[list[PreparedRow], list[Unsimulable]]:
