@@ -29,8 +29,8 @@ def test_each_kind_of_non_file_is_named(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["train", "--plan", "{d}", "--quiet"], "plan file '{d}' is a folder, not a file; write one with "
-         "`moetrain plan --out {d}`"),
+        (["train", "--plan", "{d}", "--quiet"], "--plan {d} is a folder, not a file; --plan takes a plan YAML "
+         "file, the one `moetrain plan --out FILE` writes"),
         (["model-info", "--model", "{d}.yaml"], "model file '{d}.yaml' is a folder, not a file; give a preset name "
          "or an existing YAML path"),
         (["validate", "{d}"], "validation file '{d}' is a folder, not a file; give a CSV in the schema of "

@@ -10,19 +10,24 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
+from moetrain.config import load_model_config
 from moetrain.config.limits import (
     MAX_DEVICES,
     MAX_EVAL_PROBLEMS,
+    MAX_HIDDEN,
+    MAX_LAYERS,
     MAX_REPEATS,
     MAX_RUN_TOKENS,
+    MAX_STALENESS,
     MAX_TOKENS_PER_STEP,
     PROCESSES_PER_CORE,
 )
 from moetrain.data import corpus
 from moetrain.data.size import SHAKESPEARE_DOCUMENTS, SHAKESPEARE_TEXT_BYTES, corpus_size
 from moetrain.models.transformer import MoETransformer
-from refusals import refused_within
+from refusals import refused_within, snapshot
 
 CORES = os.cpu_count() or 1
 HOME_CACHE = Path(os.environ.get("MOETRAIN_CACHE") or Path.home() / ".cache" / "moetrain")
@@ -106,6 +111,10 @@ def test_a_first_run_counts_its_corpus_before_the_first_batch(tmp_path):
 
 TOKENS = 10**12 * 128
 RUN_TOKENS = 10**12 * 16 * 128
+DEVICES = "Input should be 'auto', 'cpu', 'cuda' or 'cuda:N' (N: a GPU's index)"
+RL_PLAN = ["plan", "--model", "tiny-pangu", "--cluster", "cpu", "--devices", "4", "--rl", "--prompt-len", "16",
+           "--response-len", "16"]
+TOP = "must be at least 1 (how many of the best layouts to print); give --top 1 or more"
 
 
 @pytest.mark.parametrize(
@@ -190,12 +199,77 @@ RUN_TOKENS = 10**12 * 16 * 128
         (["profile", "--device", "cpu", "--repeats", "999999999"],
          f"--repeats 999999999 must lie in 1..{MAX_REPEATS:,} (timed repetitions per measurement; a median of "
          f"{MAX_REPEATS:,} no longer moves); give a count in that range"),
+        # a device torch has no backend for here was a traceback from torch.device once the run set up
+        (["train", "--device", "tpu"], f'--device: {DEVICES}, got "tpu"'),
+        (["train", "--device", "cuda:x"], f'--device: {DEVICES}, got "cuda:x"'),
+        (["rl", "--device", "tpu"], f'--device: {DEVICES}, got "tpu"'),
+        (["profile", "--device", "tpu"], f'--device: {DEVICES}, got "tpu"'),
+        # every k up to --max-staleness is listed as a candidate: 10^12 of them never ended
+        ([*RL_PLAN, "--max-staleness", "1000000000000"],
+         f"--max-staleness 1000000000000 is more than {MAX_STALENESS} weight versions (every k ≥ 1 prices the same, "
+         f"so the smallest wins); give 0 to {MAX_STALENESS}"),
+        ([*RL_PLAN, "--gen-ep", "1000000000000"],
+         "--gen-ep 1000000000000 of --devices 4: a generation replica cannot span more devices than the job has; "
+         "give 1 to 4"),
+        (["plan", "--model", "tiny-pangu", "--cluster", "cpu", "--devices", "2", "--seq-len", "128",
+          "--global-batch", "16", "--top", "0"], f"--top 0 {TOP}"),
+        ([*RL_PLAN, "--top", "-3"], f"--top -3 {TOP}"),
     ],
 )
 def test_a_value_beyond_what_it_can_mean_is_refused_within_a_second(argv, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # plan would write plan.yaml here
     refused_within(capsys, argv, message)
-    assert not (tmp_path / "plan.yaml").exists()
+    assert not (tmp_path / "plan.yaml").exists() and not (tmp_path / "rl.yaml").exists()
+
+
+def _model_file(path: Path, **sizes: int) -> None:
+    """tiny-pangu with ``sizes`` in place of its own."""
+    path.write_text(yaml.safe_dump({**load_model_config("tiny-pangu").model_dump(mode="json"), **sizes}))
+
+
+TWO_RANKS = "model: tiny-pangu\nseq_len: 128\nglobal_batch: 16\nparallel: {ep: 2, dp: 2, micro_batch: 8}\n"
+"""A plan for two devices, as `moetrain plan --devices 2` writes its layout."""
+PLAN_LAYS_OUT = "two.yaml lays out 2 ranks (tp·cp·pp·dp = 1·1·1·2)"
+
+
+@pytest.mark.parametrize(
+    ("files", "argv", "message"),
+    [
+        ({"run.yaml": "run:\n  device: tpu\n"}, ["train", "--config", "run.yaml"],
+         f'run.yaml: run.device: {DEVICES}, got "tpu"'),
+        ({"rl.yaml": "trainer:\n  run:\n    device: tpu\n"}, ["rl", "--config", "rl.yaml"],
+         f'rl.yaml: trainer.run.device: {DEVICES}, got "tpu"'),
+        # torch's storage size overflowed building a 10^12-wide layer; 100,000 layers built for minutes
+        ({"wide.yaml": {"hidden_size": 10**12}}, ["model-info", "--model", "wide.yaml"],
+         f"wide.yaml: hidden_size: Input should be at most {MAX_HIDDEN:,} (ten times the widest published model's "
+         "25,600), got 1000000000000"),
+        ({"deep.yaml": {"num_layers": 100000}}, ["model-info", "--model", "deep.yaml"],
+         f"deep.yaml: num_layers: Input should be at most {MAX_LAYERS:,} (four times the deepest Transformer "
+         "trained, DeepNet's 1,000 layers), got 100000"),
+        ({"two.yaml": TWO_RANKS}, ["train", "--plan", "two.yaml", "--nproc", "1"],
+         f"--nproc 1 but {PLAN_LAYS_OUT}; give --nproc 2, or drop --nproc (the plan sets it)"),
+        ({"two.yaml": TWO_RANKS},
+         ["train", "--plan", "two.yaml", "--nproc", "2", "--nnodes", "2", "--rdzv-endpoint", "localhost:29500"],
+         f"--nnodes 2 × --nproc 2 = 4 ranks but {PLAN_LAYS_OUT}; give --nnodes × --nproc = 2 (--nproc 1)"),
+        ({"runs": None}, ["train", "--plan", "runs"],
+         "--plan runs is a folder, not a file; --plan takes a plan YAML file, the one `moetrain plan --out FILE` "
+         "writes"),
+    ],
+)
+def test_a_file_beyond_what_it_can_mean_is_refused_within_a_second(files, argv, message, capsys, tmp_path,
+                                                                   monkeypatch):
+    """``files``: name → its text, a model's sizes over tiny-pangu's, or None for a folder."""
+    monkeypatch.chdir(tmp_path)
+    for name, content in files.items():
+        if content is None:
+            (tmp_path / name).mkdir()
+        elif isinstance(content, dict):
+            _model_file(tmp_path / name, **content)
+        else:
+            (tmp_path / name).write_text(content)
+    before = snapshot(tmp_path)
+    refused_within(capsys, argv, message)
+    assert snapshot(tmp_path) == before
 
 
 def test_the_refusals_come_before_torch_is_imported(tmp_path):
@@ -208,3 +282,16 @@ def test_the_refusals_come_before_torch_is_imported(tmp_path):
     env = {**os.environ, "MOETRAIN_CACHE": str(tmp_path / "cache")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert out.stdout.strip() == "[2, 2] False", out.stderr
+
+
+def test_a_plan_run_by_torchrun_on_other_ranks_names_the_ranks_to_start(tmp_path, monkeypatch):
+    """The worker (``python -m moetrain.cli.worker`` under torchrun, no --nproc) takes torchrun's rank count."""
+    from moetrain.cli import build_parser
+    from moetrain.cli.train import build_spec
+    from moetrain.errors import UserError
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "two.yaml").write_text(TWO_RANKS)
+    with pytest.raises(UserError) as caught:
+        build_spec(build_parser().parse_args(["train", "--plan", "two.yaml"]), world_size=4)
+    assert str(caught.value) == f"torchrun started 4 ranks but {PLAN_LAYS_OUT}; start 2 ranks"

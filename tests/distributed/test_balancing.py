@@ -323,7 +323,8 @@ def test_physical_slots_split_tokens_by_replica_share() -> None:
     (["--nproc", "4", "--ep", "4", "--online-balance", "--balance-interval", "0"],
      "--balance-interval: Input should be greater than 0, got 0"),
     (["--nproc", "4", "--ep", "4", "--slots-per-rank", "5"],
-     "run spec: balance: interval, horizon and slots_per_rank tune online balancing; enable it or drop them"),
+     "run spec: balance: slots_per_rank (--slots-per-rank) tunes online balancing, which is off; add "
+     "--online-balance (enabled: true) or drop them"),
     (["--nproc", "4", "--ep", "4", "--online-balance", "--zero", "2"],
      "--online-balance moves ZeRO-1 optimizer shards; it does not run with zero 2 yet: use zero 1"),
 ])

@@ -20,7 +20,7 @@ TINY = ["--sft-steps", "2", "--sft-batch", "8", "--steps", "2", "--prompts", "2"
      ("--gen-ep 3", "16 experts do not divide by it")),
     (["rl", "--tp", "2"], ("--tp 2 needs several ranks",)),
     (["rl", "--nproc", "4", "--tp", "2", "--prompts", "3", "--group-size", "2"], ("6 samples", "4 generation")),
-    (["rl", "--resume"], ("--resume need --save-dir",)),
+    (["rl", "--resume"], ("--resume needs --save-dir (the folder holding the checkpoints)",)),
     (["rl", "--sft-steps", "-1"], ("--sft-steps -1",)),
     (["rl", "--sft-target", "1.5"], ("--sft-target: Input should be less than or equal to 1",)),
     (["rl", "--sft-check-every", "0"], ("--sft-check-every: Input should be greater than 0",)),

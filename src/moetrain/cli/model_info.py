@@ -31,14 +31,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def model_info(model_name: str, seq_len: int | None = None) -> dict[str, Any]:
     """The report as a dict. Counts come from ``moetrain.costs`` and from the module built on meta;
     ``parts_disagree`` lists the parts where they differ (empty when the contract holds)."""
-    from moetrain.models import build_model, param_counts_by_part  # lazy, heavy: torch (the parser loads every command)
-
-    cfg = load_model_config(model_name)
+    cfg = load_model_config(model_name)  # before torch loads: a bad model file is refused in a moment
     if seq_len is None:
         seq_len = min(DEFAULT_SEQ_LEN, cfg.max_seq_len)
     if not 1 <= seq_len <= cfg.max_seq_len:
         raise UserError(f"--seq-len {seq_len} must lie in 1..{cfg.max_seq_len:,} (the max_seq_len of {cfg.name}); "
                         "give a length the model can run")
+    from moetrain.models import build_model, param_counts_by_part  # lazy, heavy: torch (the parser loads every command)
+
     analytic = count_params(cfg)
     meta_parts = param_counts_by_part(build_model(cfg, device="meta"))
     analytic_parts = analytic.as_dict()

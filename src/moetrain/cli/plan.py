@@ -102,6 +102,9 @@ def on_off(flag: bool) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.top < 1:
+        raise UserError(f"--top {args.top} must be at least 1 (how many of the best layouts to print); give --top 1 "
+                        "or more")
     if args.rl:
         if args.search_model:
             raise UserError("--search-model compares pre-training model shapes: drop it or --rl")

@@ -11,6 +11,7 @@ from typing import Any
 
 from moetrain.cli.common import output_file, yaml_source
 from moetrain.config import limits
+from moetrain.config.run import DEVICES, is_device
 from moetrain.errors import UserError
 from moetrain.rl.spec import check_spec_kind, resolve_rl_spec
 
@@ -23,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "closest preset to the local GPU)")
     parser.add_argument("--model", default="tiny-pangu", help="model whose expert shapes the grouped GEMM uses")
     parser.add_argument("--out", default="calibration.yaml", help="calibration file to write (.yaml or .json)")
-    parser.add_argument("--device", default="auto", help="cpu, cuda or auto")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (cuda when available)")
     parser.add_argument("--repeats", type=int, default=5, help="timed repetitions per measurement")
     parser.add_argument("--threads", type=int, help="CPU threads for torch (use what the training run uses)")
     parser.add_argument("--json", action="store_true", help="print the measurements as JSON")
@@ -46,12 +47,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not is_device(args.device):  # as train and rl refuse it (RunOptions.device), before torch loads
+        raise UserError(f"--device: Input should be {DEVICES}, got {json.dumps(args.device)}")
+    limits.check_repeats(args.repeats)
     # here, not at the top: ``moetrain --help`` stays torch-free
     import torch
 
     from moetrain.train.calibrate import profile_calibration, resolve_device
 
-    limits.check_repeats(args.repeats)
     if args.comm_ranks is not None and (args.comm_ranks < 2 or args.comm_ranks % 2):
         raise UserError(f"--comm-ranks must be an even number of ranks, 2 or more (got {args.comm_ranks})")
     if args.comm_out is not None and args.comm_ranks is None:

@@ -11,6 +11,7 @@ same spec from a file. The worker users start with torchrun on several nodes
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -23,6 +24,7 @@ from moetrain.config import limits, load_model_config, load_plan_file
 from moetrain.config.run import RunSpec, resolve_run_spec, spec_source_from_plan
 from moetrain.errors import UserError
 from moetrain.rl.spec import RLRunSpec
+from moetrain.textfile import require_file
 
 HELP = "train a model (one process on CPU/GPU, or --nproc N ranks in any layout); resumable, with per-step metrics"
 
@@ -174,13 +176,9 @@ def build_spec(args: argparse.Namespace, world_size: int | None = None):
         _refuse_rl_spec(sources[0], args.config)
     names = [Path(args.config).name] if args.config else []
     flags = _flag_source(args)
-    if args.plan:
-        given = [f"--{name.replace('_', '-')}" for name in LAYOUT_FLAGS if getattr(args, name) is not None]
-        if given:
-            raise UserError(f"--plan already sets the layout; drop {', '.join(given)} (or drop --plan)")
-        if sources and "parallel" in sources[0]:
-            raise UserError(f"--plan and {args.config}'s parallel section both set the layout; drop one")
-        sources.append(spec_source_from_plan(load_plan_file(args.plan)))
+    plan = _plan_source(args, sources[0] if sources else {}) if args.plan else None
+    if plan is not None:
+        sources.append(plan)
         names.append(Path(args.plan).name)
     sources.append(flags)
     names.append(FLAGS_SOURCE)
@@ -199,11 +197,51 @@ def build_spec(args: argparse.Namespace, world_size: int | None = None):
                  if (getattr(args, axis) or 1) > 1]
         if given:
             raise UserError(f"{' '.join(given)} needs several ranks: give --nproc N (= tp·cp·pp·dp)")
+    if plan is not None and world_size is not None:
+        _check_plan_ranks(plan["parallel"], args, world_size)
     try:
         spec = resolve_run_spec(sources, world_size, names)
     except UserError as exc:
         raise UserError(_named_by_flag(str(exc))) from None
     return spec
+
+
+def _plan_source(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any]:
+    """The run-spec fields of ``--plan``, which sets the layout alone."""
+    given = [f"--{name.replace('_', '-')}" for name in LAYOUT_FLAGS if getattr(args, name) is not None]
+    if given:
+        raise UserError(f"--plan already sets the layout; drop {', '.join(given)} (or drop --plan)")
+    if "parallel" in config:
+        raise UserError(f"--plan and {args.config}'s parallel section both set the layout; drop one")
+    return spec_source_from_plan(_read_plan(args.plan))
+
+
+def _read_plan(path: str) -> dict[str, Any]:
+    """``load_plan_file``, with a folder (or another non-file) named as what it is and what --plan takes."""
+    if Path(path).exists():  # a missing file keeps load_plan_file's mend: write it with `moetrain plan --out`
+        require_file(Path(path), f"--plan {path}", "--plan takes a plan YAML file, the one `moetrain plan --out "
+                     "FILE` writes")
+    return load_plan_file(path)
+
+
+def _check_plan_ranks(parallel: dict[str, Any], args: argparse.Namespace, world_size: int) -> None:
+    """A plan's layout is tp·cp·pp·dp ranks: the mend is the rank count it was planned for (its dp is the
+    planner's choice, not one to drop)."""
+    if "dp" not in parallel:
+        return  # a plan without dp (written by hand): dp follows the ranks
+    axes = [parallel.get(axis, 1) for axis in ("tp", "cp", "pp", "dp")]
+    ranks = math.prod(axes)
+    if ranks == world_size:
+        return
+    layout = f"{args.plan} lays out {ranks} ranks (tp·cp·pp·dp = {'·'.join(map(str, axes))})"
+    if args.nproc is None:  # the worker: torchrun chose the ranks
+        raise UserError(f"torchrun started {world_size} ranks but {layout}; start {ranks} ranks")
+    if world_size == args.nproc:
+        raise UserError(f"--nproc {args.nproc} but {layout}; give --nproc {ranks}, or drop --nproc (the plan sets it)")
+    nodes = world_size // args.nproc
+    per_node = f" (--nproc {ranks // nodes})" if ranks % nodes == 0 else ""
+    raise UserError(f"--nnodes {nodes} × --nproc {args.nproc} = {world_size} ranks but {layout}; give --nnodes × "
+                    f"--nproc = {ranks}{per_node}")
 
 
 def _refuse_rl_spec(data: dict[str, Any], path: str) -> None:

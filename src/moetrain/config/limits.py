@@ -27,6 +27,29 @@ MAX_REPEATS = 1_000
 own drift from minute to minute."""
 PROCESSES_PER_CORE = 8
 """Ranks or threads one CPU core may carry: beyond it they only wait for each other."""
+MAX_STALENESS = 64
+"""Weight versions a sample may lag (``plan --rl --max-staleness``): asynchronous RL runs keep k in single
+digits, as a sample's gradient drifts with its age; the RL search lists every k up to this one."""
+
+# A model's sizes (``ModelConfig``): far beyond every published model, so a model-info, plan or train of a
+# typo'd YAML is refused before torch builds a module of that size (one meta module per layer).
+MAX_HIDDEN = 2**18
+"""262,144: ten times the widest published model (Megatron-LM's 1T GPT, hidden 25,600)."""
+MAX_FFN_HIDDEN = 2**20
+"""1,048,576: ten times the widest published feed-forward (the same model's 102,400)."""
+MAX_LAYERS = 2**12
+"""4,096: four times the deepest Transformer trained (DeepNet's 1,000 layers), thirty times the deepest
+published LLM (Llama 3 405B's 126)."""
+MAX_VOCAB = 2**22
+"""4,194,304: sixteen times the largest published vocabulary (Gemma 3's 262,144)."""
+MAX_CONTEXT = 2**27
+"""134,217,728 positions: thirteen times the longest published context (Llama 4 Scout's 10M tokens)."""
+MAX_EXPERTS = 2**16
+"""65,536: thirty-two times the most experts a published MoE routes over (Switch-C's 2,048)."""
+MAX_HEADS = 2**12
+"""4,096: twenty-five times the most attention heads published (Megatron-LM's 1T GPT, 160)."""
+MAX_HEAD_DIM = 2**14
+"""16,384: ten times the widest per-head or latent dimension published (MLA's q_lora_rank, 1,536)."""
 
 
 def check_devices(devices: int, flag: str = "--devices") -> None:

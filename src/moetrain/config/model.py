@@ -9,7 +9,30 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+
+from moetrain.config import limits
+
+
+def _at_most(bound: int, why: str) -> AfterValidator:
+    """Refuse a size past ``bound`` (``moetrain.config.limits``), which no real model reaches, in one line:
+    torch would otherwise try to build a module that large. ``why`` names the published size it exceeds."""
+    def check(value: int) -> int:
+        if value > bound:
+            raise ValueError(f"Input should be at most {bound:,} ({why})")
+        return value
+
+    return AfterValidator(check)
+
+
+_HIDDEN = _at_most(limits.MAX_HIDDEN, "ten times the widest published model's 25,600")
+_FFN = _at_most(limits.MAX_FFN_HIDDEN, "ten times the widest published feed-forward's 102,400")
+_LAYERS = _at_most(limits.MAX_LAYERS, "four times the deepest Transformer trained, DeepNet's 1,000 layers")
+_VOCAB = _at_most(limits.MAX_VOCAB, "sixteen times the largest published vocabulary, 262,144")
+_CONTEXT = _at_most(limits.MAX_CONTEXT, "thirteen times the longest published context, 10M tokens")
+_EXPERTS = _at_most(limits.MAX_EXPERTS, "thirty-two times the most experts published, Switch-C's 2,048")
+_HEADS = _at_most(limits.MAX_HEADS, "twenty-five times the most attention heads published, 160")
+_HEAD_DIM = _at_most(limits.MAX_HEAD_DIM, "ten times the widest head or latent dimension published, 1,536")
 
 
 class _Strict(BaseModel):
@@ -25,12 +48,12 @@ class MLAConfig(_Strict):
     """
 
     kind: Literal["mla"] = "mla"
-    num_heads: int = Field(gt=0)
-    q_lora_rank: int = Field(ge=0)
-    kv_lora_rank: int = Field(gt=0)
-    qk_nope_head_dim: int = Field(gt=0)
-    qk_rope_head_dim: int = Field(gt=0)
-    v_head_dim: int = Field(gt=0)
+    num_heads: Annotated[int, _HEADS] = Field(gt=0)
+    q_lora_rank: Annotated[int, _HEAD_DIM] = Field(ge=0)
+    kv_lora_rank: Annotated[int, _HEAD_DIM] = Field(gt=0)
+    qk_nope_head_dim: Annotated[int, _HEAD_DIM] = Field(gt=0)
+    qk_rope_head_dim: Annotated[int, _HEAD_DIM] = Field(gt=0)
+    v_head_dim: Annotated[int, _HEAD_DIM] = Field(gt=0)
 
     @property
     def qk_head_dim(self) -> int:
@@ -47,9 +70,9 @@ class GQAConfig(_Strict):
     """Grouped-query attention (Qwen3-MoE, Mixtral); MHA when num_kv_heads == num_heads."""
 
     kind: Literal["gqa"] = "gqa"
-    num_heads: int = Field(gt=0)
-    num_kv_heads: int = Field(gt=0)
-    head_dim: int = Field(gt=0)
+    num_heads: Annotated[int, _HEADS] = Field(gt=0)
+    num_kv_heads: Annotated[int, _HEADS] = Field(gt=0)
+    head_dim: Annotated[int, _HEAD_DIM] = Field(gt=0)
     qk_norm: bool = False
 
     @property
@@ -101,9 +124,9 @@ class RouterConfig(_Strict):
 
 
 class MoEConfig(_Strict):
-    num_experts: int = Field(gt=0)
-    expert_ffn_hidden: int = Field(gt=0)
-    num_shared_experts: int = Field(default=0, ge=0)
+    num_experts: Annotated[int, _EXPERTS] = Field(gt=0)
+    expert_ffn_hidden: Annotated[int, _FFN] = Field(gt=0)
+    num_shared_experts: Annotated[int, _EXPERTS] = Field(default=0, ge=0)
     router: RouterConfig
 
     @property
@@ -148,7 +171,7 @@ class YarnRopeConfig(_Strict):
 
     kind: Literal["yarn"] = "yarn"
     factor: float = Field(gt=0)
-    original_max_seq_len: int = Field(gt=0)
+    original_max_seq_len: Annotated[int, _CONTEXT] = Field(gt=0)
     beta_fast: float = Field(default=32.0, gt=0)
     beta_slow: float = Field(default=1.0, gt=0)
     mscale: float = Field(default=1.0, ge=0)
@@ -157,12 +180,12 @@ class YarnRopeConfig(_Strict):
 
 class ModelConfig(_Strict):
     name: str
-    vocab_size: int = Field(gt=0)
-    hidden_size: int = Field(gt=0)
-    num_layers: int = Field(gt=0)
+    vocab_size: Annotated[int, _VOCAB] = Field(gt=0)
+    hidden_size: Annotated[int, _HIDDEN] = Field(gt=0)
+    num_layers: Annotated[int, _LAYERS] = Field(gt=0)
     num_dense_layers: int = Field(default=0, ge=0)
     """Leading layers with a dense SwiGLU FFN instead of MoE (all layers when ``moe`` is None)."""
-    dense_ffn_hidden: int = Field(default=0, ge=0)
+    dense_ffn_hidden: Annotated[int, _FFN] = Field(default=0, ge=0)
     ffn_act: Literal["swiglu", "gelu", "relu2"] = "swiglu"
     """MLP structure of dense FFNs and experts: swiglu is gated (3 matrices); gelu and relu2 (squared
     ReLU) have 2 matrices. Non-swiglu shapes describe published runs for the planner's validation."""
@@ -178,8 +201,8 @@ class ModelConfig(_Strict):
     init_std: float = Field(default=0.02, gt=0)
     rope_theta: float = Field(default=10000.0, gt=0)
     rope_scaling: YarnRopeConfig | None = None
-    max_seq_len: int = Field(default=4096, gt=0)
-    num_mtp_layers: int = Field(default=0, ge=0)
+    max_seq_len: Annotated[int, _CONTEXT] = Field(default=4096, gt=0)
+    num_mtp_layers: Annotated[int, _LAYERS] = Field(default=0, ge=0)
     """Multi-token-prediction depth (DeepSeek-V3 style sequential MTP modules)."""
     mtp_loss_weight: float = Field(default=0.3, ge=0)
     tie_embeddings: bool = False

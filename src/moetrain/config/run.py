@@ -11,9 +11,10 @@ Torch-free (pydantic only): the planner and the CLI import it without the runtim
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from moetrain.config.parallel import ParallelConfig
 from moetrain.config.training import TrainingConfig
@@ -22,6 +23,14 @@ from moetrain.errors import UserError, describe_validation_error
 MemoryPolicyName = Literal["none", "full", "selective", "auto"]
 SaveErrorChoice = Literal["continue", "stop"]
 DocumentMaskChoice = Literal["auto", "dense", "block"]
+DEVICES = "'auto', 'cpu', 'cuda' or 'cuda:N' (N: a GPU's index)"
+"""The devices a run (and ``moetrain profile``) takes, as a refusal lists them."""
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+def is_device(name: str) -> bool:
+    """One of ``DEVICES``: any other name would reach ``torch.device`` (a traceback) or a backend never run."""
+    return _DEVICE.fullmatch(name) is not None
 
 
 class RunOptions(BaseModel):
@@ -81,6 +90,13 @@ class RunOptions(BaseModel):
     compiler generates its kernel, and it has no CPU backward), ``dense`` (a boolean mask), ``auto`` (block
     in compiled CUDA layers, else dense)."""
 
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, device: str) -> str:
+        if not is_device(device):
+            raise ValueError(f"Input should be {DEVICES}")
+        return device
+
 
 class MemoryOptions(BaseModel):
     """Selective recompute and swap (``moetrain.memory``); a plan's ``recompute`` sets the policy."""
@@ -116,8 +132,14 @@ class BalanceOptions(BaseModel):
 
     @model_validator(mode="after")
     def _tuning_needs_enabled(self) -> BalanceOptions:
-        if not self.enabled and any(v is not None for v in (self.interval, self.horizon, self.slots_per_rank)):
-            raise ValueError("interval, horizon and slots_per_rank tune online balancing; enable it or drop them")
+        tuning = {"interval": self.interval, "horizon": self.horizon, "slots_per_rank": self.slots_per_rank}
+        given = [name for name, value in tuning.items() if value is not None]
+        if not self.enabled and given:
+            # a run spec names fields and the CLI flags: say both, as either may have set them
+            flags = " ".join(f"--{'balance-' * (name != 'slots_per_rank')}{name.replace('_', '-')}" for name in given)
+            verb = "tunes" if len(given) == 1 else "tune"
+            raise ValueError(f"{', '.join(given)} ({flags}) {verb} online balancing, which is off; add "
+                             "--online-balance (enabled: true) or drop them")
         return self
 
 

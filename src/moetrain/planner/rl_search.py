@@ -31,6 +31,7 @@ import math
 import time
 from dataclasses import dataclass, field, replace
 
+from moetrain.config.limits import MAX_STALENESS
 from moetrain.config.nodes import RankGroups, placement_problems
 from moetrain.config.parallel import ParallelConfig, runtime_limits
 from moetrain.costs.params import count_params
@@ -411,6 +412,9 @@ def check_options(devices: int, options: RLSearchOptions) -> None:
         raise UserError(f"--devices {devices} must be positive")
     if options.max_staleness < 0:
         raise UserError(f"--max-staleness {options.max_staleness} cannot be negative")
+    if options.max_staleness > MAX_STALENESS:  # every k up to it is listed: a typo's zeros would never end
+        raise UserError(f"--max-staleness {options.max_staleness} is more than {MAX_STALENESS} weight versions (every "
+                        f"k ≥ 1 prices the same, so the smallest wins); give 0 to {MAX_STALENESS}")
     if not options.placements:
         raise UserError("no placement to search")
     if options.rollout_devices is not None:
@@ -424,8 +428,16 @@ def check_options(devices: int, options: RLSearchOptions) -> None:
     if options.placements == ("disaggregated",) and devices < 2:
         raise UserError(f"disaggregated needs a rollout device and a training device: --devices {devices} is too "
                         "few (give 2 or more, or --placement colocated)")
-    if options.gen_devices_per_replica is not None and options.gen_devices_per_replica < 1:
-        raise UserError(f"--gen-ep {options.gen_devices_per_replica} must be positive")
+    if options.gen_devices_per_replica is not None:
+        _check_gen_ep(options.gen_devices_per_replica, devices)
+
+
+def _check_gen_ep(gen_ep: int, devices: int) -> None:
+    if gen_ep < 1:
+        raise UserError(f"--gen-ep {gen_ep} must be positive")
+    if gen_ep > devices:
+        raise UserError(f"--gen-ep {gen_ep} of --devices {devices}: a generation replica cannot span more devices "
+                        f"than the job has; give 1 to {devices}")
 
 
 def _splits(devices: int, options: RLSearchOptions) -> list[tuple[Placement, int]]:

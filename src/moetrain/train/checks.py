@@ -75,15 +75,17 @@ def _check_combinations(spec: RunSpec, model_cfg: ModelConfig) -> None:
     run, parallel = spec.run, spec.parallel
     if run.stop_at is not None and run.stop_at > spec.training.steps:
         raise UserError(f"--stop-at {run.stop_at} must lie in 1..--steps ({spec.training.steps})")
-    if (run.stop_at is not None or run.resume) and not run.save_dir:
-        raise UserError("--stop-at and --resume need --save-dir (the folder holding the checkpoints)")
     if run.max_restarts > 0 and not run.save_dir:
         raise UserError(f"--max-restarts {run.max_restarts} needs --save-dir (each restart resumes from the newest "
                         "checkpoint there; add --save-every K to lose at most K steps)")
-    given = [flag for flag, value in (("--async-save", run.async_save), ("--keep-last", run.keep_last)) if value]
+    # each flag below only means something with a checkpoint folder: without one it would be silently ignored
+    checkpoint_flags = (("--stop-at", run.stop_at is not None), ("--resume", run.resume),
+                        ("--save-every", run.save_every > 0), ("--async-save", run.async_save),
+                        ("--keep-last", run.keep_last))
+    given = [flag for flag, value in checkpoint_flags if value]
     if given and not run.save_dir:
-        raise UserError(f"{' and '.join(given)} need{'s' * (len(given) == 1)} --save-dir (the folder holding the "
-                        "checkpoints)")
+        named = given[0] if len(given) == 1 else f"{', '.join(given[:-1])} and {given[-1]}"
+        raise UserError(f"{named} need{'s' * (len(given) == 1)} --save-dir (the folder holding the checkpoints)")
     if run.synthetic_data and run.data:
         raise UserError("--synthetic-data and --data exclude each other; drop one")
     if run.trace_routing and model_cfg.moe is None:
