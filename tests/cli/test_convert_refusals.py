@@ -87,28 +87,22 @@ def test_a_damaged_safetensors_file_is_one_line(folders, tmp_path, capsys, damag
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize(("text", "problem"), [
-    (b"[1, 2]", "holds a JSON list, not an object ({...})"),
-    (b'"deepseek_v3"', "holds a JSON str, not an object ({...})"),
-    (b"{bad", "not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))"),
-    (b"\xff\xfe{}", "not valid JSON ('utf-8' codec can't decode byte 0xff in position 0: invalid start byte)"),
+@pytest.mark.parametrize(("name", "text", "problem"), [
+    ("config.json", b"[1, 2]", "holds a JSON list, not an object ({...}); give the model's own config.json"),
+    ("config.json", b'"deepseek_v3"', "holds a JSON str, not an object ({...}); give the model's own config.json"),
+    ("config.json", b"{bad", "not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2 "
+     "(char 1)); give the model's own config.json"),
+    ("config.json", b"\xff\xfe{}", "not valid JSON ('utf-8' codec can't decode byte 0xff in position 0: invalid "
+     "start byte); give the model's own config.json"),
+    ("model.safetensors.index.json", b"[]", "holds a JSON list, not an object ({...}); give the model's own index "
+     "file"),
+    ("model.safetensors.index.json", b'{"metadata": {}}', "no weight_map of tensor names to shard files; give the "
+     "model's own index file"),
 ])
-def test_a_config_json_that_is_no_object_is_one_line(folders, tmp_path, capsys, text, problem) -> None:
+def test_a_json_file_that_is_not_what_it_should_be_is_one_line(folders, tmp_path, capsys, name, text,
+                                                                problem) -> None:
     hf, _ = folders
     broken = _hf_copy(hf, tmp_path / "broken")
-    (broken / "config.json").write_bytes(text)
-    _refused_whole(capsys, ["--from-hf", str(broken), "--to", str(tmp_path / "out")],
-                   f"{broken / 'config.json'}: {problem}; give the model's own config.json")
+    (broken / name).write_bytes(text)
+    _refused_whole(capsys, ["--from-hf", str(broken), "--to", str(tmp_path / "out")], f"{broken / name}: {problem}")
     assert not (tmp_path / "out").exists()
-
-
-@pytest.mark.parametrize(("text", "problem"), [
-    ("[]", "holds a JSON list, not an object ({...}); give the model's own index file"),
-    ('{"metadata": {}}', "no weight_map of tensor names to shard files; give the model's own index file"),
-])
-def test_a_shard_index_that_is_not_one_is_one_line(folders, tmp_path, capsys, text, problem) -> None:
-    hf, _ = folders
-    broken = _hf_copy(hf, tmp_path / "broken")
-    (broken / "model.safetensors.index.json").write_text(text)
-    _refused_whole(capsys, ["--from-hf", str(broken), "--to", str(tmp_path / "out")],
-                   f"{broken / 'model.safetensors.index.json'}: {problem}")
