@@ -118,6 +118,9 @@ def test_a_multi_rank_plan_is_checked_before_any_process_starts(plan_text, extra
          "--online-balance moves ZeRO-1 optimizer shards"),
         (["--nproc", "2", "--balance-interval", "3"],
          "interval (--balance-interval) tunes online balancing, which is off; add --online-balance"),
+        (["--nproc", "2", "--balance-interval", "3", "--balance-horizon", "9"],
+         "interval, horizon (--balance-interval, --balance-horizon) tune online balancing, which is off; add "
+         "--online-balance (enabled: true) or drop them"),
         (["--nproc", "2", "--ep", "2", "--online-balance", "--balance-interval", "0"],
          "--balance-interval: Input should be greater than 0"),
     ],

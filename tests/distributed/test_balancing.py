@@ -324,7 +324,7 @@ def test_physical_slots_split_tokens_by_replica_share() -> None:
      "--balance-interval: Input should be greater than 0, got 0"),
     (["--nproc", "4", "--ep", "4", "--slots-per-rank", "5"],
      "run spec: balance: slots_per_rank (--slots-per-rank) tunes online balancing, which is off; add "
-     "--online-balance (enabled: true) or drop them"),
+     "--online-balance (enabled: true) or drop it"),
     (["--nproc", "4", "--ep", "4", "--online-balance", "--zero", "2"],
      "--online-balance moves ZeRO-1 optimizer shards; it does not run with zero 2 yet: use zero 1"),
 ])

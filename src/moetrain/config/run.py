@@ -136,10 +136,10 @@ class BalanceOptions(BaseModel):
         given = [name for name, value in tuning.items() if value is not None]
         if not self.enabled and given:
             # a run spec names fields and the CLI flags: say both, as either may have set them
-            flags = " ".join(f"--{'balance-' * (name != 'slots_per_rank')}{name.replace('_', '-')}" for name in given)
-            verb = "tunes" if len(given) == 1 else "tune"
+            flags = ", ".join(f"--{'balance-' * (name != 'slots_per_rank')}{name.replace('_', '-')}" for name in given)
+            verb, them = ("tunes", "it") if len(given) == 1 else ("tune", "them")
             raise ValueError(f"{', '.join(given)} ({flags}) {verb} online balancing, which is off; add "
-                             "--online-balance (enabled: true) or drop them")
+                             f"--online-balance (enabled: true) or drop {them}")
         return self
 
 
