@@ -40,7 +40,8 @@ def test_sft_then_grpo_writes_rows_a_plot_and_checkpoints_and_refuses_another_mo
     assert metrics.with_suffix(".png").stat().st_size > 1000
     assert (save / "sft" / "step-000002").is_dir() and (save / "rl" / "step-000002").is_dir()
     capsys.readouterr()
-    refused(capsys, ["rl", *TINY, "--model", "tiny-qwen3", "--save-dir", str(save), "--resume", "--sft-steps", "0"],
+    no_warmup = [*TINY[4:], "--sft-steps", "0"]  # TINY without its warm-up flags: --sft-steps 0 refuses them
+    refused(capsys, ["rl", *no_warmup, "--model", "tiny-qwen3", "--save-dir", str(save), "--resume"],
             "was written with other settings")
 
 

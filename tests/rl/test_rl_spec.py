@@ -137,7 +137,9 @@ def test_a_config_of_the_wrong_kind_is_one_line(tmp_path, capsys):
     run_yaml = tmp_path / "run.yaml"
     run_yaml.write_text("model: tiny-pangu\ntraining: {steps: 3}\nparallel: {tp: 1}\n")
     refused(capsys, ["rl", "--config", str(run_yaml)], f"--config {run_yaml} is not an RL run spec",
-            "parallel, training", "moetrain train")
+            "its parallel, training sections are a training run's", "moetrain train")
+    run_yaml.write_text("training: {steps: 3}\n")
+    refused(capsys, ["rl", "--config", str(run_yaml)], "its training section is a training run's")
     rl_yaml = tmp_path / "rl.yaml"
     rl_yaml.write_text(CONFIG)
     refused(capsys, ["train", "--config", str(rl_yaml)], f"--config {rl_yaml} is an RL run spec", "moetrain rl")

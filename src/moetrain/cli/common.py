@@ -70,6 +70,20 @@ def node_flags(args: argparse.Namespace):
     return nodes
 
 
+def refuse_plan_ranks(layout: str, ranks: int, world_size: int, nproc: int | None) -> None:
+    """Refuse ``world_size`` ranks for a plan that lays out ``ranks`` (``layout`` says how), naming the mend
+    for how the ranks were counted: torchrun's (``nproc`` None, a worker), ``--nproc``, or nodes × ``--nproc``.
+    The plan's layout is the planner's choice, so the mend is the rank count, not a degree to drop."""
+    if nproc is None:
+        raise UserError(f"torchrun started {world_size} ranks but {layout}; start {ranks} ranks")
+    if world_size == nproc:
+        raise UserError(f"--nproc {nproc} but {layout}; give --nproc {ranks}, or drop --nproc (the plan sets it)")
+    nodes = world_size // nproc
+    per_node = f" (--nproc {ranks // nodes})" if ranks % nodes == 0 else ""
+    raise UserError(f"--nnodes {nodes} × --nproc {nproc} = {world_size} ranks but {layout}; give --nnodes × "
+                    f"--nproc = {ranks}{per_node}")
+
+
 def output_file(path: str, flag: str, example_name: str) -> str:
     """Check a file a command will write before the work that fills it: a folder where a file is meant is
     refused, and missing parent folders are created (as ``train --save-dir`` creates its folder)."""

@@ -12,18 +12,28 @@ its newest checkpoint and appends to the metrics file, so the reward curve is on
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 from typing import Any
 
-from moetrain.cli.common import add_node_args, node_flags, output_file, yaml_source
+from moetrain.cli.common import add_node_args, node_flags, output_file, refuse_plan_ranks, yaml_source
 from moetrain.cli.parsing import format_default
 from moetrain.cli.plan_rl import NOT_RUNNABLE
 from moetrain.config import limits, load_cluster_config
+from moetrain.config.run import merge_sources
 from moetrain.errors import UserError
 from moetrain.rl.config import StaleSyncOptions
 from moetrain.rl.node_placement import node_problems
 from moetrain.rl.plot import check_figure_file
-from moetrain.rl.spec import PLAN_SECTIONS, RLRunSpec, check_spec_kind, plan_source, resolve_rl_spec
+from moetrain.rl.spec import (
+    PLAN_SECTIONS,
+    RLRunSpec,
+    check_spec_kind,
+    default_plot,
+    pipeline_ranks,
+    plan_source,
+    resolve_rl_spec,
+)
 
 HELP = ("post-train with RL: SFT warm-up on a verifiable task, then GRPO with router replay; one process, "
         "or --nproc N ranks (RL Fusion) and --staleness K (StaleSync)")
@@ -232,15 +242,45 @@ def build_rl_spec(args: argparse.Namespace):
             raise UserError(f"--nproc {nproc} must be ≥ 1")
         limits.check_processes(nproc, "--nproc", "ranks (processes)")  # this node's
         nproc *= node_flags(args).count  # the whole run's ranks: --nproc on each of --nnodes nodes
+        if args.plan:
+            _check_plan_ranks(sources[-2], merge_sources(*sources), args, nproc)
     if (nproc or 1) == 1 and not args.config:
         layout = [f"--{axis} {getattr(args, axis)}" for axis in ("tp", "pp", "ep", "etp")
                   if (getattr(args, axis) or 1) > 1]
         if layout:
             raise UserError(f"{' '.join(layout)} needs several ranks: give --nproc N (= tp·pp·dp)")
     try:
-        return resolve_rl_spec(sources, names, world_size=nproc)
+        spec = resolve_rl_spec(sources, names, world_size=nproc)
     except UserError as exc:
         raise UserError(_named_by_flag(str(exc))) from None
+    _check_warmup_flags(spec, args)
+    return spec
+
+
+SFT_TUNING = ("sft_target", "sft_check_every", "sft_batch", "sft_lr")
+"""The flags that tune the SFT warm-up: they mean nothing when ``--sft-steps 0`` skips it."""
+
+
+def _check_warmup_flags(spec: RLRunSpec, args: argparse.Namespace) -> None:
+    """Refuse warm-up flags the run would ignore (tuning a skipped warm-up, spacing checks that are off) and a
+    warm-up batch that does not split over the data-parallel ranks."""
+    if spec.sft.steps == 0:
+        given = [f"--{flag.replace('_', '-')}" for flag in SFT_TUNING if getattr(args, flag) is not None]
+        if given:
+            skip = "--sft-steps 0" if args.sft_steps is not None else f"--config {args.config}'s sft.steps 0"
+            them = "it" if len(given) == 1 else "them"
+            raise UserError(f"{', '.join(given)} tune{'s' * (len(given) == 1)} the SFT warm-up, which {skip} skips; "
+                            f"drop {them}, or give --sft-steps N")
+    dp = spec.trainer.parallel.dp
+    if spec.sft.steps and spec.initial_weights is None and not spec.disaggregated and spec.sft.batch % dp:
+        # the warm-up trains on the trainer's data-parallel ranks (a disaggregated run's in one process): else
+        # its run spec fails later on a micro-batch nobody chose (global_batch=64 ... micro_batch=21)
+        raise UserError(f"--sft-batch {spec.sft.batch} (sft.batch) examples do not split over the trainer's {dp} "
+                        f"data-parallel ranks; give --sft-batch a multiple of {dp}")
+    if args.sft_check_every is not None and not spec.sft.criterion.enabled:
+        off = "--sft-target 0" if args.sft_target is not None else f"--config {args.config}'s sft.criterion.target 0"
+        raise UserError(f"--sft-check-every spaces the warm-up's validation checks, which {off} turns off (every "
+                        "--sft-steps step runs); drop it, or give --sft-target T above 0")
 
 
 PLAN_FLAGS = ("tp", "pp", "ep", "etp", "gen_ep", "gen_tp", "offload", "placement", "staleness")
@@ -271,6 +311,26 @@ def _plan_source(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, 
     return plan
 
 
+def _check_plan_ranks(plan: dict[str, Any], merged: dict[str, Any], args: argparse.Namespace, world_size: int) -> None:
+    """A plan lays out its trainer's tp·cp·pp·dp ranks (and a disaggregated run's rollout, reward and reference
+    ranks beside them): the mend is the rank count it was planned for, not dropping a dp the user never wrote."""
+    trainer = plan.get("trainer")
+    parallel = trainer.get("parallel") if isinstance(trainer, dict) else None
+    if not isinstance(parallel, dict) or "dp" not in parallel:
+        return  # a plan without dp (written by hand): dp follows the ranks
+    axes = [parallel.get(axis, 1) for axis in ("tp", "cp", "pp", "dp")]
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in axes):
+        return  # the spec's own check names the bad field
+    beside = {role: count for role, count in pipeline_ranks(merged).items() if count}
+    ranks = math.prod(axes) + sum(beside.values())
+    if ranks == world_size:
+        return
+    roles = "".join(f" + {count} {role}" for role, count in beside.items())
+    layout = f"{args.plan} lays out {ranks} ranks ({'trainer ' * bool(roles)}tp·cp·pp·dp = " \
+             f"{'·'.join(map(str, axes))}{roles})"
+    refuse_plan_ranks(layout, ranks, world_size, args.nproc)
+
+
 def _named_by_flag(message: str) -> str:
     """``flags: rl.grpo.group_size: ...`` → ``--group-size: ...``: name the flag the user typed."""
     for flag, path in FLAG_FIELDS.items():
@@ -283,6 +343,7 @@ def run(args: argparse.Namespace) -> int:
 
     nodes = node_flags(args)
     spec = build_rl_spec(args)
+    _check_log_dir(spec, args)
     _check_plot(spec, args)
     if args.plan and nodes.count == 1:
         _check_plan_fits_a_node(spec, args.plan)
@@ -300,11 +361,32 @@ def _check_plot(spec: RLRunSpec, args: argparse.Namespace) -> None:
     and a missing folder is created now, as ``--save-dir`` is."""
     if spec.plot is None:
         return
+    if args.plot is None and spec.plot == default_plot(spec.trainer):
+        # beside --metrics-out or in --save-dir: a path that cannot be is refused naming that flag, not --plot
+        from moetrain.train.checks import check_output_paths  # lazy: the data-size checks it imports take 0.4 s
+
+        check_output_paths(spec.trainer)
     path, flag = (args.plot, "--plot") if args.plot is not None else \
         (spec.plot, f"--config {args.config}: plot" if args.config else "--plot")
     if not Path(path).is_dir():  # a folder: output_file's refusal names the mend
         check_figure_file(path, flag)
     output_file(path, flag, "reward.png")
+
+
+def _check_log_dir(spec: RLRunSpec, args: argparse.Namespace) -> None:
+    """``--log-dir`` holds torchrun's log and the ranks' errors: a one-process run would ignore it, and a
+    file in its way would fail only once the ranks start (after a disaggregated run's warm-up)."""
+    log_dir = spec.trainer.run.log_dir
+    if log_dir is None:
+        return
+    flag = f"--log-dir {args.log_dir}" if args.log_dir is not None else \
+        f"--config {args.config}: trainer.run.log_dir {log_dir}"
+    if not spec.disaggregated and spec.trainer.world_size == 1:
+        raise UserError(f"{flag} holds torchrun's log and the ranks' errors, but this run is one process: drop it, "
+                        "or give --nproc N")
+    existing = next(folder for folder in (Path(log_dir), *Path(log_dir).parents) if folder.exists())
+    if not existing.is_dir():
+        raise UserError(f"{flag}: {existing} is a file, not a folder; name a folder")
 
 
 def _check_plan_fits_a_node(spec: RLRunSpec, plan: str) -> None:

@@ -18,7 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from moetrain.balance.online import PAYBACK_HORIZON, REPLAN_INTERVAL
-from moetrain.cli.common import add_memory_policy_args, add_node_args, memory_flags, node_flags, yaml_source
+from moetrain.cli.common import (
+    add_memory_policy_args,
+    add_node_args,
+    memory_flags,
+    node_flags,
+    refuse_plan_ranks,
+    yaml_source,
+)
 from moetrain.cli.parsing import CommandParser, DefaultsFormatter, format_default
 from moetrain.config import limits, load_model_config, load_plan_file
 from moetrain.config.run import RunSpec, resolve_run_spec, spec_source_from_plan
@@ -234,14 +241,7 @@ def _check_plan_ranks(parallel: dict[str, Any], args: argparse.Namespace, world_
     if ranks == world_size:
         return
     layout = f"{args.plan} lays out {ranks} ranks (tp·cp·pp·dp = {'·'.join(map(str, axes))})"
-    if args.nproc is None:  # the worker: torchrun chose the ranks
-        raise UserError(f"torchrun started {world_size} ranks but {layout}; start {ranks} ranks")
-    if world_size == args.nproc:
-        raise UserError(f"--nproc {args.nproc} but {layout}; give --nproc {ranks}, or drop --nproc (the plan sets it)")
-    nodes = world_size // args.nproc
-    per_node = f" (--nproc {ranks // nodes})" if ranks % nodes == 0 else ""
-    raise UserError(f"--nnodes {nodes} × --nproc {args.nproc} = {world_size} ranks but {layout}; give --nnodes × "
-                    f"--nproc = {ranks}{per_node}")
+    refuse_plan_ranks(layout, ranks, world_size, args.nproc)  # nproc None: the worker, torchrun chose the ranks
 
 
 def _refuse_rl_spec(data: dict[str, Any], path: str) -> None:

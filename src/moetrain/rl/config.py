@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from moetrain.config.limits import MAX_STALENESS
 from moetrain.errors import UserError
 from moetrain.rl.tasks import TASKS
 
@@ -132,3 +133,12 @@ class StaleSyncOptions(BaseModel):
     partial_rollouts: bool = False
     """Disaggregated: a batch is interrupted halfway through its token budget when newer weights are due
     and resumed on them; its samples are admitted by their oldest token's version (``partial_rollout``)."""
+
+    @field_validator("staleness")
+    @classmethod
+    def _bounded(cls, staleness: int) -> int:
+        # a typo's zeros would only queue that many batches ahead; ``plan --rl`` searches the same range
+        if staleness > MAX_STALENESS:
+            raise ValueError(f"Input should be at most {MAX_STALENESS} weight versions (asynchronous RL keeps k in "
+                             f"single digits: a sample's gradient drifts with its age); give 0 to {MAX_STALENESS}")
+        return staleness

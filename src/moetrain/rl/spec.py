@@ -21,6 +21,7 @@ Torch-free (pydantic only): the CLI validates a spec before anything heavy is im
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -155,6 +156,7 @@ class RLRunSpec(BaseModel):
             self.generation = generation.model_copy(update={axis: self.rollout.ranks_per_replica})
         self.stalesync = _stalesync_sync_buckets(self)
         _check_placement(self)
+        _check_one_process_generation(self)
         _check_restarts(self)
         if self.plot is None:
             self.plot = default_plot(self.trainer)
@@ -209,6 +211,11 @@ def _with_batch(trainer: dict[str, Any], batch: int) -> dict[str, Any]:
     dp = parallel.dp if isinstance(parallel, ParallelConfig) else parallel.get("dp", 1) if isinstance(parallel, dict) \
         else None
     if "micro_batch" not in training and isinstance(dp, int) and dp > 0:
+        if batch % dp:  # else one micro-batch a rank would leave a remainder: a global_batch/micro_batch riddle
+            raise UserError(f"the {batch} samples per step (--prompts × --group-size, rl.prompts_per_step × "
+                            f"rl.grpo.group_size) do not split over the trainer's {dp} data-parallel ranks "
+                            f"(--nproc ÷ tp·cp·pp); make --prompts × --group-size a multiple of {dp}, or give an "
+                            f"--nproc whose dp divides {batch}")
         training["micro_batch"] = max(batch // dp, 1)
     return training
 
@@ -366,6 +373,22 @@ def _check_placement(spec: RLRunSpec) -> None:
                         "--placement disaggregated")
 
 
+def _check_one_process_generation(spec: RLRunSpec) -> None:
+    """The generation layout and its weight sync are RL Fusion's, across ranks: the one-process synchronous
+    loop generates on its own model and would ignore them."""
+    if spec.stalesync is not None or spec.trainer.world_size > 1:
+        return
+    generation, defaults = spec.generation, FusionOptions()
+    flags = {"gen_ep": "--gen-ep", "bucket_mib": "--sync-bucket-mib", "offload": "--offload"}
+    values = {field: getattr(generation, field) for field in flags}
+    values["bucket_mib"] = format(values["bucket_mib"], "g")  # 64, not 64.0: as typed
+    given = [f"{flag} {values[field]} (generation.{field})" for field, flag in flags.items()
+             if getattr(generation, field) != getattr(defaults, field)]
+    if given:
+        raise UserError(f"{', '.join(given)} set{'s' * (len(given) == 1)} how RL Fusion generates across ranks, but "
+                        f"this run is one process: give --nproc N, or drop {'it' if len(given) == 1 else 'them'}")
+
+
 def _check_restarts(spec: RLRunSpec) -> None:
     """``--max-restarts N``: torchrun restarts the ranks, each resuming from the newest GRPO checkpoint."""
     restarts = spec.trainer.run.max_restarts
@@ -402,7 +425,10 @@ def resolve_rl_spec(sources: list[dict[str, Any]], names: list[str], world_size:
     Raises ``UserError`` (one line) on any bad field, naming the source that set it (``names``, one per
     source: a file name, or what the caller calls its flags) and, for an unknown key, the valid ones."""
     merged = merge_sources(*copy.deepcopy(sources))  # filled in below: the sources stay as given
-    if world_size is not None:
+    _check_layout_counts(merged, sources, names)
+    trainer = merged.get("trainer", {})
+    if world_size is not None and isinstance(trainer, dict) and isinstance(trainer.get("parallel", {}), dict):
+        # (a trainer or layout that is no mapping: the spec's own check below names it)
         trainer_ranks = world_size - _pipeline_ranks_beside_trainer(merged)
         if trainer_ranks < 1:
             raise UserError(f"--nproc {world_size} leaves no trainer rank beside the disaggregated run's "
@@ -428,12 +454,39 @@ def resolve_rl_spec(sources: list[dict[str, Any]], names: list[str], world_size:
         raise UserError(describe_validation_error("RL run spec", exc, RLRunSpec, lambda _loc: next(blamed))) from None
 
 
+LAYOUT_COUNTS = ("tp", "cp", "pp", "dp", "vpp", "ep", "etp")
+"""The trainer layout's counts, multiplied and compared (``fill_data_parallel``, the trainer's sequence-parallel
+rule) before pydantic checks their types."""
+
+
+def _check_layout_counts(merged: dict[str, Any], sources: list[dict[str, Any]], names: list[str]) -> None:
+    """A layout count that is no number (a YAML ``tp: "2"``) is one line naming the file that set it, not a
+    ``TypeError`` from the arithmetic that runs before the spec's own validation."""
+    parallel = _at(merged, ("trainer", "parallel"))
+    if not isinstance(parallel, dict):
+        return
+    for axis in LAYOUT_COUNTS:
+        value = parallel.get(axis, 1)
+        if not isinstance(value, int) or isinstance(value, bool):
+            setting = [i for i, source in enumerate(sources)
+                       if axis in (_at(source, ("trainer", "parallel")) or {})]
+            where = names[setting[-1]] if setting else "RL run spec"
+            unquote = " (unquoted in YAML)" if isinstance(value, str) and value.strip().isdigit() else ""
+            raise UserError(f"{where}: trainer.parallel.{axis}: Input should be a whole number{unquote}, "
+                            f"got {json.dumps(value)}")
+
+
 def _pipeline_ranks_beside_trainer(merged: dict[str, Any]) -> int:
-    """The ranks of a disaggregated run (a merged source) that are not the trainer group's: its rollout
-    replicas, a reward and a reference worker (0 for the other placements: every rank trains)."""
+    """The ranks of a disaggregated run (a merged source) that are not the trainer group's."""
+    return sum(pipeline_ranks(merged).values())
+
+
+def pipeline_ranks(merged: dict[str, Any]) -> dict[str, int]:
+    """The ranks of a disaggregated run (a merged source) beside the trainer group, by role: its rollout
+    replicas', a reward and a reference worker's (none for the other placements: every rank trains)."""
     stale = merged.get("stalesync")
     if not isinstance(stale, dict) or stale.get("placement", "disaggregated") != "disaggregated":
-        return 0
+        return {}
     pool = merged.get("rollout") if isinstance(merged.get("rollout"), dict) else {}
     generation = merged.get("generation") if isinstance(merged.get("generation"), dict) else {}
     replicas = pool.get("replicas") or 1
@@ -442,16 +495,18 @@ def _pipeline_ranks_beside_trainer(merged: dict[str, Any]) -> int:
     kl = grpo.get("kl_coef", 0) if isinstance(grpo, dict) else 0
     counts = [replicas, gen_tp, gen_ep, pool.get("ranks_per_replica") or 1, kl]
     if not all(isinstance(n, int | float) and not isinstance(n, bool) for n in counts):
-        return 0  # the spec's own check names the bad field
+        return {}  # the spec's own check names the bad field
     ranks = pool.get("ranks_per_replica") or gen_tp * gen_ep
-    return int(replicas * ranks) + bool(stale.get("reward_worker")) + (kl > 0)
+    return {"rollout": int(replicas * ranks), "reward": int(bool(stale.get("reward_worker"))),
+            "reference": int(kl > 0)}
 
 
 def check_spec_kind(data: dict[str, Any], where: str) -> None:
     """Refuse a file of another kind (a training run.yaml, a plan) given as an RL spec, in one line."""
     stray = sorted(set(data) & RUN_SPEC_SECTIONS)
     if stray and not set(data) & (set(RLRunSpec.model_fields) - {"model"}):
-        raise UserError(f"{where} is not an RL run spec: its {', '.join(stray)} are a training run's (moetrain "
+        sections = f"{', '.join(stray)} section{'s are' if len(stray) > 1 else ' is'}"
+        raise UserError(f"{where} is not an RL run spec: its {sections} a training run's (moetrain "
                         f"train --config or --plan); moetrain rl --config takes sections "
                         f"{', '.join(RLRunSpec.model_fields)} (a training run's sections go under trainer)")
 
