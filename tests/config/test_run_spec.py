@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
+import yaml
 
 from moetrain.cli import train as train_cli
 from moetrain.config import TrainingConfig
@@ -99,3 +100,16 @@ def test_a_config_that_is_not_utf8_is_one_line(tmp_path) -> None:
 
 def test_training_config_defaults_are_the_documented_ones() -> None:
     assert TrainingConfig().steps == 200 and TrainingConfig().warmup_steps == 20
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ('parallel: {tp: "2"}', 'run.yaml: parallel.tp: Input should be a whole number (unquoted in YAML), got "2"'),
+    ("parallel: {pp: null}", "run.yaml: parallel.pp: Input should be a whole number, got null"),
+    ("parallel: {dp: 1.5}", "run.yaml: parallel.dp: Input should be a whole number, got 1.5"),
+])
+@pytest.mark.parametrize("world_size", [None, 2])
+def test_a_layout_count_that_is_no_whole_number_is_named_before_any_arithmetic(text, message, world_size):
+    # tp·cp·pp (fill_data_parallel) and tp > 1 (the sequence-parallel rule) run before pydantic checks types
+    with pytest.raises(UserError) as info:
+        resolve_run_spec([yaml.safe_load(text)], world_size, ["run.yaml"])
+    assert str(info.value) == message

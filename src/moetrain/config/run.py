@@ -11,6 +11,7 @@ Torch-free (pydantic only): the planner and the CLI import it without the runtim
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Literal
 
@@ -262,6 +263,7 @@ def resolve_run_spec(sources: list[dict[str, Any]], world_size: int | None = Non
     Raises ``UserError`` (one line) on any bad field, naming the source that set it (``names``, one per
     source: a file name, or what the caller calls its flags) and, for an unknown key, the valid ones."""
     merged = merge_sources(*sources)
+    check_layout_counts(merged, sources, names)
     if world_size is not None:
         fill_data_parallel(merged.setdefault("parallel", {}), world_size)
     try:
@@ -276,6 +278,28 @@ def resolve_run_spec(sources: list[dict[str, Any]], world_size: int | None = Non
             return names[setting[-1]]
 
         raise UserError(describe_validation_error("run spec", exc, RunSpec, origin)) from None
+
+
+LAYOUT_COUNTS = ("tp", "cp", "pp", "dp", "vpp", "ep", "etp")
+"""A layout's counts, multiplied and compared (``fill_data_parallel``, the sequence-parallel rule) before
+pydantic checks their types."""
+
+
+def check_layout_counts(merged: dict[str, Any], sources: list[dict[str, Any]], names: list[str] | None,
+                        loc: tuple[str, ...] = ("parallel",), spec_name: str = "run spec") -> None:
+    """A layout count at ``loc`` that is no whole number (a YAML ``tp: "2"``, a ``null``) is one line naming the
+    source that set it, not a ``TypeError`` from the arithmetic that runs before the spec's own validation."""
+    parallel = _at(merged, loc) if _holds(merged, loc) else None
+    if not isinstance(parallel, dict):
+        return
+    for axis in LAYOUT_COUNTS:
+        value = parallel.get(axis, 1)
+        if not isinstance(value, int) or isinstance(value, bool):
+            setting = [i for i, source in enumerate(sources) if _holds(source, (*loc, axis))]
+            where = names[setting[-1]] if names and setting else spec_name
+            unquote = " (unquoted in YAML)" if isinstance(value, str) and value.strip().isdigit() else ""
+            raise UserError(f"{where}: {'.'.join(loc)}.{axis}: Input should be a whole number{unquote}, "
+                            f"got {json.dumps(value)}")
 
 
 def fill_data_parallel(parallel: dict[str, Any], world_size: int) -> None:

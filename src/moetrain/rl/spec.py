@@ -21,7 +21,6 @@ Torch-free (pydantic only): the CLI validates a spec before anything heavy is im
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from moetrain.config.model import ModelConfig
 from moetrain.config.parallel import ParallelConfig
 from moetrain.config.presets import load_model_config
-from moetrain.config.run import RunSpec, fill_data_parallel, merge_sources
+from moetrain.config.run import RunSpec, check_layout_counts, fill_data_parallel, merge_sources
 from moetrain.errors import UserError, describe_validation_error
 from moetrain.rl.config import FusionOptions, GRPOConfig, RLOptions, StaleSyncOptions, WarmupCriterion
 from moetrain.rl.roles import Roles
@@ -425,7 +424,7 @@ def resolve_rl_spec(sources: list[dict[str, Any]], names: list[str], world_size:
     Raises ``UserError`` (one line) on any bad field, naming the source that set it (``names``, one per
     source: a file name, or what the caller calls its flags) and, for an unknown key, the valid ones."""
     merged = merge_sources(*copy.deepcopy(sources))  # filled in below: the sources stay as given
-    _check_layout_counts(merged, sources, names)
+    check_layout_counts(merged, sources, names, ("trainer", "parallel"), "RL run spec")
     trainer = merged.get("trainer", {})
     if world_size is not None and isinstance(trainer, dict) and isinstance(trainer.get("parallel", {}), dict):
         # (a trainer or layout that is no mapping: the spec's own check below names it)
@@ -452,28 +451,6 @@ def resolve_rl_spec(sources: list[dict[str, Any]], names: list[str], world_size:
                        setter(tuple(item["msg"].removeprefix("Value error, ").split(" ")[0].split(".")))
                        for item in exc.errors()])
         raise UserError(describe_validation_error("RL run spec", exc, RLRunSpec, lambda _loc: next(blamed))) from None
-
-
-LAYOUT_COUNTS = ("tp", "cp", "pp", "dp", "vpp", "ep", "etp")
-"""The trainer layout's counts, multiplied and compared (``fill_data_parallel``, the trainer's sequence-parallel
-rule) before pydantic checks their types."""
-
-
-def _check_layout_counts(merged: dict[str, Any], sources: list[dict[str, Any]], names: list[str]) -> None:
-    """A layout count that is no number (a YAML ``tp: "2"``) is one line naming the file that set it, not a
-    ``TypeError`` from the arithmetic that runs before the spec's own validation."""
-    parallel = _at(merged, ("trainer", "parallel"))
-    if not isinstance(parallel, dict):
-        return
-    for axis in LAYOUT_COUNTS:
-        value = parallel.get(axis, 1)
-        if not isinstance(value, int) or isinstance(value, bool):
-            setting = [i for i, source in enumerate(sources)
-                       if axis in (_at(source, ("trainer", "parallel")) or {})]
-            where = names[setting[-1]] if setting else "RL run spec"
-            unquote = " (unquoted in YAML)" if isinstance(value, str) and value.strip().isdigit() else ""
-            raise UserError(f"{where}: trainer.parallel.{axis}: Input should be a whole number{unquote}, "
-                            f"got {json.dumps(value)}")
 
 
 def _pipeline_ranks_beside_trainer(merged: dict[str, Any]) -> int:
