@@ -191,6 +191,8 @@ def test_output_paths_are_checked_before_any_step(corpus, tmp_path, capsys, no_p
         (["--metrics-out", str(tmp_path)], "--metrics-out", "is a folder; name a file"),
         (["--trace-routing", str(afile / "t.jsonl")], "--trace-routing", "a file is in the way of that folder"),
         (["--nproc", "2", "--ep", "2", "--save-dir", str(afile)], "--save-dir", "a file is in the way"),
+        (["--nproc", "2", "--log-dir", str(afile / "logs")], "--log-dir",
+         "a part of that path is a file, not a folder"),
     ]
     for args, flag, message in cases:
         assert _train(corpus, *args) == 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 from typing import Any
 
@@ -70,10 +71,25 @@ def node_flags(args: argparse.Namespace):
     return nodes
 
 
-def refuse_plan_ranks(layout: str, ranks: int, world_size: int, nproc: int | None) -> None:
-    """Refuse ``world_size`` ranks for a plan that lays out ``ranks`` (``layout`` says how), naming the mend
-    for how the ranks were counted: torchrun's (``nproc`` None, a worker), ``--nproc``, or nodes × ``--nproc``.
-    The plan's layout is the planner's choice, so the mend is the rank count, not a degree to drop."""
+def check_plan_ranks(plan: str, parallel: object, world_size: int, nproc: int | None,
+                     beside: dict[str, int] | None = None) -> None:
+    """Refuse ``world_size`` ranks for the plan file ``plan`` whose trainer layout is ``parallel`` (plus the
+    ``beside`` ranks of other roles, by role), naming the mend for how the ranks were counted: torchrun's
+    (``nproc`` None, a worker), ``--nproc``, or nodes × ``--nproc``. The plan's layout is the planner's choice,
+    so the mend is the rank count, not a degree to drop. A plan without dp (written by hand, dp follows the
+    ranks) or with a count that is no positive whole number (the spec's own check names it) passes here."""
+    if not isinstance(parallel, dict) or "dp" not in parallel:
+        return
+    axes = [parallel.get(axis, 1) for axis in ("tp", "cp", "pp", "dp")]
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in axes):
+        return
+    beside = {role: count for role, count in (beside or {}).items() if count}
+    ranks = math.prod(axes) + sum(beside.values())
+    if ranks == world_size:
+        return
+    roles = "".join(f" + {count} {role}" for role, count in beside.items())
+    layout = (f"{plan} lays out {ranks} ranks ({'trainer ' * bool(roles)}tp·cp·pp·dp = "
+              f"{'·'.join(map(str, axes))}{roles})")
     if nproc is None:
         raise UserError(f"torchrun started {world_size} ranks but {layout}; start {ranks} ranks")
     if world_size == nproc:

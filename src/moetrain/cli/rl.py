@@ -12,11 +12,10 @@ its newest checkpoint and appends to the metrics file, so the reward curve is on
 from __future__ import annotations
 
 import argparse
-import math
 from pathlib import Path
 from typing import Any
 
-from moetrain.cli.common import add_node_args, node_flags, output_file, refuse_plan_ranks, yaml_source
+from moetrain.cli.common import add_node_args, check_plan_ranks, node_flags, output_file, yaml_source
 from moetrain.cli.parsing import format_default
 from moetrain.cli.plan_rl import NOT_RUNNABLE
 from moetrain.config import limits, load_cluster_config
@@ -243,7 +242,9 @@ def build_rl_spec(args: argparse.Namespace):
         limits.check_processes(nproc, "--nproc", "ranks (processes)")  # this node's
         nproc *= node_flags(args).count  # the whole run's ranks: --nproc on each of --nnodes nodes
         if args.plan:
-            _check_plan_ranks(sources[-2], merge_sources(*sources), args, nproc)
+            trainer = sources[-2].get("trainer")  # the plan's
+            check_plan_ranks(args.plan, trainer.get("parallel") if isinstance(trainer, dict) else None, nproc,
+                             args.nproc, pipeline_ranks(merge_sources(*sources)))
     if (nproc or 1) == 1 and not args.config:
         layout = [f"--{axis} {getattr(args, axis)}" for axis in ("tp", "pp", "ep", "etp")
                   if (getattr(args, axis) or 1) > 1]
@@ -309,26 +310,6 @@ def _plan_source(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, 
     if both:
         raise UserError(f"--plan and {args.config}'s {', '.join(both)} both set the layout; drop one")
     return plan
-
-
-def _check_plan_ranks(plan: dict[str, Any], merged: dict[str, Any], args: argparse.Namespace, world_size: int) -> None:
-    """A plan lays out its trainer's tp·cp·pp·dp ranks (and a disaggregated run's rollout, reward and reference
-    ranks beside them): the mend is the rank count it was planned for, not dropping a dp the user never wrote."""
-    trainer = plan.get("trainer")
-    parallel = trainer.get("parallel") if isinstance(trainer, dict) else None
-    if not isinstance(parallel, dict) or "dp" not in parallel:
-        return  # a plan without dp (written by hand): dp follows the ranks
-    axes = [parallel.get(axis, 1) for axis in ("tp", "cp", "pp", "dp")]
-    if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in axes):
-        return  # the spec's own check names the bad field
-    beside = {role: count for role, count in pipeline_ranks(merged).items() if count}
-    ranks = math.prod(axes) + sum(beside.values())
-    if ranks == world_size:
-        return
-    roles = "".join(f" + {count} {role}" for role, count in beside.items())
-    layout = f"{args.plan} lays out {ranks} ranks ({'trainer ' * bool(roles)}tp·cp·pp·dp = " \
-             f"{'·'.join(map(str, axes))}{roles})"
-    refuse_plan_ranks(layout, ranks, world_size, args.nproc)
 
 
 def _named_by_flag(message: str) -> str:

@@ -11,7 +11,6 @@ same spec from a file. The worker users start with torchrun on several nodes
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from pathlib import Path
@@ -21,9 +20,9 @@ from moetrain.balance.online import PAYBACK_HORIZON, REPLAN_INTERVAL
 from moetrain.cli.common import (
     add_memory_policy_args,
     add_node_args,
+    check_plan_ranks,
     memory_flags,
     node_flags,
-    refuse_plan_ranks,
     yaml_source,
 )
 from moetrain.cli.parsing import CommandParser, DefaultsFormatter, format_default
@@ -205,7 +204,7 @@ def build_spec(args: argparse.Namespace, world_size: int | None = None):
         if given:
             raise UserError(f"{' '.join(given)} needs several ranks: give --nproc N (= tp·cp·pp·dp)")
     if plan is not None and world_size is not None:
-        _check_plan_ranks(plan["parallel"], args, world_size)
+        check_plan_ranks(args.plan, plan["parallel"], world_size, args.nproc)  # nproc None: torchrun's
     try:
         spec = resolve_run_spec(sources, world_size, names)
     except UserError as exc:
@@ -229,19 +228,6 @@ def _read_plan(path: str) -> dict[str, Any]:
         require_file(Path(path), f"--plan {path}", "--plan takes a plan YAML file, the one `moetrain plan --out "
                      "FILE` writes")
     return load_plan_file(path)
-
-
-def _check_plan_ranks(parallel: dict[str, Any], args: argparse.Namespace, world_size: int) -> None:
-    """A plan's layout is tp·cp·pp·dp ranks: the mend is the rank count it was planned for (its dp is the
-    planner's choice, not one to drop)."""
-    if "dp" not in parallel:
-        return  # a plan without dp (written by hand): dp follows the ranks
-    axes = [parallel.get(axis, 1) for axis in ("tp", "cp", "pp", "dp")]
-    ranks = math.prod(axes)
-    if ranks == world_size:
-        return
-    layout = f"{args.plan} lays out {ranks} ranks (tp·cp·pp·dp = {'·'.join(map(str, axes))})"
-    refuse_plan_ranks(layout, ranks, world_size, args.nproc)  # nproc None: the worker, torchrun chose the ranks
 
 
 def _refuse_rl_spec(data: dict[str, Any], path: str) -> None:

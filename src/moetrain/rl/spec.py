@@ -428,7 +428,7 @@ def resolve_rl_spec(sources: list[dict[str, Any]], names: list[str], world_size:
     trainer = merged.get("trainer", {})
     if world_size is not None and isinstance(trainer, dict) and isinstance(trainer.get("parallel", {}), dict):
         # (a trainer or layout that is no mapping: the spec's own check below names it)
-        trainer_ranks = world_size - _pipeline_ranks_beside_trainer(merged)
+        trainer_ranks = world_size - sum(pipeline_ranks(merged).values())
         if trainer_ranks < 1:
             raise UserError(f"--nproc {world_size} leaves no trainer rank beside the disaggregated run's "
                             f"{world_size - trainer_ranks} rollout (and reward, reference) ranks; give more ranks "
@@ -451,11 +451,6 @@ def resolve_rl_spec(sources: list[dict[str, Any]], names: list[str], world_size:
                        setter(tuple(item["msg"].removeprefix("Value error, ").split(" ")[0].split(".")))
                        for item in exc.errors()])
         raise UserError(describe_validation_error("RL run spec", exc, RLRunSpec, lambda _loc: next(blamed))) from None
-
-
-def _pipeline_ranks_beside_trainer(merged: dict[str, Any]) -> int:
-    """The ranks of a disaggregated run (a merged source) that are not the trainer group's."""
-    return sum(pipeline_ranks(merged).values())
 
 
 def pipeline_ranks(merged: dict[str, Any]) -> dict[str, int]:

@@ -109,7 +109,7 @@ def check_output_paths(spec: RunSpec) -> None:
         raise UserError("--tensorboard needs the tensorboard package: pip install 'moetrain[tensorboard]' "
                         "(or drop --tensorboard; --metrics-out writes the same rows as JSONL)")
     for flag, folder in (("--save-dir", run.save_dir), ("--trace-dir", run.trace_dir),
-                         ("--tensorboard", run.tensorboard)):
+                         ("--tensorboard", run.tensorboard), ("--log-dir", run.log_dir)):
         if folder is not None:
             _make_folder(Path(folder), flag)
     for flag, file in (("--metrics-out", run.metrics_out), ("--trace-routing", run.trace_routing)):
