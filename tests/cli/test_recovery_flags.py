@@ -14,6 +14,8 @@ from refusals import refused, refused_within
 @pytest.mark.parametrize(("flags", "message"), [
     (["--max-restarts", "-1"], "--max-restarts: Input should be greater than or equal to 0, got -1"),
     (["--keep-last", "0"], "--keep-last: Input should be greater than or equal to 1, got 0"),
+    (["--max-restarts", "100000", "--save-dir", "ckpt"],
+     "--max-restarts: Input should be less than or equal to 10000, got 100000"),
 ])
 def test_bad_values_are_refused_in_one_line(flags, message, capsys):
     refused_within(capsys, ["train", *flags], message)

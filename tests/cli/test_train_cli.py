@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from moetrain.cli import main
+from refusals import refused_within
 
 WORDS = ["to", "be", "or", "not", "that", "is", "the", "question", "whether", "tis", "nobler", "in",
          "mind", "suffer", "slings", "arrows"]
@@ -57,6 +58,8 @@ def test_stop_at_then_resume_continues_the_same_loss_curve(corpus, tmp_path, cap
         (["--stop-at", "2"], "--stop-at needs --save-dir (the folder holding the checkpoints)"),
         (["--stop-at", "9", "--save-dir", "x"], "--stop-at 9 must lie in 1..--steps (4)"),
         (["--global-batch", "3"], "global_batch=3 is not a multiple of micro_batch=2"),
+        (["--log-dir", "logs"], "--log-dir logs holds torchrun's log and the ranks' errors, but this run is one "
+                                "process: drop it, or give --nproc N"),
         (["--resume"], "--resume needs --save-dir (the folder holding the checkpoints)"),
         (["--save-every", "2"], "--save-every needs --save-dir (the folder holding the checkpoints)"),
         (["--stop-at", "2", "--resume", "--save-every", "1"], "--stop-at, --resume and --save-every need --save-dir"),
@@ -75,6 +78,11 @@ def test_bad_input_is_one_line_on_stderr_and_exit_code_2(corpus, args, message, 
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("moetrain train: error: ")
     assert message in err
+
+
+def test_a_micro_batch_below_one_is_named_once(capsys):
+    """Not a second time as ``parallel.micro_batch``, the copy the run spec keeps for the layout."""
+    refused_within(capsys, ["train", "--micro-batch", "0"], "--micro-batch: Input should be greater than 0, got 0")
 
 
 @pytest.fixture
@@ -181,9 +189,10 @@ def test_a_corrupt_checkpoint_is_refused_with_its_folder_named(corpus, tmp_path,
     assert f"checkpoint {save_dir / 'step-000001'} is damaged: __0_0.distcp does not match its checksum" in err
 
 
-def test_output_paths_are_checked_before_any_step(corpus, tmp_path, capsys, no_process_starts):
-    """A path under a file, or a folder given as the metrics file, is refused before training, not at the
-    first save after every step has run."""
+def test_output_paths_are_checked_before_any_step(corpus, tmp_path, capsys, no_process_starts, monkeypatch):
+    """A path under a file, a folder given as the metrics file, or a folder that takes no new file is refused
+    before training, not at the first save after every step has run."""
+    monkeypatch.setattr("moetrain.train.checks._writable", lambda path: True)  # as for root: /proc "is writable"
     afile = tmp_path / "afile"
     afile.write_text("keep me")
     cases = [
@@ -193,6 +202,7 @@ def test_output_paths_are_checked_before_any_step(corpus, tmp_path, capsys, no_p
         (["--nproc", "2", "--ep", "2", "--save-dir", str(afile)], "--save-dir", "a file is in the way"),
         (["--nproc", "2", "--log-dir", str(afile / "logs")], "--log-dir",
          "a part of that path is a file, not a folder"),
+        (["--metrics-out", "/proc/metrics.jsonl"], "--metrics-out", "/proc: cannot create files in it"),
     ]
     for args, flag, message in cases:
         assert _train(corpus, *args) == 2

@@ -102,6 +102,15 @@ def test_a_config_of_the_wrong_types_or_combinations_is_one_line(capsys, tmp_pat
     (["--sync-bucket-mib", "64", "--offload", "never"], "--sync-bucket-mib 64 (generation.bucket_mib), --offload "
      "never (generation.offload) set how RL Fusion generates across ranks, but this run is one process: give "
      "--nproc N, or drop them"),
+    (["--micro-batch", "0"], "--micro-batch: Input should be greater than 0, got 0"),
+    (["--micro-batch", "1000"], "--micro-batch 1000 (trainer.training.micro_batch): a step's 256 samples (--prompts × "
+     "--group-size) give the trainer's one rank 256, which micro-batches of 1000 do not split; give a --micro-batch "
+     "that divides 256"),
+    (["--nproc", "2", "--micro-batch", "48"], "--micro-batch 48 (trainer.training.micro_batch): a step's 256 samples "
+     "(--prompts × --group-size) give each of the trainer's 2 data-parallel ranks 128, which micro-batches of 48 do "
+     "not split; give a --micro-batch that divides 128"),
+    (["--max-restarts", "100000", "--save-dir", "ckpt"],
+     "--max-restarts: Input should be less than or equal to 10000, got 100000"),
     (["--log-dir", "logs"], "--log-dir logs holds torchrun's log and the ranks' errors, but this run is one process: "
      "drop it, or give --nproc N"),
     (["--sft-steps", "0", "--sft-lr", "0.1", "--sft-target", "0.5"], "--sft-target, --sft-lr tune the SFT warm-up, "

@@ -162,7 +162,8 @@ def test_what_the_flags_cannot_give_is_one_line(capsys, argv, expected):
     ("trainer: {training: {global_batch: 5}}\n", ("trainer.training.global_batch 5: RL sets it to 256",)),
     ("trainer: {model: tiny-qwen3}\n", ("trainer.model tiny-qwen3", "set once, at the top")),
     ("trainer: {training: {micro_batch: 7}}\n",
-     ("rl.yaml: trainer.training: global_batch=256 is not a multiple of micro_batch=7",)),
+     ("--micro-batch 7 (trainer.training.micro_batch): a step's 256 samples (--prompts × --group-size) give the "
+      "trainer's one rank 256, which micro-batches of 7 do not split; give a --micro-batch that divides 256",)),
     ("generation: {bucket_mib: 4}\nstalesync: {staleness: 1, bucket_mib: 8}\n",
      ("stalesync.bucket_mib 8.0 differs from generation.bucket_mib 4.0",)),
 ])

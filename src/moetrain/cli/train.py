@@ -255,10 +255,19 @@ def checked_spec(args: argparse.Namespace, world_size: int | None = None):
     from moetrain.train.checks import check_corpus, check_run  # lazy: the corpus code loads when a run starts
 
     spec = build_spec(args, world_size)
+    if world_size is None and spec.run.log_dir and not _launches_torchrun(spec):  # before check_run makes it
+        given = f"--log-dir {args.log_dir}" if args.log_dir else f"run.log_dir {spec.run.log_dir}"
+        raise UserError(f"{given} holds torchrun's log and the ranks' errors, but this run is one process: drop "
+                        "it, or give --nproc N")
     model_cfg = load_model_config(spec.model)
     check_run(spec, model_cfg)
     check_corpus(spec, model_cfg)
     return spec
+
+
+def _launches_torchrun(spec: RunSpec) -> bool:
+    """Several ranks, or restarts: torchrun's agent restarts a failed group."""
+    return spec.world_size > 1 or spec.run.max_restarts > 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -268,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
 
     nodes = node_flags(args)
     spec = checked_spec(args)
-    if spec.world_size > 1 or spec.run.max_restarts > 0:  # torchrun's agent restarts a failed group
+    if _launches_torchrun(spec):
         from moetrain.distributed.launch import launch  # lazy, heavy: torch
 
         return launch(spec, Path(spec.run.log_dir) if spec.run.log_dir else None, nodes=nodes)

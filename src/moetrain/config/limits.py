@@ -27,6 +27,9 @@ MAX_REPEATS = 1_000
 own drift from minute to minute."""
 PROCESSES_PER_CORE = 8
 """Ranks or threads one CPU core may carry: beyond it they only wait for each other."""
+MAX_RESTARTS = 10_000
+"""Restarts of a failed run's whole group: over twenty times the 419 unexpected interruptions of Llama 3
+405B's 54-day pre-training on 16K GPUs; a run failing more often has a fault no restart mends."""
 MAX_STALENESS = 64
 """Weight versions a sample may lag (``plan --rl --max-staleness``): asynchronous RL runs keep k in single
 digits, as a sample's gradient drifts with its age; the RL search lists every k up to this one."""

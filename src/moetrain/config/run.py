@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from moetrain.config import limits
 from moetrain.config.parallel import ParallelConfig
 from moetrain.config.training import TrainingConfig
 from moetrain.errors import UserError, describe_validation_error
@@ -62,7 +63,7 @@ class RunOptions(BaseModel):
     stop_at: int | None = Field(default=None, gt=0)
     """End after this step as if interrupted, saving a checkpoint; the schedule still spans every step."""
     resume: bool = False
-    max_restarts: int = Field(default=0, ge=0)
+    max_restarts: int = Field(default=0, ge=0, le=limits.MAX_RESTARTS)
     """Restarts of the whole group (torchrun's elastic agent) after a rank fails; each resumes every rank
     from the newest complete checkpoint in ``save_dir``. 0: a failure ends the run."""
     async_save: bool = False
@@ -196,6 +197,8 @@ class RunSpec(BaseModel):
                              "exactly when tp > 1; drop sp (it follows tp)")
         parallel["sp"] = tp > 1
         micro = training.get("micro_batch", TrainingConfig.model_fields["micro_batch"].default)
+        if not (isinstance(micro, int) and micro > 0):
+            return {**data, "parallel": parallel, "training": training}  # training's own check names it, once
         if "micro_batch" in parallel and parallel["micro_batch"] != micro:
             raise ValueError(f"parallel.micro_batch={parallel['micro_batch']} differs from training.micro_batch="
                              f"{micro}; set the micro-batch once, in training")

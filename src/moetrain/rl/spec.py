@@ -216,6 +216,14 @@ def _with_batch(trainer: dict[str, Any], batch: int) -> dict[str, Any]:
                             f"(--nproc ÷ tp·cp·pp); make --prompts × --group-size a multiple of {dp}, or give an "
                             f"--nproc whose dp divides {batch}")
         training["micro_batch"] = max(batch // dp, 1)
+    micro = training["micro_batch"]
+    if isinstance(micro, int) and micro > 0 and isinstance(dp, int) and dp > 0 and batch % dp == 0 \
+            and (batch // dp) % micro:
+        # else the trainer's check names a global_batch the user never set (it is prompts × group size)
+        ranks = "the trainer's one rank" if dp == 1 else f"each of the trainer's {dp} data-parallel ranks"
+        raise UserError(f"--micro-batch {micro} (trainer.training.micro_batch): a step's {batch} samples "
+                        f"(--prompts × --group-size) give {ranks} {batch // dp}, which micro-batches of {micro} "
+                        f"do not split; give a --micro-batch that divides {batch // dp}")
     return training
 
 

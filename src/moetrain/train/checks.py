@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import tempfile
 from pathlib import Path
 
 from moetrain.balance.online import check_online_balance
@@ -134,7 +135,21 @@ def _make_folder(folder: Path, flag: str) -> None:
         raise UserError(f"{flag} {folder}: cannot create it ({exc.strerror}); choose a writable path") from None
     if not _writable(folder):
         raise UserError(f"{flag} {folder} is not writable; choose a writable folder")
+    if error := _cannot_create_in(folder):
+        raise UserError(f"{flag} {folder}: cannot create files in it ({error}); choose a writable folder")
 
 
 def _writable(path: Path) -> bool:
     return os.access(path, os.W_OK)
+
+
+def _cannot_create_in(folder: Path) -> str | None:
+    """Why no file can be created in this folder, or None: ``os.access`` answers yes to root for folders
+    such as ``/proc`` that refuse new files, so create one (under a name no other rank uses) and remove it."""
+    try:
+        handle, name = tempfile.mkstemp(dir=folder, prefix=".moetrain-write-check-")
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    os.close(handle)
+    os.unlink(name)
+    return None
