@@ -135,7 +135,9 @@ def _make_folder(folder: Path, flag: str) -> None:
         raise UserError(f"{flag} {folder}: cannot create it ({exc.strerror}); choose a writable path") from None
     if not _writable(folder):
         raise UserError(f"{flag} {folder} is not writable; choose a writable folder")
-    if error := _cannot_create_in(folder):
+    # one probe a node: torchrun's other local ranks share this node's view of the folder, and thousands of
+    # ranks creating files in one shared folder at start would load its file system for nothing
+    if os.environ.get("LOCAL_RANK", "0") == "0" and (error := _cannot_create_in(folder)):
         raise UserError(f"{flag} {folder}: cannot create files in it ({error}); choose a writable folder")
 
 
