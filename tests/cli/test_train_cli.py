@@ -85,6 +85,14 @@ def test_a_micro_batch_below_one_is_named_once(capsys):
     refused_within(capsys, ["train", "--micro-batch", "0"], "--micro-batch: Input should be greater than 0, got 0")
 
 
+def test_a_config_files_log_dir_in_a_one_process_run_names_the_file(capsys, tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("run: {log_dir: logs}\n")
+    refused_within(capsys, ["train", "--config", str(config)], f"--config {config}: run.log_dir logs holds torchrun's "
+                   "log and the ranks' errors, but this run is one process: drop it, or give --nproc N")
+    assert not (tmp_path / "logs").exists()
+
+
 @pytest.fixture
 def no_process_starts(monkeypatch):
     """Any attempt to start the ranks fails the test: refusals must come before torchrun."""

@@ -71,6 +71,17 @@ def node_flags(args: argparse.Namespace):
     return nodes
 
 
+def log_dir_setting(args: argparse.Namespace, field: str, log_dir: str) -> str:
+    """How a refusal names the run's log folder: the flag as typed, else the config file's field."""
+    return f"--log-dir {args.log_dir}" if args.log_dir is not None else f"--config {args.config}: {field} {log_dir}"
+
+
+def refuse_one_process_log_dir(setting: str) -> None:
+    """``train`` and ``rl`` alike: without torchrun nothing writes into the log folder."""
+    raise UserError(f"{setting} holds torchrun's log and the ranks' errors, but this run is one process: drop it, "
+                    "or give --nproc N")
+
+
 def check_plan_ranks(plan: str, parallel: object, world_size: int, nproc: int | None,
                      beside: dict[str, int] | None = None) -> None:
     """Refuse ``world_size`` ranks for the plan file ``plan`` whose trainer layout is ``parallel`` (plus the

@@ -15,7 +15,15 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from moetrain.cli.common import add_node_args, check_plan_ranks, node_flags, output_file, yaml_source
+from moetrain.cli.common import (
+    add_node_args,
+    check_plan_ranks,
+    log_dir_setting,
+    node_flags,
+    output_file,
+    refuse_one_process_log_dir,
+    yaml_source,
+)
 from moetrain.cli.parsing import format_default
 from moetrain.cli.plan_rl import NOT_RUNNABLE
 from moetrain.config import limits, load_cluster_config
@@ -360,11 +368,9 @@ def _check_log_dir(spec: RLRunSpec, args: argparse.Namespace) -> None:
     log_dir = spec.trainer.run.log_dir
     if log_dir is None:
         return
-    flag = f"--log-dir {args.log_dir}" if args.log_dir is not None else \
-        f"--config {args.config}: trainer.run.log_dir {log_dir}"
+    flag = log_dir_setting(args, "trainer.run.log_dir", log_dir)
     if not spec.disaggregated and spec.trainer.world_size == 1:
-        raise UserError(f"{flag} holds torchrun's log and the ranks' errors, but this run is one process: drop it, "
-                        "or give --nproc N")
+        refuse_one_process_log_dir(flag)
     existing = next(folder for folder in (Path(log_dir), *Path(log_dir).parents) if folder.exists())
     if not existing.is_dir():
         raise UserError(f"{flag}: {existing} is a file, not a folder; name a folder")

@@ -21,8 +21,10 @@ from moetrain.cli.common import (
     add_memory_policy_args,
     add_node_args,
     check_plan_ranks,
+    log_dir_setting,
     memory_flags,
     node_flags,
+    refuse_one_process_log_dir,
     yaml_source,
 )
 from moetrain.cli.parsing import CommandParser, DefaultsFormatter, format_default
@@ -256,9 +258,7 @@ def checked_spec(args: argparse.Namespace, world_size: int | None = None):
 
     spec = build_spec(args, world_size)
     if world_size is None and spec.run.log_dir and not _launches_torchrun(spec):  # before check_run makes it
-        given = f"--log-dir {args.log_dir}" if args.log_dir else f"run.log_dir {spec.run.log_dir}"
-        raise UserError(f"{given} holds torchrun's log and the ranks' errors, but this run is one process: drop "
-                        "it, or give --nproc N")
+        refuse_one_process_log_dir(log_dir_setting(args, "run.log_dir", spec.run.log_dir))
     model_cfg = load_model_config(spec.model)
     check_run(spec, model_cfg)
     check_corpus(spec, model_cfg)

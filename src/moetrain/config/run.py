@@ -197,12 +197,11 @@ class RunSpec(BaseModel):
                              "exactly when tp > 1; drop sp (it follows tp)")
         parallel["sp"] = tp > 1
         micro = training.get("micro_batch", TrainingConfig.model_fields["micro_batch"].default)
-        if not (isinstance(micro, int) and micro > 0):
-            return {**data, "parallel": parallel, "training": training}  # training's own check names it, once
-        if "micro_batch" in parallel and parallel["micro_batch"] != micro:
-            raise ValueError(f"parallel.micro_batch={parallel['micro_batch']} differs from training.micro_batch="
-                             f"{micro}; set the micro-batch once, in training")
-        parallel["micro_batch"] = micro
+        if isinstance(micro, int) and micro > 0:  # else training's own check names it, once
+            if "micro_batch" in parallel and parallel["micro_batch"] != micro:
+                raise ValueError(f"parallel.micro_batch={parallel['micro_batch']} differs from "
+                                 f"training.micro_batch={micro}; set the micro-batch once, in training")
+            parallel["micro_batch"] = micro
         data["parallel"], data["training"] = parallel, training
         return data
 
