@@ -57,3 +57,27 @@ def test_routing_mismatch_by_hand():
     stats = routing_mismatch(recorded, chosen, torch.ones(1, 3, dtype=torch.bool))
     # token 0: same sets (order differs); token 1: layer 1 differs; token 2: no record
     assert (stats.num_tokens, stats.layer_mismatch, stats.token_mismatch) == (2, 0.25, 0.5)
+
+
+def test_a_compiled_model_records_its_routing_in_one_graph_for_every_moe_layer():
+    """The recorder's hooks must not make torch.compile build a graph per MoE layer: past its recompile limit
+    (8) the remaining layers would run eager. Dynamo's guards decide this whatever the backend, so the
+    ``eager`` backend checks it without Inductor's compile time. The record equals the eager model's."""
+    from torch._dynamo.utils import counters
+
+    from moetrain.distributed.parallelize import apply_compile
+
+    model = small_model("tiny-qwen3", num_layers=6)  # 6 MoE layers, no dense one
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    recorder = RoutingRecorder(model)
+    with torch.no_grad(), recorder:
+        model(ids)
+        eager = recorder.take(2, 8)
+    torch._dynamo.reset()
+    graphs_before = counters["stats"]["unique_graphs"]
+    apply_compile(model, backend="eager")
+    with torch.no_grad(), recorder:
+        model(ids)
+        compiled = recorder.take(2, 8)
+    assert counters["stats"]["unique_graphs"] - graphs_before == 1
+    assert eager.shape == (2, 8, 6, model.cfg.moe.router.top_k) and torch.equal(compiled, eager)

@@ -33,32 +33,38 @@ class RoutingRecorder:
     def __init__(self, model: MoETransformer) -> None:
         layers = decoder_layers(model)
         self.routers = [layers[i].moe.router for i in decoder_moe_layers(model.cfg)]
-        self.latest: list[torch.Tensor | None] = [None] * len(self.routers)
         self._handles: list = []
 
     def __enter__(self) -> RoutingRecorder:
-        for column, router in enumerate(self.routers):
-            self._handles.append(router.register_forward_hook(self._hook(column)))
+        for router in self.routers:
+            router.latest_expert_ids_TK = None
+            self._handles.append(router.register_forward_hook(_keep_latest_choice))
         return self
-
-    def _hook(self, column: int):
-        def hook(module: nn.Module, args: tuple, routing) -> None:
-            self.latest[column] = routing.expert_ids_TK.detach()
-        return hook
 
     def __exit__(self, *exc) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for router in self.routers:
+            router.latest_expert_ids_TK = None
 
     def take(self, batch: int, queries: int) -> torch.Tensor | None:
         """The last call's choices as [B, Q, M, K] (None for a model without MoE layers)."""
         if not self.routers:
             return None
-        assert all(ids is not None for ids in self.latest), "a MoE layer did not run"
-        ids = torch.stack([ids.view(batch, queries, -1) for ids in self.latest], dim=2)  # type: ignore[union-attr]
-        self.latest = [None] * len(self.routers)
+        latest = [router.latest_expert_ids_TK for router in self.routers]
+        assert all(ids is not None for ids in latest), "a MoE layer did not run"
+        ids = torch.stack([ids.view(batch, queries, -1) for ids in latest], dim=2)  # type: ignore[union-attr]
+        for router in self.routers:
+            router.latest_expert_ids_TK = None
         return ids
+
+
+def _keep_latest_choice(router: nn.Module, args: tuple, routing) -> None:
+    # One hook for every router, keeping the choice on the router itself: a hook closing over its layer's
+    # index made torch.compile guard on that index and build one graph per MoE layer, and past its
+    # recompile limit (8) run the remaining layers eager.
+    router.latest_expert_ids_TK = routing.expert_ids_TK.detach()
 
 
 @dataclass(frozen=True)
