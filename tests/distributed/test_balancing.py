@@ -36,6 +36,7 @@ from moetrain.distributed.balancing import BalancedRunSetup, BalancerTuning, bui
 from moetrain.distributed.checkpoint import read_expert_placement
 from moetrain.distributed.ep import AllToAllDispatcher, ExpertTable, HierarchicalDispatcher, shard_experts
 from moetrain.distributed.layout import ParallelDims
+from moetrain.distributed.parallelize import apply_compile
 from moetrain.distributed.world import spawn
 from moetrain.models.dispatch import LocalDispatcher
 from moetrain.models.experts import GroupedExperts
@@ -99,6 +100,20 @@ class ReplicatedStartTrainer(Trainer):
         return run
 
 
+class TracedLayersTrainer(Trainer):
+    """The balanced run with its layers under ``torch.compile``'s tracing, run by the ``eager`` backend: Dynamo
+    decides how many graphs the balancer's hooks cost whatever the backend, and Inductor's compile time is
+    not this test's business (``tests/distributed/test_compile.py``). Code that needs more graphs than
+    Dynamo's recompile limit, and would run eager past it, fails the run instead; the limit is 4 here, not
+    8, so that a graph per MoE layer exceeds it with tiny-pangu's 7 (the large presets have 58 to 94)."""
+
+    def apply_compile(self) -> int:
+        torch._dynamo.reset()
+        torch._dynamo.config.recompile_limit = 6  # this rank's process only
+        torch._dynamo.config.fail_on_recompile_limit_hit = True
+        return apply_compile(self.run.stage.model, backend="eager")
+
+
 def _train(the_spec: RunSpec, dims: ParallelDims, trainer_class: type[Trainer] = Trainer) -> dict:
     """The run's metrics rows, and what its balancer saw and did (this rank's view; ``rows`` per EP rank)."""
     console = Console(file=io.StringIO())
@@ -134,7 +149,8 @@ def _worker(rank: int, world_size: int, root: Path) -> dict:
     ep2 = ParallelDims.build(ParallelConfig(dp=EP, ep=2), rank, EP)
     sharded = {name: ParallelDims.build(parallel, rank, EP) for name, parallel in SHARDED.items()}
     out = {"balanced": _train(spec(EP4, save_dir=str(root / "balanced"), save_every=SAVE_AT), ep4),
-           "replicated": _train(spec(EP4), ep4, ReplicatedStartTrainer)}
+           "replicated": _train(spec(EP4), ep4, ReplicatedStartTrainer),
+           "traced": _train(spec(EP4), ep4, TracedLayersTrainer)}
     out["saved_placement"] = read_expert_placement(checkpoint_dir(root / "balanced", SAVE_AT))
     _copy_checkpoint(ep4, root / "balanced", root / "resumed")
     out["resumed"] = _train(spec(EP4, save_dir=str(root / "resumed"), resume=True), ep4)
@@ -204,6 +220,20 @@ def test_replicated_experts_train_like_the_single_process(runs: list[dict], refe
     # the replica holders more: the replicas took a share
     assert replicated["rows"][0, 0] < balanced["rows"][0, 0]
     assert replicated["rows"][0, 1:].min() > balanced["rows"][0, 1:].max()
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_compiled_layers_balance_without_a_graph_per_layer(runs: list[dict], reference: list[dict]) -> None:
+    """The balancer's hooks (token counts, expert rows, weights landing after a migration) are the same for
+    every MoE layer, so tiny-pangu's 7 compiled MoE layers share their graphs: hooks closing over a layer's
+    index built a graph per layer, and the layers past Dynamo's recompile limit ran eager. The run counts
+    what the eager one counts and migrates as it does."""
+    traced, balanced = runs[0]["traced"], runs[0]["balanced"]
+    assert_parity("ep4 balanced, traced layers", _metrics(runs, "traced"), reference, EP, fields=LOSS_FIELDS)
+    assert traced["migrations"] == balanced["migrations"] >= 1
+    assert np.array_equal(traced["rows"], balanced["rows"])
+    assert all(np.array_equal(a, b) for a, b in zip(traced["tokens_per_expert"], balanced["tokens_per_expert"]))
 
 
 @pytest.mark.slow

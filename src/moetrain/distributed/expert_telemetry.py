@@ -51,9 +51,14 @@ class StepLoads:
 class LoadTelemetry:
     """Tokens per logical expert of every local MoE layer, per step, kept on the device.
 
-    Also the rows each rank's local experts computed per layer (``rows_per_layer``, host ints taken
-    from tensor shapes) and, with ``time_experts``, the host time of the experts' forward (CPU only:
+    Also the rows each rank's local experts computed per layer (``StepLoads.local_rows``, counted on the
+    device from tensor shapes) and, with ``time_experts``, the host time of the experts' forward (CPU only:
     on an accelerator the host clock does not see kernel time).
+
+    The hooks are the same functions for every layer and keep their counts in tensors the layer's modules
+    hold (views of this object's): hooks closing over a layer index made ``torch.compile`` guard on the
+    index and build one graph per MoE layer, and past its recompile limit (8) run the remaining layers
+    eager; a host int read from a shape made it guard on each step's row count.
     """
 
     def __init__(self, model: nn.Module, time_experts: bool = False) -> None:
@@ -63,50 +68,66 @@ class LoadTelemetry:
         num_experts = model.cfg.moe.num_experts
         device = next(model.parameters()).device
         self.counts_LE = torch.zeros(len(self.layers), num_experts, dtype=torch.int64, device=device)
-        self.rows_per_layer = [0] * len(self.layers)
-        self.expert_seconds_per_layer = [0.0] * len(self.layers)
-        self._started: list[float] = [0.0] * len(self.layers)
+        self.rows_L = torch.zeros(len(self.layers), dtype=torch.int64, device=device)
+        self.timers = [_ExpertTimer() for _ in self.layers] if time_experts else []
         self.handles = []
         for index, (_, block) in enumerate(self.layers):
-            self.handles.append(block.register_forward_hook(self._count_hook(index)))
-            self.handles.append(block.experts.register_forward_pre_hook(self._rows_hook(index, time_experts)))
+            block.load_counts_E = self.counts_LE[index]
+            block.experts.load_rows = self.rows_L[index]
+            self.handles.append(block.register_forward_hook(_count_tokens))
+            self.handles.append(block.experts.register_forward_pre_hook(_count_rows))
             if time_experts:
-                self.handles.append(block.experts.register_forward_hook(self._stop_hook(index)))
-
-    def _count_hook(self, index: int):
-        def hook(module: nn.Module, args: tuple, output) -> None:
-            self.counts_LE[index].add_(output.tokens_per_expert_E.detach())
-        return hook
-
-    def _rows_hook(self, index: int, timed: bool):
-        def hook(module: nn.Module, args: tuple) -> None:
-            self.rows_per_layer[index] += int(args[0].shape[0])
-            if timed:
-                self._started[index] = time.perf_counter()
-        return hook
-
-    def _stop_hook(self, index: int):
-        def hook(module: nn.Module, args: tuple, output) -> None:
-            self.expert_seconds_per_layer[index] += time.perf_counter() - self._started[index]
-        return hook
+                block.experts.load_timer = self.timers[index]
+                self.handles.append(block.experts.register_forward_pre_hook(_start_timer))
+                self.handles.append(block.experts.register_forward_hook(_stop_timer))
 
     def read(self, step: int, placements: list[ExpertPlacement], group: dist.ProcessGroup | None) -> StepLoads:
-        """Sum this step's counts over ``group`` (the stage) and read them to the host (one read), with each
-        EP rank's copies under ``placements`` (the ones the step ran with); then reset."""
+        """Sum this step's counts over ``group`` (the stage) and read them with this rank's rows to the host
+        (one read), with each EP rank's copies under ``placements`` (the ones the step ran with); then reset."""
         counts = self.counts_LE.clone()
         dist.all_reduce(counts, group=group)
-        tokens_per_expert = counts.cpu().numpy().astype(np.float64)
+        host = torch.cat([counts.flatten(), self.rows_L]).cpu().numpy()
+        tokens_per_expert = host[: counts.numel()].reshape(counts.shape).astype(np.float64)
         per_rank = np.stack([p.apply_to_tokens_per_expert(loads) for p, loads in zip(placements, tokens_per_expert)])
-        loads = StepLoads(step, tokens_per_expert, per_rank, list(self.rows_per_layer),
-                          list(self.expert_seconds_per_layer))
+        seconds = [timer.seconds for timer in self.timers] or [0.0] * len(self.layers)
+        loads = StepLoads(step, tokens_per_expert, per_rank, host[counts.numel():].tolist(), seconds)
         self.reset()
         return loads
 
     def reset(self) -> None:
         self.counts_LE.zero_()
-        self.rows_per_layer = [0] * len(self.layers)
-        self.expert_seconds_per_layer = [0.0] * len(self.layers)
+        self.rows_L.zero_()
+        for timer in self.timers:
+            timer.seconds = 0.0
 
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
+        for _, block in self.layers:
+            del block.load_counts_E, block.experts.load_rows
+            if self.timers:
+                del block.experts.load_timer
+
+
+def _count_tokens(block: nn.Module, args: tuple, output) -> None:
+    block.load_counts_E.add_(output.tokens_per_expert_E.detach())
+
+
+def _count_rows(experts: nn.Module, args: tuple) -> None:
+    experts.load_rows.add_(args[0].shape[0])
+
+
+@dataclass
+class _ExpertTimer:
+    started: float = 0.0
+    seconds: float = 0.0
+
+
+@torch.compiler.disable  # the host clock, read as the experts start and end: never inside a compiled graph
+def _start_timer(experts: nn.Module, args: tuple) -> None:
+    experts.load_timer.started = time.perf_counter()
+
+
+@torch.compiler.disable
+def _stop_timer(experts: nn.Module, args: tuple, output) -> None:
+    experts.load_timer.seconds += time.perf_counter() - experts.load_timer.started

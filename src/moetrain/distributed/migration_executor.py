@@ -13,6 +13,7 @@ elsewhere (``moetrain.distributed.balancing``).
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -77,8 +78,8 @@ class MigrationExecutor:
             tag += len(moves) * len(weights)
             # first among the experts' pre-hooks: the wait for the weights is migration time (timed in
             # ``timings``), not the expert forward that ``LoadTelemetry`` times after it
-            hook = block.experts.register_forward_pre_hook(lambda module, args, index=index: self._land(index),
-                                                           prepend=True)
+            block.experts.land_moved_weights = functools.partial(self._land, index)
+            hook = block.experts.register_forward_pre_hook(_land_moved_weights, prepend=True)
             self._pending_weights[index] = (pending, hook)
 
     def _post_optimizer_state(self, moves_by_layer: list[list[Move]]) -> None:
@@ -106,6 +107,7 @@ class MigrationExecutor:
             return
         pending, hook = self._pending_weights.pop(index)
         hook.remove()
+        del self.layers[index][1].experts.land_moved_weights
         start = time.perf_counter()
         with span("expert_migration_weights", "comm"):
             pending.finish()
@@ -127,3 +129,10 @@ class MigrationExecutor:
         for index in sorted(self._pending_weights):
             self._land(index)
         self._land_state()
+
+
+@torch.compiler.disable
+def _land_moved_weights(experts: nn.Module, args: tuple) -> None:
+    # One hook for every layer (its layer is the partial's): a lambda closing over the layer's index made
+    # torch.compile guard on the index and build a graph per layer. Disabled, since it waits on copies.
+    experts.land_moved_weights()
