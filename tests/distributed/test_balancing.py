@@ -9,6 +9,8 @@ most tokens to experts 0-3, all on EP rank 0 in the contiguous layout):
   and loads under EP2 without balancing on the same curve;
 * with the moved experts' optimizer state ZeRO-sharded (EP2 × EDP2) or their FFN split (EP2 × ETP2)
   the losses are still the single-process ones, and the ETP checkpoint loads without ETP;
+* with the layers traced by ``torch.compile`` the balanced run keeps those losses and counts, its hooks
+  shared by every MoE layer's graphs instead of a graph per layer;
 * replicated experts in the dispatcher give the outputs of single replicas; flags that cannot run are
   refused before any process starts.
 
@@ -104,8 +106,10 @@ class TracedLayersTrainer(Trainer):
     """The balanced run with its layers under ``torch.compile``'s tracing, run by the ``eager`` backend: Dynamo
     decides how many graphs the balancer's hooks cost whatever the backend, and Inductor's compile time is
     not this test's business (``tests/distributed/test_compile.py``). Code that needs more graphs than
-    Dynamo's recompile limit, and would run eager past it, fails the run instead; the limit is 4 here, not
-    8, so that a graph per MoE layer exceeds it with tiny-pangu's 7 (the large presets have 58 to 94)."""
+    Dynamo's recompile limit, and would run eager past it, fails the run instead. The limit is 6 here, not 8,
+    so that a graph per MoE layer exceeds it with tiny-pangu's 7 (the large presets have 58 to 94), while the
+    MoE code after dispatch needs up to 5 (static and dynamic rows, Dynamo's own for 0 and 1 rows, and with
+    the hook that lands migrated weights)."""
 
     def apply_compile(self) -> int:
         torch._dynamo.reset()

@@ -36,15 +36,17 @@ class RoutingRecorder:
         self._handles: list = []
 
     def __enter__(self) -> RoutingRecorder:
-        for router in self.routers:
-            router.latest_expert_ids_TK = None
-            self._handles.append(router.register_forward_hook(_keep_latest_choice))
+        self._forget()
+        self._handles = [router.register_forward_hook(_keep_latest_choice) for router in self.routers]
         return self
 
     def __exit__(self, *exc) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._forget()
+
+    def _forget(self) -> None:
         for router in self.routers:
             router.latest_expert_ids_TK = None
 
@@ -54,10 +56,8 @@ class RoutingRecorder:
             return None
         latest = [router.latest_expert_ids_TK for router in self.routers]
         assert all(ids is not None for ids in latest), "a MoE layer did not run"
-        ids = torch.stack([ids.view(batch, queries, -1) for ids in latest], dim=2)  # type: ignore[union-attr]
-        for router in self.routers:
-            router.latest_expert_ids_TK = None
-        return ids
+        self._forget()
+        return torch.stack([ids.view(batch, queries, -1) for ids in latest], dim=2)  # type: ignore[union-attr]
 
 
 def _keep_latest_choice(router: nn.Module, args: tuple, routing) -> None:
