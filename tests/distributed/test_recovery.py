@@ -3,7 +3,8 @@ at step 5, with checkpoints every 2 steps, is restarted with its peer from step 
 weights and moments of the uninterrupted run bit for bit, and a metrics file whose rows are exactly the
 uninterrupted run's (timings aside). A rank that fails in every attempt ends the run after N restarts with one
 line naming it and the cause; a lone process recovers the same way. A save that fails on one rank (its own
-write, or the coordinator's seal) is skipped by every rank, and training goes on."""
+write, or the coordinator's seal) is skipped by every rank, and training goes on. A rank late to load its
+checkpoint is waited for until the start-up timeout, and past it named in a line that keeps the checkpoint."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from checkpoint_tensors import checkpoint_tensors
 from cli_in_process import Finished, InProcessCli
 from forked_ranks import forked_train_ranks, train_forked
 from moetrain.distributed.checkpoint import finish_folder
+from moetrain.runtime_base.checkpoint_files import verify_checkpoint
 from moetrain.train.saver import CheckpointSaver
 
 SHAPE = ["--steps", "8", "--seq-len", "32", "--global-batch", "4", "--micro-batch", "2", "--synthetic-data",
@@ -119,8 +121,9 @@ def test_a_lone_process_runs_under_torchrun_and_recovers(run, tmp_path: Path) ->
 def test_a_hung_rank_times_its_peer_out_and_the_group_recovers(run, tmp_path: Path) -> None:
     config = tmp_path / "run.yaml"
     config.write_text("run:\n  timeout_s: 5\n")  # the collective timeout the hang runs past
+    # the restarted rank 1 is also 8 s late to load step 2: past timeout_s, well within the start-up timeout
     proc = run("hung", "--config", str(config), "--nproc", "2", "--ep", "2", "--max-restarts", "1",
-                fault="1:3:hang=120")
+               fault="1:3:hang=120,1:2:hang=8:load@1")
     _assert_recovered_at_step_2(proc, "rank 1 stopped without a report (a signal, or an exit)", tmp_path / "hung")
 
 
@@ -167,3 +170,25 @@ def test_a_write_that_fails_on_one_rank_is_skipped_by_every_rank(run, tmp_path: 
         ["step-000002", "step-000006", "step-000008"]
     rows = [json.loads(line) for line in (tmp_path / "disk" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r.get("save_mode") == "async"] == [2, 4, 6, 8]
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_a_peer_late_to_a_resume_is_named_and_the_checkpoint_kept(run, tmp_path: Path) -> None:
+    # rank 1 sleeps as it is about to load step 2, past the start-up timeout (3 s; the steps' 2 s is not
+    # yet in force): rank 0's load gives up on it, in one line that keeps the checkpoint and exits 1
+    layout = ["--nproc", "2", "--ep", "2"]
+    checkpoints = tmp_path / "late" / "ckpt"
+    train_forked([*SHAPE, *layout, "--stop-at", "2", "--save-dir", str(checkpoints)])
+    config = tmp_path / "run.yaml"
+    config.write_text("run:\n  timeout_s: 2\n  startup_timeout_s: 3\n")
+    proc = run("late", "--config", str(config), *layout, "--resume", fault="1:2:hang=60:load")
+    assert proc.returncode == 1, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"moetrain train: rank 0 failed: loading checkpoint {checkpoints / 'step-000002'} "
+                           "stopped waiting on another rank ("), last
+    assert "Timed out waiting 3000ms" in last, last
+    assert ("); the checkpoint is not at fault, keep it: the rank that stopped says why in its own line, and a "
+            "rank that was only slow needs a longer run.startup_timeout_s (all ranks stopped after") in last, last
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000002"]
+    assert verify_checkpoint(checkpoints / "step-000002")["step"] == 2

@@ -20,7 +20,9 @@ def test_exit_hang_and_save_error_parse_with_their_defaults():
     assert parse_fault("*:2:hang") == Fault(None, 2, "hang", "step", 3600.0, 0)
     assert parse_fault("0:4:save_error") == Fault(0, 4, "save_error", "save", 1.0, 0)
     assert parse_fault("0:4:kill@1").attempt == 1 and parse_fault("0:4:kill@*").attempt is None
-    for bad, message in (("0:4:save_error:step", "PHASE is step, or save for raise, kill, exit, hang and save_error"),
+    assert parse_fault("1:2:hang=8:load@1") == Fault(1, 2, "hang", "load", 8.0, 1)
+    phases = "PHASE is step, save (raise, kill, exit, hang, save_error) or load (raise, kill, exit, hang)"
+    for bad, message in (("0:4:save_error:step", phases), ("0:4:save_error:load", phases), ("0:4:nan:load", phases),
                          ("0:4:kill=2", "KIND is one of"), ("0:4:kill@x", "ATTEMPT (or *) are integers")):
         with pytest.raises(UserError, match=re.escape(message)):
             parse_fault(bad)

@@ -84,6 +84,9 @@ class RunOptions(BaseModel):
     """A multi-rank run's torchrun log and the ranks' error lines (default: a new temporary folder)."""
     timeout_s: float = Field(default=60.0, gt=0)
     """Collective timeout: a rank waiting on a dead peer gives up after this long."""
+    startup_timeout_s: float = Field(default=600.0, gt=0)
+    """Collective timeout until the first step ends (``timeout_s`` if that is longer): loading a checkpoint,
+    building and compiling the model can keep one rank minutes behind its peers."""
     compile: bool | None = None
     """``torch.compile`` each decoder layer (None: on for CUDA, off for CPU, where compiling a small model
     takes longer than it saves)."""
@@ -98,6 +101,11 @@ class RunOptions(BaseModel):
         if not is_device(device):
             raise ValueError(f"Input should be {DEVICES}")
         return device
+
+    @property
+    def first_step_timeout_s(self) -> float:
+        """The collective timeout a run joins with, lowered to ``timeout_s`` after its first step."""
+        return max(self.startup_timeout_s, self.timeout_s)
 
 
 class MemoryOptions(BaseModel):

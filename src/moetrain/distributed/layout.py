@@ -184,14 +184,12 @@ class ParallelDims:
         """Create every group of every axis. Every process of the default group must call this, in the
         same order, members of the layout or not (``torch.distributed.new_group``'s contract)."""
         # lazy, torch: the layout's arithmetic stays torch-free for the run checks (train.checks)
-        import torch.distributed as dist
-
-        from moetrain.distributed.world import collective_timeout
+        from moetrain.distributed.world import new_group
 
         dims = cls(parallel, rank, ranks_per_node)
         for axis, all_groups in rank_groups(parallel, ranks_per_node, rank_offset).items():
             for ranks in all_groups:
-                group = dist.new_group(ranks, timeout=collective_timeout())
+                group = new_group(ranks)
                 if rank in ranks:
                     dims.groups[axis] = group
                     dims.group_ranks[axis] = ranks

@@ -32,19 +32,45 @@ DEFAULT_TIMEOUT_S = 60.0
 
 
 _TIMEOUT: datetime.timedelta | None = None
-
-
-def collective_timeout() -> datetime.timedelta | None:
-    """The collective timeout of the default group this process joined here, for the groups built from it:
-    ``new_group`` does not inherit it (it takes torch's 30-minute default), and a rank waiting on a hung
-    peer must give up as soon on the layout's groups as on the world's. None: not joined here."""
-    return _TIMEOUT
+"""The collective timeout of the default group this process joined here (None: not joined here)."""
+_GROUPS: list[dist.ProcessGroup] = []
+"""The groups this rank belongs to that ``new_group`` built here, since the default group was joined."""
 
 
 def _init_process_group(backend: str, timeout_s: float, **kwargs: Any) -> None:
     global _TIMEOUT
     _TIMEOUT = datetime.timedelta(seconds=timeout_s)
+    _GROUPS.clear()
     dist.init_process_group(backend, timeout=_TIMEOUT, **kwargs)
+
+
+def new_group(ranks: list[int]) -> dist.ProcessGroup:
+    """``dist.new_group(ranks)`` with the collective timeout of the default group joined here: ``dist.new_group``
+    does not inherit it (it takes torch's 30-minute default), and a rank waiting on a hung peer must give up as
+    soon on the layout's groups as on the world's; ``end_startup_timeout`` lowers them together. Every rank of
+    the default group calls it for every group, in the same order, member or not (``new_group``'s contract)."""
+    group = dist.new_group(ranks, timeout=_TIMEOUT)
+    if dist.get_rank() in ranks:
+        _GROUPS.append(group)
+    return group
+
+
+def end_startup_timeout(timeout_s: float) -> None:
+    """Lower the collective timeout of the default group and of every group ``new_group`` built to
+    ``timeout_s``, once start-up is over. A run joins with a longer one (``run.startup_timeout_s``): loading
+    a checkpoint, building and compiling the model can leave a rank far behind its peers before the first
+    step, where a hung peer must still be found quickly later. Never raises a timeout; no collective (each
+    rank's own waits)."""
+    global _TIMEOUT
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if _TIMEOUT is None or timeout >= _TIMEOUT or not dist.is_initialized():
+        return
+    # private but kept for this use (torchtitan lowers its start-up timeout after the first step the same way)
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    for group in (None, *_GROUPS):
+        _set_pg_timeout(timeout, group)
+    _TIMEOUT = timeout
 
 
 def _store_client(addr: str, port: int, timeout_s: float) -> dist.TCPStore:

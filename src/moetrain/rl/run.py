@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from moetrain.models.transformer import MoETransformer
     from moetrain.train.trainer import Trainer
 
-SFT_RUN_FIELDS = ("device", "threads", "cluster", "quiet", "compile", "timeout_s", "document_mask",
+SFT_RUN_FIELDS = ("device", "threads", "cluster", "quiet", "compile", "timeout_s", "startup_timeout_s", "document_mask",
                   "ranks_per_node")
 """The trainer's run options the warm-up runs with too (its outputs, checkpoints and resume are GRPO's)."""
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from moetrain.config import ModelConfig, ParallelConfig
 from moetrain.config.run import RunSpec
 from moetrain.distributed.layout import ParallelDims
-from moetrain.distributed.world import collective_timeout
+from moetrain.distributed.world import new_group
 from moetrain.errors import UserError
 from moetrain.rl.config import RLOptions, StaleSyncOptions
 from moetrain.rl.replica_progress import ReplicaProgress
@@ -88,10 +88,9 @@ class Channels:
         dims = ParallelDims.build(spec.parallel, rank, spec.run.ranks_per_node, rank_offset=roles.first_trainer)
         pool = ParallelDims.build(pool_layout(roles), rank) if roles.ranks_per_replica > 1 else None
         everyone = list(range(roles.world_size))
-        # the run's timeout, not new_group's 30-minute default: a rank waiting on a hung peer gives up in time
-        timeout = collective_timeout()
-        sync = dist.new_group([*roles.replica_ranks, *roles.trainer_group], timeout=timeout)
-        queue = dist.new_group(everyone, timeout=timeout)
+        # the run's timeout (``new_group``), not torch's 30-minute default: a rank waiting on a hung peer gives up
+        sync = new_group([*roles.replica_ranks, *roles.trainer_group])
+        queue = new_group(everyone)
         progress = ReplicaProgress.of_group(rank, roles)  # its key written before the gather below
         processes: list = [None] * roles.world_size
         dist.all_gather_object(processes, (socket.gethostname(), os.getpid()), group=queue)

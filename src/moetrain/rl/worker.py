@@ -58,7 +58,8 @@ def _fusion_rank(run: RLRun) -> None:
     from moetrain.train.trainer import resolve_device
 
     device = resolve_device(run.grpo.run.device)
-    rank, world_size, _ = init_world("nccl" if device.type == "cuda" else "gloo", run.grpo.run.timeout_s)
+    rank, world_size, _ = init_world("nccl" if device.type == "cuda" else "gloo",
+                                    run.grpo.run.first_step_timeout_s)
     _check_nodes(run.spec)
     say(status_console(run.grpo.run.quiet or rank != 0), f"all {world_size} ranks joined; building the policy, "
         "then the warm-up and GRPO in the training layout…")

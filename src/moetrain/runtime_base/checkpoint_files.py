@@ -36,6 +36,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from moetrain.errors import UserError
+from moetrain.runtime_base.recovery import PeerLost, peer_lost
 
 if TYPE_CHECKING:
     from moetrain.config import ModelConfig, TrainingConfig
@@ -49,6 +50,12 @@ _DAMAGED_MEND = "remove that folder to resume from an older one"
 
 def checkpoint_dir(save_dir: Path, step: int) -> Path:
     return save_dir / f"step-{step:06d}"
+
+
+def checkpoint_step(path: Path) -> int | None:
+    """The step of checkpoint folder ``path`` by its name (``step-000123``: 123); None for another name."""
+    match = _STEP_DIR.match(path.name)
+    return int(match.group(1)) if match else None
 
 
 def _fsync_dir(path: Path) -> None:
@@ -330,12 +337,21 @@ def _library_failure(exc: BaseException) -> str:
     return (text.splitlines()[0] if text else type(exc).__name__)[:160]
 
 
+def _peer_failed(exc: BaseException) -> bool:
+    """Whether a load failed on a collective (a peer rank that stopped, or fell past the timeout), not on
+    this rank's files."""
+    cause = library_cause(exc)
+    return isinstance(cause, dist.DistError) or peer_lost(str(cause))
+
+
 @contextlib.contextmanager
 def quiet_checkpoint_load(path: Path, describe: Callable[[str], str] | None = None) -> Iterator[None]:
     """Around a DCP load of checkpoint ``path``: DCP logs a traceback on the root logger for every
     metadata file it fails to read (two for one damaged ``.metadata``) before raising; drop those records
     and turn its exception into one ``UserError`` line, ``describe(reason)`` (by default: the checkpoint
-    is unreadable, remove it)."""
+    is unreadable, remove it). A collective that fails (a peer stopped or fell behind) is never blamed on
+    the files: it is a ``PeerLost`` saying to keep them, in the library's words, which mark it as a peer's
+    loss (``recovery.peer_lost``) so the launcher names the rank that stopped."""
     describe = describe or (lambda reason: f"checkpoint {path} is unreadable ({reason}); {_DAMAGED_MEND}")
     try:
         with library_records_dropped(), _single_process_quiet():
@@ -343,6 +359,10 @@ def quiet_checkpoint_load(path: Path, describe: Callable[[str], str] | None = No
     except UserError:
         raise
     except (Exception, CheckpointException) as exc:  # CheckpointException derives from BaseException
+        if _peer_failed(exc):
+            raise PeerLost(f"loading checkpoint {path} stopped waiting on another rank ({_library_failure(exc)}); "
+                            "the checkpoint is not at fault, keep it: the rank that stopped says why in its own "
+                            "line, and a rank that was only slow needs a longer run.startup_timeout_s") from None
         raise UserError(describe(_library_failure(exc))) from None
 
 

@@ -36,6 +36,12 @@ USER_ERROR_EXIT = 2
 """A rank's exit code when it stopped on a user error (1 otherwise)."""
 
 
+class PeerLost(RuntimeError):
+    """A collective of this rank failed because another rank stopped or fell past the timeout: neither this
+    rank's fault nor its input's. The rank exits 1 (torchrun may restart the group), and its one line, which
+    keeps the library's words, reads as a peer's loss (``peer_lost``)."""
+
+
 def attempt() -> int:
     """This process's attempt: 0 the first, n after torchrun restarted the group n times."""
     return int(os.environ.get(RESTART_ENV, "0") or 0)
@@ -161,7 +167,7 @@ def restarts_summary(folder: Path) -> str | None:
 def failure_line(rank: int, exc: BaseException) -> str:
     """``rank R failed: cause``: the one line a failed rank reports (a user error without its type)."""
     first = str(exc).splitlines()[0] if str(exc) else ""
-    cause = first if isinstance(exc, UserError) else f"{type(exc).__name__}: {first}"
+    cause = first if isinstance(exc, UserError | PeerLost) else f"{type(exc).__name__}: {first}"
     return f"rank {rank} failed: {cause}"
 
 

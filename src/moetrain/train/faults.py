@@ -8,7 +8,8 @@
 - ``KIND``: ``raise`` (a ``RuntimeError``), ``kill`` (SIGKILL), ``exit`` (or ``exit=C``: the process
   ends at once with code 3, or C, as one killed by its library or the system would) or ``hang`` (or
   ``hang=S``: the rank sleeps an hour, or S seconds, while its peers wait on it until the collective
-  timeout) before the step, or with ``PHASE`` ``save`` as it saves the checkpoint after it; ``nan``
+  timeout) before the step, with ``PHASE`` ``save`` as it saves the checkpoint after it, or with ``PHASE``
+  ``load`` as it loads the checkpoint of step ``STEP`` (a resume, a restart, a rollback); ``nan``
   makes the step's loss, and so its gradient, NaN on that rank; ``spike`` (or ``spike=F``) multiplies
   them by 1000 (or F); ``save_error`` makes that rank's write of the checkpoint after the step fail as
   a full disk does (``OSError`` ENOSPC), to rehearse ``--on-save-error``;
@@ -39,7 +40,7 @@ DEFAULT_HANG_S = 3600.0
 _KINDS = ("raise", "kill", "exit", "hang", "nan", "spike", "save_error")
 _VALUED = {"spike": DEFAULT_SPIKE, "exit": DEFAULT_EXIT_CODE, "hang": DEFAULT_HANG_S}
 """The kinds that take ``=VALUE``, and its default."""
-_PHASES = ("step", "save")
+_PHASES = ("step", "save", "load")
 
 
 @dataclass(frozen=True)
@@ -113,9 +114,10 @@ def parse_fault(text: str) -> Fault:
         raise UserError(f"{ENV}={text}: RANK (or *), STEP and ATTEMPT (or *) are integers, a kind's value a "
                         "number") from None
     phase_name = phase[0] if phase else ("save" if kind == "save_error" else "step")
-    if phase_name not in _PHASES or (phase_name == "save" and kind in ("nan", "spike")) or \
+    if phase_name not in _PHASES or (phase_name != "step" and kind in ("nan", "spike")) or \
             (kind == "save_error" and phase_name != "save"):
-        raise UserError(f"{ENV}={text}: PHASE is step, or save for raise, kill, exit, hang and save_error")
+        raise UserError(f"{ENV}={text}: PHASE is step, save (raise, kill, exit, hang, save_error) or load "
+                        "(raise, kill, exit, hang)")
     scale = {"nan": float("nan")}.get(kind, value)
     return Fault(rank, step, kind, phase_name, scale, attempt_number)
 

@@ -36,7 +36,7 @@ def run_rank(spec: RunSpec) -> int:
         spec = spec.model_copy(update={"run": spec.run.model_copy(update={"resume": True})})
     try:
         device = resolve_device(spec.run.device)
-        rank, _, _ = init_world("nccl" if device.type == "cuda" else "gloo", spec.run.timeout_s)
+        rank, _, _ = init_world("nccl" if device.type == "cuda" else "gloo", spec.run.first_step_timeout_s)
         if spans_nodes():  # each node built its spec from its own flags: they must agree (log folders aside)
             check_same_spec(spec.model_copy(update={"run": spec.run.model_copy(update={"log_dir": None})}).to_json(),
                             "moetrain train")

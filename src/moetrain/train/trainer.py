@@ -51,7 +51,7 @@ from moetrain.distributed.layout import ParallelDims
 from moetrain.distributed.parallelize import apply_compile, compile_events
 from moetrain.distributed.step import LayoutRun, StepResult, build_layout, train_step
 from moetrain.distributed.trace import Tracer
-from moetrain.distributed.world import join_world
+from moetrain.distributed.world import end_startup_timeout, join_world
 from moetrain.errors import UserError
 from moetrain.memory.options import (
     activation_shape,
@@ -63,6 +63,7 @@ from moetrain.memory.options import (
 from moetrain.memory.runtime import apply_memory_policy
 from moetrain.models.transformer import MoETransformer
 from moetrain.runtime_base.checkpoint_files import (
+    checkpoint_step,
     is_model_only,
     latest_checkpoint,
     read_marker,
@@ -229,7 +230,7 @@ class Trainer:
             torch.use_deterministic_algorithms(True, warn_only=True)
         self._own_world = contextlib.ExitStack()
         if dims is None:
-            rank = self._own_world.enter_context(join_world(self.device, spec.run.timeout_s))
+            rank = self._own_world.enter_context(join_world(self.device, spec.run.first_step_timeout_s))
             world_size = dist.get_world_size()
             if world_size != spec.world_size:
                 self._own_world.close()
@@ -446,6 +447,8 @@ class Trainer:
             self.console.print("restored the saved expert placement" if restored else
                                "no expert placement of this EP size in the checkpoint; starting from the "
                                "contiguous one")
+        if (step := checkpoint_step(path)) is not None:
+            self.fault(step, "load")
         self.step = load_checkpoint(path, self.run, self.model_cfg, identity=self.identity())
 
     def train(self) -> list[dict[str, Any]]:
@@ -483,6 +486,7 @@ class Trainer:
             batch_done = time.perf_counter()
             with self.tracer.active():
                 result = train_step(self.run, self.step, batch, self.fault.loss_scale(self.step))
+            end_startup_timeout(self.spec.run.timeout_s)  # loaded and compiled: a late peer is now a hung one
             self.step += 1
             step_done = time.perf_counter()
             extra = {**self.after_step(), **self.hooks.after_step(self, self.step, batch), **self.step_fields}
