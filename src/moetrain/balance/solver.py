@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, linear_sum_assignment, linprog, milp
-from scipy.sparse import coo_matrix, hstack, vstack
+from scipy.sparse import coo_matrix
 
 from moetrain.balance.placement import EMPTY_SLOT, ExpertPlacement
 from moetrain.errors import UserError
@@ -118,10 +118,13 @@ def optimal_shares(table: np.ndarray, loads: np.ndarray, settle: bool = True) ->
     """[R·S] token shares among replicas that minimise the busiest rank for a fixed slot table (an LP
     over the replicated experts' shares; single-replica experts keep share 1). With ``settle``, a second
     LP picks, among the shares that reach that least maximum, ones with the least load above the mean
-    (sum over ranks): linked ranks that do not decide the maximum then sit below it, not at it."""
+    (sum over ranks): linked ranks that do not decide the maximum then sit below it, not at it.
+
+    The programs are small (a row per rank and per replicated expert), so they are built dense: building
+    sparse matrices took longer than HiGHS takes to solve them."""
     num_experts = loads.size
+    num_ranks, slots_per_rank = table.shape
     flat = table.reshape(-1)
-    slots_per_rank = table.shape[1]
     used = flat != EMPTY_SLOT
     counts = np.bincount(flat[used], minlength=num_experts)
     share = np.zeros(flat.size)
@@ -130,26 +133,21 @@ def optimal_shares(table: np.ndarray, loads: np.ndarray, settle: bool = True) ->
     var_slots = np.flatnonzero(replicated)
     if var_slots.size == 0:
         return share
-    ranks = var_slots // slots_per_rank
-    fixed = np.bincount(
-        np.flatnonzero(used & ~replicated) // slots_per_rank,
-        weights=loads[flat[used & ~replicated]],
-        minlength=table.shape[0],
-    )
+    single = used & ~replicated
+    fixed = np.bincount(np.flatnonzero(single) // slots_per_rank, weights=loads[flat[single]], minlength=num_ranks)
     n = var_slots.size
     scale = max(float(loads.max()), 1e-12)  # keep the LP well scaled
-    # variables: shares of the replicated slots, then t (the busiest rank's load / scale)
-    cost = np.zeros(n + 1)
-    cost[-1] = 1.0
-    rows = np.concatenate([ranks, np.arange(table.shape[0])])
-    cols = np.concatenate([np.arange(n), np.full(table.shape[0], n)])
-    vals = np.concatenate([loads[flat[var_slots]] / scale, -np.ones(table.shape[0])])
-    a_ub = coo_matrix((vals, (rows, cols)), shape=(table.shape[0], n + 1)).tocsr()
-    b_ub = -fixed / scale
     experts = flat[var_slots]
     uniq, expert_row = np.unique(experts, return_inverse=True)
-    a_eq = coo_matrix((np.ones(n), (expert_row, np.arange(n))), shape=(uniq.size, n + 1)).tocsr()
-    result = linprog(cost, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=np.ones(uniq.size),
+    # rank_rows[r, i]: the scaled load replicated slot i puts on rank r at share 1
+    slot_ranks, slot_loads = var_slots // slots_per_rank, loads[experts] / scale
+    rank_rows = np.zeros((num_ranks, n))
+    rank_rows[slot_ranks, np.arange(n)] = slot_loads
+    sums = np.zeros((uniq.size, n))  # each replicated expert's shares sum to 1
+    sums[expert_row, np.arange(n)] = 1.0
+    # variables: the shares, then t (the busiest rank's load / scale)
+    result = linprog(np.eye(1, n + 1, n).ravel(), A_ub=np.hstack([rank_rows, -np.ones((num_ranks, 1))]),
+                     b_ub=-fixed / scale, A_eq=np.hstack([sums, np.zeros((uniq.size, 1))]), b_eq=np.ones(uniq.size),
                      bounds=[(0.0, 1.0)] * n + [(0.0, None)], method="highs")
     if result.status != 0:
         return share  # equal shares are always feasible
@@ -158,39 +156,32 @@ def optimal_shares(table: np.ndarray, loads: np.ndarray, settle: bool = True) ->
         # Many share vectors reach the least maximum: the linked ranks that do not decide it may sit at it
         # too, and then look as busy as the one that does (to ``bridge_replicas`` and to the next solve).
         # Among them, the one with the least load above the mean: rank loads <= the maximum just found,
-        # minimise sum_r u_r with u_r >= load_r - mean.
-        num_ranks = table.shape[0]
+        # minimise sum_r u_r with u_r >= load_r - mean (variables: the shares, then u).
         peak = result.x[n]
         mean = (loads.sum() / num_ranks) / scale
-        rank_rows = coo_matrix((loads[flat[var_slots]] / scale, (ranks, np.arange(n))), shape=(num_ranks, n))
-        a_peak = coo_matrix(rank_rows).tocsr()
-        a_excess = coo_matrix((np.concatenate([rank_rows.data, -np.ones(num_ranks)]),
-                               (np.concatenate([rank_rows.row, np.arange(num_ranks)]),
-                                np.concatenate([rank_rows.col, n + np.arange(num_ranks)]))),
-                              shape=(num_ranks, n + num_ranks)).tocsr()
-        a_two = vstack([hstack([a_peak, coo_matrix((num_ranks, num_ranks))]), a_excess]).tocsr()
+        a_two = np.block([[rank_rows, np.zeros((num_ranks, num_ranks))], [rank_rows, -np.eye(num_ranks)]])
         b_two = np.concatenate([peak - fixed / scale, mean - fixed / scale])
-        a_eq_two = coo_matrix((np.ones(n), (expert_row, np.arange(n))), shape=(uniq.size, n + num_ranks)).tocsr()
-        second = linprog(np.concatenate([np.zeros(n), np.ones(num_ranks)]), A_ub=a_two, b_ub=b_two, A_eq=a_eq_two,
-                         b_eq=np.ones(uniq.size), bounds=[(0.0, 1.0)] * n + [(0.0, None)] * num_ranks,
-                         method="highs")
+        second = linprog(np.concatenate([np.zeros(n), np.ones(num_ranks)]), A_ub=a_two, b_ub=b_two,
+                         A_eq=np.hstack([sums, np.zeros((uniq.size, num_ranks))]), b_eq=np.ones(uniq.size),
+                         bounds=[(0.0, 1.0)] * n + [(0.0, None)] * num_ranks, method="highs")
         if second.status == 0:
-            x = _no_higher_peak(x, np.clip(second.x[:n], 0.0, 1.0), rank_rows.tocsr(), fixed / scale, expert_row)
+            x = _no_higher_peak(x, np.clip(second.x[:n], 0.0, 1.0), slot_ranks, slot_loads, fixed / scale, expert_row)
     # renormalise per expert (removes LP round-off) so the placement validates exactly
     totals = np.bincount(expert_row, weights=x, minlength=uniq.size)
     share[var_slots] = x / totals[expert_row]
     return share
 
 
-def _no_higher_peak(first: np.ndarray, second: np.ndarray, rank_rows, fixed: np.ndarray,
-                    expert_row: np.ndarray) -> np.ndarray:
+def _no_higher_peak(first: np.ndarray, second: np.ndarray, slot_ranks: np.ndarray, slot_loads: np.ndarray,
+                    fixed: np.ndarray, expert_row: np.ndarray) -> np.ndarray:
     """``second`` moved back towards ``first`` (a convex combination: still shares that sum to 1) just
     enough that no rank ends above ``first``'s busiest: the settling LP meets its bound only to the
-    solver's tolerance, and the least maximum must not rise by that either."""
+    solver's tolerance, and the least maximum must not rise by that either. Replicated slot i sits on
+    rank ``slot_ranks[i]`` and puts ``slot_loads[i]`` on it at share 1; ``fixed``: each rank's other load."""
 
     def rank_loads(x):
         totals = np.bincount(expert_row, weights=x, minlength=expert_row.max() + 1)
-        return rank_rows @ (x / totals[expert_row]) + fixed
+        return np.bincount(slot_ranks, weights=slot_loads * (x / totals[expert_row]), minlength=fixed.size) + fixed
 
     low, high = rank_loads(first), rank_loads(second)
     peak = low.max()
