@@ -187,9 +187,9 @@ def latest_checkpoint(save_dir: Path, remove_unfinished: bool = True) -> Path | 
             if remove_unfinished and _is_coordinator():
                 shutil.rmtree(entry, ignore_errors=True)
             continue
-        match = _STEP_DIR.match(entry.name)
-        if match and entry.is_dir():
-            steps.append((int(match.group(1)), entry))
+        step = checkpoint_step(entry)
+        if step is not None and entry.is_dir():
+            steps.append((step, entry))
     if not steps:
         return None
     newest = max(steps)[1]
@@ -396,9 +396,9 @@ def complete_checkpoints(save_dir: Path) -> list[tuple[int, Path]]:
     weights-only ones are not counted."""
     found = []
     for entry in save_dir.iterdir() if save_dir.is_dir() else ():
-        match = _STEP_DIR.match(entry.name)
-        if match and (entry / COMPLETE_MARKER).is_file() and not is_model_only(entry):
-            found.append((int(match.group(1)), entry))
+        step = checkpoint_step(entry)
+        if step is not None and (entry / COMPLETE_MARKER).is_file() and not is_model_only(entry):
+            found.append((step, entry))
     return sorted(found)
 
 
