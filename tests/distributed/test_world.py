@@ -7,6 +7,8 @@ import sys
 import textwrap
 
 import pytest
+import torch
+import torch.distributed as dist
 
 pytestmark = [pytest.mark.dist]
 
@@ -48,9 +50,57 @@ def _run_script(script: str, timeout_s: float, hung: str) -> str:
     return out
 
 
-def test_spawn_after_an_in_process_group_does_not_hang():
-    out = _run_script(SCRIPT, 120, "spawn hung: a forked rank freed a process group inherited from its parent")
+# The same through moetrain's own calls: a lone process's world (``join_world``) with a group from
+# ``world.new_group``, as an in-process run builds its layout's, then ``spawn``: nothing of this module may keep
+# the group once its world is gone, or a forked rank frees it (the test suite hung so in CI).
+OWN_GROUPS = textwrap.dedent("""
+    import torch
+    from moetrain.distributed import world
+
+    with world.join_world(torch.device("cpu")):
+        world.new_group([0])
+
+    def rank_of(rank, world_size):
+        return rank
+
+    print(world.spawn(rank_of, 2), flush=True)
+""")
+
+
+@pytest.mark.parametrize("script", [SCRIPT, OWN_GROUPS], ids=["cycle-held", "world.new_group"])
+def test_spawn_after_an_in_process_group_does_not_hang(script: str):
+    out = _run_script(script, 120, "spawn hung: a forked rank freed a process group inherited from its parent")
     assert out.strip() == "[0, 1]"
+
+
+def _group_timeouts(rank: int, world_size: int) -> tuple[list[float], list[float], list[float]]:
+    """The collective timeouts (s) of every group this rank is in: after joining with 600 s, after
+    ``end_startup_timeout(5)``, and after a later call asking for more (which must not raise them)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from moetrain.distributed import world
+
+    pair = [world.new_group([0, 1]), world.new_group([2, 3])][rank // 2]  # every rank builds every group
+    mine = [world.new_group([r]) for r in range(world_size)][rank]
+    mesh = init_device_mesh("cpu", (2, 2)).get_group(1)  # a group torch builds, not world.new_group
+    groups = [dist.group.WORLD, pair, mine, mesh]
+
+    def timeouts() -> list[float]:
+        return [g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in groups]
+
+    joined = timeouts()
+    world.end_startup_timeout(5)
+    lowered = timeouts()
+    world.end_startup_timeout(60)
+    return joined, lowered, timeouts()
+
+
+def test_the_startup_timeout_ends_on_every_group_a_rank_is_in():
+    from moetrain.distributed.world import spawn
+
+    for joined, lowered, kept in spawn(_group_timeouts, 4, timeout_s=600):
+        assert joined == [600.0, 600.0, 600.0, 1800.0]  # torch's own default for the mesh's group
+        assert lowered == kept == [5.0] * 4
 
 
 # Three spawns in one process, the middle one failing: it raises with a failed rank's message (every rank raises,

@@ -33,14 +33,11 @@ DEFAULT_TIMEOUT_S = 60.0
 
 _TIMEOUT: datetime.timedelta | None = None
 """The collective timeout of the default group this process joined here (None: not joined here)."""
-_GROUPS: list[dist.ProcessGroup] = []
-"""The groups this rank belongs to that ``new_group`` built here, since the default group was joined."""
 
 
 def _init_process_group(backend: str, timeout_s: float, **kwargs: Any) -> None:
     global _TIMEOUT
     _TIMEOUT = datetime.timedelta(seconds=timeout_s)
-    _GROUPS.clear()
     dist.init_process_group(backend, timeout=_TIMEOUT, **kwargs)
 
 
@@ -49,26 +46,26 @@ def new_group(ranks: list[int]) -> dist.ProcessGroup:
     does not inherit it (it takes torch's 30-minute default), and a rank waiting on a hung peer must give up as
     soon on the layout's groups as on the world's; ``end_startup_timeout`` lowers them together. Every rank of
     the default group calls it for every group, in the same order, member or not (``new_group``'s contract)."""
-    group = dist.new_group(ranks, timeout=_TIMEOUT)
-    if dist.get_rank() in ranks:
-        _GROUPS.append(group)
-    return group
+    return dist.new_group(ranks, timeout=_TIMEOUT)
 
 
 def end_startup_timeout(timeout_s: float) -> None:
-    """Lower the collective timeout of the default group and of every group ``new_group`` built to
-    ``timeout_s``, once start-up is over. A run joins with a longer one (``run.startup_timeout_s``): loading
-    a checkpoint, building and compiling the model can leave a rank far behind its peers before the first
-    step, where a hung peer must still be found quickly later. Never raises a timeout; no collective (each
-    rank's own waits)."""
+    """Lower the collective timeout of every group this rank belongs to (the default group, ``new_group``'s,
+    a device mesh's) to ``timeout_s``, once start-up is over. A run joins with a longer one
+    (``run.startup_timeout_s``): loading a checkpoint, building and compiling the model can leave a rank far
+    behind its peers before the first step, where a hung peer must still be found quickly later. Never raises
+    a timeout; no collective (each rank's own waits)."""
     global _TIMEOUT
     timeout = datetime.timedelta(seconds=timeout_s)
     if _TIMEOUT is None or timeout >= _TIMEOUT or not dist.is_initialized():
         return
-    # private but kept for this use (torchtitan lowers its start-up timeout after the first step the same way)
-    from torch.distributed.distributed_c10d import _set_pg_timeout
+    # private but kept for this use (torchtitan lowers its start-up timeout after the first step the same way).
+    # torch's own registry of this rank's groups, not a list kept here: a group a list still held after
+    # destroy_process_group would be freed in a forked child, whose destructor waits forever on the parent's
+    # threads (``spawn``), as the test suite once hung.
+    from torch.distributed.distributed_c10d import _set_pg_timeout, _world
 
-    for group in (None, *_GROUPS):
+    for group in list(_world.pg_map):
         _set_pg_timeout(timeout, group)
     _TIMEOUT = timeout
 
