@@ -53,16 +53,17 @@ def end_startup_timeout(timeout_s: float) -> None:
     """Lower the collective timeout of every group this rank belongs to (the default group, ``new_group``'s,
     a device mesh's) to ``timeout_s``, once start-up is over. A run joins with a longer one
     (``run.startup_timeout_s``): loading a checkpoint, building and compiling the model can leave a rank far
-    behind its peers before the first step, where a hung peer must still be found quickly later. Never raises
-    a timeout; no collective (each rank's own waits)."""
+    behind its peers before the first step, where a hung peer must still be found quickly later. Nothing to do
+    when the run joined with no longer a timeout. Never raises a timeout; no collective (each rank's own
+    waits)."""
     global _TIMEOUT
     timeout = datetime.timedelta(seconds=timeout_s)
     if _TIMEOUT is None or timeout >= _TIMEOUT or not dist.is_initialized():
         return
     # private but kept for this use (torchtitan lowers its start-up timeout after the first step the same way).
-    # torch's own registry of this rank's groups, not a list kept here: a group a list still held after
-    # destroy_process_group would be freed in a forked child, whose destructor waits forever on the parent's
-    # threads (``spawn``), as the test suite once hung.
+    # torch's own registry of this rank's groups, not a list kept here: a group such a list still held after
+    # destroy_process_group would be freed in a child ``spawn`` forks, whose destructor waits forever on
+    # threads only the parent has.
     from torch.distributed.distributed_c10d import _set_pg_timeout, _world
 
     for group in list(_world.pg_map):
