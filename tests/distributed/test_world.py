@@ -103,6 +103,39 @@ def test_the_startup_timeout_ends_on_every_group_a_rank_is_in():
         assert lowered == kept == [5.0] * 4
 
 
+def _world_timeout_s() -> float:
+    return dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+
+
+def _timeouts_around_a_run(rank: int, world_size: int) -> tuple[float, float]:
+    """The world's collective timeout once the run's first step lowered it, and after the run."""
+    from _parity import run_spec, train_rows
+
+    import moetrain.train.trainer as trainer_module
+    from moetrain.config import ParallelConfig, TrainingConfig
+
+    during: list[float] = []
+    lower = trainer_module.end_startup_timeout
+
+    def lower_and_read(timeout_s: float) -> None:
+        lower(timeout_s)
+        during.append(_world_timeout_s())
+
+    trainer_module.end_startup_timeout = lower_and_read  # in this forked rank only
+    training = TrainingConfig(steps=2, global_batch=4, micro_batch=2, seq_len=16, warmup_steps=1)
+    train_rows(run_spec(training, ParallelConfig(dp=2), None, timeout_s=5.0))
+    return during[0], _world_timeout_s()
+
+
+def test_a_run_gives_the_world_its_timeout_back_when_it_ends():
+    # spawn's world waits 600 s; the run lowers it to its own 5 s after its first step and, ending, puts the
+    # 600 s back: a rank whose layout ends first waits for the others that long (in CI a rank done with one
+    # layout gave up at the world's last barrier after the run's 60 s, its peers still compiling another)
+    from moetrain.distributed.world import spawn
+
+    assert spawn(_timeouts_around_a_run, 2, timeout_s=600) == [(5.0, 600.0)] * 2
+
+
 # Three spawns in one process, the middle one failing: it raises with a failed rank's message (every rank raises,
 # as whichever failure torch.multiprocessing sees first is the one reported), and the spawn after it, whose
 # parent hosts a new store on a new port, runs.

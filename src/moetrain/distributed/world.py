@@ -56,10 +56,29 @@ def end_startup_timeout(timeout_s: float) -> None:
     behind its peers before the first step, where a hung peer must still be found quickly later. Nothing to do
     when the run joined with no longer a timeout. Never raises a timeout; no collective (each rank's own
     waits)."""
-    global _TIMEOUT
     timeout = datetime.timedelta(seconds=timeout_s)
     if _TIMEOUT is None or timeout >= _TIMEOUT or not dist.is_initialized():
         return
+    _set_every_group_timeout(timeout)
+
+
+def collective_timeout_s() -> float | None:
+    """The collective timeout of the groups joined here, in seconds (None: no group joined here)."""
+    return None if _TIMEOUT is None else _TIMEOUT.total_seconds()
+
+
+def restore_collective_timeout(timeout_s: float | None) -> None:
+    """Set every group of this rank back to ``timeout_s`` (``collective_timeout_s()`` read earlier): a run
+    that lowered them in a world it does not own (``spawn``'s, a Ray actor's, several runs side by side)
+    leaves it as it found it, so a rank done early waits at the world's last barrier as long as the world's
+    owner asked. Nothing to do for None or once the world is gone."""
+    if timeout_s is None or _TIMEOUT is None or not dist.is_initialized():
+        return
+    _set_every_group_timeout(datetime.timedelta(seconds=timeout_s))
+
+
+def _set_every_group_timeout(timeout: datetime.timedelta) -> None:
+    global _TIMEOUT
     # private but kept for this use (torchtitan lowers its start-up timeout after the first step the same way).
     # torch's own registry of this rank's groups, not a list kept here: a group such a list still held after
     # destroy_process_group would be freed in a child ``spawn`` forks, whose destructor waits forever on

@@ -51,7 +51,12 @@ from moetrain.distributed.layout import ParallelDims
 from moetrain.distributed.parallelize import apply_compile, compile_events
 from moetrain.distributed.step import LayoutRun, StepResult, build_layout, train_step
 from moetrain.distributed.trace import Tracer
-from moetrain.distributed.world import end_startup_timeout, join_world
+from moetrain.distributed.world import (
+    collective_timeout_s,
+    end_startup_timeout,
+    join_world,
+    restore_collective_timeout,
+)
 from moetrain.errors import UserError
 from moetrain.memory.options import (
     activation_shape,
@@ -228,15 +233,19 @@ class Trainer:
             # index_put) adds in thread order; deterministic mode fixes the order so that a resumed run
             # replays the uninterrupted one bit for bit. One thread is deterministic without it.
             torch.use_deterministic_algorithms(True, warn_only=True)
-        self._own_world = contextlib.ExitStack()
+        self._leave_world = contextlib.ExitStack()
         if dims is None:
-            rank = self._own_world.enter_context(join_world(self.device, spec.run.first_step_timeout_s))
+            rank = self._leave_world.enter_context(join_world(self.device, spec.run.first_step_timeout_s))
             world_size = dist.get_world_size()
             if world_size != spec.world_size:
-                self._own_world.close()
+                self._leave_world.close()
                 raise UserError(f"the layout needs {spec.world_size} ranks (tp·cp·pp·dp) but {world_size} run it; "
                                 "start it with moetrain train --nproc N or torchrun --nproc-per-node N")
             dims = ParallelDims.build(spec.parallel, rank, spec.run.ranks_per_node)
+        # The timeouts the first step lowers go back as they were when the run ends: the world may outlive it
+        # (spawn's, several layouts side by side), and a rank done first then waits for its peers as long as
+        # the world's owner asked. Pushed after the join, so it runs before a world of this run's own ends.
+        self._leave_world.callback(restore_collective_timeout, collective_timeout_s())
         self.dims = dims
         self.is_reporter = dims.rank == dims.group_ranks["world"][0]
         """The layout's first rank writes the files and the console lines."""
@@ -247,7 +256,7 @@ class Trainer:
             self._build(supplied.model, supplied.batches)
             self.hooks.attach(self)
         except BaseException:
-            self._own_world.close()
+            self._leave_world.close()
             raise
 
     def _build(self, model: MoETransformer | None, batches: BatchSource | None) -> None:
@@ -581,7 +590,7 @@ class Trainer:
             self.metrics.close()
             if self.routing_trace is not None:
                 self.routing_trace.close()
-            self._own_world.close()
+            self._leave_world.close()
 
     def describe(self) -> str:
         """One line on what is about to run: data, model, batch, layout and device (or the hooks' line)."""
