@@ -96,8 +96,8 @@ def refused_within(capsys, argv: list[str], message: str, seconds: float = 2.0) 
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--balance-interval", "-1"], "--balance-interval -1: give a positive number of steps (default 10)"),
-        (["--balance-interval", "0"], "--balance-interval 0: give a positive number of steps (default 10)"),
+        (["--balance-interval", "-1"], "--balance-interval -1: give a positive number of steps (default 5)"),
+        (["--balance-interval", "0"], "--balance-interval 0: give a positive number of steps (default 5)"),
         (["--balance-horizon", "-1"], "--balance-horizon -1: give a positive number of steps (default 50)"),
         (["--seq-len", "0"], "--seq-len 0: give a positive number of tokens per sequence (default 4096)"),
     ],

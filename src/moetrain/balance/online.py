@@ -21,7 +21,7 @@ class BalanceDefaults:
     ``benchmarks/balance_defaults.py`` (``benchmarks/results/balance_defaults.json``; a test checks that they
     still are), and the families benchmark runs with them."""
 
-    interval: int = 10
+    interval: int = 5
     """Steps between full re-plans (cheap drift checks run every step)."""
     horizon: int = 50
     """Steps over which a migration's predicted saving must repay its cost."""
