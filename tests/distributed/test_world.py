@@ -73,6 +73,11 @@ def test_spawn_after_an_in_process_group_does_not_hang(script: str):
     assert out.strip() == "[0, 1]"
 
 
+def _timeout_s(group: dist.ProcessGroup) -> float:
+    """A gloo group's collective timeout, in seconds."""
+    return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+
+
 def _group_timeouts(rank: int, world_size: int) -> tuple[list[float], list[float], list[float]]:
     """The collective timeouts (s) of every group this rank is in: after joining with 600 s, after
     ``end_startup_timeout(5)``, and after a later call asking for more (which must not raise them)."""
@@ -86,7 +91,7 @@ def _group_timeouts(rank: int, world_size: int) -> tuple[list[float], list[float
     groups = [dist.group.WORLD, pair, mine, mesh]
 
     def timeouts() -> list[float]:
-        return [g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in groups]
+        return [_timeout_s(g) for g in groups]
 
     joined = timeouts()
     world.end_startup_timeout(5)
@@ -103,10 +108,6 @@ def test_the_startup_timeout_ends_on_every_group_a_rank_is_in():
         assert lowered == kept == [5.0] * 4
 
 
-def _world_timeout_s() -> float:
-    return dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout.total_seconds()
-
-
 def _timeouts_around_a_run(rank: int, world_size: int) -> tuple[float, float]:
     """The world's collective timeout once the run's first step lowered it, and after the run."""
     from _parity import run_spec, train_rows
@@ -119,12 +120,12 @@ def _timeouts_around_a_run(rank: int, world_size: int) -> tuple[float, float]:
 
     def lower_and_read(timeout_s: float) -> None:
         lower(timeout_s)
-        during.append(_world_timeout_s())
+        during.append(_timeout_s(dist.group.WORLD))
 
     trainer_module.end_startup_timeout = lower_and_read  # in this forked rank only
     training = TrainingConfig(steps=2, global_batch=4, micro_batch=2, seq_len=16, warmup_steps=1)
     train_rows(run_spec(training, ParallelConfig(dp=2), None, timeout_s=5.0))
-    return during[0], _world_timeout_s()
+    return during[0], _timeout_s(dist.group.WORLD)
 
 
 def test_a_run_gives_the_world_its_timeout_back_when_it_ends():
