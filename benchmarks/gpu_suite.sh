@@ -9,7 +9,7 @@
 # Order (what matters most first): tests/gpu, the step's speed (compiled with FlexAttention tiles, eager
 # with the dense mask; compiled with the dense mask only if a variant failed), the MoE layer beside
 # torchtitan and Megatron-Core, the memory policies in compiled layers, the simulator against the measured
-# step, RL generation with the KV cache, RL Fusion's switch by phase. The GPU benchmarks left out of the
+# step, RL generation with the KV cache, RL Fusion's switch by phase, compiled layers swapped whole. The GPU benchmarks left out of the
 # slot (moe_layer.py, gpu_attention_probe.py, gpu_attention_layout.py, gpu_step_profile.py,
 # balance_expert_gemm.py, train_demo.py) run on their own.
 # Results are named by the device they ran on (step_speed_h200.json ...) and written to
@@ -95,6 +95,16 @@ memory() {
             --policies selective,auto --out "$RESULTS/memory_${TAG}_compiled.json"
     fi
 }
+memory_swap() {
+    # compiled layers swapped whole (swap_layer) beside none: what swap saves and costs in compiled layers
+    if [ $DRY = 1 ]; then
+        $PY benchmarks/memory_policy.py --device cpu --compile --seq-len 64 --repeats 2 --policies swap \
+            --out "$RESULTS/memory_${TAG}_compiled_swap.json"
+    else
+        $PY benchmarks/memory_policy.py --device cuda --compile --repeats 8 --policies swap \
+            --out "$RESULTS/memory_${TAG}_compiled_swap.json"
+    fi
+}
 simulator() {
     if [ $DRY = 1 ]; then
         $PY benchmarks/planner_step_check.py --device cpu --seq-len 64 --global-batch 8 --profiles 1 \
@@ -128,9 +138,10 @@ rl_switch() {
 # boundary rows are masked now, and their count changes the compiled layers' shapes: the first 11 steps' micro-
 # batches hold 0,1,1,1,0,2,1,0,0,0,0 such rows, so a compiled variant compiles at steps 0, 1 and 5 (the third
 # makes the count dynamic; none after it, counted on the CPU); the H200 took 28 s for each of the first
-# two. The dense-mask compiled variant, 15 s then, runs only as a fallback)
+# two. The dense-mask compiled variant, 15 s then, runs only as a fallback. memory_swap, not yet timed on a GPU,
+# compiles the model twice as memory does three times: 70 s allowed)
 PLAN=("preflight 30 10" "tests 140 60" "step_speed 150 90" "peers 70 40" "memory 120 60" "simulator 90 30"
-      "rl_generation 40 20" "rl_switch 60 25")
+      "rl_generation 40 20" "rl_switch 60 25" "memory_swap 70 45")
 [ ${#steps[@]} -eq 0 ] && for entry in "${PLAN[@]}"; do steps+=("${entry%% *}"); done
 
 pack() {

@@ -63,9 +63,9 @@ def main() -> int:
     parser.add_argument("--micro-batch", type=int, default=None)
     parser.add_argument("--budget-fraction", type=float, default=0.3)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--compile", action="store_true", help="compiled layers (no swap)")
+    parser.add_argument("--compile", action="store_true", help="compiled layers")
     parser.add_argument("--policies", default="selective,full,auto,swap",
-                        help="policies measured beside none (swap too on CUDA, eager only)")
+                        help="policies measured beside none (swap: on CUDA, and on CPU with --compile to rehearse it)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     cuda = args.device == "cuda"
@@ -157,9 +157,12 @@ def main() -> int:
             continue
         runs[policy] = {**measured, "options": result.options, "predicted_activation_bytes": result.activation_bytes,
                         "predicted_added_s": result.added_time_s}
-    if cuda and not args.compile and "swap" in args.policies.split(","):
-        # every layer's attention and MoE tensors to host memory: what swap alone saves and costs
-        swap = MemoryPlan.uniform(("swap_attention", "swap_moe"), num_blocks(cfg))
+    if (cuda or args.compile) and "swap" in args.policies.split(","):
+        # every layer's tensors to host memory (eager: attention's and the MoE block's; compiled layers
+        # swap whole): what swap alone saves and costs. On a CPU host memory is the device's, so a
+        # compiled CPU run only rehearses the path (its bytes: what the swap hooks leave on the device)
+        swap = MemoryPlan.uniform(("swap_layer",) if args.compile else ("swap_attention", "swap_moe"),
+                                  num_blocks(cfg))
         runs["swap"] = {**measure(swap), "options": swap.summary()}
     for run in runs.values():
         run["activation_ratio"] = run["activation_bytes"] / baseline["activation_bytes"]

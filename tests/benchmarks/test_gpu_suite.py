@@ -46,4 +46,4 @@ def test_an_unknown_step_is_named_with_the_steps_there_are(tmp_path: Path) -> No
     suite = _suite(tmp_path, "step_sped")
     assert suite.returncode == 2
     assert suite.stdout.splitlines()[-1] == ("unknown step step_sped; steps: preflight tests step_speed peers memory "
-                                             "simulator rl_generation rl_switch")
+                                             "simulator rl_generation rl_switch memory_swap")

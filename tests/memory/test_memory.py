@@ -12,11 +12,18 @@ import torch
 
 from moetrain.cli import main
 from moetrain.config import load_model_config
-from moetrain.costs.activations import ALL_OPTIONS, SELECTIVE_OPTIONS, model_activation_bytes
+from moetrain.costs.activations import (
+    ALL_OPTIONS,
+    LAYER_PARTS,
+    SELECTIVE_OPTIONS,
+    activation_bytes_per_layer,
+    model_activation_bytes,
+)
+from moetrain.costs.flops import layer_forward_flops
 from moetrain.memory import ActivationShape, DeviceSpeed, MemoryPlan, choose_memory_plan
 from moetrain.memory.measure import measure_activations
 from moetrain.memory.options import uses_flash_attention
-from moetrain.memory.policy import num_blocks
+from moetrain.memory.policy import _Costs, num_blocks
 from moetrain.memory.runtime import apply_memory_policy
 from moetrain.models import build_model
 
@@ -130,6 +137,56 @@ def test_gpu_speed_offers_swap():
     base = choose_memory_plan(shape, "none", None, speed).baseline_bytes
     result = choose_memory_plan(shape, "auto", 0.5 * base, speed)
     assert result.fits and any(o.startswith("swap") for o in result.options)
+
+
+def test_the_swap_options_of_a_layer_share_its_host_link():
+    """A layer's swapped tensors cross one link: two swaps that each hide under the layer's compute alone
+    can together take longer than it, and then cost the difference."""
+    cfg = load_model_config("tiny-pangu")
+    shape = ActivationShape(cfg, 64, BATCH, dtype_bytes=2.0, flash=True)
+    flops_per_s = 1e12
+    forward_s = layer_forward_flops(cfg, 64, True, causal=True).total * 64 * BATCH / flops_per_s
+    swapped = {o: activation_bytes_per_layer(shape, True, (o,), include_swapped=True)["swapped"]
+               for o in ("swap_attention", "swap_moe")}
+    both = activation_bytes_per_layer(shape, True, tuple(swapped), include_swapped=True)["swapped"]
+    assert both == pytest.approx(sum(swapped.values()))
+    # a link that moves the larger swap in 0.9 of the layer's forward: each alone hides, both do not
+    link = max(swapped.values()) / (0.9 * forward_s)
+    costs = _Costs(shape, DeviceSpeed(flops_per_s=flops_per_s, bytes_per_s=1e12, host_link_bytes_per_s=link))
+    assert costs.set_s(True, frozenset({"swap_attention"})) == 0.0
+    assert costs.set_s(True, frozenset({"swap_moe"})) == 0.0
+    transfer = both / link
+    expected = max(0.0, transfer - forward_s) + max(0.0, transfer - 2 * forward_s)
+    assert expected > 0
+    assert costs.set_s(True, frozenset(swapped)) == pytest.approx(expected)
+
+
+def test_swap_layer_moves_every_byte_of_the_layer_to_host():
+    cfg = load_model_config("tiny-pangu")
+    shape = ActivationShape(cfg, 64, BATCH, dtype_bytes=2.0, flash=True)
+    for moe in (False, True):
+        for options in ((), ("norm", "activation"), ("attention",)):
+            kept = activation_bytes_per_layer(shape, moe, options, include_swapped=True)
+            swapped = activation_bytes_per_layer(shape, moe, options + ("swap_layer",), include_swapped=True)
+            assert sum(v for k, v in swapped.items() if k in LAYER_PARTS) == 0
+            assert swapped["core_attention"] == 0
+            assert swapped["swapped"] == pytest.approx(sum(v for k, v in kept.items() if k in LAYER_PARTS))
+    # a layer recomputed whole keeps only its input, on the device
+    whole = activation_bytes_per_layer(shape, True, ("layer", "swap_layer"), include_swapped=True)
+    assert whole == activation_bytes_per_layer(shape, True, ("layer",), include_swapped=True)
+
+
+def test_swap_layer_leaves_no_floating_point_tensor_of_a_layer_on_the_device():
+    """Eager layers: every float tensor a decoder layer saves is copied out (CPU: min size 0). What stays
+    is integer (routing indices), or saved outside the layers: the outputs of the last decoder layer and
+    of the MTP layer, which the final norms read."""
+    measured, _ = _run("tiny-pangu", ("swap_layer",))
+    baseline, _ = _run("tiny-pangu")
+    cfg = load_model_config("tiny-pangu")
+    floats = {(layer, part) for layer, part, _, _, dtype, _ in measured.details
+              if layer and not dtype.startswith("int")}
+    assert floats == {(f"layers.{cfg.num_layers - 1}", "residual"), ("mtp.0.layer", "residual")}
+    assert measured.total_bytes < 0.2 * baseline.total_bytes
 
 
 def test_policy_is_torch_free():

@@ -32,9 +32,10 @@ tensors of its own, per (token, destination node) and per expanded row (``_hiera
 
 Memory options (``moetrain.memory``): ``norm``, ``mla_up``, ``activation``, ``permute``, ``router``
 recompute one layer part each; ``attention`` and ``layer`` recompute a whole block; ``swap_attention``
-and ``swap_moe`` move what attention / the MoE block saves to host memory (reported apart as
-``swapped``). The planner's recompute levels map onto them: ``selective`` = the five fine-grained
-recompute options, ``full`` = ``layer``.
+and ``swap_moe`` move what attention / the MoE block saves to host memory, ``swap_layer`` what the
+whole layer saves (reported apart as ``swapped``; a layer recomputed whole keeps its input on the
+device). The planner's recompute levels map onto them: ``selective`` = the five fine-grained recompute
+options, ``full`` = ``layer``.
 
 A layer is described once, by ``ActivationShape`` (model, tokens, element size, attention kernel,
 ``Sharding``, routed load); its sizes, degrees and load may be numpy arrays.
@@ -57,7 +58,7 @@ INT32_BYTES = 4.0
 BOOL_BYTES = 1.0
 
 RECOMPUTE_OPTIONS: tuple[str, ...] = ("norm", "mla_up", "activation", "permute", "router", "attention", "layer")
-SWAP_OPTIONS: tuple[str, ...] = ("swap_attention", "swap_moe")
+SWAP_OPTIONS: tuple[str, ...] = ("swap_attention", "swap_moe", "swap_layer")
 ALL_OPTIONS: tuple[str, ...] = RECOMPUTE_OPTIONS + SWAP_OPTIONS
 SELECTIVE_OPTIONS: frozenset[str] = frozenset({"norm", "mla_up", "activation", "permute", "router"})
 
@@ -184,15 +185,21 @@ class LayerActivations:
 class _Parts:
     """Accumulates bytes per part, on device or swapped to host."""
 
-    def __init__(self) -> None:
+    def __init__(self, swap_all: bool = False) -> None:
+        self.swap_all = swap_all
+        """Every byte goes to host (``swap_layer``), whatever the part's own option says."""
         self.device: dict[str, object] = {p: 0.0 for p in LAYER_PARTS}
         self.swapped: dict[str, object] = {p: 0.0 for p in LAYER_PARTS}
         self.core_attention: object = 0.0
         """Of ``device["attention"]``: the core attention's share (the coarse planner view splits it)."""
 
     def add(self, part: str, nbytes, swap: bool = False) -> None:
-        target = self.swapped if swap else self.device
+        target = self.swapped if swap or self.swap_all else self.device
         target[part] = target[part] + nbytes
+
+    def add_core_attention(self, nbytes, swap: bool) -> None:
+        if not (swap or self.swap_all):
+            self.core_attention = self.core_attention + nbytes
 
 
 @dataclass(frozen=True)
@@ -251,7 +258,7 @@ def activation_bytes_per_layer(shape: ActivationShape, moe_layer: bool = True, r
     h = model.hidden_size
     t, t_split, tp = shape.tokens()
     sandwich = model.norm_style == "sandwich"
-    parts = _Parts()
+    parts = _Parts(swap_all="swap_layer" in opts and "layer" not in opts)
     is_moe = moe_layer and model.moe is not None
 
     if "layer" in opts:
@@ -344,8 +351,7 @@ def _attention(parts: _Parts, shape: ActivationShape, opts: frozenset[str], swap
             core = FP32_BYTES * (2 * t * qk + batch_rows * heads * seq_local * seq_local + t * heads * v_dim)
             core = core + t * heads * v_dim * d  # contiguous o_proj input
         add(core)
-        if not swap:
-            parts.core_attention = parts.core_attention + core
+        parts.add_core_attention(core, swap)
     else:
         groups = attn.num_kv_heads / tp
         q_w, kv_w = heads * attn.head_dim, groups * attn.head_dim
@@ -364,8 +370,7 @@ def _attention(parts: _Parts, shape: ActivationShape, opts: frozenset[str], swap
         if not shape.flash:
             core = core + t * q_w * d
         add(core)
-        if not swap:
-            parts.core_attention = parts.core_attention + core
+        parts.add_core_attention(core, swap)
     if out_kept:
         parts.add("attention", t_split * h * d)  # o_proj output = the post-norm's fp32 input
 

@@ -35,12 +35,13 @@ def budget_bytes(options: MemoryOptions, baseline_bytes: float) -> float | None:
 
 
 COMPILED_EXCLUDED = frozenset({"swap_attention", "swap_moe"})
-"""Options compiled layers do not run (``moetrain.memory.runtime.COMPILED_OPTIONS``)."""
+"""Options compiled layers do not run (``moetrain.memory.runtime.COMPILED_OPTIONS``): a compiled layer
+saves its tensors at its boundary, where none says which block made it, so it swaps whole (``swap_layer``)."""
 
 
 def excluded_options(compiled: bool, expert_parallel: bool) -> frozenset[str]:
-    """What the runtime cannot install: compiled layers run no swap, and recompute the permutation only
-    where it is local (under expert parallelism the tokens come from other ranks)."""
+    """What the runtime cannot install: compiled layers swap only whole layers, and recompute the
+    permutation only where it is local (under expert parallelism the tokens come from other ranks)."""
     if not compiled:
         return frozenset()
     return COMPILED_EXCLUDED | ({"permute"} if expert_parallel else frozenset())

@@ -3,7 +3,8 @@
 Each option saves bytes (``moetrain.costs.activations``) and costs time: recompute costs its
 forward FLOPs at the measured FLOP rate, or its bytes at the measured memory bandwidth for
 element-wise parts (norms, activation, permutation); swap costs only the part of its host transfer
-that does not hide under the layer's compute (forward for the copy out, backward for the copy in).
+that does not hide under the layer's compute (forward for the copy out, backward for the copy in), one
+transfer per layer for all it swaps.
 
 ``auto`` is the greedy of the reference system's adaptive policy (Pangu Ultra MoE system report,
 "Selective R/S"): rank (option, layer kind) by bytes saved per second added, apply the best to the
@@ -139,20 +140,28 @@ class _Costs:
         if option == "layer":
             return self.layer_forward_s(moe) + elementwise(30 * tokens * h * d)
         if option in SWAP_OPTIONS:
-            if s.host_link_bytes_per_s is None:
-                return math.inf
-            swapped = self.bytes(moe, frozenset({option}))[1]
-            transfer = swapped / s.host_link_bytes_per_s
-            forward = self.layer_forward_s(moe)
-            # out during the next layer's forward, in during the previous layer's backward (2× forward)
-            return max(0.0, transfer - forward) + max(0.0, transfer - 2 * forward)
+            return self.swap_s(moe, self.bytes(moe, frozenset({option}))[1])
         raise ValueError(f"unknown memory option {option!r}; choose from {list(ALL_OPTIONS)}")
 
+    def swap_s(self, moe: bool, swapped_bytes: float) -> float:
+        """Seconds a layer's host copies add: what the link needs beyond the compute it hides under (out
+        during the next layer's forward, in during the previous layer's backward, 2× forward)."""
+        if self.speed.host_link_bytes_per_s is None:
+            return math.inf
+        transfer = swapped_bytes / self.speed.host_link_bytes_per_s
+        forward = self.layer_forward_s(moe)
+        return max(0.0, transfer - forward) + max(0.0, transfer - 2 * forward)
+
     def set_s(self, moe: bool, options: frozenset[str]) -> float:
+        """Seconds an option set adds to one layer: its recomputes, and one transfer of everything it swaps
+        (the swap options share the link, and what a recompute option discards is not copied)."""
         if "layer" in options:
             return self.option_s(moe, "layer")
-        inside_attention = {"mla_up", "swap_attention"} if "attention" in options else set()
-        return sum(self.option_s(moe, o) for o in options if o not in inside_attention)
+        inside_attention = {"mla_up"} if "attention" in options else set()
+        recomputed = sum(self.option_s(moe, o) for o in options - set(SWAP_OPTIONS) - inside_attention)
+        if not options & set(SWAP_OPTIONS):
+            return recomputed
+        return recomputed + self.swap_s(moe, self.bytes(moe, options)[1])
 
 
 def _applicable(model: ModelConfig, moe: bool, option: str, speed: DeviceSpeed,
@@ -170,7 +179,7 @@ def choose_memory_plan(shape: ActivationShape, policy: PolicyName, budget_bytes:
                        excluded: frozenset[str] = frozenset()) -> PolicyResult:
     """The plan for ``policy`` and the activation budget (bytes for the whole model on one device, or
     None for no budget), with its predicted bytes and added seconds per micro-batch. ``excluded``:
-    options the runtime cannot install here (compiled layers run no swap, for one)."""
+    options the runtime cannot install here (compiled layers swap whole layers only, for one)."""
     if policy not in POLICIES:
         raise ValueError(f"unknown memory policy {policy!r}; choose one of {list(POLICIES)}")
     model = shape.model

@@ -12,9 +12,10 @@ Three mechanisms, all on public autograd APIs (no forked autograd, no flags insi
   a slot instead of the tensor; the first unpack in backward reruns the producer from its (packed)
   inputs under ``no_grad`` and returns the same view. This is MindSpeed's / Megatron's
   "checkpoint without output", built on ``torch.autograd.graph.saved_tensors_hooks``.
-- **Swap** (``swap_attention``, ``swap_moe``): tensors saved while the attention / MoE block runs are
-  copied to pinned host memory on a side stream during forward and prefetched back one layer ahead
-  during backward (the first unpack of layer i's tensors starts the copy of layer i-1's).
+- **Swap** (``swap_attention``, ``swap_moe``, ``swap_layer``): tensors saved while the attention / MoE
+  block / whole layer runs are copied to pinned host memory on a side stream during forward and
+  prefetched back one layer ahead during backward (the first unpack of layer i's tensors starts the
+  copy of layer i-1's).
   On CPU the copy still happens (to a separate buffer), which tests the plumbing, not the savings.
 
 Recomputation is deterministic given bit-identical inputs, so gradients equal the plain model's
@@ -26,8 +27,12 @@ keeps for backward, and it does not keep the output of a checkpointed region: it
 in backward from the region's inputs (``tests/memory`` measures it). So each recompute option is only
 its checkpoint wrapper, with no output registration: ``norm``, ``activation`` and ``mla_up`` wrap their
 producer, ``router``, ``attention`` and ``layer`` their block, and ``permute`` the gather of tokens into
-expert order (local dispatch only: under expert parallelism the tokens come from other ranks). Swap
-options stay eager-only (``compiled_options``).
+expert order (local dispatch only: under expert parallelism the tokens come from other ranks).
+A compiled layer saves its tensors when its compiled function returns, through the saved-tensor hooks
+active around it: ``swap_layer`` opens them in a forward pre-hook and closes them in a forward hook, both
+kept out of the graph (``torch.compiler.disable``), so everything the layer saves (weights excepted)
+goes to host. ``swap_attention`` and ``swap_moe`` stay eager-only: at that boundary no tensor says which
+block made it (``COMPILED_OPTIONS``).
 """
 
 from __future__ import annotations
@@ -363,7 +368,8 @@ def apply_memory_policy(model: nn.Module, plan: MemoryPlan, min_swap_numel: int 
     Call after the expert-parallel dispatcher is installed (``permute`` wraps whichever dispatcher
     the MoE block has). ``min_swap_numel``: smaller saved tensors stay on the device (default 2**16
     elements on CUDA, 0 on CPU). ``compiled``: the layers will be compiled afterwards (checkpoint
-    wrappers only, ``COMPILED_OPTIONS``). Returns a handle whose ``remove()`` restores the plain model."""
+    wrappers, and ``swap_layer``'s hooks around the call: ``COMPILED_OPTIONS``). Returns a handle whose
+    ``remove()`` restores the plain model."""
     layers = decoder_layers(model)
     if len(plan.layer_options) != len(layers):
         raise ValueError(f"the plan has {len(plan.layer_options)} layers, the model {len(layers)}")
@@ -382,9 +388,34 @@ def apply_memory_policy(model: nn.Module, plan: MemoryPlan, min_swap_numel: int 
         assert not unknown, unknown
         if compiled:
             _apply_to_compiled_layer(layer, frozenset(options), applied)
+            if "swap_layer" in options and "layer" not in options:
+                _swap_around_compiled_layer(layer, index, manager, applied)
         else:
             _apply_to_layer(layer, index, frozenset(options), manager, applied)
     return applied
+
+
+def _swap_around_compiled_layer(layer: nn.Module, index: int, manager: SavedTensorManager,
+                                applied: AppliedPolicy) -> None:
+    """The manager's hooks, in swap mode, around the layer's compiled call (module doc)."""
+    contexts: list = []
+
+    @torch.compiler.disable
+    def enter(module, args) -> None:
+        manager.enter_layer(index)
+        manager.state.swap_region.append(True)
+        context = manager.hooks()
+        context.__enter__()
+        contexts.append(context)
+
+    @torch.compiler.disable
+    def leave(module, args, output) -> None:
+        contexts.pop().__exit__(None, None, None)
+        manager.state.swap_region.pop()
+        manager.end_layer()
+
+    applied.handles.append(layer.register_forward_pre_hook(enter))
+    applied.handles.append(layer.register_forward_hook(leave, always_call=True))
 
 
 def _mlps(layer: nn.Module) -> list[nn.Module]:
@@ -465,12 +496,15 @@ def _apply_to_layer(layer: nn.Module, index: int, options: frozenset[str], manag
         applied.handles.append(module.register_forward_pre_hook(push))
         applied.handles.append(module.register_forward_hook(pop, always_call=True))
 
+    swap_layer = "swap_layer" in options
+    if swap_layer:
+        region(layer, True)  # the attention and MoE regions below would only repeat it
     attention = layer.attention
     producer = _producer_wrapper(manager)
     if "attention" in options:
         _override(attention, "forward", _recompute_wrapper, applied.overrides)
     else:
-        if "swap_attention" in options:
+        if "swap_attention" in options and not swap_layer:
             region(attention, True)
         if "mla_up" in options and hasattr(attention, "project_up"):
             _override(attention, "project_up", producer, applied.overrides)
@@ -485,7 +519,7 @@ def _apply_to_layer(layer: nn.Module, index: int, options: frozenset[str], manag
     moe = getattr(layer, "moe", None)
     mlps = _mlps(layer)
     if moe is not None:
-        if "swap_moe" in options:
+        if "swap_moe" in options and not swap_layer:
             region(moe, True)
             region(moe.router, False)
         if "router" in options:
