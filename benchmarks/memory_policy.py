@@ -35,7 +35,7 @@ from moetrain.config import load_model_config
 from moetrain.config.model import ModelConfig
 from moetrain.costs.flops import training_flops_per_token
 from moetrain.distributed.parallelize import apply_compile
-from moetrain.memory.measure import measure_activations, measure_saved_bytes, time_steps
+from moetrain.memory.measure import host_link_bytes_per_s, measure_activations, measure_saved_bytes, time_steps
 from moetrain.memory.options import COMPILED_EXCLUDED, uses_flash_attention
 from moetrain.memory.policy import ActivationShape, DeviceSpeed, MemoryPlan, choose_memory_plan, num_blocks
 from moetrain.memory.runtime import apply_memory_policy
@@ -123,22 +123,9 @@ def main() -> int:
             return {"activation_bytes": measure_saved_bytes(model, ids, ids), "step_time_s": seconds}
         return {"activation_bytes": measure_activations(model, ids, ids).total_bytes, "step_time_s": seconds}
 
-    def host_link_bytes_per_s() -> float:
-        """Device → pinned host copy speed, the direction swap-out takes (256 MiB, best of 5)."""
-        src = torch.empty(128 * 1024 * 1024, dtype=torch.bfloat16, device=device)
-        dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
-        best = float("inf")
-        for _ in range(5):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            dst.copy_(src, non_blocking=True)
-            torch.cuda.synchronize()
-            best = min(best, time.perf_counter() - start)
-        return src.numel() * src.element_size() / best
-
     baseline = measure(None)
     flops = training_flops_per_token(cfg, seq) * seq * batch
-    host_link = host_link_bytes_per_s() if cuda else None
+    host_link = host_link_bytes_per_s(device)
     speed = DeviceSpeed(flops / baseline["step_time_s"], 2e12 if cuda else 1e10, host_link)
     dtype_bytes = 2.0 if cuda else 4.0
     shape = ActivationShape(cfg, seq, batch, dtype_bytes, uses_flash_attention(cfg, args.device))

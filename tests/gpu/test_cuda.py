@@ -195,6 +195,14 @@ def test_compiled_layers_swapped_whole_keep_the_gradients_and_lower_the_peak():
     assert peaks[("swap_layer",)] < 0.9 * peaks[()]
 
 
+def test_the_host_link_is_measured_on_cuda_only():
+    """What the trainer's ``auto`` policy prices swap at: a PCIe/NVLink-C2C copy, between 1 GB/s and 1 TB/s."""
+    from moetrain.memory.measure import host_link_bytes_per_s
+
+    assert host_link_bytes_per_s(torch.device("cpu")) is None
+    assert 1e9 < host_link_bytes_per_s(torch.device("cuda"), mib=64, repeats=3) < 1e12
+
+
 def test_trainer_trains_in_bf16_on_cuda(tmp_path, monkeypatch):
     monkeypatch.setenv("MOETRAIN_CACHE", str(tmp_path / "cache"))
     rng = random.Random(0)

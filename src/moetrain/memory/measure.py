@@ -164,6 +164,23 @@ def measure_saved_bytes(model: nn.Module, input_ids: torch.Tensor, labels: torch
     return sum(kept.values())
 
 
+def host_link_bytes_per_s(device: torch.device, mib: int = 256, repeats: int = 5) -> float | None:
+    """Device → pinned host copy speed, the direction swap-out takes (best of ``repeats`` copies of ``mib``
+    MiB); None where host and device memory are one (not CUDA): there is nothing to swap to."""
+    if device.type != "cuda":
+        return None
+    src = torch.empty(mib * 2**20, dtype=torch.uint8, device=device)
+    dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+    best = float("inf")
+    for _ in range(repeats):
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return src.numel() / best
+
+
 def time_steps(step: Callable[[], None], repeats: int, warmup: int = 1,
                device: torch.device | None = None) -> float:
     """Median seconds of ``step`` over ``repeats`` runs after ``warmup`` runs."""

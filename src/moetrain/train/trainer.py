@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -58,6 +58,7 @@ from moetrain.distributed.world import (
     restore_collective_timeout,
 )
 from moetrain.errors import UserError
+from moetrain.memory.measure import host_link_bytes_per_s
 from moetrain.memory.options import (
     activation_shape,
     choose_plan,
@@ -348,7 +349,8 @@ class Trainer:
 
     def apply_memory_policy(self):
         """Install the recompute/swap options of the layers this rank holds (``moetrain.memory``): the
-        checkpoint wrappers alone when the layers will be compiled (no swap there), else the eager hooks."""
+        checkpoint wrappers (and ``swap_layer``'s hooks) when the layers will be compiled, else the eager hooks.
+        The policy prices swap at the host link measured here (``auto`` on CUDA), the rest at nominal speeds."""
         options = self.spec.memory
         if options.policy == "none":
             return None
@@ -358,7 +360,11 @@ class Trainer:
         excluded = excluded_options(compiled, self.spec.parallel.ep > 1)
         shape = activation_shape(self.model_cfg, self.cfg.seq_len, self.cfg.micro_batch, dtype_bytes,
                                  self.device.type)
-        result = choose_plan(shape, options, nominal_speed(self.device.type), excluded)
+        speed = nominal_speed(self.device.type)
+        link = host_link_bytes_per_s(self.device, mib=64, repeats=3) if options.policy == "auto" else None
+        if link is not None:
+            speed = replace(speed, host_link_bytes_per_s=link)
+        result = choose_plan(shape, options, speed, excluded)
         held = [int(index) for index in model.layers] + [self.model_cfg.num_layers + j for j in range(len(model.mtp))]
         applied = apply_memory_policy(model, held_layers_plan(result.plan, held), compiled=compiled)
         chosen = ", ".join(f"{name}×{count}" for name, count in sorted(result.options.items())) or "nothing"
@@ -366,7 +372,7 @@ class Trainer:
         self.console.print(f"memory policy {options.policy}{' (compiled layers)' if compiled else ''}: {chosen}; "
                            f"activations {kept:,.1f} of {baseline:,.1f} MiB per micro-batch, predicted "
                            f"+{result.added_time_s * 1e3:,.1f} ms per micro-batch (analytic, whole model, nominal "
-                           "device speed)")
+                           f"device speed{f', host link {link / 1e9:,.1f} GB/s measured' if link else ''})")
         return applied
 
     def apply_compile(self) -> int:
