@@ -41,6 +41,8 @@ def test_equal_shares_by_default():
     [
         ([[0, 1], [1, EMPTY_SLOT]], None, "expert 2 has no slot; every expert needs at least one replica"),
         ([[0, 0], [1, 2]], None, "rank 0 holds two replicas of one expert; replicas must sit on distinct ranks"),
+        ([[0, 1, EMPTY_SLOT], [2, EMPTY_SLOT, 2]], None,
+         "rank 1 holds two replicas of one expert; replicas must sit on distinct ranks"),
         ([[0, 1], [2, 7]], None, "placement names expert 7, outside 0..2"),
         ([[0, 1], [2, 0]], [[0.5, 1.0], [1.0, 0.4]], "replica shares of expert 0 sum to 0.9, not 1"),
     ],
@@ -49,6 +51,11 @@ def test_validation_errors(table, share, message):
     with pytest.raises(UserError) as err:
         ExpertPlacement.from_slot_experts(3, np.array(table), None if share is None else np.array(share))
     assert str(err.value) == message
+
+
+def test_empty_slots_are_no_replicas():
+    placement = ExpertPlacement.from_slot_experts(3, np.array([[0, EMPTY_SLOT, EMPTY_SLOT], [1, 2, EMPTY_SLOT]]))
+    assert placement.replicas(2) == [(1, 1)]
 
 
 def test_too_few_slots():

@@ -42,6 +42,16 @@ def test_optimal_shares_balance_a_replicated_expert():
     assert share.tolist() == pytest.approx([0.3, 1.0, 0.7, 1.0])
 
 
+def test_remembered_shares_are_the_callers_own():
+    """A table met again under the same loads gets its shares from memory: equal to the first answer, and
+    a copy that the caller may change without changing what the next caller gets."""
+    table, loads = np.array([[0, 1], [0, 2]]), np.array([100.0, 40.0, 0.0])
+    first = optimal_shares(table, loads)
+    first[:] = -1.0
+    assert optimal_shares(table, loads).tolist() == pytest.approx([0.3, 1.0, 0.7, 1.0])
+    assert optimal_shares(table, np.array([100.0, 0.0, 40.0])).tolist() == pytest.approx([0.7, 1.0, 0.3, 1.0])
+
+
 @pytest.mark.parametrize("solver", ["greedy", "local"])
 def test_uniform_loads_balance_perfectly(solver):
     loads = np.full(64, 100.0)

@@ -12,7 +12,8 @@ Names: ``E`` logical experts, ``R`` ranks, ``S`` slots per rank, ``P = R·S`` ph
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import functools
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -52,7 +53,6 @@ class ExpertPlacement:
     """[P] int64: logical expert in each physical slot, or ``EMPTY_SLOT``."""
     slot_share: np.ndarray
     """[P] float64: share of its expert's tokens the slot serves (0 for empty slots)."""
-    _replica_slots: tuple[tuple[int, ...], ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         slot_expert = np.asarray(self.slot_expert, dtype=np.int64).copy()
@@ -62,11 +62,16 @@ class ExpertPlacement:
         object.__setattr__(self, "slot_expert", slot_expert)
         object.__setattr__(self, "slot_share", slot_share)
         self._validate()
+
+    @functools.cached_property
+    def _replica_slots(self) -> tuple[tuple[int, ...], ...]:
+        """Each expert's physical slots, in slot order (built on first use: a solver makes many placements
+        and reads few of them this way)."""
         replicas: list[list[int]] = [[] for _ in range(self.num_experts)]
-        for slot, expert in enumerate(slot_expert.tolist()):
+        for slot, expert in enumerate(self.slot_expert.tolist()):
             if expert != EMPTY_SLOT:
                 replicas[expert].append(slot)
-        object.__setattr__(self, "_replica_slots", tuple(tuple(r) for r in replicas))
+        return tuple(tuple(r) for r in replicas)
 
     def _validate(self) -> None:
         e, r, s = self.num_experts, self.num_ranks, self.slots_per_rank
@@ -86,7 +91,7 @@ class ExpertPlacement:
         bad = self.slot_expert[used & ((self.slot_expert < 0) | (self.slot_expert >= e))]
         if bad.size:
             raise UserError(f"placement names expert {int(bad[0])}, outside 0..{e - 1}")
-        missing = np.setdiff1d(np.arange(e), self.slot_expert[used])
+        missing = np.flatnonzero(np.bincount(self.slot_expert[used], minlength=e) == 0)
         if missing.size:
             raise UserError(f"expert {int(missing[0])} has no slot; every expert needs at least one replica")
         if np.any(self.slot_share[~used] != 0.0) or np.any(self.slot_share[used] < 0.0):
@@ -95,11 +100,12 @@ class ExpertPlacement:
         off = np.flatnonzero(np.abs(totals - 1.0) > 1e-9)
         if off.size:
             raise UserError(f"replica shares of expert {int(off[0])} sum to {totals[off[0]]:.6g}, not 1")
-        ranks_of = self.slot_expert.reshape(r, s)
-        for rank in range(r):
-            row = ranks_of[rank][ranks_of[rank] != EMPTY_SLOT]
-            if np.unique(row).size != row.size:
-                raise UserError(f"rank {rank} holds two replicas of one expert; replicas must sit on distinct ranks")
+        # sorted rows: a repeat sits next to itself (empty slots sort first and are not repeats)
+        rows = np.sort(self.slot_expert.reshape(r, s), axis=1)
+        repeated = (rows[:, 1:] == rows[:, :-1]) & (rows[:, 1:] != EMPTY_SLOT)
+        if repeated.any():
+            rank = int(np.flatnonzero(repeated.any(axis=1))[0])
+            raise UserError(f"rank {rank} holds two replicas of one expert; replicas must sit on distinct ranks")
 
     # ---- construction -------------------------------------------------------------------------
 
