@@ -11,6 +11,8 @@ most tokens to experts 0-3, all on EP rank 0 in the contiguous layout):
   the losses are still the single-process ones, and the ETP checkpoint loads without ETP;
 * with the layers traced by ``torch.compile`` the balanced run keeps those losses and counts, its hooks
   shared by every MoE layer's graphs instead of a graph per layer;
+* each step's due solves are split over the EP ranks, and every rank takes the decisions it takes when it
+  runs every solve itself;
 * replicated experts in the dispatcher give the outputs of single replicas; flags that cannot run are
   refused before any process starts.
 
@@ -34,12 +36,19 @@ from rich.console import Console
 from moetrain.balance.placement import ExpertPlacement
 from moetrain.config import ModelConfig, ParallelConfig, TrainingConfig, load_model_config
 from moetrain.config.run import BalanceOptions, RunSpec
-from moetrain.distributed.balancing import BalancedRunSetup, BalancerTuning, build_balanced_run, moe_layers
+from moetrain.distributed.balancing import (
+    BalancedRunSetup,
+    BalancerTuning,
+    SplitSearches,
+    build_balanced_run,
+    moe_layers,
+)
 from moetrain.distributed.checkpoint import read_expert_placement
 from moetrain.distributed.ep import AllToAllDispatcher, ExpertTable, HierarchicalDispatcher, shard_experts
 from moetrain.distributed.layout import ParallelDims
 from moetrain.distributed.parallelize import apply_compile
 from moetrain.distributed.world import spawn
+from moetrain.errors import UserError
 from moetrain.models.dispatch import LocalDispatcher
 from moetrain.models.experts import GroupedExperts
 from moetrain.models.router import Routing, count_tokens_per_expert
@@ -102,6 +111,18 @@ class ReplicatedStartTrainer(Trainer):
         return run
 
 
+class EveryRankSolvesTrainer(Trainer):
+    """The balanced run of ``moetrain train --online-balance`` with every EP rank running every due solve, as
+    before the solves were split over the ranks."""
+
+    def build_run(self, model):
+        balance = self.spec.balance
+        setup = BalancedRunSetup(model=model, tuning=BalancerTuning(interval=balance.interval, horizon=balance.horizon,
+                                                                    split_searches=False))
+        run, self.balancer = build_balanced_run(self.dims, self.model_cfg, self.cfg, self.device, self.cluster, setup)
+        return run
+
+
 class TracedLayersTrainer(Trainer):
     """The balanced run with its layers under ``torch.compile``'s tracing, run by the ``eager`` backend: Dynamo
     decides how many graphs the balancer's hooks cost whatever the backend, and Inductor's compile time is
@@ -137,6 +158,7 @@ def _train(the_spec: RunSpec, dims: ParallelDims, trainer_class: type[Trainer] =
         "placements": [p.slot_expert.tolist() for p in balancer.placements],
         "migrations": balancer.migrations,
         "moved_slots": sum(d.num_moves for d in balancer.decisions if d.migrate),
+        "searched": None if balancer.searches is None else balancer.searches.searched,
     })
     return out
 
@@ -154,6 +176,7 @@ def _worker(rank: int, world_size: int, root: Path) -> dict:
     sharded = {name: ParallelDims.build(parallel, rank, EP) for name, parallel in SHARDED.items()}
     out = {"balanced": _train(spec(EP4, save_dir=str(root / "balanced"), save_every=SAVE_AT), ep4),
            "replicated": _train(spec(EP4), ep4, ReplicatedStartTrainer),
+           "every_rank_solves": _train(spec(EP4), ep4, EveryRankSolvesTrainer),
            "traced": _train(spec(EP4), ep4, TracedLayersTrainer)}
     out["saved_placement"] = read_expert_placement(checkpoint_dir(root / "balanced", SAVE_AT))
     _copy_checkpoint(ep4, root / "balanced", root / "resumed")
@@ -210,6 +233,26 @@ def test_migration_keeps_the_single_process_losses_and_evens_load(runs: list[dic
     kept = np.array([[contiguous.apply_to_tokens_per_expert(layer) for layer in step]
                      for step in balanced["tokens_per_expert"][1:]]).sum(axis=1)  # [step, EP rank]
     assert _imbalance(kept).min() > 1.5, _imbalance(kept)
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_the_ranks_split_the_solves_and_decide_as_each_would_alone(runs: list[dict]) -> None:
+    """Each due solve runs on one EP rank and its result reaches all: every rank holds the same decisions (its
+    peers' solve times included) and placements as when every rank runs every solve, and each solve ran once."""
+    def untimed(decisions: list[dict]) -> list[dict]:
+        return [{k: v for k, v in d.items() if k not in ("solve_ms", "solve_cpu_ms")} for d in decisions]
+
+    split, alone = [r["balanced"] for r in runs], [r["every_rank_solves"] for r in runs]
+    solves = len(split[0]["decisions"])
+    assert solves >= EP  # full re-plans of every MoE layer after steps 0, 2 and 4
+    assert all(r["decisions"] == split[0]["decisions"] for r in split)
+    for ours, theirs in zip(split, alone):
+        assert untimed(ours["decisions"]) == untimed(theirs["decisions"])
+        assert ours["placements"] == theirs["placements"]
+    assert sum(r["searched"] for r in split) == solves
+    assert max(r["searched"] for r in split) == -(-solves // EP)  # round robin over the run: 30 solves, 8/8/7/7
+    assert all(r["searched"] is None for r in alone)
 
 
 @pytest.mark.slow
@@ -329,6 +372,36 @@ def test_replicated_experts_dispatch_same_outputs() -> None:
     assert sum(single_rows) == sum(replicated_rows)
     assert replicated_rows[0] < single_rows[0]
     assert all(replicated_rows[rank] > single_rows[rank] for rank in (1, 2, 3))
+
+
+class _EchoRule:
+    """A rule whose search names the job it found, and fails on the job ``"bad"``."""
+
+    def search(self, job: str) -> str:
+        if job == "bad":
+            raise UserError("no placement for this layer")
+        return f"found {job}"
+
+
+def _split_worker(rank: int, world_size: int) -> tuple[list[str], str | None, int]:
+    searches = SplitSearches(dist.group.WORLD)
+    first = searches(_EchoRule(), ["a", "b", "c"])
+    raised = None
+    try:
+        searches(_EchoRule(), ["d", "bad"])
+    except UserError as error:
+        raised = str(error)
+    return first, raised, searches.searched
+
+
+@pytest.mark.dist
+def test_split_searches_reach_every_rank_and_so_does_a_failure() -> None:
+    """Round robin over the run: a, c then "bad" on rank 0; b then d on rank 1. Every rank gets every result,
+    and the solve that fails on rank 0 fails on rank 1 too, instead of leaving it waiting at the gather."""
+    results = spawn(_split_worker, 2)
+    assert [r[0] for r in results] == [["found a", "found b", "found c"]] * 2
+    assert [r[1] for r in results] == ["no placement for this layer"] * 2
+    assert [r[2] for r in results] == [3, 2]
 
 
 def test_physical_slots_split_tokens_by_replica_share() -> None:

@@ -60,10 +60,8 @@ One rule, shared by the trace replay (``balance.replay``) and the runtime
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from enum import StrEnum
-from functools import partial
 
 import numpy as np
 
@@ -346,7 +344,19 @@ class ReplanRule:
     ) -> tuple[Decision | None, ExpertPlacement]:
         """After ``ran`` (its loads run on its placement) has been absorbed by the predictor: check, and maybe
         solve. Returns the decision (None when no solve ran) and the placement for the next step (``ran``'s
-        unless the trigger fired or the shares changed)."""
+        unless the trigger fired or the shares changed). ``check``, ``search`` and ``finish`` in turn: a
+        caller with many layers may run the searches elsewhere (``distributed.balancing``)."""
+        job = self.check(ran, schedule, predictor, predictor_state)
+        if job is None:
+            return None, ran.placement
+        return self.finish(job, schedule, self.search(job))
+
+    def check(
+        self, ran: LayerStep, schedule: LayerSchedule, predictor: Predictor, predictor_state: dict[str, np.ndarray],
+    ) -> SolveJob | None:
+        """The cheap part after every step (rules 1, 2, 5, 6, and the solve's pricing): the solve the layer is
+        due, or None (keep ``ran.placement``, no decision). Updates ``schedule`` and, on a shift,
+        ``predictor_state``."""
         schedule.checks += 1
         current, actual = ran.placement, np.asarray(ran.loads, dtype=float)
         shift = self.adaptive and self.stall_remedies and schedule.observe_shift(actual)
@@ -365,7 +375,7 @@ class ReplanRule:
         early = False
         if not due:
             if not self.adaptive:
-                return None, current
+                return None
             forecast = predictor.forecast(predictor_state, self.forecast_steps(schedule))
             excess = self.excess_seconds(current, forecast)
             # what a re-plan could win back beyond the forecast's own noise, over the horizon
@@ -373,22 +383,13 @@ class ReplanRule:
                                                           - schedule.forecast_noise)
             if not recoverable > self.cheapest_move_seconds:
                 schedule.predicted_excess = excess
-                return None, current
+                return None
             early = True
         if schedule.last_solve is not None and self.adaptive:
             schedule.life = min(ran.step - schedule.last_solve, self.interval)
-        decision, adopted = self._solve(ran, schedule, partial(predictor.forecast, predictor_state), early)
-        return replace(decision, shift=shift), adopted
-
-    def _solve(
-        self, ran: LayerStep, schedule: LayerSchedule, forecast_over: Callable[[int], np.ndarray], early: bool,
-    ) -> tuple[Decision, ExpertPlacement]:
-        """Plan (incremental when ``early``, with the global fallback), then the trigger."""
-        current = ran.placement
-        lasting = self.lasting_steps(schedule)
         # a full re-plan serves until the next one (``interval`` steps); an incremental one until the next check
         window = self.forecast_steps(schedule) if early else min(self.interval, self.horizon)
-        forecast = forecast_over(window)
+        forecast = predictor.forecast(predictor_state, window)
         seconds_current = float(self.costs.layer_seconds(current, forecast))
         ideal = float(self.costs.ideal_layer_seconds(forecast))
         draws = count_noise_samples(forecast)
@@ -396,9 +397,21 @@ class ReplanRule:
         # the copies travel under the next step's compute; the solver's score assumes the least compute
         # any placement can have (the even one), the trigger the candidate's own
         pricing = _Pricing(self.costs, current, draws if count_noise else forecast,
-                           self.costs.ideal_overlap_window_seconds(forecast), lasting)
-        search = self._search(pricing, forecast, ideal + schedule.reference_excess + FALLBACK_GAP * ideal, early)
-        candidate, seconds_candidate = search.candidate, search.seconds
+                           self.costs.ideal_overlap_window_seconds(forecast), self.lasting_steps(schedule))
+        return SolveJob(ran, shift, early, window, forecast, seconds_current, ideal, count_noise, pricing,
+                        ideal + schedule.reference_excess + FALLBACK_GAP * ideal)
+
+    def search(self, job: SolveJob) -> SearchResult:
+        """The expensive part, the plan itself (incremental when ``job.early``, with the global fallback): reads
+        ``job`` only, so any process holding the same job finds the same placement."""
+        return self._search(job.pricing, job.forecast, job.fallback_above_s, job.early)
+
+    def finish(self, job: SolveJob, schedule: LayerSchedule, found: SearchResult) -> tuple[Decision, ExpertPlacement]:
+        """The trigger (rules 4 and 5) on ``found``: the decision and the placement for the next step; updates
+        ``schedule``."""
+        ran, pricing, forecast, ideal = job.ran, job.pricing, job.forecast, job.ideal
+        current, lasting = ran.placement, pricing.lasting
+        candidate, seconds_candidate = found.candidate, found.seconds
         moves = diff(current, candidate)
         saving = lasting * (pricing.seconds(current) - pricing.seconds(candidate))
         migration = self.costs.migration_seconds(moves, self.costs.overlap_window_seconds(candidate, forecast))
@@ -411,19 +424,19 @@ class ReplanRule:
         imbalance_current = float(current.imbalance(forecast))
         bound = imbalance_bound(forecast, current.num_ranks, current.slots_per_rank)
         reason = None if adopted is candidate else keep_reason(bool(moves), saving, noise, imbalance_current, bound)
-        schedule.reference_excess = (seconds_candidate if adopted is candidate else seconds_current) - ideal
+        schedule.reference_excess = (seconds_candidate if adopted is candidate else job.seconds_current) - ideal
         schedule.predicted_excess = schedule.reference_excess
         schedule.last_solve = ran.step
-        if not early:  # a fallback leaves the full re-plans' schedule as it was
+        if not job.early:  # a fallback leaves the full re-plans' schedule as it was
             schedule.last_full = ran.step
         decision = Decision(
             step=ran.step, layer=ran.layer, migrate=migrate, predicted_saving_s=saving, migration_s=migration,
             moves=tuple(moves), imbalance_current=imbalance_current,
-            imbalance_candidate=float(candidate.imbalance(forecast)), solve_ms=search.solve_s * 1e3,
-            solve_cpu_ms=search.solve_cpu_s * 1e3,
-            reshare=reshare, early=early, forecast_steps=window, lasting_steps=lasting,
-            gap_candidate=seconds_candidate / ideal - 1.0 if ideal > 0 else 0.0, fallback=search.fallback,
-            count_noise=count_noise, noise_s=noise, bound=bound, keep_reason=reason,
+            imbalance_candidate=float(candidate.imbalance(forecast)), solve_ms=found.solve_s * 1e3,
+            solve_cpu_ms=found.solve_cpu_s * 1e3,
+            reshare=reshare, early=job.early, forecast_steps=job.window, lasting_steps=lasting,
+            gap_candidate=seconds_candidate / ideal - 1.0 if ideal > 0 else 0.0, fallback=found.fallback,
+            count_noise=job.count_noise, noise_s=noise, bound=bound, keep_reason=reason, shift=job.shift,
         )
         return decision, adopted
 
@@ -438,7 +451,8 @@ class ReplanRule:
             and schedule.forecast_noise <= COUNT_NOISE_GATE * float(
                 np.mean(np.abs(self.costs.layer_seconds(current, draws) - seconds_current))))
 
-    def _search(self, pricing: _Pricing, forecast: np.ndarray, fallback_above_s: float, early: bool) -> _Search:
+    def _search(self, pricing: _Pricing, forecast: np.ndarray, fallback_above_s: float, early: bool,
+                ) -> SearchResult:
         """The solver's best candidate by ``pricing.score``, and its layer seconds on ``forecast``; an early solve
         whose incremental plan takes more than ``fallback_above_s`` also scores the placements from scratch."""
         current = pricing.current
@@ -464,7 +478,7 @@ class ReplanRule:
             solve_s += more_s
             if pricing.score(scratch) < pricing.score(candidate):
                 candidate, seconds = scratch, float(self.costs.layer_seconds(scratch, forecast))
-        return _Search(candidate, seconds, solve_s, time.process_time() - cpu_start, fallback)
+        return SearchResult(candidate, seconds, solve_s, time.process_time() - cpu_start, fallback)
 
 
 @dataclass(frozen=True)
@@ -498,7 +512,24 @@ class _Pricing:
 
 
 @dataclass(frozen=True)
-class _Search:
+class SolveJob:
+    """One layer's solve as the check left it (``ReplanRule.check``): the step it follows, why and over which
+    window it plans, the forecast and its prices, and above which time an incremental plan falls back."""
+
+    ran: LayerStep
+    shift: bool
+    early: bool
+    window: int
+    forecast: np.ndarray
+    seconds_current: float
+    ideal: float
+    count_noise: bool
+    pricing: _Pricing
+    fallback_above_s: float
+
+
+@dataclass(frozen=True)
+class SearchResult:
     """The candidate one solve found, its layer seconds on the forecast, the solve's wall and CPU time, and
     whether the global fallback ran."""
 

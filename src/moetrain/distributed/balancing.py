@@ -9,7 +9,9 @@
   last plan could pay a move, and a full re-plan every ``interval`` steps; the trigger compares the predicted
   saving over the next ``horizon`` steps with the cost model's time to move the experts' weights and
   optimizer state. Each solve is reported as a ``Decision``. Every rank of the stage sees the same loads and
-  runs the same deterministic solver, so all take the same decisions;
+  runs the same deterministic check; the solves a step is due are split over the EP group's ranks
+  (``SplitSearches``, round robin) and their results all-gathered, so all ranks take the same decisions for
+  the time of the busiest rank's share, not of every layer's solve;
 * **migration execution** (``moetrain.distributed.migration_executor``): the moved slots' weights land where
   the layer's experts first run in the next step, their fp32 master and AdamW moments follow as
   point-to-point pieces between the ZeRO shards that hold them, landed before the next optimizer update.
@@ -25,6 +27,7 @@ summation order differs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,7 +38,7 @@ from moetrain.balance.costs import BalanceCostModel
 from moetrain.balance.online import BALANCE_DEFAULTS, check_online_balance, default_slots_per_rank
 from moetrain.balance.placement import ExpertPlacement, Move
 from moetrain.balance.predict import Predictor
-from moetrain.balance.schedule import Decision, LayerSchedule, LayerStep, ReplanRule
+from moetrain.balance.schedule import Decision, LayerSchedule, LayerStep, ReplanRule, SearchResult, SolveJob
 from moetrain.config import ClusterConfig, ModelConfig, TrainingConfig
 from moetrain.config.model import moe_layer_indices
 from moetrain.distributed.ep import ExpertTable
@@ -52,7 +55,8 @@ from moetrain.models.attention import AttentionBackend
 from moetrain.models.transformer import MoETransformer, build_model
 
 __all__ = ["BalancePlanner", "BalancedRunSetup", "BalancerTuning", "LoadTelemetry", "OnlineExpertBalancer",
-           "ReplicaGradients", "ReplicaSyncedOptimizer", "StepLoads", "build_balanced_run", "moe_layers"]
+           "ReplicaGradients", "ReplicaSyncedOptimizer", "SplitSearches", "StepLoads", "build_balanced_run",
+           "moe_layers", "search_here"]
 
 
 class ReplicaSyncedOptimizer:
@@ -97,9 +101,53 @@ class PlannedStep:
     adopted: list[ExpertPlacement]
 
 
+def search_here(rule: ReplanRule, jobs: list[SolveJob]) -> list[SearchResult]:
+    """Every due solve in this process."""
+    return [rule.search(job) for job in jobs]
+
+
+@dataclass
+class SplitSearches:
+    """The due solves split over a process group, round robin over the whole run (the n-th solve of the run
+    goes to rank n mod size), and one all-gather of each step's results gives every rank all of them. Every
+    rank holds the same jobs (same loads, same check), so the ranks agree on the job count, on who searches
+    what and on each result; a step waits for the busiest rank's share, and over a run no rank runs more
+    than one solve beyond an even share."""
+
+    group: dist.ProcessGroup
+    searched: int = 0
+    """Solves this rank ran (the others came from its peers)."""
+    assigned: int = 0
+    """Solves handed out so far, the same count on every rank."""
+
+    def __call__(self, rule: ReplanRule, jobs: list[SolveJob]) -> list[SearchResult]:
+        if not jobs:
+            return []
+        size, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        mine = {index: _search_or_error(rule, job) for index, job in enumerate(jobs)
+                if (self.assigned + index) % size == rank}
+        self.assigned += len(jobs)
+        self.searched += len(mine)
+        gathered: list[dict[int, SearchResult | Exception] | None] = [None] * size
+        dist.all_gather_object(gathered, mine, group=self.group)
+        found = {index: result for part in gathered if part for index, result in part.items()}
+        failed = [result for result in found.values() if isinstance(result, Exception)]
+        if failed:
+            raise failed[0]  # on every rank, as when each ran every solve, not a peer left waiting
+        return [found[index] for index in range(len(jobs))]
+
+
+def _search_or_error(rule: ReplanRule, job: SolveJob) -> SearchResult | Exception:
+    try:
+        return rule.search(job)
+    except Exception as error:  # noqa: BLE001 - sent to the peers, raised on every rank after the gather
+        return error
+
+
 @dataclass
 class BalancePlanner:
-    """The decision part: predictor state, re-plan schedule and placement of every local MoE layer."""
+    """The decision part: predictor state, re-plan schedule and placement of every local MoE layer.
+    ``searches`` runs the step's due solves (default: all here; ``SplitSearches`` over the EP group)."""
 
     rule: ReplanRule
     predictor: Predictor
@@ -107,26 +155,33 @@ class BalancePlanner:
     placements: list[ExpertPlacement]
     schedules: list[LayerSchedule] = field(default_factory=list)
     predictor_states: list[dict[str, np.ndarray]] | None = None
+    searches: Callable[[ReplanRule, list[SolveJob]], list[SearchResult]] = search_here
 
     def __post_init__(self) -> None:
         if not self.schedules:
             self.schedules = [LayerSchedule() for _ in self.layer_ids]
 
     def plan(self, step: int, per_group: np.ndarray) -> PlannedStep:
-        """Absorb one step's loads [L, E] (of one EP group) and run the re-plan rule on every layer."""
+        """Absorb one step's loads [L, E] (of one EP group) and run the re-plan rule on every layer: the check
+        of each, then the due solves at once (``searches``), then each solve's trigger."""
         if self.predictor_states is None:
             self.predictor_states = [self.predictor.init_state(row) for row in per_group]
         else:
             for state, row in zip(self.predictor_states, per_group):
                 self.predictor.update(state, row)
+        jobs = [self.rule.check(LayerStep(step, layer, self.placements[index], per_group[index]),
+                                self.schedules[index], self.predictor, self.predictor_states[index])
+                for index, layer in enumerate(self.layer_ids)]
+        found = iter(self.searches(self.rule, [job for job in jobs if job is not None]))
         planned = PlannedStep([], [], [])
-        for index, layer in enumerate(self.layer_ids):
-            ran = LayerStep(step, layer, self.placements[index], per_group[index])
-            decision, adopted = self.rule.step(ran, self.schedules[index], self.predictor,
-                                               self.predictor_states[index])
-            if decision is not None:
-                planned.decisions.append(decision)
-            planned.moves_by_layer.append(list(decision.moves) if decision is not None and decision.migrate else [])
+        for index, job in enumerate(jobs):
+            if job is None:
+                planned.moves_by_layer.append([])
+                planned.adopted.append(self.placements[index])
+                continue
+            decision, adopted = self.rule.finish(job, self.schedules[index], next(found))
+            planned.decisions.append(decision)
+            planned.moves_by_layer.append(list(decision.moves) if decision.migrate else [])
             planned.adopted.append(adopted)
         return planned
 
@@ -193,6 +248,9 @@ class BalancerTuning:
     defer_weights: bool = True
     defer_optimizer_state: bool = True
     overlap_replica_rings: bool = True
+    split_searches: bool = True
+    """Split each step's due solves over the EP group's ranks (``SplitSearches``); False: every rank runs
+    every solve (the same decisions, for comparison)."""
 
 
 @dataclass(frozen=True)
@@ -238,8 +296,10 @@ class OnlineExpertBalancer:
         self.telemetry = LoadTelemetry(model, tuning.time_experts)
         initial = ExpertPlacement.from_slot_experts(model.cfg.moe.num_experts,
                                                     np.array(self.stage.expert_table.experts_by_rank))
+        self.searches = SplitSearches(self.ep_group) if tuning.split_searches else None
         self.planner = BalancePlanner(rule, tuning.predictor, [layer for layer, _ in self.telemetry.layers],
-                                      [initial for _ in self.telemetry.layers])
+                                      [initial for _ in self.telemetry.layers],
+                                      searches=self.searches or search_here)
         self.executor = MigrationExecutor(self.stage, self.optimizer, self.costs, self.telemetry.layers)
         self.replicas = ReplicaGradients(self.telemetry.layers, self.ep_group, dims.size("edp"), self.device,
                                          overlap=self.costs.overlap_replica_rings)
