@@ -2,8 +2,8 @@
 
 CUDA (bf16, Pangu-shaped layers scaled to one GPU): device memory the forward leaves allocated for
 backward (above weights and gradients; the peak through backward beside it) and step time, for none /
-selective / swap (attention and MoE saved tensors to pinned host memory) / full / auto at a budget
-fraction, with the device↔host bandwidth measured for the policy's swap costs.
+selective / swap (attention and MoE saved tensors to pinned host memory; compiled: whole layers) / full /
+auto at a budget fraction, with the device↔host bandwidth measured for the policy's swap costs.
 CPU (fp32, tiny-pangu, a smoke run): bytes kept for backward (``ActivationMeter``) and step time.
 
     python benchmarks/memory_policy.py --device cpu --model tiny-pangu --seq-len 256 --budget-fraction 0.3
@@ -11,9 +11,10 @@ CPU (fp32, tiny-pangu, a smoke run): bytes kept for backward (``ActivationMeter`
     python benchmarks/memory_policy.py --device cuda --compile                 # writes memory_<gpu>_compiled.json
 
 ``--compile`` compiles every decoder layer (``moetrain.distributed.parallelize.apply_compile``) with the
-policy's checkpoint wrappers inside (``apply_memory_policy(..., compiled=True)``); compiled layers run no
-swap, so ``auto`` chooses among the recompute options and the swap run is left out. Each model is compiled
-afresh, and its first step (the compilation) is a warm-up step. Writes
+policy's checkpoint wrappers inside (``apply_memory_policy(..., compiled=True)``); compiled layers swap
+whole (``swap_layer``), so ``auto`` chooses among the recompute options and ``swap_layer``, and the swap run
+swaps every layer whole. Each model is compiled afresh, and its first step (the compilation) is a warm-up
+step. Writes
 ``benchmarks/results/memory_<device>[_compiled].json`` with the command, commit and machine.
 """
 
