@@ -13,7 +13,10 @@ Runs from the same weights and batches:
   predicted saving over ``--horizon`` steps beats the cost model's migration time (margin 1). Moved
   experts' weights travel during the next step until their layer's experts run, their optimizer state
   until the next optimizer update;
-* ``stop_the_world``: the same, with everything landing before the next step begins.
+* ``stop_the_world``: the same, with everything landing before the next step begins;
+* ``every_rank_solves``: ``balanced`` with every rank running every due solve itself, as before the solves
+  were split over the EP ranks (``BalancerTuning.split_searches``): the same decisions, and the host time
+  after each step (check, solves, posting the moves), slowest rank, beside ``balanced``'s.
 
 For each migration it reports the host time of posting the copies, of the waits for the weights to
 land and of the wait for the state to land: deferred, the waits are what the next step's compute did
@@ -67,20 +70,21 @@ class _BenchTrainer(Trainer):
     """``moetrain train --online-balance``'s trainer with the benchmark's balancer options: the trigger
     margin (∞: observe only), the experts' host timing and whether moves land at once."""
 
-    def __init__(self, *args, trigger_margin: float, defer: bool, **kwargs) -> None:
-        self.trigger_margin, self.defer = trigger_margin, defer
+    def __init__(self, *args, trigger_margin: float, defer: bool, split: bool, **kwargs) -> None:
+        self.trigger_margin, self.defer, self.split = trigger_margin, defer, split
         super().__init__(*args, **kwargs)
 
     def build_run(self, model):
         balance = self.spec.balance
         tuning = BalancerTuning(interval=balance.interval, horizon=balance.horizon, trigger_margin=self.trigger_margin,
-                                time_experts=True, defer_weights=self.defer, defer_optimizer_state=self.defer)
+                                time_experts=True, defer_weights=self.defer, defer_optimizer_state=self.defer,
+                                split_searches=self.split)
         run, self.balancer = build_balanced_run(self.dims, self.model_cfg, self.cfg, self.device, self.cluster,
                                                 BalancedRunSetup(model=model, tuning=tuning))
         return run
 
 
-def _run(dims: ParallelDims, args: argparse.Namespace, balance: bool, defer: bool = True) -> dict:
+def _run(dims: ParallelDims, args: argparse.Namespace, balance: bool, defer: bool = True, split: bool = True) -> dict:
     model_cfg = _model_config()
     training = TrainingConfig(steps=args.steps, global_batch=args.global_batch, micro_batch=args.micro_batch,
                               seq_len=args.seq_len, warmup_steps=2)
@@ -95,7 +99,7 @@ def _run(dims: ParallelDims, args: argparse.Namespace, balance: bool, defer: boo
                         "ranks_per_node": ep},
                    balance={"enabled": True, "interval": args.interval, "horizon": args.horizon})
     supplied = SuppliedParts(dims=dims, model_cfg=model_cfg, model=model, console=Console(file=io.StringIO()))
-    trainer = _BenchTrainer(spec, supplied, trigger_margin=1.0 if balance else float("inf"), defer=defer)
+    trainer = _BenchTrainer(spec, supplied, trigger_margin=1.0 if balance else float("inf"), defer=defer, split=split)
     balancer = trainer.balancer
     trainer.run.stage.model.train()
     losses, step_seconds, balance_seconds, ran_with = [], [], [], []
@@ -145,7 +149,12 @@ def _predicted_expert_seconds(balancer, loads, placements) -> list[float]:
 def _bench(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     dims = ParallelDims.build(ParallelConfig(dp=world_size, ep=world_size), rank, world_size)
     return {"static": _run(dims, args, balance=False), "balanced": _run(dims, args, balance=True),
-            "stop_the_world": _run(dims, args, balance=True, defer=False)}
+            "stop_the_world": _run(dims, args, balance=True, defer=False),
+            "every_rank_solves": _run(dims, args, balance=True, split=False)}
+
+
+def _untimed(decisions: list[dict]) -> list[dict]:
+    return [{k: v for k, v in d.items() if k not in ("solve_ms", "solve_cpu_ms")} for d in decisions]
 
 
 def _mean_timing(run: dict, part: str) -> float:
@@ -225,6 +234,14 @@ def main() -> None:
                                        for i in range(len(results[run]["migration_timings"]))] or [0.0]))
                   for part in ("moved", "weights_landed", "landed")}
             for run in ("balanced", "stop_the_world")},
+        # the host time after each step (check, solves, posting the moves), slowest rank, mean over the steps
+        # with a solve, split over the ranks or not; and whether the two took the same decisions
+        "balance_seconds_slowest_rank": {
+            run: float(np.mean([max(r[run]["balance_seconds"][step] for r in per_rank)
+                                for step in sorted({d["step"] for d in results[run]["decisions"]})] or [0.0]))
+            for run in ("balanced", "every_rank_solves")},
+        "every_rank_solves_same_decisions": _untimed(balanced["decisions"])
+        == _untimed(results["every_rank_solves"]["decisions"]),
     }
     for name in ("static", "balanced", "stop_the_world"):
         s = summary[name]
@@ -243,6 +260,10 @@ def main() -> None:
     for run, parts in summary["migration_seconds_slowest_rank"].items():
         print(f"{run:14s} per migration (slowest rank): posted {parts['moved'] * 1e3:.2f} ms, weights landing "
               f"wait {parts['weights_landed'] * 1e3:.2f} ms, state landing wait {parts['landed'] * 1e3:.2f} ms")
+    after = summary["balance_seconds_slowest_rank"]
+    print(f"after a step with solves (slowest rank, mean): split over the ranks {after['balanced'] * 1e3:.1f} ms, "
+          f"every rank solving all {after['every_rank_solves'] * 1e3:.1f} ms; same decisions: "
+          f"{summary['every_rank_solves_same_decisions']}")
     print(f"max relative loss difference: {relative:.2e}")
     if args.out:
         write_result(args.out, summary)
