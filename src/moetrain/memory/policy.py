@@ -24,6 +24,7 @@ from typing import Literal
 from moetrain.config.model import MLAConfig, ModelConfig
 from moetrain.costs.activations import (
     ALL_OPTIONS,
+    RECOMPUTE_OPTIONS,
     SELECTIVE_OPTIONS,
     SWAP_OPTIONS,
     ActivationShape,
@@ -110,7 +111,7 @@ class _Costs:
         return flops / self.speed.flops_per_s
 
     def option_s(self, moe: bool, option: str) -> float:
-        """Seconds one option adds to one layer's step (alone)."""
+        """Seconds one recompute option adds to one layer's step (alone; swap: ``swap_s``)."""
         m, d, s = self.shape.model, self.shape.dtype_bytes, self.speed
         tokens = self.shape.seq_len * self.shape.micro_batch
         h = m.hidden_size
@@ -139,9 +140,7 @@ class _Costs:
             return flops / s.flops_per_s + elementwise(10 * tokens * h * d)
         if option == "layer":
             return self.layer_forward_s(moe) + elementwise(30 * tokens * h * d)
-        if option in SWAP_OPTIONS:
-            return self.swap_s(moe, self.bytes(moe, frozenset({option}))[1])
-        raise ValueError(f"unknown memory option {option!r}; choose from {list(ALL_OPTIONS)}")
+        raise ValueError(f"unknown recompute option {option!r}; choose from {list(RECOMPUTE_OPTIONS)} (swap: swap_s)")
 
     def swap_s(self, moe: bool, swapped_bytes: float) -> float:
         """Seconds a layer's host copies add: what the link needs beyond the compute it hides under (out

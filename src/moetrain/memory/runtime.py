@@ -389,21 +389,23 @@ def apply_memory_policy(model: nn.Module, plan: MemoryPlan, min_swap_numel: int 
         if compiled:
             _apply_to_compiled_layer(layer, frozenset(options), applied)
             if "swap_layer" in options and "layer" not in options:
-                _swap_around_compiled_layer(layer, index, manager, applied)
+                _hooks_around_layer(layer, index, manager, applied, swap=True)
         else:
             _apply_to_layer(layer, index, frozenset(options), manager, applied)
     return applied
 
 
-def _swap_around_compiled_layer(layer: nn.Module, index: int, manager: SavedTensorManager,
-                                applied: AppliedPolicy) -> None:
-    """The manager's hooks, in swap mode, around the layer's compiled call (module doc)."""
+def _hooks_around_layer(layer: nn.Module, index: int, manager: SavedTensorManager, applied: AppliedPolicy,
+                        swap: bool) -> None:
+    """The manager's hooks open while the layer runs (``swap``: everything it saves goes to host, unless a
+    region inside says otherwise). Kept out of a compiled layer's graph, whose saved tensors reach them as
+    its compiled function returns (module doc); eager layers run them as they are."""
     contexts: list = []
 
     @torch.compiler.disable
     def enter(module, args) -> None:
         manager.enter_layer(index)
-        manager.state.swap_region.append(True)
+        manager.state.swap_region.append(swap)
         context = manager.hooks()
         context.__enter__()
         contexts.append(context)
@@ -471,20 +473,8 @@ def _apply_to_layer(layer: nn.Module, index: int, options: frozenset[str], manag
     if "layer" in options:
         _override(layer, "forward", _recompute_wrapper, applied.overrides)
         return
-    hooks: list = []
-
-    def enter(module, args) -> None:
-        manager.enter_layer(index)
-        context = manager.hooks()
-        context.__enter__()
-        hooks.append(context)
-
-    def leave(module, args, output) -> None:
-        hooks.pop().__exit__(None, None, None)
-        manager.end_layer()
-
-    applied.handles.append(layer.register_forward_pre_hook(enter))
-    applied.handles.append(layer.register_forward_hook(leave, always_call=True))
+    swap_layer = "swap_layer" in options
+    _hooks_around_layer(layer, index, manager, applied, swap=swap_layer)
 
     def region(module: nn.Module, swap: bool) -> None:
         def push(mod, args) -> None:
@@ -496,9 +486,6 @@ def _apply_to_layer(layer: nn.Module, index: int, options: frozenset[str], manag
         applied.handles.append(module.register_forward_pre_hook(push))
         applied.handles.append(module.register_forward_hook(pop, always_call=True))
 
-    swap_layer = "swap_layer" in options
-    if swap_layer:
-        region(layer, True)  # the attention and MoE regions below would only repeat it
     attention = layer.attention
     producer = _producer_wrapper(manager)
     if "attention" in options:
