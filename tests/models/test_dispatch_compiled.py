@@ -2,12 +2,14 @@
 unpermute, compiled, equal the formula's. torch 2.11's Dynamo gave an autograd.Function whose forward
 returns a no-op cast (``.to`` its own dtype: the same tensor object) a zero gradient, so the fp32 combine
 once lost every expert and gating gradient of a compiled MoE layer (tests/gpu on the H200). Dynamo's own
-backends (``eager``, ``aot_eager``) show it without Inductor's compile time."""
+backends (``eager``, ``aot_eager``) show it without Inductor's compile time; Inductor runs the sums the
+compiler is given (the top-k terms added one by one), which the last test checks are element-wise."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch._functorch.aot_autograd import aot_module_simplified
 
 from moetrain.models import permute, unpermute
 from moetrain.models.router import Routing, count_tokens_per_expert
@@ -26,7 +28,7 @@ def _scaled_round_trip(x_TD: torch.Tensor, weights_TK: torch.Tensor, expert_ids_
 
 
 @pytest.mark.parametrize(("backend", "dtype"), [("eager", torch.float32), ("aot_eager", torch.float32),
-                                                ("eager", torch.bfloat16)])
+                                                ("eager", torch.bfloat16), ("inductor", torch.float32)])
 def test_compiled_permute_and_combine_give_the_formula_gradients(backend, dtype):
     gen = torch.Generator().manual_seed(0)
     expert_ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOP_K] for _ in range(TOKENS)])
@@ -44,3 +46,40 @@ def test_compiled_permute_and_combine_give_the_formula_gradients(backend, dtype)
     torch.testing.assert_close(out.detach().float(), x32 * (weights.detach() * s_TK).sum(1, keepdim=True), **tol)
     torch.testing.assert_close(x.grad.float(), grad_out * (weights.detach() * s_TK).sum(1, keepdim=True), **tol)
     torch.testing.assert_close(weights.grad, s_TK * (grad_out * x32).sum(1, keepdim=True), **tol)
+
+
+def _reductions(graph: torch.fx.Graph) -> list[tuple[tuple[int, ...], list[int]]]:
+    """(input shape, reduced dims) of every sum in an ATen graph."""
+    found = []
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in (torch.ops.aten.sum.dim_IntList, torch.ops.aten.sum.default):
+            shape = tuple(node.args[0].meta["val"].shape)
+            dims = node.args[1] if len(node.args) > 1 else list(range(len(shape)))
+            found.append((shape, [d % len(shape) for d in dims]))
+    return found
+
+
+def test_compiled_top_k_sums_are_element_wise_not_reductions_over_k():
+    """The compiled forward and backward graphs of permute → experts → unpermute sum no [T, K, D] block over
+    its K dimension (a strided reduction the H200 ran at a sixth of the memory bandwidth): the combine and
+    the token gradients add their K gathered rows term by term. The one reduction left over a [T, K, D]
+    block, the gating weights' gradient ⟨g_t, y_row⟩, runs along D."""
+    graphs = []
+
+    def capture(gm: torch.fx.GraphModule, example_inputs):
+        graphs.append(gm.graph)
+        return gm
+
+    def backend(gm, example_inputs):
+        return aot_module_simplified(gm, example_inputs, fw_compiler=capture, bw_compiler=capture)
+
+    gen = torch.Generator().manual_seed(0)
+    expert_ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOP_K] for _ in range(TOKENS)])
+    x = torch.randn(TOKENS, HIDDEN, generator=gen, requires_grad=True)
+    weights = torch.rand(TOKENS, TOP_K, generator=gen, requires_grad=True)
+    torch._dynamo.reset()
+    out = torch.compile(_scaled_round_trip, backend=backend)(x, weights, expert_ids, torch.ones(EXPERTS))
+    out.sum().backward()
+    assert len(graphs) == 2  # forward, backward
+    blocks = [(shape, dims) for graph in graphs for shape, dims in _reductions(graph) if len(shape) == 3]
+    assert blocks == [((TOKENS, TOP_K, HIDDEN), [2])], blocks

@@ -17,6 +17,7 @@ dispatcher can have several micro-batches in flight (no per-call state on ``self
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -59,7 +60,25 @@ def in_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def sum_gathered_rows(rows_RD: torch.Tensor, index_TJ: torch.Tensor) -> torch.Tensor:
     """out_t = Σ_j rows[index_tj] in fp32 (float64 stays float64; the caller rounds once): a gather, so
     no scatter-add, no atomics and the same sums in every run."""
-    return rows_RD[index_TJ].sum(1, dtype=torch.promote_types(rows_RD.dtype, torch.float32))
+    dtype = torch.promote_types(rows_RD.dtype, torch.float32)
+    if torch.compiler.is_compiling():
+        return _sum_of_terms(lambda j: rows_RD[index_TJ[:, j]].to(dtype), index_TJ.shape[1])
+    return rows_RD[index_TJ].sum(1, dtype=dtype)
+
+
+def _sum_of_terms(term: Callable[[int], torch.Tensor], count: int) -> torch.Tensor:
+    """term(0) + term(1) + ... + term(count − 1), written out for the compiler.
+
+    Compiled, a sum over the j of a gathered [T, J, D] block is a reduction over its middle, strided
+    dimension; on the H200 the compiled step's two such kernels (the token gradients of the dispatch, the
+    weighted combine) ran at about a sixth of the memory bandwidth, a quarter of the dispatch's plain
+    gather's rate (benchmarks/notes/training.md, "One GPU slot"). Written as J gathered terms added in
+    turn, the sum is element-wise over [T, D]: one kernel whose J loads each read a row along its length.
+    Eager keeps the gather and one sum (two kernels, where the terms would take 2·J)."""
+    total = term(0)
+    for j in range(1, count):
+        total = total + term(j)
+    return total
 
 
 class _CopyRows(torch.autograd.Function):
@@ -89,6 +108,10 @@ class _WeightedCombine(torch.autograd.Function):
                 inverse_P: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(y_PD, weights_TK, order_P, inverse_P)
         tokens, top_k = weights_TK.shape
+        if torch.compiler.is_compiling():
+            row_TK = inverse_P.view(tokens, top_k)
+            out_TD = _sum_of_terms(lambda k: y_PD[row_TK[:, k]].float() * weights_TK[:, k, None], top_k)
+            return in_dtype(out_TD, y_PD.dtype)
         rows_TKD = y_PD[inverse_P].view(tokens, top_k, y_PD.shape[-1])
         return in_dtype((rows_TKD.float() * weights_TK.unsqueeze(-1)).sum(1), y_PD.dtype)
 
