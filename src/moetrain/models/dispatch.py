@@ -57,13 +57,19 @@ def in_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x if x.dtype == dtype else x.to(dtype)
 
 
-def sum_gathered_rows(rows_RD: torch.Tensor, index_TJ: torch.Tensor) -> torch.Tensor:
-    """out_t = Σ_j rows[index_tj] in fp32 (float64 stays float64; the caller rounds once): a gather, so
-    no scatter-add, no atomics and the same sums in every run."""
+def sum_gathered_rows(rows_RD: torch.Tensor, index_TJ: torch.Tensor,
+                      weights_TJ: torch.Tensor | None = None) -> torch.Tensor:
+    """out_t = Σ_j w_tj · rows[index_tj] (w = 1 without ``weights_TJ``) in fp32 (float64 stays float64; the
+    caller rounds once): a gather, so no scatter-add, no atomics and the same sums in every run."""
     dtype = torch.promote_types(rows_RD.dtype, torch.float32)
     if torch.compiler.is_compiling():
-        return _sum_of_terms(lambda j: rows_RD[index_TJ[:, j]].to(dtype), index_TJ.shape[1])
-    return rows_RD[index_TJ].sum(1, dtype=dtype)
+        def term(j: int) -> torch.Tensor:
+            row_TD = rows_RD[index_TJ[:, j]].to(dtype)
+            return row_TD if weights_TJ is None else row_TD * weights_TJ[:, j, None]
+        return _sum_of_terms(term, index_TJ.shape[1])
+    if weights_TJ is None:
+        return rows_RD[index_TJ].sum(1, dtype=dtype)
+    return (rows_RD[index_TJ].to(dtype) * weights_TJ.unsqueeze(-1)).sum(1)
 
 
 def _sum_of_terms(term: Callable[[int], torch.Tensor], count: int) -> torch.Tensor:
@@ -107,13 +113,7 @@ class _WeightedCombine(torch.autograd.Function):
     def forward(ctx, y_PD: torch.Tensor, weights_TK: torch.Tensor, order_P: torch.Tensor,
                 inverse_P: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(y_PD, weights_TK, order_P, inverse_P)
-        tokens, top_k = weights_TK.shape
-        if torch.compiler.is_compiling():
-            row_TK = inverse_P.view(tokens, top_k)
-            out_TD = _sum_of_terms(lambda k: y_PD[row_TK[:, k]].float() * weights_TK[:, k, None], top_k)
-            return in_dtype(out_TD, y_PD.dtype)
-        rows_TKD = y_PD[inverse_P].view(tokens, top_k, y_PD.shape[-1])
-        return in_dtype((rows_TKD.float() * weights_TK.unsqueeze(-1)).sum(1), y_PD.dtype)
+        return in_dtype(sum_gathered_rows(y_PD, inverse_P.view(weights_TK.shape), weights_TK), y_PD.dtype)
 
     @staticmethod
     def backward(ctx, grad_TD: torch.Tensor):
