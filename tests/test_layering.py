@@ -3,7 +3,7 @@
 Every ``moetrain`` import is read with ``ast``, at module level and inside functions alike (an import in
 a function is still a dependency; it only runs later). The packages sit in layers, lowest first: the
 errors and small shared modules, the torch-free configs, cost formulas, planner and balancing policy,
-then the runtime (models and data, memory, the runtime base, the distributed layer, the training loop),
+then the runtime (models and data, the runtime base, memory, the distributed layer, the training loop),
 Hugging Face interop, RL, and the command line on top. A package imports only from layers below its own
 (or from itself); siblings in one layer do not import each other. On top of that: no import cycle between
 packages, nor between the modules of one package, no private name (``_x``) imported from another
@@ -27,8 +27,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("planner",),  # simulator and search: no torch
     ("balance",),  # load prediction, placement, migration policy (prices with the planner's formulas)
     ("models", "data"),  # the runtime starts here: torch modules; corpus and tokenizer
+    ("runtime_base",),  # what the runtime's parts share: precision, optimizer, host memory, ckpt files
     ("memory",),  # recompute/swap policy and activation measurement on the models
-    ("runtime_base",),  # what distributed and train share: precision, optimizer, host memory, ckpt files
     ("distributed",),  # parallel layout, the step, collectives, DCP checkpoints, launcher
     ("train",),  # the one training loop and the rank that runs it
     ("hf",),  # Hugging Face checkpoints in and out

@@ -44,6 +44,7 @@ from moetrain.distributed.trace import record_async, span
 from moetrain.models.dispatch import PermuteMeta, in_dtype, permute_by, sum_gathered_rows, unpermute
 from moetrain.models.experts import GroupedExperts
 from moetrain.models.router import Routing, count_tokens_per_expert
+from moetrain.runtime_base.eager_only import eager_only
 
 # Fractional part of t·(√5−1)/2: a low-discrepancy sequence, so any subset of a rank's tokens (those
 # routed to one hot expert) splits among the expert's replicas close to their shares.
@@ -153,7 +154,7 @@ class PendingDispatch:
     """With a count exchange over the EP × ETP ranks: tokens per local slot received by each ETP member
     (this rank's included), already on the host, so the ETP gather needs no exchange of its own."""
 
-    @torch.compiler.disable  # host-side split sizes: stays eager under a compiled block
+    @eager_only  # host-side split sizes: stays eager under a compiled block
     def finish(self) -> tuple[torch.Tensor, torch.Tensor, object]:
         return self.reorder(self.exchange.wait())
 
@@ -185,7 +186,7 @@ class AllToAllDispatcher:
     def dispatch(self, x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, FlatDispatchMeta]:
         return self.start_dispatch(x_TD, routing).finish()
 
-    @torch.compiler.disable  # host-side split sizes: stays eager under a compiled block
+    @eager_only  # host-side split sizes: stays eager under a compiled block
     def start_dispatch(self, x_TD: torch.Tensor, routing: Routing) -> PendingDispatch:
         table, rank = self.table, self.ep_rank
         num_ranks, slots = table.num_ranks, table.slots_per_rank
@@ -216,7 +217,7 @@ class AllToAllDispatcher:
         return PendingDispatch(exchange, lambda received: (received[to_canonical_t], tokens_per_local, meta),
                                tokens_per_local, member_counts_GS)
 
-    @torch.compiler.disable  # host-side split sizes: stays eager under a compiled block
+    @eager_only  # host-side split sizes: stays eager under a compiled block
     def combine(self, y_PD: torch.Tensor, meta: FlatDispatchMeta) -> torch.Tensor:
         returned = all_to_all(y_PD[meta.from_canonical], meta.in_splits, meta.out_splits, self.group, "a2a_combine")
         with span("unpermute"):
@@ -319,7 +320,7 @@ class HierarchicalDispatcher:
                  routing: Routing) -> tuple[torch.Tensor, torch.Tensor, HierarchicalDispatchMeta]:
         return self.start_dispatch(x_TD, routing).finish()
 
-    @torch.compiler.disable  # host-side split sizes: stays eager under a compiled block
+    @eager_only  # host-side split sizes: stays eager under a compiled block
     def start_dispatch(self, x_TD: torch.Tensor, routing: Routing) -> PendingDispatch:
         """Runs hop 1 and issues hop 2 (what can overlap the caller's next work)."""
         table, rank = self.table, self.ep_rank
@@ -383,7 +384,7 @@ class HierarchicalDispatcher:
         return PendingDispatch(exchange, lambda received: (received[to_canonical_t], tokens_per_local, meta),
                                tokens_per_local)
 
-    @torch.compiler.disable  # host-side split sizes: stays eager under a compiled block
+    @eager_only  # host-side split sizes: stays eager under a compiled block
     def combine(self, y_PD: torch.Tensor, meta: HierarchicalDispatchMeta) -> torch.Tensor:
         back = all_to_all(y_PD[meta.from_canonical], meta.intra_in, meta.intra_out, self.intra_group,
                           "a2a_combine_intra")

@@ -45,6 +45,7 @@ from moetrain.distributed.trace import record_async, span
 from moetrain.models.dispatch import ReadyDispatch
 from moetrain.models.moe import Dispatcher
 from moetrain.models.router import Routing
+from moetrain.runtime_base.eager_only import eager_only
 
 
 @dataclass(frozen=True)
@@ -132,7 +133,7 @@ class PendingExpertTensorParallelDispatch:
     counts: _PendingCounts | _KnownCounts | None
     group: dist.ProcessGroup
 
-    @torch.compiler.disable  # host-side split sizes: stays eager under a compiled block
+    @eager_only  # host-side split sizes: stays eager under a compiled block
     def finish(self) -> tuple[torch.Tensor, torch.Tensor, ExpertTensorParallelMeta]:
         tokens_PD, tokens_per_local, inner_meta = self.inner.finish()  # type: ignore[attr-defined]
         counts = self.counts if self.counts is not None else _PendingCounts(tokens_per_local, self.group)
@@ -163,7 +164,7 @@ class ExpertTensorParallelDispatcher:
         if hasattr(self.inner, "table"):
             self.inner.table = table
 
-    @torch.compiler.disable  # host-side split sizes: stays eager under a compiled block
+    @eager_only  # host-side split sizes: stays eager under a compiled block
     def start_dispatch(self, x_TD: torch.Tensor, routing: Routing) -> PendingExpertTensorParallelDispatch:
         pending = self.inner.start_dispatch(x_TD, routing)
         members = getattr(pending, "member_counts_GS", None)
@@ -177,7 +178,7 @@ class ExpertTensorParallelDispatcher:
                  routing: Routing) -> tuple[torch.Tensor, torch.Tensor, ExpertTensorParallelMeta]:
         return self.start_dispatch(x_TD, routing).finish()
 
-    @torch.compiler.disable  # host-side split sizes: stays eager under a compiled block
+    @eager_only  # host-side split sizes: stays eager under a compiled block
     def combine(self, y_PD: torch.Tensor, meta: ExpertTensorParallelMeta) -> torch.Tensor:
         own_PD = reduce_scatter_expert_outputs(y_PD, meta, self.group)
         return self.inner.combine(own_PD, meta.inner)

@@ -18,6 +18,7 @@ from torch import nn
 
 from moetrain.balance.placement import ExpertPlacement
 from moetrain.errors import UserError
+from moetrain.runtime_base.eager_only import eager_only
 
 
 def moe_layers(model: nn.Module) -> list[tuple[int, nn.Module]]:
@@ -123,11 +124,11 @@ class _ExpertTimer:
     seconds: float = 0.0
 
 
-@torch.compiler.disable  # the host clock, read as the experts start and end: never inside a compiled graph
+@eager_only  # the host clock, read as the experts start and end: never inside a compiled graph
 def _start_timer(experts: nn.Module, args: tuple) -> None:
     experts.load_timer.started = time.perf_counter()
 
 
-@torch.compiler.disable
+@eager_only
 def _stop_timer(experts: nn.Module, args: tuple, output) -> None:
     experts.load_timer.seconds += time.perf_counter() - experts.load_timer.started

@@ -26,6 +26,7 @@ from moetrain.distributed.migration import PendingCopies, ShardedSlots, post_exp
 from moetrain.distributed.parallelize import StageModel
 from moetrain.distributed.trace import span
 from moetrain.distributed.zero import ZeroAdamW
+from moetrain.runtime_base.eager_only import eager_only
 
 EXPERT_WEIGHTS = ("w_gate_EDF", "w_up_EDF", "w_down_EFD")
 
@@ -131,7 +132,7 @@ class MigrationExecutor:
         self._land_state()
 
 
-@torch.compiler.disable
+@eager_only
 def _land_moved_weights(experts: nn.Module, args: tuple) -> None:
     # One hook for every layer (its layer is the partial's): a lambda closing over the layer's index made
     # torch.compile guard on the index and build a graph per layer. Disabled, since it waits on copies.

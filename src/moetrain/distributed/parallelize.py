@@ -142,7 +142,7 @@ def apply_compile(model: MoETransformer, backend: str = "inductor") -> int:
     torchtitan does per transformer block: each layer's norms, rotary, router scoring, permutation and
     SwiGLU fuse into a few kernels, and the layers share one compiled graph (same code, parameters as
     inputs). Expert-parallel exchanges, whose split sizes the host reads, are kept out of the graph
-    (``torch.compiler.disable`` on the dispatchers); at EP = 1 a layer compiles whole. ``backend``: torch's
+    (``eager_only`` on the dispatchers); at EP = 1 a layer compiles whole. ``backend``: torch's
     compiler backend, ``aot_eager`` or ``eager`` to tell a fault of Inductor's kernels from one of the
     tracing (``benchmarks/compiled_grad_check.py``). Returns the number of layers compiled."""
     layers = list(model.layers.values()) if isinstance(model.layers, nn.ModuleDict) else list(model.layers)

@@ -30,7 +30,7 @@ producer, ``router``, ``attention`` and ``layer`` their block, and ``permute`` t
 expert order (local dispatch only: under expert parallelism the tokens come from other ranks).
 A compiled layer saves its tensors when its compiled function returns, through the saved-tensor hooks
 active around it: ``swap_layer`` opens them in a forward pre-hook and closes them in a forward hook, both
-kept out of the graph (``torch.compiler.disable``), so everything the layer saves (weights excepted)
+kept out of the graph (``eager_only``), so everything the layer saves (weights excepted)
 goes to host. ``swap_attention`` and ``swap_moe`` stay eager-only: at that boundary no tensor says which
 block made it (``COMPILED_OPTIONS``).
 """
@@ -51,6 +51,7 @@ from moetrain.costs.activations import ALL_OPTIONS
 from moetrain.memory.options import COMPILED_EXCLUDED
 from moetrain.memory.policy import MemoryPlan
 from moetrain.models.dispatch import LocalDispatcher, ReadyDispatch, gather_token_rows
+from moetrain.runtime_base.eager_only import eager_only
 
 # Operators whose outputs a recomputing checkpoint keeps: routing decisions and communication.
 _ALWAYS_SAVE_OPS = {torch.ops.aten.topk.default}
@@ -402,7 +403,7 @@ def _hooks_around_layer(layer: nn.Module, index: int, manager: SavedTensorManage
     its compiled function returns (module doc); eager layers run them as they are."""
     contexts: list = []
 
-    @torch.compiler.disable
+    @eager_only
     def enter(module, args) -> None:
         manager.enter_layer(index)
         manager.state.swap_region.append(swap)
@@ -410,7 +411,7 @@ def _hooks_around_layer(layer: nn.Module, index: int, manager: SavedTensorManage
         context.__enter__()
         contexts.append(context)
 
-    @torch.compiler.disable
+    @eager_only
     def leave(module, args, output) -> None:
         contexts.pop().__exit__(None, None, None)
         manager.state.swap_region.pop()
