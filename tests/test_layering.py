@@ -40,9 +40,7 @@ LAYER_OF = {package: i for i, layer in enumerate(LAYERS) for package in layer}
 RUNTIME_FLOOR = LAYER_OF["models"]  # torch may be imported from this layer up
 
 # (importing module, imported module): one line why. Keep this short; fix the code instead.
-ALLOWED: dict[tuple[str, str], str] = {
-    ("moetrain.distributed.worker", "moetrain.cli.worker"): "the torchrun entry point's old path, kept one release",
-}
+ALLOWED: dict[tuple[str, str], str] = {}
 
 # Module cycles inside a package that are being removed now: each entry goes when its cycle does.
 KNOWN_MODULE_CYCLES: dict[tuple[str, ...], str] = {}
