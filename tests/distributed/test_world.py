@@ -35,11 +35,11 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _run_script(script: str, timeout_s: float, hung: str) -> str:
+def _run_script(script: str, timeout_s: float, hung: str, env: dict[str, str] | None = None) -> str:
     """``script``'s standard output; the test fails with ``hung`` if it runs past ``timeout_s`` (its forked
     ranks are killed with it) and with its standard error if it fails."""
     process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, start_new_session=True)
+                               text=True, start_new_session=True, env=env)
     try:
         out, err = process.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -159,9 +159,12 @@ SEQUENCE = textwrap.dedent("""
 """)
 
 
-def test_spawn_fails_with_its_rank_and_the_next_spawn_runs():
-    out = _run_script(SEQUENCE, 180, "spawn hung after a failed spawn")
+def test_spawn_fails_with_its_rank_and_the_next_spawn_runs(tmp_path):
+    """... and leaves nothing in the temp folder: torch.multiprocessing writes the failed ranks' tracebacks
+    to files there and does not remove them."""
+    out = _run_script(SEQUENCE, 180, "spawn hung after a failed spawn", env=dict(os.environ, TMPDIR=str(tmp_path)))
     assert out.split("\n")[:3] == ["[(3, 0), (3, 1), (3, 2)]", "raised: True", "[(2, 0), (2, 1)]"], out
+    assert sorted(path.name for path in tmp_path.iterdir()) == []
 
 
 def test_each_torchrun_attempt_joins_the_agents_store_under_its_own_keys(monkeypatch) -> None:

@@ -237,4 +237,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "g
         finally:
             # stop the server's thread now, not when a traceback lets go of it: a later spawn forks again
             del store
+            # torch gives each rank a file in the temp folder for its traceback and leaves the ones it read
+            for error_file in ranks.error_files:
+                Path(error_file).unlink(missing_ok=True)
         return [torch.load(Path(result_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
