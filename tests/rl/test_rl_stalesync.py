@@ -257,6 +257,8 @@ def test_cli_runs_the_disaggregated_pipeline_on_two_ranks_and_resumes_it(tmp_pat
     assert [r["step"] for r in steps] == [1, 2, 3] and [r["weight_version"] for r in steps] == [0, 0, 2]
     assert [r["staleness_max"] for r in steps] == [0, 1, 0] and steps[-1]["dropped_samples"] == 0
     assert metrics.with_suffix(".png").stat().st_size > 1000
+    # the warm-up's weights, which every rank read as it started, do not outlive the run
+    assert sorted(path.name for path in (tmp_path / "log").glob("*.pt")) == []
 
 
 @pytest.mark.dist

@@ -95,10 +95,20 @@ def _launch_pipeline(run: RLRun, nodes: Nodes | None) -> int:
     if nodes is not None and nodes.count > 1 and run.sft is not None:
         run = replace(run, sft=run.sft.model_copy(update={"run": run.sft.run.model_copy(update={"save_dir": None})}))
     state = pipeline_weights(run, Console(quiet=run.grpo.run.quiet))
+    initial = log_dir / "initial_policy.pt"
     if state is not None:
-        initial = log_dir / "initial_policy.pt"
         torch.save(state, initial)
         spec = spec.model_copy(update={"initial_weights": str(initial)})
+    try:
+        return _start_ranks(run, spec, log_dir, nodes)
+    finally:
+        # read by every rank as it starts (restarted ones too); once they have all ended it is a whole
+        # policy's bytes in the log folder (a temporary folder when no --log-dir was given) that nothing reads
+        initial.unlink(missing_ok=True)
+
+
+def _start_ranks(run: RLRun, spec: RLRunSpec, log_dir: Path, nodes: Nodes | None) -> int:
+    """The pipeline's ranks on ``spec.engine``, until they end; the run's exit code."""
     spec_file = write_spec(spec, log_dir)  # what torchrun's ranks read; beside the log, a record of a Ray run too
     if spec.engine == "ray":
         # only a Ray run needs the engine
