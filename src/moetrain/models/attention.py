@@ -167,7 +167,12 @@ def core_attention(
 
         masked = core_attention(pick(q_BHSD), pick(k_BGSD), pick(v_BGSV), replace(ctx, masked_rows_R=None), scale,
                                 backend)
-        return out.index_copy(0, rows, masked)
+        # Put back the same way, by the transposed selection, and chosen row by row (exact: each row is one
+        # term). index_copy here did not compile on torch 2.11, the GPU machine's: AOTAutograd refused its
+        # backward, a copy into a permuted empty tensor (the compiled test, run with torch 2.11 on a CPU).
+        is_boundary_B = pick_RB.sum(0) > 0
+        put_back = torch.einsum("rb,r...->b...", pick_RB, masked)
+        return torch.where(is_boundary_B.view(-1, *([1] * (out.dim() - 1))), put_back, out)
     heads, groups = q_BHSD.shape[1], k_BGSD.shape[1]
     if ctx.block_mask is not None:
         # Inside a compiled layer the compiler generates the fused kernel; called eagerly flex_attention is
