@@ -20,6 +20,7 @@ trainer can also read a checkpoint written here.
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import os
 import shutil
@@ -222,20 +223,58 @@ def write_state(state: dict, staging: Path, group: dist.ProcessGroup, fail: bool
     dcp.save(state, storage_writer=CheckpointWriter(staging, fail), planner=_SavePlanner(), process_group=group)
 
 
-def host_stager() -> DefaultStager:
+class HostStager:
     """What copies a state to host memory for ``start_write``: DCP's default stager, copying before it
-    returns, into pinned memory on a GPU machine. One per run: it keeps its host buffers and copies into
-    them again when a save hands it the same tensors (the caller waits for the previous write first)."""
-    pinned = torch.cuda.is_available()
+    returns, into pinned memory on a GPU machine. One per run: the stager keeps its host buffers and copies
+    into them again when a save hands it the same tensors (the caller waits for the previous write first).
+    On a torch whose stager can stage only once (``stager_reusable``) each save takes a new one."""
+
+    def __init__(self) -> None:
+        self._stager: DefaultStager | None = None
+
+    def for_next_save(self) -> DefaultStager:
+        """The stager for the next save; the previous save's write must have ended."""
+        if self._stager is not None and not stager_reusable():
+            self._stager.close()
+            self._stager = None
+        if self._stager is None:
+            self._stager = _new_stager(pinned=torch.cuda.is_available())
+        return self._stager
+
+    def close(self) -> None:
+        """Free the host buffers (call once no write is running)."""
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+
+
+def _new_stager(pinned: bool) -> DefaultStager:
     return DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
                                         use_async_staging=False, use_non_blocking_copy=False))
+
+
+@functools.cache
+def stager_reusable() -> bool:
+    """Whether one ``DefaultStager`` stages a second state. torch 2.11's clears its copier's table after
+    every stage, so the next save failed in staging (``KeyError: <class 'type'>``) and every async
+    checkpoint after the first was lost; torch 2.13's keeps it. Found out once, on two tiny states."""
+    stager = _new_stager(pinned=False)
+    try:
+        for _ in range(2):
+            stager.stage({"probe": torch.zeros(1)})
+        return True
+    except KeyError:
+        return False
+    finally:
+        stager.close()
 
 
 def start_write(state: dict, staging: Path, group: dist.ProcessGroup, stager: DefaultStager,
                 fail: bool = False) -> Future:
     """``write_state`` in DCP's background thread: ``state`` is first copied to host memory by ``stager``
-    (here, before this returns: the step may then change the weights), then written; the future holds the
-    outcome. ``group`` must be a CPU (gloo) group of its own: its collectives run beside the training's."""
+    (``HostStager.for_next_save``: here, before this returns, as the step may then change the weights), then
+    written; the future holds the outcome. ``group`` must be a CPU (gloo) group of its own: its collectives
+    run beside the training's."""
     return dcp.async_save(state, storage_writer=CheckpointWriter(staging, fail), planner=_SavePlanner(),
                           process_group=group, async_stager=stager)
 

@@ -37,7 +37,7 @@ from rich.console import Console
 from torch.distributed.checkpoint.api import CheckpointException
 
 from moetrain.config.run import RunOptions, SaveErrorChoice
-from moetrain.distributed.checkpoint import finish_folder, host_stager, start_write, write_state
+from moetrain.distributed.checkpoint import HostStager, finish_folder, start_write, write_state
 from moetrain.errors import UserError
 from moetrain.runtime_base.checkpoint_files import (
     checkpoint_dir,
@@ -105,7 +105,7 @@ class CheckpointSaver:
         self._stager = None
         if self.async_save:
             self._sealer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moetrain-seal")
-            self._stager = host_stager()
+            self._stager = HostStager()
         self._quiet = library_records_dropped()
         self._quiet.__enter__()
         self.failed_saves = 0
@@ -126,7 +126,7 @@ class CheckpointSaver:
         dist.barrier(group=self.world)
         if self.async_save:
             try:
-                written = start_write(state, staging, self.group, self._stager, fail)
+                written = start_write(state, staging, self.group, self._stager.for_next_save(), fail)
             except (Exception, KeyboardInterrupt, CheckpointException) as exc:
                 self._failed(step, staging, self._agreed(_cause(exc), staging))
                 return None, SaveCost("async", time.perf_counter() - start, waited)
