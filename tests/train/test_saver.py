@@ -116,8 +116,12 @@ def test_every_async_save_of_a_run_completes_with_the_stager_kept_or_new_per_sav
     monkeypatch.setattr(checkpoint, "stager_reusable", lambda: reusable)
     stagers = []
     for_next_save = checkpoint.HostStager.for_next_save
-    monkeypatch.setattr(checkpoint.HostStager, "for_next_save", lambda self: stagers.append(for_next_save(self))
-                        or stagers[-1])
+
+    def recorded(self):
+        stagers.append(for_next_save(self))
+        return stagers[-1]
+
+    monkeypatch.setattr(checkpoint.HostStager, "for_next_save", recorded)
     trainer = ObservedTrainer(_spec(tmp_path, save_every=2, async_save=True))
     trainer.train()
     assert len(stagers) == 3 and len({id(stager) for stager in stagers}) == (1 if reusable else 3)
