@@ -32,12 +32,17 @@ from moetrain.distributed.step import train_step
 from moetrain.train import SuppliedParts, Trainer
 
 
+def device_events(prof: profile) -> list:
+    """The profiled device kernels and copies. The device timeline also holds the ``record_function`` ranges
+    the host opened (``is_user_annotation``: torch's optimizer opens ``Optimizer.step#AdamW.step``), each
+    spanning kernels already listed: counted as kernels, they would count those kernels twice."""
+    return [e for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
+
+
 def busy_seconds(prof: profile) -> float:
     """Union of the device kernels' and copies' intervals (seconds)."""
-    intervals = sorted(
-        (e.time_range.start, e.time_range.end) for e in prof.events()
-        if e.device_type == torch.autograd.DeviceType.CUDA
-    )
+    intervals = sorted((e.time_range.start, e.time_range.end) for e in device_events(prof))
     total, end = 0.0, float("-inf")
     for start, stop in intervals:
         if start > end:
@@ -70,14 +75,10 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, words in KERNEL_KINDS if any(w in lower for w in words)), "elementwise")
 
 
-def _kernels(prof: profile):
-    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-
-
 def device_ms_by_kind(prof: profile) -> dict[str, float]:
     """Device milliseconds of the profiled kernels by ``kernel_kind`` (overlaps counted per kernel)."""
     totals: dict[str, float] = {}
-    for event in _kernels(prof):
+    for event in device_events(prof):
         kind = kernel_kind(event.name)
         totals[kind] = totals.get(kind, 0.0) + (event.time_range.end - event.time_range.start) / 1e3
     return {kind: round(ms, 3) for kind, ms in sorted(totals.items(), key=lambda kv: -kv[1])}
@@ -86,7 +87,7 @@ def device_ms_by_kind(prof: profile) -> dict[str, float]:
 def top_kernels(prof: profile, limit: int) -> list[dict]:
     """The device kernels with the most time: name (cut to ``KERNEL_NAME_CHARS``), kind, calls, milliseconds."""
     by_name: dict[str, list[float]] = {}
-    for event in _kernels(prof):
+    for event in device_events(prof):
         by_name.setdefault(event.name, []).append((event.time_range.end - event.time_range.start) / 1e3)
     rows = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:limit]
     return [{"name": name[:KERNEL_NAME_CHARS], "kind": kernel_kind(name), "calls": len(ms),
@@ -188,7 +189,7 @@ def main() -> None:
     busy = busy_seconds(prof) / args.active if device == "cuda" else float("nan")
     by_device = top_ops(prof, "self_device_time_total", args.top)
     by_cpu = top_ops(prof, "self_cpu_time_total", args.top)
-    kernels = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) / args.active
+    kernels = len(device_events(prof)) / args.active
     print(f"wall per step {wall * 1e3:.1f} ms (profiler on), device busy {busy * 1e3:.1f} ms "
           f"({busy / wall:.0%}), {kernels:.0f} device events per step")
     print(f"{'operator':60s} {'calls':>6s} {'device ms':>10s} {'cpu ms':>9s}")

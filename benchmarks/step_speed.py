@@ -41,7 +41,13 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _record import device_tag, write_result  # noqa: E402
-from gpu_step_profile import device_ms_by_kind, inductor_cache_dir, top_kernels, triton_kernel_sources  # noqa: E402
+from gpu_step_profile import (  # noqa: E402
+    device_events,
+    device_ms_by_kind,
+    inductor_cache_dir,
+    top_kernels,
+    triton_kernel_sources,
+)
 
 from moetrain.config.run import RunSpec  # noqa: E402
 from moetrain.distributed.host_reads import HostReadCounter  # noqa: E402
@@ -52,6 +58,10 @@ from moetrain.train.metrics import timed_rows  # noqa: E402
 
 TRITON_SOURCES = 10
 """How many of the profiled step's slowest Triton kernels a record keeps the source of."""
+
+DEVICE_TIME = "kernels and copies; the host's record_function ranges on the device's timeline left out"
+"""What a record's device times count (``gpu_step_profile.device_events``). Records without this key, before
+it, also counted torch's ``Optimizer.step#AdamW.step`` range, so their optimizer time holds its kernels twice."""
 
 
 @dataclass(frozen=True)
@@ -170,8 +180,7 @@ def run_variant(variant: Variant, args: argparse.Namespace) -> VariantResult:
         losses.append(_step(trainer))
     result.host_ops_per_step = _top_level_ops(prof)
     if device == "cuda":
-        result.device_kernels_per_step = sum(1 for e in prof.events()
-                                             if e.device_type == torch.autograd.DeviceType.CUDA)
+        result.device_kernels_per_step = len(device_events(prof))
         result.device_ms_by_kind = device_ms_by_kind(prof)
         result.top_kernels = top_kernels(prof, 30)
         triton = [k["name"] for k in result.top_kernels if k["name"].startswith("triton_")][:TRITON_SOURCES]
@@ -242,7 +251,8 @@ def main() -> None:
         if out != "-":  # after every variant: a run cut short keeps the variants it finished
             write_result(out, {"model": args.model, "device": args.device, "seq_len": args.seq_len,
                                "data": "synthetic (no document mask)" if args.synthetic_data else "shakespeare",
-                               "global_batch": args.global_batch, "load_average_1min_before": load_before,
+                               "global_batch": args.global_batch, "device_time": DEVICE_TIME,
+                               "load_average_1min_before": load_before,
                                "load_average_1min_after": os.getloadavg()[0],
                                "variants": [asdict(r) for r in results], "failed_variants": failed})
     print(HEADER)
