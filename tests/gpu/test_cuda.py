@@ -223,6 +223,28 @@ def test_trainer_trains_in_bf16_on_cuda(tmp_path, monkeypatch):
     assert rows[-1]["mfu"] > 0
 
 
+def test_the_host_probe_times_the_fused_update_the_trainer_steps(monkeypatch):
+    """``moetrain profile`` prices the optimizer by timing ``probe_host``'s update; on CUDA the trainer steps
+    the fused AdamW, so the probe must time that one, not the foreach path's several kernels per list."""
+    from moetrain.train.profiler import probe_host
+
+    built = []
+
+    class RecordedAdamW(torch.optim.AdamW):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    monkeypatch.setattr(torch.optim, "AdamW", RecordedAdamW)
+    probe_host(load_model_config("tiny-pangu"), "cuda", repeats=1)
+    spec = RunSpec(training=TrainingConfig(steps=1, global_batch=2, micro_batch=2, seq_len=32),
+                   run={"device": "cuda", "cluster": "h100-sxm-80gb", "synthetic_data": True, "quiet": True})
+    Trainer(spec, SuppliedParts(console=Console(file=io.StringIO())))
+    probe, trainer = built[0], built[-1]
+    assert trainer.defaults["fused"] is True
+    assert (probe.defaults["fused"], probe.defaults["foreach"]) == (True, None)
+
+
 def test_sdpa_is_a_fused_kernel_for_the_mla_head_dims():
     """MLA's query-key head (nope + rope) is wider than its value head; on the GPU SDPA still takes a
     fused kernel (no S×S probabilities in memory), which the activation formula assumes."""

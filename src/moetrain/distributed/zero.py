@@ -15,7 +15,7 @@ shard only, updates it, and the updated shards are all-gathered back into the pa
 
 A bucket whose group is this rank alone (and needs no pre-reduce) is not flattened: its parameters
 are the optimizer's own, their gradients are clipped in place, and nothing is communicated. A
-single-process run is then exactly ``torch.optim.AdamW(foreach=True)`` (fused on CUDA) after
+single-process run is then exactly ``runtime_base.optim.adamw`` (fused on CUDA, foreach elsewhere) after
 ``torch.nn.utils.clip_grad_norm_``, norm included, so it can use this same optimizer.
 
 AdamW is elementwise, so updating flat shards is the same arithmetic as updating each parameter.
@@ -43,6 +43,7 @@ from moetrain.distributed.parallelize import last_stage_holds_embedding
 from moetrain.distributed.tp import ParamKind
 from moetrain.distributed.trace import span
 from moetrain.errors import UserError
+from moetrain.runtime_base.optim import adamw
 
 
 @dataclass
@@ -108,11 +109,7 @@ class ZeroAdamW:
             ))
             groups.append({"params": [shard] if shard is not None else params,
                            "weight_decay": cfg.weight_decay if decay else 0.0})
-        # On CUDA the fused kernel: one pass over parameters, gradients and moments, and its step counter
-        # on the device (no host scalar). On CPU the foreach path, which the parity tests replay bit for bit.
-        on_cuda = all(g["params"][0].is_cuda for g in groups if g["params"])
-        self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                                           **({"fused": True} if on_cuda else {"foreach": True}))
+        self.optimizer = adamw(groups, cfg)  # fused on CUDA, foreach elsewhere
         # One process holds everything: take the norm exactly as clip_grad_norm_ does (float32,
         # parameters in model order), so the run is bit for bit the single-process trainer's.
         self.local_only = dist.get_world_size(dims.get_group("world")) == 1 and not any(

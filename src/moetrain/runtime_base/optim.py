@@ -23,8 +23,17 @@ def build_optimizer(model: nn.Module, cfg: TrainingConfig) -> torch.optim.AdamW:
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    # foreach: one fused kernel launch per group on GPU; the CPU path is the same math.
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)
+    return adamw(groups, cfg)
+
+
+def adamw(groups: list[dict], cfg: TrainingConfig) -> torch.optim.AdamW:
+    """AdamW over ``groups`` with the kernels the trainer steps it with. On CUDA the fused kernel: one pass
+    over parameters, gradients and moments, its step counter on the device (no host scalar). Elsewhere the
+    foreach path, which the CPU parity tests replay bit for bit. ``moetrain profile`` times this update, so
+    it must be the trainer's."""
+    on_cuda = all(g["params"][0].is_cuda for g in groups if g["params"])
+    kernels = {"fused": True} if on_cuda else {"foreach": True}
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kernels)
 
 
 def clip_gradients(params, max_norm: float) -> torch.Tensor:
