@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -35,10 +36,11 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _run_script(script: str, timeout_s: float, hung: str, env: dict[str, str] | None = None) -> str:
-    """``script``'s standard output; the test fails with ``hung`` if it runs past ``timeout_s`` (its forked
-    ranks are killed with it) and with its standard error if it fails."""
-    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+def _run_script(script: str | Path, timeout_s: float, hung: str, env: dict[str, str] | None = None) -> str:
+    """``script``'s standard output (a script's text, or its file); the test fails with ``hung`` if it runs
+    past ``timeout_s`` (its forked ranks are killed with it) and with its standard error if it fails."""
+    command = [sys.executable, str(script)] if isinstance(script, Path) else [sys.executable, "-c", script]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, start_new_session=True, env=env)
     try:
         out, err = process.communicate(timeout=timeout_s)
@@ -188,3 +190,31 @@ def test_each_torchrun_attempt_joins_the_agents_store_under_its_own_keys(monkeyp
         _agent_store_of_this_attempt(10.0).set("rank0/address", f"from attempt {attempt}")
     assert agent.get("moetrain/attempt0/rank0/address") == b"from attempt 0"
     assert agent.get("moetrain/attempt1/rank0/address") == b"from attempt 1"
+
+
+# A process that ran a (compiled) backward, then ``spawn`` of ranks that run one. A file, not ``-c``: ranks
+# started afresh import the function from it.
+AFTER_A_BACKWARD = textwrap.dedent("""
+    import torch
+    from moetrain.distributed.world import spawn, start_method
+
+    def backward(rank, world_size):
+        x = torch.full((2,), float(rank + 1), requires_grad=True)
+        (x * x).sum().backward()
+        return x.grad.tolist()
+
+    if __name__ == "__main__":
+        torch.compile(torch.nn.Linear(4, 4), backend="eager")(torch.randn(2, 4)).sum().backward()
+        print(start_method("gloo"), spawn(backward, 2), flush=True)
+""")
+
+
+def test_ranks_spawned_after_a_compiled_backward_run_their_own_backward(tmp_path: Path) -> None:
+    """On a torch built for CUDA (or ROCm), a compiled backward in the parent makes every forked child refuse
+    autograd, GPU or not (torch 2.11+cu130 on this CPU); ``spawn`` then starts its ranks afresh. A CPU-only
+    build keeps forking."""
+    script = tmp_path / "after_a_backward.py"
+    script.write_text(AFTER_A_BACKWARD)
+    accelerator_build = torch.version.cuda is not None or getattr(torch.version, "hip", None) is not None
+    out = _run_script(script, 180, "spawn hung after a compiled backward")
+    assert out.strip() == f"{'spawn' if accelerator_build else 'fork'} [[2.0, 2.0], [4.0, 4.0]]", out

@@ -201,15 +201,49 @@ def _entry(rank: int, world_size: int, rendezvous: Rendezvous, ports: Any, resul
     torch.save(result, Path(result_dir) / f"rank{rank}.pt")
 
 
+_AUTOGRAD_FORK_UNSAFE = False
+"""Set once a forked child of this process could not run a backward (``_forked_backward_runs``)."""
+
+
+def _forked_backward_runs() -> bool:
+    """Whether a child forked from this process can now run a backward. Once a torch built for CUDA or ROCm has
+    started autograd's device threads in this process, every forked child refuses autograd ("Unable to
+    handle autograd's threading in combination with fork-based multiprocessing"): a compiled backward
+    starts them even on a machine without a GPU (torch 2.11+cu130). A CPU-only build never does. No API
+    says whether they started, so a child is forked once to try; a refusal is remembered."""
+    global _AUTOGRAD_FORK_UNSAFE
+    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+        return True
+    if not _AUTOGRAD_FORK_UNSAFE:
+        pid = os.fork()
+        if pid == 0:  # the child: one tiny backward, then out without running the parent's exit handlers
+            code = 1
+            try:
+                x = torch.ones(1, requires_grad=True)
+                (x * 2).sum().backward()
+                code = 0
+            finally:
+                os._exit(code)
+        _AUTOGRAD_FORK_UNSAFE = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0
+    return not _AUTOGRAD_FORK_UNSAFE
+
+
+def start_method(backend: str) -> str:
+    """How ``spawn`` starts its ranks: fork where it can, as the children then inherit the imported torch
+    and runtime (seconds saved per rank on a slow disk; they run single-threaded, so no OpenMP pool of the
+    parent is touched after the fork). A fresh interpreter (``spawn``) for NCCL, since CUDA cannot be used
+    in a forked child, off Linux, and where this process's autograd threads would fail a forked child's
+    backward (``_forked_backward_runs``); ``fn`` and its arguments must then pickle."""
+    fork = sys.platform == "linux" and backend == "gloo" and _forked_backward_runs()
+    return "fork" if fork else "spawn"
+
+
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
           timeout_s: float = DEFAULT_TIMEOUT_S) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes (gloo, or NCCL with one GPU per
     rank), their collectives giving up after ``timeout_s``; their return values."""
     with tempfile.TemporaryDirectory() as result_dir:
-        # fork: the children inherit the imported torch (seconds saved per rank on a slow disk); they
-        # run single-threaded, so no OpenMP pool of the parent is touched after the fork.
-        # CUDA cannot be used in a forked child, hence spawn for NCCL.
-        method = "fork" if sys.platform == "linux" and backend == "gloo" else "spawn"
+        method = start_method(backend)
         if method == "fork":
             # A process group that only a reference cycle still holds (an earlier in-process run's) must be
             # freed here, where its threads run: freed in a forked child, its destructor waits forever on
